@@ -1,0 +1,186 @@
+#include "runtime/copy_engine.h"
+
+#include <mimalloc.h>
+
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "runtime/nvme_tier.h"
+#include "runtime/status.h"
+
+namespace ps {
+namespace {
+
+NvmeTier* AsNvme(const Block& block) {
+  return block.tier->address_space() == AddressSpace::kFile ? static_cast<NvmeTier*>(block.tier)
+                                                            : nullptr;
+}
+
+// Runs one raw NVMe IO and waits for it (used on worker threads for staged routes).
+absl::Status BlockingIo(NvmeTier* tier, IoOp op, const Block& block, void* buffer, int64_t bytes) {
+  absl::Notification finished;
+  absl::Status result;
+  auto done = [&](absl::Status status) {
+    result = std::move(status);
+    finished.Notify();
+  };
+  if (op == IoOp::kRead) {
+    tier->SubmitRead(block, buffer, bytes, done);
+  } else {
+    tier->SubmitWrite(block, buffer, bytes, done);
+  }
+  finished.WaitForNotification();
+  return result;
+}
+
+struct AlignedBuffer {
+  explicit AlignedBuffer(int64_t bytes) : data(mi_malloc_aligned(bytes, kBlockAlignment)) {}
+  ~AlignedBuffer() { mi_free(data); }
+  void* data;
+};
+
+std::string Describe(const Block& block) {
+  return absl::StrCat("block ", block.id, " of tier '", block.tier->name(), "'");
+}
+
+}  // namespace
+
+absl::Status CopyHandle::Wait() const {
+  if (state_ == nullptr) return absl::FailedPreconditionError("Wait() on an empty CopyHandle");
+  state_->done.WaitForNotification();
+  return state_->status;
+}
+
+bool CopyHandle::Done() const { return state_ == nullptr || state_->done.HasBeenNotified(); }
+
+CopyEngine::CopyEngine(Options options)
+    : options_(options), pool_(options.host_threads, "ps-copy") {}
+
+
+CopyEngine::~CopyEngine() {
+  WaitAll();
+  absl::MutexLock lock(&gpu_mutex_);
+  gpu::DestroyEvent(event_);
+  gpu::DestroyStream(stream_);
+}
+
+void CopyEngine::WaitAll() {
+  absl::MutexLock lock(&mutex_);
+  mutex_.Await(absl::Condition(
+      +[](int64_t* in_flight) { return *in_flight == 0; }, &in_flight_));
+}
+
+absl::Status CopyEngine::CopyAndWait(const Block& src, const Block& dst) {
+  PS_ASSIGN_OR_RETURN(CopyHandle handle, Copy(src, dst));
+  return handle.Wait();
+}
+
+absl::StatusOr<CopyHandle> CopyEngine::Copy(const Block& src, const Block& dst) {
+  if (src.tier == nullptr || dst.tier == nullptr || src.is_null() || dst.is_null()) {
+    return absl::InvalidArgumentError("copy: source or destination is not a block");
+  }
+  if (src.tier == dst.tier && src.id == dst.id) {
+    return absl::InvalidArgumentError(absl::StrCat("copy: ", Describe(src), " onto itself"));
+  }
+  if (dst.bytes < src.bytes) {
+    return absl::InvalidArgumentError(absl::StrCat("copy: ", Describe(src), " holds ", src.bytes,
+                                                   " bytes but ", Describe(dst), " only ",
+                                                   dst.bytes));
+  }
+  PS_ASSIGN_OR_RETURN(bool src_valid, src.tier->IsValid(src));
+  if (!src_valid) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "copy: ", Describe(src), " holds no complete data (never written, or a copy into it "
+        "failed or is still in flight)"));
+  }
+  PS_RETURN_IF_ERROR(src.tier->Pin(src));
+  if (absl::Status status = dst.tier->BeginWrite(dst); !status.ok()) {
+    src.tier->Unpin(src);
+    return status;
+  }
+  {
+    absl::MutexLock lock(&mutex_);
+    ++in_flight_;
+  }
+  CopyHandle handle;
+  handle.state_ = std::make_shared<CopyHandle::State>();
+  auto state = handle.state_;
+  NvmeTier* src_nvme = AsNvme(src);
+  NvmeTier* dst_nvme = AsNvme(dst);
+  const AddressSpace from = src.tier->address_space();
+  const AddressSpace to = dst.tier->address_space();
+  const int64_t bytes = src.bytes;
+  auto finish = [this, src, dst, state](absl::Status status) {
+    Finish(src, dst, state, std::move(status));
+  };
+
+  if (from == AddressSpace::kHostMemory && to == AddressSpace::kHostMemory) {
+    pool_.Schedule([this, src, dst, state] { RunMemoryCopy(src, dst, state); });
+  } else if (from == AddressSpace::kHostMemory && dst_nvme != nullptr) {
+    dst_nvme->SubmitWrite(dst, src.data(), bytes, finish);
+  } else if (src_nvme != nullptr && to == AddressSpace::kHostMemory) {
+    src_nvme->SubmitRead(src, dst.data(), bytes, finish);
+  } else if (src_nvme == nullptr && dst_nvme == nullptr) {
+    // At least one side is device memory.
+    pool_.Schedule([this, src, dst, bytes, finish] {
+      finish(RunDeviceCopy(dst.data(), src.data(), bytes));
+    });
+  } else {
+    // Staged through host memory: file -> file, device -> file, file -> device.
+    pool_.Schedule([this, src, dst, src_nvme, dst_nvme, bytes, finish] {
+      AlignedBuffer staging(bytes);
+      if (staging.data == nullptr) {
+        finish(absl::ResourceExhaustedError(
+            absl::StrCat("copy: no host memory for a staging buffer of ", FormatBytes(bytes))));
+        return;
+      }
+      absl::Status status = src_nvme != nullptr
+                                ? BlockingIo(src_nvme, IoOp::kRead, src, staging.data, bytes)
+                                : RunDeviceCopy(staging.data, src.data(), bytes);
+      if (status.ok()) {
+        status = dst_nvme != nullptr ? BlockingIo(dst_nvme, IoOp::kWrite, dst, staging.data, bytes)
+                                     : RunDeviceCopy(dst.data(), staging.data, bytes);
+      }
+      finish(std::move(status));
+    });
+  }
+  return handle;
+}
+
+void CopyEngine::RunMemoryCopy(const Block& src, const Block& dst,
+                               std::shared_ptr<CopyHandle::State> state) {
+  std::memcpy(dst.data(), src.data(), static_cast<size_t>(src.bytes));
+  Finish(src, dst, std::move(state), absl::OkStatus());
+}
+
+absl::Status CopyEngine::EnsureGpuStream() {
+  if (stream_.handle != nullptr) return absl::OkStatus();
+  PS_ASSIGN_OR_RETURN(stream_, gpu::CreateStream(options_.device));
+  PS_ASSIGN_OR_RETURN(event_, gpu::CreateEvent(options_.device));
+  return absl::OkStatus();
+}
+
+absl::Status CopyEngine::RunDeviceCopy(void* dst, const void* src, int64_t bytes) {
+  // Note [Copy stream ordering]: copies go to one non-blocking stream; the event recorded after
+  // each one is what the worker waits on, so the caller's compute stream is never synchronized.
+  absl::MutexLock lock(&gpu_mutex_);
+  PS_RETURN_IF_ERROR(Annotate(EnsureGpuStream(), "copy engine"));
+  PS_RETURN_IF_ERROR(gpu::CopyAsync(dst, src, bytes, stream_));
+  PS_RETURN_IF_ERROR(gpu::RecordEvent(event_, stream_));
+  return gpu::SynchronizeEvent(event_);
+}
+
+void CopyEngine::Finish(const Block& src, const Block& dst,
+                        std::shared_ptr<CopyHandle::State> state, absl::Status status) {
+  src.tier->Unpin(src);
+  dst.tier->EndWrite(dst, status.ok());
+  if (!status.ok()) {
+    status = Annotate(status, absl::StrCat("copy from ", Describe(src), " to ", Describe(dst)));
+  }
+  state->status = std::move(status);
+  state->done.Notify();
+  absl::MutexLock lock(&mutex_);
+  --in_flight_;
+}
+
+}  // namespace ps

@@ -1,0 +1,525 @@
+#include "runtime/nvme_tier.h"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <liburing.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <sys/statvfs.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <deque>
+#include <thread>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+#include "absl/synchronization/notification.h"
+#include "runtime/logging.h"
+#include "runtime/status.h"
+#include "runtime/thread_pool.h"
+
+namespace ps {
+namespace {
+
+constexpr char kSwapPrefix[] = "patrickstar-";
+constexpr char kSwapSuffix[] = ".swap";
+
+std::atomic<int> next_file_index{0};
+
+// One asynchronous request, split into pieces; completes when the last piece does.
+struct Request {
+  IoOp op;
+  std::string path;
+  NvmeTier::IoCallback done;
+  std::atomic<int64_t> pieces_left{0};
+  absl::Mutex mutex;
+  absl::Status status ABSL_GUARDED_BY(mutex);
+};
+
+struct Piece {
+  std::shared_ptr<Request> request;
+  char* buffer = nullptr;
+  int64_t offset = 0;  // file offset
+  int64_t bytes = 0;
+  int64_t done_bytes = 0;
+  IoFault fault;  // from the injector, applied in place of the real result
+};
+
+absl::string_view OpName(IoOp op) { return op == IoOp::kRead ? "read" : "write"; }
+
+absl::Status PieceError(const Piece& piece, int error) {
+  return ErrnoToStatus(error, absl::StrCat(OpName(piece.request->op), " of ", piece.bytes,
+                                           " bytes at offset ", piece.offset, " in file ",
+                                           piece.request->path, " failed"));
+}
+
+absl::Status ShortTransferError(const Piece& piece) {
+  return absl::DataLossError(absl::StrCat("short ", OpName(piece.request->op), ": ",
+                                          piece.done_bytes, " of ", piece.bytes,
+                                          " bytes at offset ", piece.offset, " in file ",
+                                          piece.request->path));
+}
+
+void FinishPiece(Piece* piece, absl::Status status) {
+  std::shared_ptr<Request> request = std::move(piece->request);
+  delete piece;
+  if (!status.ok()) {
+    absl::MutexLock lock(&request->mutex);
+    if (request->status.ok()) request->status = std::move(status);
+  }
+  if (request->pieces_left.fetch_sub(1) == 1) {
+    absl::Status final_status;
+    {
+      absl::MutexLock lock(&request->mutex);
+      final_status = request->status;
+    }
+    request->done(std::move(final_status));
+  }
+}
+
+// Accounts `result` (bytes moved or -errno) to the piece. Returns true when the piece is
+// finished (then it has been deleted), false when the remainder must be submitted again.
+bool AccountResult(Piece* piece, int64_t result) {
+  if (result < 0) {
+    FinishPiece(piece, PieceError(*piece, static_cast<int>(-result)));
+    return true;
+  }
+  piece->done_bytes += result;
+  if (piece->done_bytes >= piece->bytes) {
+    FinishPiece(piece, absl::OkStatus());
+    return true;
+  }
+  if (result == 0) {
+    FinishPiece(piece, ShortTransferError(*piece));
+    return true;
+  }
+  return false;
+}
+
+}  // namespace
+
+class NvmeTier::IoBackend {
+ public:
+  virtual ~IoBackend() = default;
+  virtual void Submit(std::vector<Piece*> pieces) = 0;
+  virtual bool is_io_uring() const = 0;
+};
+
+namespace {
+
+// Applies an injected fault instead of real IO; returns the result to account, or nullopt when
+// the piece should really run.
+std::optional<int64_t> InjectedResult(Piece* piece) {
+  if (piece->fault.error != 0) return -static_cast<int64_t>(piece->fault.error);
+  if (piece->fault.transferred >= 0) {
+    // Only the first pass reports the short count; afterwards the piece makes no progress.
+    const int64_t moved = std::max<int64_t>(0, piece->fault.transferred - piece->done_bytes);
+    piece->fault.transferred = piece->done_bytes;  // next pass moves 0
+    return std::min(moved, piece->bytes - piece->done_bytes);
+  }
+  return std::nullopt;
+}
+
+class PosixBackend final : public NvmeTier::IoBackend {
+ public:
+  PosixBackend(int fd, int threads) : fd_(fd), pool_(threads, "ps-nvme-io") {}
+  bool is_io_uring() const override { return false; }
+
+  void Submit(std::vector<Piece*> pieces) override {
+    for (Piece* piece : pieces) pool_.Schedule([this, piece] { Run(piece); });
+  }
+
+ private:
+  void Run(Piece* piece) {
+    while (true) {
+      int64_t result;
+      if (std::optional<int64_t> injected = InjectedResult(piece)) {
+        result = *injected;
+      } else {
+        char* buffer = piece->buffer + piece->done_bytes;
+        const int64_t offset = piece->offset + piece->done_bytes;
+        const size_t length = piece->bytes - piece->done_bytes;
+        const ssize_t moved = piece->request->op == IoOp::kRead
+                                  ? pread(fd_, buffer, length, offset)
+                                  : pwrite(fd_, buffer, length, offset);
+        if (moved < 0 && errno == EINTR) continue;
+        result = moved < 0 ? -errno : moved;
+      }
+      if (AccountResult(piece, result)) return;
+    }
+  }
+
+  int fd_;
+  ThreadPool pool_;
+};
+
+class UringBackend final : public NvmeTier::IoBackend {
+ public:
+  static absl::StatusOr<std::unique_ptr<UringBackend>> Create(int fd, int queue_depth) {
+    auto backend = std::unique_ptr<UringBackend>(new UringBackend(fd, queue_depth));
+    const int error = io_uring_queue_init(queue_depth, &backend->ring_, 0);
+    if (error < 0) return ErrnoToStatus(-error, "io_uring_queue_init");
+    backend->initialized_ = true;
+    backend->reaper_ = std::thread([b = backend.get()] { b->ReapLoop(); });
+    return backend;
+  }
+
+  ~UringBackend() override {
+    if (!initialized_) return;
+    {
+      absl::MutexLock lock(&mutex_);
+      mutex_.Await(absl::Condition(
+          +[](UringBackend* b) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+            return b->pending_.empty() && b->in_flight_ == 0;
+          },
+          this));
+      // A NOP without user data tells the reaper to stop.
+      io_uring_sqe* sqe = GetSqeLocked();
+      io_uring_prep_nop(sqe);
+      io_uring_sqe_set_data(sqe, nullptr);
+      io_uring_submit(&ring_);
+    }
+    reaper_.join();
+    io_uring_queue_exit(&ring_);
+  }
+
+  bool is_io_uring() const override { return true; }
+
+  void Submit(std::vector<Piece*> pieces) override {
+    absl::MutexLock lock(&mutex_);
+    for (Piece* piece : pieces) pending_.push_back(piece);
+    FlushLocked();
+  }
+
+ private:
+  UringBackend(int fd, int queue_depth) : fd_(fd), queue_depth_(queue_depth) {}
+
+  io_uring_sqe* GetSqeLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_) {
+    io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
+    while (sqe == nullptr) {  // the ring is full of unsubmitted entries: push them out
+      io_uring_submit(&ring_);
+      sqe = io_uring_get_sqe(&ring_);
+    }
+    return sqe;
+  }
+
+  // Note [io_uring threading]: submissions happen under mutex_ on any thread; completions are
+  // reaped by the single reaper thread without the lock. liburing allows one submitter and one
+  // reaper concurrently, and io_uring_wait_cqe never touches the submission queue.
+  void FlushLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_) {
+    int prepared = 0;
+    while (!pending_.empty() && in_flight_ < queue_depth_) {
+      Piece* piece = pending_.front();
+      pending_.pop_front();
+      io_uring_sqe* sqe = GetSqeLocked();
+      const bool injected = piece->fault.error != 0 || piece->fault.transferred >= 0;
+      if (injected) {
+        io_uring_prep_nop(sqe);  // the fault is applied when the NOP completes
+      } else if (piece->request->op == IoOp::kRead) {
+        io_uring_prep_read(sqe, fd_, piece->buffer + piece->done_bytes,
+                           piece->bytes - piece->done_bytes, piece->offset + piece->done_bytes);
+      } else {
+        io_uring_prep_write(sqe, fd_, piece->buffer + piece->done_bytes,
+                            piece->bytes - piece->done_bytes, piece->offset + piece->done_bytes);
+      }
+      io_uring_sqe_set_data(sqe, piece);
+      ++in_flight_;
+      ++prepared;
+    }
+    if (prepared > 0) {
+      int submitted = io_uring_submit(&ring_);
+      while (submitted == -EINTR || submitted == -EAGAIN) submitted = io_uring_submit(&ring_);
+      PS_CHECK(submitted >= 0, "io_uring_submit failed: ", std::strerror(-submitted));
+    }
+  }
+
+  void ReapLoop() {
+    while (true) {
+      io_uring_cqe* cqe = nullptr;
+      const int error = io_uring_wait_cqe(&ring_, &cqe);
+      if (error == -EINTR) continue;
+      PS_CHECK(error == 0, "io_uring_wait_cqe failed: ", std::strerror(-error));
+      Piece* piece = static_cast<Piece*>(io_uring_cqe_get_data(cqe));
+      int64_t result = cqe->res;
+      io_uring_cqe_seen(&ring_, cqe);
+      if (piece == nullptr) return;
+      if (std::optional<int64_t> injected = InjectedResult(piece)) result = *injected;
+      // EINTR/EAGAIN are transient: the same remainder is submitted again.
+      const bool finished = result != -EINTR && result != -EAGAIN && AccountResult(piece, result);
+      absl::MutexLock lock(&mutex_);
+      --in_flight_;
+      if (!finished) pending_.push_front(piece);
+      FlushLocked();
+    }
+  }
+
+  const int fd_;
+  const int queue_depth_;
+  bool initialized_ = false;
+  io_uring ring_{};
+  std::thread reaper_;
+  absl::Mutex mutex_;
+  std::deque<Piece*> pending_ ABSL_GUARDED_BY(mutex_);
+  int in_flight_ ABSL_GUARDED_BY(mutex_) = 0;
+};
+
+bool ProcessAlive(int pid) { return kill(pid, 0) == 0 || errno == EPERM; }
+
+}  // namespace
+
+std::vector<std::string> RemoveStaleSwapFiles(const std::string& directory) {
+  std::vector<std::string> removed;
+  DIR* dir = opendir(directory.c_str());
+  if (dir == nullptr) return removed;
+  while (dirent* entry = readdir(dir)) {
+    absl::string_view name(entry->d_name);
+    if (!absl::ConsumePrefix(&name, kSwapPrefix) || !absl::ConsumeSuffix(&name, kSwapSuffix)) {
+      continue;
+    }
+    std::vector<absl::string_view> parts = absl::StrSplit(name, '-');
+    int pid = 0;
+    if (parts.size() != 2 || !absl::SimpleAtoi(parts[0], &pid) || pid <= 0) continue;
+    if (ProcessAlive(pid)) continue;
+    const std::string path = absl::StrCat(directory, "/", entry->d_name);
+    if (unlink(path.c_str()) == 0) {
+      PS_LOG(kWarning, "removed stale NVMe swap file %s left by process %d, which is not running",
+             path, pid);
+      removed.push_back(path);
+    }
+  }
+  closedir(dir);
+  return removed;
+}
+
+absl::StatusOr<std::unique_ptr<NvmeTier>> NvmeTier::Create(NvmeTierOptions options) {
+  if (options.tier.name.empty()) options.tier.name = "nvme";
+  if (options.directory.empty()) {
+    return absl::InvalidArgumentError("nvme tier: no directory given (memory.nvme.path)");
+  }
+  if (options.queue_depth < 1 || options.queue_depth > 4096) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "nvme tier: queue_depth must be in [1, 4096], got ", options.queue_depth));
+  }
+  if (options.io_block_bytes < kBlockAlignment || options.io_block_bytes % kBlockAlignment != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("nvme tier: block_size must be a positive multiple of ", kBlockAlignment,
+                     ", got ", options.io_block_bytes));
+  }
+  struct stat info;
+  if (stat(options.directory.c_str(), &info) != 0) {
+    return ErrnoToStatus(errno, absl::StrCat("nvme tier: directory '", options.directory, "'"));
+  }
+  if (!S_ISDIR(info.st_mode)) {
+    return ErrnoToStatus(ENOTDIR, absl::StrCat("nvme tier: '", options.directory, "'"));
+  }
+  RemoveStaleSwapFiles(options.directory);
+
+  const std::string path = absl::StrCat(options.directory, "/", kSwapPrefix, getpid(), "-",
+                                        next_file_index.fetch_add(1), kSwapSuffix);
+  const int base_flags = O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC;
+  std::string note;
+  bool direct = options.use_direct_io;
+  int fd = open(path.c_str(), base_flags | (direct ? O_DIRECT : 0), 0600);
+  if (fd < 0 && direct && errno == EINVAL) {
+    note = absl::StrCat("O_DIRECT refused by the filesystem of ", options.directory,
+                        " (tmpfs?); using buffered IO");
+    direct = false;
+    fd = open(path.c_str(), base_flags, 0600);
+  }
+  if (fd < 0) return ErrnoToStatus(errno, absl::StrCat("nvme tier: creating file '", path, "'"));
+
+  if (options.tier.budget_bytes == 0) {
+    struct statvfs fs;
+    if (fstatvfs(fd, &fs) == 0) {
+      options.tier.budget_bytes =
+          static_cast<int64_t>(fs.f_bavail) * static_cast<int64_t>(fs.f_frsize) /
+          kBlockAlignment * kBlockAlignment;
+    }
+  }
+  auto tier = std::unique_ptr<NvmeTier>(new NvmeTier(std::move(options), fd, path, direct));
+  tier->fallback_note_ = note;
+
+  if (tier->nvme_options_.use_io_uring) {
+    absl::StatusOr<std::unique_ptr<UringBackend>> uring =
+        UringBackend::Create(fd, tier->nvme_options_.queue_depth);
+    if (uring.ok()) {
+      tier->backend_ = *std::move(uring);
+    } else {
+      absl::StrAppend(&tier->fallback_note_, tier->fallback_note_.empty() ? "" : "; ",
+                      "io_uring unavailable (", uring.status().message(),
+                      "); using pread/pwrite threads");
+    }
+  } else {
+    absl::StrAppend(&tier->fallback_note_, tier->fallback_note_.empty() ? "" : "; ",
+                    "io_uring disabled by configuration; using pread/pwrite threads");
+  }
+  if (tier->backend_ == nullptr) {
+    tier->backend_ = std::make_unique<PosixBackend>(
+        fd, std::clamp(tier->nvme_options_.queue_depth, 1, 8));
+  }
+  if (!tier->fallback_note_.empty()) {
+    PS_LOG(kInfo, "nvme tier %s: %s", path, tier->fallback_note_);
+  }
+  return tier;
+}
+
+NvmeTier::NvmeTier(NvmeTierOptions options, int fd, std::string path, bool direct_io)
+    : Tier(TierKind::kNvme, AddressSpace::kFile, options.tier, /*blocks_start_valid=*/false),
+      nvme_options_(std::move(options)),
+      fd_(fd),
+      path_(std::move(path)),
+      direct_io_(direct_io) {}
+
+NvmeTier::~NvmeTier() {
+  backend_.reset();  // drains IO in flight
+  ReleaseAllRegions();
+  if (fd_ >= 0) close(fd_);
+  if (!path_.empty() && unlink(path_.c_str()) != 0) {
+    PS_LOG(kWarning, "could not remove NVMe swap file %s: %s", path_, std::strerror(errno));
+  }
+}
+
+bool NvmeTier::uses_io_uring() const { return backend_ != nullptr && backend_->is_io_uring(); }
+
+int64_t NvmeTier::file_bytes() const {
+  struct stat info;
+  return fstat(fd_, &info) == 0 ? info.st_size : -1;
+}
+
+absl::StatusOr<uint64_t> NvmeTier::ReserveRegion(int64_t bytes) {
+  absl::MutexLock lock(&region_mutex_);
+  for (auto it = released_ranges_.begin(); it != released_ranges_.end(); ++it) {
+    if (it->second < bytes) continue;
+    const uint64_t offset = it->first;
+    if (it->second == bytes) {
+      released_ranges_.erase(it);
+    } else {
+      it->first += bytes;
+      it->second -= bytes;
+    }
+    if (fallocate(fd_, 0, offset, bytes) != 0) {
+      released_ranges_.emplace_back(offset, bytes);
+      return ErrnoToStatus(errno, absl::StrCat("preallocating ", bytes, " bytes at offset ",
+                                               offset, " in file ", path_));
+    }
+    return offset;
+  }
+  const uint64_t offset = file_end_;
+  if (fallocate(fd_, 0, offset, bytes) != 0) {
+    const int error = errno;
+    if (error != EOPNOTSUPP || ftruncate(fd_, offset + bytes) != 0) {
+      return ErrnoToStatus(error, absl::StrCat("preallocating ", bytes, " bytes at offset ",
+                                               offset, " in file ", path_));
+    }
+  }
+  file_end_ += bytes;
+  return offset;
+}
+
+void NvmeTier::ReleaseRegion(uint64_t base, int64_t bytes) {
+  absl::MutexLock lock(&region_mutex_);
+  // Give the disk space back; the range stays reusable.
+  fallocate(fd_, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, base, bytes);
+  released_ranges_.emplace_back(base, bytes);
+}
+
+absl::Status NvmeTier::CheckRange(const Block& block, const void* buffer, int64_t bytes,
+                                  absl::string_view op) const {
+  if (block.tier != this) {
+    return absl::InvalidArgumentError(absl::StrCat("nvme tier '", name(), "': ", op,
+                                                   " of a block from another tier"));
+  }
+  if (bytes <= 0 || bytes > block.bytes) {
+    return absl::InvalidArgumentError(absl::StrCat("nvme tier '", name(), "': ", op, " of ", bytes,
+                                                   " bytes does not fit block ", block.id, " of ",
+                                                   block.bytes, " bytes"));
+  }
+  if (direct_io_ && (reinterpret_cast<uintptr_t>(buffer) % kBlockAlignment != 0 ||
+                     bytes % kBlockAlignment != 0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "nvme tier '", name(), "': O_DIRECT ", op, " needs a buffer address and length aligned to ",
+        kBlockAlignment, " bytes, got address 0x", absl::Hex(reinterpret_cast<uintptr_t>(buffer)),
+        " and length ", bytes, " (see Note [NVMe IO alignment])"));
+  }
+  return absl::OkStatus();
+}
+
+void NvmeTier::Submit(IoOp op, const Block& block, void* buffer, int64_t bytes,
+                      IoCallback done) {
+  absl::Status range = CheckRange(block, buffer, bytes, OpName(op));
+  if (!range.ok()) {
+    done(range);
+    return;
+  }
+  auto request = std::make_shared<Request>();
+  request->op = op;
+  request->path = path_;
+  request->done = std::move(done);
+  const int64_t piece_bytes = nvme_options_.io_block_bytes;
+  const int64_t count = (bytes + piece_bytes - 1) / piece_bytes;
+  request->pieces_left.store(count);
+  std::vector<Piece*> pieces;
+  pieces.reserve(count);
+  for (int64_t start = 0; start < bytes; start += piece_bytes) {
+    auto* piece = new Piece;
+    piece->request = request;
+    piece->buffer = static_cast<char*>(buffer) + start;
+    piece->offset = static_cast<int64_t>(block.address) + start;
+    piece->bytes = std::min(piece_bytes, bytes - start);
+    if (nvme_options_.fault_injector) {
+      piece->fault = nvme_options_.fault_injector(op, piece->offset, piece->bytes);
+    }
+    pieces.push_back(piece);
+  }
+  backend_->Submit(std::move(pieces));
+}
+
+void NvmeTier::SubmitWrite(const Block& block, const void* src, int64_t bytes, IoCallback done) {
+  Submit(IoOp::kWrite, block, const_cast<void*>(src), bytes, std::move(done));
+}
+
+void NvmeTier::SubmitRead(const Block& block, void* dst, int64_t bytes, IoCallback done) {
+  Submit(IoOp::kRead, block, dst, bytes, std::move(done));
+}
+
+namespace {
+// Runs an asynchronous IO and waits for its callback.
+absl::Status WaitForIo(const std::function<void(NvmeTier::IoCallback)>& start) {
+  absl::Notification finished;
+  absl::Status result;
+  start([&](absl::Status status) {
+    result = std::move(status);
+    finished.Notify();
+  });
+  finished.WaitForNotification();
+  return result;
+}
+}  // namespace
+
+absl::Status NvmeTier::Write(const Block& block, const void* src, int64_t bytes) {
+  PS_RETURN_IF_ERROR(BeginWrite(block));
+  absl::Status status =
+      WaitForIo([&](IoCallback done) { SubmitWrite(block, src, bytes, std::move(done)); });
+  EndWrite(block, status.ok());
+  return status;
+}
+
+absl::Status NvmeTier::Read(const Block& block, void* dst, int64_t bytes) {
+  PS_ASSIGN_OR_RETURN(bool valid, IsValid(block));
+  if (!valid) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "nvme tier '", name(), "': block ", block.id, " at offset ", block.address, " in file ",
+        path_, " holds no complete data (never written, or its last write failed)"));
+  }
+  PS_RETURN_IF_ERROR(Pin(block));
+  absl::Status status =
+      WaitForIo([&](IoCallback done) { SubmitRead(block, dst, bytes, std::move(done)); });
+  Unpin(block);
+  return status;
+}
+
+}  // namespace ps

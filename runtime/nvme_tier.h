@@ -1,0 +1,101 @@
+// NvmeTier: chunk slots in one file per process under a configured directory.
+//
+// Note [NVMe IO alignment]
+// The file is opened with O_DIRECT so chunk traffic bypasses the page cache (which would
+// otherwise double host memory use and defeat the host budget). O_DIRECT needs the buffer
+// address, the file offset and the length aligned; every slot offset and capacity is a multiple
+// of kBlockAlignment (4096) and every tier's slabs start aligned, so block-to-block copies always
+// qualify. Direct callers with an unaligned buffer get InvalidArgument, not EINVAL from the
+// kernel. Where O_DIRECT is refused (tmpfs) the file is opened buffered and a note is logged;
+// where io_uring is refused (old kernels, seccomp) IO runs as pread/pwrite on worker threads.
+//
+// Note [NVMe write validity]
+// A write pins the slot and marks it invalid before the first byte is submitted and marks it
+// valid only after every piece completed in full. A failed or short write (ENOSPC, EIO, injected)
+// leaves the slot invalid, so a later read of it fails with FailedPrecondition instead of
+// returning torn data.
+#pragma once
+
+#include <atomic>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "runtime/tier.h"
+
+namespace ps {
+
+enum class IoOp { kRead, kWrite };
+
+// What a fault injector may make of one IO piece: fail it with `error` (an errno), or pretend
+// it transferred only `transferred` bytes (>= 0) and then made no progress.
+struct IoFault {
+  int error = 0;
+  int64_t transferred = -1;
+};
+using IoFaultInjector = std::function<IoFault(IoOp op, int64_t file_offset, int64_t bytes)>;
+
+struct NvmeTierOptions {
+  Tier::Options tier;  // name defaults to "nvme"; budget 0 means the free space at creation
+  std::string directory;
+  int queue_depth = 32;
+  int64_t io_block_bytes = 1 << 20;  // requests are split into pieces of this size
+  bool use_io_uring = true;
+  bool use_direct_io = true;
+  IoFaultInjector fault_injector;  // tests only
+};
+
+class NvmeTier final : public Tier {
+ public:
+  using IoCallback = std::function<void(absl::Status)>;
+
+  // Checks the directory, removes stale files of dead processes, creates this process's file.
+  static absl::StatusOr<std::unique_ptr<NvmeTier>> Create(NvmeTierOptions options);
+  ~NvmeTier() override;  // waits for IO in flight, closes and removes the file
+
+  const std::string& path() const { return path_; }
+  bool direct_io() const { return direct_io_; }
+  bool uses_io_uring() const;
+  // Why a faster path (O_DIRECT, io_uring) is not in use; empty when both are.
+  const std::string& fallback_note() const { return fallback_note_; }
+  int64_t file_bytes() const;
+
+  // Synchronous block IO that keeps pins and validity (Note [NVMe write validity]).
+  absl::Status Write(const Block& block, const void* src, int64_t bytes);
+  absl::Status Read(const Block& block, void* dst, int64_t bytes);
+
+  // Raw asynchronous IO for the copy engine, which holds the pins and sets validity itself.
+  // `done` runs on an IO thread. Errors name the file, offset and bytes.
+  void SubmitWrite(const Block& block, const void* src, int64_t bytes, IoCallback done);
+  void SubmitRead(const Block& block, void* dst, int64_t bytes, IoCallback done);
+
+  class IoBackend;
+
+ protected:
+  absl::StatusOr<uint64_t> ReserveRegion(int64_t bytes) override;
+  void ReleaseRegion(uint64_t base, int64_t bytes) override;
+
+ private:
+  NvmeTier(NvmeTierOptions options, int fd, std::string path, bool direct_io);
+  absl::Status CheckRange(const Block& block, const void* buffer, int64_t bytes,
+                          absl::string_view op) const;
+  void Submit(IoOp op, const Block& block, void* buffer, int64_t bytes, IoCallback done);
+
+  NvmeTierOptions nvme_options_;
+  int fd_ = -1;
+  std::string path_;
+  bool direct_io_ = false;
+  std::string fallback_note_;
+  std::unique_ptr<IoBackend> backend_;
+
+  absl::Mutex region_mutex_;
+  int64_t file_end_ ABSL_GUARDED_BY(region_mutex_) = 0;
+  std::vector<std::pair<uint64_t, int64_t>> released_ranges_ ABSL_GUARDED_BY(region_mutex_);
+};
+
+// Removes `patrickstar-<pid>-*.swap` files in `directory` whose process no longer runs; returns
+// the paths removed.
+std::vector<std::string> RemoveStaleSwapFiles(const std::string& directory);
+
+}  // namespace ps
