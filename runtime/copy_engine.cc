@@ -1,10 +1,9 @@
 #include "runtime/copy_engine.h"
 
-#include <mimalloc.h>
-
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "runtime/host_memory.h"
 #include "runtime/nvme_tier.h"
 #include "runtime/status.h"
 
@@ -34,8 +33,8 @@ absl::Status BlockingIo(NvmeTier* tier, IoOp op, const Block& block, void* buffe
 }
 
 struct AlignedBuffer {
-  explicit AlignedBuffer(int64_t bytes) : data(mi_malloc_aligned(bytes, kBlockAlignment)) {}
-  ~AlignedBuffer() { mi_free(data); }
+  explicit AlignedBuffer(int64_t bytes) : data(AlignedHostAlloc(bytes, kBlockAlignment)) {}
+  ~AlignedBuffer() { AlignedHostFree(data); }
   void* data;
 };
 

@@ -1,9 +1,8 @@
 #include "runtime/host_tier.h"
 
-#include <mimalloc.h>
-
 #include "absl/strings/str_cat.h"
 #include "runtime/gpu.h"
+#include "runtime/host_memory.h"
 #include "runtime/logging.h"
 
 namespace ps {
@@ -15,7 +14,7 @@ Tier::Options WithDefaultName(Tier::Options options, const char* name) {
 }
 
 absl::StatusOr<uint64_t> AllocateAligned(const std::string& tier_name, int64_t bytes) {
-  void* pointer = mi_malloc_aligned(static_cast<size_t>(bytes), kBlockAlignment);
+  void* pointer = AlignedHostAlloc(bytes, kBlockAlignment);
   if (pointer == nullptr) {
     return absl::ResourceExhaustedError(
         absl::StrCat("tier '", tier_name, "': host allocation of ", FormatBytes(bytes), " failed"));
@@ -54,7 +53,7 @@ void HostTier::ReleaseRegion(uint64_t base, int64_t) {
   if (pinned_) {
     gpu::HostFreePinned(pointer);
   } else {
-    mi_free(pointer);
+    AlignedHostFree(pointer);
   }
 }
 
@@ -69,7 +68,7 @@ absl::StatusOr<uint64_t> EmulatedDeviceTier::ReserveRegion(int64_t bytes) {
 }
 
 void EmulatedDeviceTier::ReleaseRegion(uint64_t base, int64_t) {
-  mi_free(reinterpret_cast<void*>(static_cast<uintptr_t>(base)));
+  AlignedHostFree(reinterpret_cast<void*>(static_cast<uintptr_t>(base)));
 }
 
 }  // namespace ps
