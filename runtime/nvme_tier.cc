@@ -46,8 +46,16 @@ struct Piece {
   int64_t offset = 0;  // file offset
   int64_t bytes = 0;
   int64_t done_bytes = 0;
+  const IoFaultInjector* injector = nullptr;  // tests only
   IoFault fault;  // from the injector, applied in place of the real result
 };
+
+// Asks the injector (if any) what to make of this piece; called once, where the IO would start.
+void ConsultInjector(Piece* piece) {
+  if (piece->injector == nullptr || !*piece->injector) return;
+  piece->fault = (*piece->injector)(piece->request->op, piece->offset, piece->bytes);
+  piece->injector = nullptr;
+}
 
 absl::string_view OpName(IoOp op) { return op == IoOp::kRead ? "read" : "write"; }
 
@@ -135,6 +143,7 @@ class PosixBackend final : public NvmeTier::IoBackend {
 
  private:
   void Run(Piece* piece) {
+    ConsultInjector(piece);
     while (true) {
       int64_t result;
       if (std::optional<int64_t> injected = InjectedResult(piece)) {
@@ -216,6 +225,7 @@ class UringBackend final : public NvmeTier::IoBackend {
       Piece* piece = pending_.front();
       pending_.pop_front();
       io_uring_sqe* sqe = GetSqeLocked();
+      ConsultInjector(piece);
       const bool injected = piece->fault.error != 0 || piece->fault.transferred >= 0;
       if (injected) {
         io_uring_prep_nop(sqe);  // the fault is applied when the NOP completes
@@ -470,9 +480,7 @@ void NvmeTier::Submit(IoOp op, const Block& block, void* buffer, int64_t bytes,
     piece->buffer = static_cast<char*>(buffer) + start;
     piece->offset = static_cast<int64_t>(block.address) + start;
     piece->bytes = std::min(piece_bytes, bytes - start);
-    if (nvme_options_.fault_injector) {
-      piece->fault = nvme_options_.fault_injector(op, piece->offset, piece->bytes);
-    }
+    piece->injector = &nvme_options_.fault_injector;
     pieces.push_back(piece);
   }
   backend_->Submit(std::move(pieces));

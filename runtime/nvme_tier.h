@@ -34,6 +34,8 @@ struct IoFault {
   int error = 0;
   int64_t transferred = -1;
 };
+// Called once per piece where its IO would start: on an IO worker thread (pread/pwrite back end)
+// or on the thread that submits to io_uring.
 using IoFaultInjector = std::function<IoFault(IoOp op, int64_t file_offset, int64_t bytes)>;
 
 struct NvmeTierOptions {

@@ -1,0 +1,187 @@
+// Tier slab pool, budgets and statistics, on the host and emulated device tiers.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <thread>
+
+#include "runtime/host_tier.h"
+#include "runtime/gpu.h"
+#include "runtime/host_memory.h"
+#include "test_util.h"
+
+namespace ps {
+namespace {
+
+using ::testing::HasSubstr;
+
+Tier::Options Options(const char* name, int64_t budget, int64_t slab = 64ll << 20) {
+  return Tier::Options{name, budget, slab};
+}
+
+TEST(TierTest, AllocateRoundsUpToAlignmentAndCountsStats) {
+  HostTier tier(HostTierOptions{Options("host", 0)});
+  PS_ASSERT_OK_AND_ASSIGN(Block block, tier.Allocate(5000));
+  EXPECT_EQ(block.bytes, 8192);
+  EXPECT_EQ(block.address % kBlockAlignment, 0u);
+  EXPECT_EQ(block.tier, &tier);
+  TierStats stats = tier.stats();
+  EXPECT_EQ(stats.bytes.current, 8192);
+  EXPECT_EQ(stats.blocks.current, 1);
+  EXPECT_EQ(stats.blocks.allocated, 1);
+  EXPECT_GE(stats.reserved_bytes, 8192);
+  PS_ASSERT_OK(tier.Free(block));
+  stats = tier.stats();
+  EXPECT_EQ(stats.bytes.current, 0);
+  EXPECT_EQ(stats.bytes.peak, 8192);
+  EXPECT_EQ(stats.bytes.freed, 8192);
+  EXPECT_EQ(stats.blocks.freed, 1);
+}
+
+TEST(TierTest, RejectsNonPositiveSizes) {
+  HostTier tier(HostTierOptions{Options("host", 0)});
+  EXPECT_EQ(tier.Allocate(0).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(tier.Allocate(-4).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(TierTest, FreedBlocksAreReusedFromThePool) {
+  EmulatedDeviceTier tier(EmulatedDeviceTierOptions{Options("dev", 0, 4 * 65536)});
+  PS_ASSERT_OK_AND_ASSIGN(Block a, tier.Allocate(65536));
+  PS_ASSERT_OK_AND_ASSIGN(Block b, tier.Allocate(65536));
+  const int64_t reserved = tier.stats().reserved_bytes;
+  EXPECT_EQ(tier.stats().slabs, 1);  // both blocks come from one slab of four
+  EXPECT_EQ(b.address, a.address + 65536);
+  PS_ASSERT_OK(tier.Free(a));
+  PS_ASSERT_OK_AND_ASSIGN(Block c, tier.Allocate(65536));
+  EXPECT_EQ(c.address, a.address);  // the freed block, not new memory
+  EXPECT_NE(c.id, a.id);            // but a new handle
+  EXPECT_EQ(tier.stats().reserved_bytes, reserved);
+  PS_ASSERT_OK(tier.Free(b));
+  PS_ASSERT_OK(tier.Free(c));
+  EXPECT_EQ(tier.Trim(), reserved);
+  EXPECT_EQ(tier.stats().reserved_bytes, 0);
+  EXPECT_EQ(tier.stats().slabs, 0);
+}
+
+TEST(TierTest, BudgetExceededIsResourceExhaustedWithTheNumbers) {
+  EmulatedDeviceTier tier(EmulatedDeviceTierOptions{Options("tight", 3 * 65536)});
+  PS_ASSERT_OK_AND_ASSIGN(Block a, tier.Allocate(65536));
+  PS_ASSERT_OK_AND_ASSIGN(Block b, tier.Allocate(65536));
+  PS_ASSERT_OK_AND_ASSIGN(Block c, tier.Allocate(65536));
+  absl::StatusOr<Block> d = tier.Allocate(65536);
+  ASSERT_EQ(d.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(d.status().message(), HasSubstr("tier 'tight'"));
+  EXPECT_THAT(d.status().message(), HasSubstr("block of 65536 bytes"));
+  EXPECT_THAT(d.status().message(), HasSubstr("budget 196608 bytes"));
+  EXPECT_THAT(d.status().message(), HasSubstr("in use 196608 bytes in 3 blocks"));
+  EXPECT_LE(tier.stats().reserved_bytes, tier.stats().budget_bytes);
+  for (const Block& block : {a, b, c}) PS_ASSERT_OK(tier.Free(block));
+}
+
+TEST(TierTest, NewSizeClassReclaimsFreeSlabsOfOtherSizes) {
+  EmulatedDeviceTier tier(EmulatedDeviceTierOptions{Options("dev", 4 * 65536, 4 * 65536)});
+  PS_ASSERT_OK_AND_ASSIGN(Block small, tier.Allocate(65536));
+  PS_ASSERT_OK(tier.Free(small));  // its slab (the whole budget) stays pooled
+  EXPECT_EQ(tier.stats().reserved_bytes, 4 * 65536);
+  PS_ASSERT_OK_AND_ASSIGN(Block big, tier.Allocate(3 * 65536));
+  EXPECT_EQ(big.bytes, 3 * 65536);
+  EXPECT_LE(tier.stats().reserved_bytes, 4 * 65536);
+  PS_ASSERT_OK(tier.Free(big));
+}
+
+TEST(TierTest, SlabShrinksToWhatTheBudgetAllows) {
+  EmulatedDeviceTier tier(EmulatedDeviceTierOptions{Options("dev", 2 * 65536, 16 * 65536)});
+  PS_ASSERT_OK_AND_ASSIGN(Block a, tier.Allocate(65536));
+  EXPECT_EQ(tier.stats().reserved_bytes, 2 * 65536);
+  PS_ASSERT_OK(tier.Free(a));
+}
+
+TEST(TierTest, DoubleFreeAndForeignBlocksAreRefused) {
+  HostTier one(HostTierOptions{Options("one", 0)});
+  HostTier two(HostTierOptions{Options("two", 0)});
+  PS_ASSERT_OK_AND_ASSIGN(Block block, one.Allocate(4096));
+  EXPECT_EQ(two.Free(block).code(), absl::StatusCode::kInvalidArgument);
+  PS_ASSERT_OK(one.Free(block));
+  absl::Status again = one.Free(block);
+  EXPECT_EQ(again.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(again.message(), HasSubstr("not allocated"));
+}
+
+TEST(TierTest, PinnedBlockCannotBeFreed) {
+  HostTier tier(HostTierOptions{Options("host", 0)});
+  PS_ASSERT_OK_AND_ASSIGN(Block block, tier.Allocate(4096));
+  PS_ASSERT_OK(tier.Pin(block));
+  absl::Status status = tier.Free(block);
+  EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(status.message(), HasSubstr("1 pin(s)"));
+  tier.Unpin(block);
+  PS_EXPECT_OK(tier.Free(block));
+}
+
+TEST(TierTest, ValidityFollowsWrites) {
+  HostTier tier(HostTierOptions{Options("host", 0)});
+  PS_ASSERT_OK_AND_ASSIGN(Block block, tier.Allocate(4096));
+  EXPECT_TRUE(*tier.IsValid(block));  // memory tiers hand out writable, valid blocks
+  PS_ASSERT_OK(tier.BeginWrite(block));
+  EXPECT_FALSE(*tier.IsValid(block));
+  EXPECT_EQ(*tier.PinCount(block), 1);
+  tier.EndWrite(block, /*succeeded=*/false);
+  EXPECT_FALSE(*tier.IsValid(block));
+  EXPECT_EQ(*tier.PinCount(block), 0);
+  PS_ASSERT_OK(tier.BeginWrite(block));
+  tier.EndWrite(block, /*succeeded=*/true);
+  EXPECT_TRUE(*tier.IsValid(block));
+  PS_ASSERT_OK(tier.Free(block));
+}
+
+TEST(TierTest, SetBudgetValidatesAndApplies) {
+  EmulatedDeviceTier tier(EmulatedDeviceTierOptions{Options("dev", 0, 65536)});
+  EXPECT_EQ(tier.SetBudget(-1).code(), absl::StatusCode::kInvalidArgument);
+  PS_ASSERT_OK(tier.SetBudget(65536));
+  PS_ASSERT_OK_AND_ASSIGN(Block a, tier.Allocate(65536));
+  EXPECT_EQ(tier.Allocate(4096).status().code(), absl::StatusCode::kResourceExhausted);
+  PS_ASSERT_OK(tier.Free(a));
+}
+
+TEST(TierTest, ConcurrentAllocateAndFreeKeepStatsConsistent) {
+  HostTier tier(HostTierOptions{Options("host", 0, 1 << 20)});
+  constexpr int kThreads = 4;
+  constexpr int kRounds = 500;
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&tier, t] {
+      for (int i = 0; i < kRounds; ++i) {
+        absl::StatusOr<Block> block = tier.Allocate(4096 * (1 + (i + t) % 3));
+        ASSERT_TRUE(block.ok()) << block.status();
+        static_cast<unsigned char*>(block->data())[0] = static_cast<unsigned char>(i);
+        ASSERT_TRUE(tier.Free(*block).ok());
+      }
+    });
+  }
+  for (std::thread& thread : threads) thread.join();
+  const TierStats stats = tier.stats();
+  EXPECT_EQ(stats.bytes.current, 0);
+  EXPECT_EQ(stats.blocks.allocated, kThreads * kRounds);
+  EXPECT_EQ(stats.blocks.freed, kThreads * kRounds);
+  EXPECT_EQ(stats.bytes.allocated, stats.bytes.freed);
+}
+
+TEST(TierTest, PinnedHostTierFallsBackWithoutGpu) {
+  HostTierOptions options{Options("pinned", 0)};
+  options.pinned = true;
+  HostTier tier(options);
+  PS_ASSERT_OK_AND_ASSIGN(Block block, tier.Allocate(4096));
+  std::memset(block.data(), 7, 4096);
+  PS_ASSERT_OK(tier.Free(block));
+  if (gpu::DeviceCount() == 0) EXPECT_FALSE(tier.pinned());
+}
+
+TEST(HostMemoryTest, AlignedAllocationsComeFromMimalloc) {
+  EXPECT_THAT(HostAllocatorName(), HasSubstr("mimalloc"));
+  void* pointer = AlignedHostAlloc(12345, 4096);
+  ASSERT_NE(pointer, nullptr);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(pointer) % 4096, 0u);
+  AlignedHostFree(pointer);
+}
+
+}  // namespace
+}  // namespace ps
