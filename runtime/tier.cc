@@ -1,6 +1,7 @@
 #include "runtime/tier.h"
 
 #include <algorithm>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -85,18 +86,24 @@ absl::StatusOr<Block> Tier::Allocate(int64_t bytes) {
   } else {
     PS_ASSIGN_OR_RETURN(address, GrowLocked(block_bytes));
   }
-  SlabOf(address)->second.free_blocks -= 1;
+  Slab& slab = SlabOf(address)->second;
+  slab.free_blocks -= 1;
+  const int64_t granted_bytes = slab.block_bytes;  // larger than asked after a fallback
   const uint64_t id = next_id_++;
-  blocks_[id] = BlockRecord{address, block_bytes, 0, blocks_start_valid_};
-  stats_.bytes.Increase(block_bytes);
+  blocks_[id] = BlockRecord{address, granted_bytes, 0, blocks_start_valid_};
+  stats_.bytes.Increase(granted_bytes);
   stats_.blocks.Increase(1);
-  return Block{this, id, block_bytes, address};
+  return Block{this, id, granted_bytes, address};
 }
 
 absl::StatusOr<uint64_t> Tier::GrowLocked(int64_t block_bytes) {
   const int64_t budget = options_.budget_bytes;
   auto blocks_that_fit = [&]() -> int64_t {
-    const int64_t wanted = std::max<int64_t>(1, options_.slab_target_bytes / block_bytes);
+    int64_t slab_bytes = options_.slab_target_bytes;
+    // One slab never takes more than an eighth of a budget, so one block size cannot starve the
+    // others while its slab is only partly used.
+    if (budget > 0) slab_bytes = std::min(slab_bytes, budget / 8);
+    const int64_t wanted = std::max<int64_t>(1, slab_bytes / block_bytes);
     if (budget == 0) return wanted;
     return std::min(wanted, std::max<int64_t>(0, budget - stats_.reserved_bytes) / block_bytes);
   };
@@ -106,6 +113,20 @@ absl::StatusOr<uint64_t> Tier::GrowLocked(int64_t block_bytes) {
     count = blocks_that_fit();
   }
   if (count == 0) {
+    // Last resort before refusing: a free pooled block of a larger size (at most twice the
+    // request, so the waste stays bounded).
+    std::optional<int64_t> best_size;
+    for (const auto& [size, list] : free_lists_) {
+      if (size > block_bytes && size <= 2 * block_bytes && !list.empty() &&
+          (!best_size || size < *best_size)) {
+        best_size = size;
+      }
+    }
+    if (best_size) {
+      const uint64_t address = free_lists_[*best_size].back();
+      free_lists_[*best_size].pop_back();
+      return address;
+    }
     int64_t pooled_free = 0;
     for (const auto& [size, list] : free_lists_) pooled_free += size * static_cast<int64_t>(list.size());
     return absl::ResourceExhaustedError(absl::StrCat(

@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# Sets up everything (tools/setup.sh) and runs every test: the GoogleTest suite (ctest), the
+# pytest suite, and the C++ suite again under AddressSanitizer + UndefinedBehaviorSanitizer.
+# Exits non-zero on any failure, and also when a suite ran no test at all.
+#
+#   tools/test.sh                 everything
+#   tools/test.sh --no-sanitize   skip the sanitizer build (faster local runs)
+#   tools/test.sh --sanitize      only the sanitizer job
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+run_main=1
+run_sanitize=1
+for arg in "$@"; do
+  case "$arg" in
+    --no-sanitize) run_sanitize=0 ;;
+    --sanitize) run_main=0 ;;
+    -h|--help) sed -n '2,9p' "$0"; exit 0 ;;
+    *) echo "tools/test.sh: unknown argument '$arg' (try --help)" >&2; exit 2 ;;
+  esac
+done
+
+jobs=$(nproc)
+log() { printf '\n[test] %s\n' "$*"; }
+
+tools/setup.sh
+
+# ctest prints "No tests were found!!!" and exits 0 on an empty suite; treat that as failure.
+run_ctest() {
+  local dir=$1 out ctest_bin
+  # Use the ctest of the cmake that configured the tree (scikit-build-core may use another).
+  ctest_bin=$(sed -n 's/^CMAKE_CTEST_COMMAND:INTERNAL=//p' "$dir/CMakeCache.txt")
+  [ -x "$ctest_bin" ] || ctest_bin=ctest
+  out=$(mktemp)
+  set +e
+  "$ctest_bin" --test-dir "$dir" -j"$jobs" --output-on-failure --no-tests=error 2>&1 | tee "$out"
+  local status=${PIPESTATUS[0]}
+  set -e
+  grep -qE '[1-9][0-9]* tests? failed|tests passed' "$out" || status=1
+  rm -f "$out"
+  return "$status"
+}
+
+if ((run_main)); then
+  log "C++ tests (ctest, build/)"
+  run_ctest build
+
+  log "Python tests (pytest)"
+  # Exit code 5 means pytest collected nothing: that must fail, not pass silently.
+  set +e
+  .venv/bin/python -m pytest tests/python -q
+  status=$?
+  set -e
+  if [ "$status" -eq 5 ]; then echo "[test] pytest collected no tests" >&2; exit 1; fi
+  [ "$status" -eq 0 ] || exit "$status"
+fi
+
+if ((run_sanitize)); then
+  log "C++ tests under ASan + UBSan (build-asan/)"
+  if [ ! -f build-asan/build.ninja ]; then
+    cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=Debug -DPS_SANITIZE=ON \
+      -DPS_BUILD_PYTHON=OFF -DPS_BUILD_BENCHMARKS=OFF >/dev/null
+  fi
+  cmake --build build-asan -j"$jobs"
+  # protect_shadow_gap=0 lets the CUDA driver map its memory where ASan would reserve it.
+  ASAN_OPTIONS=protect_shadow_gap=0:detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
+    run_ctest build-asan
+fi
+log "all tests passed"
