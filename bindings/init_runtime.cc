@@ -121,7 +121,7 @@ void InitRuntime(py::module_& module) {
       });
 
   py::class_<Tier, TierPtr>(module, "Tier", "A memory tier with a budget and a slab pool.")
-      .def_property_readonly("name", &Tier::name)
+      .def_property_readonly("name", [](const Tier& t) { return t.name(); })
       .def_property_readonly("kind",
                              [](const Tier& t) { return std::string(TierKindName(t.kind())); })
       .def_property("budget", &Tier::budget_bytes,
@@ -194,10 +194,11 @@ void InitRuntime(py::module_& module) {
            py::arg("block_size") = 1 << 20, py::arg("use_io_uring") = true,
            py::arg("use_direct_io") = true, py::arg("name") = "nvme",
            py::arg("slab_bytes") = 64ll << 20)
-      .def_property_readonly("path", &NvmeTier::path)
+      .def_property_readonly("path", [](const NvmeTier& t) { return t.path(); })
       .def_property_readonly("direct_io", &NvmeTier::direct_io)
       .def_property_readonly("uses_io_uring", &NvmeTier::uses_io_uring)
-      .def_property_readonly("fallback_note", &NvmeTier::fallback_note)
+      .def_property_readonly("fallback_note",
+                             [](const NvmeTier& t) { return t.fallback_note(); })
       .def_property_readonly("file_bytes", &NvmeTier::file_bytes);
 
   module.def(

@@ -96,7 +96,7 @@ def main():
     except patrickstar.ChunkOutOfMemoryError as error:
         print(f"\nasking the device for more than its budget raises ChunkOutOfMemoryError:\n  {error}")
     path = nvme.path
-    del nvme, slots, slot  # blocks keep their tier alive
+    del nvme, tier, slots, slot  # every reference, blocks included, keeps the tier alive
     print(f"NVMe file removed at shutdown: {not os.path.exists(path)}")
     return 1 if mismatches else 0
 

@@ -180,3 +180,11 @@ def test_cast_kernel_matches_torch():
     assert torch.isnan(nan_out).all()
     with pytest.raises(ValueError, match="elements"):
         _C.kernels.cast_(values, torch.empty(3, dtype=torch.float16))
+
+
+def test_reading_properties_does_not_keep_the_tier_alive(nvme_dir):
+    nvme = _C.NvmeTier(nvme_dir, name="props")
+    path = nvme.path
+    assert nvme.name == "props" and nvme.fallback_note == "" and nvme.kind == "nvme"
+    del nvme
+    assert not os.path.exists(path)
