@@ -1,18 +1,20 @@
 #!/usr/bin/env bash
 # Build and test on the GPU machine, which has torch (CUDA), nvcc, CMake and ninja but no Debian
-# C++ libraries and no network. Carry .device-prefix (../shared/device/make-prefix.sh builds it).
+# C++ libraries and no network. Carry .device-prefix (tools/make-device-prefix.sh builds it).
 # Logs go to $OUT when it is set (the device tool brings that folder back).
 #
 #   tools/gpu_test.sh            build (PS_WITH_CUDA=ON) + ctest + pytest
 set -euo pipefail
 cd "$(dirname "$0")/.."
 prefix=$PWD/.device-prefix/usr
-[ -d "$prefix" ] || { echo "missing .device-prefix: run ../shared/device/make-prefix.sh here first" >&2; exit 2; }
+[ -d "$prefix" ] || { echo "missing .device-prefix: run tools/make-device-prefix.sh on the CPU machine first" >&2; exit 2; }
 out=${OUT:-$PWD/build-gpu-logs}
 mkdir -p "$out"
 export LD_LIBRARY_PATH=$prefix/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 export CMAKE_PREFIX_PATH=$prefix
 export PKG_CONFIG_PATH=$prefix/lib/x86_64-linux-gnu/pkgconfig
+# liburing.pc says prefix=/usr: the sysroot makes its -I/-L point into the carried prefix.
+export PKG_CONFIG_SYSROOT_DIR=$PWD/.device-prefix
 export CMAKE_BUILD_PARALLEL_LEVEL=$(nproc)
 python=${PYTHON:-python3}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt" || true
