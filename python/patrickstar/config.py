@@ -1,0 +1,381 @@
+"""The configuration of `patrickstar.initialize()`: parsing, validation and defaults.
+
+A config is a dict or a path to a JSON file. It accepts PatrickStar's keys and the ones this
+runtime adds (``bf16``, ``gradient_accumulation_steps``, ``memory``, ``profile``, ``parallel``).
+Unknown keys, wrong types and impossible values raise ``ValueError`` naming the key path
+(``optimizer.params.lr``); PatrickStar keys that are accepted but have no effect here are
+reported once, in one warning.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+import warnings
+from typing import Any, Callable, Mapping
+
+__all__ = ["Config", "OptimizerConfig", "Fp16Config", "MemoryConfig", "NvmeConfig",
+           "ProfileConfig", "ParallelConfig", "load_config", "parse_bytes"]
+
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+    "t": 10**12, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_SIZE_PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(value: Any, key: str = "size") -> int:
+    """Bytes from an int (``1073741824``) or a string (``"1GiB"``, ``"512 MB"``, ``"1.5GiB"``)."""
+    if isinstance(value, bool):
+        raise ValueError(f"config key '{key}': expected a byte count, got {value!r}")
+    if isinstance(value, int):
+        number = value
+    elif isinstance(value, float) and value.is_integer():
+        number = int(value)
+    elif isinstance(value, str):
+        match = _SIZE_PATTERN.match(value)
+        unit = match.group(2).lower() if match else None
+        if match is None or unit not in _SIZE_UNITS:
+            raise ValueError(
+                f"config key '{key}': cannot read {value!r} as a size; use bytes or a number with "
+                f"a unit such as 512MiB, 2GiB, 1.5GB")
+        number = int(float(match.group(1)) * _SIZE_UNITS[unit])
+    else:
+        raise ValueError(f"config key '{key}': expected a byte count or a string like '2GiB', "
+                         f"got {type(value).__name__} {value!r}")
+    if number < 0:
+        raise ValueError(f"config key '{key}': must be >= 0 bytes, got {value!r}")
+    return number
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    type: str = "Adam"  # "Adam" (L2 weight decay) or "AdamW" (decoupled)
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    use_hybrid_adam: bool = True
+
+    @property
+    def decoupled_weight_decay(self) -> bool:
+        return self.type == "AdamW"
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp16Config:
+    enabled: bool = False
+    loss_scale: float = 0.0  # 0 means dynamic loss scaling
+    initial_scale_power: int = 16
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    min_loss_scale: float = 1.0
+
+    @property
+    def dynamic(self) -> bool:
+        return self.loss_scale == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class NvmeConfig:
+    path: str | None = None
+    budget: int = 0  # bytes; 0: the free space of the filesystem
+    queue_depth: int = 32
+    block_size: int = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryConfig:
+    device_budget: int | None = None  # bytes; None: all of the device (or unlimited if emulated)
+    host_budget: int | None = None
+    nvme: NvmeConfig = dataclasses.field(default_factory=NvmeConfig)
+
+
+@dataclasses.dataclass(frozen=True)
+class ProfileConfig:
+    enabled: bool = False
+    output_dir: str = "patrickstar-profile"
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    data: int | None = None  # None: the torch.distributed world size
+    pipeline: int = 1
+    tensor: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    default_chunk_size: int | None = 64 * 1024 * 1024  # elements; None: searched
+    release_after_init: bool = False
+    use_cpu_embedding: bool = False
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    fp16: Fp16Config = dataclasses.field(default_factory=Fp16Config)
+    bf16_enabled: bool = False
+    gradient_clipping: float = 0.0  # max global norm; 0 disables
+    gradient_accumulation_steps: int = 1
+    memory: MemoryConfig = dataclasses.field(default_factory=MemoryConfig)
+    profile: ProfileConfig = dataclasses.field(default_factory=ProfileConfig)
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    ignored_keys: tuple[str, ...] = ()
+
+    @property
+    def precision(self) -> str:
+        if self.fp16.enabled:
+            return "fp16"
+        if self.bf16_enabled:
+            return "bf16"
+        return "fp32"
+
+
+# --- validation helpers ---------------------------------------------------------------------
+
+def _type_name(value: Any) -> str:
+    return type(value).__name__
+
+
+def _bool(key: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"config key '{key}': expected true or false, got {_type_name(value)} "
+                         f"{value!r}")
+    return value
+
+
+def _number(key: str, value: Any, *, minimum: float | None = None, strict: bool = False,
+            maximum: float | None = None, integer: bool = False) -> float | int:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"config key '{key}': expected a number, got {_type_name(value)} "
+                         f"{value!r}")
+    if integer:
+        if isinstance(value, float) and not value.is_integer():
+            raise ValueError(f"config key '{key}': expected an integer, got {value!r}")
+        value = int(value)
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"config key '{key}': must be finite, got {value!r}")
+    if minimum is not None and (value < minimum or (strict and value == minimum)):
+        relation = ">" if strict else ">="
+        raise ValueError(f"config key '{key}': must be {relation} {minimum}, got {value!r}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"config key '{key}': must be <= {maximum}, got {value!r}")
+    return value
+
+
+def _section(key: str, value: Any) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise ValueError(f"config key '{key}': expected an object, got {_type_name(value)} "
+                         f"{value!r}")
+    return value
+
+
+def _check_keys(key: str, section: Mapping[str, Any], known: set[str]) -> None:
+    for name in section:
+        if name not in known:
+            path = f"{key}.{name}" if key else name
+            choices = ", ".join(sorted(known))
+            raise ValueError(f"unknown config key '{path}' (known keys here: {choices})")
+
+
+# Keys of PatrickStar's config that are accepted for compatibility but change nothing here.
+_IGNORED_CLIENT_KEYS = {
+    "mem_tracer": {"use_async_mem_monitor", "warmup_gpu_chunk_mem_ratio", "overall_gpu_mem_ratio",
+                   "overall_cpu_mem_ratio", "margin_use_ratio", "use_fake_dist",
+                   "with_mem_saving_comm"},
+    "opts": {"with_mem_saving_comm", "with_mem_cache", "with_async_move"},
+}
+
+
+def _parse_optimizer(raw: Any) -> OptimizerConfig:
+    section = _section("optimizer", raw)
+    _check_keys("optimizer", section, {"type", "params"})
+    kind = section.get("type", "Adam")
+    kinds = {"adam": "Adam", "adamw": "AdamW"}
+    if not isinstance(kind, str) or kind.lower() not in kinds:
+        raise ValueError(f"config key 'optimizer.type': expected 'Adam' or 'AdamW', got {kind!r}")
+    params = _section("optimizer.params", section.get("params", {}))
+    _check_keys("optimizer.params", params,
+                {"lr", "betas", "eps", "weight_decay", "use_hybrid_adam", "amsgrad",
+                 "bias_correction"})
+    defaults = OptimizerConfig()
+    betas = params.get("betas", defaults.betas)
+    if (not isinstance(betas, (list, tuple)) or len(betas) != 2):
+        raise ValueError(f"config key 'optimizer.params.betas': expected two numbers, got "
+                         f"{betas!r}")
+    betas = tuple(_number(f"optimizer.params.betas[{i}]", b, minimum=0.0, maximum=1.0)
+                  for i, b in enumerate(betas))
+    for i, beta in enumerate(betas):
+        if beta >= 1.0:
+            raise ValueError(f"config key 'optimizer.params.betas[{i}]': must be < 1, got {beta}")
+    if params.get("amsgrad", False) is not False:
+        raise ValueError("config key 'optimizer.params.amsgrad': amsgrad is not supported; "
+                         "set it to false or remove it")
+    if params.get("bias_correction", True) is not True:
+        raise ValueError("config key 'optimizer.params.bias_correction': only true is "
+                         "supported (as torch.optim.Adam)")
+    return OptimizerConfig(
+        type=kinds[kind.lower()],
+        lr=_number("optimizer.params.lr", params.get("lr", defaults.lr), minimum=0.0),
+        betas=betas,
+        eps=_number("optimizer.params.eps", params.get("eps", defaults.eps), minimum=0.0,
+                    strict=True),
+        weight_decay=_number("optimizer.params.weight_decay",
+                             params.get("weight_decay", defaults.weight_decay), minimum=0.0),
+        use_hybrid_adam=_bool("optimizer.params.use_hybrid_adam",
+                              params.get("use_hybrid_adam", defaults.use_hybrid_adam)),
+    )
+
+
+def _parse_fp16(raw: Any) -> Fp16Config:
+    section = _section("fp16", raw)
+    known = {f.name for f in dataclasses.fields(Fp16Config)}
+    _check_keys("fp16", section, known)
+    d = Fp16Config()
+    return Fp16Config(
+        enabled=_bool("fp16.enabled", section.get("enabled", d.enabled)),
+        loss_scale=float(_number("fp16.loss_scale", section.get("loss_scale", d.loss_scale),
+                                 minimum=0.0)),
+        initial_scale_power=_number("fp16.initial_scale_power",
+                                    section.get("initial_scale_power", d.initial_scale_power),
+                                    minimum=0, maximum=126, integer=True),
+        loss_scale_window=_number("fp16.loss_scale_window",
+                                  section.get("loss_scale_window", d.loss_scale_window),
+                                  minimum=1, integer=True),
+        hysteresis=_number("fp16.hysteresis", section.get("hysteresis", d.hysteresis),
+                           minimum=1, integer=True),
+        min_loss_scale=float(_number("fp16.min_loss_scale",
+                                     section.get("min_loss_scale", d.min_loss_scale),
+                                     minimum=0.0, strict=True)),
+    )
+
+
+def _parse_memory(raw: Any) -> MemoryConfig:
+    section = _section("memory", raw)
+    _check_keys("memory", section, {"device_budget", "host_budget", "nvme"})
+    budgets = {}
+    for name in ("device_budget", "host_budget"):
+        value = section.get(name)
+        budgets[name] = None if value is None else parse_bytes(value, f"memory.{name}")
+        if budgets[name] == 0:
+            raise ValueError(f"config key 'memory.{name}': must be > 0 (omit it for no limit)")
+    nvme_raw = _section("memory.nvme", section.get("nvme", {}))
+    _check_keys("memory.nvme", nvme_raw, {"path", "budget", "queue_depth", "block_size"})
+    path = nvme_raw.get("path")
+    if path is not None and (not isinstance(path, (str, os.PathLike)) or not str(path)):
+        raise ValueError(f"config key 'memory.nvme.path': expected a directory path, got "
+                         f"{path!r}")
+    block_size = parse_bytes(nvme_raw.get("block_size", 1 << 20), "memory.nvme.block_size")
+    if block_size == 0 or block_size % 4096:
+        raise ValueError(f"config key 'memory.nvme.block_size': must be a positive multiple of "
+                         f"4096 bytes, got {block_size}")
+    nvme = NvmeConfig(
+        path=None if path is None else os.fspath(path),
+        budget=parse_bytes(nvme_raw.get("budget", 0), "memory.nvme.budget"),
+        queue_depth=_number("memory.nvme.queue_depth", nvme_raw.get("queue_depth", 32),
+                            minimum=1, maximum=4096, integer=True),
+        block_size=block_size)
+    if path is None and set(nvme_raw) - {"path"}:
+        raise ValueError("config key 'memory.nvme.path': required when other memory.nvme keys "
+                         "are given")
+    return MemoryConfig(nvme=nvme, **budgets)
+
+
+def _parse_profile(raw: Any) -> ProfileConfig:
+    section = _section("profile", raw)
+    _check_keys("profile", section, {"enabled", "output_dir"})
+    output_dir = section.get("output_dir", ProfileConfig.output_dir)
+    if not isinstance(output_dir, (str, os.PathLike)) or not str(output_dir):
+        raise ValueError(f"config key 'profile.output_dir': expected a path, got {output_dir!r}")
+    return ProfileConfig(enabled=_bool("profile.enabled", section.get("enabled", False)),
+                         output_dir=os.fspath(output_dir))
+
+
+def _parse_parallel(raw: Any) -> ParallelConfig:
+    section = _section("parallel", raw)
+    _check_keys("parallel", section, {"data", "pipeline", "tensor"})
+    data = section.get("data")
+    return ParallelConfig(
+        data=None if data is None else _number("parallel.data", data, minimum=1, integer=True),
+        pipeline=_number("parallel.pipeline", section.get("pipeline", 1), minimum=1,
+                         integer=True),
+        tensor=_number("parallel.tensor", section.get("tensor", 1), minimum=1, integer=True))
+
+
+def _parse_client(raw: Any) -> list[str]:
+    section = _section("client", raw)
+    _check_keys("client", section, set(_IGNORED_CLIENT_KEYS))
+    ignored = []
+    for name, known in _IGNORED_CLIENT_KEYS.items():
+        sub = _section(f"client.{name}", section.get(name, {}))
+        _check_keys(f"client.{name}", sub, known)
+        ignored.extend(f"client.{name}.{key}" for key in sub)
+    return ignored
+
+
+_TOP_LEVEL: dict[str, Callable[[Any], Any] | None] = {
+    "default_chunk_size": None, "release_after_init": None, "use_cpu_embedding": None,
+    "optimizer": _parse_optimizer, "fp16": _parse_fp16, "bf16": None,
+    "gradient_clipping": None, "gradient_accumulation_steps": None, "memory": _parse_memory,
+    "profile": _parse_profile, "parallel": _parse_parallel, "client": _parse_client,
+}
+
+
+def load_config(config: Mapping[str, Any] | str | os.PathLike | None) -> Config:
+    """Parses and validates `config` (a dict, a JSON file path, or None for the defaults)."""
+    if config is None:
+        config = {}
+    if isinstance(config, (str, os.PathLike)):
+        path = os.fspath(config)
+        try:
+            with open(path, encoding="utf-8") as handle:
+                config = json.load(handle)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"config file '{path}' does not exist") from None
+        except json.JSONDecodeError as error:
+            raise ValueError(f"config file '{path}' is not valid JSON: {error}") from None
+    raw = _section("<config>", config)
+    _check_keys("", raw, set(_TOP_LEVEL))
+
+    chunk_size = raw.get("default_chunk_size", Config.default_chunk_size)
+    if chunk_size == "auto" or chunk_size is None:
+        chunk_size = None
+    else:
+        chunk_size = _number("default_chunk_size", chunk_size, minimum=1, integer=True)
+    bf16 = _section("bf16", raw.get("bf16", {}))
+    _check_keys("bf16", bf16, {"enabled"})
+    fp16 = _parse_fp16(raw.get("fp16", {}))
+    bf16_enabled = _bool("bf16.enabled", bf16.get("enabled", False))
+    if fp16.enabled and bf16_enabled:
+        raise ValueError("config keys 'fp16.enabled' and 'bf16.enabled': only one of them may be "
+                         "true")
+    ignored = _parse_client(raw.get("client", {}))
+    release_after_init = _bool("release_after_init", raw.get("release_after_init", False))
+    use_cpu_embedding = _bool("use_cpu_embedding", raw.get("use_cpu_embedding", False))
+    if use_cpu_embedding:
+        ignored.append("use_cpu_embedding")
+    if release_after_init:
+        ignored.append("release_after_init")
+    result = Config(
+        default_chunk_size=chunk_size,
+        release_after_init=release_after_init,
+        use_cpu_embedding=use_cpu_embedding,
+        optimizer=_parse_optimizer(raw.get("optimizer", {})),
+        fp16=fp16,
+        bf16_enabled=bf16_enabled,
+        gradient_clipping=float(_number("gradient_clipping", raw.get("gradient_clipping", 0.0),
+                                        minimum=0.0)),
+        gradient_accumulation_steps=_number("gradient_accumulation_steps",
+                                            raw.get("gradient_accumulation_steps", 1),
+                                            minimum=1, integer=True),
+        memory=_parse_memory(raw.get("memory", {})),
+        profile=_parse_profile(raw.get("profile", {})),
+        parallel=_parse_parallel(raw.get("parallel", {})),
+        ignored_keys=tuple(ignored),
+    )
+    if ignored:
+        warnings.warn("patrickstar: these PatrickStar config keys are accepted for compatibility "
+                      "but have no effect in PatrickStar-C++: " + ", ".join(ignored),
+                      UserWarning, stacklevel=2)
+    return result

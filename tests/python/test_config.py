@@ -1,0 +1,157 @@
+"""Config parsing and validation: every bad value names its key path."""
+import json
+import warnings
+
+import pytest
+
+from patrickstar.config import load_config, parse_bytes
+from patrickstar.loss_scaler import DynamicLossScaler, StaticLossScaler, make_loss_scaler
+
+
+def test_defaults():
+    config = load_config(None)
+    assert config.precision == "fp32"
+    assert config.optimizer.type == "Adam" and config.optimizer.lr == 1e-3
+    assert config.gradient_accumulation_steps == 1
+    assert config.memory.device_budget is None and config.memory.nvme.path is None
+
+
+def test_patrickstar_example_config_parses(tmp_path):
+    patrickstar_config = {
+        "optimizer": {"type": "Adam", "params": {"lr": 0.001, "betas": (0.9, 0.999),
+                                                 "eps": 1e-6, "weight_decay": 0,
+                                                 "use_hybrid_adam": True}},
+        "fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 2 ** 3,
+                 "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1},
+        "default_chunk_size": 64 * 1024 * 1024,
+        "release_after_init": True,
+        "use_cpu_embedding": False,
+        "client": {"mem_tracer": {"use_async_mem_monitor": True,
+                                  "warmup_gpu_chunk_mem_ratio": 0.1,
+                                  "overall_gpu_mem_ratio": 0.8, "overall_cpu_mem_ratio": 0.8,
+                                  "margin_use_ratio": 0.8, "use_fake_dist": False},
+                   "opts": {"with_mem_cache": True, "with_async_move": True}},
+    }
+    path = tmp_path / "ps.json"
+    path.write_text(json.dumps(patrickstar_config))
+    with pytest.warns(UserWarning, match="client.mem_tracer.use_async_mem_monitor") as record:
+        config = load_config(str(path))
+    assert len(record) == 1  # reported once, in one warning
+    assert "release_after_init" in str(record[0].message)
+    assert config.precision == "fp16"
+    assert config.fp16.initial_scale_power == 8
+    assert config.optimizer.eps == 1e-6
+    assert config.default_chunk_size == 64 * 1024 * 1024
+
+
+def test_new_keys_parse():
+    config = load_config({
+        "bf16": {"enabled": True}, "gradient_accumulation_steps": 4, "gradient_clipping": 1.0,
+        "optimizer": {"type": "adamw", "params": {"lr": 3e-4, "weight_decay": 0.1}},
+        "memory": {"device_budget": "2GiB", "host_budget": 3 * 2**30,
+                   "nvme": {"path": "/tmp", "budget": "10GB", "queue_depth": 8,
+                            "block_size": "1MiB"}},
+        "profile": {"enabled": True, "output_dir": "prof"},
+        "parallel": {"data": 2, "pipeline": 1, "tensor": 1},
+        "default_chunk_size": "auto",
+    })
+    assert config.precision == "bf16"
+    assert config.optimizer.type == "AdamW" and config.optimizer.decoupled_weight_decay
+    assert config.memory.device_budget == 2 * 2**30
+    assert config.memory.nvme.budget == 10 * 10**9
+    assert config.memory.nvme.block_size == 2**20
+    assert config.default_chunk_size is None
+    assert config.parallel.data == 2
+
+
+@pytest.mark.parametrize("config, key", [
+    ({"optimiser": {}}, "'optimiser'"),
+    ({"optimizer": {"params": {"lr": -1}}}, "'optimizer.params.lr': must be >= 0"),
+    ({"optimizer": {"params": {"lr": "fast"}}}, "'optimizer.params.lr': expected a number"),
+    ({"optimizer": {"params": {"betas": [0.9]}}}, "'optimizer.params.betas'"),
+    ({"optimizer": {"params": {"betas": [0.9, 1.0]}}}, "'optimizer.params.betas[1]'"),
+    ({"optimizer": {"params": {"eps": 0}}}, "'optimizer.params.eps': must be > 0"),
+    ({"optimizer": {"params": {"amsgrad": True}}}, "'optimizer.params.amsgrad'"),
+    ({"optimizer": {"params": {"momentum": 0.9}}}, "'optimizer.params.momentum'"),
+    ({"optimizer": {"type": "SGD"}}, "'optimizer.type'"),
+    ({"default_chunk_size": 0}, "'default_chunk_size': must be >= 1"),
+    ({"default_chunk_size": 1.5}, "'default_chunk_size': expected an integer"),
+    ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "only one of them"),
+    ({"fp16": {"enabled": "yes"}}, "'fp16.enabled': expected true or false"),
+    ({"fp16": {"hysteresis": 0}}, "'fp16.hysteresis'"),
+    ({"fp16": {"min_loss_scale": 0}}, "'fp16.min_loss_scale'"),
+    ({"fp16": {"loss_scale": -2}}, "'fp16.loss_scale'"),
+    ({"gradient_accumulation_steps": 0}, "'gradient_accumulation_steps'"),
+    ({"gradient_clipping": -1.0}, "'gradient_clipping'"),
+    ({"memory": {"device_budget": "two gigs"}}, "'memory.device_budget'"),
+    ({"memory": {"device_budget": -5}}, "'memory.device_budget'"),
+    ({"memory": {"host_budget": 0}}, "'memory.host_budget': must be > 0"),
+    ({"memory": {"nvme": {"budget": "1GiB"}}}, "'memory.nvme.path': required"),
+    ({"memory": {"nvme": {"path": "/tmp", "block_size": 1000}}}, "'memory.nvme.block_size'"),
+    ({"memory": {"nvme": {"path": "/tmp", "queue_depth": 0}}}, "'memory.nvme.queue_depth'"),
+    ({"memory": {"gpu": 1}}, "'memory.gpu'"),
+    ({"parallel": {"tensor": 0}}, "'parallel.tensor'"),
+    ({"client": {"mem_tracer": {"bogus": 1}}}, "'client.mem_tracer.bogus'"),
+    ({"profile": []}, "'profile': expected an object"),
+    ([1, 2], "'<config>': expected an object"),
+])
+def test_bad_configs_name_the_key(config, key):
+    with pytest.raises(ValueError) as info:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            load_config(config)
+    assert key in str(info.value)
+
+
+def test_config_file_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="missing.json"):
+        load_config(str(tmp_path / "missing.json"))
+    broken = tmp_path / "broken.json"
+    broken.write_text("{not json")
+    with pytest.raises(ValueError, match="broken.json"):
+        load_config(str(broken))
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("512", 512), ("4KiB", 4096), ("2GiB", 2 * 2**30), ("1.5 GiB", 3 * 2**29),
+    ("10GB", 10**10), ("3mib", 3 * 2**20), (1024, 1024), (2.0**20, 2**20),
+])
+def test_parse_bytes(text, expected):
+    assert parse_bytes(text) == expected
+
+
+def test_parse_bytes_rejects_nonsense():
+    for bad in ("1 parsec", "", "GiB", True, [1], -1, 1.5):
+        with pytest.raises(ValueError, match="budget"):
+            parse_bytes(bad, "budget")
+
+
+def test_dynamic_loss_scaler_follows_the_rules():
+    scaler = DynamicLossScaler(scale=2.0**10, scale_window=3, hysteresis=2, min_scale=256)
+    scaler.update(overflow=True)   # spends hysteresis, scale unchanged
+    assert scaler.scale == 2.0**10 and scaler.hysteresis_left == 1
+    scaler.update(overflow=True)   # no hysteresis left: halve
+    assert scaler.scale == 2.0**9
+    scaler.update(overflow=True)
+    assert scaler.scale == 2.0**8
+    scaler.update(overflow=True)   # clamped at min_scale
+    assert scaler.scale == 256
+    for _ in range(2):
+        scaler.update(overflow=False)
+    assert scaler.scale == 256
+    scaler.update(overflow=False)  # third clean step in a row: double, refill hysteresis
+    assert scaler.scale == 512 and scaler.hysteresis_left == 2
+    assert scaler.overflows == 4
+    restored = DynamicLossScaler()
+    restored.load_state_dict(scaler.state_dict())
+    assert restored == scaler
+
+
+def test_make_loss_scaler_from_config():
+    assert isinstance(make_loss_scaler(load_config({})), StaticLossScaler)
+    static = make_loss_scaler(load_config({"fp16": {"enabled": True, "loss_scale": 128}}))
+    assert isinstance(static, StaticLossScaler) and static.scale == 128
+    dynamic = make_loss_scaler(load_config({"fp16": {"enabled": True, "initial_scale_power": 5,
+                                                     "loss_scale_window": 7}}))
+    assert isinstance(dynamic, DynamicLossScaler)
+    assert dynamic.scale == 32 and dynamic.scale_window == 7
