@@ -70,8 +70,11 @@ at::Tensor BlockTensor(const TierPtr& tier, const PyBlock& py_block, at::ScalarT
   }
   at::Device device(at::kCPU);
   switch (tier->address_space()) {
-    case AddressSpace::kHostMemory: break;
-    case AddressSpace::kDeviceMemory: device = at::Device(at::kCUDA); break;
+    case AddressSpace::kHostMemory:
+      break;
+    case AddressSpace::kDeviceMemory:
+      device = at::Device(at::kCUDA);
+      break;
     case AddressSpace::kFile:
       throw py::value_error("tensor: blocks of NVMe tier '" + tier->name() +
                             "' are not addressable; copy them to a memory tier first");
@@ -83,12 +86,12 @@ at::Tensor BlockTensor(const TierPtr& tier, const PyBlock& py_block, at::ScalarT
       at::TensorOptions().dtype(dtype).device(device));
 }
 
-
 }  // namespace
 
 void InitRuntime(py::module_& module) {
-  module.def("cuda_available", [] { return gpu::DeviceCount() > 0; },
-             "True when this build has CUDA and a GPU is usable.");
+  module.def(
+      "cuda_available", [] { return gpu::DeviceCount() > 0; },
+      "True when this build has CUDA and a GPU is usable.");
   module.def("build_info", [] {
     py::dict info;
     info["with_cuda"] = gpu::CompiledWithCuda();
@@ -116,8 +119,8 @@ void InitRuntime(py::module_& module) {
       .def_property_readonly("address", [](const PyBlock& b) { return b.block.address; })
       .def_property_readonly("tier_name", [](const PyBlock& b) { return b.tier->name(); })
       .def("__repr__", [](const PyBlock& b) {
-        return "Block(id=" + std::to_string(b.block.id) + ", nbytes=" +
-               std::to_string(b.block.bytes) + ", tier='" + b.tier->name() + "')";
+        return "Block(id=" + std::to_string(b.block.id) +
+               ", nbytes=" + std::to_string(b.block.bytes) + ", tier='" + b.tier->name() + "')";
       });
 
   py::class_<Tier, TierPtr>(module, "Tier", "A memory tier with a budget and a slab pool.")
@@ -178,9 +181,9 @@ void InitRuntime(py::module_& module) {
            py::arg("slab_bytes") = 64ll << 20);
 
   py::class_<NvmeTier, Tier, std::shared_ptr<NvmeTier>>(module, "NvmeTier")
-      .def(py::init([](const std::string& path, int64_t budget, int queue_depth,
-                       int64_t block_size, bool use_io_uring, bool use_direct_io,
-                       const std::string& name, int64_t slab_bytes) {
+      .def(py::init([](const std::string& path, int64_t budget, int queue_depth, int64_t block_size,
+                       bool use_io_uring, bool use_direct_io, const std::string& name,
+                       int64_t slab_bytes) {
              NvmeTierOptions options;
              options.tier = Tier::Options{name, budget, slab_bytes};
              options.directory = path;
@@ -197,8 +200,7 @@ void InitRuntime(py::module_& module) {
       .def_property_readonly("path", [](const NvmeTier& t) { return t.path(); })
       .def_property_readonly("direct_io", &NvmeTier::direct_io)
       .def_property_readonly("uses_io_uring", &NvmeTier::uses_io_uring)
-      .def_property_readonly("fallback_note",
-                             [](const NvmeTier& t) { return t.fallback_note(); })
+      .def_property_readonly("fallback_note", [](const NvmeTier& t) { return t.fallback_note(); })
       .def_property_readonly("file_bytes", &NvmeTier::file_bytes);
 
   module.def(

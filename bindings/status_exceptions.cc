@@ -12,14 +12,22 @@ PyObject* chunk_runtime_error = nullptr;
 
 PyObject* ExceptionFor(absl::StatusCode code) {
   switch (code) {
-    case absl::StatusCode::kResourceExhausted: return chunk_out_of_memory_error;
-    case absl::StatusCode::kInvalidArgument: return PyExc_ValueError;
-    case absl::StatusCode::kNotFound: return PyExc_FileNotFoundError;
-    case absl::StatusCode::kPermissionDenied: return PyExc_PermissionError;
-    case absl::StatusCode::kFailedPrecondition: return PyExc_RuntimeError;
-    case absl::StatusCode::kUnimplemented: return PyExc_NotImplementedError;
-    case absl::StatusCode::kOutOfRange: return PyExc_IndexError;
-    default: return chunk_runtime_error;
+    case absl::StatusCode::kResourceExhausted:
+      return chunk_out_of_memory_error;
+    case absl::StatusCode::kInvalidArgument:
+      return PyExc_ValueError;
+    case absl::StatusCode::kNotFound:
+      return PyExc_FileNotFoundError;
+    case absl::StatusCode::kPermissionDenied:
+      return PyExc_PermissionError;
+    case absl::StatusCode::kFailedPrecondition:
+      return PyExc_RuntimeError;
+    case absl::StatusCode::kUnimplemented:
+      return PyExc_NotImplementedError;
+    case absl::StatusCode::kOutOfRange:
+      return PyExc_IndexError;
+    default:
+      return chunk_runtime_error;
   }
 }
 

@@ -55,7 +55,6 @@ bool CopyHandle::Done() const { return state_ == nullptr || state_->done.HasBeen
 CopyEngine::CopyEngine(Options options)
     : options_(options), pool_(options.host_threads, "ps-copy") {}
 
-
 CopyEngine::~CopyEngine() {
   WaitAll();
   absl::MutexLock lock(&gpu_mutex_);
@@ -88,9 +87,10 @@ absl::StatusOr<CopyHandle> CopyEngine::Copy(const Block& src, const Block& dst) 
   }
   PS_ASSIGN_OR_RETURN(bool src_valid, src.tier->IsValid(src));
   if (!src_valid) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "copy: ", Describe(src), " holds no complete data (never written, or a copy into it "
-        "failed or is still in flight)"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("copy: ", Describe(src),
+                     " holds no complete data (never written, or a copy into it "
+                     "failed or is still in flight)"));
   }
   PS_RETURN_IF_ERROR(src.tier->Pin(src));
   if (absl::Status status = dst.tier->BeginWrite(dst); !status.ok()) {
@@ -121,9 +121,8 @@ absl::StatusOr<CopyHandle> CopyEngine::Copy(const Block& src, const Block& dst) 
     src_nvme->SubmitRead(src, dst.data(), bytes, finish);
   } else if (src_nvme == nullptr && dst_nvme == nullptr) {
     // At least one side is device memory.
-    pool_.Schedule([this, src, dst, bytes, finish] {
-      finish(RunDeviceCopy(dst.data(), src.data(), bytes));
-    });
+    pool_.Schedule(
+        [this, src, dst, bytes, finish] { finish(RunDeviceCopy(dst.data(), src.data(), bytes)); });
   } else {
     // Staged through host memory: file -> file, device -> file, file -> device.
     pool_.Schedule([this, src, dst, src_nvme, dst_nvme, bytes, finish] {

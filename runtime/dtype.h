@@ -2,9 +2,9 @@
 #pragma once
 
 #include <cstdint>
-#include "absl/strings/string_view.h"
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 
 namespace ps {
 

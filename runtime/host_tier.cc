@@ -25,8 +25,10 @@ absl::StatusOr<uint64_t> AllocateAligned(const std::string& tier_name, int64_t b
 bool DecidePinned(bool requested, const std::string& name) {
   if (!requested) return false;
   if (gpu::DeviceCount() > 0) return true;
-  PS_LOG(kInfo, "tier '%s': pinned host memory requested but unavailable (%s); using pageable "
-                "memory", name, gpu::UnavailableReason());
+  PS_LOG(kInfo,
+         "tier '%s': pinned host memory requested but unavailable (%s); using pageable "
+         "memory",
+         name, gpu::UnavailableReason());
   return false;
 }
 

@@ -35,20 +35,29 @@ void SetLogLevel(LogLevel level) { LevelStorage().store(static_cast<int>(level))
 
 bool ParseLogLevel(absl::string_view text, LogLevel* level) {
   const std::string lower = absl::AsciiStrToLower(text);
-  if (lower == "debug") *level = LogLevel::kDebug;
-  else if (lower == "info") *level = LogLevel::kInfo;
-  else if (lower == "warning" || lower == "warn") *level = LogLevel::kWarning;
-  else if (lower == "error") *level = LogLevel::kError;
-  else return false;
+  if (lower == "debug")
+    *level = LogLevel::kDebug;
+  else if (lower == "info")
+    *level = LogLevel::kInfo;
+  else if (lower == "warning" || lower == "warn")
+    *level = LogLevel::kWarning;
+  else if (lower == "error")
+    *level = LogLevel::kError;
+  else
+    return false;
   return true;
 }
 
 absl::string_view LogLevelName(LogLevel level) {
   switch (level) {
-    case LogLevel::kDebug: return "DEBUG";
-    case LogLevel::kInfo: return "INFO";
-    case LogLevel::kWarning: return "WARNING";
-    case LogLevel::kError: return "ERROR";
+    case LogLevel::kDebug:
+      return "DEBUG";
+    case LogLevel::kInfo:
+      return "INFO";
+    case LogLevel::kWarning:
+      return "WARNING";
+    case LogLevel::kError:
+      return "ERROR";
   }
   return "?";
 }
@@ -61,8 +70,8 @@ void SetLogSink(LogSink sink) {
 void LogMessage(LogLevel level, const char* file, int line, absl::string_view message) {
   absl::string_view base(file);
   if (auto slash = base.rfind('/'); slash != absl::string_view::npos) base.remove_prefix(slash + 1);
-  const std::string line_text = absl::StrFormat("[patrickstar %s %s:%d] %s",
-                                                LogLevelName(level), base, line, message);
+  const std::string line_text =
+      absl::StrFormat("[patrickstar %s %s:%d] %s", LogLevelName(level), base, line, message);
   absl::MutexLock lock(&sink_mutex);
   if (Sink()) {
     Sink()(level, line_text);

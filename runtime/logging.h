@@ -5,9 +5,9 @@
 
 #include <functional>
 #include <string>
-#include "absl/strings/string_view.h"
 
 #include "absl/strings/str_format.h"
+#include "absl/strings/string_view.h"
 
 namespace ps {
 
@@ -27,9 +27,8 @@ void LogMessage(LogLevel level, const char* file, int line, absl::string_view me
 
 }  // namespace ps
 
-#define PS_LOG(level, ...)                                                           \
-  do {                                                                               \
-    if (::ps::LogLevel::level >= ::ps::GetLogLevel())                                \
-      ::ps::LogMessage(::ps::LogLevel::level, __FILE__, __LINE__,                    \
-                       ::absl::StrFormat(__VA_ARGS__));                              \
+#define PS_LOG(level, ...)                                                                         \
+  do {                                                                                             \
+    if (::ps::LogLevel::level >= ::ps::GetLogLevel())                                              \
+      ::ps::LogMessage(::ps::LogLevel::level, __FILE__, __LINE__, ::absl::StrFormat(__VA_ARGS__)); \
   } while (false)

@@ -60,16 +60,15 @@ void ConsultInjector(Piece* piece) {
 absl::string_view OpName(IoOp op) { return op == IoOp::kRead ? "read" : "write"; }
 
 absl::Status PieceError(const Piece& piece, int error) {
-  return ErrnoToStatus(error, absl::StrCat(OpName(piece.request->op), " of ", piece.bytes,
-                                           " bytes at offset ", piece.offset, " in file ",
-                                           piece.request->path, " failed"));
+  return ErrnoToStatus(
+      error, absl::StrCat(OpName(piece.request->op), " of ", piece.bytes, " bytes at offset ",
+                          piece.offset, " in file ", piece.request->path, " failed"));
 }
 
 absl::Status ShortTransferError(const Piece& piece) {
-  return absl::DataLossError(absl::StrCat("short ", OpName(piece.request->op), ": ",
-                                          piece.done_bytes, " of ", piece.bytes,
-                                          " bytes at offset ", piece.offset, " in file ",
-                                          piece.request->path));
+  return absl::DataLossError(
+      absl::StrCat("short ", OpName(piece.request->op), ": ", piece.done_bytes, " of ", piece.bytes,
+                   " bytes at offset ", piece.offset, " in file ", piece.request->path));
 }
 
 void FinishPiece(Piece* piece, absl::Status status) {
@@ -182,9 +181,8 @@ class UringBackend final : public NvmeTier::IoBackend {
     {
       absl::MutexLock lock(&mutex_);
       mutex_.Await(absl::Condition(
-          +[](UringBackend* b) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-            return b->pending_.empty() && b->in_flight_ == 0;
-          },
+          +[](UringBackend* b)
+               ABSL_NO_THREAD_SAFETY_ANALYSIS { return b->pending_.empty() && b->in_flight_ == 0; },
           this));
       // A NOP without user data tells the reaper to stop.
       io_uring_sqe* sqe = GetSqeLocked();
@@ -311,8 +309,8 @@ absl::StatusOr<std::unique_ptr<NvmeTier>> NvmeTier::Create(NvmeTierOptions optio
     return absl::InvalidArgumentError("nvme tier: no directory given (memory.nvme.path)");
   }
   if (options.queue_depth < 1 || options.queue_depth > 4096) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "nvme tier: queue_depth must be in [1, 4096], got ", options.queue_depth));
+    return absl::InvalidArgumentError(
+        absl::StrCat("nvme tier: queue_depth must be in [1, 4096], got ", options.queue_depth));
   }
   if (options.io_block_bytes < kBlockAlignment || options.io_block_bytes % kBlockAlignment != 0) {
     return absl::InvalidArgumentError(
@@ -345,9 +343,9 @@ absl::StatusOr<std::unique_ptr<NvmeTier>> NvmeTier::Create(NvmeTierOptions optio
   if (options.tier.budget_bytes == 0) {
     struct statvfs fs;
     if (fstatvfs(fd, &fs) == 0) {
-      options.tier.budget_bytes =
-          static_cast<int64_t>(fs.f_bavail) * static_cast<int64_t>(fs.f_frsize) /
-          kBlockAlignment * kBlockAlignment;
+      options.tier.budget_bytes = static_cast<int64_t>(fs.f_bavail) *
+                                  static_cast<int64_t>(fs.f_frsize) / kBlockAlignment *
+                                  kBlockAlignment;
     }
   }
   auto tier = std::unique_ptr<NvmeTier>(new NvmeTier(std::move(options), fd, path, direct));
@@ -368,8 +366,8 @@ absl::StatusOr<std::unique_ptr<NvmeTier>> NvmeTier::Create(NvmeTierOptions optio
                     "io_uring disabled by configuration; using pread/pwrite threads");
   }
   if (tier->backend_ == nullptr) {
-    tier->backend_ = std::make_unique<PosixBackend>(
-        fd, std::clamp(tier->nvme_options_.queue_depth, 1, 8));
+    tier->backend_ =
+        std::make_unique<PosixBackend>(fd, std::clamp(tier->nvme_options_.queue_depth, 1, 8));
   }
   if (!tier->fallback_note_.empty()) {
     PS_LOG(kInfo, "nvme tier %s: %s", path, tier->fallback_note_);
@@ -413,8 +411,8 @@ absl::StatusOr<uint64_t> NvmeTier::ReserveRegion(int64_t bytes) {
     }
     if (fallocate(fd_, 0, offset, bytes) != 0) {
       released_ranges_.emplace_back(offset, bytes);
-      return ErrnoToStatus(errno, absl::StrCat("preallocating ", bytes, " bytes at offset ",
-                                               offset, " in file ", path_));
+      return ErrnoToStatus(errno, absl::StrCat("preallocating ", bytes, " bytes at offset ", offset,
+                                               " in file ", path_));
     }
     return offset;
   }
@@ -422,8 +420,8 @@ absl::StatusOr<uint64_t> NvmeTier::ReserveRegion(int64_t bytes) {
   if (fallocate(fd_, 0, offset, bytes) != 0) {
     const int error = errno;
     if (error != EOPNOTSUPP || ftruncate(fd_, offset + bytes) != 0) {
-      return ErrnoToStatus(error, absl::StrCat("preallocating ", bytes, " bytes at offset ",
-                                               offset, " in file ", path_));
+      return ErrnoToStatus(error, absl::StrCat("preallocating ", bytes, " bytes at offset ", offset,
+                                               " in file ", path_));
     }
   }
   file_end_ += bytes;
@@ -440,8 +438,8 @@ void NvmeTier::ReleaseRegion(uint64_t base, int64_t bytes) {
 absl::Status NvmeTier::CheckRange(const Block& block, const void* buffer, int64_t bytes,
                                   absl::string_view op) const {
   if (block.tier != this) {
-    return absl::InvalidArgumentError(absl::StrCat("nvme tier '", name(), "': ", op,
-                                                   " of a block from another tier"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("nvme tier '", name(), "': ", op, " of a block from another tier"));
   }
   if (bytes <= 0 || bytes > block.bytes) {
     return absl::InvalidArgumentError(absl::StrCat("nvme tier '", name(), "': ", op, " of ", bytes,
@@ -458,8 +456,7 @@ absl::Status NvmeTier::CheckRange(const Block& block, const void* buffer, int64_
   return absl::OkStatus();
 }
 
-void NvmeTier::Submit(IoOp op, const Block& block, void* buffer, int64_t bytes,
-                      IoCallback done) {
+void NvmeTier::Submit(IoOp op, const Block& block, void* buffer, int64_t bytes, IoCallback done) {
   absl::Status range = CheckRange(block, buffer, bytes, OpName(op));
   if (!range.ok()) {
     done(range);

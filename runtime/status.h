@@ -10,10 +10,10 @@
 #include <optional>
 #include <string>
 
-#include "absl/strings/string_view.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 
 namespace ps {
 
@@ -35,10 +35,10 @@ std::optional<int> StatusErrno(const absl::Status& status);
 #define PS_STATUS_CONCAT_INNER_(a, b) a##b
 #define PS_STATUS_CONCAT_(a, b) PS_STATUS_CONCAT_INNER_(a, b)
 
-#define PS_RETURN_IF_ERROR(expr)                  \
-  do {                                            \
-    ::absl::Status ps_status_ = (expr);           \
-    if (!ps_status_.ok()) return ps_status_;      \
+#define PS_RETURN_IF_ERROR(expr)             \
+  do {                                       \
+    ::absl::Status ps_status_ = (expr);      \
+    if (!ps_status_.ok()) return ps_status_; \
   } while (false)
 
 #define PS_ASSIGN_OR_RETURN_IMPL_(tmp, lhs, expr) \
@@ -50,14 +50,14 @@ std::optional<int> StatusErrno(const absl::Status& status);
   PS_ASSIGN_OR_RETURN_IMPL_(PS_STATUS_CONCAT_(ps_statusor_, __LINE__), lhs, expr)
 
 // Aborts with file:line when `cond` is false; extra arguments are joined with absl::StrCat.
-#define PS_CHECK(cond, ...)                                                               \
-  do {                                                                                    \
+#define PS_CHECK(cond, ...)                                                                 \
+  do {                                                                                      \
     if (!(cond)) ::ps::CheckFailed(__FILE__, __LINE__, #cond, ::absl::StrCat(__VA_ARGS__)); \
   } while (false)
 
-#define PS_CHECK_OK(expr)                                                          \
-  do {                                                                             \
-    ::absl::Status ps_check_status_ = (expr);                                      \
-    if (!ps_check_status_.ok())                                                    \
-      ::ps::CheckFailed(__FILE__, __LINE__, #expr, ps_check_status_.ToString());   \
+#define PS_CHECK_OK(expr)                                                        \
+  do {                                                                           \
+    ::absl::Status ps_check_status_ = (expr);                                    \
+    if (!ps_check_status_.ok())                                                  \
+      ::ps::CheckFailed(__FILE__, __LINE__, #expr, ps_check_status_.ToString()); \
   } while (false)

@@ -42,9 +42,8 @@ void ThreadPool::Schedule(std::function<void()> task) {
 void ThreadPool::WaitIdle() {
   absl::MutexLock lock(&mutex_);
   mutex_.Await(absl::Condition(
-      +[](ThreadPool* pool) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-        return pool->queue_.empty() && pool->running_ == 0;
-      },
+      +[](ThreadPool* pool)
+           ABSL_NO_THREAD_SAFETY_ANALYSIS { return pool->queue_.empty() && pool->running_ == 0; },
       this));
 }
 
@@ -54,9 +53,8 @@ void ThreadPool::WorkerLoop() {
     {
       absl::MutexLock lock(&mutex_);
       mutex_.Await(absl::Condition(
-          +[](ThreadPool* pool) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-            return !pool->queue_.empty() || pool->stopping_;
-          },
+          +[](ThreadPool* pool)
+               ABSL_NO_THREAD_SAFETY_ANALYSIS { return !pool->queue_.empty() || pool->stopping_; },
           this));
       if (queue_.empty()) return;  // stopping and drained
       task = std::move(queue_.front());

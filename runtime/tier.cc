@@ -12,17 +12,22 @@ namespace ps {
 
 absl::string_view TierKindName(TierKind kind) {
   switch (kind) {
-    case TierKind::kDevice: return "device";
-    case TierKind::kHost: return "host";
-    case TierKind::kNvme: return "nvme";
+    case TierKind::kDevice:
+      return "device";
+    case TierKind::kHost:
+      return "host";
+    case TierKind::kNvme:
+      return "nvme";
   }
   return "unknown";
 }
 
 std::string FormatBytes(int64_t bytes) {
   const double value = static_cast<double>(bytes);
-  if (bytes >= (1ll << 30)) return absl::StrFormat("%d bytes (%.2f GiB)", bytes, value / (1ll << 30));
-  if (bytes >= (1ll << 20)) return absl::StrFormat("%d bytes (%.2f MiB)", bytes, value / (1ll << 20));
+  if (bytes >= (1ll << 30))
+    return absl::StrFormat("%d bytes (%.2f GiB)", bytes, value / (1ll << 30));
+  if (bytes >= (1ll << 20))
+    return absl::StrFormat("%d bytes (%.2f MiB)", bytes, value / (1ll << 20));
   return absl::StrFormat("%d bytes", bytes);
 }
 
@@ -128,7 +133,8 @@ absl::StatusOr<uint64_t> Tier::GrowLocked(int64_t block_bytes) {
       return address;
     }
     int64_t pooled_free = 0;
-    for (const auto& [size, list] : free_lists_) pooled_free += size * static_cast<int64_t>(list.size());
+    for (const auto& [size, list] : free_lists_)
+      pooled_free += size * static_cast<int64_t>(list.size());
     return absl::ResourceExhaustedError(absl::StrCat(
         "tier '", options_.name, "' (", TierKindName(kind_), "): cannot allocate a block of ",
         FormatBytes(block_bytes), ": budget ", FormatBytes(budget), ", in use ",
@@ -177,9 +183,9 @@ int64_t Tier::TrimLocked(int64_t keep_block_bytes) {
     const uint64_t base = it->first;
     const uint64_t end = base + slab.bytes;
     std::vector<uint64_t>& list = free_lists_[slab.block_bytes];
-    list.erase(std::remove_if(list.begin(), list.end(),
-                              [&](uint64_t a) { return a >= base && a < end; }),
-               list.end());
+    list.erase(
+        std::remove_if(list.begin(), list.end(), [&](uint64_t a) { return a >= base && a < end; }),
+        list.end());
     ReleaseRegion(base, slab.bytes);
     released += slab.bytes;
     stats_.reserved_bytes -= slab.bytes;
@@ -222,9 +228,9 @@ absl::Status Tier::Free(const Block& block) {
   absl::MutexLock lock(&mutex_);
   PS_ASSIGN_OR_RETURN(BlockRecord * record, FindLocked(block));
   if (record->pins > 0) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        DescribeBlockLocked(block), " cannot be freed: ", record->pins,
-        " pin(s) held by copies in flight or tensor views still alive"));
+    return absl::FailedPreconditionError(
+        absl::StrCat(DescribeBlockLocked(block), " cannot be freed: ", record->pins,
+                     " pin(s) held by copies in flight or tensor views still alive"));
   }
   const uint64_t address = record->address;
   const int64_t bytes = record->bytes;
@@ -267,7 +273,8 @@ absl::StatusOr<int> Tier::PinCount(const Block& block) const {
   absl::MutexLock lock(&mutex_);
   const BlockRecord* record = FindLocked(block);
   if (record == nullptr) {
-    return absl::InvalidArgumentError(absl::StrCat(DescribeBlockLocked(block), " is not allocated"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(DescribeBlockLocked(block), " is not allocated"));
   }
   return record->pins;
 }
@@ -276,7 +283,8 @@ absl::StatusOr<bool> Tier::IsValid(const Block& block) const {
   absl::MutexLock lock(&mutex_);
   const BlockRecord* record = FindLocked(block);
   if (record == nullptr) {
-    return absl::InvalidArgumentError(absl::StrCat(DescribeBlockLocked(block), " is not allocated"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(DescribeBlockLocked(block), " is not allocated"));
   }
   return record->valid;
 }
@@ -307,11 +315,10 @@ void Tier::EndWrite(const Block& block, bool succeeded) {
 
 std::string Tier::DebugString() const {
   const TierStats s = stats();
-  return absl::StrCat("Tier(", options_.name, ", ", TierKindName(kind_), ", in use ",
-                      FormatBytes(s.bytes.current), " in ", s.blocks.current, " blocks, reserved ",
-                      FormatBytes(s.reserved_bytes), ", budget ",
-                      s.budget_bytes == 0 ? std::string("unlimited") : FormatBytes(s.budget_bytes),
-                      ")");
+  return absl::StrCat(
+      "Tier(", options_.name, ", ", TierKindName(kind_), ", in use ", FormatBytes(s.bytes.current),
+      " in ", s.blocks.current, " blocks, reserved ", FormatBytes(s.reserved_bytes), ", budget ",
+      s.budget_bytes == 0 ? std::string("unlimited") : FormatBytes(s.budget_bytes), ")");
 }
 
 }  // namespace ps

@@ -24,9 +24,9 @@
 #include <string>
 #include <vector>
 
-#include "absl/strings/string_view.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "runtime/memory_stats.h"
 
@@ -63,7 +63,7 @@ class Tier {
  public:
   struct Options {
     std::string name;
-    int64_t budget_bytes = 0;                 // 0 means no limit beyond the backing store
+    int64_t budget_bytes = 0;                // 0 means no limit beyond the backing store
     int64_t slab_target_bytes = 64ll << 20;  // a slab holds max(1, this / block size) blocks
   };
 

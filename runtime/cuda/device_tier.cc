@@ -37,9 +37,8 @@ absl::StatusOr<std::unique_ptr<Tier>> CreateDeviceTier(DeviceTierOptions options
         absl::StrCat("cannot create the CUDA device tier: ", gpu::UnavailableReason()));
   }
   if (options.device < 0 || options.device >= gpu::DeviceCount()) {
-    return absl::InvalidArgumentError(absl::StrCat("CUDA device ", options.device,
-                                                   " does not exist (", gpu::DeviceCount(),
-                                                   " present)"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "CUDA device ", options.device, " does not exist (", gpu::DeviceCount(), " present)"));
   }
   if (options.tier.name.empty()) options.tier.name = absl::StrCat("cuda:", options.device);
   return std::unique_ptr<Tier>(new DeviceTier(options.device, std::move(options.tier)));

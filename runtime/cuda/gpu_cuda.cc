@@ -151,16 +151,15 @@ absl::Status StreamWaitEvent(Stream stream, Event event) {
 
 absl::Status CopyAsync(void* dst, const void* src, int64_t bytes, Stream stream) {
   cudaSetDevice(stream.device);
-  return CudaStatus(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault,
-                                    static_cast<cudaStream_t>(stream.handle)),
-                    absl::StrCat("cudaMemcpyAsync(", bytes, " bytes)"));
+  return CudaStatus(
+      cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, static_cast<cudaStream_t>(stream.handle)),
+      absl::StrCat("cudaMemcpyAsync(", bytes, " bytes)"));
 }
 
 absl::Status MemsetAsync(void* dst, int value, int64_t bytes, Stream stream) {
   cudaSetDevice(stream.device);
-  return CudaStatus(
-      cudaMemsetAsync(dst, value, bytes, static_cast<cudaStream_t>(stream.handle)),
-      absl::StrCat("cudaMemsetAsync(", bytes, " bytes)"));
+  return CudaStatus(cudaMemsetAsync(dst, value, bytes, static_cast<cudaStream_t>(stream.handle)),
+                    absl::StrCat("cudaMemsetAsync(", bytes, " bytes)"));
 }
 
 }  // namespace ps::gpu

@@ -1,10 +1,9 @@
 // The copy engine: every route between host, emulated device and NVMe, concurrency, pins.
-#include "runtime/copy_engine.h"
-
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include "absl/synchronization/notification.h"
+#include "runtime/copy_engine.h"
 #include "runtime/device_tier.h"
 #include "runtime/gpu.h"
 #include "runtime/host_tier.h"
@@ -186,11 +185,11 @@ TEST(DeviceTierTest, CudaDeviceTierRoundTrip) {
   PS_ASSERT_OK_AND_ASSIGN(Block on_nvme, nvme->Allocate(3 << 20));
   PS_ASSERT_OK_AND_ASSIGN(Block back, host.Allocate(3 << 20));
   testing::FillRandom(source.data(), source.bytes, 5);
-  PS_ASSERT_OK(engine.CopyAndWait(source, on_gpu));     // H2D
-  PS_ASSERT_OK(engine.CopyAndWait(on_gpu, on_gpu2));    // D2D
-  PS_ASSERT_OK(engine.CopyAndWait(on_gpu2, on_nvme));   // D -> file, staged
-  PS_ASSERT_OK(engine.CopyAndWait(on_nvme, on_gpu));    // file -> D, staged
-  PS_ASSERT_OK(engine.CopyAndWait(on_gpu, back));       // D2H
+  PS_ASSERT_OK(engine.CopyAndWait(source, on_gpu));    // H2D
+  PS_ASSERT_OK(engine.CopyAndWait(on_gpu, on_gpu2));   // D2D
+  PS_ASSERT_OK(engine.CopyAndWait(on_gpu2, on_nvme));  // D -> file, staged
+  PS_ASSERT_OK(engine.CopyAndWait(on_nvme, on_gpu));   // file -> D, staged
+  PS_ASSERT_OK(engine.CopyAndWait(on_gpu, back));      // D2H
   EXPECT_TRUE(testing::SameBytes(source.data(), back.data(), source.bytes));
   EXPECT_EQ(device->Allocate(128 << 20).status().code(), absl::StatusCode::kResourceExhausted);
 }

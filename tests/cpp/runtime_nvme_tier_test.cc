@@ -1,6 +1,4 @@
 // NvmeTier: files, slots, io_uring and pread/pwrite back ends, and every fault path.
-#include "runtime/nvme_tier.h"
-
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <sys/stat.h>
@@ -11,6 +9,7 @@
 #include <fstream>
 
 #include "runtime/host_memory.h"
+#include "runtime/nvme_tier.h"
 #include "runtime/status.h"
 #include "test_util.h"
 

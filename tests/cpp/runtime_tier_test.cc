@@ -4,9 +4,9 @@
 
 #include <thread>
 
-#include "runtime/host_tier.h"
 #include "runtime/gpu.h"
 #include "runtime/host_memory.h"
+#include "runtime/host_tier.h"
 #include "test_util.h"
 
 namespace ps {

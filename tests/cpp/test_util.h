@@ -44,20 +44,20 @@ inline bool SameBytes(const void* a, const void* b, int64_t bytes) {
 
 }  // namespace ps::testing
 
-#define PS_ASSERT_OK_AND_ASSIGN(lhs, expr)                       \
-  auto PS_TEST_CONCAT_(statusor_, __LINE__) = (expr);            \
-  ASSERT_TRUE(PS_TEST_CONCAT_(statusor_, __LINE__).ok())         \
-      << PS_TEST_CONCAT_(statusor_, __LINE__).status();          \
+#define PS_ASSERT_OK_AND_ASSIGN(lhs, expr)               \
+  auto PS_TEST_CONCAT_(statusor_, __LINE__) = (expr);    \
+  ASSERT_TRUE(PS_TEST_CONCAT_(statusor_, __LINE__).ok()) \
+      << PS_TEST_CONCAT_(statusor_, __LINE__).status();  \
   lhs = std::move(PS_TEST_CONCAT_(statusor_, __LINE__)).value()
 #define PS_TEST_CONCAT_INNER_(a, b) a##b
 #define PS_TEST_CONCAT_(a, b) PS_TEST_CONCAT_INNER_(a, b)
-#define PS_ASSERT_OK(expr)                          \
-  do {                                              \
-    const ::absl::Status ps_test_status_ = (expr);  \
+#define PS_ASSERT_OK(expr)                                \
+  do {                                                    \
+    const ::absl::Status ps_test_status_ = (expr);        \
     ASSERT_TRUE(ps_test_status_.ok()) << ps_test_status_; \
   } while (false)
-#define PS_EXPECT_OK(expr)                          \
-  do {                                              \
-    const ::absl::Status ps_test_status_ = (expr);  \
+#define PS_EXPECT_OK(expr)                                \
+  do {                                                    \
+    const ::absl::Status ps_test_status_ = (expr);        \
     EXPECT_TRUE(ps_test_status_.ok()) << ps_test_status_; \
   } while (false)
