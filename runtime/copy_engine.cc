@@ -58,8 +58,9 @@ CopyEngine::CopyEngine(Options options)
 CopyEngine::~CopyEngine() {
   WaitAll();
   absl::MutexLock lock(&gpu_mutex_);
-  gpu::DestroyEvent(event_);
-  gpu::DestroyStream(stream_);
+  for (gpu::Event event : all_events_) gpu::DestroyEvent(event);
+  gpu::DestroyStream(to_device_stream_);
+  gpu::DestroyStream(from_device_stream_);
 }
 
 void CopyEngine::WaitAll() {
@@ -120,9 +121,11 @@ absl::StatusOr<CopyHandle> CopyEngine::Copy(const Block& src, const Block& dst) 
   } else if (src_nvme != nullptr && to == AddressSpace::kHostMemory) {
     src_nvme->SubmitRead(src, dst.data(), bytes, finish);
   } else if (src_nvme == nullptr && dst_nvme == nullptr) {
-    // At least one side is device memory.
-    pool_.Schedule(
-        [this, src, dst, bytes, finish] { finish(RunDeviceCopy(dst.data(), src.data(), bytes)); });
+    // At least one side is device memory; device -> device uses the upload stream.
+    const bool to_device = to == AddressSpace::kDeviceMemory;
+    pool_.Schedule([this, src, dst, bytes, to_device, finish] {
+      finish(RunDeviceCopy(dst.data(), src.data(), bytes, to_device));
+    });
   } else {
     // Staged through host memory: file -> file, device -> file, file -> device.
     pool_.Schedule([this, src, dst, src_nvme, dst_nvme, bytes, finish] {
@@ -134,10 +137,10 @@ absl::StatusOr<CopyHandle> CopyEngine::Copy(const Block& src, const Block& dst) 
       }
       absl::Status status = src_nvme != nullptr
                                 ? BlockingIo(src_nvme, IoOp::kRead, src, staging.data, bytes)
-                                : RunDeviceCopy(staging.data, src.data(), bytes);
+                                : RunDeviceCopy(staging.data, src.data(), bytes, false);
       if (status.ok()) {
         status = dst_nvme != nullptr ? BlockingIo(dst_nvme, IoOp::kWrite, dst, staging.data, bytes)
-                                     : RunDeviceCopy(dst.data(), staging.data, bytes);
+                                     : RunDeviceCopy(dst.data(), staging.data, bytes, true);
       }
       finish(std::move(status));
     });
@@ -151,21 +154,50 @@ void CopyEngine::RunMemoryCopy(const Block& src, const Block& dst,
   Finish(src, dst, std::move(state), absl::OkStatus());
 }
 
-absl::Status CopyEngine::EnsureGpuStream() {
-  if (stream_.handle != nullptr) return absl::OkStatus();
-  PS_ASSIGN_OR_RETURN(stream_, gpu::CreateStream(options_.device));
-  PS_ASSIGN_OR_RETURN(event_, gpu::CreateEvent(options_.device));
+absl::Status CopyEngine::EnsureGpuStreams() {
+  if (to_device_stream_.handle != nullptr) return absl::OkStatus();
+  PS_ASSIGN_OR_RETURN(to_device_stream_, gpu::CreateStream(options_.device));
+  PS_ASSIGN_OR_RETURN(from_device_stream_, gpu::CreateStream(options_.device));
   return absl::OkStatus();
 }
 
-absl::Status CopyEngine::RunDeviceCopy(void* dst, const void* src, int64_t bytes) {
-  // Note [Copy stream ordering]: copies go to one non-blocking stream; the event recorded after
-  // each one is what the worker waits on, so the caller's compute stream is never synchronized.
+absl::StatusOr<gpu::Event> CopyEngine::TakeEvent() {
+  if (!free_events_.empty()) {
+    gpu::Event event = free_events_.back();
+    free_events_.pop_back();
+    return event;
+  }
+  PS_ASSIGN_OR_RETURN(gpu::Event event, gpu::CreateEvent(options_.device));
+  all_events_.push_back(event);
+  return event;
+}
+
+void CopyEngine::ReturnEvent(gpu::Event event) {
   absl::MutexLock lock(&gpu_mutex_);
-  PS_RETURN_IF_ERROR(Annotate(EnsureGpuStream(), "copy engine"));
-  PS_RETURN_IF_ERROR(gpu::CopyAsync(dst, src, bytes, stream_));
-  PS_RETURN_IF_ERROR(gpu::RecordEvent(event_, stream_));
-  return gpu::SynchronizeEvent(event_);
+  free_events_.push_back(event);
+}
+
+absl::Status CopyEngine::RunDeviceCopy(void* dst, const void* src, int64_t bytes, bool to_device) {
+  // Note [Copy stream ordering]: copies are enqueued on non-blocking streams (one per direction,
+  // so uploads and downloads overlap) and each records its own event, which only the worker
+  // thread waits on: the caller's compute stream is never synchronized, and the lock is held
+  // just for enqueueing, so copies in flight do not serialize one another.
+  gpu::Event event;
+  {
+    absl::MutexLock lock(&gpu_mutex_);
+    PS_RETURN_IF_ERROR(Annotate(EnsureGpuStreams(), "copy engine"));
+    PS_ASSIGN_OR_RETURN(event, TakeEvent());
+    const gpu::Stream stream = to_device ? to_device_stream_ : from_device_stream_;
+    absl::Status enqueued = gpu::CopyAsync(dst, src, bytes, stream);
+    if (enqueued.ok()) enqueued = gpu::RecordEvent(event, stream);
+    if (!enqueued.ok()) {
+      free_events_.push_back(event);
+      return enqueued;
+    }
+  }
+  absl::Status status = gpu::SynchronizeEvent(event);
+  ReturnEvent(event);
+  return status;
 }
 
 void CopyEngine::Finish(const Block& src, const Block& dst,

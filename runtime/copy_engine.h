@@ -12,6 +12,7 @@
 #pragma once
 
 #include <memory>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/synchronization/notification.h"
@@ -62,17 +63,23 @@ class CopyEngine {
 
  private:
   void RunMemoryCopy(const Block& src, const Block& dst, std::shared_ptr<CopyHandle::State> state);
-  absl::Status RunDeviceCopy(void* dst, const void* src, int64_t bytes);
+  absl::Status RunDeviceCopy(void* dst, const void* src, int64_t bytes, bool to_device);
   void Finish(const Block& src, const Block& dst, std::shared_ptr<CopyHandle::State> state,
               absl::Status status);
-  absl::Status EnsureGpuStream();
+  absl::Status EnsureGpuStreams() ABSL_EXCLUSIVE_LOCKS_REQUIRED(gpu_mutex_);
 
   Options options_;
   absl::Mutex mutex_;
   int64_t in_flight_ ABSL_GUARDED_BY(mutex_) = 0;
-  absl::Mutex gpu_mutex_;  // serializes use of the copy stream and its event
-  gpu::Stream stream_ ABSL_GUARDED_BY(gpu_mutex_);
-  gpu::Event event_ ABSL_GUARDED_BY(gpu_mutex_);
+  absl::StatusOr<gpu::Event> TakeEvent();
+  void ReturnEvent(gpu::Event event);
+
+  absl::Mutex gpu_mutex_;  // guards the streams and the event pool
+  // One stream per direction so uploads and downloads overlap on the two copy engines.
+  gpu::Stream to_device_stream_ ABSL_GUARDED_BY(gpu_mutex_);
+  gpu::Stream from_device_stream_ ABSL_GUARDED_BY(gpu_mutex_);
+  std::vector<gpu::Event> free_events_ ABSL_GUARDED_BY(gpu_mutex_);
+  std::vector<gpu::Event> all_events_ ABSL_GUARDED_BY(gpu_mutex_);
   ThreadPool pool_;  // last: its threads are joined before the members they use go away
 };
 
