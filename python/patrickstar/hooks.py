@@ -1,0 +1,109 @@
+"""Module hooks that access a module's parameters before it runs and release them after, in
+forward and in backward, and tick the memory tracer's moments.
+
+Note [Backward hooks through autograd functions]
+PyTorch's module backward hooks fire only when the module's inputs require grad, which the first
+layer's (token ids) never do. Like DeepSpeed and PatrickStar, the forward hooks instead thread the
+module's tensors through two identity autograd functions: the outputs pass `_PreBackward`, whose
+backward runs just before the module's own backward (access its parameters), and the inputs pass
+`_PostBackward`, whose backward runs just after it (release them). A module whose inputs need no
+grad never gets its post-backward call; the engine releases every parameter still in use when
+backward ends.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+__all__ = ["ModuleHooks"]
+
+
+def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
+        return type(value)(*(_map_tensors(v, fn) for v in value))
+    if isinstance(value, (list, tuple)):
+        return type(value)(_map_tensors(v, fn) for v in value)
+    if isinstance(value, dict):
+        return type(value)((k, _map_tensors(v, fn)) for k, v in value.items())
+    if hasattr(value, "to_tuple") and hasattr(value, "keys"):  # transformers ModelOutput
+        for key in list(value.keys()):
+            value[key] = _map_tensors(value[key], fn)
+        return value
+    return value
+
+
+class _PreBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hooks, module, tensor):
+        ctx.hooks = hooks
+        ctx.module = module
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.hooks.pre_backward(ctx.module)
+        return None, None, grad
+
+
+class _PostBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hooks, module, tensor):
+        ctx.hooks = hooks
+        ctx.module = module
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.hooks.post_backward(ctx.module)
+        return None, None, grad
+
+
+class ModuleHooks:
+    """Installs forward hooks on every submodule of `root`; calls `access(module)` before a
+    module runs (forward and backward) and `release(module, phase)` after, with phase "fwd" or
+    "bwd"; `tick(event)` at each of those moments."""
+
+    def __init__(self, root: torch.nn.Module, access: Callable[[torch.nn.Module, str], None],
+                 release: Callable[[torch.nn.Module, str], None],
+                 tick: Callable[[str], None]):
+        self._access = access
+        self._release = release
+        self._tick = tick
+        self._handles = []
+        for module in root.modules():
+            self._handles.append(module.register_forward_pre_hook(self._pre_forward))
+            self._handles.append(module.register_forward_hook(self._post_forward))
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    # Forward ----------------------------------------------------------------------------------
+    def _pre_forward(self, module, inputs):
+        self._tick("pre_forward")
+        self._access(module, "fwd")
+        if torch.is_grad_enabled():
+            return _map_tensors(inputs, lambda t: _PostBackward.apply(self, module, t)
+                                if t.requires_grad else t)
+        return None
+
+    def _post_forward(self, module, inputs, output):
+        self._release(module, "fwd")
+        self._tick("post_forward")
+        if torch.is_grad_enabled():
+            return _map_tensors(output, lambda t: _PreBackward.apply(self, module, t)
+                                if t.requires_grad else t)
+        return None
+
+    # Backward (called from the autograd functions) --------------------------------------------
+    def pre_backward(self, module):
+        self._tick("pre_backward")
+        self._access(module, "bwd")
+
+    def post_backward(self, module):
+        self._release(module, "bwd")
+        self._tick("post_backward")
