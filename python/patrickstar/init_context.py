@@ -1,0 +1,136 @@
+"""Building the user's model so that each parameter lands in its chunk as it is created.
+
+Note [Two-pass initialization]
+Chunk layouts are planned from the full list of tensors (first-fit in registration order, the
+same on every rank), but `model_func` creates parameters one by one and the full fp32 model must
+never exist at once. So `model_func` runs twice:
+  1. on the meta device (no memory), recording every parameter registration; the parameters that
+     survive into the finished model (tied weights drop the one they replace) become the specs
+     the chunk layout is planned from;
+  2. for real, inside `ParameterPlacer`: each surviving parameter, as it is registered, is
+     copied into its planned chunk slot and its `.data` becomes a view of that slot, so the
+     module's own initialization (`reset_parameters`, Hugging Face `post_init`) writes straight
+     into chunk memory and the temporary tensor is freed at once.
+The RNG states are saved before pass 1 and restored after it, so pass 2 draws exactly the
+numbers a plain `model_func()` would.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import random
+from typing import Callable
+
+import torch
+from torch import nn
+
+__all__ = ["ParamSpec", "plan_parameters", "ParameterPlacer"]
+
+
+@dataclasses.dataclass
+class ParamSpec:
+    index: int  # position among surviving parameters, in registration order
+    name: str
+    shape: tuple[int, ...]
+    requires_grad: bool
+
+
+@contextlib.contextmanager
+def _preserved_rng():
+    states = (torch.get_rng_state(), random.getstate())
+    try:
+        import numpy
+        numpy_state = numpy.random.get_state()
+    except ImportError:  # pragma: no cover
+        numpy = numpy_state = None
+    try:
+        yield
+    finally:
+        torch.set_rng_state(states[0])
+        random.setstate(states[1])
+        if numpy is not None:
+            numpy.random.set_state(numpy_state)
+
+
+@contextlib.contextmanager
+def _registration_hook(hook):
+    handle = nn.modules.module.register_module_parameter_registration_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def _call_model_func(model_func: Callable[[], nn.Module]) -> nn.Module:
+    model = model_func()
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model_func must return a torch.nn.Module, got {type(model).__name__}")
+    return model
+
+
+def plan_parameters(model_func: Callable[[], nn.Module]) -> tuple[list[ParamSpec], list[bool]]:
+    """Pass 1 of Note [Two-pass initialization]. Returns the specs of the surviving parameters
+    and, per registration event, whether it is the first registration of a surviving one."""
+    registrations: list[nn.Parameter] = []
+    seen: set[int] = set()
+
+    def record(module, name, param):
+        if param is not None and id(param) not in seen:
+            seen.add(id(param))
+            registrations.append(param)
+
+    with _preserved_rng(), _registration_hook(record), torch.device("meta"):
+        model = _call_model_func(model_func)
+    names = {id(p): n for n, p in model.named_parameters()}
+    survives = [id(p) in names for p in registrations]
+    specs = []
+    for param, alive in zip(registrations, survives):
+        if alive:
+            specs.append(ParamSpec(len(specs), names[id(param)], tuple(param.shape),
+                                   param.requires_grad))
+    missing = set(names) - {id(p) for p in registrations}
+    if missing:
+        raise RuntimeError("model_func created parameters that were never registered through "
+                           "nn.Module (PatrickStar cannot place them): "
+                           + ", ".join(sorted(names[i] for i in missing)))
+    return specs, survives
+
+
+class ParameterPlacer:
+    """Pass 2: a context manager under which `model_func()` runs for real; `place(index, param)`
+    is called for each surviving parameter as it is registered and must return the tensor that
+    becomes its `.data` (a view of chunk memory)."""
+
+    def __init__(self, survives: list[bool], place: Callable[[int, nn.Parameter], torch.Tensor]):
+        self._survives = survives
+        self._place = place
+        self._event = 0
+        self._placed = 0
+        self._seen: set[int] = set()
+        self.parameters: list[nn.Parameter] = []
+
+    def _hook(self, module, name, param):
+        if param is None or id(param) in self._seen:
+            return None
+        self._seen.add(id(param))
+        if self._event >= len(self._survives):
+            raise RuntimeError("model_func registered more parameters than on its first run; "
+                               "it must build the same model every time it is called")
+        alive = self._survives[self._event]
+        self._event += 1
+        if alive:
+            with torch.no_grad():
+                view = self._place(self._placed, param)
+                view.copy_(param.data)
+                param.data = view
+            self._placed += 1
+            self.parameters.append(param)
+        return None
+
+    def build(self, model_func: Callable[[], nn.Module]) -> nn.Module:
+        with _registration_hook(self._hook):
+            model = _call_model_func(model_func)
+        if self._event != len(self._survives):
+            raise RuntimeError("model_func registered fewer parameters than on its first run; "
+                               "it must build the same model every time it is called")
+        return model
