@@ -83,6 +83,7 @@ class Chunk {
   int tier_index_ = -1;
   int compute_tensors_ = 0;
   int64_t last_use_ = 0;  // LRU clock of the latest access
+  int prefetched_tier_ = -1;  // the tier a completed prefetch brought it to, until used or moved
   std::optional<PendingCopy> pending_;
 };
 

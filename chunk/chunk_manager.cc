@@ -303,6 +303,7 @@ void ChunkManager::AddChunkBytes(int tier, int64_t delta) {
 void ChunkManager::SetPayload(Chunk& chunk, Block block, int tier) {
   chunk.payload_ = block;
   chunk.tier_index_ = tier;
+  chunk.prefetched_tier_ = -1;
 }
 
 absl::Status ChunkManager::EnforceBudget(int tier) {
@@ -452,14 +453,13 @@ absl::Status ChunkManager::FinishPrefetch(Chunk& chunk) {
   tiers_[pending.tier_index].stats.bytes_in += chunk.bytes();
   tiers_[pending.tier_index].stats.chunks_in += 1;
   SetPayload(chunk, pending.destination, pending.tier_index);
+  chunk.prefetched_tier_ = pending.tier_index;
   return absl::OkStatus();
 }
 
-absl::Status ChunkManager::FinishCompletedPrefetches() {
+absl::Status ChunkManager::FinishAllPrefetches() {
   for (Chunk& chunk : chunks_) {
-    if (chunk.pending_.has_value() && chunk.pending_->handle.Done()) {
-      PS_RETURN_IF_ERROR(FinishPrefetch(chunk));
-    }
+    if (chunk.pending_.has_value()) PS_RETURN_IF_ERROR(FinishPrefetch(chunk));
   }
   return absl::OkStatus();
 }
@@ -470,7 +470,10 @@ absl::Status ChunkManager::FinishCompletedPrefetches() {
 // there, but only into room that is free for the whole window (the smallest B - N over those
 // moments, from the trace) and only if the tier hands out a block without evicting anything:
 // a prefetch never displaces a chunk, so it can only save copies, never add them. The chunk stays
-// where it is, pinned, until Access (or the next Tick) finds the copy complete.
+// where it is, pinned, until Access or the next Tick settles the copy (waiting for it if needed).
+// Settling every prefetch at the next Tick, rather than whenever a copy happens to be done, keeps
+// the pinned set, and so every eviction choice, independent of copy timing: runs are
+// reproducible. A copy still overlaps the compute of the moment it was issued in.
 absl::Status ChunkManager::IssuePrefetches() {
   if (options_.prefetch_moments == 0 || tracer_.warming_up()) return absl::OkStatus();
   const std::vector<AccessRecord>& accesses = tracer_.accesses();
@@ -511,15 +514,12 @@ absl::Status ChunkManager::IssuePrefetches() {
 }
 
 absl::Status ChunkManager::MakeResident(Chunk& chunk, int tier) {
-  if (chunk.pending_.has_value()) {
-    const bool prefetched_here = chunk.pending_->tier_index == tier;
-    PS_RETURN_IF_ERROR(FinishPrefetch(chunk));
-    if (prefetched_here) {
-      tiers_[tier].stats.prefetch_hits += 1;
-      return absl::OkStatus();
-    }
+  if (chunk.pending_.has_value()) PS_RETURN_IF_ERROR(FinishPrefetch(chunk));
+  if (chunk.tier_index_ == tier) {
+    if (chunk.prefetched_tier_ == tier) tiers_[tier].stats.prefetch_hits += 1;
+    chunk.prefetched_tier_ = -1;
+    return absl::OkStatus();
   }
-  if (chunk.tier_index_ == tier) return absl::OkStatus();
   if (!chunk.has_payload()) {
     // Note [Zero-filled chunks]: a chunk with no payload holds nothing anybody wrote on this
     // rank (all its tensors FREE or RELEASED), so a fresh, zeroed block is a faithful payload;
@@ -665,7 +665,7 @@ absl::Status ChunkManager::MoveChunk(ChunkId id, TierKind tier_kind) {
 // ---- Moments ---------------------------------------------------------------------------------
 
 absl::Status ChunkManager::Tick() {
-  PS_RETURN_IF_ERROR(FinishCompletedPrefetches());
+  PS_RETURN_IF_ERROR(FinishAllPrefetches());
   tracer_.Tick();
   for (int tier = 0; tier < num_tiers(); ++tier) {
     PS_RETURN_IF_ERROR(Annotate(EnforceBudget(tier),
@@ -692,9 +692,7 @@ absl::Status ChunkManager::SetNonModelDataProbe(TierKind tier_kind, NonModelData
 }
 
 absl::Status ChunkManager::EndIteration() {
-  for (Chunk& chunk : chunks_) {
-    if (chunk.pending_.has_value()) PS_RETURN_IF_ERROR(FinishPrefetch(chunk));
-  }
+  PS_RETURN_IF_ERROR(FinishAllPrefetches());
   tracer_.EndIteration();
   for (int tier = 0; tier < num_tiers(); ++tier) PS_RETURN_IF_ERROR(EnforceBudget(tier));
   return absl::OkStatus();

@@ -202,7 +202,7 @@ class ChunkManager {
   absl::Status MoveTo(Chunk& chunk, int tier, absl::Span<const ChunkId> exclude);
   absl::Status MakeResident(Chunk& chunk, int tier);
   absl::Status FinishPrefetch(Chunk& chunk);
-  absl::Status FinishCompletedPrefetches();
+  absl::Status FinishAllPrefetches();
   absl::Status IssuePrefetches();
   absl::Status DropPayload(Chunk& chunk);
   void AddChunkBytes(int tier, int64_t delta);
