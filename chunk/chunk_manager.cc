@@ -20,9 +20,13 @@ namespace ps {
 // [g * world_size, (g + 1) * world_size) of a list form group g and rank r owns chunk
 // g * world_size + r. Every rank materializes the whole model at initialization (same seed, same
 // layout), then keeps only what it owns: compute-param and gradient chunks of other ranks are
-// *remote*; after use (all their tensors HOLD_AFTER_FWD / HOLD_AFTER_BWD) they can be released,
-// which drops the payload and marks their tensors RELEASED, and the next access of such a chunk
-// needs the group gathered first (PlanGather lists what to receive). Optimizer-state chunks
+// *remote*. A gather is an allgather of a whole group, so every rank must decide to gather (and
+// to release) a group at the same point of the access sequence, whichever of its chunks it owns.
+// Hence both decisions are made per group, from state that is the same on every rank: a group's
+// remote chunks become releasable only when every tensor of the *group* was used in this pass
+// (HOLD_AFTER_FWD / HOLD_AFTER_BWD, none COMPUTE); releasing drops the payload and marks their
+// tensors RELEASED; the next access of any tensor of the group then needs the group gathered
+// (PlanGather lists what this rank receives; MaterializeGathered takes the bytes). Optimizer-state chunks
 // (master params, momentum, variance) exist only on their owner: accessing a remote one is an
 // error. The collectives themselves live in a later layer; this file keeps the bookkeeping.
 
@@ -584,6 +588,11 @@ absl::StatusOr<TensorView> ChunkManager::Access(TensorId id, TierKind tier_kind)
         DescribeChunk(chunk), " has ", chunk.compute_tensors_,
         " tensors in COMPUTE there and cannot move"));
   }
+  if (tensor->state == TensorState::kReleased && !chunk.has_payload()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "access tensor '", tensor->name, "': it is RELEASED and ", DescribeChunk(chunk),
+        " was not gathered; gather its group first (PlanGather, MaterializeGathered)"));
+  }
   tracer_.RecordAccess(chunk.id_, tier);
   PS_RETURN_IF_ERROR(
       Annotate(MakeResident(chunk, tier), absl::StrCat("access tensor '", tensor->name, "'")));
@@ -711,8 +720,7 @@ absl::StatusOr<GatherPlan> ChunkManager::PlanGather(TensorId id) const {
   GatherPlan plan;
   plan.kind = chunk.kind_;
   plan.group = chunk.group_;
-  // Chunks of one list are contiguous in id order (Adopt), so the group is a contiguous range.
-  const ChunkId first = chunk.id_ - (chunk.index_in_list_ - chunk.group_ * options_.world_size);
+  const ChunkId first = FirstOfGroup(chunk);
   for (int r = 0; r < options_.world_size; ++r) {
     const Chunk& member = chunks_[first + r];
     plan.chunks.push_back(member.id_);
@@ -724,51 +732,87 @@ absl::StatusOr<GatherPlan> ChunkManager::PlanGather(TensorId id) const {
                                       });
     if (released) plan.to_receive.push_back(member.id_);
   }
+  plan.needs_gather = released_groups_.contains(first) || !plan.to_receive.empty();
   return plan;
 }
 
-std::vector<ChunkId> ChunkManager::ReleasableRemoteChunks() const {
-  std::vector<ChunkId> ids;
-  for (const Chunk& chunk : chunks_) {
-    if (IsLocal(chunk.id_) || !chunk.has_payload() || chunk.pinned() || chunk.tensors_.empty()) {
-      continue;
-    }
-    const bool all_used = std::all_of(chunk.tensors_.begin(), chunk.tensors_.end(),
-                                      [&](TensorId t) {
-                                        const TensorState state = tensors_[t].state;
-                                        return state == TensorState::kHoldAfterFwd ||
-                                               state == TensorState::kHoldAfterBwd;
-                                      });
-    if (all_used) ids.push_back(chunk.id_);
-  }
-  return ids;
+ChunkId ChunkManager::FirstOfGroup(const Chunk& chunk) const {
+  // Chunks of one list are contiguous in id order (Adopt), so a group is a contiguous range.
+  return chunk.id_ - (chunk.index_in_list_ - chunk.group_ * options_.world_size);
 }
 
-absl::Status ChunkManager::ReleaseRemoteChunk(ChunkId id) {
-  PS_RETURN_IF_ERROR(CheckBuilt("release remote chunk"));
+std::vector<ChunkId> ChunkManager::ReleasableGroups() const {
+  std::vector<ChunkId> firsts;
+  for (const Chunk& first : chunks_) {
+    if (first.index_in_list_ % options_.world_size != 0 || released_groups_.contains(first.id_)) {
+      continue;
+    }
+    bool all_used = true;
+    bool any_tensor = false;
+    for (int r = 0; r < options_.world_size && all_used; ++r) {
+      const Chunk& member = chunks_[first.id_ + r];
+      any_tensor |= !member.tensors_.empty();
+      all_used = !member.pinned() &&
+                 std::all_of(member.tensors_.begin(), member.tensors_.end(), [&](TensorId t) {
+                   const TensorState state = tensors_[t].state;
+                   return state == TensorState::kHoldAfterFwd ||
+                          state == TensorState::kHoldAfterBwd;
+                 });
+    }
+    if (all_used && any_tensor) firsts.push_back(first.id_);
+  }
+  return firsts;
+}
+
+absl::Status ChunkManager::ReleaseGroup(ChunkId id) {
+  PS_RETURN_IF_ERROR(CheckBuilt("release group"));
   PS_ASSIGN_OR_RETURN(const Chunk* found, chunk(id));
-  Chunk& remote = chunks_[found->id_];
-  if (IsLocal(remote.id_)) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "release remote chunk: ", DescribeChunk(remote), " is owned by this rank (",
-        options_.rank, ")"));
-  }
-  if (remote.compute_tensors_ > 0) {
-    return absl::FailedPreconditionError(absl::StrCat("release remote chunk: ", DescribeChunk(remote),
-                                                      " has ", remote.compute_tensors_,
-                                                      " tensors in COMPUTE"));
-  }
-  // Check every tensor first so a refusal leaves no tensor changed.
-  for (TensorId t : remote.tensors_) {
-    if (HoldsData(tensors_[t].state)) {
-      PS_RETURN_IF_ERROR(CheckTransition(tensors_[t].name, tensors_[t].state,
-                                         TensorState::kReleased));
+  const ChunkId first = FirstOfGroup(*found);
+  // Check every member first so a refusal changes nothing.
+  for (int r = 0; r < options_.world_size; ++r) {
+    const Chunk& member = chunks_[first + r];
+    if (member.compute_tensors_ > 0) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "release group ", member.group_, " of ", ChunkKindName(member.kind_), ": ",
+          DescribeChunk(member), " has ", member.compute_tensors_, " tensors in COMPUTE"));
+    }
+    if (IsLocal(member.id_)) continue;
+    for (TensorId t : member.tensors_) {
+      if (HoldsData(tensors_[t].state)) {
+        PS_RETURN_IF_ERROR(
+            CheckTransition(tensors_[t].name, tensors_[t].state, TensorState::kReleased));
+      }
     }
   }
-  for (TensorId t : remote.tensors_) {
-    if (HoldsData(tensors_[t].state)) tensors_[t].state = TensorState::kReleased;
+  for (int r = 0; r < options_.world_size; ++r) {
+    Chunk& member = chunks_[first + r];
+    if (IsLocal(member.id_)) continue;
+    for (TensorId t : member.tensors_) {
+      if (HoldsData(tensors_[t].state)) tensors_[t].state = TensorState::kReleased;
+    }
+    PS_RETURN_IF_ERROR(DropPayload(member));
   }
-  return DropPayload(remote);
+  released_groups_.insert(first);
+  return absl::OkStatus();
+}
+
+absl::Status ChunkManager::CompleteGather(ChunkId id) {
+  PS_RETURN_IF_ERROR(CheckBuilt("complete gather"));
+  PS_ASSIGN_OR_RETURN(const Chunk* found, chunk(id));
+  const ChunkId first = FirstOfGroup(*found);
+  for (int r = 0; r < options_.world_size; ++r) {
+    const Chunk& member = chunks_[first + r];
+    for (TensorId t : member.tensors_) {
+      if (tensors_[t].state == TensorState::kReleased && !member.has_payload()) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "complete gather of group ", member.group_, " of ", ChunkKindName(member.kind_),
+            ": ", DescribeChunk(member), " was not received (tensor '", tensors_[t].name,
+            "' is RELEASED)"));
+      }
+    }
+  }
+  released_groups_.erase(first);
+  return absl::OkStatus();
 }
 
 absl::Status ChunkManager::MaterializeGathered(

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -76,6 +77,9 @@ struct GatherPlan {
   std::vector<ChunkId> chunks;      // the group, chunk r owned by rank r
   ChunkId local_chunk = -1;         // the chunk this rank owns (and sends)
   std::vector<ChunkId> to_receive;  // remote chunks whose data lives only on their owner
+  // Whether the group's collective must run now. The same on every rank at the same point of
+  // the access sequence, even on a rank with nothing to receive (it still sends its chunk).
+  bool needs_gather = false;
 };
 
 struct TierChunkStats {
@@ -147,15 +151,21 @@ class ChunkManager {
   int rank() const { return options_.rank; }
   bool IsLocal(ChunkId chunk) const;
   absl::StatusOr<GatherPlan> PlanGather(TensorId tensor) const;
-  // Remote chunks with a payload whose tensors were all used in this pass and none is COMPUTE.
-  std::vector<ChunkId> ReleasableRemoteChunks() const;
-  // Drops a remote chunk's payload; its tensors that held data become RELEASED.
-  absl::Status ReleaseRemoteChunk(ChunkId chunk);
+  // Groups (named by their first chunk) whose tensors were all used in this pass
+  // (HOLD_AFTER_FWD / HOLD_AFTER_BWD), none COMPUTE, and that are not released yet.
+  std::vector<ChunkId> ReleasableGroups() const;
+  // Releases the group of `chunk` on this rank: drops the payloads of its remote chunks (their
+  // tensors holding data become RELEASED) and marks the group as needing a gather. Every rank
+  // calls it at the same point (also after initialization: release_after_init).
+  absl::Status ReleaseGroup(ChunkId chunk);
   // For a remote chunk without a payload (one of PlanGather's to_receive): places a payload on
   // `tier`, lets `fill` write the chunk's bytes into it (the collective, or a test's fake one),
   // and turns its RELEASED tensors back to HOLD. A failed fill drops the payload again.
   absl::Status MaterializeGathered(ChunkId chunk, TierKind tier,
                                    absl::FunctionRef<absl::Status(void* data, int64_t bytes)> fill);
+  // Marks the group of `chunk` gathered after its collective; FailedPrecondition if a chunk this
+  // rank had to receive is still missing.
+  absl::Status CompleteGather(ChunkId chunk);
 
   // ---- Introspection ----------------------------------------------------------------------
   int64_t num_tensors() const { return static_cast<int64_t>(tensors_.size()); }
@@ -186,6 +196,7 @@ class ChunkManager {
   absl::StatusOr<TensorInfo*> MutableTensor(TensorId tensor);
   absl::StatusOr<int> TierIndex(TierKind kind) const;
   std::string DescribeChunk(const Chunk& chunk) const;
+  ChunkId FirstOfGroup(const Chunk& chunk) const;
   TensorView ViewOf(const TensorInfo& tensor) const;
 
   // Chunk bytes `tier` may hold now: B - N, or "unlimited".
@@ -222,6 +233,7 @@ class ChunkManager {
   uint64_t layout_hash_ = 0;
   bool built_ = false;
 
+  absl::flat_hash_set<ChunkId> released_groups_;  // first chunk of each released group
   int64_t lru_clock_ = 0;
   std::vector<EvictionRecord> eviction_log_;
 };

@@ -58,7 +58,9 @@ TEST(TensorStateTest, TableMatchesTheDesignAndErrorsNameTensorAndStates) {
 }
 
 // Drives tensor "w" of a fresh manager into `state`. The world has 2 ranks and this is rank 1,
-// so "w" (in chunk 0, owned by rank 0) is remote and can be RELEASED.
+// so "w" (in chunk 0, owned by rank 0) is remote and can be RELEASED. "w2" shares its chunk and
+// holds data, so the payload stays when "w" alone is RELEASED and RELEASED -> COMPUTE is a plain
+// access (with the whole chunk released it needs a gather first; see the next test).
 class StateMachineThroughManagerTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -69,8 +71,12 @@ class StateMachineThroughManagerTest : public ::testing::Test {
     ASSERT_NE(manager_, nullptr);
     ASSERT_TRUE(manager_->RegisterTensor(Spec("w", {256})).ok());
     ASSERT_TRUE(manager_->RegisterTensor(Spec("mine", {1024})).ok());
+    ASSERT_TRUE(manager_->RegisterTensor(Spec("w2", {256})).ok());
     ASSERT_TRUE(manager_->BuildChunkLists(1024).ok());
     ASSERT_FALSE(manager_->IsLocal(0));
+    ASSERT_EQ((*manager_->tensor(2))->chunk, 0);
+    ASSERT_TRUE(manager_->Access(2, TierKind::kHost).ok());
+    ASSERT_TRUE(manager_->Release(2, S::kHold).ok());
   }
 
   absl::Status Drive(S state) {
@@ -121,7 +127,12 @@ TEST_F(StateMachineThroughManagerTest, EveryPairIsAcceptedExactlyWhenLegal) {
 
 TEST_F(StateMachineThroughManagerTest, ReleasedBackToHoldOnlyThroughAGather) {
   ASSERT_TRUE(Drive(S::kReleased).ok());
+  EXPECT_TRUE((*manager_->chunk(0))->has_payload()) << "w2 still holds data";
+  ASSERT_TRUE(manager_->SetTensorState(2, S::kReleased).ok());
   EXPECT_FALSE((*manager_->chunk(0))->has_payload());
+  absl::Status access = manager_->Access(0, TierKind::kHost).status();
+  EXPECT_EQ(access.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(access.message(), HasSubstr("gather"));
   absl::Status direct = manager_->SetTensorState(0, S::kHold);
   EXPECT_EQ(direct.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(direct.message(), HasSubstr("MaterializeGathered"));
@@ -133,6 +144,7 @@ TEST_F(StateMachineThroughManagerTest, ReleasedBackToHoldOnlyThroughAGather) {
                                         })
                   .ok());
   EXPECT_EQ((*manager_->tensor(0))->state, S::kHold);
+  EXPECT_EQ((*manager_->tensor(2))->state, S::kHold);
   auto view = manager_->Access(0, TierKind::kHost);
   ASSERT_TRUE(view.ok());
   EXPECT_EQ(reinterpret_cast<const uint8_t*>(view->address)[17], 0x3f);
