@@ -19,6 +19,11 @@ struct Allocator {
 const Allocator& GetAllocator() {
   static const Allocator allocator = [] {
     Allocator a;
+#ifdef PS_SANITIZE_BUILD
+    // ASan cannot see inside mimalloc's pages and refuses RTLD_DEEPBIND.
+    a.name = "libc aligned_alloc (sanitizer build)";
+    return a;
+#endif
     const char* candidates[] = {PS_MIMALLOC_LIBRARY, "libmimalloc.so.2", "libmimalloc.so"};
     std::string errors;
     for (const char* candidate : candidates) {

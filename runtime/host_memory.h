@@ -6,7 +6,7 @@
 // keeps glibc's allocator, and a pointer crossing between them crashes. So mimalloc is loaded
 // with dlopen(RTLD_LOCAL | RTLD_DEEPBIND) and only its mi_* entry points are used: it serves our
 // slabs without replacing anyone's malloc. If the library cannot be loaded, aligned_alloc is
-// used and a note is logged.
+// used and a note is logged; sanitizer builds always use it, so ASan sees every slab.
 #pragma once
 
 #include <cstdint>
