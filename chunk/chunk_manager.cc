@@ -282,6 +282,7 @@ TensorView ChunkManager::ViewOf(const TensorInfo& tensor) const {
   TensorView view;
   view.address = chunk.payload_.address + tensor.offset * ElementSize(chunk.dtype_);
   view.tier_kind = tiers_[chunk.tier_index_].tier->kind();
+  view.address_space = tiers_[chunk.tier_index_].tier->address_space();
   view.tier_name = tiers_[chunk.tier_index_].stats.name;
   view.dtype = tensor.dtype;
   view.numel = tensor.numel;

@@ -64,6 +64,7 @@ struct LayoutReport {
 struct TensorView {
   uint64_t address = 0;
   TierKind tier_kind = TierKind::kHost;
+  AddressSpace address_space = AddressSpace::kHostMemory;  // host or device memory
   std::string tier_name;
   DType dtype = DType::kFloat32;
   int64_t numel = 0;
