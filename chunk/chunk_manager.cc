@@ -409,8 +409,7 @@ absl::StatusOr<Block> ChunkManager::AllocateWithEviction(int tier, int64_t bytes
 }
 
 absl::Status ChunkManager::MoveTo(Chunk& chunk, int tier, absl::Span<const ChunkId> exclude) {
-  const int from = chunk.tier_index_;
-  PS_CHECK(chunk.has_payload() && from != tier && !chunk.pending_.has_value(),
+  PS_CHECK(chunk.has_payload() && chunk.tier_index_ != tier && !chunk.pending_.has_value(),
            "MoveTo needs a settled payload elsewhere");
   const std::vector<ChunkId> keep = With(exclude, chunk.id_);
   PS_ASSIGN_OR_RETURN(
@@ -419,15 +418,30 @@ absl::Status ChunkManager::MoveTo(Chunk& chunk, int tier, absl::Span<const Chunk
                            absl::StrCat("moving ", DescribeChunk(chunk), " to '",
                                         tiers_[tier].stats.name, "'")));
   AddChunkBytes(tier, chunk.bytes());
+  absl::StatusOr<CopyHandle> handle = options_.copy_engine->Copy(chunk.payload_, destination);
+  if (!handle.ok()) {
+    AbandonDestination(destination, tier, chunk.bytes());
+    return Annotate(handle.status(), absl::StrCat("moving ", DescribeChunk(chunk)));
+  }
+  return SettleCopy(chunk, destination, tier, *handle, "moving");
+}
+
+void ChunkManager::AbandonDestination(const Block& destination, int tier, int64_t bytes) {
+  AddChunkBytes(tier, -bytes);
+  absl::Status freed = destination.tier->Free(destination);
+  if (!freed.ok()) PS_LOG(kWarning, "chunk manager: %s", freed.ToString());
+}
+
+absl::Status ChunkManager::SettleCopy(Chunk& chunk, const Block& destination, int tier,
+                                      const CopyHandle& handle, absl::string_view what) {
   const absl::Time start = absl::Now();
-  absl::Status copied = options_.copy_engine->CopyAndWait(chunk.payload_, destination);
+  absl::Status copied = handle.Wait();
   tiers_[tier].stats.copy_wait_ns += absl::ToInt64Nanoseconds(absl::Now() - start);
   if (!copied.ok()) {
-    AddChunkBytes(tier, -chunk.bytes());
-    absl::Status freed = destination.tier->Free(destination);
-    if (!freed.ok()) PS_LOG(kWarning, "chunk manager: %s", freed.ToString());
-    return Annotate(copied, absl::StrCat("moving ", DescribeChunk(chunk)));
+    AbandonDestination(destination, tier, chunk.bytes());
+    return Annotate(copied, absl::StrCat(what, " ", DescribeChunk(chunk)));
   }
+  const int from = chunk.tier_index_;
   PS_RETURN_IF_ERROR(chunk.payload_.tier->Free(chunk.payload_));
   AddChunkBytes(from, -chunk.bytes());
   tiers_[from].stats.bytes_out += chunk.bytes();
@@ -439,25 +453,10 @@ absl::Status ChunkManager::MoveTo(Chunk& chunk, int tier, absl::Span<const Chunk
 }
 
 absl::Status ChunkManager::FinishPrefetch(Chunk& chunk) {
-  Chunk::PendingCopy pending = *chunk.pending_;
+  const Chunk::PendingCopy pending = *chunk.pending_;
   chunk.pending_.reset();
-  const absl::Time start = absl::Now();
-  absl::Status copied = pending.handle.Wait();
-  tiers_[pending.tier_index].stats.copy_wait_ns += absl::ToInt64Nanoseconds(absl::Now() - start);
-  if (!copied.ok()) {
-    AddChunkBytes(pending.tier_index, -chunk.bytes());
-    absl::Status freed = pending.destination.tier->Free(pending.destination);
-    if (!freed.ok()) PS_LOG(kWarning, "chunk manager: %s", freed.ToString());
-    return Annotate(copied, absl::StrCat("prefetching ", DescribeChunk(chunk)));
-  }
-  const int from = chunk.tier_index_;
-  PS_RETURN_IF_ERROR(chunk.payload_.tier->Free(chunk.payload_));
-  AddChunkBytes(from, -chunk.bytes());
-  tiers_[from].stats.bytes_out += chunk.bytes();
-  tiers_[from].stats.chunks_out += 1;
-  tiers_[pending.tier_index].stats.bytes_in += chunk.bytes();
-  tiers_[pending.tier_index].stats.chunks_in += 1;
-  SetPayload(chunk, pending.destination, pending.tier_index);
+  PS_RETURN_IF_ERROR(
+      SettleCopy(chunk, pending.destination, pending.tier_index, pending.handle, "prefetching"));
   chunk.prefetched_tier_ = pending.tier_index;
   return absl::OkStatus();
 }
@@ -505,14 +504,13 @@ absl::Status ChunkManager::IssuePrefetches() {
       if (absl::IsResourceExhausted(destination.status())) continue;
       return Annotate(destination.status(), absl::StrCat("prefetching ", DescribeChunk(chunk)));
     }
+    AddChunkBytes(tier, chunk.bytes());
     absl::StatusOr<CopyHandle> handle = options_.copy_engine->Copy(chunk.payload_, *destination);
     if (!handle.ok()) {
-      absl::Status freed = slot.tier->Free(*destination);
-      if (!freed.ok()) PS_LOG(kWarning, "chunk manager: %s", freed.ToString());
+      AbandonDestination(*destination, tier, chunk.bytes());
       return Annotate(handle.status(), absl::StrCat("prefetching ", DescribeChunk(chunk)));
     }
     chunk.pending_ = Chunk::PendingCopy{*destination, tier, *handle};
-    AddChunkBytes(tier, chunk.bytes());
     slot.stats.prefetch_issued += 1;
   }
   return absl::OkStatus();

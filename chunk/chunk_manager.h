@@ -213,6 +213,11 @@ class ChunkManager {
   // Copies the payload to `tier` (synchronously) and frees the old block.
   absl::Status MoveTo(Chunk& chunk, int tier, absl::Span<const ChunkId> exclude);
   absl::Status MakeResident(Chunk& chunk, int tier);
+  // Waits for a copy of `chunk` into `destination` on `tier`; on success the destination becomes
+  // the payload and the old block is freed, on failure the destination is freed.
+  absl::Status SettleCopy(Chunk& chunk, const Block& destination, int tier,
+                          const CopyHandle& handle, absl::string_view what);
+  void AbandonDestination(const Block& destination, int tier, int64_t bytes);
   absl::Status FinishPrefetch(Chunk& chunk);
   absl::Status FinishAllPrefetches();
   absl::Status IssuePrefetches();
