@@ -298,6 +298,17 @@ int64_t ChunkManager::AllowedChunkBytes(int tier) const {
   return budget - tracer_.NonModelBytes(tier);
 }
 
+absl::StatusOr<int64_t> ChunkManager::ChunkBytesAllowedAt(TierKind tier_kind,
+                                                          int64_t moment) const {
+  PS_ASSIGN_OR_RETURN(const int tier, TierIndex(tier_kind));
+  if (moment < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("moment must be >= 0, got ", moment));
+  }
+  const int64_t budget = tiers_[tier].budget_bytes;
+  if (budget == 0) return kUnlimited;
+  return budget - tracer_.TracedNonModelBytes(tier, moment);
+}
+
 void ChunkManager::AddChunkBytes(int tier, int64_t delta) {
   TierSlot& slot = tiers_[tier];
   slot.chunk_bytes += delta;

@@ -146,6 +146,10 @@ class ChunkManager {
   // Waits for prefetches; the first call ends warm-up.
   absl::Status EndIteration();
   const MemoryTracer& tracer() const { return tracer_; }
+  // Chunk bytes `tier` may hold at `moment` of an iteration: its budget minus the non-model
+  // bytes the warm-up trace recorded there (during warm-up: the latest report).
+  // std::numeric_limits<int64_t>::max() for a tier without a budget.
+  absl::StatusOr<int64_t> ChunkBytesAllowedAt(TierKind tier, int64_t moment) const;
 
   // ---- Communication groups (Note [Communication groups] in chunk_manager.cc) --------------
   int world_size() const { return options_.world_size; }

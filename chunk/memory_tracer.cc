@@ -28,11 +28,13 @@ MomentRecord& MemoryTracer::CurrentRecord() {
 
 void MemoryTracer::Tick() {
   ++moment_;
+  // A moment's record starts from the levels at its start: the probes' samples where there are
+  // probes, else the last reported level.
+  for (int tier = 0; tier < num_tiers_; ++tier) {
+    if (probes_[tier]) reported_non_model_[tier] = probes_[tier]();
+  }
   if (warming_up_) {
     trace_.push_back(MomentRecord{current_model_, reported_non_model_});
-  }
-  for (int tier = 0; tier < num_tiers_; ++tier) {
-    if (probes_[tier]) ReportNonModelBytes(tier, probes_[tier]());
   }
 }
 
