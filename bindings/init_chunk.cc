@@ -72,6 +72,13 @@ class PyChunkManager {
     return f(*manager_);
   }
 
+  // For calls that run Python code (callbacks): the GIL stays held.
+  template <typename F>
+  auto RunHoldingGil(F&& f) {
+    absl::MutexLock lock(&mutex_);
+    return f(*manager_);
+  }
+
  private:
   absl::Mutex mutex_;
   std::unique_ptr<ChunkManager> manager_;
@@ -287,6 +294,37 @@ void InitChunk(py::module_& module) {
             ThrowIfError(self.Run([&](M& m) { return m.ReleaseGroup(chunk); }));
           },
           py::arg("chunk"))
+      .def(
+          "materialize_gathered",
+          [](PyChunkManager& self, ChunkId chunk, const std::string& tier, py::function fill) {
+            const TierKind kind = ParseTierKind(tier);
+            // The Python error, if any, is carried around the core (which never sees exceptions)
+            // and raised again here.
+            std::exception_ptr raised;
+            absl::Status status = self.RunHoldingGil([&](M& m) {
+              return m.MaterializeGathered(
+                  chunk, kind, [&](void* data, int64_t bytes) -> absl::Status {
+                    try {
+                      const bool on_device = kind == TierKind::kDevice &&
+                                             m.tier(0).address_space() ==
+                                                 AddressSpace::kDeviceMemory;
+                      fill(torch::from_blob(data, {bytes},
+                                            at::TensorOptions().dtype(at::kByte).device(
+                                                on_device ? at::Device(at::kCUDA)
+                                                          : at::Device(at::kCPU))));
+                      return absl::OkStatus();
+                    } catch (...) {
+                      raised = std::current_exception();
+                      return absl::AbortedError("the fill callback raised");
+                    }
+                  });
+            });
+            if (raised) std::rethrow_exception(raised);
+            ThrowIfError(status);
+          },
+          py::arg("chunk"), py::arg("tier"), py::arg("fill"),
+          "Places a payload for a remote chunk of a released group and calls fill(bytes), a "
+          "uint8 tensor over it, for the collective to write into; its tensors become HOLD.")
       .def(
           "complete_gather",
           [](PyChunkManager& self, ChunkId chunk) {

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "chunk/chunk_manager.h"
+#include "runtime/device_tier.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/cpp/chunk_test_util.h"
@@ -132,6 +133,42 @@ TEST_F(ChunkMoveTest, EverythingPinnedIsResourceExhaustedWithTheNumbers) {
   // Releasing one makes room.
   ASSERT_TRUE(manager_->Release(0, TensorState::kHold).ok());
   EXPECT_TRUE(manager_->Access(4, TierKind::kDevice).ok());
+}
+
+// The same route with a real CUDA device tier (skipped without a CUDA build and a GPU): bytes are
+// written on the host, travel host -> device -> NVMe -> device -> host and are compared there.
+TEST(ChunkMoveCudaTest, RealDeviceTierRoundTripKeepsBytes) {
+  auto device = CreateDeviceTier(DeviceTierOptions{0, testing::TierOptions("cuda", 0, kChunkBytes)});
+  if (!device.ok()) GTEST_SKIP() << device.status();
+  testing::TempDir nvme_dir;
+  testing::Hierarchy hierarchy = testing::MakeHierarchy(0, 0, kChunkBytes, &nvme_dir.path());
+  ChunkManagerOptions options;
+  options.tiers = {std::shared_ptr<Tier>(std::move(*device)), hierarchy.host, hierarchy.nvme};
+  options.copy_engine = hierarchy.engine;
+  auto manager = ChunkManager::Create(std::move(options));
+  ASSERT_TRUE(manager.ok()) << manager.status();
+  ASSERT_TRUE((*manager)->RegisterTensor(Spec("w", {kChunkElements})).ok());
+  ASSERT_TRUE((*manager)->BuildChunkLists(kChunkElements).ok());
+  const std::vector<uint8_t> expected = RandomBytes(kChunkBytes, 99);
+  auto view = (*manager)->Access(0, TierKind::kHost);
+  ASSERT_TRUE(view.ok()) << view.status();
+  std::memcpy(reinterpret_cast<void*>(view->address), expected.data(), expected.size());
+  ASSERT_TRUE((*manager)->Release(0, TensorState::kHold).ok());
+  for (TierKind tier : {TierKind::kDevice, TierKind::kNvme, TierKind::kDevice, TierKind::kHost}) {
+    ASSERT_TRUE((*manager)->MoveChunk(0, tier).ok());
+  }
+  view = (*manager)->Access(0, TierKind::kHost);
+  ASSERT_TRUE(view.ok()) << view.status();
+  EXPECT_EQ(std::memcmp(reinterpret_cast<const void*>(view->address), expected.data(),
+                        expected.size()),
+            0);
+  auto on_device = (*manager)->Access(0, TierKind::kDevice);
+  EXPECT_EQ(on_device.status().code(), absl::StatusCode::kFailedPrecondition)
+      << "the chunk computes on the host; it cannot move to the device now";
+  ASSERT_TRUE((*manager)->Release(0, TensorState::kHold).ok());
+  on_device = (*manager)->Access(0, TierKind::kDevice);
+  ASSERT_TRUE(on_device.ok()) << on_device.status();
+  EXPECT_EQ(on_device->address_space, AddressSpace::kDeviceMemory);
 }
 
 }  // namespace

@@ -91,3 +91,39 @@ def test_moments_non_model_data_and_chunk_size_search():
     trace = json.loads(manager.dump_json())["tracer"]
     assert trace["moments"][1]["non_model_bytes"][0] == 12345
     assert trace["accesses"] == [{"chunk": 0, "moment": 1, "tier": 0}]
+
+
+def test_release_and_gather_a_remote_group():
+    # Rank 1 of 2: chunk 0 of the list is remote (owned by rank 0), chunk 1 is local.
+    manager, _, _ = make_manager(world_size=2, rank=1)
+    ids = register_layers(manager, 2)
+    manager.build_chunk_lists(4096)
+    for i, t in enumerate(ids):
+        manager.access(t, "host")
+        manager.torch_view(t).fill_(float(10 + i))
+        manager.release(t, _C.TensorState.HOLD)
+    remote_chunk = manager.tensor_info(ids[0])["chunk"]
+    assert not manager.is_local(remote_chunk)
+    manager.release_group(remote_chunk)
+    assert manager.tensor_info(ids[0])["state"] == _C.TensorState.RELEASED
+    plan = manager.plan_gather(ids[0])
+    assert plan["needs_gather"] and plan["to_receive"] == [remote_chunk]
+    with pytest.raises(RuntimeError, match="gather"):
+        manager.access(ids[0], "host")
+
+    def failing_fill(buffer):
+        raise KeyError("collective failed")
+
+    with pytest.raises(KeyError, match="collective failed"):
+        manager.materialize_gathered(remote_chunk, "host", failing_fill)
+    owner_bytes = torch.full((4096,), 10.0).view(torch.uint8)
+
+    def fill(buffer):
+        assert buffer.dtype == torch.uint8 and buffer.numel() == 16 * KiB
+        buffer.copy_(owner_bytes)
+
+    manager.materialize_gathered(remote_chunk, "host", fill)
+    manager.complete_gather(remote_chunk)
+    assert not manager.plan_gather(ids[0])["needs_gather"]
+    manager.access(ids[0], "host")
+    assert torch.all(manager.torch_view(ids[0]) == 10.0)
