@@ -29,9 +29,12 @@ TierKind ParseTierKind(const std::string& name) {
 
 at::ScalarType ToScalarType(DType dtype) {
   switch (dtype) {
-    case DType::kFloat32: return at::kFloat;
-    case DType::kFloat16: return at::kHalf;
-    case DType::kBFloat16: return at::kBFloat16;
+    case DType::kFloat32:
+      return at::kFloat;
+    case DType::kFloat16:
+      return at::kHalf;
+    case DType::kBFloat16:
+      return at::kBFloat16;
   }
   throw py::value_error("unknown dtype");
 }
@@ -89,8 +92,8 @@ class PyChunkManager {
 at::Tensor TorchView(const TensorView& view) {
   at::Device device = view.address_space == AddressSpace::kDeviceMemory ? at::Device(at::kCUDA)
                                                                         : at::Device(at::kCPU);
-  return torch::from_blob(reinterpret_cast<void*>(static_cast<uintptr_t>(view.address)),
-                          view.shape, at::TensorOptions().dtype(ToScalarType(view.dtype)).device(device));
+  return torch::from_blob(reinterpret_cast<void*>(static_cast<uintptr_t>(view.address)), view.shape,
+                          at::TensorOptions().dtype(ToScalarType(view.dtype)).device(device));
 }
 
 }  // namespace
@@ -134,9 +137,8 @@ void InitChunk(py::module_& module) {
              return std::make_unique<PyChunkManager>(
                  ValueOrThrow(ChunkManager::Create(std::move(options))));
            }),
-           py::arg("tiers"), py::arg("copy_engine"), py::arg("world_size") = 1,
-           py::arg("rank") = 0, py::arg("prefetch_moments") = 0,
-           py::arg("eviction_policy") = "opt",
+           py::arg("tiers"), py::arg("copy_engine"), py::arg("world_size") = 1, py::arg("rank") = 0,
+           py::arg("prefetch_moments") = 0, py::arg("eviction_policy") = "opt",
            "tiers: fastest first (device, host, nvme), one of each kind at most.")
       .def(
           "register_tensor",
@@ -285,9 +287,7 @@ void InitChunk(py::module_& module) {
           },
           py::arg("tensor"))
       .def("releasable_groups",
-           [](PyChunkManager& self) {
-             return self.Run([](M& m) { return m.ReleasableGroups(); });
-           })
+           [](PyChunkManager& self) { return self.Run([](M& m) { return m.ReleasableGroups(); }); })
       .def(
           "release_group",
           [](PyChunkManager& self, ChunkId chunk) {
@@ -305,13 +305,13 @@ void InitChunk(py::module_& module) {
               return m.MaterializeGathered(
                   chunk, kind, [&](void* data, int64_t bytes) -> absl::Status {
                     try {
-                      const bool on_device = kind == TierKind::kDevice &&
-                                             m.tier(0).address_space() ==
-                                                 AddressSpace::kDeviceMemory;
-                      fill(torch::from_blob(data, {bytes},
-                                            at::TensorOptions().dtype(at::kByte).device(
-                                                on_device ? at::Device(at::kCUDA)
-                                                          : at::Device(at::kCPU))));
+                      const bool on_device =
+                          kind == TierKind::kDevice &&
+                          m.tier(0).address_space() == AddressSpace::kDeviceMemory;
+                      fill(torch::from_blob(
+                          data, {bytes},
+                          at::TensorOptions().dtype(at::kByte).device(
+                              on_device ? at::Device(at::kCUDA) : at::Device(at::kCPU))));
                       return absl::OkStatus();
                     } catch (...) {
                       raised = std::current_exception();
@@ -331,26 +331,22 @@ void InitChunk(py::module_& module) {
             ThrowIfError(self.Run([&](M& m) { return m.CompleteGather(chunk); }));
           },
           py::arg("chunk"))
-      .def_property_readonly("num_tensors",
-                             [](PyChunkManager& self) {
-                               return self.Run([](M& m) { return m.num_tensors(); });
-                             })
-      .def_property_readonly("num_chunks",
-                             [](PyChunkManager& self) {
-                               return self.Run([](M& m) { return m.num_chunks(); });
-                             })
-      .def_property_readonly("layout_hash",
-                             [](PyChunkManager& self) {
-                               return self.Run([](M& m) { return m.layout_hash(); });
-                             })
+      .def_property_readonly(
+          "num_tensors",
+          [](PyChunkManager& self) { return self.Run([](M& m) { return m.num_tensors(); }); })
+      .def_property_readonly(
+          "num_chunks",
+          [](PyChunkManager& self) { return self.Run([](M& m) { return m.num_chunks(); }); })
+      .def_property_readonly(
+          "layout_hash",
+          [](PyChunkManager& self) { return self.Run([](M& m) { return m.layout_hash(); }); })
       .def_property_readonly("warming_up",
                              [](PyChunkManager& self) {
                                return self.Run([](M& m) { return m.tracer().warming_up(); });
                              })
-      .def_property_readonly("moment",
-                             [](PyChunkManager& self) {
-                               return self.Run([](M& m) { return m.tracer().moment(); });
-                             })
+      .def_property_readonly(
+          "moment",
+          [](PyChunkManager& self) { return self.Run([](M& m) { return m.tracer().moment(); }); })
       .def(
           "dump_json",
           [](PyChunkManager& self, int indent) {

@@ -32,8 +32,8 @@ struct TensorInfo {
   int64_t numel = 0;
   ChunkKind kind = ChunkKind::kComputeParam;
   DType dtype = DType::kFloat32;
-  ChunkId chunk = -1;   // -1 until the chunk lists are built
-  int64_t offset = 0;   // in elements, within the chunk
+  ChunkId chunk = -1;  // -1 until the chunk lists are built
+  int64_t offset = 0;  // in elements, within the chunk
   TensorState state = TensorState::kFree;
 };
 
@@ -82,7 +82,7 @@ class Chunk {
   Block payload_;
   int tier_index_ = -1;
   int compute_tensors_ = 0;
-  int64_t last_use_ = 0;  // LRU clock of the latest access
+  int64_t last_use_ = 0;      // LRU clock of the latest access
   int prefetched_tier_ = -1;  // the tier a completed prefetch brought it to, until used or moved
   std::optional<PendingCopy> pending_;
 };

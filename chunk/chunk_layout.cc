@@ -15,7 +15,8 @@ constexpr int kNumChunkKinds = 5;
 class Fnv1a {
  public:
   void AddInt(int64_t value) {
-    for (int i = 0; i < 8; ++i) AddByte(static_cast<uint8_t>(static_cast<uint64_t>(value) >> (8 * i)));
+    for (int i = 0; i < 8; ++i)
+      AddByte(static_cast<uint8_t>(static_cast<uint64_t>(value) >> (8 * i)));
   }
   void AddString(absl::string_view text) {
     AddInt(static_cast<int64_t>(text.size()));
@@ -56,7 +57,8 @@ absl::StatusOr<LayoutPlan> PlanLayout(absl::Span<const TensorSpec> specs, int64_
         absl::StrCat("chunk size must be positive, got ", chunk_elements, " elements"));
   }
   if (world_size <= 0) {
-    return absl::InvalidArgumentError(absl::StrCat("world size must be positive, got ", world_size));
+    return absl::InvalidArgumentError(
+        absl::StrCat("world size must be positive, got ", world_size));
   }
   LayoutPlan plan;
   plan.chunk_elements = chunk_elements;
@@ -74,9 +76,9 @@ absl::StatusOr<LayoutPlan> PlanLayout(absl::Span<const TensorSpec> specs, int64_
         list.dtype = spec.dtype;
       } else if (spec.dtype != list.dtype) {
         return absl::InvalidArgumentError(absl::StrCat(
-            "tensor '", spec.name, "' of kind ", ChunkKindName(kind), " is ",
-            DTypeName(spec.dtype), " but '", specs[first_of_kind].name, "' of the same kind is ",
-            DTypeName(list.dtype), ": one chunk list holds one dtype"));
+            "tensor '", spec.name, "' of kind ", ChunkKindName(kind), " is ", DTypeName(spec.dtype),
+            " but '", specs[first_of_kind].name, "' of the same kind is ", DTypeName(list.dtype),
+            ": one chunk list holds one dtype"));
       }
       PS_ASSIGN_OR_RETURN(const int64_t numel, NumElements(spec.shape));
       if (numel == 0) {
@@ -127,9 +129,9 @@ absl::StatusOr<ChunkSizeSearchResult> SearchChunkSize(absl::Span<const TensorSpe
                                                       int world_size) {
   if (search.min_elements <= 0 || search.step_elements <= 0 ||
       search.max_elements < search.min_elements) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "chunk size search range is empty or malformed: min ", search.min_elements, ", max ",
-        search.max_elements, ", step ", search.step_elements, " elements"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("chunk size search range is empty or malformed: min ", search.min_elements,
+                     ", max ", search.max_elements, ", step ", search.step_elements, " elements"));
   }
   ChunkSizeSearchResult result;
   bool have_best = false;

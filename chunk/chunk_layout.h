@@ -50,8 +50,8 @@ struct PlannedList {
 struct LayoutPlan {
   int64_t chunk_elements = 0;
   int world_size = 1;
-  std::vector<PlannedList> lists;     // in ChunkKind order, only kinds that have tensors
-  int64_t wasted_bytes = 0;           // unused capacity of regular and padding chunks
+  std::vector<PlannedList> lists;         // in ChunkKind order, only kinds that have tensors
+  int64_t wasted_bytes = 0;               // unused capacity of regular and padding chunks
   std::vector<int64_t> oversize_tensors;  // spec indices that got a chunk of their own
 };
 
@@ -68,8 +68,8 @@ struct ChunkSizeSearch {
 };
 
 struct ChunkSizeSearchResult {
-  LayoutPlan plan;             // the winner's plan
-  int64_t candidates = 0;      // how many sizes were evaluated
+  LayoutPlan plan;         // the winner's plan
+  int64_t candidates = 0;  // how many sizes were evaluated
 };
 
 // Plans every candidate size and keeps the one with the fewest wasted bytes (the smallest size

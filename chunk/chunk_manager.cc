@@ -26,9 +26,9 @@ namespace ps {
 // remote chunks become releasable only when every tensor of the *group* was used in this pass
 // (HOLD_AFTER_FWD / HOLD_AFTER_BWD, none COMPUTE); releasing drops the payload and marks their
 // tensors RELEASED; the next access of any tensor of the group then needs the group gathered
-// (PlanGather lists what this rank receives; MaterializeGathered takes the bytes). Optimizer-state chunks
-// (master params, momentum, variance) exist only on their owner: accessing a remote one is an
-// error. The collectives themselves live in a later layer; this file keeps the bookkeeping.
+// (PlanGather lists what this rank receives; MaterializeGathered takes the bytes). Optimizer-state
+// chunks (master params, momentum, variance) exist only on their owner: accessing a remote one is
+// an error. The collectives themselves live in a later layer; this file keeps the bookkeeping.
 
 namespace {
 
@@ -126,8 +126,8 @@ ChunkManager::~ChunkManager() {
 
 absl::StatusOr<TensorId> ChunkManager::RegisterTensor(TensorSpec spec) {
   if (built_) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "register tensor '", spec.name, "': the chunk lists are already built"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("register tensor '", spec.name, "': the chunk lists are already built"));
   }
   if (spec.name.empty()) return absl::InvalidArgumentError("register tensor: empty name");
   if (tensor_by_name_.contains(spec.name)) {
@@ -210,8 +210,8 @@ absl::StatusOr<LayoutReport> ChunkManager::Adopt(LayoutPlan plan, int64_t candid
          "%d oversize tensors in chunks of their own%s%s, layout hash %016x",
          tensors_.size(), report.num_chunks, report.chunk_elements, candidates,
          FormatBytes(report.wasted_bytes), report.oversize_tensors.size(),
-         report.oversize_tensors.empty() ? "" : ": ",
-         absl::StrJoin(report.oversize_tensors, ", "), layout_hash_);
+         report.oversize_tensors.empty() ? "" : ": ", absl::StrJoin(report.oversize_tensors, ", "),
+         layout_hash_);
   return report;
 }
 
@@ -271,9 +271,9 @@ absl::StatusOr<int> ChunkManager::TierIndex(TierKind kind) const {
 std::string ChunkManager::DescribeChunk(const Chunk& chunk) const {
   return absl::StrCat("chunk ", chunk.id_, " (", ChunkKindName(chunk.kind_), " #",
                       chunk.index_in_list_, ", ", FormatBytes(chunk.bytes()), ", on ",
-                      chunk.tier_index_ < 0 ? std::string("no tier")
-                                            : absl::StrCat("'", tiers_[chunk.tier_index_].stats.name,
-                                                           "'"),
+                      chunk.tier_index_ < 0
+                          ? std::string("no tier")
+                          : absl::StrCat("'", tiers_[chunk.tier_index_].stats.name, "'"),
                       ")");
 }
 
@@ -375,9 +375,9 @@ Chunk* ChunkManager::ChooseVictim(int tier, absl::Span<const ChunkId> exclude) {
 absl::Status ChunkManager::Evict(Chunk& victim, absl::Span<const ChunkId> exclude) {
   const int from = victim.tier_index_;
   if (from + 1 >= num_tiers()) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "cannot evict ", DescribeChunk(victim), ": '", tiers_[from].stats.name,
-        "' is the last tier of the hierarchy"));
+    return absl::ResourceExhaustedError(absl::StrCat("cannot evict ", DescribeChunk(victim), ": '",
+                                                     tiers_[from].stats.name,
+                                                     "' is the last tier of the hierarchy"));
   }
   eviction_log_.push_back(EvictionRecord{tracer_.iteration(), tracer_.moment(),
                                          tracer_.cursor() - 1, victim.id_, from, from + 1});
@@ -423,11 +423,10 @@ absl::Status ChunkManager::MoveTo(Chunk& chunk, int tier, absl::Span<const Chunk
   PS_CHECK(chunk.has_payload() && chunk.tier_index_ != tier && !chunk.pending_.has_value(),
            "MoveTo needs a settled payload elsewhere");
   const std::vector<ChunkId> keep = With(exclude, chunk.id_);
-  PS_ASSIGN_OR_RETURN(
-      Block destination,
-      AllocateWithEviction(tier, chunk.bytes(), keep,
-                           absl::StrCat("moving ", DescribeChunk(chunk), " to '",
-                                        tiers_[tier].stats.name, "'")));
+  PS_ASSIGN_OR_RETURN(Block destination,
+                      AllocateWithEviction(tier, chunk.bytes(), keep,
+                                           absl::StrCat("moving ", DescribeChunk(chunk), " to '",
+                                                        tiers_[tier].stats.name, "'")));
   AddChunkBytes(tier, chunk.bytes());
   absl::StatusOr<CopyHandle> handle = options_.copy_engine->Copy(chunk.payload_, destination);
   if (!handle.ok()) {
@@ -582,8 +581,9 @@ absl::StatusOr<TensorView> ChunkManager::Access(TensorId id, TierKind tier_kind)
   PS_ASSIGN_OR_RETURN(TensorInfo * tensor, MutableTensor(id));
   PS_ASSIGN_OR_RETURN(const int tier, TierIndex(tier_kind));
   if (tier_kind == TierKind::kNvme) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "access tensor '", tensor->name, "': NVMe is not addressable; access it on device or host"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("access tensor '", tensor->name,
+                     "': NVMe is not addressable; access it on device or host"));
   }
   PS_RETURN_IF_ERROR(CheckTransition(tensor->name, tensor->state, TensorState::kCompute));
   Chunk& chunk = chunks_[tensor->chunk];
@@ -593,10 +593,10 @@ absl::StatusOr<TensorView> ChunkManager::Access(TensorId id, TierKind tier_kind)
         "rank ", chunk.owner_rank_, "; rank ", options_.rank, " keeps none of it"));
   }
   if (chunk.compute_tensors_ > 0 && chunk.tier_index_ != tier) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "access tensor '", tensor->name, "' on '", tiers_[tier].stats.name, "': ",
-        DescribeChunk(chunk), " has ", chunk.compute_tensors_,
-        " tensors in COMPUTE there and cannot move"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("access tensor '", tensor->name, "' on '", tiers_[tier].stats.name,
+                     "': ", DescribeChunk(chunk), " has ", chunk.compute_tensors_,
+                     " tensors in COMPUTE there and cannot move"));
   }
   if (tensor->state == TensorState::kReleased && !chunk.has_payload()) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -617,10 +617,10 @@ absl::Status ChunkManager::Release(TensorId id, TensorState state) {
   PS_ASSIGN_OR_RETURN(TensorInfo * tensor, MutableTensor(id));
   if (tensor->state != TensorState::kCompute) {
     PS_RETURN_IF_ERROR(CheckTransition(tensor->name, tensor->state, state));
-    return absl::FailedPreconditionError(absl::StrCat(
-        "release tensor '", tensor->name, "': it is ", TensorStateName(tensor->state),
-        ", not COMPUTE (use SetTensorState for ", TensorStateName(tensor->state), " -> ",
-        TensorStateName(state), ")"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("release tensor '", tensor->name, "': it is ", TensorStateName(tensor->state),
+                     ", not COMPUTE (use SetTensorState for ", TensorStateName(tensor->state),
+                     " -> ", TensorStateName(state), ")"));
   }
   PS_RETURN_IF_ERROR(Transition(*tensor, state));
   Chunk& chunk = chunks_[tensor->chunk];
@@ -633,14 +633,14 @@ absl::Status ChunkManager::SetTensorState(TensorId id, TensorState state) {
   PS_ASSIGN_OR_RETURN(TensorInfo * tensor, MutableTensor(id));
   PS_RETURN_IF_ERROR(CheckTransition(tensor->name, tensor->state, state));
   if (state == TensorState::kCompute || tensor->state == TensorState::kCompute) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "tensor '", tensor->name, "': ", TensorStateName(tensor->state), " -> ",
-        TensorStateName(state), " enters or leaves COMPUTE; use Access / Release"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("tensor '", tensor->name, "': ", TensorStateName(tensor->state), " -> ",
+                     TensorStateName(state), " enters or leaves COMPUTE; use Access / Release"));
   }
   if (!HoldsData(tensor->state) && HoldsData(state)) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "tensor '", tensor->name, "': ", TensorStateName(tensor->state), " -> ",
-        TensorStateName(state), " needs its data back; use MaterializeGathered"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("tensor '", tensor->name, "': ", TensorStateName(tensor->state), " -> ",
+                     TensorStateName(state), " needs its data back; use MaterializeGathered"));
   }
   Chunk& chunk = chunks_[tensor->chunk];
   if (state == TensorState::kReleased && IsLocal(chunk.id_)) {
@@ -655,9 +655,9 @@ absl::Status ChunkManager::SetTensorState(TensorId id, TensorState state) {
 absl::StatusOr<TensorView> ChunkManager::View(TensorId id) const {
   PS_ASSIGN_OR_RETURN(const TensorInfo* tensor, this->tensor(id));
   if (tensor->state != TensorState::kCompute) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "view of tensor '", tensor->name, "': it is ", TensorStateName(tensor->state),
-        "; only a COMPUTE tensor has a fixed address (Access it first)"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("view of tensor '", tensor->name, "': it is ", TensorStateName(tensor->state),
+                     "; only a COMPUTE tensor has a fixed address (Access it first)"));
   }
   return ViewOf(*tensor);
 }
@@ -687,8 +687,7 @@ absl::Status ChunkManager::Tick() {
   PS_RETURN_IF_ERROR(FinishAllPrefetches());
   tracer_.Tick();
   for (int tier = 0; tier < num_tiers(); ++tier) {
-    PS_RETURN_IF_ERROR(Annotate(EnforceBudget(tier),
-                                absl::StrCat("moment ", tracer_.moment())));
+    PS_RETURN_IF_ERROR(Annotate(EnforceBudget(tier), absl::StrCat("moment ", tracer_.moment())));
   }
   return IssuePrefetches();
 }
@@ -736,10 +735,9 @@ absl::StatusOr<GatherPlan> ChunkManager::PlanGather(TensorId id) const {
     plan.chunks.push_back(member.id_);
     if (member.owner_rank_ == options_.rank) plan.local_chunk = member.id_;
     if (member.owner_rank_ == options_.rank || member.has_payload()) continue;
-    const bool released = std::any_of(member.tensors_.begin(), member.tensors_.end(),
-                                      [&](TensorId t) {
-                                        return tensors_[t].state == TensorState::kReleased;
-                                      });
+    const bool released =
+        std::any_of(member.tensors_.begin(), member.tensors_.end(),
+                    [&](TensorId t) { return tensors_[t].state == TensorState::kReleased; });
     if (released) plan.to_receive.push_back(member.id_);
   }
   plan.needs_gather = released_groups_.contains(first) || !plan.to_receive.empty();
@@ -762,12 +760,12 @@ std::vector<ChunkId> ChunkManager::ReleasableGroups() const {
     for (int r = 0; r < options_.world_size && all_used; ++r) {
       const Chunk& member = chunks_[first.id_ + r];
       any_tensor |= !member.tensors_.empty();
-      all_used = !member.pinned() &&
-                 std::all_of(member.tensors_.begin(), member.tensors_.end(), [&](TensorId t) {
-                   const TensorState state = tensors_[t].state;
-                   return state == TensorState::kHoldAfterFwd ||
-                          state == TensorState::kHoldAfterBwd;
-                 });
+      all_used =
+          !member.pinned() &&
+          std::all_of(member.tensors_.begin(), member.tensors_.end(), [&](TensorId t) {
+            const TensorState state = tensors_[t].state;
+            return state == TensorState::kHoldAfterFwd || state == TensorState::kHoldAfterBwd;
+          });
     }
     if (all_used && any_tensor) firsts.push_back(first.id_);
   }
@@ -814,10 +812,10 @@ absl::Status ChunkManager::CompleteGather(ChunkId id) {
     const Chunk& member = chunks_[first + r];
     for (TensorId t : member.tensors_) {
       if (tensors_[t].state == TensorState::kReleased && !member.has_payload()) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "complete gather of group ", member.group_, " of ", ChunkKindName(member.kind_),
-            ": ", DescribeChunk(member), " was not received (tensor '", tensors_[t].name,
-            "' is RELEASED)"));
+        return absl::FailedPreconditionError(
+            absl::StrCat("complete gather of group ", member.group_, " of ",
+                         ChunkKindName(member.kind_), ": ", DescribeChunk(member),
+                         " was not received (tensor '", tensors_[t].name, "' is RELEASED)"));
       }
     }
   }
@@ -832,8 +830,8 @@ absl::Status ChunkManager::MaterializeGathered(
   Chunk& remote = chunks_[found->id_];
   PS_ASSIGN_OR_RETURN(const int tier, TierIndex(tier_kind));
   if (tier_kind == TierKind::kNvme) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "materialize ", DescribeChunk(remote), ": a gather needs a memory tier, not NVMe"));
+    return absl::InvalidArgumentError(absl::StrCat("materialize ", DescribeChunk(remote),
+                                                   ": a gather needs a memory tier, not NVMe"));
   }
   if (IsLocal(remote.id_) || remote.has_payload()) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -884,18 +882,19 @@ nlohmann::json ChunkManager::ToJson() const {
                          {"shape", tensor.shape},
                          {"state", std::string(TensorStateName(tensor.state))}});
     }
-    chunks.push_back({{"id", chunk.id_},
-                      {"kind", std::string(ChunkKindName(chunk.kind_))},
-                      {"dtype", std::string(DTypeName(chunk.dtype_))},
-                      {"capacity_elements", chunk.capacity_elements_},
-                      {"bytes", chunk.bytes()},
-                      {"owner_rank", chunk.owner_rank_},
-                      {"group", chunk.group_},
-                      {"oversize", chunk.oversize_},
-                      {"padding", chunk.padding_},
-                      {"tier", chunk.tier_index_ < 0 ? nlohmann::json(nullptr)
-                                                     : nlohmann::json(tiers_[chunk.tier_index_].stats.name)},
-                      {"tensors", tensors}});
+    chunks.push_back(
+        {{"id", chunk.id_},
+         {"kind", std::string(ChunkKindName(chunk.kind_))},
+         {"dtype", std::string(DTypeName(chunk.dtype_))},
+         {"capacity_elements", chunk.capacity_elements_},
+         {"bytes", chunk.bytes()},
+         {"owner_rank", chunk.owner_rank_},
+         {"group", chunk.group_},
+         {"oversize", chunk.oversize_},
+         {"padding", chunk.padding_},
+         {"tier", chunk.tier_index_ < 0 ? nlohmann::json(nullptr)
+                                        : nlohmann::json(tiers_[chunk.tier_index_].stats.name)},
+         {"tensors", tensors}});
   }
   nlohmann::json tiers = nlohmann::json::array();
   for (const TierChunkStats& stats : Stats()) {

@@ -11,8 +11,8 @@ MemoryTracer::MemoryTracer(int num_tiers)
       reported_non_model_(num_tiers, 0),
       current_model_(num_tiers, 0),
       probes_(num_tiers) {
-  trace_.push_back(MomentRecord{std::vector<int64_t>(num_tiers, 0),
-                                std::vector<int64_t>(num_tiers, 0)});
+  trace_.push_back(
+      MomentRecord{std::vector<int64_t>(num_tiers, 0), std::vector<int64_t>(num_tiers, 0)});
 }
 
 void MemoryTracer::SetProbe(int tier, NonModelDataProbe probe) {
@@ -100,11 +100,13 @@ nlohmann::json MemoryTracer::ToJson() const {
   }
   nlohmann::json accesses = nlohmann::json::array();
   for (const AccessRecord& access : accesses_) {
-    accesses.push_back(
-        {{"chunk", access.chunk}, {"moment", access.moment}, {"tier", access.tier}});
+    accesses.push_back({{"chunk", access.chunk}, {"moment", access.moment}, {"tier", access.tier}});
   }
-  return {{"warming_up", warming_up_}, {"iteration", iteration_}, {"moment", moment_},
-          {"moments", moments},        {"accesses", accesses}};
+  return {{"warming_up", warming_up_},
+          {"iteration", iteration_},
+          {"moment", moment_},
+          {"moments", moments},
+          {"accesses", accesses}};
 }
 
 }  // namespace ps

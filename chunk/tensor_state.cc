@@ -39,12 +39,18 @@ constexpr Transition kLegalTransitions[] = {
 
 absl::string_view TensorStateName(TensorState state) {
   switch (state) {
-    case TensorState::kFree: return "FREE";
-    case TensorState::kCompute: return "COMPUTE";
-    case TensorState::kHold: return "HOLD";
-    case TensorState::kHoldAfterFwd: return "HOLD_AFTER_FWD";
-    case TensorState::kHoldAfterBwd: return "HOLD_AFTER_BWD";
-    case TensorState::kReleased: return "RELEASED";
+    case TensorState::kFree:
+      return "FREE";
+    case TensorState::kCompute:
+      return "COMPUTE";
+    case TensorState::kHold:
+      return "HOLD";
+    case TensorState::kHoldAfterFwd:
+      return "HOLD_AFTER_FWD";
+    case TensorState::kHoldAfterBwd:
+      return "HOLD_AFTER_BWD";
+    case TensorState::kReleased:
+      return "RELEASED";
   }
   return "UNKNOWN";
 }

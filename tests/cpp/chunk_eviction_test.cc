@@ -78,10 +78,9 @@ Victims ReferenceOpt(const std::vector<ChunkId>& sequence, std::set<ChunkId> res
     const ChunkId wanted = sequence[p];
     if (residents.contains(wanted)) continue;
     if (residents.size() == capacity) {
-      ChunkId victim = *std::max_element(residents.begin(), residents.end(),
-                                         [&](ChunkId x, ChunkId y) {
-                                           return next_use(x, p) < next_use(y, p);
-                                         });
+      ChunkId victim =
+          *std::max_element(residents.begin(), residents.end(),
+                            [&](ChunkId x, ChunkId y) { return next_use(x, p) < next_use(y, p); });
       residents.erase(victim);
       victims.emplace_back(p, victim);
     }

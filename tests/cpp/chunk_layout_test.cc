@@ -1,7 +1,8 @@
 // Chunk packing: first-fit order, oversize tensors, padding, chunk-size search, layout hash.
+#include "chunk/chunk_layout.h"
+
 #include <vector>
 
-#include "chunk/chunk_layout.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/cpp/chunk_test_util.h"
@@ -15,7 +16,8 @@ using ::testing::HasSubstr;
 
 std::vector<TensorSpec> Vectors(const std::vector<int64_t>& sizes) {
   std::vector<TensorSpec> specs;
-  for (size_t i = 0; i < sizes.size(); ++i) specs.push_back(Spec("t" + std::to_string(i), {sizes[i]}));
+  for (size_t i = 0; i < sizes.size(); ++i)
+    specs.push_back(Spec("t" + std::to_string(i), {sizes[i]}));
   return specs;
 }
 

@@ -5,9 +5,9 @@
 #include <vector>
 
 #include "chunk/chunk_manager.h"
-#include "runtime/device_tier.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "runtime/device_tier.h"
 #include "tests/cpp/chunk_test_util.h"
 
 namespace ps {
@@ -33,8 +33,8 @@ class ChunkMoveTest : public ::testing::Test {
     ASSERT_NE(manager_, nullptr);
     // Two tensors per chunk, of different shapes, so offsets inside the chunk matter too.
     for (int i = 0; i < tensors; ++i) {
-      std::vector<int64_t> shape = i % 2 == 0 ? std::vector<int64_t>{32, 64}
-                                              : std::vector<int64_t>{kChunkElements - 2048};
+      std::vector<int64_t> shape =
+          i % 2 == 0 ? std::vector<int64_t>{32, 64} : std::vector<int64_t>{kChunkElements - 2048};
       ASSERT_TRUE(manager_->RegisterTensor(Spec("t" + std::to_string(i), shape)).ok());
     }
     ASSERT_TRUE(manager_->BuildChunkLists(kChunkElements).ok());
@@ -75,8 +75,8 @@ TEST_F(ChunkMoveTest, ExplicitMovesThroughEveryTierKeepBytes) {
   Build(0, 0, 6);
   ASSERT_EQ(manager_->num_chunks(), 3);
   WriteAll(TierKind::kDevice);
-  const TierKind route[] = {TierKind::kHost, TierKind::kNvme, TierKind::kDevice, TierKind::kNvme,
-                            TierKind::kHost, TierKind::kDevice};
+  const TierKind route[] = {TierKind::kHost, TierKind::kNvme, TierKind::kDevice,
+                            TierKind::kNvme, TierKind::kHost, TierKind::kDevice};
   for (TierKind tier : route) {
     for (ChunkId c = 0; c < manager_->num_chunks(); ++c) {
       ASSERT_TRUE(manager_->MoveChunk(c, tier).ok());
@@ -121,7 +121,7 @@ TEST_F(ChunkMoveTest, EvictionsDownTheHierarchyKeepBytes) {
 
 TEST_F(ChunkMoveTest, EverythingPinnedIsResourceExhaustedWithTheNumbers) {
   Build(2 * kChunkBytes, 0, 6);
-  auto first = manager_->Access(0, TierKind::kDevice);  // chunk 0
+  auto first = manager_->Access(0, TierKind::kDevice);   // chunk 0
   auto second = manager_->Access(2, TierKind::kDevice);  // chunk 1
   ASSERT_TRUE(first.ok() && second.ok());
   absl::Status third = manager_->Access(4, TierKind::kDevice).status();  // chunk 2
@@ -138,7 +138,8 @@ TEST_F(ChunkMoveTest, EverythingPinnedIsResourceExhaustedWithTheNumbers) {
 // The same route with a real CUDA device tier (skipped without a CUDA build and a GPU): bytes are
 // written on the host, travel host -> device -> NVMe -> device -> host and are compared there.
 TEST(ChunkMoveCudaTest, RealDeviceTierRoundTripKeepsBytes) {
-  auto device = CreateDeviceTier(DeviceTierOptions{0, testing::TierOptions("cuda", 0, kChunkBytes)});
+  auto device =
+      CreateDeviceTier(DeviceTierOptions{0, testing::TierOptions("cuda", 0, kChunkBytes)});
   if (!device.ok()) GTEST_SKIP() << device.status();
   testing::TempDir nvme_dir;
   testing::Hierarchy hierarchy = testing::MakeHierarchy(0, 0, kChunkBytes, &nvme_dir.path());
@@ -159,9 +160,9 @@ TEST(ChunkMoveCudaTest, RealDeviceTierRoundTripKeepsBytes) {
   }
   view = (*manager)->Access(0, TierKind::kHost);
   ASSERT_TRUE(view.ok()) << view.status();
-  EXPECT_EQ(std::memcmp(reinterpret_cast<const void*>(view->address), expected.data(),
-                        expected.size()),
-            0);
+  EXPECT_EQ(
+      std::memcmp(reinterpret_cast<const void*>(view->address), expected.data(), expected.size()),
+      0);
   auto on_device = (*manager)->Access(0, TierKind::kDevice);
   EXPECT_EQ(on_device.status().code(), absl::StatusCode::kFailedPrecondition)
       << "the chunk computes on the host; it cannot move to the device now";

@@ -25,8 +25,8 @@ std::vector<TensorSpec> ModelSpecs() {
   const int64_t sizes[] = {1500, 700, 400, 2048, 90, 1200, 1000, 300, 5000, 64, 640, 1900, 48};
   std::vector<TensorSpec> specs;
   for (size_t i = 0; i < std::size(sizes); ++i) {
-    specs.push_back(Spec(absl::StrCat("p", i), {sizes[i]}, ChunkKind::kComputeParam,
-                         DType::kFloat16));
+    specs.push_back(
+        Spec(absl::StrCat("p", i), {sizes[i]}, ChunkKind::kComputeParam, DType::kFloat16));
   }
   for (size_t i = 0; i < std::size(sizes); ++i) {
     specs.push_back(Spec(absl::StrCat("p", i, ".master"), {sizes[i]}, ChunkKind::kMasterParam,
@@ -157,8 +157,7 @@ TEST_P(FakeWorldTest, ReleaseAfterInitThenGatherRestoresTheOwnersBytes) {
         for (ChunkId c : plans[r].to_receive) {
           const Chunk& owned = **M((*M(r).chunk(c))->owner_rank()).chunk(c);
           ASSERT_TRUE(owned.has_payload()) << "the owner always keeps its chunk";
-          ASSERT_TRUE(M(r)
-                          .MaterializeGathered(c, TierKind::kHost,
+          ASSERT_TRUE(M(r).MaterializeGathered(c, TierKind::kHost,
                                                [&](void* data, int64_t bytes) {
                                                  EXPECT_EQ(bytes, owned.bytes());
                                                  std::memcpy(data, owned.payload().data(), bytes);
@@ -213,7 +212,8 @@ TEST_P(FakeWorldTest, ReleaseAfterInitThenGatherRestoresTheOwnersBytes) {
   absl::Status incomplete = M(0).CompleteGather(remote);
   EXPECT_EQ(incomplete.code(), absl::StatusCode::kFailedPrecondition) << incomplete;
   EXPECT_THAT(incomplete.message(), HasSubstr("was not received"));
-  absl::Status ungathered = M(0).Access((*M(0).chunk(remote))->tensors()[0], TierKind::kHost).status();
+  absl::Status ungathered =
+      M(0).Access((*M(0).chunk(remote))->tensors()[0], TierKind::kHost).status();
   EXPECT_EQ(ungathered.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(ungathered.message(), HasSubstr("gather"));
 }
@@ -232,9 +232,9 @@ TEST_P(FakeWorldTest, OptimizerStateLivesOnlyOnItsOwner) {
         EXPECT_THAT(view.status().message(), HasSubstr((*M(r).tensor(t))->name));
       }
     }
-    absl::Status gather_local = M(r).MaterializeGathered(
-        M(r).ChunksOfKind(ChunkKind::kComputeParam)[r], TierKind::kHost,
-        [](void*, int64_t) { return absl::OkStatus(); });
+    absl::Status gather_local =
+        M(r).MaterializeGathered(M(r).ChunksOfKind(ChunkKind::kComputeParam)[r], TierKind::kHost,
+                                 [](void*, int64_t) { return absl::OkStatus(); });
     EXPECT_EQ(gather_local.code(), absl::StatusCode::kFailedPrecondition);
   }
 }

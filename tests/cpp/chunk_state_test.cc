@@ -6,9 +6,9 @@
 
 #include "chunk/chunk_manager.h"
 #include "chunk/tensor_state.h"
-#include "runtime/status.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "runtime/status.h"
 #include "tests/cpp/chunk_test_util.h"
 
 namespace ps {
@@ -23,15 +23,24 @@ using S = TensorState;
 const std::set<std::pair<S, S>>& ExpectedLegal() {
   static const auto* legal = new std::set<std::pair<S, S>>{
       {S::kFree, S::kCompute},
-      {S::kCompute, S::kHold},         {S::kCompute, S::kHoldAfterFwd},
-      {S::kCompute, S::kHoldAfterBwd}, {S::kCompute, S::kFree},
-      {S::kHold, S::kCompute},         {S::kHold, S::kFree},
-      {S::kHold, S::kReleased},        {S::kHoldAfterFwd, S::kCompute},
-      {S::kHoldAfterFwd, S::kHold},    {S::kHoldAfterFwd, S::kFree},
-      {S::kHoldAfterFwd, S::kReleased}, {S::kHoldAfterBwd, S::kCompute},
-      {S::kHoldAfterBwd, S::kHold},    {S::kHoldAfterBwd, S::kFree},
-      {S::kHoldAfterBwd, S::kReleased}, {S::kReleased, S::kCompute},
-      {S::kReleased, S::kHold},        {S::kReleased, S::kFree},
+      {S::kCompute, S::kHold},
+      {S::kCompute, S::kHoldAfterFwd},
+      {S::kCompute, S::kHoldAfterBwd},
+      {S::kCompute, S::kFree},
+      {S::kHold, S::kCompute},
+      {S::kHold, S::kFree},
+      {S::kHold, S::kReleased},
+      {S::kHoldAfterFwd, S::kCompute},
+      {S::kHoldAfterFwd, S::kHold},
+      {S::kHoldAfterFwd, S::kFree},
+      {S::kHoldAfterFwd, S::kReleased},
+      {S::kHoldAfterBwd, S::kCompute},
+      {S::kHoldAfterBwd, S::kHold},
+      {S::kHoldAfterBwd, S::kFree},
+      {S::kHoldAfterBwd, S::kReleased},
+      {S::kReleased, S::kCompute},
+      {S::kReleased, S::kHold},
+      {S::kReleased, S::kFree},
   };
   return *legal;
 }
@@ -48,8 +57,8 @@ TEST(TensorStateTest, TableMatchesTheDesignAndErrorsNameTensorAndStates) {
       if (!expected) {
         EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition);
         EXPECT_THAT(status.message(), HasSubstr("'layer.weight'"));
-        EXPECT_THAT(status.message(), HasSubstr(absl::StrCat(TensorStateName(from), " -> ",
-                                                             TensorStateName(to))));
+        EXPECT_THAT(status.message(),
+                    HasSubstr(absl::StrCat(TensorStateName(from), " -> ", TensorStateName(to))));
       }
       legal_count += expected;
     }
@@ -110,8 +119,8 @@ TEST_F(StateMachineThroughManagerTest, EveryPairIsAcceptedExactlyWhenLegal) {
       ASSERT_EQ((*manager_->tensor(0))->state, from);
       absl::Status status = Attempt(from, to);
       const bool legal = ExpectedLegal().contains({from, to});
-      EXPECT_EQ(status.ok(), legal) << TensorStateName(from) << " -> " << TensorStateName(to)
-                                    << ": " << status;
+      EXPECT_EQ(status.ok(), legal)
+          << TensorStateName(from) << " -> " << TensorStateName(to) << ": " << status;
       if (legal) {
         EXPECT_EQ((*manager_->tensor(0))->state, to);
       } else {

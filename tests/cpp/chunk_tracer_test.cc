@@ -66,13 +66,12 @@ TEST(MemoryTracerTest, ManagerSamplesProbesAndPlansFromTheTrace) {
   }
   ASSERT_TRUE(manager->BuildChunkLists(1024).ok());
   // Non-model bytes per moment, as an allocator would report them: a spike at moment 3.
-  const std::vector<int64_t> activations = {0, kChunkBytes, 2 * kChunkBytes, 5 * kChunkBytes,
-                                            kChunkBytes, 0};
+  const std::vector<int64_t> activations = {
+      0, kChunkBytes, 2 * kChunkBytes, 5 * kChunkBytes, kChunkBytes, 0};
   int64_t moment_seen = 0;
-  ASSERT_TRUE(manager
-                  ->SetNonModelDataProbe(TierKind::kDevice,
-                                         [&] { return activations[moment_seen]; })
-                  .ok());
+  ASSERT_TRUE(
+      manager->SetNonModelDataProbe(TierKind::kDevice, [&] { return activations[moment_seen]; })
+          .ok());
   auto run_iteration = [&] {
     moment_seen = 0;
     for (TensorId t = 0; t < 6; ++t) {
@@ -102,8 +101,7 @@ TEST(MemoryTracerTest, ManagerSamplesProbesAndPlansFromTheTrace) {
   EXPECT_EQ(tracer.trace()[3].model_bytes[0], 3 * kChunkBytes);
   EXPECT_EQ(tracer.trace()[5].model_bytes[0], 5 * kChunkBytes);
   EXPECT_EQ(manager->Stats()[0].evictions, 1);
-  EXPECT_EQ(*manager->ChunkBytesAllowedAt(TierKind::kHost, 2),
-            std::numeric_limits<int64_t>::max());
+  EXPECT_EQ(*manager->ChunkBytesAllowedAt(TierKind::kHost, 2), std::numeric_limits<int64_t>::max());
   EXPECT_EQ(manager->ChunkBytesAllowedAt(TierKind::kNvme, 2).status().code(),
             absl::StatusCode::kInvalidArgument);
   // With the trace known, ticking into the spike makes room before the activations exist: the

@@ -51,8 +51,8 @@ class TrainingLoop {
     manager_ = testing::MakeManager(hierarchy_, options);
     for (int layer = 0; layer < kLayers; ++layer) {
       for (const char* part : {"weight", "bias"}) {
-        std::vector<int64_t> shape = std::string(part) == "weight" ? std::vector<int64_t>{64, 64}
-                                                                   : std::vector<int64_t>{64};
+        std::vector<int64_t> shape =
+            std::string(part) == "weight" ? std::vector<int64_t>{64, 64} : std::vector<int64_t>{64};
         const std::string name = absl::StrCat("layer", layer, ".", part);
         Param param{name, Register(name, shape, ChunkKind::kComputeParam, DType::kFloat16),
                     Register(name + ".master", shape, ChunkKind::kMasterParam, DType::kFloat32),
@@ -70,12 +70,12 @@ class TrainingLoop {
   absl::Status Run() {
     for (int iteration = 0; iteration < kIterations; ++iteration) {
       for (int layer = 0; layer < kLayers; ++layer) {
-        PS_RETURN_IF_ERROR(Step(Activations(layer), LayerTensors(layer),
-                                TensorState::kHoldAfterFwd, iteration, /*update=*/false));
+        PS_RETURN_IF_ERROR(Step(Activations(layer), LayerTensors(layer), TensorState::kHoldAfterFwd,
+                                iteration, /*update=*/false));
       }
       for (int layer = kLayers - 1; layer >= 0; --layer) {
-        PS_RETURN_IF_ERROR(Step(Activations(layer), LayerTensors(layer),
-                                TensorState::kHoldAfterBwd, iteration, /*update=*/false));
+        PS_RETURN_IF_ERROR(Step(Activations(layer), LayerTensors(layer), TensorState::kHoldAfterBwd,
+                                iteration, /*update=*/false));
       }
       for (const Param& param : params_) {
         PS_RETURN_IF_ERROR(Step(0, {param.compute, param.master, param.momentum, param.variance},
@@ -121,8 +121,8 @@ class TrainingLoop {
 
   absl::Status Step(int64_t non_model, const std::vector<TensorId>& tensors, TensorState after,
                     int iteration, bool update) {
-    const std::string where = absl::StrCat("iteration ", iteration, " moment ",
-                                           manager_->tracer().moment());
+    const std::string where =
+        absl::StrCat("iteration ", iteration, " moment ", manager_->tracer().moment());
     PS_RETURN_IF_ERROR(manager_->Tick());
     CheckBudgets(where + " after tick");
     std::set<ChunkId> chunks;
@@ -145,14 +145,16 @@ class TrainingLoop {
     const int expected = iteration;
     for (size_t i = 0; i < tensors.size(); ++i) {
       const TensorInfo& info = **manager_->tensor(tensors[i]);
-      const int64_t value = info.dtype == DType::kFloat16
-                                ? *reinterpret_cast<const uint16_t*>(views[i].address)
-                                : static_cast<int64_t>(*reinterpret_cast<const float*>(views[i].address));
+      const int64_t value =
+          info.dtype == DType::kFloat16
+              ? *reinterpret_cast<const uint16_t*>(views[i].address)
+              : static_cast<int64_t>(*reinterpret_cast<const float*>(views[i].address));
       EXPECT_EQ(value, expected) << info.name << " at " << where;
       const int64_t last = info.numel - 1;
-      const int64_t tail = info.dtype == DType::kFloat16
-                               ? reinterpret_cast<const uint16_t*>(views[i].address)[last]
-                               : static_cast<int64_t>(reinterpret_cast<const float*>(views[i].address)[last]);
+      const int64_t tail =
+          info.dtype == DType::kFloat16
+              ? reinterpret_cast<const uint16_t*>(views[i].address)[last]
+              : static_cast<int64_t>(reinterpret_cast<const float*>(views[i].address)[last]);
       EXPECT_EQ(tail, expected) << info.name << " (last element) at " << where;
       if (update) {
         if (info.dtype == DType::kFloat16) {
@@ -194,8 +196,7 @@ TEST_P(ChunkTrainingTest, CompletesWithinEveryFeasibleBudgetAndFailsBelowIt) {
   const int64_t model_bytes = 4 * (16 << 10) + 12 * (32 << 10);
 
   for (int64_t budget : {model_bytes + Activations(kLayers - 1), int64_t{320} << 10,
-                         int64_t{224} << 10, int64_t{176} << 10, int64_t{144} << 10,
-                         working_set}) {
+                         int64_t{224} << 10, int64_t{176} << 10, int64_t{144} << 10, working_set}) {
     SCOPED_TRACE(absl::StrCat("device budget ", budget));
     TrainingLoop loop(budget, GetParam(), &nvme_dir);
     absl::Status status = loop.Run();
