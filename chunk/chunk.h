@@ -7,6 +7,12 @@
 // when the copy is found complete, so no reader ever sees half-copied bytes. A chunk with any
 // tensor in COMPUTE, or with a copy in flight, is pinned: it is never chosen as an eviction victim
 // and MoveChunk refuses it.
+//
+// Note [Block sizes]
+// A payload block is at least bytes() but may be larger: a tier's pool can hand out a larger free
+// block when it has no room to grow (Note [Tier slab pool]). So every byte count the manager
+// keeps (chunk bytes per tier, bytes moved) uses the blocks' real sizes, and a move asks for a
+// destination as large as the source block, because the copy engine copies whole blocks.
 #pragma once
 
 #include <cstdint>

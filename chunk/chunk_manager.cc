@@ -406,7 +406,7 @@ absl::StatusOr<Block> ChunkManager::AllocateWithEviction(int tier, int64_t bytes
     if (victim == nullptr) {
       int64_t pinned_bytes = 0;
       for (const Chunk& chunk : chunks_) {
-        if (chunk.tier_index_ == tier && chunk.pinned()) pinned_bytes += chunk.bytes();
+        if (chunk.tier_index_ == tier && chunk.pinned()) pinned_bytes += chunk.payload_.bytes;
       }
       return absl::ResourceExhaustedError(absl::StrCat(
           purpose, ": tier '", slot.stats.name, "' (", TierKindName(slot.stats.kind),
@@ -424,20 +424,20 @@ absl::Status ChunkManager::MoveTo(Chunk& chunk, int tier, absl::Span<const Chunk
            "MoveTo needs a settled payload elsewhere");
   const std::vector<ChunkId> keep = With(exclude, chunk.id_);
   PS_ASSIGN_OR_RETURN(Block destination,
-                      AllocateWithEviction(tier, chunk.bytes(), keep,
+                      AllocateWithEviction(tier, chunk.payload_.bytes, keep,
                                            absl::StrCat("moving ", DescribeChunk(chunk), " to '",
                                                         tiers_[tier].stats.name, "'")));
-  AddChunkBytes(tier, chunk.bytes());
+  AddChunkBytes(tier, destination.bytes);
   absl::StatusOr<CopyHandle> handle = options_.copy_engine->Copy(chunk.payload_, destination);
   if (!handle.ok()) {
-    AbandonDestination(destination, tier, chunk.bytes());
+    AbandonDestination(destination, tier);
     return Annotate(handle.status(), absl::StrCat("moving ", DescribeChunk(chunk)));
   }
   return SettleCopy(chunk, destination, tier, *handle, "moving");
 }
 
-void ChunkManager::AbandonDestination(const Block& destination, int tier, int64_t bytes) {
-  AddChunkBytes(tier, -bytes);
+void ChunkManager::AbandonDestination(const Block& destination, int tier) {
+  AddChunkBytes(tier, -destination.bytes);
   absl::Status freed = destination.tier->Free(destination);
   if (!freed.ok()) PS_LOG(kWarning, "chunk manager: %s", freed.ToString());
 }
@@ -448,15 +448,16 @@ absl::Status ChunkManager::SettleCopy(Chunk& chunk, const Block& destination, in
   absl::Status copied = handle.Wait();
   tiers_[tier].stats.copy_wait_ns += absl::ToInt64Nanoseconds(absl::Now() - start);
   if (!copied.ok()) {
-    AbandonDestination(destination, tier, chunk.bytes());
+    AbandonDestination(destination, tier);
     return Annotate(copied, absl::StrCat(what, " ", DescribeChunk(chunk)));
   }
   const int from = chunk.tier_index_;
+  const int64_t moved = chunk.payload_.bytes;
   PS_RETURN_IF_ERROR(chunk.payload_.tier->Free(chunk.payload_));
-  AddChunkBytes(from, -chunk.bytes());
-  tiers_[from].stats.bytes_out += chunk.bytes();
+  AddChunkBytes(from, -moved);
+  tiers_[from].stats.bytes_out += moved;
   tiers_[from].stats.chunks_out += 1;
-  tiers_[tier].stats.bytes_in += chunk.bytes();
+  tiers_[tier].stats.bytes_in += moved;
   tiers_[tier].stats.chunks_in += 1;
   SetPayload(chunk, destination, tier);
   return absl::OkStatus();
@@ -507,17 +508,17 @@ absl::Status ChunkManager::IssuePrefetches() {
             window_allowed, slot.budget_bytes - std::max(tracer_.NonModelBytes(tier),
                                                          tracer_.TracedNonModelBytes(tier, m)));
       }
-      if (slot.chunk_bytes + chunk.bytes() > window_allowed) continue;
+      if (slot.chunk_bytes + chunk.payload_.bytes > window_allowed) continue;
     }
-    absl::StatusOr<Block> destination = slot.tier->Allocate(chunk.bytes());
+    absl::StatusOr<Block> destination = slot.tier->Allocate(chunk.payload_.bytes);
     if (!destination.ok()) {
       if (absl::IsResourceExhausted(destination.status())) continue;
       return Annotate(destination.status(), absl::StrCat("prefetching ", DescribeChunk(chunk)));
     }
-    AddChunkBytes(tier, chunk.bytes());
+    AddChunkBytes(tier, destination->bytes);
     absl::StatusOr<CopyHandle> handle = options_.copy_engine->Copy(chunk.payload_, *destination);
     if (!handle.ok()) {
-      AbandonDestination(*destination, tier, chunk.bytes());
+      AbandonDestination(*destination, tier);
       return Annotate(handle.status(), absl::StrCat("prefetching ", DescribeChunk(chunk)));
     }
     chunk.pending_ = Chunk::PendingCopy{*destination, tier, *handle};
@@ -541,7 +542,7 @@ absl::Status ChunkManager::MakeResident(Chunk& chunk, int tier) {
                         AllocateWithEviction(tier, chunk.bytes(), {chunk.id_},
                                              absl::StrCat("placing ", DescribeChunk(chunk))));
     std::memset(block.data(), 0, static_cast<size_t>(block.bytes));
-    AddChunkBytes(tier, chunk.bytes());
+    AddChunkBytes(tier, block.bytes);
     tiers_[tier].stats.zero_fills += 1;
     SetPayload(chunk, block, tier);
     return absl::OkStatus();
@@ -554,7 +555,7 @@ absl::Status ChunkManager::DropPayload(Chunk& chunk) {
   if (chunk.pending_.has_value()) PS_RETURN_IF_ERROR(FinishPrefetch(chunk));
   if (!chunk.has_payload()) return absl::OkStatus();
   PS_RETURN_IF_ERROR(chunk.payload_.tier->Free(chunk.payload_));
-  AddChunkBytes(chunk.tier_index_, -chunk.bytes());
+  AddChunkBytes(chunk.tier_index_, -chunk.payload_.bytes);
   SetPayload(chunk, Block{}, -1);
   return absl::OkStatus();
 }

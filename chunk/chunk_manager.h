@@ -221,7 +221,7 @@ class ChunkManager {
   // the payload and the old block is freed, on failure the destination is freed.
   absl::Status SettleCopy(Chunk& chunk, const Block& destination, int tier,
                           const CopyHandle& handle, absl::string_view what);
-  void AbandonDestination(const Block& destination, int tier, int64_t bytes);
+  void AbandonDestination(const Block& destination, int tier);
   absl::Status FinishPrefetch(Chunk& chunk);
   absl::Status FinishAllPrefetches();
   absl::Status IssuePrefetches();
