@@ -599,10 +599,15 @@ absl::StatusOr<TensorView> ChunkManager::Access(TensorId id, TierKind tier_kind)
                      "': ", DescribeChunk(chunk), " has ", chunk.compute_tensors_,
                      " tensors in COMPUTE there and cannot move"));
   }
-  if (tensor->state == TensorState::kReleased && !chunk.has_payload()) {
+  // Zero-filling a chunk that holds RELEASED tensors would later pass zeros off as their data,
+  // whichever of its tensors is accessed.
+  if (!chunk.has_payload() &&
+      std::any_of(chunk.tensors_.begin(), chunk.tensors_.end(),
+                  [&](TensorId t) { return tensors_[t].state == TensorState::kReleased; })) {
     return absl::FailedPreconditionError(absl::StrCat(
-        "access tensor '", tensor->name, "': it is RELEASED and ", DescribeChunk(chunk),
-        " was not gathered; gather its group first (PlanGather, MaterializeGathered)"));
+        "access tensor '", tensor->name, "': ", DescribeChunk(chunk),
+        " holds RELEASED tensors and was not gathered; gather its group first (PlanGather, "
+        "MaterializeGathered)"));
   }
   tracer_.RecordAccess(chunk.id_, tier);
   PS_RETURN_IF_ERROR(

@@ -81,7 +81,9 @@ class StateMachineThroughManagerTest : public ::testing::Test {
     ASSERT_TRUE(manager_->RegisterTensor(Spec("w", {256})).ok());
     ASSERT_TRUE(manager_->RegisterTensor(Spec("mine", {1024})).ok());
     ASSERT_TRUE(manager_->RegisterTensor(Spec("w2", {256})).ok());
+    ASSERT_TRUE(manager_->RegisterTensor(Spec("never_written", {256})).ok());
     ASSERT_TRUE(manager_->BuildChunkLists(1024).ok());
+    ASSERT_EQ((*manager_->tensor(3))->chunk, 0);
     ASSERT_FALSE(manager_->IsLocal(0));
     ASSERT_EQ((*manager_->tensor(2))->chunk, 0);
     ASSERT_TRUE(manager_->Access(2, TierKind::kHost).ok());
@@ -142,6 +144,10 @@ TEST_F(StateMachineThroughManagerTest, ReleasedBackToHoldOnlyThroughAGather) {
   absl::Status access = manager_->Access(0, TierKind::kHost).status();
   EXPECT_EQ(access.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(access.message(), HasSubstr("gather"));
+  // A FREE neighbour cannot zero-fill the chunk either: that would pass zeros off as w's data.
+  absl::Status neighbour = manager_->Access(3, TierKind::kHost).status();
+  EXPECT_EQ(neighbour.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(neighbour.message(), HasSubstr("gather"));
   absl::Status direct = manager_->SetTensorState(0, S::kHold);
   EXPECT_EQ(direct.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(direct.message(), HasSubstr("MaterializeGathered"));
