@@ -324,7 +324,8 @@ void InitChunk(py::module_& module) {
           },
           py::arg("chunk"), py::arg("tier"), py::arg("fill"),
           "Places a payload for a remote chunk of a released group and calls fill(bytes), a "
-          "uint8 tensor over it, for the collective to write into; its tensors become HOLD.")
+          "uint8 tensor over it, for the collective to write into; its tensors become HOLD. fill "
+          "must not call this manager (it runs under the manager's lock).")
       .def(
           "complete_gather",
           [](PyChunkManager& self, ChunkId chunk) {
