@@ -1,10 +1,102 @@
-// Python bindings of the chunk layer (chunk/).
+// Python bindings of the chunk layer (chunk/): a thin layer over ChunkManager. Tiers and the copy
+// engine are the shared_ptr objects of init_runtime.cc; statuses become exceptions
+// (status_exceptions.h). Richer structures (statistics, trace, layout) cross as JSON text.
+#include <torch/extension.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/synchronization/mutex.h"
 #include "bindings/init.h"
+#include "bindings/status_exceptions.h"
 #include "chunk/chunk_kind.h"
+#include "chunk/chunk_manager.h"
+#include "chunk/tensor_state.h"
+#include "runtime/status.h"
 
 namespace py = pybind11;
 
 namespace ps::bindings {
+namespace {
+
+TierKind ParseTierKind(const std::string& name) {
+  if (name == "device") return TierKind::kDevice;
+  if (name == "host") return TierKind::kHost;
+  if (name == "nvme") return TierKind::kNvme;
+  throw py::value_error("unknown tier '" + name + "': expected 'device', 'host' or 'nvme'");
+}
+
+at::ScalarType ToScalarType(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32:
+      return at::kFloat;
+    case DType::kFloat16:
+      return at::kHalf;
+    case DType::kBFloat16:
+      return at::kBFloat16;
+  }
+  throw py::value_error("unknown dtype");
+}
+
+py::dict ViewToDict(const TensorView& view) {
+  py::dict d;
+  d["address"] = view.address;
+  d["tier"] = view.tier_name;
+  d["tier_kind"] = std::string(TierKindName(view.tier_kind));
+  d["device_memory"] = view.address_space == AddressSpace::kDeviceMemory;
+  d["dtype"] = std::string(DTypeName(view.dtype));
+  d["numel"] = view.numel;
+  d["shape"] = view.shape;
+  return d;
+}
+
+py::dict LayoutToDict(const LayoutReport& report) {
+  py::dict d;
+  d["chunk_elements"] = report.chunk_elements;
+  d["wasted_bytes"] = report.wasted_bytes;
+  d["candidates"] = report.candidates;
+  d["num_chunks"] = report.num_chunks;
+  d["oversize_tensors"] = report.oversize_tensors;
+  d["layout_hash"] = report.layout_hash;
+  return d;
+}
+
+// The manager is not thread-safe, and long calls release the GIL, so each manager carries a
+// mutex taken (after the GIL is dropped) by every call.
+class PyChunkManager {
+ public:
+  explicit PyChunkManager(std::unique_ptr<ChunkManager> manager) : manager_(std::move(manager)) {}
+
+  template <typename F>
+  auto Run(F&& f) {
+    py::gil_scoped_release release;
+    absl::MutexLock lock(&mutex_);
+    return f(*manager_);
+  }
+
+  // For calls that run Python code (callbacks): the GIL stays held.
+  template <typename F>
+  auto RunHoldingGil(F&& f) {
+    absl::MutexLock lock(&mutex_);
+    return f(*manager_);
+  }
+
+ private:
+  absl::Mutex mutex_;
+  std::unique_ptr<ChunkManager> manager_;
+};
+
+// A torch tensor over a COMPUTE tensor's bytes. It holds no lease: it is valid only until the
+// tensor is released (the engine's hooks re-create views on every access).
+at::Tensor TorchView(const TensorView& view) {
+  at::Device device = view.address_space == AddressSpace::kDeviceMemory ? at::Device(at::kCUDA)
+                                                                        : at::Device(at::kCPU);
+  return torch::from_blob(reinterpret_cast<void*>(static_cast<uintptr_t>(view.address)), view.shape,
+                          at::TensorOptions().dtype(ToScalarType(view.dtype)).device(device));
+}
+
+}  // namespace
 
 void InitChunk(py::module_& module) {
   py::enum_<ChunkKind>(module, "ChunkKind")
@@ -13,6 +105,256 @@ void InitChunk(py::module_& module) {
       .value("MOMENTUM", ChunkKind::kMomentum)
       .value("VARIANCE", ChunkKind::kVariance)
       .value("GRADIENT", ChunkKind::kGradient);
+
+  py::enum_<TensorState>(module, "TensorState")
+      .value("FREE", TensorState::kFree)
+      .value("COMPUTE", TensorState::kCompute)
+      .value("HOLD", TensorState::kHold)
+      .value("HOLD_AFTER_FWD", TensorState::kHoldAfterFwd)
+      .value("HOLD_AFTER_BWD", TensorState::kHoldAfterBwd)
+      .value("RELEASED", TensorState::kReleased);
+
+  using M = ChunkManager;
+  py::class_<PyChunkManager>(module, "ChunkManager",
+                             "Chunks of registered tensors placed across tiers (chunk/).")
+      .def(py::init([](std::vector<std::shared_ptr<Tier>> tiers,
+                       std::shared_ptr<CopyEngine> copy_engine, int world_size, int rank,
+                       int prefetch_moments, const std::string& eviction_policy) {
+             ChunkManagerOptions options;
+             options.tiers = std::move(tiers);
+             options.copy_engine = std::move(copy_engine);
+             options.world_size = world_size;
+             options.rank = rank;
+             options.prefetch_moments = prefetch_moments;
+             if (eviction_policy == "opt") {
+               options.eviction_policy = EvictionPolicy::kOptAfterWarmup;
+             } else if (eviction_policy == "lru") {
+               options.eviction_policy = EvictionPolicy::kLru;
+             } else {
+               throw py::value_error("eviction_policy must be 'opt' or 'lru', got '" +
+                                     eviction_policy + "'");
+             }
+             return std::make_unique<PyChunkManager>(
+                 ValueOrThrow(ChunkManager::Create(std::move(options))));
+           }),
+           py::arg("tiers"), py::arg("copy_engine"), py::arg("world_size") = 1, py::arg("rank") = 0,
+           py::arg("prefetch_moments") = 0, py::arg("eviction_policy") = "opt",
+           "tiers: fastest first (device, host, nvme), one of each kind at most.")
+      .def(
+          "register_tensor",
+          [](PyChunkManager& self, const std::string& name, std::vector<int64_t> shape,
+             ChunkKind kind, const std::string& dtype) {
+            const DType parsed = ValueOrThrow(ParseDType(dtype));
+            return ValueOrThrow(self.Run([&](M& m) {
+              return m.RegisterTensor(TensorSpec{name, std::move(shape), kind, parsed});
+            }));
+          },
+          py::arg("name"), py::arg("shape"), py::arg("kind"), py::arg("dtype"),
+          "Registers a tensor; returns its id.")
+      .def(
+          "build_chunk_lists",
+          [](PyChunkManager& self, int64_t chunk_elements) {
+            return LayoutToDict(
+                ValueOrThrow(self.Run([&](M& m) { return m.BuildChunkLists(chunk_elements); })));
+          },
+          py::arg("chunk_elements"))
+      .def(
+          "search_chunk_lists",
+          [](PyChunkManager& self, int64_t min_elements, int64_t max_elements,
+             int64_t step_elements) {
+            return LayoutToDict(ValueOrThrow(self.Run([&](M& m) {
+              return m.BuildChunkListsSearched(
+                  ChunkSizeSearch{min_elements, max_elements, step_elements});
+            })));
+          },
+          py::arg("min_elements"), py::arg("max_elements"), py::arg("step_elements"),
+          "Builds the lists with the chunk size in the range that wastes the fewest bytes.")
+      .def(
+          "access",
+          [](PyChunkManager& self, TensorId tensor, const std::string& tier) {
+            const TierKind kind = ParseTierKind(tier);
+            return ViewToDict(ValueOrThrow(self.Run([&](M& m) { return m.Access(tensor, kind); })));
+          },
+          py::arg("tensor"), py::arg("tier") = "device",
+          "Brings the tensor's chunk to the tier, marks it COMPUTE; returns its address info.")
+      .def(
+          "release",
+          [](PyChunkManager& self, TensorId tensor, TensorState state) {
+            ThrowIfError(self.Run([&](M& m) { return m.Release(tensor, state); }));
+          },
+          py::arg("tensor"), py::arg("state"))
+      .def(
+          "set_tensor_state",
+          [](PyChunkManager& self, TensorId tensor, TensorState state) {
+            ThrowIfError(self.Run([&](M& m) { return m.SetTensorState(tensor, state); }));
+          },
+          py::arg("tensor"), py::arg("state"))
+      .def(
+          "view",
+          [](PyChunkManager& self, TensorId tensor) {
+            return ViewToDict(ValueOrThrow(self.Run([&](M& m) { return m.View(tensor); })));
+          },
+          py::arg("tensor"), "Address info of a COMPUTE tensor.")
+      .def(
+          "torch_view",
+          [](PyChunkManager& self, TensorId tensor) {
+            return TorchView(ValueOrThrow(self.Run([&](M& m) { return m.View(tensor); })));
+          },
+          py::arg("tensor"),
+          "A torch tensor over a COMPUTE tensor's bytes; valid only until it is released.")
+      .def(
+          "move_chunk",
+          [](PyChunkManager& self, ChunkId chunk, const std::string& tier) {
+            const TierKind kind = ParseTierKind(tier);
+            ThrowIfError(self.Run([&](M& m) { return m.MoveChunk(chunk, kind); }));
+          },
+          py::arg("chunk"), py::arg("tier"))
+      .def("tick",
+           [](PyChunkManager& self) { ThrowIfError(self.Run([](M& m) { return m.Tick(); })); })
+      .def(
+          "report_non_model_data",
+          [](PyChunkManager& self, const std::string& tier, int64_t nbytes) {
+            const TierKind kind = ParseTierKind(tier);
+            ThrowIfError(self.Run([&](M& m) { return m.ReportNonModelData(kind, nbytes); }));
+          },
+          py::arg("tier"), py::arg("nbytes"))
+      .def("end_iteration",
+           [](PyChunkManager& self) {
+             ThrowIfError(self.Run([](M& m) { return m.EndIteration(); }));
+           })
+      .def(
+          "find_tensor",
+          [](PyChunkManager& self, const std::string& name) {
+            return ValueOrThrow(self.Run([&](M& m) { return m.FindTensor(name); }));
+          },
+          py::arg("name"))
+      .def(
+          "tensor_info",
+          [](PyChunkManager& self, TensorId tensor) {
+            const TensorInfo info = ValueOrThrow(self.Run([&](M& m) -> absl::StatusOr<TensorInfo> {
+              PS_ASSIGN_OR_RETURN(const TensorInfo* found, m.tensor(tensor));
+              return *found;
+            }));
+            py::dict d;
+            d["name"] = info.name;
+            d["shape"] = info.shape;
+            d["numel"] = info.numel;
+            d["kind"] = info.kind;
+            d["dtype"] = std::string(DTypeName(info.dtype));
+            d["chunk"] = info.chunk;
+            d["offset"] = info.offset;
+            d["state"] = info.state;
+            return d;
+          },
+          py::arg("tensor"))
+      .def(
+          "chunk_tensors",
+          [](PyChunkManager& self, ChunkId chunk) {
+            return ValueOrThrow(self.Run([&](M& m) -> absl::StatusOr<std::vector<TensorId>> {
+              PS_ASSIGN_OR_RETURN(const Chunk* found, m.chunk(chunk));
+              return found->tensors();
+            }));
+          },
+          py::arg("chunk"))
+      .def(
+          "chunks_of_kind",
+          [](PyChunkManager& self, ChunkKind kind) {
+            return self.Run([&](M& m) { return m.ChunksOfKind(kind); });
+          },
+          py::arg("kind"))
+      .def(
+          "is_local",
+          [](PyChunkManager& self, ChunkId chunk) {
+            return ValueOrThrow(self.Run([&](M& m) -> absl::StatusOr<bool> {
+              PS_RETURN_IF_ERROR(m.chunk(chunk).status());
+              return m.IsLocal(chunk);
+            }));
+          },
+          py::arg("chunk"))
+      .def(
+          "plan_gather",
+          [](PyChunkManager& self, TensorId tensor) {
+            const GatherPlan plan =
+                ValueOrThrow(self.Run([&](M& m) { return m.PlanGather(tensor); }));
+            py::dict d;
+            d["kind"] = plan.kind;
+            d["group"] = plan.group;
+            d["chunks"] = plan.chunks;
+            d["local_chunk"] = plan.local_chunk;
+            d["to_receive"] = plan.to_receive;
+            d["needs_gather"] = plan.needs_gather;
+            return d;
+          },
+          py::arg("tensor"))
+      .def("releasable_groups",
+           [](PyChunkManager& self) { return self.Run([](M& m) { return m.ReleasableGroups(); }); })
+      .def(
+          "release_group",
+          [](PyChunkManager& self, ChunkId chunk) {
+            ThrowIfError(self.Run([&](M& m) { return m.ReleaseGroup(chunk); }));
+          },
+          py::arg("chunk"))
+      .def(
+          "materialize_gathered",
+          [](PyChunkManager& self, ChunkId chunk, const std::string& tier, py::function fill) {
+            const TierKind kind = ParseTierKind(tier);
+            // The Python error, if any, is carried around the core (which never sees exceptions)
+            // and raised again here.
+            std::exception_ptr raised;
+            absl::Status status = self.RunHoldingGil([&](M& m) {
+              return m.MaterializeGathered(
+                  chunk, kind, [&](void* data, int64_t bytes) -> absl::Status {
+                    try {
+                      const bool on_device =
+                          kind == TierKind::kDevice &&
+                          m.tier(0).address_space() == AddressSpace::kDeviceMemory;
+                      fill(torch::from_blob(
+                          data, {bytes},
+                          at::TensorOptions().dtype(at::kByte).device(
+                              on_device ? at::Device(at::kCUDA) : at::Device(at::kCPU))));
+                      return absl::OkStatus();
+                    } catch (...) {
+                      raised = std::current_exception();
+                      return absl::AbortedError("the fill callback raised");
+                    }
+                  });
+            });
+            if (raised) std::rethrow_exception(raised);
+            ThrowIfError(status);
+          },
+          py::arg("chunk"), py::arg("tier"), py::arg("fill"),
+          "Places a payload for a remote chunk of a released group and calls fill(bytes), a "
+          "uint8 tensor over it, for the collective to write into; its tensors become HOLD. fill "
+          "must not call this manager (it runs under the manager's lock).")
+      .def(
+          "complete_gather",
+          [](PyChunkManager& self, ChunkId chunk) {
+            ThrowIfError(self.Run([&](M& m) { return m.CompleteGather(chunk); }));
+          },
+          py::arg("chunk"))
+      .def_property_readonly(
+          "num_tensors",
+          [](PyChunkManager& self) { return self.Run([](M& m) { return m.num_tensors(); }); })
+      .def_property_readonly(
+          "num_chunks",
+          [](PyChunkManager& self) { return self.Run([](M& m) { return m.num_chunks(); }); })
+      .def_property_readonly(
+          "layout_hash",
+          [](PyChunkManager& self) { return self.Run([](M& m) { return m.layout_hash(); }); })
+      .def_property_readonly("warming_up",
+                             [](PyChunkManager& self) {
+                               return self.Run([](M& m) { return m.tracer().warming_up(); });
+                             })
+      .def_property_readonly(
+          "moment",
+          [](PyChunkManager& self) { return self.Run([](M& m) { return m.tracer().moment(); }); })
+      .def(
+          "dump_json",
+          [](PyChunkManager& self, int indent) {
+            return self.Run([&](M& m) { return m.DumpJson(indent); });
+          },
+          py::arg("indent") = 2,
+          "Layout, per-tier statistics, evictions and the tracer's trace, as JSON text.");
 }
 
 }  // namespace ps::bindings

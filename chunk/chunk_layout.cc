@@ -1,0 +1,173 @@
+#include "chunk/chunk_layout.h"
+
+#include <limits>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "runtime/status.h"
+
+namespace ps {
+namespace {
+
+constexpr int kNumChunkKinds = 5;
+
+// FNV-1a over the bytes of integers and strings, fed in a fixed order.
+class Fnv1a {
+ public:
+  void AddInt(int64_t value) {
+    for (int i = 0; i < 8; ++i)
+      AddByte(static_cast<uint8_t>(static_cast<uint64_t>(value) >> (8 * i)));
+  }
+  void AddString(absl::string_view text) {
+    AddInt(static_cast<int64_t>(text.size()));
+    for (char c : text) AddByte(static_cast<uint8_t>(c));
+  }
+  uint64_t digest() const { return hash_; }
+
+ private:
+  void AddByte(uint8_t byte) {
+    hash_ ^= byte;
+    hash_ *= 1099511628211ull;
+  }
+  uint64_t hash_ = 14695981039346656037ull;
+};
+
+}  // namespace
+
+absl::StatusOr<int64_t> NumElements(absl::Span<const int64_t> shape) {
+  int64_t numel = 1;
+  for (int64_t dim : shape) {
+    if (dim < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("shape [", absl::StrJoin(shape, ", "), "] has a negative dimension"));
+    }
+    if (dim != 0 && numel > std::numeric_limits<int64_t>::max() / dim) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("shape [", absl::StrJoin(shape, ", "), "] overflows int64 elements"));
+    }
+    numel *= dim;
+  }
+  return numel;
+}
+
+absl::StatusOr<LayoutPlan> PlanLayout(absl::Span<const TensorSpec> specs, int64_t chunk_elements,
+                                      int world_size) {
+  if (chunk_elements <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("chunk size must be positive, got ", chunk_elements, " elements"));
+  }
+  if (world_size <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("world size must be positive, got ", world_size));
+  }
+  LayoutPlan plan;
+  plan.chunk_elements = chunk_elements;
+  plan.world_size = world_size;
+  for (int kind_index = 0; kind_index < kNumChunkKinds; ++kind_index) {
+    const auto kind = static_cast<ChunkKind>(kind_index);
+    PlannedList list;
+    list.kind = kind;
+    int64_t first_of_kind = -1;
+    for (int64_t i = 0; i < static_cast<int64_t>(specs.size()); ++i) {
+      const TensorSpec& spec = specs[i];
+      if (spec.kind != kind) continue;
+      if (first_of_kind < 0) {
+        first_of_kind = i;
+        list.dtype = spec.dtype;
+      } else if (spec.dtype != list.dtype) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "tensor '", spec.name, "' of kind ", ChunkKindName(kind), " is ", DTypeName(spec.dtype),
+            " but '", specs[first_of_kind].name, "' of the same kind is ", DTypeName(list.dtype),
+            ": one chunk list holds one dtype"));
+      }
+      PS_ASSIGN_OR_RETURN(const int64_t numel, NumElements(spec.shape));
+      if (numel == 0) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("tensor '", spec.name, "' has no elements; nothing to place"));
+      }
+      if (numel > chunk_elements) {
+        PlannedChunk own;
+        own.capacity_elements = numel;
+        own.used_elements = numel;
+        own.tensors = {i};
+        own.offsets = {0};
+        own.oversize = true;
+        list.chunks.push_back(std::move(own));
+        plan.oversize_tensors.push_back(i);
+        continue;
+      }
+      PlannedChunk* target = nullptr;
+      for (PlannedChunk& chunk : list.chunks) {
+        if (!chunk.oversize && chunk.capacity_elements - chunk.used_elements >= numel) {
+          target = &chunk;
+          break;
+        }
+      }
+      if (target == nullptr) {
+        list.chunks.push_back(PlannedChunk{chunk_elements, 0, {}, {}, false, false});
+        target = &list.chunks.back();
+      }
+      target->tensors.push_back(i);
+      target->offsets.push_back(target->used_elements);
+      target->used_elements += numel;
+    }
+    if (first_of_kind < 0) continue;
+    while (list.chunks.size() % world_size != 0) {
+      list.chunks.push_back(PlannedChunk{chunk_elements, 0, {}, {}, false, true});
+    }
+    for (const PlannedChunk& chunk : list.chunks) {
+      plan.wasted_bytes +=
+          (chunk.capacity_elements - chunk.used_elements) * ElementSize(list.dtype);
+    }
+    plan.lists.push_back(std::move(list));
+  }
+  return plan;
+}
+
+absl::StatusOr<ChunkSizeSearchResult> SearchChunkSize(absl::Span<const TensorSpec> specs,
+                                                      const ChunkSizeSearch& search,
+                                                      int world_size) {
+  if (search.min_elements <= 0 || search.step_elements <= 0 ||
+      search.max_elements < search.min_elements) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("chunk size search range is empty or malformed: min ", search.min_elements,
+                     ", max ", search.max_elements, ", step ", search.step_elements, " elements"));
+  }
+  ChunkSizeSearchResult result;
+  bool have_best = false;
+  for (int64_t size = search.min_elements; size <= search.max_elements;
+       size += search.step_elements) {
+    PS_ASSIGN_OR_RETURN(LayoutPlan plan, PlanLayout(specs, size, world_size));
+    ++result.candidates;
+    if (!have_best || plan.wasted_bytes < result.plan.wasted_bytes) {
+      result.plan = std::move(plan);
+      have_best = true;
+    }
+  }
+  return result;
+}
+
+uint64_t LayoutHash(const LayoutPlan& plan, absl::Span<const TensorSpec> specs) {
+  Fnv1a hash;
+  hash.AddInt(plan.chunk_elements);
+  hash.AddInt(plan.world_size);
+  for (const PlannedList& list : plan.lists) {
+    hash.AddInt(static_cast<int64_t>(list.kind));
+    hash.AddInt(static_cast<int64_t>(list.dtype));
+    hash.AddInt(static_cast<int64_t>(list.chunks.size()));
+    for (const PlannedChunk& chunk : list.chunks) {
+      hash.AddInt(chunk.capacity_elements);
+      hash.AddInt(static_cast<int64_t>(chunk.tensors.size()));
+      for (size_t t = 0; t < chunk.tensors.size(); ++t) {
+        const TensorSpec& spec = specs[chunk.tensors[t]];
+        hash.AddString(spec.name);
+        hash.AddInt(chunk.offsets[t]);
+        hash.AddInt(static_cast<int64_t>(spec.shape.size()));
+        for (int64_t dim : spec.shape) hash.AddInt(dim);
+      }
+    }
+  }
+  return hash.digest();
+}
+
+}  // namespace ps

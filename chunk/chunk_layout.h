@@ -1,0 +1,84 @@
+// Packing tensors into chunk lists: first-fit in registration order, oversized tensors in chunks
+// of their own, and the chunk-size search that minimizes wasted bytes.
+//
+// Note [Deterministic layout]
+// Every rank must arrive at the same chunks with the same tensors at the same offsets, because a
+// collective moves a whole chunk and the receiver reads tensors at the offsets it computed
+// itself. The layout is a pure function of (tensor specs in registration order, chunk size,
+// world size): no hash-map iteration order, no addresses, no timing. LayoutHash() digests exactly
+// that function's output so ranks can compare one number before training starts.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "chunk/chunk_kind.h"
+#include "runtime/dtype.h"
+
+namespace ps {
+
+struct TensorSpec {
+  std::string name;
+  std::vector<int64_t> shape;  // empty for a scalar
+  ChunkKind kind = ChunkKind::kComputeParam;
+  DType dtype = DType::kFloat32;
+};
+
+// The product of `shape`; InvalidArgument for a negative dimension or an overflow.
+absl::StatusOr<int64_t> NumElements(absl::Span<const int64_t> shape);
+
+// One chunk of a planned list.
+struct PlannedChunk {
+  int64_t capacity_elements = 0;
+  int64_t used_elements = 0;
+  std::vector<int64_t> tensors;  // indices into the specs, in packing order
+  std::vector<int64_t> offsets;  // element offset of each tensor in the chunk
+  bool oversize = false;         // made for one tensor larger than the chunk size
+  bool padding = false;          // empty, added so the list is a multiple of the world size
+};
+
+// The chunks of one kind.
+struct PlannedList {
+  ChunkKind kind = ChunkKind::kComputeParam;
+  DType dtype = DType::kFloat32;
+  std::vector<PlannedChunk> chunks;
+};
+
+struct LayoutPlan {
+  int64_t chunk_elements = 0;
+  int world_size = 1;
+  std::vector<PlannedList> lists;         // in ChunkKind order, only kinds that have tensors
+  int64_t wasted_bytes = 0;               // unused capacity of regular and padding chunks
+  std::vector<int64_t> oversize_tensors;  // spec indices that got a chunk of their own
+};
+
+// First-fit packing of `specs` into chunks of `chunk_elements`, one list per kind, each list
+// padded with empty chunks to a multiple of `world_size`. InvalidArgument when a kind mixes
+// dtypes, a tensor has no elements, or the sizes are not positive.
+absl::StatusOr<LayoutPlan> PlanLayout(absl::Span<const TensorSpec> specs, int64_t chunk_elements,
+                                      int world_size);
+
+struct ChunkSizeSearch {
+  int64_t min_elements = 0;
+  int64_t max_elements = 0;
+  int64_t step_elements = 0;  // candidates are min, min + step, ... <= max
+};
+
+struct ChunkSizeSearchResult {
+  LayoutPlan plan;         // the winner's plan
+  int64_t candidates = 0;  // how many sizes were evaluated
+};
+
+// Plans every candidate size and keeps the one with the fewest wasted bytes (the smallest size
+// on a tie, so that moves stay small). InvalidArgument for an empty or malformed range.
+absl::StatusOr<ChunkSizeSearchResult> SearchChunkSize(absl::Span<const TensorSpec> specs,
+                                                      const ChunkSizeSearch& search,
+                                                      int world_size);
+
+// FNV-1a digest of the plan and the specs it places (Note [Deterministic layout]).
+uint64_t LayoutHash(const LayoutPlan& plan, absl::Span<const TensorSpec> specs);
+
+}  // namespace ps

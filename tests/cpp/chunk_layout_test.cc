@@ -1,0 +1,183 @@
+// Chunk packing: first-fit order, oversize tensors, padding, chunk-size search, layout hash.
+#include "chunk/chunk_layout.h"
+
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/cpp/chunk_test_util.h"
+
+namespace ps {
+namespace {
+
+using ::ps::testing::Spec;
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+
+std::vector<TensorSpec> Vectors(const std::vector<int64_t>& sizes) {
+  std::vector<TensorSpec> specs;
+  for (size_t i = 0; i < sizes.size(); ++i)
+    specs.push_back(Spec("t" + std::to_string(i), {sizes[i]}));
+  return specs;
+}
+
+TEST(ChunkLayoutTest, FirstFitFillsTheFirstChunkWithRoomInRegistrationOrder) {
+  // 6 -> c0; 3 -> c0 (9); 5 -> c1; 1 -> c0 (10, full); 4 -> c1 (9); 2 -> c2.
+  const std::vector<TensorSpec> specs = Vectors({6, 3, 5, 1, 4, 2});
+  auto plan = PlanLayout(specs, 10, 1);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  ASSERT_EQ(plan->lists.size(), 1u);
+  const std::vector<PlannedChunk>& chunks = plan->lists[0].chunks;
+  ASSERT_EQ(chunks.size(), 3u);
+  EXPECT_THAT(chunks[0].tensors, ElementsAre(0, 1, 3));
+  EXPECT_THAT(chunks[0].offsets, ElementsAre(0, 6, 9));
+  EXPECT_THAT(chunks[1].tensors, ElementsAre(2, 4));
+  EXPECT_THAT(chunks[1].offsets, ElementsAre(0, 5));
+  EXPECT_THAT(chunks[2].tensors, ElementsAre(5));
+  EXPECT_EQ(plan->wasted_bytes, (0 + 1 + 8) * 4);
+  EXPECT_TRUE(plan->oversize_tensors.empty());
+}
+
+TEST(ChunkLayoutTest, OversizeTensorGetsAChunkOfItsOwnAndIsReported) {
+  const std::vector<TensorSpec> specs = Vectors({4, 25, 5});
+  auto plan = PlanLayout(specs, 10, 1);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  const std::vector<PlannedChunk>& chunks = plan->lists[0].chunks;
+  ASSERT_EQ(chunks.size(), 2u);
+  EXPECT_THAT(chunks[0].tensors, ElementsAre(0, 2));
+  EXPECT_FALSE(chunks[0].oversize);
+  EXPECT_THAT(chunks[1].tensors, ElementsAre(1));
+  EXPECT_TRUE(chunks[1].oversize);
+  EXPECT_EQ(chunks[1].capacity_elements, 25);
+  EXPECT_THAT(plan->oversize_tensors, ElementsAre(1));
+  EXPECT_EQ(plan->wasted_bytes, 1 * 4);  // only the regular chunk's free element
+}
+
+TEST(ChunkLayoutTest, ListsArePerKindAndPaddedToTheWorldSize) {
+  std::vector<TensorSpec> specs = {
+      Spec("w", {8}, ChunkKind::kComputeParam, DType::kFloat16),
+      Spec("w.master", {8}, ChunkKind::kMasterParam, DType::kFloat32),
+      Spec("v", {8}, ChunkKind::kComputeParam, DType::kFloat16),
+      Spec("u", {8}, ChunkKind::kComputeParam, DType::kFloat16),
+  };
+  auto plan = PlanLayout(specs, 8, 4);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  ASSERT_EQ(plan->lists.size(), 2u);
+  EXPECT_EQ(plan->lists[0].kind, ChunkKind::kComputeParam);
+  EXPECT_EQ(plan->lists[0].dtype, DType::kFloat16);
+  ASSERT_EQ(plan->lists[0].chunks.size(), 4u);  // 3 full + 1 padding
+  EXPECT_TRUE(plan->lists[0].chunks[3].padding);
+  EXPECT_EQ(plan->lists[1].kind, ChunkKind::kMasterParam);
+  ASSERT_EQ(plan->lists[1].chunks.size(), 4u);  // 1 full + 3 padding
+  // Padding is real memory once gathered: 1 fp16 chunk + 3 fp32 chunks of 8 elements.
+  EXPECT_EQ(plan->wasted_bytes, 8 * 2 + 3 * 8 * 4);
+}
+
+TEST(ChunkLayoutTest, BadInputIsAnErrorNamingTheTensor) {
+  std::vector<TensorSpec> mixed = {Spec("a", {4}, ChunkKind::kMomentum, DType::kFloat32),
+                                   Spec("b", {4}, ChunkKind::kMomentum, DType::kBFloat16)};
+  auto plan = PlanLayout(mixed, 8, 1);
+  ASSERT_EQ(plan.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(plan.status().message(), HasSubstr("'b'"));
+  EXPECT_THAT(plan.status().message(), HasSubstr("bfloat16"));
+
+  auto empty = PlanLayout({Spec("e", {3, 0})}, 8, 1);
+  ASSERT_EQ(empty.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(empty.status().message(), HasSubstr("'e'"));
+
+  EXPECT_EQ(PlanLayout(Vectors({1}), 0, 1).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(PlanLayout(Vectors({1}), 8, 0).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(NumElements({2, -1}).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(NumElements({int64_t{1} << 40, int64_t{1} << 40}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST(ChunkLayoutTest, SearchFindsTheKnownOptimum) {
+  // Four tensors of 30 elements: sizes 40, 50, 70, 80 waste 10/20/40/50 per chunk, 90 and 100
+  // leave a lonely tensor, only 60 (two tensors per chunk) and 120 (all four) waste nothing;
+  // 120 is outside the range, so 60 is the unique optimum.
+  const std::vector<TensorSpec> specs = Vectors({30, 30, 30, 30});
+  auto result = SearchChunkSize(specs, ChunkSizeSearch{40, 100, 10}, 1);
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_EQ(result->candidates, 7);
+  EXPECT_EQ(result->plan.chunk_elements, 60);
+  EXPECT_EQ(result->plan.wasted_bytes, 0);
+  for (int64_t size = 40; size <= 100; size += 10) {
+    if (size == 60) continue;
+    auto other = PlanLayout(specs, size, 1);
+    ASSERT_TRUE(other.ok());
+    EXPECT_GT(other->wasted_bytes, 0) << "size " << size;
+  }
+}
+
+TEST(ChunkLayoutTest, SearchCountsPaddingAndBreaksTiesTowardsSmallChunks) {
+  // 3 tensors of 10 in a world of 2: size 10 -> 3 chunks + 1 padding (40 bytes wasted);
+  // 20 -> 2 chunks, 10 elements free (40 bytes); 30 -> 1 chunk + 1 padding (120 bytes);
+  // 15 -> 3 + 1 padding (5*3*4 + 60 = 120). Tie between 10 and 20: the smaller wins.
+  const std::vector<TensorSpec> specs = Vectors({10, 10, 10});
+  auto result = SearchChunkSize(specs, ChunkSizeSearch{10, 30, 5}, 2);
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_EQ(result->plan.chunk_elements, 10);
+  EXPECT_EQ(result->plan.wasted_bytes, 40);
+  EXPECT_EQ(SearchChunkSize(specs, ChunkSizeSearch{30, 10, 5}, 1).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(SearchChunkSize(specs, ChunkSizeSearch{10, 30, 0}, 1).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST(ChunkLayoutTest, HashIsDeterministicAndSeesOrderNamesShapesAndWorldSize) {
+  const std::vector<TensorSpec> specs = {Spec("a", {2, 3}), Spec("b", {4}), Spec("c", {5})};
+  auto plan = PlanLayout(specs, 8, 2);
+  auto again = PlanLayout(specs, 8, 2);
+  ASSERT_TRUE(plan.ok() && again.ok());
+  const uint64_t hash = LayoutHash(*plan, specs);
+  EXPECT_EQ(hash, LayoutHash(*again, specs));
+
+  const std::vector<TensorSpec> reordered = {Spec("b", {4}), Spec("a", {2, 3}), Spec("c", {5})};
+  EXPECT_NE(hash, LayoutHash(*PlanLayout(reordered, 8, 2), reordered));
+  const std::vector<TensorSpec> renamed = {Spec("a", {2, 3}), Spec("B", {4}), Spec("c", {5})};
+  EXPECT_NE(hash, LayoutHash(*PlanLayout(renamed, 8, 2), renamed));
+  const std::vector<TensorSpec> reshaped = {Spec("a", {3, 2}), Spec("b", {4}), Spec("c", {5})};
+  EXPECT_NE(hash, LayoutHash(*PlanLayout(reshaped, 8, 2), reshaped));
+  EXPECT_NE(hash, LayoutHash(*PlanLayout(specs, 8, 1), specs));
+  EXPECT_NE(hash, LayoutHash(*PlanLayout(specs, 16, 2), specs));
+}
+
+TEST(ChunkLayoutTest, ManagerBuildsListsAndReportsTheChoice) {
+  auto hierarchy = testing::MakeHierarchy(0, 0, 4096);
+  auto manager = testing::MakeManager(hierarchy);
+  ASSERT_NE(manager, nullptr);
+  ASSERT_TRUE(manager->RegisterTensor(Spec("small", {100})).ok());
+  ASSERT_TRUE(manager->RegisterTensor(Spec("embedding", {50, 100})).ok());
+  ASSERT_TRUE(manager->RegisterTensor(Spec("other", {1000})).ok());
+  EXPECT_EQ(manager->RegisterTensor(Spec("small", {3})).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(manager->RegisterTensor(Spec("empty", {0})).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  auto report = manager->BuildChunkLists(2048);
+  ASSERT_TRUE(report.ok()) << report.status();
+  EXPECT_THAT(report->oversize_tensors, ElementsAre("embedding"));
+  EXPECT_EQ(report->num_chunks, 2);
+  EXPECT_EQ(report->wasted_bytes, (2048 - 1100) * 4);
+  auto other = manager->FindTensor("other");
+  ASSERT_TRUE(other.ok());
+  EXPECT_EQ((*manager->tensor(*other))->offset, 100);
+  EXPECT_EQ((*manager->tensor(*other))->chunk, 0);
+  EXPECT_EQ(manager->RegisterTensor(Spec("late", {1})).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(manager->BuildChunkLists(2048).status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(manager->FindTensor("nope").status().code(), absl::StatusCode::kNotFound);
+
+  auto searched_manager = testing::MakeManager(hierarchy);
+  for (int i = 0; i < 4; ++i) {
+    ASSERT_TRUE(searched_manager->RegisterTensor(Spec("t" + std::to_string(i), {30})).ok());
+  }
+  auto searched = searched_manager->BuildChunkListsSearched(ChunkSizeSearch{40, 100, 10});
+  ASSERT_TRUE(searched.ok()) << searched.status();
+  EXPECT_EQ(searched->chunk_elements, 60);
+  EXPECT_EQ(searched->candidates, 7);
+  EXPECT_EQ(searched->wasted_bytes, 0);
+}
+
+}  // namespace
+}  // namespace ps

@@ -1,0 +1,93 @@
+// Shared helpers of the chunk_*_test.cc binaries: tiers, a temporary NVMe directory, and a
+// manager factory.
+#pragma once
+
+#include <stdlib.h>
+
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "chunk/chunk_manager.h"
+#include "gtest/gtest.h"
+#include "runtime/copy_engine.h"
+#include "runtime/host_tier.h"
+#include "runtime/nvme_tier.h"
+
+namespace ps::testing {
+
+// A fresh directory under /tmp, removed with everything in it at destruction.
+class TempDir {
+ public:
+  TempDir() {
+    std::string pattern = "/tmp/ps-chunk-test-XXXXXX";
+    char* made = mkdtemp(pattern.data());
+    EXPECT_NE(made, nullptr) << "mkdtemp failed";
+    path_ = pattern;
+  }
+  ~TempDir() {
+    std::error_code ignored;
+    std::filesystem::remove_all(path_, ignored);
+  }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
+// One-block slabs keep the reservation equal to the blocks in use, so budgets are exact.
+inline Tier::Options TierOptions(const std::string& name, int64_t budget, int64_t slab_bytes) {
+  return Tier::Options{name, budget, slab_bytes};
+}
+
+struct Hierarchy {
+  std::shared_ptr<EmulatedDeviceTier> device;
+  std::shared_ptr<HostTier> host;
+  std::shared_ptr<NvmeTier> nvme;
+  std::shared_ptr<CopyEngine> engine = std::make_shared<CopyEngine>();
+
+  std::vector<std::shared_ptr<Tier>> tiers() const {
+    std::vector<std::shared_ptr<Tier>> list;
+    if (device) list.push_back(device);
+    if (host) list.push_back(host);
+    if (nvme) list.push_back(nvme);
+    return list;
+  }
+};
+
+inline Hierarchy MakeHierarchy(int64_t device_budget, int64_t host_budget, int64_t slab_bytes,
+                               const std::string* nvme_directory = nullptr) {
+  Hierarchy hierarchy;
+  hierarchy.device = std::make_shared<EmulatedDeviceTier>(
+      EmulatedDeviceTierOptions{TierOptions("device", device_budget, slab_bytes)});
+  HostTierOptions host_options;
+  host_options.tier = TierOptions("host", host_budget, slab_bytes);
+  hierarchy.host = std::make_shared<HostTier>(host_options);
+  if (nvme_directory != nullptr) {
+    NvmeTierOptions nvme_options;
+    nvme_options.tier = TierOptions("nvme", 0, slab_bytes);
+    nvme_options.directory = *nvme_directory;
+    auto nvme = NvmeTier::Create(std::move(nvme_options));
+    EXPECT_TRUE(nvme.ok()) << nvme.status();
+    if (nvme.ok()) hierarchy.nvme = std::shared_ptr<NvmeTier>(std::move(*nvme));
+  }
+  return hierarchy;
+}
+
+inline std::unique_ptr<ChunkManager> MakeManager(const Hierarchy& hierarchy,
+                                                 ChunkManagerOptions options = {}) {
+  options.tiers = hierarchy.tiers();
+  options.copy_engine = hierarchy.engine;
+  auto manager = ChunkManager::Create(std::move(options));
+  EXPECT_TRUE(manager.ok()) << manager.status();
+  return manager.ok() ? std::move(*manager) : nullptr;
+}
+
+inline TensorSpec Spec(const std::string& name, std::vector<int64_t> shape,
+                       ChunkKind kind = ChunkKind::kComputeParam, DType dtype = DType::kFloat32) {
+  return TensorSpec{name, std::move(shape), kind, dtype};
+}
+
+}  // namespace ps::testing
