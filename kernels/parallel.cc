@@ -1,0 +1,88 @@
+#include "kernels/parallel.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <memory>
+
+#include "absl/synchronization/blocking_counter.h"
+#include "absl/synchronization/mutex.h"
+#include "runtime/thread_pool.h"
+
+namespace ps::kernels {
+namespace {
+
+int DefaultThreads() {
+  if (const char* value = std::getenv("PS_KERNEL_THREADS")) {
+    const int threads = std::atoi(value);
+    if (threads > 0) return threads;
+  }
+  return UsableCores();
+}
+
+struct PoolState {
+  absl::Mutex mutex;
+  int threads = 0;                    // 0: not chosen yet
+  std::unique_ptr<ThreadPool> pool;   // threads - 1 workers (the caller is the other one)
+};
+
+PoolState& State() {
+  static PoolState* state = new PoolState();
+  return *state;
+}
+
+}  // namespace
+
+int KernelThreads() {
+  PoolState& state = State();
+  absl::MutexLock lock(&state.mutex);
+  if (state.threads == 0) state.threads = DefaultThreads();
+  return state.threads;
+}
+
+void SetKernelThreads(int threads) {
+  PoolState& state = State();
+  absl::MutexLock lock(&state.mutex);
+  state.threads = threads > 0 ? threads : DefaultThreads();
+  state.pool.reset();
+}
+
+void ParallelFor(int64_t num_blocks, const std::function<void(int64_t)>& fn) {
+  if (num_blocks <= 0) return;
+  ThreadPool* pool = nullptr;
+  int threads = 1;
+  {
+    PoolState& state = State();
+    absl::MutexLock lock(&state.mutex);
+    if (state.threads == 0) state.threads = DefaultThreads();
+    threads = static_cast<int>(std::min<int64_t>(state.threads, num_blocks));
+    if (threads > 1) {
+      if (state.pool == nullptr) {
+        state.pool = std::make_unique<ThreadPool>(state.threads - 1, "ps-kernels");
+      }
+      pool = state.pool.get();
+    }
+  }
+  if (pool == nullptr) {
+    for (int64_t block = 0; block < num_blocks; ++block) fn(block);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  auto work = [&] {
+    for (int64_t block = next.fetch_add(1, std::memory_order_relaxed); block < num_blocks;
+         block = next.fetch_add(1, std::memory_order_relaxed)) {
+      fn(block);
+    }
+  };
+  absl::BlockingCounter helpers_done(threads - 1);
+  for (int i = 1; i < threads; ++i) {
+    pool->Schedule([&] {
+      work();
+      helpers_done.DecrementCount();
+    });
+  }
+  work();
+  helpers_done.Wait();
+}
+
+}  // namespace ps::kernels
