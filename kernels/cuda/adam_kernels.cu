@@ -110,7 +110,7 @@ __global__ void __launch_bounds__(kThreads)
     if (k.l2) g = __fmaf_rn(p, k.l2_decay, g);
     if (k.decoupled) p = __fmul_rn(p, k.param_decay);
     m = __fmaf_rn(k.lerp_coeff, __fsub_rn(g, m), k.lerp_from_grad ? g : m);
-    v = __fadd_rn(__fmul_rn(v, k.beta2), __fmul_rn(__fmul_rn(k.one_minus_beta2, g), g));
+    v = __fmaf_rn(__fmul_rn(k.one_minus_beta2, g), g, __fmul_rn(v, k.beta2));
     const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(v), k.bias_correction2_sqrt), k.eps);
     p = __fadd_rn(p, __fdiv_rn(__fmul_rn(k.neg_step_size, m), denom));
     c.param[i] = p;

@@ -100,9 +100,7 @@ void ReferenceStep(State& s, const AdamHyperParams& hp, bool with_copy, DType co
     if (use_wd && hp.decoupled_weight_decay) p *= static_cast<float>(1.0 - hp.lr * hp.weight_decay);
     float m = s.exp_avg[i];
     m = std::fabs(weight) < 0.5f ? std::fma(weight, g - m, m) : std::fma(weight - 1.0f, g - m, g);
-    float v = s.exp_avg_sq[i] * beta2;
-    const float gg = (one_minus_beta2 * g) * g;
-    v = v + gg;
+    const float v = std::fma(one_minus_beta2 * g, g, s.exp_avg_sq[i] * beta2);
     const float denom = std::sqrt(v) / bc2_sqrt + eps;
     const float update = (neg_step * m) / denom;
     p = p + update;
