@@ -236,3 +236,20 @@ def test_cuda_grad_stats():
     assert math.isclose(norm, expected, rel_tol=1e-12) and not bad
     grads[1][5] = float("inf")
     assert K.has_inf_or_nan(grads)
+
+
+@pytest.mark.parametrize("value", ["scalar", "avx2", "bogus"])
+def test_ps_adam_simd_environment_variable(value):
+    import subprocess
+    import sys
+    code = ("import patrickstar; from patrickstar import _C; "
+            "print(_C.kernels.simd(), _C.kernels.supported_simd()[-1])")
+    env = dict(__import__("os").environ, PS_ADAM_SIMD=value)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True)
+    active, best = out.stdout.split()
+    if value == "bogus":
+        assert active == best
+        assert "PS_ADAM_SIMD" in out.stderr
+    elif value in K.supported_simd():
+        assert active == value
