@@ -121,21 +121,15 @@ absl::Status ValidateChunks(absl::Span<const AdamChunk> chunks) {
 }
 
 // Runs fn(chunk, begin, end) over every chunk split into kAdamBlock-element blocks, spread over
-// the kernel threads (blocks of all chunks share one queue, so small chunks balance too).
+// the kernel threads.
 template <typename Fn>
 void ForEachBlock(absl::Span<const AdamChunk> chunks, const Fn& fn) {
-  std::vector<int64_t> first_block(chunks.size() + 1, 0);
-  for (size_t i = 0; i < chunks.size(); ++i) {
-    first_block[i + 1] =
-        first_block[i] + (chunks[i].count + internal::kAdamBlock - 1) / internal::kAdamBlock;
-  }
-  ParallelFor(first_block.back(), [&](int64_t block) {
-    const size_t chunk_index =
-        std::upper_bound(first_block.begin(), first_block.end(), block) - first_block.begin() - 1;
-    const AdamChunk& chunk = chunks[chunk_index];
-    const int64_t begin = (block - first_block[chunk_index]) * internal::kAdamBlock;
-    fn(chunk, begin, std::min(chunk.count, begin + internal::kAdamBlock));
-  });
+  std::vector<int64_t> counts;
+  for (const AdamChunk& chunk : chunks) counts.push_back(chunk.count);
+  ParallelForChunkBlocks(counts, internal::kAdamBlock,
+                         [&](size_t c, int64_t, int64_t begin, int64_t end) {
+                           fn(chunks[c], begin, end);
+                         });
 }
 
 }  // namespace

@@ -45,23 +45,10 @@ absl::Status ValidateGradChunks(absl::Span<const GradChunk> chunks) {
   return absl::OkStatus();
 }
 
-// Calls fn(block_index, chunk, begin, end) for every kNormBlock block of every chunk in parallel;
-// block_index numbers blocks in chunk then offset order.
-template <typename Fn>
-int64_t ForEachNormBlock(absl::Span<const GradChunk> chunks, const Fn& fn) {
-  std::vector<int64_t> first_block(chunks.size() + 1, 0);
-  for (size_t i = 0; i < chunks.size(); ++i) {
-    first_block[i + 1] =
-        first_block[i] + (chunks[i].count + internal::kNormBlock - 1) / internal::kNormBlock;
-  }
-  ParallelFor(first_block.back(), [&](int64_t block) {
-    const size_t index =
-        std::upper_bound(first_block.begin(), first_block.end(), block) - first_block.begin() - 1;
-    const GradChunk& chunk = chunks[index];
-    const int64_t begin = (block - first_block[index]) * internal::kNormBlock;
-    fn(block, chunk, begin, std::min(chunk.count, begin + internal::kNormBlock));
-  });
-  return first_block.back();
+std::vector<int64_t> Counts(absl::Span<const GradChunk> chunks) {
+  std::vector<int64_t> counts;
+  for (const GradChunk& chunk : chunks) counts.push_back(chunk.count);
+  return counts;
 }
 
 }  // namespace
@@ -69,14 +56,13 @@ int64_t ForEachNormBlock(absl::Span<const GradChunk> chunks, const Fn& fn) {
 absl::StatusOr<GradStats> ComputeGradStats(absl::Span<const GradChunk> chunks) {
   PS_RETURN_IF_ERROR(ValidateGradChunks(chunks));
   const internal::CpuPath& path = internal::GetCpuPath(ActiveSimdLevel());
-  int64_t total_blocks = 0;
-  for (const GradChunk& c : chunks) {
-    total_blocks += (c.count + internal::kNormBlock - 1) / internal::kNormBlock;
-  }
-  std::vector<double> block_sums(total_blocks, 0.0);
-  ForEachNormBlock(chunks, [&](int64_t block, const GradChunk& c, int64_t begin, int64_t end) {
-    block_sums[block] = path.sum_squares(c.data, c.dtype, begin, end);
-  });
+  const std::vector<int64_t> counts = Counts(chunks);
+  std::vector<double> block_sums(NumChunkBlocks(counts, internal::kNormBlock), 0.0);
+  ParallelForChunkBlocks(counts, internal::kNormBlock,
+                         [&](size_t c, int64_t block, int64_t begin, int64_t end) {
+                           block_sums[block] =
+                               path.sum_squares(chunks[c].data, chunks[c].dtype, begin, end);
+                         });
   GradStats stats;
   for (double sum : block_sums) stats.squared_norm += sum;
   stats.has_inf_or_nan = !std::isfinite(stats.squared_norm);
@@ -87,12 +73,14 @@ absl::StatusOr<bool> HasInfOrNan(absl::Span<const GradChunk> chunks) {
   PS_RETURN_IF_ERROR(ValidateGradChunks(chunks));
   const internal::CpuPath& path = internal::GetCpuPath(ActiveSimdLevel());
   std::atomic<bool> found{false};
-  ForEachNormBlock(chunks, [&](int64_t, const GradChunk& c, int64_t begin, int64_t end) {
-    if (found.load(std::memory_order_relaxed)) return;  // the answer is known: skip the rest
-    if (path.has_inf_or_nan(c.data, c.dtype, begin, end)) {
-      found.store(true, std::memory_order_relaxed);
-    }
-  });
+  ParallelForChunkBlocks(Counts(chunks), internal::kNormBlock,
+                         [&](size_t c, int64_t, int64_t begin, int64_t end) {
+                           // Once the answer is known the remaining blocks are skipped.
+                           if (found.load(std::memory_order_relaxed)) return;
+                           if (path.has_inf_or_nan(chunks[c].data, chunks[c].dtype, begin, end)) {
+                             found.store(true, std::memory_order_relaxed);
+                           }
+                         });
   return found.load();
 }
 

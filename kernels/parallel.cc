@@ -4,6 +4,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <memory>
+#include <vector>
 
 #include "absl/synchronization/blocking_counter.h"
 #include "absl/synchronization/mutex.h"
@@ -83,6 +84,27 @@ void ParallelFor(int64_t num_blocks, const std::function<void(int64_t)>& fn) {
   }
   work();
   helpers_done.Wait();
+}
+
+int64_t NumChunkBlocks(absl::Span<const int64_t> counts, int64_t block_elements) {
+  int64_t blocks = 0;
+  for (int64_t count : counts) blocks += (count + block_elements - 1) / block_elements;
+  return blocks;
+}
+
+void ParallelForChunkBlocks(
+    absl::Span<const int64_t> counts, int64_t block_elements,
+    const std::function<void(size_t chunk, int64_t block, int64_t begin, int64_t end)>& fn) {
+  std::vector<int64_t> first_block(counts.size() + 1, 0);
+  for (size_t i = 0; i < counts.size(); ++i) {
+    first_block[i + 1] = first_block[i] + (counts[i] + block_elements - 1) / block_elements;
+  }
+  ParallelFor(first_block.back(), [&](int64_t block) {
+    const size_t chunk =
+        std::upper_bound(first_block.begin(), first_block.end(), block) - first_block.begin() - 1;
+    const int64_t begin = (block - first_block[chunk]) * block_elements;
+    fn(chunk, block, begin, std::min(counts[chunk], begin + block_elements));
+  });
 }
 
 }  // namespace ps::kernels

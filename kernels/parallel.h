@@ -9,6 +9,8 @@
 #include <cstdint>
 #include <functional>
 
+#include "absl/types/span.h"
+
 namespace ps::kernels {
 
 // Threads the kernels use (caller included).
@@ -19,5 +21,14 @@ void SetKernelThreads(int threads);
 // Calls fn(block) once for every block in [0, num_blocks), spread over KernelThreads() threads;
 // returns when all are done. fn must not call ParallelFor itself.
 void ParallelFor(int64_t num_blocks, const std::function<void(int64_t)>& fn);
+
+// Cuts chunk c of counts[c] elements into blocks of `block_elements` at fixed offsets (0,
+// block_elements, ...) and calls fn(c, block, begin, end) for every block of every chunk with
+// ParallelFor; `block` numbers the blocks of all chunks in chunk then offset order. All chunks'
+// blocks share one queue, so small chunks balance too. Returns the number of blocks.
+int64_t NumChunkBlocks(absl::Span<const int64_t> counts, int64_t block_elements);
+void ParallelForChunkBlocks(
+    absl::Span<const int64_t> counts, int64_t block_elements,
+    const std::function<void(size_t chunk, int64_t block, int64_t begin, int64_t end)>& fn);
 
 }  // namespace ps::kernels

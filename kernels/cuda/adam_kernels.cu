@@ -5,7 +5,9 @@
 // Up to kMaxChunksPerLaunch chunks go into one launch as a table passed by value in the kernel's
 // parameter space (under the 4 KiB limit), with each chunk's first tile. A block walks tiles
 // with a grid stride and finds its chunk by binary search over the table, so one launch covers
-// chunks of any sizes without a device-side descriptor copy. The arithmetic uses __f*_rn
+// chunks of any sizes without a device-side descriptor copy. The table is a __grid_constant__
+// parameter: indexing it by a run-time chunk number then reads the parameter bank instead of
+// making each thread copy 3 KiB of it to local memory. The arithmetic uses __f*_rn
 // intrinsics, which nvcc never contracts, in the order of Note [Adam arithmetic] (adam.cc), so
 // the device results equal the CPU kernels' bit for bit (outside NaN payloads).
 #include <cuda_bf16.h>
@@ -101,7 +103,8 @@ __device__ __forceinline__ void StoreFromFloat(void* data, int64_t i, int32_t dt
 }
 
 __global__ void __launch_bounds__(kThreads)
-    AdamKernel(const ChunkTable<DeviceAdamChunk> table, const internal::AdamConstants k) {
+    AdamKernel(const __grid_constant__ ChunkTable<DeviceAdamChunk> table,
+               const internal::AdamConstants k) {
   ForEachElement(table, [&k](const DeviceAdamChunk& c, int64_t i) {
     float p = c.param[i];
     float g = __fmul_rn(LoadAsFloat(c.grad, i, c.grad_dtype), k.grad_mul);
@@ -135,7 +138,7 @@ __device__ double BlockSum(double value) {
 }
 
 __global__ void __launch_bounds__(kThreads)
-    GradStatsKernel(const ChunkTable<DeviceGradChunk> table, double* squared_norm,
+    GradStatsKernel(const __grid_constant__ ChunkTable<DeviceGradChunk> table, double* squared_norm,
                     int32_t* overflow) {
   double sum = 0.0;
   int bad = 0;
@@ -153,7 +156,7 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 __global__ void __launch_bounds__(kThreads)
-    ScaleGradsKernel(const ChunkTable<DeviceGradChunk> table, float multiplier,
+    ScaleGradsKernel(const __grid_constant__ ChunkTable<DeviceGradChunk> table, float multiplier,
                      int32_t* overflow) {
   int bad = 0;
   ForEachElement(table, [&](const DeviceGradChunk& c, int64_t i) {
@@ -179,17 +182,19 @@ absl::Status PrepareDevice(gpu::Stream stream, absl::string_view what) {
 }
 
 // Splits `entries` (empty chunks dropped) into tables of kMaxChunksPerLaunch and calls
-// launch(table, grid) for each.
+// launch(table, grid, stream) for each, on `stream`'s device.
 template <typename Entry, typename Launch>
-absl::Status LaunchTables(const std::vector<Entry>& entries, absl::string_view what,
-                          const Launch& launch) {
+absl::Status LaunchTables(const std::vector<Entry>& entries, gpu::Stream stream,
+                          absl::string_view what, const Launch& launch) {
+  PS_RETURN_IF_ERROR(PrepareDevice(stream, what));
+  auto s = static_cast<cudaStream_t>(stream.handle);
   ChunkTable<Entry> table;
   table.num_chunks = 0;
   table.first_tile[0] = 0;
   auto flush = [&]() -> absl::Status {
     if (table.num_chunks == 0) return absl::OkStatus();
     const int64_t tiles = table.first_tile[table.num_chunks];
-    launch(table, static_cast<unsigned>(std::min(tiles, kMaxBlocks)));
+    launch(table, static_cast<unsigned>(std::min(tiles, kMaxBlocks)), s);
     table.num_chunks = 0;
     return CudaStatus(cudaGetLastError(), what);
   };
@@ -231,11 +236,10 @@ absl::Status AdamUpdateOnDevice(absl::Span<const AdamChunk> chunks, const AdamHy
                        DtypeCode(c.grad_dtype),
                        c.param_copy == nullptr ? kNoCopy : DtypeCode(c.copy_dtype)});
   }
-  PS_RETURN_IF_ERROR(PrepareDevice(stream, "AdamUpdateOnDevice"));
   const internal::AdamConstants k = internal::MakeAdamConstants(params);
-  auto s = static_cast<cudaStream_t>(stream.handle);
-  return LaunchTables(entries, "AdamUpdateOnDevice",
-                      [&](const ChunkTable<DeviceAdamChunk>& table, unsigned grid) {
+  return LaunchTables(entries, stream, "AdamUpdateOnDevice",
+                      [&](const ChunkTable<DeviceAdamChunk>& table, unsigned grid,
+                          cudaStream_t s) {
                         AdamKernel<<<grid, kThreads, 0, s>>>(table, k);
                       });
 }
@@ -243,10 +247,9 @@ absl::Status AdamUpdateOnDevice(absl::Span<const AdamChunk> chunks, const AdamHy
 absl::Status GradStatsOnDevice(absl::Span<const GradChunk> chunks, double* device_squared_norm,
                                int32_t* device_overflow, gpu::Stream stream) {
   PS_ASSIGN_OR_RETURN(std::vector<DeviceGradChunk> entries, GradEntries(chunks));
-  PS_RETURN_IF_ERROR(PrepareDevice(stream, "GradStatsOnDevice"));
-  auto s = static_cast<cudaStream_t>(stream.handle);
-  return LaunchTables(entries, "GradStatsOnDevice",
-                      [&](const ChunkTable<DeviceGradChunk>& table, unsigned grid) {
+  return LaunchTables(entries, stream, "GradStatsOnDevice",
+                      [&](const ChunkTable<DeviceGradChunk>& table, unsigned grid,
+                          cudaStream_t s) {
                         GradStatsKernel<<<grid, kThreads, 0, s>>>(table, device_squared_norm,
                                                                   device_overflow);
                       });
@@ -255,10 +258,9 @@ absl::Status GradStatsOnDevice(absl::Span<const GradChunk> chunks, double* devic
 absl::Status ScaleGradsOnDevice(absl::Span<const GradChunk> chunks, float multiplier,
                                 int32_t* device_overflow, gpu::Stream stream) {
   PS_ASSIGN_OR_RETURN(std::vector<DeviceGradChunk> entries, GradEntries(chunks));
-  PS_RETURN_IF_ERROR(PrepareDevice(stream, "ScaleGradsOnDevice"));
-  auto s = static_cast<cudaStream_t>(stream.handle);
-  return LaunchTables(entries, "ScaleGradsOnDevice",
-                      [&](const ChunkTable<DeviceGradChunk>& table, unsigned grid) {
+  return LaunchTables(entries, stream, "ScaleGradsOnDevice",
+                      [&](const ChunkTable<DeviceGradChunk>& table, unsigned grid,
+                          cudaStream_t s) {
                         ScaleGradsKernel<<<grid, kThreads, 0, s>>>(table, multiplier,
                                                                    device_overflow);
                       });
