@@ -157,7 +157,9 @@ void RunCase(const Case& c, SimdLevel level, const AdamHyperParams& base) {
     ExpectBitEqual(ours.param, ref.param, "param", context + " step " + std::to_string(step));
     ExpectBitEqual(ours.exp_avg, ref.exp_avg, "exp_avg", context);
     ExpectBitEqual(ours.exp_avg_sq, ref.exp_avg_sq, "exp_avg_sq", context);
-    if (c.with_copy) ASSERT_EQ(ours.copy, ref.copy) << context << " param copy";
+    if (c.with_copy) {
+      ASSERT_EQ(ours.copy, ref.copy) << context << " param copy";
+    }
     if (testing::Test::HasFatalFailure()) return;
   }
 }
