@@ -6,7 +6,6 @@
 #include <memory>
 #include <vector>
 
-#include "absl/synchronization/blocking_counter.h"
 #include "absl/synchronization/mutex.h"
 #include "runtime/thread_pool.h"
 
@@ -48,6 +47,35 @@ void SetKernelThreads(int threads) {
   state.pool.reset();
 }
 
+// Note [Helpers that start late]
+// The caller takes blocks itself and returns as soon as every block is done, without waiting
+// for helper tasks that have not started: on a loaded machine a helper may be scheduled only
+// after the caller has done all the work, and a nested call from a pool thread would otherwise
+// wait for a helper queued behind itself. A helper that starts late finds no block left and
+// touches nothing but the shared state it co-owns (never `fn`, which the caller's frame owns).
+struct ParallelForState {
+  explicit ParallelForState(int64_t blocks, const std::function<void(int64_t)>* f)
+      : num_blocks(blocks), fn(f) {}
+  const int64_t num_blocks;
+  const std::function<void(int64_t)>* const fn;
+  std::atomic<int64_t> next{0};
+  absl::Mutex mutex;
+  int64_t done ABSL_GUARDED_BY(mutex) = 0;
+
+  void Work() {
+    int64_t mine = 0;
+    for (int64_t block = next.fetch_add(1, std::memory_order_relaxed); block < num_blocks;
+         block = next.fetch_add(1, std::memory_order_relaxed)) {
+      (*fn)(block);
+      ++mine;
+    }
+    if (mine > 0) {
+      absl::MutexLock lock(&mutex);
+      done += mine;
+    }
+  }
+};
+
 void ParallelFor(int64_t num_blocks, const std::function<void(int64_t)>& fn) {
   if (num_blocks <= 0) return;
   ThreadPool* pool = nullptr;
@@ -68,22 +96,15 @@ void ParallelFor(int64_t num_blocks, const std::function<void(int64_t)>& fn) {
     for (int64_t block = 0; block < num_blocks; ++block) fn(block);
     return;
   }
-  std::atomic<int64_t> next{0};
-  auto work = [&] {
-    for (int64_t block = next.fetch_add(1, std::memory_order_relaxed); block < num_blocks;
-         block = next.fetch_add(1, std::memory_order_relaxed)) {
-      fn(block);
-    }
-  };
-  absl::BlockingCounter helpers_done(threads - 1);
-  for (int i = 1; i < threads; ++i) {
-    pool->Schedule([&] {
-      work();
-      helpers_done.DecrementCount();
-    });
-  }
-  work();
-  helpers_done.Wait();
+  auto shared = std::make_shared<ParallelForState>(num_blocks, &fn);
+  for (int i = 1; i < threads; ++i) pool->Schedule([shared] { shared->Work(); });
+  shared->Work();
+  absl::MutexLock lock(&shared->mutex);
+  shared->mutex.Await(absl::Condition(
+      +[](ParallelForState* s) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+        return s->done == s->num_blocks;
+      },
+      shared.get()));
 }
 
 int64_t NumChunkBlocks(absl::Span<const int64_t> counts, int64_t block_elements) {

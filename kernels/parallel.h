@@ -19,7 +19,8 @@ int KernelThreads();
 void SetKernelThreads(int threads);
 
 // Calls fn(block) once for every block in [0, num_blocks), spread over KernelThreads() threads;
-// returns when all are done. fn must not call ParallelFor itself.
+// returns when all are done (Note [Helpers that start late] in parallel.cc: the caller works
+// too and never waits for a helper that has not started, so calls may nest).
 void ParallelFor(int64_t num_blocks, const std::function<void(int64_t)>& fn);
 
 // Cuts chunk c of counts[c] elements into blocks of `block_elements` at fixed offsets (0,
