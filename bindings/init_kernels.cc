@@ -24,9 +24,12 @@ namespace {
 
 DType DTypeFromTorch(at::ScalarType type) {
   switch (type) {
-    case at::kFloat: return DType::kFloat32;
-    case at::kHalf: return DType::kFloat16;
-    case at::kBFloat16: return DType::kBFloat16;
+    case at::kFloat:
+      return DType::kFloat32;
+    case at::kHalf:
+      return DType::kFloat16;
+    case at::kBFloat16:
+      return DType::kBFloat16;
     default:
       throw py::value_error(std::string("unsupported dtype ") + c10::toString(type) +
                             ": expected float32, float16 or bfloat16");
@@ -69,8 +72,8 @@ void CheckTensor(const char* fn, const char* name, const at::Tensor& t, const at
                           Describe(t));
   }
   if (!t.is_contiguous()) {
-    throw py::value_error(std::string(fn) + ": " + name + " must be contiguous (" +
-                          Describe(t) + ")");
+    throw py::value_error(std::string(fn) + ": " + name + " must be contiguous (" + Describe(t) +
+                          ")");
   }
   if (numel >= 0 && t.numel() != numel) {
     throw py::value_error(std::string(fn) + ": " + name + " has " + std::to_string(t.numel()) +
@@ -78,9 +81,8 @@ void CheckTensor(const char* fn, const char* name, const at::Tensor& t, const at
   }
 }
 
-kernels::AdamChunk ChunkFromTensors(const char* fn, const at::Tensor& param,
-                                    const at::Tensor& grad, const at::Tensor& exp_avg,
-                                    const at::Tensor& exp_avg_sq,
+kernels::AdamChunk ChunkFromTensors(const char* fn, const at::Tensor& param, const at::Tensor& grad,
+                                    const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
                                     const std::optional<at::Tensor>& param_copy) {
   const at::Device device = param.device();
   CheckTensor(fn, "param", param, device, {at::kFloat}, -1, "");
@@ -197,8 +199,8 @@ std::vector<kernels::GradChunk> GradChunks(const char* fn, const std::vector<at:
     if (i == 0) *device = grads[0].device();
     CheckTensor(fn, name.c_str(), grads[i], *device, {at::kFloat, at::kHalf, at::kBFloat16}, -1,
                 "");
-    chunks.push_back({grads[i].data_ptr(), DTypeFromTorch(grads[i].scalar_type()),
-                      grads[i].numel()});
+    chunks.push_back(
+        {grads[i].data_ptr(), DTypeFromTorch(grads[i].scalar_type()), grads[i].numel()});
   }
   return chunks;
 }
@@ -240,9 +242,8 @@ void InitKernels(py::module_& module) {
         const DType to = DTypeFromTorch(dst.scalar_type());
         py::gil_scoped_release release;
         if (from == DType::kFloat32 && to != DType::kFloat32) {
-          ThrowIfError(kernels::CastFloatTo16(src.data_ptr<float>(),
-                                              static_cast<uint16_t*>(dst.data_ptr()),
-                                              src.numel(), to));
+          ThrowIfError(kernels::CastFloatTo16(
+              src.data_ptr<float>(), static_cast<uint16_t*>(dst.data_ptr()), src.numel(), to));
         } else if (from != DType::kFloat32 && to == DType::kFloat32) {
           ThrowIfError(kernels::Cast16ToFloat(static_cast<const uint16_t*>(src.data_ptr()),
                                               dst.data_ptr<float>(), src.numel(), from));
@@ -261,9 +262,9 @@ void InitKernels(py::module_& module) {
          double clip_coef, const std::optional<at::Tensor>& param_copy) {
         const kernels::AdamChunk chunk =
             ChunkFromTensors("adam_", param, grad, exp_avg, exp_avg_sq, param_copy);
-        const kernels::AdamHyperParams hp = HyperParams(
-            lr, beta1, beta2, eps, weight_decay, step, adamw, bias_correction, grad_scale,
-            clip_coef);
+        const kernels::AdamHyperParams hp =
+            HyperParams(lr, beta1, beta2, eps, weight_decay, step, adamw, bias_correction,
+                        grad_scale, clip_coef);
         if (param.device().is_cpu()) {
           py::gil_scoped_release release;
           ThrowIfError(kernels::AdamUpdate(chunk, hp));
@@ -331,8 +332,7 @@ void InitKernels(py::module_& module) {
       "has_inf_or_nan",
       [](const std::vector<at::Tensor>& grads) {
         at::Device device(at::kCPU);
-        const std::vector<kernels::GradChunk> chunks =
-            GradChunks("has_inf_or_nan", grads, &device);
+        const std::vector<kernels::GradChunk> chunks = GradChunks("has_inf_or_nan", grads, &device);
         if (!device.is_cpu()) return GradStatsOf(grads).has_inf_or_nan;
         py::gil_scoped_release release;
         return ValueOrThrow(kernels::HasInfOrNan(chunks));
@@ -355,8 +355,9 @@ void InitKernels(py::module_& module) {
       py::arg("level"),
       "Forces the CPU kernels' SIMD path ('scalar', 'avx2', 'avx512', 'avx512bf16'); None goes "
       "back to PS_ADAM_SIMD or the best the CPU supports.");
-  kernels.def("simd", [] { return std::string(kernels::SimdLevelName(kernels::ActiveSimdLevel())); },
-              "The SIMD path the CPU kernels use now.");
+  kernels.def(
+      "simd", [] { return std::string(kernels::SimdLevelName(kernels::ActiveSimdLevel())); },
+      "The SIMD path the CPU kernels use now.");
   kernels.def(
       "supported_simd",
       [] {

@@ -94,8 +94,8 @@ absl::Status ValidateAdamChunk(const AdamChunk& c) {
   }
   if (c.grad_dtype != DType::kFloat32 && c.grad_dtype != DType::kFloat16 &&
       c.grad_dtype != DType::kBFloat16) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "Adam chunk: unknown grad dtype ", static_cast<int>(c.grad_dtype)));
+    return absl::InvalidArgumentError(
+        absl::StrCat("Adam chunk: unknown grad dtype ", static_cast<int>(c.grad_dtype)));
   }
   if (c.param_copy != nullptr && c.copy_dtype != DType::kFloat16 &&
       c.copy_dtype != DType::kBFloat16) {
@@ -126,10 +126,9 @@ template <typename Fn>
 void ForEachBlock(absl::Span<const AdamChunk> chunks, const Fn& fn) {
   std::vector<int64_t> counts;
   for (const AdamChunk& chunk : chunks) counts.push_back(chunk.count);
-  ParallelForChunkBlocks(counts, internal::kAdamBlock,
-                         [&](size_t c, int64_t, int64_t begin, int64_t end) {
-                           fn(chunks[c], begin, end);
-                         });
+  ParallelForChunkBlocks(
+      counts, internal::kAdamBlock,
+      [&](size_t c, int64_t, int64_t begin, int64_t end) { fn(chunks[c], begin, end); });
 }
 
 }  // namespace
@@ -180,8 +179,8 @@ absl::StatusOr<HybridAdamReport> HybridAdamStep(absl::Span<const AdamChunkUpdate
   }
   // Enqueue the GPU work first: it runs while this thread and the pool update the host chunks.
   if (!device.empty()) {
-    PS_RETURN_IF_ERROR(Annotate(AdamUpdateOnDevice(device, params, options.stream),
-                                "hybrid Adam, device chunks"));
+    PS_RETURN_IF_ERROR(
+        Annotate(AdamUpdateOnDevice(device, params, options.stream), "hybrid Adam, device chunks"));
   }
   absl::Status host_status = AdamUpdate(host, params);
   if (!device.empty() && options.synchronize) {

@@ -13,6 +13,8 @@
 // GCC 12 warns that the AVX-512 intrinsics' internal _mm512_undefined_* temporaries "may be used
 // uninitialized" (a false positive in its own headers).
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include "kernels/internal/cpu_paths.h"
+
 #include <immintrin.h>
 
 #include <bit>
@@ -22,7 +24,6 @@
 #include <type_traits>
 
 #include "kernels/cast.h"
-#include "kernels/internal/cpu_paths.h"
 
 #define PS_INLINE inline __attribute__((always_inline))
 
@@ -85,7 +86,8 @@ struct Ops {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
   static PS_INLINE V LoadBf16(const uint16_t* p) {
-    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m256i wide =
+        _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
   }
   static PS_INLINE void StoreHalf(uint16_t* p, V x) {
@@ -245,10 +247,14 @@ struct Ops : avx512_path::Ops {
 
 const CpuPath& GetCpuPath(SimdLevel level) {
   switch (level) {
-    case SimdLevel::kScalar: return scalar_path::kPath;
-    case SimdLevel::kAvx2: return avx2_path::kPath;
-    case SimdLevel::kAvx512: return avx512_path::kPath;
-    case SimdLevel::kAvx512Bf16: return avx512bf16_path::kPath;
+    case SimdLevel::kScalar:
+      return scalar_path::kPath;
+    case SimdLevel::kAvx2:
+      return avx2_path::kPath;
+    case SimdLevel::kAvx512:
+      return avx512_path::kPath;
+    case SimdLevel::kAvx512Bf16:
+      return avx512bf16_path::kPath;
   }
   return scalar_path::kPath;
 }

@@ -36,10 +36,9 @@ absl::Status ValidateGradChunks(absl::Span<const GradChunk> chunks) {
       return absl::InvalidArgumentError(
           absl::StrCat("gradient chunk ", i, " of ", c.count, " elements: null data"));
     }
-    if (c.dtype != DType::kFloat32 && c.dtype != DType::kFloat16 &&
-        c.dtype != DType::kBFloat16) {
-      return absl::InvalidArgumentError(absl::StrCat("gradient chunk ", i, ": unknown dtype ",
-                                                     static_cast<int>(c.dtype)));
+    if (c.dtype != DType::kFloat32 && c.dtype != DType::kFloat16 && c.dtype != DType::kBFloat16) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("gradient chunk ", i, ": unknown dtype ", static_cast<int>(c.dtype)));
     }
   }
   return absl::OkStatus();
@@ -58,11 +57,10 @@ absl::StatusOr<GradStats> ComputeGradStats(absl::Span<const GradChunk> chunks) {
   const internal::CpuPath& path = internal::GetCpuPath(ActiveSimdLevel());
   const std::vector<int64_t> counts = Counts(chunks);
   std::vector<double> block_sums(NumChunkBlocks(counts, internal::kNormBlock), 0.0);
-  ParallelForChunkBlocks(counts, internal::kNormBlock,
-                         [&](size_t c, int64_t block, int64_t begin, int64_t end) {
-                           block_sums[block] =
-                               path.sum_squares(chunks[c].data, chunks[c].dtype, begin, end);
-                         });
+  ParallelForChunkBlocks(
+      counts, internal::kNormBlock, [&](size_t c, int64_t block, int64_t begin, int64_t end) {
+        block_sums[block] = path.sum_squares(chunks[c].data, chunks[c].dtype, begin, end);
+      });
   GradStats stats;
   for (double sum : block_sums) stats.squared_norm += sum;
   stats.has_inf_or_nan = !std::isfinite(stats.squared_norm);

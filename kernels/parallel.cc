@@ -22,8 +22,8 @@ int DefaultThreads() {
 
 struct PoolState {
   absl::Mutex mutex;
-  int threads = 0;                    // 0: not chosen yet
-  std::unique_ptr<ThreadPool> pool;   // threads - 1 workers (the caller is the other one)
+  int threads = 0;                   // 0: not chosen yet
+  std::unique_ptr<ThreadPool> pool;  // threads - 1 workers (the caller is the other one)
 };
 
 PoolState& State() {
@@ -101,9 +101,7 @@ void ParallelFor(int64_t num_blocks, const std::function<void(int64_t)>& fn) {
   shared->Work();
   absl::MutexLock lock(&shared->mutex);
   shared->mutex.Await(absl::Condition(
-      +[](ParallelForState* s) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-        return s->done == s->num_blocks;
-      },
+      +[](ParallelForState* s) ABSL_NO_THREAD_SAFETY_ANALYSIS { return s->done == s->num_blocks; },
       shared.get()));
 }
 

@@ -39,22 +39,26 @@ SimdLevel FromEnvironmentOrDetection() {
 
 absl::string_view SimdLevelName(SimdLevel level) {
   switch (level) {
-    case SimdLevel::kScalar: return "scalar";
-    case SimdLevel::kAvx2: return "avx2";
-    case SimdLevel::kAvx512: return "avx512";
-    case SimdLevel::kAvx512Bf16: return "avx512bf16";
+    case SimdLevel::kScalar:
+      return "scalar";
+    case SimdLevel::kAvx2:
+      return "avx2";
+    case SimdLevel::kAvx512:
+      return "avx512";
+    case SimdLevel::kAvx512Bf16:
+      return "avx512bf16";
   }
   return "unknown";
 }
 
 absl::StatusOr<SimdLevel> ParseSimdLevel(absl::string_view name) {
   const std::string lower = absl::AsciiStrToLower(name);
-  for (SimdLevel level : {SimdLevel::kScalar, SimdLevel::kAvx2, SimdLevel::kAvx512,
-                          SimdLevel::kAvx512Bf16}) {
+  for (SimdLevel level :
+       {SimdLevel::kScalar, SimdLevel::kAvx2, SimdLevel::kAvx512, SimdLevel::kAvx512Bf16}) {
     if (lower == SimdLevelName(level)) return level;
   }
-  return absl::InvalidArgumentError(absl::StrCat(
-      "unknown SIMD level '", name, "': expected scalar, avx2, avx512 or avx512bf16"));
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown SIMD level '", name, "': expected scalar, avx2, avx512 or avx512bf16"));
 }
 
 bool CpuSupports(SimdLevel level) {
@@ -65,18 +69,22 @@ bool CpuSupports(SimdLevel level) {
                       __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
                       __builtin_cpu_supports("avx512dq");
   switch (level) {
-    case SimdLevel::kScalar: return true;
-    case SimdLevel::kAvx2: return avx2;
-    case SimdLevel::kAvx512: return avx512;
-    case SimdLevel::kAvx512Bf16: return avx512 && __builtin_cpu_supports("avx512bf16");
+    case SimdLevel::kScalar:
+      return true;
+    case SimdLevel::kAvx2:
+      return avx2;
+    case SimdLevel::kAvx512:
+      return avx512;
+    case SimdLevel::kAvx512Bf16:
+      return avx512 && __builtin_cpu_supports("avx512bf16");
   }
   return false;
 }
 
 std::vector<SimdLevel> SupportedSimdLevels() {
   std::vector<SimdLevel> levels;
-  for (SimdLevel level : {SimdLevel::kScalar, SimdLevel::kAvx2, SimdLevel::kAvx512,
-                          SimdLevel::kAvx512Bf16}) {
+  for (SimdLevel level :
+       {SimdLevel::kScalar, SimdLevel::kAvx2, SimdLevel::kAvx512, SimdLevel::kAvx512Bf16}) {
     if (CpuSupports(level)) levels.push_back(level);
   }
   return levels;

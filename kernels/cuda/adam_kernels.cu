@@ -35,9 +35,12 @@ enum : int32_t { kF32 = 0, kF16 = 1, kBF16 = 2, kNoCopy = 3 };
 
 int32_t DtypeCode(DType dtype) {
   switch (dtype) {
-    case DType::kFloat32: return kF32;
-    case DType::kFloat16: return kF16;
-    case DType::kBFloat16: return kBF16;
+    case DType::kFloat32:
+      return kF32;
+    case DType::kFloat16:
+      return kF16;
+    case DType::kBFloat16:
+      return kBF16;
   }
   return kF32;
 }
@@ -76,7 +79,10 @@ __device__ __forceinline__ void ForEachElement(const ChunkTable<Entry>& table, F
     int lo = 0, hi = table.num_chunks - 1;  // last chunk whose first tile <= tile
     while (lo < hi) {
       const int mid = (lo + hi + 1) / 2;
-      if (table.first_tile[mid] <= tile) lo = mid; else hi = mid - 1;
+      if (table.first_tile[mid] <= tile)
+        lo = mid;
+      else
+        hi = mid - 1;
     }
     const Entry& entry = table.chunks[lo];
     const int64_t begin = (tile - table.first_tile[lo]) * kTileElements;
@@ -123,10 +129,11 @@ __global__ void __launch_bounds__(kThreads)
   });
 }
 
-// Block-wide sum of `value` (every thread gets it back in thread 0 only).
+// Block-wide sum of `value`, valid in thread 0 only.
 __device__ double BlockSum(double value) {
   __shared__ double warp_sums[kThreads / 32];
-  for (int offset = 16; offset > 0; offset /= 2) value += __shfl_down_sync(0xffffffffu, value, offset);
+  for (int offset = 16; offset > 0; offset /= 2)
+    value += __shfl_down_sync(0xffffffffu, value, offset);
   const int warp = threadIdx.x / 32;
   if (threadIdx.x % 32 == 0) warp_sums[warp] = value;
   __syncthreads();
@@ -202,7 +209,8 @@ absl::Status LaunchTables(const std::vector<Entry>& entries, gpu::Stream stream,
     if (entry.count == 0) continue;
     const int n = table.num_chunks;
     table.chunks[n] = entry;
-    table.first_tile[n + 1] = table.first_tile[n] + (entry.count + kTileElements - 1) / kTileElements;
+    table.first_tile[n + 1] =
+        table.first_tile[n] + (entry.count + kTileElements - 1) / kTileElements;
     table.num_chunks = n + 1;
     if (table.num_chunks == kMaxChunksPerLaunch) PS_RETURN_IF_ERROR(flush());
   }
@@ -238,8 +246,7 @@ absl::Status AdamUpdateOnDevice(absl::Span<const AdamChunk> chunks, const AdamHy
   }
   const internal::AdamConstants k = internal::MakeAdamConstants(params);
   return LaunchTables(entries, stream, "AdamUpdateOnDevice",
-                      [&](const ChunkTable<DeviceAdamChunk>& table, unsigned grid,
-                          cudaStream_t s) {
+                      [&](const ChunkTable<DeviceAdamChunk>& table, unsigned grid, cudaStream_t s) {
                         AdamKernel<<<grid, kThreads, 0, s>>>(table, k);
                       });
 }
@@ -248,8 +255,7 @@ absl::Status GradStatsOnDevice(absl::Span<const GradChunk> chunks, double* devic
                                int32_t* device_overflow, gpu::Stream stream) {
   PS_ASSIGN_OR_RETURN(std::vector<DeviceGradChunk> entries, GradEntries(chunks));
   return LaunchTables(entries, stream, "GradStatsOnDevice",
-                      [&](const ChunkTable<DeviceGradChunk>& table, unsigned grid,
-                          cudaStream_t s) {
+                      [&](const ChunkTable<DeviceGradChunk>& table, unsigned grid, cudaStream_t s) {
                         GradStatsKernel<<<grid, kThreads, 0, s>>>(table, device_squared_norm,
                                                                   device_overflow);
                       });
@@ -259,8 +265,7 @@ absl::Status ScaleGradsOnDevice(absl::Span<const GradChunk> chunks, float multip
                                 int32_t* device_overflow, gpu::Stream stream) {
   PS_ASSIGN_OR_RETURN(std::vector<DeviceGradChunk> entries, GradEntries(chunks));
   return LaunchTables(entries, stream, "ScaleGradsOnDevice",
-                      [&](const ChunkTable<DeviceGradChunk>& table, unsigned grid,
-                          cudaStream_t s) {
+                      [&](const ChunkTable<DeviceGradChunk>& table, unsigned grid, cudaStream_t s) {
                         ScaleGradsKernel<<<grid, kThreads, 0, s>>>(table, multiplier,
                                                                    device_overflow);
                       });

@@ -1,8 +1,7 @@
 // The GPU update kernels in a build without CUDA: every entry point says so.
+#include "absl/strings/str_cat.h"
 #include "kernels/adam.h"
 #include "kernels/grad_stats.h"
-
-#include "absl/strings/str_cat.h"
 
 namespace ps::kernels {
 namespace {
@@ -12,8 +11,7 @@ absl::Status NotBuilt(absl::string_view what) {
 }
 }  // namespace
 
-absl::Status AdamUpdateOnDevice(absl::Span<const AdamChunk>, const AdamHyperParams&,
-                                gpu::Stream) {
+absl::Status AdamUpdateOnDevice(absl::Span<const AdamChunk>, const AdamHyperParams&, gpu::Stream) {
   return NotBuilt("AdamUpdateOnDevice");
 }
 absl::Status GradStatsOnDevice(absl::Span<const GradChunk>, double*, int32_t*, gpu::Stream) {

@@ -12,17 +12,17 @@ namespace ps::kernels::internal {
 // The per-step scalars of the update, rounded to float once (Note [Adam arithmetic]). The GPU
 // kernel receives the same struct, so both sides compute with the same constants.
 struct AdamConstants {
-  float grad_mul;        // clip_coef / grad_scale
-  float l2_decay;        // weight_decay, added to the gradient (Adam); 0 when unused
-  float param_decay;     // 1 - lr * weight_decay (AdamW); 1 when unused
-  float lerp_coeff;      // torch's lerp: 1 - beta1, or (1 - beta1) - 1 when 1 - beta1 >= 0.5
+  float grad_mul;     // clip_coef / grad_scale
+  float l2_decay;     // weight_decay, added to the gradient (Adam); 0 when unused
+  float param_decay;  // 1 - lr * weight_decay (AdamW); 1 when unused
+  float lerp_coeff;   // torch's lerp: 1 - beta1, or (1 - beta1) - 1 when 1 - beta1 >= 0.5
   float beta2;
   float one_minus_beta2;
   float bias_correction2_sqrt;
-  float neg_step_size;   // -lr / (1 - beta1^step)
+  float neg_step_size;  // -lr / (1 - beta1^step)
   float eps;
-  int32_t l2;            // add l2_decay * param to the gradient
-  int32_t decoupled;     // multiply param by param_decay
+  int32_t l2;              // add l2_decay * param to the gradient
+  int32_t decoupled;       // multiply param by param_decay
   int32_t lerp_from_grad;  // lerp base is the gradient (1 - beta1 >= 0.5)
 };
 AdamConstants MakeAdamConstants(const AdamHyperParams& params);

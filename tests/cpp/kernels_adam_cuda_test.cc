@@ -66,16 +66,20 @@ struct HostChunk {
     return {param.data(),
             grad_dtype == DType::kFloat32 ? static_cast<const void*>(grad32.data())
                                           : static_cast<const void*>(grad16.data()),
-            grad_dtype,      exp_avg.data(), exp_avg_sq.data(),
-            with_copy ? copy.data() : nullptr, copy_dtype, static_cast<int64_t>(param.size())};
+            grad_dtype,
+            exp_avg.data(),
+            exp_avg_sq.data(),
+            with_copy ? copy.data() : nullptr,
+            copy_dtype,
+            static_cast<int64_t>(param.size())};
   }
 };
 
 HostChunk MakeChunk(int64_t n, int variant, std::mt19937& rng) {
   std::normal_distribution<float> normal(0.0f, 1.0f);
   HostChunk c;
-  c.grad_dtype = variant % 3 == 0 ? DType::kFloat32
-                                  : (variant % 3 == 1 ? DType::kFloat16 : DType::kBFloat16);
+  c.grad_dtype =
+      variant % 3 == 0 ? DType::kFloat32 : (variant % 3 == 1 ? DType::kFloat16 : DType::kBFloat16);
   c.with_copy = variant % 4 != 3;
   c.copy_dtype = variant % 2 == 0 ? DType::kBFloat16 : DType::kFloat16;
   for (int64_t i = 0; i < n; ++i) {
@@ -169,7 +173,8 @@ TEST_F(GpuTest, NormOverflowAndScaleMatchTheCpu) {
   ASSERT_TRUE(ScaleGradsOnDevice({{big_dev, DType::kFloat16, 40}}, 2.0f, overflow, stream_).ok());
   EXPECT_EQ(ToHost(overflow, 1)[0], 1);
   int32_t* overflow2 = ToDevice(std::vector<int32_t>{0});
-  ASSERT_TRUE(GradStatsOnDevice({{big_dev, DType::kFloat16, 40}}, nullptr, overflow2, stream_).ok());
+  ASSERT_TRUE(
+      GradStatsOnDevice({{big_dev, DType::kFloat16, 40}}, nullptr, overflow2, stream_).ok());
   EXPECT_EQ(ToHost(overflow2, 1)[0], 1);
 }
 

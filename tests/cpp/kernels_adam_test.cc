@@ -1,8 +1,6 @@
 // CPU Adam/AdamW kernels: every SIMD path forced in turn and compared bit for bit with a scalar
 // reference written from torch's formulas, tails, 16-bit gradients and copies, thread-count
 // independence, argument checks, and the hybrid dispatcher.
-#include "kernels/adam.h"
-
 #include <bit>
 #include <cmath>
 #include <cstdint>
@@ -11,6 +9,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "kernels/adam.h"
 #include "kernels/cast.h"
 #include "kernels/parallel.h"
 #include "kernels/simd.h"
@@ -118,8 +117,7 @@ void ExpectBitEqual(const std::vector<float>& a, const std::vector<float>& b, co
   ASSERT_EQ(a.size(), b.size());
   for (size_t i = 0; i < a.size(); ++i) {
     if (std::bit_cast<uint32_t>(a[i]) != std::bit_cast<uint32_t>(b[i])) {
-      FAIL() << context << ": " << what << "[" << i << "] = " << a[i] << " but reference "
-             << b[i];
+      FAIL() << context << ": " << what << "[" << i << "] = " << a[i] << " but reference " << b[i];
     }
   }
 }
@@ -133,8 +131,8 @@ struct Case {
 };
 
 std::string CaseName(const Case& c, SimdLevel level) {
-  return std::string(SimdLevelName(level)) + " n=" + std::to_string(c.n) + " grad=" +
-         std::string(DTypeName(c.grad_dtype)) +
+  return std::string(SimdLevelName(level)) + " n=" + std::to_string(c.n) +
+         " grad=" + std::string(DTypeName(c.grad_dtype)) +
          (c.with_copy ? " copy=" + std::string(DTypeName(c.copy_dtype)) : " no copy") +
          (c.adamw ? " AdamW" : " Adam");
 }
@@ -179,8 +177,7 @@ TEST(AdamKernelTest, EveryPathMatchesTheReferenceBitForBitOnTails) {
       for (DType grad : {DType::kFloat32, DType::kFloat16, DType::kBFloat16}) {
         for (int copy = 0; copy < 3; ++copy) {
           for (bool adamw : {false, true}) {
-            const Case c{n, grad, copy != 0, copy == 1 ? DType::kFloat16 : DType::kBFloat16,
-                         adamw};
+            const Case c{n, grad, copy != 0, copy == 1 ? DType::kFloat16 : DType::kBFloat16, adamw};
             RunCase(c, level, LossScaledParams());
             if (HasFatalFailure()) return;
           }
@@ -240,12 +237,24 @@ TEST(AdamKernelTest, ResultsDoNotDependOnTheThreadCount) {
 
 // lr = 0 leaves params unchanged, so the copy shows the conversion of chosen values.
 TEST(AdamKernelTest, CopiesRoundLikeTheScalarConversionsIncludingDenormalsAndNan) {
-  std::vector<float> values = {0.0f, -0.0f, 1.0f, 1.00390625f, 1.01171875f, 65504.0f, 65520.0f,
-                               1e-40f, -3e-39f, 1.17e-38f, 6e-8f, 3e-8f, 1e30f,
+  std::vector<float> values = {0.0f,
+                               -0.0f,
+                               1.0f,
+                               1.00390625f,
+                               1.01171875f,
+                               65504.0f,
+                               65520.0f,
+                               1e-40f,
+                               -3e-39f,
+                               1.17e-38f,
+                               6e-8f,
+                               3e-8f,
+                               1e30f,
                                std::numeric_limits<float>::infinity(),
                                -std::numeric_limits<float>::infinity(),
                                std::numeric_limits<float>::quiet_NaN(),
-                               std::bit_cast<float>(0x7f80'0001u), 3.4028235e38f};
+                               std::bit_cast<float>(0x7f80'0001u),
+                               3.4028235e38f};
   while (values.size() < 37) values.push_back(1e-39f * static_cast<float>(values.size()));
   for (SimdLevel level : SupportedSimdLevels()) {
     ScopedSimd simd(level);
@@ -314,8 +323,8 @@ TEST(AdamKernelTest, RejectsBadArgumentsNamingThem) {
 }
 
 TEST(AdamKernelTest, SimdLevelsParseAndTheBestIsDetected) {
-  for (SimdLevel level : {SimdLevel::kScalar, SimdLevel::kAvx2, SimdLevel::kAvx512,
-                          SimdLevel::kAvx512Bf16}) {
+  for (SimdLevel level :
+       {SimdLevel::kScalar, SimdLevel::kAvx2, SimdLevel::kAvx512, SimdLevel::kAvx512Bf16}) {
     absl::StatusOr<SimdLevel> parsed = ParseSimdLevel(SimdLevelName(level));
     ASSERT_TRUE(parsed.ok());
     EXPECT_EQ(*parsed, level);

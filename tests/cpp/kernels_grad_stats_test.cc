@@ -1,8 +1,6 @@
 // Overflow detection and squared L2 norm of gradient chunks: every SIMD path forced, compared
 // bit for bit with each other and with a reference in the documented order, tails, inf/NaN
 // anywhere, 16-bit gradients, thread-count independence.
-#include "kernels/grad_stats.h"
-
 #include <bit>
 #include <cmath>
 #include <limits>
@@ -11,6 +9,7 @@
 
 #include "gtest/gtest.h"
 #include "kernels/cast.h"
+#include "kernels/grad_stats.h"
 #include "kernels/parallel.h"
 #include "kernels/simd.h"
 
@@ -86,9 +85,8 @@ TEST(GradStatsTest, SixteenBitGradientsAndSeveralChunks) {
     const double expected = ReferenceSquaredNorm(a_wide) + ReferenceSquaredNorm(b_wide);
     for (SimdLevel level : SupportedSimdLevels()) {
       ScopedSimd simd(level);
-      const std::vector<GradChunk> chunks = {
-          {a16.data(), dtype, static_cast<int64_t>(a16.size())},
-          {b16.data(), dtype, static_cast<int64_t>(b16.size())}};
+      const std::vector<GradChunk> chunks = {{a16.data(), dtype, static_cast<int64_t>(a16.size())},
+                                             {b16.data(), dtype, static_cast<int64_t>(b16.size())}};
       EXPECT_EQ(*SquaredL2Norm(chunks), expected) << SimdLevelName(level) << DTypeName(dtype);
     }
   }
@@ -109,11 +107,11 @@ TEST(GradStatsTest, FindsInfAndNanAnywhereOnEveryPath) {
         }
         for (SimdLevel level : SupportedSimdLevels()) {
           ScopedSimd simd(level);
-          for (const GradChunk& chunk : {GradChunk{x.data(), DType::kFloat32, n},
-                                         GradChunk{half.data(), DType::kFloat16, n},
-                                         GradChunk{bf16.data(), DType::kBFloat16, n}}) {
-            EXPECT_TRUE(*HasInfOrNan({chunk})) << SimdLevelName(level) << " n=" << n << " at "
-                                               << at << " " << DTypeName(chunk.dtype);
+          for (const GradChunk& chunk :
+               {GradChunk{x.data(), DType::kFloat32, n}, GradChunk{half.data(), DType::kFloat16, n},
+                GradChunk{bf16.data(), DType::kBFloat16, n}}) {
+            EXPECT_TRUE(*HasInfOrNan({chunk})) << SimdLevelName(level) << " n=" << n << " at " << at
+                                               << " " << DTypeName(chunk.dtype);
             const GradStats stats = *ComputeGradStats({chunk});
             EXPECT_TRUE(stats.has_inf_or_nan);
             EXPECT_FALSE(std::isfinite(stats.squared_norm));

@@ -1,7 +1,5 @@
 // The kernels' parallel-for: every block exactly once for any thread count, nested calls, and
 // the fixed block layout of ParallelForChunkBlocks.
-#include "kernels/parallel.h"
-
 #include <algorithm>
 #include <atomic>
 #include <mutex>
@@ -9,6 +7,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "kernels/parallel.h"
 
 namespace ps::kernels {
 namespace {
