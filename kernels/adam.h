@@ -38,7 +38,10 @@ struct AdamHyperParams {
 };
 
 // One chunk to update. All pointers address `count` elements; they are host pointers for the
-// CPU kernel and device pointers for the GPU kernel. `param_copy` may be null (no copy-out).
+// CPU kernel and device pointers for the GPU kernel. `param_copy` may be null (no copy-out). A
+// 16-bit `grad` and `param_copy` may be the same memory (PatrickStar writes the new compute
+// params over the gradients they came from): every element's gradient is read before its copy
+// is written, on every path. Other overlaps are not allowed.
 struct AdamChunk {
   float* param = nullptr;
   const void* grad = nullptr;

@@ -275,6 +275,25 @@ TEST(AdamKernelTest, CopiesRoundLikeTheScalarConversionsIncludingDenormalsAndNan
   }
 }
 
+// PatrickStar's compute-param chunk holds the fp16 gradients and receives the new fp16 params.
+TEST(AdamKernelTest, CopyMayOverwriteTheSixteenBitGradientInPlace) {
+  for (SimdLevel level : SupportedSimdLevels()) {
+    ScopedSimd simd(level);
+    for (DType dtype : {DType::kFloat16, DType::kBFloat16}) {
+      State separate = MakeState(1037, dtype, 4);
+      std::mt19937 rng(6);
+      FillGrad(separate, dtype, rng);
+      State aliased = separate;
+      ASSERT_TRUE(AdamUpdate(ChunkOf(separate, dtype, true, dtype), LossScaledParams()).ok());
+      AdamChunk chunk = ChunkOf(aliased, dtype, true, dtype);
+      chunk.param_copy = aliased.grad16.data();
+      ASSERT_TRUE(AdamUpdate(chunk, LossScaledParams()).ok());
+      ExpectBitEqual(aliased.param, separate.param, "param", "aliased grad/copy");
+      EXPECT_EQ(aliased.grad16, separate.copy) << SimdLevelName(level) << DTypeName(dtype);
+    }
+  }
+}
+
 TEST(AdamKernelTest, TrafficBoundTouchesTheSameElements) {
   for (SimdLevel level : SupportedSimdLevels()) {
     ScopedSimd simd(level);

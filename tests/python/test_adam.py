@@ -93,6 +93,18 @@ def test_16bit_gradients_match_torch_on_the_widened_gradient(simd, grad_dtype):
         assert_close(o, t, f"{simd} {grad_dtype} {what}")
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_copy_may_overwrite_the_16bit_gradient(simd, dtype):
+    param0, grads = make_state(4099, seed=8)
+    g16 = grads[0].to(dtype)
+    expected_p, m, v = param0.clone(), torch.zeros(4099), torch.zeros(4099)
+    K.adam_(expected_p, g16, m, v, lr=1e-3, step=1)
+    p, m, v = param0.clone(), torch.zeros(4099), torch.zeros(4099)
+    K.adam_(p, g16, m, v, lr=1e-3, step=1, param_copy=g16)  # PatrickStar's in-place reuse
+    assert torch.equal(p, expected_p)
+    assert torch.equal(g16, p.to(dtype))
+
+
 def test_loss_scale_and_clip_are_applied_inside_the_pass(simd):
     # Powers of two: unscaling is exact, so the result equals torch on the true gradient.
     param0, grads = make_state(1000, seed=9)
