@@ -23,7 +23,9 @@ int DefaultThreads() {
 struct PoolState {
   absl::Mutex mutex;
   int threads = 0;                   // 0: not chosen yet
-  std::unique_ptr<ThreadPool> pool;  // threads - 1 workers (the caller is the other one)
+  // threads - 1 workers (the caller is the other one). Shared with running calls, so that
+  // SetKernelThreads cannot destroy a pool a call is still scheduling into.
+  std::shared_ptr<ThreadPool> pool;
 };
 
 PoolState& State() {
@@ -78,7 +80,7 @@ struct ParallelForState {
 
 void ParallelFor(int64_t num_blocks, const std::function<void(int64_t)>& fn) {
   if (num_blocks <= 0) return;
-  ThreadPool* pool = nullptr;
+  std::shared_ptr<ThreadPool> pool;
   int threads = 1;
   {
     PoolState& state = State();
@@ -87,9 +89,9 @@ void ParallelFor(int64_t num_blocks, const std::function<void(int64_t)>& fn) {
     threads = static_cast<int>(std::min<int64_t>(state.threads, num_blocks));
     if (threads > 1) {
       if (state.pool == nullptr) {
-        state.pool = std::make_unique<ThreadPool>(state.threads - 1, "ps-kernels");
+        state.pool = std::make_shared<ThreadPool>(state.threads - 1, "ps-kernels");
       }
-      pool = state.pool.get();
+      pool = state.pool;
     }
   }
   if (pool == nullptr) {

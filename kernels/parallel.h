@@ -15,7 +15,7 @@ namespace ps::kernels {
 
 // Threads the kernels use (caller included).
 int KernelThreads();
-// Sets it for later calls (<= 0: back to the default). Must not race with running kernels.
+// Sets it for later calls (<= 0: back to the default); calls already running keep their pool.
 void SetKernelThreads(int threads);
 
 // Calls fn(block) once for every block in [0, num_blocks), spread over KernelThreads() threads;
