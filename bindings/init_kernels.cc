@@ -1,9 +1,21 @@
-// Python bindings of the update kernels (kernels/).
+// Python bindings of the update kernels (kernels/): casts, Adam/AdamW (CPU, GPU and hybrid),
+// gradient statistics, SIMD-path and thread controls.
 #include <torch/extension.h>
 
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/synchronization/mutex.h"
 #include "bindings/init.h"
 #include "bindings/status_exceptions.h"
+#include "kernels/adam.h"
 #include "kernels/cast.h"
+#include "kernels/grad_stats.h"
+#include "kernels/parallel.h"
+#include "kernels/simd.h"
+#include "runtime/gpu.h"
 
 namespace py = pybind11;
 
@@ -12,9 +24,12 @@ namespace {
 
 DType DTypeFromTorch(at::ScalarType type) {
   switch (type) {
-    case at::kFloat: return DType::kFloat32;
-    case at::kHalf: return DType::kFloat16;
-    case at::kBFloat16: return DType::kBFloat16;
+    case at::kFloat:
+      return DType::kFloat32;
+    case at::kHalf:
+      return DType::kFloat16;
+    case at::kBFloat16:
+      return DType::kBFloat16;
     default:
       throw py::value_error(std::string("unsupported dtype ") + c10::toString(type) +
                             ": expected float32, float16 or bfloat16");
@@ -25,6 +40,189 @@ void CheckCpuContiguous(const at::Tensor& tensor, const char* name) {
   if (!tensor.device().is_cpu() || !tensor.is_contiguous()) {
     throw py::value_error(std::string(name) + " must be a contiguous CPU tensor");
   }
+}
+
+std::string Describe(const at::Tensor& t) {
+  return std::string(c10::toString(t.scalar_type())) + " on " + t.device().str() + " with " +
+         std::to_string(t.numel()) + " elements";
+}
+
+// Checks one tensor argument of `fn`: defined, contiguous, on `device`, of an allowed dtype and
+// with `numel` elements (when numel >= 0).
+void CheckTensor(const char* fn, const char* name, const at::Tensor& t, const at::Device& device,
+                 std::initializer_list<at::ScalarType> dtypes, int64_t numel,
+                 const char* numel_of) {
+  if (!t.defined()) throw py::value_error(std::string(fn) + ": " + name + " is undefined");
+  bool dtype_ok = false;
+  std::string expected;
+  for (at::ScalarType type : dtypes) {
+    dtype_ok |= t.scalar_type() == type;
+    expected += (expected.empty() ? "" : " or ") + std::string(c10::toString(type));
+  }
+  if (!dtype_ok) {
+    throw py::value_error(std::string(fn) + ": " + name + " must be " + expected + ", got " +
+                          Describe(t));
+  }
+  if (t.device() != device) {
+    throw py::value_error(std::string(fn) + ": " + name + " is on " + t.device().str() +
+                          " but param is on " + device.str());
+  }
+  if (!device.is_cpu() && !device.is_cuda()) {
+    throw py::value_error(std::string(fn) + ": " + name + " must be a CPU or CUDA tensor, got " +
+                          Describe(t));
+  }
+  if (!t.is_contiguous()) {
+    throw py::value_error(std::string(fn) + ": " + name + " must be contiguous (" + Describe(t) +
+                          ")");
+  }
+  if (numel >= 0 && t.numel() != numel) {
+    throw py::value_error(std::string(fn) + ": " + name + " has " + std::to_string(t.numel()) +
+                          " elements but " + numel_of + " has " + std::to_string(numel));
+  }
+}
+
+kernels::AdamChunk ChunkFromTensors(const char* fn, const at::Tensor& param, const at::Tensor& grad,
+                                    const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
+                                    const std::optional<at::Tensor>& param_copy) {
+  const at::Device device = param.device();
+  CheckTensor(fn, "param", param, device, {at::kFloat}, -1, "");
+  const int64_t n = param.numel();
+  CheckTensor(fn, "grad", grad, device, {at::kFloat, at::kHalf, at::kBFloat16}, n, "param");
+  CheckTensor(fn, "exp_avg", exp_avg, device, {at::kFloat}, n, "param");
+  CheckTensor(fn, "exp_avg_sq", exp_avg_sq, device, {at::kFloat}, n, "param");
+  kernels::AdamChunk chunk;
+  chunk.param = param.data_ptr<float>();
+  chunk.grad = grad.data_ptr();
+  chunk.grad_dtype = DTypeFromTorch(grad.scalar_type());
+  chunk.exp_avg = exp_avg.data_ptr<float>();
+  chunk.exp_avg_sq = exp_avg_sq.data_ptr<float>();
+  chunk.count = n;
+  if (param_copy.has_value()) {
+    CheckTensor(fn, "param_copy", *param_copy, device, {at::kHalf, at::kBFloat16}, n, "param");
+    chunk.param_copy = param_copy->data_ptr();
+    chunk.copy_dtype = DTypeFromTorch(param_copy->scalar_type());
+  }
+  return chunk;
+}
+
+// One stream per device for the kernels launched from Python. Before a launch the caller runs
+// torch.cuda.synchronize() (torch's pending work on the tensors must be done: this layer cannot
+// see torch's CUDA streams in a CPU build of LibTorch), and waits for the stream after it.
+gpu::Stream StreamFor(int device) {
+  static absl::Mutex mutex;
+  static auto* streams = new std::map<int, gpu::Stream>();
+  absl::MutexLock lock(&mutex);
+  auto it = streams->find(device);
+  if (it == streams->end()) {
+    it = streams->emplace(device, ValueOrThrow(gpu::CreateStream(device))).first;
+  }
+  return it->second;
+}
+
+void SynchronizeTorchCuda() { py::module_::import("torch").attr("cuda").attr("synchronize")(); }
+
+kernels::AdamHyperParams HyperParams(double lr, double beta1, double beta2, double eps,
+                                     double weight_decay, int64_t step, bool adamw,
+                                     bool bias_correction, double grad_scale, double clip_coef) {
+  kernels::AdamHyperParams hp;
+  hp.lr = lr;
+  hp.beta1 = beta1;
+  hp.beta2 = beta2;
+  hp.eps = eps;
+  hp.weight_decay = weight_decay;
+  hp.step = step;
+  hp.decoupled_weight_decay = adamw;
+  hp.bias_correction = bias_correction;
+  hp.grad_scale = grad_scale;
+  hp.clip_coef = clip_coef;
+  return hp;
+}
+
+// Updates the chunks described by parallel lists: CPU tensors by the CPU kernel, CUDA tensors by
+// the GPU kernel, concurrently (kernels::HybridAdamStep). Returns the dispatch counts.
+py::dict MultiAdam(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+                   const std::vector<at::Tensor>& exp_avgs,
+                   const std::vector<at::Tensor>& exp_avg_sqs,
+                   const std::optional<std::vector<std::optional<at::Tensor>>>& param_copies,
+                   const kernels::AdamHyperParams& hp) {
+  const size_t n = params.size();
+  auto check_len = [n](size_t size, const char* name) {
+    if (size != n) {
+      throw py::value_error("multi_adam_: " + std::string(name) + " has " + std::to_string(size) +
+                            " tensors but params has " + std::to_string(n));
+    }
+  };
+  check_len(grads.size(), "grads");
+  check_len(exp_avgs.size(), "exp_avgs");
+  check_len(exp_avg_sqs.size(), "exp_avg_sqs");
+  if (param_copies) check_len(param_copies->size(), "param_copies");
+  std::vector<kernels::AdamChunkUpdate> updates;
+  int device = -1;
+  for (size_t i = 0; i < n; ++i) {
+    const std::string fn = "multi_adam_ (chunk " + std::to_string(i) + ")";
+    kernels::AdamChunkUpdate update;
+    update.chunk = ChunkFromTensors(fn.c_str(), params[i], grads[i], exp_avgs[i], exp_avg_sqs[i],
+                                    param_copies ? (*param_copies)[i] : std::nullopt);
+    if (params[i].device().is_cuda()) {
+      if (device >= 0 && device != params[i].device().index()) {
+        throw py::value_error(fn + ": all CUDA chunks must be on one device");
+      }
+      device = params[i].device().index();
+      update.location = kernels::ChunkLocation::kDevice;
+    }
+    updates.push_back(update);
+  }
+  kernels::HybridAdamOptions options;
+  if (device >= 0) {
+    SynchronizeTorchCuda();
+    options.stream = StreamFor(device);
+  }
+  absl::StatusOr<kernels::HybridAdamReport> report;
+  {
+    py::gil_scoped_release release;
+    report = kernels::HybridAdamStep(updates, hp, options);
+  }
+  const kernels::HybridAdamReport r = ValueOrThrow(std::move(report));
+  py::dict out;
+  out["host_chunks"] = r.host_chunks;
+  out["host_elements"] = r.host_elements;
+  out["device_chunks"] = r.device_chunks;
+  out["device_elements"] = r.device_elements;
+  return out;
+}
+
+std::vector<kernels::GradChunk> GradChunks(const char* fn, const std::vector<at::Tensor>& grads,
+                                           at::Device* device) {
+  std::vector<kernels::GradChunk> chunks;
+  for (size_t i = 0; i < grads.size(); ++i) {
+    const std::string name = "grads[" + std::to_string(i) + "]";
+    if (i == 0) *device = grads[0].device();
+    CheckTensor(fn, name.c_str(), grads[i], *device, {at::kFloat, at::kHalf, at::kBFloat16}, -1,
+                "");
+    chunks.push_back(
+        {grads[i].data_ptr(), DTypeFromTorch(grads[i].scalar_type()), grads[i].numel()});
+  }
+  return chunks;
+}
+
+kernels::GradStats GradStatsOf(const std::vector<at::Tensor>& grads) {
+  at::Device device(at::kCPU);
+  const std::vector<kernels::GradChunk> chunks = GradChunks("grad_stats", grads, &device);
+  if (device.is_cpu()) {
+    py::gil_scoped_release release;
+    return ValueOrThrow(kernels::ComputeGradStats(chunks));
+  }
+  at::Tensor norm = at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(device));
+  at::Tensor overflow = at::zeros({1}, at::TensorOptions().dtype(at::kInt).device(device));
+  SynchronizeTorchCuda();
+  const gpu::Stream stream = StreamFor(device.index());
+  {
+    py::gil_scoped_release release;
+    ThrowIfError(kernels::GradStatsOnDevice(chunks, norm.data_ptr<double>(),
+                                            overflow.data_ptr<int32_t>(), stream));
+    ThrowIfError(gpu::SynchronizeStream(stream));
+  }
+  return {norm.cpu().item<double>(), overflow.cpu().item<int32_t>() != 0};
 }
 
 }  // namespace
@@ -44,9 +242,8 @@ void InitKernels(py::module_& module) {
         const DType to = DTypeFromTorch(dst.scalar_type());
         py::gil_scoped_release release;
         if (from == DType::kFloat32 && to != DType::kFloat32) {
-          ThrowIfError(kernels::CastFloatTo16(src.data_ptr<float>(),
-                                              static_cast<uint16_t*>(dst.data_ptr()),
-                                              src.numel(), to));
+          ThrowIfError(kernels::CastFloatTo16(
+              src.data_ptr<float>(), static_cast<uint16_t*>(dst.data_ptr()), src.numel(), to));
         } else if (from != DType::kFloat32 && to == DType::kFloat32) {
           ThrowIfError(kernels::Cast16ToFloat(static_cast<const uint16_t*>(src.data_ptr()),
                                               dst.data_ptr<float>(), src.numel(), from));
@@ -56,6 +253,124 @@ void InitKernels(py::module_& module) {
       },
       py::arg("src"), py::arg("dst"),
       "Converts src into dst (float32 <-> float16/bfloat16, round to nearest even).");
+
+  kernels.def(
+      "adam_",
+      [](const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
+         const at::Tensor& exp_avg_sq, double lr, double beta1, double beta2, double eps,
+         double weight_decay, int64_t step, bool adamw, bool bias_correction, double grad_scale,
+         double clip_coef, const std::optional<at::Tensor>& param_copy) {
+        const kernels::AdamChunk chunk =
+            ChunkFromTensors("adam_", param, grad, exp_avg, exp_avg_sq, param_copy);
+        const kernels::AdamHyperParams hp =
+            HyperParams(lr, beta1, beta2, eps, weight_decay, step, adamw, bias_correction,
+                        grad_scale, clip_coef);
+        if (param.device().is_cpu()) {
+          py::gil_scoped_release release;
+          ThrowIfError(kernels::AdamUpdate(chunk, hp));
+          return;
+        }
+        SynchronizeTorchCuda();
+        const gpu::Stream stream = StreamFor(param.device().index());
+        py::gil_scoped_release release;
+        ThrowIfError(kernels::AdamUpdateOnDevice({chunk}, hp, stream));
+        ThrowIfError(gpu::SynchronizeStream(stream));
+      },
+      py::arg("param"), py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::kw_only(),
+      py::arg("lr"), py::arg("beta1") = 0.9, py::arg("beta2") = 0.999, py::arg("eps") = 1e-8,
+      py::arg("weight_decay") = 0.0, py::arg("step"), py::arg("adamw") = false,
+      py::arg("bias_correction") = true, py::arg("grad_scale") = 1.0, py::arg("clip_coef") = 1.0,
+      py::arg("param_copy") = py::none(),
+      "One fused Adam (adamw=False, L2 weight decay) or AdamW step of a chunk, in place. param, "
+      "exp_avg, exp_avg_sq: float32; grad: float32/float16/bfloat16, divided by grad_scale and "
+      "multiplied by clip_coef; step counts from 1; param_copy (float16/bfloat16) receives the "
+      "updated param. CPU tensors use the CPU kernel, CUDA tensors the GPU kernel.");
+
+  kernels.def(
+      "multi_adam_",
+      [](const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+         const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
+         double lr, double beta1, double beta2, double eps, double weight_decay, int64_t step,
+         bool adamw, bool bias_correction, double grad_scale, double clip_coef,
+         const std::optional<std::vector<std::optional<at::Tensor>>>& param_copies) {
+        return MultiAdam(params, grads, exp_avgs, exp_avg_sqs, param_copies,
+                         HyperParams(lr, beta1, beta2, eps, weight_decay, step, adamw,
+                                     bias_correction, grad_scale, clip_coef));
+      },
+      py::arg("params"), py::arg("grads"), py::arg("exp_avgs"), py::arg("exp_avg_sqs"),
+      py::kw_only(), py::arg("lr"), py::arg("beta1") = 0.9, py::arg("beta2") = 0.999,
+      py::arg("eps") = 1e-8, py::arg("weight_decay") = 0.0, py::arg("step"),
+      py::arg("adamw") = false, py::arg("bias_correction") = true, py::arg("grad_scale") = 1.0,
+      py::arg("clip_coef") = 1.0, py::arg("param_copies") = py::none(),
+      "adam_ over many chunks (hybrid Adam): CUDA chunks go to the GPU kernel and CPU chunks to "
+      "the CPU kernel, run concurrently. Returns the counts each side updated.");
+
+  kernels.def(
+      "adam_traffic_bound_",
+      [](const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
+         const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& param_copy) {
+        const kernels::AdamChunk chunk =
+            ChunkFromTensors("adam_traffic_bound_", param, grad, exp_avg, exp_avg_sq, param_copy);
+        if (!param.device().is_cpu()) throw py::value_error("adam_traffic_bound_: CPU only");
+        py::gil_scoped_release release;
+        ThrowIfError(kernels::AdamTrafficBound({chunk}));
+      },
+      py::arg("param"), py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"),
+      py::arg("param_copy") = py::none(),
+      "Benchmark bound: the loads and stores of adam_ with trivial arithmetic (overwrites the "
+      "tensors with meaningless values).");
+
+  kernels.def(
+      "grad_stats",
+      [](const std::vector<at::Tensor>& grads) {
+        const kernels::GradStats stats = GradStatsOf(grads);
+        return py::make_tuple(stats.squared_norm, stats.has_inf_or_nan);
+      },
+      py::arg("grads"),
+      "(squared L2 norm in float64, has inf or NaN) over a list of gradient tensors.");
+  kernels.def(
+      "has_inf_or_nan",
+      [](const std::vector<at::Tensor>& grads) {
+        at::Device device(at::kCPU);
+        const std::vector<kernels::GradChunk> chunks = GradChunks("has_inf_or_nan", grads, &device);
+        if (!device.is_cpu()) return GradStatsOf(grads).has_inf_or_nan;
+        py::gil_scoped_release release;
+        return ValueOrThrow(kernels::HasInfOrNan(chunks));
+      },
+      py::arg("grads"), "True when some element of the gradient tensors is inf or NaN.");
+  kernels.def(
+      "squared_l2_norm",
+      [](const std::vector<at::Tensor>& grads) { return GradStatsOf(grads).squared_norm; },
+      py::arg("grads"), "Sum of squares (float64) of the gradient tensors.");
+
+  kernels.def(
+      "set_simd",
+      [](const std::optional<std::string>& level) {
+        if (!level.has_value()) {
+          kernels::ClearForcedSimdLevel();
+          return;
+        }
+        ThrowIfError(kernels::ForceSimdLevel(ValueOrThrow(kernels::ParseSimdLevel(*level))));
+      },
+      py::arg("level"),
+      "Forces the CPU kernels' SIMD path ('scalar', 'avx2', 'avx512', 'avx512bf16'); None goes "
+      "back to PS_ADAM_SIMD or the best the CPU supports.");
+  kernels.def(
+      "simd", [] { return std::string(kernels::SimdLevelName(kernels::ActiveSimdLevel())); },
+      "The SIMD path the CPU kernels use now.");
+  kernels.def(
+      "supported_simd",
+      [] {
+        std::vector<std::string> names;
+        for (kernels::SimdLevel level : kernels::SupportedSimdLevels()) {
+          names.emplace_back(kernels::SimdLevelName(level));
+        }
+        return names;
+      },
+      "The SIMD paths this CPU can run, lowest first.");
+  kernels.def("set_num_threads", &kernels::SetKernelThreads, py::arg("threads"),
+              "Threads of the CPU kernels (<= 0: the cores this process may use).");
+  kernels.def("num_threads", &kernels::KernelThreads);
 }
 
 }  // namespace ps::bindings

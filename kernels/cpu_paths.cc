@@ -1,0 +1,262 @@
+// The CPU kernels for every SIMD path: one body (kernels/internal/cpu_body.inc) compiled once per
+// ISA against that ISA's Ops.
+//
+// Note [One body, several ISAs]
+// Each path is a namespace holding an Ops struct and the included body, compiled under
+// `#pragma GCC target(...)` so that only those functions use the wider ISA; the rest of the
+// binary stays baseline x86-64 and the paths are entered only after __builtin_cpu_supports says
+// so (kernels/simd.cc). Writing the arithmetic once keeps the paths from drifting apart, which
+// matters because they must round identically (Note [Identical rounding on every path] in
+// kernels/adam.cc). The library is compiled with -ffp-contract=off: GCC implements the vector
+// intrinsics as generic vector arithmetic and would otherwise fuse a Mul and an Add into an FMA
+// on the AVX paths but not on the scalar one.
+// GCC 12 warns that the AVX-512 intrinsics' internal _mm512_undefined_* temporaries "may be used
+// uninitialized" (a false positive in its own headers).
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include "kernels/internal/cpu_paths.h"
+
+#include <immintrin.h>
+
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#include "kernels/cast.h"
+
+#define PS_INLINE inline __attribute__((always_inline))
+
+namespace ps::kernels::internal {
+
+namespace scalar_path {
+
+struct Ops {
+  using V = float;
+  static constexpr int kWidth = 1;
+  static PS_INLINE V Set1(float x) { return x; }
+  static PS_INLINE V Load(const float* p) { return *p; }
+  static PS_INLINE void Store(float* p, V x) { *p = x; }
+  static PS_INLINE V LoadHalf(const uint16_t* p) { return HalfBitsToFloat(*p); }
+  static PS_INLINE V LoadBf16(const uint16_t* p) { return BFloat16BitsToFloat(*p); }
+  static PS_INLINE void StoreHalf(uint16_t* p, V x) { *p = FloatToHalfBits(x); }
+  static PS_INLINE void StoreBf16(uint16_t* p, V x) { *p = FloatToBFloat16Bits(x); }
+  static PS_INLINE void StoreTruncated16(uint16_t* p, V x) {
+    *p = static_cast<uint16_t>(std::bit_cast<uint32_t>(x) >> 16);
+  }
+  static PS_INLINE V Add(V a, V b) { return a + b; }
+  static PS_INLINE V Sub(V a, V b) { return a - b; }
+  static PS_INLINE V Mul(V a, V b) { return a * b; }
+  static PS_INLINE V Div(V a, V b) { return a / b; }
+  static PS_INLINE V Sqrt(V a) { return std::sqrt(a); }
+  static PS_INLINE V Fma(V a, V b, V c) { return std::fma(a, b, c); }
+  static PS_INLINE bool AnyNonZero(V a) { return a != 0.0f; }
+
+  struct Acc16 {
+    double lane[16];
+  };
+  static PS_INLINE void AccZero(Acc16& acc) {
+    for (double& lane : acc.lane) lane = 0.0;
+  }
+  static PS_INLINE void AccSquares(Acc16& acc, const V* x) {
+    for (int j = 0; j < 16; ++j) {
+      acc.lane[j] += static_cast<double>(x[j]) * static_cast<double>(x[j]);
+    }
+  }
+  static PS_INLINE void AccLanes(const Acc16& acc, double* out) {
+    for (int j = 0; j < 16; ++j) out[j] = acc.lane[j];
+  }
+};
+
+#include "kernels/internal/cpu_body.inc"
+
+}  // namespace scalar_path
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace avx2_path {
+
+struct Ops {
+  using V = __m256;
+  static constexpr int kWidth = 8;
+  static PS_INLINE V Set1(float x) { return _mm256_set1_ps(x); }
+  static PS_INLINE V Load(const float* p) { return _mm256_loadu_ps(p); }
+  static PS_INLINE void Store(float* p, V x) { _mm256_storeu_ps(p, x); }
+  static PS_INLINE V LoadHalf(const uint16_t* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  static PS_INLINE V LoadBf16(const uint16_t* p) {
+    const __m256i wide =
+        _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+  }
+  static PS_INLINE void StoreHalf(uint16_t* p, V x) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
+  }
+  // Eight 32-bit lanes holding values < 2^16 -> eight uint16.
+  static PS_INLINE void StoreLow16(uint16_t* p, __m256i words) {
+    const __m256i packed = _mm256_packus_epi32(words, words);  // per 128-bit half
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                     _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08)));
+  }
+  // Round to nearest even; NaN keeps its sign and top payload and becomes quiet (as cast.cc).
+  static PS_INLINE void StoreBf16(uint16_t* p, V x) {
+    const __m256i bits = _mm256_castps_si256(x);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    const __m256i rounded = _mm256_srli_epi32(
+        _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+    const __m256i nan = _mm256_or_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(0x40));
+    const __m256 is_nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
+    StoreLow16(p, _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(rounded),
+                                                       _mm256_castsi256_ps(nan), is_nan)));
+  }
+  static PS_INLINE void StoreTruncated16(uint16_t* p, V x) {
+    StoreLow16(p, _mm256_srli_epi32(_mm256_castps_si256(x), 16));
+  }
+  static PS_INLINE V Add(V a, V b) { return _mm256_add_ps(a, b); }
+  static PS_INLINE V Sub(V a, V b) { return _mm256_sub_ps(a, b); }
+  static PS_INLINE V Mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static PS_INLINE V Div(V a, V b) { return _mm256_div_ps(a, b); }
+  static PS_INLINE V Sqrt(V a) { return _mm256_sqrt_ps(a); }
+  static PS_INLINE V Fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static PS_INLINE bool AnyNonZero(V a) {
+    return _mm256_movemask_ps(_mm256_cmp_ps(a, _mm256_setzero_ps(), _CMP_NEQ_UQ)) != 0;
+  }
+
+  struct Acc16 {
+    __m256d lane[4];  // lanes 0-3, 4-7, 8-11, 12-15
+  };
+  static PS_INLINE void AccZero(Acc16& acc) {
+    for (__m256d& lane : acc.lane) lane = _mm256_setzero_pd();
+  }
+  static PS_INLINE void AccSquares(Acc16& acc, const V* x) {
+    for (int j = 0; j < 2; ++j) {
+      const __m256d low = _mm256_cvtps_pd(_mm256_castps256_ps128(x[j]));
+      const __m256d high = _mm256_cvtps_pd(_mm256_extractf128_ps(x[j], 1));
+      acc.lane[2 * j] = _mm256_fmadd_pd(low, low, acc.lane[2 * j]);
+      acc.lane[2 * j + 1] = _mm256_fmadd_pd(high, high, acc.lane[2 * j + 1]);
+    }
+  }
+  static PS_INLINE void AccLanes(const Acc16& acc, double* out) {
+    for (int j = 0; j < 4; ++j) _mm256_storeu_pd(out + 4 * j, acc.lane[j]);
+  }
+};
+
+#include "kernels/internal/cpu_body.inc"
+
+}  // namespace avx2_path
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq")
+namespace avx512_path {
+
+struct Ops {
+  using V = __m512;
+  static constexpr int kWidth = 16;
+  static PS_INLINE V Set1(float x) { return _mm512_set1_ps(x); }
+  static PS_INLINE V Load(const float* p) { return _mm512_loadu_ps(p); }
+  static PS_INLINE void Store(float* p, V x) { _mm512_storeu_ps(p, x); }
+  static PS_INLINE V LoadHalf(const uint16_t* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  static PS_INLINE V LoadBf16(const uint16_t* p) {
+    const __m512i wide =
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+  }
+  static PS_INLINE void StoreHalf(uint16_t* p, V x) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                        _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  // Round to nearest even with integer operations (as the AVX2 path and cast.cc).
+  static PS_INLINE void StoreBf16(uint16_t* p, V x) {
+    const __m512i bits = _mm512_castps_si512(x);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_srli_epi32(
+        _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+    const __m512i nan = _mm512_or_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
+    const __mmask16 is_nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                        _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(is_nan, rounded, nan)));
+  }
+  static PS_INLINE void StoreTruncated16(uint16_t* p, V x) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                        _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(x), 16)));
+  }
+  static PS_INLINE V Add(V a, V b) { return _mm512_add_ps(a, b); }
+  static PS_INLINE V Sub(V a, V b) { return _mm512_sub_ps(a, b); }
+  static PS_INLINE V Mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static PS_INLINE V Div(V a, V b) { return _mm512_div_ps(a, b); }
+  static PS_INLINE V Sqrt(V a) { return _mm512_sqrt_ps(a); }
+  static PS_INLINE V Fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static PS_INLINE bool AnyNonZero(V a) {
+    return _mm512_cmp_ps_mask(a, _mm512_setzero_ps(), _CMP_NEQ_UQ) != 0;
+  }
+
+  struct Acc16 {
+    __m512d lane[2];  // lanes 0-7, 8-15
+  };
+  static PS_INLINE void AccZero(Acc16& acc) {
+    acc.lane[0] = _mm512_setzero_pd();
+    acc.lane[1] = _mm512_setzero_pd();
+  }
+  static PS_INLINE void AccSquares(Acc16& acc, const V* x) {
+    const __m512d low = _mm512_cvtps_pd(_mm512_castps512_ps256(x[0]));
+    const __m512d high = _mm512_cvtps_pd(_mm512_extractf32x8_ps(x[0], 1));
+    acc.lane[0] = _mm512_fmadd_pd(low, low, acc.lane[0]);
+    acc.lane[1] = _mm512_fmadd_pd(high, high, acc.lane[1]);
+  }
+  static PS_INLINE void AccLanes(const Acc16& acc, double* out) {
+    _mm512_storeu_pd(out, acc.lane[0]);
+    _mm512_storeu_pd(out + 8, acc.lane[1]);
+  }
+};
+
+#include "kernels/internal/cpu_body.inc"
+
+}  // namespace avx512_path
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
+namespace avx512bf16_path {
+
+// Note [vcvtneps2bf16 and denormals]
+// vcvtneps2bf16 rounds to nearest even and quiets NaNs exactly as the integer rounding does, but
+// treats denormal inputs as zero. A vector holding a denormal (rare: |x| < 2^-126) therefore takes
+// the integer rounding, so that this path's copy matches the others bit for bit.
+struct Ops : avx512_path::Ops {
+  static PS_INLINE void StoreBf16(uint16_t* p, V x) {
+    const __m512i bits = _mm512_castps_si512(x);
+    const __mmask16 denormal = _mm512_testn_epi32_mask(bits, _mm512_set1_epi32(0x7f800000)) &
+                               _mm512_test_epi32_mask(bits, _mm512_set1_epi32(0x007fffff));
+    if (denormal != 0) [[unlikely]] {
+      avx512_path::Ops::StoreBf16(p, x);
+      return;
+    }
+    const __m256bh converted = _mm512_cvtneps_pbh(x);
+    std::memcpy(p, &converted, sizeof(converted));
+  }
+};
+
+#include "kernels/internal/cpu_body.inc"
+
+}  // namespace avx512bf16_path
+#pragma GCC pop_options
+
+const CpuPath& GetCpuPath(SimdLevel level) {
+  switch (level) {
+    case SimdLevel::kScalar:
+      return scalar_path::kPath;
+    case SimdLevel::kAvx2:
+      return avx2_path::kPath;
+    case SimdLevel::kAvx512:
+      return avx512_path::kPath;
+    case SimdLevel::kAvx512Bf16:
+      return avx512bf16_path::kPath;
+  }
+  return scalar_path::kPath;
+}
+
+}  // namespace ps::kernels::internal

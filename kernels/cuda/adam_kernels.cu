@@ -1,0 +1,274 @@
+// The GPU update kernels: fused multi-chunk Adam/AdamW on fp32 master params with the fp16/bf16
+// compute-copy write-back, gradient scaling, and the overflow/norm reduction.
+//
+// Note [Multi-chunk launches]
+// Up to kMaxChunksPerLaunch chunks go into one launch as a table passed by value in the kernel's
+// parameter space (under the 4 KiB limit), with each chunk's first tile. A block walks tiles
+// with a grid stride and finds its chunk by binary search over the table, so one launch covers
+// chunks of any sizes without a device-side descriptor copy. The table is a __grid_constant__
+// parameter: indexing it by a run-time chunk number then reads the parameter bank instead of
+// making each thread copy 3 KiB of it to local memory. The arithmetic uses __f*_rn
+// intrinsics, which nvcc never contracts, in the order of Note [Adam arithmetic] (adam.cc), so
+// the device results equal the CPU kernels' bit for bit (outside NaN payloads).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/adam.h"
+#include "kernels/grad_stats.h"
+#include "kernels/internal/cpu_paths.h"
+#include "runtime/status.h"
+
+namespace ps::kernels {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kTileElements = kThreads * 8;
+constexpr int kMaxChunksPerLaunch = 48;
+constexpr int64_t kMaxBlocks = 16384;
+
+enum : int32_t { kF32 = 0, kF16 = 1, kBF16 = 2, kNoCopy = 3 };
+
+int32_t DtypeCode(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32:
+      return kF32;
+    case DType::kFloat16:
+      return kF16;
+    case DType::kBFloat16:
+      return kBF16;
+  }
+  return kF32;
+}
+
+struct DeviceAdamChunk {
+  float* param;
+  const void* grad;
+  float* exp_avg;
+  float* exp_avg_sq;
+  void* copy;
+  int64_t count;
+  int32_t grad_dtype;
+  int32_t copy_dtype;  // kF16, kBF16 or kNoCopy
+};
+
+struct DeviceGradChunk {
+  void* data;
+  int64_t count;
+  int32_t dtype;
+};
+
+template <typename Entry>
+struct ChunkTable {
+  Entry chunks[kMaxChunksPerLaunch];
+  int64_t first_tile[kMaxChunksPerLaunch + 1];
+  int32_t num_chunks;
+};
+static_assert(sizeof(ChunkTable<DeviceAdamChunk>) + sizeof(internal::AdamConstants) < 4000,
+              "kernel parameters are limited to 4 KiB");
+
+// Calls fn(entry, i) for every element of every chunk of `table`, one tile per block at a time.
+template <typename Entry, typename Fn>
+__device__ __forceinline__ void ForEachElement(const ChunkTable<Entry>& table, Fn fn) {
+  const int64_t total_tiles = table.first_tile[table.num_chunks];
+  for (int64_t tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
+    int lo = 0, hi = table.num_chunks - 1;  // last chunk whose first tile <= tile
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (table.first_tile[mid] <= tile)
+        lo = mid;
+      else
+        hi = mid - 1;
+    }
+    const Entry& entry = table.chunks[lo];
+    const int64_t begin = (tile - table.first_tile[lo]) * kTileElements;
+    const int64_t end = min(entry.count, begin + kTileElements);
+    for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) fn(entry, i);
+  }
+}
+
+__device__ __forceinline__ float LoadAsFloat(const void* data, int64_t i, int32_t dtype) {
+  if (dtype == kF32) return static_cast<const float*>(data)[i];
+  const unsigned short bits = static_cast<const unsigned short*>(data)[i];
+  if (dtype == kF16) return __half2float(__ushort_as_half(bits));
+  return __bfloat162float(__ushort_as_bfloat16(bits));
+}
+
+__device__ __forceinline__ void StoreFromFloat(void* data, int64_t i, int32_t dtype, float x) {
+  if (dtype == kF32) {
+    static_cast<float*>(data)[i] = x;
+  } else if (dtype == kF16) {
+    static_cast<unsigned short*>(data)[i] = __half_as_ushort(__float2half_rn(x));
+  } else {
+    static_cast<unsigned short*>(data)[i] = __bfloat16_as_ushort(__float2bfloat16_rn(x));
+  }
+}
+
+__global__ void __launch_bounds__(kThreads)
+    AdamKernel(const __grid_constant__ ChunkTable<DeviceAdamChunk> table,
+               const internal::AdamConstants k) {
+  ForEachElement(table, [&k](const DeviceAdamChunk& c, int64_t i) {
+    float p = c.param[i];
+    float g = __fmul_rn(LoadAsFloat(c.grad, i, c.grad_dtype), k.grad_mul);
+    float m = c.exp_avg[i];
+    float v = c.exp_avg_sq[i];
+    if (k.l2) g = __fmaf_rn(p, k.l2_decay, g);
+    if (k.decoupled) p = __fmul_rn(p, k.param_decay);
+    m = __fmaf_rn(k.lerp_coeff, __fsub_rn(g, m), k.lerp_from_grad ? g : m);
+    v = __fmaf_rn(__fmul_rn(k.one_minus_beta2, g), g, __fmul_rn(v, k.beta2));
+    const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(v), k.bias_correction2_sqrt), k.eps);
+    p = __fadd_rn(p, __fdiv_rn(__fmul_rn(k.neg_step_size, m), denom));
+    c.param[i] = p;
+    c.exp_avg[i] = m;
+    c.exp_avg_sq[i] = v;
+    if (c.copy_dtype != kNoCopy) StoreFromFloat(c.copy, i, c.copy_dtype, p);
+  });
+}
+
+// Block-wide sum of `value`, valid in thread 0 only.
+__device__ double BlockSum(double value) {
+  __shared__ double warp_sums[kThreads / 32];
+  for (int offset = 16; offset > 0; offset /= 2)
+    value += __shfl_down_sync(0xffffffffu, value, offset);
+  const int warp = threadIdx.x / 32;
+  if (threadIdx.x % 32 == 0) warp_sums[warp] = value;
+  __syncthreads();
+  double total = 0.0;
+  if (threadIdx.x == 0) {
+    for (int w = 0; w < kThreads / 32; ++w) total += warp_sums[w];
+  }
+  return total;
+}
+
+__global__ void __launch_bounds__(kThreads)
+    GradStatsKernel(const __grid_constant__ ChunkTable<DeviceGradChunk> table, double* squared_norm,
+                    int32_t* overflow) {
+  double sum = 0.0;
+  int bad = 0;
+  ForEachElement(table, [&](const DeviceGradChunk& c, int64_t i) {
+    const float x = LoadAsFloat(c.data, i, c.dtype);
+    sum += static_cast<double>(x) * static_cast<double>(x);
+    bad |= !isfinite(x);
+  });
+  bad = __syncthreads_or(bad);
+  const double block_sum = BlockSum(sum);
+  if (threadIdx.x == 0) {
+    if (squared_norm != nullptr) atomicAdd(squared_norm, block_sum);
+    if (overflow != nullptr && bad) atomicOr(overflow, 1);
+  }
+}
+
+__global__ void __launch_bounds__(kThreads)
+    ScaleGradsKernel(const __grid_constant__ ChunkTable<DeviceGradChunk> table, float multiplier,
+                     int32_t* overflow) {
+  int bad = 0;
+  ForEachElement(table, [&](const DeviceGradChunk& c, int64_t i) {
+    const float x = __fmul_rn(LoadAsFloat(c.data, i, c.dtype), multiplier);
+    StoreFromFloat(c.data, i, c.dtype, x);
+    bad |= !isfinite(LoadAsFloat(c.data, i, c.dtype));
+  });
+  bad = __syncthreads_or(bad);
+  if (threadIdx.x == 0 && overflow != nullptr && bad) atomicOr(overflow, 1);
+}
+
+absl::Status CudaStatus(cudaError_t error, absl::string_view what) {
+  if (error == cudaSuccess) return absl::OkStatus();
+  return absl::InternalError(absl::StrCat(what, ": ", cudaGetErrorString(error)));
+}
+
+absl::Status PrepareDevice(gpu::Stream stream, absl::string_view what) {
+  if (gpu::DeviceCount() == 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(what, ": no usable GPU (", gpu::UnavailableReason(), ")"));
+  }
+  return CudaStatus(cudaSetDevice(stream.device), what);
+}
+
+// Splits `entries` (empty chunks dropped) into tables of kMaxChunksPerLaunch and calls
+// launch(table, grid, stream) for each, on `stream`'s device.
+template <typename Entry, typename Launch>
+absl::Status LaunchTables(const std::vector<Entry>& entries, gpu::Stream stream,
+                          absl::string_view what, const Launch& launch) {
+  PS_RETURN_IF_ERROR(PrepareDevice(stream, what));
+  auto s = static_cast<cudaStream_t>(stream.handle);
+  ChunkTable<Entry> table;
+  table.num_chunks = 0;
+  table.first_tile[0] = 0;
+  auto flush = [&]() -> absl::Status {
+    if (table.num_chunks == 0) return absl::OkStatus();
+    const int64_t tiles = table.first_tile[table.num_chunks];
+    launch(table, static_cast<unsigned>(std::min(tiles, kMaxBlocks)), s);
+    table.num_chunks = 0;
+    return CudaStatus(cudaGetLastError(), what);
+  };
+  for (const Entry& entry : entries) {
+    if (entry.count == 0) continue;
+    const int n = table.num_chunks;
+    table.chunks[n] = entry;
+    table.first_tile[n + 1] =
+        table.first_tile[n] + (entry.count + kTileElements - 1) / kTileElements;
+    table.num_chunks = n + 1;
+    if (table.num_chunks == kMaxChunksPerLaunch) PS_RETURN_IF_ERROR(flush());
+  }
+  return flush();
+}
+
+absl::StatusOr<std::vector<DeviceGradChunk>> GradEntries(absl::Span<const GradChunk> chunks) {
+  std::vector<DeviceGradChunk> entries;
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    const GradChunk& c = chunks[i];
+    if (c.count < 0 || (c.count > 0 && c.data == nullptr)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("gradient chunk ", i, ": bad count ", c.count, " or null data"));
+    }
+    // The gradient memory is written only by ScaleGradsOnDevice, whose contract says so.
+    entries.push_back({const_cast<void*>(c.data), c.count, DtypeCode(c.dtype)});
+  }
+  return entries;
+}
+
+}  // namespace
+
+absl::Status AdamUpdateOnDevice(absl::Span<const AdamChunk> chunks, const AdamHyperParams& params,
+                                gpu::Stream stream) {
+  PS_RETURN_IF_ERROR(ValidateAdamHyperParams(params));
+  std::vector<DeviceAdamChunk> entries;
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    const AdamChunk& c = chunks[i];
+    PS_RETURN_IF_ERROR(Annotate(ValidateAdamChunk(c), absl::StrCat("device chunk ", i)));
+    entries.push_back({c.param, c.grad, c.exp_avg, c.exp_avg_sq, c.param_copy, c.count,
+                       DtypeCode(c.grad_dtype),
+                       c.param_copy == nullptr ? kNoCopy : DtypeCode(c.copy_dtype)});
+  }
+  const internal::AdamConstants k = internal::MakeAdamConstants(params);
+  return LaunchTables(entries, stream, "AdamUpdateOnDevice",
+                      [&](const ChunkTable<DeviceAdamChunk>& table, unsigned grid, cudaStream_t s) {
+                        AdamKernel<<<grid, kThreads, 0, s>>>(table, k);
+                      });
+}
+
+absl::Status GradStatsOnDevice(absl::Span<const GradChunk> chunks, double* device_squared_norm,
+                               int32_t* device_overflow, gpu::Stream stream) {
+  PS_ASSIGN_OR_RETURN(std::vector<DeviceGradChunk> entries, GradEntries(chunks));
+  return LaunchTables(entries, stream, "GradStatsOnDevice",
+                      [&](const ChunkTable<DeviceGradChunk>& table, unsigned grid, cudaStream_t s) {
+                        GradStatsKernel<<<grid, kThreads, 0, s>>>(table, device_squared_norm,
+                                                                  device_overflow);
+                      });
+}
+
+absl::Status ScaleGradsOnDevice(absl::Span<const GradChunk> chunks, float multiplier,
+                                int32_t* device_overflow, gpu::Stream stream) {
+  PS_ASSIGN_OR_RETURN(std::vector<DeviceGradChunk> entries, GradEntries(chunks));
+  return LaunchTables(entries, stream, "ScaleGradsOnDevice",
+                      [&](const ChunkTable<DeviceGradChunk>& table, unsigned grid, cudaStream_t s) {
+                        ScaleGradsKernel<<<grid, kThreads, 0, s>>>(table, multiplier,
+                                                                   device_overflow);
+                      });
+}
+
+}  // namespace ps::kernels

@@ -1,0 +1,50 @@
+// Internal: the per-SIMD-path CPU kernels behind kernels/adam.h and kernels/grad_stats.h.
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/adam.h"
+#include "kernels/simd.h"
+#include "runtime/dtype.h"
+
+namespace ps::kernels::internal {
+
+// The per-step scalars of the update, rounded to float once (Note [Adam arithmetic]). The GPU
+// kernel receives the same struct, so both sides compute with the same constants.
+struct AdamConstants {
+  float grad_mul;     // clip_coef / grad_scale
+  float l2_decay;     // weight_decay, added to the gradient (Adam); 0 when unused
+  float param_decay;  // 1 - lr * weight_decay (AdamW); 1 when unused
+  float lerp_coeff;   // torch's lerp: 1 - beta1, or (1 - beta1) - 1 when 1 - beta1 >= 0.5
+  float beta2;
+  float one_minus_beta2;
+  float bias_correction2_sqrt;
+  float neg_step_size;  // -lr / (1 - beta1^step)
+  float eps;
+  int32_t l2;              // add l2_decay * param to the gradient
+  int32_t decoupled;       // multiply param by param_decay
+  int32_t lerp_from_grad;  // lerp base is the gradient (1 - beta1 >= 0.5)
+};
+AdamConstants MakeAdamConstants(const AdamHyperParams& params);
+
+// Elements per block of the norm reduction. Block boundaries are fixed relative to the chunk
+// start so that the summation order does not depend on threads (Note [Deterministic norm]).
+inline constexpr int64_t kNormBlock = int64_t{1} << 16;
+// Elements per block of the update (elementwise, so only a scheduling choice).
+inline constexpr int64_t kAdamBlock = int64_t{1} << 15;
+
+struct CpuPath {
+  // Updates elements [begin, end) of `chunk`.
+  void (*adam)(const AdamChunk& chunk, const AdamConstants& k, int64_t begin, int64_t end);
+  // AdamTrafficBound's kernel on [begin, end).
+  void (*traffic)(const AdamChunk& chunk, int64_t begin, int64_t end);
+  // Sum of squares of elements [begin, end), end - begin <= kNormBlock, in 16 double lanes
+  // (element i into lane (i - begin) % 16) added in a fixed tree order.
+  double (*sum_squares)(const void* data, DType dtype, int64_t begin, int64_t end);
+  // True when some element of [begin, end) is inf or NaN.
+  bool (*has_inf_or_nan)(const void* data, DType dtype, int64_t begin, int64_t end);
+};
+
+const CpuPath& GetCpuPath(SimdLevel level);
+
+}  // namespace ps::kernels::internal

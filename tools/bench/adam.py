@@ -1,0 +1,233 @@
+#!/usr/bin/env python3
+"""CPU Adam benchmark: patrickstar's fused kernel against torch.optim.Adam (foreach=False,
+foreach=True, fused=True) and against the memory-traffic bound measured in the same run.
+
+The bound is kernels.adam_traffic_bound_: the same loads and stores as the update (read param,
+grad, exp_avg, exp_avg_sq; write param, exp_avg, exp_avg_sq in place; plus the 16-bit copy where
+there is one) on the same SIMD path, blocks and threads, with trivial arithmetic. Each variant
+of ours is timed alternately with its bound (ours, bound, ours, bound, ...) and the medians are
+compared, so that memory-bandwidth drift during the run (other processes) hits both alike.
+
+    python tools/bench/adam.py            # 50M parameters, ~1 minute
+    python tools/bench/adam.py --quick    # smoke run, a few seconds
+Writes bench-results/adam.json (git-ignored).
+"""
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import time
+
+# torch's OpenMP threads spin for a while after each parallel region (GNU OpenMP's default
+# active wait), which steals the cores from whatever runs next: here, our kernel timed right
+# after torch's. Passive waiting costs torch a wake-up of microseconds per step.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
+
+import patrickstar  # noqa: F401,E402
+from patrickstar import _C  # noqa: E402
+
+K = _C.kernels
+M = 1_000_000
+
+
+def timed(fn, reps, warmup=1):
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def alternate(fns, reps):
+    """Times every fn in turn, reps rounds; returns the list of times per fn."""
+    for fn in fns:
+        fn()
+    times = [[] for _ in fns]
+    for _ in range(reps):
+        for i, fn in enumerate(fns):
+            start = time.perf_counter()
+            fn()
+            times[i].append(time.perf_counter() - start)
+    return times
+
+
+def mparams(n, seconds):
+    return n / seconds / 1e6
+
+
+def lscpu_summary():
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return {}
+    keep = ("Model name", "CPU(s)", "Thread(s) per core", "L1d cache", "L2 cache", "L3 cache",
+            "Hypervisor vendor")
+    info = {}
+    for line in out.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in keep:
+            info[key.strip()] = value.strip()
+    return info
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes, few repetitions")
+    parser.add_argument("--params", type=int, default=50 * M)
+    parser.add_argument("--reps", type=int, default=15)
+    parser.add_argument("--threads", type=int, default=0, help="0: the cores we may use")
+    parser.add_argument("--out", default="bench-results/adam.json")
+    args = parser.parse_args()
+    n = 2 * M if args.quick else args.params
+    reps = 3 if args.quick else args.reps
+    chunk_sizes = [M, 4 * M] if args.quick else [M, 4 * M, 16 * M, 64 * M]
+    chunk_total = max(chunk_sizes + [n])
+
+    K.set_num_threads(args.threads)
+    torch.set_num_threads(K.num_threads())
+    print(f"params {n:,}  threads {K.num_threads()} (torch {torch.get_num_threads()})  "
+          f"simd {K.simd()}  torch {torch.__version__}")
+
+    # One state, big enough for the per-chunk runs; the main runs use its first n elements.
+    # Gradients are positive so that the bound kernel (which adds them to exp_avg_sq) keeps the
+    # state finite: NaNs would not change the timing, but this keeps the numbers meaningful.
+    gen = torch.Generator().manual_seed(0)
+    base = {
+        "param": torch.randn(chunk_total, generator=gen),
+        "grad": torch.rand(chunk_total, generator=gen) * 1e-2,
+        "exp_avg": torch.zeros(chunk_total),
+        "exp_avg_sq": torch.zeros(chunk_total),
+    }
+    base["grad16"] = base["grad"].half()
+    base["copy"] = torch.empty(chunk_total, dtype=torch.bfloat16)
+    view = {k: v[:n] for k, v in base.items()}
+    results = {"params": n, "threads": K.num_threads(), "simd": K.simd(),
+               "torch": torch.__version__, "machine": lscpu_summary(), "variants": {},
+               "chunk_sizes": {}, "simd_paths": {}}
+
+    # torch baselines, each on the same param and grad (its own optimizer state). The unfused
+    # ones are slow and timed on their own; fused=True is also timed alternately with ours below.
+    torch_rates = {}
+    fused = None
+    for name, kwargs in [("torch foreach=False", dict(foreach=False)),
+                         ("torch foreach=True", dict(foreach=True)),
+                         ("torch fused=True", dict(fused=True))]:
+        p = torch.nn.Parameter(view["param"])
+        p.grad = view["grad"]
+        opt = torch.optim.Adam([p], lr=1e-3, **kwargs)
+        t = statistics.median(timed(opt.step, max(3, reps // 2)))
+        torch_rates[name] = mparams(n, t)
+        results["variants"][name] = {"seconds": t, "mparams_per_s": torch_rates[name]}
+        print(f"{name:28s} {torch_rates[name]:9.1f} Mparams/s")
+        if kwargs.get("fused"):
+            fused = opt
+        else:
+            del opt
+        del p
+
+    step = [0]
+
+    def ours(grad_key, copy):
+        def run():
+            step[0] += 1
+            K.adam_(view["param"], view[grad_key], view["exp_avg"], view["exp_avg_sq"], lr=1e-3,
+                    step=step[0], param_copy=view["copy"] if copy else None)
+        return run
+
+    def bound(grad_key, copy):
+        return lambda: K.adam_traffic_bound_(view["param"], view[grad_key], view["exp_avg"],
+                                             view["exp_avg_sq"],
+                                             view["copy"] if copy else None)
+
+    def torch_fused(copy):
+        def run():
+            fused.step()
+            if copy:  # what torch needs to produce the 16-bit compute copy
+                view["copy"].copy_(view["param"])
+        return run
+
+    # (name, grad, copy, bytes moved per param). Each variant is timed alternately with its
+    # bound and with torch fused=True (plus the copy to bf16 where ours makes one).
+    variants = [("ours fp32", "grad", False, 28), ("ours fp32 + bf16 copy", "grad", True, 30),
+                ("ours fp16 grads", "grad16", False, 26)]
+    for name, grad_key, copy, bytes_per_param in variants:
+        t_ours, t_bound, t_fused = alternate(
+            [ours(grad_key, copy), bound(grad_key, copy), torch_fused(copy)], reps)
+        ours_s, bound_s = statistics.median(t_ours), statistics.median(t_bound)
+        fused_s = statistics.median(t_fused)
+        rate, bound_rate, fused_rate = mparams(n, ours_s), mparams(n, bound_s), mparams(n, fused_s)
+        fused_name = "torch fused=True" + (" + copy_ to bf16" if copy else "")
+        entry = {"seconds": ours_s, "mparams_per_s": rate, "bound_seconds": bound_s,
+                 "bound_mparams_per_s": bound_rate, "vs_bound": rate / bound_rate,
+                 "bound_gb_per_s": n * bytes_per_param / bound_s / 1e9,
+                 "ours_gb_per_s": n * bytes_per_param / ours_s / 1e9,
+                 "alternated_baseline": fused_name, "alternated_baseline_mparams_per_s": fused_rate,
+                 "vs_alternated_baseline": rate / fused_rate,
+                 "ours_all": t_ours, "bound_all": t_bound, "baseline_all": t_fused}
+        for base_name, base_rate in torch_rates.items():
+            entry["vs " + base_name] = rate / base_rate
+        results["variants"][name] = entry
+        print(f"{name:28s} {rate:9.1f} Mparams/s  bound {bound_rate:7.1f} "
+              f"({entry['bound_gb_per_s']:.1f} GB/s)  ours/bound {rate / bound_rate:5.3f}  "
+              f"| {fused_name} {fused_rate:7.1f}: x{rate / fused_rate:4.2f}  "
+              f"| x foreach {rate / torch_rates['torch foreach=True']:4.2f}  "
+              f"x unfused {rate / torch_rates['torch foreach=False']:4.2f}")
+    del fused
+
+    # Per SIMD path (fp32 grads, no copy), each against the bound on the same path.
+    for level in K.supported_simd():
+        K.set_simd(level)
+        try:
+            t_ours, t_bound = alternate([ours("grad", False), bound("grad", False)],
+                                        max(3, reps // 2))
+        finally:
+            K.set_simd(None)
+        rate = mparams(n, statistics.median(t_ours))
+        bound_rate = mparams(n, statistics.median(t_bound))
+        results["simd_paths"][level] = {"mparams_per_s": rate, "bound_mparams_per_s": bound_rate,
+                                        "vs_bound": rate / bound_rate}
+        print(f"simd {level:11s}  fp32 {rate:9.1f} Mparams/s  bound {bound_rate:7.1f}  "
+              f"ours/bound {rate / bound_rate:5.3f}")
+
+    # Per chunk size: the same total, updated chunk by chunk (one call per chunk).
+    for size in chunk_sizes:
+        total = (chunk_total // size) * size
+        chunks = [{k: v[i:i + size] for k, v in base.items()} for i in range(0, total, size)]
+
+        def ours_chunks():
+            step[0] += 1
+            for c in chunks:
+                K.adam_(c["param"], c["grad"], c["exp_avg"], c["exp_avg_sq"], lr=1e-3,
+                        step=step[0], param_copy=c["copy"])
+
+        def bound_chunks():
+            for c in chunks:
+                K.adam_traffic_bound_(c["param"], c["grad"], c["exp_avg"], c["exp_avg_sq"],
+                                      c["copy"])
+
+        t_ours, t_bound = alternate([ours_chunks, bound_chunks], max(3, reps // 2))
+        rate = mparams(total, statistics.median(t_ours))
+        bound_rate = mparams(total, statistics.median(t_bound))
+        results["chunk_sizes"][str(size)] = {"chunks": len(chunks), "mparams_per_s": rate,
+                                             "bound_mparams_per_s": bound_rate,
+                                             "vs_bound": rate / bound_rate}
+        print(f"chunk {size // M:3d}M x {len(chunks):3d} (bf16 copy) {rate:9.1f} Mparams/s  "
+              f"bound {bound_rate:7.1f}  ours/bound {rate / bound_rate:5.3f}")
+
+    results["host"] = platform.node()
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=2)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
