@@ -1,0 +1,495 @@
+"""The training engine behind `patrickstar.initialize()`.
+
+The user's module keeps its structure; its parameters become views of chunk memory while a
+module uses them and empty placeholders otherwise. The chunk manager (C++) decides where chunks
+live; this file drives it from PyTorch's module hooks, moves gradients into gradient chunks as
+autograd produces them, and runs the optimizer over chunk memory.
+
+Note [Parameter data swapping]
+A parameter's `.data` is a view of its compute chunk only between `Access` and `Release` (the
+chunk may move once released, which would leave a view dangling). Outside that window `.data` is
+an empty placeholder of the compute dtype. Autograd saves parameters (leaves) by reference, so a
+module's backward sees whatever `.data` holds when it runs: the pre-backward hook re-accesses the
+module's parameters first (Note [Backward hooks through autograd functions] in hooks.py).
+Accesses are reference-counted per parameter because a tied parameter can be in use by two
+modules at once.
+
+Note [Chunk kinds per precision]
+  fp32:       compute (fp32, also the master copy), gradient (fp32), momentum, variance
+  fp16/bf16:  compute (16-bit), master (fp32), gradient (16-bit; fp32 when accumulating over
+              micro-steps), momentum, variance
+Only trainable parameters get master, gradient and optimizer-state tensors, so frozen ones cost
+just their compute copy.
+"""
+from __future__ import annotations
+
+import json
+import math
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from . import _C
+from .config import Config, load_config
+from .hooks import ModuleHooks
+from .init_context import ParameterPlacer, plan_parameters
+from .loss_scaler import make_loss_scaler
+from .optimizer import PatrickStarOptimizer, build_param_groups, clip_coefficient
+
+__all__ = ["PatrickStarEngine", "initialize", "initialize_engine"]
+
+_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+K = _C.ChunkKind
+S = _C.TensorState
+
+
+class T:  # the chunk manager's tier names
+    DEVICE = "device"
+    HOST = "host"
+
+
+class _ChunkManager:
+    """The C++ chunk manager with `access` returning a torch view (valid until release)."""
+
+    def __init__(self, tiers, copy_engine):
+        # Prefetch is off: a prefetched copy is not invalidated when its source chunk is written
+        # afterwards (Adam's update on the host), which corrupts the next backward's parameters
+        # (found by test_gpt_fp32_tied_embeddings_matches_pytorch; fix belongs in the manager).
+        self.manager = _C.ChunkManager(tiers=tiers, copy_engine=copy_engine, world_size=1,
+                                       rank=0, prefetch_moments=0)
+
+    def __getattr__(self, name):
+        return getattr(self.manager, name)
+
+    def access(self, tensor_id: int, tier: str) -> torch.Tensor:
+        self.manager.access(tensor_id, tier)
+        return self.manager.torch_view(tensor_id)
+
+    def stats(self) -> list[dict]:
+        return json.loads(self.manager.dump_json(0))["tiers"]
+
+
+class _Tensors:
+    """The chunk-manager tensor ids of one parameter."""
+
+    __slots__ = ("compute", "master", "grad", "momentum", "variance")
+
+    def __init__(self):
+        self.compute = self.master = self.grad = self.momentum = self.variance = None
+
+
+class PatrickStarEngine(nn.Module):
+    """What `initialize()` returns as `model`: call it like the module, then
+    `model.backward(loss)`. `model.module` is the user's module."""
+
+    def __init__(self, model_func: Callable[[], nn.Module], config: Config, local_rank: int,
+                 param_groups=None):
+        super().__init__()
+        self.config = config
+        self.local_rank = local_rank
+        self.precision = config.precision
+        self.compute_dtype = _DTYPES[self.precision]
+        self.mixed = self.precision != "fp32"
+        accumulate_fp32 = config.gradient_accumulation_steps > 1 or not self.mixed
+        self.grad_dtype = torch.float32 if accumulate_fp32 else self.compute_dtype
+        self.loss_scaler = make_loss_scaler(config)
+        self._micro_step = 0
+        self._iteration = 0
+        self._warmup_done = False
+
+        specs, survives = plan_parameters(model_func)
+        if not specs:
+            raise ValueError("model_func built a module without parameters; nothing to train")
+        self._build_runtime(specs)
+
+        self._init_views: dict[int, int] = {}
+        placer = ParameterPlacer(survives, self._place_at_init)
+        module = placer.build(model_func)
+        self.add_module("module", module)
+        self._params: list[nn.Parameter] = placer.parameters
+        self._param_index = {id(p): i for i, p in enumerate(self._params)}
+        self._shapes = [spec.shape for spec in specs]
+        self._names = [spec.name for spec in specs]
+        self._finish_init()
+
+        self._placeholders = {}
+        self._access_count = [0] * len(self._params)
+        self._has_grad = [False] * len(self._params)
+        self._module_params = {
+            module: [self._param_index[id(p)] for p in module.parameters(recurse=False)]
+            for module in self.module.modules()}
+        for index, param in enumerate(self._params):
+            param.data = self._placeholder()
+            if param.requires_grad:
+                param.register_post_accumulate_grad_hook(self._make_grad_hook(index))
+        self._hooks = ModuleHooks(self.module, self._access_module, self._release_module,
+                                  self._tick)
+        defaults = {"lr": config.optimizer.lr, "betas": config.optimizer.betas,
+                    "eps": config.optimizer.eps, "weight_decay": config.optimizer.weight_decay}
+        groups = build_param_groups(self.module, param_groups, defaults)
+        self._group_of = {}
+        for group_index, group in enumerate(groups):
+            for param in group["params"]:
+                self._group_of[self._param_index[id(param)]] = group_index
+        self._step_count = [0] * len(self._params)
+        self.optimizer = PatrickStarOptimizer(self, groups, config.optimizer.decoupled_weight_decay)
+
+    # ---- Construction --------------------------------------------------------------------------
+
+    def _build_runtime(self, specs) -> None:
+        config = self.config
+        memory = config.memory
+        tiers = []
+        if _C.cuda_available():
+            self.device = torch.device("cuda", self.local_rank)
+            tiers.append(_C.DeviceTier(self.local_rank, budget=memory.device_budget or 0,
+                                       name=f"cuda:{self.local_rank}"))
+        else:
+            self.device = torch.device("cpu")
+            tiers.append(_C.EmulatedDeviceTier(budget=memory.device_budget or 0, name="device"))
+        tiers.append(_C.HostTier(budget=memory.host_budget or 0, name="host",
+                                 pinned=_C.cuda_available()))
+        if memory.nvme.path is not None:
+            tiers.append(_C.NvmeTier(memory.nvme.path, budget=memory.nvme.budget,
+                                     queue_depth=memory.nvme.queue_depth,
+                                     block_size=memory.nvme.block_size, name="nvme"))
+        self.tiers = tiers
+        self.copy_engine = _C.CopyEngine(host_threads=2, device=self.local_rank)
+        self.chunks = _ChunkManager(tiers, self.copy_engine)
+        compute_name = _DTYPE_NAMES[self.compute_dtype]
+        grad_name = _DTYPE_NAMES[self.grad_dtype]
+        self._ids = []
+        for spec in specs:
+            ids = _Tensors()
+            ids.compute = self.chunks.register_tensor(spec.name, list(spec.shape),
+                                                      K.COMPUTE_PARAM, compute_name)
+            self._ids.append(ids)
+        trainable = [i for i, spec in enumerate(specs) if spec.requires_grad]
+        # Registered kind by kind so each list packs in registration order.
+        for kind, attr, dtype in ((K.MASTER_PARAM, "master", "float32"),
+                                  (K.GRADIENT, "grad", grad_name),
+                                  (K.MOMENTUM, "momentum", "float32"),
+                                  (K.VARIANCE, "variance", "float32")):
+            if kind == K.MASTER_PARAM and not self.mixed:
+                continue
+            for i in trainable:
+                setattr(self._ids[i], attr, self.chunks.register_tensor(
+                    f"{specs[i].name}#{attr}", list(specs[i].shape), kind, dtype))
+        if config.default_chunk_size is None:
+            largest = max(math.prod(spec.shape) or 1 for spec in specs)
+            low = max(1 << 16, largest // 4)
+            self.layout = self.chunks.search_chunk_lists(low, max(low, 4 * largest),
+                                                         max(1, low // 4))
+        else:
+            self.layout = self.chunks.build_chunk_lists(config.default_chunk_size)
+
+    def _init_storage_ids(self, index: int) -> int:
+        ids = self._ids[index]
+        return ids.master if ids.master is not None else ids.compute
+
+    def _place_at_init(self, index: int, param: nn.Parameter) -> torch.Tensor:
+        # The fp32 copy (master in mixed precision) receives the module's own initialization.
+        tensor_id = self._init_storage_ids(index)
+        view = self.chunks.access(tensor_id, T.HOST)
+        self._init_views[index] = tensor_id
+        return view.view(param.shape)
+
+    def _finish_init(self) -> None:
+        with torch.no_grad():
+            for index, tensor_id in sorted(self._init_views.items()):
+                ids = self._ids[index]
+                if self.mixed:
+                    master = self.chunks.manager.torch_view(tensor_id)
+                    compute = self.chunks.access(ids.compute, T.HOST)
+                    compute.copy_(master)
+                    self.chunks.release(ids.compute, S.HOLD)
+                self.chunks.release(tensor_id, S.HOLD)
+        del self._init_views
+
+    def _placeholder(self) -> torch.Tensor:
+        return torch.empty(0, dtype=self.compute_dtype, device=self.device)
+
+    # ---- Access and release --------------------------------------------------------------------
+
+    def _access_param(self, index: int) -> None:
+        self._access_count[index] += 1
+        if self._access_count[index] == 1:
+            view = self.chunks.access(self._ids[index].compute, self._device_tier())
+            self._params[index].data = view.view(self._shapes[index])
+
+    def _release_param(self, index: int, state) -> None:
+        if self._access_count[index] == 0:
+            return
+        self._access_count[index] -= 1
+        if self._access_count[index] == 0:
+            self._params[index].data = self._placeholder()
+            self.chunks.release(self._ids[index].compute, state)
+
+    def _device_tier(self):
+        return T.DEVICE
+
+    def _access_module(self, module: nn.Module, phase: str) -> None:
+        for index in self._module_params.get(module, ()):
+            self._access_param(index)
+
+    def _release_module(self, module: nn.Module, phase: str) -> None:
+        state = S.HOLD_AFTER_FWD if phase == "fwd" else S.HOLD_AFTER_BWD
+        for index in self._module_params.get(module, ()):
+            self._release_param(index, state)
+
+    def _release_all(self, state) -> None:
+        for index, count in enumerate(self._access_count):
+            if count:
+                self._access_count[index] = 1
+                self._release_param(index, state)
+
+    def _tick(self, event: str) -> None:
+        self.chunks.tick()
+
+    # ---- Forward / backward --------------------------------------------------------------------
+
+    def forward(self, *args, **kwargs):
+        try:
+            return self.module(*args, **kwargs)
+        finally:
+            if not torch.is_grad_enabled() or not self.module.training:
+                # No backward follows: give everything back now.
+                self._release_all(S.HOLD_AFTER_FWD)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise ValueError("backward(loss) expects a scalar loss tensor")
+        scale = self.loss_scaler.scale / self.config.gradient_accumulation_steps
+        try:
+            (loss.float() * scale).backward()
+        finally:
+            # Modules whose inputs need no grad never see their post-backward hook.
+            self._release_all(S.HOLD_AFTER_BWD)
+        self._micro_step += 1
+
+    def _make_grad_hook(self, index: int):
+        def hook(param: nn.Parameter) -> None:
+            grad = param.grad
+            param.grad = None  # its memory goes back to torch right away
+            if grad is None:
+                return
+            grad_id = self._ids[index].grad
+            view = self.chunks.access(grad_id, self._device_tier()).view(self._shapes[index])
+            with torch.no_grad():
+                if self._has_grad[index]:
+                    view.add_(grad.to(view.dtype))
+                else:
+                    view.copy_(grad)
+            self.chunks.release(grad_id, S.HOLD)
+            self._has_grad[index] = True
+        return hook
+
+    # ---- Optimizer -----------------------------------------------------------------------------
+
+    def _grad_views_on_host(self):
+        """Yields (index, grad view) of every parameter that has a gradient this step; the grads
+        are COMPUTE on the host until the generator finishes."""
+        for index, has in enumerate(self._has_grad):
+            if not has:
+                continue
+            grad_id = self._ids[index].grad
+            view = self.chunks.access(grad_id, T.HOST)
+            try:
+                yield index, view
+            finally:
+                self.chunks.release(grad_id, S.HOLD)
+
+    def _gradient_statistics(self) -> tuple[bool, float]:
+        overflow = False
+        squared = 0.0
+        for _, grad in self._grad_views_on_host():
+            grad_squared, bad = _C.kernels.grad_stats([grad])
+            overflow |= bad
+            squared += grad_squared
+        return overflow, math.sqrt(squared)
+
+    def optimizer_step(self, optimizer: PatrickStarOptimizer) -> bool:
+        """Applies one Adam/AdamW step; returns False when it was skipped for overflow."""
+        clip = self.config.gradient_clipping
+        # The scale the gradients carry: backward() used it and only this method changes it.
+        grad_scale = self.loss_scaler.scale
+        overflow, norm = False, 0.0
+        if clip > 0 or self.precision == "fp16":  # one read pass over the gradients
+            overflow, norm = self._gradient_statistics()
+        # Only fp16 skips steps; elsewhere a non-finite gradient reaches the parameters as it
+        # would in plain PyTorch.
+        overflow = overflow and self.precision == "fp16"
+        self.loss_scaler.update(overflow)
+        if overflow:
+            self.zero_grad()
+            self._end_iteration()
+            return False
+        coef = clip_coefficient(norm / grad_scale, clip) if clip > 0 else 1.0
+        for index, has in enumerate(self._has_grad):
+            if not has:
+                continue
+            group = optimizer.param_groups[self._group_of[index]]
+            self._step_count[index] += 1
+            self._adam_update(index, group, grad_scale, coef)
+        self.zero_grad()
+        self._end_iteration()
+        return True
+
+    def _adam_update(self, index: int, group: dict, grad_scale: float, coef: float) -> None:
+        ids = self._ids[index]
+        param_id = ids.master if self.mixed else ids.compute
+        accessed = [param_id, ids.grad, ids.momentum, ids.variance]
+        if self.mixed:
+            accessed.append(ids.compute)
+        views = [self.chunks.access(tensor_id, T.HOST) for tensor_id in accessed]
+        try:
+            beta1, beta2 = group["betas"]
+            _C.kernels.adam_(
+                views[0], views[1], views[2], views[3],
+                param_copy=views[4] if self.mixed else None,
+                lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                weight_decay=group["weight_decay"],
+                adamw=self.optimizer.decoupled_weight_decay,
+                step=self._step_count[index], grad_scale=grad_scale, clip_coef=coef)
+        finally:
+            for tensor_id in accessed:
+                self.chunks.release(tensor_id, S.HOLD)
+
+    def zero_grad(self) -> None:
+        for index, has in enumerate(self._has_grad):
+            if has:
+                self.chunks.set_tensor_state(self._ids[index].grad, S.FREE)
+                self._has_grad[index] = False
+
+    def _end_iteration(self) -> None:
+        self.chunks.end_iteration()
+        self._iteration += 1
+
+    # ---- State dicts ---------------------------------------------------------------------------
+
+    def _read_param(self, index: int) -> torch.Tensor:
+        tensor_id = self._ids[index].compute
+        view = self.chunks.access(tensor_id, T.HOST)
+        try:
+            return view.view(self._shapes[index]).clone()
+        finally:
+            self.chunks.release(tensor_id, S.HOLD)
+
+    def state_dict(self, destination=None, prefix: str = "", keep_vars: bool = False):
+        """The module's state dict with full parameters (compute dtype) read out of chunks."""
+        result = self.module.state_dict(keep_vars=True)
+        for name, value in list(result.items()):
+            index = self._param_index.get(id(value))
+            if index is not None:
+                result[name] = self._read_param(index)
+            elif not keep_vars and isinstance(value, torch.Tensor):
+                result[name] = value.detach()
+        if destination is not None:
+            destination.update({prefix + k: v for k, v in result.items()})
+            return destination
+        return {prefix + k: v for k, v in result.items()} if prefix else result
+
+    def load_state_dict(self, state_dict, strict: bool = True):
+        """Accepts plain PyTorch tensors (any float dtype) for every parameter and buffer."""
+        own = self.module.state_dict(keep_vars=True)
+        missing = [name for name in own if name not in state_dict]
+        unexpected = [name for name in state_dict if name not in own]
+        if strict and (missing or unexpected):
+            raise RuntimeError(f"load_state_dict: missing keys {missing}, unexpected keys "
+                               f"{unexpected}")
+        with torch.no_grad():
+            for name, value in own.items():
+                if name not in state_dict:
+                    continue
+                source = state_dict[name]
+                index = self._param_index.get(id(value))
+                shape = self._shapes[index] if index is not None else tuple(value.shape)
+                if tuple(source.shape) != tuple(shape):
+                    raise ValueError(f"load_state_dict: '{name}' has shape {tuple(source.shape)} "
+                                     f"in the state dict but {tuple(shape)} in the model")
+                if index is None:
+                    value.copy_(source)
+                    continue
+                ids = self._ids[index]
+                for tensor_id in (ids.compute, ids.master):
+                    if tensor_id is None:
+                        continue
+                    view = self.chunks.access(tensor_id, T.HOST)
+                    try:
+                        view.view(shape).copy_(source)
+                    finally:
+                        self.chunks.release(tensor_id, S.HOLD)
+        return nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+    def optimizer_state_dict(self, optimizer) -> dict:
+        state = {}
+        for index, param in enumerate(self._params):
+            ids = self._ids[index]
+            if ids.momentum is None or self._step_count[index] == 0:
+                continue
+            entry = {"step": torch.tensor(float(self._step_count[index]))}
+            for key, tensor_id in (("exp_avg", ids.momentum), ("exp_avg_sq", ids.variance)):
+                view = self.chunks.access(tensor_id, T.HOST)
+                try:
+                    entry[key] = view.view(self._shapes[index]).clone()
+                finally:
+                    self.chunks.release(tensor_id, S.HOLD)
+            state[index] = entry
+        groups = []
+        for group in optimizer.param_groups:
+            saved = {k: v for k, v in group.items() if k != "params"}
+            saved["params"] = [self._param_index[id(p)] for p in group["params"]]
+            groups.append(saved)
+        return {"state": state, "param_groups": groups,
+                "loss_scaler": self.loss_scaler.state_dict()}
+
+    def load_optimizer_state_dict(self, optimizer, state_dict) -> None:
+        groups = state_dict["param_groups"]
+        if len(groups) != len(optimizer.param_groups):
+            raise ValueError(f"optimizer state dict has {len(groups)} param groups, the "
+                             f"optimizer {len(optimizer.param_groups)}")
+        for saved, group in zip(groups, optimizer.param_groups):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        for index, entry in state_dict["state"].items():
+            index = int(index)
+            ids = self._ids[index]
+            self._step_count[index] = int(entry["step"])
+            for key, tensor_id in (("exp_avg", ids.momentum), ("exp_avg_sq", ids.variance)):
+                view = self.chunks.access(tensor_id, T.HOST)
+                try:
+                    view.view(self._shapes[index]).copy_(entry[key])
+                finally:
+                    self.chunks.release(tensor_id, S.HOLD)
+        if "loss_scaler" in state_dict:
+            self.loss_scaler.load_state_dict(state_dict["loss_scaler"])
+
+    def memory_stats(self) -> list[dict]:
+        """Per tier: budget, chunk bytes now and at peak, bytes moved in and out, evictions."""
+        return self.chunks.stats()
+
+
+def initialize(model_func: Callable[[], nn.Module], config=None, local_rank: int = 0,
+               param_groups=None):
+    """Builds `model_func()` on the chunk runtime and returns `(model, optimizer)`.
+
+    `config` is a dict or a path to a JSON file (see `patrickstar.config`); `param_groups`
+    optionally splits the parameters into groups with their own `lr` / `weight_decay`, either as
+    torch.optim's list of dicts or as a callable taking the built module and returning one."""
+    if not callable(model_func) or isinstance(model_func, nn.Module):
+        raise TypeError("initialize(model_func, ...): model_func must be a callable that builds "
+                        "and returns the model (e.g. a class or a lambda), not "
+                        f"{type(model_func).__name__}; PatrickStar builds the model itself so "
+                        "its parameters go straight into chunks")
+    if not isinstance(local_rank, int) or local_rank < 0:
+        raise ValueError(f"local_rank must be a non-negative int, got {local_rank!r}")
+    engine = PatrickStarEngine(model_func, load_config(config), local_rank, param_groups)
+    return engine, engine.optimizer
+
+
+def initialize_engine(model_func: Callable[[], nn.Module], local_rank: int = 0, config=None,
+                      param_groups=None):
+    """`initialize()` under PatrickStar's name and argument order."""
+    return initialize(model_func, config=config, local_rank=local_rank,
+                      param_groups=param_groups)
