@@ -4,9 +4,10 @@ forward and in backward, and tick the memory tracer's moments.
 Note [Backward hooks through autograd functions]
 PyTorch's module backward hooks fire only when the module's inputs require grad, which the first
 layer's (token ids) never do. Like DeepSpeed and PatrickStar, the forward hooks instead thread the
-module's tensors through two identity autograd functions: the outputs pass `_PreBackward`, whose
-backward runs just before the module's own backward (access its parameters), and the inputs pass
-`_PostBackward`, whose backward runs just after it (release them). A module whose inputs need no
+module's tensors through two identity autograd functions: the outputs pass `_BackwardCall` with the
+pre-backward callback, whose backward runs just before the module's own backward (access its
+parameters), and the inputs pass it with the post-backward callback, which runs just after it
+(release them). A module whose inputs need no
 grad never gets its post-backward call; the engine releases every parameter still in use when
 backward ends.
 """
@@ -35,29 +36,18 @@ def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     return value
 
 
-class _PreBackward(torch.autograd.Function):
+class _BackwardCall(torch.autograd.Function):
+    """Identity in forward; in backward calls `callback(module)` before passing the grad on."""
+
     @staticmethod
-    def forward(ctx, hooks, module, tensor):
-        ctx.hooks = hooks
+    def forward(ctx, callback, module, tensor):
+        ctx.callback = callback
         ctx.module = module
         return tensor.view_as(tensor)
 
     @staticmethod
     def backward(ctx, grad):
-        ctx.hooks.pre_backward(ctx.module)
-        return None, None, grad
-
-
-class _PostBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, hooks, module, tensor):
-        ctx.hooks = hooks
-        ctx.module = module
-        return tensor.view_as(tensor)
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.hooks.post_backward(ctx.module)
+        ctx.callback(ctx.module)
         return None, None, grad
 
 
@@ -87,7 +77,7 @@ class ModuleHooks:
         self._tick("pre_forward")
         self._access(module, "fwd")
         if torch.is_grad_enabled():
-            return _map_tensors(inputs, lambda t: _PostBackward.apply(self, module, t)
+            return _map_tensors(inputs, lambda t: _BackwardCall.apply(self.post_backward, module, t)
                                 if t.requires_grad else t)
         return None
 
@@ -95,7 +85,7 @@ class ModuleHooks:
         self._release(module, "fwd")
         self._tick("post_forward")
         if torch.is_grad_enabled():
-            return _map_tensors(output, lambda t: _PreBackward.apply(self, module, t)
+            return _map_tensors(output, lambda t: _BackwardCall.apply(self.pre_backward, module, t)
                                 if t.requires_grad else t)
         return None
 
