@@ -15,27 +15,9 @@
 #include "runtime/copy_engine.h"
 #include "runtime/host_tier.h"
 #include "runtime/nvme_tier.h"
+#include "test_util.h"  // TempDir
 
 namespace ps::testing {
-
-// A fresh directory under /tmp, removed with everything in it at destruction.
-class TempDir {
- public:
-  TempDir() {
-    std::string pattern = "/tmp/ps-chunk-test-XXXXXX";
-    char* made = mkdtemp(pattern.data());
-    EXPECT_NE(made, nullptr) << "mkdtemp failed";
-    path_ = pattern;
-  }
-  ~TempDir() {
-    std::error_code ignored;
-    std::filesystem::remove_all(path_, ignored);
-  }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
 
 // One-block slabs keep the reservation equal to the blocks in use, so budgets are exact.
 inline Tier::Options TierOptions(const std::string& name, int64_t budget, int64_t slab_bytes) {

@@ -20,7 +20,9 @@ class TempDir {
  public:
   TempDir() {
     std::string pattern = (std::filesystem::temp_directory_path() / "ps-test-XXXXXX").string();
-    path_ = mkdtemp(pattern.data());
+    const char* made = mkdtemp(pattern.data());
+    EXPECT_NE(made, nullptr) << "mkdtemp failed";
+    path_ = pattern;
   }
   ~TempDir() {
     std::error_code ignored;
