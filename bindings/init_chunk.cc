@@ -349,6 +349,12 @@ void InitChunk(py::module_& module) {
           "moment",
           [](PyChunkManager& self) { return self.Run([](M& m) { return m.tracer().moment(); }); })
       .def(
+          "tier_stats_json",
+          [](PyChunkManager& self) {
+            return self.Run([](M& m) { return m.TierStatsJson().dump(); });
+          },
+          "Per-tier statistics as JSON (a list of objects), without the trace.")
+      .def(
           "dump_json",
           [](PyChunkManager& self, int indent) {
             return self.Run([&](M& m) { return m.DumpJson(indent); });

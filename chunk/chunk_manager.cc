@@ -875,6 +875,30 @@ std::vector<TierChunkStats> ChunkManager::Stats() const {
   return result;
 }
 
+nlohmann::json ChunkManager::TierStatsJson() const {
+  nlohmann::json tiers = nlohmann::json::array();
+  for (const TierChunkStats& stats : Stats()) {
+    tiers.push_back({{"name", stats.name},
+                     {"kind", std::string(TierKindName(stats.kind))},
+                     {"budget_bytes", stats.budget_bytes},
+                     {"non_model_bytes", stats.non_model_bytes},
+                     {"chunk_bytes", stats.chunk_bytes},
+                     {"peak_chunk_bytes", stats.peak_chunk_bytes},
+                     {"reserved_bytes", stats.reserved_bytes},
+                     {"bytes_in", stats.bytes_in},
+                     {"bytes_out", stats.bytes_out},
+                     {"chunks_in", stats.chunks_in},
+                     {"chunks_out", stats.chunks_out},
+                     {"evictions", stats.evictions},
+                     {"zero_fills", stats.zero_fills},
+                     {"prefetch_issued", stats.prefetch_issued},
+                     {"prefetch_hits", stats.prefetch_hits},
+                     {"prefetch_misses", stats.prefetch_misses},
+                     {"copy_wait_ns", stats.copy_wait_ns}});
+  }
+  return tiers;
+}
+
 nlohmann::json ChunkManager::ToJson() const {
   nlohmann::json chunks = nlohmann::json::array();
   for (const Chunk& chunk : chunks_) {
@@ -902,26 +926,7 @@ nlohmann::json ChunkManager::ToJson() const {
                                         : nlohmann::json(tiers_[chunk.tier_index_].stats.name)},
          {"tensors", tensors}});
   }
-  nlohmann::json tiers = nlohmann::json::array();
-  for (const TierChunkStats& stats : Stats()) {
-    tiers.push_back({{"name", stats.name},
-                     {"kind", std::string(TierKindName(stats.kind))},
-                     {"budget_bytes", stats.budget_bytes},
-                     {"non_model_bytes", stats.non_model_bytes},
-                     {"chunk_bytes", stats.chunk_bytes},
-                     {"peak_chunk_bytes", stats.peak_chunk_bytes},
-                     {"reserved_bytes", stats.reserved_bytes},
-                     {"bytes_in", stats.bytes_in},
-                     {"bytes_out", stats.bytes_out},
-                     {"chunks_in", stats.chunks_in},
-                     {"chunks_out", stats.chunks_out},
-                     {"evictions", stats.evictions},
-                     {"zero_fills", stats.zero_fills},
-                     {"prefetch_issued", stats.prefetch_issued},
-                     {"prefetch_hits", stats.prefetch_hits},
-                     {"prefetch_misses", stats.prefetch_misses},
-                     {"copy_wait_ns", stats.copy_wait_ns}});
-  }
+  nlohmann::json tiers = TierStatsJson();
   nlohmann::json evictions = nlohmann::json::array();
   for (const EvictionRecord& record : eviction_log_) {
     evictions.push_back({{"iteration", record.iteration},

@@ -184,6 +184,8 @@ class ChunkManager {
   const Tier& tier(int index) const { return *tiers_[index].tier; }
   std::vector<TierChunkStats> Stats() const;
   const std::vector<EvictionRecord>& eviction_log() const { return eviction_log_; }
+  // Per-tier statistics alone: cheap enough to read every step (ToJson carries the trace).
+  nlohmann::json TierStatsJson() const;
   nlohmann::json ToJson() const;
   std::string DumpJson(int indent = 2) const;
 

@@ -15,23 +15,6 @@ NvmeTier* AsNvme(const Block& block) {
                                                             : nullptr;
 }
 
-// Runs one raw NVMe IO and waits for it (used on worker threads for staged routes).
-absl::Status BlockingIo(NvmeTier* tier, IoOp op, const Block& block, void* buffer, int64_t bytes) {
-  absl::Notification finished;
-  absl::Status result;
-  auto done = [&](absl::Status status) {
-    result = std::move(status);
-    finished.Notify();
-  };
-  if (op == IoOp::kRead) {
-    tier->SubmitRead(block, buffer, bytes, done);
-  } else {
-    tier->SubmitWrite(block, buffer, bytes, done);
-  }
-  finished.WaitForNotification();
-  return result;
-}
-
 struct AlignedBuffer {
   explicit AlignedBuffer(int64_t bytes) : data(AlignedHostAlloc(bytes, kBlockAlignment)) {}
   ~AlignedBuffer() { AlignedHostFree(data); }
@@ -136,11 +119,12 @@ absl::StatusOr<CopyHandle> CopyEngine::Copy(const Block& src, const Block& dst) 
         return;
       }
       absl::Status status = src_nvme != nullptr
-                                ? BlockingIo(src_nvme, IoOp::kRead, src, staging.data, bytes)
+                                ? src_nvme->TransferAndWait(IoOp::kRead, src, staging.data, bytes)
                                 : RunDeviceCopy(staging.data, src.data(), bytes, false);
       if (status.ok()) {
-        status = dst_nvme != nullptr ? BlockingIo(dst_nvme, IoOp::kWrite, dst, staging.data, bytes)
-                                     : RunDeviceCopy(dst.data(), staging.data, bytes, true);
+        status = dst_nvme != nullptr
+                     ? dst_nvme->TransferAndWait(IoOp::kWrite, dst, staging.data, bytes)
+                     : RunDeviceCopy(dst.data(), staging.data, bytes, true);
       }
       finish(std::move(status));
     });

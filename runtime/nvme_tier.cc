@@ -491,24 +491,20 @@ void NvmeTier::SubmitRead(const Block& block, void* dst, int64_t bytes, IoCallba
   Submit(IoOp::kRead, block, dst, bytes, std::move(done));
 }
 
-namespace {
-// Runs an asynchronous IO and waits for its callback.
-absl::Status WaitForIo(const std::function<void(NvmeTier::IoCallback)>& start) {
+absl::Status NvmeTier::TransferAndWait(IoOp op, const Block& block, void* buffer, int64_t bytes) {
   absl::Notification finished;
   absl::Status result;
-  start([&](absl::Status status) {
+  Submit(op, block, buffer, bytes, [&](absl::Status status) {
     result = std::move(status);
     finished.Notify();
   });
   finished.WaitForNotification();
   return result;
 }
-}  // namespace
 
 absl::Status NvmeTier::Write(const Block& block, const void* src, int64_t bytes) {
   PS_RETURN_IF_ERROR(BeginWrite(block));
-  absl::Status status =
-      WaitForIo([&](IoCallback done) { SubmitWrite(block, src, bytes, std::move(done)); });
+  absl::Status status = TransferAndWait(IoOp::kWrite, block, const_cast<void*>(src), bytes);
   EndWrite(block, status.ok());
   return status;
 }
@@ -521,8 +517,7 @@ absl::Status NvmeTier::Read(const Block& block, void* dst, int64_t bytes) {
         path_, " holds no complete data (never written, or its last write failed)"));
   }
   PS_RETURN_IF_ERROR(Pin(block));
-  absl::Status status =
-      WaitForIo([&](IoCallback done) { SubmitRead(block, dst, bytes, std::move(done)); });
+  absl::Status status = TransferAndWait(IoOp::kRead, block, dst, bytes);
   Unpin(block);
   return status;
 }

@@ -71,6 +71,8 @@ class NvmeTier final : public Tier {
   // `done` runs on an IO thread. Errors name the file, offset and bytes.
   void SubmitWrite(const Block& block, const void* src, int64_t bytes, IoCallback done);
   void SubmitRead(const Block& block, void* dst, int64_t bytes, IoCallback done);
+  // The same IO, waited for (the copy engine's staged routes run it on worker threads).
+  absl::Status TransferAndWait(IoOp op, const Block& block, void* buffer, int64_t bytes);
 
   class IoBackend;
 

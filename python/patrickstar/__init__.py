@@ -10,17 +10,9 @@ import torch  # noqa: F401  (must precede _C, which links against LibTorch)
 from . import _C
 from ._C import ChunkOutOfMemoryError, ChunkRuntimeError
 from .config import Config, load_config
+from .engine import PatrickStarEngine, initialize, initialize_engine
 
 __version__ = "0.1.0"
 
-__all__ = ["ChunkOutOfMemoryError", "ChunkRuntimeError", "Config", "load_config", "initialize",
-           "initialize_engine", "__version__"]
-
-
-def __getattr__(name):
-    # The engine imports the chunk bindings; loaded on first use so `import patrickstar` stays
-    # cheap for tools that only read reports or configs.
-    if name in ("initialize", "initialize_engine", "PatrickStarEngine"):
-        from . import engine
-        return getattr(engine, name)
-    raise AttributeError(f"module 'patrickstar' has no attribute {name!r}")
+__all__ = ["ChunkOutOfMemoryError", "ChunkRuntimeError", "Config", "PatrickStarEngine",
+           "initialize", "initialize_engine", "load_config", "__version__"]

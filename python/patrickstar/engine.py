@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 from torch import nn
@@ -68,7 +68,7 @@ class _ChunkManager:
         return self.manager.torch_view(tensor_id)
 
     def stats(self) -> list[dict]:
-        return json.loads(self.manager.dump_json(0))["tiers"]
+        return json.loads(self.manager.tier_stats_json())
 
 
 class _Tensors:

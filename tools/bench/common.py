@@ -1,12 +1,10 @@
-"""Shared pieces of the benchmark drivers: machine description, JSON output, timing."""
+"""Shared pieces of the benchmark drivers: machine description and JSON output."""
 from __future__ import annotations
 
 import json
 import os
 import platform
 import subprocess
-import time
-from typing import Callable
 
 import torch
 
@@ -31,13 +29,3 @@ def write_json(path: str, payload: dict) -> None:
     with open(path, "w") as handle:
         json.dump(payload, handle, indent=2)
     print(f"wrote {path}")
-
-
-def best_of(repeats: int, run: Callable[[], None]) -> float:
-    """Fastest wall time of `repeats` runs (the least disturbed by the noisy machine)."""
-    best = float("inf")
-    for _ in range(repeats):
-        started = time.perf_counter()
-        run()
-        best = min(best, time.perf_counter() - started)
-    return best
