@@ -14,6 +14,16 @@ module's parameters first (Note [Backward hooks through autograd functions] in h
 Accesses are reference-counted per parameter because a tied parameter can be in use by two
 modules at once.
 
+Note [Saved views of parameters]
+Autograd saves leaves by reference, but many ops save a *view* made in forward: `F.linear` saves
+`weight.t()`, whose storage is the chunk memory the weight was a view of at that moment. When the
+chunk moves between forward and backward (eviction, prefetch) that memory is freed and reused by
+another chunk, so the backward would read another tensor's bytes. The engine therefore runs the
+forward under `saved_tensors_hooks`: a saved tensor whose storage is a parameter's chunk view is
+packed as (parameter, offset, sizes, strides) and rebuilt in backward over wherever the
+parameter's chunk lives then (re-accessing it if no hook did). DeepSpeed ZeRO-3 patches
+`F.linear` for the same reason; the hooks cover every op, not just linear.
+
 Note [Chunk kinds per precision]
   fp32:       compute (fp32, also the master copy), gradient (fp32), momentum, variance
   fp16/bf16:  compute (16-bit), master (fp32), gradient (16-bit; fp32 when accumulating over
@@ -71,6 +81,19 @@ class _ChunkManager:
         return json.loads(self.manager.tier_stats_json())
 
 
+class _SavedParamView:
+    """A saved tensor that is a view of a parameter's chunk memory (Note [Saved views of
+    parameters])."""
+
+    __slots__ = ("index", "offset", "size", "stride")
+
+    def __init__(self, index: int, offset: int, size, stride):
+        self.index = index
+        self.offset = offset
+        self.size = size
+        self.stride = stride
+
+
 class _Tensors:
     """The chunk-manager tensor ids of one parameter."""
 
@@ -114,7 +137,7 @@ class PatrickStarEngine(nn.Module):
         self._names = [spec.name for spec in specs]
         self._finish_init()
 
-        self._placeholders = {}
+        self._param_of_storage: dict[int, int] = {}  # chunk view address -> parameter index
         self._access_count = [0] * len(self._params)
         self._has_grad = [False] * len(self._params)
         self._module_params = {
@@ -218,13 +241,18 @@ class PatrickStarEngine(nn.Module):
         if self._access_count[index] == 1:
             view = self.chunks.access(self._ids[index].compute, self._device_tier())
             self._params[index].data = view.view(self._shapes[index])
+            if view.numel():
+                self._param_of_storage[view.data_ptr()] = index
 
     def _release_param(self, index: int, state) -> None:
         if self._access_count[index] == 0:
             return
         self._access_count[index] -= 1
         if self._access_count[index] == 0:
-            self._params[index].data = self._placeholder()
+            param = self._params[index]
+            if param.numel():
+                self._param_of_storage.pop(param.data_ptr(), None)
+            param.data = self._placeholder()
             self.chunks.release(self._ids[index].compute, state)
 
     def _device_tier(self):
@@ -250,9 +278,28 @@ class PatrickStarEngine(nn.Module):
 
     # ---- Forward / backward --------------------------------------------------------------------
 
+    def _pack_saved(self, tensor: torch.Tensor):
+        if tensor.layout != torch.strided or tensor.device != self.device:
+            return tensor
+        index = self._param_of_storage.get(tensor.untyped_storage().data_ptr())
+        if index is None:
+            return tensor
+        return _SavedParamView(index, tensor.storage_offset(), tensor.size(), tensor.stride())
+
+    def _unpack_saved(self, packed):
+        if not isinstance(packed, _SavedParamView):
+            return packed
+        if self._access_count[packed.index] == 0:
+            # No hook accessed it for this backward (a parameter used outside its module's
+            # forward); backward() releases it when it ends.
+            self._access_param(packed.index)
+        data = self._params[packed.index].data
+        return data.as_strided(packed.size, packed.stride, data.storage_offset() + packed.offset)
+
     def forward(self, *args, **kwargs):
         try:
-            return self.module(*args, **kwargs)
+            with torch.autograd.graph.saved_tensors_hooks(self._pack_saved, self._unpack_saved):
+                return self.module(*args, **kwargs)
         finally:
             if not torch.is_grad_enabled() or not self.module.training:
                 # No backward follows: give everything back now.
