@@ -12,6 +12,7 @@
 #include "bindings/status_exceptions.h"
 #include "chunk/chunk_kind.h"
 #include "chunk/chunk_manager.h"
+#include "chunk/event_log.h"
 #include "chunk/tensor_state.h"
 #include "runtime/status.h"
 
@@ -96,9 +97,84 @@ at::Tensor TorchView(const TensorView& view) {
                           at::TensorOptions().dtype(ToScalarType(view.dtype)).device(device));
 }
 
+// Drained events as columns (one list per field, numpy-friendly: np.asarray(d["bytes"])).
+py::dict EventsToColumns(const std::vector<ChunkEvent>& events) {
+  py::list type, cause, phase, trigger, ok, from_tier, to_tier, chunk, bytes, iteration, moment,
+      start_ns, end_ns, wait_ns, next_use, for_chunk;
+  for (const ChunkEvent& e : events) {
+    type.append(std::string(EventTypeName(e.type)));
+    cause.append(std::string(EventCauseName(e.cause)));
+    phase.append(std::string(EventPhaseName(e.phase)));
+    trigger.append(std::string(EventTriggerName(e.trigger)));
+    ok.append(e.ok);
+    from_tier.append(e.from_tier);
+    to_tier.append(e.to_tier);
+    chunk.append(e.chunk);
+    bytes.append(e.bytes);
+    iteration.append(e.iteration);
+    moment.append(e.moment);
+    start_ns.append(e.start_ns);
+    end_ns.append(e.end_ns);
+    wait_ns.append(e.wait_ns);
+    next_use.append(e.next_use_distance);
+    for_chunk.append(e.for_chunk);
+  }
+  py::dict d;
+  d["type"] = type;
+  d["cause"] = cause;
+  d["phase"] = phase;
+  d["trigger"] = trigger;
+  d["ok"] = ok;
+  d["from_tier"] = from_tier;
+  d["to_tier"] = to_tier;
+  d["chunk"] = chunk;
+  d["bytes"] = bytes;
+  d["iteration"] = iteration;
+  d["moment"] = moment;
+  d["start_ns"] = start_ns;
+  d["end_ns"] = end_ns;
+  d["wait_ns"] = wait_ns;
+  d["next_use_distance"] = next_use;
+  d["for_chunk"] = for_chunk;
+  return d;
+}
+
+// Moment samples as columns; the per-tier fields are lists with one entry per tier.
+py::dict SamplesToColumns(const std::vector<MomentSample>& samples) {
+  py::list time_ns, iteration, moment, end_of_iteration, chunk_bytes, non_model_bytes,
+      budget_bytes;
+  for (const MomentSample& s : samples) {
+    time_ns.append(s.time_ns);
+    iteration.append(s.iteration);
+    moment.append(s.moment);
+    end_of_iteration.append(s.end_of_iteration);
+    py::list chunk, non_model, budget;
+    for (int t = 0; t < s.num_tiers; ++t) {
+      chunk.append(s.tiers[t].chunk_bytes);
+      non_model.append(s.tiers[t].non_model_bytes);
+      budget.append(s.tiers[t].budget_bytes);
+    }
+    chunk_bytes.append(chunk);
+    non_model_bytes.append(non_model);
+    budget_bytes.append(budget);
+  }
+  py::dict d;
+  d["time_ns"] = time_ns;
+  d["iteration"] = iteration;
+  d["moment"] = moment;
+  d["end_of_iteration"] = end_of_iteration;
+  d["chunk_bytes"] = chunk_bytes;
+  d["non_model_bytes"] = non_model_bytes;
+  d["budget_bytes"] = budget_bytes;
+  return d;
+}
+
 }  // namespace
 
 void InitChunk(py::module_& module) {
+  module.def("steady_clock_ns", &EventLog::NowNs,
+             "The event log's clock (steady, ns; the clock of time.monotonic_ns on Linux).");
+
   py::enum_<ChunkKind>(module, "ChunkKind")
       .value("COMPUTE_PARAM", ChunkKind::kComputeParam)
       .value("MASTER_PARAM", ChunkKind::kMasterParam)
@@ -348,6 +424,51 @@ void InitChunk(py::module_& module) {
       .def_property_readonly(
           "moment",
           [](PyChunkManager& self) { return self.Run([](M& m) { return m.tracer().moment(); }); })
+      .def_property_readonly("iteration",
+                             [](PyChunkManager& self) {
+                               return self.Run([](M& m) { return m.tracer().iteration(); });
+                             })
+      .def(
+          "enable_events",
+          [](PyChunkManager& self, bool enabled, int64_t capacity) {
+            if (capacity <= 0) {
+              throw py::value_error("enable_events: capacity must be > 0, got " +
+                                    std::to_string(capacity));
+            }
+            self.Run([&](M& m) { m.events().Enable(enabled, capacity); });
+          },
+          py::arg("enabled") = true, py::arg("capacity") = EventLog::kDefaultCapacity,
+          "Turns the profiling event log on or off (off by default); at most `capacity` events "
+          "and as many moment samples are kept until drained, the rest counted as dropped.")
+      .def(
+          "set_event_phase",
+          [](PyChunkManager& self, const std::string& name) {
+            EventPhase phase = EventPhase::kOther;
+            if (!ParseEventPhase(name, &phase)) {
+              throw py::value_error("set_event_phase: unknown phase '" + name +
+                                    "': expected 'other', 'forward', 'backward' or 'optimizer'");
+            }
+            self.Run([&](M& m) { m.events().set_phase(phase); });
+          },
+          py::arg("phase"),
+          "The phase stamped on events; synchronous moves in 'optimizer' have cause optimizer.")
+      .def(
+          "drain_events",
+          [](PyChunkManager& self) {
+            return EventsToColumns(self.Run([](M& m) { return m.events().DrainEvents(); }));
+          },
+          "Recorded chunk events as a dict of equal-length lists (one per field).")
+      .def(
+          "drain_moment_samples",
+          [](PyChunkManager& self) {
+            return SamplesToColumns(self.Run([](M& m) { return m.events().DrainSamples(); }));
+          },
+          "Recorded per-moment tier samples as a dict of equal-length lists.")
+      .def(
+          "clear_events", [](PyChunkManager& self) { self.Run([](M& m) { m.events().Clear(); }); })
+      .def_property_readonly(
+          "events_dropped",
+          [](PyChunkManager& self) { return self.Run([](M& m) { return m.events().dropped(); }); })
       .def(
           "tier_stats_json",
           [](PyChunkManager& self) {
