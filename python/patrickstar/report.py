@@ -363,7 +363,8 @@ def build_summary(raw: dict, analysis: _Analysis | None = None) -> dict:
             "kind": info["kind"], "budget_bytes": info["budget_bytes"],
             "peak_model_bytes": max(model), "peak_non_model_bytes": max(non_model),
             "peak_total_bytes": max(total),
-            "bytes_in": _stat_delta(raw, t, "bytes_in"), "bytes_out": _stat_delta(raw, t, "bytes_out"),
+            "bytes_in": _stat_delta(raw, t, "bytes_in"),
+            "bytes_out": _stat_delta(raw, t, "bytes_out"),
             "evictions": _stat_delta(raw, t, "evictions"),
             "copy_wait_s": _stat_delta(raw, t, "copy_wait_ns") / 1e9}
     by_direction: dict[str, int] = collections.Counter()
@@ -458,6 +459,10 @@ def _mib(nbytes: float) -> str:
     return f"{nbytes / MiB:.1f} MiB"
 
 
+def _mib_up(nbytes: float) -> str:
+    return f"{math.ceil(nbytes / MiB * 10) / 10:.1f} MiB"
+
+
 def _tier_need(a: _Analysis, tier: int) -> int | None:
     """Bytes `tier` needs so that one steady iteration makes no copies into or out of it: every
     chunk it holds or receives during the iteration, plus its peak non-model data then."""
@@ -474,7 +479,8 @@ def _tier_need(a: _Analysis, tier: int) -> int | None:
         if (e["type"] in ("copy", "zero_fill") and e["to_tier"] == tier
                 and last["start_ns"] < _effective_ns(e) <= last["end_ns"]):
             chunks.add(e["chunk"])
-    non_model = max((r["non_model"][tier] for r in rows), default=0)
+    # Only the non-model data the manager was told about shares the budget with chunks.
+    non_model = max((r["planned_non_model"][tier] for r in rows), default=0)
     return sum(a.chunks[c].get("bytes", 0) for c in chunks if c in a.chunks) + non_model
 
 
@@ -502,9 +508,8 @@ def _findings(a: _Analysis, summary: dict) -> list[str]:
                     f"{main_direction} copies")
             need = _tier_need(a, tier)
             if budget and need is not None and need > budget:
-                raise_by = math.ceil((need - budget) / MiB)
-                text += (f"; raising {_BUDGET_KEYS.get(kind, 'its budget')} by {raise_by} MiB "
-                         f"(to {math.ceil(need / MiB)} MiB) removes them")
+                text += (f"; raising {_BUDGET_KEYS.get(kind, 'its budget')} by "
+                         f"{_mib_up(need - budget)} (to {_mib_up(need)}) removes them")
             elif not budget:
                 text += " (the tier has no budget: these are first placements)"
             findings.append(text + ".")
@@ -540,8 +545,8 @@ def _findings(a: _Analysis, summary: dict) -> list[str]:
     top = summary["evictions"]["top_causes"]
     if top:
         findings.append(f"{summary['evictions']['count']} evictions moved "
-                        f"{_mib(summary['evictions']['bytes'])}; most often {top[0]['description']} "
-                        f"({top[0]['count']} times).")
+                        f"{_mib(summary['evictions']['bytes'])}; most often "
+                        f"{top[0]['description']} ({top[0]['count']} times).")
     if summary["dropped_events"]:
         findings.append(f"{summary['dropped_events']} events were dropped (the log was full): "
                         f"totals from events undercount; raise the profiler's capacity.")
@@ -673,7 +678,7 @@ def _svg_time_split(a: _Analysis, width: int = 1100) -> str:
             ("collective_ns", "waiting for collectives", "#9467bd"),
             ("optimizer_ns", "optimizer", "#17becf")]
     left, bar_h = 90, 16
-    plot_w = width - left - 20
+    plot_w = width - left - 80  # room for the total after the longest bar
     longest = max(it["total_ns"] for it in its) or 1
     shown = its[-40:]
     height = 10 + len(shown) * (bar_h + 4) + 10
@@ -701,10 +706,11 @@ def _svg_time_split(a: _Analysis, width: int = 1100) -> str:
 
 def _table(headers: list[str], rows: Iterable[list], table_id: str = "") -> str:
     head = "".join(f"<th>{html.escape(h)}</th>" for h in headers)
+    head = f"<thead><tr>{head}</tr></thead>" if any(headers) else ""
     body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in row) + "</tr>"
                    for row in rows)
     ident = f' id="{table_id}"' if table_id else ""
-    return f'<table class="sortable"{ident}><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
+    return f'<table class="sortable"{ident}>{head}<tbody>{body}</tbody></table>'
 
 
 _STYLE = """
