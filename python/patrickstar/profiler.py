@@ -139,6 +139,11 @@ class Profiler:
         global _active
         if self.running:
             return self
+        current = getattr(self.engine, "profiler", None)
+        if current is not None and current is not self and current.running:
+            raise RuntimeError(f"this model is already being profiled into "
+                               f"'{current.output_dir}' (config profile.enabled?); stop that "
+                               f"profiler first")
         if _active is not None and _active is not self:
             raise RuntimeError(f"a profiler is already running (writing to "
                                f"'{_active.output_dir}'); stop it first")
@@ -161,6 +166,7 @@ class Profiler:
         self.start_ns = now_ns()
         self.running = True
         _active = self
+        self.engine.profiler = self  # the engine's hooks call on_tick / on_end_iteration
         return self
 
     def stop(self, write: bool = True) -> str | None:
@@ -180,6 +186,8 @@ class Profiler:
         self.running = False
         if _active is self:
             _active = None
+        if getattr(self.engine, "profiler", None) is self:
+            self.engine.profiler = None
         if not write:
             return None
         from . import report  # imported late: only writing needs it
@@ -309,17 +317,11 @@ def profile(model: "PatrickStarEngine", output_dir: str | os.PathLike | None = N
     if not isinstance(model, PatrickStarEngine):
         raise TypeError(f"patrickstar.profile(model, ...): model must be what "
                         f"patrickstar.initialize() returned, got {type(model).__name__}")
-    if getattr(model, "profiler", None) is not None and model.profiler.running:
-        raise RuntimeError(f"this model is already being profiled into "
-                           f"'{model.profiler.output_dir}' (config profile.enabled?); stop that "
-                           f"profiler first")
     directory = output_dir if output_dir is not None else model.config.profile.output_dir
     profiler = Profiler(model, directory, capacity).start()
-    model.profiler = profiler
     try:
         yield profiler
     finally:
-        model.profiler = None
         profiler.stop()
 
 

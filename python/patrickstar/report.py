@@ -533,8 +533,15 @@ def _findings(a: _Analysis, summary: dict) -> list[str]:
     if largest and largest["bytes"] > 0:
         findings.append(f"largest non-model data: {_mib(largest['bytes'])} on {largest['tier']} "
                         f"at iteration {largest['iteration']}, moment {largest['moment']}"
-                        f"{' (' + largest['event'] + ')' if largest['event'] else ''}; the "
-                        f"budget must keep that much free there.")
+                        f"{' (' + largest['event'] + ')' if largest['event'] else ''}.")
+    for t, name in enumerate(a.tier_names):
+        measured = max((r["non_model"][t] for r in a.rows), default=0)
+        planned = max((r["planned_non_model"][t] for r in a.rows), default=0)
+        if measured > planned and measured >= MiB:
+            findings.append(f"{name}: {_mib(measured)} of non-model data was measured "
+                            f"({a.raw.get('non_model_measure', 'measured')}) but the manager "
+                            f"planned with {_mib(planned)}; its budget does not leave room "
+                            f"for the difference.")
     chunks = summary["chunks"]
     if chunks["model_data_bytes"]:
         waste = chunks["wasted_bytes"] / chunks["model_data_bytes"]

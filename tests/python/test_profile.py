@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import time
 from importlib import metadata
 
@@ -329,3 +330,17 @@ def test_console_check_catches_a_broken_page(tmp_path):
     page.write_text("<html><body><p>x</p><script>undefinedFunction();</script></body></html>")
     _, problems, _ = _render(page, tmp_path)
     assert any("undefinedFunction" in line for line in problems)
+
+
+def test_demo_writes_a_profile(tmp_path):
+    """tools/demo_train.py --profile DIR: the demo's run produces all four outputs."""
+    demo = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "demo_train.py")
+    result = subprocess.run(
+        [sys.executable, demo, "--steps", "3", "--layers", "1", "--hidden", "64",
+         "--profile", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert result.returncode in (0, 1), result.stderr[-2000:]  # 1: loss did not fall in 3 steps
+    assert f"memory profile written to {tmp_path}" in result.stdout
+    for name in OUTPUTS:
+        assert (tmp_path / name).is_file(), name
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["run"]["iterations"] == 3 and summary["moves"]["count"] > 0
