@@ -99,73 +99,54 @@ at::Tensor TorchView(const TensorView& view) {
 
 // Drained events as columns (one list per field, numpy-friendly: np.asarray(d["bytes"])).
 py::dict EventsToColumns(const std::vector<ChunkEvent>& events) {
-  py::list type, cause, phase, trigger, ok, from_tier, to_tier, chunk, bytes, iteration, moment,
-      start_ns, end_ns, wait_ns, next_use, for_chunk;
-  for (const ChunkEvent& e : events) {
-    type.append(std::string(EventTypeName(e.type)));
-    cause.append(std::string(EventCauseName(e.cause)));
-    phase.append(std::string(EventPhaseName(e.phase)));
-    trigger.append(std::string(EventTriggerName(e.trigger)));
-    ok.append(e.ok);
-    from_tier.append(e.from_tier);
-    to_tier.append(e.to_tier);
-    chunk.append(e.chunk);
-    bytes.append(e.bytes);
-    iteration.append(e.iteration);
-    moment.append(e.moment);
-    start_ns.append(e.start_ns);
-    end_ns.append(e.end_ns);
-    wait_ns.append(e.wait_ns);
-    next_use.append(e.next_use_distance);
-    for_chunk.append(e.for_chunk);
-  }
   py::dict d;
-  d["type"] = type;
-  d["cause"] = cause;
-  d["phase"] = phase;
-  d["trigger"] = trigger;
-  d["ok"] = ok;
-  d["from_tier"] = from_tier;
-  d["to_tier"] = to_tier;
-  d["chunk"] = chunk;
-  d["bytes"] = bytes;
-  d["iteration"] = iteration;
-  d["moment"] = moment;
-  d["start_ns"] = start_ns;
-  d["end_ns"] = end_ns;
-  d["wait_ns"] = wait_ns;
-  d["next_use_distance"] = next_use;
-  d["for_chunk"] = for_chunk;
+  auto column = [&](const char* name, auto field) {
+    py::list values;
+    for (const ChunkEvent& e : events) values.append(field(e));
+    d[name] = values;
+  };
+  using E = const ChunkEvent&;
+  column("type", [](E e) { return std::string(EventTypeName(e.type)); });
+  column("cause", [](E e) { return std::string(EventCauseName(e.cause)); });
+  column("phase", [](E e) { return std::string(EventPhaseName(e.phase)); });
+  column("trigger", [](E e) { return std::string(EventTriggerName(e.trigger)); });
+  column("ok", [](E e) { return e.ok; });
+  column("from_tier", [](E e) { return e.from_tier; });
+  column("to_tier", [](E e) { return e.to_tier; });
+  column("chunk", [](E e) { return e.chunk; });
+  column("bytes", [](E e) { return e.bytes; });
+  column("iteration", [](E e) { return e.iteration; });
+  column("moment", [](E e) { return e.moment; });
+  column("start_ns", [](E e) { return e.start_ns; });
+  column("end_ns", [](E e) { return e.end_ns; });
+  column("wait_ns", [](E e) { return e.wait_ns; });
+  column("next_use_distance", [](E e) { return e.next_use_distance; });
+  column("for_chunk", [](E e) { return e.for_chunk; });
   return d;
 }
 
 // Moment samples as columns; the per-tier fields are lists with one entry per tier.
 py::dict SamplesToColumns(const std::vector<MomentSample>& samples) {
-  py::list time_ns, iteration, moment, end_of_iteration, chunk_bytes, non_model_bytes,
-      budget_bytes;
-  for (const MomentSample& s : samples) {
-    time_ns.append(s.time_ns);
-    iteration.append(s.iteration);
-    moment.append(s.moment);
-    end_of_iteration.append(s.end_of_iteration);
-    py::list chunk, non_model, budget;
-    for (int t = 0; t < s.num_tiers; ++t) {
-      chunk.append(s.tiers[t].chunk_bytes);
-      non_model.append(s.tiers[t].non_model_bytes);
-      budget.append(s.tiers[t].budget_bytes);
-    }
-    chunk_bytes.append(chunk);
-    non_model_bytes.append(non_model);
-    budget_bytes.append(budget);
-  }
   py::dict d;
-  d["time_ns"] = time_ns;
-  d["iteration"] = iteration;
-  d["moment"] = moment;
-  d["end_of_iteration"] = end_of_iteration;
-  d["chunk_bytes"] = chunk_bytes;
-  d["non_model_bytes"] = non_model_bytes;
-  d["budget_bytes"] = budget_bytes;
+  auto column = [&](const char* name, auto field) {
+    py::list values;
+    for (const MomentSample& s : samples) values.append(field(s));
+    d[name] = values;
+  };
+  auto per_tier = [&](const char* name, int64_t TierSample::*member) {
+    column(name, [member](const MomentSample& s) {
+      py::list tiers;
+      for (int t = 0; t < s.num_tiers; ++t) tiers.append(s.tiers[t].*member);
+      return tiers;
+    });
+  };
+  column("time_ns", [](const MomentSample& s) { return s.time_ns; });
+  column("iteration", [](const MomentSample& s) { return s.iteration; });
+  column("moment", [](const MomentSample& s) { return s.moment; });
+  column("end_of_iteration", [](const MomentSample& s) { return s.end_of_iteration; });
+  per_tier("chunk_bytes", &TierSample::chunk_bytes);
+  per_tier("non_model_bytes", &TierSample::non_model_bytes);
+  per_tier("budget_bytes", &TierSample::budget_bytes);
   return d;
 }
 

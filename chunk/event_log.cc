@@ -169,24 +169,23 @@ void EventLog::CopySettled(int64_t chunk, int64_t wait_ns, bool ok) {
   Push(event);
 }
 
-void EventLog::ZeroFill(int64_t chunk, int tier, int64_t bytes) {
-  if (!enabled_) return;
-  ChunkEvent event = Stamp(EventType::kZeroFill);
+void EventLog::PushPlacement(EventType type, int64_t chunk, int from_tier, int to_tier,
+                             int64_t bytes) {
+  ChunkEvent event = Stamp(type);
   event.cause = phase_ == EventPhase::kOptimizer ? EventCause::kOptimizer : EventCause::kAccess;
   event.chunk = chunk;
-  event.to_tier = tier;
+  event.from_tier = from_tier;
+  event.to_tier = to_tier;
   event.bytes = bytes;
   Push(event);
 }
 
+void EventLog::ZeroFill(int64_t chunk, int tier, int64_t bytes) {
+  if (enabled_) PushPlacement(EventType::kZeroFill, chunk, -1, tier, bytes);
+}
+
 void EventLog::Drop(int64_t chunk, int tier, int64_t bytes) {
-  if (!enabled_) return;
-  ChunkEvent event = Stamp(EventType::kDrop);
-  event.cause = phase_ == EventPhase::kOptimizer ? EventCause::kOptimizer : EventCause::kAccess;
-  event.chunk = chunk;
-  event.from_tier = tier;
-  event.bytes = bytes;
-  Push(event);
+  if (enabled_) PushPlacement(EventType::kDrop, chunk, tier, -1, bytes);
 }
 
 void EventLog::Eviction(int64_t chunk, int from_tier, int to_tier, int64_t bytes,

@@ -161,6 +161,8 @@ class EventLog {
  private:
   ChunkEvent Stamp(EventType type) const;
   void Push(const ChunkEvent& event);
+  // A zero-fill or drop: a payload appearing on or leaving a tier without a copy.
+  void PushPlacement(EventType type, int64_t chunk, int from_tier, int to_tier, int64_t bytes);
 
   bool enabled_ = false;
   int64_t capacity_ = kDefaultCapacity;

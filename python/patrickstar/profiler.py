@@ -81,8 +81,9 @@ class _ActivationCounter:
         self._refs: dict[int, list[int]] = {}  # storage pointer -> [references, bytes]
 
     def pack(self, tensor: torch.Tensor):
-        if isinstance(tensor, torch.nn.Parameter) or tensor.device.type == "meta":
-            return tensor  # model data (chunk views), not activations
+        base = tensor if tensor._base is None else tensor._base
+        if isinstance(base, torch.nn.Parameter) or tensor.device.type == "meta":
+            return tensor  # model data (chunk views, or views of them such as weight.t())
         storage = tensor.untyped_storage()
         key = storage.data_ptr()
         entry = self._refs.get(key)

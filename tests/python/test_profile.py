@@ -344,3 +344,16 @@ def test_demo_writes_a_profile(tmp_path):
         assert (tmp_path / name).is_file(), name
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["run"]["iterations"] == 3 and summary["moves"]["count"] > 0
+
+
+def test_config_profile_section_is_validated(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(ValueError, match=f"'profile.output_dir': '{blocker}' exists and is not"):
+        patrickstar.load_config({"profile": {"enabled": True, "output_dir": str(blocker)}})
+    with pytest.raises(ValueError, match="profile.enabled"):
+        patrickstar.load_config({"profile": {"enabled": "yes"}})
+    with pytest.raises(ValueError, match="unknown config key 'profile.dir'"):
+        patrickstar.load_config({"profile": {"dir": "x"}})
+    config = patrickstar.load_config({"profile": {"enabled": True, "output_dir": tmp_path}})
+    assert config.profile.enabled and config.profile.output_dir == str(tmp_path)
