@@ -97,56 +97,54 @@ at::Tensor TorchView(const TensorView& view) {
                           at::TensorOptions().dtype(ToScalarType(view.dtype)).device(device));
 }
 
-// Drained events as columns (one list per field, numpy-friendly: np.asarray(d["bytes"])).
+// Adds d[name] = [field(r) for r in records]: the drained log crosses as columns, one list per
+// field (numpy-friendly: np.asarray(d["bytes"])).
+template <typename Record, typename Field>
+void AddColumn(py::dict& d, const char* name, const std::vector<Record>& records, Field field) {
+  py::list values;
+  for (const Record& record : records) values.append(field(record));
+  d[name] = values;
+}
+
 py::dict EventsToColumns(const std::vector<ChunkEvent>& events) {
   py::dict d;
-  auto column = [&](const char* name, auto field) {
-    py::list values;
-    for (const ChunkEvent& e : events) values.append(field(e));
-    d[name] = values;
-  };
   using E = const ChunkEvent&;
-  column("type", [](E e) { return std::string(EventTypeName(e.type)); });
-  column("cause", [](E e) { return std::string(EventCauseName(e.cause)); });
-  column("phase", [](E e) { return std::string(EventPhaseName(e.phase)); });
-  column("trigger", [](E e) { return std::string(EventTriggerName(e.trigger)); });
-  column("ok", [](E e) { return e.ok; });
-  column("from_tier", [](E e) { return e.from_tier; });
-  column("to_tier", [](E e) { return e.to_tier; });
-  column("chunk", [](E e) { return e.chunk; });
-  column("bytes", [](E e) { return e.bytes; });
-  column("iteration", [](E e) { return e.iteration; });
-  column("moment", [](E e) { return e.moment; });
-  column("start_ns", [](E e) { return e.start_ns; });
-  column("end_ns", [](E e) { return e.end_ns; });
-  column("wait_ns", [](E e) { return e.wait_ns; });
-  column("next_use_distance", [](E e) { return e.next_use_distance; });
-  column("for_chunk", [](E e) { return e.for_chunk; });
+  AddColumn(d, "type", events, [](E e) { return std::string(EventTypeName(e.type)); });
+  AddColumn(d, "cause", events, [](E e) { return std::string(EventCauseName(e.cause)); });
+  AddColumn(d, "phase", events, [](E e) { return std::string(EventPhaseName(e.phase)); });
+  AddColumn(d, "trigger", events, [](E e) { return std::string(EventTriggerName(e.trigger)); });
+  AddColumn(d, "ok", events, [](E e) { return e.ok; });
+  AddColumn(d, "from_tier", events, [](E e) { return e.from_tier; });
+  AddColumn(d, "to_tier", events, [](E e) { return e.to_tier; });
+  AddColumn(d, "chunk", events, [](E e) { return e.chunk; });
+  AddColumn(d, "bytes", events, [](E e) { return e.bytes; });
+  AddColumn(d, "iteration", events, [](E e) { return e.iteration; });
+  AddColumn(d, "moment", events, [](E e) { return e.moment; });
+  AddColumn(d, "start_ns", events, [](E e) { return e.start_ns; });
+  AddColumn(d, "end_ns", events, [](E e) { return e.end_ns; });
+  AddColumn(d, "wait_ns", events, [](E e) { return e.wait_ns; });
+  AddColumn(d, "next_use_distance", events, [](E e) { return e.next_use_distance; });
+  AddColumn(d, "for_chunk", events, [](E e) { return e.for_chunk; });
   return d;
 }
 
-// Moment samples as columns; the per-tier fields are lists with one entry per tier.
+// Moment samples as columns; the per-tier fields hold a list with one entry per tier.
 py::dict SamplesToColumns(const std::vector<MomentSample>& samples) {
   py::dict d;
-  auto column = [&](const char* name, auto field) {
-    py::list values;
-    for (const MomentSample& s : samples) values.append(field(s));
-    d[name] = values;
-  };
-  auto per_tier = [&](const char* name, int64_t TierSample::*member) {
-    column(name, [member](const MomentSample& s) {
+  using S = const MomentSample&;
+  AddColumn(d, "time_ns", samples, [](S s) { return s.time_ns; });
+  AddColumn(d, "iteration", samples, [](S s) { return s.iteration; });
+  AddColumn(d, "moment", samples, [](S s) { return s.moment; });
+  AddColumn(d, "end_of_iteration", samples, [](S s) { return s.end_of_iteration; });
+  for (auto [name, member] : {std::pair{"chunk_bytes", &TierSample::chunk_bytes},
+                              std::pair{"non_model_bytes", &TierSample::non_model_bytes},
+                              std::pair{"budget_bytes", &TierSample::budget_bytes}}) {
+    AddColumn(d, name, samples, [member](S s) {
       py::list tiers;
       for (int t = 0; t < s.num_tiers; ++t) tiers.append(s.tiers[t].*member);
       return tiers;
     });
-  };
-  column("time_ns", [](const MomentSample& s) { return s.time_ns; });
-  column("iteration", [](const MomentSample& s) { return s.iteration; });
-  column("moment", [](const MomentSample& s) { return s.moment; });
-  column("end_of_iteration", [](const MomentSample& s) { return s.end_of_iteration; });
-  per_tier("chunk_bytes", &TierSample::chunk_bytes);
-  per_tier("non_model_bytes", &TierSample::non_model_bytes);
-  per_tier("budget_bytes", &TierSample::budget_bytes);
+  }
   return d;
 }
 

@@ -16,7 +16,6 @@
 namespace ps {
 namespace {
 
-using ::ps::testing::Spec;
 
 constexpr int64_t kChunkBytes = 4096;
 
@@ -132,12 +131,7 @@ std::unique_ptr<ChunkManager> MakeManager(const testing::Hierarchy& hierarchy, i
                                           int prefetch_moments = 0) {
   ChunkManagerOptions options;
   options.prefetch_moments = prefetch_moments;
-  auto manager = testing::MakeManager(hierarchy, options);
-  for (int i = 0; i < chunks; ++i) {
-    EXPECT_TRUE(manager->RegisterTensor(Spec("chunk" + std::to_string(i), {1024})).ok());
-  }
-  EXPECT_TRUE(manager->BuildChunkLists(1024).ok());
-  return manager;
+  return testing::MakeOneTensorPerChunkManager(hierarchy, chunks, options);
 }
 
 void RunIteration(ChunkManager& manager, const std::vector<ChunkId>& sequence) {
