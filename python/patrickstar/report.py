@@ -557,6 +557,9 @@ def _findings(a: _Analysis, summary: dict) -> list[str]:
     if summary["dropped_events"]:
         findings.append(f"{summary['dropped_events']} events were dropped (the log was full): "
                         f"totals from events undercount; raise the profiler's capacity.")
+    if not a.iterations:
+        findings.append("no complete iteration was recorded: run at least one optimizer.step() "
+                        "inside the profile for time splits and bottlenecks.")
     if not any("bottleneck" in f for f in findings) and total > 0:
         compute = mean.get("compute_s", 0.0) / total
         findings.insert(0, f"no memory bottleneck: compute is {compute:.0%} of step time, "

@@ -357,3 +357,14 @@ def test_config_profile_section_is_validated(tmp_path):
         patrickstar.load_config({"profile": {"dir": "x"}})
     config = patrickstar.load_config({"profile": {"enabled": True, "output_dir": tmp_path}})
     assert config.profile.enabled and config.profile.output_dir == str(tmp_path)
+
+
+def test_empty_profile_still_writes_every_output(tmp_path):
+    model, _ = _model()
+    with patrickstar.profile(model, tmp_path):
+        pass
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["run"]["iterations"] == 0 and summary["moves"]["count"] == 0
+    assert any("no complete iteration" in finding for finding in summary["findings"])
+    for name in OUTPUTS:
+        assert (tmp_path / name).is_file()
