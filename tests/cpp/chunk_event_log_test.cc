@@ -162,7 +162,9 @@ TEST(EventLogManagerTest, EvictionsCarryVictimTriggerAndNextUseDistance) {
   manager->events().Enable(true);
   RunIteration(*manager, kScript);  // warm-up: LRU, distances unknown
   for (const ChunkEvent& event : manager->events().events()) {
-    if (event.type == EventType::kEviction) EXPECT_EQ(event.next_use_distance, -1);
+    if (event.type == EventType::kEviction) {
+      EXPECT_EQ(event.next_use_distance, -1);
+    }
   }
   manager->events().Clear();
   RunIteration(*manager, kScript);
@@ -237,7 +239,9 @@ TEST(EventLogManagerTest, CopiedBytesAndSamplesMatchStatistics) {
     ASSERT_EQ(sample.num_tiers, 2);
     EXPECT_EQ(sample.tiers[0].budget_bytes, 3 * kChunkBytes);
     EXPECT_LE(sample.tiers[0].chunk_bytes, 3 * kChunkBytes);
-    if (i > 0) EXPECT_LE(samples[i - 1].time_ns, sample.time_ns);
+    if (i > 0) {
+      EXPECT_LE(samples[i - 1].time_ns, sample.time_ns);
+    }
   }
   EXPECT_EQ(samples.back().tiers[0].chunk_bytes, stats[0].chunk_bytes);
   EXPECT_EQ(samples.back().tiers[1].chunk_bytes, stats[1].chunk_bytes);
