@@ -146,12 +146,17 @@ class _Analysis:
         marks = self.raw["marks"]
         ends = [m for m in marks if m["kind"] == "end"]
         end_rows = [r for r in self.rows if r["end_of_iteration"]]
+        # Copies (sorted by end) and marks (recorded in time order) are sliced by bisection, so
+        # long profiles stay linear.
+        copy_ends = [e["end_ns"] for e in self.copies]
+        mark_times = [m["time_ns"] for m in marks]
         self.iterations = []
         begin = self.start_ns
         for index, mark in enumerate(ends):
             end = mark["time_ns"]
             number = end_rows[index]["iteration"] if index < len(end_rows) else index
-            waits = [e for e in self.copies if begin < e["end_ns"] <= end]
+            waits = self.copies[bisect.bisect_right(copy_ends, begin):
+                                bisect.bisect_right(copy_ends, end)]
             move_wait = sum(e["wait_ns"] for e in waits)
             collectives = [c for c in self.raw["collectives"]
                            if c["end_ns"] > begin and c["start_ns"] < end]
@@ -164,8 +169,9 @@ class _Analysis:
             optimizer = max(0, opt_span - opt_inner)
             total = end - begin
             compute = max(0, total - move_wait - coll - optimizer)
-            spans = _phase_runs([m for m in marks
-                                 if m["kind"] == "tick" and begin < m["time_ns"] <= end])
+            in_window = marks[bisect.bisect_right(mark_times, begin):
+                              bisect.bisect_right(mark_times, end)]
+            spans = _phase_runs([m for m in in_window if m["kind"] == "tick"])
             spans += [("optimizer", max(begin, p["start_ns"]), min(end, p["end_ns"]))
                       for p in self.raw["phases"]
                       if p["name"] == "optimizer" and _overlap(p["start_ns"], p["end_ns"],

@@ -277,9 +277,18 @@ def test_cli_names_missing_and_incomplete_directories(tmp_path, capsys):
     assert "not valid JSON" in capsys.readouterr().err
 
 
-def test_cli_entry_point_is_installed():
+def test_cli_entry_point_is_installed(profiled):
     scripts = metadata.entry_points(group="console_scripts", name="patrickstar-report")
     assert [entry.value for entry in scripts] == ["patrickstar.report:main"]
+    script = os.path.join(os.path.dirname(sys.executable), "patrickstar-report")
+    if not os.path.exists(script):
+        pytest.skip(f"{script} is not installed (the package was not pip-installed here)")
+    result = subprocess.run([script, str(profiled[0])], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "findings:" in result.stdout
+    result = subprocess.run([script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "give one profile directory" in result.stderr
 
 
 # ---- report.html in headless Chromium ----------------------------------------------------------
@@ -368,3 +377,90 @@ def test_empty_profile_still_writes_every_output(tmp_path):
     assert any("no complete iteration" in finding for finding in summary["findings"])
     for name in OUTPUTS:
         assert (tmp_path / name).is_file()
+
+
+# ---- Findings from a hand-made record ----------------------------------------------------------
+
+MS = 1_000_000
+MiB = 1 << 20
+
+
+def _stats(bytes_in, evictions):
+    keys = ("bytes_in", "bytes_out", "evictions", "copy_wait_ns", "prefetch_issued",
+            "prefetch_hits", "prefetch_misses")
+    return [dict(dict.fromkeys(keys, 0), name="device", kind="device", bytes_in=bytes_in,
+                 evictions=evictions),
+            dict(dict.fromkeys(keys, 0), name="host", kind="host")]
+
+
+def _columns(rows):
+    return {key: [row[key] for row in rows] for key in rows[0]} if rows else {}
+
+
+def _event(**fields):
+    event = {"type": "copy", "cause": "access", "phase": "other", "trigger": "none", "ok": True,
+             "from_tier": -1, "to_tier": -1, "chunk": -1, "bytes": MiB, "iteration": 1,
+             "moment": 1, "start_ns": 0, "end_ns": 0, "wait_ns": 0, "next_use_distance": -1,
+             "for_chunk": -1}
+    event.update(fields)
+    return event
+
+
+def _hand_made_record():
+    """Two 1 MiB chunks, a 1 MiB device budget. Iteration 0 (warm-up) copies nothing; iteration
+    1 (100 ms) evicts chunk 0 (5 ms wait) to bring chunk 1 to the device (45 ms wait) and spends
+    15 ms in the optimizer."""
+    def sample(time, iteration, moment, end, device):
+        return {"time_ns": time * MS, "iteration": iteration, "moment": moment,
+                "end_of_iteration": end, "chunk_bytes": [device, 2 * MiB - device],
+                "non_model_bytes": [0, 0], "budget_bytes": [MiB, 0]}
+    samples = [sample(10, 0, 0, False, MiB), sample(100, 0, 1, True, MiB),
+               sample(110, 1, 0, False, MiB), sample(150, 1, 1, False, MiB),
+               sample(200, 1, 2, True, MiB)]
+    marks = [{"kind": "end" if s["end_of_iteration"] else "tick",
+              "event": "end_iteration" if s["end_of_iteration"] else "pre_forward",
+              "time_ns": s["time_ns"], "measured_non_model": 0} for s in samples]
+    events = [_event(type="eviction", cause="eviction", trigger="access", chunk=0, for_chunk=1,
+                     from_tier=0, to_tier=1, start_ns=120 * MS, end_ns=120 * MS,
+                     next_use_distance=3),
+              _event(cause="eviction", chunk=0, from_tier=0, to_tier=1, start_ns=120 * MS,
+                     end_ns=125 * MS, wait_ns=5 * MS),
+              _event(chunk=1, from_tier=1, to_tier=0, start_ns=125 * MS, end_ns=170 * MS,
+                     wait_ns=45 * MS)]
+    chunk = {"kind": "compute_param", "bytes": MiB}
+    return {
+        "version": 1, "start_ns": 0, "stop_ns": 210 * MS,
+        "run": {"precision": "fp32", "device": "cpu", "world_size": 1, "rank": 0,
+                "prefetch_moments": 0, "eviction_policy": "opt"},
+        "tiers": [{"name": "device", "kind": "device", "budget_bytes": MiB},
+                  {"name": "host", "kind": "host", "budget_bytes": 0}],
+        "device_tier": 0, "non_model_measure": "none",
+        "stats_start": _stats(0, 0), "stats_end": _stats(MiB, 1),
+        "layout": {"chunk_elements": MiB // 4, "wasted_bytes": 0, "oversize_tensors": [],
+                   "chunks": [dict(chunk, id=0, tier="device"), dict(chunk, id=1, tier="host")]},
+        "events": _columns(events), "samples": _columns(samples), "marks": marks,
+        "phases": [{"name": "optimizer", "start_ns": 180 * MS, "end_ns": 195 * MS}],
+        "collectives": [], "dropped": 0}
+
+
+def test_findings_are_computed_from_the_record(tmp_path):
+    raw = _hand_made_record()
+    summary = report.write_outputs(tmp_path, raw)
+    first, second = summary["time"]["iterations"]
+    assert second == pytest.approx({"iteration": 1, "total_s": 0.1, "compute_s": 0.035,
+                                    "move_wait_s": 0.05, "collective_s": 0.0,
+                                    "optimizer_s": 0.015, "move_bytes": 2 * MiB})
+    assert first["move_wait_s"] == 0
+    findings = summary["findings"]
+    # Both copies are charged to the device (it had no room); holding both chunks needs 2 MiB.
+    assert findings[0] == ("device budget is the bottleneck: 50% of step time waits for "
+                           "host->device copies; raising memory.device_budget by 1.0 MiB (to "
+                           "2.0 MiB) removes them.")
+    assert any(f.startswith("1 evictions moved 1.0 MiB; most often other: accessing "
+                            "compute_param chunks moved compute_param chunks device->host")
+               for f in findings)
+    assert summary["evictions"]["top_causes"][0]["mean_next_use_distance"] == 3
+    header, rows = report.memory_rows(raw)
+    assert [row[header.index("device_bytes_in_total")] for row in rows] == [0, 0, 0, 0, MiB]
+    # The eviction copy settled at 125 ms, before the 150 ms moment closed.
+    assert [row[header.index("host_bytes_in_total")] for row in rows] == [0, 0, 0, MiB, MiB]
