@@ -12,6 +12,7 @@
 #include "bindings/status_exceptions.h"
 #include "chunk/chunk_kind.h"
 #include "chunk/chunk_manager.h"
+#include "chunk/event_log.h"
 #include "chunk/tensor_state.h"
 #include "runtime/status.h"
 
@@ -96,9 +97,63 @@ at::Tensor TorchView(const TensorView& view) {
                           at::TensorOptions().dtype(ToScalarType(view.dtype)).device(device));
 }
 
+// Adds d[name] = [field(r) for r in records]: the drained log crosses as columns, one list per
+// field (numpy-friendly: np.asarray(d["bytes"])).
+template <typename Record, typename Field>
+void AddColumn(py::dict& d, const char* name, const std::vector<Record>& records, Field field) {
+  py::list values;
+  for (const Record& record : records) values.append(field(record));
+  d[name] = values;
+}
+
+py::dict EventsToColumns(const std::vector<ChunkEvent>& events) {
+  py::dict d;
+  using E = const ChunkEvent&;
+  AddColumn(d, "type", events, [](E e) { return std::string(EventTypeName(e.type)); });
+  AddColumn(d, "cause", events, [](E e) { return std::string(EventCauseName(e.cause)); });
+  AddColumn(d, "phase", events, [](E e) { return std::string(EventPhaseName(e.phase)); });
+  AddColumn(d, "trigger", events, [](E e) { return std::string(EventTriggerName(e.trigger)); });
+  AddColumn(d, "ok", events, [](E e) { return e.ok; });
+  AddColumn(d, "from_tier", events, [](E e) { return e.from_tier; });
+  AddColumn(d, "to_tier", events, [](E e) { return e.to_tier; });
+  AddColumn(d, "chunk", events, [](E e) { return e.chunk; });
+  AddColumn(d, "bytes", events, [](E e) { return e.bytes; });
+  AddColumn(d, "iteration", events, [](E e) { return e.iteration; });
+  AddColumn(d, "moment", events, [](E e) { return e.moment; });
+  AddColumn(d, "start_ns", events, [](E e) { return e.start_ns; });
+  AddColumn(d, "end_ns", events, [](E e) { return e.end_ns; });
+  AddColumn(d, "wait_ns", events, [](E e) { return e.wait_ns; });
+  AddColumn(d, "next_use_distance", events, [](E e) { return e.next_use_distance; });
+  AddColumn(d, "for_chunk", events, [](E e) { return e.for_chunk; });
+  return d;
+}
+
+// Moment samples as columns; the per-tier fields hold a list with one entry per tier.
+py::dict SamplesToColumns(const std::vector<MomentSample>& samples) {
+  py::dict d;
+  using S = const MomentSample&;
+  AddColumn(d, "time_ns", samples, [](S s) { return s.time_ns; });
+  AddColumn(d, "iteration", samples, [](S s) { return s.iteration; });
+  AddColumn(d, "moment", samples, [](S s) { return s.moment; });
+  AddColumn(d, "end_of_iteration", samples, [](S s) { return s.end_of_iteration; });
+  for (auto [name, member] : {std::pair{"chunk_bytes", &TierSample::chunk_bytes},
+                              std::pair{"non_model_bytes", &TierSample::non_model_bytes},
+                              std::pair{"budget_bytes", &TierSample::budget_bytes}}) {
+    AddColumn(d, name, samples, [member](S s) {
+      py::list tiers;
+      for (int t = 0; t < s.num_tiers; ++t) tiers.append(s.tiers[t].*member);
+      return tiers;
+    });
+  }
+  return d;
+}
+
 }  // namespace
 
 void InitChunk(py::module_& module) {
+  module.def("steady_clock_ns", &EventLog::NowNs,
+             "The event log's clock (steady, ns; the clock of time.monotonic_ns on Linux).");
+
   py::enum_<ChunkKind>(module, "ChunkKind")
       .value("COMPUTE_PARAM", ChunkKind::kComputeParam)
       .value("MASTER_PARAM", ChunkKind::kMasterParam)
@@ -348,6 +403,51 @@ void InitChunk(py::module_& module) {
       .def_property_readonly(
           "moment",
           [](PyChunkManager& self) { return self.Run([](M& m) { return m.tracer().moment(); }); })
+      .def_property_readonly("iteration",
+                             [](PyChunkManager& self) {
+                               return self.Run([](M& m) { return m.tracer().iteration(); });
+                             })
+      .def(
+          "enable_events",
+          [](PyChunkManager& self, bool enabled, int64_t capacity) {
+            if (capacity <= 0) {
+              throw py::value_error("enable_events: capacity must be > 0, got " +
+                                    std::to_string(capacity));
+            }
+            self.Run([&](M& m) { m.events().Enable(enabled, capacity); });
+          },
+          py::arg("enabled") = true, py::arg("capacity") = EventLog::kDefaultCapacity,
+          "Turns the profiling event log on or off (off by default); at most `capacity` events "
+          "and as many moment samples are kept until drained, the rest counted as dropped.")
+      .def(
+          "set_event_phase",
+          [](PyChunkManager& self, const std::string& name) {
+            EventPhase phase = EventPhase::kOther;
+            if (!ParseEventPhase(name, &phase)) {
+              throw py::value_error("set_event_phase: unknown phase '" + name +
+                                    "': expected 'other', 'forward', 'backward' or 'optimizer'");
+            }
+            self.Run([&](M& m) { m.events().set_phase(phase); });
+          },
+          py::arg("phase"),
+          "The phase stamped on events; synchronous moves in 'optimizer' have cause optimizer.")
+      .def(
+          "drain_events",
+          [](PyChunkManager& self) {
+            return EventsToColumns(self.Run([](M& m) { return m.events().DrainEvents(); }));
+          },
+          "Recorded chunk events as a dict of equal-length lists (one per field).")
+      .def(
+          "drain_moment_samples",
+          [](PyChunkManager& self) {
+            return SamplesToColumns(self.Run([](M& m) { return m.events().DrainSamples(); }));
+          },
+          "Recorded per-moment tier samples as a dict of equal-length lists.")
+      .def(
+          "clear_events", [](PyChunkManager& self) { self.Run([](M& m) { m.events().Clear(); }); })
+      .def_property_readonly(
+          "events_dropped",
+          [](PyChunkManager& self) { return self.Run([](M& m) { return m.events().dropped(); }); })
       .def(
           "tier_stats_json",
           [](PyChunkManager& self) {

@@ -383,6 +383,11 @@ absl::Status ChunkManager::Evict(Chunk& victim, absl::Span<const ChunkId> exclud
                                          tracer_.cursor() - 1, victim.id_, from, from + 1});
   tiers_[from].stats.evictions += 1;
   PS_LOG(kDebug, "evicting %s to '%s'", DescribeChunk(victim), tiers_[from + 1].stats.name);
+  if (events_.enabled()) {
+    events_.Eviction(victim.id_, from, from + 1, victim.payload_.bytes,
+                     NextUseDistance(tracer_, victim.id_));
+  }
+  EventLog::EvictionScope evicting(events_);
   return Annotate(MoveTo(victim, from + 1, exclude),
                   absl::StrCat("evicting from '", tiers_[from].stats.name, "'"));
 }
@@ -433,6 +438,7 @@ absl::Status ChunkManager::MoveTo(Chunk& chunk, int tier, absl::Span<const Chunk
     AbandonDestination(destination, tier);
     return Annotate(handle.status(), absl::StrCat("moving ", DescribeChunk(chunk)));
   }
+  events_.CopyIssued(chunk.id_, chunk.tier_index_, tier, chunk.payload_.bytes, /*prefetch=*/false);
   return SettleCopy(chunk, destination, tier, *handle, "moving");
 }
 
@@ -446,7 +452,9 @@ absl::Status ChunkManager::SettleCopy(Chunk& chunk, const Block& destination, in
                                       const CopyHandle& handle, absl::string_view what) {
   const absl::Time start = absl::Now();
   absl::Status copied = handle.Wait();
-  tiers_[tier].stats.copy_wait_ns += absl::ToInt64Nanoseconds(absl::Now() - start);
+  const int64_t waited_ns = absl::ToInt64Nanoseconds(absl::Now() - start);
+  tiers_[tier].stats.copy_wait_ns += waited_ns;
+  events_.CopySettled(chunk.id_, waited_ns, copied.ok());
   if (!copied.ok()) {
     AbandonDestination(destination, tier);
     return Annotate(copied, absl::StrCat(what, " ", DescribeChunk(chunk)));
@@ -523,6 +531,7 @@ absl::Status ChunkManager::IssuePrefetches() {
     }
     chunk.pending_ = Chunk::PendingCopy{*destination, tier, *handle};
     slot.stats.prefetch_issued += 1;
+    events_.CopyIssued(chunk.id_, chunk.tier_index_, tier, chunk.payload_.bytes, /*prefetch=*/true);
   }
   return absl::OkStatus();
 }
@@ -544,6 +553,7 @@ absl::Status ChunkManager::MakeResident(Chunk& chunk, int tier) {
     std::memset(block.data(), 0, static_cast<size_t>(block.bytes));
     AddChunkBytes(tier, block.bytes);
     tiers_[tier].stats.zero_fills += 1;
+    events_.ZeroFill(chunk.id_, tier, block.bytes);
     SetPayload(chunk, block, tier);
     return absl::OkStatus();
   }
@@ -554,6 +564,7 @@ absl::Status ChunkManager::MakeResident(Chunk& chunk, int tier) {
 absl::Status ChunkManager::DropPayload(Chunk& chunk) {
   if (chunk.pending_.has_value()) PS_RETURN_IF_ERROR(FinishPrefetch(chunk));
   if (!chunk.has_payload()) return absl::OkStatus();
+  events_.Drop(chunk.id_, chunk.tier_index_, chunk.payload_.bytes);
   PS_RETURN_IF_ERROR(chunk.payload_.tier->Free(chunk.payload_));
   AddChunkBytes(chunk.tier_index_, -chunk.payload_.bytes);
   SetPayload(chunk, Block{}, -1);
@@ -610,6 +621,7 @@ absl::StatusOr<TensorView> ChunkManager::Access(TensorId id, TierKind tier_kind)
         "MaterializeGathered)"));
   }
   tracer_.RecordAccess(chunk.id_, tier);
+  EventLog::TriggerScope trigger(events_, EventTrigger::kAccess, chunk.id_);
   PS_RETURN_IF_ERROR(
       Annotate(MakeResident(chunk, tier), absl::StrCat("access tensor '", tensor->name, "'")));
   tensor->state = TensorState::kCompute;
@@ -684,6 +696,7 @@ absl::Status ChunkManager::MoveChunk(ChunkId id, TierKind tier_kind) {
         "move ", DescribeChunk(target_chunk), ": it has no payload (no tensor holds data)"));
   }
   if (target_chunk.tier_index_ == tier) return absl::OkStatus();
+  EventLog::TriggerScope trigger(events_, EventTrigger::kExplicit, target_chunk.id_);
   return MoveTo(target_chunk, tier, {});
 }
 
@@ -691,7 +704,9 @@ absl::Status ChunkManager::MoveChunk(ChunkId id, TierKind tier_kind) {
 
 absl::Status ChunkManager::Tick() {
   PS_RETURN_IF_ERROR(FinishAllPrefetches());
+  RecordMoment(/*end_of_iteration=*/false);
   tracer_.Tick();
+  EventLog::TriggerScope trigger(events_, EventTrigger::kBudget, -1);
   for (int tier = 0; tier < num_tiers(); ++tier) {
     PS_RETURN_IF_ERROR(Annotate(EnforceBudget(tier), absl::StrCat("moment ", tracer_.moment())));
   }
@@ -706,6 +721,7 @@ absl::Status ChunkManager::ReportNonModelData(TierKind tier_kind, int64_t bytes)
   }
   tracer_.ReportNonModelBytes(tier, bytes);
   tiers_[tier].stats.non_model_bytes = bytes;
+  EventLog::TriggerScope trigger(events_, EventTrigger::kBudget, -1);
   return EnforceBudget(tier);
 }
 
@@ -717,7 +733,9 @@ absl::Status ChunkManager::SetNonModelDataProbe(TierKind tier_kind, NonModelData
 
 absl::Status ChunkManager::EndIteration() {
   PS_RETURN_IF_ERROR(FinishAllPrefetches());
+  RecordMoment(/*end_of_iteration=*/true);
   tracer_.EndIteration();
+  EventLog::TriggerScope trigger(events_, EventTrigger::kBudget, -1);
   for (int tier = 0; tier < num_tiers(); ++tier) PS_RETURN_IF_ERROR(EnforceBudget(tier));
   return absl::OkStatus();
 }
@@ -844,7 +862,10 @@ absl::Status ChunkManager::MaterializeGathered(
         "materialize ", DescribeChunk(remote), ": only a remote chunk without a payload is ",
         "gathered (owner rank ", remote.owner_rank_, ", this rank ", options_.rank, ")"));
   }
-  PS_RETURN_IF_ERROR(MakeResident(remote, tier));
+  {
+    EventLog::TriggerScope trigger(events_, EventTrigger::kGather, remote.id_);
+    PS_RETURN_IF_ERROR(MakeResident(remote, tier));
+  }
   // Pinned while the collective writes into it, so the fill cannot trigger its own eviction.
   remote.compute_tensors_ += 1;
   absl::Status filled = fill(remote.payload_.data(), remote.bytes());
@@ -955,5 +976,17 @@ nlohmann::json ChunkManager::ToJson() const {
 }
 
 std::string ChunkManager::DumpJson(int indent) const { return ToJson().dump(indent); }
+
+// ---- Profiling -------------------------------------------------------------------------------
+
+void ChunkManager::RecordMoment(bool end_of_iteration) {
+  if (!events_.enabled()) return;
+  std::vector<TierSample> samples;
+  for (int tier = 0; tier < num_tiers(); ++tier) {
+    samples.push_back(TierSample{tiers_[tier].chunk_bytes, tracer_.NonModelBytes(tier),
+                                 tiers_[tier].budget_bytes});
+  }
+  events_.Moment(end_of_iteration, samples);
+}
 
 }  // namespace ps

@@ -26,6 +26,7 @@
 #include "absl/types/span.h"
 #include "chunk/chunk.h"
 #include "chunk/chunk_layout.h"
+#include "chunk/event_log.h"
 #include "chunk/memory_tracer.h"
 #include "nlohmann/json.hpp"
 #include "runtime/copy_engine.h"
@@ -189,6 +190,10 @@ class ChunkManager {
   nlohmann::json ToJson() const;
   std::string DumpJson(int indent = 2) const;
 
+  // ---- Profiling (chunk/event_log.h; off unless enabled) ------------------------------------
+  EventLog& events() { return events_; }
+  const EventLog& events() const { return events_; }
+
  private:
   struct TierSlot {
     std::shared_ptr<Tier> tier;
@@ -248,6 +253,10 @@ class ChunkManager {
   absl::flat_hash_set<ChunkId> released_groups_;  // first chunk of each released group
   int64_t lru_clock_ = 0;
   std::vector<EvictionRecord> eviction_log_;
+
+  // Profiling: a tier sample when a moment closes (no-op unless the log is enabled).
+  void RecordMoment(bool end_of_iteration);
+  EventLog events_{&tracer_};
 };
 
 }  // namespace ps

@@ -29,6 +29,9 @@ def main() -> int:
     parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
     parser.add_argument("--nvme", action="store_true",
                         help="add an NVMe tier (a file in the temp dir) below host memory")
+    parser.add_argument("--profile", metavar="DIR",
+                        help="write a memory profile of the run into DIR (trace.json, "
+                             "memory.csv, summary.json, report.html; see patrickstar-report)")
     args = parser.parse_args()
     if args.steps < 1 or args.batch < 1 or not 0 < args.device_budget_fraction:
         parser.error("--steps and --batch must be >= 1 and the budget fraction > 0")
@@ -56,6 +59,7 @@ def main() -> int:
     tokens_per_step = args.batch * gpt.max_seq_len
     progress = tqdm(synthetic_batches(gpt, args.batch, args.steps), total=args.steps,
                     unit="step")
+    profiler = patrickstar.Profiler(model, args.profile).start() if args.profile else None
     started = time.perf_counter()
     first_loss = last_loss = None
     for step, (ids, targets) in enumerate(progress):
@@ -71,6 +75,8 @@ def main() -> int:
                              tok_s=f"{tokens_per_step * (step + 1) / elapsed:.0f}",
                              moved=f"{moved / MiB / (step + 1):.1f}MiB/step")
     progress.close()
+    if profiler is not None:
+        print(f"memory profile written to {profiler.stop()}")
     stats = model.memory_stats()
     lines = [f"{t['name']}: peak {t['peak_chunk_bytes'] / MiB:.1f} MiB of chunks"
              + (f" (budget {t['budget_bytes'] / MiB:.1f} MiB)" if t["budget_bytes"] else "")

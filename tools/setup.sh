@@ -12,6 +12,7 @@ DEBIAN_PACKAGES=(
   build-essential cmake ninja-build pkg-config git
   libabsl-dev libmimalloc-dev libgtest-dev libgmock-dev libbenchmark-dev liburing-dev
   nlohmann-json3-dev fio
+  chromium  # renders report.html headless in tests/python/test_profile.py
 )
 
 log() { printf '[setup] %s\n' "$*"; }

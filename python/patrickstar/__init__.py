@@ -11,8 +11,11 @@ from . import _C
 from ._C import ChunkOutOfMemoryError, ChunkRuntimeError
 from .config import Config, load_config
 from .engine import PatrickStarEngine, initialize, initialize_engine
+from .estimator import estimate_memory
+from .profiler import Profiler, profile
 
 __version__ = "0.1.0"
 
 __all__ = ["ChunkOutOfMemoryError", "ChunkRuntimeError", "Config", "PatrickStarEngine",
-           "initialize", "initialize_engine", "load_config", "__version__"]
+           "Profiler", "estimate_memory", "initialize", "initialize_engine", "load_config",
+           "profile", "__version__"]

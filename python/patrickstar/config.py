@@ -288,6 +288,9 @@ def _parse_profile(raw: Any) -> ProfileConfig:
     output_dir = section.get("output_dir", ProfileConfig.output_dir)
     if not isinstance(output_dir, (str, os.PathLike)) or not str(output_dir):
         raise ValueError(f"config key 'profile.output_dir': expected a path, got {output_dir!r}")
+    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
+        raise ValueError(f"config key 'profile.output_dir': '{os.fspath(output_dir)}' exists and "
+                         f"is not a directory")
     return ProfileConfig(enabled=_bool("profile.enabled", section.get("enabled", False)),
                          output_dir=os.fspath(output_dir))
 

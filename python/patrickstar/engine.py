@@ -46,6 +46,7 @@ from .hooks import ModuleHooks
 from .init_context import ParameterPlacer, plan_parameters
 from .loss_scaler import make_loss_scaler
 from .optimizer import PatrickStarOptimizer, build_param_groups, clip_coefficient
+from .profiler import profiler_from_config
 
 __all__ = ["PatrickStarEngine", "initialize", "initialize_engine"]
 
@@ -158,6 +159,7 @@ class PatrickStarEngine(nn.Module):
                 self._group_of[self._param_index[id(param)]] = group_index
         self._step_count = [0] * len(self._params)
         self.optimizer = PatrickStarOptimizer(self, groups, config.optimizer.decoupled_weight_decay)
+        self.profiler = profiler_from_config(self)  # None unless config profile.enabled
 
     # ---- Construction --------------------------------------------------------------------------
 
@@ -274,6 +276,8 @@ class PatrickStarEngine(nn.Module):
                 self._release_param(index, state)
 
     def _tick(self, event: str) -> None:
+        if self.profiler is not None:
+            self.profiler.on_tick(event)
         self.chunks.tick()
 
     # ---- Forward / backward --------------------------------------------------------------------
@@ -412,6 +416,8 @@ class PatrickStarEngine(nn.Module):
 
     def _end_iteration(self) -> None:
         self.chunks.end_iteration()
+        if self.profiler is not None:
+            self.profiler.on_end_iteration()
         self._iteration += 1
 
     # ---- State dicts ---------------------------------------------------------------------------

@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Iterable
 
 import torch
 
+from .profiler import optimizer_phase
+
 if TYPE_CHECKING:  # pragma: no cover
     from .engine import PatrickStarEngine
 
@@ -86,7 +88,8 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        applied = self._engine.optimizer_step(self)
+        with optimizer_phase(self._engine):
+            applied = self._engine.optimizer_step(self)
         if not applied:
             self.skipped_steps += 1
         return loss

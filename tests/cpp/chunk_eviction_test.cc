@@ -16,7 +16,6 @@
 namespace ps {
 namespace {
 
-using ::ps::testing::Spec;
 using Victims = std::vector<std::pair<int64_t, ChunkId>>;  // (access position, chunk)
 
 constexpr int64_t kChunkBytes = 4096;
@@ -27,13 +26,7 @@ std::unique_ptr<ChunkManager> MakeScriptManager(const testing::Hierarchy& hierar
                                                 EvictionPolicy policy) {
   ChunkManagerOptions options;
   options.eviction_policy = policy;
-  auto manager = testing::MakeManager(hierarchy, options);
-  for (int i = 0; i < chunks; ++i) {
-    EXPECT_TRUE(manager->RegisterTensor(Spec("chunk" + std::to_string(i), {1024})).ok());
-  }
-  EXPECT_TRUE(manager->BuildChunkLists(1024).ok());
-  EXPECT_EQ(manager->num_chunks(), chunks);
-  return manager;
+  return testing::MakeOneTensorPerChunkManager(hierarchy, chunks, options);
 }
 
 // Runs one iteration of `sequence` (tensor i lives alone in chunk i); returns its evictions

@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "chunk/chunk_manager.h"
@@ -65,6 +66,23 @@ inline std::unique_ptr<ChunkManager> MakeManager(const Hierarchy& hierarchy,
   auto manager = ChunkManager::Create(std::move(options));
   EXPECT_TRUE(manager.ok()) << manager.status();
   return manager.ok() ? std::move(*manager) : nullptr;
+}
+
+// A manager over `hierarchy` with `chunks` chunks of 1024 fp32 elements, tensor i alone in chunk
+// i (tensor ids = chunk ids), for scripted access sequences.
+inline std::unique_ptr<ChunkManager> MakeOneTensorPerChunkManager(
+    const Hierarchy& hierarchy, int chunks, ChunkManagerOptions options = {}) {
+  auto manager = MakeManager(hierarchy, std::move(options));
+  if (manager == nullptr) return nullptr;
+  for (int i = 0; i < chunks; ++i) {
+    EXPECT_TRUE(manager
+                    ->RegisterTensor(TensorSpec{"chunk" + std::to_string(i), {1024},
+                                                ChunkKind::kComputeParam, DType::kFloat32})
+                    .ok());
+  }
+  EXPECT_TRUE(manager->BuildChunkLists(1024).ok());
+  EXPECT_EQ(manager->num_chunks(), chunks);
+  return manager;
 }
 
 inline TensorSpec Spec(const std::string& name, std::vector<int64_t> shape,

@@ -1,0 +1,178 @@
+"""`patrickstar.estimate_memory()`: what each tier needs for model data, before training.
+
+Like DeepSpeed's ``estimate_zero3_model_states_mem_needs``, but from this runtime's own chunk
+layout: given a ``model_func`` the model is built on the meta device (no memory), its tensors are
+packed into chunk lists exactly as ``initialize()`` would (same kinds, dtypes, chunk size and
+packing, via the C++ layout code), and the chunk bytes are added up per kind. Given only a
+parameter count, every list is assumed to pack perfectly into chunks of the configured size.
+
+What each tier needs follows from where the engine uses each kind (Note [Chunk kinds per
+precision] in engine.py): forward and backward access compute parameters and write gradients on
+the device; the optimizer step runs on the host over every chunk (master, gradient, momentum,
+variance, and the compute copy it rewrites). So:
+
+* ``device_no_moves``: device bytes that keep every compute and gradient chunk resident through
+  forward and backward (no chunk moves there after warm-up);
+* ``host_optimizer``: host bytes that hold every chunk during the optimizer step (all model data);
+* ``host_min_with_nvme``: with an NVMe tier below the host, the host needs at least the chunks one
+  parameter's update touches at once (the largest chunk of each kind).
+Non-model data (activations, temporaries) comes on top; a profile (``patrickstar.profile``) shows
+it per moment.
+"""
+from __future__ import annotations
+
+import json
+import math
+from typing import Any, Callable
+
+from torch import nn
+
+from . import _C
+from .config import Config, load_config
+from .init_context import plan_parameters
+
+__all__ = ["estimate_memory"]
+
+_ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+_KINDS = ("compute", "master", "gradient", "momentum", "variance")
+# C++ chunk kinds in the manager's dump -> the names used here.
+_KIND_NAMES = {"compute_param": "compute", "master_param": "master", "gradient": "gradient",
+               "momentum": "momentum", "variance": "variance"}
+_BLOCK_ALIGNMENT = 4096
+
+
+def _dtypes(precision: str, accumulation_steps: int) -> dict[str, str | None]:
+    """The dtype of each chunk kind (None: not used), Note [Chunk kinds per precision]."""
+    mixed = precision != "fp32"
+    compute = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}[precision]
+    grad = "float32" if (accumulation_steps > 1 or not mixed) else compute
+    return {"compute": compute, "master": "float32" if mixed else None, "gradient": grad,
+            "momentum": "float32", "variance": "float32"}
+
+
+def _layout_bytes(specs, dtypes: dict[str, str | None], chunk_size: int | None) -> dict:
+    """Chunk bytes per kind, largest chunk per kind, elements per chunk and waste, from the
+    manager's own layout code (registration order as in PatrickStarEngine._build_runtime)."""
+    tier = _C.EmulatedDeviceTier(budget=0, name="estimate")
+    manager = _C.ChunkManager(tiers=[tier], copy_engine=_C.CopyEngine(host_threads=1))
+    kinds = {"compute": _C.ChunkKind.COMPUTE_PARAM, "master": _C.ChunkKind.MASTER_PARAM,
+             "gradient": _C.ChunkKind.GRADIENT, "momentum": _C.ChunkKind.MOMENTUM,
+             "variance": _C.ChunkKind.VARIANCE}
+    for spec in specs:
+        manager.register_tensor(spec.name, list(spec.shape), kinds["compute"], dtypes["compute"])
+    for kind in ("master", "gradient", "momentum", "variance"):
+        if dtypes[kind] is None:
+            continue
+        for spec in specs:
+            if spec.requires_grad:
+                manager.register_tensor(f"{spec.name}#{kind}", list(spec.shape), kinds[kind],
+                                        dtypes[kind])
+    if chunk_size is None:
+        largest = max(math.prod(spec.shape) or 1 for spec in specs)
+        low = max(1 << 16, largest // 4)
+        layout = manager.search_chunk_lists(low, max(low, 4 * largest), max(1, low // 4))
+    else:
+        layout = manager.build_chunk_lists(chunk_size)
+    chunks = json.loads(manager.dump_json(0))["layout"]["chunks"]
+    by_kind = {kind: 0 for kind in _KINDS}
+    largest_chunk = {kind: 0 for kind in _KINDS}
+    for chunk in chunks:
+        kind = _KIND_NAMES[chunk["kind"]]
+        by_kind[kind] += chunk["bytes"]
+        largest_chunk[kind] = max(largest_chunk[kind], chunk["bytes"])
+    return {"by_kind": by_kind, "largest_chunk": largest_chunk,
+            "chunk_elements": layout["chunk_elements"], "wasted_bytes": layout["wasted_bytes"]}
+
+
+def _count_bytes(params: int, trainable: int, dtypes: dict[str, str | None],
+                 chunk_size: int) -> dict:
+    """The same figures for a bare parameter count: each list packs perfectly."""
+    by_kind = {kind: 0 for kind in _KINDS}
+    largest_chunk = {kind: 0 for kind in _KINDS}
+    for kind in _KINDS:
+        dtype = dtypes[kind]
+        if dtype is None:
+            continue
+        count = params if kind == "compute" else trainable
+        if count == 0:
+            continue
+        chunk_bytes = -(-chunk_size * _ELEMENT_BYTES[dtype] // _BLOCK_ALIGNMENT) * _BLOCK_ALIGNMENT
+        by_kind[kind] = -(-count // chunk_size) * chunk_bytes
+        largest_chunk[kind] = chunk_bytes
+    return {"by_kind": by_kind, "largest_chunk": largest_chunk, "chunk_elements": chunk_size,
+            "wasted_bytes": None}
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
+
+
+def estimate_memory(model: Callable[[], nn.Module] | int, config: Any = None,
+                    verbose: bool = True) -> dict:
+    """Model-data bytes per tier for each precision mode; prints a table unless `verbose` is
+    False and returns the figures as a dict.
+
+    `model` is a ``model_func`` (built on the meta device, so nothing is allocated) or a
+    parameter count (all trainable). `config` is what ``initialize()`` takes; its chunk size and
+    gradient accumulation steps are used. Precision modes: fp32 and fp16/bf16 (same sizes)."""
+    cfg: Config = config if isinstance(config, Config) else load_config(config)
+    if isinstance(model, bool) or not (isinstance(model, int) or callable(model)):
+        raise TypeError(f"estimate_memory(model, ...): expected a model_func or a parameter "
+                        f"count, got {type(model).__name__}")
+    specs = None
+    if isinstance(model, int):
+        if model <= 0:
+            raise ValueError(f"estimate_memory: the parameter count must be > 0, got {model}")
+        params = trainable = model
+    else:
+        if isinstance(model, nn.Module):
+            raise TypeError("estimate_memory(model_func, ...): pass the callable that builds the "
+                            "model (as for initialize()), not a built module")
+        specs, _ = plan_parameters(model)
+        if not specs:
+            raise ValueError("estimate_memory: model_func built a module without parameters")
+        params = sum(math.prod(spec.shape) for spec in specs)
+        trainable = sum(math.prod(spec.shape) for spec in specs if spec.requires_grad)
+    chunk_size = cfg.default_chunk_size
+    if specs is None and chunk_size is None:
+        raise ValueError("estimate_memory: with a parameter count, default_chunk_size must be a "
+                         "number (\"auto\" searches over the model's real tensor sizes)")
+    modes = {}
+    for label, precision in (("fp32", "fp32"), ("fp16/bf16", "fp16")):
+        dtypes = _dtypes(precision, cfg.gradient_accumulation_steps)
+        figures = (_layout_bytes(specs, dtypes, chunk_size) if specs is not None
+                   else _count_bytes(params, trainable, dtypes, chunk_size))
+        by_kind = figures["by_kind"]
+        total = sum(by_kind.values())
+        modes[label] = {
+            "by_kind": by_kind, "total": total, "chunk_elements": figures["chunk_elements"],
+            "wasted_bytes": figures["wasted_bytes"],
+            "device_no_moves": by_kind["compute"] + by_kind["gradient"],
+            "host_optimizer": total,
+            "host_min_with_nvme": sum(figures["largest_chunk"].values())}
+    result = {"parameters": params, "trainable": trainable,
+              "gradient_accumulation_steps": cfg.gradient_accumulation_steps, "modes": modes}
+    if verbose:
+        print(format_estimate(result))
+    return result
+
+
+def format_estimate(result: dict) -> str:
+    first = next(iter(result["modes"].values()))
+    lines = [f"Estimated model data for {result['parameters'] / 1e6:.2f}M parameters "
+             f"({result['trainable'] / 1e6:.2f}M trainable), {first['chunk_elements']} elements "
+             f"per chunk, gradient accumulation {result['gradient_accumulation_steps']}:",
+             "  (non-model data such as activations comes on top)"]
+    header = ["precision", "total", "compute", "master", "gradient", "momentum", "variance",
+              "device: fwd/bwd without moves", "host: optimizer step", "host min with NVMe"]
+    rows = [header]
+    for label, mode in result["modes"].items():
+        rows.append([label, _gib(mode["total"])]
+                    + [_gib(mode["by_kind"][kind]) if mode["by_kind"][kind] else "-"
+                       for kind in _KINDS]
+                    + [_gib(mode["device_no_moves"]), _gib(mode["host_optimizer"]),
+                       _gib(mode["host_min_with_nvme"])])
+    widths = [max(len(row[c]) for row in rows) for c in range(len(header))]
+    for row in rows:
+        lines.append("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+    return "\n".join(lines)

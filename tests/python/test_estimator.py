@@ -1,0 +1,78 @@
+"""patrickstar.estimate_memory(): the model-data bytes it predicts per tier are within 10% of what
+the runtime then holds (the manager's peak chunk bytes per tier after one training step with
+unlimited budgets), for three model sizes, both from a model_func and from a bare parameter
+count; it prints a table; bad input is refused with a clear error."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import patrickstar
+from patrickstar.examples.gpt import GPT, GPTConfig, synthetic_batches
+
+# (hidden, layers, precision, gradient accumulation steps, chunk elements)
+CASES = [(64, 1, "fp32", 1, 1 << 13), (128, 2, "bf16", 1, 1 << 14),
+         (192, 3, "bf16", 2, 1 << 15)]
+
+
+def _measured(gpt: GPTConfig, config: dict) -> tuple[int, int]:
+    """(device, host) peak chunk bytes of a real run: one step with no budget anywhere."""
+    torch.manual_seed(0)
+    model, optimizer = patrickstar.initialize(lambda: GPT(gpt), config=config)
+    steps = config.get("gradient_accumulation_steps", 1)
+    for ids, targets in synthetic_batches(gpt, 2, steps):
+        model.backward(model(ids, targets))
+    optimizer.step()
+    optimizer.zero_grad()
+    device, host = model.memory_stats()
+    return device["peak_chunk_bytes"], host["peak_chunk_bytes"]
+
+
+@pytest.mark.parametrize("hidden,layers,precision,accumulation,chunk", CASES)
+def test_estimate_within_ten_percent_of_runtime(hidden, layers, precision, accumulation, chunk):
+    gpt = GPTConfig(vocab_size=256, max_seq_len=16, hidden=hidden, layers=layers, heads=2)
+    config = {"default_chunk_size": chunk, "gradient_accumulation_steps": accumulation}
+    if precision == "bf16":
+        config["bf16"] = {"enabled": True}
+    device, host = _measured(gpt, config)
+    mode = "fp32" if precision == "fp32" else "fp16/bf16"
+    from_func = patrickstar.estimate_memory(lambda: GPT(gpt), config, verbose=False)
+    from_count = patrickstar.estimate_memory(gpt.parameter_count(), config, verbose=False)
+    assert from_func["parameters"] == from_count["parameters"] == gpt.parameter_count()
+    for estimate in (from_func, from_count):
+        figures = estimate["modes"][mode]
+        # Forward/backward keep compute params and gradients on the device; the optimizer step
+        # has every chunk on the host.
+        assert figures["device_no_moves"] == pytest.approx(device, rel=0.10)
+        assert figures["host_optimizer"] == pytest.approx(host, rel=0.10)
+        assert figures["total"] == figures["host_optimizer"]
+        assert 0 < figures["host_min_with_nvme"] < figures["total"]
+    # The layout-based estimate is the runtime's own packing: exact.
+    assert from_func["modes"][mode]["device_no_moves"] == device
+    assert from_func["modes"][mode]["host_optimizer"] == host
+
+
+def test_estimate_prints_a_table_per_precision(capsys):
+    result = patrickstar.estimate_memory(10_000_000, {"default_chunk_size": 1 << 20})
+    printed = capsys.readouterr().out
+    assert "10.00M parameters" in printed and "fp32" in printed and "fp16/bf16" in printed
+    fp32, mixed = result["modes"]["fp32"], result["modes"]["fp16/bf16"]
+    # 16 bytes per parameter either way (fp32: 4+4+4+4; mixed: 2+4+2+4+4), rounded up to whole
+    # chunks of 2^20 elements: 10 chunks per list.
+    chunks = 10 * (1 << 20)
+    assert fp32["total"] == chunks * 16
+    assert mixed["total"] == chunks * 16
+    assert mixed["by_kind"]["master"] == chunks * 4 and fp32["by_kind"]["master"] == 0
+
+
+def test_estimate_refuses_bad_input():
+    with pytest.raises(TypeError, match="model_func or a parameter count"):
+        patrickstar.estimate_memory("gpt2", verbose=False)
+    with pytest.raises(TypeError, match="not a built module"):
+        patrickstar.estimate_memory(torch.nn.Linear(2, 2), verbose=False)
+    with pytest.raises(ValueError, match="must be > 0, got -5"):
+        patrickstar.estimate_memory(-5, verbose=False)
+    with pytest.raises(ValueError, match="default_chunk_size must be a number"):
+        patrickstar.estimate_memory(1000, {"default_chunk_size": "auto"}, verbose=False)
+    with pytest.raises(ValueError, match="default_chunk_size"):
+        patrickstar.estimate_memory(1000, {"default_chunk_size": -1}, verbose=False)
