@@ -61,6 +61,7 @@ class CopyEngine {
   // the copy starts (sizes, unknown blocks, an invalid source) are returned here; errors during
   // the copy are reported by the handle.
   absl::StatusOr<CopyHandle> Copy(const Block& src, const Block& dst);
+  const Options& options() const { return options_; }
   // Copy() then Wait().
   absl::Status CopyAndWait(const Block& src, const Block& dst);
   // Waits for every copy started so far.

@@ -27,8 +27,8 @@ The header lists each entry's `name` (parameter name), `kind` (param: compute dt
 fp32 master copy in mixed precision; exp_avg / exp_avg_sq: Adam state; buffer: module buffers),
 dtype, shape, offset and nbytes. Tensors never span chunks, so a shard holds whole tensors and a
 reader finds any tensor by (name, kind) in whichever shard has it: that is what lets a checkpoint
-written by N ranks load on M (Note [Resharding]). Files are read through mmap, one tensor at a
-time, so loading and consolidation need memory for about one tensor (at most one chunk).
+written by N ranks load on M (Note [Resharding]). Files are read one tensor at a time (pread),
+so loading and consolidation need memory for about one tensor (at most one chunk).
 
 Note [Resharding]
 With data parallelism rank r will own chunk r of each communication group and write only the
@@ -50,7 +50,6 @@ import hashlib
 import io
 import itertools
 import json
-import mmap
 import os
 import random
 import re
@@ -278,8 +277,7 @@ def _file_sha256(path: str, length: int) -> str:
 
 
 class Shard:
-    """A verified shard, read through mmap; `tensor(entry)` views its bytes (copy them before
-    the shard is closed)."""
+    """A verified shard; `tensor(entry)` reads one entry."""
 
     def __init__(self, path: str, expected_size: int | None = None,
                  expected_sha256: str | None = None, verify: bool = True):
@@ -319,21 +317,28 @@ class Shard:
             except ValueError as error:
                 raise CheckpointError(f"checkpoint shard '{path}': bad header ({error})") from None
         self.entries = {(e["name"], e["kind"]): Entry.from_json(e) for e in self.header["tensors"]}
-        self._file = open(path, "rb")
-        self._map = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_COPY)
+        self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
 
     def tensor(self, entry: Entry) -> torch.Tensor:
+        """A fresh CPU tensor with the entry's bytes (read with pread: no mapping of the shard
+        stays resident, so memory holds one tensor at a time)."""
         dtype = _DTYPES[entry.dtype]
         if entry.nbytes == 0:
             return torch.empty(entry.shape, dtype=dtype)
-        flat = torch.frombuffer(self._map, dtype=dtype, count=_numel(entry.shape),
-                                offset=entry.offset)
-        return flat.view(entry.shape)
+        data = bytearray(entry.nbytes)
+        view, done = memoryview(data), 0
+        while done < entry.nbytes:
+            count = os.preadv(self._fd, [view[done:]], entry.offset + done)
+            if count <= 0:
+                raise CheckpointError(f"checkpoint shard '{self.path}': short read of "
+                                      f"{entry.name} ({entry.kind})")
+            done += count
+        return torch.frombuffer(data, dtype=dtype).view(entry.shape)
 
     def close(self) -> None:
-        with contextlib.suppress(BufferError):  # a view still alive keeps the map open
-            self._map.close()
-        self._file.close()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
 
 # ---- Meta --------------------------------------------------------------------------------------
