@@ -72,17 +72,38 @@ class PyChunkManager {
   auto Run(F&& f) {
     py::gil_scoped_release release;
     absl::MutexLock lock(&mutex_);
-    return f(*manager_);
+    return f(Get());
   }
 
   // For calls that run Python code (callbacks): the GIL stays held.
   template <typename F>
   auto RunHoldingGil(F&& f) {
     absl::MutexLock lock(&mutex_);
-    return f(*manager_);
+    return f(Get());
+  }
+
+  // Frees every chunk now, whoever still references this object (a traceback may hold it
+  // long after the engine let go); later calls raise RuntimeError.
+  void Close() {
+    std::unique_ptr<ChunkManager> doomed;
+    {
+      py::gil_scoped_release release;
+      absl::MutexLock lock(&mutex_);
+      doomed = std::move(manager_);
+    }
+    py::gil_scoped_release release;
+    doomed.reset();
   }
 
  private:
+  ChunkManager& Get() {
+    if (manager_ == nullptr) {
+      throw std::runtime_error("the chunk manager was closed (model.destroy()); build a new "
+                               "engine with patrickstar.initialize()");
+    }
+    return *manager_;
+  }
+
   absl::Mutex mutex_;
   std::unique_ptr<ChunkManager> manager_;
 };
@@ -140,6 +161,8 @@ void InitChunk(py::module_& module) {
            py::arg("tiers"), py::arg("copy_engine"), py::arg("world_size") = 1, py::arg("rank") = 0,
            py::arg("prefetch_moments") = 0, py::arg("eviction_policy") = "opt",
            "tiers: fastest first (device, host, nvme), one of each kind at most.")
+      .def("close", &PyChunkManager::Close,
+           "Frees every chunk now; later calls raise RuntimeError.")
       .def(
           "register_tensor",
           [](PyChunkManager& self, const std::string& name, std::vector<int64_t> shape,

@@ -502,6 +502,7 @@ class PatrickStarEngine(nn.Module):
         self._hooks.remove()
         for param in self._params:
             param.data = self._placeholder()
+        self.chunks.close()
         self.chunks = self.tiers = self.copy_engine = None
 
     def memory_stats(self) -> list[dict]:

@@ -85,14 +85,15 @@ class TrainingGuard:
         self.skip_step = False
 
 
-def _chunk_bytes_per_tensor(layout: dict) -> tuple[dict, dict]:
-    """(tensor name -> bytes of its chunk, kind -> bytes of all its chunks)."""
-    per_tensor, per_kind = {}, {}
+def _chunks_per_tensor(layout: dict) -> tuple[dict, dict, dict]:
+    """(tensor name -> chunk id, chunk id -> bytes, kind -> bytes of all its chunks)."""
+    chunk_of, chunk_bytes, per_kind = {}, {}, {}
     for chunk in layout["chunks"]:
+        chunk_bytes[chunk["id"]] = chunk["bytes"]
         per_kind[chunk["kind"]] = per_kind.get(chunk["kind"], 0) + chunk["bytes"]
         for tensor in chunk["tensors"]:
-            per_tensor[tensor["name"]] = chunk["bytes"]
-    return per_tensor, per_kind
+            chunk_of[tensor["name"]] = chunk["id"]
+    return chunk_of, chunk_bytes, per_kind
 
 
 def _fmt(nbytes: int) -> str:
@@ -102,21 +103,31 @@ def _fmt(nbytes: int) -> str:
 def check_budgets(config, manager_json: str, names: list[str], trainable: list[bool],
                   mixed: bool) -> None:
     """Refuses, before any chunk is allocated, budgets that no placement can satisfy: the
-    device must hold the compute and gradient chunks of one parameter at once (its backward),
+    device must hold a module's compute chunks and a gradient chunk at once (its backward),
     the host the chunks one Adam update touches at once, and without an NVMe tier device plus
     host must hold every chunk that always has a payload."""
     memory = config.memory
     layout = json.loads(manager_json)["layout"]
-    chunk_of, per_kind = _chunk_bytes_per_tensor(layout)
+    chunk_of, chunk_bytes, per_kind = _chunks_per_tensor(layout)
+    # A module's backward holds the compute chunks of all its own parameters while each
+    # gradient chunk is accessed in turn (the post-accumulate-grad hook).
+    modules: dict[str, list[str]] = {}
+    for name in names:
+        modules.setdefault(name.rpartition(".")[0], []).append(name)
     device_need = host_need = 0
     device_who = host_who = ""
+    for module, members in modules.items():
+        compute = {chunk_of[name] for name in members}
+        grads = [chunk_bytes[chunk_of[f"{n}#grad"]] for n, t in zip(names, trainable)
+                 if t and n in members]
+        need = sum(chunk_bytes[c] for c in compute) + max(grads, default=0)
+        if need > device_need:
+            device_need, device_who = need, module or "<root>"
     for name, train in zip(names, trainable):
-        device = chunk_of[name] + (chunk_of[f"{name}#grad"] if train else 0)
-        if device > device_need:
-            device_need, device_who = device, name
         if train:
             parts = ["grad", "momentum", "variance"] + (["master"] if mixed else [])
-            host = chunk_of[name] + sum(chunk_of[f"{name}#{p}"] for p in parts)
+            chunks = {chunk_of[name]} | {chunk_of[f"{name}#{p}"] for p in parts}
+            host = sum(chunk_bytes[c] for c in chunks)
             if host > host_need:
                 host_need, host_who = host, name
     where = (f"(default_chunk_size={config.default_chunk_size} elements; lower it or raise the "
@@ -124,8 +135,9 @@ def check_budgets(config, manager_json: str, names: list[str], trainable: list[b
     if memory.device_budget is not None and memory.device_budget < device_need:
         raise _C.ChunkOutOfMemoryError(
             f"config key 'memory.device_budget' = {_fmt(memory.device_budget)} is smaller than "
-            f"the chunks parameter '{device_who}' needs on the device at once (its compute and "
-            f"gradient chunks): {_fmt(device_need)} {where}")
+            f"the chunks module '{device_who}' needs on the device at once in its backward "
+            f"(the compute chunks of its parameters and one gradient chunk): "
+            f"{_fmt(device_need)} {where}")
     if memory.host_budget is not None and memory.host_budget < host_need:
         raise _C.ChunkOutOfMemoryError(
             f"config key 'memory.host_budget' = {_fmt(memory.host_budget)} is smaller than the "
