@@ -533,15 +533,9 @@ class _EngineState:
                 for n, s, r in zip(self.names, self.shapes, requires)]
 
     def layout(self) -> dict:
-        full = json.loads(self.chunks.dump_json())
-        layout = full["layout"]
-        for chunk in layout["chunks"]:
-            chunk.pop("tier", None)
-            for tensor in chunk["tensors"]:
-                tensor.pop("state", None)
-        return {"world_size": full["world_size"], "rank": full["rank"],
-                "chunk_elements": layout["chunk_elements"], "hash": layout["hash"],
-                "chunks": layout["chunks"]}
+        layout = json.loads(self.chunks.layout_json())
+        layout["chunk_elements"] = self.engine.layout["chunk_elements"]
+        return layout
 
     def counters(self) -> dict:
         engine = self.engine
@@ -820,8 +814,7 @@ def owned_tensor_names(meta: dict, world_size: int, rank: int) -> set[tuple[str,
         manager.register_tensor(f"{base}#{kind}", shape, kind_of[kind], dtype)
     manager.build_chunk_lists(layout["chunk_elements"])
     owned = set()
-    full = json.loads(manager.dump_json())
-    for chunk in full["layout"]["chunks"]:
+    for chunk in json.loads(manager.layout_json())["chunks"]:
         if chunk["owner_rank"] != rank:
             continue
         for tensor in chunk["tensors"]:

@@ -186,7 +186,7 @@ class PatrickStarEngine(nn.Module):
                                                          max(1, low // 4))
         else:
             self.layout = self.chunks.build_chunk_lists(config.default_chunk_size)
-        check_budgets(config, self.chunks.dump_json(), [spec.name for spec in specs],
+        check_budgets(config, self.chunks.layout_json(), [spec.name for spec in specs],
                       [spec.requires_grad for spec in specs], self.mixed)
 
     def _init_storage_ids(self, index: int) -> int:
