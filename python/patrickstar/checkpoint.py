@@ -56,7 +56,7 @@ import re
 import shutil
 import struct
 import warnings
-from typing import Any, Iterable
+from typing import Iterable
 
 import torch
 
@@ -674,7 +674,7 @@ def _make_reader(state: _EngineState, buffers: dict):
 
 # ---- Load ----------------------------------------------------------------------------------------
 
-def _differences(meta: dict, state: _EngineState, engine, allow_reshard: bool) -> list[str]:
+def _differences(meta: dict, state: _EngineState, allow_reshard: bool) -> list[str]:
     problems = []
     saved = {t["name"]: tuple(t["shape"]) for t in meta["tensors"]}
     ours = dict(zip(state.names, state.shapes))
@@ -725,7 +725,7 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states: bool = Tr
                                                                        None)
     with CheckpointReader(load_dir, tag) as reader:
         meta = reader.meta
-        problems = _differences(meta, state, engine, allow_reshard)
+        problems = _differences(meta, state, allow_reshard)
         if problems:
             raise CheckpointError(f"checkpoint '{reader.directory}' does not fit this model: "
                                   + "; ".join(problems))
@@ -741,8 +741,7 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states: bool = Tr
                 if ids.momentum is not None and not reader.has(name, "exp_avg"):
                     raise CheckpointError(f"checkpoint '{reader.directory}' has no optimizer "
                                           f"state for trainable parameter '{name}'")
-        extra = reader.extra(0) if (load_rng_states or load_lr_scheduler_states
-                                    or not load_module_only) else {}
+        extra = reader.extra(0)  # verified like the shards; client_state is always returned
         if load_lr_scheduler_states and scheduler is not None and \
                 extra.get("lr_scheduler") is None:
             raise CheckpointError(f"checkpoint '{reader.directory}' has no lr scheduler state, "
@@ -782,8 +781,7 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states: bool = Tr
             scheduler.load_state_dict(extra["lr_scheduler"])
         if load_rng_states:
             _set_rng_states(extra["rng"])
-        client_state = extra.get("client_state", {}) if extra else {}
-        return reader.directory, client_state
+        return reader.directory, extra.get("client_state", {})
 
 
 # ---- Layout of other world sizes ---------------------------------------------------------------
