@@ -748,6 +748,7 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states: bool = Tr
                                   f"but an lr_scheduler was given")
         # Everything is verified: from here on the engine changes.
         engine.zero_grad()
+        engine._guard.after_step()  # a fresh step begins (Note [Training call order])
         buffers = state.buffers()
         with torch.no_grad():
             for index, name in enumerate(state.names):
