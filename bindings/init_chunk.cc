@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
 #include "bindings/init.h"
 #include "bindings/status_exceptions.h"
@@ -73,17 +74,38 @@ class PyChunkManager {
   auto Run(F&& f) {
     py::gil_scoped_release release;
     absl::MutexLock lock(&mutex_);
-    return f(*manager_);
+    return f(Get());
   }
 
   // For calls that run Python code (callbacks): the GIL stays held.
   template <typename F>
   auto RunHoldingGil(F&& f) {
     absl::MutexLock lock(&mutex_);
-    return f(*manager_);
+    return f(Get());
+  }
+
+  // Frees every chunk now, whoever still references this object (a traceback may hold it
+  // long after the engine let go); later calls raise RuntimeError.
+  void Close() {
+    std::unique_ptr<ChunkManager> doomed;
+    {
+      py::gil_scoped_release release;
+      absl::MutexLock lock(&mutex_);
+      doomed = std::move(manager_);
+    }
+    py::gil_scoped_release release;
+    doomed.reset();
   }
 
  private:
+  ChunkManager& Get() {
+    if (manager_ == nullptr) {
+      throw std::runtime_error("the chunk manager was closed (model.destroy()); build a new "
+                               "engine with patrickstar.initialize()");
+    }
+    return *manager_;
+  }
+
   absl::Mutex mutex_;
   std::unique_ptr<ChunkManager> manager_;
 };
@@ -148,6 +170,39 @@ py::dict SamplesToColumns(const std::vector<MomentSample>& samples) {
   return d;
 }
 
+// The layout part of ChunkManager::ToJson() from the public accessors, so its cost does not
+// grow with the run (no trace, no eviction log).
+std::string LayoutJson(const ChunkManager& m) {
+  nlohmann::json chunks = nlohmann::json::array();
+  for (ChunkId id = 0; id < m.num_chunks(); ++id) {
+    const Chunk* chunk = *m.chunk(id);
+    nlohmann::json tensors = nlohmann::json::array();
+    for (TensorId tensor_id : chunk->tensors()) {
+      const TensorInfo* tensor = *m.tensor(tensor_id);
+      tensors.push_back({{"id", tensor_id},
+                         {"name", tensor->name},
+                         {"offset", tensor->offset},
+                         {"numel", tensor->numel},
+                         {"shape", tensor->shape}});
+    }
+    chunks.push_back({{"id", id},
+                      {"kind", std::string(ChunkKindName(chunk->kind()))},
+                      {"dtype", std::string(DTypeName(chunk->dtype()))},
+                      {"capacity_elements", chunk->capacity_elements()},
+                      {"bytes", chunk->bytes()},
+                      {"owner_rank", chunk->owner_rank()},
+                      {"group", chunk->group()},
+                      {"oversize", chunk->oversize()},
+                      {"padding", chunk->padding()},
+                      {"tensors", std::move(tensors)}});
+  }
+  return nlohmann::json{{"world_size", m.world_size()},
+                        {"rank", m.rank()},
+                        {"hash", absl::StrFormat("%016x", m.layout_hash())},
+                        {"chunks", std::move(chunks)}}
+      .dump();
+}
+
 }  // namespace
 
 void InitChunk(py::module_& module) {
@@ -195,6 +250,8 @@ void InitChunk(py::module_& module) {
            py::arg("tiers"), py::arg("copy_engine"), py::arg("world_size") = 1, py::arg("rank") = 0,
            py::arg("prefetch_moments") = 0, py::arg("eviction_policy") = "opt",
            "tiers: fastest first (device, host, nvme), one of each kind at most.")
+      .def("close", &PyChunkManager::Close,
+           "Frees every chunk now; later calls raise RuntimeError.")
       .def(
           "register_tensor",
           [](PyChunkManager& self, const std::string& name, std::vector<int64_t> shape,
@@ -454,6 +511,11 @@ void InitChunk(py::module_& module) {
             return self.Run([](M& m) { return m.TierStatsJson().dump(); });
           },
           "Per-tier statistics as JSON (a list of objects), without the trace.")
+      .def(
+          "layout_json",
+          [](PyChunkManager& self) { return self.Run([](M& m) { return LayoutJson(m); }); },
+          "The chunk layout alone (chunks with their tensors, owners, hash) as JSON text; "
+          "checkpoints record it without dump_json's trace and eviction log.")
       .def(
           "dump_json",
           [](PyChunkManager& self, int indent) {

@@ -1,12 +1,16 @@
 // Python bindings of the runtime layer: tiers, blocks, the copy engine, logging, build info.
 #include <torch/extension.h>
 
+#include <cstdlib>
 #include <memory>
+#include <optional>
+#include <string>
 
 #include "bindings/init.h"
 #include "bindings/status_exceptions.h"
 #include "runtime/copy_engine.h"
 #include "runtime/device_tier.h"
+#include "runtime/fault_injection.h"
 #include "runtime/gpu.h"
 #include "runtime/host_tier.h"
 #include "runtime/logging.h"
@@ -84,6 +88,17 @@ at::Tensor BlockTensor(const TierPtr& tier, const PyBlock& py_block, at::ScalarT
   return torch::from_blob(
       block.data(), {numel}, [keep_alive, block](void*) { keep_alive->Unpin(block); },
       at::TensorOptions().dtype(dtype).device(device));
+}
+
+// Note [Fault injection]: an explicit spec wins; None reads PATRICKSTAR_FAULT_INJECT.
+std::shared_ptr<FaultInjector> FaultsFrom(const std::optional<std::string>& spec) {
+  std::string text;
+  if (spec.has_value()) {
+    text = *spec;
+  } else if (const char* env = std::getenv("PATRICKSTAR_FAULT_INJECT"); env != nullptr) {
+    text = env;
+  }
+  return ValueOrThrow(FaultInjector::Parse(text));
 }
 
 }  // namespace
@@ -183,7 +198,7 @@ void InitRuntime(py::module_& module) {
   py::class_<NvmeTier, Tier, std::shared_ptr<NvmeTier>>(module, "NvmeTier")
       .def(py::init([](const std::string& path, int64_t budget, int queue_depth, int64_t block_size,
                        bool use_io_uring, bool use_direct_io, const std::string& name,
-                       int64_t slab_bytes) {
+                       int64_t slab_bytes, const std::optional<std::string>& fault_inject) {
              NvmeTierOptions options;
              options.tier = Tier::Options{name, budget, slab_bytes};
              options.directory = path;
@@ -191,12 +206,17 @@ void InitRuntime(py::module_& module) {
              options.io_block_bytes = block_size;
              options.use_io_uring = use_io_uring;
              options.use_direct_io = use_direct_io;
+             if (std::shared_ptr<FaultInjector> faults = FaultsFrom(fault_inject)) {
+               options.fault_injector = NvmeFaultHook(std::move(faults));
+             }
              return std::shared_ptr<NvmeTier>(ValueOrThrow(NvmeTier::Create(std::move(options))));
            }),
            py::arg("path"), py::arg("budget") = 0, py::arg("queue_depth") = 32,
            py::arg("block_size") = 1 << 20, py::arg("use_io_uring") = true,
            py::arg("use_direct_io") = true, py::arg("name") = "nvme",
-           py::arg("slab_bytes") = 64ll << 20)
+           py::arg("slab_bytes") = 64ll << 20, py::arg("fault_inject") = py::none(),
+           "fault_inject: tests only (Note [Fault injection]); None reads "
+           "PATRICKSTAR_FAULT_INJECT")
       .def_property_readonly("path", [](const NvmeTier& t) { return t.path(); })
       .def_property_readonly("direct_io", &NvmeTier::direct_io)
       .def_property_readonly("uses_io_uring", &NvmeTier::uses_io_uring)
@@ -230,10 +250,21 @@ void InitRuntime(py::module_& module) {
       .def("done", &CopyHandle::Done);
 
   py::class_<CopyEngine, std::shared_ptr<CopyEngine>>(module, "CopyEngine")
-      .def(py::init([](int host_threads, int device) {
-             return std::make_shared<CopyEngine>(CopyEngine::Options{host_threads, device});
+      .def(py::init([](int host_threads, int device,
+                       const std::optional<std::string>& fault_inject) {
+             return std::make_shared<CopyEngine>(
+                 CopyEngine::Options{host_threads, device, FaultsFrom(fault_inject)});
            }),
-           py::arg("host_threads") = 2, py::arg("device") = 0)
+           py::arg("host_threads") = 2, py::arg("device") = 0,
+           py::arg("fault_inject") = py::none(),
+           "fault_inject: tests only (Note [Fault injection]); None reads "
+           "PATRICKSTAR_FAULT_INJECT")
+      .def_property_readonly(
+          "faults_injected",
+          [](const CopyEngine& engine) {
+            return engine.options().faults ? engine.options().faults->injected() : 0;
+          },
+          "Copies failed by fault injection so far.")
       .def(
           "copy",
           [](CopyEngine& engine, const PyBlock& src, const PyBlock& dst) {

@@ -379,6 +379,11 @@ absl::Status ChunkManager::Evict(Chunk& victim, absl::Span<const ChunkId> exclud
                                                      tiers_[from].stats.name,
                                                      "' is the last tier of the hierarchy"));
   }
+  // A week-long run evicts billions of times: keep the latest records only (between
+  // kEvictionLogKeep and twice that; found by the soak test, tests/python/test_soak.py).
+  if (eviction_log_.size() >= 2 * kEvictionLogKeep) {
+    eviction_log_.erase(eviction_log_.begin(), eviction_log_.end() - kEvictionLogKeep);
+  }
   eviction_log_.push_back(EvictionRecord{tracer_.iteration(), tracer_.moment(),
                                          tracer_.cursor() - 1, victim.id_, from, from + 1});
   tiers_[from].stats.evictions += 1;

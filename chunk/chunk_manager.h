@@ -184,6 +184,8 @@ class ChunkManager {
   int num_tiers() const { return static_cast<int>(tiers_.size()); }
   const Tier& tier(int index) const { return *tiers_[index].tier; }
   std::vector<TierChunkStats> Stats() const;
+  // The most recent evictions: at least the last kEvictionLogKeep (all of them before that).
+  static constexpr size_t kEvictionLogKeep = 1 << 14;
   const std::vector<EvictionRecord>& eviction_log() const { return eviction_log_; }
   // Per-tier statistics alone: cheap enough to read every step (ToJson carries the trace).
   nlohmann::json TierStatsJson() const;

@@ -3,6 +3,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "runtime/fault_injection.h"
 #include "runtime/host_memory.h"
 #include "runtime/nvme_tier.h"
 #include "runtime/status.h"
@@ -97,6 +98,15 @@ absl::StatusOr<CopyHandle> CopyEngine::Copy(const Block& src, const Block& dst) 
     Finish(src, dst, state, std::move(status));
   };
 
+  if (options_.faults != nullptr) {
+    const IoFault fault = options_.faults->Next(FaultSite::kCopy, bytes);
+    if (fault.error != 0) {
+      pool_.Schedule([finish, error = fault.error] {
+        finish(ErrnoToStatus(error, "injected copy fault (PATRICKSTAR_FAULT_INJECT)"));
+      });
+      return handle;
+    }
+  }
   if (from == AddressSpace::kHostMemory && to == AddressSpace::kHostMemory) {
     pool_.Schedule([this, src, dst, state] { RunMemoryCopy(src, dst, state); });
   } else if (from == AddressSpace::kHostMemory && dst_nvme != nullptr) {

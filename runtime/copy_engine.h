@@ -22,6 +22,8 @@
 
 namespace ps {
 
+class FaultInjector;  // runtime/fault_injection.h
+
 // Completion handle of one copy; cheap to copy, all copies share the outcome.
 class CopyHandle {
  public:
@@ -45,6 +47,9 @@ class CopyEngine {
   struct Options {
     int host_threads = 2;
     int device = 0;  // the GPU whose copy stream is used
+    // Tests only (Note [Fault injection]): consulted before every copy; a fault fails the copy
+    // through its handle, as a real copy error would.
+    std::shared_ptr<FaultInjector> faults;
   };
   explicit CopyEngine(Options options);
   CopyEngine() : CopyEngine(Options{}) {}
@@ -56,6 +61,7 @@ class CopyEngine {
   // the copy starts (sizes, unknown blocks, an invalid source) are returned here; errors during
   // the copy are reported by the handle.
   absl::StatusOr<CopyHandle> Copy(const Block& src, const Block& dst);
+  const Options& options() const { return options_; }
   // Copy() then Wait().
   absl::Status CopyAndWait(const Block& src, const Block& dst);
   // Waits for every copy started so far.

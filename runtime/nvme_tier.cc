@@ -21,6 +21,7 @@
 #include "runtime/logging.h"
 #include "runtime/status.h"
 #include "runtime/thread_pool.h"
+#include "runtime/tsan.h"
 
 namespace ps {
 namespace {
@@ -235,6 +236,7 @@ class UringBackend final : public NvmeTier::IoBackend {
                             piece->bytes - piece->done_bytes, piece->offset + piece->done_bytes);
       }
       io_uring_sqe_set_data(sqe, piece);
+      PS_TSAN_RELEASE(piece);  // Note [Happens-before through the kernel]
       ++in_flight_;
       ++prepared;
     }
@@ -255,6 +257,7 @@ class UringBackend final : public NvmeTier::IoBackend {
       int64_t result = cqe->res;
       io_uring_cqe_seen(&ring_, cqe);
       if (piece == nullptr) return;
+      PS_TSAN_ACQUIRE(piece);
       if (std::optional<int64_t> injected = InjectedResult(piece)) result = *injected;
       // EINTR/EAGAIN are transient: the same remainder is submitted again.
       const bool finished = result != -EINTR && result != -EAGAIN && AccountResult(piece, result);

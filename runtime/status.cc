@@ -10,7 +10,12 @@ namespace ps {
 
 absl::Status Annotate(const absl::Status& status, absl::string_view context) {
   if (status.ok()) return status;
-  return absl::Status(status.code(), absl::StrCat(context, ": ", status.message()));
+  absl::Status annotated(status.code(), absl::StrCat(context, ": ", status.message()));
+  // Payloads (the errno) travel with the error, so Python still raises the right OSError.
+  status.ForEachPayload([&annotated](absl::string_view url, const absl::Cord& payload) {
+    annotated.SetPayload(url, payload);
+  });
+  return annotated;
 }
 
 namespace {

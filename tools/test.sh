@@ -1,21 +1,30 @@
 #!/usr/bin/env bash
 # Sets up everything (tools/setup.sh) and runs every test: the GoogleTest suite (ctest), the
-# pytest suite, and the C++ suite again under AddressSanitizer + UndefinedBehaviorSanitizer.
+# pytest suite (the slow soak test included), the C++ suite again under AddressSanitizer +
+# UndefinedBehaviorSanitizer, and the copy engine / NVMe IO / tier tests under ThreadSanitizer.
 # Exits non-zero on any failure, and also when a suite ran no test at all.
 #
 #   tools/test.sh                 everything
-#   tools/test.sh --no-sanitize   skip the sanitizer build (faster local runs)
-#   tools/test.sh --sanitize      only the sanitizer job
+#   tools/test.sh --no-sanitize   skip the sanitizer builds (faster local runs)
+#   tools/test.sh --sanitize      only the sanitizer jobs (ASan+UBSan, TSan)
+#   tools/test.sh --tsan          only the ThreadSanitizer job
+#   tools/test.sh --python-asan   only the Python tests against an ASan+UBSan patrickstar._C
+#                                 (tools/test_python_asan.sh; not in the default run: its
+#                                 module build takes ~8 min cold on 2 cores)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 run_main=1
 run_sanitize=1
+run_tsan=1
+run_python_asan=0
 for arg in "$@"; do
   case "$arg" in
-    --no-sanitize) run_sanitize=0 ;;
+    --no-sanitize) run_sanitize=0; run_tsan=0 ;;
     --sanitize) run_main=0 ;;
-    -h|--help) sed -n '2,9p' "$0"; exit 0 ;;
+    --tsan) run_main=0; run_sanitize=0 ;;
+    --python-asan) run_main=0; run_sanitize=0; run_tsan=0; run_python_asan=1 ;;
+    -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
     *) echo "tools/test.sh: unknown argument '$arg' (try --help)" >&2; exit 2 ;;
   esac
 done
@@ -65,5 +74,27 @@ if ((run_sanitize)); then
   # protect_shadow_gap=0 lets the CUDA driver map its memory where ASan would reserve it.
   ASAN_OPTIONS=protect_shadow_gap=0:detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
     run_ctest build-asan
+fi
+if ((run_tsan)); then
+  # Only the runtime's threaded parts: copy engine, NVMe IO (io_uring reaper, pread/pwrite
+  # workers), tiers and fault injection. Note [TSan and Debian's Abseil] in
+  # tests/cpp/tsan_absl_shim.cc explains the shim these binaries link.
+  log "copy engine and NVMe IO tests under ThreadSanitizer (build-tsan/)"
+  tsan_tests=(runtime_copy_engine_test runtime_nvme_tier_test runtime_tier_test
+              runtime_fault_injection_test)
+  if [ ! -f build-tsan/build.ninja ]; then
+    cmake -S . -B build-tsan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DPS_TSAN=ON \
+      -DPS_BUILD_PYTHON=OFF -DPS_BUILD_BENCHMARKS=OFF -DPS_WITH_CUDA=OFF >/dev/null
+  fi
+  cmake --build build-tsan -j"$jobs" --target "${tsan_tests[@]}"
+  for test in "${tsan_tests[@]}"; do
+    # halt_on_error: the first race fails the job with its report.
+    TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1" "build-tsan/tests/cpp/$test" \
+      --gtest_brief=1
+  done
+fi
+if ((run_python_asan)); then
+  log "Python tests against an ASan + UBSan patrickstar._C (build-asan-py/)"
+  tools/test_python_asan.sh tests/python -m "not slow"
 fi
 log "all tests passed"

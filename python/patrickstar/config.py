@@ -9,6 +9,7 @@ reported once, in one warning.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import math
 import os
@@ -121,6 +122,8 @@ class Config:
     memory: MemoryConfig = dataclasses.field(default_factory=MemoryConfig)
     profile: ProfileConfig = dataclasses.field(default_factory=ProfileConfig)
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    # fp32/bf16: what model.backward() does with a NaN/inf loss (Note [Training call order]).
+    nonfinite_loss: str = "raise"  # "raise" or "skip"
     ignored_keys: tuple[str, ...] = ()
 
     @property
@@ -176,7 +179,9 @@ def _check_keys(key: str, section: Mapping[str, Any], known: set[str]) -> None:
         if name not in known:
             path = f"{key}.{name}" if key else name
             choices = ", ".join(sorted(known))
-            raise ValueError(f"unknown config key '{path}' (known keys here: {choices})")
+            close = difflib.get_close_matches(str(name), sorted(known), n=1, cutoff=0.6)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            raise ValueError(f"unknown config key '{path}'{hint} (known keys here: {choices})")
 
 
 # Keys of PatrickStar's config that are accepted for compatibility but change nothing here.
@@ -322,6 +327,7 @@ _TOP_LEVEL: dict[str, Callable[[Any], Any] | None] = {
     "optimizer": _parse_optimizer, "fp16": _parse_fp16, "bf16": None,
     "gradient_clipping": None, "gradient_accumulation_steps": None, "memory": _parse_memory,
     "profile": _parse_profile, "parallel": _parse_parallel, "client": _parse_client,
+    "nonfinite_loss": None,
 }
 
 
@@ -353,6 +359,10 @@ def load_config(config: Mapping[str, Any] | str | os.PathLike | None) -> Config:
     if fp16.enabled and bf16_enabled:
         raise ValueError("config keys 'fp16.enabled' and 'bf16.enabled': only one of them may be "
                          "true")
+    nonfinite_loss = raw.get("nonfinite_loss", Config.nonfinite_loss)
+    if nonfinite_loss not in ("raise", "skip"):
+        raise ValueError(f"config key 'nonfinite_loss': expected \"raise\" or \"skip\", got "
+                         f"{nonfinite_loss!r}")
     ignored = _parse_client(raw.get("client", {}))
     release_after_init = _bool("release_after_init", raw.get("release_after_init", False))
     use_cpu_embedding = _bool("use_cpu_embedding", raw.get("use_cpu_embedding", False))
@@ -375,6 +385,7 @@ def load_config(config: Mapping[str, Any] | str | os.PathLike | None) -> Config:
         memory=_parse_memory(raw.get("memory", {})),
         profile=_parse_profile(raw.get("profile", {})),
         parallel=_parse_parallel(raw.get("parallel", {})),
+        nonfinite_loss=nonfinite_loss,
         ignored_keys=tuple(ignored),
     )
     if ignored:

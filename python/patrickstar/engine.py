@@ -40,8 +40,9 @@ from typing import Callable
 import torch
 from torch import nn
 
-from . import _C
+from . import _C, checkpoint
 from .config import Config, load_config
+from .guards import TrainingGuard, check_budgets
 from .hooks import ModuleHooks
 from .init_context import ParameterPlacer, plan_parameters
 from .loss_scaler import make_loss_scaler
@@ -119,6 +120,7 @@ class PatrickStarEngine(nn.Module):
         accumulate_fp32 = config.gradient_accumulation_steps > 1 or not self.mixed
         self.grad_dtype = torch.float32 if accumulate_fp32 else self.compute_dtype
         self.loss_scaler = make_loss_scaler(config)
+        self._guard = TrainingGuard(config)  # Note [Training call order] in guards.py
         self._micro_step = 0
         self._iteration = 0
         self._warmup_done = False
@@ -209,6 +211,8 @@ class PatrickStarEngine(nn.Module):
                                                          max(1, low // 4))
         else:
             self.layout = self.chunks.build_chunk_lists(config.default_chunk_size)
+        check_budgets(config, self.chunks.layout_json(), [spec.name for spec in specs],
+                      [spec.requires_grad for spec in specs], self.mixed)
 
     def _init_storage_ids(self, index: int) -> int:
         ids = self._ids[index]
@@ -301,6 +305,7 @@ class PatrickStarEngine(nn.Module):
         return data.as_strided(packed.size, packed.stride, data.storage_offset() + packed.offset)
 
     def forward(self, *args, **kwargs):
+        self._guard.check_alive("model(...)")
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack_saved, self._unpack_saved):
                 return self.module(*args, **kwargs)
@@ -312,12 +317,15 @@ class PatrickStarEngine(nn.Module):
     def backward(self, loss: torch.Tensor) -> None:
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError("backward(loss) expects a scalar loss tensor")
+        if not self._guard.before_backward(loss, self.precision):
+            return
         scale = self.loss_scaler.scale / self.config.gradient_accumulation_steps
         try:
             (loss.float() * scale).backward()
         finally:
             # Modules whose inputs need no grad never see their post-backward hook.
             self._release_all(S.HOLD_AFTER_BWD)
+        self._guard.after_backward()
         self._micro_step += 1
 
     def _make_grad_hook(self, index: int):
@@ -363,6 +371,12 @@ class PatrickStarEngine(nn.Module):
 
     def optimizer_step(self, optimizer: PatrickStarOptimizer) -> bool:
         """Applies one Adam/AdamW step; returns False when it was skipped for overflow."""
+        run = self._guard.before_step()
+        self._guard.after_step()
+        if not run:  # a non-finite loss was skipped (config nonfinite_loss: "skip")
+            self.zero_grad()
+            self._end_iteration()
+            return False
         clip = self.config.gradient_clipping
         # The scale the gradients carry: backward() used it and only this method changes it.
         grad_scale = self.loss_scaler.scale
@@ -517,6 +531,32 @@ class PatrickStarEngine(nn.Module):
                     self.chunks.release(tensor_id, S.HOLD)
         if "loss_scaler" in state_dict:
             self.loss_scaler.load_state_dict(state_dict["loss_scaler"])
+
+    # ---- Checkpoints (logic in checkpoint.py) ---------------------------------------------------
+
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True,
+                        lr_scheduler=None) -> bool:
+        """DeepSpeed's call: writes DIR/TAG atomically, then DIR/latest. The lr scheduler is
+        `lr_scheduler` or `model.lr_scheduler` when set."""
+        return checkpoint.save_checkpoint(self, save_dir, tag, client_state, save_latest,
+                                          lr_scheduler)
+
+    def load_checkpoint(self, load_dir, tag=None, load_optimizer_states: bool = True,
+                        load_lr_scheduler_states: bool = True, load_module_only: bool = False,
+                        **kwargs):
+        """DeepSpeed's call; returns (path, client_state), (None, None) without `latest`."""
+        return checkpoint.load_checkpoint(self, load_dir, tag, load_optimizer_states,
+                                          load_lr_scheduler_states, load_module_only, **kwargs)
+
+    def destroy(self) -> None:
+        """Frees every chunk and tier now (DeepSpeed's `engine.destroy()`); later calls raise.
+        NVMe swap files go away with their tier once nothing else holds it."""
+        self._guard.destroyed = True
+        self._hooks.remove()
+        for param in self._params:
+            param.data = self._placeholder()
+        self.chunks.close()
+        self.chunks = self.tiers = self.copy_engine = None
 
     def memory_stats(self) -> list[dict]:
         """Per tier: budget, chunk bytes now and at peak, bytes moved in and out, evictions."""

@@ -82,6 +82,13 @@ def plan_parameters(model_func: Callable[[], nn.Module]) -> tuple[list[ParamSpec
     with _preserved_rng(), _registration_hook(record), torch.device("meta"):
         model = _call_model_func(model_func)
     names = {id(p): n for n, p in model.named_parameters()}
+    outside = [(n, p.device) for n, p in model.named_parameters() if p.device.type != "meta"]
+    if outside:
+        raise RuntimeError(
+            "model_func returned a module built outside patrickstar.initialize() (parameter "
+            f"'{outside[0][0]}' already exists on {outside[0][1]}); pass a "
+            "function that builds a new module on each call, e.g. "
+            "initialize(lambda: MyModel(cfg)), so its parameters go straight into chunks")
     survives = [id(p) in names for p in registrations]
     specs = []
     for param, alive in zip(registrations, survives):

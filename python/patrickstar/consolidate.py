@@ -1,0 +1,153 @@
+"""`patrickstar-consolidate DIR OUT`: a PatrickStar checkpoint as a plain PyTorch state_dict.
+
+Like DeepSpeed's zero_to_fp32.py, but streaming: the output is created by `torch.save` with
+`torch.serialization.skip_data` over fake tensors (every storage's place in the file is fixed,
+no bytes written), then each storage record is filled with pwrite, tensor by tensor, from the
+shards (read with pread), so the process never holds more than one tensor (at most a chunk) of
+converted data, whatever the model's size. The result is an ordinary `torch.save` file:
+`model.load_state_dict(torch.load(OUT))` on the plain model (keys are `module.state_dict()`'s,
+tied weights appear under each of their names and share storage).
+
+Values: the fp32 master weights (fp32 compute weights of an fp32 run) converted to `--dtype`;
+when `--dtype` is the run's own 16-bit compute dtype, the exact 16-bit weights the run computed
+with. Buffers keep their saved dtype.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import zipfile
+
+import torch
+
+from .checkpoint import _DTYPES, CheckpointError, CheckpointReader, _numel
+
+__all__ = ["consolidate", "main"]
+
+_OUT_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+_RUN_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+
+
+def _source_kind(reader: CheckpointReader, name: str, dtype: str) -> str:
+    if _RUN_DTYPES[reader.meta["precision"]] == _RUN_DTYPES[dtype] or \
+            not reader.has(name, "master"):
+        return "param"
+    return "master"
+
+
+def _record_offsets(path: str) -> list[tuple[int, int]]:
+    """(data offset, size) of each storage record of a torch.save file, by storage key."""
+    with zipfile.ZipFile(path) as archive:
+        infos = {info.filename: info for info in archive.infolist()}
+    prefix = next(name for name in infos if name.endswith("/data.pkl"))[:-len("data.pkl")]
+    reader = torch._C.PyTorchFileReader(path)
+    offsets = []
+    while f"{prefix}data/{len(offsets)}" in infos:
+        record = f"data/{len(offsets)}"
+        offsets.append((reader.get_record_offset(record), infos[prefix + record].file_size))
+    return offsets
+
+
+def _fill(path: str, reader: CheckpointReader, plan, dtype: torch.dtype) -> int:
+    """Writes each tensor's bytes at its storage record (Note in the module docstring): torch
+    numbers storages in the order the pickler meets them, i.e. state_dict order, tied keys once.
+    Each record's size is checked against the tensor before anything is written."""
+    sources = list(dict.fromkeys((name, kind) for _, name, kind in plan))
+    offsets = _record_offsets(path)
+    if len(offsets) != len(sources):
+        raise AssertionError(f"{path}: {len(offsets)} storages for {len(sources)} tensors")
+    for (name, kind), (_, size) in zip(sources, offsets):
+        entry = reader.entry(name, kind)
+        itemsize = torch.empty((), dtype=dtype if kind != "buffer" else _DTYPES[entry.dtype]
+                               ).element_size()
+        if size != itemsize * _numel(entry.shape):
+            raise AssertionError(f"{path}: storage of {name} has {size} bytes")
+    total = 0
+    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        for (name, kind), (offset, size) in zip(sources, offsets):
+            tensor = reader.tensor(name, kind)
+            if kind != "buffer":
+                tensor = tensor.to(dtype)
+            data = memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())
+            written = 0
+            while written < size:
+                written += os.pwrite(fd, data[written:], offset + written)
+            total += size
+            del tensor, data
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return total
+
+
+def consolidate(checkpoint_dir, output, dtype: str = "fp32", tag: str | None = None,
+                verify: bool = True) -> dict:
+    """Writes `output` (atomically: a temporary name, fsync, rename); returns a summary."""
+    if dtype not in _OUT_DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_OUT_DTYPES)}, got {dtype!r}")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    output = os.fspath(output)
+    temp = f"{output}.tmp-{os.getpid()}"
+    with CheckpointReader(os.fspath(checkpoint_dir), tag, verify=verify) as reader:
+        keys = reader.meta["state_dict_keys"]
+        names = [t["name"] for t in reader.meta["tensors"]]
+        plan = []  # (key, name, kind) in state_dict order
+        for key, what, ref in keys:
+            if what == "param":
+                name = names[ref]
+                plan.append((key, name, _source_kind(reader, name, dtype)))
+            else:
+                plan.append((key, ref, "buffer"))
+        # Fake tensors carry shape and dtype but no memory; tied keys share one fake tensor.
+        with FakeTensorMode():
+            fakes, by_source = {}, {}
+            for key, name, kind in plan:
+                if (name, kind) not in by_source:
+                    entry = reader.entry(name, kind)
+                    out_dtype = (_OUT_DTYPES[dtype] if kind != "buffer"
+                                 else _DTYPES[entry.dtype])
+                    by_source[(name, kind)] = torch.empty(entry.shape, dtype=out_dtype)
+                fakes[key] = by_source[(name, kind)]
+        try:
+            with torch.serialization.skip_data(materialize_fake_tensors=True):
+                torch.save(fakes, temp)
+            del fakes, by_source
+            nbytes = _fill(temp, reader, plan, _OUT_DTYPES[dtype])
+            os.replace(temp, output)
+        except BaseException:
+            if os.path.exists(temp):
+                os.unlink(temp)
+            raise
+        return {"tag": reader.tag, "tensors": len(plan), "bytes": nbytes, "dtype": dtype,
+                "output": output}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="patrickstar-consolidate",
+        description="Write a PatrickStar checkpoint as a plain PyTorch state_dict file "
+                    "(streaming: memory stays near one tensor).")
+    parser.add_argument("checkpoint_dir", help="the directory given to save_checkpoint()")
+    parser.add_argument("output", help="the state_dict file to write (torch.save format)")
+    parser.add_argument("--dtype", choices=sorted(_OUT_DTYPES), default="fp32",
+                        help="dtype of the weights (default fp32, from the master copy)")
+    parser.add_argument("--tag", default=None, help="checkpoint tag (default: DIR/latest)")
+    parser.add_argument("--no-verify", action="store_true",
+                        help="skip the sha256 check of the shards")
+    args = parser.parse_args(argv)
+    try:
+        summary = consolidate(args.checkpoint_dir, args.output, args.dtype, args.tag,
+                              verify=not args.no_verify)
+    except (CheckpointError, OSError, ValueError) as error:
+        print(f"patrickstar-consolidate: error: {error}", file=sys.stderr)
+        return 1
+    print(f"wrote {summary['output']}: {summary['tensors']} entries, "
+          f"{summary['bytes'] / 2**20:.1f} MiB ({summary['dtype']}) from tag {summary['tag']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

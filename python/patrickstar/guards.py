@@ -1,0 +1,161 @@
+"""Checks that turn misuse of the engine into clear errors before any state changes.
+
+Note [Training call order]
+The engine expects, per optimizer step, exactly `gradient_accumulation_steps` calls of
+`model.backward(loss)` followed by one `optimizer.step()` (and `zero_grad()`), as a DeepSpeed
+user writes it. `TrainingGuard` counts backward calls since the last step:
+  * `step()` with no backward since the last step is an error (there are no gradients; a
+    silent no-op would hide a broken loop), and so is `step()` after fewer backward calls than
+    `gradient_accumulation_steps` (the loss was divided by that number, so the update would be
+    too small). DeepSpeed's `engine.step()` silently waits for the boundary instead; our step
+    is the user's `optimizer.step()`, called once per boundary, so a mismatch is a bug.
+  * more backward calls than `gradient_accumulation_steps` before a step is an error: without
+    accumulation a second backward would add a second batch's gradients into the first's.
+  * a non-finite loss in fp32/bf16 (fp16 has the loss scaler for that) is checked before its
+    backward runs: `nonfinite_loss: "raise"` (default) raises `FloatingPointError` and leaves
+    parameters, gradients and optimizer state as they were; `"skip"` drops the loss and turns
+    the coming `optimizer.step()` into a skipped step (counted in `optimizer.skipped_steps`),
+    like an fp16 overflow.
+After `model.destroy()` every call raises instead of touching freed chunk memory.
+"""
+from __future__ import annotations
+
+import json
+
+import torch
+
+from . import _C
+
+__all__ = ["TrainingGuard", "check_budgets"]
+
+
+class TrainingGuard:
+    def __init__(self, config):
+        self.accumulation = config.gradient_accumulation_steps
+        self.policy = config.nonfinite_loss
+        self.backwards = 0
+        self.skip_step = False
+        self.destroyed = False
+
+    def check_alive(self, what: str) -> None:
+        if self.destroyed:
+            raise RuntimeError(f"{what}: this PatrickStar engine was destroyed (model.destroy()); "
+                               f"its chunks are freed. Build a new one with "
+                               f"patrickstar.initialize()")
+
+    def before_backward(self, loss: torch.Tensor, precision: str) -> bool:
+        """False when this backward must be skipped (non-finite loss, policy "skip")."""
+        self.check_alive("model.backward()")
+        if self.backwards >= self.accumulation:
+            raise RuntimeError(
+                f"model.backward() called {self.backwards + 1} times since the last "
+                f"optimizer.step(), but gradient_accumulation_steps is {self.accumulation}: "
+                f"call optimizer.step() and optimizer.zero_grad() after every "
+                f"{self.accumulation} backward() call(s), or raise "
+                f"gradient_accumulation_steps")
+        if precision != "fp16" and not bool(torch.isfinite(loss.detach()).all()):
+            if self.policy == "raise":
+                raise FloatingPointError(
+                    f"model.backward(): the loss is {loss.item()} ({precision} training); "
+                    f"nothing was changed. Set the config key nonfinite_loss to \"skip\" to skip "
+                    f"such steps instead")
+            self.skip_step = True
+            self.backwards += 1
+            return False
+        return True
+
+    def after_backward(self) -> None:
+        self.backwards += 1
+
+    def before_step(self) -> bool:
+        """False when the step must be skipped (a skipped non-finite loss in it)."""
+        self.check_alive("optimizer.step()")
+        if self.backwards == 0:
+            raise RuntimeError("optimizer.step() called before model.backward(loss): there are "
+                               "no gradients for this step (call model.backward() first)")
+        if self.backwards < self.accumulation:
+            raise RuntimeError(
+                f"optimizer.step() after {self.backwards} of {self.accumulation} backward() "
+                f"calls of this step (gradient_accumulation_steps = {self.accumulation}): "
+                f"call model.backward() {self.accumulation - self.backwards} more time(s) first")
+        return not self.skip_step
+
+    def after_step(self) -> None:
+        self.backwards = 0
+        self.skip_step = False
+
+
+def _chunks_per_tensor(layout: dict) -> tuple[dict, dict, dict]:
+    """(tensor name -> chunk id, chunk id -> bytes, kind -> bytes of all its chunks)."""
+    chunk_of, chunk_bytes, per_kind = {}, {}, {}
+    for chunk in layout["chunks"]:
+        chunk_bytes[chunk["id"]] = chunk["bytes"]
+        per_kind[chunk["kind"]] = per_kind.get(chunk["kind"], 0) + chunk["bytes"]
+        for tensor in chunk["tensors"]:
+            chunk_of[tensor["name"]] = chunk["id"]
+    return chunk_of, chunk_bytes, per_kind
+
+
+def _fmt(nbytes: int) -> str:
+    return f"{nbytes} bytes ({nbytes / 2**20:.2f} MiB)"
+
+
+def check_budgets(config, manager_json: str, names: list[str], trainable: list[bool],
+                  mixed: bool) -> None:
+    """Refuses, before any chunk is allocated, budgets that no placement can satisfy: the
+    device must hold a module's compute chunks and a gradient chunk at once (its backward),
+    the host the chunks one Adam update touches at once, and without an NVMe tier device plus
+    host must hold every chunk that always has a payload."""
+    memory = config.memory
+    layout = json.loads(manager_json)
+    chunk_of, chunk_bytes, per_kind = _chunks_per_tensor(layout)
+    # A module's backward holds the compute chunks of all its own parameters while each
+    # gradient chunk is accessed in turn (the post-accumulate-grad hook).
+    modules: dict[str, list[str]] = {}
+    for name in names:
+        modules.setdefault(name.rpartition(".")[0], []).append(name)
+    device_need = host_need = 0
+    device_who = host_who = ""
+    for module, members in modules.items():
+        compute = {chunk_of[name] for name in members}
+        grads = [chunk_bytes[chunk_of[f"{n}#grad"]] for n, t in zip(names, trainable)
+                 if t and n in members]
+        need = sum(chunk_bytes[c] for c in compute) + max(grads, default=0)
+        if need > device_need:
+            device_need, device_who = need, module or "<root>"
+    for name, train in zip(names, trainable):
+        if train:
+            parts = ["grad", "momentum", "variance"] + (["master"] if mixed else [])
+            chunks = {chunk_of[name]} | {chunk_of[f"{name}#{p}"] for p in parts}
+            host = sum(chunk_bytes[c] for c in chunks)
+            if host > host_need:
+                host_need, host_who = host, name
+    where = (f"(default_chunk_size={config.default_chunk_size} elements; lower it or raise the "
+             f"budget)")
+    if memory.device_budget is not None and memory.device_budget < device_need:
+        raise _C.ChunkOutOfMemoryError(
+            f"config key 'memory.device_budget' = {_fmt(memory.device_budget)} is smaller than "
+            f"the chunks module '{device_who}' needs on the device at once in its backward "
+            f"(the compute chunks of its parameters and one gradient chunk): "
+            f"{_fmt(device_need)} {where}")
+    # Initialization keeps every compute (and master) chunk on the host until all parameters
+    # exist (a known limit of the engine, docs/design.md).
+    init_need = per_kind.get("compute_param", 0) + per_kind.get("master_param", 0)
+    if memory.host_budget is not None and memory.host_budget < init_need:
+        raise _C.ChunkOutOfMemoryError(
+            f"config key 'memory.host_budget' = {_fmt(memory.host_budget)} is smaller than the "
+            f"parameter chunks initialization holds on the host at once: {_fmt(init_need)}")
+    if memory.host_budget is not None and memory.host_budget < host_need:
+        raise _C.ChunkOutOfMemoryError(
+            f"config key 'memory.host_budget' = {_fmt(memory.host_budget)} is smaller than the "
+            f"chunks one Adam update of '{host_who}' holds on the host at once: "
+            f"{_fmt(host_need)} {where}")
+    if memory.nvme.path is None and memory.host_budget is not None \
+            and memory.device_budget is not None:
+        resident = sum(v for k, v in per_kind.items() if k != "gradient")
+        if memory.host_budget + memory.device_budget < resident:
+            raise _C.ChunkOutOfMemoryError(
+                f"config keys 'memory.device_budget' + 'memory.host_budget' = "
+                f"{_fmt(memory.device_budget + memory.host_budget)} cannot hold the "
+                f"{_fmt(resident)} of parameter and optimizer-state chunks, and there is no "
+                f"NVMe tier (memory.nvme.path) to spill to")

@@ -1,0 +1,372 @@
+"""Checkpoints (issue 10): exact resume, atomicity under SIGKILL, checksums, mismatch errors,
+resharding by tensor name."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import warnings
+
+import numpy
+import pytest
+import torch
+from torch import nn
+
+import patrickstar
+from patrickstar import checkpoint
+from patrickstar.checkpoint import CheckpointError, CheckpointReader
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+class DropoutMLP(nn.Module):
+    """Dropout and a BatchNorm buffer, so resume depends on RNG states and buffers."""
+
+    def __init__(self, sizes=(32, 64, 64, 10)):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(sizes, sizes[1:]))
+        self.norm = nn.BatchNorm1d(sizes[1], affine=False)  # fp32 buffers in every mode
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x, y):
+        x = x.to(self.layers[0].weight.dtype)  # the compute dtype (fp32, fp16 or bf16)
+        x = self.drop(torch.relu(self.norm(self.layers[0](x).float()).to(x.dtype)))
+        for layer in self.layers[1:-1]:
+            x = self.drop(torch.relu(layer(x)))
+        return nn.functional.cross_entropy(self.layers[-1](x).float(), y)
+
+
+def batches(steps, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return [(torch.randn(16, 32, generator=generator),
+             torch.randint(0, 10, (16,), generator=generator)) for _ in range(steps)]
+
+
+PRECISIONS = {
+    "fp32": {},
+    "fp16": {"fp16": {"enabled": True, "initial_scale_power": 8}},
+    "bf16": {"bf16": {"enabled": True}},
+}
+
+
+def make(config, model_func=DropoutMLP, seed=0):
+    torch.manual_seed(seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, opt = patrickstar.initialize(model_func, config=config)
+    return model, opt
+
+
+def train(model, opt, data, scheduler=None):
+    losses = []
+    for x, y in data:
+        loss = model(x, y)
+        model.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        if scheduler is not None:
+            scheduler.step()
+        losses.append(loss.item())
+    return losses
+
+
+def full_state(model, opt):
+    state = {f"model.{k}": v.clone() for k, v in model.state_dict().items()}
+    opt_state = opt.state_dict()
+    for index, entry in opt_state["state"].items():
+        for key, value in entry.items():
+            state[f"opt.{index}.{key}"] = value.clone()
+    state["loss_scale"] = torch.tensor(opt.loss_scale)
+    return state
+
+
+def assert_identical(a: dict, b: dict):
+    assert a.keys() == b.keys()
+    for key in a:
+        assert a[key].dtype == b[key].dtype, key
+        assert torch.equal(a[key], b[key]), f"{key} differs"
+
+
+def base_config(precision, **extra):
+    config = {"default_chunk_size": 4096,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}}}
+    config.update(PRECISIONS[precision])
+    config.update(extra)
+    return config
+
+
+def resume_pair(tmp_path, config, before=3, after=3):
+    """Trains `before` steps, saves, trains `after` more; a fresh engine loads the checkpoint
+    and trains the same `after` steps. Returns both runs' losses and final states."""
+    data = batches(before + after)
+    model, opt = make(config)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    train(model, opt, data[:before], sched)
+    assert model.save_checkpoint(tmp_path, client_state={"epoch": 7}, lr_scheduler=sched)
+    rng_after_save = (torch.get_rng_state(), random.random(), numpy.random.rand())
+    losses = train(model, opt, data[before:], sched)
+    expected = full_state(model, opt)
+
+    other, other_opt = make(config, seed=123)  # different init and RNG: all must be restored
+    other_sched = torch.optim.lr_scheduler.StepLR(other_opt, step_size=2, gamma=0.5)
+    torch.manual_seed(999), random.seed(999), numpy.random.seed(999)
+    path, client_state = other.load_checkpoint(tmp_path, lr_scheduler=other_sched)
+    assert path == os.path.join(tmp_path, f"global_step{before}")
+    assert client_state == {"epoch": 7}
+    assert torch.equal(torch.get_rng_state(), rng_after_save[0])
+    assert random.random() == rng_after_save[1] and numpy.random.rand() == rng_after_save[2]
+    assert other_sched.state_dict() == {**sched.state_dict(), "last_epoch": before,
+                                        "_step_count": before + 1,
+                                        "_last_lr": other_sched.state_dict()["_last_lr"]}
+    torch.set_rng_state(rng_after_save[0])
+    resumed = train(other, other_opt, data[before:], other_sched)
+    return losses, resumed, expected, full_state(other, other_opt)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16"])
+def test_exact_resume_is_bit_identical(tmp_path, precision):
+    losses, resumed, expected, actual = resume_pair(tmp_path, base_config(precision))
+    assert losses == resumed  # bit for bit, not approximately
+    assert_identical(expected, actual)
+
+
+def test_exact_resume_with_nvme_state_and_tight_budgets(tmp_path, nvme_dir):
+    # 4096-element fp32 chunks are 16 KiB; device 3 + host 4 of the 8 chunks: the rest is on
+    # NVMe at every save and load.
+    config = base_config("fp32", memory={"device_budget": 3 * 16384, "host_budget": 4 * 16384,
+                                         "nvme": {"path": nvme_dir}})
+    losses, resumed, expected, actual = resume_pair(tmp_path, config)
+    assert losses == resumed
+    assert_identical(expected, actual)
+
+
+def test_fp16_loss_scaler_and_skipped_steps_are_restored(tmp_path):
+    config = base_config("fp16")
+    config["fp16"].update({"loss_scale_window": 3, "hysteresis": 1})
+    model, opt = make(config)
+    x, y = batches(1)[0]
+    model.backward(model(x, y) * float("inf"))
+    opt.step(), opt.zero_grad()
+    train(model, opt, batches(2, seed=1))
+    assert opt.skipped_steps == 1 and opt.loss_scale == 128
+    model.save_checkpoint(tmp_path, tag="t")
+    other, other_opt = make(config)
+    other.load_checkpoint(tmp_path, "t")
+    assert other_opt.skipped_steps == 1 and other_opt.loss_scale == 128
+    assert other.loss_scaler.state_dict() == model.loss_scaler.state_dict()
+    # One more clean step completes the window of 3 in both.
+    data = batches(1, seed=2)
+    train(model, opt, data), train(other, other_opt, data)
+    assert opt.loss_scale == other_opt.loss_scale == 256
+
+
+def test_layout_on_disk_and_latest_pointer(tmp_path):
+    model, opt = make(base_config("bf16"))
+    train(model, opt, batches(2))
+    model.save_checkpoint(tmp_path)
+    model.save_checkpoint(tmp_path, tag="named")
+    assert (tmp_path / "latest").read_text().strip() == "named"
+    assert sorted(os.listdir(tmp_path)) == ["global_step2", "latest", "named"]
+    assert sorted(os.listdir(tmp_path / "named")) == ["meta.json", "rank_00000.shard",
+                                                      "rank_00000_extra.pt"]
+    meta = checkpoint.read_meta(str(tmp_path / "named"))
+    assert meta["precision"] == "bf16" and meta["world_size"] == 1
+    assert meta["layout"]["chunk_elements"] == 4096
+    assert meta["layout"]["hash"] == f"{model.layout['layout_hash']:016x}"
+    assert meta["engine"]["step_counts"]["layers.0.weight"] == 2
+    with CheckpointReader(str(tmp_path)) as reader:
+        kinds = {kind for _, kind in reader.index}
+        assert kinds == {"param", "master", "exp_avg", "exp_avg_sq", "buffer"}
+        assert reader.entry("layers.0.weight", "param").dtype == "bfloat16"
+        assert reader.entry("layers.0.weight", "master").offset % 64 == 0
+    # Overwriting an existing tag swaps it atomically and leaves no partial directory.
+    model.save_checkpoint(tmp_path, tag="named")
+    assert sorted(os.listdir(tmp_path)) == ["global_step2", "latest", "named"]
+
+
+def test_missing_latest_returns_none_like_deepspeed(tmp_path):
+    model, _ = make(base_config("fp32"))
+    with pytest.warns(UserWarning, match="no 'latest' file"):
+        assert model.load_checkpoint(tmp_path) == (None, None)
+    with pytest.raises(CheckpointError, match="does not exist"):
+        model.load_checkpoint(tmp_path, tag="nope")
+    with pytest.raises(ValueError, match="tag"):
+        model.save_checkpoint(tmp_path, tag="../escape")
+
+
+def _saved(tmp_path, precision="fp32", **config_extra):
+    model, opt = make(base_config(precision, **config_extra))
+    train(model, opt, batches(2))
+    model.save_checkpoint(tmp_path, tag="t")
+    return model, opt
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "flip_extra", "meta"])
+def test_corrupt_or_truncated_files_are_named_and_change_nothing(tmp_path, damage):
+    _saved(tmp_path)
+    target = {"flip": "rank_00000.shard", "truncate": "rank_00000.shard",
+              "flip_extra": "rank_00000_extra.pt", "meta": "meta.json"}[damage]
+    path = tmp_path / "t" / target
+    data = bytearray(path.read_bytes())
+    if damage == "truncate":
+        del data[len(data) // 2:]
+    else:
+        data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    model, opt = make(base_config("fp32"), seed=5)
+    before = full_state(model, opt)
+    with pytest.raises(CheckpointError, match=target):
+        model.load_checkpoint(tmp_path)
+    assert_identical(before, full_state(model, opt))
+
+
+def test_mismatched_checkpoints_name_the_difference(tmp_path):
+    _saved(tmp_path)
+    other_model, _ = make(base_config("fp32"), model_func=lambda: DropoutMLP((32, 48, 64, 10)))
+    with pytest.raises(CheckpointError, match=r"other model: 'layers.0.weight' has shape "
+                                              r"\[64, 32\] in the checkpoint but \[48, 32\]"):
+        other_model.load_checkpoint(tmp_path)
+    bf16, _ = make(base_config("bf16"))
+    with pytest.raises(CheckpointError, match="other dtype: the checkpoint was written in fp32"):
+        bf16.load_checkpoint(tmp_path)
+    relaid, opt = make(base_config("fp32", default_chunk_size=8192))
+    before = full_state(relaid, opt)
+    with pytest.raises(CheckpointError, match=r"other layout: chunk layout hash .* \(4096 "
+                                              r"elements per chunk\) .* \(8192 elements\)"):
+        relaid.load_checkpoint(tmp_path)
+    assert_identical(before, full_state(relaid, opt))
+    # By tensor name the values load exactly into the other layout.
+    relaid.load_checkpoint(tmp_path, allow_reshard=True)
+    original, original_opt = make(base_config("fp32"))
+    original.load_checkpoint(tmp_path)
+    assert_identical(full_state(original, original_opt), full_state(relaid, opt))
+
+
+def test_save_refuses_pending_gradients_and_load_module_only(tmp_path):
+    config = base_config("fp32", gradient_accumulation_steps=2)
+    model, opt = make(config)
+    x, y = batches(1)[0]
+    model.backward(model(x, y))
+    with pytest.raises(RuntimeError, match="pending"):
+        model.save_checkpoint(tmp_path)
+    assert not os.path.exists(tmp_path / "latest")
+    model.backward(model(x, y))
+    opt.step(), opt.zero_grad()
+    model.save_checkpoint(tmp_path)
+    fresh, fresh_opt = make(config, seed=3)
+    fresh.load_checkpoint(tmp_path, load_module_only=True)
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, fresh.state_dict()[key])
+    assert fresh_opt.state_dict()["state"] == {}  # optimizer state untouched
+
+
+def _fake_two_rank_checkpoint(source_dir, tag, target_dir):
+    """Rewrites a 1-rank checkpoint as the 2-rank one a data-parallel run would write: each rank's
+    shard holds the tensors of the chunks the chunk manager's 2-rank layout gives that rank
+    (Note [Resharding]); buffers and extra state go with every rank."""
+    with CheckpointReader(source_dir, tag) as reader:
+        meta = dict(reader.meta)
+        os.makedirs(os.path.join(target_dir, tag))
+        shards, extras = [], []
+        for rank in range(2):
+            owned = checkpoint.owned_tensor_names(meta, world_size=2, rank=rank)
+            entries = [checkpoint.Entry(name, kind, e.dtype, e.shape)
+                       for (name, kind), (_, e) in reader.index.items()
+                       if (name, kind) in owned or kind == "buffer"]
+            path = os.path.join(target_dir, tag, checkpoint.shard_name(rank))
+            size, digest = checkpoint.write_shard(
+                path, {"rank": rank, "world_size": 2}, entries,
+                lambda e: reader.tensor(e.name, e.kind).clone())
+            shards.append({"rank": rank, "file": checkpoint.shard_name(rank), "bytes": size,
+                           "sha256": digest})
+            extra = os.path.join(reader.directory, checkpoint.extra_name(0))
+            target_extra = os.path.join(target_dir, tag, checkpoint.extra_name(rank))
+            with open(extra, "rb") as src, open(target_extra, "wb") as dst:
+                dst.write(src.read())
+            extras.append({**meta["extras"][0], "rank": rank,
+                           "file": checkpoint.extra_name(rank)})
+        meta.update(world_size=2, shards=shards, extras=extras)
+        meta["layout"] = {**meta["layout"], "world_size": 2}
+        with open(os.path.join(target_dir, tag, "meta.json"), "w") as handle:
+            json.dump({"format": checkpoint.FORMAT, "version": checkpoint.VERSION,
+                       "sha256": checkpoint._meta_checksum(meta), "body": meta}, handle)
+        return shards, reader
+
+
+def test_two_rank_layout_loads_on_one_rank_and_one_rank_splits_for_two(tmp_path):
+    original, original_opt = _saved(tmp_path / "one", "fp16")
+    _fake_two_rank_checkpoint(str(tmp_path / "one"), "t", str(tmp_path / "two"))
+    with CheckpointReader(str(tmp_path / "two"), "t") as two:
+        per_rank = [{key for key, (shard, _) in two.index.items() if shard is s}
+                    for s in two.shards]
+        params = [{k for k in keys if k[1] != "buffer"} for keys in per_rank]
+        assert params[0] and params[1] and not params[0] & params[1]  # a real split
+    model, opt = make(base_config("fp16"), seed=9)
+    with pytest.raises(CheckpointError, match="written by 2 rank"):
+        model.load_checkpoint(tmp_path / "two", "t")
+    model.load_checkpoint(tmp_path / "two", "t", allow_reshard=True)
+    assert_identical(full_state(original, original_opt), full_state(model, opt))
+    # 1 -> 2: each rank of a 2-rank layout finds all of its tensors in the 1-rank checkpoint.
+    with CheckpointReader(str(tmp_path / "one"), "t") as one:
+        for rank in range(2):
+            for name, kind in checkpoint.owned_tensor_names(one.meta, 2, rank):
+                assert one.has(name, kind), (rank, name, kind)
+
+
+# ---- Crashes ---------------------------------------------------------------------------------
+
+WRITER = os.path.join(HERE, "checkpoint_writer.py")
+
+
+def _run_writer(save_dir, mode, crash_at=None):
+    env = dict(os.environ)
+    env.pop("PATRICKSTAR_CHECKPOINT_CRASH_AT", None)
+    if crash_at:
+        env["PATRICKSTAR_CHECKPOINT_CRASH_AT"] = crash_at
+    return subprocess.Popen([sys.executable, WRITER, str(save_dir), mode], env=env,
+                            stdout=subprocess.PIPE, text=True)
+
+
+def _load_latest(save_dir):
+    model, opt = make(base_config("fp32"), seed=4)
+    path, client = model.load_checkpoint(save_dir)
+    return os.path.basename(path), client, model
+
+
+CRASH_POINTS = {"shard_half_written": "first", "before_meta": "first",
+                "before_rename": "first", "before_latest": "first", "after_latest": "second"}
+
+
+def test_sigkill_at_every_stage_leaves_the_previous_checkpoint_loadable(tmp_path):
+    writers = {point: _run_writer(tmp_path / point, "two", point) for point in CRASH_POINTS}
+    for point, expected in CRASH_POINTS.items():
+        writer = writers[point]
+        writer.communicate(timeout=120)
+        assert writer.returncode == -signal.SIGKILL, point
+        tag, client, _ = _load_latest(tmp_path / point)
+        assert tag == expected and client == {"tag": expected}, point
+        # The dead writer's partial directory is removed by the next save.
+        model, opt = make(base_config("fp32"))
+        model.save_checkpoint(tmp_path / point, tag="third")
+        assert sorted(os.listdir(tmp_path / point)) == sorted(
+            {"first", "latest", "third"} | ({"second"} if expected == "second"
+                                            or point == "before_latest" else set())), point
+
+
+def test_sigkill_at_random_moments_never_breaks_latest(tmp_path):
+    rng = random.Random(1234)
+    for attempt in range(3):
+        save_dir = tmp_path / f"run{attempt}"
+        writer = _run_writer(save_dir, "loop")
+        assert writer.stdout.readline().strip() == "ready"  # the first checkpoint exists
+        time.sleep(rng.uniform(0.0, 0.5))
+        writer.send_signal(signal.SIGKILL)
+        writer.communicate(timeout=60)
+        tag, client, model = _load_latest(save_dir)
+        assert client == {"tag": tag}
+        expected = torch.full((64, 32), float(client["tag"].split("-")[1]))
+        assert torch.equal(model.state_dict()["layers.0.weight"], expected)

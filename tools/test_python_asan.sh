@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# The Python tests of the runtime against an ASan + UBSan build of patrickstar._C
+# (docs/design.md, "ASan over the Python tests"). CPython and torch are not instrumented, so
+# libasan is preloaded and leak checking is off (both keep allocations until exit by design);
+# every heap access of our C++ code, and every chunk slab (from libc in sanitizer builds), is
+# checked.
+#
+#   tools/test_python_asan.sh [pytest args]   default: the runtime/chunk/kernel/checkpoint tests
+set -uo pipefail
+cd "$(dirname "$0")/.."
+root=$PWD
+python=$root/.venv/bin/python
+[ -x "$python" ] || tools/setup.sh
+
+if [ ! -f build-asan-py/build.ninja ]; then
+  cmake -S . -B build-asan-py -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DPS_SANITIZE=ON \
+    -DPS_SANITIZE_PYTHON=ON -DPS_BUILD_PYTHON=ON -DPS_BUILD_TESTS=OFF -DPS_BUILD_BENCHMARKS=OFF \
+    -DPS_WITH_CUDA=OFF -DPython_EXECUTABLE="$python" >/dev/null || exit 1
+fi
+cmake --build build-asan-py -j"$(nproc)" --target _C || exit 1
+
+# A package directory whose _C is the sanitized module and whose Python files are the sources.
+pkg=build-asan-py/pythonpath/patrickstar
+rm -rf "$pkg" && mkdir -p "$pkg"
+for entry in python/patrickstar/*; do ln -s "$root/$entry" "$pkg/"; done
+ln -sf "$root"/build-asan-py/bindings/_C*.so "$pkg/"
+# The editable install's import hook sits in front of sys.path; sitecustomize (run by every
+# Python process on this PYTHONPATH, test subprocesses included) drops it so this package, with
+# the sanitized _C, is the one imported.
+cat > build-asan-py/pythonpath/sitecustomize.py <<'PY'
+import sys
+sys.meta_path[:] = [f for f in sys.meta_path
+                    if not type(f).__module__.startswith("_editable_skbc_")]
+PY
+
+# libstdc++ is preloaded too: python itself does not link it, and ASan's __cxa_throw
+# interceptor must find the real one when it initializes ("CHECK failed: real___cxa_throw").
+libasan="$(gcc -print-file-name=libasan.so) $(gcc -print-file-name=libstdc++.so)"
+export PYTHONPATH=$root/build-asan-py/pythonpath
+# Reports also go to build-asan-py/asan.<pid> (pytest's capture would swallow a dying process's
+# stderr).
+rm -f build-asan-py/asan.*
+export ASAN_OPTIONS=detect_leaks=0:protect_shadow_gap=0:halt_on_error=1:log_path=$root/build-asan-py/asan
+export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1:log_path=$root/build-asan-py/ubsan
+if [ $# -eq 0 ]; then
+  set -- tests/python/test_runtime.py tests/python/test_chunk_bindings.py \
+    tests/python/test_adam.py tests/python/test_checkpoint.py tests/python/test_reliability.py \
+    -m "not slow"
+fi
+LD_PRELOAD=$libasan "$python" -c "
+import sys
+import patrickstar, pytest
+assert patrickstar._C.__file__.startswith('$root/build-asan-py'), patrickstar._C.__file__
+print('sanitized module:', patrickstar._C.__file__, flush=True)
+sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider'] + sys.argv[1:]))" "$@"
+status=$?
+if compgen -G "build-asan-py/*san.*" >/dev/null; then
+  echo "[asan] sanitizer reports:" >&2
+  cat build-asan-py/*san.* >&2
+  status=1
+fi
+exit $status
