@@ -9,6 +9,8 @@
 
 #include "absl/synchronization/mutex.h"
 #include "bindings/init.h"
+#include "bindings/py_chunk_manager.h"
+#include "bindings/torch_dtype.h"
 #include "bindings/status_exceptions.h"
 #include "chunk/chunk_kind.h"
 #include "chunk/chunk_manager.h"
@@ -25,18 +27,6 @@ TierKind ParseTierKind(const std::string& name) {
   if (name == "host") return TierKind::kHost;
   if (name == "nvme") return TierKind::kNvme;
   throw py::value_error("unknown tier '" + name + "': expected 'device', 'host' or 'nvme'");
-}
-
-at::ScalarType ToScalarType(DType dtype) {
-  switch (dtype) {
-    case DType::kFloat32:
-      return at::kFloat;
-    case DType::kFloat16:
-      return at::kHalf;
-    case DType::kBFloat16:
-      return at::kBFloat16;
-  }
-  throw py::value_error("unknown dtype");
 }
 
 py::dict ViewToDict(const TensorView& view) {
@@ -61,31 +51,6 @@ py::dict LayoutToDict(const LayoutReport& report) {
   d["layout_hash"] = report.layout_hash;
   return d;
 }
-
-// The manager is not thread-safe, and long calls release the GIL, so each manager carries a
-// mutex taken (after the GIL is dropped) by every call.
-class PyChunkManager {
- public:
-  explicit PyChunkManager(std::unique_ptr<ChunkManager> manager) : manager_(std::move(manager)) {}
-
-  template <typename F>
-  auto Run(F&& f) {
-    py::gil_scoped_release release;
-    absl::MutexLock lock(&mutex_);
-    return f(*manager_);
-  }
-
-  // For calls that run Python code (callbacks): the GIL stays held.
-  template <typename F>
-  auto RunHoldingGil(F&& f) {
-    absl::MutexLock lock(&mutex_);
-    return f(*manager_);
-  }
-
- private:
-  absl::Mutex mutex_;
-  std::unique_ptr<ChunkManager> manager_;
-};
 
 // A torch tensor over a COMPUTE tensor's bytes. It holds no lease: it is valid only until the
 // tensor is released (the engine's hooks re-create views on every access).
