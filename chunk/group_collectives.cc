@@ -102,10 +102,20 @@ absl::StatusOr<void*> GroupCollectives::PinChunk(ChunkId id, bool zero_fill,
   if (chosen < 0) return nullptr;  // no tensor, or every tensor RELEASED (nothing to send)
   const TensorState before = (*manager_->tensor(chosen))->state;
   if (!HoldsData(before) && !chunk->has_payload() && !zero_fill) return nullptr;
-  PS_RETURN_IF_ERROR(manager_->Access(chosen, options_.tier).status());
+  PS_RETURN_IF_ERROR(manager_->Access(chosen, TierFor(*chunk)).status());
   pins->push_back(Pin{chosen, before});
   PS_ASSIGN_OR_RETURN(chunk, manager_->chunk(id));
   return chunk->payload().data();
+}
+
+TierKind GroupCollectives::TierFor(const Chunk& chunk) const {
+  // Gradient chunks have no views outside the engine's hooks; moving them to the collective's
+  // tier keeps a pending reduce-scatter from holding device memory during backward.
+  if (!chunk.has_payload() || chunk.kind() == ChunkKind::kGradient) return options_.tier;
+  const Tier& tier = manager_->tier(chunk.tier_index());
+  const bool usable =
+      tier.kind() != TierKind::kNvme && tier.address_space() == communicator_->address_space();
+  return usable ? tier.kind() : options_.tier;
 }
 
 absl::Status GroupCollectives::Unpin(std::vector<Pin>& pins) {
@@ -186,14 +196,10 @@ absl::StatusOr<bool> GroupCollectives::Gather(ChunkId group) {
 }
 
 absl::Status GroupCollectives::ReleaseAll(ChunkKind kind) {
-  for (ChunkId first : Groups(kind)) {
-    bool holds_remote = false;
-    for (int r = 0; r < manager_->world_size(); ++r) {
-      const Chunk* member = *manager_->chunk(first + r);
-      holds_remote |= !manager_->IsLocal(member->id()) && member->has_payload();
-    }
-    if (holds_remote) PS_RETURN_IF_ERROR(manager_->ReleaseGroup(first));
-  }
+  // Every group, on every rank, whether or not this rank holds a remote payload of it (it may
+  // own all of a group's tensors): whether a later Gather runs its collective must not depend
+  // on the rank (Note [Collective order]).
+  for (ChunkId first : Groups(kind)) PS_RETURN_IF_ERROR(manager_->ReleaseGroup(first));
   return absl::OkStatus();
 }
 
@@ -247,7 +253,7 @@ absl::Status GroupCollectives::FinishReduceScatters() {
       // chunk is still pinned, so unpinning cannot drop the payload.
       for (TensorId t : (*manager_->chunk(local))->tensors()) {
         if ((*manager_->tensor(t))->state != TensorState::kFree) continue;
-        status = manager_->Access(t, options_.tier).status();
+        status = manager_->Access(t, TierFor(**manager_->chunk(local))).status();
         if (status.ok()) status = manager_->Release(t, TensorState::kHold);
         if (!status.ok()) break;
       }

@@ -6,8 +6,9 @@
 // Note [Pinning a group for a collective]
 // A collective writes into (and reads from) every chunk of a group at once, possibly on another
 // thread, so none of them may move or be freed until it is done. The manager pins a chunk while
-// one of its tensors is COMPUTE, so each member is pinned by accessing one of its tensors in the
-// collective's tier and released back to the state it had when the collective ends (a tensor of
+// one of its tensors is COMPUTE, so each member is pinned by accessing one of its tensors: a
+// parameter chunk where it already is if the communicator can reach that memory, anything else
+// in the collective's tier (a copy), and released back to the state it had when the collective ends (a tensor of
 // the local chunk of a reduce-scatter goes to HOLD: it now holds the reduced gradient). A member
 // without tensors (padding) or without data is passed as a null buffer (Note [Group
 // collectives] in runtime/communicator.h). The extra accesses appear in the tracer's access
@@ -54,7 +55,8 @@ class GroupCollectives {
   // Gathers the group (named by any of its chunks) if this rank lacks data of it (PlanGather's
   // needs_gather); synchronous. Returns whether a collective ran.
   absl::StatusOr<bool> Gather(ChunkId group);
-  // Releases every group of `kind` of which this rank holds a remote payload (ReleaseGroup).
+  // Releases every group of `kind` (ReleaseGroup): remote payloads are dropped and the next
+  // Gather of each group runs its collective, on every rank alike.
   absl::Status ReleaseAll(ChunkKind kind);
 
   // Starts the reduce-scatter of a gradient group; its chunks stay pinned until
@@ -88,6 +90,10 @@ class GroupCollectives {
   // it has no tensor or (unless `zero_fill`) no data.
   absl::StatusOr<void*> PinChunk(ChunkId chunk, bool zero_fill, std::vector<Pin>* pins);
   absl::Status Unpin(std::vector<Pin>& pins);
+  // Where to pin `chunk`: a parameter chunk stays in its own tier when the communicator can
+  // address it, so that pinning does not move it (autograd may hold views of its current
+  // memory); gradient chunks, and chunks elsewhere, go to options_.tier.
+  TierKind TierFor(const Chunk& chunk) const;
   absl::Status WaitAll(const std::vector<CollectiveHandle>& handles) const;
   std::string Label(ChunkId first) const;
 

@@ -32,6 +32,7 @@ from torch import nn
 
 from . import _C
 from .config import Config, load_config
+from .data_parallel import DataParallel, detect_world
 from .hooks import ModuleHooks
 from .init_context import ParameterPlacer, plan_parameters
 from .loss_scaler import make_loss_scaler
@@ -53,17 +54,20 @@ class T:  # the chunk manager's tier names
 class _ChunkManager:
     """The C++ chunk manager with `access` returning a torch view (valid until release)."""
 
-    def __init__(self, tiers, copy_engine):
+    def __init__(self, tiers, copy_engine, world_size=1, rank=0):
         # Prefetch is off: a prefetched copy is not invalidated when its source chunk is written
         # afterwards (Adam's update on the host), which corrupts the next backward's parameters
         # (found by test_gpt_fp32_tied_embeddings_matches_pytorch; fix belongs in the manager).
-        self.manager = _C.ChunkManager(tiers=tiers, copy_engine=copy_engine, world_size=1,
-                                       rank=0, prefetch_moments=0)
+        self.manager = _C.ChunkManager(tiers=tiers, copy_engine=copy_engine,
+                                       world_size=world_size, rank=rank, prefetch_moments=0)
+        self.before_access = None  # data parallelism: gathers a remote group first
 
     def __getattr__(self, name):
         return getattr(self.manager, name)
 
     def access(self, tensor_id: int, tier: str) -> torch.Tensor:
+        if self.before_access is not None:
+            self.before_access(tensor_id)
         self.manager.access(tensor_id, tier)
         return self.manager.torch_view(tensor_id)
 
@@ -102,6 +106,7 @@ class PatrickStarEngine(nn.Module):
         specs, survives = plan_parameters(model_func)
         if not specs:
             raise ValueError("model_func built a module without parameters; nothing to train")
+        self._dp = DataParallel(config, *detect_world(config))
         self._build_runtime(specs)
 
         self._init_views: dict[int, int] = {}
@@ -112,7 +117,9 @@ class PatrickStarEngine(nn.Module):
         self._param_index = {id(p): i for i, p in enumerate(self._params)}
         self._shapes = [spec.shape for spec in specs]
         self._names = [spec.name for spec in specs]
+        self._dp.attach(self)
         self._finish_init()
+        self._dp.after_init()
 
         self._placeholders = {}
         self._access_count = [0] * len(self._params)
@@ -157,15 +164,13 @@ class PatrickStarEngine(nn.Module):
                                      block_size=memory.nvme.block_size, name="nvme"))
         self.tiers = tiers
         self.copy_engine = _C.CopyEngine(host_threads=2, device=self.local_rank)
-        self.chunks = _ChunkManager(tiers, self.copy_engine)
+        self.chunks = _ChunkManager(tiers, self.copy_engine, self._dp.world_size, self._dp.rank)
         compute_name = _DTYPE_NAMES[self.compute_dtype]
         grad_name = _DTYPE_NAMES[self.grad_dtype]
-        self._ids = []
-        for spec in specs:
-            ids = _Tensors()
-            ids.compute = self.chunks.register_tensor(spec.name, list(spec.shape),
-                                                      K.COMPUTE_PARAM, compute_name)
-            self._ids.append(ids)
+        self._ids = [_Tensors() for _ in specs]
+        for i in self._dp.compute_registration_order(specs):
+            self._ids[i].compute = self.chunks.register_tensor(
+                specs[i].name, list(specs[i].shape), K.COMPUTE_PARAM, compute_name)
         trainable = [i for i, spec in enumerate(specs) if spec.requires_grad]
         # Registered kind by kind so each list packs in registration order.
         for kind, attr, dtype in ((K.MASTER_PARAM, "master", "float32"),
@@ -252,11 +257,13 @@ class PatrickStarEngine(nn.Module):
 
     def forward(self, *args, **kwargs):
         try:
-            return self.module(*args, **kwargs)
+            output = self.module(*args, **kwargs)
         finally:
             if not torch.is_grad_enabled() or not self.module.training:
                 # No backward follows: give everything back now.
                 self._release_all(S.HOLD_AFTER_FWD)
+        self._dp.after_forward()
+        return output
 
     def backward(self, loss: torch.Tensor) -> None:
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
@@ -267,6 +274,7 @@ class PatrickStarEngine(nn.Module):
         finally:
             # Modules whose inputs need no grad never see their post-backward hook.
             self._release_all(S.HOLD_AFTER_BWD)
+        self._dp.after_backward()
         self._micro_step += 1
 
     def _make_grad_hook(self, index: int):
@@ -284,6 +292,7 @@ class PatrickStarEngine(nn.Module):
                     view.copy_(grad)
             self.chunks.release(grad_id, S.HOLD)
             self._has_grad[index] = True
+            self._dp.on_grad(index)
         return hook
 
     # ---- Optimizer -----------------------------------------------------------------------------
@@ -308,6 +317,7 @@ class PatrickStarEngine(nn.Module):
             grad_squared, bad = _C.kernels.grad_stats([grad])
             overflow |= bad
             squared += grad_squared
+        overflow, squared = self._dp.all_reduce_grad_stats(overflow, squared)
         return overflow, math.sqrt(squared)
 
     def optimizer_step(self, optimizer: PatrickStarOptimizer) -> bool:
@@ -364,6 +374,7 @@ class PatrickStarEngine(nn.Module):
                 self._has_grad[index] = False
 
     def _end_iteration(self) -> None:
+        self._dp.after_step()
         self.chunks.end_iteration()
         self._iteration += 1
 
@@ -379,6 +390,7 @@ class PatrickStarEngine(nn.Module):
 
     def state_dict(self, destination=None, prefix: str = "", keep_vars: bool = False):
         """The module's state dict with full parameters (compute dtype) read out of chunks."""
+        self._dp.gather_all()  # a collective: every rank calls state_dict()
         result = self.module.state_dict(keep_vars=True)
         for name, value in list(result.items()):
             index = self._param_index.get(id(value))
