@@ -213,6 +213,47 @@ TEST_P(GroupCollectivesTest, ARankThatNeverComesIsADeadlineNamingTheCollective) 
   EXPECT_THAT(gathered.status().message(), HasSubstr("on fake"));
 }
 
+TEST(GroupCollectivesSingleOwnerTest, EveryRankGathersAGroupOneRankOwnsEntirely) {
+  // One small tensor: chunk 0 holds it, chunk 1 is padding, so rank 0 holds no remote payload.
+  // Both ranks must still run the group's allgather (a rank-dependent decision would pair the
+  // collective with a different one on the other rank).
+  auto world = std::make_shared<testing::FakeWorld>(2);
+  std::vector<std::unique_ptr<Rank>> ranks;
+  for (int r = 0; r < 2; ++r) {
+    auto rank = std::make_unique<Rank>();
+    ChunkManagerOptions options;
+    options.world_size = 2;
+    options.rank = r;
+    rank->manager = testing::MakeManager(rank->hierarchy, options);
+    ASSERT_TRUE(rank->manager->RegisterTensor(testing::Spec("only", {100})).ok());
+    ASSERT_TRUE(rank->manager->BuildChunkLists(kChunkElements).ok());
+    rank->communicator = std::make_unique<testing::FakeCommunicator>(world, r);
+    rank->collectives = *GroupCollectives::Create(rank->manager.get(), rank->communicator.get(), {});
+    ranks.push_back(std::move(rank));
+  }
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      ChunkManager& m = *ranks[r]->manager;
+      auto view = m.Access(0, TierKind::kHost);
+      ASSERT_TRUE(view.ok());
+      reinterpret_cast<float*>(view->address)[7] = r == 0 ? 42.0f : -1.0f;
+      ASSERT_TRUE(m.Release(0, TensorState::kHold).ok());
+      GroupCollectives& c = *ranks[r]->collectives;
+      ASSERT_TRUE(c.ReleaseAll(ChunkKind::kComputeParam).ok());
+      auto gathered = c.Gather(c.Groups(ChunkKind::kComputeParam).front());
+      ASSERT_TRUE(gathered.ok()) << gathered.status();
+      EXPECT_TRUE(*gathered) << "rank " << r;
+      view = m.Access(0, TierKind::kHost);
+      ASSERT_TRUE(view.ok());
+      EXPECT_EQ(reinterpret_cast<float*>(view->address)[7], 42.0f) << "rank " << r;
+      ASSERT_TRUE(m.Release(0, TensorState::kHold).ok());
+    });
+  }
+  for (std::thread& thread : threads) thread.join();
+  for (auto& rank : ranks) rank->collectives.reset();
+}
+
 TEST_P(GroupCollectivesTest, MismatchedWorldIsRefused) {
   Build({});
   testing::FakeCommunicator other(world_, 1);

@@ -167,3 +167,15 @@ def test_a_stalled_rank_is_a_timeout_naming_the_collective(tmp_path):
     assert survivor.get("error_type") == "TimeoutError", survivor
     assert "allgather" in survivor["error"] and "compute_param group 0" in survivor["error"]
     assert survivor["elapsed"] < 10
+
+
+def test_parallel_config_errors_name_the_key():
+    import patrickstar
+    from test_initialize import MLP
+    with pytest.raises(ValueError, match="parallel.reduce_scatter"):
+        patrickstar.initialize(MLP, config={"parallel": {"reduce_scatter": "tree"}})
+    with pytest.raises(ValueError, match="parallel.collective_timeout"):
+        patrickstar.initialize(MLP, config={"parallel": {"collective_timeout": 0}})
+    # No torch.distributed world here: asking for two data-parallel ranks is an error.
+    with pytest.raises(ValueError, match="'parallel.data': 2 data-parallel ranks"):
+        patrickstar.initialize(MLP, config={"parallel": {"data": 2}})
