@@ -13,13 +13,13 @@
 // exchanges of one chunk with the neighbours over send/recv: each rank sends and receives
 // (world_size - 1) chunks, half of what an all-reduce moves) and "allreduce" (all-reduce of the
 // whole group, keep the own chunk). tools/bench/collectives.py measures them.
-#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
-#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/extension.h>
 
 #include <chrono>
 #include <memory>
 #include <string>
+#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -157,10 +157,9 @@ class ProcessGroupCommunicator : public Communicator {
   template <typename F>
   CollectiveHandle Issue(CollectiveType type, std::vector<void*> buffers, int64_t count,
                          DType dtype, int root, std::string label, F&& body) {
-    CollectiveDescription description{type, static_cast<int64_t>(buffers.size()), count, dtype,
-                                      std::move(label), backend_};
-    const bool group =
-        type == CollectiveType::kAllGather || type == CollectiveType::kReduceScatter;
+    CollectiveDescription description{
+        type, static_cast<int64_t>(buffers.size()), count, dtype, std::move(label), backend_};
+    const bool group = type == CollectiveType::kAllGather || type == CollectiveType::kReduceScatter;
     // Null single buffers are allowed (Note [Group collectives]); Input/Output give scratch.
     std::vector<void*> checked = buffers;
     if (!group && checked[0] == nullptr) checked[0] = this;
@@ -173,8 +172,8 @@ class ProcessGroupCommunicator : public Communicator {
         state->Finish(absl::OkStatus());
       } catch (const std::exception& error) {
         const std::string what = error.what();
-        const bool timed_out = what.find("imed out") != std::string::npos ||
-                               what.find("imeout") != std::string::npos;
+        const bool timed_out =
+            what.find("imed out") != std::string::npos || what.find("imeout") != std::string::npos;
         state->Finish(timed_out ? absl::DeadlineExceededError(what) : absl::UnavailableError(what));
       }
     });
@@ -258,8 +257,7 @@ struct Buffers {
   DType dtype = DType::kFloat32;
 };
 
-Buffers BuffersOf(const py::sequence& tensors, const Communicator& communicator,
-                  const char* what) {
+Buffers BuffersOf(const py::sequence& tensors, const Communicator& communicator, const char* what) {
   Buffers result;
   std::optional<DType> dtype;
   for (const py::handle& item : tensors) {
@@ -285,9 +283,7 @@ struct PyGroupCollectives {
 }  // namespace
 
 void InitComm(py::module_& module) {
-  py::enum_<ReduceOp>(module, "ReduceOp")
-      .value("SUM", ReduceOp::kSum)
-      .value("AVG", ReduceOp::kAvg);
+  py::enum_<ReduceOp>(module, "ReduceOp").value("SUM", ReduceOp::kSum).value("AVG", ReduceOp::kAvg);
 
   py::class_<CollectiveHandle>(module, "CollectiveHandle")
       .def(
@@ -355,8 +351,8 @@ void InitComm(py::module_& module) {
 
   module.def(
       "process_group_communicator",
-      [](const std::string& group_name, const std::string& reduce_scatter, double timeout_s)
-          -> std::shared_ptr<Communicator> {
+      [](const std::string& group_name, const std::string& reduce_scatter,
+         double timeout_s) -> std::shared_ptr<Communicator> {
         ReduceScatterAlgorithm algorithm;
         if (reduce_scatter == "native") {
           algorithm = ReduceScatterAlgorithm::kNative;
@@ -383,13 +379,14 @@ void InitComm(py::module_& module) {
       "(`group.group_name`): gloo on CPU, NCCL when torch has it (Note [c10d back end]).");
 
   module.def("nccl_available", &NcclAvailable, "Whether this build has the direct NCCL back end.");
-  module.def("nccl_unique_id", [] { return py::bytes(ValueOrThrow(NcclUniqueId())); },
-             "A new ncclUniqueId (rank 0 makes it and shares it with the others).");
+  module.def(
+      "nccl_unique_id", [] { return py::bytes(ValueOrThrow(NcclUniqueId())); },
+      "A new ncclUniqueId (rank 0 makes it and shares it with the others).");
   module.def(
       "nccl_communicator",
       [](int rank, int world_size, int device, const py::bytes& unique_id) {
-        std::shared_ptr<Communicator> communicator = ValueOrThrow(
-            CreateNcclCommunicator(rank, world_size, device, std::string(unique_id)));
+        std::shared_ptr<Communicator> communicator =
+            ValueOrThrow(CreateNcclCommunicator(rank, world_size, device, std::string(unique_id)));
         return communicator;
       },
       py::arg("rank"), py::arg("world_size"), py::arg("device"), py::arg("unique_id"),
@@ -453,16 +450,16 @@ void InitComm(py::module_& module) {
            [](PyGroupCollectives& self) {
              ThrowIfError(self.Run([](GroupCollectives& c) { return c.FinishReduceScatters(); }));
            })
-      .def_property_readonly("pending_reduce_scatters",
-                             [](PyGroupCollectives& self) {
-                               return self.Run(
-                                   [](GroupCollectives& c) { return c.pending_reduce_scatters(); });
-                             })
-      .def_property_readonly("collectives_issued",
-                             [](PyGroupCollectives& self) {
-                               return self.Run(
-                                   [](GroupCollectives& c) { return c.collectives_issued(); });
-                             })
+      .def_property_readonly(
+          "pending_reduce_scatters",
+          [](PyGroupCollectives& self) {
+            return self.Run([](GroupCollectives& c) { return c.pending_reduce_scatters(); });
+          })
+      .def_property_readonly(
+          "collectives_issued",
+          [](PyGroupCollectives& self) {
+            return self.Run([](GroupCollectives& c) { return c.collectives_issued(); });
+          })
       .def_property_readonly("bytes_communicated", [](PyGroupCollectives& self) {
         return self.Run([](GroupCollectives& c) { return c.bytes_communicated(); });
       });

@@ -30,7 +30,8 @@ inline DType FromScalarType(at::ScalarType type) {
       return DType::kBFloat16;
     default:
       throw pybind11::value_error(std::string("collectives take float32, float16 or bfloat16 "
-                                              "tensors, got ") + c10::toString(type));
+                                              "tensors, got ") +
+                                  c10::toString(type));
   }
 }
 

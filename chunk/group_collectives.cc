@@ -34,8 +34,7 @@ absl::StatusOr<std::unique_ptr<GroupCollectives>> GroupCollectives::Create(
           communicator->address_space() == AddressSpace::kDeviceMemory ? "device" : "host",
           " memory"));
     }
-    return std::unique_ptr<GroupCollectives>(
-        new GroupCollectives(manager, communicator, options));
+    return std::unique_ptr<GroupCollectives>(new GroupCollectives(manager, communicator, options));
   }
   return absl::InvalidArgumentError(absl::StrCat("group collectives: the chunk manager has no ",
                                                  TierKindName(options.tier), " tier"));

@@ -8,10 +8,10 @@
 // thread, so none of them may move or be freed until it is done. The manager pins a chunk while
 // one of its tensors is COMPUTE, so each member is pinned by accessing one of its tensors: a
 // parameter chunk where it already is if the communicator can reach that memory, anything else
-// in the collective's tier (a copy), and released back to the state it had when the collective ends (a tensor of
-// the local chunk of a reduce-scatter goes to HOLD: it now holds the reduced gradient). A member
-// without tensors (padding) or without data is passed as a null buffer (Note [Group
-// collectives] in runtime/communicator.h). The extra accesses appear in the tracer's access
+// in the collective's tier (a copy), and released back to the state it had when the collective ends
+// (a tensor of the local chunk of a reduce-scatter goes to HOLD: it now holds the reduced
+// gradient). A member without tensors (padding) or without data is passed as a null buffer (Note
+// [Group collectives] in runtime/communicator.h). The extra accesses appear in the tracer's access
 // sequence like any other.
 //
 // Note [Collective order]
@@ -44,8 +44,9 @@ struct GroupCollectiveOptions {
 class GroupCollectives {
  public:
   // Both must outlive this object; `communicator` has the manager's world size and rank.
-  static absl::StatusOr<std::unique_ptr<GroupCollectives>> Create(
-      ChunkManager* manager, Communicator* communicator, GroupCollectiveOptions options);
+  static absl::StatusOr<std::unique_ptr<GroupCollectives>> Create(ChunkManager* manager,
+                                                                  Communicator* communicator,
+                                                                  GroupCollectiveOptions options);
 
   // The first chunk of every group of `kind` that holds at least one tensor, in group order.
   std::vector<ChunkId> Groups(ChunkKind kind) const;

@@ -118,8 +118,9 @@ absl::Status ValidateCollective(const Communicator& communicator, CollectiveType
 // `world_size` ranks on `device`, its own stream, ncclGroupStart/End around each group call.
 // `unique_id` is the 128-byte ncclUniqueId made by rank 0 (NcclUniqueId) and shared by the
 // caller. FailedPrecondition in builds without NCCL (the reason is in the message).
-absl::StatusOr<std::unique_ptr<Communicator>> CreateNcclCommunicator(
-    int rank, int world_size, int device, const std::string& unique_id);
+absl::StatusOr<std::unique_ptr<Communicator>> CreateNcclCommunicator(int rank, int world_size,
+                                                                     int device,
+                                                                     const std::string& unique_id);
 absl::StatusOr<std::string> NcclUniqueId();
 bool NcclAvailable();  // compiled with NCCL
 

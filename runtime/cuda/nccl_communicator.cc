@@ -145,8 +145,8 @@ class NcclCommunicator : public Communicator {
   template <typename F>
   CollectiveHandle Issue(CollectiveType type, std::vector<void*> buffers, int64_t count,
                          DType dtype, int root, std::string label, F&& enqueue) {
-    CollectiveDescription description{type, static_cast<int64_t>(buffers.size()), count, dtype,
-                                      std::move(label), backend()};
+    CollectiveDescription description{
+        type, static_cast<int64_t>(buffers.size()), count, dtype, std::move(label), backend()};
     std::vector<void*> checked = buffers;
     const bool group = type == CollectiveType::kAllGather || type == CollectiveType::kReduceScatter;
     if (!group && checked[0] == nullptr) checked[0] = this;
@@ -231,8 +231,9 @@ absl::StatusOr<std::string> NcclUniqueId() {
   return std::string(id.internal, sizeof(id.internal));
 }
 
-absl::StatusOr<std::unique_ptr<Communicator>> CreateNcclCommunicator(
-    int rank, int world_size, int device, const std::string& unique_id) {
+absl::StatusOr<std::unique_ptr<Communicator>> CreateNcclCommunicator(int rank, int world_size,
+                                                                     int device,
+                                                                     const std::string& unique_id) {
   if (world_size <= 0 || rank < 0 || rank >= world_size) {
     return absl::InvalidArgumentError(
         absl::StrCat("NCCL communicator: rank ", rank, " of a world of ", world_size));
@@ -251,8 +252,7 @@ absl::StatusOr<std::unique_ptr<Communicator>> CreateNcclCommunicator(
   std::memcpy(id.internal, unique_id.data(), sizeof(id.internal));
   PS_RETURN_IF_ERROR(CudaStatus(cudaSetDevice(device), "cudaSetDevice"));
   ncclComm_t comm;
-  PS_RETURN_IF_ERROR(
-      NcclStatus(ncclCommInitRank(&comm, world_size, id, rank), "ncclCommInitRank"));
+  PS_RETURN_IF_ERROR(NcclStatus(ncclCommInitRank(&comm, world_size, id, rank), "ncclCommInitRank"));
   cudaStream_t stream;
   absl::Status created =
       CudaStatus(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");

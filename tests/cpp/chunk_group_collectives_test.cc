@@ -3,8 +3,6 @@
 // group, reduce-scatters leave each rank the average of its own chunk and drop the rest, the
 // memory-saving mode gives the same bytes with broadcast/reduce, and a rank that never comes
 // makes the others fail with DeadlineExceeded naming the collective.
-#include "chunk/group_collectives.h"
-
 #include <cstring>
 #include <functional>
 #include <memory>
@@ -13,6 +11,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "chunk/group_collectives.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/cpp/chunk_test_util.h"
@@ -228,7 +227,8 @@ TEST(GroupCollectivesSingleOwnerTest, EveryRankGathersAGroupOneRankOwnsEntirely)
     ASSERT_TRUE(rank->manager->RegisterTensor(testing::Spec("only", {100})).ok());
     ASSERT_TRUE(rank->manager->BuildChunkLists(kChunkElements).ok());
     rank->communicator = std::make_unique<testing::FakeCommunicator>(world, r);
-    rank->collectives = *GroupCollectives::Create(rank->manager.get(), rank->communicator.get(), {});
+    rank->collectives =
+        *GroupCollectives::Create(rank->manager.get(), rank->communicator.get(), {});
     ranks.push_back(std::move(rank));
   }
   std::vector<std::thread> threads;

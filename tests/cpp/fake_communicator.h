@@ -104,11 +104,11 @@ class FakeCommunicator : public Communicator {
  private:
   CollectiveHandle Issue(CollectiveType type, absl::Span<void* const> buffers, int64_t count,
                          DType dtype, ReduceOp op, int root, std::string label) {
-    CollectiveDescription description{type, static_cast<int64_t>(buffers.size()), count, dtype,
-                                      std::move(label), backend()};
+    CollectiveDescription description{
+        type, static_cast<int64_t>(buffers.size()), count, dtype, std::move(label), backend()};
     const bool group = type == CollectiveType::kAllGather || type == CollectiveType::kReduceScatter;
-    absl::Status valid = group ? ValidateCollective(*this, type, buffers, count, root)
-                               : absl::OkStatus();
+    absl::Status valid =
+        group ? ValidateCollective(*this, type, buffers, count, root) : absl::OkStatus();
     if (valid.ok() && dtype != DType::kFloat32) {
       valid = absl::UnimplementedError("the fake communicator reduces float32 only");
     }

@@ -46,9 +46,8 @@ TEST(NcclCommunicatorTest, OneRankCollectivesOnTheDevice) {
   ASSERT_TRUE(comm.AllReduce(*device, kCount, DType::kFloat32, ReduceOp::kSum, "test")
                   .Wait(absl::Seconds(60))
                   .ok());
-  ASSERT_TRUE(comm.Broadcast(*device, kCount, DType::kFloat32, 0, "test")
-                  .Wait(absl::Seconds(60))
-                  .ok());
+  ASSERT_TRUE(
+      comm.Broadcast(*device, kCount, DType::kFloat32, 0, "test").Wait(absl::Seconds(60)).ok());
   std::vector<float> back(kCount);
   ASSERT_TRUE(gpu::CopyAsync(back.data(), *device, kCount * sizeof(float), *stream).ok());
   ASSERT_TRUE(gpu::SynchronizeStream(*stream).ok());
