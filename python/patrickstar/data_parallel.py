@@ -114,11 +114,9 @@ class DataParallel:
                 f"({engine.layout['oversize_tensors'][:3]}) get chunks of their own, so their "
                 "groups would have chunks of different sizes; set default_chunk_size to at "
                 "least the largest parameter's element count")
-        if engine.mixed:
-            raise NotImplementedError("data parallel: fp16/bf16 training is not supported yet "
-                                      "(fp32 only); see docs/design.md, Data parallelism")
         for index, ids in enumerate(engine._ids):
-            owned = {self._is_local(t) for t in (ids.compute, ids.grad, ids.momentum, ids.variance)
+            owned = {self._is_local(t) for t in (ids.compute, ids.master, ids.grad, ids.momentum,
+                                                   ids.variance)
                      if t is not None}
             if len(owned) != 1:
                 raise RuntimeError(f"data parallel: parameter '{engine._names[index]}' has its "
@@ -152,6 +150,10 @@ class DataParallel:
                 self._grad_group_of[index] = p
                 self._group_size[p] += 1
         self._reset_backward()
+
+    def owns(self, manager, tensor_id: int) -> bool:
+        """Whether this rank keeps the chunk of `tensor_id` (always, for a world of one)."""
+        return not self.enabled or manager.is_local(manager.tensor_info(tensor_id)["chunk"])
 
     def _is_local(self, tensor_id: int) -> bool:
         manager = self._engine.chunks.manager

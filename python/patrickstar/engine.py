@@ -190,27 +190,35 @@ class PatrickStarEngine(nn.Module):
         else:
             self.layout = self.chunks.build_chunk_lists(config.default_chunk_size)
 
-    def _init_storage_ids(self, index: int) -> int:
+    def _init_storage_ids(self, index: int) -> int | None:
         ids = self._ids[index]
+        if ids.master is not None and not self._dp.owns(self.chunks.manager, ids.master):
+            return None  # data parallel: another rank keeps this master copy
         return ids.master if ids.master is not None else ids.compute
 
     def _place_at_init(self, index: int, param: nn.Parameter) -> torch.Tensor:
         # The fp32 copy (master in mixed precision) receives the module's own initialization.
         tensor_id = self._init_storage_ids(index)
+        if tensor_id is None:  # the fp32 initialization lands in a temporary
+            view = torch.empty(param.shape, dtype=torch.float32)
+            self._init_views[index] = view
+            return view
         view = self.chunks.access(tensor_id, T.HOST)
         self._init_views[index] = tensor_id
         return view.view(param.shape)
 
     def _finish_init(self) -> None:
         with torch.no_grad():
-            for index, tensor_id in sorted(self._init_views.items()):
+            for index, tensor_id in sorted(self._init_views.items(), key=lambda item: item[0]):
                 ids = self._ids[index]
                 if self.mixed:
-                    master = self.chunks.manager.torch_view(tensor_id)
+                    master = tensor_id if isinstance(tensor_id, torch.Tensor) else \
+                        self.chunks.manager.torch_view(tensor_id)
                     compute = self.chunks.access(ids.compute, T.HOST)
-                    compute.copy_(master)
+                    compute.copy_(master.view_as(compute))
                     self.chunks.release(ids.compute, S.HOLD)
-                self.chunks.release(tensor_id, S.HOLD)
+                if not isinstance(tensor_id, torch.Tensor):
+                    self.chunks.release(tensor_id, S.HOLD)
         del self._init_views
 
     def _placeholder(self) -> torch.Tensor:
@@ -426,8 +434,8 @@ class PatrickStarEngine(nn.Module):
                     continue
                 ids = self._ids[index]
                 for tensor_id in (ids.compute, ids.master):
-                    if tensor_id is None:
-                        continue
+                    if tensor_id is None or not self._dp.owns(self.chunks.manager, tensor_id):
+                        continue  # data parallel: the owner loads it
                     view = self.chunks.access(tensor_id, T.HOST)
                     try:
                         view.view(shape).copy_(source)

@@ -38,6 +38,12 @@ def branch_batches(steps, batch=16, seed=0):
         yield x, y
 
 
+def half_mlp_batches(steps, batch=16, seed=0):
+    """fp16 inputs for fp16 parameters (the fp32 reference casts them back)."""
+    for x, y in mlp_batches(steps, batch, seed):
+        yield x.half(), y
+
+
 @dataclasses.dataclass
 class Scenario:
     model: Callable[[], nn.Module]
@@ -79,6 +85,11 @@ SCENARIOS = {
         "default_chunk_size": 8192,
         "memory": {"device_budget": int(2 * model_bytes(_gpt) * 0.5)}},
         steps=10, weight_decay=0.1, atol=5e-5),
+    # Mixed precision: tracked against fp32 PyTorch loosely (test_initialize.py's bf16 test).
+    "gpt_bf16": Scenario(_gpt, _gpt_batches, {"default_chunk_size": 16384,
+                                              "bf16": {"enabled": True}}, steps=10),
+    "mlp_fp16": Scenario(MLP, half_mlp_batches, {"default_chunk_size": 4096, "fp16": {
+        "enabled": True, "initial_scale_power": 8}}, steps=10),
     "branch": Scenario(RankDependentBranch, branch_batches, {"default_chunk_size": 2048},
                        steps=6),
 }
@@ -99,6 +110,7 @@ def reference(name: str, world: int):
     optimizer = make_optimizer(s.optimizer, model.parameters(), s.lr, s.weight_decay)
     losses = []
     for step, batch in enumerate(s.batches(s.steps * s.accumulation)):
+        batch = tuple(t.float() if t.is_floating_point() else t for t in batch)
         loss = sum(model(*shard(batch, r, world)) for r in range(world)) / world
         (loss / s.accumulation).backward()
         losses.append(loss.item())

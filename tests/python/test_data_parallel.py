@@ -4,6 +4,7 @@ killed rank are errors, not hangs. Each test launches real processes (dp_worker.
 would, and compares in this process."""
 from __future__ import annotations
 
+import math
 import os
 import socket
 import subprocess
@@ -72,7 +73,7 @@ def check_matches_reference(results, name: str):
 
 
 TWO_RANK_SCENARIOS = ["mlp", "mlp_tight", "mlp_accumulation_clipping", "mlp_memory_saving",
-                      "gpt", "gpt_tight", "branch"]
+                      "gpt", "gpt_tight", "branch", "gpt_bf16", "mlp_fp16"]
 
 
 @pytest.fixture(scope="module")
@@ -121,6 +122,19 @@ def test_memory_saving_mode_matches_with_broadcast_and_reduce(two_ranks):
     # world_size broadcasts / reduces per group instead of one collective.
     assert result["collectives"] == 2 * ((steps + 1) * result["compute_groups"] + steps * result[
         "grad_groups"])
+
+
+@pytest.mark.parametrize("name", ["gpt_bf16", "mlp_fp16"])
+def test_mixed_precision_tracks_fp32_pytorch(two_ranks, name):
+    ref_losses, _ = reference(name, 2)
+    losses = [sum(r[name]["losses"][i] for r in two_ranks) / 2 for i in range(len(ref_losses))]
+    for step, (ours, ref) in enumerate(zip(losses, ref_losses)):
+        # 8 (bf16) or 11 (fp16) bits of mantissa: within 2% as in test_initialize.py.
+        assert abs(ours - ref) <= 0.02 * abs(ref), (step, ours, ref)
+    assert not any(math.isnan(loss) for loss in losses)
+    state = two_ranks[0][name]["state"]
+    for key, tensor in two_ranks[1][name]["state"].items():
+        torch.testing.assert_close(state[key], tensor, rtol=0, atol=0)
 
 
 def test_rank_dependent_control_flow_neither_deadlocks_nor_diverges(two_ranks):
