@@ -58,6 +58,12 @@ class Scenario:
     atol: float = 1e-6
 
 
+def _mlp_frozen_first():
+    model = MLP()
+    model.layers[0].weight.requires_grad_(False)
+    return model
+
+
 def _gpt():
     return GPT(gpt_config())
 
@@ -90,6 +96,10 @@ SCENARIOS = {
                                               "bf16": {"enabled": True}}, steps=10),
     "mlp_fp16": Scenario(MLP, half_mlp_batches, {"default_chunk_size": 4096, "fp16": {
         "enabled": True, "initial_scale_power": 8}}, steps=10),
+    # A frozen tensor registered first in the model: compute chunks are packed trainable-first
+    # so each parameter's compute and optimizer-state chunks share an owner.
+    "mlp_frozen": Scenario(_mlp_frozen_first, mlp_batches, {"default_chunk_size": 4096},
+                           steps=5),
     "branch": Scenario(RankDependentBranch, branch_batches, {"default_chunk_size": 2048},
                        steps=6),
 }
@@ -107,7 +117,8 @@ def reference(name: str, world: int):
     s = SCENARIOS[name]
     torch.manual_seed(0)
     model = s.model()
-    optimizer = make_optimizer(s.optimizer, model.parameters(), s.lr, s.weight_decay)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = make_optimizer(s.optimizer, trainable, s.lr, s.weight_decay)
     losses = []
     for step, batch in enumerate(s.batches(s.steps * s.accumulation)):
         batch = tuple(t.float() if t.is_floating_point() else t for t in batch)

@@ -60,10 +60,10 @@ def main() -> None:
             patrickstar.initialize(lambda: MLP(sizes), config={"default_chunk_size": 4096})
         elif what in (["--kill"], ["--stall"]):
             model, _ = patrickstar.initialize(MLP, config={
-                "default_chunk_size": 4096, "parallel": {"collective_timeout": 3}})
+                "default_chunk_size": 4096, "parallel": {"collective_timeout": 2}})
             if rank == 1:
                 if what == ["--stall"]:
-                    time.sleep(10)
+                    time.sleep(6)
                 os._exit(0)
             x, y = torch.randn(8, 32), torch.randint(0, 10, (8,))
             start = time.monotonic()

@@ -73,7 +73,7 @@ def check_matches_reference(results, name: str):
 
 
 TWO_RANK_SCENARIOS = ["mlp", "mlp_tight", "mlp_accumulation_clipping", "mlp_memory_saving",
-                      "gpt", "gpt_tight", "branch", "gpt_bf16", "mlp_fp16"]
+                      "gpt", "gpt_tight", "branch", "gpt_bf16", "mlp_fp16", "mlp_frozen"]
 
 
 @pytest.fixture(scope="module")
@@ -137,6 +137,10 @@ def test_mixed_precision_tracks_fp32_pytorch(two_ranks, name):
         torch.testing.assert_close(state[key], tensor, rtol=0, atol=0)
 
 
+def test_frozen_parameters_match_pytorch(two_ranks):
+    check_matches_reference(two_ranks, "mlp_frozen")
+
+
 def test_rank_dependent_control_flow_neither_deadlocks_nor_diverges(two_ranks):
     # Rank 0's shards take the branch, rank 1's never do.
     check_matches_reference(two_ranks, "branch")
@@ -175,12 +179,12 @@ def test_a_killed_rank_is_an_error_naming_the_collective(tmp_path):
 
 
 def test_a_stalled_rank_is_a_timeout_naming_the_collective(tmp_path):
-    # Rank 1 stays alive but issues nothing: rank 0 gives up after collective_timeout (3 s)
-    # with TimeoutError, before rank 1 wakes up after 10 s and leaves.
+    # Rank 1 stays alive but issues nothing: rank 0 gives up after collective_timeout (2 s)
+    # with TimeoutError, before rank 1 wakes up after 6 s and leaves.
     survivor = launch(tmp_path, 2, "--stall")[0]
     assert survivor.get("error_type") == "TimeoutError", survivor
     assert "allgather" in survivor["error"] and "compute_param group 0" in survivor["error"]
-    assert survivor["elapsed"] < 10
+    assert survivor["elapsed"] < 6
 
 
 def test_parallel_config_errors_name_the_key():
