@@ -238,7 +238,7 @@ void* BufferOf(const py::handle& item, int64_t* count, std::optional<DType>* dty
     throw py::value_error(std::string(what) + ": the " + communicator.backend() +
                           " communicator needs " + (on_device ? "CPU" : "CUDA") + " tensors");
   }
-  const DType type = FromScalarType(tensor.scalar_type());
+  const DType type = DTypeFromTorch(tensor.scalar_type());
   if (*count >= 0 && tensor.numel() != *count) {
     throw py::value_error(absl::StrCat(what, ": tensors of ", *count, " and ", tensor.numel(),
                                        " elements; a group's buffers must have equal sizes"));

@@ -20,7 +20,7 @@ inline at::ScalarType ToScalarType(DType dtype) {
   throw pybind11::value_error("unknown dtype");
 }
 
-inline DType FromScalarType(at::ScalarType type) {
+inline DType DTypeFromTorch(at::ScalarType type) {
   switch (type) {
     case at::kFloat:
       return DType::kFloat32;
