@@ -115,9 +115,8 @@ class DataParallel:
                 "groups would have chunks of different sizes; set default_chunk_size to at "
                 "least the largest parameter's element count")
         for index, ids in enumerate(engine._ids):
-            owned = {self._is_local(t) for t in (ids.compute, ids.master, ids.grad, ids.momentum,
-                                                   ids.variance)
-                     if t is not None}
+            owned = {self.owns(manager, t) for t in (ids.compute, ids.master, ids.grad,
+                                                     ids.momentum, ids.variance) if t is not None}
             if len(owned) != 1:
                 raise RuntimeError(f"data parallel: parameter '{engine._names[index]}' has its "
                                    "chunks on different ranks (layout bug)")
@@ -134,8 +133,8 @@ class DataParallel:
         self._gather_position = {}
         self._owned = []
         for ids in engine._ids:
-            self._owned.append(self._is_local(ids.compute))
-            if not self._is_local(ids.compute):
+            self._owned.append(self.owns(manager, ids.compute))
+            if not self._owned[-1]:
                 self._gather_position[ids.compute] = position[self.collectives.group_of(
                     ids.compute)]
         self._gather_cursor = 0
@@ -154,10 +153,6 @@ class DataParallel:
     def owns(self, manager, tensor_id: int) -> bool:
         """Whether this rank keeps the chunk of `tensor_id` (always, for a world of one)."""
         return not self.enabled or manager.is_local(manager.tensor_info(tensor_id)["chunk"])
-
-    def _is_local(self, tensor_id: int) -> bool:
-        manager = self._engine.chunks.manager
-        return manager.is_local(manager.tensor_info(tensor_id)["chunk"])
 
     def after_init(self) -> None:
         """Every rank built the whole model; keep only the owned compute chunks."""
