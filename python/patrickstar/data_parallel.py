@@ -82,6 +82,7 @@ class DataParallel:
         self.config = config
         self.timeout = float(config.parallel.collective_timeout)
         self._engine = None
+        self.early_reduce_scatters = 0  # started while backward was still running
 
     # ---- Construction --------------------------------------------------------------------------
 
@@ -200,6 +201,7 @@ class DataParallel:
         while (self._rs_cursor < len(self._grad_groups)
                and self._missing[self._rs_cursor] == 0):
             self._start_reduce_scatter()
+            self.early_reduce_scatters += 1
 
     def _start_reduce_scatter(self) -> None:
         self.collectives.start_reduce_scatter(self._grad_groups[self._rs_cursor])

@@ -45,7 +45,8 @@ def train(name: str, rank: int, world: int) -> dict:
     if world > 1:
         result.update(collectives=model._dp.collectives.collectives_issued,
                       compute_groups=len(model._dp._compute_groups),
-                      grad_groups=len(model._dp._grad_groups))
+                      grad_groups=len(model._dp._grad_groups),
+                      early_reduce_scatters=model._dp.early_reduce_scatters)
     return result
 
 
