@@ -8,5 +8,6 @@ namespace ps::bindings {
 void InitRuntime(pybind11::module_& module);
 void InitChunk(pybind11::module_& module);
 void InitKernels(pybind11::module_& module);
+void InitComm(pybind11::module_& module);
 
 }  // namespace ps::bindings

@@ -10,7 +10,9 @@
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
 #include "bindings/init.h"
+#include "bindings/py_chunk_manager.h"
 #include "bindings/status_exceptions.h"
+#include "bindings/torch_dtype.h"
 #include "chunk/chunk_kind.h"
 #include "chunk/chunk_manager.h"
 #include "chunk/event_log.h"
@@ -27,18 +29,6 @@ TierKind ParseTierKind(const std::string& name) {
   if (name == "host") return TierKind::kHost;
   if (name == "nvme") return TierKind::kNvme;
   throw py::value_error("unknown tier '" + name + "': expected 'device', 'host' or 'nvme'");
-}
-
-at::ScalarType ToScalarType(DType dtype) {
-  switch (dtype) {
-    case DType::kFloat32:
-      return at::kFloat;
-    case DType::kFloat16:
-      return at::kHalf;
-    case DType::kBFloat16:
-      return at::kBFloat16;
-  }
-  throw py::value_error("unknown dtype");
 }
 
 py::dict ViewToDict(const TensorView& view) {
@@ -63,52 +53,6 @@ py::dict LayoutToDict(const LayoutReport& report) {
   d["layout_hash"] = report.layout_hash;
   return d;
 }
-
-// The manager is not thread-safe, and long calls release the GIL, so each manager carries a
-// mutex taken (after the GIL is dropped) by every call.
-class PyChunkManager {
- public:
-  explicit PyChunkManager(std::unique_ptr<ChunkManager> manager) : manager_(std::move(manager)) {}
-
-  template <typename F>
-  auto Run(F&& f) {
-    py::gil_scoped_release release;
-    absl::MutexLock lock(&mutex_);
-    return f(Get());
-  }
-
-  // For calls that run Python code (callbacks): the GIL stays held.
-  template <typename F>
-  auto RunHoldingGil(F&& f) {
-    absl::MutexLock lock(&mutex_);
-    return f(Get());
-  }
-
-  // Frees every chunk now, whoever still references this object (a traceback may hold it
-  // long after the engine let go); later calls raise RuntimeError.
-  void Close() {
-    std::unique_ptr<ChunkManager> doomed;
-    {
-      py::gil_scoped_release release;
-      absl::MutexLock lock(&mutex_);
-      doomed = std::move(manager_);
-    }
-    py::gil_scoped_release release;
-    doomed.reset();
-  }
-
- private:
-  ChunkManager& Get() {
-    if (manager_ == nullptr) {
-      throw std::runtime_error("the chunk manager was closed (model.destroy()); build a new "
-                               "engine with patrickstar.initialize()");
-    }
-    return *manager_;
-  }
-
-  absl::Mutex mutex_;
-  std::unique_ptr<ChunkManager> manager_;
-};
 
 // A torch tensor over a COMPUTE tensor's bytes. It holds no lease: it is valid only until the
 // tensor is released (the engine's hooks re-create views on every access).

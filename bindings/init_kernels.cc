@@ -10,6 +10,7 @@
 #include "absl/synchronization/mutex.h"
 #include "bindings/init.h"
 #include "bindings/status_exceptions.h"
+#include "bindings/torch_dtype.h"
 #include "kernels/adam.h"
 #include "kernels/cast.h"
 #include "kernels/grad_stats.h"
@@ -21,20 +22,6 @@ namespace py = pybind11;
 
 namespace ps::bindings {
 namespace {
-
-DType DTypeFromTorch(at::ScalarType type) {
-  switch (type) {
-    case at::kFloat:
-      return DType::kFloat32;
-    case at::kHalf:
-      return DType::kFloat16;
-    case at::kBFloat16:
-      return DType::kBFloat16;
-    default:
-      throw py::value_error(std::string("unsupported dtype ") + c10::toString(type) +
-                            ": expected float32, float16 or bfloat16");
-  }
-}
 
 void CheckCpuContiguous(const at::Tensor& tensor, const char* name) {
   if (!tensor.device().is_cpu() || !tensor.is_contiguous()) {

@@ -11,4 +11,5 @@ PYBIND11_MODULE(_C, module) {
   ps::bindings::InitRuntime(module);
   ps::bindings::InitChunk(module);
   ps::bindings::InitKernels(module);
+  ps::bindings::InitComm(module);
 }

@@ -26,6 +26,8 @@ PyObject* ExceptionFor(absl::StatusCode code) {
       return PyExc_NotImplementedError;
     case absl::StatusCode::kOutOfRange:
       return PyExc_IndexError;
+    case absl::StatusCode::kDeadlineExceeded:  // a collective that did not finish in time
+      return PyExc_TimeoutError;
     default:
       return chunk_runtime_error;
   }

@@ -48,6 +48,14 @@ if [ ! -f "$req_stamp" ] || [ "$(cat "$req_stamp")" != "$req_hash" ]; then
   echo "$req_hash" > "$req_stamp"
 fi
 
+# NCCL for the direct NCCL back end of CUDA builds (Note [Finding NCCL] in cmake/PsNccl.cmake):
+# the same wheel torch's CUDA builds use. Only where nvcc is present (a CUDA build).
+if command -v nvcc >/dev/null 2>&1 && ! "$venv_python" -c "import nvidia.nccl" 2>/dev/null; then
+  log "installing nvidia-nccl-cu13 (NCCL headers and library for the CUDA build)"
+  "$venv_python" -m pip install -q --no-deps nvidia-nccl-cu13 \
+    || log "nvidia-nccl-cu13 not installed: the build goes on without the NCCL back end"
+fi
+
 # Build + editable install. scikit-build-core drives CMake in build/ (pyproject.toml), which also
 # builds the GoogleTest and benchmark binaries that ctest runs. Skipped when no source is newer
 # than the last install.

@@ -107,6 +107,12 @@ class ParallelConfig:
     data: int | None = None  # None: the torch.distributed world size
     pipeline: int = 1
     tensor: int = 1
+    # Data parallelism (data_parallel.py): seconds a collective may take before it is an error,
+    # PatrickStar's broadcast/reduce instead of allgather/reduce-scatter, and the host back end's
+    # reduce-scatter algorithm ("ring", "native" or "allreduce").
+    collective_timeout: float = 300.0
+    memory_saving: bool = False
+    reduce_scatter: str = "ring"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -302,9 +308,19 @@ def _parse_profile(raw: Any) -> ProfileConfig:
 
 def _parse_parallel(raw: Any) -> ParallelConfig:
     section = _section("parallel", raw)
-    _check_keys("parallel", section, {"data", "pipeline", "tensor"})
+    _check_keys("parallel", section, {"data", "pipeline", "tensor", "collective_timeout",
+                                      "memory_saving", "reduce_scatter"})
     data = section.get("data")
+    reduce_scatter = section.get("reduce_scatter", "ring")
+    if reduce_scatter not in ("ring", "native", "allreduce"):
+        raise ValueError(f"config key 'parallel.reduce_scatter': expected 'ring', 'native' or "
+                         f"'allreduce', got {reduce_scatter!r}")
     return ParallelConfig(
+        collective_timeout=_number("parallel.collective_timeout",
+                                   section.get("collective_timeout", 300.0), minimum=0,
+                                   strict=True),
+        memory_saving=_bool("parallel.memory_saving", section.get("memory_saving", False)),
+        reduce_scatter=reduce_scatter,
         data=None if data is None else _number("parallel.data", data, minimum=1, integer=True),
         pipeline=_number("parallel.pipeline", section.get("pipeline", 1), minimum=1,
                          integer=True),

@@ -42,6 +42,7 @@ from torch import nn
 
 from . import _C, checkpoint
 from .config import Config, load_config
+from .data_parallel import DataParallel, detect_world
 from .guards import TrainingGuard, check_budgets
 from .hooks import ModuleHooks
 from .init_context import ParameterPlacer, plan_parameters
@@ -65,17 +66,20 @@ class T:  # the chunk manager's tier names
 class _ChunkManager:
     """The C++ chunk manager with `access` returning a torch view (valid until release)."""
 
-    def __init__(self, tiers, copy_engine):
+    def __init__(self, tiers, copy_engine, world_size=1, rank=0):
         # Prefetch is off: a prefetched copy is not invalidated when its source chunk is written
         # afterwards (Adam's update on the host), which corrupts the next backward's parameters
         # (found by test_gpt_fp32_tied_embeddings_matches_pytorch; fix belongs in the manager).
-        self.manager = _C.ChunkManager(tiers=tiers, copy_engine=copy_engine, world_size=1,
-                                       rank=0, prefetch_moments=0)
+        self.manager = _C.ChunkManager(tiers=tiers, copy_engine=copy_engine,
+                                       world_size=world_size, rank=rank, prefetch_moments=0)
+        self.before_access = None  # data parallelism: gathers a remote group first
 
     def __getattr__(self, name):
         return getattr(self.manager, name)
 
     def access(self, tensor_id: int, tier: str) -> torch.Tensor:
+        if self.before_access is not None:
+            self.before_access(tensor_id)
         self.manager.access(tensor_id, tier)
         return self.manager.torch_view(tensor_id)
 
@@ -128,6 +132,7 @@ class PatrickStarEngine(nn.Module):
         specs, survives = plan_parameters(model_func)
         if not specs:
             raise ValueError("model_func built a module without parameters; nothing to train")
+        self._dp = DataParallel(config, *detect_world(config))
         self._build_runtime(specs)
 
         self._init_views: dict[int, int] = {}
@@ -138,7 +143,9 @@ class PatrickStarEngine(nn.Module):
         self._param_index = {id(p): i for i, p in enumerate(self._params)}
         self._shapes = [spec.shape for spec in specs]
         self._names = [spec.name for spec in specs]
+        self._dp.attach(self)
         self._finish_init()
+        self._dp.after_init()
 
         self._param_of_storage: dict[int, int] = {}  # chunk view address -> parameter index
         self._access_count = [0] * len(self._params)
@@ -184,15 +191,13 @@ class PatrickStarEngine(nn.Module):
                                      block_size=memory.nvme.block_size, name="nvme"))
         self.tiers = tiers
         self.copy_engine = _C.CopyEngine(host_threads=2, device=self.local_rank)
-        self.chunks = _ChunkManager(tiers, self.copy_engine)
+        self.chunks = _ChunkManager(tiers, self.copy_engine, self._dp.world_size, self._dp.rank)
         compute_name = _DTYPE_NAMES[self.compute_dtype]
         grad_name = _DTYPE_NAMES[self.grad_dtype]
-        self._ids = []
-        for spec in specs:
-            ids = _Tensors()
-            ids.compute = self.chunks.register_tensor(spec.name, list(spec.shape),
-                                                      K.COMPUTE_PARAM, compute_name)
-            self._ids.append(ids)
+        self._ids = [_Tensors() for _ in specs]
+        for i in self._dp.compute_registration_order(specs):
+            self._ids[i].compute = self.chunks.register_tensor(
+                specs[i].name, list(specs[i].shape), K.COMPUTE_PARAM, compute_name)
         trainable = [i for i, spec in enumerate(specs) if spec.requires_grad]
         # Registered kind by kind so each list packs in registration order.
         for kind, attr, dtype in ((K.MASTER_PARAM, "master", "float32"),
@@ -214,27 +219,35 @@ class PatrickStarEngine(nn.Module):
         check_budgets(config, self.chunks.layout_json(), [spec.name for spec in specs],
                       [spec.requires_grad for spec in specs], self.mixed)
 
-    def _init_storage_ids(self, index: int) -> int:
+    def _init_storage_ids(self, index: int) -> int | None:
         ids = self._ids[index]
+        if ids.master is not None and not self._dp.owns(self.chunks.manager, ids.master):
+            return None  # data parallel: another rank keeps this master copy
         return ids.master if ids.master is not None else ids.compute
 
     def _place_at_init(self, index: int, param: nn.Parameter) -> torch.Tensor:
         # The fp32 copy (master in mixed precision) receives the module's own initialization.
         tensor_id = self._init_storage_ids(index)
+        if tensor_id is None:  # the fp32 initialization lands in a temporary
+            view = torch.empty(param.shape, dtype=torch.float32)
+            self._init_views[index] = view
+            return view
         view = self.chunks.access(tensor_id, T.HOST)
         self._init_views[index] = tensor_id
         return view.view(param.shape)
 
     def _finish_init(self) -> None:
         with torch.no_grad():
-            for index, tensor_id in sorted(self._init_views.items()):
+            for index, tensor_id in sorted(self._init_views.items(), key=lambda item: item[0]):
                 ids = self._ids[index]
                 if self.mixed:
-                    master = self.chunks.manager.torch_view(tensor_id)
+                    master = tensor_id if isinstance(tensor_id, torch.Tensor) else \
+                        self.chunks.manager.torch_view(tensor_id)
                     compute = self.chunks.access(ids.compute, T.HOST)
-                    compute.copy_(master)
+                    compute.copy_(master.view_as(compute))
                     self.chunks.release(ids.compute, S.HOLD)
-                self.chunks.release(tensor_id, S.HOLD)
+                if not isinstance(tensor_id, torch.Tensor):
+                    self.chunks.release(tensor_id, S.HOLD)
         del self._init_views
 
     def _placeholder(self) -> torch.Tensor:
@@ -308,11 +321,13 @@ class PatrickStarEngine(nn.Module):
         self._guard.check_alive("model(...)")
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack_saved, self._unpack_saved):
-                return self.module(*args, **kwargs)
+                output = self.module(*args, **kwargs)
         finally:
             if not torch.is_grad_enabled() or not self.module.training:
                 # No backward follows: give everything back now.
                 self._release_all(S.HOLD_AFTER_FWD)
+        self._dp.after_forward()
+        return output
 
     def backward(self, loss: torch.Tensor) -> None:
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
@@ -326,6 +341,7 @@ class PatrickStarEngine(nn.Module):
             # Modules whose inputs need no grad never see their post-backward hook.
             self._release_all(S.HOLD_AFTER_BWD)
         self._guard.after_backward()
+        self._dp.after_backward()
         self._micro_step += 1
 
     def _make_grad_hook(self, index: int):
@@ -343,6 +359,7 @@ class PatrickStarEngine(nn.Module):
                     view.copy_(grad)
             self.chunks.release(grad_id, S.HOLD)
             self._has_grad[index] = True
+            self._dp.on_grad(index)
         return hook
 
     # ---- Optimizer -----------------------------------------------------------------------------
@@ -367,6 +384,7 @@ class PatrickStarEngine(nn.Module):
             grad_squared, bad = _C.kernels.grad_stats([grad])
             overflow |= bad
             squared += grad_squared
+        overflow, squared = self._dp.all_reduce_grad_stats(overflow, squared)
         return overflow, math.sqrt(squared)
 
     def optimizer_step(self, optimizer: PatrickStarOptimizer) -> bool:
@@ -429,6 +447,7 @@ class PatrickStarEngine(nn.Module):
                 self._has_grad[index] = False
 
     def _end_iteration(self) -> None:
+        self._dp.after_step()
         self.chunks.end_iteration()
         if self.profiler is not None:
             self.profiler.on_end_iteration()
@@ -446,6 +465,7 @@ class PatrickStarEngine(nn.Module):
 
     def state_dict(self, destination=None, prefix: str = "", keep_vars: bool = False):
         """The module's state dict with full parameters (compute dtype) read out of chunks."""
+        self._dp.gather_all()  # a collective: every rank calls state_dict()
         result = self.module.state_dict(keep_vars=True)
         for name, value in list(result.items()):
             index = self._param_index.get(id(value))
@@ -481,8 +501,8 @@ class PatrickStarEngine(nn.Module):
                     continue
                 ids = self._ids[index]
                 for tensor_id in (ids.compute, ids.master):
-                    if tensor_id is None:
-                        continue
+                    if tensor_id is None or not self._dp.owns(self.chunks.manager, tensor_id):
+                        continue  # data parallel: the owner loads it
                     view = self.chunks.access(tensor_id, T.HOST)
                     try:
                         view.view(shape).copy_(source)

@@ -1,0 +1,280 @@
+#include "chunk/group_collectives.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "runtime/status.h"
+
+namespace ps {
+
+absl::StatusOr<std::unique_ptr<GroupCollectives>> GroupCollectives::Create(
+    ChunkManager* manager, Communicator* communicator, GroupCollectiveOptions options) {
+  if (manager == nullptr || communicator == nullptr) {
+    return absl::InvalidArgumentError("group collectives: manager and communicator are required");
+  }
+  if (!manager->built()) {
+    return absl::FailedPreconditionError("group collectives: build the chunk lists first");
+  }
+  if (manager->world_size() != communicator->world_size() ||
+      manager->rank() != communicator->rank()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "group collectives: the chunk manager is rank ", manager->rank(), " of ",
+        manager->world_size(), " but the ", communicator->backend(), " communicator is rank ",
+        communicator->rank(), " of ", communicator->world_size()));
+  }
+  for (int t = 0; t < manager->num_tiers(); ++t) {
+    const Tier& tier = manager->tier(t);
+    if (tier.kind() != options.tier) continue;
+    if (tier.address_space() != communicator->address_space()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "group collectives: tier '", tier.name(), "' holds ",
+          tier.address_space() == AddressSpace::kDeviceMemory ? "device" : "host",
+          " memory but the ", communicator->backend(), " communicator needs ",
+          communicator->address_space() == AddressSpace::kDeviceMemory ? "device" : "host",
+          " memory"));
+    }
+    return std::unique_ptr<GroupCollectives>(new GroupCollectives(manager, communicator, options));
+  }
+  return absl::InvalidArgumentError(absl::StrCat("group collectives: the chunk manager has no ",
+                                                 TierKindName(options.tier), " tier"));
+}
+
+std::vector<ChunkId> GroupCollectives::Groups(ChunkKind kind) const {
+  std::vector<ChunkId> firsts;
+  const std::vector<ChunkId> list = manager_->ChunksOfKind(kind);
+  const size_t world = static_cast<size_t>(manager_->world_size());
+  for (size_t i = 0; i + world <= list.size(); i += world) {
+    bool any_tensor = false;
+    for (size_t r = 0; r < world; ++r) {
+      any_tensor |= !(*manager_->chunk(list[i + r]))->tensors().empty();
+    }
+    if (any_tensor) firsts.push_back(list[i]);
+  }
+  return firsts;
+}
+
+absl::StatusOr<ChunkId> GroupCollectives::GroupOf(TensorId tensor) const {
+  PS_ASSIGN_OR_RETURN(const TensorInfo* info, manager_->tensor(tensor));
+  PS_ASSIGN_OR_RETURN(const Chunk* chunk, manager_->chunk(info->chunk));
+  return chunk->id() - chunk->index_in_list() % manager_->world_size();
+}
+
+std::string GroupCollectives::Label(ChunkId first) const {
+  const Chunk* chunk = *manager_->chunk(first);
+  return absl::StrCat(ChunkKindName(chunk->kind()), " group ", chunk->group());
+}
+
+absl::StatusOr<std::vector<ChunkId>> GroupCollectives::Members(ChunkId group, int64_t* count,
+                                                               DType* dtype) const {
+  PS_ASSIGN_OR_RETURN(const Chunk* any, manager_->chunk(group));
+  const ChunkId first = any->id() - any->index_in_list() % manager_->world_size();
+  std::vector<ChunkId> members;
+  const int64_t bytes = any->bytes();
+  for (int r = 0; r < manager_->world_size(); ++r) {
+    const Chunk* member = *manager_->chunk(first + r);
+    if (member->bytes() != bytes) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          Label(first), " has chunks of different sizes (", bytes, " and ", member->bytes(),
+          " bytes): an oversize tensor got a chunk of its own; choose a chunk size at least as "
+          "large as the largest tensor for data parallelism"));
+    }
+    members.push_back(member->id());
+  }
+  *dtype = any->dtype();
+  *count = bytes / ElementSize(any->dtype());
+  return members;
+}
+
+absl::StatusOr<void*> GroupCollectives::PinChunk(ChunkId id, bool zero_fill,
+                                                 std::vector<Pin>* pins) {
+  PS_ASSIGN_OR_RETURN(const Chunk* chunk, manager_->chunk(id));
+  TensorId chosen = -1;
+  for (TensorId t : chunk->tensors()) {
+    const TensorState state = (*manager_->tensor(t))->state;
+    if (HoldsData(state)) {
+      chosen = t;
+      break;
+    }
+    if (state == TensorState::kFree && chosen < 0) chosen = t;
+  }
+  if (chosen < 0) return nullptr;  // no tensor, or every tensor RELEASED (nothing to send)
+  const TensorState before = (*manager_->tensor(chosen))->state;
+  if (!HoldsData(before) && !chunk->has_payload() && !zero_fill) return nullptr;
+  PS_RETURN_IF_ERROR(manager_->Access(chosen, TierFor(*chunk)).status());
+  pins->push_back(Pin{chosen, before});
+  PS_ASSIGN_OR_RETURN(chunk, manager_->chunk(id));
+  return chunk->payload().data();
+}
+
+TierKind GroupCollectives::TierFor(const Chunk& chunk) const {
+  // Gradient chunks have no views outside the engine's hooks; moving them to the collective's
+  // tier keeps a pending reduce-scatter from holding device memory during backward.
+  if (!chunk.has_payload() || chunk.kind() == ChunkKind::kGradient) return options_.tier;
+  const Tier& tier = manager_->tier(chunk.tier_index());
+  const bool usable =
+      tier.kind() != TierKind::kNvme && tier.address_space() == communicator_->address_space();
+  return usable ? tier.kind() : options_.tier;
+}
+
+absl::Status GroupCollectives::Unpin(std::vector<Pin>& pins) {
+  absl::Status first_error;
+  for (const Pin& pin : pins) {
+    absl::Status status = manager_->Release(pin.tensor, pin.restore);
+    if (first_error.ok()) first_error = status;
+  }
+  pins.clear();
+  return first_error;
+}
+
+absl::Status GroupCollectives::WaitAll(const std::vector<CollectiveHandle>& handles) const {
+  absl::Status first_error;
+  for (const CollectiveHandle& handle : handles) {
+    absl::Status status = handle.Wait(options_.timeout);
+    if (first_error.ok()) first_error = status;
+  }
+  return first_error;
+}
+
+absl::StatusOr<bool> GroupCollectives::Gather(ChunkId group) {
+  int64_t count = 0;
+  DType dtype = DType::kFloat32;
+  PS_ASSIGN_OR_RETURN(const std::vector<ChunkId> members, Members(group, &count, &dtype));
+  TensorId probe = -1;
+  for (ChunkId member : members) {
+    const Chunk* chunk = *manager_->chunk(member);
+    if (!chunk->tensors().empty()) {
+      probe = chunk->tensors().front();
+      break;
+    }
+  }
+  if (probe < 0) return false;  // a group of padding chunks: nothing to gather on any rank
+  PS_ASSIGN_OR_RETURN(const GatherPlan plan, manager_->PlanGather(probe));
+  if (!plan.needs_gather) return false;
+  std::vector<Pin> pins;
+  std::vector<void*> buffers(members.size(), nullptr);
+  absl::Status status;
+  for (size_t r = 0; r < members.size() && status.ok(); ++r) {
+    const ChunkId member = members[r];
+    if (member == plan.local_chunk) {
+      absl::StatusOr<void*> pinned = PinChunk(member, /*zero_fill=*/false, &pins);
+      status = pinned.status();
+      if (pinned.ok()) buffers[r] = *pinned;
+    } else if (std::find(plan.to_receive.begin(), plan.to_receive.end(), member) !=
+               plan.to_receive.end()) {
+      // The bytes arrive with the collective below; until then the tensors are HOLD over
+      // uninitialized memory, pinned, and nobody reads them.
+      status = manager_->MaterializeGathered(member, options_.tier,
+                                             [](void*, int64_t) { return absl::OkStatus(); });
+      if (!status.ok()) break;
+      absl::StatusOr<void*> pinned = PinChunk(member, /*zero_fill=*/false, &pins);
+      status = pinned.status();
+      if (pinned.ok()) buffers[r] = *pinned;
+    }
+  }
+  if (status.ok()) {
+    std::vector<CollectiveHandle> handles;
+    const std::string label = Label(members.front());
+    if (options_.memory_saving) {
+      for (size_t r = 0; r < members.size(); ++r) {
+        handles.push_back(communicator_->Broadcast(buffers[r], count, dtype, static_cast<int>(r),
+                                                   absl::StrCat(label, ", chunk ", r)));
+      }
+    } else {
+      handles.push_back(communicator_->AllGather(buffers, count, dtype, label));
+    }
+    collectives_issued_ += static_cast<int64_t>(handles.size());
+    bytes_communicated_ += count * ElementSize(dtype) * static_cast<int64_t>(members.size());
+    status = WaitAll(handles);
+  }
+  absl::Status unpinned = Unpin(pins);
+  PS_RETURN_IF_ERROR(status);
+  PS_RETURN_IF_ERROR(unpinned);
+  PS_RETURN_IF_ERROR(manager_->CompleteGather(members.front()));
+  return true;
+}
+
+absl::Status GroupCollectives::ReleaseAll(ChunkKind kind) {
+  // Every group, on every rank, whether or not this rank holds a remote payload of it (it may
+  // own all of a group's tensors): whether a later Gather runs its collective must not depend
+  // on the rank (Note [Collective order]).
+  for (ChunkId first : Groups(kind)) PS_RETURN_IF_ERROR(manager_->ReleaseGroup(first));
+  return absl::OkStatus();
+}
+
+absl::Status GroupCollectives::StartReduceScatter(ChunkId group) {
+  int64_t count = 0;
+  DType dtype = DType::kFloat32;
+  PS_ASSIGN_OR_RETURN(const std::vector<ChunkId> members, Members(group, &count, &dtype));
+  Pending pending;
+  pending.first = members.front();
+  std::vector<void*> buffers(members.size(), nullptr);
+  absl::Status status;
+  for (size_t r = 0; r < members.size() && status.ok(); ++r) {
+    const bool local = manager_->IsLocal(members[r]);
+    // The local chunk needs a payload to receive the result even if this rank has no gradient
+    // in it; remote chunks without data contribute zeros.
+    absl::StatusOr<void*> pinned = PinChunk(members[r], /*zero_fill=*/local, &pending.pins);
+    status = pinned.status();
+    if (pinned.ok()) buffers[r] = *pinned;
+  }
+  if (!status.ok()) {
+    Unpin(pending.pins).IgnoreError();  // the first error is the one to report
+    return status;
+  }
+  const std::string label = Label(pending.first);
+  if (options_.memory_saving) {
+    for (size_t r = 0; r < members.size(); ++r) {
+      pending.handles.push_back(communicator_->Reduce(buffers[r], count, dtype,
+                                                      options_.gradient_op, static_cast<int>(r),
+                                                      absl::StrCat(label, ", chunk ", r)));
+    }
+  } else {
+    pending.handles.push_back(
+        communicator_->ReduceScatter(buffers, count, dtype, options_.gradient_op, label));
+  }
+  collectives_issued_ += static_cast<int64_t>(pending.handles.size());
+  bytes_communicated_ += count * ElementSize(dtype) * static_cast<int64_t>(members.size());
+  pending_.push_back(std::move(pending));
+  return absl::OkStatus();
+}
+
+absl::Status GroupCollectives::FinishReduceScatters() {
+  absl::Status first_error;
+  while (!pending_.empty()) {
+    Pending pending = std::move(pending_.front());
+    pending_.pop_front();
+    absl::Status status = WaitAll(pending.handles);
+    const int world = manager_->world_size();
+    if (status.ok()) {
+      const ChunkId local = pending.first + manager_->rank();
+      // Every tensor of the local chunk now holds the reduced gradient: make it HOLD while the
+      // chunk is still pinned, so unpinning cannot drop the payload.
+      for (TensorId t : (*manager_->chunk(local))->tensors()) {
+        if ((*manager_->tensor(t))->state != TensorState::kFree) continue;
+        status = manager_->Access(t, TierFor(**manager_->chunk(local))).status();
+        if (status.ok()) status = manager_->Release(t, TensorState::kHold);
+        if (!status.ok()) break;
+      }
+      for (Pin& pin : pending.pins) {
+        if ((*manager_->tensor(pin.tensor))->chunk == local) pin.restore = TensorState::kHold;
+      }
+    }
+    absl::Status unpinned = Unpin(pending.pins);
+    if (status.ok()) status = unpinned;
+    for (int r = 0; r < world && status.ok(); ++r) {
+      const ChunkId member = pending.first + r;
+      if (manager_->IsLocal(member)) continue;
+      for (TensorId t : (*manager_->chunk(member))->tensors()) {
+        if (HoldsData((*manager_->tensor(t))->state)) {
+          status = manager_->SetTensorState(t, TensorState::kFree);
+          if (!status.ok()) break;
+        }
+      }
+    }
+    if (first_error.ok()) first_error = status;
+  }
+  return first_error;
+}
+
+}  // namespace ps

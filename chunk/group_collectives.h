@@ -1,0 +1,109 @@
+// Collectives on whole communication groups of a ChunkManager (Note [Communication groups] in
+// chunk_manager.cc): the gather of a group of compute params before use, the reduce-scatter of a
+// group of gradients after backward, and the release of gathered groups. One collective per
+// group (world_size broadcasts or reduces in memory-saving mode), never one per tensor.
+//
+// Note [Pinning a group for a collective]
+// A collective writes into (and reads from) every chunk of a group at once, possibly on another
+// thread, so none of them may move or be freed until it is done. The manager pins a chunk while
+// one of its tensors is COMPUTE, so each member is pinned by accessing one of its tensors: a
+// parameter chunk where it already is if the communicator can reach that memory, anything else
+// in the collective's tier (a copy), and released back to the state it had when the collective ends
+// (a tensor of the local chunk of a reduce-scatter goes to HOLD: it now holds the reduced
+// gradient). A member without tensors (padding) or without data is passed as a null buffer (Note
+// [Group collectives] in runtime/communicator.h). The extra accesses appear in the tracer's access
+// sequence like any other.
+//
+// Note [Collective order]
+// The caller decides *when*; this class only guarantees that each call issues its collectives
+// at once, in a fixed order, and that Finish waits for them in issue order. The engine keeps the
+// sequence of calls identical on every rank (data_parallel.py, Note [A data-independent
+// collective schedule]).
+#pragma once
+
+#include <deque>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+#include "chunk/chunk_manager.h"
+#include "runtime/communicator.h"
+
+namespace ps {
+
+struct GroupCollectiveOptions {
+  // Where a group's chunks are placed for the collective: kHost for host back ends (gloo),
+  // kDevice for NCCL. Must match the communicator's address space.
+  TierKind tier = TierKind::kHost;
+  absl::Duration timeout = absl::Minutes(5);
+  // PatrickStar's broadcast / reduce per chunk instead of one allgather / reduce-scatter.
+  bool memory_saving = false;
+  ReduceOp gradient_op = ReduceOp::kAvg;
+};
+
+class GroupCollectives {
+ public:
+  // Both must outlive this object; `communicator` has the manager's world size and rank.
+  static absl::StatusOr<std::unique_ptr<GroupCollectives>> Create(ChunkManager* manager,
+                                                                  Communicator* communicator,
+                                                                  GroupCollectiveOptions options);
+
+  // The first chunk of every group of `kind` that holds at least one tensor, in group order.
+  std::vector<ChunkId> Groups(ChunkKind kind) const;
+  // The first chunk of the group of `tensor`.
+  absl::StatusOr<ChunkId> GroupOf(TensorId tensor) const;
+
+  // Gathers the group (named by any of its chunks) if this rank lacks data of it (PlanGather's
+  // needs_gather); synchronous. Returns whether a collective ran.
+  absl::StatusOr<bool> Gather(ChunkId group);
+  // Releases every group of `kind` (ReleaseGroup): remote payloads are dropped and the next
+  // Gather of each group runs its collective, on every rank alike.
+  absl::Status ReleaseAll(ChunkKind kind);
+
+  // Starts the reduce-scatter of a gradient group; its chunks stay pinned until
+  // FinishReduceScatters, which waits for every started one in issue order, drops the remote
+  // payloads (their tensors become FREE) and leaves every tensor of the local chunk HOLD.
+  absl::Status StartReduceScatter(ChunkId group);
+  absl::Status FinishReduceScatters();
+  int pending_reduce_scatters() const { return static_cast<int>(pending_.size()); }
+
+  // Counters for tests and benchmarks.
+  int64_t collectives_issued() const { return collectives_issued_; }
+  int64_t bytes_communicated() const { return bytes_communicated_; }  // per rank, group bytes
+
+ private:
+  struct Pin {
+    TensorId tensor = -1;
+    TensorState restore = TensorState::kHold;
+  };
+  struct Pending {
+    ChunkId first = -1;
+    std::vector<Pin> pins;
+    std::vector<CollectiveHandle> handles;
+  };
+
+  GroupCollectives(ChunkManager* manager, Communicator* communicator,
+                   GroupCollectiveOptions options)
+      : manager_(manager), communicator_(communicator), options_(options) {}
+  // The group's chunk ids and the element count every buffer has (equal sizes checked).
+  absl::StatusOr<std::vector<ChunkId>> Members(ChunkId group, int64_t* count, DType* dtype) const;
+  // Pins `chunk` (Note [Pinning a group for a collective]) and returns its payload, or null when
+  // it has no tensor or (unless `zero_fill`) no data.
+  absl::StatusOr<void*> PinChunk(ChunkId chunk, bool zero_fill, std::vector<Pin>* pins);
+  absl::Status Unpin(std::vector<Pin>& pins);
+  // Where to pin `chunk`: a parameter chunk stays in its own tier when the communicator can
+  // address it, so that pinning does not move it (autograd may hold views of its current
+  // memory); gradient chunks, and chunks elsewhere, go to options_.tier.
+  TierKind TierFor(const Chunk& chunk) const;
+  absl::Status WaitAll(const std::vector<CollectiveHandle>& handles) const;
+  std::string Label(ChunkId first) const;
+
+  ChunkManager* manager_;
+  Communicator* communicator_;
+  GroupCollectiveOptions options_;
+  std::deque<Pending> pending_;
+  int64_t collectives_issued_ = 0;
+  int64_t bytes_communicated_ = 0;
+};
+
+}  // namespace ps

@@ -1,0 +1,243 @@
+"""Chunk-granular data parallelism (ZeRO-3 style) for the engine.
+
+Launch with `torchrun --nproc_per_node=N train.py` (or `python -m torch.distributed.run`); the
+engine finds the world through `torch.distributed` (initializing the default process group from
+torchrun's environment if the script did not). Each rank owns chunk r of every communication
+group (Note [Communication groups] in chunk/chunk_manager.cc): it keeps the fp32 master /
+momentum / variance chunks of its own chunks only, updates only those, and sees the other ranks'
+parameters only while a gathered copy lives between an allgather and the next optimizer step.
+The collectives run in C++ (`patrickstar._C.GroupCollectives` over a `Communicator`: the
+torch.distributed process group's gloo or NCCL), one per chunk group, never one per tensor.
+
+Note [A data-independent collective schedule]
+A collective needs every rank at the same point of the same sequence, so the sequence must not
+depend on the data (a branch taken on one rank only, mixture-of-experts routing). Both kinds of
+group collectives therefore follow a fixed order and only their *timing* follows the data:
+  * gathers of compute-param groups go in ascending group order, at most once per optimizer
+    step: the first access of a remote chunk of group g gathers every group up to g not yet
+    gathered since the last step; whatever is left is gathered when the forward ends. Gathered
+    remote chunks stay (the chunk manager may still evict them to host or NVMe) until the
+    optimizer step changes the parameters, when every rank releases them all. So a group is
+    never re-gathered within a step, which also makes tied weights and modules called twice
+    safe, and with gradient accumulation the micro-steps after the first need no gather.
+  * reduce-scatters of gradient groups go in descending group order (backward runs the model in
+    reverse), only on the micro-step that ends an accumulation: group g is started, on the
+    communicator's own thread, as soon as every trainable tensor of g and of all groups after it
+    in that order got its gradient, so it overlaps the rest of backward; groups whose tensors
+    did not all get a gradient on this rank (an unused branch) are started when backward ends.
+    All are awaited before backward returns. Gradients are averaged over the world.
+  * after that, one all-reduce of each parameter's has-gradient flag, and at the optimizer step
+    one all-reduce of the squared gradient norm and overflow flag (when clipping or fp16 need
+    them): a parameter without a gradient on every rank is skipped as torch would skip it.
+This costs one allgather per group per step (ZeRO-3 pays two, forward and backward) and keeps
+the full compute parameters of one step on every rank, in whatever tier the manager places them;
+the optimizer state, master weights and (after the reduce-scatter) gradients are 1/N per rank.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+from . import _C
+
+__all__ = ["DataParallel", "detect_world"]
+
+K = _C.ChunkKind
+S = _C.TensorState
+
+
+def detect_world(config) -> tuple[int, int]:
+    """(world_size, rank) for the engine: 1, 0 without torch.distributed. Initializes the
+    default process group from torchrun's environment when the script did not."""
+    parallel = config.parallel
+    if parallel.pipeline != 1 or parallel.tensor != 1:
+        raise NotImplementedError("parallel.pipeline and parallel.tensor must be 1: only data "
+                                  "parallelism is implemented")
+    if not dist.is_available():
+        world, rank = 1, 0
+    else:
+        if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            dist.init_process_group(backend, timeout=datetime.timedelta(
+                seconds=parallel.collective_timeout))
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        rank = dist.get_rank() if dist.is_initialized() else 0
+    if parallel.data is not None and parallel.data != world:
+        raise ValueError(f"config key 'parallel.data': {parallel.data} data-parallel ranks "
+                         f"asked for, but torch.distributed has a world of {world} (launch with "
+                         f"torchrun --nproc_per_node={parallel.data}, or leave the key out)")
+    return world, rank
+
+
+class DataParallel:
+    """The engine's data-parallel side; every method is a no-op for a world of one."""
+
+    def __init__(self, config, world_size: int, rank: int):
+        self.world_size = world_size
+        self.rank = rank
+        self.enabled = world_size > 1
+        self.config = config
+        self.timeout = float(config.parallel.collective_timeout)
+        self._engine = None
+        self.early_reduce_scatters = 0  # started while backward was still running
+
+    # ---- Construction --------------------------------------------------------------------------
+
+    def compute_registration_order(self, specs) -> list[int]:
+        """Trainable parameters first when sharded: the compute list then packs them exactly as
+        the gradient and optimizer-state lists do, so each parameter's compute, gradient and
+        state chunks have the same owner (frozen parameters fill in after)."""
+        if not self.enabled:
+            return list(range(len(specs)))
+        trainable = [i for i, spec in enumerate(specs) if spec.requires_grad]
+        return trainable + [i for i, spec in enumerate(specs) if not spec.requires_grad]
+
+    def attach(self, engine) -> None:
+        """After the chunk lists are built: agree on the layout, check ownership, create the
+        communicator. A rank whose layout differs fails here on every rank, with both hashes."""
+        self._engine = engine
+        if not self.enabled:
+            return
+        manager = engine.chunks.manager
+        hashes = [None] * self.world_size
+        dist.all_gather_object(hashes, (int(manager.layout_hash), engine.layout["num_chunks"]))
+        if len(set(hashes)) != 1:
+            raise RuntimeError(
+                "data parallel: the chunk layouts differ between ranks (layout hash, chunks per "
+                f"rank: {hashes}); every rank must build the same model with the same config "
+                "(default_chunk_size, precision, frozen parameters)")
+        if engine.layout["oversize_tensors"]:
+            raise ValueError(
+                "data parallel: tensors larger than the chunk size "
+                f"({engine.layout['oversize_tensors'][:3]}) get chunks of their own, so their "
+                "groups would have chunks of different sizes; set default_chunk_size to at "
+                "least the largest parameter's element count")
+        for index, ids in enumerate(engine._ids):
+            owned = {self.owns(manager, t) for t in (ids.compute, ids.master, ids.grad,
+                                                     ids.momentum, ids.variance) if t is not None}
+            if len(owned) != 1:
+                raise RuntimeError(f"data parallel: parameter '{engine._names[index]}' has its "
+                                   "chunks on different ranks (layout bug)")
+        parallel = self.config.parallel
+        group = dist.group.WORLD
+        self.communicator = _C.process_group_communicator(
+            group.group_name, reduce_scatter=parallel.reduce_scatter, timeout_s=self.timeout)
+        self.collectives = _C.GroupCollectives(
+            manager, self.communicator, tier="host", timeout_s=self.timeout,
+            memory_saving=parallel.memory_saving, gradient_op="avg")
+        self._compute_groups = self.collectives.groups(K.COMPUTE_PARAM)
+        position = {first: p for p, first in enumerate(self._compute_groups)}
+        # Remote compute tensors -> position of their group in the gather order.
+        self._gather_position = {}
+        self._owned = []
+        for ids in engine._ids:
+            self._owned.append(self.owns(manager, ids.compute))
+            if not self._owned[-1]:
+                self._gather_position[ids.compute] = position[self.collectives.group_of(
+                    ids.compute)]
+        self._gather_cursor = 0
+        # Gradient groups in reduce-scatter order, and which parameters each one waits for.
+        self._grad_groups = list(reversed(self.collectives.groups(K.GRADIENT)))
+        grad_position = {first: p for p, first in enumerate(self._grad_groups)}
+        self._grad_group_of = {}
+        self._group_size = [0] * len(self._grad_groups)
+        for index, ids in enumerate(engine._ids):
+            if ids.grad is not None:
+                p = grad_position[self.collectives.group_of(ids.grad)]
+                self._grad_group_of[index] = p
+                self._group_size[p] += 1
+        self._reset_backward()
+
+    def owns(self, manager, tensor_id: int) -> bool:
+        """Whether this rank keeps the chunk of `tensor_id` (always, for a world of one)."""
+        return not self.enabled or manager.is_local(manager.tensor_info(tensor_id)["chunk"])
+
+    def after_init(self) -> None:
+        """Every rank built the whole model; keep only the owned compute chunks."""
+        if self.enabled:
+            self.collectives.release_all(K.COMPUTE_PARAM)
+            self._engine.chunks.before_access = self._before_access
+
+    # ---- Gathers ------------------------------------------------------------------------------
+
+    def _before_access(self, tensor_id: int) -> None:
+        position = self._gather_position.get(tensor_id)
+        if position is not None and position >= self._gather_cursor:
+            self._gather_through(position)
+
+    def _gather_through(self, position: int) -> None:
+        while self._gather_cursor <= position:
+            self.collectives.gather(self._compute_groups[self._gather_cursor])
+            self._gather_cursor += 1
+
+    def gather_all(self) -> None:
+        """Gathers every group not gathered since the last step (the end of a forward, and
+        state_dict(): every rank calls these at the same point)."""
+        if self.enabled:
+            self._gather_through(len(self._compute_groups) - 1)
+
+    after_forward = gather_all
+
+    # ---- Gradients ----------------------------------------------------------------------------
+
+    def _reset_backward(self) -> None:
+        self._missing = list(self._group_size)
+        self._seen: set[int] = set()
+        self._rs_cursor = 0
+
+    def _boundary(self) -> bool:
+        engine = self._engine
+        return (engine._micro_step + 1) % self.config.gradient_accumulation_steps == 0
+
+    def on_grad(self, index: int) -> None:
+        """Called by the engine's gradient hook once the gradient is in its chunk."""
+        if not self.enabled or index in self._seen or not self._boundary():
+            return
+        self._seen.add(index)
+        self._missing[self._grad_group_of[index]] -= 1
+        while (self._rs_cursor < len(self._grad_groups)
+               and self._missing[self._rs_cursor] == 0):
+            self._start_reduce_scatter()
+            self.early_reduce_scatters += 1
+
+    def _start_reduce_scatter(self) -> None:
+        self.collectives.start_reduce_scatter(self._grad_groups[self._rs_cursor])
+        self._rs_cursor += 1
+
+    def after_backward(self) -> None:
+        """Finishes the reduce-scatters of an accumulation boundary; afterwards `_has_grad` says
+        which *owned* parameters have a gradient on some rank."""
+        if not self.enabled:
+            return
+        if not self._boundary():
+            return
+        try:
+            while self._rs_cursor < len(self._grad_groups):
+                self._start_reduce_scatter()
+        finally:
+            self.collectives.finish_reduce_scatters()
+        engine = self._engine
+        flags = torch.tensor([1.0 if has else 0.0 for has in engine._has_grad])
+        self.communicator.all_reduce(flags, op="sum", label="has-gradient flags").wait(
+            self.timeout)
+        for index, total in enumerate(flags.tolist()):
+            engine._has_grad[index] = total > 0 and self._owned[index]
+        self._reset_backward()
+
+    def all_reduce_grad_stats(self, overflow: bool, squared: float) -> tuple[bool, float]:
+        """Sums the squared norms of the owned gradients and ORs the overflow flags."""
+        if not self.enabled:
+            return overflow, squared
+        stats = torch.tensor([squared, 1.0 if overflow else 0.0], dtype=torch.float32)
+        self.communicator.all_reduce(stats, op="sum", label="gradient norm and overflow").wait(
+            self.timeout)
+        return stats[1].item() > 0, float(stats[0].item())
+
+    def after_step(self) -> None:
+        """The parameters changed: every rank drops its gathered copies."""
+        if self.enabled:
+            self.collectives.release_all(K.COMPUTE_PARAM)
+            self._gather_cursor = 0

@@ -1,0 +1,268 @@
+// GroupCollectives over a fake world of 2 and 4 ranks, each rank on its own thread with its own
+// chunk manager and communicator: gathers bring back the owners' bytes with one collective per
+// group, reduce-scatters leave each rank the average of its own chunk and drop the rest, the
+// memory-saving mode gives the same bytes with broadcast/reduce, and a rank that never comes
+// makes the others fail with DeadlineExceeded naming the collective.
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "chunk/group_collectives.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/cpp/chunk_test_util.h"
+#include "tests/cpp/fake_communicator.h"
+
+namespace ps {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr int64_t kChunkElements = 1024;
+
+// Compute params and their gradients; sizes chosen so groups have several tensors, one group has
+// an empty (padding) member for world size 4, and first-fit reorders a little.
+std::vector<TensorSpec> ModelSpecs() {
+  const int64_t sizes[] = {700, 300, 1000, 24, 512, 512, 900, 100, 64, 1024, 333};
+  std::vector<TensorSpec> specs;
+  for (ChunkKind kind : {ChunkKind::kComputeParam, ChunkKind::kGradient}) {
+    for (size_t i = 0; i < std::size(sizes); ++i) {
+      specs.push_back(testing::Spec(absl::StrCat("p", i, kind == ChunkKind::kGradient ? "#g" : ""),
+                                    {sizes[i]}, kind, DType::kFloat32));
+    }
+  }
+  return specs;
+}
+
+int64_t NumParams() { return static_cast<int64_t>(ModelSpecs().size() / 2); }
+
+float Value(TensorId tensor, int64_t i) { return static_cast<float>(tensor * 1000 + i % 997); }
+
+struct Rank {
+  testing::Hierarchy hierarchy = testing::MakeHierarchy(0, 0, 8192);
+  std::unique_ptr<ChunkManager> manager;
+  std::unique_ptr<testing::FakeCommunicator> communicator;
+  std::unique_ptr<GroupCollectives> collectives;
+};
+
+class GroupCollectivesTest : public ::testing::TestWithParam<int> {
+ protected:
+  void Build(GroupCollectiveOptions options) {
+    world_size_ = GetParam();
+    world_ = std::make_shared<testing::FakeWorld>(world_size_);
+    for (int r = 0; r < world_size_; ++r) {
+      auto rank = std::make_unique<Rank>();
+      ChunkManagerOptions manager_options;
+      manager_options.world_size = world_size_;
+      manager_options.rank = r;
+      rank->manager = testing::MakeManager(rank->hierarchy, manager_options);
+      for (const TensorSpec& spec : ModelSpecs()) {
+        ASSERT_TRUE(rank->manager->RegisterTensor(spec).ok());
+      }
+      ASSERT_TRUE(rank->manager->BuildChunkLists(kChunkElements).ok());
+      rank->communicator = std::make_unique<testing::FakeCommunicator>(world_, r);
+      auto collectives =
+          GroupCollectives::Create(rank->manager.get(), rank->communicator.get(), options);
+      ASSERT_TRUE(collectives.ok()) << collectives.status();
+      rank->collectives = std::move(*collectives);
+      ranks_.push_back(std::move(rank));
+    }
+  }
+
+  void TearDown() override {
+    // Communicators first: their workers may still wait for a peer in the killed-rank test.
+    for (auto& rank : ranks_) rank->collectives.reset();
+    for (auto& rank : ranks_) rank->communicator.reset();
+  }
+
+  // Runs `program(rank)` on one thread per rank, as separate processes would.
+  void OnEveryRank(const std::function<void(int)>& program) {
+    std::vector<std::thread> threads;
+    for (int r = 0; r < world_size_; ++r) threads.emplace_back(program, r);
+    for (std::thread& thread : threads) thread.join();
+  }
+
+  void Write(int r, TensorId tensor, float scale) {
+    ChunkManager& m = *ranks_[r]->manager;
+    auto view = m.Access(tensor, TierKind::kHost);
+    ASSERT_TRUE(view.ok()) << view.status();
+    auto* data = reinterpret_cast<float*>(view->address);
+    for (int64_t i = 0; i < view->numel; ++i) data[i] = scale * Value(tensor % NumParams(), i);
+    ASSERT_TRUE(m.Release(tensor, TensorState::kHold).ok());
+  }
+
+  // Reads a tensor and compares it with scale * Value.
+  void Expect(int r, TensorId tensor, float scale) {
+    ChunkManager& m = *ranks_[r]->manager;
+    auto view = m.Access(tensor, TierKind::kHost);
+    ASSERT_TRUE(view.ok()) << view.status();
+    const auto* data = reinterpret_cast<const float*>(view->address);
+    for (int64_t i = 0; i < view->numel; ++i) {
+      ASSERT_FLOAT_EQ(data[i], scale * Value(tensor % NumParams(), i))
+          << "rank " << r << " tensor " << tensor << " element " << i;
+    }
+    ASSERT_TRUE(m.Release(tensor, TensorState::kHold).ok());
+  }
+
+  int world_size_ = 0;
+  std::shared_ptr<testing::FakeWorld> world_;
+  std::vector<std::unique_ptr<Rank>> ranks_;
+};
+
+TEST_P(GroupCollectivesTest, GatherBringsBackTheOwnersBytesOneCollectivePerGroup) {
+  Build({});
+  OnEveryRank([&](int r) {
+    ChunkManager& m = *ranks_[r]->manager;
+    GroupCollectives& c = *ranks_[r]->collectives;
+    // Initialization: the same values everywhere, then only owned chunks are kept.
+    for (TensorId t = 0; t < NumParams(); ++t) Write(r, t, 1.0f);
+    ASSERT_TRUE(c.ReleaseAll(ChunkKind::kComputeParam).ok());
+    // The owner changes its chunk (an optimizer step): remote ranks must receive the new bytes.
+    for (TensorId t = 0; t < NumParams(); ++t) {
+      if (m.IsLocal((*m.tensor(t))->chunk)) Write(r, t, 2.0f);
+    }
+    const std::vector<ChunkId> groups = c.Groups(ChunkKind::kComputeParam);
+    for (ChunkId group : groups) {
+      auto gathered = c.Gather(group);
+      ASSERT_TRUE(gathered.ok()) << gathered.status();
+      EXPECT_TRUE(*gathered);
+      auto again = c.Gather(group);  // nothing missing any more: no collective
+      ASSERT_TRUE(again.ok());
+      EXPECT_FALSE(*again);
+    }
+    EXPECT_EQ(c.collectives_issued(), static_cast<int64_t>(groups.size()));
+    for (TensorId t = 0; t < NumParams(); ++t) Expect(r, t, 2.0f);
+  });
+}
+
+TEST_P(GroupCollectivesTest, ReduceScatterLeavesEachRankTheAverageOfItsChunk) {
+  Build({});
+  OnEveryRank([&](int r) {
+    ChunkManager& m = *ranks_[r]->manager;
+    GroupCollectives& c = *ranks_[r]->collectives;
+    // Rank r's gradients are (r + 1) * Value; tensor 3 gets no gradient on rank 0.
+    for (TensorId t = NumParams(); t < 2 * NumParams(); ++t) {
+      if (!(r == 0 && t == NumParams() + 3)) Write(r, t, static_cast<float>(r + 1));
+    }
+    const std::vector<ChunkId> groups = c.Groups(ChunkKind::kGradient);
+    for (auto it = groups.rbegin(); it != groups.rend(); ++it) {
+      ASSERT_TRUE(c.StartReduceScatter(*it).ok());
+    }
+    EXPECT_EQ(c.pending_reduce_scatters(), static_cast<int>(groups.size()));
+    ASSERT_TRUE(c.FinishReduceScatters().ok());
+    EXPECT_EQ(c.collectives_issued(), static_cast<int64_t>(groups.size()));
+    const float world = static_cast<float>(world_size_);
+    const float mean = (world + 1) / 2;  // of 1..world
+    for (TensorId t = NumParams(); t < 2 * NumParams(); ++t) {
+      const TensorInfo& info = **m.tensor(t);
+      if (!m.IsLocal(info.chunk)) {
+        EXPECT_EQ(info.state, TensorState::kFree) << info.name;
+        EXPECT_FALSE((*m.chunk(info.chunk))->has_payload()) << info.name;
+        continue;
+      }
+      EXPECT_EQ(info.state, TensorState::kHold) << info.name;
+      Expect(r, t, t == NumParams() + 3 ? mean - 1 / world : mean);
+    }
+  });
+}
+
+TEST_P(GroupCollectivesTest, MemorySavingModeGivesTheSameBytesWithBroadcastAndReduce) {
+  GroupCollectiveOptions options;
+  options.memory_saving = true;
+  Build(options);
+  OnEveryRank([&](int r) {
+    ChunkManager& m = *ranks_[r]->manager;
+    GroupCollectives& c = *ranks_[r]->collectives;
+    for (TensorId t = 0; t < NumParams(); ++t) Write(r, t, 1.0f);
+    ASSERT_TRUE(c.ReleaseAll(ChunkKind::kComputeParam).ok());
+    const std::vector<ChunkId> groups = c.Groups(ChunkKind::kComputeParam);
+    for (ChunkId group : groups) ASSERT_TRUE(c.Gather(group).ok());
+    for (TensorId t = 0; t < NumParams(); ++t) Expect(r, t, 1.0f);
+    for (TensorId t = NumParams(); t < 2 * NumParams(); ++t) Write(r, t, 1.0f + r);
+    const std::vector<ChunkId> grads = c.Groups(ChunkKind::kGradient);
+    for (ChunkId group : grads) ASSERT_TRUE(c.StartReduceScatter(group).ok());
+    ASSERT_TRUE(c.FinishReduceScatters().ok());
+    EXPECT_EQ(c.collectives_issued(),
+              static_cast<int64_t>((groups.size() + grads.size()) * world_size_));
+    for (TensorId t = NumParams(); t < 2 * NumParams(); ++t) {
+      if (m.IsLocal((*m.tensor(t))->chunk)) Expect(r, t, (world_size_ + 1) / 2.0f);
+    }
+  });
+}
+
+TEST_P(GroupCollectivesTest, ARankThatNeverComesIsADeadlineNamingTheCollective) {
+  GroupCollectiveOptions options;
+  options.timeout = absl::Milliseconds(200);
+  Build(options);
+  OnEveryRank([&](int r) {
+    for (TensorId t = 0; t < NumParams(); ++t) Write(r, t, 1.0f);
+    ASSERT_TRUE(ranks_[r]->collectives->ReleaseAll(ChunkKind::kComputeParam).ok());
+  });
+  // Only rank 0 runs its program; the others are "dead".
+  GroupCollectives& c = *ranks_[0]->collectives;
+  auto gathered = c.Gather(c.Groups(ChunkKind::kComputeParam).front());
+  ASSERT_FALSE(gathered.ok());
+  EXPECT_EQ(gathered.status().code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_THAT(gathered.status().message(), HasSubstr("allgather"));
+  EXPECT_THAT(gathered.status().message(), HasSubstr("compute_param group 0"));
+  EXPECT_THAT(gathered.status().message(), HasSubstr("on fake"));
+}
+
+TEST(GroupCollectivesSingleOwnerTest, EveryRankGathersAGroupOneRankOwnsEntirely) {
+  // One small tensor: chunk 0 holds it, chunk 1 is padding, so rank 0 holds no remote payload.
+  // Both ranks must still run the group's allgather (a rank-dependent decision would pair the
+  // collective with a different one on the other rank).
+  auto world = std::make_shared<testing::FakeWorld>(2);
+  std::vector<std::unique_ptr<Rank>> ranks;
+  for (int r = 0; r < 2; ++r) {
+    auto rank = std::make_unique<Rank>();
+    ChunkManagerOptions options;
+    options.world_size = 2;
+    options.rank = r;
+    rank->manager = testing::MakeManager(rank->hierarchy, options);
+    ASSERT_TRUE(rank->manager->RegisterTensor(testing::Spec("only", {100})).ok());
+    ASSERT_TRUE(rank->manager->BuildChunkLists(kChunkElements).ok());
+    rank->communicator = std::make_unique<testing::FakeCommunicator>(world, r);
+    rank->collectives =
+        *GroupCollectives::Create(rank->manager.get(), rank->communicator.get(), {});
+    ranks.push_back(std::move(rank));
+  }
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      ChunkManager& m = *ranks[r]->manager;
+      auto view = m.Access(0, TierKind::kHost);
+      ASSERT_TRUE(view.ok());
+      reinterpret_cast<float*>(view->address)[7] = r == 0 ? 42.0f : -1.0f;
+      ASSERT_TRUE(m.Release(0, TensorState::kHold).ok());
+      GroupCollectives& c = *ranks[r]->collectives;
+      ASSERT_TRUE(c.ReleaseAll(ChunkKind::kComputeParam).ok());
+      auto gathered = c.Gather(c.Groups(ChunkKind::kComputeParam).front());
+      ASSERT_TRUE(gathered.ok()) << gathered.status();
+      EXPECT_TRUE(*gathered) << "rank " << r;
+      view = m.Access(0, TierKind::kHost);
+      ASSERT_TRUE(view.ok());
+      EXPECT_EQ(reinterpret_cast<float*>(view->address)[7], 42.0f) << "rank " << r;
+      ASSERT_TRUE(m.Release(0, TensorState::kHold).ok());
+    });
+  }
+  for (std::thread& thread : threads) thread.join();
+  for (auto& rank : ranks) rank->collectives.reset();
+}
+
+TEST_P(GroupCollectivesTest, MismatchedWorldIsRefused) {
+  Build({});
+  testing::FakeCommunicator other(world_, 1);
+  auto refused = GroupCollectives::Create(ranks_[0]->manager.get(), &other, {});
+  ASSERT_FALSE(refused.ok());
+  EXPECT_THAT(refused.status().message(), HasSubstr("rank 0 of"));
+}
+
+INSTANTIATE_TEST_SUITE_P(Worlds, GroupCollectivesTest, ::testing::Values(2, 4));
+
+}  // namespace
+}  // namespace ps

@@ -1,0 +1,133 @@
+"""Training scenarios shared by the data-parallel worker (dp_worker.py, one process per rank)
+and the tests that compare it with plain PyTorch on the whole batch (test_data_parallel.py)."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import torch
+from torch import nn
+
+from patrickstar.examples.gpt import GPT, synthetic_batches
+from test_initialize import MLP, gpt_config, make_optimizer, mlp_batches, model_bytes
+
+
+class RankDependentBranch(nn.Module):
+    """`branch` runs only for batches whose first feature is positive: with a split batch, one
+    rank uses it and the other does not in the same step (data-dependent control flow)."""
+
+    def __init__(self):
+        super().__init__()
+        self.trunk = nn.Linear(32, 32)
+        self.branch = nn.Linear(32, 32)
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, x, y):
+        h = torch.relu(self.trunk(x))
+        if x[0, 0] > 0:
+            h = h + self.branch(h)
+        return nn.functional.cross_entropy(self.head(h), y)
+
+
+def branch_batches(steps, batch=16, seed=0):
+    """Like mlp_batches, but the first half of each batch says "branch" and the second not."""
+    for x, y in mlp_batches(steps, batch, seed):
+        half = batch // 2
+        x[:half, 0] = x[:half, 0].abs() + 0.1
+        x[half:, 0] = -x[half:, 0].abs() - 0.1
+        yield x, y
+
+
+def half_mlp_batches(steps, batch=16, seed=0):
+    """fp16 inputs for fp16 parameters (the fp32 reference casts them back)."""
+    for x, y in mlp_batches(steps, batch, seed):
+        yield x.half(), y
+
+
+@dataclasses.dataclass
+class Scenario:
+    model: Callable[[], nn.Module]
+    batches: Callable  # batches(steps) -> iterator of (x, y), whole batches
+    config: dict
+    steps: int
+    optimizer: str = "AdamW"
+    lr: float = 1e-3
+    weight_decay: float = 0.01
+    clip: float = 0.0
+    accumulation: int = 1
+    atol: float = 1e-6
+
+
+def _mlp_frozen_first():
+    model = MLP()
+    model.layers[0].weight.requires_grad_(False)
+    return model
+
+
+def _gpt():
+    return GPT(gpt_config())
+
+
+def _gpt_batches(steps):
+    return synthetic_batches(gpt_config(), batch=4, steps=steps)
+
+
+SCENARIOS = {
+    "mlp": Scenario(MLP, mlp_batches, {"default_chunk_size": 4096}, steps=10),
+    # 3 chunks of device memory for 2 x 2 compute + gradient chunks: evictions on every rank.
+    "mlp_tight": Scenario(MLP, mlp_batches, {"default_chunk_size": 4096,
+                                             "memory": {"device_budget": 3 * 4096 * 4}},
+                          steps=10),
+    "mlp_accumulation_clipping": Scenario(MLP, mlp_batches, {"default_chunk_size": 4096},
+                                          steps=4, clip=0.5, accumulation=3),
+    "mlp_memory_saving": Scenario(MLP, mlp_batches, {"default_chunk_size": 4096,
+                                                     "parallel": {"memory_saving": True}},
+                                  steps=5),
+    # Parameters that Adam drives through zero differ by a few 1e-5 absolute after some steps
+    # (torch's CPU sqrt, see test_initialize.py's GPT test).
+    "gpt": Scenario(_gpt, _gpt_batches, {"default_chunk_size": 8192}, steps=10,
+                    weight_decay=0.1, atol=5e-5),
+    "gpt_tight": Scenario(_gpt, _gpt_batches, {
+        "default_chunk_size": 8192,
+        "memory": {"device_budget": int(2 * model_bytes(_gpt) * 0.5)}},
+        steps=10, weight_decay=0.1, atol=5e-5),
+    # Mixed precision: tracked against fp32 PyTorch loosely (test_initialize.py's bf16 test).
+    "gpt_bf16": Scenario(_gpt, _gpt_batches, {"default_chunk_size": 16384,
+                                              "bf16": {"enabled": True}}, steps=10),
+    "mlp_fp16": Scenario(MLP, half_mlp_batches, {"default_chunk_size": 4096, "fp16": {
+        "enabled": True, "initial_scale_power": 8}}, steps=10),
+    # A frozen tensor registered first in the model: compute chunks are packed trainable-first
+    # so each parameter's compute and optimizer-state chunks share an owner.
+    "mlp_frozen": Scenario(_mlp_frozen_first, mlp_batches, {"default_chunk_size": 4096},
+                           steps=5),
+    "branch": Scenario(RankDependentBranch, branch_batches, {"default_chunk_size": 2048},
+                       steps=6),
+}
+
+
+def shard(batch, rank: int, world: int):
+    """This rank's contiguous slice of every tensor of a batch."""
+    return tuple(t.chunk(world)[rank] for t in batch)
+
+
+def reference(name: str, world: int):
+    """Plain PyTorch on the whole batch (the loss is the mean of the ranks' shard losses, which
+    equals the whole-batch loss for the mean-reduced losses used here and keeps the per-shard
+    control flow of RankDependentBranch). Returns (losses per optimizer step, state dict)."""
+    s = SCENARIOS[name]
+    torch.manual_seed(0)
+    model = s.model()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = make_optimizer(s.optimizer, trainable, s.lr, s.weight_decay)
+    losses = []
+    for step, batch in enumerate(s.batches(s.steps * s.accumulation)):
+        batch = tuple(t.float() if t.is_floating_point() else t for t in batch)
+        loss = sum(model(*shard(batch, r, world)) for r in range(world)) / world
+        (loss / s.accumulation).backward()
+        losses.append(loss.item())
+        if (step + 1) % s.accumulation == 0:
+            if s.clip:
+                nn.utils.clip_grad_norm_(model.parameters(), s.clip)
+            optimizer.step()
+            optimizer.zero_grad()
+    return losses, model.state_dict()

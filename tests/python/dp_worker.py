@@ -1,0 +1,89 @@
+"""One rank of a data-parallel test run (launched by test_data_parallel.py, or by torchrun).
+
+    dp_worker.py OUT_DIR SCENARIO [SCENARIO...]   train scenarios of dp_scenarios.py
+    dp_worker.py OUT_DIR --mismatch               rank 1 builds a different model
+    dp_worker.py OUT_DIR --kill                   rank 1 dies after initialize()
+    dp_worker.py OUT_DIR --stall                  rank 1 stops issuing collectives (sleeps)
+
+Writes OUT_DIR/<what>-rank<r>.pt with losses, the gathered state dict, memory statistics or
+the error raised, then leaves with os._exit so a dead peer cannot hold up interpreter exit.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import sys
+import time
+import traceback
+
+import torch
+
+import patrickstar
+from dp_scenarios import SCENARIOS, shard
+from test_initialize import MLP
+
+
+def train(name: str, rank: int, world: int) -> dict:
+    s = SCENARIOS[name]
+    config = copy.deepcopy(s.config)
+    config["optimizer"] = {"type": s.optimizer,
+                           "params": {"lr": s.lr, "weight_decay": s.weight_decay}}
+    config["gradient_clipping"] = s.clip
+    config["gradient_accumulation_steps"] = s.accumulation
+    torch.manual_seed(0)
+    model, optimizer = patrickstar.initialize(s.model, config=config)
+    losses = []
+    for step, batch in enumerate(s.batches(s.steps * s.accumulation)):
+        loss = model(*shard(batch, rank, world))
+        model.backward(loss)
+        losses.append(loss.item())
+        if (step + 1) % s.accumulation == 0:
+            optimizer.step()
+            optimizer.zero_grad()
+    stats = model.memory_stats()  # after the step: gathered copies and remote grads dropped
+    result = {"losses": losses, "state": model.state_dict(), "stats": stats}
+    if world > 1:
+        result.update(collectives=model._dp.collectives.collectives_issued,
+                      compute_groups=len(model._dp._compute_groups),
+                      grad_groups=len(model._dp._grad_groups),
+                      early_reduce_scatters=model._dp.early_reduce_scatters)
+    return result
+
+
+def main() -> None:
+    out, what = sys.argv[1], sys.argv[2:]
+    # initialize() sets up torch.distributed from torchrun's environment (RANK, WORLD_SIZE, ...).
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    results = {}
+    try:
+        if what == ["--mismatch"]:
+            sizes = (32, 64, 64, 10) if rank == 0 else (32, 64, 48, 10)
+            patrickstar.initialize(lambda: MLP(sizes), config={"default_chunk_size": 4096})
+        elif what in (["--kill"], ["--stall"]):
+            model, _ = patrickstar.initialize(MLP, config={
+                "default_chunk_size": 4096, "parallel": {"collective_timeout": 2}})
+            if rank == 1:
+                if what == ["--stall"]:
+                    time.sleep(6)
+                os._exit(0)
+            x, y = torch.randn(8, 32), torch.randint(0, 10, (8,))
+            start = time.monotonic()
+            try:
+                model.backward(model(x, y))
+            finally:
+                results["elapsed"] = time.monotonic() - start
+        else:
+            for name in what:
+                results[name] = train(name, rank, world)
+    except Exception as error:  # the test inspects it
+        results["error"] = f"{type(error).__name__}: {error}"
+        results["error_type"] = type(error).__name__
+        results["traceback"] = traceback.format_exc()
+    torch.save(results, os.path.join(out, f"rank{rank}.pt"))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

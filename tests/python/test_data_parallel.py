@@ -1,0 +1,204 @@
+"""Chunk-granular data parallelism over gloo (issue 8): N ranks each with 1/N of the batch train
+like plain PyTorch on the whole batch; per-rank chunk memory is about 1/N; a layout mismatch and a
+killed rank are errors, not hangs. Each test launches real processes (dp_worker.py), as torchrun
+would, and compares in this process."""
+from __future__ import annotations
+
+import math
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dp_scenarios import SCENARIOS, reference
+from test_initialize import assert_same_training
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORKER = os.path.join(HERE, "dp_worker.py")
+LAUNCH_TIMEOUT = 240  # seconds for a whole run; the tests themselves take a few seconds
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(tmp_path, world: int, *args: str, torchrun: bool = False) -> list[dict]:
+    """Runs dp_worker.py on `world` ranks; returns each rank's results."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=HERE + os.pathsep
+               + os.environ.get("PYTHONPATH", ""))
+    port = str(free_port())
+    if torchrun:
+        procs = [subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}",
+             "--master_addr=127.0.0.1", f"--master_port={port}", WORKER, str(tmp_path), *args],
+            env=env)]
+    else:
+        procs = [subprocess.Popen([sys.executable, WORKER, str(tmp_path), *args], env=dict(
+            env, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world),
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=port)) for r in range(world)]
+    try:
+        for proc in procs:
+            proc.wait(timeout=LAUNCH_TIMEOUT)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False)
+            if (tmp_path / f"rank{r}.pt").exists() else {} for r in range(world)]
+
+
+def check_no_errors(results):
+    for rank, result in enumerate(results):
+        assert "error" not in result, f"rank {rank}: {result.get('traceback')}"
+
+
+def check_matches_reference(results, name: str):
+    world = len(results)
+    ref_losses, ref_state = reference(name, world)
+    scenario = SCENARIOS[name]
+    # The whole-batch loss is the mean of the ranks' shard losses.
+    losses = [sum(r[name]["losses"][i] for r in results) / world
+              for i in range(len(ref_losses))]
+    assert_same_training(ref_losses, losses, ref_state, results[0][name]["state"],
+                         atol=scenario.atol)
+    # Every rank ends with the same (gathered) parameters.
+    for other in results[1:]:
+        for key, tensor in results[0][name]["state"].items():
+            torch.testing.assert_close(other[name]["state"][key], tensor, rtol=0, atol=0)
+
+
+TWO_RANK_SCENARIOS = ["mlp", "mlp_tight", "mlp_accumulation_clipping", "mlp_memory_saving",
+                      "gpt", "gpt_tight", "branch", "gpt_bf16", "mlp_fp16", "mlp_frozen"]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """One 2-rank run of every scenario (processes start once: torch's import dominates)."""
+    results = launch(tmp_path_factory.mktemp("dp2"), 2, *TWO_RANK_SCENARIOS)
+    check_no_errors(results)
+    return results
+
+
+@pytest.mark.parametrize("name", ["mlp", "mlp_tight", "gpt", pytest.param(
+    "gpt_tight", marks=pytest.mark.xfail(strict=True, reason="the engine's known GPT-under-"
+                                         "eviction drift (test_initialize.py, issue 5), same "
+                                         "size: autograd's saved views of parameters (linear "
+                                         "saves W.t()) point at chunk memory that moves"))])
+def test_two_ranks_with_half_batches_match_pytorch_on_the_whole_batch(two_ranks, name):
+    check_matches_reference(two_ranks, name)
+    steps = SCENARIOS[name].steps
+    result = two_ranks[0][name]
+    # One allgather per compute group per step (+1: state_dict after the last step) and one
+    # reduce-scatter per gradient group per step (the small all-reduces are not counted).
+    assert result["collectives"] == (steps + 1) * result["compute_groups"] + steps * result[
+        "grad_groups"]
+    if name.startswith("gpt"):
+        # All groups but the one holding the embeddings (whose gradient comes last) are
+        # reduce-scattered while backward still runs.
+        assert result["grad_groups"] > 1
+        assert result["early_reduce_scatters"] >= steps * (result["grad_groups"] - 1)
+    if name.endswith("tight"):
+        device = result["stats"][0]
+        assert device["evictions"] > 0
+        assert device["peak_chunk_bytes"] <= device["budget_bytes"]
+
+
+def test_gradient_accumulation_and_clipping_reduce_once_per_boundary(two_ranks):
+    name = "mlp_accumulation_clipping"
+    check_matches_reference(two_ranks, name)
+    s = SCENARIOS[name]
+    result = two_ranks[0][name]
+    # Gathers once per step (not per micro-step) and reduce-scatters once per boundary: 12
+    # micro-steps, 4 steps.
+    assert result["collectives"] == (s.steps + 1) * result["compute_groups"] + s.steps * result[
+        "grad_groups"]
+
+
+def test_memory_saving_mode_matches_with_broadcast_and_reduce(two_ranks):
+    name = "mlp_memory_saving"
+    check_matches_reference(two_ranks, name)
+    result = two_ranks[0][name]
+    steps = SCENARIOS[name].steps
+    # world_size broadcasts / reduces per group instead of one collective.
+    assert result["collectives"] == 2 * ((steps + 1) * result["compute_groups"] + steps * result[
+        "grad_groups"])
+
+
+@pytest.mark.parametrize("name", ["gpt_bf16", "mlp_fp16"])
+def test_mixed_precision_tracks_fp32_pytorch(two_ranks, name):
+    ref_losses, _ = reference(name, 2)
+    losses = [sum(r[name]["losses"][i] for r in two_ranks) / 2 for i in range(len(ref_losses))]
+    for step, (ours, ref) in enumerate(zip(losses, ref_losses)):
+        # 8 (bf16) or 11 (fp16) bits of mantissa: within 2% as in test_initialize.py.
+        assert abs(ours - ref) <= 0.02 * abs(ref), (step, ours, ref)
+    assert not any(math.isnan(loss) for loss in losses)
+    state = two_ranks[0][name]["state"]
+    for key, tensor in two_ranks[1][name]["state"].items():
+        torch.testing.assert_close(state[key], tensor, rtol=0, atol=0)
+
+
+def test_frozen_parameters_match_pytorch(two_ranks):
+    check_matches_reference(two_ranks, "mlp_frozen")
+
+
+def test_rank_dependent_control_flow_neither_deadlocks_nor_diverges(two_ranks):
+    # Rank 0's shards take the branch, rank 1's never do.
+    check_matches_reference(two_ranks, "branch")
+
+
+def test_per_rank_chunk_memory_is_about_one_over_n(two_ranks, tmp_path):
+    single = launch(tmp_path, 1, "gpt")
+    check_no_errors(single)
+    single_bytes = sum(t["chunk_bytes"] for t in single[0]["gpt"]["stats"])
+    for rank, result in enumerate(two_ranks):
+        ours = sum(t["chunk_bytes"] for t in result["gpt"]["stats"])
+        # Compute params, gradients and optimizer state after a step; padding of the last
+        # group may add up to a chunk per list.
+        assert ours <= single_bytes / 2 * 1.35, (rank, ours, single_bytes)
+        assert ours >= single_bytes / 2 * 0.65, (rank, ours, single_bytes)
+
+
+def test_four_ranks_through_torchrun_match_pytorch(tmp_path):
+    results = launch(tmp_path, 4, "mlp", torchrun=True)
+    check_no_errors(results)
+    check_matches_reference(results, "mlp")
+
+
+def test_layout_mismatch_is_a_clear_error_on_every_rank(tmp_path):
+    results = launch(tmp_path, 2, "--mismatch")
+    for rank, result in enumerate(results):
+        assert result.get("error_type") == "RuntimeError", (rank, result)
+        assert "chunk layouts differ between ranks" in result["error"]
+
+
+def test_a_killed_rank_is_an_error_naming_the_collective(tmp_path):
+    # gloo sees the closed connection at once: an error naming our collective, no waiting.
+    survivor = launch(tmp_path, 2, "--kill")[0]
+    assert survivor.get("error_type") in ("ChunkRuntimeError", "TimeoutError"), survivor
+    assert "allgather" in survivor["error"] and "compute_param group 0" in survivor["error"]
+
+
+def test_a_stalled_rank_is_a_timeout_naming_the_collective(tmp_path):
+    # Rank 1 stays alive but issues nothing: rank 0 gives up after collective_timeout (2 s)
+    # with TimeoutError, before rank 1 wakes up after 6 s and leaves.
+    survivor = launch(tmp_path, 2, "--stall")[0]
+    assert survivor.get("error_type") == "TimeoutError", survivor
+    assert "allgather" in survivor["error"] and "compute_param group 0" in survivor["error"]
+    assert survivor["elapsed"] < 6
+
+
+def test_parallel_config_errors_name_the_key():
+    import patrickstar
+    from test_initialize import MLP
+    with pytest.raises(ValueError, match="parallel.reduce_scatter"):
+        patrickstar.initialize(MLP, config={"parallel": {"reduce_scatter": "tree"}})
+    with pytest.raises(ValueError, match="parallel.collective_timeout"):
+        patrickstar.initialize(MLP, config={"parallel": {"collective_timeout": 0}})
+    # No torch.distributed world here: asking for two data-parallel ranks is an error.
+    with pytest.raises(ValueError, match="'parallel.data': 2 data-parallel ranks"):
+        patrickstar.initialize(MLP, config={"parallel": {"data": 2}})
