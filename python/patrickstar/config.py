@@ -232,8 +232,11 @@ def _parse_optimizer(raw: Any) -> OptimizerConfig:
         betas=betas,
         eps=_number("optimizer.params.eps", params.get("eps", defaults.eps), minimum=0.0,
                     strict=True),
+        # torch.optim.AdamW defaults to weight_decay=1e-2 (Adam to 0), and DeepSpeed builds the
+        # torch optimizer from these params, so an AdamW config without the key means 1e-2.
         weight_decay=_number("optimizer.params.weight_decay",
-                             params.get("weight_decay", defaults.weight_decay), minimum=0.0),
+                             params.get("weight_decay", 1e-2 if kind.lower() == "adamw"
+                                        else defaults.weight_decay), minimum=0.0),
         use_hybrid_adam=_bool("optimizer.params.use_hybrid_adam",
                               params.get("use_hybrid_adam", defaults.use_hybrid_adam)),
     )

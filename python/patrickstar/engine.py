@@ -148,6 +148,8 @@ class PatrickStarEngine(nn.Module):
         self._dp.after_init()
 
         self._param_of_storage: dict[int, int] = {}  # chunk view address -> parameter index
+        # Sees every other saved tensor (pack/unpack), e.g. the profiler's activation counter.
+        self.saved_tensor_observer = None
         self._access_count = [0] * len(self._params)
         self._has_grad = [False] * len(self._params)
         self._module_params = {
@@ -300,16 +302,18 @@ class PatrickStarEngine(nn.Module):
     # ---- Forward / backward --------------------------------------------------------------------
 
     def _pack_saved(self, tensor: torch.Tensor):
-        if tensor.layout != torch.strided or tensor.device != self.device:
-            return tensor
-        index = self._param_of_storage.get(tensor.untyped_storage().data_ptr())
+        index = None
+        if tensor.layout == torch.strided and tensor.device == self.device:
+            index = self._param_of_storage.get(tensor.untyped_storage().data_ptr())
         if index is None:
-            return tensor
+            observer = self.saved_tensor_observer
+            return tensor if observer is None else observer.pack(tensor)
         return _SavedParamView(index, tensor.storage_offset(), tensor.size(), tensor.stride())
 
     def _unpack_saved(self, packed):
         if not isinstance(packed, _SavedParamView):
-            return packed
+            observer = self.saved_tensor_observer
+            return packed if observer is None else observer.unpack(packed)
         if self._access_count[packed.index] == 0:
             # No hook accessed it for this backward (a parameter used outside its module's
             # forward); backward() releases it when it ends.

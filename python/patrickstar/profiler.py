@@ -122,8 +122,6 @@ class Profiler:
                                   if t["kind"] == "device"), None)
         self._cuda = engine.device.type == "cuda"
         self._activations = _ActivationCounter()
-        self._saved_hooks = None
-        self._hook_handles = []
         self._reset()
 
     def _reset(self) -> None:
@@ -160,10 +158,9 @@ class Profiler:
         self._manager.enable_events(True, self.capacity)
         self._set_phase("other")
         if not self._cuda:
-            root = self.engine
-            self._hook_handles = [
-                root.register_forward_pre_hook(self._enter_forward),
-                root.register_forward_hook(self._exit_forward, always_call=True)]
+            # The engine owns the saved-tensor hooks (Note [Saved views of parameters]); a second
+            # hook pair would shadow them, so the counter rides on the engine's.
+            self.engine.saved_tensor_observer = self._activations
         self.start_ns = now_ns()
         self.running = True
         _active = self
@@ -180,10 +177,8 @@ class Profiler:
         self._drain()
         self._manager.enable_events(False)
         self._manager.set_event_phase("other")
-        for handle in self._hook_handles:
-            handle.remove()
-        self._hook_handles = []
-        self._exit_forward()
+        if getattr(self.engine, "saved_tensor_observer", None) is self._activations:
+            self.engine.saved_tensor_observer = None
         self.running = False
         if _active is self:
             _active = None
@@ -269,17 +264,6 @@ class Profiler:
         if self._cuda:
             return int(torch.cuda.memory_allocated(self.engine.device))
         return self._activations.bytes
-
-    def _enter_forward(self, module, args) -> None:
-        if self._saved_hooks is None and torch.is_grad_enabled():
-            self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(
-                self._activations.pack, self._activations.unpack)
-            self._saved_hooks.__enter__()
-
-    def _exit_forward(self, *unused) -> None:
-        if self._saved_hooks is not None:
-            self._saved_hooks.__exit__(None, None, None)
-            self._saved_hooks = None
 
     # ---- The raw record ----------------------------------------------------------------------
 

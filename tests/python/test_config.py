@@ -155,3 +155,11 @@ def test_make_loss_scaler_from_config():
                                                      "loss_scale_window": 7}}))
     assert isinstance(dynamic, DynamicLossScaler)
     assert dynamic.scale == 32 and dynamic.scale_window == 7
+
+
+def test_adamw_default_weight_decay_is_torchs():
+    # torch.optim.AdamW (and DeepSpeed, which builds it from these params) default to 1e-2.
+    assert load_config({"optimizer": {"type": "AdamW"}}).optimizer.weight_decay == 1e-2
+    assert load_config({"optimizer": {"type": "Adam"}}).optimizer.weight_decay == 0.0
+    assert load_config({"optimizer": {"type": "AdamW",
+                                      "params": {"weight_decay": 0}}}).optimizer.weight_decay == 0

@@ -84,11 +84,7 @@ def two_ranks(tmp_path_factory):
     return results
 
 
-@pytest.mark.parametrize("name", ["mlp", "mlp_tight", "gpt", pytest.param(
-    "gpt_tight", marks=pytest.mark.xfail(strict=True, reason="the engine's known GPT-under-"
-                                         "eviction drift (test_initialize.py, issue 5), same "
-                                         "size: autograd's saved views of parameters (linear "
-                                         "saves W.t()) point at chunk memory that moves"))])
+@pytest.mark.parametrize("name", ["mlp", "mlp_tight", "gpt", "gpt_tight"])
 def test_two_ranks_with_half_batches_match_pytorch_on_the_whole_batch(two_ranks, name):
     check_matches_reference(two_ranks, name)
     steps = SCENARIOS[name].steps
