@@ -414,6 +414,23 @@ absl::StatusOr<Block> ChunkManager::AllocateWithEviction(int tier, int64_t bytes
     }
     Chunk* victim = ChooseVictim(tier, exclude);
     if (victim == nullptr) {
+      // A prefetch may only use room that was free (Note [Prefetch]), but when the moment's
+      // real demand exceeds the trace's (a gather, another iteration's control flow) a pending
+      // copy must not make an access fail: settle it. One into this tier becomes an evictable
+      // chunk; one out of it (prefetched for a host access) frees its block here.
+      Chunk* pending = nullptr;
+      for (Chunk& chunk : chunks_) {
+        if (chunk.pending_.has_value() &&
+            (chunk.pending_->tier_index == tier || chunk.tier_index_ == tier) &&
+            !Contains(exclude, chunk.id_)) {
+          pending = &chunk;
+          break;
+        }
+      }
+      if (pending != nullptr) {
+        PS_RETURN_IF_ERROR(FinishPrefetch(*pending));
+        continue;
+      }
       int64_t pinned_bytes = 0;
       for (const Chunk& chunk : chunks_) {
         if (chunk.tier_index_ == tier && chunk.pinned()) pinned_bytes += chunk.payload_.bytes;

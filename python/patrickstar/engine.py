@@ -63,15 +63,21 @@ class T:  # the chunk manager's tier names
     HOST = "host"
 
 
+PREFETCH_MOMENTS = 2
+
+
 class _ChunkManager:
     """The C++ chunk manager with `access` returning a torch view (valid until release)."""
 
     def __init__(self, tiers, copy_engine, world_size=1, rank=0):
-        # Prefetch is off: a prefetched copy is not invalidated when its source chunk is written
-        # afterwards (Adam's update on the host), which corrupts the next backward's parameters
-        # (found by test_gpt_fp32_tied_embeddings_matches_pytorch; fix belongs in the manager).
+        # Prefetch looks PREFETCH_MOMENTS moments ahead in the warm-up trace (Note [Prefetch] in
+        # chunk_manager.cc). It was off while prefetch moves corrupted backward; the cause was
+        # autograd's saved views of moved chunks (Note [Saved views of parameters]), not the
+        # manager. Data parallelism does not prefetch yet: its group pinning and gathers are not
+        # in the trace the prefetcher reads, and with both a rank dies in the 2-rank tests.
         self.manager = _C.ChunkManager(tiers=tiers, copy_engine=copy_engine,
-                                       world_size=world_size, rank=rank, prefetch_moments=0)
+                                       world_size=world_size, rank=rank,
+                                       prefetch_moments=PREFETCH_MOMENTS if world_size == 1 else 0)
         self.before_access = None  # data parallelism: gathers a remote group first
 
     def __getattr__(self, name):

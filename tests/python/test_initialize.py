@@ -161,6 +161,10 @@ def test_gpt_fp32_tied_embeddings_matches_pytorch(budget_fraction):
     assert_same_training(*result[:4], atol=5e-5)
     model = result[4]
     assert model.module.head.weight is model.module.tokens.weight
+    if budget_fraction:
+        device = model.memory_stats()[0]
+        # Chunks moved and were prefetched ahead of use, and training still matched PyTorch.
+        assert device["evictions"] > 0 and device["prefetch_hits"] > 0
 
 
 def test_unused_parameters_buffers_and_double_calls_match_pytorch():
