@@ -115,6 +115,43 @@ class _Tensors:
         self.compute = self.master = self.grad = self.momentum = self.variance = None
 
 
+def chunk_dtypes(precision: str, accumulation_steps: int) -> dict[str, str | None]:
+    """The dtype name of each chunk tensor of a parameter, by `_Tensors` slot (None: not used);
+    Note [Chunk kinds per precision]."""
+    mixed = precision != "fp32"
+    compute = _DTYPE_NAMES[_DTYPES[precision]]
+    return {"compute": compute, "master": "float32" if mixed else None,
+            "grad": "float32" if accumulation_steps > 1 or not mixed else compute,
+            "momentum": "float32", "variance": "float32"}
+
+
+def register_chunk_tensors(manager, specs, dtypes: dict[str, str | None],
+                           chunk_size: int | None, compute_order=None):
+    """Registers every chunk tensor of `specs` with `manager` and builds the chunk lists, as the
+    engine lays out a model (also used by `estimate_memory`, so its figures are the runtime's).
+    Returns the per-parameter `_Tensors` ids and the layout report."""
+    ids = [_Tensors() for _ in specs]
+    for i in (range(len(specs)) if compute_order is None else compute_order):
+        ids[i].compute = manager.register_tensor(specs[i].name, list(specs[i].shape),
+                                                 K.COMPUTE_PARAM, dtypes["compute"])
+    trainable = [i for i, spec in enumerate(specs) if spec.requires_grad]
+    # Registered kind by kind so each list packs in registration order.
+    for kind, attr in ((K.MASTER_PARAM, "master"), (K.GRADIENT, "grad"),
+                       (K.MOMENTUM, "momentum"), (K.VARIANCE, "variance")):
+        if dtypes[attr] is None:
+            continue
+        for i in trainable:
+            setattr(ids[i], attr, manager.register_tensor(
+                f"{specs[i].name}#{attr}", list(specs[i].shape), kind, dtypes[attr]))
+    if chunk_size is None:
+        largest = max(math.prod(spec.shape) or 1 for spec in specs)
+        low = max(1 << 16, largest // 4)
+        layout = manager.search_chunk_lists(low, max(low, 4 * largest), max(1, low // 4))
+    else:
+        layout = manager.build_chunk_lists(chunk_size)
+    return ids, layout
+
+
 class PatrickStarEngine(nn.Module):
     """What `initialize()` returns as `model`: call it like the module, then
     `model.backward(loss)`. `model.module` is the user's module."""
@@ -127,8 +164,8 @@ class PatrickStarEngine(nn.Module):
         self.precision = config.precision
         self.compute_dtype = _DTYPES[self.precision]
         self.mixed = self.precision != "fp32"
-        accumulate_fp32 = config.gradient_accumulation_steps > 1 or not self.mixed
-        self.grad_dtype = torch.float32 if accumulate_fp32 else self.compute_dtype
+        self.grad_dtype = getattr(torch, chunk_dtypes(
+            self.precision, config.gradient_accumulation_steps)["grad"])
         self.loss_scaler = make_loss_scaler(config)
         self._guard = TrainingGuard(config)  # Note [Training call order] in guards.py
         self._micro_step = 0
@@ -200,30 +237,9 @@ class PatrickStarEngine(nn.Module):
         self.tiers = tiers
         self.copy_engine = _C.CopyEngine(host_threads=2, device=self.local_rank)
         self.chunks = _ChunkManager(tiers, self.copy_engine, self._dp.world_size, self._dp.rank)
-        compute_name = _DTYPE_NAMES[self.compute_dtype]
-        grad_name = _DTYPE_NAMES[self.grad_dtype]
-        self._ids = [_Tensors() for _ in specs]
-        for i in self._dp.compute_registration_order(specs):
-            self._ids[i].compute = self.chunks.register_tensor(
-                specs[i].name, list(specs[i].shape), K.COMPUTE_PARAM, compute_name)
-        trainable = [i for i, spec in enumerate(specs) if spec.requires_grad]
-        # Registered kind by kind so each list packs in registration order.
-        for kind, attr, dtype in ((K.MASTER_PARAM, "master", "float32"),
-                                  (K.GRADIENT, "grad", grad_name),
-                                  (K.MOMENTUM, "momentum", "float32"),
-                                  (K.VARIANCE, "variance", "float32")):
-            if kind == K.MASTER_PARAM and not self.mixed:
-                continue
-            for i in trainable:
-                setattr(self._ids[i], attr, self.chunks.register_tensor(
-                    f"{specs[i].name}#{attr}", list(specs[i].shape), kind, dtype))
-        if config.default_chunk_size is None:
-            largest = max(math.prod(spec.shape) or 1 for spec in specs)
-            low = max(1 << 16, largest // 4)
-            self.layout = self.chunks.search_chunk_lists(low, max(low, 4 * largest),
-                                                         max(1, low // 4))
-        else:
-            self.layout = self.chunks.build_chunk_lists(config.default_chunk_size)
+        self._ids, self.layout = register_chunk_tensors(
+            self.chunks, specs, chunk_dtypes(self.precision, config.gradient_accumulation_steps),
+            config.default_chunk_size, self._dp.compute_registration_order(specs))
         check_budgets(config, self.chunks.layout_json(), [spec.name for spec in specs],
                       [spec.requires_grad for spec in specs], self.mixed)
 

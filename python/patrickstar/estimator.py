@@ -29,6 +29,7 @@ from torch import nn
 
 from . import _C
 from .config import Config, load_config
+from .engine import chunk_dtypes, register_chunk_tensors
 from .init_context import plan_parameters
 
 __all__ = ["estimate_memory"]
@@ -39,44 +40,28 @@ _KINDS = ("compute", "master", "gradient", "momentum", "variance")
 _KIND_NAMES = {"compute_param": "compute", "master_param": "master", "gradient": "gradient",
                "momentum": "momentum", "variance": "variance"}
 _BLOCK_ALIGNMENT = 4096
+# Kind names here -> the engine's `_Tensors` slots.
+_SLOTS = {"compute": "compute", "master": "master", "gradient": "grad", "momentum": "momentum",
+          "variance": "variance"}
 
 
 def _dtypes(precision: str, accumulation_steps: int) -> dict[str, str | None]:
-    """The dtype of each chunk kind (None: not used), Note [Chunk kinds per precision]."""
-    mixed = precision != "fp32"
-    compute = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}[precision]
-    grad = "float32" if (accumulation_steps > 1 or not mixed) else compute
-    return {"compute": compute, "master": "float32" if mixed else None, "gradient": grad,
-            "momentum": "float32", "variance": "float32"}
+    """The dtype of each chunk kind (None: not used), the engine's own rule."""
+    dtypes = chunk_dtypes(precision, accumulation_steps)
+    return {kind: dtypes[_SLOTS[kind]] for kind in _KINDS}
 
 
-def _layout_bytes(specs, dtypes: dict[str, str | None], chunk_size: int | None) -> dict:
-    """Chunk bytes per kind, largest chunk per kind, elements per chunk and waste, from the
-    manager's own layout code (registration order as in PatrickStarEngine._build_runtime)."""
+def _layout_bytes(specs, precision: str, accumulation_steps: int,
+                  chunk_size: int | None) -> dict:
+    """Chunk bytes per kind, largest chunk per kind, elements per chunk and waste, laid out by
+    the engine's own registration (register_chunk_tensors) on a manager with no memory."""
     tier = _C.EmulatedDeviceTier(budget=0, name="estimate")
     manager = _C.ChunkManager(tiers=[tier], copy_engine=_C.CopyEngine(host_threads=1))
-    kinds = {"compute": _C.ChunkKind.COMPUTE_PARAM, "master": _C.ChunkKind.MASTER_PARAM,
-             "gradient": _C.ChunkKind.GRADIENT, "momentum": _C.ChunkKind.MOMENTUM,
-             "variance": _C.ChunkKind.VARIANCE}
-    for spec in specs:
-        manager.register_tensor(spec.name, list(spec.shape), kinds["compute"], dtypes["compute"])
-    for kind in ("master", "gradient", "momentum", "variance"):
-        if dtypes[kind] is None:
-            continue
-        for spec in specs:
-            if spec.requires_grad:
-                manager.register_tensor(f"{spec.name}#{kind}", list(spec.shape), kinds[kind],
-                                        dtypes[kind])
-    if chunk_size is None:
-        largest = max(math.prod(spec.shape) or 1 for spec in specs)
-        low = max(1 << 16, largest // 4)
-        layout = manager.search_chunk_lists(low, max(low, 4 * largest), max(1, low // 4))
-    else:
-        layout = manager.build_chunk_lists(chunk_size)
-    chunks = json.loads(manager.dump_json(0))["layout"]["chunks"]
+    _, layout = register_chunk_tensors(manager, specs, chunk_dtypes(precision, accumulation_steps),
+                                       chunk_size)
     by_kind = {kind: 0 for kind in _KINDS}
     largest_chunk = {kind: 0 for kind in _KINDS}
-    for chunk in chunks:
+    for chunk in json.loads(manager.layout_json())["chunks"]:
         kind = _KIND_NAMES[chunk["kind"]]
         by_kind[kind] += chunk["bytes"]
         largest_chunk[kind] = max(largest_chunk[kind], chunk["bytes"])
@@ -139,9 +124,11 @@ def estimate_memory(model: Callable[[], nn.Module] | int, config: Any = None,
                          "number (\"auto\" searches over the model's real tensor sizes)")
     modes = {}
     for label, precision in (("fp32", "fp32"), ("fp16/bf16", "fp16")):
-        dtypes = _dtypes(precision, cfg.gradient_accumulation_steps)
-        figures = (_layout_bytes(specs, dtypes, chunk_size) if specs is not None
-                   else _count_bytes(params, trainable, dtypes, chunk_size))
+        figures = (_layout_bytes(specs, precision, cfg.gradient_accumulation_steps, chunk_size)
+                   if specs is not None
+                   else _count_bytes(params, trainable,
+                                     _dtypes(precision, cfg.gradient_accumulation_steps),
+                                     chunk_size))
         by_kind = figures["by_kind"]
         total = sum(by_kind.values())
         modes[label] = {
