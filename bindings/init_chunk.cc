@@ -7,7 +7,6 @@
 #include <string>
 #include <vector>
 
-#include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
 #include "bindings/init.h"
 #include "bindings/py_chunk_manager.h"
@@ -112,39 +111,6 @@ py::dict SamplesToColumns(const std::vector<MomentSample>& samples) {
     });
   }
   return d;
-}
-
-// The layout part of ChunkManager::ToJson() from the public accessors, so its cost does not
-// grow with the run (no trace, no eviction log).
-std::string LayoutJson(const ChunkManager& m) {
-  nlohmann::json chunks = nlohmann::json::array();
-  for (ChunkId id = 0; id < m.num_chunks(); ++id) {
-    const Chunk* chunk = *m.chunk(id);
-    nlohmann::json tensors = nlohmann::json::array();
-    for (TensorId tensor_id : chunk->tensors()) {
-      const TensorInfo* tensor = *m.tensor(tensor_id);
-      tensors.push_back({{"id", tensor_id},
-                         {"name", tensor->name},
-                         {"offset", tensor->offset},
-                         {"numel", tensor->numel},
-                         {"shape", tensor->shape}});
-    }
-    chunks.push_back({{"id", id},
-                      {"kind", std::string(ChunkKindName(chunk->kind()))},
-                      {"dtype", std::string(DTypeName(chunk->dtype()))},
-                      {"capacity_elements", chunk->capacity_elements()},
-                      {"bytes", chunk->bytes()},
-                      {"owner_rank", chunk->owner_rank()},
-                      {"group", chunk->group()},
-                      {"oversize", chunk->oversize()},
-                      {"padding", chunk->padding()},
-                      {"tensors", std::move(tensors)}});
-  }
-  return nlohmann::json{{"world_size", m.world_size()},
-                        {"rank", m.rank()},
-                        {"hash", absl::StrFormat("%016x", m.layout_hash())},
-                        {"chunks", std::move(chunks)}}
-      .dump();
 }
 
 }  // namespace
@@ -444,8 +410,7 @@ void InitChunk(py::module_& module) {
             return SamplesToColumns(self.Run([](M& m) { return m.events().DrainSamples(); }));
           },
           "Recorded per-moment tier samples as a dict of equal-length lists.")
-      .def(
-          "clear_events", [](PyChunkManager& self) { self.Run([](M& m) { m.events().Clear(); }); })
+      .def("clear_events", [](PyChunkManager& self) { self.Run([](M& m) { m.events().Clear(); }); })
       .def_property_readonly(
           "events_dropped",
           [](PyChunkManager& self) { return self.Run([](M& m) { return m.events().dropped(); }); })
@@ -457,7 +422,7 @@ void InitChunk(py::module_& module) {
           "Per-tier statistics as JSON (a list of objects), without the trace.")
       .def(
           "layout_json",
-          [](PyChunkManager& self) { return self.Run([](M& m) { return LayoutJson(m); }); },
+          [](PyChunkManager& self) { return self.Run([](M& m) { return m.LayoutJson().dump(); }); },
           "The chunk layout alone (chunks with their tensors, owners, hash) as JSON text; "
           "checkpoints record it without dump_json's trace and eviction log.")
       .def(

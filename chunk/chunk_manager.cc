@@ -942,33 +942,48 @@ nlohmann::json ChunkManager::TierStatsJson() const {
   return tiers;
 }
 
-nlohmann::json ChunkManager::ToJson() const {
+nlohmann::json ChunkManager::ChunksJson(bool with_placement) const {
   nlohmann::json chunks = nlohmann::json::array();
   for (const Chunk& chunk : chunks_) {
     nlohmann::json tensors = nlohmann::json::array();
     for (TensorId id : chunk.tensors_) {
       const TensorInfo& tensor = tensors_[id];
-      tensors.push_back({{"id", id},
-                         {"name", tensor.name},
-                         {"offset", tensor.offset},
-                         {"numel", tensor.numel},
-                         {"shape", tensor.shape},
-                         {"state", std::string(TensorStateName(tensor.state))}});
+      nlohmann::json entry = {{"id", id},
+                              {"name", tensor.name},
+                              {"offset", tensor.offset},
+                              {"numel", tensor.numel},
+                              {"shape", tensor.shape}};
+      if (with_placement) entry["state"] = std::string(TensorStateName(tensor.state));
+      tensors.push_back(std::move(entry));
     }
-    chunks.push_back(
-        {{"id", chunk.id_},
-         {"kind", std::string(ChunkKindName(chunk.kind_))},
-         {"dtype", std::string(DTypeName(chunk.dtype_))},
-         {"capacity_elements", chunk.capacity_elements_},
-         {"bytes", chunk.bytes()},
-         {"owner_rank", chunk.owner_rank_},
-         {"group", chunk.group_},
-         {"oversize", chunk.oversize_},
-         {"padding", chunk.padding_},
-         {"tier", chunk.tier_index_ < 0 ? nlohmann::json(nullptr)
-                                        : nlohmann::json(tiers_[chunk.tier_index_].stats.name)},
-         {"tensors", tensors}});
+    nlohmann::json entry = {{"id", chunk.id_},
+                            {"kind", std::string(ChunkKindName(chunk.kind_))},
+                            {"dtype", std::string(DTypeName(chunk.dtype_))},
+                            {"capacity_elements", chunk.capacity_elements_},
+                            {"bytes", chunk.bytes()},
+                            {"owner_rank", chunk.owner_rank_},
+                            {"group", chunk.group_},
+                            {"oversize", chunk.oversize_},
+                            {"padding", chunk.padding_}};
+    if (with_placement) {
+      entry["tier"] = chunk.tier_index_ < 0 ? nlohmann::json(nullptr)
+                                            : nlohmann::json(tiers_[chunk.tier_index_].stats.name);
+    }
+    entry["tensors"] = std::move(tensors);
+    chunks.push_back(std::move(entry));
   }
+  return chunks;
+}
+
+nlohmann::json ChunkManager::LayoutJson() const {
+  return {{"world_size", options_.world_size},
+          {"rank", options_.rank},
+          {"hash", absl::StrFormat("%016x", layout_hash_)},
+          {"chunks", ChunksJson(/*with_placement=*/false)}};
+}
+
+nlohmann::json ChunkManager::ToJson() const {
+  nlohmann::json chunks = ChunksJson(/*with_placement=*/true);
   nlohmann::json tiers = TierStatsJson();
   nlohmann::json evictions = nlohmann::json::array();
   for (const EvictionRecord& record : eviction_log_) {

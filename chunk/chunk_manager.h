@@ -189,6 +189,9 @@ class ChunkManager {
   const std::vector<EvictionRecord>& eviction_log() const { return eviction_log_; }
   // Per-tier statistics alone: cheap enough to read every step (ToJson carries the trace).
   nlohmann::json TierStatsJson() const;
+  // The layout alone (chunks and their tensors, world, hash): what checkpoints record; its cost
+  // does not grow with the run, unlike ToJson's trace and eviction log.
+  nlohmann::json LayoutJson() const;
   nlohmann::json ToJson() const;
   std::string DumpJson(int indent = 2) const;
 
@@ -212,6 +215,8 @@ class ChunkManager {
   std::string DescribeChunk(const Chunk& chunk) const;
   ChunkId FirstOfGroup(const Chunk& chunk) const;
   TensorView ViewOf(const TensorInfo& tensor) const;
+  // Every chunk with its tensors; `with_placement` adds each chunk's tier and tensor states.
+  nlohmann::json ChunksJson(bool with_placement) const;
 
   // Chunk bytes `tier` may hold now: B - N, or "unlimited".
   int64_t AllowedChunkBytes(int tier) const;
