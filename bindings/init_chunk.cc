@@ -4,6 +4,7 @@
 #include <torch/extension.h>
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -231,6 +232,25 @@ void InitChunk(py::module_& module) {
             ThrowIfError(self.Run([&](M& m) { return m.MoveChunk(chunk, kind); }));
           },
           py::arg("chunk"), py::arg("tier"))
+      .def(
+          "start_move",
+          [](PyChunkManager& self, ChunkId chunk, const std::string& tier) {
+            const TierKind kind = ParseTierKind(tier);
+            return ValueOrThrow(self.Run([&](M& m) { return m.StartMove(chunk, kind); }));
+          },
+          py::arg("chunk"), py::arg("tier"),
+          "Starts moving the chunk to the tier without waiting; False when there was nothing to "
+          "start (pinned, no payload, already there or moving).")
+      .def(
+          "chunk_tier",
+          [](PyChunkManager& self, ChunkId chunk) -> std::optional<std::string> {
+            const std::optional<TierKind> kind =
+                ValueOrThrow(self.Run([&](M& m) { return m.ChunkTier(chunk); }));
+            if (!kind.has_value()) return std::nullopt;
+            return std::string(TierKindName(*kind));
+          },
+          py::arg("chunk"), "'device', 'host' or 'nvme': where the chunk's payload is; None "
+          "without one.")
       .def("tick",
            [](PyChunkManager& self) { ThrowIfError(self.Run([](M& m) { return m.Tick(); })); })
       .def(

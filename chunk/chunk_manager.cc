@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 #include <limits>
+#include <tuple>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -37,6 +38,16 @@ constexpr int64_t kUnlimited = std::numeric_limits<int64_t>::max();
 bool IsOptimizerState(ChunkKind kind) {
   return kind == ChunkKind::kMasterParam || kind == ChunkKind::kMomentum ||
          kind == ChunkKind::kVariance;
+}
+
+// Note [Spill order]: which kinds leave a memory tier for NVMe first when nothing better is known.
+// Optimizer state is touched once an iteration (the sweep), gradients twice, compute parameters
+// in forward and backward, so without a trace this is the order of least harm; after warm-up OPT
+// decides (it reaches the same order during forward and backward on its own) and this only breaks
+// its ties.
+int SpillRank(ChunkKind kind) {
+  if (IsOptimizerState(kind)) return 0;
+  return kind == ChunkKind::kGradient ? 1 : 2;
 }
 
 bool Contains(absl::Span<const ChunkId> ids, ChunkId id) {
@@ -349,25 +360,29 @@ absl::Status ChunkManager::EnforceBudget(int tier) {
 // moving right now), are candidates. With the warm-up trace (and policy kOptAfterWarmup) the
 // victim is the candidate whose next use in the recorded sequence is farthest (Belady's OPT,
 // reading the sequence cyclically so the start of the next iteration counts); before that, the
-// least recently used. Ties go to the least recently used, then the lowest id, so the choice is
+// least recently used. Evicting into NVMe, the kind breaks ties (and leads while warming up;
+// Note [Spill order]). Then the least recently used, then the lowest id, so the choice is
 // deterministic.
 Chunk* ChunkManager::ChooseVictim(int tier, absl::Span<const ChunkId> exclude) {
   const bool use_opt = options_.eviction_policy == EvictionPolicy::kOptAfterWarmup &&
                        !tracer_.warming_up() && !tracer_.accesses().empty();
   const int64_t now = tracer_.cursor() - 1;
+  const bool to_nvme =
+      tier + 1 < num_tiers() && tiers_[tier + 1].stats.kind == TierKind::kNvme;
+  // Lexicographic key, smaller evicted first: (spill rank while warming up into NVMe, -next use,
+  // spill rank into NVMe, last use); Note [Spill order].
+  auto key = [&](const Chunk& chunk) {
+    const int rank = to_nvme ? SpillRank(chunk.kind_) : 0;
+    const int64_t next_use = use_opt ? tracer_.NextUse(chunk.id_, now) : 0;
+    return std::tuple(use_opt ? 0 : rank, -next_use, rank, chunk.last_use_);
+  };
   Chunk* best = nullptr;
-  int64_t best_next_use = 0;
   for (Chunk& candidate : chunks_) {
     if (candidate.tier_index_ != tier || candidate.pinned() || !candidate.has_payload() ||
         Contains(exclude, candidate.id_)) {
       continue;
     }
-    const int64_t next_use = use_opt ? tracer_.NextUse(candidate.id_, now) : 0;
-    if (best == nullptr || next_use > best_next_use ||
-        (next_use == best_next_use && candidate.last_use_ < best->last_use_)) {
-      best = &candidate;
-      best_next_use = next_use;
-    }
+    if (best == nullptr || key(candidate) < key(*best)) best = &candidate;
   }
   return best;
 }
@@ -412,16 +427,29 @@ absl::StatusOr<Block> ChunkManager::AllocateWithEviction(int tier, int64_t bytes
       // Pooled blocks of other sizes may hold the room: return empty slabs and try again.
       if (slot.tier->Trim() > 0) continue;
     }
+    // A copy already leaving this tier (a started write-back, a prefetch out of it) frees its
+    // source block when settled: waiting for it costs no new traffic, an eviction does.
+    Chunk* leaving = nullptr;
+    for (Chunk& chunk : chunks_) {
+      if (chunk.pending_.has_value() && chunk.tier_index_ == tier &&
+          !Contains(exclude, chunk.id_)) {
+        leaving = &chunk;
+        break;
+      }
+    }
+    if (leaving != nullptr) {
+      PS_RETURN_IF_ERROR(FinishPrefetch(*leaving));
+      continue;
+    }
     Chunk* victim = ChooseVictim(tier, exclude);
     if (victim == nullptr) {
       // A prefetch may only use room that was free (Note [Prefetch]), but when the moment's
       // real demand exceeds the trace's (a gather, another iteration's control flow) a pending
-      // copy must not make an access fail: settle it. One into this tier becomes an evictable
-      // chunk; one out of it (prefetched for a host access) frees its block here.
+      // copy into this tier must not make an access fail: settle it, and it becomes an
+      // evictable chunk.
       Chunk* pending = nullptr;
       for (Chunk& chunk : chunks_) {
-        if (chunk.pending_.has_value() &&
-            (chunk.pending_->tier_index == tier || chunk.tier_index_ == tier) &&
+        if (chunk.pending_.has_value() && chunk.pending_->tier_index == tier &&
             !Contains(exclude, chunk.id_)) {
           pending = &chunk;
           break;
@@ -720,6 +748,47 @@ absl::Status ChunkManager::MoveChunk(ChunkId id, TierKind tier_kind) {
   if (target_chunk.tier_index_ == tier) return absl::OkStatus();
   EventLog::TriggerScope trigger(events_, EventTrigger::kExplicit, target_chunk.id_);
   return MoveTo(target_chunk, tier, {});
+}
+
+// Note [Started moves]
+// StartMove is a prefetch asked for by name: the optimizer sweep reads the next row's NVMe-resident
+// chunks into host memory while it updates the current row, and writes an updated row back while
+// it reads the next (Note [Optimizer sweep] in python/patrickstar/engine.py). The copy is pending
+// exactly like a prefetch (Note [Prefetch]): the chunk stays where it is, pinned, until Access,
+// Tick, EndIteration, MoveChunk or an allocation that needs its room settles it, so settling, and
+// with it every eviction choice, does not depend on copy timing. Unlike a trace prefetch it may
+// evict to get its destination block: the caller needs this chunk there next. A failed copy
+// leaves the chunk where it was with its bytes intact (an NVMe slot that was being written stays
+// invalid, Note [NVMe write validity]), and the error surfaces where the copy is settled, naming
+// the chunk and, for NVMe, the file, offset and bytes.
+absl::StatusOr<bool> ChunkManager::StartMove(ChunkId id, TierKind tier_kind) {
+  PS_RETURN_IF_ERROR(CheckBuilt("start move"));
+  PS_ASSIGN_OR_RETURN(const Chunk* found, chunk(id));
+  Chunk& target = chunks_[found->id_];
+  PS_ASSIGN_OR_RETURN(const int tier, TierIndex(tier_kind));
+  if (target.pinned() || !target.has_payload() || target.tier_index_ == tier) return false;
+  EventLog::TriggerScope trigger(events_, EventTrigger::kExplicit, target.id_);
+  const std::string purpose = absl::StrCat("starting to move ", DescribeChunk(target), " to '",
+                                           tiers_[tier].stats.name, "'");
+  PS_ASSIGN_OR_RETURN(Block destination,
+                      AllocateWithEviction(tier, target.payload_.bytes, {target.id_}, purpose));
+  AddChunkBytes(tier, destination.bytes);
+  absl::StatusOr<CopyHandle> handle = options_.copy_engine->Copy(target.payload_, destination);
+  if (!handle.ok()) {
+    AbandonDestination(destination, tier);
+    return Annotate(handle.status(), purpose);
+  }
+  const bool upward = tier < target.tier_index_;
+  if (upward) tiers_[tier].stats.prefetch_issued += 1;
+  events_.CopyIssued(target.id_, target.tier_index_, tier, target.payload_.bytes, upward);
+  target.pending_ = Chunk::PendingCopy{destination, tier, *handle};
+  return true;
+}
+
+absl::StatusOr<std::optional<TierKind>> ChunkManager::ChunkTier(ChunkId id) const {
+  PS_ASSIGN_OR_RETURN(const Chunk* found, chunk(id));
+  if (!found->has_payload()) return std::optional<TierKind>();
+  return std::optional<TierKind>(tiers_[found->tier_index_].stats.kind);
 }
 
 // ---- Moments ---------------------------------------------------------------------------------

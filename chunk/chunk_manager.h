@@ -15,6 +15,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -139,6 +140,13 @@ class ChunkManager {
   absl::StatusOr<TensorView> View(TensorId tensor) const;
   // Moves an unpinned chunk with a payload to `tier` (any tier, NVMe included).
   absl::Status MoveChunk(ChunkId chunk, TierKind tier);
+  // Starts copying a chunk to `tier` without waiting (Note [Started moves] in chunk_manager.cc):
+  // the read-ahead and write-back of the optimizer sweep. No-op (returns false) for a chunk that
+  // is pinned, has no payload, or is already there or on its way somewhere.
+  absl::StatusOr<bool> StartMove(ChunkId chunk, TierKind tier);
+  // The kind of tier holding the chunk's payload (its destination while a move is in flight is
+  // not counted); nullopt when it has none.
+  absl::StatusOr<std::optional<TierKind>> ChunkTier(ChunkId chunk) const;
 
   // ---- Moments and the tracer -------------------------------------------------------------
   absl::Status Tick();

@@ -24,6 +24,20 @@ packed as (parameter, offset, sizes, strides) and rebuilt in backward over where
 parameter's chunk lives then (re-accessing it if no hook did). DeepSpeed ZeRO-3 patches
 `F.linear` for the same reason; the hooks cover every op, not just linear.
 
+Note [Optimizer sweep]
+`optimizer.step()` updates parameters row by row, a row being the parameters whose optimizer
+state shares a momentum chunk (so a row touches a handful of chunks: their params or masters,
+gradients, momentum, variance). Each tensor is updated where its chunk already is whenever the
+kernel can reach it there: on a CPU build every memory tier is host memory (the device tier is
+emulated), so nothing moves; with CUDA a parameter whose chunks are all on the GPU is updated by
+the GPU kernel there, anything else on the host. Chunks on NVMe stream through host memory: while
+row k is updated, the NVMe chunks of row k+1 are already being read (`start_move`, Note [Started
+moves] in chunk_manager.cc) and those of row k-1 written back, so disk reads, Adam and disk writes
+overlap, and the host holds about three rows of NVMe state at a time. A failed read or write-back
+raises out of `step()` with the file, offset and bytes; the chunk keeps its bytes in memory and its
+NVMe slot stays invalid (never read back torn), and the engine refuses to train on until a
+checkpoint is loaded, since the rows before the failure were already updated.
+
 Note [Chunk kinds per precision]
   fp32:       compute (fp32, also the master copy), gradient (fp32), momentum, variance
   fp16/bf16:  compute (16-bit), master (fp32), gradient (16-bit; fp32 when accumulating over
@@ -45,10 +59,10 @@ from .config import Config, load_config
 from .data_parallel import DataParallel, detect_world
 from .guards import TrainingGuard, check_budgets
 from .hooks import ModuleHooks
-from .init_context import ParameterPlacer, plan_parameters
+from .init_context import InitResidency, ParameterPlacer, plan_parameters
 from .loss_scaler import make_loss_scaler
 from .optimizer import PatrickStarOptimizer, build_param_groups, clip_coefficient
-from .profiler import profiler_from_config
+from .profiler import ActivationCounter, profiler_from_config
 
 __all__ = ["PatrickStarEngine", "initialize", "initialize_engine"]
 
@@ -91,6 +105,17 @@ class _ChunkManager:
 
     def stats(self) -> list[dict]:
         return json.loads(self.manager.tier_stats_json())
+
+
+class _UpdateRow:
+    """Parameters whose optimizer state shares a momentum chunk, and every chunk their update
+    touches (Note [Optimizer sweep])."""
+
+    __slots__ = ("indices", "chunks")
+
+    def __init__(self):
+        self.indices: list[int] = []
+        self.chunks: set[int] = set()
 
 
 class _SavedParamView:
@@ -179,6 +204,10 @@ class PatrickStarEngine(nn.Module):
         self._build_runtime(specs)
 
         self._init_views: dict[int, int] = {}
+        self._init_residency = InitResidency(
+            lambda index: self.chunks.access(self._init_views[index], T.HOST),
+            lambda index: self.chunks.release(self._init_views[index], S.HOLD),
+            _C.ChunkOutOfMemoryError)
         placer = ParameterPlacer(survives, self._place_at_init)
         module = placer.build(model_func)
         self.add_module("module", module)
@@ -191,8 +220,9 @@ class PatrickStarEngine(nn.Module):
         self._dp.after_init()
 
         self._param_of_storage: dict[int, int] = {}  # chunk view address -> parameter index
-        # Sees every other saved tensor (pack/unpack), e.g. the profiler's activation counter.
-        self.saved_tensor_observer = None
+        # Every other saved tensor: the CPU measure of non-model data (Note [Measured non-model
+        # data] in profiler.py).
+        self.activations = ActivationCounter()
         self._access_count = [0] * len(self._params)
         self._has_grad = [False] * len(self._params)
         self._module_params = {
@@ -235,13 +265,17 @@ class PatrickStarEngine(nn.Module):
                                      queue_depth=memory.nvme.queue_depth,
                                      block_size=memory.nvme.block_size, name="nvme"))
         self.tiers = tiers
+        self._has_nvme = memory.nvme.path is not None
+        self._rows: list[_UpdateRow] | None = None  # built at the first step
+        self._tensor_chunk: dict[int, int] = {}
         self.copy_engine = _C.CopyEngine(host_threads=2, device=self.local_rank)
         self.chunks = _ChunkManager(tiers, self.copy_engine, self._dp.world_size, self._dp.rank)
         self._ids, self.layout = register_chunk_tensors(
             self.chunks, specs, chunk_dtypes(self.precision, config.gradient_accumulation_steps),
             config.default_chunk_size, self._dp.compute_registration_order(specs))
         check_budgets(config, self.chunks.layout_json(), [spec.name for spec in specs],
-                      [spec.requires_grad for spec in specs], self.mixed)
+                      [spec.requires_grad for spec in specs], self.mixed,
+                      device_is_host_memory=self.device.type == "cpu")
 
     def _init_storage_ids(self, index: int) -> int | None:
         ids = self._ids[index]
@@ -256,23 +290,32 @@ class PatrickStarEngine(nn.Module):
             view = torch.empty(param.shape, dtype=torch.float32)
             self._init_views[index] = view
             return view
-        view = self.chunks.access(tensor_id, T.HOST)
         self._init_views[index] = tensor_id
-        return view.view(param.shape)
+        return self._init_residency.place(index, param)
 
     def _finish_init(self) -> None:
+        self._init_residency.finish()
+        # Parameters released early while the model was built (Note [Initialization under a host
+        # budget]); 0 when every slot fit on the host.
+        self.init_deferrals = self._init_residency.deferrals
         with torch.no_grad():
             for index, tensor_id in sorted(self._init_views.items(), key=lambda item: item[0]):
                 ids = self._ids[index]
-                if self.mixed:
-                    master = tensor_id if isinstance(tensor_id, torch.Tensor) else \
-                        self.chunks.manager.torch_view(tensor_id)
+                if not self.mixed:
+                    continue
+                # One parameter at a time, so the host needs room for two chunks, not the model.
+                if isinstance(tensor_id, torch.Tensor):
+                    master = tensor_id
+                else:
+                    master = self.chunks.access(tensor_id, T.HOST)
+                try:
                     compute = self.chunks.access(ids.compute, T.HOST)
                     compute.copy_(master.view_as(compute))
                     self.chunks.release(ids.compute, S.HOLD)
-                if not isinstance(tensor_id, torch.Tensor):
-                    self.chunks.release(tensor_id, S.HOLD)
-        del self._init_views
+                finally:
+                    if not isinstance(tensor_id, torch.Tensor):
+                        self.chunks.release(tensor_id, S.HOLD)
+        del self._init_views, self._init_residency
 
     def _placeholder(self) -> torch.Tensor:
         return torch.empty(0, dtype=self.compute_dtype, device=self.device)
@@ -319,7 +362,17 @@ class PatrickStarEngine(nn.Module):
     def _tick(self, event: str) -> None:
         if self.profiler is not None:
             self.profiler.on_tick(event)
+        # Where the activations really are: GPU memory with CUDA; host memory on a CPU build,
+        # whose device tier only emulates a GPU's budget for chunks.
+        self.chunks.report_non_model_data(T.DEVICE if self.device.type == "cuda" else T.HOST,
+                                          self.non_model_bytes())
         self.chunks.tick()
+
+    def non_model_bytes(self) -> int:
+        """Non-model data now: Note [Measured non-model data] in profiler.py."""
+        if self.device.type == "cuda":
+            return int(torch.cuda.memory_allocated(self.device))
+        return self.activations.bytes
 
     # ---- Forward / backward --------------------------------------------------------------------
 
@@ -328,14 +381,12 @@ class PatrickStarEngine(nn.Module):
         if tensor.layout == torch.strided and tensor.device == self.device:
             index = self._param_of_storage.get(tensor.untyped_storage().data_ptr())
         if index is None:
-            observer = self.saved_tensor_observer
-            return tensor if observer is None else observer.pack(tensor)
+            return self.activations.pack(tensor)
         return _SavedParamView(index, tensor.storage_offset(), tensor.size(), tensor.stride())
 
     def _unpack_saved(self, packed):
         if not isinstance(packed, _SavedParamView):
-            observer = self.saved_tensor_observer
-            return packed if observer is None else observer.unpack(packed)
+            return self.activations.unpack(packed)
         if self._access_count[packed.index] == 0:
             # No hook accessed it for this backward (a parameter used outside its module's
             # forward); backward() releases it when it ends.
@@ -390,14 +441,14 @@ class PatrickStarEngine(nn.Module):
 
     # ---- Optimizer -----------------------------------------------------------------------------
 
-    def _grad_views_on_host(self):
-        """Yields (index, grad view) of every parameter that has a gradient this step; the grads
-        are COMPUTE on the host until the generator finishes."""
+    def _grad_views(self):
+        """Yields (index, grad view) of every parameter that has a gradient this step, each
+        read where its chunk is (Note [Optimizer sweep]); COMPUTE until the generator moves on."""
         for index, has in enumerate(self._has_grad):
             if not has:
                 continue
             grad_id = self._ids[index].grad
-            view = self.chunks.access(grad_id, T.HOST)
+            view = self.chunks.access(grad_id, self._update_tiers([grad_id])[0])
             try:
                 yield index, view
             finally:
@@ -406,7 +457,7 @@ class PatrickStarEngine(nn.Module):
     def _gradient_statistics(self) -> tuple[bool, float]:
         overflow = False
         squared = 0.0
-        for _, grad in self._grad_views_on_host():
+        for _, grad in self._grad_views():
             grad_squared, bad = _C.kernels.grad_stats([grad])
             overflow |= bad
             squared += grad_squared
@@ -436,24 +487,89 @@ class PatrickStarEngine(nn.Module):
             self._end_iteration()
             return False
         coef = clip_coefficient(norm / grad_scale, clip) if clip > 0 else 1.0
-        for index, has in enumerate(self._has_grad):
-            if not has:
-                continue
-            group = optimizer.param_groups[self._group_of[index]]
-            self._step_count[index] += 1
-            self._adam_update(index, group, grad_scale, coef)
+        try:
+            self._sweep(optimizer, grad_scale, coef)
+        except BaseException as error:
+            self._guard.step_failed(error)
+            raise
         self.zero_grad()
         self._end_iteration()
         return True
 
-    def _adam_update(self, index: int, group: dict, grad_scale: float, coef: float) -> None:
+    def _update_tensors(self, index: int) -> list[int]:
+        """The chunk tensors one Adam update of parameter `index` reads and writes."""
         ids = self._ids[index]
-        param_id = ids.master if self.mixed else ids.compute
-        accessed = [param_id, ids.grad, ids.momentum, ids.variance]
+        accessed = [ids.master if self.mixed else ids.compute, ids.grad, ids.momentum,
+                    ids.variance]
         if self.mixed:
             accessed.append(ids.compute)
-        views = [self.chunks.access(tensor_id, T.HOST) for tensor_id in accessed]
+        return accessed
+
+    def _update_rows(self) -> list[_UpdateRow]:
+        if self._rows is None:
+            rows: dict[int, _UpdateRow] = {}
+            for index, ids in enumerate(self._ids):
+                if ids.momentum is None or not self._dp.owns(self.chunks.manager, ids.momentum):
+                    continue
+                row = rows.setdefault(self._chunk_of(ids.momentum), _UpdateRow())
+                row.indices.append(index)
+                row.chunks.update(self._chunk_of(t) for t in self._update_tensors(index))
+            self._rows = [rows[chunk] for chunk in sorted(rows)]
+        return self._rows
+
+    def _chunk_of(self, tensor_id: int) -> int:
+        chunk = self._tensor_chunk.get(tensor_id)
+        if chunk is None:
+            chunk = self._tensor_chunk[tensor_id] = \
+                self.chunks.manager.tensor_info(tensor_id)["chunk"]
+        return chunk
+
+    def _update_tiers(self, tensor_ids: list[int]) -> list[str]:
+        """Where the optimizer reads and writes each tensor: Note [Optimizer sweep]."""
+        tiers = [self.chunks.chunk_tier(self._chunk_of(t)) for t in tensor_ids]
+        if self.device.type == "cpu":  # the device tier is host memory too
+            return [tier if tier in (T.DEVICE, T.HOST) else T.HOST for tier in tiers]
+        on_device = all(tier == T.DEVICE for tier in tiers)
+        return [T.DEVICE if on_device else T.HOST] * len(tiers)
+
+    def _sweep(self, optimizer: PatrickStarOptimizer, grad_scale: float, coef: float) -> None:
+        """Note [Optimizer sweep]."""
+        rows = [row for row in self._update_rows()
+                if any(self._has_grad[i] for i in row.indices)]
+        streaming = self._has_nvme
+        staged: set[int] = set()  # chunks this sweep brought up from NVMe
+
+        def read_ahead(row: _UpdateRow) -> None:
+            for chunk in sorted(row.chunks):
+                if self.chunks.chunk_tier(chunk) == "nvme":
+                    staged.add(chunk)
+                    self.chunks.start_move(chunk, T.HOST)
+
+        if streaming and rows:
+            read_ahead(rows[0])
+        for k, row in enumerate(rows):
+            following = rows[k + 1] if k + 1 < len(rows) else None
+            if streaming and following is not None:
+                read_ahead(following)
+            for index in row.indices:
+                if not self._has_grad[index]:
+                    continue
+                group = optimizer.param_groups[self._group_of[index]]
+                self._step_count[index] += 1
+                self._adam_update(index, group, grad_scale, coef)
+            if streaming:
+                for chunk in sorted(row.chunks & staged):
+                    if following is None or chunk not in following.chunks:
+                        staged.discard(chunk)
+                        self.chunks.start_move(chunk, "nvme")
+
+    def _adam_update(self, index: int, group: dict, grad_scale: float, coef: float) -> None:
+        tensors = self._update_tensors(index)
+        accessed, views = [], []
         try:
+            for tensor_id, tier in zip(tensors, self._update_tiers(tensors)):
+                views.append(self.chunks.access(tensor_id, tier))
+                accessed.append(tensor_id)
             beta1, beta2 = group["betas"]
             _C.kernels.adam_(
                 views[0], views[1], views[2], views[3],
@@ -591,8 +707,11 @@ class PatrickStarEngine(nn.Module):
                         load_lr_scheduler_states: bool = True, load_module_only: bool = False,
                         **kwargs):
         """DeepSpeed's call; returns (path, client_state), (None, None) without `latest`."""
-        return checkpoint.load_checkpoint(self, load_dir, tag, load_optimizer_states,
-                                          load_lr_scheduler_states, load_module_only, **kwargs)
+        loaded = checkpoint.load_checkpoint(self, load_dir, tag, load_optimizer_states,
+                                            load_lr_scheduler_states, load_module_only, **kwargs)
+        if loaded[0] is not None and not load_module_only and load_optimizer_states:
+            self._guard.failed_step = None  # a consistent state again (guards.py)
+        return loaded
 
     def destroy(self) -> None:
         """Frees every chunk and tier now (DeepSpeed's `engine.destroy()`); later calls raise.

@@ -8,14 +8,17 @@ parameter count, every list is assumed to pack perfectly into chunks of the conf
 
 What each tier needs follows from where the engine uses each kind (Note [Chunk kinds per
 precision] in engine.py): forward and backward access compute parameters and write gradients on
-the device; the optimizer step runs on the host over every chunk (master, gradient, momentum,
-variance, and the compute copy it rewrites). So:
+the device. The optimizer step (Note [Optimizer sweep]) keeps optimizer state (masters, momentum,
+variance) on the host; on a CPU build it updates parameters and gradients where they are (the
+device tier is host memory), with CUDA it brings them to the host too unless all of a
+parameter's chunks are on the GPU. So:
 
 * ``device_no_moves``: device bytes that keep every compute and gradient chunk resident through
   forward and backward (no chunk moves there after warm-up);
-* ``host_optimizer``: host bytes that hold every chunk during the optimizer step (all model data);
+* ``host_optimizer``: host bytes the optimizer step holds: the optimizer state on a CPU build,
+  all model data with CUDA;
 * ``host_min_with_nvme``: with an NVMe tier below the host, the host needs at least the chunks one
-  parameter's update touches at once (the largest chunk of each kind).
+  parameter's update brings there at once (the largest chunk of each of those kinds).
 Non-model data (activations, temporaries) comes on top; a profile (``patrickstar.profile``) shows
 it per moment.
 """
@@ -131,12 +134,14 @@ def estimate_memory(model: Callable[[], nn.Module] | int, config: Any = None,
                                      chunk_size))
         by_kind = figures["by_kind"]
         total = sum(by_kind.values())
+        on_host = [kind for kind in by_kind
+                   if _C.cuda_available() or kind in ("master", "momentum", "variance")]
         modes[label] = {
             "by_kind": by_kind, "total": total, "chunk_elements": figures["chunk_elements"],
             "wasted_bytes": figures["wasted_bytes"],
             "device_no_moves": by_kind["compute"] + by_kind["gradient"],
-            "host_optimizer": total,
-            "host_min_with_nvme": sum(figures["largest_chunk"].values())}
+            "host_optimizer": sum(by_kind[kind] for kind in on_host),
+            "host_min_with_nvme": sum(figures["largest_chunk"].get(kind, 0) for kind in on_host)}
     result = {"parameters": params, "trainable": trainable,
               "gradient_accumulation_steps": cfg.gradient_accumulation_steps, "modes": modes}
     if verbose:

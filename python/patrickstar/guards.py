@@ -16,7 +16,10 @@ user writes it. `TrainingGuard` counts backward calls since the last step:
     parameters, gradients and optimizer state as they were; `"skip"` drops the loss and turns
     the coming `optimizer.step()` into a skipped step (counted in `optimizer.skipped_steps`),
     like an fp16 overflow.
-After `model.destroy()` every call raises instead of touching freed chunk memory.
+After `model.destroy()` every call raises instead of touching freed chunk memory, and after an
+`optimizer.step()` that failed partway (an NVMe read or write-back error, Note [Optimizer sweep]
+in engine.py) every training call raises until `model.load_checkpoint()` restores a consistent
+state: the rows updated before the failure would otherwise mix two steps.
 """
 from __future__ import annotations
 
@@ -36,12 +39,22 @@ class TrainingGuard:
         self.backwards = 0
         self.skip_step = False
         self.destroyed = False
+        self.failed_step: str | None = None  # why the last optimizer.step() stopped partway
 
     def check_alive(self, what: str) -> None:
         if self.destroyed:
             raise RuntimeError(f"{what}: this PatrickStar engine was destroyed (model.destroy()); "
                                f"its chunks are freed. Build a new one with "
                                f"patrickstar.initialize()")
+        if self.failed_step is not None:
+            raise RuntimeError(f"{what}: an earlier optimizer.step() failed partway "
+                               f"({self.failed_step}); some parameters were updated and others "
+                               f"not. Load the last checkpoint (model.load_checkpoint) to go on")
+
+    def step_failed(self, error: BaseException) -> None:
+        self.failed_step = f"{type(error).__name__}: {error}"
+        self.backwards = 0
+        self.skip_step = False
 
     def before_backward(self, loss: torch.Tensor, precision: str) -> bool:
         """False when this backward must be skipped (non-finite loss, policy "skip")."""
@@ -101,7 +114,7 @@ def _fmt(nbytes: int) -> str:
 
 
 def check_budgets(config, manager_json: str, names: list[str], trainable: list[bool],
-                  mixed: bool) -> None:
+                  mixed: bool, device_is_host_memory: bool = False) -> None:
     """Refuses, before any chunk is allocated, budgets that no placement can satisfy: the
     device must hold a module's compute chunks and a gradient chunk at once (its backward),
     the host the chunks one Adam update touches at once, and without an NVMe tier device plus
@@ -125,8 +138,12 @@ def check_budgets(config, manager_json: str, names: list[str], trainable: list[b
             device_need, device_who = need, module or "<root>"
     for name, train in zip(names, trainable):
         if train:
-            parts = ["grad", "momentum", "variance"] + (["master"] if mixed else [])
-            chunks = {chunk_of[name]} | {chunk_of[f"{name}#{p}"] for p in parts}
+            # Note [Optimizer sweep] in engine.py: where the device tier is host memory the
+            # update reads parameters and gradients where they are; only state comes to the host.
+            parts = ["momentum", "variance"] + (["master"] if mixed else [])
+            chunks = {chunk_of[f"{name}#{p}"] for p in parts}
+            if not device_is_host_memory:
+                chunks |= {chunk_of[name], chunk_of[f"{name}#grad"]}
             host = sum(chunk_bytes[c] for c in chunks)
             if host > host_need:
                 host_need, host_who = host, name
@@ -138,13 +155,16 @@ def check_budgets(config, manager_json: str, names: list[str], trainable: list[b
             f"the chunks module '{device_who}' needs on the device at once in its backward "
             f"(the compute chunks of its parameters and one gradient chunk): "
             f"{_fmt(device_need)} {where}")
-    # Initialization keeps every compute (and master) chunk on the host until all parameters
-    # exist (a known limit of the engine, docs/design.md).
-    init_need = per_kind.get("compute_param", 0) + per_kind.get("master_param", 0)
-    if memory.host_budget is not None and memory.host_budget < init_need:
+    # Initialization writes every parameter's fp32 copy (master, or compute in fp32) on the host;
+    # without an NVMe tier to spill them to, they must all fit there (Note [Initialization under
+    # a host budget] in init_context.py).
+    init_need = per_kind.get("master_param" if mixed else "compute_param", 0)
+    if memory.nvme.path is None and memory.host_budget is not None \
+            and memory.host_budget < init_need:
         raise _C.ChunkOutOfMemoryError(
             f"config key 'memory.host_budget' = {_fmt(memory.host_budget)} is smaller than the "
-            f"parameter chunks initialization holds on the host at once: {_fmt(init_need)}")
+            f"fp32 parameter chunks initialization writes on the host: {_fmt(init_need)}, and "
+            f"there is no NVMe tier (memory.nvme.path) to spill them to")
     if memory.host_budget is not None and memory.host_budget < host_need:
         raise _C.ChunkOutOfMemoryError(
             f"config key 'memory.host_budget' = {_fmt(memory.host_budget)} is smaller than the "

@@ -13,9 +13,23 @@ never exist at once. So `model_func` runs twice:
      into chunk memory and the temporary tensor is freed at once.
 The RNG states are saved before pass 1 and restored after it, so pass 2 draws exactly the
 numbers a plain `model_func()` would.
+
+Note [Initialization under a host budget]
+A parameter's slot stays accessed (pinned on the host) while the model is being built, because
+the module's own initialization writes into it, possibly long after it was created (a parent's
+`self.apply(self._init_weights)`, Hugging Face's `post_init`). When the host budget cannot hold
+every slot at once, `InitResidency` releases the least recently used parameter so that its chunk
+may spill to NVMe, and marks it *deferred*: its `.data` becomes an empty placeholder and its class
+a subclass of its own with a `__torch_function__` that, on the parameter's next use by any torch
+function or method (`normal_`, `copy_`, `.data`, `.shape`, `F.linear`, ...), accesses the slot
+again, turns the parameter back into a plain one over it, and runs the call. Peak host memory
+during initialization is then bounded by the budget, not by the model, and every write lands in
+the chunk. The one pattern this cannot see is a `.data` view kept in a variable across the
+creation of other parameters, which could outlive the slot it points into.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import random
@@ -24,7 +38,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-__all__ = ["ParamSpec", "plan_parameters", "ParameterPlacer"]
+__all__ = ["ParamSpec", "plan_parameters", "ParameterPlacer", "InitResidency"]
 
 
 @dataclasses.dataclass
@@ -141,3 +155,84 @@ class ParameterPlacer:
             raise RuntimeError("model_func registered fewer parameters than on its first run; "
                                "it must build the same model every time it is called")
         return model
+
+
+_DEFERRED_CLASSES: dict[type, type] = {}
+
+
+def _deferred_class(cls: type) -> type:
+    """A subclass of `cls` whose instances restore themselves on first use (Note
+    [Initialization under a host budget])."""
+    deferred = _DEFERRED_CLASSES.get(cls)
+    if deferred is None:
+        def __torch_function__(klass, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            for value in torch.utils._pytree.tree_leaves((args, kwargs)):
+                if type(value) in _DEFERRED_CLASSES.values():
+                    value._ps_restore()
+            return torch._C._disabled_torch_function_impl(func, types, args, kwargs)
+
+        deferred = type(f"Deferred{cls.__name__}", (cls,),
+                        {"__torch_function__": classmethod(__torch_function__)})
+        _DEFERRED_CLASSES[cls] = deferred
+    return deferred
+
+
+class InitResidency:
+    """Which parameter slots stay accessed during initialization: Note [Initialization under a
+    host budget]. `access(index)` must return the slot's view (accessing its chunk) and raise
+    `out_of_memory` when the tier is full; `release(index)` releases it."""
+
+    def __init__(self, access: Callable[[int], torch.Tensor], release: Callable[[int], None],
+                 out_of_memory: type[BaseException]):
+        self._access = access
+        self._release = release
+        self._out_of_memory = out_of_memory
+        self._live: collections.OrderedDict[int, nn.Parameter] = collections.OrderedDict()
+        self._deferred: dict[int, tuple[nn.Parameter, type, torch.Size]] = {}
+        self.deferrals = 0  # how many times a parameter was released early (tests, logs)
+
+    def place(self, index: int, param: nn.Parameter) -> torch.Tensor:
+        """The view a newly registered parameter becomes."""
+        view = self._access_with_room(index)
+        self._live[index] = param
+        return view.view(param.shape)
+
+    def _access_with_room(self, index: int) -> torch.Tensor:
+        while True:
+            try:
+                return self._access(index)
+            except self._out_of_memory:
+                if not self._live:
+                    raise
+                self._defer(*self._live.popitem(last=False))
+
+    def _defer(self, index: int, param: nn.Parameter) -> None:
+        self._release(index)
+        original, shape = type(param), param.shape
+        with torch._C.DisableTorchFunctionSubclass():
+            param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+        param.__class__ = _deferred_class(original)
+        param._ps_restore = lambda: self._restore(index)
+        self._deferred[index] = (param, original, shape)
+        self.deferrals += 1
+
+    def _restore(self, index: int) -> None:
+        param, original, shape = self._deferred.pop(index)
+        del param._ps_restore
+        param.__class__ = original
+        view = self._access_with_room(index)
+        self._live[index] = param
+        with torch._C.DisableTorchFunctionSubclass():
+            param.data = view.view(shape)
+
+    def finish(self) -> None:
+        """Model built: releases every slot and turns deferred parameters back into plain ones
+        (their `.data` stays a placeholder; the engine manages it from here)."""
+        for param, original, _ in self._deferred.values():
+            del param._ps_restore
+            param.__class__ = original
+        self._deferred.clear()
+        while self._live:
+            index, _ = self._live.popitem(last=False)
+            self._release(index)

@@ -14,14 +14,16 @@ boundaries, non-model data measured outside the manager, and collectives (``reco
 for the data-parallel layer). ``report.py`` turns the raw record into the output files.
 
 Note [Measured non-model data]
-The engine does not (yet) report non-model data to the manager, so the profiler measures it
-itself, without telling the manager (profiling must not change placement): on CUDA,
+The engine reports non-model data to the manager at every moment, so a tier's budget is shared
+with it (Note [Budgets and non-model data] in chunk_manager.h): on CUDA,
 ``torch.cuda.memory_allocated`` (chunks never come from torch's allocator, so everything torch
-holds is non-model data); on the CPU (emulated device), the bytes of the tensors autograd saves for
-backward, counted once per storage while they are alive (``saved_tensors_hooks``). The latter
-misses short-lived temporaries, so it is a lower bound. Both are attributed to the device tier.
-Each moment's non-model bytes in the outputs are the larger of that measurement and what the
-manager was told.
+holds is non-model data), reported for the device tier; on a CPU build, the bytes of the tensors
+autograd saves for backward, counted once per storage while they are alive
+(``saved_tensors_hooks``, the engine's `ActivationCounter`), reported for the host tier, since
+that is the memory they occupy (the device tier only emulates a GPU's budget for chunks). The CPU
+measure misses short-lived temporaries, so it is a lower bound. The profiler records the same
+measure, attributed to the device tier in its outputs; each moment's non-model bytes there are
+the larger of that measurement and what the manager was told.
 """
 from __future__ import annotations
 
@@ -64,7 +66,7 @@ class _SavedActivation:
 
     __slots__ = ("tensor", "key", "counter", "__weakref__")
 
-    def __init__(self, tensor: torch.Tensor, key: int, counter: "_ActivationCounter"):
+    def __init__(self, tensor: torch.Tensor, key: int, counter: "ActivationCounter"):
         self.tensor = tensor
         self.key = key
         self.counter = counter
@@ -73,8 +75,9 @@ class _SavedActivation:
         self.counter.release(self.key)
 
 
-class _ActivationCounter:
-    """Bytes of distinct storages saved for backward and still alive."""
+class ActivationCounter:
+    """Bytes of distinct storages saved for backward and still alive: the engine's CPU measure of
+    non-model data (Note [Measured non-model data])."""
 
     def __init__(self):
         self.bytes = 0
@@ -121,7 +124,6 @@ class Profiler:
         self._device_tier = next((i for i, t in enumerate(engine.memory_stats())
                                   if t["kind"] == "device"), None)
         self._cuda = engine.device.type == "cuda"
-        self._activations = _ActivationCounter()
         self._reset()
 
     def _reset(self) -> None:
@@ -157,10 +159,6 @@ class Profiler:
         self._manager.clear_events()
         self._manager.enable_events(True, self.capacity)
         self._set_phase("other")
-        if not self._cuda:
-            # The engine owns the saved-tensor hooks (Note [Saved views of parameters]); a second
-            # hook pair would shadow them, so the counter rides on the engine's.
-            self.engine.saved_tensor_observer = self._activations
         self.start_ns = now_ns()
         self.running = True
         _active = self
@@ -177,8 +175,6 @@ class Profiler:
         self._drain()
         self._manager.enable_events(False)
         self._manager.set_event_phase("other")
-        if getattr(self.engine, "saved_tensor_observer", None) is self._activations:
-            self.engine.saved_tensor_observer = None
         self.running = False
         if _active is self:
             _active = None
@@ -263,7 +259,7 @@ class Profiler:
     def _measure_non_model(self) -> int:
         if self._cuda:
             return int(torch.cuda.memory_allocated(self.engine.device))
-        return self._activations.bytes
+        return self.engine.activations.bytes
 
     # ---- The raw record ----------------------------------------------------------------------
 

@@ -42,10 +42,13 @@ def test_estimate_within_ten_percent_of_runtime(hidden, layers, precision, accum
     for estimate in (from_func, from_count):
         figures = estimate["modes"][mode]
         # Forward/backward keep compute params and gradients on the device; the optimizer step
-        # has every chunk on the host.
+        # has the optimizer state on the host (on a CPU build it updates the rest in place).
         assert figures["device_no_moves"] == pytest.approx(device, rel=0.10)
         assert figures["host_optimizer"] == pytest.approx(host, rel=0.10)
-        assert figures["total"] == figures["host_optimizer"]
+        if patrickstar._C.cuda_available():
+            assert figures["total"] == figures["host_optimizer"]
+        else:
+            assert figures["total"] == figures["device_no_moves"] + figures["host_optimizer"]
         assert 0 < figures["host_min_with_nvme"] < figures["total"]
     # The layout-based estimate is the runtime's own packing: exact.
     assert from_func["modes"][mode]["device_no_moves"] == device

@@ -333,3 +333,69 @@ def test_initialize_engine_alias_uses_patrickstar_argument_order():
                                                config={"default_chunk_size": 8192})
     assert isinstance(model.module, MLP)
     assert isinstance(opt, torch.optim.Optimizer)
+
+
+@pytest.mark.parametrize("builder", ["gpt", "hf_gpt2"])
+def test_init_with_host_budget_smaller_than_the_model(nvme_dir, builder):
+    """Note [Initialization under a host budget]: a model whose fp32 parameters are twice the
+    host budget (which also holds the activations, the CPU build's non-model data) builds (slots spill to NVMe as the model is built), its parameters equal plain
+    PyTorch's initialization exactly (writes after construction, like GPT's re-init of its
+    projections or Hugging Face's post_init, land in the chunks), and it trains like PyTorch."""
+    if builder == "gpt":
+        config = GPTConfig(vocab_size=256, max_seq_len=16, hidden=128, layers=4, heads=2)
+
+        def build():
+            return GPT(config)
+
+        def batches(steps):
+            return synthetic_batches(config, 1, steps)
+    else:
+        transformers = pytest.importorskip("transformers")
+        hf_config = transformers.GPT2Config(
+            n_layer=4, n_head=2, n_embd=128, vocab_size=256, n_positions=16, resid_pdrop=0.0,
+            embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+
+        class Wrapped(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.gpt = transformers.GPT2LMHeadModel(hf_config)
+
+            def forward(self, ids, targets):
+                return self.gpt(input_ids=ids, labels=ids).loss
+
+        build = Wrapped
+
+        def batches(steps):
+            generator = torch.Generator().manual_seed(0)
+            return [(ids, None) for ids in
+                    (torch.randint(0, 256, (1, 16), generator=generator) for _ in range(steps))]
+    plain_bytes = model_bytes(build)
+    host_budget = plain_bytes // 2
+    chunk = 4096
+    ref_losses, losses, ref_state, state, model = train_pair(
+        build, batches, {"default_chunk_size": chunk,
+                         "memory": {"host_budget": host_budget, "nvme": {"path": nvme_dir}}},
+        steps=3)
+    host = next(t for t in model.memory_stats() if t["kind"] == "host")
+    assert host["peak_chunk_bytes"] <= host_budget
+    nvme = next(t for t in model.memory_stats() if t["kind"] == "nvme")
+    assert nvme["chunks_in"] > 0
+    # atol: parameters Adam drives through zero (see test_gpt_fp32_tied_embeddings_...).
+    assert_same_training(ref_losses, losses, ref_state, state, atol=5e-5)
+    model.destroy()
+
+
+def test_init_parameters_equal_pytorch_exactly_when_slots_are_deferred(nvme_dir):
+    config = GPTConfig(vocab_size=256, max_seq_len=16, hidden=64, layers=4, heads=2)
+    torch.manual_seed(0)
+    expected = GPT(config).state_dict()
+    torch.manual_seed(0)
+    model, _ = patrickstar.initialize(lambda: GPT(config), config={
+        "default_chunk_size": 4096,
+        "memory": {"host_budget": 3 * 65536, "nvme": {"path": nvme_dir}}})
+    assert model.init_deferrals > 0
+    state = model.state_dict()
+    for name, tensor in expected.items():
+        assert torch.equal(state[name], tensor), name
+    assert all(type(p) is nn.Parameter for p in model.module.parameters())
+    model.destroy()

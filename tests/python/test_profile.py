@@ -153,8 +153,12 @@ def test_summary_agrees_with_statistics(profiled):
     assert summary["moves"]["bytes"] == moved_in > 0
     assert summary["moves"]["by_direction"]["host->device"] == (after[0]["bytes_in"]
                                                                 - before[0]["bytes_in"])
-    # The optimizer pulls chunks to the host: those copies carry the optimizer cause.
-    assert summary["moves"]["by_cause"]["optimizer"] > 0
+    # A CPU build updates every chunk where it is (Note [Optimizer sweep] in engine.py): no copy
+    # has the optimizer cause; with CUDA the optimizer pulls device chunks to the host.
+    if patrickstar._C.cuda_available():
+        assert summary["moves"]["by_cause"]["optimizer"] > 0
+    else:
+        assert summary["moves"]["by_cause"].get("optimizer", 0) == 0
     assert summary["moves"]["by_cause"]["access"] > 0
     evictions = after[0]["evictions"] - before[0]["evictions"]
     assert summary["evictions"]["count"] == summary["tiers"]["device"]["evictions"] == evictions

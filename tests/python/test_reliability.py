@@ -99,7 +99,7 @@ def test_chunk_size_too_large_for_the_device_budget():
 
 def test_host_budget_below_one_adam_update_and_total_without_nvme(nvme_dir):
     with pytest.raises(patrickstar.ChunkOutOfMemoryError, match="one Adam update"):
-        make({"default_chunk_size": 4096, "memory": {"host_budget": 40000,
+        make({"default_chunk_size": 4096, "memory": {"host_budget": 30000,
                                                      "nvme": {"path": nvme_dir}}})
     # 9 x Linear(16, 16) in 1024-element (4 KiB) chunks: 3 chunks per kind, 36 KiB of
     # parameters and Adam state; device 12 KiB + host 16 KiB pass the per-update checks but

@@ -1,0 +1,139 @@
+"""The largest model: a GPT whose fp32 master weights + Adam state are at least twice this
+machine's RAM, trained a few steps with that state on NVMe (issue 7).
+
+bf16 training: compute weights and gradients (2 bytes each) live on the (emulated, on a CPU-only
+machine) device and host tiers within their budgets, spilling to NVMe when those are full; the
+fp32 masters, momentum and variance (12 bytes a parameter) live on NVMe and stream through host
+memory in the optimizer sweep. Reports parameters, state / RAM, per-step time, loss, bytes moved
+per step per tier, peak RSS, and writes JSON (bench-results/largest_model.json).
+
+    tools/bench/largest_model.py --nvme DIR                  # the full run (several minutes)
+    tools/bench/largest_model.py --nvme DIR --quick          # a small smoke run
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import tempfile
+import time
+import warnings
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import machine_description, write_json  # noqa: E402
+
+import torch  # noqa: E402
+
+import patrickstar  # noqa: E402
+from patrickstar.config import parse_bytes  # noqa: E402
+from patrickstar.examples.gpt import GPT, GPTConfig, synthetic_batches  # noqa: E402
+
+GiB = 1 << 30
+
+
+def ram_bytes() -> int:
+    with open("/proc/meminfo") as handle:
+        return int(handle.readline().split()[1]) * 1024
+
+
+def peak_rss_bytes() -> int:
+    with open("/proc/self/status") as handle:
+        for line in handle:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def tier_totals(stats: list[dict]) -> dict:
+    return {tier["name"]: {"bytes_in": tier["bytes_in"], "bytes_out": tier["bytes_out"]}
+            for tier in stats}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nvme", default=tempfile.gettempdir(), help="NVMe directory")
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--layers", type=int, default=22)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--seq", type=int, default=16)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--device-budget", default="6GiB")
+    parser.add_argument("--host-budget", default="8GiB")
+    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--quick", action="store_true", help="a small model, 3 steps")
+    parser.add_argument("--json", default="bench-results/largest_model.json")
+    args = parser.parse_args()
+    if args.quick:
+        args.hidden, args.layers, args.vocab, args.steps = 256, 2, 512, 3
+        args.device_budget, args.host_budget, args.lr = "8MiB", "8MiB", 1e-3
+    gpt = GPTConfig(vocab_size=args.vocab, max_seq_len=args.seq, hidden=args.hidden,
+                    layers=args.layers, heads=max(1, args.hidden // 128))
+    params = gpt.parameter_count()
+    state_bytes = 12 * params  # fp32 master + momentum + variance
+    ram = ram_bytes()
+    # One chunk holds the largest weight (the MLP's 4h x h), so no tensor is oversize.
+    chunk = 4 * args.hidden * args.hidden
+    config = {"default_chunk_size": chunk, "bf16": {"enabled": True},
+              "optimizer": {"type": "AdamW", "params": {"lr": args.lr, "weight_decay": 0.0}},
+              "memory": {"device_budget": args.device_budget, "host_budget": args.host_budget,
+                         "nvme": {"path": args.nvme}}}
+    print(f"GPT: {params / 1e9:.2f} B parameters ({args.layers} x {args.hidden}), fp32 master + "
+          f"Adam state {state_bytes / GiB:.1f} GiB = {state_bytes / ram:.2f} x RAM "
+          f"({ram / GiB:.1f} GiB); budgets device {args.device_budget}, host "
+          f"{args.host_budget}, NVMe {args.nvme}", flush=True)
+    started = time.perf_counter()
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, opt = patrickstar.initialize(lambda: GPT(gpt), config=config)
+    init_seconds = time.perf_counter() - started
+    print(f"initialized in {init_seconds:.1f} s, peak RSS {peak_rss_bytes() / GiB:.2f} GiB",
+          flush=True)
+    steps = []
+    previous = tier_totals(model.memory_stats())
+    # One batch, repeated: on so few steps a falling loss shows the updates reach the weights.
+    ids, targets = next(synthetic_batches(gpt, args.batch, 1))
+    for index in range(args.steps):
+        started = time.perf_counter()
+        loss = model(ids, targets)
+        model.backward(loss)
+        backward_done = time.perf_counter()
+        opt.step()
+        opt.zero_grad()
+        ended = time.perf_counter()
+        totals = tier_totals(model.memory_stats())
+        moved = {name: totals[name]["bytes_in"] - previous[name]["bytes_in"] for name in totals}
+        previous = totals
+        steps.append({"loss": loss.item(), "seconds": ended - started,
+                      "forward_backward_seconds": backward_done - started,
+                      "optimizer_seconds": ended - backward_done, "bytes_in_per_tier": moved})
+        print(f"step {index}: loss {loss.item():.4f}, {ended - started:.1f} s (fwd+bwd "
+              f"{backward_done - started:.1f} s, optimizer {ended - backward_done:.1f} s), moved "
+              + ", ".join(f"{name} <- {value / GiB:.1f} GiB" for name, value in moved.items()),
+              flush=True)
+    stats = model.memory_stats()
+    model.destroy()
+    losses = [step["loss"] for step in steps]
+    finite = all(math.isfinite(loss) for loss in losses)
+    decreasing = losses[-1] < losses[0]
+    print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} ({'finite' if finite else 'NOT finite'}, "
+          f"{'decreasing' if decreasing else 'NOT decreasing'}); peak RSS "
+          f"{peak_rss_bytes() / GiB:.2f} GiB")
+    write_json(args.json, {
+        "benchmark": "largest_model", "machine": machine_description(), "nvme": args.nvme,
+        "parameters": params, "hidden": args.hidden, "layers": args.layers, "vocab": args.vocab,
+        "tokens_per_step": args.batch * args.seq, "state_bytes": state_bytes, "ram_bytes": ram,
+        "state_over_ram": state_bytes / ram,
+        "budgets": {"device": parse_bytes(args.device_budget, "device"),
+                    "host": parse_bytes(args.host_budget, "host")},
+        "init_seconds": init_seconds, "steps": steps, "loss_finite": finite,
+        "loss_decreasing": decreasing, "peak_rss_bytes": peak_rss_bytes(), "tier_stats": stats,
+    })
+    return 0 if finite and decreasing else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
