@@ -260,6 +260,10 @@ void InitChunk(py::module_& module) {
             ThrowIfError(self.Run([&](M& m) { return m.ReportNonModelData(kind, nbytes); }));
           },
           py::arg("tier"), py::arg("nbytes"))
+      .def("restart_warmup",
+           [](PyChunkManager& self) {
+             ThrowIfError(self.Run([](M& m) { return m.RestartWarmup(); }));
+           })
       .def("end_iteration",
            [](PyChunkManager& self) {
              ThrowIfError(self.Run([](M& m) { return m.EndIteration(); }));

@@ -831,6 +831,16 @@ absl::Status ChunkManager::EndIteration() {
   return absl::OkStatus();
 }
 
+absl::Status ChunkManager::RestartWarmup() {
+  if (!tracer_.warming_up()) {
+    return absl::FailedPreconditionError(
+        "restart warm-up: warm-up already ended (the trace of the first iteration is frozen)");
+  }
+  PS_RETURN_IF_ERROR(FinishAllPrefetches());
+  tracer_.RestartWarmup();
+  return absl::OkStatus();
+}
+
 // ---- Communication groups --------------------------------------------------------------------
 
 bool ChunkManager::IsLocal(ChunkId chunk) const {

@@ -154,6 +154,9 @@ class ChunkManager {
   absl::Status SetNonModelDataProbe(TierKind tier, NonModelDataProbe probe);
   // Waits for prefetches; the first call ends warm-up.
   absl::Status EndIteration();
+  // Before the first EndIteration: drops the trace recorded so far (MemoryTracer::RestartWarmup),
+  // e.g. the accesses of initialization; FailedPrecondition once warm-up has ended.
+  absl::Status RestartWarmup();
   const MemoryTracer& tracer() const { return tracer_; }
   // Chunk bytes `tier` may hold at `moment` of an iteration: its budget minus the non-model
   // bytes the warm-up trace recorded there (during warm-up: the latest report).

@@ -70,6 +70,15 @@ void MemoryTracer::EndIteration() {
   cursor_ = 0;
 }
 
+void MemoryTracer::RestartWarmup() {
+  PS_CHECK(warming_up_, "RestartWarmup after warm-up ended");
+  moment_ = 0;
+  cursor_ = 0;
+  trace_.assign(1, MomentRecord{current_model_, reported_non_model_});
+  accesses_.clear();
+  positions_.clear();
+}
+
 int64_t MemoryTracer::TracedNonModelBytes(int tier, int64_t moment) const {
   if (warming_up_ || moment >= static_cast<int64_t>(trace_.size())) {
     return reported_non_model_[tier];

@@ -61,6 +61,10 @@ class MemoryTracer {
   int64_t RecordAccess(int64_t chunk, int tier);
   // Ends the iteration; the first call ends warm-up and freezes the trace.
   void EndIteration();
+  // During warm-up: forgets the moments and accesses recorded so far, so that what ran before
+  // the first training iteration (initialization, loading a checkpoint) is not replayed as if
+  // it were part of every iteration.
+  void RestartWarmup();
 
   // Non-model bytes the planner must leave free on `tier` now (see the Note).
   int64_t NonModelBytes(int tier) const;

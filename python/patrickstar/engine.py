@@ -218,6 +218,9 @@ class PatrickStarEngine(nn.Module):
         self._dp.attach(self)
         self._finish_init()
         self._dp.after_init()
+        # The warm-up trace is one training iteration: initialization's host accesses would
+        # otherwise be replayed by the prefetcher every iteration.
+        self.chunks.restart_warmup()
 
         self._param_of_storage: dict[int, int] = {}  # chunk view address -> parameter index
         # Every other saved tensor: the CPU measure of non-model data (Note [Measured non-model
@@ -711,6 +714,8 @@ class PatrickStarEngine(nn.Module):
                                             load_lr_scheduler_states, load_module_only, **kwargs)
         if loaded[0] is not None and not load_module_only and load_optimizer_states:
             self._guard.failed_step = None  # a consistent state again (guards.py)
+        if self.chunks.warming_up:  # loading is not part of the iterations the trace repeats
+            self.chunks.restart_warmup()
         return loaded
 
     def destroy(self) -> None:

@@ -112,5 +112,30 @@ TEST(MemoryTracerTest, ManagerSamplesProbesAndPlansFromTheTrace) {
   EXPECT_LE(manager->Stats()[0].peak_chunk_bytes, 8 * kChunkBytes);
 }
 
+TEST(MemoryTracerTest, RestartWarmupForgetsWhatRanBeforeTheFirstIteration) {
+  testing::Hierarchy hierarchy = testing::MakeHierarchy(0, 0, 4096);
+  auto manager = testing::MakeOneTensorPerChunkManager(hierarchy, 3);
+  ASSERT_NE(manager, nullptr);
+  // "Initialization": host accesses of every chunk over two moments.
+  for (TensorId t = 0; t < 3; ++t) {
+    ASSERT_TRUE(manager->Access(t, TierKind::kHost).ok());
+    ASSERT_TRUE(manager->Release(t, TensorState::kHold).ok());
+    ASSERT_TRUE(manager->Tick().ok());
+  }
+  ASSERT_TRUE(manager->RestartWarmup().ok());
+  EXPECT_TRUE(manager->tracer().accesses().empty());
+  EXPECT_EQ(manager->tracer().moment(), 0);
+  EXPECT_EQ(manager->tracer().trace().size(), 1u);
+  // The training iteration: only its accesses make the trace.
+  ASSERT_TRUE(manager->Access(2, TierKind::kDevice).ok());
+  ASSERT_TRUE(manager->Release(2, TensorState::kHold).ok());
+  ASSERT_TRUE(manager->EndIteration().ok());
+  ASSERT_EQ(manager->tracer().accesses().size(), 1u);
+  EXPECT_EQ(manager->tracer().accesses()[0].chunk, 2);
+  EXPECT_EQ(manager->tracer().accesses()[0].tier, 0);
+  const absl::Status late = manager->RestartWarmup();
+  EXPECT_TRUE(absl::IsFailedPrecondition(late)) << late;
+}
+
 }  // namespace
 }  // namespace ps
