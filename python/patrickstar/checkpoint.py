@@ -725,7 +725,6 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
                           "sha256": hashlib.sha256(buffer.getbuffer()).hexdigest()},
                 "step_counts": state.owned_step_counts(),
             }
-            _crash_point("after_shard")
         except Exception as failure:
             error = failure
         records = _agree(state, what, error, record)  # also the barrier before meta.json
