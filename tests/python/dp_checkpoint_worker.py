@@ -2,9 +2,10 @@
 
     dp_worker.py OUT_DIR --checkpoint SCENARIO [SCENARIO...]   scenarios of SCENARIOS below,
                                                     results in OUT_DIR/rank<r>.pt as usual
-    dp_checkpoint_worker.py SAVE_DIR loop           save "step-0", print "ready" (rank 0), then
-                                                    "step-1", ... until killed; layers.0.weight
-                                                    of "step-k" is filled with k
+    dp_checkpoint_worker.py SAVE_DIR loop           save step 0, print "ready" (rank 0), then
+                                                    steps 1, 2, ... until killed, step k as tag
+                                                    "slot-<k mod 3>" (overwriting a tag) with
+                                                    layers.0.weight filled with k
     dp_checkpoint_worker.py SAVE_DIR two R POINT    save "first", then "second" with
                                                     PATRICKSTAR_CHECKPOINT_CRASH_AT=POINT set on
                                                     rank R only; the survivors' outcome goes to
@@ -235,8 +236,8 @@ def _loop(save_dir: str, rank: int, world: int) -> None:
         # Each owner fills its own chunk; no collective, unlike a full state_dict round trip.
         model.load_state_dict({"layers.0.weight": torch.full((64, 32), float(step))},
                               strict=False)
-        tag = f"step-{step}"
-        model.save_checkpoint(save_dir, tag=tag, client_state={"tag": tag})
+        tag = f"slot-{step % 3}"
+        model.save_checkpoint(save_dir, tag=tag, client_state={"tag": tag, "step": step})
         if step == 0 and rank == 0:
             print("ready", flush=True)
 
