@@ -65,6 +65,19 @@ def capture(model, opt) -> dict:
     return state
 
 
+def failed_load(model, opt, *args) -> tuple[str | None, bool]:
+    """load_checkpoint(*args) expected to fail: (its CheckpointError's message, whether this
+    rank's state is unchanged)."""
+    before = capture(model, opt)
+    message = None
+    try:
+        model.load_checkpoint(*args)
+    except CheckpointError as error:
+        message = str(error)
+    after = capture(model, opt)
+    return message, all(torch.equal(before[k], after[k]) for k in before)
+
+
 def barrier(model) -> None:
     model._dp.all_gather_object(None)
 
@@ -127,14 +140,8 @@ def reshard_1to2(out: str, rank: int, world: int) -> dict:
     data = [shard(batch, rank, world) for batch in mlp_batches(2 * STEPS)]
     model, opt = _initialize(MLP, mlp_config(), seed=5)
     source = os.path.join(out, "one_to_two")
-    before = capture(model, opt)
     result = {}
-    try:
-        model.load_checkpoint(source, "t")
-    except CheckpointError as error:
-        result["refused"] = str(error)
-    unchanged = capture(model, opt)
-    result["unchanged"] = all(torch.equal(before[k], unchanged[k]) for k in before)
+    result["refused"], result["unchanged"] = failed_load(model, opt, source, "t")
     _, result["client_state"] = model.load_checkpoint(source, "t", allow_reshard=True)
     result["at_load"] = capture(model, opt)
     result["losses"] = train(model, opt, data[STEPS:])
@@ -202,13 +209,8 @@ def errors(out: str, rank: int, world: int) -> dict:
             handle.write(data_bytes)
     barrier(model)
     train(model, opt, data[3:4])
-    before = capture(model, opt)
-    try:
-        model.load_checkpoint(save_dir, "after")
-    except CheckpointError as error:
-        result["load_error"] = str(error)
-    after = capture(model, opt)
-    result["load_changed_nothing"] = all(torch.equal(before[k], after[k]) for k in before)
+    result["load_error"], result["load_changed_nothing"] = failed_load(model, opt, save_dir,
+                                                                       "after")
     return result
 
 
