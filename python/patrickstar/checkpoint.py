@@ -27,7 +27,10 @@ The header lists each entry's `name` (parameter name), `kind` (param: compute dt
 fp32 master copy in mixed precision; exp_avg / exp_avg_sq: Adam state; buffer: module buffers),
 dtype, shape, offset and nbytes. Tensors never span chunks, so a shard holds whole tensors and a
 reader finds any tensor by (name, kind) in whichever shard has it: that is what lets a checkpoint
-written by N ranks load on M (Note [Resharding]
+written by N ranks load on M (Note [Resharding]). Files are read one tensor at a time (pread),
+so loading and consolidation need memory for about one tensor (at most one chunk).
+
+Note [Resharding]
 With data parallelism rank r owns chunk r of each communication group and writes only the
 tensors of the chunks it owns (optimizer state lives only there). meta.json records the layout
 (world size, chunk size, every chunk's tensors with offsets and owner) and every shard's tensor
