@@ -31,14 +31,41 @@ written by N ranks load on M (Note [Resharding]). Files are read one tensor at a
 so loading and consolidation need memory for about one tensor (at most one chunk).
 
 Note [Resharding]
-With data parallelism rank r will own chunk r of each communication group and write only the
+With data parallelism rank r owns chunk r of each communication group and writes only the
 tensors of the chunks it owns (optimizer state lives only there). meta.json records the layout
 (world size, chunk size, every chunk's tensors with offsets and owner) and every shard's tensor
 table, so `CheckpointReader` merges the tables of all shards into one index by (name, kind);
-a reader with another world size or chunk size asks for the tensors its own layout gives it.
-`owned_tensor_names()` computes that set from the chunk manager's own multi-rank layout.
-Loading a checkpoint whose world size or layout differs from the model's is refused unless
-`allow_reshard=True`, so a silent change of chunk size is never mistaken for the same run.
+a reader with another world size or chunk size asks for the tensors its own layout gives it
+(the engine's `_dp.owns`; `owned_tensor_names()` computes the same set from a checkpoint's
+meta.json alone, with the chunk manager's own multi-rank layout). Loading a checkpoint whose
+world size or layout differs from the model's is refused unless `allow_reshard=True`, so a
+silent change of chunk size is never mistaken for the same run. A rank that loads its own
+layout opens (and verifies) only its own shard; a resharding load opens every shard.
+
+Note [Multi-rank checkpoints]
+Every rank calls save_checkpoint / load_checkpoint at the same point. A save runs in three
+phases, each ended by one all_gather_object over the default process group (`_agree`) that
+carries every rank's outcome, so an error on one rank (a full disk, pending gradients) is
+raised on every rank, naming the rank and its error, and no rank waits on a peer that gave up:
+  1. rank 0 removes dead writers' partial directories and creates `DIR/.TAG.partial-<pid>-<n>`
+     (its pid); the gather carries that name to every rank (the broadcast);
+  2. each rank writes `rank_<r>.shard` (its owned params, masters, Adam state, and its own
+     buffers: BatchNorm statistics differ between ranks) and `rank_<r>_extra.pt` (its RNG
+     states, client_state, lr scheduler) into it and fsyncs both; the gather carries each
+     file's size and sha256 and the Adam step counts of the parameters the rank owns, and is
+     the barrier before meta.json;
+  3. rank 0 checks that every rank's files are there with the sizes they reported (the
+     directory must be on a filesystem all ranks share), writes meta.json, renames and updates
+     `latest` as for one rank (Note [Atomic checkpoints]); the last gather keeps every rank in
+     save_checkpoint until the checkpoint is complete or has failed everywhere.
+A failure leaves `latest` and `DIR/TAG` as they were; rank 0 removes the partial directory
+when it survives, the next save when it died. A rank killed mid-save makes the others' next
+gather fail at once (gloo sees the closed connection) or after the process group's timeout.
+A load agrees on the tag (rank 0 reads `latest`), then every rank verifies what it will read
+(shards, extra file, optimizer state of every tensor it owns) and the ranks agree before any
+rank changes its engine; a second agreement reports a failure while restoring on every rank.
+Each rank restores its own buffers, RNG states, client_state and lr scheduler from rank r's
+files; a rank with no counterpart in the checkpoint (loading N on M > N ranks) takes rank 0's.
 """
 from __future__ import annotations
 
@@ -398,16 +425,21 @@ class CheckpointReader:
         self.meta = read_meta(self.directory)
         wanted = None if ranks is None else set(ranks)
         self.shards: list[Shard] = []
+        # Every rank writes its own buffers (Note [Multi-rank checkpoints]): the merged index
+        # keeps the lowest rank's copy of a key, `by_rank` each shard's own.
         self.index: dict[tuple[str, str], tuple[Shard, Entry]] = {}
+        self.by_rank: dict[int, dict[tuple[str, str], tuple[Shard, Entry]]] = {}
         try:
-            for record in self.meta["shards"]:
+            for record in sorted(self.meta["shards"], key=lambda r: r["rank"]):
                 if wanted is not None and record["rank"] not in wanted:
                     continue
                 shard = Shard(os.path.join(self.directory, record["file"]), record["bytes"],
                               record["sha256"], verify=verify)
                 self.shards.append(shard)
+                own = self.by_rank.setdefault(record["rank"], {})
                 for key, entry in shard.entries.items():
-                    self.index[key] = (shard, entry)
+                    own[key] = (shard, entry)
+                    self.index.setdefault(key, (shard, entry))
         except BaseException:
             self.close()
             raise
@@ -418,13 +450,17 @@ class CheckpointReader:
     def entry(self, name: str, kind: str) -> Entry:
         return self.index[(name, kind)][1]
 
-    def tensor(self, name: str, kind: str) -> torch.Tensor:
-        try:
-            shard, entry = self.index[(name, kind)]
-        except KeyError:
+    def tensor(self, name: str, kind: str, rank: int | None = None) -> torch.Tensor:
+        """The tensor from any shard, or from rank `rank`'s shard where that one has it."""
+        found = self.by_rank.get(rank, {}).get((name, kind)) or self.index.get((name, kind))
+        if found is None:
             raise CheckpointError(f"checkpoint '{self.directory}' has no {kind} tensor for "
-                                  f"'{name}'") from None
+                                  f"'{name}'")
+        shard, entry = found
         return shard.tensor(entry)
+
+    def has_extra(self, rank: int) -> bool:
+        return any(record["rank"] == rank for record in self.meta["extras"])
 
     def extra(self, rank: int) -> dict:
         for record in self.meta["extras"]:
@@ -480,21 +516,37 @@ class _EngineState:
         self.mixed = engine.mixed
         self.precision = engine.precision
         self.compute_dtype = _DTYPE_NAMES[engine.compute_dtype]
+        self.dp = engine._dp
+        self.rank, self.world_size = self.dp.rank, self.dp.world_size
+
+    def kinds(self, index: int, optimizer_state: bool = True) -> list[str]:
+        """The saved kinds of parameter `index` whose chunks this rank owns (all of them for a
+        world of one; Note [Multi-rank checkpoints])."""
+        ids = self.ids[index]
+        kinds = ["param"]
+        if ids.master is not None:
+            kinds.append("master")
+        if optimizer_state and ids.momentum is not None:
+            kinds += ["exp_avg", "exp_avg_sq"]
+        return [k for k in kinds if self.dp.owns(self.chunks.manager, self.tensor_id(index, k))]
 
     def entries(self) -> list[Entry]:
         entries = []
         for index, name in enumerate(self.names):
             shape = self.shapes[index]
-            ids = self.ids[index]
-            entries.append(Entry(name, "param", self.compute_dtype, shape))
-            if ids.master is not None:
-                entries.append(Entry(name, "master", "float32", shape))
-            if ids.momentum is not None:
-                entries.append(Entry(name, "exp_avg", "float32", shape))
-                entries.append(Entry(name, "exp_avg_sq", "float32", shape))
+            dtypes = {"param": self.compute_dtype}
+            for kind in self.kinds(index):
+                entries.append(Entry(name, kind, dtypes.get(kind, "float32"), shape))
         for name, buffer in self.buffers().items():
             entries.append(Entry(name, "buffer", _DTYPE_NAMES[buffer.dtype], tuple(buffer.shape)))
         return entries
+
+    def owned_step_counts(self) -> dict[str, int]:
+        """Adam's step count of each trainable parameter whose state this rank owns (the other
+        ranks never step it, so their counts stay 0)."""
+        engine = self.engine
+        return {name: engine._step_count[index] for index, name in enumerate(self.names)
+                if self.ids[index].momentum is not None and "exp_avg" in self.kinds(index)}
 
     def tensor_id(self, index: int, kind: str):
         ids = self.ids[index]
@@ -591,74 +643,162 @@ def _check_tag(tag: str) -> str:
     return tag
 
 
+def _agree(state: _EngineState, what: str, error: BaseException | None, payload=None) -> list:
+    """Shares every rank's outcome of a phase (Note [Multi-rank checkpoints]): returns every
+    rank's `payload` when all succeeded, and raises on every rank when any failed, naming each
+    failed rank and its error. A world of one re-raises its own error unchanged. A collective
+    that fails (a peer died or stalled past the process group's timeout) is an error too."""
+    if state.world_size == 1:
+        if error is not None:
+            raise error
+        return [payload]
+    message = None if error is None else f"{type(error).__name__}: {error}"
+    try:
+        gathered = state.dp.all_gather_object((message, payload))
+    except Exception as failure:
+        raise CheckpointError(
+            f"{what}: rank {state.rank} of {state.world_size} could not exchange its outcome "
+            f"with the other ranks (a rank died, or stalled past the collective timeout): "
+            f"{type(failure).__name__}: {failure}"
+            + ("" if message is None else f"; this rank had failed too: {message}")) from failure
+    failed = [(rank, text) for rank, (text, _) in enumerate(gathered) if text is not None]
+    if failed:
+        raise CheckpointError(f"{what} failed on {len(failed)} of {state.world_size} ranks: "
+                              + "; ".join(f"rank {rank}: {text}" for rank, text in failed)
+                              ) from error
+    return [item for _, item in gathered]
+
+
 def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: bool = True,
                     lr_scheduler=None) -> bool:
-    """Writes a checkpoint of `engine` (Note [Atomic checkpoints]); returns True."""
+    """Writes a checkpoint of `engine` (Note [Atomic checkpoints], Note [Multi-rank
+    checkpoints]); returns True on every rank once the checkpoint is complete."""
     state = _EngineState(engine)
-    if state.pending_gradients():
-        raise RuntimeError("save_checkpoint: gradients of an unfinished accumulation are pending "
-                           "and would not be saved; call it after optimizer.step()")
+    rank, world_size = state.rank, state.world_size
     save_dir = os.fspath(save_dir)
     tag = _check_tag(f"global_step{engine._iteration}" if tag is None else tag)
     scheduler = lr_scheduler if lr_scheduler is not None else getattr(engine, "lr_scheduler",
                                                                        None)
-    os.makedirs(save_dir, exist_ok=True)
-    remove_stale_partials(save_dir)
-    partial = os.path.join(save_dir, f".{tag}.partial-{os.getpid()}-{next(_counter)}")
-    os.mkdir(partial)
+    what = f"save_checkpoint('{os.path.join(save_dir, tag)}')"
+    partial = None
     try:
-        rank, world_size = 0, 1
-        entries = state.entries()
-        buffers = state.buffers()
-        header = {"rank": rank, "world_size": world_size}
-        size, digest = write_shard(os.path.join(partial, shard_name(rank)), header, entries,
-                                   _make_reader(state, buffers))
-        extra = {"rng": _rng_states(), "client_state": client_state or {},
-                 "lr_scheduler": None if scheduler is None else scheduler.state_dict()}
-        extra_path = os.path.join(partial, extra_name(rank))
-        buffer = io.BytesIO()
-        torch.save(extra, buffer)
-        with open(extra_path, "wb") as handle:
-            handle.write(buffer.getbuffer())
-            handle.flush()
-            os.fsync(handle.fileno())
-        extra_bytes = buffer.getbuffer().nbytes
-        body = {
-            "tag": tag, "world_size": world_size, "precision": state.precision,
-            "compute_dtype": state.compute_dtype, "config": _config_json(engine.config),
-            "layout": state.layout(), "tensors": state.tensor_table(),
-            "state_dict_keys": state.state_dict_keys(), "engine": state.counters(),
-            "has_lr_scheduler": scheduler is not None,
-            "shards": [{"rank": rank, "file": shard_name(rank), "bytes": size,
-                        "sha256": digest}],
-            "extras": [{"rank": rank, "file": extra_name(rank), "bytes": extra_bytes,
-                        "sha256": hashlib.sha256(buffer.getbuffer()).hexdigest()}],
-            "torch_version": torch.__version__,
-        }
-        _crash_point("before_meta")
-        _write_text_atomically(os.path.join(partial, META), json.dumps(
-            {"format": FORMAT, "version": VERSION, "sha256": _meta_checksum(body),
-             "body": body}, indent=1, sort_keys=True))
-        _fsync_dir(partial)
-        _crash_point("before_rename")
-        final = os.path.join(save_dir, tag)
-        if os.path.lexists(final):
-            if not _exchange(partial, final):
-                # No atomic exchange on this filesystem: a crash between these two renames
-                # loses `tag` (but never `latest`'s target unless `latest` names `tag`).
-                shutil.rmtree(final)
-                os.rename(partial, final)
-        else:
-            os.rename(partial, final)
-        _fsync_dir(save_dir)
-        _crash_point("before_latest")
-        if save_latest:
-            _write_text_atomically(os.path.join(save_dir, LATEST), tag + "\n")
-        _crash_point("after_latest")
+        # Phase 1: rank 0 creates the one partial directory every rank writes into.
+        error = None
+        try:
+            if state.pending_gradients():
+                raise RuntimeError("save_checkpoint: gradients of an unfinished accumulation "
+                                   "are pending and would not be saved; call it after "
+                                   "optimizer.step()")
+            if rank == 0:
+                os.makedirs(save_dir, exist_ok=True)
+                remove_stale_partials(save_dir)
+                candidate = os.path.join(save_dir,
+                                         f".{tag}.partial-{os.getpid()}-{next(_counter)}")
+                os.mkdir(candidate)
+                partial = candidate
+        except Exception as failure:  # shared with every rank by _agree
+            error = failure
+        named = _agree(state, what, error, (tag, partial))
+        tags = sorted({t for t, _ in named})
+        if len(tags) != 1:
+            raise CheckpointError(f"{what}: the ranks asked for different tags {tags}")
+        shared_partial = named[0][1]
+
+        # Phase 2: every rank writes and fsyncs its own shard and extra file.
+        error = record = None
+        try:
+            entries = state.entries()
+            buffers = state.buffers()
+            header = {"rank": rank, "world_size": world_size}
+            size, digest = write_shard(os.path.join(shared_partial, shard_name(rank)), header,
+                                       entries, _make_reader(state, buffers))
+            extra = {"rng": _rng_states(), "client_state": client_state or {},
+                     "lr_scheduler": None if scheduler is None else scheduler.state_dict()}
+            buffer = io.BytesIO()
+            torch.save(extra, buffer)
+            with open(os.path.join(shared_partial, extra_name(rank)), "wb") as handle:
+                handle.write(buffer.getbuffer())
+                handle.flush()
+                os.fsync(handle.fileno())
+            record = {
+                "shard": {"rank": rank, "file": shard_name(rank), "bytes": size,
+                          "sha256": digest},
+                "extra": {"rank": rank, "file": extra_name(rank),
+                          "bytes": buffer.getbuffer().nbytes,
+                          "sha256": hashlib.sha256(buffer.getbuffer()).hexdigest()},
+                "step_counts": state.owned_step_counts(),
+            }
+        except Exception as failure:
+            error = failure
+        records = _agree(state, what, error, record)  # also the barrier before meta.json
+
+        # Phase 3: rank 0 writes meta.json, renames, and updates `latest` last.
+        error = None
+        if rank == 0:
+            try:
+                _publish(state, engine, save_dir, tag, shared_partial, records, scheduler,
+                         save_latest)
+            except Exception as failure:
+                error = failure
+        _agree(state, what, error)  # no rank returns before the checkpoint is complete
     finally:
-        # After an exchange, `partial` holds the previous contents of `tag`.
-        shutil.rmtree(partial, ignore_errors=True)
+        # Rank 0 created it; after an exchange it holds the previous contents of `tag`.
+        if partial is not None:
+            shutil.rmtree(partial, ignore_errors=True)
     return True
+
+
+def _publish(state: _EngineState, engine, save_dir: str, tag: str, partial: str,
+             records: list[dict], scheduler, save_latest: bool) -> None:
+    """Rank 0's part of a save once every rank's files are durable (Note [Atomic checkpoints])."""
+    for record in records:
+        for item in (record["shard"], record["extra"]):
+            path = os.path.join(partial, item["file"])
+            try:
+                size = os.path.getsize(path)
+            except FileNotFoundError:
+                size = None
+            if size != item["bytes"]:
+                raise CheckpointError(
+                    f"rank {item['rank']} wrote '{item['file']}' ({item['bytes']} bytes) but "
+                    f"rank 0 finds {'no such file' if size is None else f'{size} bytes'} in "
+                    f"'{partial}': the checkpoint directory must be on a filesystem that every "
+                    f"rank shares")
+    counters = state.counters()
+    step_counts = {name: 0 for name in state.names}
+    for record in records:
+        step_counts.update(record["step_counts"])
+    counters["step_counts"] = step_counts
+    body = {
+        "tag": tag, "world_size": state.world_size, "precision": state.precision,
+        "compute_dtype": state.compute_dtype, "config": _config_json(engine.config),
+        "layout": state.layout(), "tensors": state.tensor_table(),
+        "state_dict_keys": state.state_dict_keys(), "engine": counters,
+        "has_lr_scheduler": scheduler is not None,
+        "shards": [record["shard"] for record in records],
+        "extras": [record["extra"] for record in records],
+        "torch_version": torch.__version__,
+    }
+    _crash_point("before_meta")
+    _write_text_atomically(os.path.join(partial, META), json.dumps(
+        {"format": FORMAT, "version": VERSION, "sha256": _meta_checksum(body),
+         "body": body}, indent=1, sort_keys=True))
+    _fsync_dir(partial)
+    _crash_point("before_rename")
+    final = os.path.join(save_dir, tag)
+    if os.path.lexists(final):
+        if not _exchange(partial, final):
+            # No atomic exchange on this filesystem: a crash between these two renames
+            # loses `tag` (but never `latest`'s target unless `latest` names `tag`).
+            shutil.rmtree(final)
+            os.rename(partial, final)
+    else:
+        os.rename(partial, final)
+    _fsync_dir(save_dir)
+    _crash_point("before_latest")
+    if save_latest:
+        _write_text_atomically(os.path.join(save_dir, LATEST), tag + "\n")
+    _crash_point("after_latest")
 
 
 def _make_reader(state: _EngineState, buffers: dict):
@@ -712,77 +852,136 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states: bool = Tr
                     lr_scheduler=None, load_rng_states: bool = True,
                     allow_reshard: bool = False):
     """Restores a checkpoint into `engine`; returns (path, client_state), or (None, None) when
-    `load_dir` has no `latest` file and no tag was given (as DeepSpeed does)."""
+    `load_dir` has no `latest` file and no tag was given (as DeepSpeed does). With data
+    parallelism every rank calls it (Note [Multi-rank checkpoints])."""
     load_dir = os.fspath(load_dir)
-    if tag is None and resolve_tag(load_dir, None) is None:
+    state = _EngineState(engine)
+    what = f"load_checkpoint('{load_dir}')"
+    # Rank 0 reads `latest`, so every rank loads the same tag even if it changes meanwhile.
+    error = resolved = None
+    if state.rank == 0:
+        try:
+            resolved = resolve_tag(load_dir, tag)
+        except Exception as failure:
+            error = failure
+    resolved = _agree(state, what, error, resolved)[0]
+    if resolved is None:
         warnings.warn(f"load_checkpoint: no '{LATEST}' file in '{load_dir}'; nothing loaded "
                       f"(pass tag= to load a specific checkpoint)", UserWarning, stacklevel=3)
         return None, None
     if load_module_only:
         load_optimizer_states = load_lr_scheduler_states = load_rng_states = False
-    state = _EngineState(engine)
     scheduler = lr_scheduler if lr_scheduler is not None else getattr(engine, "lr_scheduler",
                                                                        None)
-    with CheckpointReader(load_dir, tag) as reader:
-        meta = reader.meta
-        problems = _differences(meta, state, allow_reshard)
-        if problems:
-            raise CheckpointError(f"checkpoint '{reader.directory}' does not fit this model: "
-                                  + "; ".join(problems))
-        counters = meta["engine"]
-        optimizer = engine.optimizer
-        if load_optimizer_states:
-            if len(counters["param_groups"]) != len(optimizer.param_groups):
-                raise CheckpointError(
-                    f"checkpoint '{reader.directory}' has {len(counters['param_groups'])} "
-                    f"optimizer param groups, the optimizer {len(optimizer.param_groups)}")
-            for index, name in enumerate(state.names):
-                ids = state.ids[index]
-                if ids.momentum is not None and not reader.has(name, "exp_avg"):
-                    raise CheckpointError(f"checkpoint '{reader.directory}' has no optimizer "
-                                          f"state for trainable parameter '{name}'")
-        extra = reader.extra(0)  # verified like the shards; client_state is always returned
-        if load_lr_scheduler_states and scheduler is not None and \
-                extra.get("lr_scheduler") is None:
-            raise CheckpointError(f"checkpoint '{reader.directory}' has no lr scheduler state, "
-                                  f"but an lr_scheduler was given")
-        # Everything is verified: from here on the engine changes.
-        engine.zero_grad()
-        engine._guard.after_step()  # a fresh step begins (Note [Training call order])
-        buffers = state.buffers()
-        with torch.no_grad():
-            for index, name in enumerate(state.names):
-                kinds = ["param"]
-                if state.ids[index].master is not None:
-                    kinds.append("master")
-                if load_optimizer_states and state.ids[index].momentum is not None:
-                    kinds += ["exp_avg", "exp_avg_sq"]
-                for kind in kinds:
-                    source_kind = kind
-                    if kind == "master" and not reader.has(name, "master"):
-                        source_kind = "param"  # a frozen parameter or an fp32 checkpoint
-                    source = reader.tensor(name, source_kind)
-                    with state.view(index, kind) as view:
-                        view.copy_(source)
-                    del source
-            for name, buffer in buffers.items():
-                if reader.has(name, "buffer"):
-                    buffer.copy_(reader.tensor(name, "buffer"))
-        if load_optimizer_states:
-            counts = counters["step_counts"]
-            engine._step_count = [int(counts.get(name, 0)) for name in state.names]
-            for saved, group in zip(counters["param_groups"], optimizer.param_groups):
-                group.update({k: (tuple(v) if k == "betas" else v)
-                              for k, v in saved.items() if k != "params"})
-            engine.loss_scaler.load_state_dict(counters["loss_scaler"])
-            optimizer.skipped_steps = counters["skipped_steps"]
-            engine._iteration = counters["iteration"]
-            engine._micro_step = counters["micro_step"]
-        if load_lr_scheduler_states and scheduler is not None:
-            scheduler.load_state_dict(extra["lr_scheduler"])
-        if load_rng_states:
-            _set_rng_states(extra["rng"])
+    what = f"load_checkpoint('{os.path.join(load_dir, resolved)}')"
+    with contextlib.ExitStack() as stack:
+        # Verify everything on every rank before any rank changes anything.
+        error = reader = extra = None
+        try:
+            reader = stack.enter_context(_open_reader(state, load_dir, resolved,
+                                                      allow_reshard))
+            extra = _verify_loadable(state, reader, scheduler, load_optimizer_states,
+                                     load_lr_scheduler_states, allow_reshard)
+        except Exception as failure:
+            error = failure
+        _agree(state, what, error)
+        error = None
+        try:
+            _restore(state, reader, extra, scheduler, load_optimizer_states,
+                     load_lr_scheduler_states, load_rng_states)
+        except Exception as failure:
+            error = failure
+        _agree(state, what, error)
         return reader.directory, extra.get("client_state", {})
+
+
+def _open_reader(state: _EngineState, load_dir: str, tag: str,
+                 allow_reshard: bool) -> CheckpointReader:
+    """Every shard, or only this rank's own when the checkpoint has this model's layout and
+    world size (its shard then holds exactly the tensors this rank owns)."""
+    ranks = None
+    directory = os.path.join(load_dir, tag)
+    if state.world_size > 1 and os.path.isdir(directory):
+        layout = read_meta(directory)["layout"]
+        if layout.get("world_size") == state.world_size and \
+                layout.get("hash") == state.layout()["hash"]:
+            ranks = [state.rank]
+    return CheckpointReader(load_dir, tag, ranks=ranks)
+
+
+def _source_kind(reader: CheckpointReader, name: str, kind: str) -> str:
+    if kind == "master" and not reader.has(name, "master"):
+        return "param"  # a frozen parameter or an fp32 checkpoint
+    return kind
+
+
+def _verify_loadable(state: _EngineState, reader: CheckpointReader, scheduler,
+                     load_optimizer_states: bool, load_lr_scheduler_states: bool,
+                     allow_reshard: bool) -> dict:
+    """Checks that this rank finds everything it will load; returns its extra state."""
+    meta = reader.meta
+    problems = _differences(meta, state, allow_reshard)
+    if problems:
+        raise CheckpointError(f"checkpoint '{reader.directory}' does not fit this model: "
+                              + "; ".join(problems))
+    counters = meta["engine"]
+    optimizer = state.engine.optimizer
+    if load_optimizer_states and len(counters["param_groups"]) != len(optimizer.param_groups):
+        raise CheckpointError(
+            f"checkpoint '{reader.directory}' has {len(counters['param_groups'])} "
+            f"optimizer param groups, the optimizer {len(optimizer.param_groups)}")
+    for index, name in enumerate(state.names):
+        for kind in state.kinds(index, load_optimizer_states):
+            if not reader.has(name, _source_kind(reader, name, kind)):
+                raise CheckpointError(
+                    f"checkpoint '{reader.directory}' has no "
+                    f"{'optimizer state' if kind.startswith('exp_avg') else kind} for "
+                    f"{'trainable ' if kind.startswith('exp_avg') else ''}parameter '{name}'")
+    # A rank of a larger world than the checkpoint's takes rank 0's extra state.
+    rank = state.rank if reader.has_extra(state.rank) else 0
+    extra = reader.extra(rank)  # verified like the shards; client_state is always returned
+    if load_lr_scheduler_states and scheduler is not None and extra.get("lr_scheduler") is None:
+        raise CheckpointError(f"checkpoint '{reader.directory}' has no lr scheduler state, "
+                              f"but an lr_scheduler was given")
+    return extra
+
+
+def _restore(state: _EngineState, reader: CheckpointReader, extra: dict, scheduler,
+             load_optimizer_states: bool, load_lr_scheduler_states: bool,
+             load_rng_states: bool) -> None:
+    engine = state.engine
+    engine.zero_grad()
+    engine._guard.after_step()  # a fresh step begins (Note [Training call order])
+    buffers = state.buffers()
+    with torch.no_grad():
+        for index, name in enumerate(state.names):
+            for kind in state.kinds(index, load_optimizer_states):
+                source = reader.tensor(name, _source_kind(reader, name, kind))
+                with state.view(index, kind) as view:
+                    view.copy_(source)
+                del source
+        for name, buffer in buffers.items():
+            if reader.has(name, "buffer"):
+                buffer.copy_(reader.tensor(name, "buffer", rank=state.rank))
+    # Gathered copies of other ranks' parameters predate the load.
+    state.dp.after_step()
+    if load_optimizer_states:
+        counters = reader.meta["engine"]
+        optimizer = engine.optimizer
+        counts = counters["step_counts"]
+        engine._step_count = [int(counts.get(name, 0)) if "exp_avg" in state.kinds(index) else 0
+                              for index, name in enumerate(state.names)]
+        for saved, group in zip(counters["param_groups"], optimizer.param_groups):
+            group.update({k: (tuple(v) if k == "betas" else v)
+                          for k, v in saved.items() if k != "params"})
+        engine.loss_scaler.load_state_dict(counters["loss_scaler"])
+        optimizer.skipped_steps = counters["skipped_steps"]
+        engine._iteration = counters["iteration"]
+        engine._micro_step = counters["micro_step"]
+    if load_lr_scheduler_states and scheduler is not None:
+        scheduler.load_state_dict(extra["lr_scheduler"])
+    if load_rng_states:
+        _set_rng_states(extra["rng"])
 
 
 # ---- Layout of other world sizes ---------------------------------------------------------------

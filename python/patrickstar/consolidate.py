@@ -10,7 +10,9 @@ tied weights appear under each of their names and share storage).
 
 Values: the fp32 master weights (fp32 compute weights of an fp32 run) converted to `--dtype`;
 when `--dtype` is the run's own 16-bit compute dtype, the exact 16-bit weights the run computed
-with. Buffers keep their saved dtype.
+with. Buffers keep their saved dtype. A checkpoint of N data-parallel ranks reads every rank's
+shard (each holds the tensors of the chunks that rank owned); buffers, which every rank saves
+for itself, come from rank 0, as DDP broadcasts rank 0's.
 """
 from __future__ import annotations
 

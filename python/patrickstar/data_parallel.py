@@ -151,6 +151,16 @@ class DataParallel:
                 self._group_size[p] += 1
         self._reset_backward()
 
+    def all_gather_object(self, obj) -> list:
+        """Every rank's picklable `obj` in rank order (`[obj]` for a world of one), over the
+        default process group with its timeout: a dead peer or one stalled past the timeout
+        raises instead of hanging (checkpoints share names, records and failures with it)."""
+        if not self.enabled:
+            return [obj]
+        gathered = [None] * self.world_size
+        dist.all_gather_object(gathered, obj)
+        return gathered
+
     def owns(self, manager, tensor_id: int) -> bool:
         """Whether this rank keeps the chunk of `tensor_id` (always, for a world of one)."""
         return not self.enabled or manager.is_local(manager.tensor_info(tensor_id)["chunk"])

@@ -4,6 +4,7 @@
     dp_worker.py OUT_DIR --mismatch               rank 1 builds a different model
     dp_worker.py OUT_DIR --kill                   rank 1 dies after initialize()
     dp_worker.py OUT_DIR --stall                  rank 1 stops issuing collectives (sleeps)
+    dp_worker.py OUT_DIR --checkpoint SCENARIO... checkpoint scenarios of dp_checkpoint_worker.py
 
 Writes OUT_DIR/<what>-rank<r>.pt with losses, the gathered state dict, memory statistics or
 the error raised, then leaves with os._exit so a dead peer cannot hold up interpreter exit.
@@ -72,6 +73,9 @@ def main() -> None:
                 model.backward(model(x, y))
             finally:
                 results["elapsed"] = time.monotonic() - start
+        elif what[:1] == ["--checkpoint"]:
+            from dp_checkpoint_worker import run
+            results.update(run(out, what[1:], rank, world))
         else:
             for name in what:
                 results[name] = train(name, rank, world)
