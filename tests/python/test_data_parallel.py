@@ -41,6 +41,13 @@ def launch(tmp_path, world: int, *args: str, torchrun: bool = False) -> list[dic
         procs = [subprocess.Popen([sys.executable, WORKER, str(tmp_path), *args], env=dict(
             env, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world),
             MASTER_ADDR="127.0.0.1", MASTER_PORT=port)) for r in range(world)]
+    finish(procs)
+    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False)
+            if (tmp_path / f"rank{r}.pt").exists() else {} for r in range(world)]
+
+
+def finish(procs) -> list[int]:
+    """Waits for every process (killing what outlives LAUNCH_TIMEOUT); their exit codes."""
     try:
         for proc in procs:
             proc.wait(timeout=LAUNCH_TIMEOUT)
@@ -48,8 +55,8 @@ def launch(tmp_path, world: int, *args: str, torchrun: bool = False) -> list[dic
         for proc in procs:
             if proc.poll() is None:
                 proc.kill()
-    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False)
-            if (tmp_path / f"rank{r}.pt").exists() else {} for r in range(world)]
+                proc.wait()
+    return [proc.returncode for proc in procs]
 
 
 def check_no_errors(results):

@@ -20,7 +20,7 @@ from patrickstar.checkpoint import CheckpointError, CheckpointReader, read_meta
 from patrickstar.consolidate import main as consolidate_main
 from patrickstar.examples.gpt import GPT
 from test_checkpoint import assert_identical, train
-from test_data_parallel import HERE, LAUNCH_TIMEOUT, check_no_errors, free_port, launch
+from test_data_parallel import HERE, check_no_errors, finish, free_port, launch
 from test_initialize import MLP, gpt_config, mlp_batches
 
 CHECKPOINT_WORKER = os.path.join(HERE, "dp_checkpoint_worker.py")
@@ -180,18 +180,6 @@ def _spawn(save_dir, *args, world=2):
             for r in range(world)]
 
 
-def _finish(procs) -> list[int]:
-    try:
-        for proc in procs:
-            proc.wait(timeout=LAUNCH_TIMEOUT)
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    return [proc.returncode for proc in procs]
-
-
 def _load_latest(save_dir):
     """The latest checkpoint on one rank (resharding the 2-rank checkpoint)."""
     model, _ = _initialize(MLP, mlp_config(), seed=4)
@@ -217,7 +205,7 @@ def test_sigkill_at_random_moments_of_two_rank_saves_never_breaks_latest(tmp_pat
         for victim in victims:
             procs[victim].send_signal(signal.SIGKILL)
         # A survivor sees its peer's connection close at its next gather and raises.
-        codes = _finish(procs)
+        codes = finish(procs)
         assert [codes[v] for v in victims] == [-signal.SIGKILL] * len(victims)
         for survivor in set(range(2)) - set(victims):
             assert codes[survivor] == 0
@@ -240,7 +228,7 @@ def test_sigkill_of_one_rank_at_every_stage_of_a_two_rank_save(tmp_path):
         save_dir = tmp_path / f"{point}-{victim}" / "ckpt"
         runs[(victim, point)] = (save_dir, _spawn(save_dir, "two", str(victim), point))
     for (victim, point), (save_dir, procs) in runs.items():
-        codes = _finish(procs)
+        codes = finish(procs)
         assert codes[victim] == -signal.SIGKILL, point
         survivor = 1 - victim
         result = torch.load(save_dir.parent / f"rank{survivor}.pt", weights_only=False)
