@@ -35,13 +35,10 @@ the optimizer state, master weights and (after the reduce-scatter) gradients are
 """
 from __future__ import annotations
 
-import datetime
-import os
-
 import torch
 import torch.distributed as dist
 
-from . import _C
+from . import _C, topology
 
 __all__ = ["DataParallel", "detect_world"]
 
@@ -49,34 +46,31 @@ K = _C.ChunkKind
 S = _C.TensorState
 
 
-def detect_world(config) -> tuple[int, int]:
-    """(world_size, rank) for the engine: 1, 0 without torch.distributed. Initializes the
-    default process group from torchrun's environment when the script did not."""
+def detect_world(config) -> tuple[int, int, object]:
+    """(size, rank, group) of this rank's data-parallel group: (1, 0, None) without
+    torch.distributed. The group is the ranks with the same pipeline and tensor coordinates
+    (topology.py), the whole world without pipeline or tensor parallelism; the default process
+    group is initialized from torchrun's environment when the script did not."""
     parallel = config.parallel
-    if parallel.pipeline != 1 or parallel.tensor != 1:
-        raise NotImplementedError("parallel.pipeline and parallel.tensor must be 1: only data "
-                                  "parallelism is implemented")
-    if not dist.is_available():
-        world, rank = 1, 0
-    else:
-        if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
-            dist.init_process_group(backend, timeout=datetime.timedelta(
-                seconds=parallel.collective_timeout))
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        rank = dist.get_rank() if dist.is_initialized() else 0
-    if parallel.data is not None and parallel.data != world:
-        raise ValueError(f"config key 'parallel.data': {parallel.data} data-parallel ranks "
-                         f"asked for, but torch.distributed has a world of {world} (launch with "
-                         f"torchrun --nproc_per_node={parallel.data}, or leave the key out)")
-    return world, rank
+    groups = topology.initialize_parallel(parallel)
+    if groups.pipe_size * groups.tensor_size > 1:
+        if config.gradient_clipping > 0 or config.precision == "fp16":
+            raise NotImplementedError(
+                "config keys 'gradient_clipping' and 'fp16' need the global gradient norm or "
+                "overflow flag, which is not yet reduced across pipeline stages and tensor "
+                "slices: use them with parallel.pipeline = parallel.tensor = 1 (bf16 and fp32 "
+                "without clipping work)")
+    if groups.data_size == 1:
+        return 1, 0, None
+    return groups.data_size, groups.coord.data, groups.data_group
 
 
 class DataParallel:
     """The engine's data-parallel side; every method is a no-op for a world of one."""
 
-    def __init__(self, config, world_size: int, rank: int):
+    def __init__(self, config, world_size: int, rank: int, group=None):
         self.world_size = world_size
+        self.group = group  # None: the default group (WORLD)
         self.rank = rank
         self.enabled = world_size > 1
         self.config = config
@@ -103,7 +97,8 @@ class DataParallel:
             return
         manager = engine.chunks.manager
         hashes = [None] * self.world_size
-        dist.all_gather_object(hashes, (int(manager.layout_hash), engine.layout["num_chunks"]))
+        dist.all_gather_object(hashes, (int(manager.layout_hash), engine.layout["num_chunks"]),
+                               group=self.group)
         if len(set(hashes)) != 1:
             raise RuntimeError(
                 "data parallel: the chunk layouts differ between ranks (layout hash, chunks per "
@@ -122,7 +117,7 @@ class DataParallel:
                 raise RuntimeError(f"data parallel: parameter '{engine._names[index]}' has its "
                                    "chunks on different ranks (layout bug)")
         parallel = self.config.parallel
-        group = dist.group.WORLD
+        group = dist.group.WORLD if self.group is None else self.group
         self.communicator = _C.process_group_communicator(
             group.group_name, reduce_scatter=parallel.reduce_scatter, timeout_s=self.timeout)
         self.collectives = _C.GroupCollectives(
