@@ -53,13 +53,6 @@ def detect_world(config) -> tuple[int, int, object]:
     group is initialized from torchrun's environment when the script did not."""
     parallel = config.parallel
     groups = topology.initialize_parallel(parallel)
-    if groups.pipe_size * groups.tensor_size > 1:
-        if config.gradient_clipping > 0 or config.precision == "fp16":
-            raise NotImplementedError(
-                "config keys 'gradient_clipping' and 'fp16' need the global gradient norm or "
-                "overflow flag, which is not yet reduced across pipeline stages and tensor "
-                "slices: use them with parallel.pipeline = parallel.tensor = 1 (bf16 and fp32 "
-                "without clipping work)")
     if groups.data_size == 1:
         return 1, 0, None
     return groups.data_size, groups.coord.data, groups.data_group
@@ -77,6 +70,8 @@ class DataParallel:
         self.timeout = float(config.parallel.collective_timeout)
         self._engine = None
         self.early_reduce_scatters = 0  # started while backward was still running
+        # Pipeline stages / tensor slices: the norm and overflow flag span the model group too.
+        self.model_parallel: topology.ModelParallelGradStats | None = None
 
     # ---- Construction --------------------------------------------------------------------------
 
@@ -93,6 +88,9 @@ class DataParallel:
         """After the chunk lists are built: agree on the layout, check ownership, create the
         communicator. A rank whose layout differs fails here on every rank, with both hashes."""
         self._engine = engine
+        groups = topology.current()
+        if groups is not None and groups.pipe_size * groups.tensor_size > 1:
+            self.model_parallel = topology.ModelParallelGradStats(engine, groups)
         if not self.enabled:
             return
         manager = engine.chunks.manager
@@ -223,13 +221,19 @@ class DataParallel:
         self._reset_backward()
 
     def all_reduce_grad_stats(self, overflow: bool, squared: float) -> tuple[bool, float]:
-        """Sums the squared norms of the owned gradients and ORs the overflow flags."""
-        if not self.enabled:
-            return overflow, squared
-        stats = torch.tensor([squared, 1.0 if overflow else 0.0], dtype=torch.float32)
-        self.communicator.all_reduce(stats, op="sum", label="gradient norm and overflow").wait(
-            self.timeout)
-        return stats[1].item() > 0, float(stats[0].item())
+        """Sums the squared norms of the owned gradients and ORs the overflow flags (over the
+        model group too with pipeline stages or tensor slices: topology.py's Note [Gradient
+        norm over stages and slices])."""
+        if self.model_parallel is not None:
+            squared -= self.model_parallel.local_duplicate_squares()
+        if self.enabled:
+            stats = torch.tensor([squared, 1.0 if overflow else 0.0], dtype=torch.float32)
+            self.communicator.all_reduce(stats, op="sum", label="gradient norm and overflow"
+                                         ).wait(self.timeout)
+            overflow, squared = stats[1].item() > 0, float(stats[0].item())
+        if self.model_parallel is not None:
+            overflow, squared = self.model_parallel.all_reduce(overflow, squared)
+        return overflow, squared
 
     def after_step(self) -> None:
         """The parameters changed: every rank drops its gathered copies."""

@@ -27,8 +27,10 @@ import os
 import torch
 import torch.distributed as dist
 
+from . import _C
+
 __all__ = ["ProcessTopology", "PipeDataTensorTopology", "ParallelGroups", "initialize_parallel",
-           "current", "tensor_parallel_group"]
+           "current", "tensor_parallel_group", "ModelParallelGradStats"]
 
 AXES = ("pipe", "data", "tensor")
 
@@ -244,3 +246,49 @@ def initialize_parallel(parallel) -> ParallelGroups:
         groups.model_group = whole if data == 1 else groups.new_groups(model_lists)
     _CURRENT = groups
     return groups
+
+
+class ModelParallelGradStats:
+    """The global gradient norm and overflow flag of a model split over pipeline stages and
+    tensor slices (gradient clipping, fp16 loss scaling).
+
+    Note [Gradient norm over stages and slices]
+    Each engine sums the squared norms of the gradients it owns (after data parallelism's
+    reduce-scatter, every data rank owns distinct chunks, and the data all-reduce adds them up).
+    Across the model group (the stages and slices of one replica) the per-engine sums are added
+    once more, but some gradients exist on several of those ranks and must count once:
+    parameters that tensor slicing does not slice (norms, row-parallel biases, position
+    embeddings) are the same on every tensor rank and count on tensor rank 0 only, and tied
+    weights are the same on every stage holding them (after the tied gradient sum) and count on
+    the lowest such stage only. `duplicates` holds this rank's parameters that do not count;
+    their squares are taken out before the data all-reduce, the model all-reduce follows it.
+    The overflow flag is OR-ed over the model group, so every stage skips the same steps.
+    """
+
+    def __init__(self, engine, groups: ParallelGroups):
+        self.engine = engine
+        self.groups = groups
+        self.duplicates: set[int] = set()
+        if groups.tensor_size > 1 and groups.coord.tensor != 0:
+            self.duplicates.update(
+                index for index, param in enumerate(engine._params)
+                if not getattr(param, "tensor_model_parallel", False))
+
+    def local_duplicate_squares(self) -> float:
+        engine = self.engine
+        total = 0.0
+        for index in sorted(self.duplicates):
+            if not engine._has_grad[index]:
+                continue
+            grad_id = engine._ids[index].grad
+            view = engine.chunks.access(grad_id, "host")
+            try:
+                total += float(view.float().pow(2).sum())
+            finally:
+                engine.chunks.release(grad_id, _C.TensorState.HOLD)
+        return total
+
+    def all_reduce(self, overflow: bool, squared: float) -> tuple[bool, float]:
+        stats = torch.tensor([squared, 1.0 if overflow else 0.0], dtype=torch.float64)
+        dist.all_reduce(stats, group=self.groups.model_group)
+        return stats[1].item() > 0, float(stats[0].item())

@@ -29,6 +29,7 @@ class Scenario:
     pipe_kwargs: dict = dataclasses.field(default_factory=dict)
     lr: float = 1e-3
     weight_decay: float = 0.1
+    clip: float = 0.0
 
     @property
     def data(self) -> int:
@@ -37,6 +38,7 @@ class Scenario:
     def config(self) -> dict:
         config = {"default_chunk_size": CHUNK, "parallel": dict(self.parallel),
                   "gradient_accumulation_steps": self.accumulation,
+                  "gradient_clipping": self.clip,
                   "optimizer": {"type": "AdamW", "params": {"lr": self.lr,
                                                             "weight_decay": self.weight_decay}}}
         if self.device_budget is not None:
@@ -55,16 +57,20 @@ class Scenario:
 # Three chunks of device memory per rank: far less than a stage's compute and gradient chunks.
 TIGHT = 3 * CHUNK * 4
 
+# Gradient clipping (the global norm over stages and slices) where CLIP is below the norm of
+# every step's gradient, so every step is clipped.
+CLIP = 0.1
+
 SCENARIOS = {
     "pp_1f1b": Scenario("pipe", {"pipeline": 2}),
-    "pp_gpipe_checkpointed": Scenario("pipe", {"pipeline": 2, "schedule": "gpipe"},
-                                      pipe_kwargs={"activation_checkpoint_interval": 1,
-                                                   "partition_method": "type:Block"}),
-    "tp": Scenario("tensor", {"tensor": 2}, accumulation=2),
+    "pp_gpipe_checkpointed_clipped": Scenario(
+        "pipe", {"pipeline": 2, "schedule": "gpipe"}, clip=CLIP,
+        pipe_kwargs={"activation_checkpoint_interval": 1, "partition_method": "type:Block"}),
+    "tp_clipped": Scenario("tensor", {"tensor": 2}, accumulation=2, clip=CLIP),
     "pp_dp_tight": Scenario("pipe", {"pipeline": 2, "data": 2}, device_budget=TIGHT),
     "tp_dp_tight": Scenario("tensor", {"tensor": 2, "data": 2}, accumulation=2,
                             device_budget=TIGHT),
-    "pp_tp": Scenario("pipe", {"pipeline": 2, "tensor": 2}),
+    "pp_tp_clipped": Scenario("pipe", {"pipeline": 2, "tensor": 2}, clip=CLIP),
 }
 
 
@@ -100,6 +106,8 @@ def _reference(s: Scenario):
         (loss / s.accumulation).backward()
         step_losses.append(loss.item())
         if (index + 1) % s.accumulation == 0:
+            if s.clip:
+                nn.utils.clip_grad_norm_(model.parameters(), s.clip)
             optimizer.step()
             optimizer.zero_grad()
             losses.append(sum(step_losses) / len(step_losses))

@@ -209,7 +209,8 @@ def check_matches_reference(results, name: str):
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
-    results = launch(tmp_path_factory.mktemp("pp2"), 2, "pp_1f1b", "pp_gpipe_checkpointed", "tp",
+    results = launch(tmp_path_factory.mktemp("pp2"), 2, "pp_1f1b", "pp_gpipe_checkpointed_clipped",
+                     "tp_clipped",
                      worker=WORKER)
     check_no_errors(results)
     return results
@@ -217,13 +218,13 @@ def two_ranks(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory):
-    results = launch(tmp_path_factory.mktemp("pp4"), 4, "pp_dp_tight", "tp_dp_tight", "pp_tp",
+    results = launch(tmp_path_factory.mktemp("pp4"), 4, "pp_dp_tight", "tp_dp_tight", "pp_tp_clipped",
                      worker=WORKER)
     check_no_errors(results)
     return results
 
 
-@pytest.mark.parametrize("name", ["pp_1f1b", "pp_gpipe_checkpointed"])
+@pytest.mark.parametrize("name", ["pp_1f1b", "pp_gpipe_checkpointed_clipped"])
 def test_two_pipeline_stages_match_one_process(two_ranks, name):
     check_matches_reference(two_ranks, name)
     assert [r[name]["layers"] for r in two_ranks] == [(0, 4), (4, 8)]
@@ -231,15 +232,15 @@ def test_two_pipeline_stages_match_one_process(two_ranks, name):
 
 
 def test_two_tensor_slices_match_one_process(two_ranks):
-    check_matches_reference(two_ranks, "tp")
+    check_matches_reference(two_ranks, "tp_clipped")
     # Each rank holds half of every sliced weight; norms, biases of row-parallel layers and
     # position embeddings are whole on both.
-    full = sum(t.numel() for t in reference("tp")[1].values())
+    full = sum(t.numel() for t in reference("tp_clipped")[1].values())
     for result in two_ranks:
-        assert 0.5 * full < result["tp"]["local_elements"] < 0.55 * full
+        assert 0.5 * full < result["tp_clipped"]["local_elements"] < 0.55 * full
 
 
-@pytest.mark.parametrize("name", ["pp_dp_tight", "tp_dp_tight", "pp_tp"])
+@pytest.mark.parametrize("name", ["pp_dp_tight", "tp_dp_tight", "pp_tp_clipped"])
 def test_four_ranks_match_one_process(four_ranks, name):
     check_matches_reference(four_ranks, name)
     if name.endswith("tight"):

@@ -129,6 +129,9 @@ class PipelineEngine:
                 raise ValueError(f"TiedLayerSpec({key!r}): tied_weight_attr names "
                                  f"{[m.split('.', 2)[2] for m in missing]}, which the module "
                                  f"does not have")
+            if stages[0] != self.stage and self.engine._dp.model_parallel is not None:
+                # Note [Gradient norm over stages and slices] in topology.py: counted once.
+                self.engine._dp.model_parallel.duplicates.update(index_of[n] for n in names)
             entries.append({"key": key, "group": group, "names": names,
                             "indices": [index_of[name] for name in names],
                             "src": topo.get_rank(pipe=stages[0], data=0,
