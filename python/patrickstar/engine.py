@@ -626,6 +626,8 @@ def initialize(model_func: Callable[[], nn.Module], config=None, local_rank: int
                param_groups=None):
     """Builds `model_func()` on the chunk runtime and returns `(model, optimizer)`.
 
+    `model_func` may also be a `patrickstar.pipe.PipelineModule`: each rank then builds only its
+    pipeline stage and gets a `PipelineEngine` (train with `engine.train_batch(data_iter)`).
     `config` is a dict or a path to a JSON file (see `patrickstar.config`); `param_groups`
     optionally splits the parameters into groups with their own `lr` / `weight_decay`, either as
     torch.optim's list of dicts or as a callable taking the built module and returning one."""

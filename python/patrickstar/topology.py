@@ -30,7 +30,7 @@ import torch.distributed as dist
 from . import _C
 
 __all__ = ["ProcessTopology", "PipeDataTensorTopology", "ParallelGroups", "initialize_parallel",
-           "current", "tensor_parallel_group", "ModelParallelGradStats"]
+           "current", "tensor_parallel_group", "ModelParallelGradStats", "comm_device"]
 
 AXES = ("pipe", "data", "tensor")
 
@@ -181,6 +181,14 @@ def tensor_parallel_group():
     return groups.tensor_group, groups.tensor_size, groups.coord.tensor
 
 
+def comm_device(group=None) -> torch.device:
+    """Where a tensor for a collective of `group` must live: NCCL takes CUDA tensors only,
+    gloo (here) CPU tensors."""
+    if dist.is_initialized() and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _world(timeout: float) -> tuple[int, int]:
     """(world size, rank), initializing the default group from torchrun's environment when the
     script did not."""
@@ -289,6 +297,7 @@ class ModelParallelGradStats:
         return total
 
     def all_reduce(self, overflow: bool, squared: float) -> tuple[bool, float]:
-        stats = torch.tensor([squared, 1.0 if overflow else 0.0], dtype=torch.float64)
+        stats = torch.tensor([squared, 1.0 if overflow else 0.0], dtype=torch.float64,
+                             device=comm_device(self.groups.model_group))
         dist.all_reduce(stats, group=self.groups.model_group)
         return stats[1].item() > 0, float(stats[0].item())

@@ -77,7 +77,8 @@ class PipelineEngine:
         self.engine = PatrickStarEngine(lambda: pipe_module.build_stage(stage, stages),
                                         self.config, local_rank, param_groups)
         self.optimizer = self.engine.optimizer
-        self.p2p = P2P(self.stage, groups.stage_rank, self.config.parallel.collective_timeout)
+        self.p2p = P2P(self.stage, groups.stage_rank, self.config.parallel.collective_timeout,
+                       self.engine.device)
         self._tied = self._build_tied_groups()
         self._sync_tied_weights()
         self.global_steps = 0
@@ -155,13 +156,14 @@ class PipelineEngine:
             if entry["first"]:
                 engine._dp.gather_all()  # the src rank reads whole parameters
             for name, index in zip(entry["names"], entry["indices"]):
+                device = topology.comm_device(entry["group"])
                 if entry["first"]:
-                    value = engine._read_param(index).float()
+                    value = engine._read_param(index).float().to(device)
                 else:
-                    value = torch.empty(engine._shapes[index], dtype=torch.float32)
+                    value = torch.empty(engine._shapes[index], dtype=torch.float32, device=device)
                 dist.broadcast(value, src=entry["src"], group=entry["group"])
                 if not entry["first"]:
-                    engine.load_state_dict({name: value}, strict=False)
+                    engine.load_state_dict({name: value.cpu()}, strict=False)
 
     # ---- Training ------------------------------------------------------------------------------
 
@@ -282,7 +284,9 @@ class PipelineEngine:
                     finally:
                         engine.chunks.release(grad_id, S.HOLD)
                     buffer[-1] = 1.0
+                buffer = buffer.to(topology.comm_device(entry["group"]))
                 dist.all_reduce(buffer, group=entry["group"])
+                buffer = buffer.cpu()
                 if buffer[-1].item() == 0 or not engine._dp.owns(manager, grad_id):
                     continue
                 view = engine.chunks.access(grad_id, "host")
@@ -294,14 +298,16 @@ class PipelineEngine:
 
     def _aggregate(self, losses: list[torch.Tensor]) -> torch.Tensor:
         groups = self.groups
-        total = torch.stack(losses).mean() if self.is_last else torch.zeros(())
+        total = torch.stack(losses).mean().cpu() if self.is_last else torch.zeros(())
         if self.is_last and groups.data_size > 1:
+            total = total.to(topology.comm_device(groups.data_group))
             dist.all_reduce(total, group=groups.data_group)
-            total /= groups.data_size
+            total = total.cpu() / groups.data_size
         if self.num_stages > 1:
+            total = total.to(topology.comm_device(groups.pipe_group))
             dist.broadcast(total, src=groups.stage_rank(self.num_stages - 1),
                            group=groups.pipe_group)
-        return total
+        return total.cpu()
 
     # ---- Pass-through --------------------------------------------------------------------------
 

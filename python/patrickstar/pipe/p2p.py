@@ -24,6 +24,8 @@ import datetime
 import torch
 import torch.distributed as dist
 
+from .. import topology
+
 __all__ = ["ACTIVATION", "GRADIENT", "P2P", "PipelinePeerError", "check_gradients"]
 
 ACTIVATION, GRADIENT = 1, 2
@@ -58,10 +60,12 @@ def check_gradients(stage: int, peer: str, micro: int, outputs, grads) -> None:
 class P2P:
     """Transfers of one stage with its neighbours (global ranks from `rank_of(stage)`)."""
 
-    def __init__(self, stage: int, rank_of, timeout: float):
+    def __init__(self, stage: int, rank_of, timeout: float, device=None):
         self.stage = stage
         self.rank_of = rank_of
         self.timeout = timeout
+        self.wire = topology.comm_device()  # what the back end sends from and receives into
+        self.device = torch.device("cpu") if device is None else device  # what recv returns
         self._pending: list[tuple] = []  # (work, tensor kept alive, description)
 
     def peer(self, stage: int) -> str:
@@ -77,11 +81,12 @@ class P2P:
                 raise ValueError(f"pipeline stage {self.stage}: cannot send {what}: tensor "
                                  f"{index} is {describe([tensor])} (at most {MAX_DIMS} dimensions "
                                  f"of {', '.join(str(d) for d in _DTYPES)})")
-            header = torch.zeros(HEADER, dtype=torch.int64)
-            header[:7] = torch.tensor([MAGIC, kind, micro, len(tensors), index,
-                                       _DTYPE_CODE[tensor.dtype], tensor.dim()])
-            header[7:7 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
-            payload = tensor.detach().contiguous()
+            header = [0] * HEADER
+            header[:7] = [MAGIC, kind, micro, len(tensors), index, _DTYPE_CODE[tensor.dtype],
+                          tensor.dim()]
+            header[7:7 + tensor.dim()] = list(tensor.shape)
+            header = torch.tensor(header, dtype=torch.int64, device=self.wire)
+            payload = tensor.detach().to(self.wire).contiguous()
             for part in (header, payload):
                 self._pending.append((self._call(dist.isend, what, part, dst=rank, tag=kind),
                                       part, what))
@@ -99,7 +104,7 @@ class P2P:
         tensors = []
         count = 1
         while len(tensors) < count:
-            header = torch.empty(HEADER, dtype=torch.int64)
+            header = torch.empty(HEADER, dtype=torch.int64, device=self.wire)
             self._wait(self._call(dist.irecv, what, header, src=rank, tag=kind),
                        f"receiving {what}")
             values = header.tolist()
@@ -113,10 +118,10 @@ class P2P:
                     f"the {_KIND_NAMES.get(got_kind, got_kind)} of micro batch {got_micro} "
                     f"(tensor {index}): do all stages run the same schedule and "
                     f"gradient_accumulation_steps?")
-            payload = torch.empty(values[7:7 + ndim], dtype=_DTYPES[code])
+            payload = torch.empty(values[7:7 + ndim], dtype=_DTYPES[code], device=self.wire)
             self._wait(self._call(dist.irecv, what, payload, src=rank, tag=kind),
                        f"receiving {what}")
-            tensors.append(payload)
+            tensors.append(payload.to(self.device))
         return tuple(tensors)
 
     # ---- Errors --------------------------------------------------------------------------------
