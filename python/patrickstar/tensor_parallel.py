@@ -135,7 +135,7 @@ def gather_from_tensor_parallel_region(tensor, group=None):
     return tensor if size == 1 else _GatherFromRegion.apply(tensor, group, size, rank)
 
 
-# ---- Slicing --------------------------------------------------------------------------------------
+# ---- Slicing ------------------------------------------------------------------------------------
 
 def _divide(total: int, size: int, what: str) -> int:
     if total % size:

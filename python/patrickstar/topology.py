@@ -69,7 +69,8 @@ class ProcessTopology:
                              f"{sorted(coords)}")
         for axis, value in coords.items():
             if not 0 <= value < self.get_dim(axis):
-                raise ValueError(f"coordinate {axis}={value} is outside 0..{self.get_dim(axis) - 1}")
+                raise ValueError(f"coordinate {axis}={value} is outside "
+                                 f"0..{self.get_dim(axis) - 1}")
         return self._rank_of[self.Coord(**coords)]
 
     def filter_match(self, **coords) -> list[int]:
@@ -98,7 +99,8 @@ class ProcessTopology:
             raise ValueError(f"unknown topology axis {axis!r}; the axes are {self.axes}") from None
 
     def __repr__(self) -> str:
-        return "ProcessTopology(" + ", ".join(f"{a}={d}" for a, d in zip(self.axes, self.dims)) + ")"
+        sizes = ", ".join(f"{a}={d}" for a, d in zip(self.axes, self.dims))
+        return f"ProcessTopology({sizes})"
 
 
 class PipeDataTensorTopology(ProcessTopology):

@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import sys
 import time
-import traceback
 
 import torch
 from torch import nn
@@ -22,12 +21,8 @@ import patrickstar
 from patrickstar import tensor_parallel, topology
 from patrickstar.examples.gpt_parallel import ParallelGPT, gpt_pipeline
 from patrickstar.pipe import LayerSpec, PipelineModule
+from dp_worker import error_result, save_and_exit
 from parallel_scenarios import SCENARIOS, PipeMLP, gpt_config, shard
-
-
-def _error(error) -> dict:
-    return {"error": f"{type(error).__name__}: {error}", "error_type": type(error).__name__,
-            "traceback": traceback.format_exc()}
 
 
 def train(name: str) -> dict:
@@ -81,7 +76,7 @@ def mismatch(rank: int) -> dict:
         patrickstar.initialize(gpt_pipeline(gpt_config(hidden)), config={
             "default_chunk_size": 8192, "parallel": {"pipeline": 2, "collective_timeout": 5}})
     except Exception as error:  # noqa: BLE001 (the test inspects it)
-        results["tied"] = _error(error)
+        results["tied"] = error_result(error)
     # (b) Stage 1's first layer expects 48 features, stage 0 sends 32.
     widths = [(16, 32), (32, 8)] if rank == 0 else [(16, 32), (48, 8)]
     pipe = PipelineModule([LayerSpec(PipeMLP, *w) for w in widths], partition_method="uniform",
@@ -91,7 +86,7 @@ def mismatch(rank: int) -> dict:
             "default_chunk_size": 4096, "parallel": {"pipeline": 2, "collective_timeout": 5}})
         engine.train_batch(iter([(torch.randn(4, 16), torch.randint(0, 8, (4,)))]))
     except Exception as error:  # noqa: BLE001
-        results["activation"] = _error(error)
+        results["activation"] = error_result(error)
     return results
 
 
@@ -110,7 +105,7 @@ def peer_failure(rank: int, mode: str) -> dict:
         engine.train_batch(batches)
         return {}
     except Exception as error:  # noqa: BLE001
-        return dict(_error(error), elapsed=time.monotonic() - start)
+        return dict(error_result(error), elapsed=time.monotonic() - start)
 
 
 def main() -> None:
@@ -126,11 +121,8 @@ def main() -> None:
             for name in what:
                 results[name] = train(name)
     except Exception as error:  # noqa: BLE001
-        results.update(_error(error))
-    torch.save(results, os.path.join(out, f"rank{rank}.pt"))
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+        results.update(error_result(error))
+    save_and_exit(out, rank, results)
 
 
 if __name__ == "__main__":

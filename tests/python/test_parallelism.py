@@ -17,7 +17,7 @@ import patrickstar
 from patrickstar import tensor_parallel
 from patrickstar.examples.gpt import synthetic_batches
 from patrickstar.examples.gpt_parallel import gpt_loss, gpt_pipeline
-from patrickstar.pipe import LayerSpec, PipelineModule, partition_balanced
+from patrickstar.pipe import PipelineModule, partition_balanced
 from patrickstar.pipe.p2p import check_gradients
 from patrickstar.pipe.schedule import SCHEDULES
 from patrickstar.topology import PipeDataTensorTopology
@@ -149,7 +149,16 @@ def test_received_gradients_must_match_the_sent_activations():
         check_gradients(0, "stage 1 (rank 1)", 3, sent, [torch.zeros(2, 16, 48)])
 
 
-def test_one_stage_pipeline_with_tied_head_and_checkpointing_matches_pytorch():
+@pytest.fixture
+def one_thread():
+    """This tiny model trains faster on one thread when other processes share the 2 cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_one_stage_pipeline_with_tied_head_and_checkpointing_matches_pytorch(one_thread):
     """PipelineModule on a single stage: the tied embedding is one module used twice,
     activations of every layer are recomputed in backward; train_batch and eval_batch."""
     cfg = gpt_config()
@@ -209,17 +218,16 @@ def check_matches_reference(results, name: str):
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
-    results = launch(tmp_path_factory.mktemp("pp2"), 2, "pp_1f1b", "pp_gpipe_checkpointed_clipped",
-                     "tp_clipped",
-                     worker=WORKER)
+    results = launch(tmp_path_factory.mktemp("pp2"), 2, "pp_1f1b",
+                     "pp_gpipe_checkpointed_clipped", "tp_clipped", worker=WORKER)
     check_no_errors(results)
     return results
 
 
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory):
-    results = launch(tmp_path_factory.mktemp("pp4"), 4, "pp_dp_tight", "tp_dp_tight", "pp_tp_clipped",
-                     worker=WORKER)
+    results = launch(tmp_path_factory.mktemp("pp4"), 4, "pp_dp_tight", "tp_dp_tight",
+                     "pp_tp_clipped", worker=WORKER)
     check_no_errors(results)
     return results
 

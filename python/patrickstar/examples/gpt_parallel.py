@@ -18,7 +18,8 @@ from ..tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabPar
                                copy_to_tensor_parallel_region, vocab_parallel_cross_entropy)
 from .gpt import GPTConfig
 
-__all__ = ["ParallelGPT", "TokenEmbedding", "LMHead", "AddPositions", "ParallelBlock", "gpt_pipeline",
+__all__ = ["ParallelGPT", "TokenEmbedding", "LMHead", "AddPositions", "ParallelBlock",
+           "gpt_pipeline",
            "gpt_loss"]
 
 

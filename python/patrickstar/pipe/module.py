@@ -267,8 +267,9 @@ class PipelineModule:
                                  f"expression: {error}") from None
             weights = [1 if pattern.search(self._layer_name(spec)) else 0 for spec in self.layers]
             if not any(weights):
+                names = sorted({self._layer_name(s) for s in self.layers})
                 raise ValueError(f"PipelineModule: partition_method {method!r} matches none of "
-                                 f"the layers ({sorted({self._layer_name(s) for s in self.layers})})")
+                                 f"the layers ({names})")
             bounds = partition_balanced(weights, num_stages)
         else:
             raise ValueError(f"PipelineModule: unknown partition_method {method!r}; use "
