@@ -201,6 +201,10 @@ class PipelineEngine:
         if data_iter is None:
             raise ValueError(f"pipeline stage {self.stage}: the first and the last stage need a "
                              "data_iter of (inputs, labels) micro batches")
+        if not hasattr(data_iter, "__next__"):
+            raise TypeError(f"pipeline stage {self.stage}: data_iter must be an iterator (each "
+                            f"batch reads the next micro batches), got "
+                            f"{type(data_iter).__name__}; pass iter(...) of it")
         try:
             batch = next(data_iter)
         except StopIteration:
