@@ -30,6 +30,7 @@ class Scenario:
     lr: float = 1e-3
     weight_decay: float = 0.1
     clip: float = 0.0
+    fp16: bool = False
 
     @property
     def data(self) -> int:
@@ -43,6 +44,9 @@ class Scenario:
                                                             "weight_decay": self.weight_decay}}}
         if self.device_budget is not None:
             config["memory"] = {"device_budget": self.device_budget}
+        if self.fp16:
+            # A scale that overflows now and then: every stage must skip the same steps.
+            config["fp16"] = {"enabled": True, "initial_scale_power": 20}
         return config
 
     def pipeline(self):
@@ -71,6 +75,8 @@ SCENARIOS = {
     "tp_dp_tight": Scenario("tensor", {"tensor": 2, "data": 2}, accumulation=2,
                             device_budget=TIGHT),
     "pp_tp_clipped": Scenario("pipe", {"pipeline": 2, "tensor": 2}, clip=CLIP),
+    # Compared loosely with the fp32 reference (as test_data_parallel.py's mixed precision).
+    "pp_fp16_clipped": Scenario("pipe", {"pipeline": 2}, clip=CLIP, fp16=True),
 }
 
 

@@ -56,7 +56,8 @@ def train(name: str) -> dict:
             torch.distributed.all_reduce(mean, group=groups.data_group)
             mean /= s.data
         losses.append(mean.item())
-    result = {"losses": losses, "stats": model.memory_stats(), "coord": tuple(groups.coord)}
+    result = {"losses": losses, "stats": model.memory_stats(), "coord": tuple(groups.coord),
+              "skipped_steps": model.optimizer.skipped_steps}
     if s.kind == "pipe":
         result["eval"] = engine.eval_batch(
             shard(b, data_rank, s.data) for b in s.micro_batches()).item()

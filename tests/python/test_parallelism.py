@@ -219,7 +219,8 @@ def check_matches_reference(results, name: str):
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     results = launch(tmp_path_factory.mktemp("pp2"), 2, "pp_1f1b",
-                     "pp_gpipe_checkpointed_clipped", "tp_clipped", worker=WORKER)
+                     "pp_gpipe_checkpointed_clipped", "tp_clipped", "pp_fp16_clipped",
+                     worker=WORKER)
     check_no_errors(results)
     return results
 
@@ -237,6 +238,20 @@ def test_two_pipeline_stages_match_one_process(two_ranks, name):
     check_matches_reference(two_ranks, name)
     assert [r[name]["layers"] for r in two_ranks] == [(0, 4), (4, 8)]
     assert two_ranks[0][name]["eval"] == two_ranks[1][name]["eval"]
+
+
+def test_fp16_stages_skip_the_same_steps_and_track_fp32(two_ranks):
+    name = "pp_fp16_clipped"
+    ref_losses, _ = reference(name)  # fp32
+    stage0, stage1 = (r[name] for r in two_ranks)
+    # 2^20 overflows on some steps: the overflow flag is OR-ed over the stages, so both skip
+    # the same ones (a stage skipping alone would leave the tied copies different).
+    assert stage0["skipped_steps"] == stage1["skipped_steps"] > 0
+    assert stage0["losses"] == stage1["losses"]
+    for step, (ours, ref) in enumerate(zip(stage0["losses"], ref_losses)):
+        assert abs(ours - ref) <= 0.02 * abs(ref), (step, ours, ref)
+    tied = "tied.embed.weight"
+    torch.testing.assert_close(stage0["state"][tied], stage1["state"][tied], rtol=0, atol=0)
 
 
 def test_two_tensor_slices_match_one_process(two_ranks):

@@ -22,7 +22,8 @@ by the loss scale and 1/gradient_accumulation_steps.
 Note [Tied weights across stages]
 The stages holding a TiedLayerSpec key each own a copy of its module (Note [Tied layers] in
 module.py). Their copies must stay equal, so (1) at initialization the lowest such stage
-broadcasts the tied weights to the others, (2) before each optimizer step the tied weights'
+sends the fp32 values of the tied weights (the master copy in mixed precision, so the copies'
+masters are equal too) to the others, (2) before each optimizer step the tied weights'
 gradients are summed over those stages: one all-reduce per tied weight over all ranks of those
 stages with the same tensor coordinate. With data parallelism a stage's gradient lives, already
 averaged over its data group, on the rank owning its chunk, which need not be the same data rank
@@ -135,8 +136,6 @@ class PipelineEngine:
                 self.engine._dp.model_parallel.duplicates.update(index_of[n] for n in names)
             entries.append({"key": key, "group": group, "names": names,
                             "indices": [index_of[name] for name in names],
-                            "src": topo.get_rank(pipe=stages[0], data=0,
-                                                 tensor=groups.coord.tensor),
                             "first": stages[0] == self.stage})
         return entries
 
@@ -153,15 +152,21 @@ class PipelineEngine:
                     f"pipeline: the tied weights {entry['names']} (TiedLayerSpec "
                     f"{entry['key']!r}) have different shapes on the stages that share them: "
                     + "; ".join(f"stage {stage}: {list(shapes)}" for stage, shapes in seen))
-            if entry["first"]:
-                engine._dp.gather_all()  # the src rank reads whole parameters
+            manager = engine.chunks.manager
             for name, index in zip(entry["names"], entry["indices"]):
-                device = topology.comm_device(entry["group"])
-                if entry["first"]:
-                    value = engine._read_param(index).float().to(device)
-                else:
-                    value = torch.empty(engine._shapes[index], dtype=torch.float32, device=device)
-                dist.broadcast(value, src=entry["src"], group=entry["group"])
+                # The fp32 values (the master copy in mixed precision) of the lowest stage come
+                # from the one rank of it that owns them: a sum where the others add zeros.
+                ids = engine._ids[index]
+                source = ids.master if ids.master is not None else ids.compute
+                value = torch.zeros(engine._shapes[index], dtype=torch.float32)
+                if entry["first"] and engine._dp.owns(manager, source):
+                    view = engine.chunks.access(source, "host")
+                    try:
+                        value.copy_(view.view(value.shape))
+                    finally:
+                        engine.chunks.release(source, S.HOLD)
+                value = value.to(topology.comm_device(entry["group"]))
+                dist.all_reduce(value, group=entry["group"])
                 if not entry["first"]:
                     engine.load_state_dict({name: value.cpu()}, strict=False)
 
