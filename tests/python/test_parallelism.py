@@ -158,7 +158,8 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def test_one_stage_pipeline_with_tied_head_and_checkpointing_matches_pytorch(one_thread):
+def test_one_stage_pipeline_with_tied_head_and_checkpointing_matches_pytorch(one_thread,
+                                                                           tmp_path):
     """PipelineModule on a single stage: the tied embedding is one module used twice,
     activations of every layer are recomputed in backward; train_batch and eval_batch."""
     cfg = gpt_config()
@@ -189,6 +190,16 @@ def test_one_stage_pipeline_with_tied_head_and_checkpointing_matches_pytorch(one
                          atol=PARAM_ATOL)
     with pytest.raises(RuntimeError, match="train_batch"):
         engine(batches[0][0])
+    with pytest.raises(TypeError, match="data_iter must be an iterator"):
+        engine.train_batch(batches)
+    # A stage checkpoint restores the stage's parameters (and optimizer state) exactly.
+    engine.save_checkpoint(tmp_path)
+    saved = engine.state_dict()
+    engine.train_batch(iter(batches[:accumulation]))
+    engine.load_checkpoint(tmp_path)
+    assert engine.global_steps == steps
+    for key, tensor in engine.state_dict().items():
+        torch.testing.assert_close(tensor, saved[key], rtol=0, atol=0)
 
 
 # ---- Multi-process -------------------------------------------------------------------------
