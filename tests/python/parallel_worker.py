@@ -1,7 +1,8 @@
 """One rank of a pipeline / tensor-parallel test run (launched by test_parallelism.py).
 
     parallel_worker.py OUT_DIR SCENARIO [SCENARIO...]   train scenarios of parallel_scenarios.py
-    parallel_worker.py OUT_DIR --mismatch    stage 1 is built with other sizes than stage 0
+    parallel_worker.py OUT_DIR --mismatch    stage 1 has another accumulation count, then other
+                                             sizes than stage 0
     parallel_worker.py OUT_DIR --kill        stage 1 dies after initialize()
     parallel_worker.py OUT_DIR --stall       stage 1 stays alive but sends nothing for 6 s
 
@@ -71,6 +72,13 @@ def train(name: str) -> dict:
 
 def mismatch(rank: int) -> dict:
     results = {}
+    # (0) The stages count micro batches differently: refused at initialize() on every rank.
+    try:
+        patrickstar.initialize(gpt_pipeline(gpt_config()), config={
+            "default_chunk_size": 8192, "gradient_accumulation_steps": 2 + rank,
+            "parallel": {"pipeline": 2, "collective_timeout": 5}})
+    except Exception as error:  # noqa: BLE001
+        results["agreement"] = error_result(error)
     # (a) The tied embedding has another width on stage 1: refused at initialize().
     try:
         hidden = 32 if rank == 0 else 48

@@ -288,6 +288,9 @@ def test_four_ranks_match_one_process(four_ranks, name):
 def test_mismatched_stages_are_clear_errors(tmp_path):
     results = launch(tmp_path, 2, "--mismatch", worker=WORKER)
     for rank, result in enumerate(results):
+        agreement = result["agreement"]
+        assert agreement["error_type"] == "RuntimeError", agreement
+        assert "ranks disagree" in agreement["error"] and "ranks [1] differ" in agreement["error"]
         tied = result["tied"]
         assert tied["error_type"] == "ValueError", tied
         assert "'embed'" in tied["error"] and "stage 0: [(128, 32)]" in tied["error"] \
