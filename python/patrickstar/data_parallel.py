@@ -8,6 +8,8 @@ momentum / variance chunks of its own chunks only, updates only those, and sees 
 parameters only while a gathered copy lives between an allgather and the next optimizer step.
 The collectives run in C++ (`patrickstar._C.GroupCollectives` over a `Communicator`: the
 torch.distributed process group's gloo or NCCL), one per chunk group, never one per tensor.
+With pipeline stages or tensor slices (topology.py) all of this runs within the data group, the
+ranks with the same pipe and tensor coordinates; "rank" and "world" below mean that group.
 
 Note [A data-independent collective schedule]
 A collective needs every rank at the same point of the same sequence, so the sequence must not
@@ -25,7 +27,7 @@ group collectives therefore follow a fixed order and only their *timing* follows
     communicator's own thread, as soon as every trainable tensor of g and of all groups after it
     in that order got its gradient, so it overlaps the rest of backward; groups whose tensors
     did not all get a gradient on this rank (an unused branch) are started when backward ends.
-    All are awaited before backward returns. Gradients are averaged over the world.
+    All are awaited before backward returns. Gradients are averaged over the (data) world.
   * after that, one all-reduce of each parameter's has-gradient flag, and at the optimizer step
     one all-reduce of the squared gradient norm and overflow flag (when clipping or fp16 need
     them): a parameter without a gradient on every rank is skipped as torch would skip it.
