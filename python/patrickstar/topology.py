@@ -14,7 +14,8 @@ one torch.distributed group per line of each axis (the ranks that differ only in
   * tensor groups: same pipe and data coordinates (Megatron's slices all-reduce in them),
   * model groups: same data coordinate (every stage and slice of one replica).
 `dist.new_group` is a collective over the whole world, so every rank builds every group in the
-same order; the groups of one shape are kept and reused by later engines.
+same order; the groups of one shape are kept and reused by later engines. An axis of size 1 has
+no groups, one whose lines are the whole world uses the default group.
 """
 from __future__ import annotations
 
@@ -112,8 +113,9 @@ class PipeDataTensorTopology(ProcessTopology):
 
 @dataclasses.dataclass
 class ParallelGroups:
-    """This rank's place in the topology and its groups (None for a world of one: no
-    torch.distributed). `*_ranks` are global ranks in ascending order of the axis."""
+    """This rank's place in the topology and its groups (None where a line has one rank: an
+    axis of size 1, or no torch.distributed). `*_ranks` are global ranks in ascending order of
+    the axis."""
 
     topology: PipeDataTensorTopology
     rank: int
@@ -235,25 +237,31 @@ def initialize_parallel(parallel) -> ParallelGroups:
         parallel = load_config({"parallel": dict(parallel)}).parallel
     world, rank = _world(parallel.collective_timeout)
     pipe, data, tensor = _dims(parallel, world)
+    # The same shape (so the same world) and rank: the groups exist already.
     if _CURRENT is not None and _CURRENT.topology.dims == [pipe, data, tensor] \
-            and _CURRENT.rank == rank and (world == 1 or _CURRENT.data_group is not None):
+            and _CURRENT.rank == rank:
         return _CURRENT
     topology = PipeDataTensorTopology(pipe, data, tensor)
     groups = ParallelGroups(topology, rank)
     if world > 1:
         whole = dist.group.WORLD
-        for axis, attr in (("data", "data"), ("pipe", "pipe"), ("tensor", "tensor")):
+        for axis in ("data", "pipe", "tensor"):
             lists = topology.get_axis_comm_lists(axis)
             mine = next(ranks for ranks in lists if rank in ranks)
-            setattr(groups, f"{attr}_ranks", mine)
+            setattr(groups, f"{axis}_ranks", mine)
             # A line that is the whole world uses the default group (pure data parallelism
-            # keeps running on WORLD exactly as before topologies existed).
-            group = whole if len(mine) == world else groups.new_groups(lists)
-            setattr(groups, f"{attr}_group", group)
+            # keeps running on WORLD exactly as before topologies existed); a line of one rank
+            # needs no group (nothing uses it).
+            if len(mine) == 1:
+                group = None
+            else:
+                group = whole if len(mine) == world else groups.new_groups(lists)
+            setattr(groups, f"{axis}_group", group)
         coord = topology.get_coord(rank)
         model_lists = [topology.filter_match(data=d) for d in range(data)]
         groups.model_ranks = model_lists[coord.data]
-        groups.model_group = whole if data == 1 else groups.new_groups(model_lists)
+        if pipe * tensor > 1:
+            groups.model_group = whole if data == 1 else groups.new_groups(model_lists)
     _CURRENT = groups
     return groups
 

@@ -75,6 +75,9 @@ SCENARIOS = {
     "tp_dp_tight": Scenario("tensor", {"tensor": 2, "data": 2}, accumulation=2,
                             device_budget=TIGHT),
     "pp_tp_clipped": Scenario("pipe", {"pipeline": 2, "tensor": 2}, clip=CLIP),
+    # All three at once: 8 processes (a slow test).
+    "pp_dp_tp_tight_clipped": Scenario("pipe", {"pipeline": 2, "data": 2, "tensor": 2},
+                                       steps=5, clip=CLIP, device_budget=TIGHT),
     # Compared loosely with the fp32 reference (as test_data_parallel.py's mixed precision).
     "pp_fp16_clipped": Scenario("pipe", {"pipeline": 2}, clip=CLIP, fp16=True),
 }
@@ -85,7 +88,8 @@ def shard(batch, rank: int, world: int):
 
 
 def reference(name: str):
-    """Plain PyTorch in one process on the global batches: (mean loss per step, state dict)."""
+    """Plain PyTorch in one process on the global batches: (mean loss per step, state dict,
+    evaluated loss of the first batch after training; pipe scenarios only)."""
     threads = torch.get_num_threads()
     # One thread: this tiny model is slower with two when the workers' processes share the cores.
     torch.set_num_threads(1)
@@ -118,7 +122,12 @@ def _reference(s: Scenario):
             optimizer.zero_grad()
             losses.append(sum(step_losses) / len(step_losses))
             step_losses = []
-    return losses, model.state_dict()
+    # eval_batch after training: the first global batch's micro batches, without gradients.
+    with torch.no_grad():
+        first = list(s.micro_batches())[:s.accumulation]
+        evaluated = sum(sum(loss_of(*shard(b, r, s.data)) for r in range(s.data)).item() / s.data
+                        for b in first) / s.accumulation
+    return losses, model.state_dict(), evaluated
 
 
 class PipeMLP(nn.Module):
