@@ -304,7 +304,9 @@ def test_mismatched_stages_are_clear_errors(tmp_path):
     for rank, result in enumerate(results):
         agreement = result["agreement"]
         assert agreement["error_type"] == "RuntimeError", agreement
-        assert "ranks disagree" in agreement["error"] and "ranks [1] differ" in agreement["error"]
+        assert "ranks disagree on gradient_accumulation_steps" in agreement["error"]
+        assert "rank 0: gradient_accumulation_steps = 2; rank 1: gradient_accumulation_steps = 3" \
+            in agreement["error"]
         tied = result["tied"]
         assert tied["error_type"] == "ValueError", tied
         assert "'embed'" in tied["error"] and "stage 0: [(128, 32)]" in tied["error"] \

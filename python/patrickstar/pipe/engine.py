@@ -93,15 +93,21 @@ class PipelineEngine:
         or the stages would pair the wrong tensors: a clear error on every rank instead."""
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return
-        mine = (self.pipe_module.signature(self.num_stages), self.schedule, self.micro_batches)
+        mine = dict(self.pipe_module.signature(self.num_stages),
+                    **{"parallel.schedule": self.schedule,
+                       "gradient_accumulation_steps": self.micro_batches})
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)
-        if any(other != everyone[0] for other in everyone):
-            differ = [rank for rank, other in enumerate(everyone) if other != everyone[0]]
+        differ = [rank for rank, other in enumerate(everyone) if other != everyone[0]]
+        if differ:
+            other = everyone[differ[0]]
+            keys = [key for key in everyone[0] if everyone[0][key] != other.get(key)]
             raise RuntimeError(
-                "pipeline: the ranks disagree on the PipelineModule (layers, partition, tied "
-                "keys, checkpointing), parallel.schedule or gradient_accumulation_steps; rank 0 "
-                f"has {everyone[0]}, ranks {differ} differ (first: {everyone[differ[0]]})")
+                f"pipeline: the ranks disagree on {', '.join(keys)} of the PipelineModule and "
+                f"config (ranks {differ} differ from rank 0; rank 0: "
+                + "; ".join(f"{key} = {everyone[0][key]}" for key in keys)
+                + f"; rank {differ[0]}: "
+                + "; ".join(f"{key} = {other.get(key)}" for key in keys) + ")")
 
     def _stages_of(self, key: str) -> list[int]:
         return [s for s in range(self.num_stages)

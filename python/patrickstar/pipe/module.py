@@ -288,11 +288,12 @@ class PipelineModule:
     def tied_spec(self, key: str) -> TiedLayerSpec:
         return self.layers[self._first_use[key]]
 
-    def signature(self, num_stages: int) -> tuple:
+    def signature(self, num_stages: int) -> dict:
         """What every rank must agree on (checked at initialization)."""
-        return (len(self.layers), tuple(self._layer_name(s) for s in self.layers),
-                tuple(self.partition(num_stages)), tuple(sorted(self._first_use)),
-                self.activation_checkpoint_interval)
+        return {"layers": tuple(self._layer_name(s) for s in self.layers),
+                "partition": tuple(self.partition(num_stages)),
+                "tied keys": tuple(sorted(self._first_use)),
+                "activation_checkpoint_interval": self.activation_checkpoint_interval}
 
     # ---- Building ------------------------------------------------------------------------------
 
