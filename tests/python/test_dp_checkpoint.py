@@ -24,8 +24,8 @@ from test_data_parallel import HERE, check_no_errors, finish, free_port, launch
 from test_initialize import MLP, gpt_config, mlp_batches
 
 CHECKPOINT_WORKER = os.path.join(HERE, "dp_checkpoint_worker.py")
-SCENARIOS = ["resume_fp32", "resume_bf16", "resume_fp16", "reshard_2to1", "reshard_1to2",
-             "consolidate_gpt", "errors"]
+SCENARIOS = ["resume_fp32", "resume_bf16", "resume_fp16", "resume_fp32_nvme", "reshard_2to1",
+             "reshard_1to2", "consolidate_gpt", "errors"]
 
 
 @pytest.fixture(scope="module")
@@ -65,11 +65,13 @@ def _assert_close_runs(losses, ref_losses, state, ref_state):
         torch.testing.assert_close(state[key], ref_state[key], rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16", "fp32_nvme"])
 def test_two_ranks_resume_bit_for_bit(runs, precision):
+    """fp32_nvme: tight budgets over each rank's NVMe tier (state read from disk on save)."""
     out, _, results = runs
     name = f"resume_{precision}"
     for rank, result in enumerate(r[name] for r in results):
+        assert (result["nvme_bytes"] > 0) == precision.endswith("nvme"), result["nvme_bytes"]
         assert result["losses"] == result["resumed"], rank  # bit for bit, on every rank
         assert_identical(result["expected"], result["actual"])
         assert result["client_state"] == {"rank": rank}  # each rank's own extra file
@@ -89,7 +91,8 @@ def test_two_ranks_resume_bit_for_bit(runs, precision):
     with CheckpointReader(str(out / name)) as reader:
         tensors = [{k for k in reader.by_rank[r] if k[1] != "buffer"} for r in (0, 1)]
         assert tensors[0] and tensors[1] and not tensors[0] & tensors[1]
-        kinds = {"param", "exp_avg", "exp_avg_sq"} | ({"master"} if precision != "fp32" else set())
+        kinds = {"param", "exp_avg", "exp_avg_sq"} | (
+            {"master"} if not precision.startswith("fp32") else set())
         assert tensors[0] | tensors[1] == {(t["name"], kind) for t in meta["tensors"]
                                            for kind in kinds}
         assert all((k, "buffer") in reader.by_rank[r] for r in (0, 1) for k in first["buffers"])
