@@ -7,7 +7,8 @@ momentum and variance live on NVMe and stream through host memory in the optimiz
 (`--precision bf16`: 16-bit weights and gradients, fp32 masters) needs far less traffic, but
 torch's CPU GEMM for bf16 falls back to a generic kernel on CPUs without AVX512-BF16/AMX (this
 VM's), about 100x slower than fp32 here, so fp32 is the practical choice on this machine.
-Reports parameters, state / RAM, per-step time, loss, bytes moved per step per tier, peak RSS, and writes JSON (bench-results/largest_model.json).
+Reports parameters, state / RAM, per-step time, loss, bytes moved per step per tier, peak RSS,
+and writes JSON (bench-results/largest_model.json).
 
     tools/bench/largest_model.py --nvme DIR                  # the full run (several minutes)
     tools/bench/largest_model.py --nvme DIR --quick          # a small smoke run
@@ -84,8 +85,8 @@ def main() -> int:
               "memory": {"device_budget": args.device_budget, "host_budget": args.host_budget,
                          "nvme": {"path": args.nvme}}}
     print(f"GPT: {params / 1e9:.2f} B parameters ({args.layers} x {args.hidden}, "
-          f"{args.precision}), fp32 master + Adam state {state_bytes / GiB:.1f} GiB = {state_bytes / ram:.2f} x RAM "
-          f"({ram / GiB:.1f} GiB); budgets device {args.device_budget}, host "
+          f"{args.precision}), fp32 master + Adam state {state_bytes / GiB:.1f} GiB = "
+          f"{state_bytes / ram:.2f} x RAM ({ram / GiB:.1f} GiB); budgets device {args.device_budget}, host "
           f"{args.host_budget}, NVMe {args.nvme}", flush=True)
     started = time.perf_counter()
     torch.manual_seed(0)
