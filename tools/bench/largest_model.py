@@ -86,8 +86,8 @@ def main() -> int:
                          "nvme": {"path": args.nvme}}}
     print(f"GPT: {params / 1e9:.2f} B parameters ({args.layers} x {args.hidden}, "
           f"{args.precision}), fp32 master + Adam state {state_bytes / GiB:.1f} GiB = "
-          f"{state_bytes / ram:.2f} x RAM ({ram / GiB:.1f} GiB); budgets device {args.device_budget}, host "
-          f"{args.host_budget}, NVMe {args.nvme}", flush=True)
+          f"{state_bytes / ram:.2f} x RAM ({ram / GiB:.1f} GiB); budgets device "
+          f"{args.device_budget}, host {args.host_budget}, NVMe {args.nvme}", flush=True)
     started = time.perf_counter()
     torch.manual_seed(0)
     with warnings.catch_warnings():
