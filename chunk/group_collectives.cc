@@ -111,7 +111,12 @@ TierKind GroupCollectives::TierFor(const Chunk& chunk) const {
   // Gradient chunks have no views outside the engine's hooks; moving them to the collective's
   // tier keeps a pending reduce-scatter from holding device memory during backward.
   if (!chunk.has_payload() || chunk.kind() == ChunkKind::kGradient) return options_.tier;
-  const Tier& tier = manager_->tier(chunk.tier_index());
+  // A chunk with a copy in flight (a prefetch for the access after this collective) is pinned
+  // where the copy lands: pinning it at its source would settle the copy and move it straight
+  // back (Note [Pinning a group for a collective]).
+  const int where =
+      chunk.prefetch_in_flight() ? chunk.pending_tier_index() : chunk.tier_index();
+  const Tier& tier = manager_->tier(where);
   const bool usable =
       tier.kind() != TierKind::kNvme && tier.address_space() == communicator_->address_space();
   return usable ? tier.kind() : options_.tier;

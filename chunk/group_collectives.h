@@ -12,7 +12,11 @@
 // (a tensor of the local chunk of a reduce-scatter goes to HOLD: it now holds the reduced
 // gradient). A member without tensors (padding) or without data is passed as a null buffer (Note
 // [Group collectives] in runtime/communicator.h). The extra accesses appear in the tracer's access
-// sequence like any other.
+// sequence like any other. A parameter chunk with a prefetch in flight counts as being where the
+// prefetch takes it: the trace that issued the prefetch says it is used there right after the
+// collective, and pinning it at the old place would copy it back there and then up again (found
+// with prefetch on under data parallelism: every gathered group's local chunk made the round trip,
+// test PinningAChunkWithAPrefetchInFlightKeepsThePrefetch).
 //
 // Note [Collective order]
 // The caller decides *when*; this class only guarantees that each call issues its collectives

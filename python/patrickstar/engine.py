@@ -91,7 +91,7 @@ class _ChunkManager:
         # in the trace the prefetcher reads, and with both a rank dies in the 2-rank tests.
         self.manager = _C.ChunkManager(tiers=tiers, copy_engine=copy_engine,
                                        world_size=world_size, rank=rank,
-                                       prefetch_moments=PREFETCH_MOMENTS if world_size == 1 else 0)
+                                       prefetch_moments=PREFETCH_MOMENTS)
         self.before_access = None  # data parallelism: gathers a remote group first
 
     def __getattr__(self, name):

@@ -254,6 +254,84 @@ TEST(GroupCollectivesSingleOwnerTest, EveryRankGathersAGroupOneRankOwnsEntirely)
   for (auto& rank : ranks) rank->collectives.reset();
 }
 
+// Note [Pinning a group for a collective]: with prefetch on, the trace of the warm-up iteration
+// says the local chunk of a group is pinned for the gather (where it was then: host) and used on
+// the device right after, so the next iteration's Tick prefetches it to the device. The gather's
+// pin must take it there, not settle the prefetch and copy it back to the host.
+TEST(GroupCollectivesPrefetchTest, PinningAChunkWithAPrefetchInFlightKeepsThePrefetch) {
+  constexpr int kWorld = 2;
+  auto world = std::make_shared<testing::FakeWorld>(kWorld);
+  std::vector<std::unique_ptr<Rank>> ranks;
+  for (int r = 0; r < kWorld; ++r) {
+    auto rank = std::make_unique<Rank>();
+    ChunkManagerOptions options;
+    options.world_size = kWorld;
+    options.rank = r;
+    options.prefetch_moments = 2;
+    rank->manager = testing::MakeManager(rank->hierarchy, options);
+    // One group of two full chunks: tensor r alone in chunk r, owned by rank r.
+    for (int t = 0; t < kWorld; ++t) {
+      ASSERT_TRUE(rank->manager->RegisterTensor(testing::Spec(absl::StrCat("w", t), {1024})).ok());
+    }
+    ASSERT_TRUE(rank->manager->BuildChunkLists(kChunkElements).ok());
+    rank->communicator = std::make_unique<testing::FakeCommunicator>(world, r);
+    rank->collectives =
+        *GroupCollectives::Create(rank->manager.get(), rank->communicator.get(), {});
+    ranks.push_back(std::move(rank));
+  }
+  std::vector<std::thread> threads;
+  for (int r = 0; r < kWorld; ++r) {
+    threads.emplace_back([&, r] {
+      ChunkManager& m = *ranks[r]->manager;
+      GroupCollectives& c = *ranks[r]->collectives;
+      const TensorId own = r;
+      const ChunkId local = (*m.tensor(own))->chunk;
+      for (TensorId t = 0; t < kWorld; ++t) {  // initialization: every rank builds everything
+        auto view = m.Access(t, TierKind::kHost);
+        ASSERT_TRUE(view.ok()) << view.status();
+        auto* data = reinterpret_cast<float*>(view->address);
+        for (int64_t i = 0; i < view->numel; ++i) data[i] = Value(t, i);
+        ASSERT_TRUE(m.Release(t, TensorState::kHold).ok());
+      }
+      ASSERT_TRUE(c.ReleaseAll(ChunkKind::kComputeParam).ok());
+      ASSERT_TRUE(m.RestartWarmup().ok());
+      for (int iteration = 0; iteration < 3; ++iteration) {
+        // The optimizer step left the local chunk on the host (evicted, or updated there).
+        ASSERT_TRUE(m.MoveChunk(local, TierKind::kHost).ok());
+        ASSERT_TRUE(m.Tick().ok());  // a module's pre-forward
+        const bool prefetching = (*m.chunk(local))->prefetch_in_flight();
+        EXPECT_EQ(prefetching, iteration > 0) << "rank " << r << " iteration " << iteration;
+        const std::vector<TierChunkStats> before = m.Stats();
+        auto gathered = c.Gather(c.Groups(ChunkKind::kComputeParam).front());
+        ASSERT_TRUE(gathered.ok()) << gathered.status();
+        ASSERT_TRUE(*gathered);
+        for (TensorId t = 0; t < kWorld; ++t) {  // the module computes on the device
+          auto view = m.Access(t, TierKind::kDevice);
+          ASSERT_TRUE(view.ok()) << view.status();
+          const auto* data = reinterpret_cast<const float*>(view->address);
+          for (int64_t i = 0; i < view->numel; ++i) {
+            ASSERT_EQ(data[i], Value(t, i)) << "rank " << r << " tensor " << t << " element " << i;
+          }
+          ASSERT_TRUE(m.Release(t, TensorState::kHoldAfterFwd).ok());
+        }
+        const std::vector<TierChunkStats> after = m.Stats();
+        if (prefetching) {
+          // The prefetched copy served the pin and the compute: nothing went back to the host,
+          // and the device received the prefetch and the remote chunk gathered on the host.
+          EXPECT_EQ(after[1].chunks_in - before[1].chunks_in, 0) << "rank " << r;
+          EXPECT_EQ(after[0].chunks_in - before[0].chunks_in, 2) << "rank " << r;
+          EXPECT_EQ(after[0].prefetch_hits - before[0].prefetch_hits, 1) << "rank " << r;
+        }
+        ASSERT_TRUE(m.SetTensorState(own, TensorState::kHold).ok());
+        ASSERT_TRUE(c.ReleaseAll(ChunkKind::kComputeParam).ok());  // the step
+        ASSERT_TRUE(m.EndIteration().ok());
+      }
+    });
+  }
+  for (std::thread& thread : threads) thread.join();
+  for (auto& rank : ranks) rank->collectives.reset();
+}
+
 TEST_P(GroupCollectivesTest, MismatchedWorldIsRefused) {
   Build({});
   testing::FakeCommunicator other(world_, 1);
