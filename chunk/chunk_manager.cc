@@ -429,15 +429,7 @@ absl::StatusOr<Block> ChunkManager::AllocateWithEviction(int tier, int64_t bytes
     }
     // A copy already leaving this tier (a started write-back, a prefetch out of it) frees its
     // source block when settled: waiting for it costs no new traffic, an eviction does.
-    Chunk* leaving = nullptr;
-    for (Chunk& chunk : chunks_) {
-      if (chunk.pending_.has_value() && chunk.tier_index_ == tier &&
-          !Contains(exclude, chunk.id_)) {
-        leaving = &chunk;
-        break;
-      }
-    }
-    if (leaving != nullptr) {
+    if (Chunk* leaving = PendingCopy(tier, exclude, /*into=*/false); leaving != nullptr) {
       PS_RETURN_IF_ERROR(FinishPrefetch(*leaving));
       continue;
     }
@@ -447,15 +439,7 @@ absl::StatusOr<Block> ChunkManager::AllocateWithEviction(int tier, int64_t bytes
       // real demand exceeds the trace's (a gather, another iteration's control flow) a pending
       // copy into this tier must not make an access fail: settle it, and it becomes an
       // evictable chunk.
-      Chunk* pending = nullptr;
-      for (Chunk& chunk : chunks_) {
-        if (chunk.pending_.has_value() && chunk.pending_->tier_index == tier &&
-            !Contains(exclude, chunk.id_)) {
-          pending = &chunk;
-          break;
-        }
-      }
-      if (pending != nullptr) {
+      if (Chunk* pending = PendingCopy(tier, exclude, /*into=*/true); pending != nullptr) {
         PS_RETURN_IF_ERROR(FinishPrefetch(*pending));
         continue;
       }
@@ -472,6 +456,16 @@ absl::StatusOr<Block> ChunkManager::AllocateWithEviction(int tier, int64_t bytes
     }
     PS_RETURN_IF_ERROR(Evict(*victim, exclude));
   }
+}
+
+Chunk* ChunkManager::PendingCopy(int tier, absl::Span<const ChunkId> exclude, bool into) {
+  for (Chunk& chunk : chunks_) {
+    if (chunk.pending_.has_value() && !Contains(exclude, chunk.id_) &&
+        (into ? chunk.pending_->tier_index : chunk.tier_index_) == tier) {
+      return &chunk;
+    }
+  }
+  return nullptr;
 }
 
 absl::Status ChunkManager::MoveTo(Chunk& chunk, int tier, absl::Span<const ChunkId> exclude) {

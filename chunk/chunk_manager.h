@@ -238,6 +238,8 @@ class ChunkManager {
                                              absl::Span<const ChunkId> exclude,
                                              absl::string_view purpose);
   Chunk* ChooseVictim(int tier, absl::Span<const ChunkId> exclude);
+  // A chunk outside `exclude` with a copy in flight into `tier` (`into`) or out of it.
+  Chunk* PendingCopy(int tier, absl::Span<const ChunkId> exclude, bool into);
   absl::Status Evict(Chunk& victim, absl::Span<const ChunkId> exclude);
   // Copies the payload to `tier` (synchronously) and frees the old block.
   absl::Status MoveTo(Chunk& chunk, int tier, absl::Span<const ChunkId> exclude);

@@ -113,6 +113,8 @@ class ParallelConfig:
     collective_timeout: float = 300.0
     memory_saving: bool = False
     reduce_scatter: str = "ring"
+    # Pipeline parallelism (pipe/): "1f1b" or "gpipe".
+    schedule: str = "1f1b"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -312,13 +314,18 @@ def _parse_profile(raw: Any) -> ProfileConfig:
 def _parse_parallel(raw: Any) -> ParallelConfig:
     section = _section("parallel", raw)
     _check_keys("parallel", section, {"data", "pipeline", "tensor", "collective_timeout",
-                                      "memory_saving", "reduce_scatter"})
+                                      "memory_saving", "reduce_scatter", "schedule"})
     data = section.get("data")
     reduce_scatter = section.get("reduce_scatter", "ring")
     if reduce_scatter not in ("ring", "native", "allreduce"):
         raise ValueError(f"config key 'parallel.reduce_scatter': expected 'ring', 'native' or "
                          f"'allreduce', got {reduce_scatter!r}")
+    schedule = section.get("schedule", "1f1b")
+    if not isinstance(schedule, str) or schedule.lower() not in ("1f1b", "gpipe"):
+        raise ValueError(f"config key 'parallel.schedule': expected '1f1b' or 'gpipe', got "
+                         f"{schedule!r}")
     return ParallelConfig(
+        schedule=schedule.lower(),
         collective_timeout=_number("parallel.collective_timeout",
                                    section.get("collective_timeout", 300.0), minimum=0,
                                    strict=True),

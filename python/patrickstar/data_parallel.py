@@ -8,6 +8,8 @@ momentum / variance chunks of its own chunks only, updates only those, and sees 
 parameters only while a gathered copy lives between an allgather and the next optimizer step.
 The collectives run in C++ (`patrickstar._C.GroupCollectives` over a `Communicator`: the
 torch.distributed process group's gloo or NCCL), one per chunk group, never one per tensor.
+With pipeline stages or tensor slices (topology.py) all of this runs within the data group, the
+ranks with the same pipe and tensor coordinates; "rank" and "world" below mean that group.
 
 Note [A data-independent collective schedule]
 A collective needs every rank at the same point of the same sequence, so the sequence must not
@@ -25,7 +27,7 @@ group collectives therefore follow a fixed order and only their *timing* follows
     communicator's own thread, as soon as every trainable tensor of g and of all groups after it
     in that order got its gradient, so it overlaps the rest of backward; groups whose tensors
     did not all get a gradient on this rank (an unused branch) are started when backward ends.
-    All are awaited before backward returns. Gradients are averaged over the world.
+    All are awaited before backward returns. Gradients are averaged over the (data) world.
   * after that, one all-reduce of each parameter's has-gradient flag, and at the optimizer step
     one all-reduce of the squared gradient norm and overflow flag (when clipping or fp16 need
     them): a parameter without a gradient on every rank is skipped as torch would skip it.
@@ -35,13 +37,10 @@ the optimizer state, master weights and (after the reduce-scatter) gradients are
 """
 from __future__ import annotations
 
-import datetime
-import os
-
 import torch
 import torch.distributed as dist
 
-from . import _C
+from . import _C, topology
 
 __all__ = ["DataParallel", "detect_world"]
 
@@ -49,40 +48,32 @@ K = _C.ChunkKind
 S = _C.TensorState
 
 
-def detect_world(config) -> tuple[int, int]:
-    """(world_size, rank) for the engine: 1, 0 without torch.distributed. Initializes the
-    default process group from torchrun's environment when the script did not."""
+def detect_world(config) -> tuple[int, int, object]:
+    """(size, rank, group) of this rank's data-parallel group: (1, 0, None) without
+    torch.distributed. The group is the ranks with the same pipeline and tensor coordinates
+    (topology.py), the whole world without pipeline or tensor parallelism; the default process
+    group is initialized from torchrun's environment when the script did not."""
     parallel = config.parallel
-    if parallel.pipeline != 1 or parallel.tensor != 1:
-        raise NotImplementedError("parallel.pipeline and parallel.tensor must be 1: only data "
-                                  "parallelism is implemented")
-    if not dist.is_available():
-        world, rank = 1, 0
-    else:
-        if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
-            dist.init_process_group(backend, timeout=datetime.timedelta(
-                seconds=parallel.collective_timeout))
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        rank = dist.get_rank() if dist.is_initialized() else 0
-    if parallel.data is not None and parallel.data != world:
-        raise ValueError(f"config key 'parallel.data': {parallel.data} data-parallel ranks "
-                         f"asked for, but torch.distributed has a world of {world} (launch with "
-                         f"torchrun --nproc_per_node={parallel.data}, or leave the key out)")
-    return world, rank
+    groups = topology.initialize_parallel(parallel)
+    if groups.data_size == 1:
+        return 1, 0, None
+    return groups.data_size, groups.coord.data, groups.data_group
 
 
 class DataParallel:
     """The engine's data-parallel side; every method is a no-op for a world of one."""
 
-    def __init__(self, config, world_size: int, rank: int):
+    def __init__(self, config, world_size: int, rank: int, group=None):
         self.world_size = world_size
+        self.group = group  # None: the default group (WORLD)
         self.rank = rank
         self.enabled = world_size > 1
         self.config = config
         self.timeout = float(config.parallel.collective_timeout)
         self._engine = None
         self.early_reduce_scatters = 0  # started while backward was still running
+        # Pipeline stages / tensor slices: the norm and overflow flag span the model group too.
+        self.model_parallel: topology.ModelParallelGradStats | None = None
 
     # ---- Construction --------------------------------------------------------------------------
 
@@ -99,11 +90,15 @@ class DataParallel:
         """After the chunk lists are built: agree on the layout, check ownership, create the
         communicator. A rank whose layout differs fails here on every rank, with both hashes."""
         self._engine = engine
+        groups = topology.current()
+        if groups is not None and groups.pipe_size * groups.tensor_size > 1:
+            self.model_parallel = topology.ModelParallelGradStats(engine, groups)
         if not self.enabled:
             return
         manager = engine.chunks.manager
         hashes = [None] * self.world_size
-        dist.all_gather_object(hashes, (int(manager.layout_hash), engine.layout["num_chunks"]))
+        dist.all_gather_object(hashes, (int(manager.layout_hash), engine.layout["num_chunks"]),
+                               group=self.group)
         if len(set(hashes)) != 1:
             raise RuntimeError(
                 "data parallel: the chunk layouts differ between ranks (layout hash, chunks per "
@@ -122,7 +117,7 @@ class DataParallel:
                 raise RuntimeError(f"data parallel: parameter '{engine._names[index]}' has its "
                                    "chunks on different ranks (layout bug)")
         parallel = self.config.parallel
-        group = dist.group.WORLD
+        group = dist.group.WORLD if self.group is None else self.group
         self.communicator = _C.process_group_communicator(
             group.group_name, reduce_scatter=parallel.reduce_scatter, timeout_s=self.timeout)
         self.collectives = _C.GroupCollectives(
@@ -238,13 +233,19 @@ class DataParallel:
         self._reset_backward()
 
     def all_reduce_grad_stats(self, overflow: bool, squared: float) -> tuple[bool, float]:
-        """Sums the squared norms of the owned gradients and ORs the overflow flags."""
-        if not self.enabled:
-            return overflow, squared
-        stats = torch.tensor([squared, 1.0 if overflow else 0.0], dtype=torch.float32)
-        self.communicator.all_reduce(stats, op="sum", label="gradient norm and overflow").wait(
-            self.timeout)
-        return stats[1].item() > 0, float(stats[0].item())
+        """Sums the squared norms of the owned gradients and ORs the overflow flags (over the
+        model group too with pipeline stages or tensor slices: topology.py's Note [Gradient
+        norm over stages and slices])."""
+        if self.model_parallel is not None:
+            squared -= self.model_parallel.local_duplicate_squares()
+        if self.enabled:
+            stats = torch.tensor([squared, 1.0 if overflow else 0.0], dtype=torch.float32)
+            self.communicator.all_reduce(stats, op="sum", label="gradient norm and overflow"
+                                         ).wait(self.timeout)
+            overflow, squared = stats[1].item() > 0, float(stats[0].item())
+        if self.model_parallel is not None:
+            overflow, squared = self.model_parallel.all_reduce(overflow, squared)
+        return overflow, squared
 
     def after_step(self) -> None:
         """The parameters changed: every rank drops its gathered copies."""

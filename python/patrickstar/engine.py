@@ -197,10 +197,11 @@ class PatrickStarEngine(nn.Module):
         self._iteration = 0
         self._warmup_done = False
 
+        # Before the model is built: tensor-parallel layers size their slices by the groups.
+        self._dp = DataParallel(config, *detect_world(config))
         specs, survives = plan_parameters(model_func)
         if not specs:
             raise ValueError("model_func built a module without parameters; nothing to train")
-        self._dp = DataParallel(config, *detect_world(config))
         self._build_runtime(specs)
 
         self._init_views: dict[int, int] = {}
@@ -415,8 +416,20 @@ class PatrickStarEngine(nn.Module):
         if not self._guard.before_backward(loss, self.precision):
             return
         scale = self.loss_scaler.scale / self.config.gradient_accumulation_steps
+        self._run_backward([loss.float() * scale], None)
+
+    def backward_from(self, tensors, grads) -> None:
+        """Backward from non-scalar `tensors` given their gradients: a pipeline stage other
+        than the last (pipe/engine.py), whose received gradients already carry the loss scale
+        and 1/gradient_accumulation_steps. Counts as one `backward()` call."""
+        if not self._guard.before_backward(torch.zeros(()), self.precision):
+            return
+        self._run_backward(tensors, grads)
+
+    def _run_backward(self, tensors, grads) -> None:
         try:
-            (loss.float() * scale).backward()
+            if tensors:
+                torch.autograd.backward(tensors, grads)
         finally:
             # Modules whose inputs need no grad never see their post-backward hook.
             self._release_all(S.HOLD_AFTER_BWD)
@@ -737,9 +750,16 @@ def initialize(model_func: Callable[[], nn.Module], config=None, local_rank: int
                param_groups=None):
     """Builds `model_func()` on the chunk runtime and returns `(model, optimizer)`.
 
+    `model_func` may also be a `patrickstar.pipe.PipelineModule`: each rank then builds only its
+    pipeline stage and gets a `PipelineEngine` (train with `engine.train_batch(data_iter)`).
     `config` is a dict or a path to a JSON file (see `patrickstar.config`); `param_groups`
     optionally splits the parameters into groups with their own `lr` / `weight_decay`, either as
     torch.optim's list of dicts or as a callable taking the built module and returning one."""
+    from .pipe import PipelineModule  # pipe/ imports this module
+    if isinstance(model_func, PipelineModule):  # one engine per stage (pipe/engine.py)
+        from .pipe.engine import PipelineEngine
+        engine = PipelineEngine(model_func, config, local_rank, param_groups)
+        return engine, engine.optimizer
     if not callable(model_func) or isinstance(model_func, nn.Module):
         raise TypeError("initialize(model_func, ...): model_func must be a callable that builds "
                         "and returns the model (e.g. a class or a lambda), not "

@@ -135,18 +135,25 @@ TEST_F(StartedMoveTest, FailedWriteBackKeepsTheBytesInMemory) {
   ExpectFilled(*manager_, 0, TierKind::kHost, 7.0f);
 }
 
+// A parameter with its two Adam state tensors, one chunk each, over `hierarchy`.
+std::unique_ptr<ChunkManager> ParamAndStateManager(const testing::Hierarchy& hierarchy) {
+  auto manager = testing::MakeManager(hierarchy);
+  if (manager == nullptr) return nullptr;
+  EXPECT_TRUE(manager->RegisterTensor(Spec("param", {kElements})).ok());
+  EXPECT_TRUE(manager->RegisterTensor(Spec("momentum", {kElements}, ChunkKind::kMomentum)).ok());
+  EXPECT_TRUE(manager->RegisterTensor(Spec("variance", {kElements}, ChunkKind::kVariance)).ok());
+  EXPECT_TRUE(manager->BuildChunkLists(kElements).ok());
+  return manager;
+}
+
 // Note [Spill order]: while warming up, optimizer state leaves the host for NVMe before a
 // compute parameter, even one used less recently.
 TEST(SpillOrderTest, OptimizerStateSpillsBeforeComputeParams) {
   testing::TempDir dir;
   testing::Hierarchy hierarchy = testing::MakeHierarchy(0, 2 * kChunkBytes, kChunkBytes,
                                                         &dir.path());
-  auto manager = testing::MakeManager(hierarchy);
+  auto manager = ParamAndStateManager(hierarchy);
   ASSERT_NE(manager, nullptr);
-  ASSERT_TRUE(manager->RegisterTensor(Spec("param", {kElements})).ok());
-  ASSERT_TRUE(manager->RegisterTensor(Spec("momentum", {kElements}, ChunkKind::kMomentum)).ok());
-  ASSERT_TRUE(manager->RegisterTensor(Spec("variance", {kElements}, ChunkKind::kVariance)).ok());
-  ASSERT_TRUE(manager->BuildChunkLists(kElements).ok());
   const TensorId param = *manager->FindTensor("param");
   const TensorId momentum = *manager->FindTensor("momentum");
   const TensorId variance = *manager->FindTensor("variance");
@@ -163,12 +170,8 @@ TEST(SpillOrderTest, OptimizerStateSpillsBeforeComputeParams) {
 // Between two memory tiers the kind plays no part: plain LRU while warming up.
 TEST(SpillOrderTest, DeviceToHostEvictionIsPlainLru) {
   testing::Hierarchy hierarchy = testing::MakeHierarchy(2 * kChunkBytes, 0, kChunkBytes);
-  auto manager = testing::MakeManager(hierarchy);
+  auto manager = ParamAndStateManager(hierarchy);
   ASSERT_NE(manager, nullptr);
-  ASSERT_TRUE(manager->RegisterTensor(Spec("param", {kElements})).ok());
-  ASSERT_TRUE(manager->RegisterTensor(Spec("momentum", {kElements}, ChunkKind::kMomentum)).ok());
-  ASSERT_TRUE(manager->RegisterTensor(Spec("variance", {kElements}, ChunkKind::kVariance)).ok());
-  ASSERT_TRUE(manager->BuildChunkLists(kElements).ok());
   Fill(*manager, 0, TierKind::kDevice, 1.0f);
   Fill(*manager, 1, TierKind::kDevice, 2.0f);
   Fill(*manager, 2, TierKind::kDevice, 3.0f);

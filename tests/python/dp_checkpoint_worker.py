@@ -90,14 +90,26 @@ def _seed_rank(rank: int, base: int) -> None:
     numpy.random.seed(base + rank)
 
 
-def resume(precision: str, out: str, rank: int, world: int) -> dict:
-    """Train STEPS, save, train STEPS more; a fresh engine loads and trains the same STEPS."""
-    save_dir = os.path.join(out, f"resume_{precision}")
+def resume(precision: str, out: str, rank: int, world: int, nvme: bool = False) -> dict:
+    """Train STEPS, save, train STEPS more; a fresh engine loads and trains the same STEPS.
+    `nvme`: tight device and host budgets over an NVMe tier, so every save and load reads
+    chunks from the swap file (rank r's own directory)."""
+    name = f"resume_{precision}" + ("_nvme" if nvme else "")
+    save_dir = os.path.join(out, name)
     data = [shard(batch, rank, world) for batch in batches(2 * STEPS)]
-    model, opt = make(dp_config(precision))
+    extra = {}
+    if nvme:
+        nvme_dir = os.path.join(out, f"nvme_rank{rank}")
+        os.makedirs(nvme_dir, exist_ok=True)
+        # 16 KiB chunks: device 4 (2 gathered pairs) and host 4 of them; the rest lives on NVMe.
+        extra["memory"] = {"device_budget": 4 * 16384, "host_budget": 4 * 16384,
+                           "nvme": {"path": nvme_dir}}
+    model, opt = make(dp_config(precision, **extra))
     _seed_rank(rank, 100)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.5)
     train(model, opt, data[:STEPS], sched)
+    nvme_bytes = sum(tier["chunk_bytes"] for tier in model.memory_stats()
+                     if tier["kind"] == "nvme")
     assert model.save_checkpoint(save_dir, tag="t", client_state={"rank": rank},
                                  lr_scheduler=sched)
     at_save = {k: v.clone() for k, v in model.state_dict().items()}
@@ -105,14 +117,15 @@ def resume(precision: str, out: str, rank: int, world: int) -> dict:
     expected = capture(model, opt)
     model.destroy()
 
-    other, other_opt = make(dp_config(precision), seed=123)
+    other, other_opt = make(dp_config(precision, **extra), seed=123)
     other_sched = torch.optim.lr_scheduler.StepLR(other_opt, step_size=4, gamma=0.5)
     _seed_rank(rank, 999)
     path, client_state = other.load_checkpoint(save_dir, lr_scheduler=other_sched)
     resumed = train(other, other_opt, data[STEPS:], other_sched)
     return {"losses": losses, "resumed": resumed, "expected": expected,
             "actual": capture(other, other_opt), "path": path, "client_state": client_state,
-            "at_save": at_save, "buffers": {k: v for k, v in at_save.items() if "norm" in k},
+            "at_save": at_save, "nvme_bytes": nvme_bytes,
+            "buffers": {k: v for k, v in at_save.items() if "norm" in k},
             "listing": sorted(os.listdir(save_dir)),
             "files": sorted(os.listdir(os.path.join(save_dir, "t")))}
 
@@ -218,6 +231,7 @@ SCENARIOS = {
     "resume_fp32": lambda *a: resume("fp32", *a),
     "resume_bf16": lambda *a: resume("bf16", *a),
     "resume_fp16": lambda *a: resume("fp16", *a),
+    "resume_fp32_nvme": lambda *a: resume("fp32", *a, nvme=True),
     "reshard_2to1": reshard_2to1,
     "reshard_1to2": reshard_1to2,
     "consolidate_gpt": consolidate_gpt,

@@ -80,9 +80,18 @@ def main() -> None:
             for name in what:
                 results[name] = train(name, rank, world)
     except Exception as error:  # the test inspects it
-        results["error"] = f"{type(error).__name__}: {error}"
-        results["error_type"] = type(error).__name__
-        results["traceback"] = traceback.format_exc()
+        results.update(error_result(error))
+    save_and_exit(out, rank, results)
+
+
+def error_result(error) -> dict:
+    """What a test inspects of an error raised on a rank (call inside the except block)."""
+    return {"error": f"{type(error).__name__}: {error}", "error_type": type(error).__name__,
+            "traceback": traceback.format_exc()}
+
+
+def save_and_exit(out: str, rank: int, results: dict) -> None:
+    """Writes OUT/rank<r>.pt and leaves at once (os._exit: a dead peer cannot hold up exit)."""
     torch.save(results, os.path.join(out, f"rank{rank}.pt"))
     sys.stdout.flush()
     sys.stderr.flush()

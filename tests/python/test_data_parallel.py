@@ -27,20 +27,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(tmp_path, world: int, *args: str, torchrun: bool = False) -> list[dict]:
-    """Runs dp_worker.py on `world` ranks; returns each rank's results."""
+def launch(tmp_path, world: int, *args: str, torchrun: bool = False,
+           worker: str = WORKER) -> list[dict]:
+    """Runs `worker` (dp_worker.py) on `world` ranks; returns each rank's results."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=HERE + os.pathsep
                + os.environ.get("PYTHONPATH", ""))
     port = str(free_port())
     if torchrun:
         procs = [subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}",
-             "--master_addr=127.0.0.1", f"--master_port={port}", WORKER, str(tmp_path), *args],
+             "--master_addr=127.0.0.1", f"--master_port={port}", worker, str(tmp_path), *args],
             env=env)]
     else:
-        procs = [subprocess.Popen([sys.executable, WORKER, str(tmp_path), *args], env=dict(
+        procs = [subprocess.Popen([sys.executable, worker, str(tmp_path), *args], env=dict(
             env, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world),
             MASTER_ADDR="127.0.0.1", MASTER_PORT=port)) for r in range(world)]
+    finish(procs)
+    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False)
+            if (tmp_path / f"rank{r}.pt").exists() else {} for r in range(world)]
+
+
+def finish(procs) -> list[int]:
+    """Waits for every process (killing what outlives LAUNCH_TIMEOUT); their exit codes."""
     try:
         for proc in procs:
             proc.wait(timeout=LAUNCH_TIMEOUT)
@@ -48,8 +56,8 @@ def launch(tmp_path, world: int, *args: str, torchrun: bool = False) -> list[dic
         for proc in procs:
             if proc.poll() is None:
                 proc.kill()
-    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False)
-            if (tmp_path / f"rank{r}.pt").exists() else {} for r in range(world)]
+                proc.wait()
+    return [proc.returncode for proc in procs]
 
 
 def check_no_errors(results):

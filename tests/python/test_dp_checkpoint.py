@@ -20,12 +20,12 @@ from patrickstar.checkpoint import CheckpointError, CheckpointReader, read_meta
 from patrickstar.consolidate import main as consolidate_main
 from patrickstar.examples.gpt import GPT
 from test_checkpoint import assert_identical, train
-from test_data_parallel import HERE, LAUNCH_TIMEOUT, check_no_errors, free_port, launch
+from test_data_parallel import HERE, check_no_errors, finish, free_port, launch
 from test_initialize import MLP, gpt_config, mlp_batches
 
 CHECKPOINT_WORKER = os.path.join(HERE, "dp_checkpoint_worker.py")
-SCENARIOS = ["resume_fp32", "resume_bf16", "resume_fp16", "reshard_2to1", "reshard_1to2",
-             "consolidate_gpt", "errors"]
+SCENARIOS = ["resume_fp32", "resume_bf16", "resume_fp16", "resume_fp32_nvme", "reshard_2to1",
+             "reshard_1to2", "consolidate_gpt", "errors"]
 
 
 @pytest.fixture(scope="module")
@@ -65,11 +65,13 @@ def _assert_close_runs(losses, ref_losses, state, ref_state):
         torch.testing.assert_close(state[key], ref_state[key], rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16", "fp32_nvme"])
 def test_two_ranks_resume_bit_for_bit(runs, precision):
+    """fp32_nvme: tight budgets over each rank's NVMe tier (state read from disk on save)."""
     out, _, results = runs
     name = f"resume_{precision}"
     for rank, result in enumerate(r[name] for r in results):
+        assert (result["nvme_bytes"] > 0) == precision.endswith("nvme"), result["nvme_bytes"]
         assert result["losses"] == result["resumed"], rank  # bit for bit, on every rank
         assert_identical(result["expected"], result["actual"])
         assert result["client_state"] == {"rank": rank}  # each rank's own extra file
@@ -89,7 +91,8 @@ def test_two_ranks_resume_bit_for_bit(runs, precision):
     with CheckpointReader(str(out / name)) as reader:
         tensors = [{k for k in reader.by_rank[r] if k[1] != "buffer"} for r in (0, 1)]
         assert tensors[0] and tensors[1] and not tensors[0] & tensors[1]
-        kinds = {"param", "exp_avg", "exp_avg_sq"} | ({"master"} if precision != "fp32" else set())
+        kinds = {"param", "exp_avg", "exp_avg_sq"} | (
+            {"master"} if not precision.startswith("fp32") else set())
         assert tensors[0] | tensors[1] == {(t["name"], kind) for t in meta["tensors"]
                                            for kind in kinds}
         assert all((k, "buffer") in reader.by_rank[r] for r in (0, 1) for k in first["buffers"])
@@ -180,18 +183,6 @@ def _spawn(save_dir, *args, world=2):
             for r in range(world)]
 
 
-def _finish(procs) -> list[int]:
-    try:
-        for proc in procs:
-            proc.wait(timeout=LAUNCH_TIMEOUT)
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    return [proc.returncode for proc in procs]
-
-
 def _load_latest(save_dir):
     """The latest checkpoint on one rank (resharding the 2-rank checkpoint)."""
     model, _ = _initialize(MLP, mlp_config(), seed=4)
@@ -217,7 +208,7 @@ def test_sigkill_at_random_moments_of_two_rank_saves_never_breaks_latest(tmp_pat
         for victim in victims:
             procs[victim].send_signal(signal.SIGKILL)
         # A survivor sees its peer's connection close at its next gather and raises.
-        codes = _finish(procs)
+        codes = finish(procs)
         assert [codes[v] for v in victims] == [-signal.SIGKILL] * len(victims)
         for survivor in set(range(2)) - set(victims):
             assert codes[survivor] == 0
@@ -240,7 +231,7 @@ def test_sigkill_of_one_rank_at_every_stage_of_a_two_rank_save(tmp_path):
         save_dir = tmp_path / f"{point}-{victim}" / "ckpt"
         runs[(victim, point)] = (save_dir, _spawn(save_dir, "two", str(victim), point))
     for (victim, point), (save_dir, procs) in runs.items():
-        codes = _finish(procs)
+        codes = finish(procs)
         assert codes[victim] == -signal.SIGKILL, point
         survivor = 1 - victim
         result = torch.load(save_dir.parent / f"rank{survivor}.pt", weights_only=False)

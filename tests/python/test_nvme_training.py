@@ -17,6 +17,8 @@ from torch import nn
 
 import patrickstar
 
+from test_checkpoint import train as checkpoint_train
+
 CHUNK = 4096  # elements: 16 KiB fp32 chunks
 
 
@@ -47,14 +49,8 @@ def make(config, model_func=DeepMLP):
 
 
 def train(model, opt, data):
-    losses = []
-    for x, y in data:
-        loss = model(x, y)
-        model.backward(loss)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.detach().clone())
-    return losses
+    """Per-step losses as tensors (compared bit for bit)."""
+    return [torch.tensor(loss) for loss in checkpoint_train(model, opt, data)]
 
 
 def config(precision="fp32", **memory):
@@ -192,6 +188,7 @@ def _nvme_reads_and_writes(model) -> tuple[int, int]:
 @pytest.mark.parametrize("site, spec, error", [
     ("write", "nvme_write:after={n}:errno=28", errno.ENOSPC),
     ("write", "nvme_write:after={n}", errno.EIO),
+    ("write", "nvme_write:after={n}:errno=13", errno.EACCES),
     ("write", "nvme_write:after={n}:short=1", None),
     ("read", "nvme_read:after={n}", errno.EIO),
     ("read", "nvme_read:after={n}:short=1", None),

@@ -1,11 +1,14 @@
 """The largest model: a GPT whose fp32 master weights + Adam state are at least twice this
 machine's RAM, trained a few steps with that state on NVMe (issue 7).
 
-bf16 training: compute weights and gradients (2 bytes each) live on the (emulated, on a CPU-only
-machine) device and host tiers within their budgets, spilling to NVMe when those are full; the
-fp32 masters, momentum and variance (12 bytes a parameter) live on NVMe and stream through host
-memory in the optimizer sweep. Reports parameters, state / RAM, per-step time, loss, bytes moved
-per step per tier, peak RSS, and writes JSON (bench-results/largest_model.json).
+fp32 training by default (the fp32 weights are the master copy): weights and gradients move
+between the (emulated, on a CPU-only machine) device and host tiers and NVMe within the budgets;
+momentum and variance live on NVMe and stream through host memory in the optimizer sweep. bf16
+(`--precision bf16`: 16-bit weights and gradients, fp32 masters) needs far less traffic, but
+torch's CPU GEMM for bf16 falls back to a generic kernel on CPUs without AVX512-BF16/AMX (this
+VM's), about 100x slower than fp32 here, so fp32 is the practical choice on this machine.
+Reports parameters, state / RAM, per-step time, loss, bytes moved per step per tier, peak RSS,
+and writes JSON (bench-results/largest_model.json).
 
     tools/bench/largest_model.py --nvme DIR                  # the full run (several minutes)
     tools/bench/largest_model.py --nvme DIR --quick          # a small smoke run
@@ -57,12 +60,13 @@ def main() -> int:
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--layers", type=int, default=22)
     parser.add_argument("--vocab", type=int, default=8192)
-    parser.add_argument("--seq", type=int, default=16)
+    parser.add_argument("--seq", type=int, default=8)
     parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--device-budget", default="6GiB")
     parser.add_argument("--host-budget", default="8GiB")
     parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
     parser.add_argument("--quick", action="store_true", help="a small model, 3 steps")
     parser.add_argument("--json", default="bench-results/largest_model.json")
     args = parser.parse_args()
@@ -76,14 +80,14 @@ def main() -> int:
     ram = ram_bytes()
     # One chunk holds the largest weight (the MLP's 4h x h), so no tensor is oversize.
     chunk = 4 * args.hidden * args.hidden
-    config = {"default_chunk_size": chunk, "bf16": {"enabled": True},
+    config = {"default_chunk_size": chunk, "bf16": {"enabled": args.precision == "bf16"},
               "optimizer": {"type": "AdamW", "params": {"lr": args.lr, "weight_decay": 0.0}},
               "memory": {"device_budget": args.device_budget, "host_budget": args.host_budget,
                          "nvme": {"path": args.nvme}}}
-    print(f"GPT: {params / 1e9:.2f} B parameters ({args.layers} x {args.hidden}), fp32 master + "
-          f"Adam state {state_bytes / GiB:.1f} GiB = {state_bytes / ram:.2f} x RAM "
-          f"({ram / GiB:.1f} GiB); budgets device {args.device_budget}, host "
-          f"{args.host_budget}, NVMe {args.nvme}", flush=True)
+    print(f"GPT: {params / 1e9:.2f} B parameters ({args.layers} x {args.hidden}, "
+          f"{args.precision}), fp32 master + Adam state {state_bytes / GiB:.1f} GiB = "
+          f"{state_bytes / ram:.2f} x RAM ({ram / GiB:.1f} GiB); budgets device "
+          f"{args.device_budget}, host {args.host_budget}, NVMe {args.nvme}", flush=True)
     started = time.perf_counter()
     torch.manual_seed(0)
     with warnings.catch_warnings():
@@ -129,7 +133,8 @@ def main() -> int:
         "state_over_ram": state_bytes / ram,
         "budgets": {"device": parse_bytes(args.device_budget, "device"),
                     "host": parse_bytes(args.host_budget, "host")},
-        "init_seconds": init_seconds, "steps": steps, "loss_finite": finite,
+        "precision": args.precision, "init_seconds": init_seconds, "steps": steps,
+        "loss_finite": finite,
         "loss_decreasing": decreasing, "peak_rss_bytes": peak_rss_bytes(), "tier_stats": stats,
     })
     return 0 if finite and decreasing else 1

@@ -82,6 +82,10 @@ def raw_io(directory: str, chunks: int, chunk_bytes: int, repeats: int) -> tuple
                 best_write = min(best_write, elapsed)
             else:
                 best_read = min(best_read, elapsed)
+    for block in blocks:
+        host.free(block)
+    for slot in slots:
+        nvme.free(slot)
     return best_write, best_read
 
 

@@ -1,0 +1,138 @@
+"""One rank of a pipeline / tensor-parallel test run (launched by test_parallelism.py).
+
+    parallel_worker.py OUT_DIR SCENARIO [SCENARIO...]   train scenarios of parallel_scenarios.py
+    parallel_worker.py OUT_DIR --mismatch    stage 1 has another accumulation count, then other
+                                             sizes than stage 0
+    parallel_worker.py OUT_DIR --kill        stage 1 dies after initialize()
+    parallel_worker.py OUT_DIR --stall       stage 1 stays alive but sends nothing for 6 s
+
+Writes OUT_DIR/rank<r>.pt with each scenario's losses and full state dict (or the errors), then
+leaves with os._exit so a dead peer cannot hold up interpreter exit.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import torch
+from torch import nn
+
+import patrickstar
+from patrickstar import tensor_parallel, topology
+from patrickstar.examples.gpt_parallel import ParallelGPT, gpt_pipeline
+from patrickstar.pipe import LayerSpec, PipelineModule
+from dp_worker import error_result, save_and_exit
+from parallel_scenarios import SCENARIOS, PipeMLP, gpt_config, shard
+
+
+def train(name: str) -> dict:
+    s = SCENARIOS[name]
+    torch.manual_seed(0)
+    if s.kind == "pipe":
+        engine, _ = patrickstar.initialize(s.pipeline(), config=s.config())
+        model = engine.engine
+    else:
+        engine, optimizer = patrickstar.initialize(lambda: ParallelGPT(gpt_config()),
+                                                   config=s.config())
+        model = engine
+    groups = topology.current()
+    data_rank = groups.coord.data
+    batches = (shard(batch, data_rank, s.data) for batch in s.micro_batches())
+    losses = []
+    for _ in range(s.steps):
+        if s.kind == "pipe":
+            losses.append(engine.train_batch(batches).item())
+            continue
+        step = []
+        for _ in range(s.accumulation):
+            loss = engine(*next(batches))
+            engine.backward(loss)
+            step.append(loss.detach())
+        optimizer.step()
+        optimizer.zero_grad()
+        # The replica's loss is the same on both tensor ranks; average over the data group.
+        mean = torch.stack(step).mean()
+        if s.data > 1:
+            torch.distributed.all_reduce(mean, group=groups.data_group)
+            mean /= s.data
+        losses.append(mean.item())
+    result = {"losses": losses, "stats": model.memory_stats(), "coord": tuple(groups.coord),
+              "skipped_steps": model.optimizer.skipped_steps}
+    if s.kind == "pipe":
+        result["eval"] = engine.eval_batch(
+            shard(b, data_rank, s.data) for b in s.micro_batches()).item()
+        result["layers"] = engine.layer_range
+    state = model.state_dict()
+    result["local_elements"] = sum(t.numel() for t in state.values())
+    result["state"] = tensor_parallel.gather_full_state_dict(model.module, state)
+    model.destroy()
+    return result
+
+
+def mismatch(rank: int) -> dict:
+    results = {}
+    # (0) The stages count micro batches differently: refused at initialize() on every rank.
+    try:
+        patrickstar.initialize(gpt_pipeline(gpt_config()), config={
+            "default_chunk_size": 8192, "gradient_accumulation_steps": 2 + rank,
+            "parallel": {"pipeline": 2, "collective_timeout": 5}})
+    except Exception as error:  # noqa: BLE001
+        results["agreement"] = error_result(error)
+    # (a) The tied embedding has another width on stage 1: refused at initialize().
+    try:
+        hidden = 32 if rank == 0 else 48
+        patrickstar.initialize(gpt_pipeline(gpt_config(hidden)), config={
+            "default_chunk_size": 8192, "parallel": {"pipeline": 2, "collective_timeout": 5}})
+    except Exception as error:  # noqa: BLE001 (the test inspects it)
+        results["tied"] = error_result(error)
+    # (b) Stage 1's first layer expects 48 features, stage 0 sends 32.
+    widths = [(16, 32), (32, 8)] if rank == 0 else [(16, 32), (48, 8)]
+    pipe = PipelineModule([LayerSpec(PipeMLP, *w) for w in widths], partition_method="uniform",
+                          loss_fn=nn.functional.cross_entropy)
+    try:
+        engine, _ = patrickstar.initialize(pipe, config={
+            "default_chunk_size": 4096, "parallel": {"pipeline": 2, "collective_timeout": 5}})
+        engine.train_batch(iter([(torch.randn(4, 16), torch.randint(0, 8, (4,)))]))
+    except Exception as error:  # noqa: BLE001
+        results["activation"] = error_result(error)
+    return results
+
+
+def peer_failure(rank: int, mode: str) -> dict:
+    pipe = gpt_pipeline(gpt_config(), seed_layers=True)
+    engine, _ = patrickstar.initialize(pipe, config={
+        "default_chunk_size": 8192, "gradient_accumulation_steps": 2,
+        "parallel": {"pipeline": 2, "collective_timeout": 2}})
+    if rank == 1:
+        if mode == "--stall":
+            time.sleep(6)
+        os._exit(0)
+    batches = SCENARIOS["pp_1f1b"].micro_batches()
+    start = time.monotonic()
+    try:
+        engine.train_batch(batches)
+        return {}
+    except Exception as error:  # noqa: BLE001
+        return dict(error_result(error), elapsed=time.monotonic() - start)
+
+
+def main() -> None:
+    out, what = sys.argv[1], sys.argv[2:]
+    rank = int(os.environ["RANK"])
+    results = {}
+    try:
+        if what == ["--mismatch"]:
+            results = mismatch(rank)
+        elif what in (["--kill"], ["--stall"]):
+            results = peer_failure(rank, what[0])
+        else:
+            for name in what:
+                results[name] = train(name)
+    except Exception as error:  # noqa: BLE001
+        results.update(error_result(error))
+    save_and_exit(out, rank, results)
+
+
+if __name__ == "__main__":
+    main()
