@@ -212,6 +212,119 @@ TEST_P(GroupCollectivesTest, ARankThatNeverComesIsADeadlineNamingTheCollective) 
   EXPECT_THAT(gathered.status().message(), HasSubstr("on fake"));
 }
 
+// Note [Started gathers]: starting is only timing. Even ranks start every group's gather ahead
+// and then gather them in order; odd ranks gather synchronously: the collectives still pair up
+// (one per group, issued in the same order everywhere) and bring back the owners' bytes. While
+// a gather is in flight its group's chunks with data are pinned, and starting it again issues
+// nothing.
+TEST_P(GroupCollectivesTest, StartedGathersKeepTheOrderAndPinTheirGroups) {
+  Build({});
+  OnEveryRank([&](int r) {
+    ChunkManager& m = *ranks_[r]->manager;
+    GroupCollectives& c = *ranks_[r]->collectives;
+    for (TensorId t = 0; t < NumParams(); ++t) Write(r, t, 1.0f);
+    ASSERT_TRUE(c.ReleaseAll(ChunkKind::kComputeParam).ok());
+    for (TensorId t = 0; t < NumParams(); ++t) {
+      if (m.IsLocal((*m.tensor(t))->chunk)) Write(r, t, 3.0f);
+    }
+    const std::vector<ChunkId> groups = c.Groups(ChunkKind::kComputeParam);
+    ASSERT_GT(groups.size(), 1u);
+    const bool ahead = r % 2 == 0;
+    if (ahead) {
+      for (ChunkId group : groups) {
+        auto started = c.StartGather(group);
+        ASSERT_TRUE(started.ok()) << started.status();
+        EXPECT_TRUE(*started);
+        auto again = c.StartGather(group);
+        ASSERT_TRUE(again.ok());
+        EXPECT_FALSE(*again);
+        for (int k = 0; k < world_size_; ++k) {
+          const Chunk& member = **m.chunk(group + k);
+          if (member.tensors().empty()) continue;
+          EXPECT_TRUE(member.pinned()) << "rank " << r << " chunk " << member.id();
+          EXPECT_TRUE(member.has_payload()) << "rank " << r << " chunk " << member.id();
+        }
+      }
+      EXPECT_EQ(c.pending_gathers(), static_cast<int>(groups.size()));
+      EXPECT_EQ(c.collectives_issued(), static_cast<int64_t>(groups.size()));
+    }
+    for (ChunkId group : groups) {
+      auto gathered = c.Gather(group);
+      ASSERT_TRUE(gathered.ok()) << gathered.status();
+      EXPECT_TRUE(*gathered);
+      for (int k = 0; k < world_size_; ++k) {
+        EXPECT_FALSE((*m.chunk(group + k))->pinned()) << "rank " << r << " chunk " << group + k;
+      }
+    }
+    EXPECT_EQ(c.pending_gathers(), 0);
+    EXPECT_EQ(c.gathers_started(), ahead ? static_cast<int64_t>(groups.size()) : 0);
+    EXPECT_EQ(c.collectives_issued(), static_cast<int64_t>(groups.size()));
+    for (TensorId t = 0; t < NumParams(); ++t) Expect(r, t, 3.0f);
+  });
+}
+
+// ReleaseAll after StartGather (an optimizer step, or an error in forward, while a gather is
+// in flight) finishes it before dropping payloads; the next step gathers the group again.
+TEST_P(GroupCollectivesTest, ReleaseAllFinishesAStartedGather) {
+  Build({});
+  OnEveryRank([&](int r) {
+    ChunkManager& m = *ranks_[r]->manager;
+    GroupCollectives& c = *ranks_[r]->collectives;
+    for (TensorId t = 0; t < NumParams(); ++t) Write(r, t, 1.0f);
+    ASSERT_TRUE(c.ReleaseAll(ChunkKind::kComputeParam).ok());
+    const std::vector<ChunkId> groups = c.Groups(ChunkKind::kComputeParam);
+    ASSERT_GE(groups.size(), 2u);
+    ASSERT_TRUE(c.StartGather(groups[0]).ok());
+    ASSERT_TRUE(c.StartGather(groups[1]).ok());
+    ASSERT_TRUE(c.FinishGathers().ok());
+    EXPECT_EQ(c.pending_gathers(), 0);
+    auto started = c.StartGather(groups[0]);  // gathered already: nothing to start
+    ASSERT_TRUE(started.ok());
+    EXPECT_FALSE(*started);
+    EXPECT_EQ(c.pending_gathers(), 0);
+    ASSERT_TRUE(c.ReleaseAll(ChunkKind::kComputeParam).ok());
+    started = c.StartGather(groups[1]);
+    ASSERT_TRUE(started.ok()) << started.status();
+    EXPECT_TRUE(*started);
+    ASSERT_TRUE(c.ReleaseAll(ChunkKind::kComputeParam).ok()) << "rank " << r;
+    EXPECT_EQ(c.pending_gathers(), 0);
+    for (ChunkId id = 0; id < m.num_chunks(); ++id) {
+      EXPECT_FALSE((*m.chunk(id))->pinned()) << "rank " << r << " chunk " << id;
+    }
+    for (ChunkId group : groups) {
+      auto gathered = c.Gather(group);
+      ASSERT_TRUE(gathered.ok()) << gathered.status();
+      EXPECT_TRUE(*gathered);
+    }
+    EXPECT_EQ(c.collectives_issued(), static_cast<int64_t>(3 + groups.size()));
+    for (TensorId t = 0; t < NumParams(); ++t) Expect(r, t, 1.0f);
+  });
+}
+
+// A started gather whose peers never come is an error naming the collective where it is
+// waited for, and the gathers queued behind it are dropped without waiting for them too.
+TEST_P(GroupCollectivesTest, AStartedGatherWithoutPeersIsADeadlineNamingTheCollective) {
+  GroupCollectiveOptions options;
+  options.timeout = absl::Milliseconds(200);
+  Build(options);
+  OnEveryRank([&](int r) {
+    for (TensorId t = 0; t < NumParams(); ++t) Write(r, t, 1.0f);
+    ASSERT_TRUE(ranks_[r]->collectives->ReleaseAll(ChunkKind::kComputeParam).ok());
+  });
+  GroupCollectives& c = *ranks_[0]->collectives;
+  const std::vector<ChunkId> groups = c.Groups(ChunkKind::kComputeParam);
+  auto started = c.StartGather(groups[0]);
+  ASSERT_TRUE(started.ok()) << started.status();  // issuing does not wait
+  ASSERT_TRUE(c.StartGather(groups[1]).ok());
+  auto gathered = c.Gather(groups[1]);
+  ASSERT_FALSE(gathered.ok());
+  EXPECT_EQ(gathered.status().code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_THAT(gathered.status().message(), HasSubstr("allgather"));
+  EXPECT_THAT(gathered.status().message(), HasSubstr("compute_param group 0"));
+  EXPECT_EQ(c.pending_gathers(), 0);
+  EXPECT_TRUE(c.FinishGathers().ok());  // nothing left to wait for
+}
+
 TEST(GroupCollectivesSingleOwnerTest, EveryRankGathersAGroupOneRankOwnsEntirely) {
   // One small tensor: chunk 0 holds it, chunk 1 is padding, so rank 0 holds no remote payload.
   // Both ranks must still run the group's allgather (a rank-dependent decision would pair the
