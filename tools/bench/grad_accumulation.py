@@ -1,5 +1,6 @@
 """Gradient accumulation with data parallelism: communication per optimizer step, ours against
-DeepSpeed ZeRO-3, on 2 gloo ranks of this machine (issue 8).
+ZeRO-3 (DeepSpeed when importable, PyTorch FSDP2 always), on 2 gloo ranks of this machine
+(issue 8).
 
     python tools/bench/grad_accumulation.py [--layers 100] [--hidden 128] [--accumulation 4]
 
@@ -7,19 +8,25 @@ The model has `layers` blocks of Linear(hidden, hidden) + LayerNorm(hidden): 4 s
 block. Each contender trains with `accumulation` micro-steps per optimizer step, fp32, Adam, the
 same micro-batches; per optimizer step we report the collectives issued (by kind), the bytes they
 move (a collective's whole group: an allgather's output, a reduce-scatter's input, an
-all-reduce's buffer, per rank) and the wall time (median over steps after a warm-up step).
+all-reduce's buffer, per rank) and the wall time (median over the timed steps, after a warm-up
+step). Every contender computes the same forward, backward and Adam update.
 
   * ours: patrickstar.initialize, chunk-granular data parallelism. Gathered groups are kept
     until the step, so only the first micro-step gathers; gradients accumulate in their chunks
     and each gradient group is reduce-scattered once, at the accumulation boundary.
-  * deepspeed: DeepSpeed ZeRO stage 3 (CPU accelerator, gloo), when it is importable: it gathers
-    parameters in forward and again in backward and reduce-scatters gradients on every
-    micro-step. Its collectives are counted by wrapping torch.distributed's functions.
-  * zero3_pattern: when DeepSpeed is missing, the ZeRO-3 pattern over our own group sizes through
-    torch.distributed (an allgather of every compute group in forward and in backward and a
-    reduce-scatter of every gradient group, each micro-step), communication only.
+  * deepspeed: DeepSpeed ZeRO stage 3 (CPU accelerator, gloo), only when `import deepspeed`
+    works: it gathers parameters in forward and again in backward and reduce-scatters gradients
+    on every micro-step.
+  * fsdp2: PyTorch FSDP2 (`fully_shard` per block and on the root, CPU, gloo) with its defaults,
+    the ZeRO-3 pattern: parameters gathered in forward, freed, gathered again in backward, and
+    gradients reduce-scattered on every micro-step.
+  * fsdp2_no_sync: the same with `set_requires_gradient_sync(False)` on the micro-steps before
+    the boundary (FSDP2's own accumulation mode): one reduce-scatter per boundary, but every
+    rank keeps whole unsharded gradients between boundaries, and parameters are still gathered
+    twice per micro-step.
 
-The script starts its two ranks itself and rank 0 writes the JSON.
+The baselines' collectives are counted by wrapping torch.distributed's functions before the
+library binds them. The script starts its two ranks itself and rank 0 writes the JSON.
 """
 from __future__ import annotations
 
@@ -44,13 +51,19 @@ from common import machine_description, write_json  # noqa: E402
 
 WORLD = 2
 
-# torch.distributed entry points a ZeRO implementation may use, and which argument holds the
-# group's bytes (the larger side of an allgather / reduce-scatter).
-_COUNTED = {"all_gather_into_tensor": ("allgather", 0), "_all_gather_base": ("allgather", 0),
-            "all_gather": ("allgather", 0), "reduce_scatter_tensor": ("reduce_scatter", 1),
-            "_reduce_scatter_base": ("reduce_scatter", 1), "reduce_scatter": ("reduce_scatter", 1),
-            "all_reduce": ("all_reduce", 0), "broadcast": ("broadcast", 0),
-            "all_to_all_single": ("all_to_all", 1)}
+# torch.distributed entry points a ZeRO implementation may use, and which argument (position,
+# keyword) holds the group's bytes: the larger side of an allgather / reduce-scatter. FSDP2 calls
+# the *_single names, DeepSpeed the *_tensor ones.
+_COUNTED = {"all_gather_into_tensor": ("allgather", 0, "output_tensor"),
+            "_all_gather_base": ("allgather", 0, "output_tensor"),
+            "all_gather_single": ("allgather", 0, "output_tensor"),
+            "all_gather": ("allgather", 0, "tensor_list"),
+            "reduce_scatter_tensor": ("reduce_scatter", 1, "input"),
+            "_reduce_scatter_base": ("reduce_scatter", 1, "input"),
+            "reduce_scatter_single": ("reduce_scatter", 1, "input"),
+            "reduce_scatter": ("reduce_scatter", 1, "input_list"),
+            "all_reduce": ("all_reduce", 0, "tensor"), "broadcast": ("broadcast", 0, "tensor"),
+            "all_to_all_single": ("all_to_all", 1, "input")}
 
 
 class Counter:
@@ -64,20 +77,20 @@ class Counter:
 
     def install(self) -> None:
         import torch.distributed.distributed_c10d as c10d
-        for name, (kind, arg) in _COUNTED.items():
+        for name, (kind, arg, keyword) in _COUNTED.items():
             original = getattr(dist, name, None)
             if original is None:
                 continue
-            wrapped = self._wrap(original, kind, arg)
+            wrapped = self._wrap(original, kind, arg, keyword)
             setattr(dist, name, wrapped)
             if hasattr(c10d, name):
                 setattr(c10d, name, wrapped)
 
-    def _wrap(self, original, kind, arg):
+    def _wrap(self, original, kind, arg, keyword):
         @functools.wraps(original)
         def counted(*args, **kwargs):
             if self.enabled:
-                value = args[arg] if len(args) > arg else next(iter(kwargs.values()))
+                value = args[arg] if len(args) > arg else kwargs[keyword]
                 tensors = value if isinstance(value, (list, tuple)) else [value]
                 self.calls[kind] += 1
                 self.bytes[kind] += sum(t.numel() * t.element_size() for t in tensors)
@@ -122,6 +135,7 @@ def run_ours(args, rank: int) -> dict:
     model, optimizer = patrickstar.initialize(
         lambda: Blocks(args.layers, args.hidden),
         config={"default_chunk_size": args.chunk_elements,
+                "parallel": {"gather_ahead": args.gather_ahead},
                 "gradient_accumulation_steps": args.accumulation,
                 "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}})
     batches = micro_batches(args, rank)
@@ -148,6 +162,8 @@ def run_ours(args, rank: int) -> dict:
             "bytes_per_step": (collectives.bytes_communicated - moved) / steps,
             "collectives_per_micro_step": per_micro[:args.accumulation],
             "compute_groups": compute_groups, "grad_groups": grad_groups,
+            "gather_ahead": args.gather_ahead,
+            "gathers_started_ahead_per_step": model._dp.gathers_ahead / (steps + 1),
             # Not in the counts above: one all-reduce of per-parameter flags per boundary.
             "small_all_reduces_per_step": 1,
             "chunk_elements": model.layout["chunk_elements"]}
@@ -175,60 +191,47 @@ def run_deepspeed(args, rank: int, counter: Counter) -> dict:
             engine.backward(engine(x, y))
             engine.step()  # DeepSpeed steps the optimizer at the accumulation boundary only
 
-    step()
+    return dict(counted_run(step, args, counter), deepspeed=deepspeed.__version__)
+
+
+def run_fsdp2(args, rank: int, counter: Counter, no_sync: bool) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (WORLD,))
+    model = Blocks(args.layers, args.hidden)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    batches = micro_batches(args, rank)
+
+    def step():
+        for micro, (x, y) in enumerate(batches):
+            if no_sync:
+                model.set_requires_gradient_sync(micro + 1 == len(batches))
+            (model(x, y) / len(batches)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    return counted_run(step, args, counter)
+
+
+def counted_run(step, args, counter: Counter) -> dict:
+    step()  # warm-up outside the counts
     counter.calls.clear()
     counter.bytes.clear()
     counter.enabled = True
     times = timed_steps(step, args.steps)
     counter.enabled = False
-    steps = args.steps + 1
+    steps = args.steps + 1  # timed_steps' own warm-up step is counted too
     # dist.barrier() in timed_steps is not a counted function.
     return {"step_seconds": statistics.median(times),
             "collectives_per_step": sum(counter.calls.values()) / steps,
             "bytes_per_step": sum(counter.bytes.values()) / steps,
             "by_kind": {kind: {"collectives_per_step": counter.calls[kind] / steps,
                                "bytes_per_step": counter.bytes[kind] / steps}
-                        for kind in counter.calls},
-            "deepspeed": deepspeed.__version__}
-
-
-def run_zero3_pattern(args, rank: int) -> dict:
-    """The ZeRO-3 pattern over our group sizes: per micro-step, an allgather of every compute
-    group in forward and again in backward, and a reduce-scatter of every gradient group."""
-    from patrickstar import _C
-    manager = _C.ChunkManager(tiers=[_C.HostTier(budget=0, name="host", pinned=False)],
-                              copy_engine=_C.CopyEngine(host_threads=1), world_size=WORLD,
-                              rank=rank)
-    model = Blocks(args.layers, args.hidden)
-    for i, p in enumerate(model.parameters()):
-        manager.register_tensor(f"p{i}", list(p.shape), _C.ChunkKind.COMPUTE_PARAM, "float32")
-    for i, p in enumerate(model.parameters()):
-        manager.register_tensor(f"p{i}#g", list(p.shape), _C.ChunkKind.GRADIENT, "float32")
-    layout = manager.build_chunk_lists(args.chunk_elements)
-    groups = layout["num_chunks"] // 2 // WORLD
-    chunk = layout["chunk_elements"]
-    shard, full = torch.randn(chunk), torch.empty(chunk * WORLD)
-    grad = torch.randn(chunk * WORLD)
-    calls = collections.Counter()
-
-    def step():
-        for _ in range(args.accumulation):
-            for _ in range(2 * groups):  # forward and backward gathers
-                dist.all_gather_into_tensor(full, shard)
-                calls["allgather"] += 1
-            for _ in range(groups):
-                dist.reduce_scatter_tensor(shard, grad)
-                calls["reduce_scatter"] += 1
-
-    step()
-    calls.clear()
-    times = timed_steps(step, args.steps)
-    steps = args.steps + 1
-    group_bytes = chunk * WORLD * 4
-    return {"step_seconds": statistics.median(times),
-            "collectives_per_step": sum(calls.values()) / steps,
-            "bytes_per_step": sum(calls.values()) * group_bytes / steps,
-            "communication_only": True}
+                        for kind in counter.calls}}
 
 
 def run_rank(args) -> None:
@@ -236,8 +239,9 @@ def run_rank(args) -> None:
     # torch 2.13 deprecates the *_into_tensor / *_tensor names DeepSpeed calls, on every call.
     warnings.filterwarnings("ignore", category=FutureWarning)
     counter = Counter()
-    if args.part == "deepspeed":
+    if args.part != "ours":
         counter.install()
+    if args.part == "deepspeed":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         os.environ["LOCAL_RANK"] = str(rank)
     dist.init_process_group("gloo")
@@ -247,7 +251,7 @@ def run_rank(args) -> None:
     elif args.part == "deepspeed":
         result = run_deepspeed(args, rank, counter)
     else:
-        result = run_zero3_pattern(args, rank)
+        result = run_fsdp2(args, rank, counter, no_sync=args.part == "fsdp2_no_sync")
     gathered = [None] * WORLD
     dist.all_gather_object(gathered, result)
     if rank == 0:
@@ -265,7 +269,7 @@ def launch(args, part: str) -> list[dict] | None:
                "--result-file", result_file, "--layers", str(args.layers), "--hidden",
                str(args.hidden), "--chunk-elements", str(args.chunk_elements), "--steps",
                str(args.steps), "--batch", str(args.batch), "--accumulation",
-               str(args.accumulation)]
+               str(args.accumulation), "--gather-ahead", str(args.gather_ahead)]
     procs = [subprocess.Popen(command, env=dict(
         os.environ, RANK=str(r), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port), OMP_NUM_THREADS="1")) for r in range(WORLD)]
@@ -293,6 +297,8 @@ def main() -> None:
     parser.add_argument("--accumulation", type=int, default=4)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--gather-ahead", type=int, default=1,
+                        help="parallel.gather_ahead of our run (0: gather on use)")
     parser.add_argument("--out", default="bench-results/grad_accumulation.json")
     parser.add_argument("--rank-process", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--part", default="ours", help=argparse.SUPPRESS)
@@ -302,28 +308,32 @@ def main() -> None:
         run_rank(args)
         return
     os.makedirs(os.path.dirname(os.path.abspath(args.out)) or ".", exist_ok=True)
-    ours = launch(args, "ours")
-    if ours is None:
+    results = {"ours": launch(args, "ours")}
+    if results["ours"] is None:
         raise SystemExit("our run failed")
-    baseline_name = "deepspeed" if deepspeed_importable() else "zero3_pattern"
-    baseline = launch(args, baseline_name)
-    if baseline is None and baseline_name == "deepspeed":
-        baseline_name = "zero3_pattern"
-        baseline = launch(args, baseline_name)
-    if baseline is None:
-        raise SystemExit("the baseline failed")
-    o, b = ours[0], baseline[0]
-    ratios = {key: b[key] / o[key] if o[key] else None
-              for key in ("collectives_per_step", "bytes_per_step", "step_seconds")}
-    payload = {"machine": machine_description(), "config": vars(args), "baseline": baseline_name,
-               "ours": ours, baseline_name: baseline, "baseline_over_ours": ratios}
+    if deepspeed_importable():
+        results["deepspeed"] = launch(args, "deepspeed")
+    else:
+        print("DeepSpeed is not importable here: the ZeRO-3 baseline is PyTorch FSDP2")
+    for name in ("fsdp2", "fsdp2_no_sync"):
+        results[name] = launch(args, name)
+    ran = {name: result[0] for name, result in results.items() if result is not None}
+    o = ran["ours"]
+    ratios = {name: {key: r[key] / o[key] if o[key] else None
+                     for key in ("collectives_per_step", "bytes_per_step", "step_seconds")}
+              for name, r in ran.items() if name != "ours"}
+    payload = {"machine": machine_description(), "config": vars(args),
+               "failed": [name for name, result in results.items() if result is None],
+               "results": {name: result for name, result in results.items()},
+               "baseline_over_ours": ratios}
     print(f"{args.layers} blocks of Linear({args.hidden}) + LayerNorm, 2 gloo ranks, "
           f"accumulation {args.accumulation}; per optimizer step, rank 0:")
-    for name, r in (("ours", o), (baseline_name, b)):
+    for name, r in ran.items():
         print(f"  {name:14s} {r['collectives_per_step']:7.1f} collectives "
               f"{r['bytes_per_step'] / 2**20:8.1f} MiB {r['step_seconds'] * 1e3:8.1f} ms")
-    print("  baseline / ours: " + ", ".join(
-        f"{key} {value:.2f}x" for key, value in ratios.items() if value is not None))
+    for name, ratio in ratios.items():
+        print(f"  {name} / ours: " + ", ".join(
+            f"{key} {value:.2f}x" for key, value in ratio.items() if value is not None))
     write_json(args.out, payload)
 
 
