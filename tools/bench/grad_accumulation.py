@@ -39,6 +39,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import warnings
 
@@ -74,6 +75,9 @@ class Counter:
         self.calls = collections.Counter()
         self.bytes = collections.Counter()
         self.enabled = False
+        # torch 2.13's deprecated all_gather_into_tensor / reduce_scatter_tensor call the *_single
+        # functions through the module: count the outermost call only.
+        self._inside = threading.local()
 
     def install(self) -> None:
         import torch.distributed.distributed_c10d as c10d
@@ -89,12 +93,18 @@ class Counter:
     def _wrap(self, original, kind, arg, keyword):
         @functools.wraps(original)
         def counted(*args, **kwargs):
-            if self.enabled:
+            outermost = not getattr(self._inside, "active", False)
+            if self.enabled and outermost:
                 value = args[arg] if len(args) > arg else kwargs[keyword]
                 tensors = value if isinstance(value, (list, tuple)) else [value]
                 self.calls[kind] += 1
                 self.bytes[kind] += sum(t.numel() * t.element_size() for t in tensors)
-            return original(*args, **kwargs)
+            self._inside.active = True
+            try:
+                return original(*args, **kwargs)
+            finally:
+                if outermost:
+                    self._inside.active = False
         return counted
 
 
