@@ -95,6 +95,12 @@ class GroupCollectivesTest : public ::testing::TestWithParam<int> {
     ASSERT_TRUE(m.Release(tensor, TensorState::kHold).ok());
   }
 
+  // Initialization: every rank writes every parameter (1 * Value), then keeps its own chunks.
+  void InitializeAndRelease(int r) {
+    for (TensorId t = 0; t < NumParams(); ++t) Write(r, t, 1.0f);
+    ASSERT_TRUE(ranks_[r]->collectives->ReleaseAll(ChunkKind::kComputeParam).ok());
+  }
+
   // Reads a tensor and compares it with scale * Value.
   void Expect(int r, TensorId tensor, float scale) {
     ChunkManager& m = *ranks_[r]->manager;
@@ -118,9 +124,7 @@ TEST_P(GroupCollectivesTest, GatherBringsBackTheOwnersBytesOneCollectivePerGroup
   OnEveryRank([&](int r) {
     ChunkManager& m = *ranks_[r]->manager;
     GroupCollectives& c = *ranks_[r]->collectives;
-    // Initialization: the same values everywhere, then only owned chunks are kept.
-    for (TensorId t = 0; t < NumParams(); ++t) Write(r, t, 1.0f);
-    ASSERT_TRUE(c.ReleaseAll(ChunkKind::kComputeParam).ok());
+    InitializeAndRelease(r);
     // The owner changes its chunk (an optimizer step): remote ranks must receive the new bytes.
     for (TensorId t = 0; t < NumParams(); ++t) {
       if (m.IsLocal((*m.tensor(t))->chunk)) Write(r, t, 2.0f);
@@ -177,8 +181,7 @@ TEST_P(GroupCollectivesTest, MemorySavingModeGivesTheSameBytesWithBroadcastAndRe
   OnEveryRank([&](int r) {
     ChunkManager& m = *ranks_[r]->manager;
     GroupCollectives& c = *ranks_[r]->collectives;
-    for (TensorId t = 0; t < NumParams(); ++t) Write(r, t, 1.0f);
-    ASSERT_TRUE(c.ReleaseAll(ChunkKind::kComputeParam).ok());
+    InitializeAndRelease(r);
     const std::vector<ChunkId> groups = c.Groups(ChunkKind::kComputeParam);
     for (ChunkId group : groups) ASSERT_TRUE(c.Gather(group).ok());
     for (TensorId t = 0; t < NumParams(); ++t) Expect(r, t, 1.0f);
@@ -199,8 +202,7 @@ TEST_P(GroupCollectivesTest, ARankThatNeverComesIsADeadlineNamingTheCollective) 
   options.timeout = absl::Milliseconds(200);
   Build(options);
   OnEveryRank([&](int r) {
-    for (TensorId t = 0; t < NumParams(); ++t) Write(r, t, 1.0f);
-    ASSERT_TRUE(ranks_[r]->collectives->ReleaseAll(ChunkKind::kComputeParam).ok());
+    InitializeAndRelease(r);
   });
   // Only rank 0 runs its program; the others are "dead".
   GroupCollectives& c = *ranks_[0]->collectives;
@@ -222,8 +224,7 @@ TEST_P(GroupCollectivesTest, StartedGathersKeepTheOrderAndPinTheirGroups) {
   OnEveryRank([&](int r) {
     ChunkManager& m = *ranks_[r]->manager;
     GroupCollectives& c = *ranks_[r]->collectives;
-    for (TensorId t = 0; t < NumParams(); ++t) Write(r, t, 1.0f);
-    ASSERT_TRUE(c.ReleaseAll(ChunkKind::kComputeParam).ok());
+    InitializeAndRelease(r);
     for (TensorId t = 0; t < NumParams(); ++t) {
       if (m.IsLocal((*m.tensor(t))->chunk)) Write(r, t, 3.0f);
     }
@@ -270,8 +271,7 @@ TEST_P(GroupCollectivesTest, ReleaseAllFinishesAStartedGather) {
   OnEveryRank([&](int r) {
     ChunkManager& m = *ranks_[r]->manager;
     GroupCollectives& c = *ranks_[r]->collectives;
-    for (TensorId t = 0; t < NumParams(); ++t) Write(r, t, 1.0f);
-    ASSERT_TRUE(c.ReleaseAll(ChunkKind::kComputeParam).ok());
+    InitializeAndRelease(r);
     const std::vector<ChunkId> groups = c.Groups(ChunkKind::kComputeParam);
     ASSERT_GE(groups.size(), 2u);
     ASSERT_TRUE(c.StartGather(groups[0]).ok());
@@ -308,8 +308,7 @@ TEST_P(GroupCollectivesTest, AStartedGatherWithoutPeersIsADeadlineNamingTheColle
   options.timeout = absl::Milliseconds(200);
   Build(options);
   OnEveryRank([&](int r) {
-    for (TensorId t = 0; t < NumParams(); ++t) Write(r, t, 1.0f);
-    ASSERT_TRUE(ranks_[r]->collectives->ReleaseAll(ChunkKind::kComputeParam).ok());
+    InitializeAndRelease(r);
   });
   GroupCollectives& c = *ranks_[0]->collectives;
   const std::vector<ChunkId> groups = c.Groups(ChunkKind::kComputeParam);
