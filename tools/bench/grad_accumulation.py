@@ -15,8 +15,10 @@ step). Every contender computes the same forward, backward and Adam update.
     until the step, so only the first micro-step gathers; gradients accumulate in their chunks
     and each gradient group is reduce-scattered once, at the accumulation boundary.
   * deepspeed: DeepSpeed ZeRO stage 3 (CPU accelerator, gloo), only when `import deepspeed`
-    works: it gathers parameters in forward and again in backward and reduce-scatters gradients
-    on every micro-step.
+    works (it is not a project dependency: e.g. `pip install --target DIR deepspeed einops
+    hjson msgpack ninja psutil py-cpuinfo` and PYTHONPATH=DIR): it gathers parameters in forward
+    (again in backward when they were released) and reduce-scatters gradients on every
+    micro-step.
   * fsdp2: PyTorch FSDP2 (`fully_shard` per block and on the root, CPU, gloo) with its defaults,
     the ZeRO-3 pattern: parameters gathered in forward, freed, gathered again in backward, and
     gradients reduce-scattered on every micro-step.
