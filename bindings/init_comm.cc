@@ -456,6 +456,11 @@ void InitComm(py::module_& module) {
           [](PyGroupCollectives& self) {
             return self.Run([](GroupCollectives& c) { return c.gathers_started(); });
           })
+      .def_property_readonly(
+          "gathers_declined",
+          [](PyGroupCollectives& self) {
+            return self.Run([](GroupCollectives& c) { return c.gathers_declined(); });
+          })
       .def(
           "release_all",
           [](PyGroupCollectives& self, ChunkKind kind) {

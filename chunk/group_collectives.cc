@@ -247,9 +247,16 @@ absl::StatusOr<bool> GroupCollectives::StartGather(ChunkId group) {
   if (FindStartedGather(any->id() - any->index_in_list() % manager_->world_size()) >= 0) {
     return false;  // already on its way
   }
-  PS_ASSIGN_OR_RETURN(std::optional<Pending> pending, IssueGather(group));
-  if (!pending.has_value()) return false;
-  gathers_.push_back(*std::move(pending));
+  absl::StatusOr<std::optional<Pending>> pending = IssueGather(group);
+  if (absl::IsResourceExhausted(pending.status())) {
+    // No room to pin the group now (Note [Started gathers]): nothing was issued and the group
+    // is as it was, so the Gather that needs it issues it, at the same place in the sequence.
+    gathers_declined_ += 1;
+    return false;
+  }
+  PS_RETURN_IF_ERROR(pending.status());
+  if (!pending->has_value()) return false;
+  gathers_.push_back(**std::move(pending));
   gathers_started_ += 1;
   return true;
 }

@@ -34,7 +34,10 @@
 // else may touch its chunks (the communicator writes into them on its thread): the caller
 // finishes a group's gather before accessing any tensor of it, local ones included (their
 // chunk is pinned for the send), and ReleaseAll finishes every started gather before it drops
-// payloads. A started gather that fails (a dead peer, or one past the timeout) is an error
+// payloads. Pinning ahead holds memory longer than gathering at first use; when a tier cannot
+// take the group now (ResourceExhausted) StartGather issues nothing, leaves the group as it
+// was and returns false, and the Gather at first use issues the collective: a rank that
+// declines and one that starts still issue the same sequence. A started gather that fails (a dead peer, or one past the timeout) is an error
 // naming the collective at the Gather / FinishGathers that waits for it, never a hang; it and
 // every gather queued behind it are abandoned without further waiting: their groups stay
 // ungathered and their chunks stay pinned, because the communicator may still write into them
@@ -81,7 +84,8 @@ class GroupCollectives {
   // started before it). Returns whether a collective ran for it.
   absl::StatusOr<bool> Gather(ChunkId group);
   // Issues the gather of the group if it needs one and is not started yet, and returns at once
-  // with the group pinned (Note [Started gathers]). Returns whether a collective started.
+  // with the group pinned (Note [Started gathers]). Returns whether a collective started: false
+  // too when a tier has no room to pin the group now (Gather issues it later).
   absl::StatusOr<bool> StartGather(ChunkId group);
   // Finishes every started gather, in issue order.
   absl::Status FinishGathers();
@@ -102,6 +106,7 @@ class GroupCollectives {
   int64_t collectives_issued() const { return collectives_issued_; }
   int64_t bytes_communicated() const { return bytes_communicated_; }  // per rank, group bytes
   int64_t gathers_started() const { return gathers_started_; }  // collectives StartGather issued
+  int64_t gathers_declined() const { return gathers_declined_; }  // StartGather without room
 
  private:
   struct Pin {
@@ -142,6 +147,7 @@ class GroupCollectives {
   std::deque<Pending> gathers_;    // started gathers, in issue order
   std::deque<Pending> abandoned_;  // failed gathers and those queued behind them
   int64_t gathers_started_ = 0;
+  int64_t gathers_declined_ = 0;
   int64_t collectives_issued_ = 0;
   int64_t bytes_communicated_ = 0;
 };

@@ -324,6 +324,80 @@ TEST_P(GroupCollectivesTest, AStartedGatherWithoutPeersIsADeadlineNamingTheColle
   EXPECT_TRUE(c.FinishGathers().ok());  // nothing left to wait for
 }
 
+// Note [Started gathers]: a rank whose host tier cannot take a started group's received chunk
+// yet declines to start it (nothing issued, the group untouched) and gathers it at first use;
+// the other rank starts it ahead. The collectives still pair up and bring the right bytes.
+TEST(GroupCollectivesStartTest, ARankWithoutRoomDeclinesToStartAndGathersAtFirstUse) {
+  constexpr int kWorld = 2;
+  constexpr int64_t kChunkBytes = kChunkElements * 4;
+  auto world = std::make_shared<testing::FakeWorld>(kWorld);
+  std::vector<std::unique_ptr<Rank>> ranks;
+  for (int r = 0; r < kWorld; ++r) {
+    auto rank = std::make_unique<Rank>();
+    // Rank 0's host tier holds one chunk; rank 1's is unlimited.
+    rank->hierarchy = testing::MakeHierarchy(0, r == 0 ? kChunkBytes : 0, kChunkBytes);
+    ChunkManagerOptions options;
+    options.world_size = kWorld;
+    options.rank = r;
+    rank->manager = testing::MakeManager(rank->hierarchy, options);
+    // Two groups of two full chunks: tensor t alone in chunk t.
+    for (int t = 0; t < 2 * kWorld; ++t) {
+      ASSERT_TRUE(rank->manager->RegisterTensor(testing::Spec(absl::StrCat("w", t), {1024})).ok());
+    }
+    ASSERT_TRUE(rank->manager->BuildChunkLists(kChunkElements).ok());
+    rank->communicator = std::make_unique<testing::FakeCommunicator>(world, r);
+    GroupCollectiveOptions collective_options;
+    collective_options.timeout = absl::Seconds(30);  // a failing rank must not hang the other
+    rank->collectives = *GroupCollectives::Create(rank->manager.get(), rank->communicator.get(),
+                                                  collective_options);
+    ranks.push_back(std::move(rank));
+  }
+  std::vector<std::thread> threads;
+  for (int r = 0; r < kWorld; ++r) {
+    threads.emplace_back([&, r] {
+      ChunkManager& m = *ranks[r]->manager;
+      GroupCollectives& c = *ranks[r]->collectives;
+      for (TensorId t = 0; t < 2 * kWorld; ++t) {  // initialization, on the device
+        auto view = m.Access(t, TierKind::kDevice);
+        ASSERT_TRUE(view.ok()) << view.status();
+        auto* data = reinterpret_cast<float*>(view->address);
+        for (int64_t i = 0; i < view->numel; ++i) data[i] = Value(t, i);
+        ASSERT_TRUE(m.Release(t, TensorState::kHold).ok());
+      }
+      ASSERT_TRUE(c.ReleaseAll(ChunkKind::kComputeParam).ok());
+      const std::vector<ChunkId> groups = c.Groups(ChunkKind::kComputeParam);
+      ASSERT_EQ(groups.size(), 2u);
+      auto gathered = c.Gather(groups[0]);  // group 0's received chunk fills rank 0's host
+      ASSERT_TRUE(gathered.ok()) << gathered.status();
+      auto started = c.StartGather(groups[1]);
+      ASSERT_TRUE(started.ok()) << "rank " << r << ": " << started.status();
+      EXPECT_EQ(*started, r == 1) << "rank " << r;
+      EXPECT_EQ(c.gathers_declined(), r == 0 ? 1 : 0) << "rank " << r;
+      EXPECT_EQ(c.pending_gathers(), r == 0 ? 0 : 1) << "rank " << r;
+      for (ChunkId id = groups[1]; id < groups[1] + kWorld; ++id) {
+        EXPECT_EQ((*m.chunk(id))->pinned(), r == 1) << "rank " << r << " chunk " << id;
+      }
+      for (TensorId t = 0; t < 2 * kWorld; ++t) {  // the model runs, group by group
+        if (t == kWorld) {
+          gathered = c.Gather(groups[1]);
+          ASSERT_TRUE(gathered.ok()) << "rank " << r << ": " << gathered.status();
+          EXPECT_TRUE(*gathered);
+        }
+        auto view = m.Access(t, TierKind::kDevice);
+        ASSERT_TRUE(view.ok()) << view.status();
+        const auto* data = reinterpret_cast<const float*>(view->address);
+        for (int64_t i = 0; i < view->numel; ++i) {
+          ASSERT_EQ(data[i], Value(t, i)) << "rank " << r << " tensor " << t << " element " << i;
+        }
+        ASSERT_TRUE(m.Release(t, TensorState::kHoldAfterFwd).ok());
+      }
+      EXPECT_EQ(c.collectives_issued(), 2);
+    });
+  }
+  for (std::thread& thread : threads) thread.join();
+  for (auto& rank : ranks) rank->collectives.reset();
+}
+
 TEST(GroupCollectivesSingleOwnerTest, EveryRankGathersAGroupOneRankOwnsEntirely) {
   // One small tensor: chunk 0 holds it, chunk 1 is padding, so rank 0 holds no remote payload.
   // Both ranks must still run the group's allgather (a rank-dependent decision would pair the
