@@ -130,15 +130,18 @@ def micro_batches(args, rank: int):
             for _ in range(args.accumulation)]
 
 
-def timed_steps(step, steps: int) -> list[float]:
+def timed_steps(step, steps: int) -> dict:
+    """Median wall and CPU (this process, all threads) seconds per step, after a warm-up step.
+    CPU time is less sensitive than wall time to other processes on a shared machine."""
     step()  # warm-up: connections, allocations, the chunk manager's trace
-    times = []
+    wall, cpu = [], []
     for _ in range(steps):
         dist.barrier()
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         step()
-        times.append(time.perf_counter() - start)
-    return times
+        wall.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - start_cpu)
+    return {"step_seconds": statistics.median(wall), "step_cpu_seconds": statistics.median(cpu)}
 
 
 def run_ours(args, rank: int) -> dict:
@@ -169,7 +172,7 @@ def run_ours(args, rank: int) -> dict:
     steps = args.steps + 1  # timed_steps' own warm-up step is counted too
     compute_groups = len(model._dp._compute_groups)
     grad_groups = len(model._dp._grad_groups)
-    return {"step_seconds": statistics.median(times),
+    return {**times,
             "collectives_per_step": (collectives.collectives_issued - issued) / steps,
             "bytes_per_step": (collectives.bytes_communicated - moved) / steps,
             "collectives_per_micro_step": per_micro[:args.accumulation],
@@ -238,7 +241,7 @@ def counted_run(step, args, counter: Counter) -> dict:
     counter.enabled = False
     steps = args.steps + 1  # timed_steps' own warm-up step is counted too
     # dist.barrier() in timed_steps is not a counted function.
-    return {"step_seconds": statistics.median(times),
+    return {**times,
             "collectives_per_step": sum(counter.calls.values()) / steps,
             "bytes_per_step": sum(counter.bytes.values()) / steps,
             "by_kind": {kind: {"collectives_per_step": counter.calls[kind] / steps,
@@ -318,6 +321,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--gather-ahead", type=int, default=1,
                         help="parallel.gather_ahead of our run (0: gather on use)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="runs of every contender, interleaved (medians are reported)")
     parser.add_argument("--out", default="bench-results/grad_accumulation.json")
     parser.add_argument("--rank-process", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--part", default="ours", help=argparse.SUPPRESS)
@@ -327,29 +332,42 @@ def main() -> None:
         run_rank(args)
         return
     os.makedirs(os.path.dirname(os.path.abspath(args.out)) or ".", exist_ok=True)
-    results = {"ours": launch(args, "ours")}
-    if results["ours"] is None:
-        raise SystemExit("our run failed")
+    names = ["ours"]
     if deepspeed_importable():
-        results["deepspeed"] = launch(args, "deepspeed")
+        names.append("deepspeed")
     else:
         print("DeepSpeed is not importable here: the ZeRO-3 baseline is PyTorch FSDP2")
-    for name in ("fsdp2", "fsdp2_no_sync"):
-        results[name] = launch(args, name)
-    ran = {name: result[0] for name, result in results.items() if result is not None}
+    names += ["fsdp2", "fsdp2_no_sync"]
+    # Rounds interleave the contenders, so that load from other processes on a shared machine
+    # falls on all of them alike; each figure is the median over rounds of rank 0's median.
+    rounds = {name: [] for name in names}
+    for _ in range(args.rounds):
+        for name in names:
+            result = launch(args, name)
+            if result is None and name == "ours":
+                raise SystemExit("our run failed")
+            if result is not None:
+                rounds[name].append(result)
+    ran = {}
+    for name, results in rounds.items():
+        if results:
+            ran[name] = dict(results[0][0], **{
+                key: statistics.median(r[0][key] for r in results)
+                for key in ("step_seconds", "step_cpu_seconds")})
     o = ran["ours"]
-    ratios = {name: {key: r[key] / o[key] if o[key] else None
-                     for key in ("collectives_per_step", "bytes_per_step", "step_seconds")}
+    keys = ("collectives_per_step", "bytes_per_step", "step_seconds", "step_cpu_seconds")
+    ratios = {name: {key: r[key] / o[key] if o[key] else None for key in keys}
               for name, r in ran.items() if name != "ours"}
     payload = {"machine": machine_description(), "config": vars(args),
-               "failed": [name for name, result in results.items() if result is None],
-               "results": {name: result for name, result in results.items()},
-               "baseline_over_ours": ratios}
+               "failed": [name for name, results in rounds.items() if not results],
+               "summary": ran, "rounds": rounds, "baseline_over_ours": ratios}
     print(f"{args.layers} blocks of Linear({args.hidden}) + LayerNorm, 2 gloo ranks, "
-          f"accumulation {args.accumulation}; per optimizer step, rank 0:")
+          f"accumulation {args.accumulation}; per optimizer step, rank 0, median of "
+          f"{args.rounds} round(s):")
     for name, r in ran.items():
         print(f"  {name:14s} {r['collectives_per_step']:7.1f} collectives "
-              f"{r['bytes_per_step'] / 2**20:8.1f} MiB {r['step_seconds'] * 1e3:8.1f} ms")
+              f"{r['bytes_per_step'] / 2**20:8.1f} MiB {r['step_seconds'] * 1e3:8.1f} ms "
+              f"(cpu {r['step_cpu_seconds'] * 1e3:8.1f} ms)")
     for name, ratio in ratios.items():
         print(f"  {name} / ours: " + ", ".join(
             f"{key} {value:.2f}x" for key, value in ratio.items() if value is not None))
