@@ -49,6 +49,44 @@ struct Rank {
   std::unique_ptr<GroupCollectives> collectives;
 };
 
+// The ranks of `world`, each with `tensors` tensors of a whole chunk (tensor t alone in chunk t,
+// owned by rank t % world); `configure` adjusts a rank's hierarchy and manager options.
+std::vector<std::unique_ptr<Rank>> OneTensorPerChunk(
+    const std::shared_ptr<testing::FakeWorld>& world, int tensors,
+    const std::function<void(int, Rank&, ChunkManagerOptions&)>& configure,
+    GroupCollectiveOptions collective_options = {}) {
+  std::vector<std::unique_ptr<Rank>> ranks;
+  for (int r = 0; r < world->world_size(); ++r) {
+    auto rank = std::make_unique<Rank>();
+    ChunkManagerOptions options;
+    options.world_size = world->world_size();
+    options.rank = r;
+    configure(r, *rank, options);
+    rank->manager = testing::MakeManager(rank->hierarchy, options);
+    for (int t = 0; t < tensors; ++t) {
+      const TensorSpec spec = testing::Spec(absl::StrCat("w", t), {kChunkElements});
+      EXPECT_TRUE(rank->manager->RegisterTensor(spec).ok());
+    }
+    EXPECT_TRUE(rank->manager->BuildChunkLists(kChunkElements).ok());
+    rank->communicator = std::make_unique<testing::FakeCommunicator>(world, r);
+    rank->collectives = *GroupCollectives::Create(rank->manager.get(), rank->communicator.get(),
+                                                  collective_options);
+    ranks.push_back(std::move(rank));
+  }
+  return ranks;
+}
+
+// Every rank builds every tensor (Value) in `tier`, as initialization does.
+void WriteEveryTensor(ChunkManager& m, TierKind tier) {
+  for (TensorId t = 0; t < m.num_tensors(); ++t) {
+    auto view = m.Access(t, tier);
+    ASSERT_TRUE(view.ok()) << view.status();
+    auto* data = reinterpret_cast<float*>(view->address);
+    for (int64_t i = 0; i < view->numel; ++i) data[i] = Value(t, i);
+    ASSERT_TRUE(m.Release(t, TensorState::kHold).ok());
+  }
+}
+
 class GroupCollectivesTest : public ::testing::TestWithParam<int> {
  protected:
   void Build(GroupCollectiveOptions options) {
@@ -331,39 +369,21 @@ TEST(GroupCollectivesStartTest, ARankWithoutRoomDeclinesToStartAndGathersAtFirst
   constexpr int kWorld = 2;
   constexpr int64_t kChunkBytes = kChunkElements * 4;
   auto world = std::make_shared<testing::FakeWorld>(kWorld);
-  std::vector<std::unique_ptr<Rank>> ranks;
-  for (int r = 0; r < kWorld; ++r) {
-    auto rank = std::make_unique<Rank>();
-    // Rank 0's host tier holds one chunk; rank 1's is unlimited.
-    rank->hierarchy = testing::MakeHierarchy(0, r == 0 ? kChunkBytes : 0, kChunkBytes);
-    ChunkManagerOptions options;
-    options.world_size = kWorld;
-    options.rank = r;
-    rank->manager = testing::MakeManager(rank->hierarchy, options);
-    // Two groups of two full chunks: tensor t alone in chunk t.
-    for (int t = 0; t < 2 * kWorld; ++t) {
-      ASSERT_TRUE(rank->manager->RegisterTensor(testing::Spec(absl::StrCat("w", t), {1024})).ok());
-    }
-    ASSERT_TRUE(rank->manager->BuildChunkLists(kChunkElements).ok());
-    rank->communicator = std::make_unique<testing::FakeCommunicator>(world, r);
-    GroupCollectiveOptions collective_options;
-    collective_options.timeout = absl::Seconds(30);  // a failing rank must not hang the other
-    rank->collectives = *GroupCollectives::Create(rank->manager.get(), rank->communicator.get(),
-                                                  collective_options);
-    ranks.push_back(std::move(rank));
-  }
+  GroupCollectiveOptions collective_options;
+  collective_options.timeout = absl::Seconds(30);  // a failing rank must not hang the other
+  // Two groups of two chunks; rank 0's host tier holds one chunk, rank 1's is unlimited.
+  std::vector<std::unique_ptr<Rank>> ranks = OneTensorPerChunk(
+      world, 2 * kWorld,
+      [&](int r, Rank& rank, ChunkManagerOptions&) {
+        rank.hierarchy = testing::MakeHierarchy(0, r == 0 ? kChunkBytes : 0, kChunkBytes);
+      },
+      collective_options);
   std::vector<std::thread> threads;
   for (int r = 0; r < kWorld; ++r) {
     threads.emplace_back([&, r] {
       ChunkManager& m = *ranks[r]->manager;
       GroupCollectives& c = *ranks[r]->collectives;
-      for (TensorId t = 0; t < 2 * kWorld; ++t) {  // initialization, on the device
-        auto view = m.Access(t, TierKind::kDevice);
-        ASSERT_TRUE(view.ok()) << view.status();
-        auto* data = reinterpret_cast<float*>(view->address);
-        for (int64_t i = 0; i < view->numel; ++i) data[i] = Value(t, i);
-        ASSERT_TRUE(m.Release(t, TensorState::kHold).ok());
-      }
+      WriteEveryTensor(m, TierKind::kDevice);  // initialization, on the device
       ASSERT_TRUE(c.ReleaseAll(ChunkKind::kComputeParam).ok());
       const std::vector<ChunkId> groups = c.Groups(ChunkKind::kComputeParam);
       ASSERT_EQ(groups.size(), 2u);
@@ -447,24 +467,11 @@ TEST(GroupCollectivesSingleOwnerTest, EveryRankGathersAGroupOneRankOwnsEntirely)
 TEST(GroupCollectivesPrefetchTest, PinningAChunkWithAPrefetchInFlightKeepsThePrefetch) {
   constexpr int kWorld = 2;
   auto world = std::make_shared<testing::FakeWorld>(kWorld);
-  std::vector<std::unique_ptr<Rank>> ranks;
-  for (int r = 0; r < kWorld; ++r) {
-    auto rank = std::make_unique<Rank>();
-    ChunkManagerOptions options;
-    options.world_size = kWorld;
-    options.rank = r;
-    options.prefetch_moments = 2;
-    rank->manager = testing::MakeManager(rank->hierarchy, options);
-    // One group of two full chunks: tensor r alone in chunk r, owned by rank r.
-    for (int t = 0; t < kWorld; ++t) {
-      ASSERT_TRUE(rank->manager->RegisterTensor(testing::Spec(absl::StrCat("w", t), {1024})).ok());
-    }
-    ASSERT_TRUE(rank->manager->BuildChunkLists(kChunkElements).ok());
-    rank->communicator = std::make_unique<testing::FakeCommunicator>(world, r);
-    rank->collectives =
-        *GroupCollectives::Create(rank->manager.get(), rank->communicator.get(), {});
-    ranks.push_back(std::move(rank));
-  }
+  // One group of two full chunks: tensor r alone in chunk r, owned by rank r.
+  std::vector<std::unique_ptr<Rank>> ranks =
+      OneTensorPerChunk(world, kWorld, [](int, Rank&, ChunkManagerOptions& options) {
+        options.prefetch_moments = 2;
+      });
   std::vector<std::thread> threads;
   for (int r = 0; r < kWorld; ++r) {
     threads.emplace_back([&, r] {
@@ -472,13 +479,7 @@ TEST(GroupCollectivesPrefetchTest, PinningAChunkWithAPrefetchInFlightKeepsThePre
       GroupCollectives& c = *ranks[r]->collectives;
       const TensorId own = r;
       const ChunkId local = (*m.tensor(own))->chunk;
-      for (TensorId t = 0; t < kWorld; ++t) {  // initialization: every rank builds everything
-        auto view = m.Access(t, TierKind::kHost);
-        ASSERT_TRUE(view.ok()) << view.status();
-        auto* data = reinterpret_cast<float*>(view->address);
-        for (int64_t i = 0; i < view->numel; ++i) data[i] = Value(t, i);
-        ASSERT_TRUE(m.Release(t, TensorState::kHold).ok());
-      }
+      WriteEveryTensor(m, TierKind::kHost);  // initialization: every rank builds everything
       ASSERT_TRUE(c.ReleaseAll(ChunkKind::kComputeParam).ok());
       ASSERT_TRUE(m.RestartWarmup().ok());
       for (int iteration = 0; iteration < 3; ++iteration) {
