@@ -434,6 +434,34 @@ void InitComm(py::module_& module) {
           },
           py::arg("group"))
       .def(
+          "start_gather",
+          [](PyGroupCollectives& self, ChunkId group) {
+            return ValueOrThrow(
+                self.Run([&](GroupCollectives& c) { return c.StartGather(group); }));
+          },
+          py::arg("group"),
+          "Issues the group's gather and returns at once, the group pinned until the next "
+          "gather() of it, finish_gathers() or release_all() (Note [Started gathers]).")
+      .def("finish_gathers",
+           [](PyGroupCollectives& self) {
+             ThrowIfError(self.Run([](GroupCollectives& c) { return c.FinishGathers(); }));
+           })
+      .def_property_readonly(
+          "pending_gathers",
+          [](PyGroupCollectives& self) {
+            return self.Run([](GroupCollectives& c) { return c.pending_gathers(); });
+          })
+      .def_property_readonly(
+          "gathers_started",
+          [](PyGroupCollectives& self) {
+            return self.Run([](GroupCollectives& c) { return c.gathers_started(); });
+          })
+      .def_property_readonly(
+          "gathers_declined",
+          [](PyGroupCollectives& self) {
+            return self.Run([](GroupCollectives& c) { return c.gathers_declined(); });
+          })
+      .def(
           "release_all",
           [](PyGroupCollectives& self, ChunkKind kind) {
             ThrowIfError(self.Run([&](GroupCollectives& c) { return c.ReleaseAll(kind); }));

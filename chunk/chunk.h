@@ -63,6 +63,9 @@ class Chunk {
   int tier_index() const { return tier_index_; }  // -1 when released
   int compute_tensors() const { return compute_tensors_; }
   bool prefetch_in_flight() const { return pending_.has_value(); }
+  // The tier a copy in flight is bringing the payload to (where the next Access settles it);
+  // -1 when none is.
+  int pending_tier_index() const { return pending_.has_value() ? pending_->tier_index : -1; }
   bool pinned() const { return compute_tensors_ > 0 || pending_.has_value(); }
 
  private:

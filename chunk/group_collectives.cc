@@ -1,6 +1,7 @@
 #include "chunk/group_collectives.h"
 
 #include <algorithm>
+#include <optional>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -111,7 +112,12 @@ TierKind GroupCollectives::TierFor(const Chunk& chunk) const {
   // Gradient chunks have no views outside the engine's hooks; moving them to the collective's
   // tier keeps a pending reduce-scatter from holding device memory during backward.
   if (!chunk.has_payload() || chunk.kind() == ChunkKind::kGradient) return options_.tier;
-  const Tier& tier = manager_->tier(chunk.tier_index());
+  // A chunk with a copy in flight (a prefetch for the access after this collective) is pinned
+  // where the copy lands: pinning it at its source would settle the copy and move it straight
+  // back (Note [Pinning a group for a collective]).
+  const int where =
+      chunk.prefetch_in_flight() ? chunk.pending_tier_index() : chunk.tier_index();
+  const Tier& tier = manager_->tier(where);
   const bool usable =
       tier.kind() != TierKind::kNvme && tier.address_space() == communicator_->address_space();
   return usable ? tier.kind() : options_.tier;
@@ -136,7 +142,22 @@ absl::Status GroupCollectives::WaitAll(const std::vector<CollectiveHandle>& hand
   return first_error;
 }
 
-absl::StatusOr<bool> GroupCollectives::Gather(ChunkId group) {
+GroupCollectives::~GroupCollectives() {
+  // The communicator may still be writing into the buffers of started gathers: wait for them
+  // before their chunks can be unpinned and freed. One that does not finish (a dead peer)
+  // stays pinned: its memory is leaked rather than reused under a late write.
+  for (Pending& pending : gathers_) {
+    if (WaitAll(pending.handles).ok()) Unpin(pending.pins).IgnoreError();
+  }
+  for (Pending& pending : abandoned_) {
+    const bool done = std::all_of(pending.handles.begin(), pending.handles.end(),
+                                  [](const CollectiveHandle& h) { return h.done(); });
+    if (done) Unpin(pending.pins).IgnoreError();
+  }
+}
+
+absl::StatusOr<std::optional<GroupCollectives::Pending>> GroupCollectives::IssueGather(
+    ChunkId group) {
   int64_t count = 0;
   DType dtype = DType::kFloat32;
   PS_ASSIGN_OR_RETURN(const std::vector<ChunkId> members, Members(group, &count, &dtype));
@@ -148,16 +169,17 @@ absl::StatusOr<bool> GroupCollectives::Gather(ChunkId group) {
       break;
     }
   }
-  if (probe < 0) return false;  // a group of padding chunks: nothing to gather on any rank
+  if (probe < 0) return std::nullopt;  // a group of padding chunks: nothing to gather anywhere
   PS_ASSIGN_OR_RETURN(const GatherPlan plan, manager_->PlanGather(probe));
-  if (!plan.needs_gather) return false;
-  std::vector<Pin> pins;
+  if (!plan.needs_gather) return std::nullopt;
+  Pending pending;
+  pending.first = members.front();
   std::vector<void*> buffers(members.size(), nullptr);
   absl::Status status;
   for (size_t r = 0; r < members.size() && status.ok(); ++r) {
     const ChunkId member = members[r];
     if (member == plan.local_chunk) {
-      absl::StatusOr<void*> pinned = PinChunk(member, /*zero_fill=*/false, &pins);
+      absl::StatusOr<void*> pinned = PinChunk(member, /*zero_fill=*/false, &pending.pins);
       status = pinned.status();
       if (pinned.ok()) buffers[r] = *pinned;
     } else if (std::find(plan.to_receive.begin(), plan.to_receive.end(), member) !=
@@ -167,34 +189,101 @@ absl::StatusOr<bool> GroupCollectives::Gather(ChunkId group) {
       status = manager_->MaterializeGathered(member, options_.tier,
                                              [](void*, int64_t) { return absl::OkStatus(); });
       if (!status.ok()) break;
-      absl::StatusOr<void*> pinned = PinChunk(member, /*zero_fill=*/false, &pins);
+      absl::StatusOr<void*> pinned = PinChunk(member, /*zero_fill=*/false, &pending.pins);
       status = pinned.status();
       if (pinned.ok()) buffers[r] = *pinned;
     }
   }
-  if (status.ok()) {
-    std::vector<CollectiveHandle> handles;
-    const std::string label = Label(members.front());
-    if (options_.memory_saving) {
-      for (size_t r = 0; r < members.size(); ++r) {
-        handles.push_back(communicator_->Broadcast(buffers[r], count, dtype, static_cast<int>(r),
-                                                   absl::StrCat(label, ", chunk ", r)));
-      }
-    } else {
-      handles.push_back(communicator_->AllGather(buffers, count, dtype, label));
-    }
-    collectives_issued_ += static_cast<int64_t>(handles.size());
-    bytes_communicated_ += count * ElementSize(dtype) * static_cast<int64_t>(members.size());
-    status = WaitAll(handles);
+  if (!status.ok()) {
+    Unpin(pending.pins).IgnoreError();  // the first error is the one to report
+    manager_->ReleaseGroup(pending.first).IgnoreError();  // drop what was materialized
+    return status;
   }
-  absl::Status unpinned = Unpin(pins);
-  PS_RETURN_IF_ERROR(status);
-  PS_RETURN_IF_ERROR(unpinned);
-  PS_RETURN_IF_ERROR(manager_->CompleteGather(members.front()));
+  const std::string label = Label(pending.first);
+  if (options_.memory_saving) {
+    for (size_t r = 0; r < members.size(); ++r) {
+      pending.handles.push_back(communicator_->Broadcast(
+          buffers[r], count, dtype, static_cast<int>(r), absl::StrCat(label, ", chunk ", r)));
+    }
+  } else {
+    pending.handles.push_back(communicator_->AllGather(buffers, count, dtype, label));
+  }
+  collectives_issued_ += static_cast<int64_t>(pending.handles.size());
+  bytes_communicated_ += count * ElementSize(dtype) * static_cast<int64_t>(members.size());
+  return pending;
+}
+
+absl::Status GroupCollectives::FinishGathersThrough(size_t index) {
+  for (size_t i = 0; i <= index; ++i) {
+    Pending pending = std::move(gathers_.front());
+    gathers_.pop_front();
+    absl::Status status = WaitAll(pending.handles);
+    if (status.ok()) status = Unpin(pending.pins);
+    if (status.ok()) status = manager_->CompleteGather(pending.first);
+    if (status.ok()) continue;
+    // Note [Started gathers]: a failed collective is reported at once, naming it; the ones
+    // queued behind it are not waited for (they would fail or time out in turn). Their chunks
+    // stay pinned, as the communicator may still write into them, and the groups stay
+    // ungathered.
+    abandoned_.push_back(std::move(pending));
+    while (!gathers_.empty()) {
+      abandoned_.push_back(std::move(gathers_.front()));
+      gathers_.pop_front();
+    }
+    return status;
+  }
+  return absl::OkStatus();
+}
+
+int GroupCollectives::FindStartedGather(ChunkId first) const {
+  for (size_t i = 0; i < gathers_.size(); ++i) {
+    if (gathers_[i].first == first) return static_cast<int>(i);
+  }
+  return -1;
+}
+
+absl::StatusOr<bool> GroupCollectives::StartGather(ChunkId group) {
+  PS_ASSIGN_OR_RETURN(const Chunk* any, manager_->chunk(group));
+  if (FindStartedGather(any->id() - any->index_in_list() % manager_->world_size()) >= 0) {
+    return false;  // already on its way
+  }
+  absl::StatusOr<std::optional<Pending>> pending = IssueGather(group);
+  if (absl::IsResourceExhausted(pending.status())) {
+    // No room to pin the group now (Note [Started gathers]): nothing was issued and the group
+    // is as it was, so the Gather that needs it issues it, at the same place in the sequence.
+    gathers_declined_ += 1;
+    return false;
+  }
+  PS_RETURN_IF_ERROR(pending.status());
+  if (!pending->has_value()) return false;
+  gathers_.push_back(**std::move(pending));
+  gathers_started_ += 1;
   return true;
 }
 
+absl::StatusOr<bool> GroupCollectives::Gather(ChunkId group) {
+  PS_ASSIGN_OR_RETURN(const Chunk* any, manager_->chunk(group));
+  const int started = FindStartedGather(any->id() - any->index_in_list() % manager_->world_size());
+  if (started >= 0) {
+    // Finish it and every gather started before it, in issue order.
+    PS_RETURN_IF_ERROR(FinishGathersThrough(static_cast<size_t>(started)));
+    return true;
+  }
+  PS_ASSIGN_OR_RETURN(std::optional<Pending> pending, IssueGather(group));
+  if (!pending.has_value()) return false;
+  gathers_.push_back(*std::move(pending));
+  PS_RETURN_IF_ERROR(FinishGathersThrough(gathers_.size() - 1));
+  return true;
+}
+
+absl::Status GroupCollectives::FinishGathers() {
+  if (gathers_.empty()) return absl::OkStatus();
+  return FinishGathersThrough(gathers_.size() - 1);
+}
+
 absl::Status GroupCollectives::ReleaseAll(ChunkKind kind) {
+  // A started gather pins its chunks and is still writing into them: finish it first.
+  if (kind == ChunkKind::kComputeParam) PS_RETURN_IF_ERROR(FinishGathers());
   // Every group, on every rank, whether or not this rank holds a remote payload of it (it may
   // own all of a group's tensors): whether a later Gather runs its collective must not depend
   // on the rank (Note [Collective order]).

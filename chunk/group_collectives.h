@@ -12,16 +12,40 @@
 // (a tensor of the local chunk of a reduce-scatter goes to HOLD: it now holds the reduced
 // gradient). A member without tensors (padding) or without data is passed as a null buffer (Note
 // [Group collectives] in runtime/communicator.h). The extra accesses appear in the tracer's access
-// sequence like any other.
+// sequence like any other. A parameter chunk with a prefetch in flight counts as being where the
+// prefetch takes it: the trace that issued the prefetch says it is used there right after the
+// collective, and pinning it at the old place would copy it back there and then up again (found
+// with prefetch on under data parallelism: every gathered group's local chunk made the round trip,
+// test PinningAChunkWithAPrefetchInFlightKeepsThePrefetch).
 //
 // Note [Collective order]
 // The caller decides *when*; this class only guarantees that each call issues its collectives
 // at once, in a fixed order, and that Finish waits for them in issue order. The engine keeps the
 // sequence of calls identical on every rank (data_parallel.py, Note [A data-independent
 // collective schedule]).
+//
+// Note [Started gathers]
+// StartGather issues a group's gather and returns with the group pinned (as Gather pins it);
+// the next Gather of that group, FinishGathers or ReleaseAll(kComputeParam) waits for it, and
+// for every gather started before it, in issue order, then unpins and marks the group gathered.
+// Starting is only a matter of timing: the collective is issued at the call, so a caller that
+// starts and gathers groups in the same order on every rank issues the same sequence as with
+// Gather alone, whichever rank's collectives finish first. While a group is in flight nothing
+// else may touch its chunks (the communicator writes into them on its thread): the caller
+// finishes a group's gather before accessing any tensor of it, local ones included (their
+// chunk is pinned for the send), and ReleaseAll finishes every started gather before it drops
+// payloads. Pinning ahead holds memory longer than gathering at first use; when a tier cannot
+// take the group now (ResourceExhausted) StartGather issues nothing, leaves the group as it
+// was and returns false, and the Gather at first use issues the collective: a rank that
+// declines and one that starts still issue the same sequence. A started gather that fails (a dead peer, or one past the timeout) is an error
+// naming the collective at the Gather / FinishGathers that waits for it, never a hang; it and
+// every gather queued behind it are abandoned without further waiting: their groups stay
+// ungathered and their chunks stay pinned, because the communicator may still write into them
+// (the destructor unpins those that finished by then).
 #pragma once
 
 #include <deque>
+#include <optional>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -53,11 +77,22 @@ class GroupCollectives {
   // The first chunk of the group of `tensor`.
   absl::StatusOr<ChunkId> GroupOf(TensorId tensor) const;
 
+  ~GroupCollectives();  // waits for started gathers (the communicator writes into their chunks)
+
   // Gathers the group (named by any of its chunks) if this rank lacks data of it (PlanGather's
-  // needs_gather); synchronous. Returns whether a collective ran.
+  // needs_gather); synchronous. A group whose gather was started is finished (with every gather
+  // started before it). Returns whether a collective ran for it.
   absl::StatusOr<bool> Gather(ChunkId group);
+  // Issues the gather of the group if it needs one and is not started yet, and returns at once
+  // with the group pinned (Note [Started gathers]). Returns whether a collective started: false
+  // too when a tier has no room to pin the group now (Gather issues it later).
+  absl::StatusOr<bool> StartGather(ChunkId group);
+  // Finishes every started gather, in issue order.
+  absl::Status FinishGathers();
+  int pending_gathers() const { return static_cast<int>(gathers_.size()); }
   // Releases every group of `kind` (ReleaseGroup): remote payloads are dropped and the next
-  // Gather of each group runs its collective, on every rank alike.
+  // Gather of each group runs its collective, on every rank alike. Finishes started gathers
+  // first.
   absl::Status ReleaseAll(ChunkKind kind);
 
   // Starts the reduce-scatter of a gradient group; its chunks stay pinned until
@@ -70,6 +105,8 @@ class GroupCollectives {
   // Counters for tests and benchmarks.
   int64_t collectives_issued() const { return collectives_issued_; }
   int64_t bytes_communicated() const { return bytes_communicated_; }  // per rank, group bytes
+  int64_t gathers_started() const { return gathers_started_; }  // collectives StartGather issued
+  int64_t gathers_declined() const { return gathers_declined_; }  // StartGather without room
 
  private:
   struct Pin {
@@ -96,12 +133,21 @@ class GroupCollectives {
   // memory); gradient chunks, and chunks elsewhere, go to options_.tier.
   TierKind TierFor(const Chunk& chunk) const;
   absl::Status WaitAll(const std::vector<CollectiveHandle>& handles) const;
+  // Pins the group and issues its gather; nullopt when it needs none.
+  absl::StatusOr<std::optional<Pending>> IssueGather(ChunkId group);
+  // Waits for gathers_[0..index] in order, completing each (Note [Started gathers]).
+  absl::Status FinishGathersThrough(size_t index);
+  int FindStartedGather(ChunkId first) const;  // its index in gathers_, or -1
   std::string Label(ChunkId first) const;
 
   ChunkManager* manager_;
   Communicator* communicator_;
   GroupCollectiveOptions options_;
-  std::deque<Pending> pending_;
+  std::deque<Pending> pending_;    // started reduce-scatters
+  std::deque<Pending> gathers_;    // started gathers, in issue order
+  std::deque<Pending> abandoned_;  // failed gathers and those queued behind them
+  int64_t gathers_started_ = 0;
+  int64_t gathers_declined_ = 0;
   int64_t collectives_issued_ = 0;
   int64_t bytes_communicated_ = 0;
 };

@@ -113,6 +113,10 @@ class ParallelConfig:
     collective_timeout: float = 300.0
     memory_saving: bool = False
     reduce_scatter: str = "ring"
+    # Groups whose allgather is started ahead of use, after the one being gathered (0: gather
+    # each group only when first used; data_parallel.py, Note [A data-independent collective
+    # schedule]).
+    gather_ahead: int = 1
     # Pipeline parallelism (pipe/): "1f1b" or "gpipe".
     schedule: str = "1f1b"
 
@@ -314,7 +318,8 @@ def _parse_profile(raw: Any) -> ProfileConfig:
 def _parse_parallel(raw: Any) -> ParallelConfig:
     section = _section("parallel", raw)
     _check_keys("parallel", section, {"data", "pipeline", "tensor", "collective_timeout",
-                                      "memory_saving", "reduce_scatter", "schedule"})
+                                      "memory_saving", "reduce_scatter", "schedule",
+                                      "gather_ahead"})
     data = section.get("data")
     reduce_scatter = section.get("reduce_scatter", "ring")
     if reduce_scatter not in ("ring", "native", "allreduce"):
@@ -331,6 +336,8 @@ def _parse_parallel(raw: Any) -> ParallelConfig:
                                    strict=True),
         memory_saving=_bool("parallel.memory_saving", section.get("memory_saving", False)),
         reduce_scatter=reduce_scatter,
+        gather_ahead=_number("parallel.gather_ahead", section.get("gather_ahead", 1), minimum=0,
+                             integer=True),
         data=None if data is None else _number("parallel.data", data, minimum=1, integer=True),
         pipeline=_number("parallel.pipeline", section.get("pipeline", 1), minimum=1,
                          integer=True),

@@ -22,6 +22,16 @@ group collectives therefore follow a fixed order and only their *timing* follows
     optimizer step changes the parameters, when every rank releases them all. So a group is
     never re-gathered within a step, which also makes tied weights and modules called twice
     safe, and with gradient accumulation the micro-steps after the first need no gather.
+    With `parallel.gather_ahead` = k > 0 (default 1) gathering group g first *starts* the
+    allgathers of groups up to g + k (GroupCollectives.start_gather: issued on the
+    communicator's thread, the group pinned, Note [Started gathers] in
+    chunk/group_collectives.h), so group g + 1's bytes travel while group g computes; the
+    first access of any tensor of a started group, local ones included (its chunk is pinned
+    for the send), finishes it. Starting changes when a collective is issued, never which one
+    comes next: the sequence is still every group once, ascending, on every rank, and a rank
+    that starts nothing ahead pairs with one that does. The optimizer step (release_all), the
+    end of forward and state_dict() finish whatever is in flight; a started gather that fails
+    raises naming its collective where it is waited for.
   * reduce-scatters of gradient groups go in descending group order (backward runs the model in
     reverse), only on the micro-step that ends an accumulation: group g is started, on the
     communicator's own thread, as soon as every trainable tensor of g and of all groups after it
@@ -72,6 +82,8 @@ class DataParallel:
         self.timeout = float(config.parallel.collective_timeout)
         self._engine = None
         self.early_reduce_scatters = 0  # started while backward was still running
+        self.gather_ahead = int(config.parallel.gather_ahead)
+        self.gathers_ahead = 0  # gathers started before any tensor of their group was needed
         # Pipeline stages / tensor slices: the norm and overflow flag span the model group too.
         self.model_parallel: topology.ModelParallelGradStats | None = None
 
@@ -125,15 +137,17 @@ class DataParallel:
             memory_saving=parallel.memory_saving, gradient_op="avg")
         self._compute_groups = self.collectives.groups(K.COMPUTE_PARAM)
         position = {first: p for p, first in enumerate(self._compute_groups)}
-        # Remote compute tensors -> position of their group in the gather order.
+        # Compute tensors -> position of their group in the gather order; whether remote.
         self._gather_position = {}
+        self._remote = set()
         self._owned = []
         for ids in engine._ids:
             self._owned.append(self.owns(manager, ids.compute))
+            self._gather_position[ids.compute] = position[self.collectives.group_of(ids.compute)]
             if not self._owned[-1]:
-                self._gather_position[ids.compute] = position[self.collectives.group_of(
-                    ids.compute)]
-        self._gather_cursor = 0
+                self._remote.add(ids.compute)
+        self._gather_cursor = 0  # groups before it are gathered
+        self._started = 0  # groups before it are gathered or started (gather_ahead > 0)
         # Gradient groups in reduce-scatter order, and which parameters each one waits for.
         self._grad_groups = list(reversed(self.collectives.groups(K.GRADIENT)))
         grad_position = {first: p for p, first in enumerate(self._grad_groups)}
@@ -170,13 +184,28 @@ class DataParallel:
 
     def _before_access(self, tensor_id: int) -> None:
         position = self._gather_position.get(tensor_id)
-        if position is not None and position >= self._gather_cursor:
+        if position is None or position < self._gather_cursor:
+            return
+        # A remote tensor needs its group's bytes; a local one needs its chunk unpinned by a
+        # started gather (Note [Started gathers] in chunk/group_collectives.h).
+        if tensor_id in self._remote or position < self._started:
             self._gather_through(position)
 
     def _gather_through(self, position: int) -> None:
+        """Gathers the groups up to `position` in order, first starting the next
+        `gather_ahead` ones after it, so that their collectives run while this rank computes."""
+        groups = self._compute_groups
         while self._gather_cursor <= position:
-            self.collectives.gather(self._compute_groups[self._gather_cursor])
+            if self.gather_ahead > 0:  # at most gather_ahead + 1 groups in flight
+                end = min(self._gather_cursor + 1 + self.gather_ahead, len(groups))
+                while self._started < end:
+                    if self.collectives.start_gather(groups[self._started]) and (
+                            self._started > position):
+                        self.gathers_ahead += 1
+                    self._started += 1
+            self.collectives.gather(groups[self._gather_cursor])
             self._gather_cursor += 1
+        self._started = max(self._started, self._gather_cursor)
 
     def gather_all(self) -> None:
         """Gathers every group not gathered since the last step (the end of a forward, and
@@ -248,7 +277,10 @@ class DataParallel:
         return overflow, squared
 
     def after_step(self) -> None:
-        """The parameters changed: every rank drops its gathered copies."""
+        """The parameters changed: every rank drops its gathered copies (finishing a gather
+        still in flight first)."""
         if self.enabled:
-            self.collectives.release_all(K.COMPUTE_PARAM)
-            self._gather_cursor = 0
+            try:
+                self.collectives.release_all(K.COMPUTE_PARAM)
+            finally:
+                self._gather_cursor = self._started = 0

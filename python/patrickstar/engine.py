@@ -87,11 +87,12 @@ class _ChunkManager:
         # Prefetch looks PREFETCH_MOMENTS moments ahead in the warm-up trace (Note [Prefetch] in
         # chunk_manager.cc). It was off while prefetch moves corrupted backward; the cause was
         # autograd's saved views of moved chunks (Note [Saved views of parameters]), not the
-        # manager. Data parallelism does not prefetch yet: its group pinning and gathers are not
-        # in the trace the prefetcher reads, and with both a rank dies in the 2-rank tests.
+        # manager. Data parallelism prefetches too: a group's gather pins its local chunk where a
+        # prefetch in flight takes it (Note [Pinning a group for a collective]), and the pins
+        # and gathers are accesses in the trace like any other.
         self.manager = _C.ChunkManager(tiers=tiers, copy_engine=copy_engine,
                                        world_size=world_size, rank=rank,
-                                       prefetch_moments=PREFETCH_MOMENTS if world_size == 1 else 0)
+                                       prefetch_moments=PREFETCH_MOMENTS)
         self.before_access = None  # data parallelism: gathers a remote group first
 
     def __getattr__(self, name):

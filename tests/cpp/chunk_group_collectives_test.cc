@@ -49,6 +49,44 @@ struct Rank {
   std::unique_ptr<GroupCollectives> collectives;
 };
 
+// The ranks of `world`, each with `tensors` tensors of a whole chunk (tensor t alone in chunk t,
+// owned by rank t % world); `configure` adjusts a rank's hierarchy and manager options.
+std::vector<std::unique_ptr<Rank>> OneTensorPerChunk(
+    const std::shared_ptr<testing::FakeWorld>& world, int tensors,
+    const std::function<void(int, Rank&, ChunkManagerOptions&)>& configure,
+    GroupCollectiveOptions collective_options = {}) {
+  std::vector<std::unique_ptr<Rank>> ranks;
+  for (int r = 0; r < world->world_size(); ++r) {
+    auto rank = std::make_unique<Rank>();
+    ChunkManagerOptions options;
+    options.world_size = world->world_size();
+    options.rank = r;
+    configure(r, *rank, options);
+    rank->manager = testing::MakeManager(rank->hierarchy, options);
+    for (int t = 0; t < tensors; ++t) {
+      const TensorSpec spec = testing::Spec(absl::StrCat("w", t), {kChunkElements});
+      EXPECT_TRUE(rank->manager->RegisterTensor(spec).ok());
+    }
+    EXPECT_TRUE(rank->manager->BuildChunkLists(kChunkElements).ok());
+    rank->communicator = std::make_unique<testing::FakeCommunicator>(world, r);
+    rank->collectives = *GroupCollectives::Create(rank->manager.get(), rank->communicator.get(),
+                                                  collective_options);
+    ranks.push_back(std::move(rank));
+  }
+  return ranks;
+}
+
+// Every rank builds every tensor (Value) in `tier`, as initialization does.
+void WriteEveryTensor(ChunkManager& m, TierKind tier) {
+  for (TensorId t = 0; t < m.num_tensors(); ++t) {
+    auto view = m.Access(t, tier);
+    ASSERT_TRUE(view.ok()) << view.status();
+    auto* data = reinterpret_cast<float*>(view->address);
+    for (int64_t i = 0; i < view->numel; ++i) data[i] = Value(t, i);
+    ASSERT_TRUE(m.Release(t, TensorState::kHold).ok());
+  }
+}
+
 class GroupCollectivesTest : public ::testing::TestWithParam<int> {
  protected:
   void Build(GroupCollectiveOptions options) {
@@ -95,6 +133,12 @@ class GroupCollectivesTest : public ::testing::TestWithParam<int> {
     ASSERT_TRUE(m.Release(tensor, TensorState::kHold).ok());
   }
 
+  // Initialization: every rank writes every parameter (1 * Value), then keeps its own chunks.
+  void InitializeAndRelease(int r) {
+    for (TensorId t = 0; t < NumParams(); ++t) Write(r, t, 1.0f);
+    ASSERT_TRUE(ranks_[r]->collectives->ReleaseAll(ChunkKind::kComputeParam).ok());
+  }
+
   // Reads a tensor and compares it with scale * Value.
   void Expect(int r, TensorId tensor, float scale) {
     ChunkManager& m = *ranks_[r]->manager;
@@ -118,9 +162,7 @@ TEST_P(GroupCollectivesTest, GatherBringsBackTheOwnersBytesOneCollectivePerGroup
   OnEveryRank([&](int r) {
     ChunkManager& m = *ranks_[r]->manager;
     GroupCollectives& c = *ranks_[r]->collectives;
-    // Initialization: the same values everywhere, then only owned chunks are kept.
-    for (TensorId t = 0; t < NumParams(); ++t) Write(r, t, 1.0f);
-    ASSERT_TRUE(c.ReleaseAll(ChunkKind::kComputeParam).ok());
+    InitializeAndRelease(r);
     // The owner changes its chunk (an optimizer step): remote ranks must receive the new bytes.
     for (TensorId t = 0; t < NumParams(); ++t) {
       if (m.IsLocal((*m.tensor(t))->chunk)) Write(r, t, 2.0f);
@@ -177,8 +219,7 @@ TEST_P(GroupCollectivesTest, MemorySavingModeGivesTheSameBytesWithBroadcastAndRe
   OnEveryRank([&](int r) {
     ChunkManager& m = *ranks_[r]->manager;
     GroupCollectives& c = *ranks_[r]->collectives;
-    for (TensorId t = 0; t < NumParams(); ++t) Write(r, t, 1.0f);
-    ASSERT_TRUE(c.ReleaseAll(ChunkKind::kComputeParam).ok());
+    InitializeAndRelease(r);
     const std::vector<ChunkId> groups = c.Groups(ChunkKind::kComputeParam);
     for (ChunkId group : groups) ASSERT_TRUE(c.Gather(group).ok());
     for (TensorId t = 0; t < NumParams(); ++t) Expect(r, t, 1.0f);
@@ -199,8 +240,7 @@ TEST_P(GroupCollectivesTest, ARankThatNeverComesIsADeadlineNamingTheCollective) 
   options.timeout = absl::Milliseconds(200);
   Build(options);
   OnEveryRank([&](int r) {
-    for (TensorId t = 0; t < NumParams(); ++t) Write(r, t, 1.0f);
-    ASSERT_TRUE(ranks_[r]->collectives->ReleaseAll(ChunkKind::kComputeParam).ok());
+    InitializeAndRelease(r);
   });
   // Only rank 0 runs its program; the others are "dead".
   GroupCollectives& c = *ranks_[0]->collectives;
@@ -210,6 +250,172 @@ TEST_P(GroupCollectivesTest, ARankThatNeverComesIsADeadlineNamingTheCollective) 
   EXPECT_THAT(gathered.status().message(), HasSubstr("allgather"));
   EXPECT_THAT(gathered.status().message(), HasSubstr("compute_param group 0"));
   EXPECT_THAT(gathered.status().message(), HasSubstr("on fake"));
+}
+
+// Note [Started gathers]: starting is only timing. Even ranks start every group's gather ahead
+// and then gather them in order; odd ranks gather synchronously: the collectives still pair up
+// (one per group, issued in the same order everywhere) and bring back the owners' bytes. While
+// a gather is in flight its group's chunks with data are pinned, and starting it again issues
+// nothing.
+TEST_P(GroupCollectivesTest, StartedGathersKeepTheOrderAndPinTheirGroups) {
+  Build({});
+  OnEveryRank([&](int r) {
+    ChunkManager& m = *ranks_[r]->manager;
+    GroupCollectives& c = *ranks_[r]->collectives;
+    InitializeAndRelease(r);
+    for (TensorId t = 0; t < NumParams(); ++t) {
+      if (m.IsLocal((*m.tensor(t))->chunk)) Write(r, t, 3.0f);
+    }
+    const std::vector<ChunkId> groups = c.Groups(ChunkKind::kComputeParam);
+    ASSERT_GT(groups.size(), 1u);
+    const bool ahead = r % 2 == 0;
+    if (ahead) {
+      for (ChunkId group : groups) {
+        auto started = c.StartGather(group);
+        ASSERT_TRUE(started.ok()) << started.status();
+        EXPECT_TRUE(*started);
+        auto again = c.StartGather(group);
+        ASSERT_TRUE(again.ok());
+        EXPECT_FALSE(*again);
+        for (int k = 0; k < world_size_; ++k) {
+          const Chunk& member = **m.chunk(group + k);
+          if (member.tensors().empty()) continue;
+          EXPECT_TRUE(member.pinned()) << "rank " << r << " chunk " << member.id();
+          EXPECT_TRUE(member.has_payload()) << "rank " << r << " chunk " << member.id();
+        }
+      }
+      EXPECT_EQ(c.pending_gathers(), static_cast<int>(groups.size()));
+      EXPECT_EQ(c.collectives_issued(), static_cast<int64_t>(groups.size()));
+    }
+    for (ChunkId group : groups) {
+      auto gathered = c.Gather(group);
+      ASSERT_TRUE(gathered.ok()) << gathered.status();
+      EXPECT_TRUE(*gathered);
+      for (int k = 0; k < world_size_; ++k) {
+        EXPECT_FALSE((*m.chunk(group + k))->pinned()) << "rank " << r << " chunk " << group + k;
+      }
+    }
+    EXPECT_EQ(c.pending_gathers(), 0);
+    EXPECT_EQ(c.gathers_started(), ahead ? static_cast<int64_t>(groups.size()) : 0);
+    EXPECT_EQ(c.collectives_issued(), static_cast<int64_t>(groups.size()));
+    for (TensorId t = 0; t < NumParams(); ++t) Expect(r, t, 3.0f);
+  });
+}
+
+// ReleaseAll after StartGather (an optimizer step, or an error in forward, while a gather is
+// in flight) finishes it before dropping payloads; the next step gathers the group again.
+TEST_P(GroupCollectivesTest, ReleaseAllFinishesAStartedGather) {
+  Build({});
+  OnEveryRank([&](int r) {
+    ChunkManager& m = *ranks_[r]->manager;
+    GroupCollectives& c = *ranks_[r]->collectives;
+    InitializeAndRelease(r);
+    const std::vector<ChunkId> groups = c.Groups(ChunkKind::kComputeParam);
+    ASSERT_GE(groups.size(), 2u);
+    ASSERT_TRUE(c.StartGather(groups[0]).ok());
+    ASSERT_TRUE(c.StartGather(groups[1]).ok());
+    ASSERT_TRUE(c.FinishGathers().ok());
+    EXPECT_EQ(c.pending_gathers(), 0);
+    auto started = c.StartGather(groups[0]);  // gathered already: nothing to start
+    ASSERT_TRUE(started.ok());
+    EXPECT_FALSE(*started);
+    EXPECT_EQ(c.pending_gathers(), 0);
+    ASSERT_TRUE(c.ReleaseAll(ChunkKind::kComputeParam).ok());
+    started = c.StartGather(groups[1]);
+    ASSERT_TRUE(started.ok()) << started.status();
+    EXPECT_TRUE(*started);
+    ASSERT_TRUE(c.ReleaseAll(ChunkKind::kComputeParam).ok()) << "rank " << r;
+    EXPECT_EQ(c.pending_gathers(), 0);
+    for (ChunkId id = 0; id < m.num_chunks(); ++id) {
+      EXPECT_FALSE((*m.chunk(id))->pinned()) << "rank " << r << " chunk " << id;
+    }
+    for (ChunkId group : groups) {
+      auto gathered = c.Gather(group);
+      ASSERT_TRUE(gathered.ok()) << gathered.status();
+      EXPECT_TRUE(*gathered);
+    }
+    EXPECT_EQ(c.collectives_issued(), static_cast<int64_t>(3 + groups.size()));
+    for (TensorId t = 0; t < NumParams(); ++t) Expect(r, t, 1.0f);
+  });
+}
+
+// A started gather whose peers never come is an error naming the collective where it is
+// waited for, and the gathers queued behind it are dropped without waiting for them too.
+TEST_P(GroupCollectivesTest, AStartedGatherWithoutPeersIsADeadlineNamingTheCollective) {
+  GroupCollectiveOptions options;
+  options.timeout = absl::Milliseconds(200);
+  Build(options);
+  OnEveryRank([&](int r) {
+    InitializeAndRelease(r);
+  });
+  GroupCollectives& c = *ranks_[0]->collectives;
+  const std::vector<ChunkId> groups = c.Groups(ChunkKind::kComputeParam);
+  auto started = c.StartGather(groups[0]);
+  ASSERT_TRUE(started.ok()) << started.status();  // issuing does not wait
+  ASSERT_TRUE(c.StartGather(groups[1]).ok());
+  auto gathered = c.Gather(groups[1]);
+  ASSERT_FALSE(gathered.ok());
+  EXPECT_EQ(gathered.status().code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_THAT(gathered.status().message(), HasSubstr("allgather"));
+  EXPECT_THAT(gathered.status().message(), HasSubstr("compute_param group 0"));
+  EXPECT_EQ(c.pending_gathers(), 0);
+  EXPECT_TRUE(c.FinishGathers().ok());  // nothing left to wait for
+}
+
+// Note [Started gathers]: a rank whose host tier cannot take a started group's received chunk
+// yet declines to start it (nothing issued, the group untouched) and gathers it at first use;
+// the other rank starts it ahead. The collectives still pair up and bring the right bytes.
+TEST(GroupCollectivesStartTest, ARankWithoutRoomDeclinesToStartAndGathersAtFirstUse) {
+  constexpr int kWorld = 2;
+  constexpr int64_t kChunkBytes = kChunkElements * 4;
+  auto world = std::make_shared<testing::FakeWorld>(kWorld);
+  GroupCollectiveOptions collective_options;
+  collective_options.timeout = absl::Seconds(30);  // a failing rank must not hang the other
+  // Two groups of two chunks; rank 0's host tier holds one chunk, rank 1's is unlimited.
+  std::vector<std::unique_ptr<Rank>> ranks = OneTensorPerChunk(
+      world, 2 * kWorld,
+      [&](int r, Rank& rank, ChunkManagerOptions&) {
+        rank.hierarchy = testing::MakeHierarchy(0, r == 0 ? kChunkBytes : 0, kChunkBytes);
+      },
+      collective_options);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < kWorld; ++r) {
+    threads.emplace_back([&, r] {
+      ChunkManager& m = *ranks[r]->manager;
+      GroupCollectives& c = *ranks[r]->collectives;
+      WriteEveryTensor(m, TierKind::kDevice);  // initialization, on the device
+      ASSERT_TRUE(c.ReleaseAll(ChunkKind::kComputeParam).ok());
+      const std::vector<ChunkId> groups = c.Groups(ChunkKind::kComputeParam);
+      ASSERT_EQ(groups.size(), 2u);
+      auto gathered = c.Gather(groups[0]);  // group 0's received chunk fills rank 0's host
+      ASSERT_TRUE(gathered.ok()) << gathered.status();
+      auto started = c.StartGather(groups[1]);
+      ASSERT_TRUE(started.ok()) << "rank " << r << ": " << started.status();
+      EXPECT_EQ(*started, r == 1) << "rank " << r;
+      EXPECT_EQ(c.gathers_declined(), r == 0 ? 1 : 0) << "rank " << r;
+      EXPECT_EQ(c.pending_gathers(), r == 0 ? 0 : 1) << "rank " << r;
+      for (ChunkId id = groups[1]; id < groups[1] + kWorld; ++id) {
+        EXPECT_EQ((*m.chunk(id))->pinned(), r == 1) << "rank " << r << " chunk " << id;
+      }
+      for (TensorId t = 0; t < 2 * kWorld; ++t) {  // the model runs, group by group
+        if (t == kWorld) {
+          gathered = c.Gather(groups[1]);
+          ASSERT_TRUE(gathered.ok()) << "rank " << r << ": " << gathered.status();
+          EXPECT_TRUE(*gathered);
+        }
+        auto view = m.Access(t, TierKind::kDevice);
+        ASSERT_TRUE(view.ok()) << view.status();
+        const auto* data = reinterpret_cast<const float*>(view->address);
+        for (int64_t i = 0; i < view->numel; ++i) {
+          ASSERT_EQ(data[i], Value(t, i)) << "rank " << r << " tensor " << t << " element " << i;
+        }
+        ASSERT_TRUE(m.Release(t, TensorState::kHoldAfterFwd).ok());
+      }
+      EXPECT_EQ(c.collectives_issued(), 2);
+    });
+  }
+  for (std::thread& thread : threads) thread.join();
+  for (auto& rank : ranks) rank->collectives.reset();
 }
 
 TEST(GroupCollectivesSingleOwnerTest, EveryRankGathersAGroupOneRankOwnsEntirely) {
@@ -248,6 +454,65 @@ TEST(GroupCollectivesSingleOwnerTest, EveryRankGathersAGroupOneRankOwnsEntirely)
       ASSERT_TRUE(view.ok());
       EXPECT_EQ(reinterpret_cast<float*>(view->address)[7], 42.0f) << "rank " << r;
       ASSERT_TRUE(m.Release(0, TensorState::kHold).ok());
+    });
+  }
+  for (std::thread& thread : threads) thread.join();
+  for (auto& rank : ranks) rank->collectives.reset();
+}
+
+// Note [Pinning a group for a collective]: with prefetch on, the trace of the warm-up iteration
+// says the local chunk of a group is pinned for the gather (where it was then: host) and used on
+// the device right after, so the next iteration's Tick prefetches it to the device. The gather's
+// pin must take it there, not settle the prefetch and copy it back to the host.
+TEST(GroupCollectivesPrefetchTest, PinningAChunkWithAPrefetchInFlightKeepsThePrefetch) {
+  constexpr int kWorld = 2;
+  auto world = std::make_shared<testing::FakeWorld>(kWorld);
+  // One group of two full chunks: tensor r alone in chunk r, owned by rank r.
+  std::vector<std::unique_ptr<Rank>> ranks =
+      OneTensorPerChunk(world, kWorld, [](int, Rank&, ChunkManagerOptions& options) {
+        options.prefetch_moments = 2;
+      });
+  std::vector<std::thread> threads;
+  for (int r = 0; r < kWorld; ++r) {
+    threads.emplace_back([&, r] {
+      ChunkManager& m = *ranks[r]->manager;
+      GroupCollectives& c = *ranks[r]->collectives;
+      const TensorId own = r;
+      const ChunkId local = (*m.tensor(own))->chunk;
+      WriteEveryTensor(m, TierKind::kHost);  // initialization: every rank builds everything
+      ASSERT_TRUE(c.ReleaseAll(ChunkKind::kComputeParam).ok());
+      ASSERT_TRUE(m.RestartWarmup().ok());
+      for (int iteration = 0; iteration < 3; ++iteration) {
+        // The optimizer step left the local chunk on the host (evicted, or updated there).
+        ASSERT_TRUE(m.MoveChunk(local, TierKind::kHost).ok());
+        ASSERT_TRUE(m.Tick().ok());  // a module's pre-forward
+        const bool prefetching = (*m.chunk(local))->prefetch_in_flight();
+        EXPECT_EQ(prefetching, iteration > 0) << "rank " << r << " iteration " << iteration;
+        const std::vector<TierChunkStats> before = m.Stats();
+        auto gathered = c.Gather(c.Groups(ChunkKind::kComputeParam).front());
+        ASSERT_TRUE(gathered.ok()) << gathered.status();
+        ASSERT_TRUE(*gathered);
+        for (TensorId t = 0; t < kWorld; ++t) {  // the module computes on the device
+          auto view = m.Access(t, TierKind::kDevice);
+          ASSERT_TRUE(view.ok()) << view.status();
+          const auto* data = reinterpret_cast<const float*>(view->address);
+          for (int64_t i = 0; i < view->numel; ++i) {
+            ASSERT_EQ(data[i], Value(t, i)) << "rank " << r << " tensor " << t << " element " << i;
+          }
+          ASSERT_TRUE(m.Release(t, TensorState::kHoldAfterFwd).ok());
+        }
+        const std::vector<TierChunkStats> after = m.Stats();
+        if (prefetching) {
+          // The prefetched copy served the pin and the compute: nothing went back to the host,
+          // and the device received the prefetch and the remote chunk gathered on the host.
+          EXPECT_EQ(after[1].chunks_in - before[1].chunks_in, 0) << "rank " << r;
+          EXPECT_EQ(after[0].chunks_in - before[0].chunks_in, 2) << "rank " << r;
+          EXPECT_EQ(after[0].prefetch_hits - before[0].prefetch_hits, 1) << "rank " << r;
+        }
+        ASSERT_TRUE(m.SetTensorState(own, TensorState::kHold).ok());
+        ASSERT_TRUE(c.ReleaseAll(ChunkKind::kComputeParam).ok());  // the step
+        ASSERT_TRUE(m.EndIteration().ok());
+      }
     });
   }
   for (std::thread& thread : threads) thread.join();

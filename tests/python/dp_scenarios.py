@@ -91,6 +91,13 @@ SCENARIOS = {
         "default_chunk_size": 8192,
         "memory": {"device_budget": int(2 * model_bytes(_gpt) * 0.5)}},
         steps=10, weight_decay=0.1, atol=5e-5),
+    # gpt_tight with every group gathered only when first used (parallel.gather_ahead 0): the
+    # same bytes as gathering ahead.
+    "gpt_tight_no_ahead": Scenario(_gpt, _gpt_batches, {
+        "default_chunk_size": 8192,
+        "memory": {"device_budget": int(2 * model_bytes(_gpt) * 0.5)},
+        "parallel": {"gather_ahead": 0}},
+        steps=10, weight_decay=0.1, atol=5e-5),
     # Mixed precision: tracked against fp32 PyTorch loosely (test_initialize.py's bf16 test).
     "gpt_bf16": Scenario(_gpt, _gpt_batches, {"default_chunk_size": 16384,
                                               "bf16": {"enabled": True}}, steps=10),

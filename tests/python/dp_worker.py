@@ -47,7 +47,9 @@ def train(name: str, rank: int, world: int) -> dict:
         result.update(collectives=model._dp.collectives.collectives_issued,
                       compute_groups=len(model._dp._compute_groups),
                       grad_groups=len(model._dp._grad_groups),
-                      early_reduce_scatters=model._dp.early_reduce_scatters)
+                      early_reduce_scatters=model._dp.early_reduce_scatters,
+                      gathers_ahead=model._dp.gathers_ahead,
+                      gathers_started=model._dp.collectives.gathers_started)
     return result
 
 

@@ -81,7 +81,8 @@ def check_matches_reference(results, name: str):
 
 
 TWO_RANK_SCENARIOS = ["mlp", "mlp_tight", "mlp_accumulation_clipping", "mlp_memory_saving",
-                      "gpt", "gpt_tight", "branch", "gpt_bf16", "mlp_fp16", "mlp_frozen"]
+                      "gpt", "gpt_tight", "gpt_tight_no_ahead", "branch", "gpt_bf16", "mlp_fp16",
+                      "mlp_frozen"]
 
 
 @pytest.fixture(scope="module")
@@ -110,6 +111,33 @@ def test_two_ranks_with_half_batches_match_pytorch_on_the_whole_batch(two_ranks,
         device = result["stats"][0]
         assert device["evictions"] > 0
         assert device["peak_chunk_bytes"] <= device["budget_bytes"]
+
+
+def test_prefetch_under_data_parallelism_hits_and_matches_pytorch(two_ranks):
+    # A tight device budget: after the warm-up step the chunk manager prefetches from the trace
+    # (gathers and their pins included) on both ranks, and the run still equals PyTorch on the
+    # whole batch (checked for gpt_tight above).
+    check_matches_reference(two_ranks, "gpt_tight")
+    for rank, result in enumerate(two_ranks):
+        device = result["gpt_tight"]["stats"][0]
+        assert device["prefetch_issued"] > 0, (rank, device)
+        assert device["prefetch_hits"] > 0, (rank, device)
+
+
+def test_gathers_started_ahead_overlap_and_change_no_bit(two_ranks):
+    # parallel.gather_ahead 1 (the default) starts group g + 1's allgather when group g is
+    # gathered; 0 gathers each group at its first use. Same collectives, same bytes.
+    ahead, on_use = "gpt_tight", "gpt_tight_no_ahead"
+    check_matches_reference(two_ranks, on_use)
+    for rank, result in enumerate(two_ranks):
+        assert result[ahead]["compute_groups"] > 1
+        assert result[ahead]["gathers_ahead"] > 0, rank
+        assert result[ahead]["gathers_started"] > 0, rank
+        assert result[on_use]["gathers_ahead"] == result[on_use]["gathers_started"] == 0
+        assert result[ahead]["collectives"] == result[on_use]["collectives"]
+        assert result[ahead]["losses"] == result[on_use]["losses"], rank
+        for key, tensor in result[on_use]["state"].items():
+            torch.testing.assert_close(result[ahead]["state"][key], tensor, rtol=0, atol=0)
 
 
 def test_gradient_accumulation_and_clipping_reduce_once_per_boundary(two_ranks):
@@ -201,6 +229,10 @@ def test_parallel_config_errors_name_the_key():
     from test_initialize import MLP
     with pytest.raises(ValueError, match="parallel.reduce_scatter"):
         patrickstar.initialize(MLP, config={"parallel": {"reduce_scatter": "tree"}})
+    with pytest.raises(ValueError, match="'parallel.gather_ahead': must be >= 0, got -1"):
+        patrickstar.initialize(MLP, config={"parallel": {"gather_ahead": -1}})
+    with pytest.raises(ValueError, match="'parallel.gather_ahead': expected an integer"):
+        patrickstar.initialize(MLP, config={"parallel": {"gather_ahead": 0.5}})
     with pytest.raises(ValueError, match="parallel.collective_timeout"):
         patrickstar.initialize(MLP, config={"parallel": {"collective_timeout": 0}})
     # No torch.distributed world here: asking for two data-parallel ranks is an error.

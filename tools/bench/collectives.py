@@ -155,6 +155,7 @@ def part_training(args, rank: int, which: str) -> dict:
         model, optimizer = patrickstar.initialize(
             lambda: Blocks(args.layers, args.hidden),
             config={"default_chunk_size": args.chunk_elements,
+                    "parallel": {"gather_ahead": args.gather_ahead},
                     "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}})
 
         def step():
@@ -204,7 +205,8 @@ def launch(args, part: str) -> list[dict]:
     command = [sys.executable, os.path.abspath(__file__), "--rank-process", "--part", part,
                "--result-file", result_file, "--layers", str(args.layers), "--hidden",
                str(args.hidden), "--chunk-elements", str(args.chunk_elements), "--repeats",
-               str(args.repeats), "--steps", str(args.steps), "--batch", str(args.batch)]
+               str(args.repeats), "--steps", str(args.steps), "--batch", str(args.batch),
+               "--gather-ahead", str(args.gather_ahead)]
     procs = [subprocess.Popen(command, env=dict(
         os.environ, RANK=str(r), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port), OMP_NUM_THREADS="1")) for r in range(WORLD)]
@@ -225,6 +227,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--gather-ahead", type=int, default=1,
+                        help="parallel.gather_ahead of our training step (0: gather on use)")
     parser.add_argument("--out", default="bench-results/collectives.json")
     parser.add_argument("--rank-process", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--part", default="collectives", help=argparse.SUPPRESS)

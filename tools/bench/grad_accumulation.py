@@ -1,0 +1,378 @@
+"""Gradient accumulation with data parallelism: communication per optimizer step, ours against
+ZeRO-3 (DeepSpeed when importable, PyTorch FSDP2 always), on 2 gloo ranks of this machine
+(issue 8).
+
+    python tools/bench/grad_accumulation.py [--layers 100] [--hidden 128] [--accumulation 4]
+
+The model has `layers` blocks of Linear(hidden, hidden) + LayerNorm(hidden): 4 small tensors a
+block. Each contender trains with `accumulation` micro-steps per optimizer step, fp32, Adam, the
+same micro-batches; per optimizer step we report the collectives issued (by kind), the bytes they
+move (a collective's whole group: an allgather's output, a reduce-scatter's input, an
+all-reduce's buffer, per rank) and the wall time (median over the timed steps, after a warm-up
+step). Every contender computes the same forward, backward and Adam update.
+
+  * ours: patrickstar.initialize, chunk-granular data parallelism. Gathered groups are kept
+    until the step, so only the first micro-step gathers; gradients accumulate in their chunks
+    and each gradient group is reduce-scattered once, at the accumulation boundary.
+  * deepspeed: DeepSpeed ZeRO stage 3 (CPU accelerator, gloo), only when `import deepspeed`
+    works (it is not a project dependency: e.g. `pip install --target DIR deepspeed einops
+    hjson msgpack ninja psutil py-cpuinfo` and PYTHONPATH=DIR): it gathers parameters in forward
+    (again in backward when they were released) and reduce-scatters gradients on every
+    micro-step.
+  * fsdp2: PyTorch FSDP2 (`fully_shard` per block and on the root, CPU, gloo) with its defaults,
+    the ZeRO-3 pattern: parameters gathered in forward, freed, gathered again in backward, and
+    gradients reduce-scattered on every micro-step.
+  * fsdp2_no_sync: the same with `set_requires_gradient_sync(False)` on the micro-steps before
+    the boundary (FSDP2's own accumulation mode): one reduce-scatter per boundary, but every
+    rank keeps whole unsharded gradients between boundaries, and parameters are still gathered
+    twice per micro-step.
+
+The baselines' collectives are counted by wrapping torch.distributed's functions before the
+library binds them. The script starts its two ranks itself and rank 0 writes the JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import machine_description, write_json  # noqa: E402
+
+WORLD = 2
+
+# torch.distributed entry points a ZeRO implementation may use, and which argument (position,
+# keyword) holds the group's bytes: the larger side of an allgather / reduce-scatter. FSDP2 calls
+# the *_single names, DeepSpeed the *_tensor ones.
+_COUNTED = {"all_gather_into_tensor": ("allgather", 0, "output_tensor"),
+            "_all_gather_base": ("allgather", 0, "output_tensor"),
+            "all_gather_single": ("allgather", 0, "output_tensor"),
+            "all_gather": ("allgather", 0, "tensor_list"),
+            "reduce_scatter_tensor": ("reduce_scatter", 1, "input"),
+            "_reduce_scatter_base": ("reduce_scatter", 1, "input"),
+            "reduce_scatter_single": ("reduce_scatter", 1, "input"),
+            "reduce_scatter": ("reduce_scatter", 1, "input_list"),
+            "all_reduce": ("all_reduce", 0, "tensor"), "broadcast": ("broadcast", 0, "tensor"),
+            "all_to_all_single": ("all_to_all", 1, "input")}
+
+
+class Counter:
+    """Counts torch.distributed collectives and their group bytes (installed before DeepSpeed
+    binds the functions)."""
+
+    def __init__(self):
+        self.calls = collections.Counter()
+        self.bytes = collections.Counter()
+        self.enabled = False
+        # torch 2.13's deprecated all_gather_into_tensor / reduce_scatter_tensor call the *_single
+        # functions through the module: count the outermost call only.
+        self._inside = threading.local()
+
+    def install(self) -> None:
+        import torch.distributed.distributed_c10d as c10d
+        for name, (kind, arg, keyword) in _COUNTED.items():
+            original = getattr(dist, name, None)
+            if original is None:
+                continue
+            wrapped = self._wrap(original, kind, arg, keyword)
+            setattr(dist, name, wrapped)
+            if hasattr(c10d, name):
+                setattr(c10d, name, wrapped)
+
+    def _wrap(self, original, kind, arg, keyword):
+        @functools.wraps(original)
+        def counted(*args, **kwargs):
+            outermost = not getattr(self._inside, "active", False)
+            if self.enabled and outermost:
+                value = args[arg] if len(args) > arg else kwargs[keyword]
+                tensors = value if isinstance(value, (list, tuple)) else [value]
+                self.calls[kind] += 1
+                self.bytes[kind] += sum(t.numel() * t.element_size() for t in tensors)
+            self._inside.active = True
+            try:
+                return original(*args, **kwargs)
+            finally:
+                if outermost:
+                    self._inside.active = False
+        return counted
+
+
+class Blocks(nn.Module):
+    def __init__(self, layers: int, hidden: int):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(hidden, hidden), nn.LayerNorm(hidden))
+                                    for _ in range(layers))
+
+    def forward(self, x, y):
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return nn.functional.mse_loss(x, y)
+
+
+def micro_batches(args, rank: int):
+    generator = torch.Generator().manual_seed(1000 + rank)
+    batch = args.batch // WORLD
+    return [(torch.randn(batch, args.hidden, generator=generator),
+             torch.randn(batch, args.hidden, generator=generator))
+            for _ in range(args.accumulation)]
+
+
+def timed_steps(step, steps: int) -> dict:
+    """Median wall and CPU (this process, all threads) seconds per step, after a warm-up step.
+    CPU time is less sensitive than wall time to other processes on a shared machine."""
+    step()  # warm-up: connections, allocations, the chunk manager's trace
+    wall, cpu = [], []
+    for _ in range(steps):
+        dist.barrier()
+        start, start_cpu = time.perf_counter(), time.process_time()
+        step()
+        wall.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - start_cpu)
+    return {"step_seconds": statistics.median(wall), "step_cpu_seconds": statistics.median(cpu)}
+
+
+def run_ours(args, rank: int) -> dict:
+    import patrickstar
+    torch.manual_seed(0)
+    model, optimizer = patrickstar.initialize(
+        lambda: Blocks(args.layers, args.hidden),
+        config={"default_chunk_size": args.chunk_elements,
+                "parallel": {"gather_ahead": args.gather_ahead},
+                "gradient_accumulation_steps": args.accumulation,
+                "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}})
+    batches = micro_batches(args, rank)
+    collectives = model._dp.collectives
+    per_micro = []
+
+    def step():
+        for x, y in batches:
+            issued = collectives.collectives_issued
+            model.backward(model(x, y))
+            per_micro.append(collectives.collectives_issued - issued)
+        optimizer.step()
+        optimizer.zero_grad()
+
+    step()  # warm-up outside the counts
+    per_micro.clear()
+    issued, moved = collectives.collectives_issued, collectives.bytes_communicated
+    times = timed_steps(step, args.steps)
+    steps = args.steps + 1  # timed_steps' own warm-up step is counted too
+    compute_groups = len(model._dp._compute_groups)
+    grad_groups = len(model._dp._grad_groups)
+    return {**times,
+            "collectives_per_step": (collectives.collectives_issued - issued) / steps,
+            "bytes_per_step": (collectives.bytes_communicated - moved) / steps,
+            "collectives_per_micro_step": per_micro[:args.accumulation],
+            "compute_groups": compute_groups, "grad_groups": grad_groups,
+            "gather_ahead": args.gather_ahead,
+            "gathers_started_ahead_per_step": model._dp.gathers_ahead / (steps + 1),
+            # Not in the counts above: one all-reduce of per-parameter flags per boundary.
+            "small_all_reduces_per_step": 1,
+            "chunk_elements": model.layout["chunk_elements"]}
+
+
+def run_deepspeed(args, rank: int, counter: Counter) -> dict:
+    import deepspeed
+    torch.manual_seed(0)
+    model = Blocks(args.layers, args.hidden)
+    config = {"train_micro_batch_size_per_gpu": args.batch // WORLD,
+              "gradient_accumulation_steps": args.accumulation,
+              "zero_optimization": {"stage": 3, "contiguous_gradients": True,
+                                    "overlap_comm": False,
+                                    "reduce_bucket_size": args.chunk_elements,
+                                    "stage3_prefetch_bucket_size": args.chunk_elements,
+                                    "stage3_param_persistence_threshold": 0},
+              "zero_allow_untested_optimizer": True, "steps_per_print": 1 << 30,
+              "wall_clock_breakdown": False}
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    batches = micro_batches(args, rank)
+
+    def step():
+        for x, y in batches:
+            engine.backward(engine(x, y))
+            engine.step()  # DeepSpeed steps the optimizer at the accumulation boundary only
+
+    return dict(counted_run(step, args, counter), deepspeed=deepspeed.__version__)
+
+
+def run_fsdp2(args, rank: int, counter: Counter, no_sync: bool) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (WORLD,))
+    model = Blocks(args.layers, args.hidden)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    batches = micro_batches(args, rank)
+
+    def step():
+        for micro, (x, y) in enumerate(batches):
+            if no_sync:
+                model.set_requires_gradient_sync(micro + 1 == len(batches))
+            (model(x, y) / len(batches)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    return counted_run(step, args, counter)
+
+
+def counted_run(step, args, counter: Counter) -> dict:
+    step()  # warm-up outside the counts
+    counter.calls.clear()
+    counter.bytes.clear()
+    counter.enabled = True
+    times = timed_steps(step, args.steps)
+    counter.enabled = False
+    steps = args.steps + 1  # timed_steps' own warm-up step is counted too
+    # dist.barrier() in timed_steps is not a counted function.
+    return {**times,
+            "collectives_per_step": sum(counter.calls.values()) / steps,
+            "bytes_per_step": sum(counter.bytes.values()) / steps,
+            "by_kind": {kind: {"collectives_per_step": counter.calls[kind] / steps,
+                               "bytes_per_step": counter.bytes[kind] / steps}
+                        for kind in counter.calls}}
+
+
+def run_rank(args) -> None:
+    rank = int(os.environ["RANK"])
+    # torch 2.13 deprecates the *_into_tensor / *_tensor names DeepSpeed calls, on every call.
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    counter = Counter()
+    if args.part != "ours":
+        counter.install()
+    if args.part == "deepspeed":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        os.environ["LOCAL_RANK"] = str(rank)
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)  # two ranks share the cores
+    if args.part == "ours":
+        result = run_ours(args, rank)
+    elif args.part == "deepspeed":
+        result = run_deepspeed(args, rank, counter)
+    else:
+        result = run_fsdp2(args, rank, counter, no_sync=args.part == "fsdp2_no_sync")
+    gathered = [None] * WORLD
+    dist.all_gather_object(gathered, result)
+    if rank == 0:
+        with open(args.result_file, "w") as handle:
+            json.dump(gathered, handle)
+    dist.barrier()  # rank 0 has written the results
+    dist.destroy_process_group()
+    # Leave without interpreter teardown: once in about ten runs a rank aborted there
+    # ("terminate called without an active exception", after the results were complete) while
+    # the engine's objects and gloo's threads were torn down (see docs/benchmarks.md).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def launch(args, part: str) -> list[dict] | None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    result_file = os.path.abspath(f"{args.out}.{part}.tmp")
+    command = [sys.executable, os.path.abspath(__file__), "--rank-process", "--part", part,
+               "--result-file", result_file, "--layers", str(args.layers), "--hidden",
+               str(args.hidden), "--chunk-elements", str(args.chunk_elements), "--steps",
+               str(args.steps), "--batch", str(args.batch), "--accumulation",
+               str(args.accumulation), "--gather-ahead", str(args.gather_ahead)]
+    procs = [subprocess.Popen(command, env=dict(
+        os.environ, RANK=str(r), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port), OMP_NUM_THREADS="1")) for r in range(WORLD)]
+    failed = [proc.wait() != 0 for proc in procs]
+    if any(failed):
+        print(f"a rank of part '{part}' failed")
+        return None
+    with open(result_file) as handle:
+        result = json.load(handle)
+    os.remove(result_file)
+    return result
+
+
+def deepspeed_importable() -> bool:
+    probe = subprocess.run([sys.executable, "-c", "import deepspeed"], capture_output=True,
+                           env=dict(os.environ, DS_ACCELERATOR="cpu"))
+    return probe.returncode == 0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, default=100)
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--chunk-elements", type=int, default=1 << 18)
+    parser.add_argument("--accumulation", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--gather-ahead", type=int, default=1,
+                        help="parallel.gather_ahead of our run (0: gather on use)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="runs of every contender, interleaved (medians are reported)")
+    parser.add_argument("--out", default="bench-results/grad_accumulation.json")
+    parser.add_argument("--rank-process", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--part", default="ours", help=argparse.SUPPRESS)
+    parser.add_argument("--result-file", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.rank_process:
+        run_rank(args)
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)) or ".", exist_ok=True)
+    names = ["ours"]
+    if deepspeed_importable():
+        names.append("deepspeed")
+    else:
+        print("DeepSpeed is not importable here: the ZeRO-3 baseline is PyTorch FSDP2")
+    names += ["fsdp2", "fsdp2_no_sync"]
+    # Rounds interleave the contenders, so that load from other processes on a shared machine
+    # falls on all of them alike; each figure is the median over rounds of rank 0's median.
+    rounds = {name: [] for name in names}
+    for _ in range(args.rounds):
+        for name in names:
+            result = launch(args, name)
+            if result is None and name == "ours":
+                raise SystemExit("our run failed")
+            if result is not None:
+                rounds[name].append(result)
+    ran = {}
+    for name, results in rounds.items():
+        if results:
+            ran[name] = dict(results[0][0], **{
+                key: statistics.median(r[0][key] for r in results)
+                for key in ("step_seconds", "step_cpu_seconds")})
+    o = ran["ours"]
+    keys = ("collectives_per_step", "bytes_per_step", "step_seconds", "step_cpu_seconds")
+    ratios = {name: {key: r[key] / o[key] if o[key] else None for key in keys}
+              for name, r in ran.items() if name != "ours"}
+    payload = {"machine": machine_description(), "config": vars(args),
+               "failed": [name for name, results in rounds.items() if not results],
+               "summary": ran, "rounds": rounds, "baseline_over_ours": ratios}
+    print(f"{args.layers} blocks of Linear({args.hidden}) + LayerNorm, 2 gloo ranks, "
+          f"accumulation {args.accumulation}; per optimizer step, rank 0, median of "
+          f"{args.rounds} round(s):")
+    for name, r in ran.items():
+        print(f"  {name:14s} {r['collectives_per_step']:7.1f} collectives "
+              f"{r['bytes_per_step'] / 2**20:8.1f} MiB {r['step_seconds'] * 1e3:8.1f} ms "
+              f"(cpu {r['step_cpu_seconds'] * 1e3:8.1f} ms)")
+    for name, ratio in ratios.items():
+        print(f"  {name} / ours: " + ", ".join(
+            f"{key} {value:.2f}x" for key, value in ratio.items() if value is not None))
+    write_json(args.out, payload)
+
+
+if __name__ == "__main__":
+    main()
