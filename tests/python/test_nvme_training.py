@@ -173,8 +173,11 @@ def test_host_budget_smaller_than_optimizer_state(nvme_dir):
     assert nvme_stats(model)["chunk_bytes"] >= state_bytes - device_budget - host_budget
     # Torch's temporaries: activations of a 16 x 512 batch and one layer's gradient at a time,
     # well under 8 MiB; the optimizer state alone would add 25 MiB.
+    # (Not under ASan, tools/test_python_asan.sh: its shadow memory and the quarantine of freed
+    # blocks, 256 MiB by default, are in the RSS too.)
     growth = peak[0] - baseline
-    assert growth < device_budget + host_budget + (8 << 20), growth / 2**20
+    if "libasan" not in os.environ.get("LD_PRELOAD", ""):
+        assert growth < device_budget + host_budget + (8 << 20), growth / 2**20
     model.destroy()
 
 
