@@ -237,8 +237,8 @@ class PatrickStarEngine(nn.Module):
             param.data = self._placeholder()
             if param.requires_grad:
                 param.register_post_accumulate_grad_hook(self._make_grad_hook(index))
-        self._hooks = ModuleHooks(self.module, self._access_module, self._release_module,
-                                  self._tick)
+        self._hooks = ModuleHooks([m for m, owned in self._module_params.items() if owned],
+                                  self._access_module, self._release_module, self._tick)
         defaults = {"lr": config.optimizer.lr, "betas": config.optimizer.betas,
                     "eps": config.optimizer.eps, "weight_decay": config.optimizer.weight_decay}
         groups = build_param_groups(self.module, param_groups, defaults)

@@ -52,18 +52,21 @@ class _BackwardCall(torch.autograd.Function):
 
 
 class ModuleHooks:
-    """Installs forward hooks on every submodule of `root`; calls `access(module)` before a
-    module runs (forward and backward) and `release(module, phase)` after, with phase "fwd" or
-    "bwd"; `tick(event)` at each of those moments."""
+    """Installs forward hooks on `modules`; calls `access(module)` before a module runs (forward
+    and backward) and `release(module, phase)` after, with phase "fwd" or "bwd"; `tick(event)`
+    at each of those moments. The engine passes the modules that own parameters directly: a
+    container or a parameter-free layer (ModuleList, Dropout, an activation) changes no chunk's
+    state, so hooking it would only add moments without accesses and an autograd node per
+    tensor it passes on (a third of a small GPT's modules)."""
 
-    def __init__(self, root: torch.nn.Module, access: Callable[[torch.nn.Module, str], None],
+    def __init__(self, modules, access: Callable[[torch.nn.Module, str], None],
                  release: Callable[[torch.nn.Module, str], None],
                  tick: Callable[[str], None]):
         self._access = access
         self._release = release
         self._tick = tick
         self._handles = []
-        for module in root.modules():
+        for module in modules:
             self._handles.append(module.register_forward_pre_hook(self._pre_forward))
             self._handles.append(module.register_forward_hook(self._post_forward))
 
