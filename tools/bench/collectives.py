@@ -18,9 +18,7 @@ import argparse
 import json
 import os
 import resource
-import socket
 import statistics
-import subprocess
 import sys
 import time
 
@@ -29,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import machine_description, write_json  # noqa: E402
+from common import launch_ranks, machine_description, write_json  # noqa: E402
 
 WORLD = 2
 
@@ -198,24 +196,12 @@ def run_rank(args) -> None:
 
 
 def launch(args, part: str) -> list[dict]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    result_file = os.path.abspath(f"{args.out}.{part}.tmp")
-    command = [sys.executable, os.path.abspath(__file__), "--rank-process", "--part", part,
-               "--result-file", result_file, "--layers", str(args.layers), "--hidden",
-               str(args.hidden), "--chunk-elements", str(args.chunk_elements), "--repeats",
-               str(args.repeats), "--steps", str(args.steps), "--batch", str(args.batch),
-               "--gather-ahead", str(args.gather_ahead)]
-    procs = [subprocess.Popen(command, env=dict(
-        os.environ, RANK=str(r), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port), OMP_NUM_THREADS="1")) for r in range(WORLD)]
-    for proc in procs:
-        if proc.wait() != 0:
-            raise SystemExit(f"a rank of part '{part}' failed")
-    with open(result_file) as handle:
-        result = json.load(handle)
-    os.remove(result_file)
+    result = launch_ranks(__file__, WORLD, part, args.out, [
+        "--layers", str(args.layers), "--hidden", str(args.hidden), "--chunk-elements",
+        str(args.chunk_elements), "--repeats", str(args.repeats), "--steps", str(args.steps),
+        "--batch", str(args.batch), "--gather-ahead", str(args.gather_ahead)])
+    if result is None:
+        raise SystemExit(f"a rank of part '{part}' failed")
     return result
 
 

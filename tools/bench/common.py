@@ -1,10 +1,13 @@
-"""Shared pieces of the benchmark drivers: machine description and JSON output."""
+"""Shared pieces of the benchmark drivers: machine description, JSON output, and starting the
+ranks of a multi-process benchmark."""
 from __future__ import annotations
 
 import json
 import os
 import platform
+import socket
 import subprocess
+import sys
 
 import torch
 
@@ -29,3 +32,25 @@ def write_json(path: str, payload: dict) -> None:
     with open(path, "w") as handle:
         json.dump(payload, handle, indent=2)
     print(f"wrote {path}")
+
+
+def launch_ranks(script: str, world: int, part: str, out: str, extra: list[str]) -> list | None:
+    """Runs `script --rank-process --part PART --result-file F EXTRA` as `world` gloo ranks on
+    this machine (torchrun's environment variables, one OpenMP thread each) and returns what
+    rank 0 wrote to F (JSON), or None when a rank failed."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    result_file = os.path.abspath(f"{out}.{part}.tmp")
+    command = [sys.executable, os.path.abspath(script), "--rank-process", "--part", part,
+               "--result-file", result_file, *extra]
+    procs = [subprocess.Popen(command, env=dict(
+        os.environ, RANK=str(r), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port), OMP_NUM_THREADS="1")) for r in range(world)]
+    if any([proc.wait() != 0 for proc in procs]):  # a list: wait for every rank
+        print(f"a rank of part '{part}' failed")
+        return None
+    with open(result_file) as handle:
+        result = json.load(handle)
+    os.remove(result_file)
+    return result
