@@ -47,6 +47,9 @@ the optimizer state, master weights and (after the reduce-scatter) gradients are
 """
 from __future__ import annotations
 
+import atexit
+import weakref
+
 import torch
 import torch.distributed as dist
 
@@ -56,6 +59,12 @@ __all__ = ["DataParallel", "detect_world"]
 
 K = _C.ChunkKind
 S = _C.TensorState
+
+
+def _close_at_exit(ref) -> None:
+    data_parallel = ref()
+    if data_parallel is not None:
+        data_parallel.close()
 
 
 def detect_world(config) -> tuple[int, int, object]:
@@ -135,6 +144,11 @@ class DataParallel:
         self.collectives = _C.GroupCollectives(
             manager, self.communicator, tier="host", timeout_s=self.timeout,
             memory_saving=parallel.memory_saving, gradient_op="avg")
+        # An engine never destroyed would otherwise free these during interpreter finalization,
+        # after the script's destroy_process_group(): the last reference to the c10d group then
+        # goes in an order torch does not expect (a rank of a 2-rank benchmark aborted once at
+        # exit, "terminate called without an active exception").
+        atexit.register(_close_at_exit, weakref.ref(self))
         self._compute_groups = self.collectives.groups(K.COMPUTE_PARAM)
         position = {first: p for p, first in enumerate(self._compute_groups)}
         # Compute tensors -> position of their group in the gather order; whether remote.
@@ -159,6 +173,13 @@ class DataParallel:
                 self._grad_group_of[index] = p
                 self._group_size[p] += 1
         self._reset_backward()
+
+    def close(self) -> None:
+        """Waits for started gathers and drops the collectives, then the communicator (and this
+        rank's reference to the c10d process group); engine.destroy() and interpreter exit."""
+        if getattr(self, "collectives", None) is not None:
+            self.collectives = None  # ~GroupCollectives waits for started gathers
+        self.communicator = None
 
     def all_gather_object(self, obj) -> list:
         """Every rank's picklable `obj` in rank order (`[obj]` for a world of one), over the

@@ -736,6 +736,7 @@ class PatrickStarEngine(nn.Module):
         """Frees every chunk and tier now (DeepSpeed's `engine.destroy()`); later calls raise.
         NVMe swap files go away with their tier once nothing else holds it."""
         self._guard.destroyed = True
+        self._dp.close()
         self._hooks.remove()
         for param in self._params:
             param.data = self._placeholder()
