@@ -449,6 +449,9 @@ class PatrickStarEngine(nn.Module):
             with torch.no_grad():
                 if self._has_grad[index]:
                     view.add_(grad.to(view.dtype))
+                elif (view.device.type == "cpu" and grad.dtype == view.dtype
+                      and grad.is_contiguous()):
+                    _C.kernels.copy_(grad, view)  # Note [Gradient copies on the calling thread]
                 else:
                     view.copy_(grad)
             self.chunks.release(grad_id, S.HOLD)

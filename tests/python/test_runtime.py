@@ -182,6 +182,24 @@ def test_cast_kernel_matches_torch():
         _C.kernels.cast_(values, torch.empty(3, dtype=torch.float16))
 
 
+def test_copy_kernel_matches_torch_and_names_mismatches():
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for numel in (0, 1, 17, 1_000_003):
+            src = torch.randn(numel).to(dtype)
+            dst = torch.full((numel,), 7.0, dtype=dtype)
+            _C.kernels.copy_(src, dst)
+            assert torch.equal(dst, src)
+    src = torch.randn(64)
+    with pytest.raises(ValueError, match="Float on cpu with 64 elements.*BFloat16"):
+        _C.kernels.copy_(src, torch.empty(64, dtype=torch.bfloat16))
+    short = torch.full((63,), 5.0)
+    with pytest.raises(ValueError, match="63 elements"):
+        _C.kernels.copy_(src, short)
+    assert (short == 5.0).all()  # a refused copy writes nothing
+    with pytest.raises(ValueError, match="dst must be a contiguous CPU tensor"):
+        _C.kernels.copy_(src, torch.empty(64, 2)[:, 0])
+
+
 def test_reading_properties_does_not_keep_the_tier_alive(nvme_dir):
     nvme = _C.NvmeTier(nvme_dir, name="props")
     path = nvme.path
