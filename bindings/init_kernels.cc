@@ -219,10 +219,10 @@ void InitKernels(py::module_& module) {
   py::module_ kernels = module.def_submodule("kernels", "Update and conversion kernels");
   // Note [Gradient copies on the calling thread]
   // The engine's gradient hook copies each gradient autograd made into its chunk while backward
-  // is still running. torch's copy_ splits a large copy over its intra-op threads, and inside
-  // backward on a small machine that hand-off costs more than the copy: on 2 cores the small
-  // GPT's 15 MB of gradients took 4-19 ms a step through copy_, 1-3 ms as one memcpy here (and
-  // the other core keeps running autograd's next node).
+  // is still running. torch's copy_ splits a large copy over its intra-op threads; when another
+  // process keeps a core busy, that hand-off waits for it: on 2 cores with one busy, the small
+  // GPT's 15 MB of gradients took 19 ms a step through copy_ and 3 ms as one memcpy here (on an
+  // idle machine both take about 1.6 ms).
   kernels.def(
       "copy_",
       [](const at::Tensor& src, at::Tensor& dst) {
