@@ -377,12 +377,17 @@ Chunk* ChunkManager::ChooseVictim(int tier, absl::Span<const ChunkId> exclude) {
     return std::tuple(use_opt ? 0 : rank, -next_use, rank, chunk.last_use_);
   };
   Chunk* best = nullptr;
+  decltype(key(chunks_.front())) best_key;
   for (Chunk& candidate : chunks_) {
     if (candidate.tier_index_ != tier || candidate.pinned() || !candidate.has_payload() ||
         Contains(exclude, candidate.id_)) {
       continue;
     }
-    if (best == nullptr || key(candidate) < key(*best)) best = &candidate;
+    const auto candidate_key = key(candidate);
+    if (best == nullptr || candidate_key < best_key) {
+      best = &candidate;
+      best_key = candidate_key;
+    }
   }
   return best;
 }
@@ -476,14 +481,23 @@ absl::Status ChunkManager::MoveTo(Chunk& chunk, int tier, absl::Span<const Chunk
                       AllocateWithEviction(tier, chunk.payload_.bytes, keep,
                                            absl::StrCat("moving ", DescribeChunk(chunk), " to '",
                                                         tiers_[tier].stats.name, "'")));
+  PS_ASSIGN_OR_RETURN(const CopyHandle handle,
+                      IssueCopy(chunk, destination, tier, /*prefetch=*/false,
+                                absl::StrCat("moving ", DescribeChunk(chunk))));
+  return SettleCopy(chunk, destination, tier, handle, "moving");
+}
+
+absl::StatusOr<CopyHandle> ChunkManager::IssueCopy(Chunk& chunk, const Block& destination,
+                                                   int tier, bool prefetch,
+                                                   absl::string_view purpose) {
   AddChunkBytes(tier, destination.bytes);
   absl::StatusOr<CopyHandle> handle = options_.copy_engine->Copy(chunk.payload_, destination);
   if (!handle.ok()) {
     AbandonDestination(destination, tier);
-    return Annotate(handle.status(), absl::StrCat("moving ", DescribeChunk(chunk)));
+    return Annotate(handle.status(), purpose);
   }
-  events_.CopyIssued(chunk.id_, chunk.tier_index_, tier, chunk.payload_.bytes, /*prefetch=*/false);
-  return SettleCopy(chunk, destination, tier, *handle, "moving");
+  events_.CopyIssued(chunk.id_, chunk.tier_index_, tier, chunk.payload_.bytes, prefetch);
+  return handle;
 }
 
 void ChunkManager::AbandonDestination(const Block& destination, int tier) {
@@ -567,15 +581,11 @@ absl::Status ChunkManager::IssuePrefetches() {
       if (absl::IsResourceExhausted(destination.status())) continue;
       return Annotate(destination.status(), absl::StrCat("prefetching ", DescribeChunk(chunk)));
     }
-    AddChunkBytes(tier, destination->bytes);
-    absl::StatusOr<CopyHandle> handle = options_.copy_engine->Copy(chunk.payload_, *destination);
-    if (!handle.ok()) {
-      AbandonDestination(*destination, tier);
-      return Annotate(handle.status(), absl::StrCat("prefetching ", DescribeChunk(chunk)));
-    }
-    chunk.pending_ = Chunk::PendingCopy{*destination, tier, *handle};
+    PS_ASSIGN_OR_RETURN(const CopyHandle handle,
+                        IssueCopy(chunk, *destination, tier, /*prefetch=*/true,
+                                  absl::StrCat("prefetching ", DescribeChunk(chunk))));
+    chunk.pending_ = Chunk::PendingCopy{*destination, tier, handle};
     slot.stats.prefetch_issued += 1;
-    events_.CopyIssued(chunk.id_, chunk.tier_index_, tier, chunk.payload_.bytes, /*prefetch=*/true);
   }
   return absl::OkStatus();
 }
@@ -766,16 +776,11 @@ absl::StatusOr<bool> ChunkManager::StartMove(ChunkId id, TierKind tier_kind) {
                                            tiers_[tier].stats.name, "'");
   PS_ASSIGN_OR_RETURN(Block destination,
                       AllocateWithEviction(tier, target.payload_.bytes, {target.id_}, purpose));
-  AddChunkBytes(tier, destination.bytes);
-  absl::StatusOr<CopyHandle> handle = options_.copy_engine->Copy(target.payload_, destination);
-  if (!handle.ok()) {
-    AbandonDestination(destination, tier);
-    return Annotate(handle.status(), purpose);
-  }
   const bool upward = tier < target.tier_index_;
+  PS_ASSIGN_OR_RETURN(const CopyHandle handle,
+                      IssueCopy(target, destination, tier, /*prefetch=*/upward, purpose));
   if (upward) tiers_[tier].stats.prefetch_issued += 1;
-  events_.CopyIssued(target.id_, target.tier_index_, tier, target.payload_.bytes, upward);
-  target.pending_ = Chunk::PendingCopy{destination, tier, *handle};
+  target.pending_ = Chunk::PendingCopy{destination, tier, handle};
   return true;
 }
 

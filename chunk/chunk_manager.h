@@ -241,6 +241,11 @@ class ChunkManager {
   // A chunk outside `exclude` with a copy in flight into `tier` (`into`) or out of it.
   Chunk* PendingCopy(int tier, absl::Span<const ChunkId> exclude, bool into);
   absl::Status Evict(Chunk& victim, absl::Span<const ChunkId> exclude);
+  // Starts copying the chunk's payload into `destination`, a block of `tier` (its bytes counted
+  // there from now on), and logs the issue; a refused copy frees the block again, its error
+  // annotated with `purpose`.
+  absl::StatusOr<CopyHandle> IssueCopy(Chunk& chunk, const Block& destination, int tier,
+                                       bool prefetch, absl::string_view purpose);
   // Copies the payload to `tier` (synchronously) and frees the old block.
   absl::Status MoveTo(Chunk& chunk, int tier, absl::Span<const ChunkId> exclude);
   absl::Status MakeResident(Chunk& chunk, int tier);

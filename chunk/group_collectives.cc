@@ -58,7 +58,11 @@ std::vector<ChunkId> GroupCollectives::Groups(ChunkKind kind) const {
 absl::StatusOr<ChunkId> GroupCollectives::GroupOf(TensorId tensor) const {
   PS_ASSIGN_OR_RETURN(const TensorInfo* info, manager_->tensor(tensor));
   PS_ASSIGN_OR_RETURN(const Chunk* chunk, manager_->chunk(info->chunk));
-  return chunk->id() - chunk->index_in_list() % manager_->world_size();
+  return FirstOf(*chunk);
+}
+
+ChunkId GroupCollectives::FirstOf(const Chunk& chunk) const {
+  return chunk.id() - chunk.index_in_list() % manager_->world_size();
 }
 
 std::string GroupCollectives::Label(ChunkId first) const {
@@ -69,7 +73,7 @@ std::string GroupCollectives::Label(ChunkId first) const {
 absl::StatusOr<std::vector<ChunkId>> GroupCollectives::Members(ChunkId group, int64_t* count,
                                                                DType* dtype) const {
   PS_ASSIGN_OR_RETURN(const Chunk* any, manager_->chunk(group));
-  const ChunkId first = any->id() - any->index_in_list() % manager_->world_size();
+  const ChunkId first = FirstOf(*any);
   std::vector<ChunkId> members;
   const int64_t bytes = any->bytes();
   for (int r = 0; r < manager_->world_size(); ++r) {
@@ -244,7 +248,7 @@ int GroupCollectives::FindStartedGather(ChunkId first) const {
 
 absl::StatusOr<bool> GroupCollectives::StartGather(ChunkId group) {
   PS_ASSIGN_OR_RETURN(const Chunk* any, manager_->chunk(group));
-  if (FindStartedGather(any->id() - any->index_in_list() % manager_->world_size()) >= 0) {
+  if (FindStartedGather(FirstOf(*any)) >= 0) {
     return false;  // already on its way
   }
   absl::StatusOr<std::optional<Pending>> pending = IssueGather(group);
@@ -263,7 +267,7 @@ absl::StatusOr<bool> GroupCollectives::StartGather(ChunkId group) {
 
 absl::StatusOr<bool> GroupCollectives::Gather(ChunkId group) {
   PS_ASSIGN_OR_RETURN(const Chunk* any, manager_->chunk(group));
-  const int started = FindStartedGather(any->id() - any->index_in_list() % manager_->world_size());
+  const int started = FindStartedGather(FirstOf(*any));
   if (started >= 0) {
     // Finish it and every gather started before it, in issue order.
     PS_RETURN_IF_ERROR(FinishGathersThrough(static_cast<size_t>(started)));

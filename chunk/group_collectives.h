@@ -138,6 +138,7 @@ class GroupCollectives {
   // Waits for gathers_[0..index] in order, completing each (Note [Started gathers]).
   absl::Status FinishGathersThrough(size_t index);
   int FindStartedGather(ChunkId first) const;  // its index in gathers_, or -1
+  ChunkId FirstOf(const Chunk& chunk) const;  // the first chunk of `chunk`'s group
   std::string Label(ChunkId first) const;
 
   ChunkManager* manager_;

@@ -44,7 +44,7 @@ layout opens (and verifies) only its own shard; a resharding load opens every sh
 
 Note [Multi-rank checkpoints]
 Every rank calls save_checkpoint / load_checkpoint at the same point. A save runs in three
-phases, each ended by one all_gather_object over the default process group (`_agree`) that
+phases, each ended by one all_gather_object over the data group (`_agree`) that
 carries every rank's outcome, so an error on one rank (a full disk, pending gradients) is
 raised on every rank, naming the rank and its error, and no rank waits on a peer that gave up:
   1. rank 0 removes dead writers' partial directories and creates `DIR/.TAG.partial-<pid>-<n>`

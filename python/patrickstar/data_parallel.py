@@ -177,18 +177,18 @@ class DataParallel:
     def close(self) -> None:
         """Waits for started gathers and drops the collectives, then the communicator (and this
         rank's reference to the c10d process group); engine.destroy() and interpreter exit."""
-        if getattr(self, "collectives", None) is not None:
-            self.collectives = None  # ~GroupCollectives waits for started gathers
+        self.collectives = None  # ~GroupCollectives waits for started gathers
         self.communicator = None
 
     def all_gather_object(self, obj) -> list:
         """Every rank's picklable `obj` in rank order (`[obj]` for a world of one), over the
-        default process group with its timeout: a dead peer or one stalled past the timeout
-        raises instead of hanging (checkpoints share names, records and failures with it)."""
+        data group with the default group's timeout: a dead peer or one stalled past the
+        timeout raises instead of hanging (checkpoints share names, records and failures with
+        it)."""
         if not self.enabled:
             return [obj]
         gathered = [None] * self.world_size
-        dist.all_gather_object(gathered, obj)
+        dist.all_gather_object(gathered, obj, group=self.group)
         return gathered
 
     def owns(self, manager, tensor_id: int) -> bool:

@@ -303,11 +303,15 @@ class PatrickStarEngine(nn.Module):
         # Parameters released early while the model was built (Note [Initialization under a host
         # budget]); 0 when every slot fit on the host.
         self.init_deferrals = self._init_residency.deferrals
+        if self.mixed:  # in fp32 the slots written at init are the compute chunks themselves
+            self._compute_from_masters()
+        del self._init_views, self._init_residency
+
+    def _compute_from_masters(self) -> None:
+        """Writes each parameter's 16-bit compute copy from the fp32 values built at init."""
         with torch.no_grad():
             for index, tensor_id in sorted(self._init_views.items(), key=lambda item: item[0]):
                 ids = self._ids[index]
-                if not self.mixed:
-                    continue
                 # One parameter at a time, so the host needs room for two chunks, not the model.
                 if isinstance(tensor_id, torch.Tensor):
                     master = tensor_id
@@ -320,7 +324,6 @@ class PatrickStarEngine(nn.Module):
                 finally:
                     if not isinstance(tensor_id, torch.Tensor):
                         self.chunks.release(tensor_id, S.HOLD)
-        del self._init_views, self._init_residency
 
     def _placeholder(self) -> torch.Tensor:
         return torch.empty(0, dtype=self.compute_dtype, device=self.device)

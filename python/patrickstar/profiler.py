@@ -257,9 +257,7 @@ class Profiler:
     # ---- Non-model data ----------------------------------------------------------------------
 
     def _measure_non_model(self) -> int:
-        if self._cuda:
-            return int(torch.cuda.memory_allocated(self.engine.device))
-        return self.engine.activations.bytes
+        return self.engine.non_model_bytes()
 
     # ---- The raw record ----------------------------------------------------------------------
 
