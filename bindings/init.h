@@ -9,5 +9,6 @@ void InitRuntime(pybind11::module_& module);
 void InitChunk(pybind11::module_& module);
 void InitKernels(pybind11::module_& module);
 void InitComm(pybind11::module_& module);
+void InitParameterSlots(pybind11::module_& module);
 
 }  // namespace ps::bindings

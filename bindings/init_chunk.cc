@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "absl/synchronization/mutex.h"
+#include "bindings/chunk_views.h"
 #include "bindings/init.h"
 #include "bindings/py_chunk_manager.h"
 #include "bindings/status_exceptions.h"
@@ -23,13 +24,6 @@ namespace py = pybind11;
 
 namespace ps::bindings {
 namespace {
-
-TierKind ParseTierKind(const std::string& name) {
-  if (name == "device") return TierKind::kDevice;
-  if (name == "host") return TierKind::kHost;
-  if (name == "nvme") return TierKind::kNvme;
-  throw py::value_error("unknown tier '" + name + "': expected 'device', 'host' or 'nvme'");
-}
 
 py::dict ViewToDict(const TensorView& view) {
   py::dict d;
@@ -52,15 +46,6 @@ py::dict LayoutToDict(const LayoutReport& report) {
   d["oversize_tensors"] = report.oversize_tensors;
   d["layout_hash"] = report.layout_hash;
   return d;
-}
-
-// A torch tensor over a COMPUTE tensor's bytes. It holds no lease: it is valid only until the
-// tensor is released (the engine's hooks re-create views on every access).
-at::Tensor TorchView(const TensorView& view) {
-  at::Device device = view.address_space == AddressSpace::kDeviceMemory ? at::Device(at::kCUDA)
-                                                                        : at::Device(at::kCPU);
-  return torch::from_blob(reinterpret_cast<void*>(static_cast<uintptr_t>(view.address)), view.shape,
-                          at::TensorOptions().dtype(ToScalarType(view.dtype)).device(device));
 }
 
 // Adds d[name] = [field(r) for r in records]: the drained log crosses as columns, one list per
@@ -219,6 +204,14 @@ void InitChunk(py::module_& module) {
           },
           py::arg("tensor"), "Address info of a COMPUTE tensor.")
       .def(
+          "access_tensor",
+          [](PyChunkManager& self, TensorId tensor, const std::string& tier) {
+            const TierKind kind = ParseTierKind(tier);
+            return TorchView(ValueOrThrow(self.Run([&](M& m) { return m.Access(tensor, kind); })));
+          },
+          py::arg("tensor"), py::arg("tier") = "device",
+          "access() returning the torch view (torch_view()) in one call.")
+      .def(
           "torch_view",
           [](PyChunkManager& self, TensorId tensor) {
             return TorchView(ValueOrThrow(self.Run([&](M& m) { return m.View(tensor); })));
@@ -251,8 +244,81 @@ void InitChunk(py::module_& module) {
           },
           py::arg("chunk"), "'device', 'host' or 'nvme': where the chunk's payload is; None "
           "without one.")
-      .def("tick",
-           [](PyChunkManager& self) { ThrowIfError(self.Run([](M& m) { return m.Tick(); })); })
+      .def(
+          "chunk_tiers",
+          [](PyChunkManager& self, const std::vector<ChunkId>& chunks) {
+            std::vector<std::optional<std::string>> names;
+            names.reserve(chunks.size());
+            ThrowIfError(self.Run([&](M& m) -> absl::Status {
+              for (ChunkId chunk : chunks) {
+                PS_ASSIGN_OR_RETURN(const std::optional<TierKind> kind, m.ChunkTier(chunk));
+                names.push_back(kind.has_value()
+                                    ? std::optional<std::string>(TierKindName(*kind))
+                                    : std::nullopt);
+              }
+              return absl::OkStatus();
+            }));
+            return names;
+          },
+          py::arg("chunks"), "chunk_tier() of each chunk, in one call.")
+      .def(
+          "access_tensors",
+          [](PyChunkManager& self, const std::vector<TensorId>& tensors,
+             const std::vector<std::string>& tiers) {
+            if (tiers.size() != tensors.size()) {
+              throw py::value_error("access_tensors: " + std::to_string(tensors.size()) +
+                                    " tensors but " + std::to_string(tiers.size()) + " tiers");
+            }
+            std::vector<TierKind> kinds;
+            for (const std::string& tier : tiers) kinds.push_back(ParseTierKind(tier));
+            std::vector<TensorView> views;
+            ThrowIfError(self.Run([&](M& m) -> absl::Status {
+              for (size_t i = 0; i < tensors.size(); ++i) {
+                absl::StatusOr<TensorView> view = m.Access(tensors[i], kinds[i]);
+                if (!view.ok()) {  // all or nothing: give back what this call accessed
+                  for (size_t j = 0; j < views.size(); ++j) {
+                    (void)m.Release(tensors[j], TensorState::kHold);
+                  }
+                  return view.status();
+                }
+                views.push_back(*std::move(view));
+              }
+              return absl::OkStatus();
+            }));
+            std::vector<at::Tensor> result;
+            result.reserve(views.size());
+            for (const TensorView& view : views) result.push_back(TorchView(view));
+            return result;
+          },
+          py::arg("tensors"), py::arg("tiers"),
+          "access_tensor() of each tensor on its tier, all or none (a failure releases the "
+          "ones accessed to HOLD).")
+      .def(
+          "release_tensors",
+          [](PyChunkManager& self, const std::vector<TensorId>& tensors, TensorState state) {
+            ThrowIfError(self.Run([&](M& m) -> absl::Status {
+              absl::Status first = absl::OkStatus();
+              for (TensorId tensor : tensors) first.Update(m.Release(tensor, state));
+              return first;
+            }));
+          },
+          py::arg("tensors"), py::arg("state"),
+          "release() of each tensor; all are tried, the first error is raised.")
+      .def(
+          "tick",
+          [](PyChunkManager& self, std::optional<std::string> non_model_tier,
+             int64_t non_model_bytes) {
+            // The engine reports its non-model data at every moment: one call, one lock.
+            std::optional<TierKind> kind;
+            if (non_model_tier.has_value()) kind = ParseTierKind(*non_model_tier);
+            ThrowIfError(self.Run([&](M& m) -> absl::Status {
+              if (kind.has_value()) PS_RETURN_IF_ERROR(m.ReportNonModelData(*kind, non_model_bytes));
+              return m.Tick();
+            }));
+          },
+          py::arg("non_model_tier") = py::none(), py::arg("non_model_bytes") = 0,
+          "Ends the current moment; with non_model_tier, first reports the non-model bytes there "
+          "(report_non_model_data).")
       .def(
           "report_non_model_data",
           [](PyChunkManager& self, const std::string& tier, int64_t nbytes) {

@@ -12,4 +12,5 @@ PYBIND11_MODULE(_C, module) {
   ps::bindings::InitChunk(module);
   ps::bindings::InitKernels(module);
   ps::bindings::InitComm(module);
+  ps::bindings::InitParameterSlots(module);
 }

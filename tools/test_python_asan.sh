@@ -45,8 +45,9 @@ export ASAN_OPTIONS=detect_leaks=0:protect_shadow_gap=0:halt_on_error=1:log_path
 export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1:log_path=$root/build-asan-py/ubsan
 if [ $# -eq 0 ]; then
   set -- tests/python/test_runtime.py tests/python/test_chunk_bindings.py \
-    tests/python/test_adam.py tests/python/test_checkpoint.py tests/python/test_reliability.py \
-    tests/python/test_nvme_training.py tests/python/test_data_parallel.py -m "not slow"
+    tests/python/test_parameter_slots.py tests/python/test_adam.py tests/python/test_checkpoint.py \
+    tests/python/test_reliability.py tests/python/test_nvme_training.py \
+    tests/python/test_data_parallel.py -m "not slow"
 fi
 LD_PRELOAD=$libasan "$python" -c "
 import sys

@@ -12,7 +12,8 @@ an empty placeholder of the compute dtype. Autograd saves parameters (leaves) by
 module's backward sees whatever `.data` holds when it runs: the pre-backward hook re-accesses the
 module's parameters first (Note [Backward hooks through autograd functions] in hooks.py).
 Accesses are reference-counted per parameter because a tied parameter can be in use by two
-modules at once.
+modules at once. The counts, the swaps and the gradient stores live in C++ (`_C.ParameterSlots`,
+Note [Parameter slots] in bindings/parameter_slots.cc): one call per module or gradient.
 
 Note [Saved views of parameters]
 Autograd saves leaves by reference, but many ops save a *view* made in forward: `F.linear` saves
@@ -94,6 +95,11 @@ class _ChunkManager:
                                        world_size=world_size, rank=rank,
                                        prefetch_moments=PREFETCH_MOMENTS)
         self.before_access = None  # data parallelism: gathers a remote group first
+        # The calls of every moment and every optimizer update, bound once: __getattr__ runs
+        # only after a failed normal lookup, which costs more than the call itself.
+        for name in ("tick", "release", "release_tensors", "access_tensors", "chunk_tier",
+                     "chunk_tiers", "set_tensor_state", "start_move", "end_iteration"):
+            setattr(self, name, getattr(self.manager, name))
 
     def __getattr__(self, name):
         return getattr(self.manager, name)
@@ -101,8 +107,7 @@ class _ChunkManager:
     def access(self, tensor_id: int, tier: str) -> torch.Tensor:
         if self.before_access is not None:
             self.before_access(tensor_id)
-        self.manager.access(tensor_id, tier)
-        return self.manager.torch_view(tensor_id)
+        return self.manager.access_tensor(tensor_id, tier)
 
     def stats(self) -> list[dict]:
         return json.loads(self.manager.tier_stats_json())
@@ -224,17 +229,26 @@ class PatrickStarEngine(nn.Module):
         # otherwise be replayed by the prefetcher every iteration.
         self.chunks.restart_warmup()
 
-        self._param_of_storage: dict[int, int] = {}  # chunk view address -> parameter index
         # Every other saved tensor: the CPU measure of non-model data (Note [Measured non-model
         # data] in profiler.py).
         self.activations = ActivationCounter()
-        self._access_count = [0] * len(self._params)
         self._has_grad = [False] * len(self._params)
         self._module_params = {
             module: [self._param_index[id(p)] for p in module.parameters(recurse=False)]
             for module in self.module.modules()}
+        placeholder = self._placeholder()
         for index, param in enumerate(self._params):
-            param.data = self._placeholder()
+            param.data = placeholder
+        # Note [Parameter slots] in bindings/parameter_slots.cc: access counts, .data swaps and
+        # gradient stores in one C++ call per module or gradient.
+        self._slots = _C.ParameterSlots(
+            self.chunks.manager, self._params, [ids.compute for ids in self._ids],
+            [ids.grad for ids in self._ids], self._device_tier(), placeholder)
+        self._slots.set_before_access(self.chunks.before_access)  # set by _dp.after_init()
+        # Where the activations really are: GPU memory with CUDA; host memory on a CPU build,
+        # whose device tier only emulates a GPU's budget for chunks.
+        self._non_model_tier = T.DEVICE if self.device.type == "cuda" else T.HOST
+        for index, param in enumerate(self._params):
             if param.requires_grad:
                 param.register_post_accumulate_grad_hook(self._make_grad_hook(index))
         self._hooks = ModuleHooks([m for m, owned in self._module_params.items() if owned],
@@ -330,51 +344,26 @@ class PatrickStarEngine(nn.Module):
 
     # ---- Access and release --------------------------------------------------------------------
 
-    def _access_param(self, index: int) -> None:
-        self._access_count[index] += 1
-        if self._access_count[index] == 1:
-            view = self.chunks.access(self._ids[index].compute, self._device_tier())
-            self._params[index].data = view.view(self._shapes[index])
-            if view.numel():
-                self._param_of_storage[view.data_ptr()] = index
-
-    def _release_param(self, index: int, state) -> None:
-        if self._access_count[index] == 0:
-            return
-        self._access_count[index] -= 1
-        if self._access_count[index] == 0:
-            param = self._params[index]
-            if param.numel():
-                self._param_of_storage.pop(param.data_ptr(), None)
-            param.data = self._placeholder()
-            self.chunks.release(self._ids[index].compute, state)
-
     def _device_tier(self):
         return T.DEVICE
 
     def _access_module(self, module: nn.Module, phase: str) -> None:
-        for index in self._module_params.get(module, ()):
-            self._access_param(index)
+        indices = self._module_params.get(module)
+        if indices:
+            self._slots.access(indices)
 
     def _release_module(self, module: nn.Module, phase: str) -> None:
-        state = S.HOLD_AFTER_FWD if phase == "fwd" else S.HOLD_AFTER_BWD
-        for index in self._module_params.get(module, ()):
-            self._release_param(index, state)
+        indices = self._module_params.get(module)
+        if indices:
+            self._slots.release(indices, S.HOLD_AFTER_FWD if phase == "fwd" else S.HOLD_AFTER_BWD)
 
     def _release_all(self, state) -> None:
-        for index, count in enumerate(self._access_count):
-            if count:
-                self._access_count[index] = 1
-                self._release_param(index, state)
+        self._slots.release_all(state)
 
     def _tick(self, event: str) -> None:
         if self.profiler is not None:
             self.profiler.on_tick(event)
-        # Where the activations really are: GPU memory with CUDA; host memory on a CPU build,
-        # whose device tier only emulates a GPU's budget for chunks.
-        self.chunks.report_non_model_data(T.DEVICE if self.device.type == "cuda" else T.HOST,
-                                          self.non_model_bytes())
-        self.chunks.tick()
+        self.chunks.tick(self._non_model_tier, self.non_model_bytes())
 
     def non_model_bytes(self) -> int:
         """Non-model data now: Note [Measured non-model data] in profiler.py."""
@@ -385,20 +374,18 @@ class PatrickStarEngine(nn.Module):
     # ---- Forward / backward --------------------------------------------------------------------
 
     def _pack_saved(self, tensor: torch.Tensor):
-        index = None
-        if tensor.layout == torch.strided and tensor.device == self.device:
-            index = self._param_of_storage.get(tensor.untyped_storage().data_ptr())
-        if index is None:
+        index = self._slots.saved_index(tensor)
+        if index < 0:
             return self.activations.pack(tensor)
         return _SavedParamView(index, tensor.storage_offset(), tensor.size(), tensor.stride())
 
     def _unpack_saved(self, packed):
         if not isinstance(packed, _SavedParamView):
             return self.activations.unpack(packed)
-        if self._access_count[packed.index] == 0:
+        if self._slots.access_count(packed.index) == 0:
             # No hook accessed it for this backward (a parameter used outside its module's
             # forward); backward() releases it when it ends.
-            self._access_param(packed.index)
+            self._slots.access([packed.index])
         data = self._params[packed.index].data
         return data.as_strided(packed.size, packed.stride, data.storage_offset() + packed.offset)
 
@@ -447,17 +434,7 @@ class PatrickStarEngine(nn.Module):
             param.grad = None  # its memory goes back to torch right away
             if grad is None:
                 return
-            grad_id = self._ids[index].grad
-            view = self.chunks.access(grad_id, self._device_tier()).view(self._shapes[index])
-            with torch.no_grad():
-                if self._has_grad[index]:
-                    view.add_(grad.to(view.dtype))
-                elif (view.device.type == "cpu" and grad.dtype == view.dtype
-                      and grad.is_contiguous()):
-                    _C.kernels.copy_(grad, view)  # Note [Gradient copies on the calling thread]
-                else:
-                    view.copy_(grad)
-            self.chunks.release(grad_id, S.HOLD)
+            self._slots.store_grad(index, grad, self._has_grad[index])
             self._has_grad[index] = True
             self._dp.on_grad(index)
         return hook
@@ -549,7 +526,7 @@ class PatrickStarEngine(nn.Module):
 
     def _update_tiers(self, tensor_ids: list[int]) -> list[str]:
         """Where the optimizer reads and writes each tensor: Note [Optimizer sweep]."""
-        tiers = [self.chunks.chunk_tier(self._chunk_of(t)) for t in tensor_ids]
+        tiers = self.chunks.chunk_tiers([self._chunk_of(t) for t in tensor_ids])
         if self.device.type == "cpu":  # the device tier is host memory too
             return [tier if tier in (T.DEVICE, T.HOST) else T.HOST for tier in tiers]
         on_device = all(tier == T.DEVICE for tier in tiers)
@@ -588,11 +565,11 @@ class PatrickStarEngine(nn.Module):
 
     def _adam_update(self, index: int, group: dict, grad_scale: float, coef: float) -> None:
         tensors = self._update_tensors(index)
-        accessed, views = [], []
+        if self.chunks.before_access is not None:
+            for tensor_id in tensors:
+                self.chunks.before_access(tensor_id)
+        views = self.chunks.access_tensors(tensors, self._update_tiers(tensors))
         try:
-            for tensor_id, tier in zip(tensors, self._update_tiers(tensors)):
-                views.append(self.chunks.access(tensor_id, tier))
-                accessed.append(tensor_id)
             beta1, beta2 = group["betas"]
             _C.kernels.adam_(
                 views[0], views[1], views[2], views[3],
@@ -602,8 +579,7 @@ class PatrickStarEngine(nn.Module):
                 adamw=self.optimizer.decoupled_weight_decay,
                 step=self._step_count[index], grad_scale=grad_scale, clip_coef=coef)
         finally:
-            for tensor_id in accessed:
-                self.chunks.release(tensor_id, S.HOLD)
+            self.chunks.release_tensors(tensors, S.HOLD)
 
     def zero_grad(self) -> None:
         for index, has in enumerate(self._has_grad):

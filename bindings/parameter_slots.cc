@@ -1,0 +1,218 @@
+// patrickstar._C.ParameterSlots: the engine's per-module hot path (python/patrickstar/engine.py).
+//
+// Note [Parameter slots]
+// Before a module runs, the engine accesses each parameter it owns and points the parameter's
+// .data at the chunk view; after, it releases them and points .data at an empty placeholder. A
+// parameter used by several modules (tied weights, a module called twice) is accessed once per
+// use and released when its last user is done, so each slot keeps an access count: the chunk
+// tensor is accessed on 0 -> 1 and released on 1 -> 0. Done per parameter in Python this cost
+// three binding calls, a dict and a view per access; a small GPT's step spent more time here
+// than in its optimizer. Here one call covers a module. The slots also know which chunk
+// addresses are parameter views right now (SavedIndex), so that autograd's saved tensors of a
+// parameter are re-created from the chunk in backward instead of pinning a view of memory that
+// may have moved (Note [Saved views of parameters] in engine.py).
+//
+// Errors leave the counts consistent: a count rises only once its access succeeded, so a failed
+// access (a budget that cannot hold the chunk) leaves nothing to release.
+#include <ATen/ATen.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+#include <torch/extension.h>
+
+#include <cstdint>
+#include <cstring>
+#include <exception>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "bindings/chunk_views.h"
+#include "bindings/init.h"
+#include "bindings/py_chunk_manager.h"
+#include "bindings/status_exceptions.h"
+#include "chunk/chunk_manager.h"
+#include "chunk/tensor_state.h"
+
+namespace py = pybind11;
+
+namespace ps::bindings {
+namespace {
+
+class ParameterSlots {
+ public:
+  ParameterSlots(py::object manager, std::vector<at::Tensor> params,
+                 std::vector<TensorId> compute_ids, std::vector<std::optional<TensorId>> grad_ids,
+                 const std::string& tier, at::Tensor placeholder)
+      : manager_object_(std::move(manager)),
+        manager_(manager_object_.cast<PyChunkManager*>()),
+        params_(std::move(params)),
+        compute_ids_(std::move(compute_ids)),
+        grad_ids_(std::move(grad_ids)),
+        tier_(ParseTierKind(tier)),
+        placeholder_(std::move(placeholder)),
+        counts_(params_.size(), 0),
+        addresses_(params_.size(), 0) {
+    if (compute_ids_.size() != params_.size() || grad_ids_.size() != params_.size()) {
+      throw py::value_error("ParameterSlots: " + std::to_string(params_.size()) +
+                            " parameters but " + std::to_string(compute_ids_.size()) +
+                            " compute ids and " + std::to_string(grad_ids_.size()) + " grad ids");
+    }
+  }
+
+  // Called with each tensor id before it is accessed (data parallelism gathers remote groups).
+  void set_before_access(py::object callback) { before_access_ = std::move(callback); }
+
+  void Access(const std::vector<int64_t>& indices) {
+    for (int64_t index : indices) {
+      CheckIndex(index);
+      if (counts_[index] > 0) {
+        counts_[index] += 1;
+        continue;
+      }
+      const TensorId id = compute_ids_[index];
+      NotifyBeforeAccess(id);
+      const TensorView view =
+          ValueOrThrow(manager_->Run([&](ChunkManager& m) { return m.Access(id, tier_); }));
+      params_[index].set_data(TorchView(view));
+      counts_[index] = 1;
+      addresses_[index] = view.numel > 0 ? view.address : 0;
+      if (view.numel > 0) index_of_address_[view.address] = index;
+    }
+  }
+
+  void Release(const std::vector<int64_t>& indices, TensorState state) {
+    for (int64_t index : indices) {
+      CheckIndex(index);
+      if (counts_[index] == 0) continue;  // never accessed, or released by ReleaseAll
+      if (--counts_[index] > 0) continue;
+      ReleaseSlot(index, state);
+    }
+  }
+
+  // Releases every accessed parameter whatever its count (end of forward without backward, end of
+  // backward). Visits all slots even when one fails; raises the first error.
+  void ReleaseAll(TensorState state) {
+    std::exception_ptr first_error;
+    for (size_t index = 0; index < counts_.size(); ++index) {
+      if (counts_[index] == 0) continue;
+      counts_[index] = 0;
+      try {
+        ReleaseSlot(static_cast<int64_t>(index), state);
+      } catch (...) {
+        if (first_error == nullptr) first_error = std::current_exception();
+      }
+    }
+    if (first_error != nullptr) std::rethrow_exception(first_error);
+  }
+
+  int64_t AccessCount(int64_t index) const {
+    CheckIndex(index);
+    return counts_[index];
+  }
+
+  // The index of the parameter whose chunk view `tensor` shares storage with, or -1.
+  int64_t SavedIndex(const at::Tensor& tensor) const {
+    if (index_of_address_.empty() || !tensor.defined() || tensor.layout() != at::kStrided ||
+        !tensor.has_storage() || tensor.device() != placeholder_.device()) {
+      return -1;
+    }
+    const auto address = reinterpret_cast<uintptr_t>(tensor.storage().data());
+    const auto found = index_of_address_.find(static_cast<uint64_t>(address));
+    return found == index_of_address_.end() ? -1 : found->second;
+  }
+
+  // Writes (or with `accumulate`, adds) a gradient autograd made into the parameter's gradient
+  // chunk tensor.
+  void StoreGrad(int64_t index, const at::Tensor& grad, bool accumulate) {
+    CheckIndex(index);
+    if (!grad_ids_[index].has_value()) {
+      throw py::value_error("parameter " + std::to_string(index) +
+                            " has no gradient tensor (requires_grad=False at initialize)");
+    }
+    const TensorId id = *grad_ids_[index];
+    NotifyBeforeAccess(id);
+    at::Tensor view = TorchView(
+        ValueOrThrow(manager_->Run([&](ChunkManager& m) { return m.Access(id, tier_); })));
+    try {
+      if (!grad.sizes().equals(view.sizes())) {
+        throw py::value_error("gradient of parameter " + std::to_string(index) + " has shape " +
+                              c10::str(grad.sizes()) + ", the parameter " +
+                              c10::str(view.sizes()));
+      }
+      at::NoGradGuard no_grad;
+      if (accumulate) {
+        view.add_(grad.to(view.scalar_type()));
+      } else if (view.device().is_cpu() && grad.device().is_cpu() &&
+                 grad.scalar_type() == view.scalar_type() && grad.is_contiguous()) {
+        // Note [Gradient copies on the calling thread] in init_kernels.cc.
+        const size_t bytes = static_cast<size_t>(grad.numel()) * grad.element_size();
+        py::gil_scoped_release release;
+        if (bytes > 0) std::memcpy(view.data_ptr(), grad.data_ptr(), bytes);
+      } else {
+        view.copy_(grad);
+      }
+    } catch (...) {
+      // The gradient chunk keeps what it had; the caller's error is the one that matters.
+      (void)manager_->Run([&](ChunkManager& m) { return m.Release(id, TensorState::kHold); });
+      throw;
+    }
+    ThrowIfError(manager_->Run([&](ChunkManager& m) { return m.Release(id, TensorState::kHold); }));
+  }
+
+ private:
+  void CheckIndex(int64_t index) const {
+    if (index < 0 || index >= static_cast<int64_t>(counts_.size())) {
+      throw py::index_error("parameter index " + std::to_string(index) + " out of range [0, " +
+                            std::to_string(counts_.size()) + ")");
+    }
+  }
+
+  void NotifyBeforeAccess(TensorId id) {
+    if (!before_access_.is_none()) before_access_(id);
+  }
+
+  void ReleaseSlot(int64_t index, TensorState state) {
+    if (addresses_[index] != 0) index_of_address_.erase(addresses_[index]);
+    addresses_[index] = 0;
+    params_[index].set_data(placeholder_);
+    const TensorId id = compute_ids_[index];
+    ThrowIfError(manager_->Run([&](ChunkManager& m) { return m.Release(id, state); }));
+  }
+
+  py::object manager_object_;  // keeps the manager alive as long as the slots
+  PyChunkManager* manager_;
+  std::vector<at::Tensor> params_;  // the user's nn.Parameter objects (same TensorImpl)
+  std::vector<TensorId> compute_ids_;
+  std::vector<std::optional<TensorId>> grad_ids_;
+  TierKind tier_;
+  at::Tensor placeholder_;  // empty, the compute dtype and device: .data while released
+  std::vector<int64_t> counts_;
+  std::vector<uint64_t> addresses_;  // each accessed parameter's view address (0: none)
+  absl::flat_hash_map<uint64_t, int64_t> index_of_address_;  // chunk view address -> index
+  py::object before_access_ = py::none();
+};
+
+}  // namespace
+
+void InitParameterSlots(py::module_& module) {
+  py::class_<ParameterSlots>(module, "ParameterSlots",
+                             "The engine's parameters in their chunks: Note [Parameter slots].")
+      .def(py::init<py::object, std::vector<at::Tensor>, std::vector<TensorId>,
+                    std::vector<std::optional<TensorId>>, const std::string&, at::Tensor>(),
+           py::arg("manager"), py::arg("params"), py::arg("compute_ids"), py::arg("grad_ids"),
+           py::arg("tier"), py::arg("placeholder"))
+      .def("set_before_access", &ParameterSlots::set_before_access, py::arg("callback"))
+      .def("access", &ParameterSlots::Access, py::arg("indices"),
+           "Accesses each parameter (counted) and points its .data at the chunk view.")
+      .def("release", &ParameterSlots::Release, py::arg("indices"), py::arg("state"),
+           "Drops one access of each; the last one releases the chunk tensor to `state`.")
+      .def("release_all", &ParameterSlots::ReleaseAll, py::arg("state"))
+      .def("access_count", &ParameterSlots::AccessCount, py::arg("index"))
+      .def("saved_index", &ParameterSlots::SavedIndex, py::arg("tensor"),
+           "Index of the parameter whose chunk view the tensor is a view of, or -1.")
+      .def("store_grad", &ParameterSlots::StoreGrad, py::arg("index"), py::arg("grad"),
+           py::arg("accumulate"));
+}
+
+}  // namespace ps::bindings
