@@ -113,8 +113,10 @@ class ParameterSlots {
 
   // The index of the parameter whose chunk view `tensor` shares storage with, or -1.
   int64_t SavedIndex(const at::Tensor& tensor) const {
+    // The device type suffices: chunk views of one engine live on one device, and a host and a
+    // device address never coincide (CUDA's unified addressing).
     if (index_of_address_.empty() || !tensor.defined() || tensor.layout() != at::kStrided ||
-        !tensor.has_storage() || tensor.device() != placeholder_.device()) {
+        !tensor.has_storage() || tensor.device().type() != placeholder_.device().type()) {
       return -1;
     }
     const auto address = reinterpret_cast<uintptr_t>(tensor.storage().data());
