@@ -2,13 +2,13 @@
 // gradient statistics, SIMD-path and thread controls.
 #include <torch/extension.h>
 
-#include <cstring>
 #include <map>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include "absl/synchronization/mutex.h"
+#include "bindings/chunk_views.h"
 #include "bindings/init.h"
 #include "bindings/status_exceptions.h"
 #include "bindings/torch_dtype.h"
@@ -217,12 +217,6 @@ kernels::GradStats GradStatsOf(const std::vector<at::Tensor>& grads) {
 
 void InitKernels(py::module_& module) {
   py::module_ kernels = module.def_submodule("kernels", "Update and conversion kernels");
-  // Note [Gradient copies on the calling thread]
-  // The engine's gradient hook copies each gradient autograd made into its chunk while backward
-  // is still running. torch's copy_ splits a large copy over its intra-op threads; when another
-  // process keeps a core busy, that hand-off waits for it: on 2 cores with one busy, the small
-  // GPT's 15 MB of gradients took 19 ms a step through copy_ and 3 ms as one memcpy here (on an
-  // idle machine both take about 1.6 ms).
   kernels.def(
       "copy_",
       [](const at::Tensor& src, at::Tensor& dst) {
@@ -231,13 +225,11 @@ void InitKernels(py::module_& module) {
         if (src.scalar_type() != dst.scalar_type() || src.numel() != dst.numel()) {
           throw py::value_error("copy_: src is " + Describe(src) + " but dst is " + Describe(dst));
         }
-        const size_t bytes = static_cast<size_t>(src.numel()) * src.element_size();
-        py::gil_scoped_release release;
-        if (bytes > 0) std::memcpy(dst.data_ptr(), src.data_ptr(), bytes);
+        CopyOnCallingThread(src, dst);
       },
       py::arg("src"), py::arg("dst"),
       "Copies src into dst (CPU, contiguous, same dtype and size) on the calling thread "
-      "(Note [Gradient copies on the calling thread]).");
+      "(Note [Gradient copies on the calling thread] in chunk_views.h).");
   kernels.def(
       "cast_",
       [](const at::Tensor& src, at::Tensor& dst) {

@@ -20,7 +20,6 @@
 #include <torch/extension.h>
 
 #include <cstdint>
-#include <cstring>
 #include <exception>
 #include <optional>
 #include <string>
@@ -147,10 +146,7 @@ class ParameterSlots {
         view.add_(grad.to(view.scalar_type()));
       } else if (view.device().is_cpu() && grad.device().is_cpu() &&
                  grad.scalar_type() == view.scalar_type() && grad.is_contiguous()) {
-        // Note [Gradient copies on the calling thread] in init_kernels.cc.
-        const size_t bytes = static_cast<size_t>(grad.numel()) * grad.element_size();
-        py::gil_scoped_release release;
-        if (bytes > 0) std::memcpy(view.data_ptr(), grad.data_ptr(), bytes);
+        CopyOnCallingThread(grad, view);  // Note [Gradient copies on the calling thread]
       } else {
         view.copy_(grad);
       }

@@ -97,8 +97,7 @@ class _ChunkManager:
         self.before_access = None  # data parallelism: gathers a remote group first
         # The calls of every moment and every optimizer update, bound once: __getattr__ runs
         # only after a failed normal lookup, which costs more than the call itself.
-        for name in ("tick", "release", "release_tensors", "access_tensors", "chunk_tier",
-                     "chunk_tiers", "set_tensor_state", "start_move", "end_iteration"):
+        for name in ("tick", "release", "release_tensors", "chunk_tier", "chunk_tiers", "set_tensor_state", "start_move", "end_iteration"):
             setattr(self, name, getattr(self.manager, name))
 
     def __getattr__(self, name):
@@ -108,6 +107,13 @@ class _ChunkManager:
         if self.before_access is not None:
             self.before_access(tensor_id)
         return self.manager.access_tensor(tensor_id, tier)
+
+    def access_tensors(self, tensor_ids: list[int], tiers: list[str]) -> list[torch.Tensor]:
+        """access() of each tensor on its tier, all or none."""
+        if self.before_access is not None:
+            for tensor_id in tensor_ids:
+                self.before_access(tensor_id)
+        return self.manager.access_tensors(tensor_ids, tiers)
 
     def stats(self) -> list[dict]:
         return json.loads(self.manager.tier_stats_json())
@@ -565,9 +571,6 @@ class PatrickStarEngine(nn.Module):
 
     def _adam_update(self, index: int, group: dict, grad_scale: float, coef: float) -> None:
         tensors = self._update_tensors(index)
-        if self.chunks.before_access is not None:
-            for tensor_id in tensors:
-                self.chunks.before_access(tensor_id)
         views = self.chunks.access_tensors(tensors, self._update_tiers(tensors))
         try:
             beta1, beta2 = group["betas"]
