@@ -3,19 +3,20 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <liburing.h>
-#include <signal.h>
+#include <sys/file.h>
+#include <sys/random.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
 #include <cstring>
 #include <deque>
 #include <thread>
 
-#include "absl/strings/numbers.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "absl/synchronization/notification.h"
 #include "runtime/logging.h"
@@ -28,8 +29,7 @@ namespace {
 
 constexpr char kSwapPrefix[] = "patrickstar-";
 constexpr char kSwapSuffix[] = ".swap";
-
-std::atomic<int> next_file_index{0};
+constexpr char kNewSuffix[] = ".new";  // a swap file before its owner locked it
 
 // One asynchronous request, split into pieces; completes when the last piece does.
 struct Request {
@@ -278,7 +278,63 @@ class UringBackend final : public NvmeTier::IoBackend {
   int in_flight_ ABSL_GUARDED_BY(mutex_) = 0;
 };
 
-bool ProcessAlive(int pid) { return kill(pid, 0) == 0 || errno == EPERM; }
+// 64 random bits as hex: unique per process instance (Note [Swap file ownership]).
+std::string RandomToken() {
+  uint64_t value = 0;
+  char* out = reinterpret_cast<char*>(&value);
+  size_t filled = 0;
+  while (filled < sizeof(value)) {
+    const ssize_t got = getrandom(out + filled, sizeof(value) - filled, 0);
+    if (got < 0 && errno == EINTR) continue;
+    if (got <= 0) {  // no getrandom (very old kernel): time and address still differ per run
+      value ^= static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count()) ^
+               reinterpret_cast<uintptr_t>(&value);
+      break;
+    }
+    filled += static_cast<size_t>(got);
+  }
+  return absl::StrCat(absl::Hex(value, absl::kZeroPad16));
+}
+
+// Creates `<directory>/patrickstar-<pid>-<token>.swap`, already locked by the returned fd
+// (Note [Swap file ownership]). Sets *path and *direct.
+absl::StatusOr<int> CreateLockedSwapFile(const std::string& directory, bool* direct,
+                                         std::string* note, std::string* path) {
+  const int base_flags = O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC;
+  for (int attempt = 0;; ++attempt) {
+    *path = absl::StrCat(directory, "/", kSwapPrefix, getpid(), "-", RandomToken(), kSwapSuffix);
+    const std::string fresh = absl::StrCat(*path, kNewSuffix);
+    int fd = open(fresh.c_str(), base_flags | (*direct ? O_DIRECT : 0), 0600);
+    if (fd < 0 && *direct && errno == EINVAL) {
+      *note = absl::StrCat("O_DIRECT refused by the filesystem of ", directory,
+                           " (tmpfs?); using buffered IO");
+      *direct = false;
+      fd = open(fresh.c_str(), base_flags, 0600);
+    }
+    if (fd < 0) return ErrnoToStatus(errno, absl::StrCat("nvme tier: creating file '", fresh, "'"));
+    if (flock(fd, LOCK_EX | LOCK_NB) == 0) {
+      if (rename(fresh.c_str(), path->c_str()) == 0) return fd;
+      if (errno != ENOENT) {
+        const int error = errno;
+        unlink(fresh.c_str());
+        close(fd);
+        return ErrnoToStatus(error, absl::StrCat("nvme tier: renaming '", fresh, "'"));
+      }
+    } else if (errno != EWOULDBLOCK) {
+      const int error = errno;
+      unlink(fresh.c_str());
+      close(fd);
+      return ErrnoToStatus(error, absl::StrCat("nvme tier: locking '", fresh, "'"));
+    }
+    // Another process's start-up cleanup took the file between open and lock; it unlinks it.
+    close(fd);
+    if (attempt == 100) {
+      return absl::UnavailableError(absl::StrCat(
+          "nvme tier: could not create a swap file in '", directory,
+          "': other processes kept removing it"));
+    }
+  }
+}
 
 }  // namespace
 
@@ -288,19 +344,22 @@ std::vector<std::string> RemoveStaleSwapFiles(const std::string& directory) {
   if (dir == nullptr) return removed;
   while (dirent* entry = readdir(dir)) {
     absl::string_view name(entry->d_name);
-    if (!absl::ConsumePrefix(&name, kSwapPrefix) || !absl::ConsumeSuffix(&name, kSwapSuffix)) {
-      continue;
-    }
-    std::vector<absl::string_view> parts = absl::StrSplit(name, '-');
-    int pid = 0;
-    if (parts.size() != 2 || !absl::SimpleAtoi(parts[0], &pid) || pid <= 0) continue;
-    if (ProcessAlive(pid)) continue;
+    absl::ConsumeSuffix(&name, kNewSuffix);
+    if (!absl::StartsWith(name, kSwapPrefix) || !absl::EndsWith(name, kSwapSuffix)) continue;
     const std::string path = absl::StrCat(directory, "/", entry->d_name);
-    if (unlink(path.c_str()) == 0) {
-      PS_LOG(kWarning, "removed stale NVMe swap file %s left by process %d, which is not running",
-             path, pid);
+    const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+    if (fd < 0) continue;  // gone already, or not ours to open
+    struct stat info;
+    // A lock held by anyone means a live owner, whatever its pid namespace.
+    if (fstat(fd, &info) == 0 && S_ISREG(info.st_mode) && flock(fd, LOCK_EX | LOCK_NB) == 0 &&
+        unlink(path.c_str()) == 0) {
+      PS_LOG(kWarning,
+             "removed stale NVMe swap file %s (%d bytes): no running process holds it; a run "
+             "that ended without cleaning up left it",
+             path, static_cast<int64_t>(info.st_size));
       removed.push_back(path);
     }
+    close(fd);
   }
   closedir(dir);
   return removed;
@@ -329,19 +388,10 @@ absl::StatusOr<std::unique_ptr<NvmeTier>> NvmeTier::Create(NvmeTierOptions optio
   }
   RemoveStaleSwapFiles(options.directory);
 
-  const std::string path = absl::StrCat(options.directory, "/", kSwapPrefix, getpid(), "-",
-                                        next_file_index.fetch_add(1), kSwapSuffix);
-  const int base_flags = O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC;
   std::string note;
+  std::string path;
   bool direct = options.use_direct_io;
-  int fd = open(path.c_str(), base_flags | (direct ? O_DIRECT : 0), 0600);
-  if (fd < 0 && direct && errno == EINVAL) {
-    note = absl::StrCat("O_DIRECT refused by the filesystem of ", options.directory,
-                        " (tmpfs?); using buffered IO");
-    direct = false;
-    fd = open(path.c_str(), base_flags, 0600);
-  }
-  if (fd < 0) return ErrnoToStatus(errno, absl::StrCat("nvme tier: creating file '", path, "'"));
+  PS_ASSIGN_OR_RETURN(const int fd, CreateLockedSwapFile(options.directory, &direct, &note, &path));
 
   if (options.tier.budget_bytes == 0) {
     struct statvfs fs;
@@ -388,10 +438,11 @@ NvmeTier::NvmeTier(NvmeTierOptions options, int fd, std::string path, bool direc
 NvmeTier::~NvmeTier() {
   backend_.reset();  // drains IO in flight
   ReleaseAllRegions();
-  if (fd_ >= 0) close(fd_);
+  // Unlink while the lock is still held (Note [Swap file ownership]).
   if (!path_.empty() && unlink(path_.c_str()) != 0) {
     PS_LOG(kWarning, "could not remove NVMe swap file %s: %s", path_, std::strerror(errno));
   }
+  if (fd_ >= 0) close(fd_);
 }
 
 bool NvmeTier::uses_io_uring() const { return backend_ != nullptr && backend_->is_io_uring(); }

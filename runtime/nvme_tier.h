@@ -14,6 +14,19 @@
 // valid only after every piece completed in full. A failed or short write (ENOSPC, EIO, injected)
 // leaves the slot invalid, so a later read of it fails with FailedPrecondition instead of
 // returning torn data.
+//
+// Note [Swap file ownership]
+// A swap file is `patrickstar-<pid>-<random token>.swap` and its owner holds an exclusive flock
+// on it for as long as the tier lives. Liveness is the lock, not the pid: a restarted container
+// reuses small pids, and processes in other pid namespaces sharing the directory have pids that
+// mean nothing here (kill(pid, 0) would call a live file stale, or a stale one live). Start-up
+// cleanup therefore removes exactly the files it can lock. A file never appears under its final
+// name unlocked: it is created as `<name>.new`, locked, then renamed. A cleaner that locks a
+// `.new` file first unlinks it, and the owner notices (its flock fails, or its rename finds no
+// file) and retries with a fresh token. The destructor unlinks before it closes, so a cleaner
+// never sees the file unlocked either. The token (getrandom) makes the name unique per process
+// instance, so a stale file carrying this process's own pid is no obstacle. flock needs a local
+// filesystem or an NFS/Lustre mount that forwards it; the NVMe tier is meant for local disks.
 #pragma once
 
 #include <atomic>
@@ -52,7 +65,7 @@ class NvmeTier final : public Tier {
  public:
   using IoCallback = std::function<void(absl::Status)>;
 
-  // Checks the directory, removes stale files of dead processes, creates this process's file.
+  // Checks the directory, removes stale swap files, creates and locks this tier's file.
   static absl::StatusOr<std::unique_ptr<NvmeTier>> Create(NvmeTierOptions options);
   ~NvmeTier() override;  // waits for IO in flight, closes and removes the file
 
@@ -98,8 +111,8 @@ class NvmeTier final : public Tier {
   std::vector<std::pair<uint64_t, int64_t>> released_ranges_ ABSL_GUARDED_BY(region_mutex_);
 };
 
-// Removes `patrickstar-<pid>-*.swap` files in `directory` whose process no longer runs; returns
-// the paths removed.
+// Removes `patrickstar-*.swap` (and `.swap.new`) files in `directory` that no live tier holds
+// locked (Note [Swap file ownership]); returns the paths removed.
 std::vector<std::string> RemoveStaleSwapFiles(const std::string& directory);
 
 }  // namespace ps

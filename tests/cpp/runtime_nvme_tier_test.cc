@@ -1,6 +1,8 @@
 // NvmeTier: files, slots, io_uring and pread/pwrite back ends, and every fault path.
+#include <fcntl.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -249,17 +251,45 @@ TEST(NvmeTierCreateTest, UnalignedBufferWithDirectIoIsInvalidArgument) {
   EXPECT_THAT(status.message(), HasSubstr("does not fit block"));
 }
 
-TEST(NvmeTierCreateTest, StaleFilesOfDeadProcessesAreRemoved) {
+TEST(NvmeTierCreateTest, UnlockedSwapFilesAreStaleWhateverTheirPid) {
+  // Note [Swap file ownership]: a file nobody holds locked is stale, even one that carries this
+  // process's own pid (a restarted container reuses small pids).
   TempDir dir;
-  // pid 2^22+1 is above the default pid_max, so no process has it.
-  const std::string stale = dir.path() + "/patrickstar-4194305-0.swap";
-  const std::string ours = dir.path() + "/patrickstar-" + std::to_string(getpid()) + "-999.swap";
+  const std::string dead = dir.path() + "/patrickstar-4194305-0.swap";
+  const std::string own_pid = dir.path() + "/patrickstar-" + std::to_string(getpid()) + "-0.swap";
+  const std::string half_made = dir.path() + "/patrickstar-4194305-1.swap.new";
   const std::string unrelated = dir.path() + "/notes.txt";
-  for (const std::string& path : {stale, ours, unrelated}) std::ofstream(path) << "x";
+  for (const std::string& path : {dead, own_pid, half_made, unrelated}) {
+    std::ofstream(path) << "x";
+  }
   PS_ASSERT_OK_AND_ASSIGN(auto tier, NvmeTier::Create(Options(dir.path(), true)));
-  EXPECT_FALSE(std::filesystem::exists(stale));
-  EXPECT_TRUE(std::filesystem::exists(ours));  // this process is alive
+  EXPECT_FALSE(std::filesystem::exists(dead));
+  EXPECT_FALSE(std::filesystem::exists(own_pid));
+  EXPECT_FALSE(std::filesystem::exists(half_made));
   EXPECT_TRUE(std::filesystem::exists(unrelated));
+  EXPECT_TRUE(std::filesystem::exists(tier->path()));
+}
+
+TEST(NvmeTierCreateTest, ALockedFileIsLiveEvenWhenItsPidIsNotRunningHere) {
+  // A process of another pid namespace: its pid means nothing here, its lock does.
+  TempDir dir;
+  const std::string other = dir.path() + "/patrickstar-4194305-feed.swap";
+  std::ofstream(other) << "x";
+  const int held = open(other.c_str(), O_RDWR | O_CLOEXEC);
+  ASSERT_GE(held, 0);
+  ASSERT_EQ(flock(held, LOCK_EX | LOCK_NB), 0);
+  {
+    PS_ASSERT_OK_AND_ASSIGN(auto tier, NvmeTier::Create(Options(dir.path(), true)));
+    EXPECT_TRUE(std::filesystem::exists(other));
+    // Each tier's own file is locked too: a second tier's cleanup leaves the first one alone.
+    PS_ASSERT_OK_AND_ASSIGN(auto second, NvmeTier::Create(Options(dir.path(), true)));
+    EXPECT_NE(second->path(), tier->path());
+    EXPECT_TRUE(std::filesystem::exists(tier->path()));
+    EXPECT_TRUE(RemoveStaleSwapFiles(dir.path()).empty());
+  }
+  close(held);  // the owner is gone: now the file is stale
+  EXPECT_EQ(RemoveStaleSwapFiles(dir.path()), std::vector<std::string>{other});
+  EXPECT_TRUE(std::filesystem::is_empty(dir.path()));
 }
 
 TEST(NvmeTierCreateTest, FreedSlotsAreReusedAndFileRangesRecycled) {

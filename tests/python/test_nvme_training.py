@@ -5,9 +5,13 @@ ending in clear errors with nothing lost."""
 from __future__ import annotations
 
 import errno
+import fcntl
 import gc
 import json
 import os
+import subprocess
+import sys
+import textwrap
 import threading
 import warnings
 
@@ -255,3 +259,37 @@ def test_stale_swap_file_of_a_dead_run_is_removed_with_a_message(nvme_dir, capfd
     assert not os.path.exists(stale)
     assert "stale" in capfd.readouterr().err
     model.destroy()
+
+
+def test_restart_with_a_stale_swap_file_of_its_own_pid_starts(nvme_dir):
+    """A restarted container gets the same small pid as the run that left its swap file: the
+    new process must start (Note [Swap file ownership] in runtime/nvme_tier.h)."""
+    script = textwrap.dedent(f"""
+        import os, warnings, torch, patrickstar
+        stale = os.path.join({nvme_dir!r}, f"patrickstar-{{os.getpid()}}-0.swap")
+        with open(stale, "wb") as handle:
+            handle.write(b"x" * 4096)
+        warnings.simplefilter("ignore")
+        model, opt = patrickstar.initialize(lambda: torch.nn.Linear(64, 64), config={{
+            "default_chunk_size": 4096, "memory": {{"nvme": {{"path": {nvme_dir!r}}}}}}})
+        assert not os.path.exists(stale), "the stale file of this pid was not removed"
+        model.destroy()
+        print("started")
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "started" in result.stdout
+    assert os.listdir(nvme_dir) == []
+
+
+def test_swap_file_locked_by_a_process_of_another_pid_namespace_is_kept(nvme_dir):
+    """Its pid (not running here) says nothing; the lock its live owner holds does."""
+    other = os.path.join(nvme_dir, "patrickstar-999999999-0.swap")
+    with open(other, "wb") as handle:
+        handle.write(b"x" * 4096)
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        model, opt = make(config(host_budget=3 * 4 * CHUNK, nvme={"path": nvme_dir}))
+        assert os.path.exists(other)
+        model.destroy()
+    os.unlink(other)
