@@ -7,7 +7,7 @@ optimizer state in chunks that move between GPU memory, host memory and NVMe.
 
 import torch  # noqa: F401  (must precede _C, which links against LibTorch)
 
-from . import _C
+from . import _C, _upstream
 from ._C import ChunkOutOfMemoryError, ChunkRuntimeError
 from .config import Config, load_config
 from .engine import PatrickStarEngine, initialize, initialize_engine
@@ -15,6 +15,8 @@ from .estimator import estimate_memory
 from .profiler import Profiler, profile
 
 __version__ = "0.1.0"
+
+_upstream.install()  # upstream-only module names fail with what to use instead
 
 __all__ = ["ChunkOutOfMemoryError", "ChunkRuntimeError", "Config", "PatrickStarEngine",
            "Profiler", "estimate_memory", "initialize", "initialize_engine", "load_config",

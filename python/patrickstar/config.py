@@ -200,8 +200,28 @@ def _check_keys(key: str, section: Mapping[str, Any], known: set[str]) -> None:
 _IGNORED_CLIENT_KEYS = {
     "mem_tracer": {"use_async_mem_monitor", "warmup_gpu_chunk_mem_ratio", "overall_gpu_mem_ratio",
                    "overall_cpu_mem_ratio", "margin_use_ratio", "use_fake_dist",
-                   "with_mem_saving_comm"},
+                   "with_mem_saving_comm", "with_static_partition"},
     "opts": {"with_mem_saving_comm", "with_mem_cache", "with_async_move"},
+}
+
+
+# Top-level keys of a DeepSpeed config that mean something else here: what to use instead.
+_DEEPSPEED_KEYS = {
+    "zero_optimization": "PatrickStar-C++ always keeps parameters, gradients and optimizer "
+                         "state in chunks (as ZeRO stage 3); offload is memory.device_budget, "
+                         "memory.host_budget and memory.nvme.path",
+    "train_batch_size": "the batch size is your data loader's; gradient_accumulation_steps is "
+                        "supported",
+    "train_micro_batch_size_per_gpu": "the batch size is your data loader's; "
+                                      "gradient_accumulation_steps is supported",
+    "scheduler": "pass a torch.optim.lr_scheduler scheduler to model.save_checkpoint / "
+                 "load_checkpoint as lr_scheduler= (or set model.lr_scheduler)",
+    "steps_per_print": "profile: {enabled, output_dir} writes per-step timings",
+    "wall_clock_breakdown": "profile: {enabled, output_dir} writes per-phase timings",
+    "flops_profiler": "profile: {enabled, output_dir}",
+    "aio": "memory.nvme: {path, queue_depth, block_size}",
+    "activation_checkpointing": "use torch.utils.checkpoint inside the model",
+    "amp": "bf16: {enabled: true} or fp16: {enabled: true}",
 }
 
 
@@ -213,6 +233,15 @@ def _parse_optimizer(raw: Any) -> OptimizerConfig:
     if not isinstance(kind, str) or kind.lower() not in kinds:
         raise ValueError(f"config key 'optimizer.type': expected 'Adam' or 'AdamW', got {kind!r}")
     params = _section("optimizer.params", section.get("params", {}))
+    # Upstream's examples spell some keys in capitals ("LR", "BETAS"); the names are the same.
+    lowered = {}
+    for name, value in params.items():
+        key = name.lower() if isinstance(name, str) else name
+        if key in lowered:
+            raise ValueError(f"config key 'optimizer.params.{key}': given twice, in different "
+                             f"letter cases")
+        lowered[key] = value
+    params = lowered
     _check_keys("optimizer.params", params,
                 {"lr", "betas", "eps", "weight_decay", "use_hybrid_adam", "amsgrad",
                  "bias_correction"})
@@ -360,7 +389,7 @@ _TOP_LEVEL: dict[str, Callable[[Any], Any] | None] = {
     "optimizer": _parse_optimizer, "fp16": _parse_fp16, "bf16": None,
     "gradient_clipping": None, "gradient_accumulation_steps": None, "memory": _parse_memory,
     "profile": _parse_profile, "parallel": _parse_parallel, "client": _parse_client,
-    "nonfinite_loss": None,
+    "nonfinite_loss": None, "chunk_size": None, "use_fake_dist": None,
 }
 
 
@@ -378,9 +407,19 @@ def load_config(config: Mapping[str, Any] | str | os.PathLike | None) -> Config:
         except json.JSONDecodeError as error:
             raise ValueError(f"config file '{path}' is not valid JSON: {error}") from None
     raw = _section("<config>", config)
+    for name in raw:
+        if name in _DEEPSPEED_KEYS:
+            raise ValueError(f"config key '{name}' (DeepSpeed's) is not used by PatrickStar-C++: "
+                             f"{_DEEPSPEED_KEYS[name]}; remove it")
     _check_keys("", raw, set(_TOP_LEVEL))
 
-    chunk_size = raw.get("default_chunk_size", Config.default_chunk_size)
+    # Upstream's GUIDE calls default_chunk_size "chunk_size".
+    if "chunk_size" in raw and "default_chunk_size" in raw and \
+            raw["chunk_size"] != raw["default_chunk_size"]:
+        raise ValueError(f"config keys 'chunk_size' and 'default_chunk_size' name the same "
+                         f"setting but differ: {raw['chunk_size']!r} and "
+                         f"{raw['default_chunk_size']!r}")
+    chunk_size = raw.get("default_chunk_size", raw.get("chunk_size", Config.default_chunk_size))
     if chunk_size == "auto" or chunk_size is None:
         chunk_size = None
     else:
@@ -397,6 +436,9 @@ def load_config(config: Mapping[str, Any] | str | os.PathLike | None) -> Config:
         raise ValueError(f"config key 'nonfinite_loss': expected \"raise\" or \"skip\", got "
                          f"{nonfinite_loss!r}")
     ignored = _parse_client(raw.get("client", {}))
+    if "use_fake_dist" in raw:  # upstream: simulate ranks on one GPU; torchrun does it here
+        _bool("use_fake_dist", raw["use_fake_dist"])
+        ignored.append("use_fake_dist")
     release_after_init = _bool("release_after_init", raw.get("release_after_init", False))
     use_cpu_embedding = _bool("use_cpu_embedding", raw.get("use_cpu_embedding", False))
     if use_cpu_embedding:

@@ -26,6 +26,15 @@ class LossScaler:
     def load_state_dict(self, state: dict) -> None:
         self.scale = float(state["scale"])
 
+    # Upstream PatrickStar's and DeepSpeed's names for `scale`.
+    @property
+    def loss_scale(self) -> float:
+        return self.scale
+
+    @property
+    def cur_scale(self) -> float:
+        return self.scale
+
 
 class StaticLossScaler(LossScaler):
     """A fixed scale (fp16.loss_scale > 0; 1.0 for fp32 and bf16). Overflowing steps are still

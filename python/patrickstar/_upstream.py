@@ -1,0 +1,65 @@
+"""Upstream PatrickStar module names that have no counterpart here.
+
+Scripts written for upstream PatrickStar import a few more modules than `patrickstar.runtime`
+and `patrickstar.utils`. Importing one of the names below raises `ModuleNotFoundError` saying
+what to use instead, rather than Python's bare "No module named ...". The finder answers only
+for these names; every other import goes to the normal machinery.
+"""
+from __future__ import annotations
+
+import importlib.abc
+import sys
+
+__all__ = ["UPSTREAM_ONLY", "install"]
+
+_BUILD = ("build the model with `patrickstar.initialize(model_func, config)` (or "
+          "`patrickstar.runtime.initialize_engine`): parameters go into chunks as model_func "
+          "creates them, and the chunk runtime is C++ (`patrickstar._C`)")
+_PROFILE = ("profile with `with patrickstar.profile(model, 'prof/'):` or config "
+            "{'profile': {'enabled': true, 'output_dir': ...}}: trace.json has every phase's "
+            "time, memory.csv every moment's memory")
+
+# Upstream module -> what to use instead. A name covers its submodules.
+UPSTREAM_ONLY = {
+    "patrickstar.core": "upstream's Python chunk client (PatrickStarClient, PSPreProcessCtx, "
+                        "chunk lists) does not exist in PatrickStar-C++; " + _BUILD,
+    "patrickstar.manager": "the runtime memory tracer is C++ here; set budgets with config "
+                           "memory.device_budget / memory.host_budget / memory.nvme",
+    "patrickstar.ops": "the optimizer (fused CPU/GPU Adam and AdamW over chunks) comes back from "
+                       "`patrickstar.initialize()`; choose it with config optimizer.type",
+    "patrickstar.fp16": "loss scaling is `optimizer.loss_scaler` (config fp16: loss_scale, "
+                        "initial_scale_power, loss_scale_window, hysteresis, min_loss_scale)",
+    "patrickstar.deepspeed_helper": "no DeepSpeed argument helpers here; pass a config dict or "
+                                    "JSON path to `patrickstar.initialize()`",
+    "patrickstar.launcher": "launch with `torchrun --nproc_per_node=N script.py`",
+    "patrickstar.runtime.engine": "import PatrickStarEngine and initialize_engine from "
+                                  "`patrickstar.runtime` (or `patrickstar`)",
+    "patrickstar.runtime.init_context": _BUILD,
+    "patrickstar.runtime.checkpoint": "use model.save_checkpoint(dir) / "
+                                      "model.load_checkpoint(dir) (docs/reliability.md)",
+    "patrickstar.utils.global_timer": _PROFILE,
+    "patrickstar.utils.timer": _PROFILE,
+    "patrickstar.utils.metronome": _PROFILE,
+    "patrickstar.utils.memory": "use `model.memory_stats()` (per tier: budget, bytes now and "
+                                "at peak) or `patrickstar.utils.get_sys_memory_used(device)`",
+    "patrickstar.utils.helper": "use `sys.getsizeof` or `tensor.nbytes`",
+    "patrickstar.utils.singleton_meta": "not needed: PatrickStar-C++ keeps no global "
+                                        "singletons",
+}
+
+
+class _UpstreamOnlyFinder(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname, path=None, target=None):
+        for name, instead in UPSTREAM_ONLY.items():
+            if fullname == name or fullname.startswith(name + "."):
+                raise ModuleNotFoundError(
+                    f"No module named '{fullname}': it is upstream PatrickStar's, not part of "
+                    f"PatrickStar-C++; {instead}. README.md, 'Coming from PatrickStar / "
+                    f"DeepSpeed', lists every difference.", name=fullname)
+        return None
+
+
+def install() -> None:
+    """Puts the finder first on sys.meta_path (once)."""
+    if not any(isinstance(finder, _UpstreamOnlyFinder) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _UpstreamOnlyFinder())

@@ -1,0 +1,112 @@
+"""Upstream PatrickStar scripts run unchanged (issue 20, item 4): its import paths, config keys
+and attributes work, or fail with a message that says what to use instead."""
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+import patrickstar
+from patrickstar import _C, _upstream
+
+SCRIPTS = os.path.join(os.path.dirname(__file__), "upstream_scripts")
+
+
+def test_upstream_style_training_script_runs_unchanged(tmp_path):
+    result = subprocess.run(
+        [sys.executable, os.path.join(SCRIPTS, "train_simple_net.py"), str(tmp_path)],
+        capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    lines = dict(line.split(" ", 1) for line in result.stdout.splitlines())
+    losses = [float(value) for value in lines["losses"].split()]
+    assert len(losses) == 20 and all(torch.isfinite(torch.tensor(losses)))
+    assert sum(losses[-4:]) < sum(losses[:4])  # it trains
+    assert float(lines["loss_scale"]) == 2.0**8  # initial_scale_power 8, no overflow
+    # Embedding (tied with the head) + two linears: the counts of the plain module.
+    assert lines["model_size"] == f"{32 * 16 + 2 * (16 * 16 + 16)} 5"
+    # Every key accepted without effect is named, in one warning.
+    warned = [line for line in result.stderr.splitlines() if "have no effect" in line]
+    assert len(warned) == 1
+    for key in ("use_fake_dist", "client.mem_tracer.use_async_mem_monitor",
+                "client.mem_tracer.with_static_partition", "client.opts.with_mem_cache"):
+        assert key in warned[0]
+    assert (tmp_path / "model.pt").exists() and (tmp_path / "optimizer.pt").exists()
+
+
+def test_runtime_and_utils_are_the_package_objects():
+    from patrickstar.runtime import PatrickStarEngine, initialize_engine
+    from patrickstar.utils import get_rank, get_world_size, log_dist, logger
+    assert initialize_engine is patrickstar.initialize_engine
+    assert PatrickStarEngine is patrickstar.PatrickStarEngine
+    assert (get_rank(), get_world_size()) == (0, 1)
+    assert isinstance(logger, logging.Logger) and log_dist is not None
+
+
+def test_logger_level_sets_the_runtime_level(capfd):
+    from patrickstar.utils import logger
+    before = logger.level
+    try:
+        logger.setLevel(logging.ERROR)
+        # A C++ warning (a tier destroyed with a block still allocated) is now quiet...
+        tier = _C.HostTier(budget=0, name="quiet")
+        tier.allocate(4096)
+        del tier
+        assert "destroyed with" not in capfd.readouterr().err
+        logger.setLevel(logging.WARNING)  # ...and back
+        tier = _C.HostTier(budget=0, name="loud")
+        tier.allocate(4096)
+        del tier
+        assert "destroyed with" in capfd.readouterr().err
+    finally:
+        logger.setLevel(before)
+
+
+@pytest.mark.parametrize("name", sorted(_upstream.UPSTREAM_ONLY))
+def test_upstream_only_modules_say_what_to_use_instead(name):
+    with pytest.raises(ModuleNotFoundError, match="upstream PatrickStar's") as error:
+        __import__(name)
+    assert _upstream.UPSTREAM_ONLY[name] in str(error.value)
+    # Submodules too, and real modules are untouched.
+    with pytest.raises(ModuleNotFoundError, match="what|use|PatrickStar"):
+        __import__(name + ".anything")
+    import patrickstar.utils.logging  # noqa: F401
+
+
+def test_optimizer_loss_scaler_has_upstream_names():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, opt = patrickstar.initialize(
+            lambda: torch.nn.Linear(4, 4),
+            config={"default_chunk_size": 1024,
+                    "fp16": {"enabled": True, "initial_scale_power": 5}})
+    assert opt.loss_scaler.loss_scale == opt.loss_scaler.cur_scale == opt.loss_scale == 32.0
+    model.destroy()
+
+
+def test_upstream_config_spellings():
+    with pytest.warns(UserWarning, match="use_fake_dist") as caught:
+        config = patrickstar.load_config({"use_fake_dist": True, "chunk_size": 4096,
+                                          "optimizer": {"params": {"LR": 0.5, "Eps": 1e-5}}})
+    assert len(caught) == 1
+    assert config.default_chunk_size == 4096  # the GUIDE's name for default_chunk_size
+    assert (config.optimizer.lr, config.optimizer.eps) == (0.5, 1e-5)
+    with pytest.raises(ValueError, match="'chunk_size' and 'default_chunk_size'.*1 and 2"):
+        patrickstar.load_config({"chunk_size": 1, "default_chunk_size": 2})
+    with pytest.raises(ValueError, match="'optimizer.params.lr': given twice"):
+        patrickstar.load_config({"optimizer": {"params": {"lr": 1, "LR": 2}}})
+    with pytest.raises(ValueError, match="use_fake_dist.*expected true or false"):
+        patrickstar.load_config({"use_fake_dist": "yes"})
+
+
+@pytest.mark.parametrize("key,instead", [
+    ("zero_optimization", "memory.host_budget"), ("train_batch_size", "data loader"),
+    ("train_micro_batch_size_per_gpu", "data loader"), ("scheduler", "lr_scheduler="),
+    ("aio", "memory.nvme"), ("amp", "bf16")])
+def test_deepspeed_keys_say_what_to_use_instead(key, instead):
+    with pytest.raises(ValueError, match=f"'{key}' \\(DeepSpeed's\\).*{instead}"):
+        patrickstar.load_config({key: {}})
