@@ -282,6 +282,15 @@ class DataParallel:
             engine._has_grad[index] = total > 0 and self._owned[index]
         self._reset_backward()
 
+    def ranks_with(self, flag: bool, label: str = "non-finite loss flags") -> list[int]:
+        """The ranks of the group whose `flag` is set; a collective every rank must call."""
+        if not self.enabled:
+            return [self.rank] if flag else []
+        flags = torch.zeros(self.world_size, dtype=torch.float32)
+        flags[self.rank] = 1.0 if flag else 0.0
+        self.communicator.all_reduce(flags, op="sum", label=label).wait(self.timeout)
+        return [rank for rank, value in enumerate(flags.tolist()) if value > 0]
+
     def all_reduce_grad_stats(self, overflow: bool, squared: float) -> tuple[bool, float]:
         """Sums the squared norms of the owned gradients and ORs the overflow flags (over the
         model group too with pipeline stages or tensor slices: topology.py's Note [Gradient

@@ -410,7 +410,8 @@ class PatrickStarEngine(nn.Module):
     def backward(self, loss: torch.Tensor) -> None:
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError("backward(loss) expects a scalar loss tensor")
-        if not self._guard.before_backward(loss, self.precision):
+        agree = self._dp.ranks_with if self._dp.enabled else None
+        if not self._guard.before_backward(loss, self.precision, agree):
             return
         scale = self.loss_scaler.scale / self.config.gradient_accumulation_steps
         self._run_backward([loss.float() * scale], None)

@@ -15,7 +15,9 @@ user writes it. `TrainingGuard` counts backward calls since the last step:
     backward runs: `nonfinite_loss: "raise"` (default) raises `FloatingPointError` and leaves
     parameters, gradients and optimizer state as they were; `"skip"` drops the loss and turns
     the coming `optimizer.step()` into a skipped step (counted in `optimizer.skipped_steps`),
-    like an fp16 overflow.
+    like an fp16 overflow. Under data parallelism the ranks agree first (a small all-reduce of
+    the flags per backward): if any rank's loss is non-finite, every rank raises, or every rank
+    skips, so none misses a collective the others run.
 After `model.destroy()` every call raises instead of touching freed chunk memory, and after an
 `optimizer.step()` that failed partway (an NVMe read or write-back error, Note [Optimizer sweep]
 in engine.py) every training call raises until `model.load_checkpoint()` restores a consistent
@@ -24,6 +26,7 @@ state: the rows updated before the failure would otherwise mix two steps.
 from __future__ import annotations
 
 import json
+from typing import Callable
 
 import torch
 
@@ -56,8 +59,13 @@ class TrainingGuard:
         self.backwards = 0
         self.skip_step = False
 
-    def before_backward(self, loss: torch.Tensor, precision: str) -> bool:
-        """False when this backward must be skipped (non-finite loss, policy "skip")."""
+    def before_backward(self, loss: torch.Tensor, precision: str,
+                        nonfinite_ranks: Callable[[bool], list[int]] | None = None) -> bool:
+        """False when this backward must be skipped (non-finite loss, policy "skip").
+
+        `nonfinite_ranks(flag)` (data parallelism: a collective) returns the ranks whose loss
+        is non-finite, so every rank decides the same: a rank that skipped its backward alone
+        would miss the others' reduce-scatters and hang them."""
         self.check_alive("model.backward()")
         if self.backwards >= self.accumulation:
             raise RuntimeError(
@@ -66,12 +74,19 @@ class TrainingGuard:
                 f"call optimizer.step() and optimizer.zero_grad() after every "
                 f"{self.accumulation} backward() call(s), or raise "
                 f"gradient_accumulation_steps")
-        if precision != "fp16" and not bool(torch.isfinite(loss.detach()).all()):
+        if precision == "fp16":  # the loss scaler handles overflow
+            return True
+        bad = not bool(torch.isfinite(loss.detach()).all())
+        ranks = nonfinite_ranks(bad) if nonfinite_ranks is not None else ([0] if bad else [])
+        if ranks:
+            where = f"the loss is {loss.item()}" if bad else \
+                f"the loss of rank(s) {ranks} is not finite"
+            if nonfinite_ranks is not None and bad:
+                where += f" on rank(s) {ranks}"
             if self.policy == "raise":
                 raise FloatingPointError(
-                    f"model.backward(): the loss is {loss.item()} ({precision} training); "
-                    f"nothing was changed. Set the config key nonfinite_loss to \"skip\" to skip "
-                    f"such steps instead")
+                    f"model.backward(): {where} ({precision} training); nothing was changed. "
+                    f"Set the config key nonfinite_loss to \"skip\" to skip such steps instead")
             self.skip_step = True
             self.backwards += 1
             return False

@@ -33,6 +33,7 @@ import collections
 import contextlib
 import dataclasses
 import random
+import weakref
 from typing import Callable
 
 import torch
@@ -82,6 +83,25 @@ def _call_model_func(model_func: Callable[[], nn.Module]) -> nn.Module:
     return model
 
 
+def _check_dtype(name: str, dtype: torch.dtype) -> None:
+    """Parameters live in chunks of the compute dtype (fp32, or fp16/bf16 with fp32 masters),
+    which hold float16, bfloat16 and float32 values exactly. Others would change silently, so
+    they are refused before anything is allocated."""
+    if dtype in (torch.float32, torch.float16, torch.bfloat16):
+        return
+    if dtype.is_floating_point or dtype.is_complex:
+        raise TypeError(
+            f"parameter '{name}' is {dtype}: PatrickStar-C++ keeps parameters in float32 chunks "
+            f"(fp16/bf16 compute copies with the fp32 config), which would round it silently. "
+            f"Create it as float32 in model_func (e.g. .float()), or register it as a buffer "
+            f"(module.register_buffer) if it is not trained")
+    raise TypeError(
+        f"parameter '{name}' is {dtype}: an integer parameter cannot be trained (PyTorch gives "
+        f"it no gradient) and chunks hold floating-point values only. Register it as a buffer "
+        f"(module.register_buffer(name, tensor)): buffers keep their dtype, are saved in "
+        f"state_dict and checkpoints, and stay on the module")
+
+
 def plan_parameters(model_func: Callable[[], nn.Module]) -> tuple[list[ParamSpec], list[bool]]:
     """Pass 1 of Note [Two-pass initialization]. Returns the specs of the surviving parameters
     and, per registration event, whether it is the first registration of a surviving one."""
@@ -104,6 +124,9 @@ def plan_parameters(model_func: Callable[[], nn.Module]) -> tuple[list[ParamSpec
             "function that builds a new module on each call, e.g. "
             "initialize(lambda: MyModel(cfg)), so its parameters go straight into chunks")
     survives = [id(p) in names for p in registrations]
+    for param, alive in zip(registrations, survives):
+        if alive:
+            _check_dtype(names[id(param)], param.dtype)
     specs = []
     for param, alive in zip(registrations, survives):
         if alive:
@@ -127,13 +150,19 @@ class ParameterPlacer:
         self._place = place
         self._event = 0
         self._placed = 0
-        self._seen: set[int] = set()
+        # Registered parameters by id, held weakly: a parameter replaced by a tied one dies at
+        # once, and its id may then be reused by the next parameter created, which a plain set
+        # of ids would take for one already seen (and the placement would shift by one).
+        self._seen: dict[int, weakref.ref] = {}
         self.parameters: list[nn.Parameter] = []
 
     def _hook(self, module, name, param):
-        if param is None or id(param) in self._seen:
+        if param is None:
             return None
-        self._seen.add(id(param))
+        seen = self._seen.get(id(param))
+        if seen is not None and seen() is param:
+            return None
+        self._seen[id(param)] = weakref.ref(param)
         if self._event >= len(self._survives):
             raise RuntimeError("model_func registered more parameters than on its first run; "
                                "it must build the same model every time it is called")

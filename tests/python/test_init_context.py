@@ -1,0 +1,89 @@
+"""Building the model into chunks (init_context.py): parameters replaced while the model is
+built, and parameter dtypes that chunks cannot hold (issue 20, item 7)."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import patrickstar
+
+
+class ManyTies(nn.Module):
+    """Layer after layer whose weight is replaced by a shared one right after creation: the
+    replaced parameter dies at once, and the next parameter created often gets its id."""
+
+    def __init__(self):
+        super().__init__()
+        self.shared = nn.Parameter(torch.randn(16, 16))
+        self.layers = nn.ModuleList()
+        for _ in range(24):
+            layer = nn.Linear(16, 16)
+            layer.weight = self.shared
+            self.layers.append(layer)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return self.head(x).sum()
+
+
+def test_parameters_replaced_during_the_build_do_not_shift_the_others():
+    torch.manual_seed(0)
+    reference = ManyTies()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.manual_seed(0)
+        model, _ = patrickstar.initialize(ManyTies, config={"default_chunk_size": 1024})
+    state = model.state_dict()
+    for name, tensor in reference.state_dict().items():
+        assert torch.equal(state[name], tensor), name
+    x = torch.randn(4, 16)
+    assert torch.allclose(model(x), reference(x))
+    model.destroy()
+
+
+class WithParameter(nn.Module):
+    def __init__(self, dtype):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.extra = nn.Parameter(torch.ones(3, dtype=dtype), requires_grad=False)
+
+    def forward(self, x):
+        return self.linear(x).sum()
+
+
+@pytest.mark.parametrize("dtype,message", [
+    (torch.int64, "parameter 'extra' is torch.int64: an integer parameter cannot be trained"
+                  ".*Register it as a buffer"),
+    (torch.int32, "parameter 'extra' is torch.int32"),
+    (torch.float64, "parameter 'extra' is torch.float64: .*round it silently.*float32"),
+])
+def test_integer_and_float64_parameters_are_refused_naming_them(dtype, message):
+    with pytest.raises(TypeError, match=message):
+        patrickstar.initialize(lambda: WithParameter(dtype),
+                               config={"default_chunk_size": 1024})
+
+
+def test_integer_buffers_keep_their_dtype_and_values():
+    class Counting(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(4, 4)
+            self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+        def forward(self, x):
+            self.calls += 1
+            return self.linear(x).sum()
+
+    model, opt = patrickstar.initialize(Counting, config={"default_chunk_size": 1024})
+    for _ in range(3):
+        model.backward(model(torch.randn(2, 4)))
+        opt.step()
+        opt.zero_grad()
+    calls = model.state_dict()["calls"]
+    assert calls.dtype == torch.int64 and int(calls) == 3
+    model.destroy()
