@@ -97,6 +97,13 @@ std::shared_ptr<FaultInjector> FaultsFrom(const std::optional<std::string>& spec
     text = *spec;
   } else if (const char* env = std::getenv("PATRICKSTAR_FAULT_INJECT"); env != nullptr) {
     text = env;
+    // A test hook acting in a real run must not go unnoticed: say so each time it arms.
+    if (!text.empty()) {
+      PS_LOG(kWarning,
+             "PATRICKSTAR_FAULT_INJECT=%s is set: copies and NVMe IO will fail on purpose (a "
+             "test hook); unset it unless you are testing fault handling",
+             text);
+    }
   }
   return ValueOrThrow(FaultInjector::Parse(text));
 }
