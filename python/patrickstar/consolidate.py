@@ -23,16 +23,16 @@ import zipfile
 
 import torch
 
-from .checkpoint import _DTYPES, CheckpointError, CheckpointReader, _numel
+from . import dtypes
+from .checkpoint import CheckpointError, CheckpointReader
 
 __all__ = ["consolidate", "main"]
 
-_OUT_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-_RUN_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+_OUT_DTYPES = dtypes.PRECISIONS
 
 
 def _source_kind(reader: CheckpointReader, name: str, dtype: str) -> str:
-    if _RUN_DTYPES[reader.meta["precision"]] == _RUN_DTYPES[dtype] or \
+    if dtypes.precision_name(reader.meta["precision"]) == dtypes.precision_name(dtype) or \
             not reader.has(name, "master"):
         return "param"
     return "master"
@@ -61,9 +61,8 @@ def _fill(path: str, reader: CheckpointReader, plan, dtype: torch.dtype) -> int:
         raise AssertionError(f"{path}: {len(offsets)} storages for {len(sources)} tensors")
     for (name, kind), (_, size) in zip(sources, offsets):
         entry = reader.entry(name, kind)
-        itemsize = torch.empty((), dtype=dtype if kind != "buffer" else _DTYPES[entry.dtype]
-                               ).element_size()
-        if size != itemsize * _numel(entry.shape):
+        itemsize = dtype.itemsize if kind != "buffer" else dtypes.element_size(entry.dtype)
+        if size != itemsize * entry.numel:
             raise AssertionError(f"{path}: storage of {name} has {size} bytes")
     total = 0
     fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
@@ -110,7 +109,7 @@ def consolidate(checkpoint_dir, output, dtype: str = "fp32", tag: str | None = N
                 if (name, kind) not in by_source:
                     entry = reader.entry(name, kind)
                     out_dtype = (_OUT_DTYPES[dtype] if kind != "buffer"
-                                 else _DTYPES[entry.dtype])
+                                 else dtypes.dtype_of(entry.dtype))
                     by_source[(name, kind)] = torch.empty(entry.shape, dtype=out_dtype)
                 fakes[key] = by_source[(name, kind)]
         try:

@@ -245,7 +245,7 @@ class DataParallel:
 
     def _boundary(self) -> bool:
         engine = self._engine
-        return (engine._micro_step + 1) % self.config.gradient_accumulation_steps == 0
+        return (engine.micro_step + 1) % self.config.gradient_accumulation_steps == 0
 
     def on_grad(self, index: int) -> None:
         """Called by the engine's gradient hook once the gradient is in its chunk."""

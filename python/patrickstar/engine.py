@@ -39,12 +39,7 @@ raises out of `step()` with the file, offset and bytes; the chunk keeps its byte
 NVMe slot stays invalid (never read back torn), and the engine refuses to train on until a
 checkpoint is loaded, since the rows before the failure were already updated.
 
-Note [Chunk kinds per precision]
-  fp32:       compute (fp32, also the master copy), gradient (fp32), momentum, variance
-  fp16/bf16:  compute (16-bit), master (fp32), gradient (16-bit; fp32 when accumulating over
-              micro-steps), momentum, variance
-Only trainable parameters get master, gradient and optimizer-state tensors, so frozen ones cost
-just their compute copy.
+Note [Chunk kinds per precision] is in chunked_params.py.
 """
 from __future__ import annotations
 
@@ -55,7 +50,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from . import _C, checkpoint
+from . import _C, checkpoint, dtypes
+from .chunked_params import ChunkedParams
 from .config import Config, load_config
 from .data_parallel import DataParallel, detect_world
 from .guards import TrainingGuard, check_budgets
@@ -67,8 +63,6 @@ from .profiler import ActivationCounter, profiler_from_config
 
 __all__ = ["PatrickStarEngine", "initialize", "initialize_engine"]
 
-_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 K = _C.ChunkKind
 S = _C.TensorState
 
@@ -143,52 +137,6 @@ class _SavedParamView:
         self.stride = stride
 
 
-class _Tensors:
-    """The chunk-manager tensor ids of one parameter."""
-
-    __slots__ = ("compute", "master", "grad", "momentum", "variance")
-
-    def __init__(self):
-        self.compute = self.master = self.grad = self.momentum = self.variance = None
-
-
-def chunk_dtypes(precision: str, accumulation_steps: int) -> dict[str, str | None]:
-    """The dtype name of each chunk tensor of a parameter, by `_Tensors` slot (None: not used);
-    Note [Chunk kinds per precision]."""
-    mixed = precision != "fp32"
-    compute = _DTYPE_NAMES[_DTYPES[precision]]
-    return {"compute": compute, "master": "float32" if mixed else None,
-            "grad": "float32" if accumulation_steps > 1 or not mixed else compute,
-            "momentum": "float32", "variance": "float32"}
-
-
-def register_chunk_tensors(manager, specs, dtypes: dict[str, str | None],
-                           chunk_size: int | None, compute_order=None):
-    """Registers every chunk tensor of `specs` with `manager` and builds the chunk lists, as the
-    engine lays out a model (also used by `estimate_memory`, so its figures are the runtime's).
-    Returns the per-parameter `_Tensors` ids and the layout report."""
-    ids = [_Tensors() for _ in specs]
-    for i in (range(len(specs)) if compute_order is None else compute_order):
-        ids[i].compute = manager.register_tensor(specs[i].name, list(specs[i].shape),
-                                                 K.COMPUTE_PARAM, dtypes["compute"])
-    trainable = [i for i, spec in enumerate(specs) if spec.requires_grad]
-    # Registered kind by kind so each list packs in registration order.
-    for kind, attr in ((K.MASTER_PARAM, "master"), (K.GRADIENT, "grad"),
-                       (K.MOMENTUM, "momentum"), (K.VARIANCE, "variance")):
-        if dtypes[attr] is None:
-            continue
-        for i in trainable:
-            setattr(ids[i], attr, manager.register_tensor(
-                f"{specs[i].name}#{attr}", list(specs[i].shape), kind, dtypes[attr]))
-    if chunk_size is None:
-        largest = max(math.prod(spec.shape) or 1 for spec in specs)
-        low = max(1 << 16, largest // 4)
-        layout = manager.search_chunk_lists(low, max(low, 4 * largest), max(1, low // 4))
-    else:
-        layout = manager.build_chunk_lists(chunk_size)
-    return ids, layout
-
-
 class PatrickStarEngine(nn.Module):
     """What `initialize()` returns as `model`: call it like the module, then
     `model.backward(loss)`. `model.module` is the user's module."""
@@ -199,18 +147,16 @@ class PatrickStarEngine(nn.Module):
         self.config = config
         self.local_rank = local_rank
         self.precision = config.precision
-        self.compute_dtype = _DTYPES[self.precision]
+        self.compute_dtype = dtypes.precision_dtype(self.precision)
         self.mixed = self.precision != "fp32"
-        self.grad_dtype = getattr(torch, chunk_dtypes(
-            self.precision, config.gradient_accumulation_steps)["grad"])
         self.loss_scaler = make_loss_scaler(config)
-        self._guard = TrainingGuard(config)  # Note [Training call order] in guards.py
-        self._micro_step = 0
-        self._iteration = 0
+        self.guard = TrainingGuard(config)  # Note [Training call order] in guards.py
+        self.micro_step = 0
+        self.iteration = 0
         self._warmup_done = False
 
         # Before the model is built: tensor-parallel layers size their slices by the groups.
-        self._dp = DataParallel(config, *detect_world(config))
+        self.dp = DataParallel(config, *detect_world(config))
         specs, survives = plan_parameters(model_func)
         if not specs:
             raise ValueError("model_func built a module without parameters; nothing to train")
@@ -224,13 +170,14 @@ class PatrickStarEngine(nn.Module):
         placer = ParameterPlacer(survives, self._place_at_init)
         module = placer.build(model_func)
         self.add_module("module", module)
-        self._params: list[nn.Parameter] = placer.parameters
+        self.params.bind(placer.parameters)
+        self._params = self.params.params
         self._param_index = {id(p): i for i, p in enumerate(self._params)}
-        self._shapes = [spec.shape for spec in specs]
-        self._names = [spec.name for spec in specs]
-        self._dp.attach(self)
+        self._shapes = self.params.shapes
+        self._names = self.params.names
+        self.dp.attach(self)
         self._finish_init()
-        self._dp.after_init()
+        self.dp.after_init()
         # The warm-up trace is one training iteration: initialization's host accesses would
         # otherwise be replayed by the prefetcher every iteration.
         self.chunks.restart_warmup()
@@ -294,17 +241,19 @@ class PatrickStarEngine(nn.Module):
         self._rows: list[_UpdateRow] | None = None  # built at the first step
         self._tensor_chunk: dict[int, int] = {}
         self.copy_engine = _C.CopyEngine(host_threads=2, device=self.local_rank)
-        self.chunks = _ChunkManager(tiers, self.copy_engine, self._dp.world_size, self._dp.rank)
-        self._ids, self.layout = register_chunk_tensors(
-            self.chunks, specs, chunk_dtypes(self.precision, config.gradient_accumulation_steps),
-            config.default_chunk_size, self._dp.compute_registration_order(specs))
+        self.chunks = _ChunkManager(tiers, self.copy_engine, self.dp.world_size, self.dp.rank)
+        self.params = ChunkedParams(self.chunks, specs, self.precision,
+                                    config.gradient_accumulation_steps, config.default_chunk_size,
+                                    self.dp.compute_registration_order(specs))
+        self.grad_dtype = self.params.grad_dtype
+        self._ids, self.layout = self.params.ids, self.params.layout
         check_budgets(config, self.chunks.layout_json(), [spec.name for spec in specs],
                       [spec.requires_grad for spec in specs], self.mixed,
                       device_is_host_memory=self.device.type == "cpu")
 
     def _init_storage_ids(self, index: int) -> int | None:
         ids = self._ids[index]
-        if ids.master is not None and not self._dp.owns(self.chunks.manager, ids.master):
+        if ids.master is not None and not self.dp.owns(self.chunks.manager, ids.master):
             return None  # data parallel: another rank keeps this master copy
         return ids.master if ids.master is not None else ids.compute
 
@@ -396,7 +345,7 @@ class PatrickStarEngine(nn.Module):
         return data.as_strided(packed.size, packed.stride, data.storage_offset() + packed.offset)
 
     def forward(self, *args, **kwargs):
-        self._guard.check_alive("model(...)")
+        self.guard.check_alive("model(...)")
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack_saved, self._unpack_saved):
                 output = self.module(*args, **kwargs)
@@ -404,14 +353,14 @@ class PatrickStarEngine(nn.Module):
             if not torch.is_grad_enabled() or not self.module.training:
                 # No backward follows: give everything back now.
                 self._release_all(S.HOLD_AFTER_FWD)
-        self._dp.after_forward()
+        self.dp.after_forward()
         return output
 
     def backward(self, loss: torch.Tensor) -> None:
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError("backward(loss) expects a scalar loss tensor")
         agree = self._dp.ranks_with if self._dp.enabled else None
-        if not self._guard.before_backward(loss, self.precision, agree):
+        if not self.guard.before_backward(loss, self.precision, agree):
             return
         scale = self.loss_scaler.scale / self.config.gradient_accumulation_steps
         self._run_backward([loss.float() * scale], None)
@@ -420,7 +369,7 @@ class PatrickStarEngine(nn.Module):
         """Backward from non-scalar `tensors` given their gradients: a pipeline stage other
         than the last (pipe/engine.py), whose received gradients already carry the loss scale
         and 1/gradient_accumulation_steps. Counts as one `backward()` call."""
-        if not self._guard.before_backward(torch.zeros(()), self.precision):
+        if not self.guard.before_backward(torch.zeros(()), self.precision):
             return
         self._run_backward(tensors, grads)
 
@@ -431,9 +380,9 @@ class PatrickStarEngine(nn.Module):
         finally:
             # Modules whose inputs need no grad never see their post-backward hook.
             self._release_all(S.HOLD_AFTER_BWD)
-        self._guard.after_backward()
-        self._dp.after_backward()
-        self._micro_step += 1
+        self.guard.after_backward()
+        self.dp.after_backward()
+        self.micro_step += 1
 
     def _make_grad_hook(self, index: int):
         def hook(param: nn.Parameter) -> None:
@@ -443,7 +392,7 @@ class PatrickStarEngine(nn.Module):
                 return
             self._slots.store_grad(index, grad, self._has_grad[index])
             self._has_grad[index] = True
-            self._dp.on_grad(index)
+            self.dp.on_grad(index)
         return hook
 
     # ---- Optimizer -----------------------------------------------------------------------------
@@ -468,13 +417,13 @@ class PatrickStarEngine(nn.Module):
             grad_squared, bad = _C.kernels.grad_stats([grad])
             overflow |= bad
             squared += grad_squared
-        overflow, squared = self._dp.all_reduce_grad_stats(overflow, squared)
+        overflow, squared = self.dp.all_reduce_grad_stats(overflow, squared)
         return overflow, math.sqrt(squared)
 
     def optimizer_step(self, optimizer: PatrickStarOptimizer) -> bool:
         """Applies one Adam/AdamW step; returns False when it was skipped for overflow."""
-        run = self._guard.before_step()
-        self._guard.after_step()
+        run = self.guard.before_step()
+        self.guard.after_step()
         if not run:  # a non-finite loss was skipped (config nonfinite_loss: "skip")
             self.zero_grad()
             self._end_iteration()
@@ -497,7 +446,7 @@ class PatrickStarEngine(nn.Module):
         try:
             self._sweep(optimizer, grad_scale, coef)
         except BaseException as error:
-            self._guard.step_failed(error)
+            self.guard.step_failed(error)
             raise
         self.zero_grad()
         self._end_iteration()
@@ -516,7 +465,7 @@ class PatrickStarEngine(nn.Module):
         if self._rows is None:
             rows: dict[int, _UpdateRow] = {}
             for index, ids in enumerate(self._ids):
-                if ids.momentum is None or not self._dp.owns(self.chunks.manager, ids.momentum):
+                if ids.momentum is None or not self.dp.owns(self.chunks.manager, ids.momentum):
                     continue
                 row = rows.setdefault(self._chunk_of(ids.momentum), _UpdateRow())
                 row.indices.append(index)
@@ -592,30 +541,22 @@ class PatrickStarEngine(nn.Module):
                 self._has_grad[index] = False
 
     def _end_iteration(self) -> None:
-        self._dp.after_step()
+        self.dp.after_step()
         self.chunks.end_iteration()
         if self.profiler is not None:
             self.profiler.on_end_iteration()
-        self._iteration += 1
+        self.iteration += 1
 
     # ---- State dicts ---------------------------------------------------------------------------
 
-    def _read_param(self, index: int) -> torch.Tensor:
-        tensor_id = self._ids[index].compute
-        view = self.chunks.access(tensor_id, T.HOST)
-        try:
-            return view.view(self._shapes[index]).clone()
-        finally:
-            self.chunks.release(tensor_id, S.HOLD)
-
     def state_dict(self, destination=None, prefix: str = "", keep_vars: bool = False):
         """The module's state dict with full parameters (compute dtype) read out of chunks."""
-        self._dp.gather_all()  # a collective: every rank calls state_dict()
+        self.dp.gather_all()  # a collective: every rank calls state_dict()
         result = self.module.state_dict(keep_vars=True)
         for name, value in list(result.items()):
             index = self._param_index.get(id(value))
             if index is not None:
-                result[name] = self._read_param(index)
+                result[name] = self.params.read(index, K.COMPUTE_PARAM)
             elif not keep_vars and isinstance(value, torch.Tensor):
                 result[name] = value.detach()
         if destination is not None:
@@ -644,15 +585,11 @@ class PatrickStarEngine(nn.Module):
                 if index is None:
                     value.copy_(source)
                     continue
-                ids = self._ids[index]
-                for tensor_id in (ids.compute, ids.master):
-                    if tensor_id is None or not self._dp.owns(self.chunks.manager, tensor_id):
+                for kind in (K.COMPUTE_PARAM, K.MASTER_PARAM):
+                    tensor_id = self.params.tensor_id(index, kind)
+                    if tensor_id is None or not self.dp.owns(self.chunks.manager, tensor_id):
                         continue  # data parallel: the owner loads it
-                    view = self.chunks.access(tensor_id, T.HOST)
-                    try:
-                        view.view(shape).copy_(source)
-                    finally:
-                        self.chunks.release(tensor_id, S.HOLD)
+                    self.params.write(index, kind, source)
         return nn.modules.module._IncompatibleKeys(missing, unexpected)
 
     def optimizer_state_dict(self, optimizer) -> dict:
@@ -662,12 +599,8 @@ class PatrickStarEngine(nn.Module):
             if ids.momentum is None or self._step_count[index] == 0:
                 continue
             entry = {"step": torch.tensor(float(self._step_count[index]))}
-            for key, tensor_id in (("exp_avg", ids.momentum), ("exp_avg_sq", ids.variance)):
-                view = self.chunks.access(tensor_id, T.HOST)
-                try:
-                    entry[key] = view.view(self._shapes[index]).clone()
-                finally:
-                    self.chunks.release(tensor_id, S.HOLD)
+            for key, kind in (("exp_avg", K.MOMENTUM), ("exp_avg_sq", K.VARIANCE)):
+                entry[key] = self.params.read(index, kind)
             state[index] = entry
         groups = []
         for group in optimizer.param_groups:
@@ -686,14 +619,9 @@ class PatrickStarEngine(nn.Module):
             group.update({k: v for k, v in saved.items() if k != "params"})
         for index, entry in state_dict["state"].items():
             index = int(index)
-            ids = self._ids[index]
             self._step_count[index] = int(entry["step"])
-            for key, tensor_id in (("exp_avg", ids.momentum), ("exp_avg_sq", ids.variance)):
-                view = self.chunks.access(tensor_id, T.HOST)
-                try:
-                    view.view(self._shapes[index]).copy_(entry[key])
-                finally:
-                    self.chunks.release(tensor_id, S.HOLD)
+            for key, kind in (("exp_avg", K.MOMENTUM), ("exp_avg_sq", K.VARIANCE)):
+                self.params.write(index, kind, entry[key])
         if "loss_scaler" in state_dict:
             self.loss_scaler.load_state_dict(state_dict["loss_scaler"])
 
@@ -713,7 +641,7 @@ class PatrickStarEngine(nn.Module):
         loaded = checkpoint.load_checkpoint(self, load_dir, tag, load_optimizer_states,
                                             load_lr_scheduler_states, load_module_only, **kwargs)
         if loaded[0] is not None and not load_module_only and load_optimizer_states:
-            self._guard.failed_step = None  # a consistent state again (guards.py)
+            self.guard.failed_step = None  # a consistent state again (guards.py)
         if self.chunks.warming_up:  # loading is not part of the iterations the trace repeats
             self.chunks.restart_warmup()
         return loaded
@@ -721,8 +649,8 @@ class PatrickStarEngine(nn.Module):
     def destroy(self) -> None:
         """Frees every chunk and tier now (DeepSpeed's `engine.destroy()`); later calls raise.
         NVMe swap files go away with their tier once nothing else holds it."""
-        self._guard.destroyed = True
-        self._dp.close()
+        self.guard.destroyed = True
+        self.dp.close()
         self._hooks.remove()
         for param in self._params:
             param.data = self._placeholder()

@@ -32,7 +32,7 @@ from torch import nn
 
 from . import _C
 from .config import Config, load_config
-from .engine import chunk_dtypes, register_chunk_tensors
+from .chunked_params import chunk_dtypes, register_chunk_tensors
 from .init_context import plan_parameters
 
 __all__ = ["estimate_memory"]
@@ -43,7 +43,7 @@ _KINDS = ("compute", "master", "gradient", "momentum", "variance")
 _KIND_NAMES = {"compute_param": "compute", "master_param": "master", "gradient": "gradient",
                "momentum": "momentum", "variance": "variance"}
 _BLOCK_ALIGNMENT = 4096
-# Kind names here -> the engine's `_Tensors` slots.
+# Kind names here -> the `TensorIds` slots (chunked_params.py).
 _SLOTS = {"compute": "compute", "master": "master", "gradient": "grad", "momentum": "momentum",
           "variance": "variance"}
 

@@ -79,6 +79,16 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         self.skipped_steps = 0  # steps skipped for fp16 overflow
 
     @property
+    def step_counts(self) -> list[int]:
+        """Adam's step count of each parameter, by its position in `ChunkedParams`."""
+        return self._engine._step_count
+
+    @property
+    def has_grad(self) -> list[bool]:
+        """Whether each parameter has a gradient this step."""
+        return self._engine._has_grad
+
+    @property
     def loss_scale(self) -> float:
         return self._engine.loss_scaler.scale
 

@@ -53,13 +53,13 @@ def capture(model, opt) -> dict:
     rank's buffers (state_dict(), a collective), the master / Adam tensors this rank owns,
     step counts, loss scale and the torch RNG."""
     state = {f"model.{k}": v.clone() for k, v in model.state_dict().items()}
-    engine_state = checkpoint._EngineState(model)
+    engine_state = checkpoint.EngineState(model)
     for index, name in enumerate(engine_state.names):
         for kind in engine_state.kinds(index):
             with engine_state.view(index, kind) as view:
                 state[f"{kind}.{name}"] = view.clone()
-    state["step_counts"] = torch.tensor(model._step_count)
-    state["iteration"] = torch.tensor(model._iteration)
+    state["step_counts"] = torch.tensor(opt.step_counts)
+    state["iteration"] = torch.tensor(model.iteration)
     state["loss_scale"] = torch.tensor(opt.loss_scale)
     state["rng"] = torch.get_rng_state()
     return state
@@ -79,7 +79,7 @@ def failed_load(model, opt, *args) -> tuple[str | None, bool]:
 
 
 def barrier(model) -> None:
-    model._dp.all_gather_object(None)
+    model.dp.all_gather_object(None)
 
 
 def _seed_rank(rank: int, base: int) -> None:
@@ -189,19 +189,19 @@ def errors(out: str, rank: int, world: int) -> dict:
     model.save_checkpoint(save_dir, tag="good")
     good = capture(model, opt)
     result = {}
-    write_shard = checkpoint.write_shard
+    write_shard = checkpoint.shard.write_shard
     if rank == 1:
         def full_disk(path, header, entries, read):
             with open(path, "wb") as handle:
                 handle.write(b"PSSHARD1 half a shard")
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
-        checkpoint.write_shard = full_disk
+        checkpoint.shard.write_shard = full_disk
     try:
         model.save_checkpoint(save_dir, tag="bad")
     except CheckpointError as error:
         result["save_error"] = str(error)
     finally:
-        checkpoint.write_shard = write_shard
+        checkpoint.shard.write_shard = write_shard
     barrier(model)
     result["listing"] = sorted(os.listdir(save_dir))
     with open(os.path.join(save_dir, "latest"), encoding="utf-8") as handle:

@@ -44,12 +44,12 @@ def train(name: str, rank: int, world: int) -> dict:
     stats = model.memory_stats()  # after the step: gathered copies and remote grads dropped
     result = {"losses": losses, "state": model.state_dict(), "stats": stats}
     if world > 1:
-        result.update(collectives=model._dp.collectives.collectives_issued,
-                      compute_groups=len(model._dp._compute_groups),
-                      grad_groups=len(model._dp._grad_groups),
-                      early_reduce_scatters=model._dp.early_reduce_scatters,
-                      gathers_ahead=model._dp.gathers_ahead,
-                      gathers_started=model._dp.collectives.gathers_started)
+        result.update(collectives=model.dp.collectives.collectives_issued,
+                      compute_groups=len(model.dp._compute_groups),
+                      grad_groups=len(model.dp._grad_groups),
+                      early_reduce_scatters=model.dp.early_reduce_scatters,
+                      gathers_ahead=model.dp.gathers_ahead,
+                      gathers_started=model.dp.collectives.gathers_started)
     return result
 
 

@@ -293,7 +293,7 @@ def _fake_two_rank_checkpoint(source_dir, tag, target_dir):
         meta["layout"] = {**meta["layout"], "world_size": 2}
         with open(os.path.join(target_dir, tag, "meta.json"), "w") as handle:
             json.dump({"format": checkpoint.FORMAT, "version": checkpoint.VERSION,
-                       "sha256": checkpoint._meta_checksum(meta), "body": meta}, handle)
+                       "sha256": checkpoint.meta_checksum(meta), "body": meta}, handle)
         return shards, reader
 
 

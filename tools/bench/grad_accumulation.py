@@ -153,7 +153,7 @@ def run_ours(args, rank: int) -> dict:
                 "gradient_accumulation_steps": args.accumulation,
                 "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}})
     batches = micro_batches(args, rank)
-    collectives = model._dp.collectives
+    collectives = model.dp.collectives
     per_micro = []
 
     def step():
@@ -169,15 +169,15 @@ def run_ours(args, rank: int) -> dict:
     issued, moved = collectives.collectives_issued, collectives.bytes_communicated
     times = timed_steps(step, args.steps)
     steps = args.steps + 1  # timed_steps' own warm-up step is counted too
-    compute_groups = len(model._dp._compute_groups)
-    grad_groups = len(model._dp._grad_groups)
+    compute_groups = len(model.dp._compute_groups)
+    grad_groups = len(model.dp._grad_groups)
     return {**times,
             "collectives_per_step": (collectives.collectives_issued - issued) / steps,
             "bytes_per_step": (collectives.bytes_communicated - moved) / steps,
             "collectives_per_micro_step": per_micro[:args.accumulation],
             "compute_groups": compute_groups, "grad_groups": grad_groups,
             "gather_ahead": args.gather_ahead,
-            "gathers_started_ahead_per_step": model._dp.gathers_ahead / (steps + 1),
+            "gathers_started_ahead_per_step": model.dp.gathers_ahead / (steps + 1),
             # Not in the counts above: one all-reduce of per-parameter flags per boundary.
             "small_all_reduces_per_step": 1,
             "chunk_elements": model.layout["chunk_elements"]}

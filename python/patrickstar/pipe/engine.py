@@ -139,9 +139,9 @@ class PipelineEngine:
                 raise ValueError(f"TiedLayerSpec({key!r}): tied_weight_attr names "
                                  f"{[m.split('.', 2)[2] for m in missing]}, which the module "
                                  f"does not have")
-            if stages[0] != self.stage and self.engine._dp.model_parallel is not None:
+            if stages[0] != self.stage and self.engine.dp.model_parallel is not None:
                 # Note [Gradient norm over stages and slices] in topology.py: counted once.
-                self.engine._dp.model_parallel.duplicates.update(index_of[n] for n in names)
+                self.engine.dp.model_parallel.duplicates.update(index_of[n] for n in names)
             entries.append({"key": key, "group": group, "names": names,
                             "indices": [index_of[name] for name in names],
                             "first": stages[0] == self.stage})
@@ -167,7 +167,7 @@ class PipelineEngine:
                 ids = engine._ids[index]
                 source = ids.master if ids.master is not None else ids.compute
                 value = torch.zeros(engine._shapes[index], dtype=torch.float32)
-                if entry["first"] and engine._dp.owns(manager, source):
+                if entry["first"] and engine.dp.owns(manager, source):
                     view = engine.chunks.access(source, "host")
                     try:
                         value.copy_(view.view(value.shape))
@@ -304,7 +304,7 @@ class PipelineEngine:
                 buffer = buffer.to(topology.comm_device(entry["group"]))
                 dist.all_reduce(buffer, group=entry["group"])
                 buffer = buffer.cpu()
-                if buffer[-1].item() == 0 or not engine._dp.owns(manager, grad_id):
+                if buffer[-1].item() == 0 or not engine.dp.owns(manager, grad_id):
                     continue
                 view = engine.chunks.access(grad_id, "host")
                 try:
@@ -360,7 +360,7 @@ class PipelineEngine:
     def load_checkpoint(self, load_dir, tag=None, **kwargs):
         """Loads what save_checkpoint wrote for this stage; returns (path, client_state)."""
         result = self.engine.load_checkpoint(self._checkpoint_dir(load_dir), tag, **kwargs)
-        self.global_steps = self.engine._iteration
+        self.global_steps = self.engine.iteration
         return result
 
     def destroy(self) -> None:

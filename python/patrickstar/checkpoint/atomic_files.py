@@ -1,0 +1,129 @@
+"""Durable, atomic filesystem operations of a checkpoint save (Note [Atomic checkpoints] in
+checkpoint/__init__.py): fsync of files and directories, atomic replacement of a file and
+exchange of two directories, and the partial directories of writers that died."""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import hashlib
+import itertools
+import os
+import re
+import shutil
+
+__all__ = ["fsync_dir", "exchange", "crash_point", "partial_dir_name", "remove_stale_partials",
+           "write_text_atomically", "write_bytes_durably", "file_sha256", "publish_directory"]
+
+_READ_BLOCK = 8 << 20
+_PARTIAL = re.compile(r"^\.(?P<tag>.+)\.partial-(?P<pid>\d+)-(?P<n>\d+)$")
+_counter = itertools.count()
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def exchange(a: str, b: str) -> bool:
+    """Atomically swaps two paths (renameat2 RENAME_EXCHANGE); False where unsupported."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p,
+                          ctypes.c_uint]
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
+        return False
+    raise OSError(code, f"renameat2(RENAME_EXCHANGE) of '{a}' and '{b}': {os.strerror(code)}")
+
+
+def crash_point(name: str) -> None:
+    """Test hook (Note [Atomic checkpoints]): PATRICKSTAR_CHECKPOINT_CRASH_AT=name kills the
+    writer with SIGKILL at that point, as a power loss or OOM kill would."""
+    if os.environ.get("PATRICKSTAR_CHECKPOINT_CRASH_AT") == name:
+        os.kill(os.getpid(), 9)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def partial_dir_name(tag: str) -> str:
+    """A fresh name for the hidden directory a save of `tag` writes into (this process's)."""
+    return f".{tag}.partial-{os.getpid()}-{next(_counter)}"
+
+
+def remove_stale_partials(save_dir: str) -> list[str]:
+    """Removes partial checkpoint directories of writers that no longer run."""
+    removed = []
+    with contextlib.suppress(FileNotFoundError):
+        for entry in os.listdir(save_dir):
+            match = _PARTIAL.match(entry)
+            if match and int(match["pid"]) != os.getpid() and not _pid_alive(int(match["pid"])):
+                shutil.rmtree(os.path.join(save_dir, entry), ignore_errors=True)
+                removed.append(entry)
+    return removed
+
+
+def write_text_atomically(path: str, text: str) -> None:
+    temp = f"{path}.tmp-{os.getpid()}-{next(_counter)}"
+    with open(temp, "w", encoding="utf-8") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(temp, path)
+    fsync_dir(os.path.dirname(path) or ".")
+
+
+def write_bytes_durably(path: str, data) -> None:
+    """Writes `data` to `path` and fsyncs the file (the directory is fsync'd when published)."""
+    with open(path, "wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def publish_directory(partial: str, final: str) -> None:
+    """Renames the complete `partial` directory to `final`, atomically replacing an existing
+    `final` where the filesystem can exchange them, and fsyncs the parent."""
+    fsync_dir(partial)
+    crash_point("before_rename")
+    if os.path.lexists(final):
+        if not exchange(partial, final):
+            # No atomic exchange on this filesystem: a crash between these two renames
+            # loses `final` (but never `latest`'s target unless `latest` names it).
+            shutil.rmtree(final)
+            os.rename(partial, final)
+    else:
+        os.rename(partial, final)
+    fsync_dir(os.path.dirname(final) or ".")
+
+
+def file_sha256(path: str, length: int) -> str:
+    """sha256 of the first `length` bytes of `path`, read in blocks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        remaining = length
+        while remaining > 0:
+            block = handle.read(min(_READ_BLOCK, remaining))
+            if not block:
+                break
+            digest.update(block)
+            remaining -= len(block)
+    return digest.hexdigest()

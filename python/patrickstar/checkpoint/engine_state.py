@@ -1,0 +1,239 @@
+"""What an engine contributes to a checkpoint and takes back from one: its tensors by
+(name, saved kind), buffers, counters, optimizer hyperparameters, RNG states; and whether a
+checkpoint fits it. It goes through the engine's public objects only: `engine.params`
+(`ChunkedParams`), `engine.optimizer`, `engine.dp`, `engine.loss_scaler`, `engine.guard`."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+
+import torch
+
+from .. import _C, dtypes
+from .shard import Entry
+
+__all__ = ["EngineState", "SAVED_KINDS", "source_kind", "rng_states", "set_rng_states",
+           "config_json"]
+
+K = _C.ChunkKind
+# The kind names a checkpoint stores (Note [Shard format]) and the chunk kind of each.
+SAVED_KINDS = {"param": K.COMPUTE_PARAM, "master": K.MASTER_PARAM, "exp_avg": K.MOMENTUM,
+               "exp_avg_sq": K.VARIANCE}
+
+
+class EngineState:
+    """One engine's checkpointed state, read and written through its public objects."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.params = engine.params
+        self.chunks = engine.params.chunks
+        self.names = list(self.params.names)
+        self.shapes = list(self.params.shapes)
+        self.mixed = self.params.mixed
+        self.precision = self.params.precision
+        self.compute_dtype = dtypes.name_of(self.params.compute_dtype)
+        self.dp = engine.dp
+        self.rank, self.world_size = self.dp.rank, self.dp.world_size
+
+    # ---- Tensors -------------------------------------------------------------------------------
+
+    def kinds(self, index: int, optimizer_state: bool = True) -> list[str]:
+        """The saved kinds of parameter `index` whose chunks this rank owns (all of them for a
+        world of one; Note [Multi-rank checkpoints])."""
+        ids = self.params.ids[index]
+        kinds = ["param"]
+        if ids.master is not None:
+            kinds.append("master")
+        if optimizer_state and ids.momentum is not None:
+            kinds += ["exp_avg", "exp_avg_sq"]
+        return [k for k in kinds if self.dp.owns(self.chunks.manager, self.tensor_id(index, k))]
+
+    def tensor_id(self, index: int, kind: str):
+        return self.params.tensor_id(index, SAVED_KINDS[kind])
+
+    def view(self, index: int, kind: str):
+        """Parameter `index`'s tensor of saved kind `kind`, for the duration of a `with`."""
+        return self.params.view(index, SAVED_KINDS[kind])
+
+    def entries(self) -> list[Entry]:
+        entries = []
+        for index, name in enumerate(self.names):
+            shape = self.shapes[index]
+            kind_dtypes = {"param": self.compute_dtype}
+            for kind in self.kinds(index):
+                entries.append(Entry(name, kind, kind_dtypes.get(kind, "float32"), shape))
+        for name, buffer in self.buffers().items():
+            entries.append(Entry(name, "buffer", dtypes.name_of(buffer.dtype),
+                                 tuple(buffer.shape)))
+        return entries
+
+    def tensor_reader(self, buffers: dict):
+        """`read(entry)` for write_shard: the entry's tensor as a CPU copy."""
+        index_of = {name: i for i, name in enumerate(self.names)}
+
+        def read(entry: Entry) -> torch.Tensor:
+            if entry.kind == "buffer":
+                return buffers[entry.name]
+            with self.view(index_of[entry.name], entry.kind) as view:
+                return view.clone()
+        return read
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        result = {}
+        for name, value in self.engine.module.state_dict(keep_vars=True).items():
+            if self.params.index_of(value) is None:
+                result[name] = value.detach()
+        return result
+
+    # ---- Tables and counters -------------------------------------------------------------------
+
+    def owned_step_counts(self) -> dict[str, int]:
+        """Adam's step count of each trainable parameter whose state this rank owns (the other
+        ranks never step it, so their counts stay 0)."""
+        counts = self.engine.optimizer.step_counts
+        return {name: counts[index] for index, name in enumerate(self.names)
+                if self.params.ids[index].momentum is not None and "exp_avg" in self.kinds(index)}
+
+    def state_dict_keys(self) -> list[list]:
+        """[key, "param", index] or [key, "buffer", key] for each key of module.state_dict()."""
+        keys = []
+        for key, value in self.engine.module.state_dict(keep_vars=True).items():
+            index = self.params.index_of(value)
+            keys.append([key, "param", index] if index is not None else [key, "buffer", key])
+        return keys
+
+    def tensor_table(self) -> list[dict]:
+        return [{"name": n, "shape": list(s), "requires_grad": r}
+                for n, s, r in zip(self.names, self.shapes, self.params.requires_grad)]
+
+    def layout(self) -> dict:
+        layout = json.loads(self.chunks.layout_json())
+        layout["chunk_elements"] = self.params.layout["chunk_elements"]
+        return layout
+
+    def counters(self) -> dict:
+        engine = self.engine
+        optimizer = engine.optimizer
+        groups = []
+        for group in optimizer.param_groups:
+            saved = {k: (list(v) if isinstance(v, tuple) else v)
+                     for k, v in group.items() if k != "params"}
+            saved["params"] = [self.names[self.params.index_of(p)] for p in group["params"]]
+            groups.append(saved)
+        return {"iteration": engine.iteration, "micro_step": engine.micro_step,
+                "step_counts": dict(zip(self.names, optimizer.step_counts)),
+                "skipped_steps": optimizer.skipped_steps,
+                "loss_scaler": engine.loss_scaler.state_dict(), "param_groups": groups}
+
+    def pending_gradients(self) -> bool:
+        return any(self.engine.optimizer.has_grad)
+
+    # ---- Loading -------------------------------------------------------------------------------
+
+    def differences(self, meta: dict, allow_reshard: bool) -> list[str]:
+        """Why checkpoint `meta` does not fit this engine (empty when it fits)."""
+        problems = []
+        saved = {t["name"]: tuple(t["shape"]) for t in meta["tensors"]}
+        ours = dict(zip(self.names, self.shapes))
+        missing = [n for n in ours if n not in saved]
+        extra = [n for n in saved if n not in ours]
+        if missing or extra:
+            problems.append(f"other model: parameters missing from the checkpoint {missing[:5]}"
+                            f"{'...' if len(missing) > 5 else ''}, parameters only in the "
+                            f"checkpoint {extra[:5]}{'...' if len(extra) > 5 else ''}")
+        for name, shape in ours.items():
+            if name in saved and saved[name] != shape:
+                problems.append(f"other model: '{name}' has shape {list(saved[name])} in the "
+                                f"checkpoint but {list(shape)} in the model")
+                break
+        if meta["precision"] != self.precision:
+            problems.append(f"other dtype: the checkpoint was written in {meta['precision']} "
+                            f"({meta['compute_dtype']} compute params), the model runs in "
+                            f"{self.precision} ({self.compute_dtype})")
+        if not allow_reshard and not problems:
+            layout = self.layout()
+            saved_layout = meta["layout"]
+            if saved_layout["world_size"] != layout["world_size"]:
+                problems.append(f"other layout: written by {saved_layout['world_size']} "
+                                f"rank(s), loading on {layout['world_size']} (pass "
+                                f"allow_reshard=True)")
+            elif saved_layout["hash"] != layout["hash"]:
+                problems.append(f"other layout: chunk layout hash {saved_layout['hash']} "
+                                f"({saved_layout['chunk_elements']} elements per chunk) in the "
+                                f"checkpoint, {layout['hash']} ({layout['chunk_elements']} "
+                                f"elements) in the model (pass allow_reshard=True to load by "
+                                f"tensor name)")
+        return problems
+
+    def restore(self, reader, extra: dict, scheduler, load_optimizer_states: bool,
+                load_lr_scheduler_states: bool, load_rng_states: bool) -> None:
+        """Writes a verified checkpoint's state into the engine."""
+        engine = self.engine
+        engine.zero_grad()
+        engine.guard.after_step()  # a fresh step begins (Note [Training call order])
+        buffers = self.buffers()
+        with torch.no_grad():
+            for index, name in enumerate(self.names):
+                for kind in self.kinds(index, load_optimizer_states):
+                    source = reader.tensor(name, source_kind(reader, name, kind))
+                    with self.view(index, kind) as view:
+                        view.copy_(source)
+                    del source
+            for name, buffer in buffers.items():
+                if reader.has(name, "buffer"):
+                    buffer.copy_(reader.tensor(name, "buffer", rank=self.rank))
+        # Gathered copies of other ranks' parameters predate the load.
+        self.dp.after_step()
+        if load_optimizer_states:
+            counters = reader.meta["engine"]
+            optimizer = engine.optimizer
+            counts = counters["step_counts"]
+            optimizer.step_counts[:] = [
+                int(counts.get(name, 0)) if "exp_avg" in self.kinds(index) else 0
+                for index, name in enumerate(self.names)]
+            for saved, group in zip(counters["param_groups"], optimizer.param_groups):
+                group.update({k: (tuple(v) if k == "betas" else v)
+                              for k, v in saved.items() if k != "params"})
+            engine.loss_scaler.load_state_dict(counters["loss_scaler"])
+            optimizer.skipped_steps = counters["skipped_steps"]
+            engine.iteration = counters["iteration"]
+            engine.micro_step = counters["micro_step"]
+        if load_lr_scheduler_states and scheduler is not None:
+            scheduler.load_state_dict(extra["lr_scheduler"])
+        if load_rng_states:
+            set_rng_states(extra["rng"])
+
+
+def source_kind(reader, name: str, kind: str) -> str:
+    """The saved kind a tensor of kind `kind` is loaded from."""
+    if kind == "master" and not reader.has(name, "master"):
+        return "param"  # a frozen parameter or an fp32 checkpoint
+    return kind
+
+
+def rng_states() -> dict:
+    states = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    try:
+        import numpy
+        states["numpy"] = numpy.random.get_state()
+    except ImportError:  # pragma: no cover
+        pass
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def set_rng_states(states: dict) -> None:
+    torch.set_rng_state(states["torch"])
+    random.setstate(states["python"])
+    if "numpy" in states:
+        import numpy
+        numpy.random.set_state(states["numpy"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
+def config_json(config) -> dict:
+    return json.loads(json.dumps(dataclasses.asdict(config), default=str))

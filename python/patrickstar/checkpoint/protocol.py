@@ -1,0 +1,267 @@
+"""The save and load protocol of every rank (Note [Multi-rank checkpoints] in
+checkpoint/__init__.py): three agreed phases for a save, verify-then-restore for a load."""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import os
+import shutil
+import warnings
+
+import torch
+
+from . import shard
+from .atomic_files import (crash_point, partial_dir_name, publish_directory,
+                           remove_stale_partials, write_bytes_durably)
+from .engine_state import EngineState, config_json, rng_states, source_kind
+from .errors import CheckpointError
+from .meta import LATEST, check_tag, read_meta, resolve_tag, write_latest, write_meta
+from .reader import CheckpointReader
+
+__all__ = ["save_checkpoint", "load_checkpoint"]
+
+
+def _agree(state: EngineState, what: str, error: BaseException | None, payload=None) -> list:
+    """Shares every rank's outcome of a phase (Note [Multi-rank checkpoints]): returns every
+    rank's `payload` when all succeeded, and raises on every rank when any failed, naming each
+    failed rank and its error. A world of one re-raises its own error unchanged. A collective
+    that fails (a peer died or stalled past the process group's timeout) is an error too."""
+    if state.world_size == 1:
+        if error is not None:
+            raise error
+        return [payload]
+    message = None if error is None else f"{type(error).__name__}: {error}"
+    try:
+        gathered = state.dp.all_gather_object((message, payload))
+    except Exception as failure:
+        raise CheckpointError(
+            f"{what}: rank {state.rank} of {state.world_size} could not exchange its outcome "
+            f"with the other ranks (a rank died, or stalled past the collective timeout): "
+            f"{type(failure).__name__}: {failure}"
+            + ("" if message is None else f"; this rank had failed too: {message}")) from failure
+    failed = [(rank, text) for rank, (text, _) in enumerate(gathered) if text is not None]
+    if failed:
+        raise CheckpointError(f"{what} failed on {len(failed)} of {state.world_size} ranks: "
+                              + "; ".join(f"rank {rank}: {text}" for rank, text in failed)
+                              ) from error
+    return [item for _, item in gathered]
+
+
+# ---- Save ----------------------------------------------------------------------------------------
+
+def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: bool = True,
+                    lr_scheduler=None) -> bool:
+    """Writes a checkpoint of `engine` (Note [Atomic checkpoints], Note [Multi-rank
+    checkpoints]); returns True on every rank once the checkpoint is complete."""
+    state = EngineState(engine)
+    rank = state.rank
+    save_dir = os.fspath(save_dir)
+    tag = check_tag(f"global_step{engine.iteration}" if tag is None else tag)
+    scheduler = lr_scheduler if lr_scheduler is not None else getattr(engine, "lr_scheduler",
+                                                                       None)
+    what = f"save_checkpoint('{os.path.join(save_dir, tag)}')"
+    partial = None
+    try:
+        # Phase 1: rank 0 creates the one partial directory every rank writes into.
+        error = None
+        try:
+            if state.pending_gradients():
+                raise RuntimeError("save_checkpoint: gradients of an unfinished accumulation "
+                                   "are pending and would not be saved; call it after "
+                                   "optimizer.step()")
+            if rank == 0:
+                os.makedirs(save_dir, exist_ok=True)
+                remove_stale_partials(save_dir)
+                candidate = os.path.join(save_dir, partial_dir_name(tag))
+                os.mkdir(candidate)
+                partial = candidate
+        except Exception as failure:  # shared with every rank by _agree
+            error = failure
+        named = _agree(state, what, error, (tag, partial))
+        tags = sorted({t for t, _ in named})
+        if len(tags) != 1:
+            raise CheckpointError(f"{what}: the ranks asked for different tags {tags}")
+        shared_partial = named[0][1]
+
+        # Phase 2: every rank writes and fsyncs its own shard and extra file.
+        error = record = None
+        try:
+            record = _write_rank_files(state, shared_partial, client_state, scheduler)
+        except Exception as failure:
+            error = failure
+        records = _agree(state, what, error, record)  # also the barrier before meta.json
+
+        # Phase 3: rank 0 writes meta.json, renames, and updates `latest` last.
+        error = None
+        if rank == 0:
+            try:
+                _publish(state, engine, save_dir, tag, shared_partial, records, scheduler,
+                         save_latest)
+            except Exception as failure:
+                error = failure
+        _agree(state, what, error)  # no rank returns before the checkpoint is complete
+    finally:
+        # Rank 0 created it; after an exchange it holds the previous contents of `tag`.
+        if partial is not None:
+            shutil.rmtree(partial, ignore_errors=True)
+    return True
+
+
+def _write_rank_files(state: EngineState, directory: str, client_state, scheduler) -> dict:
+    """Phase 2 on one rank: its shard and extra file, durable; returns what meta.json records
+    of them."""
+    rank = state.rank
+    entries = state.entries()
+    buffers = state.buffers()
+    header = {"rank": rank, "world_size": state.world_size}
+    size, digest = shard.write_shard(os.path.join(directory, shard.shard_name(rank)), header,
+                                     entries, state.tensor_reader(buffers))
+    extra = {"rng": rng_states(), "client_state": client_state or {},
+             "lr_scheduler": None if scheduler is None else scheduler.state_dict()}
+    buffer = io.BytesIO()
+    torch.save(extra, buffer)
+    write_bytes_durably(os.path.join(directory, shard.extra_name(rank)), buffer.getbuffer())
+    return {
+        "shard": {"rank": rank, "file": shard.shard_name(rank), "bytes": size,
+                  "sha256": digest},
+        "extra": {"rank": rank, "file": shard.extra_name(rank),
+                  "bytes": buffer.getbuffer().nbytes,
+                  "sha256": hashlib.sha256(buffer.getbuffer()).hexdigest()},
+        "step_counts": state.owned_step_counts(),
+    }
+
+
+def _publish(state: EngineState, engine, save_dir: str, tag: str, partial: str,
+             records: list[dict], scheduler, save_latest: bool) -> None:
+    """Rank 0's part of a save once every rank's files are durable (Note [Atomic checkpoints])."""
+    for record in records:
+        for item in (record["shard"], record["extra"]):
+            path = os.path.join(partial, item["file"])
+            try:
+                size = os.path.getsize(path)
+            except FileNotFoundError:
+                size = None
+            if size != item["bytes"]:
+                raise CheckpointError(
+                    f"rank {item['rank']} wrote '{item['file']}' ({item['bytes']} bytes) but "
+                    f"rank 0 finds {'no such file' if size is None else f'{size} bytes'} in "
+                    f"'{partial}': the checkpoint directory must be on a filesystem that every "
+                    f"rank shares")
+    counters = state.counters()
+    step_counts = {name: 0 for name in state.names}
+    for record in records:
+        step_counts.update(record["step_counts"])
+    counters["step_counts"] = step_counts
+    body = {
+        "tag": tag, "world_size": state.world_size, "precision": state.precision,
+        "compute_dtype": state.compute_dtype, "config": config_json(engine.config),
+        "layout": state.layout(), "tensors": state.tensor_table(),
+        "state_dict_keys": state.state_dict_keys(), "engine": counters,
+        "has_lr_scheduler": scheduler is not None,
+        "shards": [record["shard"] for record in records],
+        "extras": [record["extra"] for record in records],
+        "torch_version": torch.__version__,
+    }
+    crash_point("before_meta")
+    write_meta(partial, body)
+    publish_directory(partial, os.path.join(save_dir, tag))
+    crash_point("before_latest")
+    if save_latest:
+        write_latest(save_dir, tag)
+    crash_point("after_latest")
+
+
+# ---- Load ----------------------------------------------------------------------------------------
+
+def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states: bool = True,
+                    load_lr_scheduler_states: bool = True, load_module_only: bool = False,
+                    lr_scheduler=None, load_rng_states: bool = True,
+                    allow_reshard: bool = False):
+    """Restores a checkpoint into `engine`; returns (path, client_state), or (None, None) when
+    `load_dir` has no `latest` file and no tag was given (as DeepSpeed does). With data
+    parallelism every rank calls it (Note [Multi-rank checkpoints])."""
+    load_dir = os.fspath(load_dir)
+    state = EngineState(engine)
+    what = f"load_checkpoint('{load_dir}')"
+    # Rank 0 reads `latest`, so every rank loads the same tag even if it changes meanwhile.
+    error = resolved = None
+    if state.rank == 0:
+        try:
+            resolved = resolve_tag(load_dir, tag)
+        except Exception as failure:
+            error = failure
+    resolved = _agree(state, what, error, resolved)[0]
+    if resolved is None:
+        warnings.warn(f"load_checkpoint: no '{LATEST}' file in '{load_dir}'; nothing loaded "
+                      f"(pass tag= to load a specific checkpoint)", UserWarning, stacklevel=3)
+        return None, None
+    if load_module_only:
+        load_optimizer_states = load_lr_scheduler_states = load_rng_states = False
+    scheduler = lr_scheduler if lr_scheduler is not None else getattr(engine, "lr_scheduler",
+                                                                       None)
+    what = f"load_checkpoint('{os.path.join(load_dir, resolved)}')"
+    with contextlib.ExitStack() as stack:
+        # Verify everything on every rank before any rank changes anything.
+        error = reader = extra = None
+        try:
+            reader = stack.enter_context(_open_reader(state, load_dir, resolved,
+                                                      allow_reshard))
+            extra = _verify_loadable(state, reader, scheduler, load_optimizer_states,
+                                     load_lr_scheduler_states, allow_reshard)
+        except Exception as failure:
+            error = failure
+        _agree(state, what, error)
+        error = None
+        try:
+            state.restore(reader, extra, scheduler, load_optimizer_states,
+                          load_lr_scheduler_states, load_rng_states)
+        except Exception as failure:
+            error = failure
+        _agree(state, what, error)
+        return reader.directory, extra.get("client_state", {})
+
+
+def _open_reader(state: EngineState, load_dir: str, tag: str,
+                 allow_reshard: bool) -> CheckpointReader:
+    """Every shard, or only this rank's own when the checkpoint has this model's layout and
+    world size (its shard then holds exactly the tensors this rank owns)."""
+    ranks = None
+    directory = os.path.join(load_dir, tag)
+    if state.world_size > 1 and os.path.isdir(directory):
+        layout = read_meta(directory)["layout"]
+        if layout.get("world_size") == state.world_size and \
+                layout.get("hash") == state.layout()["hash"]:
+            ranks = [state.rank]
+    return CheckpointReader(load_dir, tag, ranks=ranks)
+
+
+def _verify_loadable(state: EngineState, reader: CheckpointReader, scheduler,
+                     load_optimizer_states: bool, load_lr_scheduler_states: bool,
+                     allow_reshard: bool) -> dict:
+    """Checks that this rank finds everything it will load; returns its extra state."""
+    meta = reader.meta
+    problems = state.differences(meta, allow_reshard)
+    if problems:
+        raise CheckpointError(f"checkpoint '{reader.directory}' does not fit this model: "
+                              + "; ".join(problems))
+    counters = meta["engine"]
+    optimizer = state.engine.optimizer
+    if load_optimizer_states and len(counters["param_groups"]) != len(optimizer.param_groups):
+        raise CheckpointError(
+            f"checkpoint '{reader.directory}' has {len(counters['param_groups'])} "
+            f"optimizer param groups, the optimizer {len(optimizer.param_groups)}")
+    for index, name in enumerate(state.names):
+        for kind in state.kinds(index, load_optimizer_states):
+            if not reader.has(name, source_kind(reader, name, kind)):
+                raise CheckpointError(
+                    f"checkpoint '{reader.directory}' has no "
+                    f"{'optimizer state' if kind.startswith('exp_avg') else kind} for "
+                    f"{'trainable ' if kind.startswith('exp_avg') else ''}parameter '{name}'")
+    # A rank of a larger world than the checkpoint's takes rank 0's extra state.
+    rank = state.rank if reader.has_extra(state.rank) else 0
+    extra = reader.extra(rank)  # verified like the shards; client_state is always returned
+    if load_lr_scheduler_states and scheduler is not None and extra.get("lr_scheduler") is None:
+        raise CheckpointError(f"checkpoint '{reader.directory}' has no lr scheduler state, "
+                              f"but an lr_scheduler was given")
+    return extra

@@ -1,0 +1,150 @@
+"""`ChunkedParams`: the model's parameters as chunk tensors. It owns parameter identity (the
+parameters, their names, shapes and positions), the dtype of each chunk kind, the registration
+of every chunk tensor with the chunk manager, and views into chunk memory. The engine, the
+optimizer, checkpoints, data parallelism and pipeline stages are handed this object.
+
+Note [Chunk kinds per precision]
+  fp32:       compute (fp32, also the master copy), gradient (fp32), momentum, variance
+  fp16/bf16:  compute (16-bit), master (fp32), gradient (16-bit; fp32 when accumulating over
+              micro-steps), momentum, variance
+Only trainable parameters get master, gradient and optimizer-state tensors, so frozen ones cost
+just their compute copy.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from . import _C, dtypes
+
+__all__ = ["ChunkedParams", "TensorIds", "chunk_dtypes", "register_chunk_tensors"]
+
+K = _C.ChunkKind
+S = _C.TensorState
+
+
+class TensorIds:
+    """The chunk-manager tensor ids of one parameter (None: the parameter has no such tensor)."""
+
+    __slots__ = ("compute", "master", "grad", "momentum", "variance")
+
+    def __init__(self):
+        self.compute = self.master = self.grad = self.momentum = self.variance = None
+
+    def of(self, kind) -> int | None:
+        """The id of the tensor of chunk kind `kind` (a `_C.ChunkKind`)."""
+        return getattr(self, _SLOT_OF_KIND[kind])
+
+    def all(self) -> list[int]:
+        """Every tensor id of the parameter."""
+        return [t for t in (self.compute, self.master, self.grad, self.momentum, self.variance)
+                if t is not None]
+
+
+_SLOT_OF_KIND = {K.COMPUTE_PARAM: "compute", K.MASTER_PARAM: "master", K.GRADIENT: "grad",
+                 K.MOMENTUM: "momentum", K.VARIANCE: "variance"}
+
+
+def chunk_dtypes(precision: str, accumulation_steps: int) -> dict[str, str | None]:
+    """The dtype name of each chunk tensor of a parameter, by `TensorIds` slot (None: not used);
+    Note [Chunk kinds per precision]."""
+    mixed = precision != "fp32"
+    compute = dtypes.precision_name(precision)
+    return {"compute": compute, "master": "float32" if mixed else None,
+            "grad": "float32" if accumulation_steps > 1 or not mixed else compute,
+            "momentum": "float32", "variance": "float32"}
+
+
+def register_chunk_tensors(manager, specs, chunk_dtypes: dict[str, str | None],
+                           chunk_size: int | None, compute_order=None):
+    """Registers every chunk tensor of `specs` with `manager` and builds the chunk lists, as the
+    engine lays out a model (also used by `estimate_memory`, so its figures are the runtime's).
+    Returns the per-parameter `TensorIds` and the layout report."""
+    ids = [TensorIds() for _ in specs]
+    for i in (range(len(specs)) if compute_order is None else compute_order):
+        ids[i].compute = manager.register_tensor(specs[i].name, list(specs[i].shape),
+                                                 K.COMPUTE_PARAM, chunk_dtypes["compute"])
+    trainable = [i for i, spec in enumerate(specs) if spec.requires_grad]
+    # Registered kind by kind so each list packs in registration order.
+    for kind, attr in ((K.MASTER_PARAM, "master"), (K.GRADIENT, "grad"),
+                       (K.MOMENTUM, "momentum"), (K.VARIANCE, "variance")):
+        if chunk_dtypes[attr] is None:
+            continue
+        for i in trainable:
+            setattr(ids[i], attr, manager.register_tensor(
+                f"{specs[i].name}#{attr}", list(specs[i].shape), kind, chunk_dtypes[attr]))
+    if chunk_size is None:
+        largest = max(math.prod(spec.shape) or 1 for spec in specs)
+        low = max(1 << 16, largest // 4)
+        layout = manager.search_chunk_lists(low, max(low, 4 * largest), max(1, low // 4))
+    else:
+        layout = manager.build_chunk_lists(chunk_size)
+    return ids, layout
+
+
+class ChunkedParams:
+    """The parameters of one engine and their chunk tensors.
+
+    Built in two steps, as the engine builds a model (Note [Two-pass initialization] in
+    init_context.py): `__init__` registers the chunk tensors of the planned parameters and
+    builds the chunk lists; `bind()` adds the `nn.Parameter`s once the real module exists."""
+
+    def __init__(self, chunks, specs, precision: str, accumulation_steps: int,
+                 chunk_size: int | None, compute_order=None):
+        self.chunks = chunks
+        self.names: list[str] = [spec.name for spec in specs]
+        self.shapes: list[tuple[int, ...]] = [tuple(spec.shape) for spec in specs]
+        self.requires_grad: list[bool] = [spec.requires_grad for spec in specs]
+        self.precision = precision
+        self.mixed = precision != "fp32"
+        self.compute_dtype = dtypes.precision_dtype(precision)
+        self.dtype_names = chunk_dtypes(precision, accumulation_steps)
+        self.grad_dtype = dtypes.dtype_of(self.dtype_names["grad"])
+        self.ids, self.layout = register_chunk_tensors(chunks, specs, self.dtype_names,
+                                                       chunk_size, compute_order)
+        self.params: list[nn.Parameter] = []
+        self._index: dict[int, int] = {}
+
+    def bind(self, params: list[nn.Parameter]) -> None:
+        """The module's parameters, in the order of the specs."""
+        if len(params) != len(self.names):
+            raise AssertionError(f"{len(params)} parameters for {len(self.names)} planned ones")
+        self.params = list(params)
+        self._index = {id(p): i for i, p in enumerate(self.params)}
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def index_of(self, tensor) -> int | None:
+        """The position of parameter `tensor` (None when it is not one of ours: a buffer)."""
+        return self._index.get(id(tensor))
+
+    def tensor_id(self, index: int, kind) -> int | None:
+        """The chunk tensor id of parameter `index` of chunk kind `kind` (`_C.ChunkKind`)."""
+        return self.ids[index].of(kind)
+
+    @contextlib.contextmanager
+    def view(self, index: int, kind, tier: str = "host") -> Iterator[torch.Tensor]:
+        """Parameter `index`'s tensor of kind `kind`, in its shape, accessed on `tier` for the
+        duration of the block (Note [Parameter data swapping] in engine.py: the view is invalid
+        once released)."""
+        tensor_id = self.tensor_id(index, kind)
+        view = self.chunks.access(tensor_id, tier)
+        try:
+            yield view.view(self.shapes[index])
+        finally:
+            self.chunks.release(tensor_id, S.HOLD)
+
+    def read(self, index: int, kind) -> torch.Tensor:
+        """A copy of parameter `index`'s tensor of kind `kind`, on the CPU."""
+        with self.view(index, kind) as view:
+            return view.clone()
+
+    def write(self, index: int, kind, value: torch.Tensor) -> None:
+        """Copies `value` (any float dtype, the parameter's shape) into the chunk tensor."""
+        with self.view(index, kind) as view:
+            view.copy_(value)
