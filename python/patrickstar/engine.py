@@ -359,7 +359,7 @@ class PatrickStarEngine(nn.Module):
     def backward(self, loss: torch.Tensor) -> None:
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError("backward(loss) expects a scalar loss tensor")
-        agree = self._dp.ranks_with if self._dp.enabled else None
+        agree = self.dp.ranks_with if self.dp.enabled else None
         if not self.guard.before_backward(loss, self.precision, agree):
             return
         scale = self.loss_scaler.scale / self.config.gradient_accumulation_steps
