@@ -18,7 +18,8 @@ user writes it. `TrainingGuard` counts backward calls since the last step:
     like an fp16 overflow. Under data parallelism the ranks agree first (a small all-reduce of
     the flags per backward): if any rank's loss is non-finite, every rank raises, or every rank
     skips, so none misses a collective the others run.
-After `model.destroy()` every call raises instead of touching freed chunk memory, and after an
+After `model.destroy()` every call raises instead of touching freed chunk memory, and after a
+`load_checkpoint()` whose restore failed partway (the checks before it change nothing), or an
 `optimizer.step()` that failed partway (an NVMe read or write-back error, Note [Optimizer sweep]
 in engine.py) every training call raises until `model.load_checkpoint()` restores a consistent
 state: the rows updated before the failure would otherwise mix two steps.
@@ -42,7 +43,8 @@ class TrainingGuard:
         self.backwards = 0
         self.skip_step = False
         self.destroyed = False
-        self.failed_step: str | None = None  # why the last optimizer.step() stopped partway
+        # What stopped partway (an optimizer.step() or a load_checkpoint()) and what it left.
+        self.failed_step: str | None = None
 
     def check_alive(self, what: str) -> None:
         if self.destroyed:
@@ -50,12 +52,20 @@ class TrainingGuard:
                                f"its chunks are freed. Build a new one with "
                                f"patrickstar.initialize()")
         if self.failed_step is not None:
-            raise RuntimeError(f"{what}: an earlier optimizer.step() failed partway "
-                               f"({self.failed_step}); some parameters were updated and others "
-                               f"not. Load the last checkpoint (model.load_checkpoint) to go on")
+            raise RuntimeError(f"{what}: an earlier {self.failed_step}. Load the last "
+                               f"checkpoint (model.load_checkpoint) to go on")
 
     def step_failed(self, error: BaseException) -> None:
-        self.failed_step = f"{type(error).__name__}: {error}"
+        self.failed_step = (f"optimizer.step() failed partway ({type(error).__name__}: "
+                            f"{error}); some parameters were updated and others not")
+        self.backwards = 0
+        self.skip_step = False
+
+    def load_failed(self, error: BaseException) -> None:
+        """A restore stopped after changing some state: nothing may train on that mix."""
+        self.failed_step = (f"load_checkpoint() failed partway ({type(error).__name__}: "
+                            f"{error}); the engine holds part of that checkpoint and part of "
+                            f"its earlier state")
         self.backwards = 0
         self.skip_step = False
 

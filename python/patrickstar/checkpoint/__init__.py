@@ -7,6 +7,8 @@ One concept per module:
     reader.py         CheckpointReader: every shard of a checkpoint merged by (name, kind)
     engine_state.py   what an engine saves and restores, through its public objects
     resharding.py     the tensors a rank of another world size owns (Note [Resharding])
+    extra_state.py    the per-rank extra file, read without pickle (Note [Checkpoints are
+                      data])
     protocol.py       save_checkpoint / load_checkpoint on every rank (Note [Multi-rank
                       checkpoints])
 
@@ -19,13 +21,13 @@ On disk (one directory per tag, DeepSpeed's layout of a `latest` file beside tag
     DIR/TAG/rank_00000_extra.pt       rank 0's RNG states, client_state, lr scheduler state
 
 Note [Atomic checkpoints]
-A checkpoint is written into a hidden temporary directory `DIR/.TAG.partial-<pid>-<n>`; every
+A checkpoint is written into a hidden temporary directory `DIR/.TAG.partial-<pid>-<token>`; every
 file is fsync'd, then the directory, then it is renamed to `DIR/TAG` (exchanged atomically with
 an existing `DIR/TAG` by renameat2(RENAME_EXCHANGE), then the old one removed), `DIR` is
 fsync'd, and only then is `latest` replaced (temporary file, fsync, rename, fsync of `DIR`).
 A crash at any point therefore leaves `latest` naming a complete, verified checkpoint: either
-the previous one or the new one. Partial directories of dead writers are removed by the next
-save. Every shard ends with a sha256 of everything before it, and meta.json records each file's
+the previous one or the new one. Partial directories no live writer holds locked are removed
+by the next save (Note [Partial directory ownership] in atomic_files.py). Every shard ends with a sha256 of everything before it, and meta.json records each file's
 size and sha256 (and its own checksum), so a truncated or corrupted file is found before any
 state changes and reported by name (`CheckpointError`).
 
@@ -57,7 +59,7 @@ Every rank calls save_checkpoint / load_checkpoint at the same point. A save run
 phases, each ended by one all_gather_object over the data group (`_agree`) that
 carries every rank's outcome, so an error on one rank (a full disk, pending gradients) is
 raised on every rank, naming the rank and its error, and no rank waits on a peer that gave up:
-  1. rank 0 removes dead writers' partial directories and creates `DIR/.TAG.partial-<pid>-<n>`
+  1. rank 0 removes dead writers' partial directories and creates `DIR/.TAG.partial-<pid>-<token>`
      (its pid); the gather carries that name to every rank (the broadcast);
   2. each rank writes `rank_<r>.shard` (its owned params, masters, Adam state, and its own
      buffers: BatchNorm statistics differ between ranks) and `rank_<r>_extra.pt` (its RNG

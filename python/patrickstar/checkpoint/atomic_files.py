@@ -6,17 +6,19 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import fcntl
 import hashlib
 import itertools
 import os
 import re
+import secrets
 import shutil
 
-__all__ = ["fsync_dir", "exchange", "crash_point", "partial_dir_name", "remove_stale_partials",
+__all__ = ["fsync_dir", "exchange", "crash_point", "PartialDirectory", "remove_stale_partials",
            "write_text_atomically", "write_bytes_durably", "file_sha256", "publish_directory"]
 
 _READ_BLOCK = 8 << 20
-_PARTIAL = re.compile(r"^\.(?P<tag>.+)\.partial-(?P<pid>\d+)-(?P<n>\d+)$")
+_PARTIAL = re.compile(r"^\.(?P<tag>.+)\.partial-(?P<pid>\d+)-(?P<token>[0-9a-f]+)$")
 _counter = itertools.count()
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
@@ -49,35 +51,74 @@ def exchange(a: str, b: str) -> bool:
 
 def crash_point(name: str) -> None:
     """Test hook (Note [Atomic checkpoints]): PATRICKSTAR_CHECKPOINT_CRASH_AT=name kills the
-    writer with SIGKILL at that point, as a power loss or OOM kill would."""
+    writer with SIGKILL at that point, as a power loss or OOM kill would. save_checkpoint
+    announces it when it is set (protocol.py)."""
     if os.environ.get("PATRICKSTAR_CHECKPOINT_CRASH_AT") == name:
         os.kill(os.getpid(), 9)
 
 
-def _pid_alive(pid: int) -> bool:
+def _try_lock(fd: int) -> bool:
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
         return False
-    except PermissionError:
-        return True
     return True
 
 
-def partial_dir_name(tag: str) -> str:
-    """A fresh name for the hidden directory a save of `tag` writes into (this process's)."""
-    return f".{tag}.partial-{os.getpid()}-{next(_counter)}"
+class PartialDirectory:
+    """The hidden directory a save writes into, `DIR/.TAG.partial-<pid>-<token>`, locked (an
+    flock on the directory) by its writer until `close()`.
+
+    Note [Partial directory ownership]
+    A partial directory is stale when nobody holds its lock, whatever its pid says: a restarted
+    container reuses the dead writer's pid, and a writer in another pid namespace sharing the
+    directory has a pid that means nothing here. The random token keeps a stale directory of
+    this very pid from blocking the save. The directory is created under a name cleanup
+    ignores (`.creating-`), locked, and only then renamed, so it never appears unlocked under
+    its partial name (runtime/nvme_tier.h, Note [Swap file ownership], is the same idea)."""
+
+    def __init__(self, save_dir: str, tag: str):
+        token = secrets.token_hex(8)
+        creating = os.path.join(save_dir, f".{tag}.creating-{os.getpid()}-{token}")
+        self.path = os.path.join(save_dir, f".{tag}.partial-{os.getpid()}-{token}")
+        os.mkdir(creating)
+        self._fd = os.open(creating, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
+            os.rename(creating, self.path)
+        except BaseException:
+            os.close(self._fd)
+            shutil.rmtree(creating, ignore_errors=True)
+            raise
+
+    def close(self) -> None:
+        """Removes what is left at `path` (after an exchange, the tag's previous contents) and
+        drops the lock."""
+        if self._fd is not None:
+            shutil.rmtree(self.path, ignore_errors=True)
+            os.close(self._fd)
+            self._fd = None
 
 
 def remove_stale_partials(save_dir: str) -> list[str]:
-    """Removes partial checkpoint directories of writers that no longer run."""
+    """Removes the partial directories no live writer holds (Note [Partial directory
+    ownership])."""
     removed = []
     with contextlib.suppress(FileNotFoundError):
         for entry in os.listdir(save_dir):
-            match = _PARTIAL.match(entry)
-            if match and int(match["pid"]) != os.getpid() and not _pid_alive(int(match["pid"])):
-                shutil.rmtree(os.path.join(save_dir, entry), ignore_errors=True)
-                removed.append(entry)
+            if not _PARTIAL.match(entry):
+                continue
+            path = os.path.join(save_dir, entry)
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | os.O_NOFOLLOW)
+            except OSError:
+                continue
+            try:
+                if _try_lock(fd):
+                    shutil.rmtree(path, ignore_errors=True)
+                    removed.append(entry)
+            finally:
+                os.close(fd)
     return removed
 
 

@@ -52,27 +52,50 @@ def read_meta(tag_dir: str) -> dict:
 
 
 def check_tag(tag) -> str:
-    """`tag` as a directory name, refused when it is not a plain, visible file name."""
+    """`tag` as a directory name inside the checkpoint directory, refused (ValueError naming
+    it) unless it is a plain, visible file name: no separator, no '..', not `latest` (the
+    resume pointer's own name), no surrounding whitespace (it would save under one name and
+    resume under another), no control characters."""
     tag = str(tag)
-    if not tag or tag in (".", "..") or "/" in tag or tag.startswith(".") or "\n" in tag:
-        raise ValueError(f"checkpoint tag {tag!r} must be a non-empty file name that does not "
-                         f"start with '.' and has no '/'")
+    problem = None
+    if not tag:
+        problem = "is empty"
+    elif tag == LATEST:
+        problem = f"is the name of the resume pointer file '{LATEST}'"
+    elif tag != tag.strip():
+        problem = "has surrounding whitespace"
+    elif "/" in tag or "\\" in tag or os.sep in tag:
+        problem = "contains a path separator (tags name a directory inside the checkpoint " \
+                  "directory)"
+    elif tag.startswith("."):
+        problem = "starts with '.' (hidden names and '..' are reserved)"
+    elif any(ord(ch) < 32 or ord(ch) == 127 for ch in tag):
+        problem = "contains a control character"
+    if problem is not None:
+        raise ValueError(f"checkpoint tag {tag!r} {problem}; use a plain name such as "
+                         f"'global_step100'")
     return tag
 
 
 def resolve_tag(load_dir: str, tag: str | None) -> str | None:
-    """The tag to load: `tag`, or the contents of `load_dir/latest` (None if there is none)."""
+    """The tag to load: `tag`, or the contents of `load_dir/latest` (None if there is none);
+    either way a name inside `load_dir` (check_tag)."""
     if tag is not None:
-        return str(tag)
+        return check_tag(tag)
     path = os.path.join(load_dir, LATEST)
     try:
         with open(path, encoding="utf-8") as handle:
-            text = handle.read().strip()
+            text = handle.read()
     except FileNotFoundError:
         return None
+    text = text[:-1] if text.endswith("\n") else text  # write_latest's newline
     if not text:
         raise CheckpointError(f"'{path}' is empty")
-    return text
+    try:
+        return check_tag(text)
+    except ValueError as error:
+        raise CheckpointError(f"'{path}' names {text!r}, which is not a checkpoint inside "
+                              f"'{load_dir}': {error}") from None
 
 
 def write_latest(save_dir: str, tag: str) -> None:

@@ -4,18 +4,18 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import io
 import os
-import shutil
 import warnings
 
 import torch
 
 from . import shard
-from .atomic_files import (crash_point, partial_dir_name, publish_directory,
+from ..utils.logging import logger
+from .atomic_files import (PartialDirectory, crash_point, publish_directory,
                            remove_stale_partials, write_bytes_durably)
 from .engine_state import EngineState, config_json, rng_states, source_kind
 from .errors import CheckpointError
+from .extra_state import encode_extra
 from .meta import LATEST, check_tag, read_meta, resolve_tag, write_latest, write_meta
 from .reader import CheckpointReader
 
@@ -61,6 +61,11 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
     scheduler = lr_scheduler if lr_scheduler is not None else getattr(engine, "lr_scheduler",
                                                                        None)
     what = f"save_checkpoint('{os.path.join(save_dir, tag)}')"
+    crash_at = os.environ.get("PATRICKSTAR_CHECKPOINT_CRASH_AT")
+    if crash_at:
+        logger.warning("PATRICKSTAR_CHECKPOINT_CRASH_AT=%s is set: this save kills its own "
+                       "process at that stage (a test hook); unset it unless you are testing "
+                       "crash safety", crash_at)
     partial = None
     try:
         # Phase 1: rank 0 creates the one partial directory every rank writes into.
@@ -73,12 +78,10 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
             if rank == 0:
                 os.makedirs(save_dir, exist_ok=True)
                 remove_stale_partials(save_dir)
-                candidate = os.path.join(save_dir, partial_dir_name(tag))
-                os.mkdir(candidate)
-                partial = candidate
+                partial = PartialDirectory(save_dir, tag)
         except Exception as failure:  # shared with every rank by _agree
             error = failure
-        named = _agree(state, what, error, (tag, partial))
+        named = _agree(state, what, error, (tag, None if partial is None else partial.path))
         tags = sorted({t for t, _ in named})
         if len(tags) != 1:
             raise CheckpointError(f"{what}: the ranks asked for different tags {tags}")
@@ -104,7 +107,7 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
     finally:
         # Rank 0 created it; after an exchange it holds the previous contents of `tag`.
         if partial is not None:
-            shutil.rmtree(partial, ignore_errors=True)
+            partial.close()
     return True
 
 
@@ -117,17 +120,14 @@ def _write_rank_files(state: EngineState, directory: str, client_state, schedule
     header = {"rank": rank, "world_size": state.world_size}
     size, digest = shard.write_shard(os.path.join(directory, shard.shard_name(rank)), header,
                                      entries, state.tensor_reader(buffers))
-    extra = {"rng": rng_states(), "client_state": client_state or {},
-             "lr_scheduler": None if scheduler is None else scheduler.state_dict()}
-    buffer = io.BytesIO()
-    torch.save(extra, buffer)
-    write_bytes_durably(os.path.join(directory, shard.extra_name(rank)), buffer.getbuffer())
+    data = encode_extra(rng_states(), client_state or {},
+                        None if scheduler is None else scheduler.state_dict())
+    write_bytes_durably(os.path.join(directory, shard.extra_name(rank)), data)
     return {
         "shard": {"rank": rank, "file": shard.shard_name(rank), "bytes": size,
                   "sha256": digest},
         "extra": {"rank": rank, "file": shard.extra_name(rank),
-                  "bytes": buffer.getbuffer().nbytes,
-                  "sha256": hashlib.sha256(buffer.getbuffer()).hexdigest()},
+                  "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()},
         "step_counts": state.owned_step_counts(),
     }
 
@@ -218,7 +218,13 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states: bool = Tr
                           load_lr_scheduler_states, load_rng_states)
         except Exception as failure:
             error = failure
-        _agree(state, what, error)
+        try:
+            _agree(state, what, error)
+        except BaseException as failure:
+            # Some state is restored and some not, on this rank or another: refuse to train on
+            # it (Note [Training call order] in guards.py) until a load succeeds.
+            state.engine.guard.load_failed(failure)
+            raise
         return reader.directory, extra.get("client_state", {})
 
 

@@ -9,6 +9,7 @@ import torch
 
 from .atomic_files import file_sha256
 from .errors import CheckpointError
+from .extra_state import decode_extra
 from .meta import LATEST, read_meta, resolve_tag
 from .shard import Entry, Shard
 
@@ -72,8 +73,7 @@ class CheckpointReader:
             if record["rank"] == rank:
                 path = os.path.join(self.directory, record["file"])
                 verify_whole_file(path, record["bytes"], record["sha256"])
-                with open(path, "rb") as handle:
-                    return torch.load(handle, weights_only=False)
+                return decode_extra(path)
         raise CheckpointError(f"checkpoint '{self.directory}' has no extra state of rank {rank}")
 
     def close(self) -> None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 
 import torch.distributed as dist
 
@@ -25,6 +26,19 @@ class RuntimeLogger(logging.Logger):
         _C.set_log_level(name)
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever `sys.stderr` is when a record is emitted (as logging's last-resort
+    handler does), so redirecting or capturing stderr later still catches the messages."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        del value
+
+
 def _make_logger() -> logging.Logger:
     previous = logging.getLoggerClass()
     logging.setLoggerClass(RuntimeLogger)
@@ -33,7 +47,7 @@ def _make_logger() -> logging.Logger:
     finally:
         logging.setLoggerClass(previous)
     if not result.handlers:
-        handler = logging.StreamHandler()
+        handler = _StderrHandler()
         handler.setFormatter(logging.Formatter("[patrickstar %(levelname)s] %(message)s"))
         result.addHandler(handler)
         result.propagate = False

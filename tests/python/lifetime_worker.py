@@ -1,0 +1,96 @@
+"""Scripts of test_engine_lifetime.py, run as their own processes.
+
+    lifetime_worker.py OUT_DIR cycles NVME_DIR PROFILE_DIR   20 initialize/train/del cycles
+    lifetime_worker.py OUT_DIR exit NVME_DIR                 train, then leave without destroy()
+    lifetime_worker.py OUT_DIR raise NVME_DIR                train, then die of an exception
+    lifetime_worker.py OUT_DIR profile PROFILE_DIR           profile from config, destroy()
+
+The cycles write OUT_DIR/rank<r>.pt: RSS after every cycle, the files left in NVME_DIR and
+whether the engine survived `del` + gc.collect().
+"""
+from __future__ import annotations
+
+import gc
+import os
+import resource
+import sys
+import warnings
+import weakref
+
+import torch
+from torch import nn
+
+import patrickstar
+
+WIDTH = 512  # 2 x 512 x 512 weights: 2 M parameters, 8 MiB fp32 (32 MiB with grads and Adam)
+
+
+def rss() -> int:
+    with open("/proc/self/statm", encoding="ascii") as handle:
+        return int(handle.read().split()[1]) * resource.getpagesize()
+
+
+def model_func():
+    return nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH))
+
+
+def config(nvme_dir=None, profile_dir=None) -> dict:
+    result = {"default_chunk_size": WIDTH * WIDTH + WIDTH,
+              "parallel": {"collective_timeout": 60}}
+    if nvme_dir:
+        result["memory"] = {"host_budget": 6 * (WIDTH * WIDTH + WIDTH) * 4,
+                            "nvme": {"path": nvme_dir}}
+    if profile_dir:
+        result["profile"] = {"enabled": True, "output_dir": profile_dir}
+    return result
+
+
+def train(model, optimizer, steps=2) -> None:
+    for _ in range(steps):
+        loss = model(torch.randn(4, WIDTH)).square().mean()
+        model.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def cycles(out, nvme_dir, profile_dir) -> None:
+    rank = int(os.environ.get("RANK", "0"))
+    result = {"rss": [], "left": [], "alive": []}
+    for cycle in range(20):
+        model, optimizer = patrickstar.initialize(
+            model_func, config=config(os.path.join(nvme_dir, str(rank)),
+                                      os.path.join(profile_dir, f"{rank}-{cycle}")))
+        train(model, optimizer)
+        engine = weakref.ref(model)
+        del model, optimizer
+        gc.collect()
+        result["alive"].append(engine() is not None)
+        result["left"].append(sorted(os.listdir(os.path.join(nvme_dir, str(rank)))))
+        result["rss"].append(rss())
+    torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+
+
+def main() -> None:
+    warnings.simplefilter("ignore")
+    out, what = sys.argv[1], sys.argv[2]
+    if what == "cycles":
+        for rank in range(int(os.environ.get("WORLD_SIZE", "1"))):
+            os.makedirs(os.path.join(sys.argv[3], str(rank)), exist_ok=True)
+        cycles(out, sys.argv[3], sys.argv[4])
+        sys.stdout.flush()
+        os._exit(0)  # past this point only the test's figures matter
+    elif what in ("exit", "raise"):
+        model, optimizer = patrickstar.initialize(model_func, config=config(sys.argv[3]))
+        train(model, optimizer)
+        assert os.listdir(sys.argv[3]), "the NVMe tier made no swap file"
+        if what == "raise":
+            raise RuntimeError("the training script failed")
+    elif what == "profile":
+        model, optimizer = patrickstar.initialize(model_func,
+                                                  config=config(profile_dir=sys.argv[3]))
+        train(model, optimizer)
+        model.destroy()
+
+
+if __name__ == "__main__":
+    main()
