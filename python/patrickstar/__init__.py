@@ -12,7 +12,7 @@ from ._C import ChunkOutOfMemoryError, ChunkRuntimeError
 from .config import Config, load_config
 from .engine import PatrickStarEngine, initialize, initialize_engine
 from .estimator import estimate_memory
-from .profiler import Profiler, profile
+from .profiling.recorder import Profiler, profile
 
 __version__ = "0.1.0"
 

@@ -59,7 +59,8 @@ from .hooks import ModuleHooks
 from .init_context import InitResidency, ParameterPlacer, plan_parameters
 from .loss_scaler import make_loss_scaler
 from .optimizer import PatrickStarOptimizer, build_param_groups, clip_coefficient
-from .profiler import ActivationCounter, profiler_from_config
+from .activations import ActivationCounter
+from .profiling.recorder import profiler_from_config
 
 __all__ = ["PatrickStarEngine", "initialize", "initialize_engine"]
 
@@ -183,7 +184,7 @@ class PatrickStarEngine(nn.Module):
         self.chunks.restart_warmup()
 
         # Every other saved tensor: the CPU measure of non-model data (Note [Measured non-model
-        # data] in profiler.py).
+        # data] in activations.py).
         self.activations = ActivationCounter()
         self._has_grad = [False] * len(self._params)
         self._module_params = {
@@ -321,7 +322,7 @@ class PatrickStarEngine(nn.Module):
         self.chunks.tick(self._non_model_tier, self.non_model_bytes())
 
     def non_model_bytes(self) -> int:
-        """Non-model data now: Note [Measured non-model data] in profiler.py."""
+        """Non-model data now: Note [Measured non-model data] in activations.py."""
         if self.device.type == "cuda":
             return int(torch.cuda.memory_allocated(self.device))
         return self.activations.bytes

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Iterable
 
 import torch
 
-from .profiler import optimizer_phase
+from .profiling.recorder import optimizer_phase
 
 if TYPE_CHECKING:  # pragma: no cover
     from .engine import PatrickStarEngine
@@ -98,7 +98,7 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        with optimizer_phase(self._engine):
+        with optimizer_phase(self._engine.profiler):
             applied = self._engine.optimizer_step(self)
         if not applied:
             self.skipped_steps += 1
