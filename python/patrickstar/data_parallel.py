@@ -131,12 +131,12 @@ class DataParallel:
                 f"({engine.layout['oversize_tensors'][:3]}) get chunks of their own, so their "
                 "groups would have chunks of different sizes; set default_chunk_size to at "
                 "least the largest parameter's element count")
-        for index, ids in enumerate(engine._ids):
+        for index, ids in enumerate(engine.params.ids):
             owned = {self.owns(manager, t) for t in (ids.compute, ids.master, ids.grad,
                                                      ids.momentum, ids.variance) if t is not None}
             if len(owned) != 1:
-                raise RuntimeError(f"data parallel: parameter '{engine._names[index]}' has its "
-                                   "chunks on different ranks (layout bug)")
+                raise RuntimeError(f"data parallel: parameter '{engine.params.names[index]}' has "
+                                   "its chunks on different ranks (layout bug)")
         parallel = self.config.parallel
         group = dist.group.WORLD if self.group is None else self.group
         self.communicator = _C.process_group_communicator(
@@ -155,7 +155,7 @@ class DataParallel:
         self._gather_position = {}
         self._remote = set()
         self._owned = []
-        for ids in engine._ids:
+        for ids in engine.params.ids:
             self._owned.append(self.owns(manager, ids.compute))
             self._gather_position[ids.compute] = position[self.collectives.group_of(ids.compute)]
             if not self._owned[-1]:
@@ -167,7 +167,7 @@ class DataParallel:
         grad_position = {first: p for p, first in enumerate(self._grad_groups)}
         self._grad_group_of = {}
         self._group_size = [0] * len(self._grad_groups)
-        for index, ids in enumerate(engine._ids):
+        for index, ids in enumerate(engine.params.ids):
             if ids.grad is not None:
                 p = grad_position[self.collectives.group_of(ids.grad)]
                 self._grad_group_of[index] = p
@@ -263,7 +263,8 @@ class DataParallel:
         self._rs_cursor += 1
 
     def after_backward(self) -> None:
-        """Finishes the reduce-scatters of an accumulation boundary; afterwards `_has_grad` says
+        """Finishes the reduce-scatters of an accumulation boundary; afterwards the optimizer's
+        `has_grad` says
         which *owned* parameters have a gradient on some rank."""
         if not self.enabled:
             return
@@ -274,12 +275,12 @@ class DataParallel:
                 self._start_reduce_scatter()
         finally:
             self.collectives.finish_reduce_scatters()
-        engine = self._engine
-        flags = torch.tensor([1.0 if has else 0.0 for has in engine._has_grad])
+        has_grad = self._engine.optimizer.has_grad
+        flags = torch.tensor([1.0 if has else 0.0 for has in has_grad])
         self.communicator.all_reduce(flags, op="sum", label="has-gradient flags").wait(
             self.timeout)
         for index, total in enumerate(flags.tolist()):
-            engine._has_grad[index] = total > 0 and self._owned[index]
+            has_grad[index] = total > 0 and self._owned[index]
         self._reset_backward()
 
     def all_reduce_grad_stats(self, overflow: bool, squared: float) -> tuple[bool, float]:

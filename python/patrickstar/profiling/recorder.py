@@ -25,13 +25,11 @@ import contextlib
 import json
 import os
 import weakref
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import Any, Iterator
 
 
 from .. import _C
 
-if TYPE_CHECKING:  # pragma: no cover
-    from ..engine import PatrickStarEngine
 
 __all__ = ["Profiler", "profile", "active_profiler", "optimizer_phase", "profiler_from_config",
            "now_ns"]
@@ -52,9 +50,11 @@ def active_profiler() -> "Profiler | None":
 
 
 class Profiler:
-    """Records one engine's chunk traffic and timing; ``stop()`` writes the output files."""
+    """Records one engine's chunk traffic and timing; ``stop()`` writes the output files.
+    `engine` is a `PatrickStarEngine` (engine.py; this package sits below it and does not
+    import it)."""
 
-    def __init__(self, engine: "PatrickStarEngine", output_dir: str | os.PathLike,
+    def __init__(self, engine, output_dir: str | os.PathLike,
                  capacity: int = 1 << 20):
         self.engine = engine
         self.output_dir = os.fspath(output_dir)
@@ -226,14 +226,21 @@ class Profiler:
         }
 
 
+def _is_engine(model) -> bool:
+    """Whether `model` is what patrickstar.initialize() returns, told by the calls the profiler
+    makes on it (this package sits below the engine and does not import it)."""
+    return all(callable(getattr(model, name, None))
+               for name in ("memory_stats", "non_model_bytes", "end_iteration")) \
+        and hasattr(model, "chunks") and hasattr(model, "profiler")
+
+
 @contextlib.contextmanager
-def profile(model: "PatrickStarEngine", output_dir: str | os.PathLike | None = None,
+def profile(model, output_dir: str | os.PathLike | None = None,
             capacity: int = 1 << 20) -> Iterator[Profiler]:
     """Profiles the training steps run inside the block and writes trace.json, memory.csv,
     summary.json and report.html (and the raw profile.json) into `output_dir` (default: the
     config's ``profile.output_dir``)."""
-    from ..engine import PatrickStarEngine
-    if not isinstance(model, PatrickStarEngine):
+    if not _is_engine(model):
         raise TypeError(f"patrickstar.profile(model, ...): model must be what "
                         f"patrickstar.initialize() returned, got {type(model).__name__}")
     directory = output_dir if output_dir is not None else model.config.profile.output_dir
@@ -244,7 +251,7 @@ def profile(model: "PatrickStarEngine", output_dir: str | os.PathLike | None = N
         profiler.stop()
 
 
-def profiler_from_config(engine: "PatrickStarEngine") -> Profiler | None:
+def profiler_from_config(engine) -> Profiler | None:
     """The engine's profiler when the config enables one (written at stop() or at exit)."""
     if not engine.config.profile.enabled:
         return None
