@@ -8,6 +8,7 @@ import json
 import torch
 
 from . import _C
+from .vocabulary import Tier
 
 __all__ = ["ChunkRuntime", "Chunks", "PREFETCH_MOMENTS"]
 
@@ -65,13 +66,13 @@ class ChunkRuntime:
                                        name=f"cuda:{local_rank}"))
         else:
             self.device = torch.device("cpu")
-            tiers.append(_C.EmulatedDeviceTier(budget=memory.device_budget or 0, name="device"))
-        tiers.append(_C.HostTier(budget=memory.host_budget or 0, name="host",
+            tiers.append(_C.EmulatedDeviceTier(budget=memory.device_budget or 0, name=Tier.DEVICE))
+        tiers.append(_C.HostTier(budget=memory.host_budget or 0, name=Tier.HOST,
                                  pinned=_C.cuda_available()))
         if memory.nvme.path is not None:
             tiers.append(_C.NvmeTier(memory.nvme.path, budget=memory.nvme.budget,
                                      queue_depth=memory.nvme.queue_depth,
-                                     block_size=memory.nvme.block_size, name="nvme"))
+                                     block_size=memory.nvme.block_size, name=Tier.NVME))
         self.tiers = tiers
         self.has_nvme = memory.nvme.path is not None
         self.copy_engine = _C.CopyEngine(host_threads=2, device=local_rank)

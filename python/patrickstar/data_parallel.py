@@ -54,6 +54,7 @@ import torch
 import torch.distributed as dist
 
 from . import _C, topology
+from .vocabulary import Tier
 
 __all__ = ["DataParallel", "detect_world"]
 
@@ -142,7 +143,7 @@ class DataParallel:
         self.communicator = _C.process_group_communicator(
             group.group_name, reduce_scatter=parallel.reduce_scatter, timeout_s=self.timeout)
         self.collectives = _C.GroupCollectives(
-            manager, self.communicator, tier="host", timeout_s=self.timeout,
+            manager, self.communicator, tier=Tier.HOST, timeout_s=self.timeout,
             memory_saving=parallel.memory_saving, gradient_op="avg")
         # An engine never destroyed would otherwise free these during interpreter finalization,
         # after the script's destroy_process_group(): the last reference to the c10d group then

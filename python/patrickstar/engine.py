@@ -47,7 +47,7 @@ from .init_context import InitResidency, ParameterPlacer, plan_parameters
 from .loss_scaler import make_loss_scaler
 from .optimizer import PatrickStarOptimizer, build_param_groups
 from .profiling.recorder import optimizer_phase, profiler_from_config
-from .tiers import Tier as T
+from .vocabulary import Tier as T
 
 __all__ = ["PatrickStarEngine"]
 
@@ -123,7 +123,7 @@ class PatrickStarEngine(nn.Module):
         self._slots = _C.ParameterSlots(
             self.chunks.manager, self.params.params, [ids.compute for ids in self.params.ids],
             [ids.grad for ids in self.params.ids], T.DEVICE, placeholder)
-        self._slots.set_before_access(self.chunks.before_access)  # set by _dp.after_init()
+        self._slots.set_before_access(self.chunks.before_access)  # set by dp.after_init()
         # Where the activations really are: GPU memory with CUDA; host memory on a CPU build,
         # whose device tier only emulates a GPU's budget for chunks.
         self._non_model_tier = T.DEVICE if self.device.type == "cuda" else T.HOST
@@ -359,7 +359,7 @@ class PatrickStarEngine(nn.Module):
                     self.params.write(index, kind, source)
         return nn.modules.module._IncompatibleKeys(missing, unexpected)
 
-    # ---- Checkpoints (logic in checkpoint.py) ---------------------------------------------------
+    # ---- Checkpoints (logic in checkpoint/) -------------------------------------------------
 
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True,
                         lr_scheduler=None) -> bool:

@@ -31,7 +31,7 @@ import torch
 
 from . import _C
 from .chunked_params import ChunkedParams
-from .tiers import Tier as T
+from .vocabulary import Tier as T
 
 __all__ = ["PatrickStarOptimizer", "build_param_groups", "clip_coefficient"]
 

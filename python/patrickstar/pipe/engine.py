@@ -337,7 +337,7 @@ class PipelineEngine:
     def _checkpoint_dir(self, directory) -> str:
         if self.groups.data_size > 1:
             raise NotImplementedError("pipeline checkpoints with data parallelism: the engine's "
-                                      "checkpoints are written by one rank (checkpoint.py)")
+                                      "checkpoints are written by one rank (checkpoint/)")
         coord = self.groups.coord
         return os.path.join(os.fspath(directory),
                             f"pipe_{coord.pipe:02d}-tensor_{coord.tensor:02d}")

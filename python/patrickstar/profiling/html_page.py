@@ -4,12 +4,14 @@ from __future__ import annotations
 import html
 from typing import Iterable
 
+from ..vocabulary import Tier
 from .analysis import MiB, Analysis, mib
 
 __all__ = ["render_html"]
 
 
-_TIER_COLORS = {"device": "#d62728", "host": "#1f77b4", "nvme": "#2ca02c", None: "#eeeeee"}
+_TIER_COLORS = {Tier.DEVICE: "#d62728", Tier.HOST: "#1f77b4", Tier.NVME: "#2ca02c",
+                None: "#eeeeee"}
 
 
 def _svg_memory_panels(a: Analysis, width: int = 1100) -> str:

@@ -29,6 +29,7 @@ from typing import Any, Iterator
 
 
 from .. import _C
+from ..vocabulary import Tier
 
 
 __all__ = ["Profiler", "profile", "active_profiler", "optimizer_phase", "profiler_from_config",
@@ -62,7 +63,7 @@ class Profiler:
         self.running = False
         self._manager = engine.chunks.manager
         self._device_tier = next((i for i, t in enumerate(engine.memory_stats())
-                                  if t["kind"] == "device"), None)
+                                  if t["kind"] == Tier.DEVICE), None)
         self._cuda = engine.device.type == "cuda"
         self._reset()
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 import collections
 import math
 
+from ..vocabulary import Tier
 from .analysis import MiB, Analysis, effective_ns, mib, stat_delta
 
 __all__ = ["build_summary"]
 
 
-_BUDGET_KEYS = {"device": "memory.device_budget", "host": "memory.host_budget",
-                "nvme": "memory.nvme.budget"}
+_BUDGET_KEYS = {Tier.DEVICE: "memory.device_budget", Tier.HOST: "memory.host_budget",
+                Tier.NVME: "memory.nvme.budget"}
 # A constrained tier whose waits exceed this share of step time is called a bottleneck.
 _BOTTLENECK_SHARE = 0.05
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 from typing import Any
 
+from ..vocabulary import Tier
 from .analysis import MiB, Analysis
 
 __all__ = ["build_trace"]
@@ -69,7 +70,7 @@ def build_trace(raw: dict, analysis: Analysis | None = None) -> dict:
     # Copy streams and IO: one track per direction, lanes for copies in flight together.
     by_track: dict[str, list] = collections.defaultdict(list)
     for e in a.copies:
-        io_copy = "nvme" in (a.tier_kinds[e["from_tier"]], a.tier_kinds[e["to_tier"]])
+        io_copy = Tier.NVME in (a.tier_kinds[e["from_tier"]], a.tier_kinds[e["to_tier"]])
         track = f"{'IO' if io_copy else 'copy'} {a.direction(e)}"
         by_track[track].append((e["start_ns"], e["end_ns"], e))
     for track in sorted(by_track):
