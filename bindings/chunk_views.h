@@ -13,10 +13,9 @@
 
 namespace ps::bindings {
 
+// Tier names cross the bindings as TierKindName spells them (runtime/tier.h).
 inline TierKind ParseTierKind(const std::string& name) {
-  if (name == "device") return TierKind::kDevice;
-  if (name == "host") return TierKind::kHost;
-  if (name == "nvme") return TierKind::kNvme;
+  if (const std::optional<TierKind> kind = TierKindFromName(name)) return *kind;
   throw pybind11::value_error("unknown tier '" + name + "': expected 'device', 'host' or 'nvme'");
 }
 

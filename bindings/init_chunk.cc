@@ -3,11 +3,13 @@
 // (status_exceptions.h). Richer structures (statistics, trace, layout) cross as JSON text.
 #include <torch/extension.h>
 
+#include <iterator>
 #include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
+#include "absl/strings/ascii.h"
 #include "absl/synchronization/mutex.h"
 #include "bindings/chunk_views.h"
 #include "bindings/init.h"
@@ -99,18 +101,36 @@ py::dict SamplesToColumns(const std::vector<MomentSample>& samples) {
   return d;
 }
 
+// Binds `Kind` as a Python enum whose value names are `name(kind)` upper-cased (Note [One name
+// per kind]).
+template <typename Kind>
+void BindKindEnum(py::module_& module, const char* python_name, std::vector<Kind> kinds,
+                  absl::string_view (*name)(Kind)) {
+  py::enum_<Kind> bound(module, python_name);
+  for (Kind kind : kinds) {
+    const std::string upper = absl::AsciiStrToUpper(name(kind));
+    bound.value(upper.c_str(), kind);
+  }
+}
+
 }  // namespace
 
 void InitChunk(py::module_& module) {
   module.def("steady_clock_ns", &EventLog::NowNs,
              "The event log's clock (steady, ns; the clock of time.monotonic_ns on Linux).");
 
-  py::enum_<ChunkKind>(module, "ChunkKind")
-      .value("COMPUTE_PARAM", ChunkKind::kComputeParam)
-      .value("MASTER_PARAM", ChunkKind::kMasterParam)
-      .value("MOMENTUM", ChunkKind::kMomentum)
-      .value("VARIANCE", ChunkKind::kVariance)
-      .value("GRADIENT", ChunkKind::kGradient);
+  // Note [One name per kind]
+  // A chunk kind and a tier kind have one spelling each, the C++ one (ChunkKindName,
+  // TierKindName): it is what layouts, stats and tier arguments carry, and the bound values'
+  // names are that spelling upper-cased, so Python turns either into the other with
+  // `kind.name.lower()` / `ChunkKind.__members__[name.upper()]` (patrickstar/vocabulary.py)
+  // and keeps no table of its own.
+  BindKindEnum<ChunkKind>(module, "ChunkKind",
+                          {ChunkKind::kComputeParam, ChunkKind::kMasterParam,
+                           ChunkKind::kMomentum, ChunkKind::kVariance, ChunkKind::kGradient},
+                          ChunkKindName);
+  BindKindEnum<TierKind>(module, "TierKind",
+                         {std::begin(kAllTierKinds), std::end(kAllTierKinds)}, TierKindName);
 
   py::enum_<TensorState>(module, "TensorState")
       .value("FREE", TensorState::kFree)

@@ -215,8 +215,8 @@ ReduceOp ParseReduceOp(const std::string& name) {
 }
 
 TierKind ParseCollectiveTier(const std::string& name) {
-  if (name == "device") return TierKind::kDevice;
-  if (name == "host") return TierKind::kHost;
+  const std::optional<TierKind> kind = TierKindFromName(name);
+  if (kind == TierKind::kDevice || kind == TierKind::kHost) return *kind;
   throw py::value_error("collective tier must be 'device' or 'host', got '" + name + "'");
 }
 

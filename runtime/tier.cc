@@ -22,6 +22,13 @@ absl::string_view TierKindName(TierKind kind) {
   return "unknown";
 }
 
+std::optional<TierKind> TierKindFromName(absl::string_view name) {
+  for (TierKind kind : kAllTierKinds) {
+    if (TierKindName(kind) == name) return kind;
+  }
+  return std::nullopt;
+}
+
 std::string FormatBytes(int64_t bytes) {
   const double value = static_cast<double>(bytes);
   if (bytes >= (1ll << 30))

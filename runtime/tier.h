@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -44,7 +45,12 @@ enum class TierKind { kDevice, kHost, kNvme };
 // How bytes are reached, which decides how the copy engine moves them.
 enum class AddressSpace { kHostMemory, kDeviceMemory, kFile };
 
+// The one spelling of each tier kind ("device", "host", "nvme"): what the bindings take and
+// report, and (upper-cased) the names of the bound `_C.TierKind` values.
 absl::string_view TierKindName(TierKind kind);
+// The kind spelled `name`, nullopt for any other name.
+std::optional<TierKind> TierKindFromName(absl::string_view name);
+inline constexpr TierKind kAllTierKinds[] = {TierKind::kDevice, TierKind::kHost, TierKind::kNvme};
 
 class Tier;
 

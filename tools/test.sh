@@ -58,6 +58,11 @@ if ((run_main)); then
   log "C++ tests (ctest, build/)"
   run_ctest build
 
+  log "Python import rules (lint-imports, pyproject.toml [tool.importlinter])"
+  # Layers from initialize() down to the chunk bindings, and no import circle: a broken
+  # contract fails the run. Run from python/ so the source tree is what gets analysed.
+  (cd python && ../.venv/bin/lint-imports --no-cache --no-logo ../pyproject.toml)
+
   log "Python tests (pytest)"
   # Exit code 5 means pytest collected nothing: that must fail, not pass silently.
   set +e

@@ -10,9 +10,10 @@ import torch  # noqa: F401  (must precede _C, which links against LibTorch)
 from . import _C, _upstream
 from ._C import ChunkOutOfMemoryError, ChunkRuntimeError
 from .config import Config, load_config
-from .engine import PatrickStarEngine, initialize, initialize_engine
+from .engine import PatrickStarEngine
 from .estimator import estimate_memory
-from .profiler import Profiler, profile
+from .initializer import initialize, initialize_engine
+from .profiling.recorder import Profiler, profile
 
 __version__ = "0.1.0"
 

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from . import _C, dtypes
+from .vocabulary import Tier
 
 __all__ = ["ChunkedParams", "TensorIds", "chunk_dtypes", "register_chunk_tensors"]
 
@@ -36,8 +37,13 @@ class TensorIds:
         self.compute = self.master = self.grad = self.momentum = self.variance = None
 
     def of(self, kind) -> int | None:
-        """The id of the tensor of chunk kind `kind` (a `_C.ChunkKind`)."""
+        """The id of the tensor of chunk kind `kind` (a `ChunkKind`)."""
         return getattr(self, _SLOT_OF_KIND[kind])
+
+    @staticmethod
+    def slot_of(kind) -> str:
+        """The attribute holding the tensor of chunk kind `kind`."""
+        return _SLOT_OF_KIND[kind]
 
     def all(self) -> list[int]:
         """Every tensor id of the parameter."""
@@ -128,7 +134,7 @@ class ChunkedParams:
         return self.ids[index].of(kind)
 
     @contextlib.contextmanager
-    def view(self, index: int, kind, tier: str = "host") -> Iterator[torch.Tensor]:
+    def view(self, index: int, kind, tier: str = Tier.HOST) -> Iterator[torch.Tensor]:
         """Parameter `index`'s tensor of kind `kind`, in its shape, accessed on `tier` for the
         duration of the block (Note [Parameter data swapping] in engine.py: the view is invalid
         once released)."""

@@ -28,8 +28,6 @@ from .checkpoint import CheckpointError, CheckpointReader
 
 __all__ = ["consolidate", "main"]
 
-_OUT_DTYPES = dtypes.PRECISIONS
-
 
 def _source_kind(reader: CheckpointReader, name: str, dtype: str) -> str:
     if dtypes.precision_name(reader.meta["precision"]) == dtypes.precision_name(dtype) or \
@@ -86,8 +84,8 @@ def _fill(path: str, reader: CheckpointReader, plan, dtype: torch.dtype) -> int:
 def consolidate(checkpoint_dir, output, dtype: str = "fp32", tag: str | None = None,
                 verify: bool = True) -> dict:
     """Writes `output` (atomically: a temporary name, fsync, rename); returns a summary."""
-    if dtype not in _OUT_DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(_OUT_DTYPES)}, got {dtype!r}")
+    if dtype not in dtypes.PRECISIONS:
+        raise ValueError(f"dtype must be one of {sorted(dtypes.PRECISIONS)}, got {dtype!r}")
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     output = os.fspath(output)
@@ -108,7 +106,7 @@ def consolidate(checkpoint_dir, output, dtype: str = "fp32", tag: str | None = N
             for key, name, kind in plan:
                 if (name, kind) not in by_source:
                     entry = reader.entry(name, kind)
-                    out_dtype = (_OUT_DTYPES[dtype] if kind != "buffer"
+                    out_dtype = (dtypes.PRECISIONS[dtype] if kind != "buffer"
                                  else dtypes.dtype_of(entry.dtype))
                     by_source[(name, kind)] = torch.empty(entry.shape, dtype=out_dtype)
                 fakes[key] = by_source[(name, kind)]
@@ -116,7 +114,7 @@ def consolidate(checkpoint_dir, output, dtype: str = "fp32", tag: str | None = N
             with torch.serialization.skip_data(materialize_fake_tensors=True):
                 torch.save(fakes, temp)
             del fakes, by_source
-            nbytes = _fill(temp, reader, plan, _OUT_DTYPES[dtype])
+            nbytes = _fill(temp, reader, plan, dtypes.PRECISIONS[dtype])
             os.replace(temp, output)
         except BaseException:
             if os.path.exists(temp):
@@ -133,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
                     "(streaming: memory stays near one tensor).")
     parser.add_argument("checkpoint_dir", help="the directory given to save_checkpoint()")
     parser.add_argument("output", help="the state_dict file to write (torch.save format)")
-    parser.add_argument("--dtype", choices=sorted(_OUT_DTYPES), default="fp32",
+    parser.add_argument("--dtype", choices=sorted(dtypes.PRECISIONS), default="fp32",
                         help="dtype of the weights (default fp32, from the master copy)")
     parser.add_argument("--tag", default=None, help="checkpoint tag (default: DIR/latest)")
     parser.add_argument("--no-verify", action="store_true",

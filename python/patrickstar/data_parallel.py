@@ -54,6 +54,7 @@ import torch
 import torch.distributed as dist
 
 from . import _C, topology
+from .vocabulary import Tier
 
 __all__ = ["DataParallel", "detect_world"]
 
@@ -131,18 +132,18 @@ class DataParallel:
                 f"({engine.layout['oversize_tensors'][:3]}) get chunks of their own, so their "
                 "groups would have chunks of different sizes; set default_chunk_size to at "
                 "least the largest parameter's element count")
-        for index, ids in enumerate(engine._ids):
+        for index, ids in enumerate(engine.params.ids):
             owned = {self.owns(manager, t) for t in (ids.compute, ids.master, ids.grad,
                                                      ids.momentum, ids.variance) if t is not None}
             if len(owned) != 1:
-                raise RuntimeError(f"data parallel: parameter '{engine._names[index]}' has its "
-                                   "chunks on different ranks (layout bug)")
+                raise RuntimeError(f"data parallel: parameter '{engine.params.names[index]}' has "
+                                   "its chunks on different ranks (layout bug)")
         parallel = self.config.parallel
         group = dist.group.WORLD if self.group is None else self.group
         self.communicator = _C.process_group_communicator(
             group.group_name, reduce_scatter=parallel.reduce_scatter, timeout_s=self.timeout)
         self.collectives = _C.GroupCollectives(
-            manager, self.communicator, tier="host", timeout_s=self.timeout,
+            manager, self.communicator, tier=Tier.HOST, timeout_s=self.timeout,
             memory_saving=parallel.memory_saving, gradient_op="avg")
         # An engine never destroyed would otherwise free these during interpreter finalization,
         # after the script's destroy_process_group(): the last reference to the c10d group then
@@ -155,7 +156,7 @@ class DataParallel:
         self._gather_position = {}
         self._remote = set()
         self._owned = []
-        for ids in engine._ids:
+        for ids in engine.params.ids:
             self._owned.append(self.owns(manager, ids.compute))
             self._gather_position[ids.compute] = position[self.collectives.group_of(ids.compute)]
             if not self._owned[-1]:
@@ -167,7 +168,7 @@ class DataParallel:
         grad_position = {first: p for p, first in enumerate(self._grad_groups)}
         self._grad_group_of = {}
         self._group_size = [0] * len(self._grad_groups)
-        for index, ids in enumerate(engine._ids):
+        for index, ids in enumerate(engine.params.ids):
             if ids.grad is not None:
                 p = grad_position[self.collectives.group_of(ids.grad)]
                 self._grad_group_of[index] = p
@@ -263,7 +264,8 @@ class DataParallel:
         self._rs_cursor += 1
 
     def after_backward(self) -> None:
-        """Finishes the reduce-scatters of an accumulation boundary; afterwards `_has_grad` says
+        """Finishes the reduce-scatters of an accumulation boundary; afterwards the optimizer's
+        `has_grad` says
         which *owned* parameters have a gradient on some rank."""
         if not self.enabled:
             return
@@ -274,12 +276,12 @@ class DataParallel:
                 self._start_reduce_scatter()
         finally:
             self.collectives.finish_reduce_scatters()
-        engine = self._engine
-        flags = torch.tensor([1.0 if has else 0.0 for has in engine._has_grad])
+        has_grad = self._engine.optimizer.has_grad
+        flags = torch.tensor([1.0 if has else 0.0 for has in has_grad])
         self.communicator.all_reduce(flags, op="sum", label="has-gradient flags").wait(
             self.timeout)
         for index, total in enumerate(flags.tolist()):
-            engine._has_grad[index] = total > 0 and self._owned[index]
+            has_grad[index] = total > 0 and self._owned[index]
         self._reset_backward()
 
     def ranks_with(self, flag: bool, label: str = "non-finite loss flags") -> list[int]:

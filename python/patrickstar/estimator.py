@@ -32,26 +32,25 @@ from torch import nn
 
 from . import _C
 from .config import Config, load_config
-from .chunked_params import chunk_dtypes, register_chunk_tensors
+from . import dtypes
+from .chunked_params import TensorIds, chunk_dtypes, register_chunk_tensors
 from .init_context import plan_parameters
+from .vocabulary import ChunkKind, chunk_kind
 
 __all__ = ["estimate_memory"]
 
-_ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
-_KINDS = ("compute", "master", "gradient", "momentum", "variance")
-# C++ chunk kinds in the manager's dump -> the names used here.
-_KIND_NAMES = {"compute_param": "compute", "master_param": "master", "gradient": "gradient",
-               "momentum": "momentum", "variance": "variance"}
+_K = ChunkKind
+# The labels of the estimate's rows, by chunk kind.
+_LABELS = {_K.COMPUTE_PARAM: "compute", _K.MASTER_PARAM: "master", _K.GRADIENT: "gradient",
+           _K.MOMENTUM: "momentum", _K.VARIANCE: "variance"}
+_KINDS = tuple(_LABELS.values())
 _BLOCK_ALIGNMENT = 4096
-# Kind names here -> the `TensorIds` slots (chunked_params.py).
-_SLOTS = {"compute": "compute", "master": "master", "gradient": "grad", "momentum": "momentum",
-          "variance": "variance"}
 
 
 def _dtypes(precision: str, accumulation_steps: int) -> dict[str, str | None]:
     """The dtype of each chunk kind (None: not used), the engine's own rule."""
-    dtypes = chunk_dtypes(precision, accumulation_steps)
-    return {kind: dtypes[_SLOTS[kind]] for kind in _KINDS}
+    by_slot = chunk_dtypes(precision, accumulation_steps)
+    return {label: by_slot[TensorIds.slot_of(kind)] for kind, label in _LABELS.items()}
 
 
 def _layout_bytes(specs, precision: str, accumulation_steps: int,
@@ -65,26 +64,27 @@ def _layout_bytes(specs, precision: str, accumulation_steps: int,
     by_kind = {kind: 0 for kind in _KINDS}
     largest_chunk = {kind: 0 for kind in _KINDS}
     for chunk in json.loads(manager.layout_json())["chunks"]:
-        kind = _KIND_NAMES[chunk["kind"]]
+        kind = _LABELS[chunk_kind(chunk["kind"])]
         by_kind[kind] += chunk["bytes"]
         largest_chunk[kind] = max(largest_chunk[kind], chunk["bytes"])
     return {"by_kind": by_kind, "largest_chunk": largest_chunk,
             "chunk_elements": layout["chunk_elements"], "wasted_bytes": layout["wasted_bytes"]}
 
 
-def _count_bytes(params: int, trainable: int, dtypes: dict[str, str | None],
+def _count_bytes(params: int, trainable: int, kind_dtypes: dict[str, str | None],
                  chunk_size: int) -> dict:
     """The same figures for a bare parameter count: each list packs perfectly."""
     by_kind = {kind: 0 for kind in _KINDS}
     largest_chunk = {kind: 0 for kind in _KINDS}
     for kind in _KINDS:
-        dtype = dtypes[kind]
+        dtype = kind_dtypes[kind]
         if dtype is None:
             continue
         count = params if kind == "compute" else trainable
         if count == 0:
             continue
-        chunk_bytes = -(-chunk_size * _ELEMENT_BYTES[dtype] // _BLOCK_ALIGNMENT) * _BLOCK_ALIGNMENT
+        chunk_bytes = -(-chunk_size * dtypes.element_size(dtype) // _BLOCK_ALIGNMENT) \
+            * _BLOCK_ALIGNMENT
         by_kind[kind] = -(-count // chunk_size) * chunk_bytes
         largest_chunk[kind] = chunk_bytes
     return {"by_kind": by_kind, "largest_chunk": largest_chunk, "chunk_elements": chunk_size,

@@ -3,21 +3,40 @@
 It is a `torch.optim.Optimizer` (so `torch.optim.lr_scheduler` schedulers drive it through
 `param_groups[i]["lr"]`), but its state lives in chunks and `step()` runs the fused C++ Adam /
 AdamW kernel tensor by tensor over chunk memory, with each tensor's group hyperparameters and
-step count (parameters that got no gradient this step are skipped, as torch does).
+step count (parameters that got no gradient this step are skipped, as torch does). It owns the
+sweep, the update and its state: the step counts, which parameters have a gradient this step,
+and the optimizer state_dict.
+
+Note [Optimizer sweep]
+`optimizer.step()` updates parameters row by row, a row being the parameters whose optimizer
+state shares a momentum chunk (so a row touches a handful of chunks: their params or masters,
+gradients, momentum, variance). Each tensor is updated where its chunk already is whenever the
+kernel can reach it there: on a CPU build every memory tier is host memory (the device tier is
+emulated), so nothing moves; with CUDA a parameter whose chunks are all on the GPU is updated by
+the GPU kernel there, anything else on the host. Chunks on NVMe stream through host memory: while
+row k is updated, the NVMe chunks of row k+1 are already being read (`start_move`, Note [Started
+moves] in chunk_manager.cc) and those of row k-1 written back, so disk reads, Adam and disk writes
+overlap, and the host holds about three rows of NVMe state at a time. A failed read or write-back
+raises out of `step()` with the file, offset and bytes; the chunk keeps its bytes in memory and its
+NVMe slot stays invalid (never read back torn), and the engine refuses to train on until a
+checkpoint is loaded, since the rows before the failure were already updated.
 """
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import TYPE_CHECKING, Iterable
+from typing import Callable, ContextManager, Iterable
 
 import torch
 
-from .profiler import optimizer_phase
+from . import _C
+from .chunked_params import ChunkedParams
+from .vocabulary import Tier as T
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .engine import PatrickStarEngine
+__all__ = ["PatrickStarOptimizer", "build_param_groups", "clip_coefficient"]
 
-__all__ = ["PatrickStarOptimizer", "build_param_groups"]
+K = _C.ChunkKind
+S = _C.TensorState
 
 _GROUP_KEYS = {"params", "lr", "betas", "eps", "weight_decay", "name"}
 
@@ -68,29 +87,55 @@ def build_param_groups(module: torch.nn.Module, groups, defaults: dict) -> list[
     return result
 
 
-class PatrickStarOptimizer(torch.optim.Optimizer):
-    """Adam/AdamW over chunked state. Built by `patrickstar.initialize()`, not by users."""
+class _UpdateRow:
+    """Parameters whose optimizer state shares a momentum chunk, and every chunk their update
+    touches (Note [Optimizer sweep])."""
 
-    def __init__(self, engine: "PatrickStarEngine", groups: list[dict], decoupled: bool):
+    __slots__ = ("indices", "chunks")
+
+    def __init__(self):
+        self.indices: list[int] = []
+        self.chunks: set[int] = set()
+
+
+class PatrickStarOptimizer(torch.optim.Optimizer):
+    """Adam/AdamW over chunked state. Built by `patrickstar.initialize()`, not by users.
+
+    Handed what a step needs: `params` (the chunk tensors), the config, the data-parallel side
+    `dp`, the training guard and loss scaler, whether chunks stream from NVMe, `end_iteration`
+    (the engine's, called after every step, applied or skipped) and `phase` (the profiler's
+    optimizer phase)."""
+
+    def __init__(self, params: ChunkedParams, groups: list[dict], config, dp, guard,
+                 loss_scaler, device: torch.device, has_nvme: bool,
+                 end_iteration: Callable[[], None],
+                 phase: Callable[[], ContextManager] = contextlib.nullcontext):
         defaults = {k: v for k, v in groups[0].items() if k != "params"}
         super().__init__(groups, defaults)
-        self._engine = engine
-        self.decoupled_weight_decay = decoupled
+        self.chunked = params
+        self.config = config
+        self.precision = params.precision
+        self.decoupled_weight_decay = config.optimizer.decoupled_weight_decay
+        self.dp = dp
+        self.guard = guard
+        self.loss_scaler = loss_scaler
+        self.device = device
+        self.has_nvme = has_nvme
         self.skipped_steps = 0  # steps skipped for fp16 overflow
-
-    @property
-    def step_counts(self) -> list[int]:
-        """Adam's step count of each parameter, by its position in `ChunkedParams`."""
-        return self._engine._step_count
-
-    @property
-    def has_grad(self) -> list[bool]:
-        """Whether each parameter has a gradient this step."""
-        return self._engine._has_grad
+        self.step_counts = [0] * len(params)  # Adam's step count of each parameter
+        self.has_grad = [False] * len(params)  # a gradient this step (set by the engine)
+        self._end_iteration = end_iteration
+        self._phase = phase
+        self._group_of = {}
+        for group_index, group in enumerate(self.param_groups):
+            for param in group["params"]:
+                self._group_of[params.index_of(param)] = group_index
+        self._rows: list[_UpdateRow] | None = None  # built at the first step
+        self._tensor_chunk: dict[int, int] = {}
 
     @property
     def loss_scale(self) -> float:
-        return self._engine.loss_scaler.scale
+        return self.loss_scaler.scale
 
     @property
     def loss_scaler(self):
@@ -103,20 +148,197 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        with optimizer_phase(self._engine):
-            applied = self._engine.optimizer_step(self)
+        with self._phase():
+            applied = self._step()
         if not applied:
             self.skipped_steps += 1
         return loss
 
+    def _step(self) -> bool:
+        """Applies one Adam/AdamW step; returns False when it was skipped for overflow."""
+        run = self.guard.before_step()
+        self.guard.after_step()
+        if not run:  # a non-finite loss was skipped (config nonfinite_loss: "skip")
+            self.zero_grad()
+            self._end_iteration()
+            return False
+        clip = self.config.gradient_clipping
+        # The scale the gradients carry: backward() used it and only this method changes it.
+        grad_scale = self.loss_scaler.scale
+        overflow, norm = False, 0.0
+        if clip > 0 or self.precision == "fp16":  # one read pass over the gradients
+            overflow, norm = self._gradient_statistics()
+        # Only fp16 skips steps; elsewhere a non-finite gradient reaches the parameters as it
+        # would in plain PyTorch.
+        overflow = overflow and self.precision == "fp16"
+        self.loss_scaler.update(overflow)
+        if overflow:
+            self.zero_grad()
+            self._end_iteration()
+            return False
+        coef = clip_coefficient(norm / grad_scale, clip) if clip > 0 else 1.0
+        try:
+            self._sweep(grad_scale, coef)
+        except BaseException as error:
+            self.guard.step_failed(error)
+            raise
+        self.zero_grad()
+        self._end_iteration()
+        return True
+
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self._engine.zero_grad()
+        chunks = self.chunked.chunks
+        for index, has in enumerate(self.has_grad):
+            if has:
+                chunks.set_tensor_state(self.chunked.ids[index].grad, S.FREE)
+                self.has_grad[index] = False
+
+    # ---- Gradients -----------------------------------------------------------------------------
+
+    def _grad_views(self):
+        """Yields (index, grad view) of every parameter that has a gradient this step, each
+        read where its chunk is (Note [Optimizer sweep]); COMPUTE until the generator moves on."""
+        chunks = self.chunked.chunks
+        for index, has in enumerate(self.has_grad):
+            if not has:
+                continue
+            grad_id = self.chunked.ids[index].grad
+            view = chunks.access(grad_id, self._update_tiers([grad_id])[0])
+            try:
+                yield index, view
+            finally:
+                chunks.release(grad_id, S.HOLD)
+
+    def _gradient_statistics(self) -> tuple[bool, float]:
+        overflow = False
+        squared = 0.0
+        for _, grad in self._grad_views():
+            grad_squared, bad = _C.kernels.grad_stats([grad])
+            overflow |= bad
+            squared += grad_squared
+        overflow, squared = self.dp.all_reduce_grad_stats(overflow, squared)
+        return overflow, math.sqrt(squared)
+
+    # ---- The sweep -----------------------------------------------------------------------------
+
+    def _update_tensors(self, index: int) -> list[int]:
+        """The chunk tensors one Adam update of parameter `index` reads and writes."""
+        ids = self.chunked.ids[index]
+        mixed = self.chunked.mixed
+        accessed = [ids.master if mixed else ids.compute, ids.grad, ids.momentum, ids.variance]
+        if mixed:
+            accessed.append(ids.compute)
+        return accessed
+
+    def _update_rows(self) -> list[_UpdateRow]:
+        if self._rows is None:
+            manager = self.chunked.chunks.manager
+            rows: dict[int, _UpdateRow] = {}
+            for index, ids in enumerate(self.chunked.ids):
+                if ids.momentum is None or not self.dp.owns(manager, ids.momentum):
+                    continue
+                row = rows.setdefault(self._chunk_of(ids.momentum), _UpdateRow())
+                row.indices.append(index)
+                row.chunks.update(self._chunk_of(t) for t in self._update_tensors(index))
+            self._rows = [rows[chunk] for chunk in sorted(rows)]
+        return self._rows
+
+    def _chunk_of(self, tensor_id: int) -> int:
+        chunk = self._tensor_chunk.get(tensor_id)
+        if chunk is None:
+            chunk = self._tensor_chunk[tensor_id] = \
+                self.chunked.chunks.manager.tensor_info(tensor_id)["chunk"]
+        return chunk
+
+    def _update_tiers(self, tensor_ids: list[int]) -> list[str]:
+        """Where the optimizer reads and writes each tensor: Note [Optimizer sweep]."""
+        tiers = self.chunked.chunks.chunk_tiers([self._chunk_of(t) for t in tensor_ids])
+        if self.device.type == "cpu":  # the device tier is host memory too
+            return [tier if tier in (T.DEVICE, T.HOST) else T.HOST for tier in tiers]
+        on_device = all(tier == T.DEVICE for tier in tiers)
+        return [T.DEVICE if on_device else T.HOST] * len(tiers)
+
+    def _sweep(self, grad_scale: float, coef: float) -> None:
+        """Note [Optimizer sweep]."""
+        chunks = self.chunked.chunks
+        rows = [row for row in self._update_rows()
+                if any(self.has_grad[i] for i in row.indices)]
+        streaming = self.has_nvme
+        staged: set[int] = set()  # chunks this sweep brought up from NVMe
+
+        def read_ahead(row: _UpdateRow) -> None:
+            for chunk in sorted(row.chunks):
+                if chunks.chunk_tier(chunk) == T.NVME:
+                    staged.add(chunk)
+                    chunks.start_move(chunk, T.HOST)
+
+        if streaming and rows:
+            read_ahead(rows[0])
+        for k, row in enumerate(rows):
+            following = rows[k + 1] if k + 1 < len(rows) else None
+            if streaming and following is not None:
+                read_ahead(following)
+            for index in row.indices:
+                if not self.has_grad[index]:
+                    continue
+                group = self.param_groups[self._group_of[index]]
+                self.step_counts[index] += 1
+                self._adam_update(index, group, grad_scale, coef)
+            if streaming:
+                for chunk in sorted(row.chunks & staged):
+                    if following is None or chunk not in following.chunks:
+                        staged.discard(chunk)
+                        chunks.start_move(chunk, T.NVME)
+
+    def _adam_update(self, index: int, group: dict, grad_scale: float, coef: float) -> None:
+        chunks = self.chunked.chunks
+        tensors = self._update_tensors(index)
+        views = chunks.access_tensors(tensors, self._update_tiers(tensors))
+        try:
+            beta1, beta2 = group["betas"]
+            _C.kernels.adam_(
+                views[0], views[1], views[2], views[3],
+                param_copy=views[4] if self.chunked.mixed else None,
+                lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                weight_decay=group["weight_decay"], adamw=self.decoupled_weight_decay,
+                step=self.step_counts[index], grad_scale=grad_scale, clip_coef=coef)
+        finally:
+            chunks.release_tensors(tensors, S.HOLD)
+
+    # ---- State dict ----------------------------------------------------------------------------
 
     def state_dict(self):
-        return self._engine.optimizer_state_dict(self)
+        params = self.chunked
+        state = {}
+        for index in range(len(params)):
+            if params.ids[index].momentum is None or self.step_counts[index] == 0:
+                continue
+            entry = {"step": torch.tensor(float(self.step_counts[index]))}
+            for key, kind in (("exp_avg", K.MOMENTUM), ("exp_avg_sq", K.VARIANCE)):
+                entry[key] = params.read(index, kind)
+            state[index] = entry
+        groups = []
+        for group in self.param_groups:
+            saved = {k: v for k, v in group.items() if k != "params"}
+            saved["params"] = [params.index_of(p) for p in group["params"]]
+            groups.append(saved)
+        return {"state": state, "param_groups": groups,
+                "loss_scaler": self.loss_scaler.state_dict()}
 
     def load_state_dict(self, state_dict):
-        self._engine.load_optimizer_state_dict(self, state_dict)
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self.param_groups):
+            raise ValueError(f"optimizer state dict has {len(groups)} param groups, the "
+                             f"optimizer {len(self.param_groups)}")
+        for saved, group in zip(groups, self.param_groups):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        for index, entry in state_dict["state"].items():
+            index = int(index)
+            self.step_counts[index] = int(entry["step"])
+            for key, kind in (("exp_avg", K.MOMENTUM), ("exp_avg_sq", K.VARIANCE)):
+                self.chunked.write(index, kind, entry[key])
+        if "loss_scaler" in state_dict:
+            self.loss_scaler.load_state_dict(state_dict["loss_scaler"])
 
 
 def clip_coefficient(total_norm: float, max_norm: float) -> float:

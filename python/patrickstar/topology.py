@@ -289,21 +289,17 @@ class ModelParallelGradStats:
         self.duplicates: set[int] = set()
         if groups.tensor_size > 1 and groups.coord.tensor != 0:
             self.duplicates.update(
-                index for index, param in enumerate(engine._params)
+                index for index, param in enumerate(engine.params.params)
                 if not getattr(param, "tensor_model_parallel", False))
 
     def local_duplicate_squares(self) -> float:
-        engine = self.engine
+        params, has_grad = self.engine.params, self.engine.optimizer.has_grad
         total = 0.0
         for index in sorted(self.duplicates):
-            if not engine._has_grad[index]:
+            if not has_grad[index]:
                 continue
-            grad_id = engine._ids[index].grad
-            view = engine.chunks.access(grad_id, "host")
-            try:
+            with params.view(index, _C.ChunkKind.GRADIENT) as view:
                 total += float(view.float().pow(2).sum())
-            finally:
-                engine.chunks.release(grad_id, _C.TensorState.HOLD)
         return total
 
     def all_reduce(self, overflow: bool, squared: float) -> tuple[bool, float]:

@@ -18,6 +18,16 @@ Tier::Options Options(const char* name, int64_t budget, int64_t slab = 64ll << 2
   return Tier::Options{name, budget, slab};
 }
 
+TEST(TierTest, EveryTierKindNameParsesBackToItsKind) {
+  for (TierKind kind : kAllTierKinds) {
+    EXPECT_EQ(TierKindFromName(TierKindName(kind)), kind) << TierKindName(kind);
+  }
+  EXPECT_EQ(TierKindFromName("host"), TierKind::kHost);
+  EXPECT_EQ(TierKindFromName("Host"), std::nullopt);
+  EXPECT_EQ(TierKindFromName("gpu"), std::nullopt);
+  EXPECT_EQ(TierKindFromName(""), std::nullopt);
+}
+
 TEST(TierTest, AllocateRoundsUpToAlignmentAndCountsStats) {
   HostTier tier(HostTierOptions{Options("host", 0)});
   PS_ASSERT_OK_AND_ASSIGN(Block block, tier.Allocate(5000));

@@ -1,4 +1,4 @@
-"""Memory profiles (profiler.py, report.py): a short training run under a tight device budget
+"""Memory profiles (profiling/): a short training run under a tight device budget
 writes trace.json / memory.csv / summary.json / report.html; the trace follows the Chrome trace
 event format; the CSV and summary agree with the manager's own tier statistics; profiling does
 not change training; the CLI prints, regenerates and compares; report.html renders in headless

@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 
 from .. import _C
+from ..vocabulary import Tier, chunk_kind
 from .engine_state import SAVED_KINDS
 
 __all__ = ["owned_tensor_names"]
 
-# The chunk layout's kind names and the saved kind of each (gradients are not saved).
-_SAVED_KIND_OF_CHUNK = {"compute_param": "param", "master_param": "master",
-                        "momentum": "exp_avg", "variance": "exp_avg_sq"}
+# The saved kind of each chunk kind (gradients are not saved).
+_SAVED_KIND_OF_CHUNK = {kind: saved for saved, kind in SAVED_KINDS.items()}
 
 
 def owned_tensor_names(meta: dict, world_size: int, rank: int) -> set[tuple[str, str]]:
@@ -19,14 +19,14 @@ def owned_tensor_names(meta: dict, world_size: int, rank: int) -> set[tuple[str,
     own multi-rank layout of this checkpoint's tensors (Note [Resharding]): the same chunk size,
     tensors registered in the same order, chunk lists padded to a multiple of `world_size`."""
     layout = meta["layout"]
-    manager = _C.ChunkManager(tiers=[_C.HostTier(budget=1 << 20, name="host")],
+    manager = _C.ChunkManager(tiers=[_C.HostTier(budget=1 << 20, name=Tier.HOST)],
                               copy_engine=_C.CopyEngine(host_threads=1), world_size=world_size,
                               rank=rank)
     # Registered in the saved registration order (tensor ids); gradient chunks are not saved
     # and each kind packs into its own list, so leaving them out changes no other list.
     registered = []
     for chunk in layout["chunks"]:
-        kind = _SAVED_KIND_OF_CHUNK.get(chunk["kind"])
+        kind = _SAVED_KIND_OF_CHUNK.get(chunk_kind(chunk["kind"]))
         if kind is None:
             continue
         for tensor in chunk["tensors"]:

@@ -5,6 +5,7 @@ manager) per stage, micro batches passed between stages (docs/parallelism.md).
     engine, optimizer = patrickstar.initialize(model, config={"parallel": {"pipeline": 2}, ...})
     loss = engine.train_batch(data_iter)   # gradient_accumulation_steps micro batches, one step
 """
+from .engine import PipelineEngine
 from .module import LayerSpec, PipelineModule, TiedLayerSpec, partition_balanced, \
     partition_uniform
 from .p2p import PipelinePeerError
@@ -13,9 +14,3 @@ from .schedule import SCHEDULES
 __all__ = ["LayerSpec", "PipelineEngine", "PipelineModule", "PipelinePeerError", "SCHEDULES",
            "TiedLayerSpec", "partition_balanced", "partition_uniform"]
 
-
-def __getattr__(name):
-    if name == "PipelineEngine":  # imported on use: it needs patrickstar.engine loaded first
-        from .engine import PipelineEngine
-        return PipelineEngine
-    raise AttributeError(name)

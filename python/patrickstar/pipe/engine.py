@@ -47,7 +47,7 @@ from .schedule import SCHEDULES, inference
 
 __all__ = ["PipelineEngine"]
 
-S = _C.TensorState
+K = _C.ChunkKind
 
 
 def _as_tuple(value) -> tuple:
@@ -120,7 +120,7 @@ class PipelineEngine:
         topo, groups = self.groups.topology, self.groups
         every_key = sorted({spec.key for spec in self.pipe_module.layers
                             if isinstance(spec, TiedLayerSpec)})
-        index_of = {name: self.engine._param_index[id(param)]
+        index_of = {name: self.engine.params.index_of(param)
                     for name, param in self.engine.module.named_parameters()}
         entries = []
         for key in every_key:
@@ -151,7 +151,7 @@ class PipelineEngine:
         engine = self.engine
         for entry in self._tied:
             # A broadcast between tensors of different sizes is undefined: compare first.
-            mine = (self.stage, [tuple(engine._shapes[i]) for i in entry["indices"]])
+            mine = (self.stage, [tuple(engine.params.shapes[i]) for i in entry["indices"]])
             everyone = [None] * dist.get_world_size(entry["group"])
             dist.all_gather_object(everyone, mine, group=entry["group"])
             if any(shapes != mine[1] for _, shapes in everyone):
@@ -164,15 +164,12 @@ class PipelineEngine:
             for name, index in zip(entry["names"], entry["indices"]):
                 # The fp32 values (the master copy in mixed precision) of the lowest stage come
                 # from the one rank of it that owns them: a sum where the others add zeros.
-                ids = engine._ids[index]
-                source = ids.master if ids.master is not None else ids.compute
-                value = torch.zeros(engine._shapes[index], dtype=torch.float32)
-                if entry["first"] and engine.dp.owns(manager, source):
-                    view = engine.chunks.access(source, "host")
-                    try:
-                        value.copy_(view.view(value.shape))
-                    finally:
-                        engine.chunks.release(source, S.HOLD)
+                kind = K.MASTER_PARAM if engine.params.ids[index].master is not None \
+                    else K.COMPUTE_PARAM
+                value = torch.zeros(engine.params.shapes[index], dtype=torch.float32)
+                if entry["first"] and engine.dp.owns(manager,
+                                                     engine.params.tensor_id(index, kind)):
+                    value.copy_(engine.params.read(index, kind))
                 value = value.to(topology.comm_device(entry["group"]))
                 dist.all_reduce(value, group=entry["group"])
                 if not entry["first"]:
@@ -286,32 +283,26 @@ class PipelineEngine:
         """Note [Tied weights across stages]."""
         engine = self.engine
         manager = engine.chunks.manager
+        params, has_grad = engine.params, engine.optimizer.has_grad
         for entry in self._tied:
             for index in entry["indices"]:
-                grad_id = engine._ids[index].grad
+                grad_id = params.ids[index].grad
                 if grad_id is None:
                     continue
-                shape = engine._shapes[index]
-                has = engine._has_grad[index]
+                shape = params.shapes[index]
                 buffer = torch.zeros(int(torch.Size(shape).numel()) + 1, dtype=torch.float32)
-                if has:
-                    view = engine.chunks.access(grad_id, "host")
-                    try:
+                if has_grad[index]:
+                    with params.view(index, K.GRADIENT) as view:
                         buffer[:-1].copy_(view.view(-1))
-                    finally:
-                        engine.chunks.release(grad_id, S.HOLD)
                     buffer[-1] = 1.0
                 buffer = buffer.to(topology.comm_device(entry["group"]))
                 dist.all_reduce(buffer, group=entry["group"])
                 buffer = buffer.cpu()
                 if buffer[-1].item() == 0 or not engine.dp.owns(manager, grad_id):
                     continue
-                view = engine.chunks.access(grad_id, "host")
-                try:
+                with params.view(index, K.GRADIENT) as view:
                     view.view(-1).copy_(buffer[:-1])
-                finally:
-                    engine.chunks.release(grad_id, S.HOLD)
-                engine._has_grad[index] = True
+                has_grad[index] = True
 
     def _aggregate(self, losses: list[torch.Tensor]) -> torch.Tensor:
         groups = self.groups
@@ -346,7 +337,7 @@ class PipelineEngine:
     def _checkpoint_dir(self, directory) -> str:
         if self.groups.data_size > 1:
             raise NotImplementedError("pipeline checkpoints with data parallelism: the engine's "
-                                      "checkpoints are written by one rank (checkpoint.py)")
+                                      "checkpoints are written by one rank (checkpoint/)")
         coord = self.groups.coord
         return os.path.join(os.fspath(directory),
                             f"pipe_{coord.pipe:02d}-tensor_{coord.tensor:02d}")

@@ -24,7 +24,7 @@ import datetime
 import torch
 import torch.distributed as dist
 
-from .. import topology
+from .. import dtypes, topology
 
 __all__ = ["ACTIVATION", "GRADIENT", "P2P", "PipelinePeerError", "check_gradients"]
 
@@ -33,8 +33,8 @@ _KIND_NAMES = {ACTIVATION: "activation", GRADIENT: "gradient"}
 MAGIC = 0x50535450  # "PSTP"
 MAX_DIMS = 9
 HEADER = 7 + MAX_DIMS
-_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
-           torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool]
+# A dtype travels as its position in the one dtype table.
+_DTYPES = list(dtypes.BY_NAME.values())
 _DTYPE_CODE = {dtype: code for code, dtype in enumerate(_DTYPES)}
 
 

@@ -1,0 +1,69 @@
+"""What autograd saves for backward, counted: the engine's CPU measure of non-model data.
+
+Note [Measured non-model data]
+The engine reports non-model data to the manager at every moment, so a tier's budget is shared
+with it (Note [Budgets and non-model data] in chunk_manager.h): on CUDA,
+``torch.cuda.memory_allocated`` (chunks never come from torch's allocator, so everything torch
+holds is non-model data), reported for the device tier; on a CPU build, the bytes of the tensors
+autograd saves for backward, counted once per storage while they are alive
+(``saved_tensors_hooks``, the engine's `ActivationCounter`), reported for the host tier, since
+that is the memory they occupy (the device tier only emulates a GPU's budget for chunks). The CPU
+measure misses short-lived temporaries, so it is a lower bound. The profiler records the same
+measure (profiling/recorder.py).
+"""
+from __future__ import annotations
+
+import torch
+
+__all__ = ["ActivationCounter"]
+
+
+class _SavedActivation:
+    """What autograd keeps for a saved tensor while the profiler counts it (Note [Measured
+    non-model data]); its lifetime is the saved tensor's."""
+
+    __slots__ = ("tensor", "key", "counter", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor, key: int, counter: "ActivationCounter"):
+        self.tensor = tensor
+        self.key = key
+        self.counter = counter
+
+    def __del__(self):
+        self.counter.release(self.key)
+
+
+class ActivationCounter:
+    """Bytes of distinct storages saved for backward and still alive: the engine's CPU measure of
+    non-model data (Note [Measured non-model data])."""
+
+    def __init__(self):
+        self.bytes = 0
+        self._refs: dict[int, list[int]] = {}  # storage pointer -> [references, bytes]
+
+    def pack(self, tensor: torch.Tensor):
+        base = tensor if tensor._base is None else tensor._base
+        if isinstance(base, torch.nn.Parameter) or tensor.device.type == "meta":
+            return tensor  # model data (chunk views, or views of them such as weight.t())
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        entry = self._refs.get(key)
+        if entry is None:
+            self._refs[key] = [1, storage.nbytes()]
+            self.bytes += storage.nbytes()
+        else:
+            entry[0] += 1
+        return _SavedActivation(tensor, key, self)
+
+    @staticmethod
+    def unpack(packed):
+        return packed.tensor if isinstance(packed, _SavedActivation) else packed
+
+    def release(self, key: int) -> None:
+        entry = self._refs.get(key)
+        if entry is None:
+            return
+        entry[0] -= 1
+        if entry[0] == 0:
+            self.bytes -= entry[1]
+            del self._refs[key]

@@ -1,0 +1,79 @@
+"""The chunk runtime of one engine: its memory tiers, copy engine and chunk manager, built from
+the config (GPU memory with CUDA, an emulated device tier otherwise; host memory; NVMe when
+configured)."""
+from __future__ import annotations
+
+import json
+
+import torch
+
+from . import _C
+from .vocabulary import Tier
+
+__all__ = ["ChunkRuntime", "Chunks", "PREFETCH_MOMENTS"]
+
+PREFETCH_MOMENTS = 2
+
+
+class Chunks:
+    """The C++ chunk manager with `access` returning a torch view (valid until release)."""
+
+    def __init__(self, tiers, copy_engine, world_size=1, rank=0):
+        # Prefetch looks PREFETCH_MOMENTS moments ahead in the warm-up trace (Note [Prefetch] in
+        # chunk_manager.cc). It was off while prefetch moves corrupted backward; the cause was
+        # autograd's saved views of moved chunks (Note [Saved views of parameters] in
+        # engine.py), not the manager. Data parallelism prefetches too: a group's gather pins
+        # its local chunk where a prefetch in flight takes it (Note [Pinning a group for a
+        # collective]), and the pins and gathers are accesses in the trace like any other.
+        self.manager = _C.ChunkManager(tiers=tiers, copy_engine=copy_engine,
+                                       world_size=world_size, rank=rank,
+                                       prefetch_moments=PREFETCH_MOMENTS)
+        self.before_access = None  # data parallelism: gathers a remote group first
+        # The calls of every moment and every optimizer update, bound once: __getattr__ runs
+        # only after a failed normal lookup, which costs more than the call itself.
+        for name in ("tick", "release", "release_tensors", "chunk_tier", "chunk_tiers",
+                     "set_tensor_state", "start_move", "end_iteration"):
+            setattr(self, name, getattr(self.manager, name))
+
+    def __getattr__(self, name):
+        return getattr(self.manager, name)
+
+    def access(self, tensor_id: int, tier: str) -> torch.Tensor:
+        if self.before_access is not None:
+            self.before_access(tensor_id)
+        return self.manager.access_tensor(tensor_id, tier)
+
+    def access_tensors(self, tensor_ids: list[int], tiers: list[str]) -> list[torch.Tensor]:
+        """access() of each tensor on its tier, all or none."""
+        if self.before_access is not None:
+            for tensor_id in tensor_ids:
+                self.before_access(tensor_id)
+        return self.manager.access_tensors(tensor_ids, tiers)
+
+    def stats(self) -> list[dict]:
+        return json.loads(self.manager.tier_stats_json())
+
+
+class ChunkRuntime:
+    """Tiers, copy engine and chunk manager of one engine (`config.memory`)."""
+
+    def __init__(self, config, local_rank: int, world_size: int = 1, rank: int = 0):
+        memory = config.memory
+        tiers = []
+        if _C.cuda_available():
+            self.device = torch.device("cuda", local_rank)
+            tiers.append(_C.DeviceTier(local_rank, budget=memory.device_budget or 0,
+                                       name=f"cuda:{local_rank}"))
+        else:
+            self.device = torch.device("cpu")
+            tiers.append(_C.EmulatedDeviceTier(budget=memory.device_budget or 0, name=Tier.DEVICE))
+        tiers.append(_C.HostTier(budget=memory.host_budget or 0, name=Tier.HOST,
+                                 pinned=_C.cuda_available()))
+        if memory.nvme.path is not None:
+            tiers.append(_C.NvmeTier(memory.nvme.path, budget=memory.nvme.budget,
+                                     queue_depth=memory.nvme.queue_depth,
+                                     block_size=memory.nvme.block_size, name=Tier.NVME))
+        self.tiers = tiers
+        self.has_nvme = memory.nvme.path is not None
+        self.copy_engine = _C.CopyEngine(host_threads=2, device=local_rank)
+        self.chunks = Chunks(tiers, self.copy_engine, world_size, rank)

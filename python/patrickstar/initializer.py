@@ -1,0 +1,44 @@
+"""`patrickstar.initialize()`: the user's model built on the chunk runtime, as one engine or
+(for a `PipelineModule`) one pipeline stage's engine, with its optimizer."""
+from __future__ import annotations
+
+from typing import Callable
+
+from torch import nn
+
+from .config import load_config
+from .engine import PatrickStarEngine
+from .pipe.engine import PipelineEngine
+from .pipe.module import PipelineModule
+
+__all__ = ["initialize", "initialize_engine"]
+
+
+def initialize(model_func: Callable[[], nn.Module], config=None, local_rank: int = 0,
+               param_groups=None):
+    """Builds `model_func()` on the chunk runtime and returns `(model, optimizer)`.
+
+    `model_func` may also be a `patrickstar.pipe.PipelineModule`: each rank then builds only its
+    pipeline stage and gets a `PipelineEngine` (train with `engine.train_batch(data_iter)`).
+    `config` is a dict or a path to a JSON file (see `patrickstar.config`); `param_groups`
+    optionally splits the parameters into groups with their own `lr` / `weight_decay`, either as
+    torch.optim's list of dicts or as a callable taking the built module and returning one."""
+    if isinstance(model_func, PipelineModule):  # one engine per stage (pipe/engine.py)
+        engine = PipelineEngine(model_func, config, local_rank, param_groups)
+        return engine, engine.optimizer
+    if not callable(model_func) or isinstance(model_func, nn.Module):
+        raise TypeError("initialize(model_func, ...): model_func must be a callable that builds "
+                        "and returns the model (e.g. a class or a lambda), not "
+                        f"{type(model_func).__name__}; PatrickStar builds the model itself so "
+                        "its parameters go straight into chunks")
+    if not isinstance(local_rank, int) or local_rank < 0:
+        raise ValueError(f"local_rank must be a non-negative int, got {local_rank!r}")
+    engine = PatrickStarEngine(model_func, load_config(config), local_rank, param_groups)
+    return engine, engine.optimizer
+
+
+def initialize_engine(model_func: Callable[[], nn.Module], local_rank: int = 0, config=None,
+                      param_groups=None):
+    """`initialize()` under PatrickStar's name and argument order."""
+    return initialize(model_func, config=config, local_rank=local_rank,
+                      param_groups=param_groups)

@@ -1,0 +1,209 @@
+"""The analysis every profile output shares: the raw record loaded and checked, and an
+`Analysis` of it (rows per moment, iterations with their time split, chunk locations)."""
+from __future__ import annotations
+
+import bisect
+import json
+import os
+
+__all__ = ["Analysis", "MiB", "OUTPUT_FILES", "ProfileError", "RAW_FILE", "RAW_KEYS",
+           "effective_ns", "load_raw", "mib", "stat_delta"]
+
+
+RAW_FILE = "profile.json"
+OUTPUT_FILES = ("trace.json", "memory.csv", "summary.json", "report.html")
+MiB = 1 << 20
+RAW_KEYS = ("start_ns", "stop_ns", "run", "tiers", "stats_start", "stats_end", "layout",
+            "events", "samples", "marks", "phases", "collectives")
+
+
+class ProfileError(ValueError):
+    """A profile directory that is missing, incomplete or unreadable (the message names it)."""
+
+
+def load_raw(directory: str | os.PathLike) -> dict:
+    directory = os.fspath(directory)
+    if not os.path.isdir(directory):
+        raise ProfileError(f"profile directory '{directory}' does not exist")
+    path = os.path.join(directory, RAW_FILE)
+    if not os.path.isfile(path):
+        raise ProfileError(f"'{path}' is missing: '{directory}' is not a complete profile "
+                           f"(patrickstar.profile() writes it with the other outputs)")
+    try:
+        with open(path, encoding="utf-8") as handle:
+            raw = json.load(handle)
+    except json.JSONDecodeError as error:
+        raise ProfileError(f"'{path}' is not valid JSON ({error}); the profile is incomplete")
+    missing = [key for key in RAW_KEYS if key not in raw]
+    if missing:
+        raise ProfileError(f"'{path}' is incomplete: missing {', '.join(missing)}")
+    return raw
+
+
+def _events(raw: dict) -> list[dict]:
+    columns = raw["events"]
+    if not columns:
+        return []
+    keys = list(columns)
+    return [dict(zip(keys, values)) for values in zip(*(columns[k] for k in keys))]
+
+
+def effective_ns(event: dict) -> int:
+    return event["end_ns"] if event["type"] == "copy" else event["start_ns"]
+
+
+class Analysis:
+    """Everything the outputs share, computed once from the raw record."""
+
+    def __init__(self, raw: dict):
+        self.raw = raw
+        self.start_ns = raw["start_ns"]
+        self.tiers = raw["tiers"]
+        self.tier_names = [t["name"] for t in self.tiers]
+        self.tier_kinds = [t["kind"] for t in self.tiers]
+        self.events = sorted(_events(raw), key=effective_ns)
+        self.copies = [e for e in self.events if e["type"] == "copy" and e["ok"]]
+        self.evictions = [e for e in self.events if e["type"] == "eviction"]
+        self.chunks = {c["id"]: c for c in raw["layout"].get("chunks", [])}
+        self._rows()
+        self._iterations()
+
+    def tier_label(self, index: int) -> str:
+        return "nowhere" if index < 0 else self.tier_names[index]
+
+    def direction(self, event: dict) -> str:
+        return f"{self.tier_label(event['from_tier'])}->{self.tier_label(event['to_tier'])}"
+
+    def chunk_kind(self, chunk: int) -> str:
+        info = self.chunks.get(chunk)
+        return info["kind"] if info else "?"
+
+    def _rows(self) -> None:
+        samples = self.raw["samples"]
+        marks = self.raw["marks"]
+        count = len(samples.get("time_ns", []))
+        device = self.raw.get("device_tier")
+        joined = len(marks) == count and all(
+            (m["kind"] == "end") == bool(samples["end_of_iteration"][i])
+            for i, m in enumerate(marks))
+        copy_ends = [e["end_ns"] for e in self.copies]
+        cumulative_in = [[0] * len(self.tiers)]
+        cumulative_out = [[0] * len(self.tiers)]
+        for event in self.copies:
+            moved_in = list(cumulative_in[-1])
+            moved_out = list(cumulative_out[-1])
+            moved_in[event["to_tier"]] += event["bytes"]
+            moved_out[event["from_tier"]] += event["bytes"]
+            cumulative_in.append(moved_in)
+            cumulative_out.append(moved_out)
+        self.rows = []
+        for i in range(count):
+            time_ns = samples["time_ns"][i]
+            done = bisect.bisect_right(copy_ends, time_ns)
+            mark = marks[i] if joined else {"event": "", "measured_non_model": 0}
+            planned = samples["non_model_bytes"][i]
+            non_model = list(planned)
+            if device is not None and device < len(non_model):
+                non_model[device] = max(non_model[device], mark["measured_non_model"])
+            self.rows.append({
+                "iteration": samples["iteration"][i], "moment": samples["moment"][i],
+                "end_of_iteration": bool(samples["end_of_iteration"][i]), "time_ns": time_ns,
+                "event": mark["event"], "model": samples["chunk_bytes"][i],
+                "non_model": non_model, "planned_non_model": planned,
+                "budget": samples["budget_bytes"][i], "bytes_in": cumulative_in[done],
+                "bytes_out": cumulative_out[done]})
+
+    def _iterations(self) -> None:
+        """Complete iterations (ended inside the profile) with their time split."""
+        marks = self.raw["marks"]
+        ends = [m for m in marks if m["kind"] == "end"]
+        end_rows = [r for r in self.rows if r["end_of_iteration"]]
+        # Copies (sorted by end) and marks (recorded in time order) are sliced by bisection, so
+        # long profiles stay linear.
+        copy_ends = [e["end_ns"] for e in self.copies]
+        mark_times = [m["time_ns"] for m in marks]
+        self.iterations = []
+        begin = self.start_ns
+        for index, mark in enumerate(ends):
+            end = mark["time_ns"]
+            number = end_rows[index]["iteration"] if index < len(end_rows) else index
+            waits = self.copies[bisect.bisect_right(copy_ends, begin):
+                                bisect.bisect_right(copy_ends, end)]
+            move_wait = sum(e["wait_ns"] for e in waits)
+            collectives = [c for c in self.raw["collectives"]
+                           if c["end_ns"] > begin and c["start_ns"] < end]
+            coll = sum(_overlap(c["start_ns"], c["end_ns"], begin, end) for c in collectives)
+            opt_span = sum(_overlap(p["start_ns"], p["end_ns"], begin, end)
+                           for p in self.raw["phases"] if p["name"] == "optimizer")
+            opt_inner = sum(e["wait_ns"] for e in waits if e["phase"] == "optimizer") + sum(
+                _overlap(c["start_ns"], c["end_ns"], begin, end) for c in collectives
+                if c["phase"] == "optimizer")
+            optimizer = max(0, opt_span - opt_inner)
+            total = end - begin
+            compute = max(0, total - move_wait - coll - optimizer)
+            in_window = marks[bisect.bisect_right(mark_times, begin):
+                              bisect.bisect_right(mark_times, end)]
+            spans = _phase_runs([m for m in in_window if m["kind"] == "tick"])
+            spans += [("optimizer", max(begin, p["start_ns"]), min(end, p["end_ns"]))
+                      for p in self.raw["phases"]
+                      if p["name"] == "optimizer" and _overlap(p["start_ns"], p["end_ns"],
+                                                                begin, end)]
+            self.iterations.append({
+                "iteration": number, "start_ns": begin, "end_ns": end, "total_ns": total,
+                "compute_ns": compute, "move_wait_ns": move_wait, "collective_ns": coll,
+                "optimizer_ns": optimizer, "spans": spans,
+                "move_bytes": sum(e["bytes"] for e in waits)})
+            begin = end
+
+    def steady_iterations(self) -> list[dict]:
+        """Iterations after warm-up (iteration 0) when there are others."""
+        later = [it for it in self.iterations if it["iteration"] > 0]
+        return later or self.iterations
+
+    def locations(self, rows: list[dict]) -> dict[int, list[int]]:
+        """Tier index (-1: no payload) of every chunk at each of `rows` (in time order)."""
+        by_name = {name: i for i, name in enumerate(self.tier_names)}
+        where = {cid: by_name.get(c.get("tier"), -1) for cid, c in self.chunks.items()}
+        result = {cid: [] for cid in self.chunks}
+        position = 0
+        for row in rows:
+            while (position < len(self.events)
+                   and effective_ns(self.events[position]) <= row["time_ns"]):
+                event = self.events[position]
+                position += 1
+                if event["type"] == "copy" and event["ok"]:
+                    where[event["chunk"]] = event["to_tier"]
+                elif event["type"] == "zero_fill":
+                    where[event["chunk"]] = event["to_tier"]
+                elif event["type"] == "drop":
+                    where[event["chunk"]] = -1
+            for cid in result:
+                result[cid].append(where.get(cid, -1))
+        return result
+
+
+def _phase_runs(ticks: list[dict]) -> list[tuple[str, int, int]]:
+    """(phase, first tick, last tick) of each run of consecutive forward or backward ticks."""
+    runs: list[list] = []
+    for tick in ticks:
+        phase = {"pre_forward": "forward", "post_forward": "forward",
+                 "pre_backward": "backward", "post_backward": "backward"}.get(tick["event"])
+        if phase is None:
+            continue
+        if runs and runs[-1][0] == phase:
+            runs[-1][2] = tick["time_ns"]
+        else:
+            runs.append([phase, tick["time_ns"], tick["time_ns"]])
+    return [tuple(run) for run in runs]
+
+
+def _overlap(a0: int, a1: int, b0: int, b1: int) -> int:
+    return max(0, min(a1, b1) - max(a0, b0))
+
+
+def stat_delta(raw: dict, tier: int, key: str) -> int:
+    return raw["stats_end"][tier].get(key, 0) - raw["stats_start"][tier].get(key, 0)
+
+
+def mib(nbytes: float) -> str:
+    return f"{nbytes / MiB:.1f} MiB"

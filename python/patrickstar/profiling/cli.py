@@ -1,0 +1,97 @@
+"""The `patrickstar-report` command: `patrickstar-report DIR` prints the summary and
+regenerates report.html; `patrickstar-report --compare DIR_A DIR_B` prints two runs side by side."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from .analysis import Analysis, ProfileError, load_raw, mib
+from .html_page import render_html
+from .outputs import write_text
+from .summary import build_summary
+
+__all__ = ["main"]
+
+
+def _summary_lines(summary: dict) -> list[tuple[str, str]]:
+    mean = summary["time"]["steady_state_mean"]
+    hit = summary["prefetch"]["hit_rate"]
+    lines = [("iterations", str(summary["run"]["iterations"])),
+             ("step time (ms, after warm-up)", f"{mean.get('total_s', 0) * 1e3:.2f}"),
+             ("  compute (ms)", f"{mean.get('compute_s', 0) * 1e3:.2f}"),
+             ("  waiting for moves (ms)", f"{mean.get('move_wait_s', 0) * 1e3:.2f}"),
+             ("  waiting for collectives (ms)", f"{mean.get('collective_s', 0) * 1e3:.2f}"),
+             ("  optimizer (ms)", f"{mean.get('optimizer_s', 0) * 1e3:.2f}")]
+    for name, tier in summary["tiers"].items():
+        budget = mib(tier["budget_bytes"]) if tier["budget_bytes"] else "unlimited"
+        lines += [(f"{name}: budget", budget),
+                  (f"{name}: peak model / non-model", f"{mib(tier['peak_model_bytes'])} / "
+                                                      f"{mib(tier['peak_non_model_bytes'])}"),
+                  (f"{name}: moved in / out", f"{mib(tier['bytes_in'])} / "
+                                              f"{mib(tier['bytes_out'])}"),
+                  (f"{name}: evictions", str(tier["evictions"]))]
+    lines += [("bytes moved", mib(summary["moves"]["bytes"])),
+              ("prefetch hit rate", "n/a" if hit is None else f"{hit:.0%}"),
+              ("chunk size (elements)", str(summary["chunks"]["chunk_elements"])),
+              ("wasted bytes", mib(summary["chunks"]["wasted_bytes"]))]
+    largest = summary["largest_non_model_moment"]
+    if largest:
+        lines.append(("largest non-model moment", f"{mib(largest['bytes'])} on "
+                      f"{largest['tier']}, iteration {largest['iteration']} moment "
+                      f"{largest['moment']}"))
+    return lines
+
+
+def _print_table(rows: list[list[str]], out) -> None:
+    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip(), file=out)
+
+
+def main(argv: list[str] | None = None, out=None) -> int:
+    out = out or sys.stdout
+    parser = argparse.ArgumentParser(
+        prog="patrickstar-report",
+        description="Print a PatrickStar-C++ memory profile's summary and regenerate its "
+                    "report.html, or compare two profiles.")
+    parser.add_argument("directory", nargs="?", help="a profile directory")
+    parser.add_argument("--compare", nargs=2, metavar=("DIR_A", "DIR_B"),
+                        help="show two profiles side by side")
+    args = parser.parse_args(argv)
+    if bool(args.directory) == bool(args.compare):
+        parser.error("give one profile directory, or --compare DIR_A DIR_B")
+    try:
+        if args.compare:
+            summaries = [build_summary(load_raw(d)) for d in args.compare]
+            lines = [_summary_lines(s) for s in summaries]
+            table = [["", args.compare[0], args.compare[1]]]
+            keys_b = dict(lines[1])
+            for key, value in lines[0]:
+                table.append([key, value, keys_b.get(key, "-")])
+            seen = {key for key, _ in lines[0]}
+            table += [[key, "-", value] for key, value in lines[1] if key not in seen]
+            _print_table(table, out)
+            for label, summary in zip(("A", "B"), summaries):
+                print(f"\nfindings {label}:", file=out)
+                for finding in summary["findings"]:
+                    print(f"  - {finding}", file=out)
+            return 0
+        raw = load_raw(args.directory)
+        analysis = Analysis(raw)
+        summary = build_summary(raw, analysis)
+        _print_table([["", args.directory]] + [[k, v] for k, v in _summary_lines(summary)], out)
+        print("\nfindings:", file=out)
+        for finding in summary["findings"]:
+            print(f"  - {finding}", file=out)
+        path = os.path.join(args.directory, "report.html")
+        write_text(path, render_html(raw, summary, analysis))
+        print(f"\nwrote {path}", file=out)
+        return 0
+    except ProfileError as error:
+        print(f"patrickstar-report: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

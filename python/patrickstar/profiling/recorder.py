@@ -1,0 +1,277 @@
+"""Memory profiles of a training run: what moved where, when, and why.
+
+    with patrickstar.profile(model, "prof/"):
+        for batch in loader: ...
+    # prof/trace.json, memory.csv, summary.json, report.html (+ profile.json, the raw record)
+
+or ``config["profile"] = {"enabled": True, "output_dir": "prof/"}`` (the profile is written
+when ``model.profiler.stop()`` is called, or at interpreter exit).
+
+The chunk manager (C++, ``chunk/event_log.h``) records every copy, zero-fill, drop and eviction
+with its cause and steady-clock times, and a per-tier sample whenever a moment closes. This file
+adds what only Python sees: the engine's phases (forward, backward, optimizer), the iteration
+boundaries, non-model data measured outside the manager, and collectives (``record_collective``,
+for the data-parallel layer). The other modules of this package turn the raw record into the
+output files.
+
+Non-model data is measured as Note [Measured non-model data] in activations.py says; the
+profiler records the same measure, attributed to the device tier in its outputs; each moment's
+non-model bytes there are the larger of that measurement and what the manager was told.
+"""
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import weakref
+from typing import Any, Iterator
+
+
+from .. import _C
+from ..vocabulary import Tier
+
+
+__all__ = ["Profiler", "profile", "active_profiler", "optimizer_phase", "profiler_from_config",
+           "now_ns"]
+
+_PHASE_OF_TICK = {"pre_forward": "forward", "post_forward": "forward",
+                  "pre_backward": "backward", "post_backward": "backward"}
+_active: "Profiler | None" = None
+
+
+def now_ns() -> int:
+    """The profiler's clock (the chunk manager's steady clock), in nanoseconds."""
+    return _C.steady_clock_ns()
+
+
+def active_profiler() -> "Profiler | None":
+    """The running profiler, if any: the data-parallel layer records collectives through it."""
+    return _active
+
+
+class Profiler:
+    """Records one engine's chunk traffic and timing; ``stop()`` writes the output files.
+    `engine` is a `PatrickStarEngine` (engine.py; this package sits below it and does not
+    import it)."""
+
+    def __init__(self, engine, output_dir: str | os.PathLike,
+                 capacity: int = 1 << 20):
+        self.engine = engine
+        self.output_dir = os.fspath(output_dir)
+        self.capacity = capacity
+        self.running = False
+        self._manager = engine.chunks.manager
+        self._device_tier = next((i for i, t in enumerate(engine.memory_stats())
+                                  if t["kind"] == Tier.DEVICE), None)
+        self._cuda = engine.device.type == "cuda"
+        self._reset()
+
+    def _reset(self) -> None:
+        self._events: dict[str, list] = {}
+        self._samples: dict[str, list] = {}
+        self._marks: list[dict] = []  # ticks and ends of iterations, in the manager's order
+        self._phases: list[dict] = []
+        self._collectives: list[dict] = []
+        self._phase = "other"
+
+    # ---- Life cycle --------------------------------------------------------------------------
+
+    def start(self) -> "Profiler":
+        global _active
+        if self.running:
+            return self
+        current = getattr(self.engine, "profiler", None)
+        if current is not None and current is not self and current.running:
+            raise RuntimeError(f"this model is already being profiled into "
+                               f"'{current.output_dir}' (config profile.enabled?); stop that "
+                               f"profiler first")
+        if _active is not None and _active is not self:
+            raise RuntimeError(f"a profiler is already running (writing to "
+                               f"'{_active.output_dir}'); stop it first")
+        self._reset()
+        self._start_stats = self.engine.memory_stats()
+        dump = json.loads(self._manager.dump_json(0))
+        self._layout = dump["layout"]
+        self._run = {"precision": self.engine.precision, "device": str(self.engine.device),
+                     "world_size": dump["world_size"], "rank": dump["rank"],
+                     "prefetch_moments": dump["prefetch_moments"],
+                     "eviction_policy": dump["eviction_policy"]}
+        self._manager.clear_events()
+        self._manager.enable_events(True, self.capacity)
+        self._set_phase("other")
+        self.start_ns = now_ns()
+        self.running = True
+        _active = self
+        self.engine.profiler = self  # the engine's hooks call on_tick / on_end_iteration
+        return self
+
+    def stop(self, write: bool = True) -> str | None:
+        """Stops recording; writes the outputs (unless `write` is False) and returns their
+        directory."""
+        global _active
+        if not self.running:
+            return None
+        self.stop_ns = now_ns()
+        self._drain()
+        self._manager.enable_events(False)
+        self._manager.set_event_phase("other")
+        self.running = False
+        if _active is self:
+            _active = None
+        if getattr(self.engine, "profiler", None) is self:
+            self.engine.profiler = None
+        if not write:
+            return None
+        from .outputs import write_outputs  # imported late: only writing needs it
+        write_outputs(self.output_dir, self.raw())
+        return self.output_dir
+
+    def _drain(self) -> None:
+        for target, chunk in ((self._events, self._manager.drain_events()),
+                              (self._samples, self._manager.drain_moment_samples())):
+            for key, values in chunk.items():
+                target.setdefault(key, []).extend(values)
+
+    # ---- Hooks called by the engine ----------------------------------------------------------
+
+    def on_tick(self, event: str) -> None:
+        """Before the manager's tick: its sample closes the moment this mark describes."""
+        phase = _PHASE_OF_TICK.get(event, self._phase)
+        if phase != self._phase and self._phase != "optimizer":
+            self._set_phase(phase)
+        self._marks.append({"kind": "tick", "event": event, "time_ns": now_ns(),
+                            "measured_non_model": self._measure_non_model()})
+
+    def on_end_iteration(self) -> None:
+        """After the manager's end of iteration."""
+        self._marks.append({"kind": "end", "event": "end_iteration", "time_ns": now_ns(),
+                            "measured_non_model": self._measure_non_model()})
+        if self._phase != "optimizer":
+            self._set_phase("other")
+        # Keep the C++ buffers small between drains (one vector each per iteration).
+        self._drain()
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Marks a span of the engine's work (e.g. "optimizer"): moves made inside it carry that
+        phase, and synchronous moves in "optimizer" have cause optimizer."""
+        previous = self._phase
+        start = now_ns()
+        self._set_phase(name)
+        try:
+            yield
+        finally:
+            self._phases.append({"name": name, "start_ns": start, "end_ns": now_ns()})
+            self._set_phase("other" if previous == name else previous)
+
+    def _set_phase(self, name: str) -> None:
+        self._manager.set_event_phase(name)
+        self._phase = name
+
+    # ---- Collectives (for the data-parallel layer) -------------------------------------------
+
+    def record_collective(self, name: str, nbytes: int, start_ns: int, end_ns: int,
+                          **args: Any) -> None:
+        """Records a collective that moved `nbytes` (this rank's send + receive) between
+        `start_ns` and `end_ns` (``profiler.now_ns()`` / ``time.monotonic_ns()`` clock).
+        Extra keyword arguments (group, chunk ids...) go into the trace event's args."""
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"record_collective: name must be a non-empty string, got {name!r}")
+        if nbytes < 0 or end_ns < start_ns:
+            raise ValueError(f"record_collective '{name}': needs nbytes >= 0 and end_ns >= "
+                             f"start_ns, got nbytes={nbytes}, start_ns={start_ns}, "
+                             f"end_ns={end_ns}")
+        self._collectives.append({"name": name, "bytes": int(nbytes), "start_ns": int(start_ns),
+                                  "end_ns": int(end_ns), "phase": self._phase,
+                                  "args": {k: v for k, v in args.items()}})
+
+    @contextlib.contextmanager
+    def collective(self, name: str, nbytes: int, **args: Any) -> Iterator[None]:
+        """``with profiler.collective("allgather", nbytes): ...`` times the block."""
+        start = now_ns()
+        try:
+            yield
+        finally:
+            self.record_collective(name, nbytes, start, now_ns(), **args)
+
+    # ---- Non-model data ----------------------------------------------------------------------
+
+    def _measure_non_model(self) -> int:
+        return self.engine.non_model_bytes()
+
+    # ---- The raw record ----------------------------------------------------------------------
+
+    def raw(self) -> dict:
+        """Everything recorded, as plain JSON-able data (what profile.json holds)."""
+        engine = self.engine
+        return {
+            "version": 1,
+            "start_ns": self.start_ns,
+            "stop_ns": getattr(self, "stop_ns", now_ns()),
+            "run": self._run,
+            "tiers": [{"name": t["name"], "kind": t["kind"], "budget_bytes": t["budget_bytes"]}
+                      for t in self._start_stats],
+            "device_tier": self._device_tier,
+            "non_model_measure": "torch.cuda.memory_allocated" if self._cuda
+                                 else "bytes saved for backward",
+            "stats_start": self._start_stats,
+            "stats_end": engine.memory_stats(),
+            "layout": self._layout,
+            "events": self._events,
+            "samples": self._samples,
+            "marks": self._marks,
+            "phases": self._phases,
+            "collectives": self._collectives,
+            "dropped": self._manager.events_dropped,
+        }
+
+
+def _is_engine(model) -> bool:
+    """Whether `model` is what patrickstar.initialize() returns, told by the calls the profiler
+    makes on it (this package sits below the engine and does not import it)."""
+    return all(callable(getattr(model, name, None))
+               for name in ("memory_stats", "non_model_bytes", "end_iteration")) \
+        and hasattr(model, "chunks") and hasattr(model, "profiler")
+
+
+@contextlib.contextmanager
+def profile(model, output_dir: str | os.PathLike | None = None,
+            capacity: int = 1 << 20) -> Iterator[Profiler]:
+    """Profiles the training steps run inside the block and writes trace.json, memory.csv,
+    summary.json and report.html (and the raw profile.json) into `output_dir` (default: the
+    config's ``profile.output_dir``)."""
+    if not _is_engine(model):
+        raise TypeError(f"patrickstar.profile(model, ...): model must be what "
+                        f"patrickstar.initialize() returned, got {type(model).__name__}")
+    directory = output_dir if output_dir is not None else model.config.profile.output_dir
+    profiler = Profiler(model, directory, capacity).start()
+    try:
+        yield profiler
+    finally:
+        profiler.stop()
+
+
+def profiler_from_config(engine) -> Profiler | None:
+    """The engine's profiler when the config enables one (written at stop() or at exit)."""
+    if not engine.config.profile.enabled:
+        return None
+    profiler = Profiler(engine, engine.config.profile.output_dir).start()
+    reference = weakref.ref(profiler)
+
+    def write_at_exit() -> None:
+        alive = reference()
+        if alive is not None and alive.running:
+            alive.stop()
+    atexit.register(write_at_exit)
+    return profiler
+
+
+@contextlib.contextmanager
+def optimizer_phase(profiler: "Profiler | None") -> Iterator[None]:
+    """The optimizer step's phase on an engine's profiler, if it has a running one."""
+    if profiler is None or not profiler.running:
+        yield
+        return
+    with profiler.phase("optimizer"):
+        yield
