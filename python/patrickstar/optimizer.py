@@ -137,11 +137,6 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
     def loss_scale(self) -> float:
         return self.loss_scaler.scale
 
-    @property
-    def loss_scaler(self):
-        """The engine's loss scaler (upstream's `optimizer.loss_scaler.loss_scale`)."""
-        return self._engine.loss_scaler
-
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
