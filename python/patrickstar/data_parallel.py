@@ -90,12 +90,16 @@ class DataParallel:
         self.enabled = world_size > 1
         self.config = config
         self.timeout = float(config.parallel.collective_timeout)
-        self._engine = None
+        self._engine_ref = None  # weak: C++ holds our before_access (Note [Engine lifetime])
         self.early_reduce_scatters = 0  # started while backward was still running
         self.gather_ahead = int(config.parallel.gather_ahead)
         self.gathers_ahead = 0  # gathers started before any tensor of their group was needed
         # Pipeline stages / tensor slices: the norm and overflow flag span the model group too.
         self.model_parallel: topology.ModelParallelGradStats | None = None
+
+    @property
+    def _engine(self):
+        return None if self._engine_ref is None else self._engine_ref()
 
     # ---- Construction --------------------------------------------------------------------------
 
@@ -111,7 +115,7 @@ class DataParallel:
     def attach(self, engine) -> None:
         """After the chunk lists are built: agree on the layout, check ownership, create the
         communicator. A rank whose layout differs fails here on every rank, with both hashes."""
-        self._engine = engine
+        self._engine_ref = weakref.ref(engine)
         groups = topology.current()
         if groups is not None and groups.pipe_size * groups.tensor_size > 1:
             self.model_parallel = topology.ModelParallelGradStats(engine, groups)

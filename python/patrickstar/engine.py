@@ -27,9 +27,26 @@ parameter's chunk lives then (re-accessing it if no hook did). DeepSpeed ZeRO-3 
 
 Note [Optimizer sweep] is in optimizer.py, Note [Chunk kinds per precision] in
 chunked_params.py.
+
+Note [Engine lifetime]
+`del model, optimizer` frees the engine like any PyTorch model: every chunk, tier (and its NVMe
+swap file), thread and communicator. Callbacks the engine hands out are held where Python's
+collector cannot follow them: by parameters that a C++ object (`_C.ParameterSlots`) also holds,
+by module hooks, by the data-parallel side whose `before_access` C++ calls. Each reaches the
+engine through a weak reference (`_weakly`, the gradient hooks, the back references of
+DataParallel, ModelParallelGradStats and the profiler), so only the user's references keep it
+alive; the engine <-> optimizer cycle is plain Python, which the collector frees. `__del__`
+then runs `destroy()`, which writes a running profile first and closes everything. At
+interpreter exit (normal, or after an uncaught exception) `_destroy_live_engines` destroys the
+engines still alive, so swap files do not outlive the process. `destroy()` stays the explicit
+way; a second call does nothing.
 """
 from __future__ import annotations
 
+import atexit
+import contextlib
+import sys
+import weakref
 from typing import Callable
 
 import torch
@@ -53,6 +70,27 @@ __all__ = ["PatrickStarEngine"]
 
 K = _C.ChunkKind
 S = _C.TensorState
+
+
+def _weakly(method: Callable) -> Callable:
+    """`method` (bound to the engine), called only while the engine lives: Note [Engine
+    lifetime]."""
+    reference = weakref.WeakMethod(method)
+
+    def call(*args):
+        bound = reference()
+        return None if bound is None else bound(*args)
+    return call
+
+
+# Engines not yet destroyed: destroyed at interpreter exit (Note [Engine lifetime]).
+_live_engines: "weakref.WeakSet[PatrickStarEngine]" = weakref.WeakSet()
+
+
+@atexit.register
+def _destroy_live_engines() -> None:
+    for engine in list(_live_engines):
+        engine.destroy()
 
 
 class _SavedParamView:
@@ -131,15 +169,18 @@ class PatrickStarEngine(nn.Module):
             if param.requires_grad:
                 param.register_post_accumulate_grad_hook(self._make_grad_hook(index))
         self._hooks = ModuleHooks([m for m, owned in self._module_params.items() if owned],
-                                  self._access_module, self._release_module, self._tick)
+                                  _weakly(self._access_module), _weakly(self._release_module),
+                                  _weakly(self._tick))
         defaults = {"lr": config.optimizer.lr, "betas": config.optimizer.betas,
                     "eps": config.optimizer.eps, "weight_decay": config.optimizer.weight_decay}
-        groups = build_param_groups(self.module, param_groups, defaults)
+        with self._real_shapes():  # a callable sees p.shape / p.dim() as the model has them
+            groups = build_param_groups(self.module, param_groups, defaults)
         self.profiler = None
         self.optimizer = PatrickStarOptimizer(
             self.params, groups, config, self.dp, self.guard, self.loss_scaler, self.device,
             self.runtime.has_nvme, self.end_iteration, lambda: optimizer_phase(self.profiler))
         self.profiler = profiler_from_config(self)  # None unless config profile.enabled
+        _live_engines.add(self)
 
     # ---- Construction --------------------------------------------------------------------------
 
@@ -204,6 +245,23 @@ class PatrickStarEngine(nn.Module):
 
     def _placeholder(self) -> torch.Tensor:
         return torch.empty(0, dtype=self.compute_dtype, device=self.device)
+
+    @contextlib.contextmanager
+    def _real_shapes(self):
+        """Between uses parameters hold empty placeholders (Note [Parameter data swapping]);
+        inside this block each holds a stand-in of its real shape and dtype instead (one
+        element broadcast, no memory), for code that looks at shapes: a param_groups callable
+        (nanoGPT's `p.dim() >= 2` decay rule)."""
+        params = self.params.params
+        try:
+            for param, shape in zip(params, self.params.shapes):
+                param.data = torch.zeros((), dtype=self.compute_dtype,
+                                         device=self.device).expand(shape)
+            yield
+        finally:
+            placeholder = self._placeholder()
+            for param in params:
+                param.data = placeholder
 
     # ---- Access and release --------------------------------------------------------------------
 
@@ -290,15 +348,18 @@ class PatrickStarEngine(nn.Module):
         self.micro_step += 1
 
     def _make_grad_hook(self, index: int):
+        engine = weakref.ref(self)  # the parameter outlives nothing of ours: Note [Engine lifetime]
+
         def hook(param: nn.Parameter) -> None:
             grad = param.grad
             param.grad = None  # its memory goes back to torch right away
-            if grad is None:
+            owner = engine()
+            if grad is None or owner is None:
                 return
-            has_grad = self.optimizer.has_grad
-            self._slots.store_grad(index, grad, has_grad[index])
+            has_grad = owner.optimizer.has_grad
+            owner._slots.store_grad(index, grad, has_grad[index])
             has_grad[index] = True
-            self.dp.on_grad(index)
+            owner.dp.on_grad(index)
         return hook
 
     # ---- Steps ---------------------------------------------------------------------------------
@@ -382,15 +443,36 @@ class PatrickStarEngine(nn.Module):
         return loaded
 
     def destroy(self) -> None:
-        """Frees every chunk and tier now (DeepSpeed's `engine.destroy()`); later calls raise.
-        NVMe swap files go away with their tier once nothing else holds it."""
+        """Writes a running profile, then frees every chunk, tier (NVMe swap files go with
+        their tier), thread and communicator now (DeepSpeed's `engine.destroy()`). Later
+        training calls raise; a second destroy() does nothing. `del model, optimizer` does
+        the same once the engine is collected (Note [Engine lifetime])."""
+        if self.guard.destroyed:
+            return
         self.guard.destroyed = True
-        self.dp.close()
-        self._hooks.remove()
-        for param in self.params.params:
-            param.data = self._placeholder()
-        self.chunks.close()
-        self.chunks = self.tiers = self.copy_engine = self.runtime = None
+        _live_engines.discard(self)
+        try:
+            if self.profiler is not None and self.profiler.running:
+                self.profiler.stop(engine=self)  # while the chunk manager is still open
+        finally:
+            self.dp.close()
+            self._hooks.remove()
+            for param in self.params.params:
+                param.data = self._placeholder()
+            self.chunks.close()
+            self._slots = None  # it holds the manager, and the manager the tiers
+            self.chunks = self.tiers = self.copy_engine = self.runtime = None
+
+    def __del__(self) -> None:
+        # Note [Engine lifetime]. Attributes may be missing when __init__ raised.
+        guard = self.__dict__.get("guard")
+        if guard is None or guard.destroyed or "_slots" not in self.__dict__:
+            return
+        try:
+            self.destroy()
+        except Exception as error:  # noqa: BLE001 (a finalizer must not raise)
+            print(f"patrickstar: destroying an engine that was garbage-collected failed: "
+                  f"{type(error).__name__}: {error}", file=sys.stderr)
 
     def memory_stats(self) -> list[dict]:
         """Per tier: budget, chunk bytes now and at peak, bytes moved in and out, evictions."""

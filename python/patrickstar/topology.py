@@ -24,6 +24,7 @@ import dataclasses
 import datetime
 import itertools
 import os
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -284,13 +285,19 @@ class ModelParallelGradStats:
     """
 
     def __init__(self, engine, groups: ParallelGroups):
-        self.engine = engine
+        # Weak: the data-parallel side holding this is reachable from C++ (Note [Engine
+        # lifetime] in engine.py).
+        self._engine = weakref.ref(engine)
         self.groups = groups
         self.duplicates: set[int] = set()
         if groups.tensor_size > 1 and groups.coord.tensor != 0:
             self.duplicates.update(
                 index for index, param in enumerate(engine.params.params)
                 if not getattr(param, "tensor_model_parallel", False))
+
+    @property
+    def engine(self):
+        return self._engine()
 
     def local_duplicate_squares(self) -> float:
         params, has_grad = self.engine.params, self.engine.optimizer.has_grad

@@ -37,7 +37,9 @@ __all__ = ["Profiler", "profile", "active_profiler", "optimizer_phase", "profile
 
 _PHASE_OF_TICK = {"pre_forward": "forward", "post_forward": "forward",
                   "pre_backward": "backward", "post_backward": "backward"}
-_active: "Profiler | None" = None
+# The running profiler, held weakly: a profiler holds its engine, and a global must not keep
+# an engine alive (Note [Engine lifetime] in engine.py).
+_active: "weakref.ref[Profiler] | None" = None
 
 
 def now_ns() -> int:
@@ -47,7 +49,7 @@ def now_ns() -> int:
 
 def active_profiler() -> "Profiler | None":
     """The running profiler, if any: the data-parallel layer records collectives through it."""
-    return _active
+    return None if _active is None else _active()
 
 
 class Profiler:
@@ -57,7 +59,8 @@ class Profiler:
 
     def __init__(self, engine, output_dir: str | os.PathLike,
                  capacity: int = 1 << 20):
-        self.engine = engine
+        self._engine = weakref.ref(engine)  # the engine holds its profiler
+        self._holding = None  # the engine, strongly, while its destroy() stops us
         self.output_dir = os.fspath(output_dir)
         self.capacity = capacity
         self.running = False
@@ -66,6 +69,13 @@ class Profiler:
                                   if t["kind"] == Tier.DEVICE), None)
         self._cuda = engine.device.type == "cuda"
         self._reset()
+
+    @property
+    def engine(self):
+        engine = self._holding if self._holding is not None else self._engine()
+        if engine is None:
+            raise RuntimeError(f"the engine profiled into '{self.output_dir}' no longer exists")
+        return engine
 
     def _reset(self) -> None:
         self._events: dict[str, list] = {}
@@ -86,9 +96,10 @@ class Profiler:
             raise RuntimeError(f"this model is already being profiled into "
                                f"'{current.output_dir}' (config profile.enabled?); stop that "
                                f"profiler first")
-        if _active is not None and _active is not self:
+        running = active_profiler()
+        if running is not None and running is not self:
             raise RuntimeError(f"a profiler is already running (writing to "
-                               f"'{_active.output_dir}'); stop it first")
+                               f"'{running.output_dir}'); stop it first")
         self._reset()
         self._start_stats = self.engine.memory_stats()
         dump = json.loads(self._manager.dump_json(0))
@@ -102,13 +113,21 @@ class Profiler:
         self._set_phase("other")
         self.start_ns = now_ns()
         self.running = True
-        _active = self
+        _active = weakref.ref(self)
         self.engine.profiler = self  # the engine's hooks call on_tick / on_end_iteration
         return self
 
-    def stop(self, write: bool = True) -> str | None:
+    def stop(self, write: bool = True, engine=None) -> str | None:
         """Stops recording; writes the outputs (unless `write` is False) and returns their
-        directory."""
+        directory. The engine's destroy() passes itself as `engine`: when the collector
+        finalizes an engine, weak references to it are already cleared."""
+        self._holding = engine
+        try:
+            return self._stop(write)
+        finally:
+            self._holding = None
+
+    def _stop(self, write: bool) -> str | None:
         global _active
         if not self.running:
             return None
@@ -117,7 +136,7 @@ class Profiler:
         self._manager.enable_events(False)
         self._manager.set_event_phase("other")
         self.running = False
-        if _active is self:
+        if active_profiler() is self:
             _active = None
         if getattr(self.engine, "profiler", None) is self:
             self.engine.profiler = None

@@ -1,0 +1,66 @@
+"""Param-group callables see the parameters as the model has them (issue 20, item 2): the
+common recipe "decay for p.dim() >= 2, none for the rest" (nanoGPT's configure_optimizers,
+many Hugging Face scripts) must split as it does on the plain model, and train like it."""
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+
+import patrickstar
+
+from patrickstar.examples.gpt import GPT, synthetic_batches
+from test_initialize import gpt_config
+
+
+def decay_split(module: nn.Module) -> list[dict]:
+    """nanoGPT's configure_optimizers: weights (2-D and up) decay; biases, norms don't."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+
+
+def names_of(module: nn.Module, params) -> set[str]:
+    ids = {id(p) for p in params}
+    return {name for name, p in module.named_parameters() if id(p) in ids}
+
+
+def test_decay_recipe_splits_like_the_plain_model_and_trains_like_it():
+    config = gpt_config()
+    torch.manual_seed(0)
+    reference = GPT(config)
+    expected = [names_of(reference, group["params"]) for group in decay_split(reference)]
+    assert expected[0] and expected[1]  # the model has both kinds
+    ref_opt = torch.optim.AdamW(decay_split(reference), lr=1e-3, foreach=False)
+
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, opt = patrickstar.initialize(
+            lambda: GPT(config), param_groups=decay_split,
+            config={"default_chunk_size": 1 << 14,
+                    "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
+    got = [names_of(model.module, group["params"]) for group in opt.param_groups]
+    assert got == expected
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
+    # Outside the callable the parameters are placeholders again (nothing was left behind).
+    assert all(p.numel() == 0 for p in model.module.parameters())
+
+    for tokens, targets in synthetic_batches(config, batch=4, steps=4):
+        loss = reference(tokens, targets)
+        loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ours = model(tokens, targets)
+        model.backward(ours)
+        opt.step()
+        opt.zero_grad()
+        assert abs(loss.item() - ours.item()) < 1e-4
+    state = model.state_dict()
+    # The attention key bias gets a gradient of rounding noise only (softmax ignores it), which
+    # Adam scales up to about lr per step either way: hence atol of a few lr-sized steps / 100.
+    for name, tensor in reference.state_dict().items():
+        torch.testing.assert_close(state[name], tensor, rtol=1e-5, atol=5e-5,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+    model.destroy()
