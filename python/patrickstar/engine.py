@@ -367,6 +367,13 @@ class PatrickStarEngine(nn.Module):
     def zero_grad(self) -> None:
         self.optimizer.zero_grad()
 
+    def step(self) -> None:
+        """DeepSpeed's `engine.step()` is spelled `optimizer.step()` here (README, "Coming from
+        PatrickStar / DeepSpeed"): PatrickStar's loop, and one place that steps."""
+        raise AttributeError("model.step() is DeepSpeed's; with PatrickStar call "
+                             "optimizer.step() and optimizer.zero_grad() (once per "
+                             "gradient_accumulation_steps backward() calls)")
+
     def end_iteration(self) -> None:
         """The end of a training iteration (the optimizer calls it after every step, applied or
         skipped)."""

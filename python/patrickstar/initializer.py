@@ -38,7 +38,14 @@ def initialize(model_func: Callable[[], nn.Module], config=None, local_rank: int
 
 
 def initialize_engine(model_func: Callable[[], nn.Module], local_rank: int = 0, config=None,
-                      param_groups=None):
-    """`initialize()` under PatrickStar's name and argument order."""
+                      client=None, param_groups=None):
+    """`initialize()` under PatrickStar's name and argument order. Upstream's fourth argument,
+    a prebuilt `PatrickStarClient`, has no counterpart: the engine builds its chunk runtime
+    from `config`."""
+    if client is not None:
+        raise TypeError("initialize_engine(client=...): upstream PatrickStar's "
+                        "PatrickStarClient does not exist in PatrickStar-C++; the engine builds "
+                        "its own chunk runtime from config (memory.*), so drop the argument and "
+                        "build the model inside model_func")
     return initialize(model_func, config=config, local_rank=local_rank,
                       param_groups=param_groups)

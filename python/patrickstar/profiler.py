@@ -7,3 +7,14 @@ from .profiling.recorder import (Profiler, active_profiler, now_ns, optimizer_ph
 
 __all__ = ["Profiler", "profile", "active_profiler", "optimizer_phase", "profiler_from_config",
            "now_ns"]
+
+
+def __getattr__(name: str):
+    # Upstream PatrickStar's scripts do `from patrickstar.profiler import profiler` (a global
+    # recorder with start/end/save); say what replaces it (README, "Coming from PatrickStar").
+    if name == "profiler":
+        raise ImportError("patrickstar.profiler.profiler is upstream PatrickStar's global "
+                          "recorder; here profile with `with patrickstar.profile(model, "
+                          "'prof/'):` or config {'profile': {'enabled': true, 'output_dir': "
+                          "...}}", name=name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

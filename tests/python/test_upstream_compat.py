@@ -110,3 +110,24 @@ def test_upstream_config_spellings():
 def test_deepspeed_keys_say_what_to_use_instead(key, instead):
     with pytest.raises(ValueError, match=f"'{key}' \\(DeepSpeed's\\).*{instead}"):
         patrickstar.load_config({key: {}})
+
+
+def test_upstream_arguments_and_names_without_counterpart_say_what_to_use():
+    from patrickstar.runtime import initialize_engine
+    with pytest.raises(TypeError, match="PatrickStarClient does not exist.*drop the argument"):
+        initialize_engine(lambda: torch.nn.Linear(2, 2), 0, None, client=object())
+    with pytest.raises(ImportError, match="patrickstar.profile\\(model"):
+        from patrickstar.profiler import profiler  # noqa: F401
+    import patrickstar.profiler as module
+    assert not hasattr(module, "no_such_name")  # other names stay plain AttributeErrors
+
+
+def test_deepspeed_engine_step_names_the_optimizer_call():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, _ = patrickstar.initialize(lambda: torch.nn.Linear(2, 2),
+                                          config={"default_chunk_size": 1024})
+    with pytest.raises(AttributeError, match="call optimizer.step\\(\\) and "
+                                             "optimizer.zero_grad\\(\\)"):
+        model.step()
+    model.destroy()
