@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import os
 import sys
-import traceback
 import warnings
 
 import torch
 
 import patrickstar
+from dp_worker import error_result, save_and_exit
 from test_initialize import MLP, mlp_batches
 
 
@@ -42,12 +42,8 @@ def main() -> None:
         result["skipped_steps"] = opt.skipped_steps
         result["state"] = model.state_dict()
     except BaseException as error:  # noqa: BLE001 (reported to the test)
-        result["error"] = f"{type(error).__name__}: {error}"
-        result["traceback"] = traceback.format_exc()
-    torch.save(result, os.path.join(out, f"rank{rank}.pt"))
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+        result.update(error_result(error))
+    save_and_exit(out, rank, result)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from torch import nn
 
 import patrickstar
 from patrickstar import _C
-from patrickstar.engine import chunk_dtypes, register_chunk_tensors
+from patrickstar.chunked_params import chunk_dtypes, register_chunk_tensors
 from patrickstar.init_context import plan_parameters
 
 CHUNK = 512  # elements per chunk

@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import os
 import sys
-import traceback
 import warnings
 
-import torch
-
 import property_models
+from dp_worker import error_result, save_and_exit
 
 
 def main() -> None:
@@ -27,12 +25,8 @@ def main() -> None:
         try:
             results[case_id] = property_models.train(by_id[case_id], rank)
         except BaseException as error:  # noqa: BLE001 (reported to the test)
-            results[case_id] = {"error": f"{type(error).__name__}: {error}",
-                                "traceback": traceback.format_exc()}
-    torch.save(results, os.path.join(out, f"rank{rank}.pt"))
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+            results[case_id] = error_result(error)
+    save_and_exit(out, rank, results)
 
 
 if __name__ == "__main__":
