@@ -348,7 +348,7 @@ class PatrickStarEngine(nn.Module):
         self.micro_step += 1
 
     def _make_grad_hook(self, index: int):
-        engine = weakref.ref(self)  # the parameter outlives nothing of ours: Note [Engine lifetime]
+        engine = weakref.ref(self)  # C++ holds the parameter too: Note [Engine lifetime]
 
         def hook(param: nn.Parameter) -> None:
             grad = param.grad
