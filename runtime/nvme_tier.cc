@@ -438,8 +438,9 @@ NvmeTier::NvmeTier(NvmeTierOptions options, int fd, std::string path, bool direc
 NvmeTier::~NvmeTier() {
   backend_.reset();  // drains IO in flight
   ReleaseAllRegions();
-  // Unlink while the lock is still held (Note [Swap file ownership]).
-  if (!path_.empty() && unlink(path_.c_str()) != 0) {
+  // Unlink while the lock is still held (Note [Swap file ownership]). ENOENT: the directory
+  // went first (a temporary directory removed before the process ended); nothing is left.
+  if (!path_.empty() && unlink(path_.c_str()) != 0 && errno != ENOENT) {
     PS_LOG(kWarning, "could not remove NVMe swap file %s: %s", path_, std::strerror(errno));
   }
   if (fd_ >= 0) close(fd_);
