@@ -3,6 +3,7 @@
     lifetime_worker.py OUT_DIR cycles NVME_DIR PROFILE_DIR   20 initialize/train/del cycles
     lifetime_worker.py OUT_DIR exit NVME_DIR                 train, then leave without destroy()
     lifetime_worker.py OUT_DIR raise NVME_DIR                train, then die of an exception
+(the NVMe files of rank r go to NVME_DIR/r; with torchrun's environment, every rank does it)
     lifetime_worker.py OUT_DIR profile PROFILE_DIR           profile from config, destroy()
 
 The cycles write OUT_DIR/rank<r>.pt: RSS after every cycle, the files left in NVME_DIR and
@@ -80,9 +81,13 @@ def main() -> None:
         sys.stdout.flush()
         os._exit(0)  # past this point only the test's figures matter
     elif what in ("exit", "raise"):
-        model, optimizer = patrickstar.initialize(model_func, config=config(sys.argv[3]))
+        rank = int(os.environ.get("RANK", "0"))
+        nvme_dir = os.path.join(sys.argv[3], str(rank))
+        os.makedirs(nvme_dir, exist_ok=True)
+        model, optimizer = patrickstar.initialize(model_func, config=config(nvme_dir))
         train(model, optimizer)
-        assert os.listdir(sys.argv[3]), "the NVMe tier made no swap file"
+        assert os.listdir(nvme_dir), "the NVMe tier made no swap file"
+        torch.save({"trained": True}, os.path.join(out, f"rank{rank}.pt"))
         if what == "raise":
             raise RuntimeError("the training script failed")
     elif what == "profile":

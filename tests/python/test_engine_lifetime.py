@@ -73,7 +73,15 @@ def test_process_exit_removes_swap_files(nvme_dir, tmp_path, how):
     assert result.returncode == (0 if how == "exit" else 1), result.stderr
     if how == "raise":
         assert "the training script failed" in result.stderr
-    assert os.listdir(nvme_dir) == []
+    assert (tmp_path / "rank0.pt").exists()  # it trained with a swap file first
+    assert os.listdir(os.path.join(nvme_dir, "0")) == []
+
+
+def test_every_rank_of_a_job_that_exits_removes_its_swap_files(nvme_dir, tmp_path):
+    results = launch(tmp_path, 2, "exit", nvme_dir, worker=WORKER)
+    assert all(result.get("trained") for result in results), results
+    for rank in range(2):
+        assert os.listdir(os.path.join(nvme_dir, str(rank))) == [], rank
 
 
 def test_destroy_writes_a_config_profile_and_exit_raises_nothing(tmp_path):
