@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib.abc
 import sys
 
-__all__ = ["UPSTREAM_ONLY", "install"]
+__all__ = ["UPSTREAM_ONLY", "UPSTREAM_NAMES", "install", "missing_name"]
 
 _BUILD = ("build the model with `patrickstar.initialize(model_func, config)` (or "
           "`patrickstar.runtime.initialize_engine`): parameters go into chunks as model_func "
@@ -46,6 +46,26 @@ UPSTREAM_ONLY = {
     "patrickstar.utils.singleton_meta": "not needed: PatrickStar-C++ keeps no global "
                                         "singletons",
 }
+
+
+# Names upstream's `patrickstar.utils` exported that have no counterpart here.
+UPSTREAM_NAMES = {
+    "patrickstar.utils.global_timer": _PROFILE,
+    "patrickstar.utils.getsizeof": "use `sys.getsizeof` or `tensor.nbytes`",
+    "patrickstar.utils.get_memory_info": "use `model.memory_stats()` or "
+                                         "`patrickstar.utils.get_sys_memory_used(device)`",
+    "patrickstar.utils.SingletonMeta": "not needed: PatrickStar-C++ keeps no global singletons",
+}
+
+
+def missing_name(module: str, name: str):
+    """A module's `__getattr__`: ImportError naming the replacement of an upstream-only name,
+    AttributeError for any other (so hasattr() and introspection behave)."""
+    instead = UPSTREAM_NAMES.get(f"{module}.{name}")
+    if instead is None:
+        raise AttributeError(f"module {module!r} has no attribute {name!r}")
+    raise ImportError(f"'{module}.{name}' is upstream PatrickStar's, not part of PatrickStar-C++; "
+                      f"{instead}", name=module)
 
 
 class _UpstreamOnlyFinder(importlib.abc.MetaPathFinder):

@@ -131,3 +131,12 @@ def test_deepspeed_engine_step_names_the_optimizer_call():
                                              "optimizer.zero_grad\\(\\)"):
         model.step()
     model.destroy()
+
+
+@pytest.mark.parametrize("name", ["global_timer", "getsizeof", "get_memory_info",
+                                  "SingletonMeta"])
+def test_upstream_utils_names_without_counterpart_say_what_to_use(name):
+    with pytest.raises(ImportError, match=f"'patrickstar.utils.{name}' is upstream"):
+        exec(f"from patrickstar.utils import {name}")
+    import patrickstar.utils
+    assert not hasattr(patrickstar.utils, "no_such_name")
