@@ -276,8 +276,12 @@ class PatrickStarEngine(nn.Module):
         config = self.config
         memory = config.memory
         tiers = []
+        # The strict device (PATRICKSTAR_STRICT_DEVICE=1, Note [Strict device] in
+        # runtime/strict_device.h) takes the CUDA tiers and copy routes; torch stays on the CPU,
+        # and with it the CPU build's update placement (Note [Optimizer sweep]).
+        strict = _C.strict_device()
         if _C.cuda_available():
-            self.device = torch.device("cuda", self.local_rank)
+            self.device = torch.device("cpu" if strict else f"cuda:{self.local_rank}")
             tiers.append(_C.DeviceTier(self.local_rank, budget=memory.device_budget or 0,
                                        name=f"cuda:{self.local_rank}"))
         else:

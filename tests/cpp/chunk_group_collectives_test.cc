@@ -81,7 +81,7 @@ void WriteEveryTensor(ChunkManager& m, TierKind tier) {
   for (TensorId t = 0; t < m.num_tensors(); ++t) {
     auto view = m.Access(t, tier);
     ASSERT_TRUE(view.ok()) << view.status();
-    auto* data = reinterpret_cast<float*>(view->address);
+    auto* data = static_cast<float*>(testing::ComputePointer(*view));
     for (int64_t i = 0; i < view->numel; ++i) data[i] = Value(t, i);
     ASSERT_TRUE(m.Release(t, TensorState::kHold).ok());
   }
@@ -128,7 +128,7 @@ class GroupCollectivesTest : public ::testing::TestWithParam<int> {
     ChunkManager& m = *ranks_[r]->manager;
     auto view = m.Access(tensor, TierKind::kHost);
     ASSERT_TRUE(view.ok()) << view.status();
-    auto* data = reinterpret_cast<float*>(view->address);
+    auto* data = static_cast<float*>(testing::ComputePointer(*view));
     for (int64_t i = 0; i < view->numel; ++i) data[i] = scale * Value(tensor % NumParams(), i);
     ASSERT_TRUE(m.Release(tensor, TensorState::kHold).ok());
   }
@@ -144,7 +144,7 @@ class GroupCollectivesTest : public ::testing::TestWithParam<int> {
     ChunkManager& m = *ranks_[r]->manager;
     auto view = m.Access(tensor, TierKind::kHost);
     ASSERT_TRUE(view.ok()) << view.status();
-    const auto* data = reinterpret_cast<const float*>(view->address);
+    const auto* data = static_cast<const float*>(testing::ComputePointer(*view));
     for (int64_t i = 0; i < view->numel; ++i) {
       ASSERT_FLOAT_EQ(data[i], scale * Value(tensor % NumParams(), i))
           << "rank " << r << " tensor " << tensor << " element " << i;
@@ -405,7 +405,7 @@ TEST(GroupCollectivesStartTest, ARankWithoutRoomDeclinesToStartAndGathersAtFirst
         }
         auto view = m.Access(t, TierKind::kDevice);
         ASSERT_TRUE(view.ok()) << view.status();
-        const auto* data = reinterpret_cast<const float*>(view->address);
+        const auto* data = static_cast<const float*>(testing::ComputePointer(*view));
         for (int64_t i = 0; i < view->numel; ++i) {
           ASSERT_EQ(data[i], Value(t, i)) << "rank " << r << " tensor " << t << " element " << i;
         }
@@ -443,7 +443,7 @@ TEST(GroupCollectivesSingleOwnerTest, EveryRankGathersAGroupOneRankOwnsEntirely)
       ChunkManager& m = *ranks[r]->manager;
       auto view = m.Access(0, TierKind::kHost);
       ASSERT_TRUE(view.ok());
-      reinterpret_cast<float*>(view->address)[7] = r == 0 ? 42.0f : -1.0f;
+      static_cast<float*>(testing::ComputePointer(*view))[7] = r == 0 ? 42.0f : -1.0f;
       ASSERT_TRUE(m.Release(0, TensorState::kHold).ok());
       GroupCollectives& c = *ranks[r]->collectives;
       ASSERT_TRUE(c.ReleaseAll(ChunkKind::kComputeParam).ok());
@@ -452,7 +452,7 @@ TEST(GroupCollectivesSingleOwnerTest, EveryRankGathersAGroupOneRankOwnsEntirely)
       EXPECT_TRUE(*gathered) << "rank " << r;
       view = m.Access(0, TierKind::kHost);
       ASSERT_TRUE(view.ok());
-      EXPECT_EQ(reinterpret_cast<float*>(view->address)[7], 42.0f) << "rank " << r;
+      EXPECT_EQ(static_cast<float*>(testing::ComputePointer(*view))[7], 42.0f) << "rank " << r;
       ASSERT_TRUE(m.Release(0, TensorState::kHold).ok());
     });
   }
@@ -495,7 +495,7 @@ TEST(GroupCollectivesPrefetchTest, PinningAChunkWithAPrefetchInFlightKeepsThePre
         for (TensorId t = 0; t < kWorld; ++t) {  // the module computes on the device
           auto view = m.Access(t, TierKind::kDevice);
           ASSERT_TRUE(view.ok()) << view.status();
-          const auto* data = reinterpret_cast<const float*>(view->address);
+          const auto* data = static_cast<const float*>(testing::ComputePointer(*view));
           for (int64_t i = 0; i < view->numel; ++i) {
             ASSERT_EQ(data[i], Value(t, i)) << "rank " << r << " tensor " << t << " element " << i;
           }
