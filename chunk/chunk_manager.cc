@@ -10,6 +10,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "runtime/gpu.h"
 #include "runtime/logging.h"
 #include "runtime/status.h"
 
@@ -110,6 +111,16 @@ ChunkManager::ChunkManager(ChunkManagerOptions options)
 }
 
 ChunkManager::~ChunkManager() {
+  // Device work queued on the chunks by other streams (the gradient store of a step an error
+  // ended: Note [Gradient stores on the compute stream] in bindings/chunk_views.h) must be done
+  // before their blocks go back to a pool another manager may share.
+  for (const TierSlot& slot : tiers_) {
+    if (slot.tier->address_space() == AddressSpace::kDeviceMemory) {
+      absl::Status synced = gpu::SynchronizeDevice(options_.copy_engine->options().device);
+      if (!synced.ok()) PS_LOG(kWarning, "chunk manager: %s", synced.ToString());
+      break;
+    }
+  }
   for (Chunk& chunk : chunks_) {
     if (chunk.pending_.has_value()) {
       absl::Status status = chunk.pending_->handle.Wait();

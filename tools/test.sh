@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Sets up everything (tools/setup.sh) and runs every test: the GoogleTest suite (ctest), the
-# pytest suite (the slow soak test included), the C++ suite again under AddressSanitizer +
+# pytest suite (the slow soak test included), the C++ suite and the engine's Python tests again
+# on the strict emulated device (PATRICKSTAR_STRICT_DEVICE=1), the C++ suite under AddressSanitizer +
 # UndefinedBehaviorSanitizer, the Python tests of the runtime (tiers, chunk bindings, Adam,
 # checkpoints, reliability) against an ASan + UBSan patrickstar._C, and the copy engine / NVMe
 # IO / tier tests under ThreadSanitizer.
@@ -62,6 +63,26 @@ if ((run_main)); then
   # Exit code 5 means pytest collected nothing: that must fail, not pass silently.
   set +e
   .venv/bin/python -m pytest tests/python -q
+  status=$?
+  set -e
+  if [ "$status" -eq 5 ]; then echo "[test] pytest collected no tests" >&2; exit 1; fi
+  [ "$status" -eq 0 ] || exit "$status"
+
+  # Note [Strict device] (runtime/strict_device.h): the CUDA tiers, copy routes and stream
+  # orderings on an emulated device where the host touching device memory crashes and device
+  # work runs late. The C++ suite, and the engine's Python tests (initialize, budgets, prefetch,
+  # NVMe, data parallel, checkpoints, profile) plus the binding tests the engine stands on.
+  log "C++ tests on the strict emulated device (PATRICKSTAR_STRICT_DEVICE=1)"
+  PATRICKSTAR_STRICT_DEVICE=1 run_ctest build
+  log "Python engine tests on the strict emulated device (PATRICKSTAR_STRICT_DEVICE=1)"
+  set +e
+  PATRICKSTAR_STRICT_DEVICE=1 .venv/bin/python -m pytest -q -m "not slow" \
+    tests/python/test_strict_device.py tests/python/test_initialize.py \
+    tests/python/test_nvme_training.py tests/python/test_data_parallel.py \
+    tests/python/test_dp_checkpoint.py tests/python/test_checkpoint.py \
+    tests/python/test_profile.py tests/python/test_reliability.py \
+    tests/python/test_parameter_slots.py tests/python/test_chunk_bindings.py \
+    tests/python/test_runtime.py
   status=$?
   set -e
   if [ "$status" -eq 5 ]; then echo "[test] pytest collected no tests" >&2; exit 1; fi

@@ -375,7 +375,9 @@ TEST(GroupCollectivesStartTest, ARankWithoutRoomDeclinesToStartAndGathersAtFirst
   std::vector<std::unique_ptr<Rank>> ranks = OneTensorPerChunk(
       world, 2 * kWorld,
       [&](int r, Rank& rank, ChunkManagerOptions&) {
-        rank.hierarchy = testing::MakeHierarchy(0, r == 0 ? kChunkBytes : 0, kChunkBytes);
+        // A host-memory device tier: the host communicator gathers into it in place.
+        rank.hierarchy = testing::MakeHierarchy(0, r == 0 ? kChunkBytes : 0, kChunkBytes,
+                                                nullptr, /*device_in_host_memory=*/true);
       },
       collective_options);
   std::vector<std::thread> threads;
@@ -469,7 +471,11 @@ TEST(GroupCollectivesPrefetchTest, PinningAChunkWithAPrefetchInFlightKeepsThePre
   auto world = std::make_shared<testing::FakeWorld>(kWorld);
   // One group of two full chunks: tensor r alone in chunk r, owned by rank r.
   std::vector<std::unique_ptr<Rank>> ranks =
-      OneTensorPerChunk(world, kWorld, [](int, Rank&, ChunkManagerOptions& options) {
+      OneTensorPerChunk(world, kWorld, [](int, Rank& rank, ChunkManagerOptions& options) {
+        // The device tier must be one the host communicator can pin the chunk in (host
+        // memory); with a GPU's device tier the pin takes the chunk to the host tier.
+        rank.hierarchy = testing::MakeHierarchy(0, 0, 8192, nullptr,
+                                                /*device_in_host_memory=*/true);
         options.prefetch_moments = 2;
       });
   std::vector<std::thread> threads;

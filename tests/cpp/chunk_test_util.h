@@ -49,10 +49,13 @@ struct Hierarchy {
   }
 };
 
+// `device_in_host_memory` keeps the EmulatedDeviceTier even on the strict device, for tests of
+// what a host-memory device tier allows (a host communicator reducing on it in place).
 inline Hierarchy MakeHierarchy(int64_t device_budget, int64_t host_budget, int64_t slab_bytes,
-                               const std::string* nvme_directory = nullptr) {
+                               const std::string* nvme_directory = nullptr,
+                               bool device_in_host_memory = false) {
   Hierarchy hierarchy;
-  if (gpu::StrictDevice()) {
+  if (gpu::StrictDevice() && !device_in_host_memory) {
     auto device = CreateDeviceTier(DeviceTierOptions{0, TierOptions("device", device_budget,
                                                                     slab_bytes)});
     EXPECT_TRUE(device.ok()) << device.status();

@@ -1,8 +1,6 @@
 // An in-process world for tests: one FakeCommunicator per rank, each running its collectives on
 // its own worker thread in issue order (as the real back ends do), meeting the other ranks'
-// calls of the same sequence number. float32 reductions only. On the strict device (Note [Strict
-// device] in runtime/strict_device.h) it stands for NCCL: device memory, reached as the device
-// reaches it (gpu::WorkPointer).
+// calls of the same sequence number. float32 reductions only.
 #pragma once
 
 #include <condition_variable>
@@ -15,7 +13,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "runtime/communicator.h"
-#include "runtime/gpu.h"
 #include "runtime/thread_pool.h"
 
 namespace ps::testing {
@@ -80,9 +77,7 @@ class FakeCommunicator : public Communicator {
   int rank() const override { return rank_; }
   int world_size() const override { return world_->world_size(); }
   std::string backend() const override { return "fake"; }
-  AddressSpace address_space() const override {
-    return gpu::StrictDevice() ? AddressSpace::kDeviceMemory : AddressSpace::kHostMemory;
-  }
+  AddressSpace address_space() const override { return AddressSpace::kHostMemory; }
   int64_t issued() const { return seq_; }
 
   CollectiveHandle AllGather(absl::Span<void* const> buffers, int64_t count, DType dtype,
@@ -133,7 +128,7 @@ class FakeCommunicator : public Communicator {
     auto read = [&](int from, int index, std::vector<float>* out) {
       const void* source = all[from].buffers[index];
       if (source == nullptr) return;
-      const float* values = static_cast<const float*>(gpu::WorkPointer(source));
+      const float* values = static_cast<const float*>(source);
       for (int64_t i = 0; i < n; ++i) (*out)[i] += values[i];
     };
     // Phase 1: read what this rank needs from the others into temporaries.
@@ -165,9 +160,7 @@ class FakeCommunicator : public Communicator {
     // Phase 2: once everybody has read, write this rank's own buffers.
     if (!world_->Meet(seq, rank_, call, nullptr, 1)) return absl::AbortedError("world aborted");
     auto write = [&](void* destination, const std::vector<float>& values) {
-      if (destination != nullptr) {
-        std::memcpy(gpu::WorkPointer(destination), values.data(), n * sizeof(float));
-      }
+      if (destination != nullptr) std::memcpy(destination, values.data(), n * sizeof(float));
     };
     switch (call.type) {
       case CollectiveType::kAllGather:
