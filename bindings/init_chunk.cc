@@ -420,9 +420,9 @@ void InitChunk(py::module_& module) {
                       const bool on_device =
                           kind == TierKind::kDevice &&
                           m.tier(0).address_space() == AddressSpace::kDeviceMemory;
-                      fill(MemoryTensor(data, {bytes}, at::kByte,
-                                        on_device ? AddressSpace::kDeviceMemory
-                                                  : AddressSpace::kHostMemory));
+                      fill(MemoryTensor(
+                          data, {bytes}, at::kByte,
+                          on_device ? AddressSpace::kDeviceMemory : AddressSpace::kHostMemory));
                       return absl::OkStatus();
                     } catch (...) {
                       raised = std::current_exception();

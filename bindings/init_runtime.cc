@@ -10,12 +10,12 @@
 #include "bindings/status_exceptions.h"
 #include "runtime/copy_engine.h"
 #include "runtime/device_tier.h"
-#include "runtime/strict_device.h"
 #include "runtime/fault_injection.h"
 #include "runtime/gpu.h"
 #include "runtime/host_tier.h"
 #include "runtime/logging.h"
 #include "runtime/nvme_tier.h"
+#include "runtime/strict_device.h"
 
 namespace py = pybind11;
 

@@ -74,6 +74,7 @@ class ParameterSlots {
       const TensorView view =
           ValueOrThrow(manager_->Run([&](ChunkManager& m) { return m.Access(id, tier_); }));
       const at::Tensor tensor = TorchView(view);
+      on_device_ = on_device_ || view.address_space == AddressSpace::kDeviceMemory;
       params_[index].set_data(tensor);
       counts_[index] = 1;
       // The address torch sees (Note [Torch views of device memory]), which SavedIndex compares.
@@ -84,10 +85,12 @@ class ParameterSlots {
   }
 
   void Release(const std::vector<int64_t>& indices, TensorState state) {
+    bool ordered = false;
     for (int64_t index : indices) {
       CheckIndex(index);
       if (counts_[index] == 0) continue;  // never accessed, or released by ReleaseAll
       if (--counts_[index] > 0) continue;
+      if (!ordered) ordered = OrderCopiesAfterCompute();
       ReleaseSlot(index, state);
     }
   }
@@ -96,9 +99,11 @@ class ParameterSlots {
   // backward). Visits all slots even when one fails; raises the first error.
   void ReleaseAll(TensorState state) {
     std::exception_ptr first_error;
+    bool ordered = false;
     for (size_t index = 0; index < counts_.size(); ++index) {
       if (counts_[index] == 0) continue;
       counts_[index] = 0;
+      if (!ordered) ordered = OrderCopiesAfterCompute();
       try {
         ReleaseSlot(static_cast<int64_t>(index), state);
       } catch (...) {
@@ -159,22 +164,32 @@ class ParameterSlots {
 
  private:
   static void StoreWithTorch(at::Tensor view, const at::Tensor& grad, bool accumulate) {
-      at::NoGradGuard no_grad;
-      if (accumulate) {
-        view.add_(grad.to(view.scalar_type()));
-      } else if (view.device().is_cpu() && grad.device().is_cpu() &&
-                 grad.scalar_type() == view.scalar_type() && grad.is_contiguous()) {
-        CopyOnCallingThread(grad, view);  // Note [Gradient copies on the calling thread]
-      } else {
-        view.copy_(grad);
-      }
+    at::NoGradGuard no_grad;
+    if (accumulate) {
+      view.add_(grad.to(view.scalar_type()));
+    } else if (view.device().is_cpu() && grad.device().is_cpu() &&
+               grad.scalar_type() == view.scalar_type() && grad.is_contiguous()) {
+      CopyOnCallingThread(grad, view);  // Note [Gradient copies on the calling thread]
+    } else {
+      view.copy_(grad);
+    }
   }
 
-  // Note [Gradient stores on the compute stream] in chunk_views.h.
-  void StoreOnComputeStream(const TensorView& chunk_view, const at::Tensor& grad,
-                            bool accumulate) {
+  // Note [Gradient stores on the compute stream] in chunk_views.h. Also before a parameter is
+  // released on the device: a kernel still queued on the compute stream may read it when the
+  // block is evicted, dropped and reused by an upload. Returns whether it ordered anything.
+  bool OrderCopiesAfterCompute() {
+    if (!on_device_) return false;
     CopyEngine* copies = manager_->Run([](ChunkManager& m) { return &m.copy_engine(); });
-    const int device = copies->options().device;
+    const gpu::Stream compute = ComputeStream(copies->options().device);
+    py::gil_scoped_release release;
+    ThrowIfError(copies->OrderAfter(compute));
+    return true;
+  }
+
+  void StoreOnComputeStream(const TensorView& chunk_view, const at::Tensor& grad, bool accumulate) {
+    const int device =
+        manager_->Run([](ChunkManager& m) { return m.copy_engine().options().device; });
     const gpu::Stream compute = ComputeStream(device);
     void* data = reinterpret_cast<void*>(static_cast<uintptr_t>(chunk_view.address));
     if (gpu::StrictDevice()) {
@@ -188,8 +203,8 @@ class ParameterSlots {
       ThrowIfError(gpu::strict::LaunchWork(
           compute, {{data, bytes}, {source.data_ptr(), source.nbytes()}},
           [data, shape, dtype, source, accumulate] {
-            at::Tensor view = torch::from_blob(gpu::WorkPointer(data), shape,
-                                               at::TensorOptions().dtype(dtype));
+            at::Tensor view =
+                torch::from_blob(gpu::WorkPointer(data), shape, at::TensorOptions().dtype(dtype));
             at::NoGradGuard no_grad;
             if (accumulate) {
               view.add_(source.to(dtype));
@@ -200,8 +215,8 @@ class ParameterSlots {
     } else {
       StoreWithTorch(TorchView(chunk_view), grad, accumulate);  // on torch's current stream
     }
-    py::gil_scoped_release release;
-    ThrowIfError(copies->OrderAfter(compute));
+    on_device_ = true;
+    (void)OrderCopiesAfterCompute();
   }
 
   void CheckIndex(int64_t index) const {
@@ -234,6 +249,7 @@ class ParameterSlots {
   std::vector<uint64_t> addresses_;  // each accessed parameter's view address (0: none)
   absl::flat_hash_map<uint64_t, int64_t> index_of_address_;  // chunk view address -> index
   py::object before_access_ = py::none();
+  bool on_device_ = false;  // some chunk was accessed in device memory (ordering is needed)
 };
 
 }  // namespace

@@ -103,8 +103,9 @@ void OnSegv(int signal, siginfo_t* info, void* context) {
     WriteNumber(static_cast<uint64_t>(slot.serial.load()), 10);
     WriteString(" on device ");
     WriteNumber(static_cast<uint64_t>(slot.device.load()), 10);
-    WriteString("); device memory is reached only by copies, memsets and kernels (Note [Strict "
-                "device] in runtime/strict_device.h). The host call that touched it:\n");
+    WriteString(
+        "); device memory is reached only by copies, memsets and kernels (Note [Strict "
+        "device] in runtime/strict_device.h). The host call that touched it:\n");
     void* frames[64];
     const int depth = backtrace(frames, 64);
     backtrace_symbols_fd(frames, depth, STDERR_FILENO);
@@ -123,7 +124,7 @@ class Memory {
       : devices_(static_cast<int>(EnvInt("PATRICKSTAR_STRICT_DEVICE_COUNT", 8))),
         capacity_(EnvInt("PATRICKSTAR_STRICT_DEVICE_MEMORY", int64_t{16} << 30)),
         used_(static_cast<size_t>(std::max(devices_, 0)), 0) {
-    struct sigaction action {};
+    struct sigaction action{};
     action.sa_sigaction = OnSegv;
     action.sa_flags = SA_SIGINFO | SA_ONSTACK;
     sigemptyset(&action.sa_mask);
@@ -149,7 +150,8 @@ class Memory {
     allocation.device = device;
     allocation.serial = ++serial_;
     if (device < 0) {  // pinned host memory: plain host pages the host may touch
-      void* pages = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      void* pages =
+          mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
       if (pages == MAP_FAILED) {
         return absl::ResourceExhaustedError(absl::StrCat("cudaHostAlloc(", bytes, " bytes)"));
       }
@@ -456,10 +458,9 @@ absl::Status RecordEvent(Event event, Stream stream) {
     return absl::InvalidArgumentError("cudaEventRecord: null event or stream");
   }
   if (impl->device != stream.device) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("cudaEventRecord: an event of device ", impl->device,
-                     " recorded on a stream of device ", stream.device,
-                     " (cudaErrorInvalidResourceHandle)"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "cudaEventRecord: an event of device ", impl->device, " recorded on a stream of device ",
+        stream.device, " (cudaErrorInvalidResourceHandle)"));
   }
   auto marker = std::make_shared<absl::Notification>();
   {
@@ -509,13 +510,12 @@ absl::Status CopyAsync(void* dst, const void* src, int64_t bytes, Stream stream)
   if (!to.ok()) return to.status();
   absl::StatusOr<char*> from = Reach(src, bytes, what);
   if (!from.ok()) return from.status();
-  ImplOf(stream)->Push(Op{Op::kCopy,
-                          [to = *to, from = *from, bytes] {
-                            std::memcpy(to, from, static_cast<size_t>(bytes));
-                          },
-                          nullptr,
-                          {{dst, bytes}, {src, bytes}},
-                          what});
+  ImplOf(stream)->Push(
+      Op{Op::kCopy,
+         [to = *to, from = *from, bytes] { std::memcpy(to, from, static_cast<size_t>(bytes)); },
+         nullptr,
+         {{dst, bytes}, {src, bytes}},
+         what});
   return absl::OkStatus();
 }
 
@@ -525,12 +525,12 @@ absl::Status MemsetAsync(void* dst, int value, int64_t bytes, Stream stream) {
   const std::string what = absl::StrCat("cudaMemsetAsync(", bytes, " bytes)");
   absl::StatusOr<char*> to = Reach(dst, bytes, what);
   if (!to.ok()) return to.status();
-  ImplOf(stream)->Push(Op{
-      Op::kKernel,
-      [to = *to, value, bytes] { std::memset(to, value, static_cast<size_t>(bytes)); },
-      nullptr,
-      {{dst, bytes}},
-      what});
+  ImplOf(stream)->Push(
+      Op{Op::kKernel,
+         [to = *to, value, bytes] { std::memset(to, value, static_cast<size_t>(bytes)); },
+         nullptr,
+         {{dst, bytes}},
+         what});
   return absl::OkStatus();
 }
 

@@ -5,8 +5,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "runtime/gpu.h"
-#include "runtime/strict_device.h"
 #include "runtime/status.h"
+#include "runtime/strict_device.h"
 
 namespace ps::gpu {
 namespace {

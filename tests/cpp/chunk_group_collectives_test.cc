@@ -376,8 +376,8 @@ TEST(GroupCollectivesStartTest, ARankWithoutRoomDeclinesToStartAndGathersAtFirst
       world, 2 * kWorld,
       [&](int r, Rank& rank, ChunkManagerOptions&) {
         // A host-memory device tier: the host communicator gathers into it in place.
-        rank.hierarchy = testing::MakeHierarchy(0, r == 0 ? kChunkBytes : 0, kChunkBytes,
-                                                nullptr, /*device_in_host_memory=*/true);
+        rank.hierarchy = testing::MakeHierarchy(0, r == 0 ? kChunkBytes : 0, kChunkBytes, nullptr,
+                                                /*device_in_host_memory=*/true);
       },
       collective_options);
   std::vector<std::thread> threads;

@@ -210,7 +210,7 @@ TEST(ChunkResidencyTest, FreeDropsThePayloadAndTheNextAccessZeroFills) {
   for (TensorId t : {0, 1}) {
     auto view = manager->Access(t, TierKind::kHost);
     ASSERT_TRUE(view.ok());
-    std::memset(static_cast<void*>(testing::ComputePointer(*view)), 0x7a, 512 * 4);
+    std::memset(testing::ComputePointer(*view), 0x7a, 512 * 4);
     ASSERT_TRUE(manager->Release(t, S::kHold).ok());
   }
   ASSERT_TRUE(manager->SetTensorState(0, S::kFree).ok());

@@ -56,8 +56,8 @@ inline Hierarchy MakeHierarchy(int64_t device_budget, int64_t host_budget, int64
                                bool device_in_host_memory = false) {
   Hierarchy hierarchy;
   if (gpu::StrictDevice() && !device_in_host_memory) {
-    auto device = CreateDeviceTier(DeviceTierOptions{0, TierOptions("device", device_budget,
-                                                                    slab_bytes)});
+    auto device =
+        CreateDeviceTier(DeviceTierOptions{0, TierOptions("device", device_budget, slab_bytes)});
     EXPECT_TRUE(device.ok()) << device.status();
     if (device.ok()) hierarchy.device = std::shared_ptr<Tier>(std::move(*device));
   } else {

@@ -154,7 +154,8 @@ class TrainingLoop {
       const int64_t tail =
           info.dtype == DType::kFloat16
               ? static_cast<const uint16_t*>(testing::ComputePointer(views[i]))[last]
-              : static_cast<int64_t>(static_cast<const float*>(testing::ComputePointer(views[i]))[last]);
+              : static_cast<int64_t>(
+                    static_cast<const float*>(testing::ComputePointer(views[i]))[last]);
       EXPECT_EQ(tail, expected) << info.name << " (last element) at " << where;
       if (update) {
         if (info.dtype == DType::kFloat16) {

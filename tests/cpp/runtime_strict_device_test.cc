@@ -1,7 +1,5 @@
 // The strict emulated device (Note [Strict device] in runtime/strict_device.h): CUDA's stream,
 // event and memory rules, checked through runtime/gpu.h exactly as the CUDA code calls it.
-#include "runtime/strict_device.h"
-
 #include <stdlib.h>
 
 #include <cstring>
@@ -13,6 +11,7 @@
 #include "runtime/device_tier.h"
 #include "runtime/gpu.h"
 #include "runtime/host_tier.h"
+#include "runtime/strict_device.h"
 
 namespace ps {
 namespace {

@@ -88,23 +88,19 @@ def test_a_second_local_rank_uses_its_own_device_end_to_end(slow_kernels):
 
 
 def test_engine_training_matches_pytorch_under_a_device_budget():
-    torch.manual_seed(0)
-    reference = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Tanh(),
-                                    torch.nn.Linear(32, 32))
-    state = {k: v.clone() for k, v in reference.state_dict().items()}
-
     def build():
-        model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Tanh(),
-                                    torch.nn.Linear(32, 32))
-        model.load_state_dict(state)
-        return model
+        return torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Tanh(),
+                                   torch.nn.Linear(32, 32))
 
+    torch.manual_seed(0)
+    reference = build()
+    torch.manual_seed(0)
     model, optimizer = patrickstar.initialize(build, config={
         "default_chunk_size": CHUNK, "optimizer": {"params": {"lr": 1e-2}},
-        "memory": {"device_budget": 16 * KiB}})
+        "memory": {"device_budget": 16 * KiB}})  # four of the six chunks backward touches
     assert model.tiers[0].name == "cuda:0"
     torch_optimizer = torch.optim.Adam(reference.parameters(), lr=1e-2)
-    for step in range(3):
+    for _ in range(3):
         x = torch.randn(4, 32)
         loss = model(x).square().mean()
         model.backward(loss)
@@ -115,6 +111,8 @@ def test_engine_training_matches_pytorch_under_a_device_budget():
         torch_optimizer.step()
         torch_optimizer.zero_grad()
         torch.testing.assert_close(loss.detach(), expected.detach())
+    assert sum(tier["chunks_out"] for tier in model.memory_stats()) > 0  # it evicted
+    state = model.state_dict()
     for name, tensor in reference.state_dict().items():
-        torch.testing.assert_close(model.state_dict()[name], tensor, msg=name)
+        torch.testing.assert_close(state[name], tensor, msg=name)
     model.destroy()
