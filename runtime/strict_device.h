@@ -22,7 +22,9 @@
 //   - PATRICKSTAR_STRICT_DEVICE_COUNT devices (default 8, so local_rank != 0 takes the same
 //     path as on a multi-GPU node) of PATRICKSTAR_STRICT_DEVICE_MEMORY bytes each (default 16
 //     GiB): cudaMalloc past it is ResourceExhausted, as on a GPU.
-// What it cannot check: kernel speed, NCCL's transport, and torch's own CUDA work (torch here is
+// The project's device kernels run as LaunchWork of the CPU kernels (kernels/internal/
+// strict_kernels.h). What it cannot check: kernel speed and the CUDA kernels' own code, NCCL's
+// transport, and torch's own CUDA work (torch here is
 // the CPU build: its compute on a device view runs on the host, after the stream that stands
 // for torch's current stream, ComputeStream(), has drained).
 #pragma once
