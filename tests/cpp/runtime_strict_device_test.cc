@@ -136,7 +136,9 @@ TEST_F(StrictDeviceTest, AKernelTouchingAnotherDevicesMemoryIsAnIllegalAddress) 
   const absl::Status launched = gpu::strict::LaunchWork(on_zero, {{on_one, kBytes}}, [] {});
   EXPECT_TRUE(absl::IsFailedPrecondition(launched)) << launched;
   EXPECT_NE(launched.message().find("memory of device 1"), std::string::npos) << launched;
-  EXPECT_FALSE(gpu::RecordEvent(*gpu::CreateEvent(1), on_zero).ok());
+  const gpu::Event on_one_event = *gpu::CreateEvent(1);
+  EXPECT_FALSE(gpu::RecordEvent(on_one_event, on_zero).ok());
+  gpu::DestroyEvent(on_one_event);
   EXPECT_TRUE(absl::IsInvalidArgument(gpu::CreateStream(gpu::DeviceCount()).status()));
   gpu::DestroyStream(on_zero);
   gpu::DeviceFree(1, on_one);
