@@ -121,30 +121,34 @@ absl::Status ScaleGradsOnDevice(absl::Span<const GradChunk> chunks, float multip
       });
 }
 
-absl::Status CastFloatTo16OnDevice(const float* src, uint16_t* dst, int64_t count, DType dst_dtype,
-                                   gpu::Stream stream) {
-  if (dst_dtype == DType::kFloat32) {
-    return absl::InvalidArgumentError("cast to a 16-bit dtype: got float32");
+namespace {
+
+// A cast between float32 and the 16-bit `half` (fp16 or bf16) as a kernel on `stream`.
+template <typename From, typename To>
+absl::Status LaunchCast(const From* src, To* dst, int64_t count, DType half, gpu::Stream stream,
+                        absl::Status (*cast)(const From*, To*, int64_t, DType),
+                        const char* kernel) {
+  if (half == DType::kFloat32) {
+    return absl::InvalidArgumentError(absl::StrCat(kernel, ": the 16-bit side is float32"));
   }
   if (count == 0) return absl::OkStatus();
   return gpu::strict::LaunchWork(
-      stream, {{src, count * 4}, {dst, count * 2}}, [src, dst, count, dst_dtype] {
-        LogIfError(CastFloatTo16(Reach(src), Reach(dst), count, dst_dtype),
-                   "CastFloatTo16OnDevice");
+      stream, {{src, count * int64_t{sizeof(From)}}, {dst, count * int64_t{sizeof(To)}}},
+      [src, dst, count, half, cast, kernel] {
+        LogIfError(cast(Reach(src), Reach(dst), count, half), kernel);
       });
+}
+
+}  // namespace
+
+absl::Status CastFloatTo16OnDevice(const float* src, uint16_t* dst, int64_t count, DType dst_dtype,
+                                   gpu::Stream stream) {
+  return LaunchCast(src, dst, count, dst_dtype, stream, &CastFloatTo16, "CastFloatTo16OnDevice");
 }
 
 absl::Status Cast16ToFloatOnDevice(const uint16_t* src, float* dst, int64_t count, DType src_dtype,
                                    gpu::Stream stream) {
-  if (src_dtype == DType::kFloat32) {
-    return absl::InvalidArgumentError("cast from a 16-bit dtype: got float32");
-  }
-  if (count == 0) return absl::OkStatus();
-  return gpu::strict::LaunchWork(
-      stream, {{src, count * 2}, {dst, count * 4}}, [src, dst, count, src_dtype] {
-        LogIfError(Cast16ToFloat(Reach(src), Reach(dst), count, src_dtype),
-                   "Cast16ToFloatOnDevice");
-      });
+  return LaunchCast(src, dst, count, src_dtype, stream, &Cast16ToFloat, "Cast16ToFloatOnDevice");
 }
 
 }  // namespace ps::kernels::strict
