@@ -440,10 +440,9 @@ void InitChunk(py::module_& module) {
                       const bool on_device =
                           kind == TierKind::kDevice &&
                           m.tier(0).address_space() == AddressSpace::kDeviceMemory;
-                      fill(torch::from_blob(
-                          data, {bytes},
-                          at::TensorOptions().dtype(at::kByte).device(
-                              on_device ? at::Device(at::kCUDA) : at::Device(at::kCPU))));
+                      fill(MemoryTensor(
+                          data, {bytes}, at::kByte,
+                          on_device ? AddressSpace::kDeviceMemory : AddressSpace::kHostMemory));
                       return absl::OkStatus();
                     } catch (...) {
                       raised = std::current_exception();

@@ -15,6 +15,7 @@
 #include "runtime/host_tier.h"
 #include "runtime/logging.h"
 #include "runtime/nvme_tier.h"
+#include "runtime/strict_device.h"
 
 namespace py = pybind11;
 
@@ -83,10 +84,15 @@ at::Tensor BlockTensor(const TierPtr& tier, const PyBlock& py_block, at::ScalarT
       throw py::value_error("tensor: blocks of NVMe tier '" + tier->name() +
                             "' are not addressable; copy them to a memory tier first");
   }
+  void* data = block.data();
+  if (device.is_cuda() && gpu::StrictDevice()) {  // Note [Torch views of device memory]
+    data = gpu::WorkPointer(data);
+    device = at::Device(at::kCPU);
+  }
   ThrowIfError(tier->Pin(block));
   TierPtr keep_alive = tier;
   return torch::from_blob(
-      block.data(), {numel}, [keep_alive, block](void*) { keep_alive->Unpin(block); },
+      data, {numel}, [keep_alive, block](void*) { keep_alive->Unpin(block); },
       at::TensorOptions().dtype(dtype).device(device));
 }
 
@@ -114,12 +120,25 @@ void InitRuntime(py::module_& module) {
   module.def(
       "cuda_available", [] { return gpu::DeviceCount() > 0; },
       "True when this build has CUDA and a GPU is usable.");
+  module.def(
+      "strict_device", [] { return gpu::StrictDevice(); },
+      "True when the strict emulated device stands in for CUDA (PATRICKSTAR_STRICT_DEVICE=1): "
+      "Note [Strict device] in runtime/strict_device.h.");
+  module.def(
+      "strict_device_set_kernel_delay",
+      [](double microseconds) {
+        if (!gpu::StrictDevice()) throw py::value_error("the strict device is off");
+        gpu::strict::SetKernelDelay(absl::Microseconds(microseconds));
+      },
+      py::arg("microseconds"),
+      "How long each kernel waits on its strict-device stream before it runs (tests).");
   module.def("build_info", [] {
     py::dict info;
     info["with_cuda"] = gpu::CompiledWithCuda();
     info["cuda_runtime"] = gpu::RuntimeVersion();
     info["device_count"] = gpu::DeviceCount();
     info["cuda_unavailable_reason"] = gpu::UnavailableReason();
+    info["strict_device"] = gpu::StrictDevice();
     info["torch_version"] = TORCH_VERSION;
     return info;
   });

@@ -73,18 +73,24 @@ class ParameterSlots {
       NotifyBeforeAccess(id);
       const TensorView view =
           ValueOrThrow(manager_->Run([&](ChunkManager& m) { return m.Access(id, tier_); }));
-      params_[index].set_data(TorchView(view));
+      const at::Tensor tensor = TorchView(view);
+      on_device_ = on_device_ || view.address_space == AddressSpace::kDeviceMemory;
+      params_[index].set_data(tensor);
       counts_[index] = 1;
-      addresses_[index] = view.numel > 0 ? view.address : 0;
-      if (view.numel > 0) index_of_address_[view.address] = index;
+      // The address torch sees (Note [Torch views of device memory]), which SavedIndex compares.
+      const auto address = static_cast<uint64_t>(reinterpret_cast<uintptr_t>(tensor.data_ptr()));
+      addresses_[index] = view.numel > 0 ? address : 0;
+      if (view.numel > 0) index_of_address_[address] = index;
     }
   }
 
   void Release(const std::vector<int64_t>& indices, TensorState state) {
+    bool ordered = false;
     for (int64_t index : indices) {
       CheckIndex(index);
       if (counts_[index] == 0) continue;  // never accessed, or released by ReleaseAll
       if (--counts_[index] > 0) continue;
+      if (!ordered) ordered = OrderCopiesAfterCompute();
       ReleaseSlot(index, state);
     }
   }
@@ -93,9 +99,11 @@ class ParameterSlots {
   // backward). Visits all slots even when one fails; raises the first error.
   void ReleaseAll(TensorState state) {
     std::exception_ptr first_error;
+    bool ordered = false;
     for (size_t index = 0; index < counts_.size(); ++index) {
       if (counts_[index] == 0) continue;
       counts_[index] = 0;
+      if (!ordered) ordered = OrderCopiesAfterCompute();
       try {
         ReleaseSlot(static_cast<int64_t>(index), state);
       } catch (...) {
@@ -133,22 +141,18 @@ class ParameterSlots {
     }
     const TensorId id = *grad_ids_[index];
     NotifyBeforeAccess(id);
-    at::Tensor view = TorchView(
-        ValueOrThrow(manager_->Run([&](ChunkManager& m) { return m.Access(id, tier_); })));
+    const TensorView chunk_view =
+        ValueOrThrow(manager_->Run([&](ChunkManager& m) { return m.Access(id, tier_); }));
     try {
-      if (!grad.sizes().equals(view.sizes())) {
+      if (!grad.sizes().equals(at::IntArrayRef(chunk_view.shape))) {
         throw py::value_error("gradient of parameter " + std::to_string(index) + " has shape " +
                               c10::str(grad.sizes()) + ", the parameter " +
-                              c10::str(view.sizes()));
+                              c10::str(at::IntArrayRef(chunk_view.shape)));
       }
-      at::NoGradGuard no_grad;
-      if (accumulate) {
-        view.add_(grad.to(view.scalar_type()));
-      } else if (view.device().is_cpu() && grad.device().is_cpu() &&
-                 grad.scalar_type() == view.scalar_type() && grad.is_contiguous()) {
-        CopyOnCallingThread(grad, view);  // Note [Gradient copies on the calling thread]
+      if (chunk_view.address_space == AddressSpace::kDeviceMemory) {
+        StoreOnComputeStream(chunk_view, grad, accumulate);
       } else {
-        view.copy_(grad);
+        StoreWithTorch(TorchView(chunk_view), grad, accumulate);
       }
     } catch (...) {
       // The gradient chunk keeps what it had; the caller's error is the one that matters.
@@ -159,6 +163,62 @@ class ParameterSlots {
   }
 
  private:
+  static void StoreWithTorch(at::Tensor view, const at::Tensor& grad, bool accumulate) {
+    at::NoGradGuard no_grad;
+    if (accumulate) {
+      view.add_(grad.to(view.scalar_type()));
+    } else if (view.device().is_cpu() && grad.device().is_cpu() &&
+               grad.scalar_type() == view.scalar_type() && grad.is_contiguous()) {
+      CopyOnCallingThread(grad, view);  // Note [Gradient copies on the calling thread]
+    } else {
+      view.copy_(grad);
+    }
+  }
+
+  // Note [Gradient stores on the compute stream] in chunk_views.h. Also before a parameter is
+  // released on the device: a kernel still queued on the compute stream may read it when the
+  // block is evicted, dropped and reused by an upload. Returns whether it ordered anything.
+  bool OrderCopiesAfterCompute() {
+    if (!on_device_) return false;
+    CopyEngine* copies = manager_->Run([](ChunkManager& m) { return &m.copy_engine(); });
+    const gpu::Stream compute = ComputeStream(copies->options().device);
+    py::gil_scoped_release release;
+    ThrowIfError(copies->OrderAfter(compute));
+    return true;
+  }
+
+  void StoreOnComputeStream(const TensorView& chunk_view, const at::Tensor& grad, bool accumulate) {
+    const int device =
+        manager_->Run([](ChunkManager& m) { return m.copy_engine().options().device; });
+    const gpu::Stream compute = ComputeStream(device);
+    void* data = reinterpret_cast<void*>(static_cast<uintptr_t>(chunk_view.address));
+    if (gpu::StrictDevice()) {
+      // torch is the CPU build here: the store is emulated device work, late, on the stand-in
+      // for torch's current stream; `source` keeps the gradient alive until it ran (what
+      // torch's caching allocator does for a kernel on the allocating stream).
+      const at::Tensor source = grad.detach().contiguous();
+      const std::vector<int64_t> shape = chunk_view.shape;
+      const at::ScalarType dtype = ToScalarType(chunk_view.dtype);
+      const int64_t bytes = chunk_view.numel * static_cast<int64_t>(c10::elementSize(dtype));
+      ThrowIfError(gpu::strict::LaunchWork(
+          compute, {{data, bytes}, {source.data_ptr(), source.nbytes()}},
+          [data, shape, dtype, source, accumulate] {
+            at::Tensor view =
+                torch::from_blob(gpu::WorkPointer(data), shape, at::TensorOptions().dtype(dtype));
+            at::NoGradGuard no_grad;
+            if (accumulate) {
+              view.add_(source.to(dtype));
+            } else {
+              view.copy_(source);
+            }
+          }));
+    } else {
+      StoreWithTorch(TorchView(chunk_view), grad, accumulate);  // on torch's current stream
+    }
+    on_device_ = true;
+    (void)OrderCopiesAfterCompute();
+  }
+
   void CheckIndex(int64_t index) const {
     if (index < 0 || index >= static_cast<int64_t>(counts_.size())) {
       throw py::index_error("parameter index " + std::to_string(index) + " out of range [0, " +
@@ -189,6 +249,7 @@ class ParameterSlots {
   std::vector<uint64_t> addresses_;  // each accessed parameter's view address (0: none)
   absl::flat_hash_map<uint64_t, int64_t> index_of_address_;  // chunk view address -> index
   py::object before_access_ = py::none();
+  bool on_device_ = false;  // some chunk was accessed in device memory (ordering is needed)
 };
 
 }  // namespace

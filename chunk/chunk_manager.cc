@@ -1,7 +1,6 @@
 #include "chunk/chunk_manager.h"
 
 #include <algorithm>
-#include <cstring>
 #include <limits>
 #include <tuple>
 #include <utility>
@@ -11,6 +10,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "runtime/gpu.h"
 #include "runtime/logging.h"
 #include "runtime/status.h"
 
@@ -111,6 +111,16 @@ ChunkManager::ChunkManager(ChunkManagerOptions options)
 }
 
 ChunkManager::~ChunkManager() {
+  // Device work queued on the chunks by other streams (the gradient store of a step an error
+  // ended: Note [Gradient stores on the compute stream] in bindings/chunk_views.h) must be done
+  // before their blocks go back to a pool another manager may share.
+  for (const TierSlot& slot : tiers_) {
+    if (slot.tier->address_space() == AddressSpace::kDeviceMemory) {
+      absl::Status synced = gpu::SynchronizeDevice(options_.copy_engine->options().device);
+      if (!synced.ok()) PS_LOG(kWarning, "chunk manager: %s", synced.ToString());
+      break;
+    }
+  }
   for (Chunk& chunk : chunks_) {
     if (chunk.pending_.has_value()) {
       absl::Status status = chunk.pending_->handle.Wait();
@@ -600,11 +610,19 @@ absl::Status ChunkManager::MakeResident(Chunk& chunk, int tier) {
   if (!chunk.has_payload()) {
     // Note [Zero-filled chunks]: a chunk with no payload holds nothing anybody wrote on this
     // rank (all its tensors FREE or RELEASED), so a fresh, zeroed block is a faithful payload;
-    // for RELEASED tensors the caller gathers the data into it (PlanGather).
+    // for RELEASED tensors the caller gathers the data into it (PlanGather). The zeros are
+    // written by the copy engine: a device block is not host memory (a cudaMalloc pointer the
+    // host writes crashes the process), so it gets a cudaMemsetAsync that is complete before
+    // the chunk is handed out, like any copy into the device.
     PS_ASSIGN_OR_RETURN(Block block,
                         AllocateWithEviction(tier, chunk.bytes(), {chunk.id_},
                                              absl::StrCat("placing ", DescribeChunk(chunk))));
-    std::memset(block.data(), 0, static_cast<size_t>(block.bytes));
+    if (absl::Status filled = options_.copy_engine->Fill(block, 0); !filled.ok()) {
+      if (absl::Status freed = block.tier->Free(block); !freed.ok()) {
+        PS_LOG(kWarning, "chunk manager: %s", freed.ToString());
+      }
+      return Annotate(filled, absl::StrCat("zero-filling ", DescribeChunk(chunk)));
+    }
     AddChunkBytes(tier, block.bytes);
     tiers_[tier].stats.zero_fills += 1;
     events_.ZeroFill(chunk.id_, tier, block.bytes);

@@ -194,6 +194,9 @@ class ChunkManager {
   uint64_t layout_hash() const { return layout_hash_; }
   int num_tiers() const { return static_cast<int>(tiers_.size()); }
   const Tier& tier(int index) const { return *tiers_[index].tier; }
+  // The engine that moves this manager's chunks (device work that writes a chunk orders the
+  // copies after it: CopyEngine::OrderAfter).
+  CopyEngine& copy_engine() const { return *options_.copy_engine; }
   std::vector<TierChunkStats> Stats() const;
   // The most recent evictions: at least the last kEvictionLogKeep (all of them before that).
   static constexpr size_t kEvictionLogKeep = 1 << 14;

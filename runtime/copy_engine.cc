@@ -174,8 +174,12 @@ void CopyEngine::ReturnEvent(gpu::Event event) {
 absl::Status CopyEngine::RunDeviceCopy(void* dst, const void* src, int64_t bytes, bool to_device) {
   // Note [Copy stream ordering]: copies are enqueued on non-blocking streams (one per direction,
   // so uploads and downloads overlap) and each records its own event, which only the worker
-  // thread waits on: the caller's compute stream is never synchronized, and the lock is held
-  // just for enqueueing, so copies in flight do not serialize one another.
+  // thread waits on, and the lock is held just for enqueueing, so copies in flight do not
+  // serialize one another. A copy that lands on the device is complete before the chunk is
+  // handed to compute (the host waited for its event). The other direction is not free: work
+  // that compute streams enqueued on a block (torch's gradient store) may not have run when the
+  // chunk manager copies the block out or reuses it, so whoever enqueues such work calls
+  // OrderAfter(stream) before releasing the chunk, and the copy streams wait on it.
   gpu::Event event;
   {
     absl::MutexLock lock(&gpu_mutex_);
@@ -192,6 +196,50 @@ absl::Status CopyEngine::RunDeviceCopy(void* dst, const void* src, int64_t bytes
   absl::Status status = gpu::SynchronizeEvent(event);
   ReturnEvent(event);
   return status;
+}
+
+absl::Status CopyEngine::Fill(const Block& block, int value) {
+  if (block.tier == nullptr || block.is_null()) {
+    return absl::InvalidArgumentError("fill: not a block");
+  }
+  switch (block.tier->address_space()) {
+    case AddressSpace::kHostMemory:
+      std::memset(block.data(), value, static_cast<size_t>(block.bytes));
+      return absl::OkStatus();
+    case AddressSpace::kFile:
+      return absl::InvalidArgumentError(
+          absl::StrCat("fill: ", Describe(block), " is a file range, not memory"));
+    case AddressSpace::kDeviceMemory:
+      break;
+  }
+  gpu::Event event;
+  {
+    absl::MutexLock lock(&gpu_mutex_);
+    PS_RETURN_IF_ERROR(Annotate(EnsureGpuStreams(), "copy engine"));
+    PS_ASSIGN_OR_RETURN(event, TakeEvent());
+    absl::Status enqueued = gpu::MemsetAsync(block.data(), value, block.bytes, to_device_stream_);
+    if (enqueued.ok()) enqueued = gpu::RecordEvent(event, to_device_stream_);
+    if (!enqueued.ok()) {
+      free_events_.push_back(event);
+      return Annotate(enqueued, absl::StrCat("filling ", Describe(block)));
+    }
+  }
+  absl::Status status = gpu::SynchronizeEvent(event);
+  ReturnEvent(event);
+  return status;
+}
+
+absl::Status CopyEngine::OrderAfter(gpu::Stream producer) {
+  absl::MutexLock lock(&gpu_mutex_);
+  PS_RETURN_IF_ERROR(Annotate(EnsureGpuStreams(), "copy engine"));
+  PS_ASSIGN_OR_RETURN(gpu::Event event, TakeEvent());
+  // Each wait captures the record it follows, so the event can be reused at once: a later
+  // record does not touch the waits already enqueued (CUDA's cudaStreamWaitEvent semantics).
+  absl::Status status = gpu::RecordEvent(event, producer);
+  if (status.ok()) status = gpu::StreamWaitEvent(to_device_stream_, event);
+  if (status.ok()) status = gpu::StreamWaitEvent(from_device_stream_, event);
+  free_events_.push_back(event);
+  return Annotate(status, "ordering the copy streams after a compute stream");
 }
 
 void CopyEngine::Finish(const Block& src, const Block& dst,

@@ -67,6 +67,15 @@ class CopyEngine {
   // Waits for every copy started so far.
   void WaitAll();
 
+  // Sets every byte of `block` (a memory tier's) to `value` and returns once that is done: a
+  // host memset for host memory, cudaMemsetAsync on the upload stream for device memory (Note
+  // [Zero-filled chunks] in chunk/chunk_manager.cc): the host must never write device memory.
+  absl::Status Fill(const Block& block, int value);
+
+  // Orders every copy issued after this call after the work enqueued on `producer` so far
+  // (an event recorded there, waited on by both copy streams): Note [Copy stream ordering].
+  absl::Status OrderAfter(gpu::Stream producer);
+
  private:
   void RunMemoryCopy(const Block& src, const Block& dst, std::shared_ptr<CopyHandle::State> state);
   absl::Status RunDeviceCopy(void* dst, const void* src, int64_t bytes, bool to_device);

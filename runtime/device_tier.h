@@ -1,5 +1,5 @@
-// The CUDA device tier: cudaMalloc'd slabs on one device. Defined in runtime/cuda/ (CUDA builds)
-// or as a stub that reports the missing CUDA build.
+// The CUDA device tier: cudaMalloc'd slabs on one device, through runtime/gpu.h (so the strict
+// emulated device runs it too: Note [Strict device] in runtime/strict_device.h).
 #pragma once
 
 #include <memory>
@@ -14,7 +14,8 @@ struct DeviceTierOptions {
   Tier::Options tier;  // name defaults to "cuda:<device>"
 };
 
-// FailedPrecondition when the build has no CUDA or no such device exists.
+// FailedPrecondition when no device is usable (no CUDA build or GPU, and no strict device);
+// InvalidArgument when `device` does not exist.
 absl::StatusOr<std::unique_ptr<Tier>> CreateDeviceTier(DeviceTierOptions options);
 
 }  // namespace ps

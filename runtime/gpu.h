@@ -15,6 +15,9 @@
 namespace ps::gpu {
 
 bool CompiledWithCuda();
+// True when the strict emulated device stands in for CUDA (Note [Strict device] in
+// runtime/strict_device.h): every call below then reaches the emulation instead of cudart.
+bool StrictDevice();
 // Number of usable devices; 0 without a driver or GPU.
 int DeviceCount();
 // Why DeviceCount() is 0 (empty when a device is present).
@@ -54,5 +57,16 @@ absl::Status StreamWaitEvent(Stream stream, Event event);
 // Enqueues a copy of `bytes` on `stream`; host memory should be pinned for it to be async.
 absl::Status CopyAsync(void* dst, const void* src, int64_t bytes, Stream stream);
 absl::Status MemsetAsync(void* dst, int value, int64_t bytes, Stream stream);
+
+// Waits for all work on `device` (cudaDeviceSynchronize).
+absl::Status SynchronizeDevice(int device);
+
+// The address at which device work (a kernel, torch compute on a view) reaches `pointer`: the
+// pointer itself on a real GPU; the strict device's read-write alias of its device memory.
+void* WorkPointer(const void* pointer);
+
+// OK unless work still queued on some stream reads or writes [pointer, pointer + bytes): a block
+// about to be reused. Only the strict device can tell; on a real GPU this is always OK.
+absl::Status CheckIdle(const void* pointer, int64_t bytes);
 
 }  // namespace ps::gpu

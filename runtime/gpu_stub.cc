@@ -1,8 +1,8 @@
-// The GPU runtime of a build without CUDA: every call says so.
+// The GPU runtime of a build without CUDA: the strict emulated device when it is on (Note
+// [Strict device] in runtime/strict_device.h), otherwise every call says CUDA is not built.
 #include "absl/status/status.h"
-#include "absl/strings/str_cat.h"
-#include "runtime/device_tier.h"
 #include "runtime/gpu.h"
+#include "runtime/strict_device.h"
 
 namespace ps::gpu {
 namespace {
@@ -13,30 +13,70 @@ absl::Status NotBuilt() {
 }  // namespace
 
 bool CompiledWithCuda() { return false; }
-int DeviceCount() { return 0; }
-std::string UnavailableReason() { return std::string(NotBuilt().message()); }
-std::string RuntimeVersion() { return "none"; }
-absl::StatusOr<void*> HostAllocPinned(int64_t) { return NotBuilt(); }
-void HostFreePinned(void*) {}
-absl::StatusOr<void*> DeviceMalloc(int, int64_t) { return NotBuilt(); }
-void DeviceFree(int, void*) {}
-absl::StatusOr<Stream> CreateStream(int) { return NotBuilt(); }
-void DestroyStream(Stream) {}
-absl::Status SynchronizeStream(Stream) { return NotBuilt(); }
-absl::StatusOr<Event> CreateEvent(int) { return NotBuilt(); }
-void DestroyEvent(Event) {}
-absl::Status RecordEvent(Event, Stream) { return NotBuilt(); }
-absl::Status SynchronizeEvent(Event) { return NotBuilt(); }
-absl::StatusOr<bool> QueryEvent(Event) { return NotBuilt(); }
-absl::Status StreamWaitEvent(Stream, Event) { return NotBuilt(); }
-absl::Status CopyAsync(void*, const void*, int64_t, Stream) { return NotBuilt(); }
-absl::Status MemsetAsync(void*, int, int64_t, Stream) { return NotBuilt(); }
+bool StrictDevice() { return strict::Enabled(); }
+int DeviceCount() { return strict::Enabled() ? strict::DeviceCount() : 0; }
+std::string UnavailableReason() {
+  return strict::Enabled() ? "" : std::string(NotBuilt().message());
+}
+std::string RuntimeVersion() { return strict::Enabled() ? "strict emulated device" : "none"; }
+absl::StatusOr<void*> HostAllocPinned(int64_t bytes) {
+  if (strict::Enabled()) return strict::HostAllocPinned(bytes);
+  return NotBuilt();
+}
+void HostFreePinned(void* pointer) {
+  if (strict::Enabled()) strict::HostFreePinned(pointer);
+}
+absl::StatusOr<void*> DeviceMalloc(int device, int64_t bytes) {
+  if (strict::Enabled()) return strict::DeviceMalloc(device, bytes);
+  return NotBuilt();
+}
+void DeviceFree(int device, void* pointer) {
+  if (strict::Enabled()) strict::DeviceFree(device, pointer);
+}
+absl::StatusOr<Stream> CreateStream(int device) {
+  if (strict::Enabled()) return strict::CreateStream(device);
+  return NotBuilt();
+}
+void DestroyStream(Stream stream) {
+  if (strict::Enabled()) strict::DestroyStream(stream);
+}
+absl::Status SynchronizeStream(Stream stream) {
+  return strict::Enabled() ? strict::SynchronizeStream(stream) : NotBuilt();
+}
+absl::StatusOr<Event> CreateEvent(int device) {
+  if (strict::Enabled()) return strict::CreateEvent(device);
+  return NotBuilt();
+}
+void DestroyEvent(Event event) {
+  if (strict::Enabled()) strict::DestroyEvent(event);
+}
+absl::Status RecordEvent(Event event, Stream stream) {
+  return strict::Enabled() ? strict::RecordEvent(event, stream) : NotBuilt();
+}
+absl::Status SynchronizeEvent(Event event) {
+  return strict::Enabled() ? strict::SynchronizeEvent(event) : NotBuilt();
+}
+absl::StatusOr<bool> QueryEvent(Event event) {
+  if (strict::Enabled()) return strict::QueryEvent(event);
+  return NotBuilt();
+}
+absl::Status StreamWaitEvent(Stream stream, Event event) {
+  return strict::Enabled() ? strict::StreamWaitEvent(stream, event) : NotBuilt();
+}
+absl::Status CopyAsync(void* dst, const void* src, int64_t bytes, Stream stream) {
+  return strict::Enabled() ? strict::CopyAsync(dst, src, bytes, stream) : NotBuilt();
+}
+absl::Status MemsetAsync(void* dst, int value, int64_t bytes, Stream stream) {
+  return strict::Enabled() ? strict::MemsetAsync(dst, value, bytes, stream) : NotBuilt();
+}
+absl::Status SynchronizeDevice(int device) {
+  return strict::Enabled() ? strict::SynchronizeDevice(device) : NotBuilt();
+}
+void* WorkPointer(const void* pointer) {
+  return strict::Enabled() ? strict::WorkPointer(pointer) : const_cast<void*>(pointer);
+}
+absl::Status CheckIdle(const void* pointer, int64_t bytes) {
+  return strict::Enabled() ? strict::CheckIdle(pointer, bytes) : absl::OkStatus();
+}
 
 }  // namespace ps::gpu
-
-namespace ps {
-absl::StatusOr<std::unique_ptr<Tier>> CreateDeviceTier(DeviceTierOptions) {
-  return absl::FailedPreconditionError(
-      absl::StrCat("cannot create the CUDA device tier: ", gpu::UnavailableReason()));
-}
-}  // namespace ps

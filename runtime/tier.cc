@@ -241,6 +241,9 @@ absl::Status Tier::Free(const Block& block) {
   }
   const uint64_t address = record->address;
   const int64_t bytes = record->bytes;
+  if (absl::Status idle = CheckBlockIdle(address, bytes); !idle.ok()) {
+    return Annotate(idle, absl::StrCat(DescribeBlockLocked(block), " cannot be freed"));
+  }
   blocks_.erase(block.id);
   free_lists_[bytes].push_back(address);
   SlabOf(address)->second.free_blocks += 1;

@@ -114,6 +114,9 @@ class Tier {
   // Reserves `bytes` from the backing store; returns the base address (pointer or offset).
   virtual absl::StatusOr<uint64_t> ReserveRegion(int64_t bytes) = 0;
   virtual void ReleaseRegion(uint64_t base, int64_t bytes) = 0;
+  // Free() refuses a block that queued device work still uses (the device tier asks the GPU
+  // runtime, which only the strict device can answer: Note [Strict device]).
+  virtual absl::Status CheckBlockIdle(uint64_t, int64_t) const { return absl::OkStatus(); }
 
   // Derived destructors call this: the base destructor can no longer reach ReleaseRegion.
   void ReleaseAllRegions();

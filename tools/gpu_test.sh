@@ -3,7 +3,9 @@
 # C++ libraries and no network. Carry .device-prefix (tools/make-device-prefix.sh builds it).
 # Logs go to $OUT when it is set (the device tool brings that folder back).
 #
-#   tools/gpu_test.sh            build (PS_WITH_CUDA=ON) + ctest + pytest
+#   tools/gpu_test.sh            build (PS_WITH_CUDA=ON) + ctest + pytest, then every GPU figure
+#                                (step TFLOPS, copy GB/s vs cudaMemcpy, GPU Adam vs torch fused)
+#                                in one table (tools/bench/gpu.py)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 prefix=$PWD/.device-prefix/usr
@@ -26,4 +28,5 @@ set -o pipefail
 status=0
 ctest --test-dir build-gpu -j8 --output-on-failure 2>&1 | tee "$out/ctest.log" || status=1
 (cd / && "$python" -m pytest "$OLDPWD/tests/python" -q -ra) 2>&1 | tee "$out/pytest.log" || status=1
+"$python" tools/bench/gpu.py --out "$out/gpu_bench.json" 2>&1 | tee "$out/gpu_bench.log" || status=1
 exit $status

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Sets up everything (tools/setup.sh) and runs every test: the GoogleTest suite (ctest), the
-# pytest suite (the slow soak test included), the C++ suite again under AddressSanitizer +
-# UndefinedBehaviorSanitizer, the Python tests of the runtime (tiers, chunk bindings, Adam,
-# checkpoints, reliability) against an ASan + UBSan patrickstar._C, and the copy engine / NVMe
-# IO / tier tests under ThreadSanitizer.
+# pytest suite (the slow soak test included), the C++ suite and the engine's Python tests again
+# on the strict emulated device (PATRICKSTAR_STRICT_DEVICE=1), the C++ suite under
+# AddressSanitizer + UndefinedBehaviorSanitizer, the Python tests of the runtime (tiers, chunk
+# bindings, Adam, checkpoints, reliability) against an ASan + UBSan patrickstar._C, and the copy
+# engine / NVMe IO / tier / strict device tests under ThreadSanitizer.
 # Exits non-zero on any failure, and also when a suite ran no test at all.
 #
 #   tools/test.sh                 everything
@@ -71,6 +72,26 @@ if ((run_main)); then
   set -e
   if [ "$status" -eq 5 ]; then echo "[test] pytest collected no tests" >&2; exit 1; fi
   [ "$status" -eq 0 ] || exit "$status"
+
+  # Note [Strict device] (runtime/strict_device.h): the CUDA tiers, copy routes and stream
+  # orderings on an emulated device where the host touching device memory crashes and device
+  # work runs late. The C++ suite, and the engine's Python tests (initialize, budgets, prefetch,
+  # NVMe, data parallel, checkpoints, profile) plus the binding tests the engine stands on.
+  log "C++ tests on the strict emulated device (PATRICKSTAR_STRICT_DEVICE=1)"
+  PATRICKSTAR_STRICT_DEVICE=1 run_ctest build
+  log "Python engine tests on the strict emulated device (PATRICKSTAR_STRICT_DEVICE=1)"
+  set +e
+  PATRICKSTAR_STRICT_DEVICE=1 .venv/bin/python -m pytest -q -m "not slow" \
+    tests/python/test_strict_device.py tests/python/test_initialize.py \
+    tests/python/test_nvme_training.py tests/python/test_data_parallel.py \
+    tests/python/test_dp_checkpoint.py tests/python/test_checkpoint.py \
+    tests/python/test_profile.py tests/python/test_reliability.py \
+    tests/python/test_parameter_slots.py tests/python/test_chunk_bindings.py \
+    tests/python/test_runtime.py
+  status=$?
+  set -e
+  if [ "$status" -eq 5 ]; then echo "[test] pytest collected no tests" >&2; exit 1; fi
+  [ "$status" -eq 0 ] || exit "$status"
 fi
 
 if ((run_sanitize)); then
@@ -92,16 +113,20 @@ if ((run_tsan)); then
   # tests/cpp/tsan_absl_shim.cc explains the shim these binaries link.
   log "copy engine and NVMe IO tests under ThreadSanitizer (build-tsan/)"
   tsan_tests=(runtime_copy_engine_test runtime_nvme_tier_test runtime_tier_test
-              runtime_fault_injection_test)
+              runtime_fault_injection_test runtime_strict_device_test chunk_strict_device_test)
   if [ ! -f build-tsan/build.ninja ]; then
     cmake -S . -B build-tsan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DPS_TSAN=ON \
       -DPS_BUILD_PYTHON=OFF -DPS_BUILD_BENCHMARKS=OFF -DPS_WITH_CUDA=OFF >/dev/null
   fi
   cmake --build build-tsan -j"$jobs" --target "${tsan_tests[@]}"
   for test in "${tsan_tests[@]}"; do
+    filter=()
+    # The strict device's streams are threads: its deliberate missing wait is a real race (TSan
+    # reports it, as it would any missing wait there), and death tests fork.
+    [ "$test" = runtime_strict_device_test ] && filter=(--gtest_filter=-*WithoutAWait*:*HostTouch*)
     # halt_on_error: the first race fails the job with its report.
     TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1" "build-tsan/tests/cpp/$test" \
-      --gtest_brief=1
+      --gtest_brief=1 "${filter[@]}"
   done
 fi
 if ((run_python_asan)); then

@@ -21,6 +21,7 @@
 #include "kernels/adam.h"
 #include "kernels/grad_stats.h"
 #include "kernels/internal/cpu_paths.h"
+#include "kernels/internal/strict_kernels.h"
 #include "runtime/status.h"
 
 namespace ps::kernels {
@@ -235,6 +236,7 @@ absl::StatusOr<std::vector<DeviceGradChunk>> GradEntries(absl::Span<const GradCh
 
 absl::Status AdamUpdateOnDevice(absl::Span<const AdamChunk> chunks, const AdamHyperParams& params,
                                 gpu::Stream stream) {
+  if (gpu::StrictDevice()) return strict::AdamUpdateOnDevice(chunks, params, stream);
   PS_RETURN_IF_ERROR(ValidateAdamHyperParams(params));
   std::vector<DeviceAdamChunk> entries;
   for (size_t i = 0; i < chunks.size(); ++i) {
@@ -253,6 +255,9 @@ absl::Status AdamUpdateOnDevice(absl::Span<const AdamChunk> chunks, const AdamHy
 
 absl::Status GradStatsOnDevice(absl::Span<const GradChunk> chunks, double* device_squared_norm,
                                int32_t* device_overflow, gpu::Stream stream) {
+  if (gpu::StrictDevice()) {
+    return strict::GradStatsOnDevice(chunks, device_squared_norm, device_overflow, stream);
+  }
   PS_ASSIGN_OR_RETURN(std::vector<DeviceGradChunk> entries, GradEntries(chunks));
   return LaunchTables(entries, stream, "GradStatsOnDevice",
                       [&](const ChunkTable<DeviceGradChunk>& table, unsigned grid, cudaStream_t s) {
@@ -263,6 +268,9 @@ absl::Status GradStatsOnDevice(absl::Span<const GradChunk> chunks, double* devic
 
 absl::Status ScaleGradsOnDevice(absl::Span<const GradChunk> chunks, float multiplier,
                                 int32_t* device_overflow, gpu::Stream stream) {
+  if (gpu::StrictDevice()) {
+    return strict::ScaleGradsOnDevice(chunks, multiplier, device_overflow, stream);
+  }
   PS_ASSIGN_OR_RETURN(std::vector<DeviceGradChunk> entries, GradEntries(chunks));
   return LaunchTables(entries, stream, "ScaleGradsOnDevice",
                       [&](const ChunkTable<DeviceGradChunk>& table, unsigned grid, cudaStream_t s) {

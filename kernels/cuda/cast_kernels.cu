@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/cast.h"
+#include "kernels/internal/strict_kernels.h"
 
 namespace ps::kernels {
 namespace {
@@ -70,6 +71,7 @@ absl::Status LaunchStatus(const char* what) {
 
 absl::Status CastFloatTo16OnDevice(const float* src, uint16_t* dst, int64_t count,
                                    DType dst_dtype, gpu::Stream stream) {
+  if (gpu::StrictDevice()) return strict::CastFloatTo16OnDevice(src, dst, count, dst_dtype, stream);
   if (count == 0) return absl::OkStatus();
   auto s = static_cast<cudaStream_t>(stream.handle);
   if (dst_dtype == DType::kFloat16) {
@@ -85,6 +87,7 @@ absl::Status CastFloatTo16OnDevice(const float* src, uint16_t* dst, int64_t coun
 
 absl::Status Cast16ToFloatOnDevice(const uint16_t* src, float* dst, int64_t count,
                                    DType src_dtype, gpu::Stream stream) {
+  if (gpu::StrictDevice()) return strict::Cast16ToFloatOnDevice(src, dst, count, src_dtype, stream);
   if (count == 0) return absl::OkStatus();
   auto s = static_cast<cudaStream_t>(stream.handle);
   if (src_dtype == DType::kFloat16) {

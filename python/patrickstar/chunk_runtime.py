@@ -60,8 +60,12 @@ class ChunkRuntime:
     def __init__(self, config, local_rank: int, world_size: int = 1, rank: int = 0):
         memory = config.memory
         tiers = []
+        # The strict device (PATRICKSTAR_STRICT_DEVICE=1, Note [Strict device] in
+        # runtime/strict_device.h) takes the CUDA tiers and copy routes; torch stays on the CPU,
+        # and with it the CPU build's update placement (Note [Optimizer sweep] in optimizer.py).
+        strict = _C.strict_device()
         if _C.cuda_available():
-            self.device = torch.device("cuda", local_rank)
+            self.device = torch.device("cpu") if strict else torch.device("cuda", local_rank)
             tiers.append(_C.DeviceTier(local_rank, budget=memory.device_budget or 0,
                                        name=f"cuda:{local_rank}"))
         else:

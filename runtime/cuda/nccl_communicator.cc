@@ -22,6 +22,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "runtime/communicator.h"
+#include "runtime/gpu.h"
 #include "runtime/logging.h"
 #include "runtime/status.h"
 #include "runtime/thread_pool.h"
@@ -237,6 +238,11 @@ absl::StatusOr<std::unique_ptr<Communicator>> CreateNcclCommunicator(int rank, i
   if (world_size <= 0 || rank < 0 || rank >= world_size) {
     return absl::InvalidArgumentError(
         absl::StrCat("NCCL communicator: rank ", rank, " of a world of ", world_size));
+  }
+  if (gpu::StrictDevice()) {  // Note [Strict device]: NCCL's transport is not emulated
+    return absl::FailedPreconditionError(
+        "NCCL communicator: the strict emulated device has no NCCL; use the torch.distributed "
+        "communicator on the host tier");
   }
   ncclUniqueId id;
   if (unique_id.size() != sizeof(id.internal)) {

@@ -81,7 +81,7 @@ void WriteEveryTensor(ChunkManager& m, TierKind tier) {
   for (TensorId t = 0; t < m.num_tensors(); ++t) {
     auto view = m.Access(t, tier);
     ASSERT_TRUE(view.ok()) << view.status();
-    auto* data = reinterpret_cast<float*>(view->address);
+    auto* data = static_cast<float*>(testing::ComputePointer(*view));
     for (int64_t i = 0; i < view->numel; ++i) data[i] = Value(t, i);
     ASSERT_TRUE(m.Release(t, TensorState::kHold).ok());
   }
@@ -128,7 +128,7 @@ class GroupCollectivesTest : public ::testing::TestWithParam<int> {
     ChunkManager& m = *ranks_[r]->manager;
     auto view = m.Access(tensor, TierKind::kHost);
     ASSERT_TRUE(view.ok()) << view.status();
-    auto* data = reinterpret_cast<float*>(view->address);
+    auto* data = static_cast<float*>(testing::ComputePointer(*view));
     for (int64_t i = 0; i < view->numel; ++i) data[i] = scale * Value(tensor % NumParams(), i);
     ASSERT_TRUE(m.Release(tensor, TensorState::kHold).ok());
   }
@@ -144,7 +144,7 @@ class GroupCollectivesTest : public ::testing::TestWithParam<int> {
     ChunkManager& m = *ranks_[r]->manager;
     auto view = m.Access(tensor, TierKind::kHost);
     ASSERT_TRUE(view.ok()) << view.status();
-    const auto* data = reinterpret_cast<const float*>(view->address);
+    const auto* data = static_cast<const float*>(testing::ComputePointer(*view));
     for (int64_t i = 0; i < view->numel; ++i) {
       ASSERT_FLOAT_EQ(data[i], scale * Value(tensor % NumParams(), i))
           << "rank " << r << " tensor " << tensor << " element " << i;
@@ -375,7 +375,9 @@ TEST(GroupCollectivesStartTest, ARankWithoutRoomDeclinesToStartAndGathersAtFirst
   std::vector<std::unique_ptr<Rank>> ranks = OneTensorPerChunk(
       world, 2 * kWorld,
       [&](int r, Rank& rank, ChunkManagerOptions&) {
-        rank.hierarchy = testing::MakeHierarchy(0, r == 0 ? kChunkBytes : 0, kChunkBytes);
+        // A host-memory device tier: the host communicator gathers into it in place.
+        rank.hierarchy = testing::MakeHierarchy(0, r == 0 ? kChunkBytes : 0, kChunkBytes, nullptr,
+                                                /*device_in_host_memory=*/true);
       },
       collective_options);
   std::vector<std::thread> threads;
@@ -405,7 +407,7 @@ TEST(GroupCollectivesStartTest, ARankWithoutRoomDeclinesToStartAndGathersAtFirst
         }
         auto view = m.Access(t, TierKind::kDevice);
         ASSERT_TRUE(view.ok()) << view.status();
-        const auto* data = reinterpret_cast<const float*>(view->address);
+        const auto* data = static_cast<const float*>(testing::ComputePointer(*view));
         for (int64_t i = 0; i < view->numel; ++i) {
           ASSERT_EQ(data[i], Value(t, i)) << "rank " << r << " tensor " << t << " element " << i;
         }
@@ -443,7 +445,7 @@ TEST(GroupCollectivesSingleOwnerTest, EveryRankGathersAGroupOneRankOwnsEntirely)
       ChunkManager& m = *ranks[r]->manager;
       auto view = m.Access(0, TierKind::kHost);
       ASSERT_TRUE(view.ok());
-      reinterpret_cast<float*>(view->address)[7] = r == 0 ? 42.0f : -1.0f;
+      static_cast<float*>(testing::ComputePointer(*view))[7] = r == 0 ? 42.0f : -1.0f;
       ASSERT_TRUE(m.Release(0, TensorState::kHold).ok());
       GroupCollectives& c = *ranks[r]->collectives;
       ASSERT_TRUE(c.ReleaseAll(ChunkKind::kComputeParam).ok());
@@ -452,7 +454,7 @@ TEST(GroupCollectivesSingleOwnerTest, EveryRankGathersAGroupOneRankOwnsEntirely)
       EXPECT_TRUE(*gathered) << "rank " << r;
       view = m.Access(0, TierKind::kHost);
       ASSERT_TRUE(view.ok());
-      EXPECT_EQ(reinterpret_cast<float*>(view->address)[7], 42.0f) << "rank " << r;
+      EXPECT_EQ(static_cast<float*>(testing::ComputePointer(*view))[7], 42.0f) << "rank " << r;
       ASSERT_TRUE(m.Release(0, TensorState::kHold).ok());
     });
   }
@@ -469,7 +471,11 @@ TEST(GroupCollectivesPrefetchTest, PinningAChunkWithAPrefetchInFlightKeepsThePre
   auto world = std::make_shared<testing::FakeWorld>(kWorld);
   // One group of two full chunks: tensor r alone in chunk r, owned by rank r.
   std::vector<std::unique_ptr<Rank>> ranks =
-      OneTensorPerChunk(world, kWorld, [](int, Rank&, ChunkManagerOptions& options) {
+      OneTensorPerChunk(world, kWorld, [](int, Rank& rank, ChunkManagerOptions& options) {
+        // The device tier must be one the host communicator can pin the chunk in (host
+        // memory); with a GPU's device tier the pin takes the chunk to the host tier.
+        rank.hierarchy = testing::MakeHierarchy(0, 0, 8192, nullptr,
+                                                /*device_in_host_memory=*/true);
         options.prefetch_moments = 2;
       });
   std::vector<std::thread> threads;
@@ -495,7 +501,7 @@ TEST(GroupCollectivesPrefetchTest, PinningAChunkWithAPrefetchInFlightKeepsThePre
         for (TensorId t = 0; t < kWorld; ++t) {  // the module computes on the device
           auto view = m.Access(t, TierKind::kDevice);
           ASSERT_TRUE(view.ok()) << view.status();
-          const auto* data = reinterpret_cast<const float*>(view->address);
+          const auto* data = static_cast<const float*>(testing::ComputePointer(*view));
           for (int64_t i = 0; i < view->numel; ++i) {
             ASSERT_EQ(data[i], Value(t, i)) << "rank " << r << " tensor " << t << " element " << i;
           }

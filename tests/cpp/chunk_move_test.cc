@@ -48,7 +48,7 @@ class ChunkMoveTest : public ::testing::Test {
     for (TensorId t = 0; t < manager_->num_tensors(); ++t) {
       auto view = manager_->Access(t, tier);
       ASSERT_TRUE(view.ok()) << view.status();
-      std::memcpy(reinterpret_cast<void*>(view->address), expected_[t].data(), expected_[t].size());
+      std::memcpy(testing::ComputePointer(*view), expected_[t].data(), expected_[t].size());
       ASSERT_TRUE(manager_->Release(t, TensorState::kHold).ok());
     }
   }
@@ -57,9 +57,8 @@ class ChunkMoveTest : public ::testing::Test {
     for (TensorId t = 0; t < manager_->num_tensors(); ++t) {
       auto view = manager_->Access(t, tier);
       ASSERT_TRUE(view.ok()) << view.status();
-      EXPECT_EQ(std::memcmp(reinterpret_cast<const void*>(view->address), expected_[t].data(),
-                            expected_[t].size()),
-                0)
+      EXPECT_EQ(
+          std::memcmp(testing::ComputePointer(*view), expected_[t].data(), expected_[t].size()), 0)
           << "tensor " << t << " corrupted";
       ASSERT_TRUE(manager_->Release(t, TensorState::kHold).ok());
     }
@@ -153,16 +152,14 @@ TEST(ChunkMoveCudaTest, RealDeviceTierRoundTripKeepsBytes) {
   const std::vector<uint8_t> expected = RandomBytes(kChunkBytes, 99);
   auto view = (*manager)->Access(0, TierKind::kHost);
   ASSERT_TRUE(view.ok()) << view.status();
-  std::memcpy(reinterpret_cast<void*>(view->address), expected.data(), expected.size());
+  std::memcpy(testing::ComputePointer(*view), expected.data(), expected.size());
   ASSERT_TRUE((*manager)->Release(0, TensorState::kHold).ok());
   for (TierKind tier : {TierKind::kDevice, TierKind::kNvme, TierKind::kDevice, TierKind::kHost}) {
     ASSERT_TRUE((*manager)->MoveChunk(0, tier).ok());
   }
   view = (*manager)->Access(0, TierKind::kHost);
   ASSERT_TRUE(view.ok()) << view.status();
-  EXPECT_EQ(
-      std::memcmp(reinterpret_cast<const void*>(view->address), expected.data(), expected.size()),
-      0);
+  EXPECT_EQ(std::memcmp(testing::ComputePointer(*view), expected.data(), expected.size()), 0);
   auto on_device = (*manager)->Access(0, TierKind::kDevice);
   EXPECT_EQ(on_device.status().code(), absl::StatusCode::kFailedPrecondition)
       << "the chunk computes on the host; it cannot move to the device now";

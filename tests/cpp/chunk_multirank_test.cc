@@ -104,7 +104,7 @@ TEST_P(FakeWorldTest, ReleaseAfterInitThenGatherRestoresTheOwnersBytes) {
     for (TensorId t = 0; t < compute_tensors; ++t) {
       auto view = M(r).Access(t, TierKind::kHost);
       ASSERT_TRUE(view.ok()) << view.status();
-      auto* data = reinterpret_cast<uint16_t*>(view->address);
+      auto* data = static_cast<uint16_t*>(testing::ComputePointer(*view));
       for (int64_t i = 0; i < view->numel; ++i) data[i] = Pattern(t, i);
       ASSERT_TRUE(M(r).Release(t, TensorState::kHold).ok());
     }
@@ -172,7 +172,7 @@ TEST_P(FakeWorldTest, ReleaseAfterInitThenGatherRestoresTheOwnersBytes) {
     for (int r = 0; r < world_size_; ++r) {
       auto view = M(r).Access(t, TierKind::kHost);
       ASSERT_TRUE(view.ok()) << view.status();
-      const auto* data = reinterpret_cast<const uint16_t*>(view->address);
+      const auto* data = static_cast<const uint16_t*>(testing::ComputePointer(*view));
       for (int64_t i = 0; i < view->numel; ++i) {
         ASSERT_EQ(data[i], Pattern(t, i)) << "rank " << r << " tensor " << t << " element " << i;
       }

@@ -24,7 +24,7 @@ constexpr int64_t kChunkBytes = kElements * 4;
 void Fill(ChunkManager& manager, TensorId tensor, TierKind tier, float value) {
   auto view = manager.Access(tensor, tier);
   ASSERT_TRUE(view.ok()) << view.status();
-  auto* data = reinterpret_cast<float*>(view->address);
+  auto* data = static_cast<float*>(testing::ComputePointer(*view));
   for (int64_t i = 0; i < view->numel; ++i) data[i] = value + static_cast<float>(i);
   ASSERT_TRUE(manager.Release(tensor, TensorState::kHold).ok());
 }
@@ -32,7 +32,7 @@ void Fill(ChunkManager& manager, TensorId tensor, TierKind tier, float value) {
 void ExpectFilled(ChunkManager& manager, TensorId tensor, TierKind tier, float value) {
   auto view = manager.Access(tensor, tier);
   ASSERT_TRUE(view.ok()) << view.status();
-  const auto* data = reinterpret_cast<const float*>(view->address);
+  const auto* data = static_cast<const float*>(testing::ComputePointer(*view));
   for (int64_t i = 0; i < view->numel; ++i) {
     ASSERT_EQ(data[i], value + static_cast<float>(i)) << "tensor " << tensor << " element " << i;
   }

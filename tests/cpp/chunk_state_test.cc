@@ -162,7 +162,7 @@ TEST_F(StateMachineThroughManagerTest, ReleasedBackToHoldOnlyThroughAGather) {
   EXPECT_EQ((*manager_->tensor(2))->state, S::kHold);
   auto view = manager_->Access(0, TierKind::kHost);
   ASSERT_TRUE(view.ok());
-  EXPECT_EQ(reinterpret_cast<const uint8_t*>(view->address)[17], 0x3f);
+  EXPECT_EQ(static_cast<const uint8_t*>(testing::ComputePointer(*view))[17], 0x3f);
 }
 
 TEST_F(StateMachineThroughManagerTest, ComputeEntersAndLeavesOnlyThroughAccessAndRelease) {
@@ -210,7 +210,7 @@ TEST(ChunkResidencyTest, FreeDropsThePayloadAndTheNextAccessZeroFills) {
   for (TensorId t : {0, 1}) {
     auto view = manager->Access(t, TierKind::kHost);
     ASSERT_TRUE(view.ok());
-    std::memset(reinterpret_cast<void*>(view->address), 0x7a, 512 * 4);
+    std::memset(testing::ComputePointer(*view), 0x7a, 512 * 4);
     ASSERT_TRUE(manager->Release(t, S::kHold).ok());
   }
   ASSERT_TRUE(manager->SetTensorState(0, S::kFree).ok());
@@ -220,7 +220,7 @@ TEST(ChunkResidencyTest, FreeDropsThePayloadAndTheNextAccessZeroFills) {
   EXPECT_EQ(manager->Stats()[1].chunk_bytes, 0);
   auto view = manager->Access(1, TierKind::kHost);
   ASSERT_TRUE(view.ok());
-  const auto* floats = reinterpret_cast<const float*>(view->address);
+  const auto* floats = static_cast<const float*>(testing::ComputePointer(*view));
   for (int i = 0; i < 512; ++i) ASSERT_EQ(floats[i], 0.0f) << i;
   EXPECT_EQ(manager->Stats()[1].zero_fills, 2);
   EXPECT_EQ(manager->View(0).status().code(), absl::StatusCode::kFailedPrecondition);

@@ -14,6 +14,8 @@
 #include "chunk/chunk_manager.h"
 #include "gtest/gtest.h"
 #include "runtime/copy_engine.h"
+#include "runtime/device_tier.h"
+#include "runtime/gpu.h"
 #include "runtime/host_tier.h"
 #include "runtime/nvme_tier.h"
 #include "test_util.h"  // TempDir
@@ -25,8 +27,15 @@ inline Tier::Options TierOptions(const std::string& name, int64_t budget, int64_
   return Tier::Options{name, budget, slab_bytes};
 }
 
+// Where a test reads or writes a tensor it accessed, as compute would: the view's address, or on
+// the strict device (PATRICKSTAR_STRICT_DEVICE=1) its device-side alias.
+inline void* ComputePointer(const TensorView& view) {
+  return gpu::WorkPointer(reinterpret_cast<const void*>(static_cast<uintptr_t>(view.address)));
+}
+
 struct Hierarchy {
-  std::shared_ptr<EmulatedDeviceTier> device;
+  // The CUDA device tier on the strict device (Note [Strict device]); otherwise emulated.
+  std::shared_ptr<Tier> device;
   std::shared_ptr<HostTier> host;
   std::shared_ptr<NvmeTier> nvme;
   std::shared_ptr<CopyEngine> engine = std::make_shared<CopyEngine>();
@@ -40,13 +49,24 @@ struct Hierarchy {
   }
 };
 
+// `device_in_host_memory` keeps the EmulatedDeviceTier even on the strict device, for tests of
+// what a host-memory device tier allows (a host communicator reducing on it in place).
 inline Hierarchy MakeHierarchy(int64_t device_budget, int64_t host_budget, int64_t slab_bytes,
-                               const std::string* nvme_directory = nullptr) {
+                               const std::string* nvme_directory = nullptr,
+                               bool device_in_host_memory = false) {
   Hierarchy hierarchy;
-  hierarchy.device = std::make_shared<EmulatedDeviceTier>(
-      EmulatedDeviceTierOptions{TierOptions("device", device_budget, slab_bytes)});
+  if (gpu::StrictDevice() && !device_in_host_memory) {
+    auto device =
+        CreateDeviceTier(DeviceTierOptions{0, TierOptions("device", device_budget, slab_bytes)});
+    EXPECT_TRUE(device.ok()) << device.status();
+    if (device.ok()) hierarchy.device = std::shared_ptr<Tier>(std::move(*device));
+  } else {
+    hierarchy.device = std::make_shared<EmulatedDeviceTier>(
+        EmulatedDeviceTierOptions{TierOptions("device", device_budget, slab_bytes)});
+  }
   HostTierOptions host_options;
   host_options.tier = TierOptions("host", host_budget, slab_bytes);
+  host_options.pinned = gpu::StrictDevice();  // as the engine asks for with a GPU
   hierarchy.host = std::make_shared<HostTier>(host_options);
   if (nvme_directory != nullptr) {
     NvmeTierOptions nvme_options;

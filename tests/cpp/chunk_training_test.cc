@@ -147,22 +147,23 @@ class TrainingLoop {
       const TensorInfo& info = **manager_->tensor(tensors[i]);
       const int64_t value =
           info.dtype == DType::kFloat16
-              ? *reinterpret_cast<const uint16_t*>(views[i].address)
-              : static_cast<int64_t>(*reinterpret_cast<const float*>(views[i].address));
+              ? *static_cast<const uint16_t*>(testing::ComputePointer(views[i]))
+              : static_cast<int64_t>(*static_cast<const float*>(testing::ComputePointer(views[i])));
       EXPECT_EQ(value, expected) << info.name << " at " << where;
       const int64_t last = info.numel - 1;
       const int64_t tail =
           info.dtype == DType::kFloat16
-              ? reinterpret_cast<const uint16_t*>(views[i].address)[last]
-              : static_cast<int64_t>(reinterpret_cast<const float*>(views[i].address)[last]);
+              ? static_cast<const uint16_t*>(testing::ComputePointer(views[i]))[last]
+              : static_cast<int64_t>(
+                    static_cast<const float*>(testing::ComputePointer(views[i]))[last]);
       EXPECT_EQ(tail, expected) << info.name << " (last element) at " << where;
       if (update) {
         if (info.dtype == DType::kFloat16) {
-          reinterpret_cast<uint16_t*>(views[i].address)[0] += 1;
-          reinterpret_cast<uint16_t*>(views[i].address)[last] += 1;
+          static_cast<uint16_t*>(testing::ComputePointer(views[i]))[0] += 1;
+          static_cast<uint16_t*>(testing::ComputePointer(views[i]))[last] += 1;
         } else {
-          reinterpret_cast<float*>(views[i].address)[0] += 1;
-          reinterpret_cast<float*>(views[i].address)[last] += 1;
+          static_cast<float*>(testing::ComputePointer(views[i]))[0] += 1;
+          static_cast<float*>(testing::ComputePointer(views[i]))[last] += 1;
         }
       }
     }

@@ -14,7 +14,9 @@ namespace {
 using ::testing::HasSubstr;
 
 TEST(NcclCommunicatorTest, WithoutNcclOrAGpuCreationIsAClearError) {
-  if (NcclAvailable() && gpu::DeviceCount() > 0) GTEST_SKIP() << "NCCL and a GPU are present";
+  if (NcclAvailable() && gpu::DeviceCount() > 0 && !gpu::StrictDevice()) {
+    GTEST_SKIP() << "NCCL and a GPU are present";
+  }
   auto communicator = CreateNcclCommunicator(0, 1, 0, std::string(128, '\0'));
   ASSERT_FALSE(communicator.ok());
   EXPECT_EQ(communicator.status().code(), absl::StatusCode::kFailedPrecondition);
@@ -22,7 +24,9 @@ TEST(NcclCommunicatorTest, WithoutNcclOrAGpuCreationIsAClearError) {
 
 TEST(NcclCommunicatorTest, OneRankCollectivesOnTheDevice) {
   if (!NcclAvailable()) GTEST_SKIP() << "built without NCCL";
-  if (gpu::DeviceCount() == 0) GTEST_SKIP() << "no GPU: " << gpu::UnavailableReason();
+  if (gpu::DeviceCount() == 0 || gpu::StrictDevice()) {
+    GTEST_SKIP() << "no GPU (the strict device has no NCCL): " << gpu::UnavailableReason();
+  }
   auto id = NcclUniqueId();
   ASSERT_TRUE(id.ok()) << id.status();
   auto created = CreateNcclCommunicator(0, 1, 0, *id);

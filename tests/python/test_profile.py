@@ -99,8 +99,9 @@ def test_trace_follows_the_trace_event_format(profiled):
     assert set(last_ts) <= set(named_threads)
     names = set(named_threads.values())
     assert "compute" in names and "evictions" in names and "memory" in names
-    assert any(name.startswith("copy host->device") for name in names)
-    assert any(name.startswith("copy device->host") for name in names)
+    device = profiled[2][0]["name"]  # "device", or "cuda:0" with a GPU or the strict device
+    assert any(name.startswith(f"copy host->{device}") for name in names)
+    assert any(name.startswith(f"copy {device}->host") for name in names)
     # Slices on one track nest or follow each other, never overlap partially (Perfetto).
     by_track = {}
     for event in events:
@@ -148,20 +149,22 @@ def test_memory_csv_totals_equal_tier_statistics(profiled):
 
 def test_summary_agrees_with_statistics(profiled):
     directory, before, after, _ = profiled
+    device = after[0]["name"]  # "device", or "cuda:0" with a GPU or the strict device
     summary = json.loads((directory / "summary.json").read_text())
     moved_in = sum(a["bytes_in"] - b["bytes_in"] for a, b in zip(after, before))
     assert summary["moves"]["bytes"] == moved_in > 0
-    assert summary["moves"]["by_direction"]["host->device"] == (after[0]["bytes_in"]
-                                                                - before[0]["bytes_in"])
+    assert summary["moves"]["by_direction"][f"host->{device}"] == (after[0]["bytes_in"]
+                                                                   - before[0]["bytes_in"])
     # A CPU build updates every chunk where it is (Note [Optimizer sweep] in engine.py): no copy
-    # has the optimizer cause; with CUDA the optimizer pulls device chunks to the host.
-    if patrickstar._C.cuda_available():
+    # has the optimizer cause; with CUDA the optimizer pulls device chunks to the host. The
+    # strict device keeps the CPU build's placement (torch runs on the CPU there).
+    if patrickstar._C.cuda_available() and not patrickstar._C.strict_device():
         assert summary["moves"]["by_cause"]["optimizer"] > 0
     else:
         assert summary["moves"]["by_cause"].get("optimizer", 0) == 0
     assert summary["moves"]["by_cause"]["access"] > 0
     evictions = after[0]["evictions"] - before[0]["evictions"]
-    assert summary["evictions"]["count"] == summary["tiers"]["device"]["evictions"] == evictions
+    assert summary["evictions"]["count"] == summary["tiers"][device]["evictions"] == evictions
     assert sum(c["count"] for c in summary["evictions"]["top_causes"]) == evictions
     # Prefetch is off in the engine: every post-warm-up copy was a miss.
     misses = sum(a["prefetch_misses"] - b["prefetch_misses"] for a, b in zip(after, before))
@@ -172,7 +175,7 @@ def test_summary_agrees_with_statistics(profiled):
                                    "hit_rate": pytest.approx(hits / (hits + misses))}
     assert summary["chunks"]["chunk_elements"] == CHUNK
     assert summary["chunks"]["wasted_bytes"] >= 0
-    assert summary["tiers"]["device"]["peak_model_bytes"] <= after[0]["budget_bytes"]
+    assert summary["tiers"][device]["peak_model_bytes"] <= after[0]["budget_bytes"]
     assert summary["largest_non_model_moment"]["bytes"] > 0
     assert summary["run"]["iterations"] == 3
     for it in summary["time"]["iterations"]:
@@ -180,7 +183,7 @@ def test_summary_agrees_with_statistics(profiled):
         assert parts == pytest.approx(it["total_s"], rel=1e-6)
         assert it["move_wait_s"] > 0 and it["optimizer_s"] > 0
     assert summary["findings"]
-    assert any("device" in finding for finding in summary["findings"])
+    assert any(device in finding for finding in summary["findings"])
 
 
 _PLACEMENT_KEYS = ("bytes_in", "bytes_out", "chunks_in", "chunks_out", "evictions", "zero_fills",
@@ -262,7 +265,7 @@ def test_cli_prints_summary_and_regenerates_report(profiled, capsys, tmp_path):
     (directory / "report.html").unlink()
     assert report.main([str(directory)]) == 0
     printed = capsys.readouterr().out
-    assert "device: evictions" in printed and "findings:" in printed
+    assert f"{profiled[2][0]['name']}: evictions" in printed and "findings:" in printed
     assert (directory / "report.html").is_file()
     assert report.main(["--compare", str(profiled[0]), str(directory)]) == 0
     printed = capsys.readouterr().out

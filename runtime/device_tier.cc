@@ -1,4 +1,5 @@
-// DeviceTier: slabs of cudaMalloc'd memory on one device.
+// DeviceTier: slabs of cudaMalloc'd memory on one device. It calls only runtime/gpu.h, so it is
+// built with or without CUDA: the strict emulated device runs it on a CPU-only machine.
 #include "runtime/device_tier.h"
 
 #include "absl/strings/str_cat.h"
@@ -23,6 +24,9 @@ class DeviceTier final : public Tier {
   }
   void ReleaseRegion(uint64_t base, int64_t) override {
     gpu::DeviceFree(device_, reinterpret_cast<void*>(static_cast<uintptr_t>(base)));
+  }
+  absl::Status CheckBlockIdle(uint64_t address, int64_t bytes) const override {
+    return gpu::CheckIdle(reinterpret_cast<const void*>(static_cast<uintptr_t>(address)), bytes);
   }
 
  private:

@@ -1,0 +1,118 @@
+"""The engine's CUDA path on the strict emulated device (Note [Strict device] in
+runtime/strict_device.h): these run when PATRICKSTAR_STRICT_DEVICE=1, as tools/test.sh does, and
+check the stream orderings a GPU needs and the CPU build cannot show."""
+
+import pytest
+import torch
+
+import patrickstar
+from patrickstar import _C
+
+pytestmark = pytest.mark.skipif(
+    not _C.strict_device(), reason="needs PATRICKSTAR_STRICT_DEVICE=1 (tools/test.sh sets it)")
+
+KiB = 1024
+S = _C.TensorState
+CHUNK = 1024  # elements: each (32, 32) tensor fills a chunk of its own
+
+
+@pytest.fixture
+def slow_kernels():
+    """Every kernel waits 50 ms on its stream, so a copy that does not wait for one reads the
+    chunk's bytes from before it."""
+    _C.strict_device_set_kernel_delay(50_000)
+    yield
+    _C.strict_device_set_kernel_delay(200)
+
+
+def make_slots(device_budget, count=2, device=0):
+    tier = _C.DeviceTier(device, budget=device_budget, slab_bytes=4 * KiB)
+    host = _C.HostTier(slab_bytes=4 * KiB, pinned=True)
+    manager = _C.ChunkManager([tier, host], _C.CopyEngine(device=device))
+    compute = [manager.register_tensor(f"p{i}", [32, 32], _C.ChunkKind.COMPUTE_PARAM, "fp32")
+               for i in range(count)]
+    grads = [manager.register_tensor(f"p{i}#grad", [32, 32], _C.ChunkKind.GRADIENT, "fp32")
+             for i in range(count)]
+    manager.build_chunk_lists(CHUNK)
+    params = [torch.nn.Parameter(torch.empty(0)) for _ in range(count)]
+    slots = _C.ParameterSlots(manager, params, compute, grads, "device", torch.empty(0))
+    return manager, slots, grads
+
+
+def test_device_tier_is_the_cuda_tier_and_views_are_its_device_side_alias():
+    assert _C.cuda_available() and _C.build_info()["strict_device"]
+    manager, slots, grads = make_slots(device_budget=0)
+    slots.store_grad(0, torch.full((32, 32), 2.0), False)
+    view = manager.access_tensor(grads[0], "device")
+    assert manager.view(grads[0])["device_memory"]
+    assert view.data_ptr() != manager.view(grads[0])["address"]  # the alias, not the pointer
+    assert torch.equal(view, torch.full((32, 32), 2.0))
+    manager.release_tensors([grads[0]], S.HOLD)
+
+
+# Note [Gradient stores on the compute stream]: the store is queued on the compute stream and
+# the chunk released at once; the eviction that follows copies it device -> host on the copy
+# engine's stream. Without the wait (CopyEngine::OrderAfter) the copy runs first: zeros.
+def test_gradient_store_is_ordered_before_the_copy_that_evicts_its_chunk(slow_kernels):
+    manager, slots, grads = make_slots(device_budget=4 * KiB)  # one chunk on the device
+    first, second = torch.randn(32, 32), torch.randn(32, 32)
+    slots.store_grad(0, first, False)
+    slots.store_grad(1, second, False)  # evicts gradient 0's chunk to the host
+    assert manager.chunk_tiers([manager.tensor_info(grads[0])["chunk"]]) == ["host"]
+    torch.testing.assert_close(manager.access_tensor(grads[0], "host"), first, rtol=0, atol=0)
+    manager.release_tensors([grads[0]], S.HOLD)
+    torch.testing.assert_close(manager.access_tensor(grads[1], "host"), second, rtol=0, atol=0)
+    manager.release_tensors([grads[1]], S.HOLD)
+
+
+def test_accumulated_gradient_stores_stay_in_stream_order(slow_kernels):
+    manager, slots, grads = make_slots(device_budget=0, count=1)
+    parts = [torch.randn(32, 32) for _ in range(3)]
+    slots.store_grad(0, parts[0], False)
+    slots.store_grad(0, parts[1], True)
+    slots.store_grad(0, parts[2], True)
+    torch.testing.assert_close(manager.access_tensor(grads[0], "host"),
+                               parts[0] + parts[1] + parts[2], rtol=0, atol=0)
+    manager.release_tensors([grads[0]], S.HOLD)
+
+
+def test_a_second_local_rank_uses_its_own_device_end_to_end(slow_kernels):
+    # local_rank 1 on a node: its tier, copy streams and compute stream are device 1's; a
+    # stream of device 0 touching them would be an illegal address on the strict device.
+    manager, slots, grads = make_slots(device_budget=4 * KiB, device=1)
+    first, second = torch.randn(32, 32), torch.randn(32, 32)
+    slots.store_grad(0, first, False)
+    slots.store_grad(1, second, False)
+    torch.testing.assert_close(manager.access_tensor(grads[0], "host"), first, rtol=0, atol=0)
+    manager.release_tensors([grads[0]], S.HOLD)
+
+
+def test_engine_training_matches_pytorch_under_a_device_budget():
+    def build():
+        return torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Tanh(),
+                                   torch.nn.Linear(32, 32))
+
+    torch.manual_seed(0)
+    reference = build()
+    torch.manual_seed(0)
+    model, optimizer = patrickstar.initialize(build, config={
+        "default_chunk_size": CHUNK, "optimizer": {"params": {"lr": 1e-2}},
+        "memory": {"device_budget": 16 * KiB}})  # four of the six chunks backward touches
+    assert model.tiers[0].name == "cuda:0"
+    torch_optimizer = torch.optim.Adam(reference.parameters(), lr=1e-2)
+    for _ in range(3):
+        x = torch.randn(4, 32)
+        loss = model(x).square().mean()
+        model.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        expected = reference(x).square().mean()
+        expected.backward()
+        torch_optimizer.step()
+        torch_optimizer.zero_grad()
+        torch.testing.assert_close(loss.detach(), expected.detach())
+    assert sum(tier["chunks_out"] for tier in model.memory_stats()) > 0  # it evicted
+    state = model.state_dict()
+    for name, tensor in reference.state_dict().items():
+        torch.testing.assert_close(state[name], tensor, msg=name)
+    model.destroy()
