@@ -44,6 +44,16 @@ def half_mlp_batches(steps, batch=16, seed=0):
         yield x.half(), y
 
 
+def wide_batches(width: int):
+    """mlp_batches for a model whose input has `width` features."""
+    def batches(steps, batch=16, seed=0):
+        generator = torch.Generator().manual_seed(seed)
+        for _ in range(steps):
+            yield (torch.randn(batch, width, generator=generator),
+                   torch.randint(0, 10, (batch,), generator=generator))
+    return batches
+
+
 @dataclasses.dataclass
 class Scenario:
     model: Callable[[], nn.Module]
@@ -110,6 +120,24 @@ SCENARIOS = {
     "branch": Scenario(RankDependentBranch, branch_batches, {"default_chunk_size": 2048},
                        steps=6),
 }
+
+# Chunk-size boundaries (issue 18). BoundaryMLP's layers.0.weight has 2048 elements, its bias 64,
+# layers.1 640 and 10. A weight exactly filling a chunk puts its bias in the next chunk of the
+# same group, owned by the other rank (this crashed at the first forward); one element more
+# leaves a hole; multiples of the chunk pack several tensors whole.
+BOUNDARY_CHUNKS = [2048, 2049, 4096, 6144]
+
+
+def _boundary_mlp():
+    return MLP((32, 64, 10))
+
+
+for _chunk in BOUNDARY_CHUNKS:
+    SCENARIOS[f"boundary_{_chunk}"] = Scenario(_boundary_mlp, mlp_batches,
+                                              {"default_chunk_size": _chunk}, steps=3)
+# The issue's reproducer at its size: Linear(256, 256) in a 2^16-element chunk.
+SCENARIOS["boundary_65536"] = Scenario(lambda: MLP((256, 256, 10)), wide_batches(256),
+                                       {"default_chunk_size": 65536}, steps=3)
 
 
 def shard(batch, rank: int, world: int):

@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from dp_scenarios import SCENARIOS, reference
+from dp_scenarios import BOUNDARY_CHUNKS, SCENARIOS, reference
 from test_initialize import assert_same_training
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -181,6 +181,23 @@ def test_frozen_parameters_match_pytorch(two_ranks):
 def test_rank_dependent_control_flow_neither_deadlocks_nor_diverges(two_ranks):
     # Rank 0's shards take the branch, rank 1's never do.
     check_matches_reference(two_ranks, "branch")
+
+
+BOUNDARY_SCENARIOS = [f"boundary_{chunk}" for chunk in BOUNDARY_CHUNKS] + ["boundary_65536"]
+
+
+@pytest.fixture(scope="module")
+def boundary_runs(tmp_path_factory):
+    results = launch(tmp_path_factory.mktemp("dp_boundary"), 2, *BOUNDARY_SCENARIOS)
+    check_no_errors(results)
+    return results
+
+
+@pytest.mark.parametrize("name", BOUNDARY_SCENARIOS)
+def test_tensors_at_chunk_boundaries_match_pytorch(boundary_runs, name):
+    # A weight exactly filling a chunk (its bias in the other rank's chunk of the same group)
+    # crashed at the first forward; one element more, and multiples of the chunk, for contrast.
+    check_matches_reference(boundary_runs, name)
 
 
 def test_per_rank_chunk_memory_is_about_one_over_n(two_ranks, tmp_path):
