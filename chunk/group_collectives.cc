@@ -81,8 +81,8 @@ absl::StatusOr<std::vector<ChunkId>> GroupCollectives::Members(ChunkId group, in
     if (member->bytes() != bytes) {
       return absl::FailedPreconditionError(absl::StrCat(
           Label(first), " has chunks of different sizes (", bytes, " and ", member->bytes(),
-          " bytes): an oversize tensor got a chunk of its own; choose a chunk size at least as "
-          "large as the largest tensor for data parallelism"));
+          " bytes): a layout that is not one of PlanLayout's (Note [Oversize groups] in "
+          "chunk/chunk_layout.h gives an oversize tensor a group of equal-size chunks)"));
     }
     members.push_back(member->id());
   }

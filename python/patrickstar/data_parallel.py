@@ -126,12 +126,6 @@ class DataParallel:
                 "data parallel: the chunk layouts differ between ranks (layout hash, chunks per "
                 f"rank: {hashes}); every rank must build the same model with the same config "
                 "(default_chunk_size, precision, frozen parameters)")
-        if engine.layout["oversize_tensors"]:
-            raise ValueError(
-                "data parallel: tensors larger than the chunk size "
-                f"({engine.layout['oversize_tensors'][:3]}) get chunks of their own, so their "
-                "groups would have chunks of different sizes; set default_chunk_size to at "
-                "least the largest parameter's element count")
         for index, ids in enumerate(engine._ids):
             owned = {self.owns(manager, t) for t in (ids.compute, ids.master, ids.grad,
                                                      ids.momentum, ids.variance) if t is not None}

@@ -44,6 +44,28 @@ def half_mlp_batches(steps, batch=16, seed=0):
         yield x.half(), y
 
 
+class EmbeddingModel(nn.Module):
+    """Two tensors larger than the chunk (the embedding and the output projection, 6400 elements
+    each in chunks of 4096): each gets a padded group of its own, held by different ranks."""
+
+    def __init__(self, vocab=100, width=64):
+        super().__init__()
+        self.embedding = nn.Embedding(vocab, width)
+        self.hidden = nn.Linear(width, width)
+        self.out = nn.Linear(width, vocab)
+
+    def forward(self, x, y):
+        h = torch.relu(self.hidden(self.embedding(x).mean(dim=1)))
+        return nn.functional.cross_entropy(self.out(h), y)
+
+
+def token_batches(steps, batch=16, seed=0, vocab=100, length=8):
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        yield (torch.randint(0, vocab, (batch, length), generator=generator),
+               torch.randint(0, vocab, (batch,), generator=generator))
+
+
 def wide_batches(width: int):
     """mlp_batches for a model whose input has `width` features."""
     def batches(steps, batch=16, seed=0):
@@ -124,8 +146,9 @@ SCENARIOS = {
 # Chunk-size boundaries (issue 18). BoundaryMLP's layers.0.weight has 2048 elements, its bias 64,
 # layers.1 640 and 10. A weight exactly filling a chunk puts its bias in the next chunk of the
 # same group, owned by the other rank (this crashed at the first forward); one element more
-# leaves a hole; multiples of the chunk pack several tensors whole.
-BOUNDARY_CHUNKS = [2048, 2049, 4096, 6144]
+# leaves a hole; one less (2047) and half (1024) make the weight oversize (a padded group of its
+# own, Note [Oversize groups] in chunk/chunk_layout.h); multiples pack several tensors whole.
+BOUNDARY_CHUNKS = [1024, 2047, 2048, 2049, 4096, 6144]
 
 
 def _boundary_mlp():
@@ -135,6 +158,12 @@ def _boundary_mlp():
 for _chunk in BOUNDARY_CHUNKS:
     SCENARIOS[f"boundary_{_chunk}"] = Scenario(_boundary_mlp, mlp_batches,
                                               {"default_chunk_size": _chunk}, steps=3)
+# Tensors larger than the chunk (issue 18): trained on N ranks as on one.
+SCENARIOS["embedding_oversize"] = Scenario(EmbeddingModel, token_batches,
+                                           {"default_chunk_size": 4096}, steps=5)
+SCENARIOS["embedding_oversize_bf16"] = Scenario(
+    EmbeddingModel, token_batches, {"default_chunk_size": 4096, "bf16": {"enabled": True}},
+    steps=5)
 # The issue's reproducer at its size: Linear(256, 256) in a 2^16-element chunk.
 SCENARIOS["boundary_65536"] = Scenario(lambda: MLP((256, 256, 10)), wide_batches(256),
                                        {"default_chunk_size": 65536}, steps=3)

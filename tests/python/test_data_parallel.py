@@ -184,11 +184,13 @@ def test_rank_dependent_control_flow_neither_deadlocks_nor_diverges(two_ranks):
 
 
 BOUNDARY_SCENARIOS = [f"boundary_{chunk}" for chunk in BOUNDARY_CHUNKS] + ["boundary_65536"]
+OVERSIZE_SCENARIOS = ["embedding_oversize", "embedding_oversize_bf16"]
 
 
 @pytest.fixture(scope="module")
 def boundary_runs(tmp_path_factory):
-    results = launch(tmp_path_factory.mktemp("dp_boundary"), 2, *BOUNDARY_SCENARIOS)
+    results = launch(tmp_path_factory.mktemp("dp_boundary"), 2, *BOUNDARY_SCENARIOS,
+                     *OVERSIZE_SCENARIOS)
     check_no_errors(results)
     return results
 
@@ -198,6 +200,24 @@ def test_tensors_at_chunk_boundaries_match_pytorch(boundary_runs, name):
     # A weight exactly filling a chunk (its bias in the other rank's chunk of the same group)
     # crashed at the first forward; one element more, and multiples of the chunk, for contrast.
     check_matches_reference(boundary_runs, name)
+
+
+def test_tensors_larger_than_the_chunk_train_as_on_one_rank(boundary_runs):
+    # The embedding and the output projection (6400 elements, chunks of 4096) get padded groups
+    # of their own, one held by each rank (Note [Oversize groups] in chunk/chunk_layout.h).
+    check_matches_reference(boundary_runs, "embedding_oversize")
+    for rank, result in enumerate(boundary_runs):
+        # Both ranks own one of the two 6400-element tensors: neither holds both.
+        owned = sum(t["chunk_bytes"] for t in result["embedding_oversize"]["stats"])
+        other = sum(t["chunk_bytes"] for t in boundary_runs[1 - rank]["embedding_oversize"]["stats"])
+        assert 0.5 < owned / other < 2, (rank, owned, other)
+    name = "embedding_oversize_bf16"
+    ref_losses, _ = reference(name, 2)
+    losses = [sum(r[name]["losses"][i] for r in boundary_runs) / 2 for i in range(len(ref_losses))]
+    for step, (ours, ref) in enumerate(zip(losses, ref_losses)):
+        assert abs(ours - ref) <= 0.02 * abs(ref), (step, ours, ref)
+    for key, tensor in boundary_runs[1][name]["state"].items():
+        torch.testing.assert_close(boundary_runs[0][name]["state"][key], tensor, rtol=0, atol=0)
 
 
 def test_per_rank_chunk_memory_is_about_one_over_n(two_ranks, tmp_path):
