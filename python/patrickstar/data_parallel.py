@@ -224,9 +224,16 @@ class DataParallel:
             if self.gather_ahead > 0:  # at most gather_ahead + 1 groups in flight
                 end = min(self._gather_cursor + 1 + self.gather_ahead, len(groups))
                 while self._started < end:
+                    declined = self.collectives.gathers_declined
                     if self.collectives.start_gather(groups[self._started]) and (
                             self._started > position):
                         self.gathers_ahead += 1
+                    if self.collectives.gathers_declined != declined:
+                        # No room to start this group now: start nothing after it either, or
+                        # a later group's collective would be issued before this one's (which
+                        # the gather below or a later start issues), and the ranks would pair
+                        # different groups. Next time round it is tried again.
+                        break
                     self._started += 1
             self.collectives.gather(groups[self._gather_cursor])
             self._gather_cursor += 1

@@ -275,3 +275,53 @@ def test_parallel_config_errors_name_the_key():
     # No torch.distributed world here: asking for two data-parallel ranks is an error.
     with pytest.raises(ValueError, match="'parallel.data': 2 data-parallel ranks"):
         patrickstar.initialize(MLP, config={"parallel": {"data": 2}})
+
+
+class _RecordingCollectives:
+    """GroupCollectives' gather interface, recording the order in which collectives would be
+    issued; `decline` lists groups whose first start finds no room (StartGather returns false
+    and counts a decline)."""
+
+    def __init__(self, decline):
+        self.issued, self.started, self.gathered = [], set(), set()
+        self.decline = set(decline)
+        self.gathers_declined = 0
+
+    def start_gather(self, group):
+        if group in self.started or group in self.gathered:
+            return False
+        if group in self.decline:
+            self.decline.discard(group)
+            self.gathers_declined += 1
+            return False
+        self.started.add(group)
+        self.issued.append(group)
+        return True
+
+    def gather(self, group):
+        if group in self.gathered:
+            return False
+        if group not in self.started:
+            self.issued.append(group)
+        self.gathered.add(group)
+        return True
+
+
+@pytest.mark.parametrize("declined", [[], [0], [2], [1, 3]])
+def test_a_declined_start_never_reorders_the_gathers(declined):
+    # Note [Started gathers]: a rank without room declines to start a group; it must then start
+    # nothing after it either, or a later group's allgather is issued first and pairs with
+    # another rank's gather of the declined one.
+    from types import SimpleNamespace
+
+    from patrickstar.data_parallel import DataParallel
+    config = SimpleNamespace(parallel=SimpleNamespace(collective_timeout=1, gather_ahead=2))
+    dp = DataParallel(config, world_size=2, rank=0)
+    dp.collectives = _RecordingCollectives(declined)
+    dp._compute_groups = list(range(6))
+    dp._gather_cursor = dp._started = 0
+    dp._gather_through(0)
+    dp._gather_through(3)
+    dp.gather_all()
+    assert dp.collectives.issued == list(range(6))
+    assert dp.collectives.gathers_declined == len(declined)
