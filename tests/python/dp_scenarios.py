@@ -66,6 +66,27 @@ def token_batches(steps, batch=16, seed=0, vocab=100, length=8):
                torch.randint(0, vocab, (batch,), generator=generator))
 
 
+class ReusedAndRecomputed(nn.Module):
+    """A module called twice in one pass and blocks whose activations torch.utils.checkpoint
+    recomputes in backward (a second use of their parameters after the forward ended). Tied
+    weights are the GPT scenarios' (embedding and head)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(32, 64)
+        self.shared = nn.Linear(64, 64)
+        self.blocks = nn.ModuleList(nn.Linear(64, 64) for _ in range(2))
+        self.head = nn.Linear(64, 10)
+
+    def forward(self, x, y):
+        h = torch.relu(self.inp(x))
+        h = torch.relu(self.shared(torch.relu(self.shared(h))))
+        for block in self.blocks:
+            h = h + torch.utils.checkpoint.checkpoint(
+                lambda t, b=block: torch.tanh(b(t)), h, use_reentrant=False)
+        return nn.functional.cross_entropy(self.head(h), y)
+
+
 def wide_batches(width: int):
     """mlp_batches for a model whose input has `width` features."""
     def batches(steps, batch=16, seed=0):
@@ -164,6 +185,11 @@ SCENARIOS["embedding_oversize"] = Scenario(EmbeddingModel, token_batches,
 SCENARIOS["embedding_oversize_bf16"] = Scenario(
     EmbeddingModel, token_batches, {"default_chunk_size": 4096, "bf16": {"enabled": True}},
     steps=5)
+# Issue 18's list of what must neither deadlock nor pair different groups, in small chunks
+# (many groups): a module called twice, checkpoint recomputation (tied weights: "gpt"). 2112
+# elements: inp fills a chunk exactly, the 64 x 64 weights are oversize (padded groups).
+SCENARIOS["reused_recomputed"] = Scenario(ReusedAndRecomputed, mlp_batches,
+                                          {"default_chunk_size": 2112}, steps=4)
 # The issue's reproducer at its size: Linear(256, 256) in a 2^16-element chunk.
 SCENARIOS["boundary_65536"] = Scenario(lambda: MLP((256, 256, 10)), wide_batches(256),
                                        {"default_chunk_size": 65536}, steps=3)

@@ -184,7 +184,7 @@ def test_rank_dependent_control_flow_neither_deadlocks_nor_diverges(two_ranks):
 
 
 BOUNDARY_SCENARIOS = [f"boundary_{chunk}" for chunk in BOUNDARY_CHUNKS] + ["boundary_65536"]
-OVERSIZE_SCENARIOS = ["embedding_oversize", "embedding_oversize_bf16"]
+OVERSIZE_SCENARIOS = ["embedding_oversize", "embedding_oversize_bf16", "reused_recomputed"]
 
 
 @pytest.fixture(scope="module")
@@ -208,8 +208,8 @@ def test_tensors_larger_than_the_chunk_train_as_on_one_rank(boundary_runs):
     check_matches_reference(boundary_runs, "embedding_oversize")
     for rank, result in enumerate(boundary_runs):
         # Both ranks own one of the two 6400-element tensors: neither holds both.
-        owned = sum(t["chunk_bytes"] for t in result["embedding_oversize"]["stats"])
-        other = sum(t["chunk_bytes"] for t in boundary_runs[1 - rank]["embedding_oversize"]["stats"])
+        owned, other = (sum(t["chunk_bytes"] for t in r["embedding_oversize"]["stats"])
+                        for r in (result, boundary_runs[1 - rank]))
         assert 0.5 < owned / other < 2, (rank, owned, other)
     name = "embedding_oversize_bf16"
     ref_losses, _ = reference(name, 2)
@@ -218,6 +218,11 @@ def test_tensors_larger_than_the_chunk_train_as_on_one_rank(boundary_runs):
         assert abs(ours - ref) <= 0.02 * abs(ref), (step, ours, ref)
     for key, tensor in boundary_runs[1][name]["state"].items():
         torch.testing.assert_close(boundary_runs[0][name]["state"][key], tensor, rtol=0, atol=0)
+
+
+def test_modules_called_twice_and_recomputation_match_pytorch(boundary_runs):
+    check_matches_reference(boundary_runs, "reused_recomputed")
+    assert boundary_runs[0]["reused_recomputed"]["compute_groups"] > 2
 
 
 def test_per_rank_chunk_memory_is_about_one_over_n(two_ranks, tmp_path):
