@@ -61,6 +61,18 @@ def batches(rank: int, count: int, dtype) -> list[torch.Tensor]:
     return [torch.randn(BATCH, 512, generator=generator).to(dtype) for _ in range(count)]
 
 
+def compute_dtype(args):
+    return torch.bfloat16 if args.precision == "bf16" else torch.float32
+
+
+def train(args, rank: int, dtype, micro_step, end_step) -> None:
+    """args.steps optimizer steps of args.accumulation micro-steps each."""
+    for _ in range(args.steps):
+        for x in batches(rank, args.accumulation, dtype):
+            micro_step(x)
+        end_step()
+
+
 def run_ours(args, rank: int) -> dict:
     import patrickstar
     torch.manual_seed(0)
@@ -70,12 +82,10 @@ def run_ours(args, rank: int) -> dict:
     if args.precision == "bf16":
         config["bf16"] = {"enabled": True}
     model, optimizer = patrickstar.initialize(lambda: Blocks(args.layers), config=config)
-    dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
-    for _ in range(args.steps):
-        for x in batches(rank, args.accumulation, dtype):
-            model.backward(model(x))
+    def end_step():
         optimizer.step()
         optimizer.zero_grad()
+    train(args, rank, compute_dtype(args), lambda x: model.backward(model(x)), end_step)
     stats = model.memory_stats()
     return {"peak_model_bytes": sum(t["peak_chunk_bytes"] for t in stats)}
 
@@ -149,12 +159,12 @@ def run_fsdp2(args, rank: int, world: int) -> dict:
     fully_shard(model, mesh=mesh, mp_policy=policy)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     sampler = ModelDataSampler(model, optimizer, fsdp_unsharded(model))
-    for _ in range(args.steps):
-        for x in batches(rank, args.accumulation, torch.float32):
-            (model(x) / args.accumulation).backward()
+    def end_step():
         optimizer.step()
         sampler.sample()
         optimizer.zero_grad()
+    train(args, rank, torch.float32, lambda x: (model(x) / args.accumulation).backward(),
+          end_step)
     return {"peak_model_bytes": sampler.peak}
 
 
@@ -177,12 +187,10 @@ def run_deepspeed(args, rank: int, world: int) -> dict:
             yield getattr(p, "ds_tensor", None)
             yield p.data  # numel 0 while released
     sampler = ModelDataSampler(model, optimizer, partitions)
-    dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
-    for _ in range(args.steps):
-        for x in batches(rank, args.accumulation, dtype):
-            engine.backward(engine(x))
-            engine.step()
-        sampler.sample()
+    def micro_step(x):
+        engine.backward(engine(x))
+        engine.step()  # DeepSpeed steps the optimizer at the accumulation boundary only
+    train(args, rank, compute_dtype(args), micro_step, sampler.sample)
     return {"peak_model_bytes": sampler.peak, "deepspeed": deepspeed.__version__}
 
 
