@@ -41,8 +41,10 @@
 // payloads. Pinning ahead holds memory longer than gathering at first use; when a tier cannot
 // take the group now (ResourceExhausted) StartGather issues nothing, leaves the group as it
 // was and returns false, and the Gather at first use issues the collective: a rank that
-// declines and one that starts still issue the same sequence. A started gather that fails (a dead peer, or one past the timeout) is an error
-// naming the collective at the Gather / FinishGathers that waits for it, never a hang; it and
+// declines and one that starts still issue the same sequence, provided the caller starts no
+// later group before the declined one is issued (gathers_declined() tells it; data_parallel.py
+// stops starting there). A started gather that fails (a dead peer, or one past the timeout) is
+// an error naming the collective at the Gather / FinishGathers that waits for it, never a hang; it and
 // every gather queued behind it are abandoned without further waiting: their groups stay
 // ungathered and their chunks stay pinned, because the communicator may still write into them
 // (the destructor unpins those that finished by then).

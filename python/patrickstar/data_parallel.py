@@ -17,9 +17,10 @@ depend on the data (a branch taken on one rank only, mixture-of-experts routing)
 group collectives therefore follow a fixed order and only their *timing* follows the data:
   * gathers of compute-param groups go in ascending group order, at most once per optimizer
     step: the first access of a remote tensor of group g, or within a forward of any tensor of
-    it, gathers every group up to g not yet gathered since the last step; whatever is left is gathered when the forward ends. Gathered
-    remote chunks stay (the chunk manager may still evict them to host or NVMe) until the
-    optimizer step changes the parameters, when every rank releases them all. So a group is
+    it, gathers every group up to g not yet gathered since the last step; whatever is left is
+    gathered when the forward ends. Gathered remote chunks stay (the chunk manager may still
+    evict them to host or NVMe) until the optimizer step changes the parameters, when every
+    rank releases them all. So a group is
     never re-gathered within a step, which also makes tied weights and modules called twice
     safe, and with gradient accumulation the micro-steps after the first need no gather.
     With `parallel.gather_ahead` = k > 0 (default 1) gathering group g first *starts* the
