@@ -68,6 +68,7 @@ absl::StatusOr<LayoutPlan> PlanLayout(absl::Span<const TensorSpec> specs, int64_
     PlannedList list;
     list.kind = kind;
     int64_t first_of_kind = -1;
+    int64_t oversize_groups = 0;
     for (int64_t i = 0; i < static_cast<int64_t>(specs.size()); ++i) {
       const TensorSpec& spec = specs[i];
       if (spec.kind != kind) continue;
@@ -86,13 +87,26 @@ absl::StatusOr<LayoutPlan> PlanLayout(absl::Span<const TensorSpec> specs, int64_
             absl::StrCat("tensor '", spec.name, "' has no elements; nothing to place"));
       }
       if (numel > chunk_elements) {
-        PlannedChunk own;
-        own.capacity_elements = numel;
-        own.used_elements = numel;
-        own.tensors = {i};
-        own.offsets = {0};
-        own.oversize = true;
-        list.chunks.push_back(std::move(own));
+        // Note [Oversize groups]: with world_size > 1 the tensor's chunk gets a group of its
+        // own, padded with empty chunks of its size; which member holds it rotates with each
+        // oversize group of the list, so large embeddings spread over the ranks.
+        while (list.chunks.size() % world_size != 0) {
+          list.chunks.push_back(PlannedChunk{chunk_elements, 0, {}, {}, false, true});
+        }
+        const int64_t holder = oversize_groups % world_size;
+        for (int r = 0; r < world_size; ++r) {
+          PlannedChunk own;
+          own.capacity_elements = numel;
+          own.oversize = true;
+          own.padding = r != holder;
+          if (r == holder) {
+            own.used_elements = numel;
+            own.tensors = {i};
+            own.offsets = {0};
+          }
+          list.chunks.push_back(std::move(own));
+        }
+        oversize_groups += 1;
         plan.oversize_tensors.push_back(i);
         continue;
       }
@@ -107,6 +121,7 @@ absl::StatusOr<LayoutPlan> PlanLayout(absl::Span<const TensorSpec> specs, int64_
         list.chunks.push_back(PlannedChunk{chunk_elements, 0, {}, {}, false, false});
         target = &list.chunks.back();
       }
+      target->padding = false;  // padding before an oversize group takes tensors like any chunk
       target->tensors.push_back(i);
       target->offsets.push_back(target->used_elements);
       target->used_elements += numel;

@@ -1,6 +1,20 @@
 // Packing tensors into chunk lists: first-fit in registration order, oversized tensors in chunks
 // of their own, and the chunk-size search that minimizes wasted bytes.
 //
+// Note [Oversize groups]
+// A tensor larger than the chunk size gets a chunk of exactly its size. With data parallelism a
+// group's chunks must have equal sizes (one allgather / reduce-scatter of world_size equal
+// buffers), so the tensor's chunk starts a group of its own: the list is first padded to a
+// multiple of world_size (those padding chunks take later tensors by first-fit like any chunk),
+// then world_size chunks of the tensor's size follow, one holding the tensor and the others
+// empty padding that never gets a payload (a null buffer in the collective: zeros sent, nothing
+// kept). The holder is member k % world_size of the list's k-th oversize group, so several
+// large tensors spread over the ranks; every list (compute, gradient, optimizer state) sees the
+// same sequence of sizes and so gives each parameter the same owner in all of them. The price
+// is collective bandwidth (a gather moves world_size buffers of the tensor's size) and balance
+// (one rank owns the whole tensor and its optimizer state), not memory. Sharding one tensor over
+// several chunks would balance it but breaks the one-tensor-one-view rule the engine relies on.
+//
 // Note [Deterministic layout]
 // Every rank must arrive at the same chunks with the same tensors at the same offsets, because a
 // collective moves a whole chunk and the receiver reads tensors at the offsets it computed
@@ -36,8 +50,8 @@ struct PlannedChunk {
   int64_t used_elements = 0;
   std::vector<int64_t> tensors;  // indices into the specs, in packing order
   std::vector<int64_t> offsets;  // element offset of each tensor in the chunk
-  bool oversize = false;         // made for one tensor larger than the chunk size
-  bool padding = false;          // empty, added so the list is a multiple of the world size
+  bool oversize = false;         // sized for one tensor larger than the chunk size
+  bool padding = false;          // empty, added so groups are whole (Note [Oversize groups])
 };
 
 // The chunks of one kind.
@@ -56,7 +70,8 @@ struct LayoutPlan {
 };
 
 // First-fit packing of `specs` into chunks of `chunk_elements`, one list per kind, each list
-// padded with empty chunks to a multiple of `world_size`. InvalidArgument when a kind mixes
+// padded with empty chunks to a multiple of `world_size` (and oversize tensors in padded groups
+// of their own when world_size > 1: Note [Oversize groups]). InvalidArgument when a kind mixes
 // dtypes, a tensor has no elements, or the sizes are not positive.
 absl::StatusOr<LayoutPlan> PlanLayout(absl::Span<const TensorSpec> specs, int64_t chunk_elements,
                                       int world_size);

@@ -81,14 +81,27 @@ absl::StatusOr<std::vector<ChunkId>> GroupCollectives::Members(ChunkId group, in
     if (member->bytes() != bytes) {
       return absl::FailedPreconditionError(absl::StrCat(
           Label(first), " has chunks of different sizes (", bytes, " and ", member->bytes(),
-          " bytes): an oversize tensor got a chunk of its own; choose a chunk size at least as "
-          "large as the largest tensor for data parallelism"));
+          " bytes): a layout that is not one of PlanLayout's (Note [Oversize groups] in "
+          "chunk/chunk_layout.h gives an oversize tensor a group of equal-size chunks)"));
     }
     members.push_back(member->id());
   }
   *dtype = any->dtype();
   *count = bytes / ElementSize(any->dtype());
   return members;
+}
+
+absl::Status GroupCollectives::CheckNoneInUse(absl::Span<const ChunkId> members) const {
+  for (ChunkId member : members) {
+    for (TensorId t : (*manager_->chunk(member))->tensors()) {
+      const TensorInfo* info = *manager_->tensor(t);
+      if (info->state != TensorState::kCompute) continue;
+      return absl::FailedPreconditionError(absl::StrCat(
+          Label(members.front()), ": tensor '", info->name, "' is in use (COMPUTE) when its ",
+          "group's collective starts; the collective must come before any access of the group"));
+    }
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<void*> GroupCollectives::PinChunk(ChunkId id, bool zero_fill,
@@ -176,6 +189,7 @@ absl::StatusOr<std::optional<GroupCollectives::Pending>> GroupCollectives::Issue
   if (probe < 0) return std::nullopt;  // a group of padding chunks: nothing to gather anywhere
   PS_ASSIGN_OR_RETURN(const GatherPlan plan, manager_->PlanGather(probe));
   if (!plan.needs_gather) return std::nullopt;
+  PS_RETURN_IF_ERROR(CheckNoneInUse(members));
   Pending pending;
   pending.first = members.front();
   std::vector<void*> buffers(members.size(), nullptr);
@@ -299,6 +313,7 @@ absl::Status GroupCollectives::StartReduceScatter(ChunkId group) {
   int64_t count = 0;
   DType dtype = DType::kFloat32;
   PS_ASSIGN_OR_RETURN(const std::vector<ChunkId> members, Members(group, &count, &dtype));
+  PS_RETURN_IF_ERROR(CheckNoneInUse(members));
   Pending pending;
   pending.first = members.front();
   std::vector<void*> buffers(members.size(), nullptr);

@@ -16,7 +16,11 @@
 // prefetch takes it: the trace that issued the prefetch says it is used there right after the
 // collective, and pinning it at the old place would copy it back there and then up again (found
 // with prefetch on under data parallelism: every gathered group's local chunk made the round trip,
-// test PinningAChunkWithAPrefetchInFlightKeepsThePrefetch).
+// test PinningAChunkWithAPrefetchInFlightKeepsThePrefetch). A group with a tensor in use
+// (COMPUTE) cannot be pinned that way, and pinning it in place would hand the communicator
+// memory the compute may be writing; the caller orders a group's collective before any access
+// of its tensors, and a collective that finds one in use is a FailedPrecondition naming it
+// (test AGatherOfAGroupWithATensorInUseIsAClearError).
 //
 // Note [Collective order]
 // The caller decides *when*; this class only guarantees that each call issues its collectives
@@ -37,8 +41,10 @@
 // payloads. Pinning ahead holds memory longer than gathering at first use; when a tier cannot
 // take the group now (ResourceExhausted) StartGather issues nothing, leaves the group as it
 // was and returns false, and the Gather at first use issues the collective: a rank that
-// declines and one that starts still issue the same sequence. A started gather that fails (a dead peer, or one past the timeout) is an error
-// naming the collective at the Gather / FinishGathers that waits for it, never a hang; it and
+// declines and one that starts still issue the same sequence, provided the caller starts no
+// later group before the declined one is issued (gathers_declined() tells it; data_parallel.py
+// stops starting there). A started gather that fails (a dead peer, or one past the timeout) is
+// an error naming the collective at the Gather / FinishGathers that waits for it, never a hang; it and
 // every gather queued behind it are abandoned without further waiting: their groups stay
 // ungathered and their chunks stay pinned, because the communicator may still write into them
 // (the destructor unpins those that finished by then).
@@ -50,6 +56,7 @@
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
+#include "absl/types/span.h"
 #include "chunk/chunk_manager.h"
 #include "runtime/communicator.h"
 
@@ -124,6 +131,9 @@ class GroupCollectives {
       : manager_(manager), communicator_(communicator), options_(options) {}
   // The group's chunk ids and the element count every buffer has (equal sizes checked).
   absl::StatusOr<std::vector<ChunkId>> Members(ChunkId group, int64_t* count, DType* dtype) const;
+  // FailedPrecondition naming a tensor of the group that is COMPUTE (Note [Pinning a group for
+  // a collective]: a collective must come before any tensor of its group is accessed).
+  absl::Status CheckNoneInUse(absl::Span<const ChunkId> members) const;
   // Pins `chunk` (Note [Pinning a group for a collective]) and returns its payload, or null when
   // it has no tensor or (unless `zero_fill`) no data.
   absl::StatusOr<void*> PinChunk(ChunkId chunk, bool zero_fill, std::vector<Pin>* pins);

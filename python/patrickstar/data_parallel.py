@@ -16,10 +16,11 @@ A collective needs every rank at the same point of the same sequence, so the seq
 depend on the data (a branch taken on one rank only, mixture-of-experts routing). Both kinds of
 group collectives therefore follow a fixed order and only their *timing* follows the data:
   * gathers of compute-param groups go in ascending group order, at most once per optimizer
-    step: the first access of a remote chunk of group g gathers every group up to g not yet
-    gathered since the last step; whatever is left is gathered when the forward ends. Gathered
-    remote chunks stay (the chunk manager may still evict them to host or NVMe) until the
-    optimizer step changes the parameters, when every rank releases them all. So a group is
+    step: the first access of a remote tensor of group g, or within a forward of any tensor of
+    it, gathers every group up to g not yet gathered since the last step; whatever is left is
+    gathered when the forward ends. Gathered remote chunks stay (the chunk manager may still
+    evict them to host or NVMe) until the optimizer step changes the parameters, when every
+    rank releases them all. So a group is
     never re-gathered within a step, which also makes tied weights and modules called twice
     safe, and with gradient accumulation the micro-steps after the first need no gather.
     With `parallel.gather_ahead` = k > 0 (default 1) gathering group g first *starts* the
@@ -94,6 +95,7 @@ class DataParallel:
         self.early_reduce_scatters = 0  # started while backward was still running
         self.gather_ahead = int(config.parallel.gather_ahead)
         self.gathers_ahead = 0  # gathers started before any tensor of their group was needed
+        self._in_forward = False  # between engine.forward's start and after_forward()
         # Pipeline stages / tensor slices: the norm and overflow flag span the model group too.
         self.model_parallel: topology.ModelParallelGradStats | None = None
 
@@ -130,12 +132,6 @@ class DataParallel:
                 "data parallel: the chunk layouts differ between ranks (layout hash, chunks per "
                 f"rank: {hashes}); every rank must build the same model with the same config "
                 "(default_chunk_size, precision, frozen parameters)")
-        if engine.layout["oversize_tensors"]:
-            raise ValueError(
-                "data parallel: tensors larger than the chunk size "
-                f"({engine.layout['oversize_tensors'][:3]}) get chunks of their own, so their "
-                "groups would have chunks of different sizes; set default_chunk_size to at "
-                "least the largest parameter's element count")
         for index, ids in enumerate(engine.params.ids):
             owned = {self.owns(manager, t) for t in (ids.compute, ids.master, ids.grad,
                                                      ids.momentum, ids.variance) if t is not None}
@@ -213,9 +209,18 @@ class DataParallel:
         if position is None or position < self._gather_cursor:
             return
         # A remote tensor needs its group's bytes; a local one needs its chunk unpinned by a
-        # started gather (Note [Started gathers] in chunk/group_collectives.h).
-        if tensor_id in self._remote or position < self._started:
+        # started gather (Note [Started gathers] in chunk/group_collectives.h). Within a forward
+        # a local tensor gathers its group too: it must not be in use (COMPUTE) when a later
+        # access gathers the group and pins its chunk for the send (a weight that filled a chunk
+        # exactly, with its bias in the other rank's chunk of the group, crashed so). Only
+        # within a forward, which every rank ends with gather_all(): elsewhere an owner may read
+        # its own tensors alone (checkpoints, tied pipeline weights), and a gather there would be
+        # a collective the other ranks never issue.
+        if self._in_forward or tensor_id in self._remote or position < self._started:
             self._gather_through(position)
+
+    def before_forward(self) -> None:
+        self._in_forward = self.enabled
 
     def _gather_through(self, position: int) -> None:
         """Gathers the groups up to `position` in order, first starting the next
@@ -225,9 +230,16 @@ class DataParallel:
             if self.gather_ahead > 0:  # at most gather_ahead + 1 groups in flight
                 end = min(self._gather_cursor + 1 + self.gather_ahead, len(groups))
                 while self._started < end:
+                    declined = self.collectives.gathers_declined
                     if self.collectives.start_gather(groups[self._started]) and (
                             self._started > position):
                         self.gathers_ahead += 1
+                    if self.collectives.gathers_declined != declined:
+                        # No room to start this group now: start nothing after it either, or
+                        # a later group's collective would be issued before this one's (which
+                        # the gather below or a later start issues), and the ranks would pair
+                        # different groups. Next time round it is tried again.
+                        break
                     self._started += 1
             self.collectives.gather(groups[self._gather_cursor])
             self._gather_cursor += 1
@@ -239,7 +251,9 @@ class DataParallel:
         if self.enabled:
             self._gather_through(len(self._compute_groups) - 1)
 
-    after_forward = gather_all
+    def after_forward(self) -> None:
+        self._in_forward = False
+        self.gather_all()
 
     # ---- Gradients ----------------------------------------------------------------------------
 

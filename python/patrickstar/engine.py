@@ -309,6 +309,7 @@ class PatrickStarEngine(nn.Module):
 
     def forward(self, *args, **kwargs):
         self.guard.check_alive("model(...)")
+        self.dp.before_forward()
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack_saved, self._unpack_saved):
                 output = self.module(*args, **kwargs)

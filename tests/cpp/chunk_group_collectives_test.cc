@@ -252,6 +252,51 @@ TEST_P(GroupCollectivesTest, ARankThatNeverComesIsADeadlineNamingTheCollective) 
   EXPECT_THAT(gathered.status().message(), HasSubstr("on fake"));
 }
 
+// Note [Pinning a group for a collective]: a gather pins the local chunk by accessing one of its
+// tensors, so a tensor of the group already in use cannot be pinned again (the engine used to
+// access a local weight before gathering its group: "illegal state transition COMPUTE ->
+// COMPUTE"). The collective is refused before anything is issued or materialized, naming the
+// tensor, and the group gathers normally once the tensor is released.
+TEST_P(GroupCollectivesTest, AGatherOfAGroupWithATensorInUseIsAClearError) {
+  Build({});
+  OnEveryRank([&](int r) { InitializeAndRelease(r); });
+  ChunkManager& m = *ranks_[0]->manager;
+  GroupCollectives& c = *ranks_[0]->collectives;
+  const ChunkId group = c.Groups(ChunkKind::kComputeParam).front();
+  TensorId in_use = -1;
+  for (TensorId t = 0; t < NumParams() && in_use < 0; ++t) {
+    if (m.IsLocal((*m.tensor(t))->chunk) && *c.GroupOf(t) == group) in_use = t;
+  }
+  ASSERT_GE(in_use, 0);
+  ASSERT_TRUE(m.Access(in_use, TierKind::kHost).ok());
+  for (bool start : {false, true}) {
+    absl::StatusOr<bool> gathered = start ? c.StartGather(group) : c.Gather(group);
+    ASSERT_FALSE(gathered.ok());
+    EXPECT_EQ(gathered.status().code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_THAT(gathered.status().message(), HasSubstr("compute_param group 0"));
+    EXPECT_THAT(gathered.status().message(),
+                HasSubstr(absl::StrCat("'", (*m.tensor(in_use))->name, "' is in use")));
+  }
+  EXPECT_EQ(c.collectives_issued(), 0);
+  EXPECT_EQ(c.pending_gathers(), 0);
+  EXPECT_EQ((*m.tensor(in_use))->state, TensorState::kCompute);
+  for (int r = 0; r < world_size_; ++r) {
+    const ChunkId member = group + r;
+    if (!m.IsLocal(member)) {
+      EXPECT_FALSE((*m.chunk(member))->has_payload()) << member;
+    }
+  }
+  ASSERT_TRUE(m.Release(in_use, TensorState::kHold).ok());
+  OnEveryRank([&](int r) {
+    auto gathered = ranks_[r]->collectives->Gather(group);
+    ASSERT_TRUE(gathered.ok()) << gathered.status();
+    EXPECT_TRUE(*gathered);
+    for (TensorId t = 0; t < NumParams(); ++t) {
+      if (*ranks_[r]->collectives->GroupOf(t) == group) Expect(r, t, 1.0f);
+    }
+  });
+}
+
 // Note [Started gathers]: starting is only timing. Even ranks start every group's gather ahead
 // and then gather them in order; odd ranks gather synchronously: the collectives still pair up
 // (one per group, issued in the same order everywhere) and bring back the owners' bytes. While

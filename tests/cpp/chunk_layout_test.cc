@@ -53,6 +53,41 @@ TEST(ChunkLayoutTest, OversizeTensorGetsAChunkOfItsOwnAndIsReported) {
   EXPECT_EQ(plan->wasted_bytes, 1 * 4);  // only the regular chunk's free element
 }
 
+// Note [Oversize groups]: with 2 ranks each oversize tensor starts a group of its own, padded
+// with an empty chunk of its size; the holder alternates; the padding before the first one takes
+// a later small tensor by first-fit.
+TEST(ChunkLayoutTest, OversizeTensorsGetPaddedGroupsOfTheirOwnUnderDataParallelism) {
+  const std::vector<TensorSpec> specs = Vectors({4, 25, 5, 30, 3});
+  auto plan = PlanLayout(specs, 10, 2);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  const std::vector<PlannedChunk>& chunks = plan->lists[0].chunks;
+  ASSERT_EQ(chunks.size(), 6u);
+  EXPECT_THAT(chunks[0].tensors, ElementsAre(0, 2));
+  EXPECT_THAT(chunks[1].tensors, ElementsAre(4));  // was padding, took t4
+  EXPECT_FALSE(chunks[1].padding);
+  EXPECT_EQ(chunks[1].capacity_elements, 10);
+  // Group 1: t1 on rank 0, an empty 25-element chunk on rank 1.
+  EXPECT_THAT(chunks[2].tensors, ElementsAre(1));
+  EXPECT_FALSE(chunks[2].padding);
+  EXPECT_TRUE(chunks[3].tensors.empty());
+  EXPECT_TRUE(chunks[3].padding);
+  EXPECT_EQ(chunks[2].capacity_elements, 25);
+  EXPECT_EQ(chunks[3].capacity_elements, 25);
+  // Group 2: t3 on rank 1 this time.
+  EXPECT_TRUE(chunks[4].tensors.empty());
+  EXPECT_TRUE(chunks[4].padding);
+  EXPECT_THAT(chunks[5].tensors, ElementsAre(3));
+  EXPECT_EQ(chunks[4].capacity_elements, 30);
+  EXPECT_EQ(chunks[5].capacity_elements, 30);
+  for (int c = 2; c < 6; ++c) EXPECT_TRUE(chunks[c].oversize) << c;
+  EXPECT_THAT(plan->oversize_tensors, ElementsAre(1, 3));
+  EXPECT_EQ(plan->wasted_bytes, (1 + 7 + 25 + 30) * 4);
+  // A world of one keeps one chunk per oversize tensor, no padding.
+  auto single = PlanLayout(specs, 10, 1);
+  ASSERT_TRUE(single.ok()) << single.status();
+  EXPECT_EQ(single->lists[0].chunks.size(), 4u);
+}
+
 TEST(ChunkLayoutTest, ListsArePerKindAndPaddedToTheWorldSize) {
   std::vector<TensorSpec> specs = {
       Spec("w", {8}, ChunkKind::kComputeParam, DType::kFloat16),

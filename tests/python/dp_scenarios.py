@@ -44,6 +44,59 @@ def half_mlp_batches(steps, batch=16, seed=0):
         yield x.half(), y
 
 
+class EmbeddingModel(nn.Module):
+    """Two tensors larger than the chunk (the embedding and the output projection, 6400 elements
+    each in chunks of 4096): each gets a padded group of its own, held by different ranks."""
+
+    def __init__(self, vocab=100, width=64):
+        super().__init__()
+        self.embedding = nn.Embedding(vocab, width)
+        self.hidden = nn.Linear(width, width)
+        self.out = nn.Linear(width, vocab)
+
+    def forward(self, x, y):
+        h = torch.relu(self.hidden(self.embedding(x).mean(dim=1)))
+        return nn.functional.cross_entropy(self.out(h), y)
+
+
+def token_batches(steps, batch=16, seed=0, vocab=100, length=8):
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        yield (torch.randint(0, vocab, (batch, length), generator=generator),
+               torch.randint(0, vocab, (batch,), generator=generator))
+
+
+class ReusedAndRecomputed(nn.Module):
+    """A module called twice in one pass and blocks whose activations torch.utils.checkpoint
+    recomputes in backward (a second use of their parameters after the forward ended). Tied
+    weights are the GPT scenarios' (embedding and head)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(32, 64)
+        self.shared = nn.Linear(64, 64)
+        self.blocks = nn.ModuleList(nn.Linear(64, 64) for _ in range(2))
+        self.head = nn.Linear(64, 10)
+
+    def forward(self, x, y):
+        h = torch.relu(self.inp(x))
+        h = torch.relu(self.shared(torch.relu(self.shared(h))))
+        for block in self.blocks:
+            h = h + torch.utils.checkpoint.checkpoint(
+                lambda t, b=block: torch.tanh(b(t)), h, use_reentrant=False)
+        return nn.functional.cross_entropy(self.head(h), y)
+
+
+def wide_batches(width: int):
+    """mlp_batches for a model whose input has `width` features."""
+    def batches(steps, batch=16, seed=0):
+        generator = torch.Generator().manual_seed(seed)
+        for _ in range(steps):
+            yield (torch.randn(batch, width, generator=generator),
+                   torch.randint(0, 10, (batch,), generator=generator))
+    return batches
+
+
 @dataclasses.dataclass
 class Scenario:
     model: Callable[[], nn.Module]
@@ -110,6 +163,36 @@ SCENARIOS = {
     "branch": Scenario(RankDependentBranch, branch_batches, {"default_chunk_size": 2048},
                        steps=6),
 }
+
+# Chunk-size boundaries (issue 18). BoundaryMLP's layers.0.weight has 2048 elements, its bias 64,
+# layers.1 640 and 10. A weight exactly filling a chunk puts its bias in the next chunk of the
+# same group, owned by the other rank (this crashed at the first forward); one element more
+# leaves a hole; one less (2047) and half (1024) make the weight oversize (a padded group of its
+# own, Note [Oversize groups] in chunk/chunk_layout.h); multiples pack several tensors whole.
+BOUNDARY_CHUNKS = [1024, 2047, 2048, 2049, 4096, 6144]
+
+
+def _boundary_mlp():
+    return MLP((32, 64, 10))
+
+
+for _chunk in BOUNDARY_CHUNKS:
+    SCENARIOS[f"boundary_{_chunk}"] = Scenario(_boundary_mlp, mlp_batches,
+                                              {"default_chunk_size": _chunk}, steps=3)
+# Tensors larger than the chunk (issue 18): trained on N ranks as on one.
+SCENARIOS["embedding_oversize"] = Scenario(EmbeddingModel, token_batches,
+                                           {"default_chunk_size": 4096}, steps=5)
+SCENARIOS["embedding_oversize_bf16"] = Scenario(
+    EmbeddingModel, token_batches, {"default_chunk_size": 4096, "bf16": {"enabled": True}},
+    steps=5)
+# Issue 18's list of what must neither deadlock nor pair different groups, in small chunks
+# (many groups): a module called twice, checkpoint recomputation (tied weights: "gpt"). 2112
+# elements: inp fills a chunk exactly, the 64 x 64 weights are oversize (padded groups).
+SCENARIOS["reused_recomputed"] = Scenario(ReusedAndRecomputed, mlp_batches,
+                                          {"default_chunk_size": 2112}, steps=4)
+# The issue's reproducer at its size: Linear(256, 256) in a 2^16-element chunk.
+SCENARIOS["boundary_65536"] = Scenario(lambda: MLP((256, 256, 10)), wide_batches(256),
+                                       {"default_chunk_size": 65536}, steps=3)
 
 
 def shard(batch, rank: int, world: int):

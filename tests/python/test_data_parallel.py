@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from dp_scenarios import SCENARIOS, reference
+from dp_scenarios import BOUNDARY_CHUNKS, SCENARIOS, reference
 from test_initialize import assert_same_training
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -183,6 +183,48 @@ def test_rank_dependent_control_flow_neither_deadlocks_nor_diverges(two_ranks):
     check_matches_reference(two_ranks, "branch")
 
 
+BOUNDARY_SCENARIOS = [f"boundary_{chunk}" for chunk in BOUNDARY_CHUNKS] + ["boundary_65536"]
+OVERSIZE_SCENARIOS = ["embedding_oversize", "embedding_oversize_bf16", "reused_recomputed"]
+
+
+@pytest.fixture(scope="module")
+def boundary_runs(tmp_path_factory):
+    results = launch(tmp_path_factory.mktemp("dp_boundary"), 2, *BOUNDARY_SCENARIOS,
+                     *OVERSIZE_SCENARIOS)
+    check_no_errors(results)
+    return results
+
+
+@pytest.mark.parametrize("name", BOUNDARY_SCENARIOS)
+def test_tensors_at_chunk_boundaries_match_pytorch(boundary_runs, name):
+    # A weight exactly filling a chunk (its bias in the other rank's chunk of the same group)
+    # crashed at the first forward; one element more, and multiples of the chunk, for contrast.
+    check_matches_reference(boundary_runs, name)
+
+
+def test_tensors_larger_than_the_chunk_train_as_on_one_rank(boundary_runs):
+    # The embedding and the output projection (6400 elements, chunks of 4096) get padded groups
+    # of their own, one held by each rank (Note [Oversize groups] in chunk/chunk_layout.h).
+    check_matches_reference(boundary_runs, "embedding_oversize")
+    for rank, result in enumerate(boundary_runs):
+        # Both ranks own one of the two 6400-element tensors: neither holds both.
+        owned, other = (sum(t["chunk_bytes"] for t in r["embedding_oversize"]["stats"])
+                        for r in (result, boundary_runs[1 - rank]))
+        assert 0.5 < owned / other < 2, (rank, owned, other)
+    name = "embedding_oversize_bf16"
+    ref_losses, _ = reference(name, 2)
+    losses = [sum(r[name]["losses"][i] for r in boundary_runs) / 2 for i in range(len(ref_losses))]
+    for step, (ours, ref) in enumerate(zip(losses, ref_losses)):
+        assert abs(ours - ref) <= 0.02 * abs(ref), (step, ours, ref)
+    for key, tensor in boundary_runs[1][name]["state"].items():
+        torch.testing.assert_close(boundary_runs[0][name]["state"][key], tensor, rtol=0, atol=0)
+
+
+def test_modules_called_twice_and_recomputation_match_pytorch(boundary_runs):
+    check_matches_reference(boundary_runs, "reused_recomputed")
+    assert boundary_runs[0]["reused_recomputed"]["compute_groups"] > 2
+
+
 def test_per_rank_chunk_memory_is_about_one_over_n(two_ranks, tmp_path):
     single = launch(tmp_path, 1, "gpt")
     check_no_errors(single)
@@ -238,3 +280,53 @@ def test_parallel_config_errors_name_the_key():
     # No torch.distributed world here: asking for two data-parallel ranks is an error.
     with pytest.raises(ValueError, match="'parallel.data': 2 data-parallel ranks"):
         patrickstar.initialize(MLP, config={"parallel": {"data": 2}})
+
+
+class _RecordingCollectives:
+    """GroupCollectives' gather interface, recording the order in which collectives would be
+    issued; `decline` lists groups whose first start finds no room (StartGather returns false
+    and counts a decline)."""
+
+    def __init__(self, decline):
+        self.issued, self.started, self.gathered = [], set(), set()
+        self.decline = set(decline)
+        self.gathers_declined = 0
+
+    def start_gather(self, group):
+        if group in self.started or group in self.gathered:
+            return False
+        if group in self.decline:
+            self.decline.discard(group)
+            self.gathers_declined += 1
+            return False
+        self.started.add(group)
+        self.issued.append(group)
+        return True
+
+    def gather(self, group):
+        if group in self.gathered:
+            return False
+        if group not in self.started:
+            self.issued.append(group)
+        self.gathered.add(group)
+        return True
+
+
+@pytest.mark.parametrize("declined", [[], [0], [2], [1, 3]])
+def test_a_declined_start_never_reorders_the_gathers(declined):
+    # Note [Started gathers]: a rank without room declines to start a group; it must then start
+    # nothing after it either, or a later group's allgather is issued first and pairs with
+    # another rank's gather of the declined one.
+    from types import SimpleNamespace
+
+    from patrickstar.data_parallel import DataParallel
+    config = SimpleNamespace(parallel=SimpleNamespace(collective_timeout=1, gather_ahead=2))
+    dp = DataParallel(config, world_size=2, rank=0)
+    dp.collectives = _RecordingCollectives(declined)
+    dp._compute_groups = list(range(6))
+    dp._gather_cursor = dp._started = 0
+    dp._gather_through(0)
+    dp._gather_through(3)
+    dp.gather_all()
+    assert dp.collectives.issued == list(range(6))
+    assert dp.collectives.gathers_declined == len(declined)

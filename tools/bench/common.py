@@ -54,3 +54,30 @@ def launch_ranks(script: str, world: int, part: str, out: str, extra: list[str])
         result = json.load(handle)
     os.remove(result_file)
     return result
+
+
+def finish_rank(result, result_file: str, world: int) -> None:
+    """Ends a rank process of launch_ranks: gathers every rank's JSON-able `result`, rank 0
+    writes them to `result_file`, and the process leaves without interpreter teardown (once in
+    about ten runs a rank aborted there, "terminate called without an active exception", after
+    the results were complete, while the engine's objects and gloo's threads were torn down:
+    see docs/benchmarks.md)."""
+    import torch.distributed as dist
+    gathered = [None] * world
+    dist.all_gather_object(gathered, result)
+    if dist.get_rank() == 0:
+        with open(result_file, "w") as handle:
+            json.dump(gathered, handle)
+    dist.barrier()  # rank 0 has written the results
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def deepspeed_importable() -> bool:
+    """Whether `import deepspeed` works here with its CPU accelerator (not a project
+    dependency; tools/bench/grad_accumulation.py says how it was installed)."""
+    probe = subprocess.run([sys.executable, "-c", "import deepspeed"], capture_output=True,
+                           env=dict(os.environ, DS_ACCELERATOR="cpu"))
+    return probe.returncode == 0

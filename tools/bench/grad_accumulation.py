@@ -35,10 +35,8 @@ from __future__ import annotations
 import argparse
 import collections
 import functools
-import json
 import os
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -49,7 +47,8 @@ import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import launch_ranks, machine_description, write_json  # noqa: E402
+from common import (deepspeed_importable, finish_rank, launch_ranks,  # noqa: E402
+                    machine_description, write_json)
 
 WORLD = 2
 
@@ -266,19 +265,7 @@ def run_rank(args) -> None:
         result = run_deepspeed(args, rank, counter)
     else:
         result = run_fsdp2(args, rank, counter, no_sync=args.part == "fsdp2_no_sync")
-    gathered = [None] * WORLD
-    dist.all_gather_object(gathered, result)
-    if rank == 0:
-        with open(args.result_file, "w") as handle:
-            json.dump(gathered, handle)
-    dist.barrier()  # rank 0 has written the results
-    dist.destroy_process_group()
-    # Leave without interpreter teardown: once in about ten runs a rank aborted there
-    # ("terminate called without an active exception", after the results were complete) while
-    # the engine's objects and gloo's threads were torn down (see docs/benchmarks.md).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    finish_rank(result, args.result_file, WORLD)
 
 
 def launch(args, part: str) -> list[dict] | None:
@@ -286,12 +273,6 @@ def launch(args, part: str) -> list[dict] | None:
         "--layers", str(args.layers), "--hidden", str(args.hidden), "--chunk-elements",
         str(args.chunk_elements), "--steps", str(args.steps), "--batch", str(args.batch),
         "--accumulation", str(args.accumulation), "--gather-ahead", str(args.gather_ahead)])
-
-
-def deepspeed_importable() -> bool:
-    probe = subprocess.run([sys.executable, "-c", "import deepspeed"], capture_output=True,
-                           env=dict(os.environ, DS_ACCELERATOR="cpu"))
-    return probe.returncode == 0
 
 
 def main() -> None:
