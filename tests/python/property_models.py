@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 import math
 import os
 import random
@@ -19,18 +18,12 @@ import torch
 from torch import nn
 
 import patrickstar
-from patrickstar import _C
-from patrickstar.chunked_params import chunk_dtypes, register_chunk_tensors
-from patrickstar.init_context import plan_parameters
 
 CHUNK = 512  # elements per chunk
 WIDTH = 8
 BATCH = 8  # divisible by 1, 2 and 4 ranks
 STEPS = 3
 SIZES = (CHUNK - 1, CHUNK, CHUNK + 1, 2 * CHUNK, 3 * CHUNK, 7, 100)
-# Data parallelism refuses tensors larger than a chunk with a clear error (their groups would
-# have chunks of different sizes: data_parallel.py), so its cases stay at or below one chunk.
-DP_SIZES = (CHUNK - 1, CHUNK, CHUNK // 2 + 1, 7, 100)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +58,7 @@ def cases() -> list[Case]:
 def shape_of(case: Case) -> Shape:
     rng = random.Random(case.seed * 7919 + case.world)
     blocks = rng.randint(3, 5)
-    sizes = [rng.choice(SIZES if case.world == 1 else DP_SIZES) for _ in range(blocks)]
+    sizes = [rng.choice(SIZES) for _ in range(blocks)]
     picks = list(range(blocks))
     rng.shuffle(picks)
 
@@ -78,35 +71,10 @@ def shape_of(case: Case) -> Shape:
         tie = (a, b)
         sizes[b] = sizes[a]  # a tied weight has one shape
     # A weight and its bias in different chunks, the weight one chunk long or around it.
-    outs = (CHUNK // WIDTH // 2, CHUNK // WIDTH - 1, CHUNK // WIDTH) + (
-        (CHUNK // WIDTH + 1, 2 * CHUNK // WIDTH) if case.world == 1 else ())
+    outs = (CHUNK // WIDTH // 2, CHUNK // WIDTH - 1, CHUNK // WIDTH, CHUNK // WIDTH + 1,
+            2 * CHUNK // WIDTH)
     linear = rng.choice(outs) if rng.random() < 0.6 else None
     return Shape(tuple(sizes), tie, frozen, unused, twice, linear)
-
-
-def module_spans_a_group(case: Case) -> bool:
-    """Under data parallelism: does one module have parameters in two compute chunks of the
-    same communication group? (Issue 18's crash, test_property.py.) Laid out as the engine lays
-    out `case.world` ranks, on a chunk manager with no memory."""
-    if case.world == 1:
-        return False
-    specs, _ = plan_parameters(model_func(case))
-    manager = _C.ChunkManager(tiers=[_C.EmulatedDeviceTier(budget=0, name="layout")],
-                              copy_engine=_C.CopyEngine(host_threads=1), world_size=case.world)
-    # DataParallel.compute_registration_order: trainable parameters first.
-    order = [s.index for s in specs if s.requires_grad] + \
-        [s.index for s in specs if not s.requires_grad]
-    register_chunk_tensors(manager, specs, chunk_dtypes("fp32", 1), CHUNK, order)
-    chunk_of = {}
-    for chunk in json.loads(manager.layout_json())["chunks"]:
-        if chunk["kind"] == "compute_param":
-            for tensor in chunk["tensors"]:
-                chunk_of[tensor["name"]] = (chunk["group"], chunk["id"])
-    modules: dict[str, set] = {}
-    for name, where in chunk_of.items():
-        modules.setdefault(name.rsplit(".", 1)[0], set()).add(where)
-    return any(len({group for group, _ in places}) < len(places)
-               for places in modules.values())
 
 
 class Block(nn.Module):

@@ -21,32 +21,15 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "property_worker.py")
 CASES = pm.cases()
 
-# Issue 18 (another engineer's): under data parallelism a module whose parameters lie in two
-# chunks of one group (a weight that fills a chunk, its bias in the next: issue 18's
-# `Linear(256, 256)` with 2^16) crashes at the first forward with "illegal state transition
-# COMPUTE -> COMPUTE". Strict, so these flip once it is fixed.
-ISSUE_18 = "issue 18: one module's parameters in two chunks of a group (COMPUTE -> COMPUTE)"
-
-
-def _marks(case: pm.Case):
-    if case.world > 1 and pm.module_spans_a_group(case):
-        return [pytest.mark.xfail(strict=True, reason=ISSUE_18)]
-    return []
-
-
-PARAMS = [pytest.param(case, id=case.id, marks=_marks(case)) for case in CASES]
+PARAMS = [pytest.param(case, id=case.id) for case in CASES]
 
 
 @pytest.fixture(scope="module")
 def multi_rank(tmp_path_factory):
-    """Every multi-rank case's per-rank results: one launch per world size for the cases
-    expected to pass, one launch each for the known-bug cases (their crash leaves the ranks'
-    collectives out of step, which would break the cases after them)."""
-    launches = []
-    for world in sorted({case.world for case in CASES if case.world > 1}):
-        ours = [case for case in CASES if case.world == world]
-        launches.append((world, [c.id for c in ours if not pm.module_spans_a_group(c)]))
-        launches.extend((world, [c.id]) for c in ours if pm.module_spans_a_group(c))
+    """Every multi-rank case's per-rank results: one launch per world size (processes start
+    once: torch's import dominates)."""
+    launches = [(world, [case.id for case in CASES if case.world == world])
+                for world in sorted({case.world for case in CASES if case.world > 1})]
     results = {}
     for world, ids in launches:
         if not ids:
