@@ -12,6 +12,7 @@ from ._C import ChunkOutOfMemoryError, ChunkRuntimeError
 from .config import Config, load_config
 from .engine import PatrickStarEngine
 from .estimator import estimate_memory
+from .external_params import register_external_parameter, unregister_external_parameter
 from .initializer import initialize, initialize_engine
 from .profiling.recorder import Profiler, profile
 
@@ -21,4 +22,5 @@ _upstream.install()  # upstream-only module names fail with what to use instead
 
 __all__ = ["ChunkOutOfMemoryError", "ChunkRuntimeError", "Config", "PatrickStarEngine",
            "Profiler", "estimate_memory", "initialize", "initialize_engine", "load_config",
-           "profile", "__version__"]
+           "profile", "register_external_parameter", "unregister_external_parameter",
+           "__version__"]

@@ -59,6 +59,7 @@ from .chunked_params import ChunkedParams
 from .config import Config
 from .data_parallel import DataParallel, detect_world
 from .guards import TrainingGuard, check_budgets
+from .external_params import external_parameter_hint, external_parameters
 from .hooks import ModuleHooks
 from .init_context import InitResidency, ParameterPlacer, plan_parameters
 from .loss_scaler import make_loss_scaler
@@ -150,9 +151,8 @@ class PatrickStarEngine(nn.Module):
         # Every other saved tensor: the CPU measure of non-model data (Note [Measured non-model
         # data] in activations.py).
         self.activations = ActivationCounter()
-        self._module_params = {
-            module: [self.params.index_of(p) for p in module.parameters(recurse=False)]
-            for module in self.module.modules()}
+        self._module_params = {module: self._parameters_used_by(module)
+                               for module in self.module.modules()}
         placeholder = self._placeholder()
         for param in self.params.params:
             param.data = placeholder
@@ -225,6 +225,13 @@ class PatrickStarEngine(nn.Module):
             self._compute_from_masters()
         del self._init_views, self._init_residency
 
+    # Note [Frozen parameters in 16 bits]
+    # A frozen parameter has no fp32 master, so in fp16/bf16 its init slot is the 16-bit compute
+    # chunk itself: the module's own initialization writes 16-bit values, as that module built
+    # with `dtype=torch.bfloat16` would (torch's 16-bit `uniform_` differs from fp32-then-cast
+    # at rounding edges). Keeping an fp32 temporary per frozen parameter until the model is built
+    # would cost a full fp32 copy of a frozen base model (LoRA), whose values are then loaded
+    # from a checkpoint anyway.
     def _compute_from_masters(self) -> None:
         """Writes each parameter's 16-bit compute copy from the fp32 values built at init."""
         with torch.no_grad():
@@ -233,6 +240,8 @@ class PatrickStarEngine(nn.Module):
                 # One parameter at a time, so the host needs room for two chunks, not the model.
                 if isinstance(tensor_id, torch.Tensor):
                     master = tensor_id
+                elif tensor_id == ids.compute:  # Note [Frozen parameters in 16 bits]
+                    continue
                 else:
                     master = self.chunks.access(tensor_id, T.HOST)
                 try:
@@ -264,6 +273,20 @@ class PatrickStarEngine(nn.Module):
                 param.data = placeholder
 
     # ---- Access and release --------------------------------------------------------------------
+
+    def _parameters_used_by(self, module: nn.Module) -> list[int]:
+        """Its own parameters and those registered on it (Note [External parameters])."""
+        indices = [self.params.index_of(p) for p in module.parameters(recurse=False)]
+        for param in external_parameters(module):
+            index = self.params.index_of(param)
+            if index is None:
+                raise ValueError(
+                    f"register_external_parameter: a parameter of shape {tuple(param.shape)} "
+                    f"registered on {type(module).__name__} is not a parameter of the model "
+                    "built by model_func")
+            if index not in indices:
+                indices.append(index)
+        return indices
 
     def _access_module(self, module: nn.Module, phase: str) -> None:
         indices = self._module_params.get(module)
@@ -313,6 +336,11 @@ class PatrickStarEngine(nn.Module):
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack_saved, self._unpack_saved):
                 output = self.module(*args, **kwargs)
+        except RuntimeError as error:
+            hint = external_parameter_hint(error)
+            if hint is not None:
+                error.add_note(hint)
+            raise
         finally:
             if not torch.is_grad_enabled() or not self.module.training:
                 # No backward follows: give everything back now.

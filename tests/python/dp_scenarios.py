@@ -221,3 +221,25 @@ def reference(name: str, world: int):
             optimizer.step()
             optimizer.zero_grad()
     return losses, model.state_dict()
+
+
+class ExternalUse(nn.Module):
+    """The parent's forward reads `head`'s parameters directly (Note [External parameters] in
+    external_params.py); `register` says whether it registers them."""
+
+    def __init__(self, register: bool = True):
+        super().__init__()
+        self.trunk = nn.Linear(32, 64)
+        self.head = nn.Linear(64, 10)
+        if register:
+            import patrickstar
+            patrickstar.register_external_parameter(self, self.head.weight)
+            patrickstar.register_external_parameter(self, self.head.bias)
+
+    def forward(self, x, y):
+        h = torch.relu(self.trunk(x))
+        return nn.functional.cross_entropy(h @ self.head.weight.t() + self.head.bias, y)
+
+
+SCENARIOS["external_parameters"] = Scenario(ExternalUse, mlp_batches,
+                                            {"default_chunk_size": 1024}, steps=4)

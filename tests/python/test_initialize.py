@@ -263,6 +263,42 @@ def test_bf16_tracks_fp32_pytorch():
     assert state["tokens.weight"].dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("precision,dtype", [("fp16", torch.float16), ("bf16", torch.bfloat16)])
+def test_frozen_parameters_in_16_bit_match_pytorch(precision, dtype):
+    """A frozen parameter has no fp32 master: its 16-bit copy is written at init and never
+    again (initialize() used to access it twice: "illegal state transition COMPUTE ->
+    COMPUTE")."""
+    def model_func():
+        model = MLP()
+        model.layers[0].weight.requires_grad_(False)
+        return model
+
+    torch.manual_seed(0)
+    reference = model_func()
+    ref_opt = torch.optim.Adam([p for p in reference.parameters() if p.requires_grad], lr=1e-3,
+                               foreach=False)
+    torch.manual_seed(0)
+    model, opt = patrickstar.initialize(model_func, config={
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}, precision: {"enabled": True},
+        "default_chunk_size": 4096})
+    # Without a master copy, the module's own init writes the 16-bit chunk directly (Note
+    # [Frozen parameters in 16 bits] in engine.py): PyTorch's answer is the layer built in dtype.
+    torch.manual_seed(0)
+    frozen_before = nn.Linear(32, 64, dtype=dtype).weight.detach()
+    torch.testing.assert_close(frozen_before.float(), reference.layers[0].weight,
+                               rtol=0.01, atol=0.36)  # torch's 16-bit uniform_ wraps at the top
+    for x, y in mlp_batches(8):
+        ref = reference(x, y)
+        ref.backward(); ref_opt.step(); ref_opt.zero_grad()
+        loss = model(x.to(dtype), y)
+        model.backward(loss); opt.step(); opt.zero_grad()
+        assert abs(loss.item() - ref.item()) <= 0.02 * abs(ref.item())
+    state = model.state_dict()
+    torch.testing.assert_close(state["layers.0.weight"], frozen_before, rtol=0, atol=0)
+    torch.testing.assert_close(state["layers.1.weight"].float(), reference.layers[1].weight,
+                               rtol=0.02, atol=0.01)
+
+
 def test_fp16_loss_scale_reacts_to_injected_overflow():
     config = {"fp16": {"enabled": True, "initial_scale_power": 10, "loss_scale_window": 2,
                        "hysteresis": 1, "min_loss_scale": 1}, "default_chunk_size": 8192}

@@ -1,0 +1,68 @@
+"""Parameters a module uses in its forward without owning them (DeepSpeed ZeRO-3's
+`register_external_parameter`).
+
+Note [External parameters]
+Between uses a parameter holds an empty placeholder (Note [Parameter data swapping] in
+engine.py); the module hooks give a module's own parameters their chunk memory for the time of
+its forward. A forward that reads another module's parameter directly (`x @ self.head.weight.t()`
+in the parent, a weight shared by reference rather than by module) would see the placeholder and
+fail with a shape error. Registering the parameter on the module that reads it makes that
+module's forward access and release it like its own. Backward needs nothing: a saved parameter
+is re-accessed on unpack (Note [Saved views of parameters] in engine.py).
+
+The registration lives on the module object (an attribute holding the parameters), so it can be
+made in the module's `__init__`, inside `model_func`, as DeepSpeed users do; the engine reads it
+when it installs its hooks.
+"""
+from __future__ import annotations
+
+from torch import nn
+
+__all__ = ["register_external_parameter", "unregister_external_parameter",
+           "external_parameters", "external_parameter_hint"]
+
+_ATTRIBUTE = "_patrickstar_external_parameters"
+
+
+def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
+    """Makes `module`'s forward access `parameter` as if it owned it."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"register_external_parameter: module must be an nn.Module, got "
+                        f"{type(module).__name__}")
+    if not isinstance(parameter, nn.Parameter):
+        raise TypeError(f"register_external_parameter: parameter must be an nn.Parameter, got "
+                        f"{type(parameter).__name__}")
+    registered = module.__dict__.setdefault(_ATTRIBUTE, [])
+    if all(p is not parameter for p in registered):
+        registered.append(parameter)
+
+
+def unregister_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
+    registered = module.__dict__.get(_ATTRIBUTE, [])
+    if all(p is not parameter for p in registered):
+        raise ValueError(f"unregister_external_parameter: the parameter of shape "
+                         f"{tuple(parameter.shape)} is not registered on {type(module).__name__}")
+    registered[:] = [p for p in registered if p is not parameter]
+
+
+def external_parameters(module: nn.Module) -> list[nn.Parameter]:
+    return list(module.__dict__.get(_ATTRIBUTE, []))
+
+
+# Errors that a placeholder (an empty tensor) typically causes inside torch ops.
+_SHAPE_ERROR_WORDS = ("size", "shape", "dimension", "mat1", "mat2", "matri", "numel", "elements")
+
+
+def external_parameter_hint(error: BaseException) -> str | None:
+    """A note for an error raised inside the model's forward that looks like an op meeting a
+    parameter's empty placeholder."""
+    if not isinstance(error, RuntimeError):
+        return None
+    message = str(error)
+    if not any(word in message for word in _SHAPE_ERROR_WORDS):
+        return None
+    return ("PatrickStar: outside its own module's forward a parameter holds an empty "
+            "placeholder (its memory is in a chunk). If the forward reads another module's "
+            "parameter directly (e.g. `x @ self.head.weight.t()`), register it on the module "
+            "that reads it: patrickstar.register_external_parameter(module, parameter), as with "
+            "DeepSpeed ZeRO-3.")

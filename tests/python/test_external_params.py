@@ -1,0 +1,63 @@
+"""register_external_parameter (Note [External parameters] in external_params.py): a forward that
+reads another module's parameter directly trains as in plain PyTorch, on one rank and on two;
+without the registration the error says what to do."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import patrickstar
+from dp_scenarios import ExternalUse
+from test_data_parallel import check_matches_reference, check_no_errors, launch
+from test_initialize import assert_same_training, mlp_batches
+
+CONFIG = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "default_chunk_size": 1024}
+
+
+@pytest.mark.parametrize("budget", [None, 6 * 1024 * 4])
+def test_a_parameter_read_by_the_parent_trains_as_in_pytorch(budget):
+    torch.manual_seed(0)
+    reference = ExternalUse()
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, foreach=False)
+    torch.manual_seed(0)
+    config = dict(CONFIG, memory={"device_budget": budget} if budget else {})
+    model, opt = patrickstar.initialize(ExternalUse, config=config)
+    ref_losses, losses = [], []
+    for x, y in mlp_batches(6):
+        ref = reference(x, y)
+        ref.backward(); ref_opt.step(); ref_opt.zero_grad()
+        loss = model(x, y)
+        model.backward(loss); opt.step(); opt.zero_grad()
+        ref_losses.append(ref.item()); losses.append(loss.item())
+    assert_same_training(ref_losses, losses, reference.state_dict(), model.state_dict())
+
+
+def test_without_registration_the_error_names_the_fix():
+    model, _ = patrickstar.initialize(lambda: ExternalUse(register=False), config=CONFIG)
+    x, y = next(mlp_batches(1))
+    with pytest.raises(RuntimeError) as caught:
+        model(x, y)
+    assert any("register_external_parameter" in note for note in caught.value.__notes__)
+
+
+def test_registering_something_that_is_not_a_model_parameter_is_a_clear_error():
+    stray = nn.Parameter(torch.zeros(3, 5))
+
+    def model_func():
+        model = ExternalUse(register=False)
+        patrickstar.register_external_parameter(model, stray)
+        return model
+
+    with pytest.raises(ValueError, match=r"shape \(3, 5\) registered on ExternalUse"):
+        patrickstar.initialize(model_func, config=CONFIG)
+    with pytest.raises(TypeError, match="must be an nn.Parameter"):
+        patrickstar.register_external_parameter(nn.Linear(2, 2), torch.zeros(2))
+    with pytest.raises(ValueError, match="not registered"):
+        patrickstar.unregister_external_parameter(nn.Linear(2, 2), stray)
+
+
+def test_two_ranks_match_pytorch_on_the_whole_batch(tmp_path):
+    results = launch(tmp_path, 2, "external_parameters")
+    check_no_errors(results)
+    check_matches_reference(results, "external_parameters")
