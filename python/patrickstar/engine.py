@@ -330,6 +330,22 @@ class PatrickStarEngine(nn.Module):
         data = self.params.params[packed.index].data
         return data.as_strided(packed.size, packed.stride, data.storage_offset() + packed.offset)
 
+    def __getattr__(self, name: str):
+        """Attributes of the user's module (`model.generate(...)`, `model.get_input_embeddings()`)
+        on the engine, as DeepSpeed's engine offers them; the engine's own come first."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            module = self.__dict__.get("_modules", {}).get("module")
+            if module is None or name.startswith("__"):
+                raise
+            try:
+                return getattr(module, name)
+            except AttributeError:
+                raise AttributeError(f"neither 'PatrickStarEngine' nor its module "
+                                     f"'{type(module).__name__}' has an attribute '{name}'"
+                                     ) from None
+
     def forward(self, *args, **kwargs):
         self.guard.check_alive("model(...)")
         self.dp.before_forward()

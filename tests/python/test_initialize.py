@@ -348,6 +348,40 @@ def test_huggingface_gpt2_and_llama_train():
             assert math.isclose(loss.item(), ref.item(), rel_tol=1e-4), (name, step)
 
 
+def test_module_attributes_reach_through_the_engine_and_generate_matches_pytorch():
+    """`model.generate(...)` and other methods of the user's module work on the engine, as on
+    DeepSpeed's; generation after training gives PyTorch's tokens."""
+    transformers = pytest.importorskip("transformers")
+
+    def build():
+        return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            n_layer=2, n_head=2, n_embd=32, vocab_size=128, n_positions=32, resid_pdrop=0.0,
+            embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0))
+
+    torch.manual_seed(0)
+    reference = build()
+    ref_opt = torch.optim.Adam(reference.parameters(), lr=1e-2, foreach=False)
+    torch.manual_seed(0)
+    model, opt = patrickstar.initialize(build, config={
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-2}}, "default_chunk_size": 16384})
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
+    for _ in range(3):
+        reference(input_ids=ids, labels=ids).loss.backward()
+        ref_opt.step(); ref_opt.zero_grad()
+        model.backward(model(input_ids=ids, labels=ids).loss)
+        opt.step(); opt.zero_grad()
+    reference.eval(); model.eval()
+    with torch.no_grad():
+        ours = model.generate(ids[:, :4], max_new_tokens=6, do_sample=False, pad_token_id=0)
+        theirs = reference.generate(ids[:, :4], max_new_tokens=6, do_sample=False,
+                                    pad_token_id=0)
+    assert torch.equal(ours, theirs)
+    assert model.get_input_embeddings() is model.module.transformer.wte
+    assert model.config.default_chunk_size == 16384  # the engine's own attributes come first
+    with pytest.raises(AttributeError, match="nor its module 'GPT2LMHeadModel'.*'no_such'"):
+        model.no_such
+
+
 def test_bad_config_and_too_small_budget_errors():
     with pytest.raises(ValueError, match="optimizer.params.lr"):
         patrickstar.initialize(MLP, config={"optimizer": {"params": {"lr": -1}}})
