@@ -26,6 +26,16 @@ again, turns the parameter back into a plain one over it, and runs the call. Pea
 during initialization is then bounded by the budget, not by the model, and every write lands in
 the chunk. The one pattern this cannot see is a `.data` view kept in a variable across the
 creation of other parameters, which could outlive the slot it points into.
+
+Note [Planning without the meta device]
+Some `model_func`s cannot run on the meta device: Hugging Face's `from_pretrained` refuses it (it
+must read the weights), and code that calls `.item()` or `.tolist()` on a parameter while
+building fails there. Pass 1 then builds the model once for real on the CPU under the same
+registration hook, takes the specs from it and drops it before pass 2. The peak is that model's
+memory once, as plain PyTorch would need, and pass 2 reads the weights again into chunks (for
+`from_pretrained`, the loaded tensors replace the meta ones it builds first, and those are the
+ones that survive). For a model larger than host memory, build it with `from_config` (or the
+class) and load the weights with `load_checkpoint` or `load_state_dict` after `initialize()`.
 """
 from __future__ import annotations
 
@@ -38,6 +48,8 @@ from typing import Callable
 
 import torch
 from torch import nn
+
+from .utils.logging import logger as _log
 
 __all__ = ["ParamSpec", "plan_parameters", "ParameterPlacer", "InitResidency"]
 
@@ -113,10 +125,25 @@ def plan_parameters(model_func: Callable[[], nn.Module]) -> tuple[list[ParamSpec
             seen.add(id(param))
             registrations.append(param)
 
-    with _preserved_rng(), _registration_hook(record), torch.device("meta"):
-        model = _call_model_func(model_func)
+    on_meta = True
+    try:
+        with _preserved_rng(), _registration_hook(record), torch.device("meta"):
+            model = _call_model_func(model_func)
+    except (RuntimeError, NotImplementedError, ValueError) as error:
+        if "meta" not in str(error):
+            raise
+        # Note [Planning without the meta device]
+        _log.warning("model_func cannot run on the meta device (%s); planning the chunk "
+                     "layout from one real build on the CPU, whose memory is freed before the "
+                     "build into chunks", str(error).splitlines()[0])
+        registrations.clear()
+        seen.clear()
+        on_meta = False
+        with _preserved_rng(), _registration_hook(record):
+            model = _call_model_func(model_func)
     names = {id(p): n for n, p in model.named_parameters()}
-    outside = [(n, p.device) for n, p in model.named_parameters() if p.device.type != "meta"]
+    outside = [(n, p.device) for n, p in model.named_parameters()
+               if p.device.type != "meta" and on_meta]
     if outside:
         raise RuntimeError(
             "model_func returned a module built outside patrickstar.initialize() (parameter "

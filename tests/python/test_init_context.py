@@ -87,3 +87,31 @@ def test_integer_buffers_keep_their_dtype_and_values():
     calls = model.state_dict()["calls"]
     assert calls.dtype == torch.int64 and int(calls) == 3
     model.destroy()
+
+
+class ReadsItsWeights(nn.Module):
+    """Reads a parameter's values while it is built (`.item()`), which the meta device cannot
+    do: the layout is planned from a real build (Note [Planning without the meta device])."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(8, 8)
+        self.threshold = float(self.layer.weight.abs().max().item())
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.head(torch.clamp(self.layer(x), max=self.threshold)).pow(2).mean()
+
+
+def test_a_model_func_that_cannot_run_on_meta_builds_as_in_pytorch(caplog):
+    torch.manual_seed(0)
+    reference = ReadsItsWeights()
+    torch.manual_seed(0)
+    with caplog.at_level("WARNING", logger="patrickstar"):
+        model, _ = patrickstar.initialize(ReadsItsWeights, config={"default_chunk_size": 1024})
+    assert "cannot run on the meta device" in caplog.text
+    assert model.module.threshold == reference.threshold  # the same RNG draws as plain PyTorch
+    for name, tensor in reference.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[name], tensor, rtol=0, atol=0)
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(model(x), reference(x))

@@ -382,6 +382,40 @@ def test_module_attributes_reach_through_the_engine_and_generate_matches_pytorch
         model.no_such
 
 
+@pytest.mark.parametrize("arch", ["gpt2", "bert"])
+def test_from_pretrained_in_model_func_loads_the_weights_and_trains_as_pytorch(tmp_path, arch):
+    """Upstream PatrickStar's examples/huggingface_bert.py builds the model with
+    `from_pretrained` inside model_func, which refuses the meta device (Note [Planning without
+    the meta device] in init_context.py)."""
+    transformers = pytest.importorskip("transformers")
+    if arch == "gpt2":  # tied input and output embeddings
+        cls, config = transformers.GPT2LMHeadModel, transformers.GPT2Config(
+            n_layer=2, n_head=2, n_embd=32, vocab_size=128, n_positions=32, resid_pdrop=0.0,
+            embd_pdrop=0.0, attn_pdrop=0.0)
+    else:
+        cls, config = transformers.BertForSequenceClassification, transformers.BertConfig(
+            vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+            intermediate_size=64, max_position_embeddings=32, hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0)
+    torch.manual_seed(1)
+    cls(config).save_pretrained(tmp_path)
+    reference = cls.from_pretrained(tmp_path)
+    ref_opt = torch.optim.Adam(reference.parameters(), lr=1e-3, foreach=False)
+    model, opt = patrickstar.initialize(lambda: cls.from_pretrained(tmp_path), config={
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}, "default_chunk_size": 8192})
+    expected = reference.state_dict()
+    for name, tensor in model.state_dict().items():
+        torch.testing.assert_close(tensor, expected[name], rtol=0, atol=0)
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
+    labels = ids if arch == "gpt2" else torch.tensor([0, 1])
+    for step in range(3):
+        ref = reference(input_ids=ids, labels=labels).loss
+        ref.backward(); ref_opt.step(); ref_opt.zero_grad()
+        loss = model(input_ids=ids, labels=labels).loss
+        model.backward(loss); opt.step(); opt.zero_grad()
+        assert math.isclose(loss.item(), ref.item(), rel_tol=1e-4), step
+
+
 def test_bad_config_and_too_small_budget_errors():
     with pytest.raises(ValueError, match="optimizer.params.lr"):
         patrickstar.initialize(MLP, config={"optimizer": {"params": {"lr": -1}}})
