@@ -409,6 +409,12 @@ class PatrickStarEngine(nn.Module):
 
     # ---- Steps ---------------------------------------------------------------------------------
 
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """FSDP's `model.clip_grad_norm_`: the gradients live in chunks, so
+        `torch.nn.utils.clip_grad_norm_(model.parameters(), ...)` sees none. Call it between
+        `backward()` and `optimizer.step()`; returns the total gradient norm."""
+        return self.optimizer.clip_grad_norm_(max_norm, norm_type)
+
     def zero_grad(self) -> None:
         self.optimizer.zero_grad()
 

@@ -132,6 +132,8 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
                 self._group_of[params.index_of(param)] = group_index
         self._rows: list[_UpdateRow] | None = None  # built at the first step
         self._tensor_chunk: dict[int, int] = {}
+        # clip_grad_norm_() before this step: (max_norm, overflow, scaled norm).
+        self._requested_clip: tuple[float, bool, float] | None = None
 
     @property
     def loss_scale(self) -> float:
@@ -161,7 +163,10 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         # The scale the gradients carry: backward() used it and only this method changes it.
         grad_scale = self.loss_scaler.scale
         overflow, norm = False, 0.0
-        if clip > 0 or self.precision == "fp16":  # one read pass over the gradients
+        if self._requested_clip is not None:  # clip_grad_norm_ read the gradients already
+            clip, overflow, norm = self._requested_clip
+            self._requested_clip = None
+        elif clip > 0 or self.precision == "fp16":  # one read pass over the gradients
             overflow, norm = self._gradient_statistics()
         # Only fp16 skips steps; elsewhere a non-finite gradient reaches the parameters as it
         # would in plain PyTorch.
@@ -181,7 +186,23 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         self._end_iteration()
         return True
 
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """`torch.nn.utils.clip_grad_norm_` for gradients that live in chunks (which
+        `model.parameters()` cannot show): returns the total norm over every rank's gradients
+        (unscaled: what PyTorch would report) and clips the coming `step()` to `max_norm`, for
+        this step only (config `gradient_clipping` clips every step)."""
+        if norm_type != 2.0:
+            raise ValueError(f"clip_grad_norm_: norm_type {norm_type} is not supported; "
+                             f"PatrickStar-C++ clips by the L2 norm (norm_type=2.0)")
+        if not max_norm > 0:
+            raise ValueError(f"clip_grad_norm_: max_norm must be positive, got {max_norm}")
+        overflow, norm = self._gradient_statistics()
+        self._requested_clip = (float(max_norm), overflow, norm)
+        total = math.inf if overflow else norm / self.loss_scaler.scale
+        return torch.tensor(total)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self._requested_clip = None
         chunks = self.chunked.chunks
         for index, has in enumerate(self.has_grad):
             if has:

@@ -416,6 +416,35 @@ def test_from_pretrained_in_model_func_loads_the_weights_and_trains_as_pytorch(t
         assert math.isclose(loss.item(), ref.item(), rel_tol=1e-4), step
 
 
+def test_clip_grad_norm_matches_pytorch():
+    """nanoGPT clips with torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0) between
+    backward and step; here the gradients are in chunks and model.clip_grad_norm_ does it."""
+    torch.manual_seed(0)
+    reference = MLP()
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, foreach=False)
+    torch.manual_seed(0)
+    model, opt = patrickstar.initialize(MLP, config={
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "default_chunk_size": 4096})
+    ref_losses, losses = [], []
+    for step, (x, y) in enumerate(mlp_batches(8)):
+        ref = reference(x, y)
+        ref.backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.2)
+        ref_opt.step(); ref_opt.zero_grad()
+        loss = model(x, y)
+        model.backward(loss)
+        norm = model.clip_grad_norm_(0.2)
+        assert math.isclose(norm.item(), ref_norm.item(), rel_tol=1e-5), step
+        assert norm.item() > 0.2  # the clip bites
+        opt.step(); opt.zero_grad()
+        ref_losses.append(ref.item()); losses.append(loss.item())
+    assert_same_training(ref_losses, losses, reference.state_dict(), model.state_dict())
+    with pytest.raises(ValueError, match="norm_type 1.0"):
+        model.clip_grad_norm_(1.0, norm_type=1.0)
+    with pytest.raises(ValueError, match="max_norm must be positive, got 0"):
+        model.clip_grad_norm_(0)
+
+
 def test_bad_config_and_too_small_budget_errors():
     with pytest.raises(ValueError, match="optimizer.params.lr"):
         patrickstar.initialize(MLP, config={"optimizer": {"params": {"lr": -1}}})
