@@ -30,7 +30,11 @@ class _SavedActivation:
         self.counter = counter
 
     def __del__(self):
-        self.counter.release(self.key)
+        # An instance made without __init__ (torch.compile's tracing copies objects it meets)
+        # counted nothing.
+        counter = getattr(self, "counter", None)
+        if counter is not None:
+            counter.release(self.key)
 
 
 class ActivationCounter:

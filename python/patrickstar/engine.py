@@ -140,6 +140,7 @@ class PatrickStarEngine(nn.Module):
         placer = ParameterPlacer(survives, self._place_at_init)
         module = placer.build(model_func)
         self.add_module("module", module)
+        self._move_buffers(lambda buffer: buffer.to(self.device))
         self.params.bind(placer.parameters)
         self.dp.attach(self)
         self._finish_init()
@@ -329,6 +330,38 @@ class PatrickStarEngine(nn.Module):
             self._slots.access([packed.index])
         data = self.params.params[packed.index].data
         return data.as_strided(packed.size, packed.stride, data.storage_offset() + packed.offset)
+
+    # Note [Moving the engine]
+    # Parameters live in chunks of the compute dtype, placed by the chunk manager; buffers
+    # (BatchNorm statistics, Hugging Face's position ids) are the module's own tensors, which
+    # model_func built on the CPU, and follow the engine's device. `model.to(...)`, `.cuda()`,
+    # `.half()`, ... therefore convert buffers only, and a conversion that would change where or
+    # in which dtype the parameters compute is an error naming the config key that does it,
+    # instead of silently leaving the parameters as they are.
+    def _move_buffers(self, convert: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        for module in self.module.modules():
+            for name, buffer in module._buffers.items():
+                if buffer is not None:
+                    module._buffers[name] = convert(buffer)
+
+    def _apply(self, fn, recurse=True):
+        if "module" not in self._modules:  # nn.Module.__init__ and the hooks of a partial build
+            return super()._apply(fn, recurse)
+        probe = fn(torch.empty(0, dtype=self.compute_dtype, device=self.device))
+        if probe.dtype != self.compute_dtype:
+            raise ValueError(
+                f"PatrickStarEngine: parameters compute in {self.compute_dtype} (config "
+                f"precision '{self.precision}') in chunks; converting the model to {probe.dtype} "
+                f"(model.half(), .bfloat16(), .to(dtype)) cannot change that. Set config "
+                f"'fp16.enabled' or 'bf16.enabled' instead, or leave the conversion out")
+        if probe.device != self.device:
+            raise ValueError(
+                f"PatrickStarEngine: parameters live in chunks placed by the runtime for "
+                f"{self.device} (LOCAL_RANK / local_rank chooses the GPU); moving the model to "
+                f"{probe.device} (model.to(device), .cuda(), .cpu()) cannot move them. Leave "
+                f"the move out: the engine's buffers and parameters are already on its device")
+        self._move_buffers(fn)
+        return self
 
     def __getattr__(self, name: str):
         """Attributes of the user's module (`model.generate(...)`, `model.get_input_embeddings()`)

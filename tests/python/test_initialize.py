@@ -445,6 +445,32 @@ def test_clip_grad_norm_matches_pytorch():
         model.clip_grad_norm_(0)
 
 
+def test_moving_or_converting_the_engine_converts_buffers_or_names_the_config_key():
+    """Note [Moving the engine]: `model.to(device)` / `.float()` as a PyTorch script writes them
+    are no-ops for chunked parameters; a dtype change is an error, not silently ignored."""
+    def build():
+        return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 2))
+
+    torch.manual_seed(0)
+    reference = build()
+    ref_opt = torch.optim.Adam(reference.parameters(), lr=1e-2, foreach=False)
+    torch.manual_seed(0)
+    model, opt = patrickstar.initialize(build, config={
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-2}}})
+    assert model.to("cpu") is model and model.float() is model and model.cpu() is model
+    for x in torch.randn(4, 6, 8):
+        ref = reference(x).pow(2).mean()
+        ref.backward(); ref_opt.step(); ref_opt.zero_grad()
+        loss = model(x).pow(2).mean()
+        model.backward(loss); opt.step(); opt.zero_grad()
+        assert math.isclose(loss.item(), ref.item(), rel_tol=1e-5)
+    torch.testing.assert_close(model.state_dict()["1.running_var"], reference[1].running_var)
+    for convert in (lambda m: m.half(), lambda m: m.to(torch.bfloat16), lambda m: m.double()):
+        with pytest.raises(ValueError, match="precision 'fp32'.*'fp16.enabled' or 'bf16.enabled'"):
+            convert(model)
+    assert model.module[1].running_mean.dtype == torch.float32  # nothing half-converted
+
+
 def test_bad_config_and_too_small_budget_errors():
     with pytest.raises(ValueError, match="optimizer.params.lr"):
         patrickstar.initialize(MLP, config={"optimizer": {"params": {"lr": -1}}})
