@@ -37,7 +37,6 @@ UPSTREAM_ONLY = {
     "patrickstar.runtime.init_context": _BUILD,
     "patrickstar.runtime.checkpoint": "use model.save_checkpoint(dir) / "
                                       "model.load_checkpoint(dir) (docs/reliability.md)",
-    "patrickstar.utils.global_timer": _PROFILE,
     "patrickstar.utils.timer": _PROFILE,
     "patrickstar.utils.metronome": _PROFILE,
     "patrickstar.utils.memory": "use `model.memory_stats()` (per tier: budget, bytes now and "
@@ -50,7 +49,6 @@ UPSTREAM_ONLY = {
 
 # Names upstream's `patrickstar.utils` exported that have no counterpart here.
 UPSTREAM_NAMES = {
-    "patrickstar.utils.global_timer": _PROFILE,
     "patrickstar.utils.getsizeof": "use `sys.getsizeof` or `tensor.nbytes`",
     "patrickstar.utils.get_memory_info": "use `model.memory_stats()` or "
                                          "`patrickstar.utils.get_sys_memory_used(device)`",

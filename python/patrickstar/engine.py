@@ -46,6 +46,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import sys
+import time
 import weakref
 from typing import Callable
 
@@ -65,6 +66,8 @@ from .init_context import InitResidency, ParameterPlacer, plan_parameters
 from .loss_scaler import make_loss_scaler
 from .optimizer import PatrickStarOptimizer, build_param_groups
 from .profiling.recorder import optimizer_phase, profiler_from_config
+from .profiling.upstream import profiler as upstream_profiler
+from .utils import global_timer
 from .vocabulary import Tier as T
 
 __all__ = ["PatrickStarEngine"]
@@ -181,6 +184,9 @@ class PatrickStarEngine(nn.Module):
             self.params, groups, config, self.dp, self.guard, self.loss_scaler, self.device,
             self.runtime.has_nvme, self.end_iteration, lambda: optimizer_phase(self.profiler))
         self.profiler = profiler_from_config(self)  # None unless config profile.enabled
+        upstream_profiler.engine_built(self)  # `from patrickstar.profiler import profiler`
+        self.created_ns = time.monotonic_ns()
+        global_timer.watch(self)  # upstream's data_move_cnter reports this engine's traffic
         _live_engines.add(self)
 
     # ---- Construction --------------------------------------------------------------------------

@@ -116,8 +116,6 @@ def test_upstream_arguments_and_names_without_counterpart_say_what_to_use():
     from patrickstar.runtime import initialize_engine
     with pytest.raises(TypeError, match="PatrickStarClient does not exist.*drop the argument"):
         initialize_engine(lambda: torch.nn.Linear(2, 2), 0, None, client=object())
-    with pytest.raises(ImportError, match="patrickstar.profile\\(model"):
-        from patrickstar.profiler import profiler  # noqa: F401
     import patrickstar.profiler as module
     assert not hasattr(module, "no_such_name")  # other names stay plain AttributeErrors
 
@@ -133,10 +131,60 @@ def test_deepspeed_engine_step_names_the_optimizer_call():
     model.destroy()
 
 
-@pytest.mark.parametrize("name", ["global_timer", "getsizeof", "get_memory_info",
-                                  "SingletonMeta"])
+@pytest.mark.parametrize("name", ["getsizeof", "get_memory_info", "SingletonMeta"])
 def test_upstream_utils_names_without_counterpart_say_what_to_use(name):
     with pytest.raises(ImportError, match=f"'patrickstar.utils.{name}' is upstream"):
         exec(f"from patrickstar.utils import {name}")
     import patrickstar.utils
     assert not hasattr(patrickstar.utils, "no_such_name")
+
+
+def test_upstream_pretrain_demo_timers_and_profiler_work(tmp_path, caplog):
+    """Upstream's examples/pretrain_demo.py: `import patrickstar.utils.global_timer as
+    global_timer` and `from patrickstar.profiler import profiler`, started before the engine is
+    built, printed and saved after the steps."""
+    import patrickstar.utils.global_timer as global_timer
+    from patrickstar.profiler import profiler
+    from patrickstar.runtime import initialize_engine
+    from patrickstar.utils import logger
+
+    profiler.start()
+    model, optimizer = initialize_engine(
+        model_func=lambda: torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 4)),
+        local_rank=0, config={"default_chunk_size": 4096,
+                              "memory": {"device_budget": 3 * 4096 * 4}})
+    before = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        for step in range(3):
+            if step == 1:
+                profiler.warmup_finish()
+            if step == 2:
+                global_timer.my_timer.start()
+            optimizer.zero_grad()
+            global_timer.my_timer.start_profile("FWD")
+            loss = model(torch.randn(8, 64)).pow(2).mean()
+            global_timer.my_timer.finish_profile("FWD")
+            model.backward(loss)
+            optimizer.step()
+        with caplog.at_level(logging.INFO, logger="patrickstar"):
+            global_timer.my_timer.print()
+            global_timer.data_move_cnter.print()
+    finally:
+        logger.setLevel(before)
+    profiler.end()
+    directory = profiler.save(str(tmp_path / "torch_bert_profile.pkl"))
+    assert directory == str(tmp_path / "torch_bert_profile")
+    for name in ("trace.json", "summary.json", "memory.csv", "report.html"):
+        assert (tmp_path / "torch_bert_profile" / name).exists(), name
+    assert "span since my_timer.start()" in caplog.text and "FWD, " in caplog.text
+    stats = model.memory_stats()
+    device = next(tier for tier in stats if tier["kind"] == "device")
+    assert device["bytes_in"] > 0  # the tight budget moved chunks, and the counter says so
+    assert f"tier {device['name']}: " in caplog.text
+    global_timer.data_move_cnter.reset()
+    assert f"tier {device['name']}: 0.000 MB in, 0.000 MB out" in \
+        "\n".join(global_timer.data_move_cnter.lines())
+    with pytest.raises(RuntimeError, match="'FWD' was not started"):
+        global_timer.my_timer.finish_profile("FWD")
+    model.destroy()

@@ -1,0 +1,80 @@
+"""Upstream PatrickStar's global recorder, `from patrickstar.profiler import profiler`, over this
+package's `Profiler`.
+
+Upstream scripts call `profiler.start()` before building the model, `warmup_finish()` after the
+first iteration, `end()` after the last and `save(path)` on rank 0. Here `start()` profiles
+every engine built while it is started (and one already built), `end()` stops recording and
+`save(path)` writes this package's outputs (trace.json, memory.csv, summary.json, report.html)
+into the directory `path` names, its extension dropped (upstream wrote one pickle). Only one
+profiler runs at a time (`Profiler.start`), so with several engines the first one is recorded.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+import weakref
+
+from ..utils.logging import logger
+from .recorder import Profiler, active_profiler
+
+__all__ = ["UpstreamProfiler", "profiler"]
+
+
+class UpstreamProfiler:
+    def __init__(self):
+        self.started = False
+        self.warmup_finished = False
+        self._recorder: Profiler | None = None
+        self._engines: "weakref.WeakSet" = weakref.WeakSet()
+        self._stopped_raw: dict | None = None
+
+    def engine_built(self, engine) -> None:
+        """Called for every engine at construction (recorder.profiler_from_config)."""
+        self._engines.add(engine)
+        if self.started and self._recorder is None:
+            self._record(engine)
+
+    def _record(self, engine) -> None:
+        if active_profiler() is not None:
+            logger.warning("profiler.start(): another profiler is running; this engine is not "
+                           "recorded")
+            return
+        # The recorder needs a directory; save(path) writes the outputs where the script says.
+        self._recorder = Profiler(engine, tempfile.mkdtemp(prefix="patrickstar-profile-")).start()
+
+    def start(self) -> None:
+        self.started = True
+        self.warmup_finished = False
+        self._stopped_raw = None
+        for engine in list(self._engines):
+            if self._recorder is None and getattr(engine, "chunks", None) is not None:
+                self._record(engine)  # (a destroyed engine has no chunks)
+
+    def warmup_finish(self) -> None:
+        """Upstream separated its warm-up iteration; here the first iteration is the warm-up
+        in every output (summary.json, report.html), so this only notes it."""
+        self.warmup_finished = True
+
+    def end(self) -> None:
+        self.started = False
+        if self._recorder is not None and self._recorder.running:
+            self._recorder.stop(write=False)
+            self._stopped_raw = self._recorder.raw()
+
+    def save(self, path: str | os.PathLike) -> str:
+        """Writes the outputs into `path` without its extension; returns that directory."""
+        if self._recorder is None:
+            raise RuntimeError("profiler.save(): nothing was recorded; call profiler.start() "
+                               "before patrickstar.initialize() and profiler.end() after the "
+                               "last step")
+        if self._recorder.running:
+            self.end()
+        directory = os.path.splitext(os.fspath(path))[0]
+        from .outputs import write_outputs  # imported late: only writing needs it
+        write_outputs(directory, self._stopped_raw)
+        logger.info("profile written to %s (trace.json, memory.csv, summary.json, report.html)",
+                    directory)
+        return directory
+
+
+profiler = UpstreamProfiler()
