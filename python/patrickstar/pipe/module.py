@@ -136,14 +136,14 @@ class _Stage(nn.Module):
         self._calls = []  # (callable, forward_fn or None, checkpointed)
         for index in range(start, stop):
             spec = pipe.layers[index]
-            checkpointed = pipe._checkpointed(index)
+            checkpointed = pipe.checkpointed_at(index)
             if isinstance(spec, TiedLayerSpec):
                 if spec.key not in self.tied:
-                    pipe._seed(pipe._first_use[spec.key])
+                    pipe.seed_layer(pipe.first_use[spec.key])
                     self.tied[spec.key] = spec.build()
                 self._calls.append((self.tied[spec.key], spec.forward_fn, checkpointed))
             elif isinstance(spec, LayerSpec):
-                pipe._seed(index)
+                pipe.seed_layer(index)
                 self.layers[str(index)] = spec.build()
                 self._calls.append((self.layers[str(index)], None, checkpointed))
             else:  # a parameterless module or a function
@@ -221,10 +221,10 @@ class PipelineModule:
             else set(checkpointable_layers)
         self.seed_layers = seed_layers
         self.base_seed = base_seed
-        self._first_use: dict[str, int] = {}
+        self.first_use: dict[str, int] = {}  # tied key -> first layer index using it
         for index, spec in enumerate(self.layers):
             if isinstance(spec, TiedLayerSpec):
-                self._first_use.setdefault(spec.key, index)
+                self.first_use.setdefault(spec.key, index)
         self._bounds: dict[int, list[int]] = {}
 
     # ---- Partitioning --------------------------------------------------------------------------
@@ -286,22 +286,22 @@ class PipelineModule:
                        if isinstance(spec, TiedLayerSpec)})
 
     def tied_spec(self, key: str) -> TiedLayerSpec:
-        return self.layers[self._first_use[key]]
+        return self.layers[self.first_use[key]]
 
     def signature(self, num_stages: int) -> dict:
         """What every rank must agree on (checked at initialization)."""
         return {"layers": tuple(self._layer_name(s) for s in self.layers),
                 "partition": tuple(self.partition(num_stages)),
-                "tied keys": tuple(sorted(self._first_use)),
+                "tied keys": tuple(sorted(self.first_use)),
                 "activation_checkpoint_interval": self.activation_checkpoint_interval}
 
     # ---- Building ------------------------------------------------------------------------------
 
-    def _seed(self, index: int) -> None:
+    def seed_layer(self, index: int) -> None:
         if self.seed_layers:
             torch.manual_seed(self.base_seed + index)
 
-    def _checkpointed(self, index: int) -> bool:
+    def checkpointed_at(self, index: int) -> bool:
         interval = self.activation_checkpoint_interval
         if interval == 0 or index % interval:
             return False
