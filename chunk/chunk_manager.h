@@ -140,7 +140,7 @@ class ChunkManager {
   absl::StatusOr<TensorView> View(TensorId tensor) const;
   // Moves an unpinned chunk with a payload to `tier` (any tier, NVMe included).
   absl::Status MoveChunk(ChunkId chunk, TierKind tier);
-  // Starts copying a chunk to `tier` without waiting (Note [Started moves] in chunk_manager.cc):
+  // Starts copying a chunk to `tier` without waiting (Note [Started moves] in chunk_manager_moves.cc):
   // the read-ahead and write-back of the optimizer sweep. No-op (returns false) for a chunk that
   // is pinned, has no payload, or is already there or on its way somewhere.
   absl::StatusOr<bool> StartMove(ChunkId chunk, TierKind tier);
@@ -163,7 +163,7 @@ class ChunkManager {
   // std::numeric_limits<int64_t>::max() for a tier without a budget.
   absl::StatusOr<int64_t> ChunkBytesAllowedAt(TierKind tier, int64_t moment) const;
 
-  // ---- Communication groups (Note [Communication groups] in chunk_manager.cc) --------------
+  // ---- Communication groups (Note [Communication groups] in chunk_manager_groups.cc) --------------
   int world_size() const { return options_.world_size; }
   int rank() const { return options_.rank; }
   bool IsLocal(ChunkId chunk) const;

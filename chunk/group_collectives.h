@@ -1,5 +1,5 @@
 // Collectives on whole communication groups of a ChunkManager (Note [Communication groups] in
-// chunk_manager.cc): the gather of a group of compute params before use, the reduce-scatter of a
+// chunk_manager_groups.cc): the gather of a group of compute params before use, the reduce-scatter of a
 // group of gradients after backward, and the release of gathered groups. One collective per
 // group (world_size broadcasts or reduces in memory-saving mode), never one per tensor.
 //

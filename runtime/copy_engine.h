@@ -69,7 +69,7 @@ class CopyEngine {
 
   // Sets every byte of `block` (a memory tier's) to `value` and returns once that is done: a
   // host memset for host memory, cudaMemsetAsync on the upload stream for device memory (Note
-  // [Zero-filled chunks] in chunk/chunk_manager.cc): the host must never write device memory.
+  // [Zero-filled chunks] in chunk/chunk_manager_moves.cc): the host must never write device memory.
   absl::Status Fill(const Block& block, int value);
 
   // Orders every copy issued after this call after the work enqueued on `producer` so far

@@ -20,7 +20,7 @@ class Chunks:
 
     def __init__(self, tiers, copy_engine, world_size=1, rank=0):
         # Prefetch looks PREFETCH_MOMENTS moments ahead in the warm-up trace (Note [Prefetch] in
-        # chunk_manager.cc). It was off while prefetch moves corrupted backward; the cause was
+        # chunk_manager_moves.cc). It was off while prefetch moves corrupted backward; the cause was
         # autograd's saved views of moved chunks (Note [Saved views of parameters] in
         # engine.py), not the manager. Data parallelism prefetches too: a group's gather pins
         # its local chunk where a prefetch in flight takes it (Note [Pinning a group for a

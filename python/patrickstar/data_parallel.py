@@ -3,7 +3,7 @@
 Launch with `torchrun --nproc_per_node=N train.py` (or `python -m torch.distributed.run`); the
 engine finds the world through `torch.distributed` (initializing the default process group from
 torchrun's environment if the script did not). Each rank owns chunk r of every communication
-group (Note [Communication groups] in chunk/chunk_manager.cc): it keeps the fp32 master /
+group (Note [Communication groups] in chunk/chunk_manager_groups.cc): it keeps the fp32 master /
 momentum / variance chunks of its own chunks only, updates only those, and sees the other ranks'
 parameters only while a gathered copy lives between an allgather and the next optimizer step.
 The collectives run in C++ (`patrickstar._C.GroupCollectives` over a `Communicator`: the

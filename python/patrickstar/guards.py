@@ -163,7 +163,7 @@ def check_budgets(config, manager_json: str, names: list[str], trainable: list[b
             device_need, device_who = need, module or "<root>"
     for name, train in zip(names, trainable):
         if train:
-            # Note [Optimizer sweep] in engine.py: where the device tier is host memory the
+            # Note [Optimizer sweep] in optimizer.py: where the device tier is host memory the
             # update reads parameters and gradients where they are; only state comes to the host.
             parts = ["momentum", "variance"] + (["master"] if mixed else [])
             chunks = {chunk_of[f"{name}#{p}"] for p in parts}

@@ -15,7 +15,7 @@ kernel can reach it there: on a CPU build every memory tier is host memory (the 
 emulated), so nothing moves; with CUDA a parameter whose chunks are all on the GPU is updated by
 the GPU kernel there, anything else on the host. Chunks on NVMe stream through host memory: while
 row k is updated, the NVMe chunks of row k+1 are already being read (`start_move`, Note [Started
-moves] in chunk_manager.cc) and those of row k-1 written back, so disk reads, Adam and disk writes
+moves] in chunk_manager_moves.cc) and those of row k-1 written back, so disk reads, Adam and disk writes
 overlap, and the host holds about three rows of NVMe state at a time. A failed read or write-back
 raises out of `step()` with the file, offset and bytes; the chunk keeps its bytes in memory and its
 NVMe slot stays invalid (never read back torn), and the engine refuses to train on until a

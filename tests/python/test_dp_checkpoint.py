@@ -1,5 +1,5 @@
 """Checkpoints of data-parallel runs (issue 10): 2 gloo ranks write one shard each into one
-atomic checkpoint (Note [Multi-rank checkpoints] in checkpoint.py). Exact resume on 2 ranks,
+atomic checkpoint (Note [Multi-rank checkpoints] in checkpoint/__init__.py). Exact resume on 2 ranks,
 resharding 2 -> 1 and 1 -> 2, an error on one rank raised on every rank, SIGKILL while 2 ranks
 save, and consolidation of a 2-rank checkpoint. The scenarios run in dp_checkpoint_worker.py;
 one launch of 2 processes runs all of them (torch's import dominates)."""

@@ -1,5 +1,5 @@
 """NVMe as a third tier in training (issue 7): optimizer state streamed from disk through the
-optimizer sweep (Note [Optimizer sweep] in engine.py), bit for bit the same training as in
+optimizer sweep (Note [Optimizer sweep] in optimizer.py), bit for bit the same training as in
 memory, host use under a budget smaller than the optimizer state, and IO faults during the sweep
 ending in clear errors with nothing lost."""
 from __future__ import annotations

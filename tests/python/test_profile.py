@@ -155,7 +155,7 @@ def test_summary_agrees_with_statistics(profiled):
     assert summary["moves"]["bytes"] == moved_in > 0
     assert summary["moves"]["by_direction"][f"host->{device}"] == (after[0]["bytes_in"]
                                                                    - before[0]["bytes_in"])
-    # A CPU build updates every chunk where it is (Note [Optimizer sweep] in engine.py): no copy
+    # A CPU build updates every chunk where it is (Note [Optimizer sweep] in optimizer.py): no copy
     # has the optimizer cause; with CUDA the optimizer pulls device chunks to the host. The
     # strict device keeps the CPU build's placement (torch runs on the CPU there).
     if patrickstar._C.cuda_available() and not patrickstar._C.strict_device():

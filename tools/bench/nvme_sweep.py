@@ -1,6 +1,6 @@
 """The optimizer sweep with Adam state on NVMe, against its parts measured alone in the same run.
 
-Note [Optimizer sweep] in python/patrickstar/engine.py streams NVMe-resident state through host
+Note [Optimizer sweep] in python/patrickstar/optimizer.py streams NVMe-resident state through host
 memory: row k+1 is read while row k is updated and row k-1 written back. With perfect overlap a
 step costs max(read, Adam, write); without any, their sum. This driver measures, on one model:
   * sweep:  `optimizer.step()` of an engine whose momentum and variance live on NVMe (a host
