@@ -210,15 +210,15 @@ absl::Status ChunkManager::MoveChunk(ChunkId id, TierKind tier_kind) {
 
 // Note [Started moves]
 // StartMove is a prefetch asked for by name: the optimizer sweep reads the next row's NVMe-resident
-// chunks into host memory while it updates the current row, and writes an updated row back while
-// it reads the next (Note [Optimizer sweep] in python/patrickstar/optimizer.py). The copy is pending
+// chunks into host memory while it updates the current row, and writes an updated row back while it
+// reads the next (Note [Optimizer sweep] in python/patrickstar/optimizer.py). The copy is pending
 // exactly like a prefetch (Note [Prefetch]): the chunk stays where it is, pinned, until Access,
 // Tick, EndIteration, MoveChunk or an allocation that needs its room settles it, so settling, and
 // with it every eviction choice, does not depend on copy timing. Unlike a trace prefetch it may
-// evict to get its destination block: the caller needs this chunk there next. A failed copy
-// leaves the chunk where it was with its bytes intact (an NVMe slot that was being written stays
-// invalid, Note [NVMe write validity]), and the error surfaces where the copy is settled, naming
-// the chunk and, for NVMe, the file, offset and bytes.
+// evict to get its destination block: the caller needs this chunk there next. A failed copy leaves
+// the chunk where it was with its bytes intact (an NVMe slot that was being written stays invalid,
+// Note [NVMe write validity]), and the error surfaces where the copy is settled, naming the chunk
+// and, for NVMe, the file, offset and bytes.
 absl::StatusOr<bool> ChunkManager::StartMove(ChunkId id, TierKind tier_kind) {
   PS_RETURN_IF_ERROR(CheckBuilt("start move"));
   PS_ASSIGN_OR_RETURN(const Chunk* found, chunk(id));

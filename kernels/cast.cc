@@ -3,7 +3,7 @@
 #include <bit>
 #include <cmath>
 
-#include "absl/strings/str_cat.h"
+#include "kernels/internal/dtype_dispatch.h"
 
 namespace ps::kernels {
 
@@ -56,28 +56,33 @@ float BFloat16BitsToFloat(uint16_t bits) {
   return std::bit_cast<float>(static_cast<uint32_t>(bits) << 16);
 }
 
+namespace {
+
+template <DType kDtype>
+uint16_t FloatTo16Bits(float value) {
+  return kDtype == DType::kFloat16 ? FloatToHalfBits(value) : FloatToBFloat16Bits(value);
+}
+
+template <DType kDtype>
+float Bits16ToFloat(uint16_t bits) {
+  return kDtype == DType::kFloat16 ? HalfBitsToFloat(bits) : BFloat16BitsToFloat(bits);
+}
+
+}  // namespace
+
 absl::Status CastFloatTo16(const float* src, uint16_t* dst, int64_t count, DType dst_dtype) {
-  if (dst_dtype == DType::kFloat16) {
-    for (int64_t i = 0; i < count; ++i) dst[i] = FloatToHalfBits(src[i]);
-  } else if (dst_dtype == DType::kBFloat16) {
-    for (int64_t i = 0; i < count; ++i) dst[i] = FloatToBFloat16Bits(src[i]);
-  } else {
-    return absl::InvalidArgumentError(
-        absl::StrCat("cast to a 16-bit dtype: got ", DTypeName(dst_dtype)));
-  }
-  return absl::OkStatus();
+  return internal::DispatchHalfOrBFloat16(dst_dtype, "cast to a 16-bit dtype", [&]<DType kDtype>() {
+    for (int64_t i = 0; i < count; ++i) dst[i] = FloatTo16Bits<kDtype>(src[i]);
+    return absl::OkStatus();
+  });
 }
 
 absl::Status Cast16ToFloat(const uint16_t* src, float* dst, int64_t count, DType src_dtype) {
-  if (src_dtype == DType::kFloat16) {
-    for (int64_t i = 0; i < count; ++i) dst[i] = HalfBitsToFloat(src[i]);
-  } else if (src_dtype == DType::kBFloat16) {
-    for (int64_t i = 0; i < count; ++i) dst[i] = BFloat16BitsToFloat(src[i]);
-  } else {
-    return absl::InvalidArgumentError(
-        absl::StrCat("cast from a 16-bit dtype: got ", DTypeName(src_dtype)));
-  }
-  return absl::OkStatus();
+  return internal::DispatchHalfOrBFloat16(
+      src_dtype, "cast from a 16-bit dtype", [&]<DType kDtype>() {
+        for (int64_t i = 0; i < count; ++i) dst[i] = Bits16ToFloat<kDtype>(src[i]);
+        return absl::OkStatus();
+      });
 }
 
 }  // namespace ps::kernels

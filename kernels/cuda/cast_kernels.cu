@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/cast.h"
+#include "kernels/internal/dtype_dispatch.h"
 #include "kernels/internal/strict_kernels.h"
 
 namespace ps::kernels {
@@ -13,9 +14,9 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kVector = 4;  // elements per thread per iteration: 16-byte fp32 loads
 
-template <typename Convert>
-__global__ void CastFromFloatKernel(const float* __restrict__ src, uint16_t* __restrict__ dst,
-                                    int64_t count, Convert convert) {
+template <typename Src, typename Dst, typename Convert>
+__global__ void CastKernel(const Src* __restrict__ src, Dst* __restrict__ dst, int64_t count,
+                           Convert convert) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x * kVector;
   for (int64_t base = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * kVector;
        base < count; base += stride) {
@@ -26,33 +27,25 @@ __global__ void CastFromFloatKernel(const float* __restrict__ src, uint16_t* __r
   }
 }
 
-template <typename Convert>
-__global__ void CastToFloatKernel(const uint16_t* __restrict__ src, float* __restrict__ dst,
-                                  int64_t count, Convert convert) {
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x * kVector;
-  for (int64_t base = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * kVector;
-       base < count; base += stride) {
-#pragma unroll
-    for (int i = 0; i < kVector; ++i) {
-      if (base + i < count) dst[base + i] = convert(src[base + i]);
-    }
-  }
-}
-
-struct ToHalf {
-  __device__ uint16_t operator()(float v) const { return __half_as_ushort(__float2half_rn(v)); }
-};
-struct ToBFloat16 {
+// fp32 <-> the bits of a 16-bit dtype, as the CPU's FloatToHalfBits / BFloat16BitsToFloat.
+template <DType kDtype>
+struct To16Bits {
   __device__ uint16_t operator()(float v) const {
-    return __bfloat16_as_ushort(__float2bfloat16_rn(v));
+    if constexpr (kDtype == DType::kFloat16) {
+      return __half_as_ushort(__float2half_rn(v));
+    } else {
+      return __bfloat16_as_ushort(__float2bfloat16_rn(v));
+    }
   }
 };
-struct FromHalf {
-  __device__ float operator()(uint16_t b) const { return __half2float(__ushort_as_half(b)); }
-};
-struct FromBFloat16 {
+template <DType kDtype>
+struct From16Bits {
   __device__ float operator()(uint16_t b) const {
-    return __bfloat162float(__ushort_as_bfloat16(b));
+    if constexpr (kDtype == DType::kFloat16) {
+      return __half2float(__ushort_as_half(b));
+    } else {
+      return __bfloat162float(__ushort_as_bfloat16(b));
+    }
   }
 };
 
@@ -74,15 +67,10 @@ absl::Status CastFloatTo16OnDevice(const float* src, uint16_t* dst, int64_t coun
   if (gpu::StrictDevice()) return strict::CastFloatTo16OnDevice(src, dst, count, dst_dtype, stream);
   if (count == 0) return absl::OkStatus();
   auto s = static_cast<cudaStream_t>(stream.handle);
-  if (dst_dtype == DType::kFloat16) {
-    CastFromFloatKernel<<<GridFor(count), kThreads, 0, s>>>(src, dst, count, ToHalf{});
-  } else if (dst_dtype == DType::kBFloat16) {
-    CastFromFloatKernel<<<GridFor(count), kThreads, 0, s>>>(src, dst, count, ToBFloat16{});
-  } else {
-    return absl::InvalidArgumentError(
-        absl::StrCat("cast to a 16-bit dtype: got ", DTypeName(dst_dtype)));
-  }
-  return LaunchStatus("CastFloatTo16OnDevice");
+  return internal::DispatchHalfOrBFloat16(dst_dtype, "cast to a 16-bit dtype", [&]<DType kDtype>() {
+    CastKernel<<<GridFor(count), kThreads, 0, s>>>(src, dst, count, To16Bits<kDtype>{});
+    return LaunchStatus("CastFloatTo16OnDevice");
+  });
 }
 
 absl::Status Cast16ToFloatOnDevice(const uint16_t* src, float* dst, int64_t count,
@@ -90,15 +78,11 @@ absl::Status Cast16ToFloatOnDevice(const uint16_t* src, float* dst, int64_t coun
   if (gpu::StrictDevice()) return strict::Cast16ToFloatOnDevice(src, dst, count, src_dtype, stream);
   if (count == 0) return absl::OkStatus();
   auto s = static_cast<cudaStream_t>(stream.handle);
-  if (src_dtype == DType::kFloat16) {
-    CastToFloatKernel<<<GridFor(count), kThreads, 0, s>>>(src, dst, count, FromHalf{});
-  } else if (src_dtype == DType::kBFloat16) {
-    CastToFloatKernel<<<GridFor(count), kThreads, 0, s>>>(src, dst, count, FromBFloat16{});
-  } else {
-    return absl::InvalidArgumentError(
-        absl::StrCat("cast from a 16-bit dtype: got ", DTypeName(src_dtype)));
-  }
-  return LaunchStatus("Cast16ToFloatOnDevice");
+  return internal::DispatchHalfOrBFloat16(
+      src_dtype, "cast from a 16-bit dtype", [&]<DType kDtype>() {
+        CastKernel<<<GridFor(count), kThreads, 0, s>>>(src, dst, count, From16Bits<kDtype>{});
+        return LaunchStatus("Cast16ToFloatOnDevice");
+      });
 }
 
 }  // namespace ps::kernels
