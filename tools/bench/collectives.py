@@ -14,7 +14,6 @@ The script starts its two ranks itself (no torchrun needed) and rank 0 writes th
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import resource
@@ -24,24 +23,12 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import launch_ranks, machine_description, write_json  # noqa: E402
+from common import (Blocks, add_block_model_arguments, forwarded, launch_ranks,  # noqa: E402
+                    machine_description, rank_parser, write_json)
 
 WORLD = 2
-
-
-class Blocks(nn.Module):
-    def __init__(self, layers: int, hidden: int):
-        super().__init__()
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(hidden, hidden), nn.LayerNorm(hidden))
-                                    for _ in range(layers))
-
-    def forward(self, x, y):
-        for block in self.blocks:
-            x = torch.tanh(block(x))
-        return nn.functional.mse_loss(x, y)
 
 
 def median_time(fn, repeats: int) -> float:
@@ -196,29 +183,18 @@ def run_rank(args) -> None:
 
 
 def launch(args, part: str) -> list[dict]:
-    result = launch_ranks(__file__, WORLD, part, args.out, [
-        "--layers", str(args.layers), "--hidden", str(args.hidden), "--chunk-elements",
-        str(args.chunk_elements), "--repeats", str(args.repeats), "--steps", str(args.steps),
-        "--batch", str(args.batch), "--gather-ahead", str(args.gather_ahead)])
+    result = launch_ranks(__file__, WORLD, part, args.out, forwarded(
+        args, "layers", "hidden", "chunk_elements", "repeats", "steps", "batch", "gather_ahead"))
     if result is None:
         raise SystemExit(f"a rank of part '{part}' failed")
     return result
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--layers", type=int, default=200)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--chunk-elements", type=int, default=1 << 21)
+    parser = rank_parser(__doc__.split("\n\n")[0], "bench-results/collectives.json", "collectives")
+    add_block_model_arguments(parser, layers=200, hidden=256, chunk_elements=1 << 21, steps=3,
+                              batch=64)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--gather-ahead", type=int, default=1,
-                        help="parallel.gather_ahead of our training step (0: gather on use)")
-    parser.add_argument("--out", default="bench-results/collectives.json")
-    parser.add_argument("--rank-process", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--part", default="collectives", help=argparse.SUPPRESS)
-    parser.add_argument("--result-file", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rank_process:
         run_rank(args)

@@ -2,6 +2,7 @@
 ranks of a multi-process benchmark."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -10,6 +11,7 @@ import subprocess
 import sys
 
 import torch
+from torch import nn
 
 
 def machine_description() -> dict:
@@ -32,6 +34,53 @@ def write_json(path: str, payload: dict) -> None:
     with open(path, "w") as handle:
         json.dump(payload, handle, indent=2)
     print(f"wrote {path}")
+
+
+def rank_parser(description: str, out: str, part: str = "ours") -> argparse.ArgumentParser:
+    """A multi-process benchmark's parser: `--out`, and the hidden arguments launch_ranks gives
+    its rank processes (`--rank-process`, `--part`, `--result-file`)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--out", default=out)
+    parser.add_argument("--rank-process", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--part", default=part, help=argparse.SUPPRESS)
+    parser.add_argument("--result-file", help=argparse.SUPPRESS)
+    return parser
+
+
+class Blocks(nn.Module):
+    """The model of the block benchmarks: `layers` x (Linear(hidden, hidden), LayerNorm, tanh),
+    MSE loss."""
+
+    def __init__(self, layers: int, hidden: int):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(hidden, hidden), nn.LayerNorm(hidden))
+                                    for _ in range(layers))
+
+    def forward(self, x, y):
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return nn.functional.mse_loss(x, y)
+
+
+def add_block_model_arguments(parser: argparse.ArgumentParser, layers: int, hidden: int,
+                              chunk_elements: int, steps: int, batch: int) -> None:
+    """The options of the benchmarks that train a stack of Linear + LayerNorm blocks on gloo
+    ranks (collectives.py, grad_accumulation.py), with each benchmark's defaults."""
+    parser.add_argument("--layers", type=int, default=layers)
+    parser.add_argument("--hidden", type=int, default=hidden)
+    parser.add_argument("--chunk-elements", type=int, default=chunk_elements)
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--batch", type=int, default=batch)
+    parser.add_argument("--gather-ahead", type=int, default=1,
+                        help="parallel.gather_ahead of our run (0: gather on use)")
+
+
+def forwarded(args: argparse.Namespace, *names: str) -> list[str]:
+    """`--name value` for each named argument: the driver's options, for its rank processes."""
+    result = []
+    for name in names:
+        result += ["--" + name.replace("_", "-"), str(getattr(args, name))]
+    return result
 
 
 def launch_ranks(script: str, world: int, part: str, out: str, extra: list[str]) -> list | None:

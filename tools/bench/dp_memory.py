@@ -36,8 +36,8 @@ import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (deepspeed_importable, finish_rank, launch_ranks,  # noqa: E402
-                    machine_description, write_json)
+from common import (deepspeed_importable, finish_rank, forwarded, launch_ranks,  # noqa: E402
+                    machine_description, rank_parser, write_json)
 
 CHUNK_ELEMENTS = 1_500_000
 BATCH = 8  # per rank and micro-step
@@ -211,16 +211,12 @@ def run_rank(args) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = rank_parser(__doc__.split("\n\n")[0], "bench-results/dp_memory.json", "ours")
     parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--precisions", nargs="+", default=["fp32", "bf16"])
     parser.add_argument("--accumulations", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--out", default="bench-results/dp_memory.json")
-    parser.add_argument("--rank-process", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--part", default="ours", help=argparse.SUPPRESS)
-    parser.add_argument("--result-file", help=argparse.SUPPRESS)
     parser.add_argument("--precision", default="fp32", help=argparse.SUPPRESS)
     parser.add_argument("--accumulation", type=int, default=1, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -235,9 +231,9 @@ def main() -> None:
             single = {}
             for world in sorted(args.worlds):
                 for name in contenders:
-                    result = launch_ranks(__file__, world, name, args.out, [
-                        "--layers", str(args.layers), "--steps", str(args.steps),
-                        "--precision", precision, "--accumulation", str(accumulation)])
+                    result = launch_ranks(__file__, world, name, args.out, forwarded(
+                        args, "layers", "steps") + ["--precision", precision,
+                                                    "--accumulation", str(accumulation)])
                     if result is None:
                         rows.append({"contender": name, "world": world, "precision": precision,
                                      "accumulation": accumulation, "failed": True})

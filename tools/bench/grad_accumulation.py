@@ -32,7 +32,6 @@ library binds them. The script starts its two ranks itself and rank 0 writes the
 """
 from __future__ import annotations
 
-import argparse
 import collections
 import functools
 import os
@@ -44,11 +43,11 @@ import warnings
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (deepspeed_importable, finish_rank, launch_ranks,  # noqa: E402
-                    machine_description, write_json)
+from common import (Blocks, add_block_model_arguments, deepspeed_importable,  # noqa: E402
+                    finish_rank, forwarded, launch_ranks, machine_description, rank_parser,
+                    write_json)
 
 WORLD = 2
 
@@ -106,18 +105,6 @@ class Counter:
                 if outermost:
                     self._inside.active = False
         return counted
-
-
-class Blocks(nn.Module):
-    def __init__(self, layers: int, hidden: int):
-        super().__init__()
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(hidden, hidden), nn.LayerNorm(hidden))
-                                    for _ in range(layers))
-
-    def forward(self, x, y):
-        for block in self.blocks:
-            x = torch.tanh(block(x))
-        return nn.functional.mse_loss(x, y)
 
 
 def micro_batches(args, rank: int):
@@ -269,28 +256,18 @@ def run_rank(args) -> None:
 
 
 def launch(args, part: str) -> list[dict] | None:
-    return launch_ranks(__file__, WORLD, part, args.out, [
-        "--layers", str(args.layers), "--hidden", str(args.hidden), "--chunk-elements",
-        str(args.chunk_elements), "--steps", str(args.steps), "--batch", str(args.batch),
-        "--accumulation", str(args.accumulation), "--gather-ahead", str(args.gather_ahead)])
+    return launch_ranks(__file__, WORLD, part, args.out, forwarded(
+        args, "layers", "hidden", "chunk_elements", "steps", "batch", "accumulation",
+        "gather_ahead"))
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--layers", type=int, default=100)
-    parser.add_argument("--hidden", type=int, default=128)
-    parser.add_argument("--chunk-elements", type=int, default=1 << 18)
+    parser = rank_parser(__doc__.split("\n\n")[0], "bench-results/grad_accumulation.json", "ours")
+    add_block_model_arguments(parser, layers=100, hidden=128, chunk_elements=1 << 18, steps=3,
+                              batch=32)
     parser.add_argument("--accumulation", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--gather-ahead", type=int, default=1,
-                        help="parallel.gather_ahead of our run (0: gather on use)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="runs of every contender, interleaved (medians are reported)")
-    parser.add_argument("--out", default="bench-results/grad_accumulation.json")
-    parser.add_argument("--rank-process", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--part", default="ours", help=argparse.SUPPRESS)
-    parser.add_argument("--result-file", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rank_process:
         run_rank(args)
