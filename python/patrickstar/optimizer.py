@@ -153,6 +153,7 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
 
     def _step(self) -> bool:
         """Applies one Adam/AdamW step; returns False when it was skipped for overflow."""
+        self._check_no_unplaced_gradients()
         run = self.guard.before_step()
         self.guard.after_step()
         if not run:  # a non-finite loss was skipped (config nonfinite_loss: "skip")
@@ -185,6 +186,21 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         self.zero_grad()
         self._end_iteration()
         return True
+
+    def _check_no_unplaced_gradients(self) -> None:
+        """A parameter frozen when initialize() built the model has no gradient or optimizer
+        chunks; unfreezing it later would let autograd compute a gradient that nothing applies.
+        Say so instead of training silently without it."""
+        for index, param in enumerate(self.chunked.params):
+            if param.grad is not None and self.chunked.ids[index].grad is None:
+                param.grad = None
+                raise RuntimeError(
+                    f"parameter '{self.chunked.names[index]}' was frozen (requires_grad=False) "
+                    f"when patrickstar.initialize() built the model, so it has no gradient or "
+                    f"optimizer state in chunks, but it got a gradient now (requires_grad_(True) "
+                    f"after initialize()?). Leave it trainable in model_func and freeze it with "
+                    f"requires_grad_(False) afterwards instead: a parameter frozen after "
+                    f"initialize() is skipped by the step, as torch skips it")
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """`torch.nn.utils.clip_grad_norm_` for gradients that live in chunks (which

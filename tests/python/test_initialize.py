@@ -558,3 +558,38 @@ def test_init_parameters_equal_pytorch_exactly_when_slots_are_deferred(nvme_dir)
         assert torch.equal(state[name], tensor), name
     assert all(type(p) is nn.Parameter for p in model.module.parameters())
     model.destroy()
+
+
+def test_freezing_after_initialize_matches_pytorch_and_unfreezing_is_a_clear_error():
+    """Fine-tuning recipes freeze layers after the model is built: the step skips them as torch
+    does. A parameter frozen when initialize() ran has no gradient chunk, so unfreezing it later
+    is an error naming it, not silently left untrained."""
+    torch.manual_seed(0)
+    reference = MLP()
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, foreach=False)
+    torch.manual_seed(0)
+    model, opt = patrickstar.initialize(MLP, config={
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "default_chunk_size": 4096})
+    for step, (x, y) in enumerate(mlp_batches(6)):
+        if step == 2:
+            reference.layers[1].requires_grad_(False)
+            model.module.layers[1].requires_grad_(False)
+        ref = reference(x, y)
+        ref.backward(); ref_opt.step(); ref_opt.zero_grad()
+        loss = model(x, y)
+        model.backward(loss); opt.step(); opt.zero_grad()
+        assert math.isclose(loss.item(), ref.item(), rel_tol=RTOL), step
+    assert_same_training([], [], reference.state_dict(), model.state_dict())
+
+    def frozen_first():
+        built = MLP()
+        built.layers[0].weight.requires_grad_(False)
+        return built
+
+    model, opt = patrickstar.initialize(frozen_first, config={"default_chunk_size": 4096})
+    model.module.layers[0].weight.requires_grad_(True)
+    x, y = next(mlp_batches(1))
+    model.backward(model(x, y))
+    with pytest.raises(RuntimeError, match="'layers.0.weight' was frozen .* when "
+                                           "patrickstar.initialize\\(\\) built the model"):
+        opt.step()
