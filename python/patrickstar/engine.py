@@ -283,7 +283,9 @@ class PatrickStarEngine(nn.Module):
 
     def _parameters_used_by(self, module: nn.Module) -> list[int]:
         """Its own parameters and those registered on it (Note [External parameters])."""
-        indices = [self.params.index_of(p) for p in module.parameters(recurse=False)]
+        # (A parameter without elements stays outside the chunks: init_context.plan_parameters.)
+        indices = [index for index in map(self.params.index_of, module.parameters(recurse=False))
+                   if index is not None]
         for param in external_parameters(module):
             index = self.params.index_of(param)
             if index is None:

@@ -150,7 +150,9 @@ def plan_parameters(model_func: Callable[[], nn.Module]) -> tuple[list[ParamSpec
             f"'{outside[0][0]}' already exists on {outside[0][1]}); pass a "
             "function that builds a new module on each call, e.g. "
             "initialize(lambda: MyModel(cfg)), so its parameters go straight into chunks")
-    survives = [id(p) in names for p in registrations]
+    # A parameter without elements holds no memory and no optimizer state (Adam leaves it as it
+    # is): it stays a plain parameter of the module, outside the chunks.
+    survives = [id(p) in names and p.numel() > 0 for p in registrations]
     for param, alive in zip(registrations, survives):
         if alive:
             _check_dtype(names[id(param)], param.dtype)

@@ -111,6 +111,10 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
                  end_iteration: Callable[[], None],
                  phase: Callable[[], ContextManager] = contextlib.nullcontext):
         defaults = {k: v for k, v in groups[0].items() if k != "params"}
+        # Parameters without elements stay outside the chunks (init_context.plan_parameters):
+        # nothing to update.
+        groups = [dict(group, params=[p for p in group["params"] if params.index_of(p) is not None])
+                  for group in groups]
         super().__init__(groups, defaults)
         self.chunked = params
         self.config = config

@@ -115,3 +115,36 @@ def test_a_model_func_that_cannot_run_on_meta_builds_as_in_pytorch(caplog):
         torch.testing.assert_close(model.state_dict()[name], tensor, rtol=0, atol=0)
     x = torch.randn(4, 8)
     torch.testing.assert_close(model(x), reference(x))
+
+
+class EmptyAndScalar(nn.Module):
+    """A parameter without elements (a zero-width slot) and a 0-d one (CLIP's logit_scale)."""
+
+    def __init__(self):
+        super().__init__()
+        self.empty = nn.Parameter(torch.empty(0, 4))
+        self.scale = nn.Parameter(torch.tensor(2.0))
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return (self.lin(x) * self.scale).pow(2).mean() + self.empty.sum()
+
+
+def test_empty_and_scalar_parameters_train_as_in_pytorch(tmp_path):
+    torch.manual_seed(0)
+    reference = EmptyAndScalar()
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    torch.manual_seed(0)
+    model, opt = patrickstar.initialize(EmptyAndScalar, config={
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "default_chunk_size": 16})
+    for x in torch.randn(4, 2, 4):
+        ref = reference(x)
+        ref.backward(); ref_opt.step(); ref_opt.zero_grad()
+        loss = model(x)
+        model.backward(loss); opt.step(); opt.zero_grad()
+        torch.testing.assert_close(loss, ref)
+    for name, tensor in reference.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[name], tensor)
+    model.save_checkpoint(tmp_path)
+    model.load_checkpoint(tmp_path)
+    assert model.state_dict()["empty"].shape == (0, 4)
