@@ -55,6 +55,7 @@ import torch
 import torch.distributed as dist
 
 from . import _C, topology
+from .gather_schedule import GatherSchedule
 from .vocabulary import Tier
 
 __all__ = ["DataParallel", "detect_world"]
@@ -94,7 +95,7 @@ class DataParallel:
         self._engine_ref = None  # weak: C++ holds our before_access (Note [Engine lifetime])
         self.early_reduce_scatters = 0  # started while backward was still running
         self.gather_ahead = int(config.parallel.gather_ahead)
-        self.gathers_ahead = 0  # gathers started before any tensor of their group was needed
+        self.gathers: GatherSchedule | None = None  # the compute-param gathers (attach)
         self._in_forward = False  # between engine.forward's start and after_forward()
         # Pipeline stages / tensor slices: the norm and overflow flag span the model group too.
         self.model_parallel: topology.ModelParallelGradStats | None = None
@@ -150,19 +151,19 @@ class DataParallel:
         # goes in an order torch does not expect (a rank of a 2-rank benchmark aborted once at
         # exit, "terminate called without an active exception").
         atexit.register(_close_at_exit, weakref.ref(self))
-        self._compute_groups = self.collectives.groups(K.COMPUTE_PARAM)
-        position = {first: p for p, first in enumerate(self._compute_groups)}
+        compute_groups = self.collectives.groups(K.COMPUTE_PARAM)
+        position = {first: p for p, first in enumerate(compute_groups)}
         # Compute tensors -> position of their group in the gather order; whether remote.
-        self._gather_position = {}
-        self._remote = set()
+        gather_position = {}
+        remote = set()
         self._owned = []
         for ids in engine.params.ids:
             self._owned.append(self.owns(manager, ids.compute))
-            self._gather_position[ids.compute] = position[self.collectives.group_of(ids.compute)]
+            gather_position[ids.compute] = position[self.collectives.group_of(ids.compute)]
             if not self._owned[-1]:
-                self._remote.add(ids.compute)
-        self._gather_cursor = 0  # groups before it are gathered
-        self._started = 0  # groups before it are gathered or started (gather_ahead > 0)
+                remote.add(ids.compute)
+        self.gathers = GatherSchedule(self.collectives, compute_groups, gather_position, remote,
+                                      self.gather_ahead)
         # Gradient groups in reduce-scatter order, and which parameters each one waits for.
         self._grad_groups = list(reversed(self.collectives.groups(K.GRADIENT)))
         grad_position = {first: p for p, first in enumerate(self._grad_groups)}
@@ -205,55 +206,33 @@ class DataParallel:
     # ---- Gathers ------------------------------------------------------------------------------
 
     def _before_access(self, tensor_id: int) -> None:
-        position = self._gather_position.get(tensor_id)
-        if position is None or position < self._gather_cursor:
-            return
-        # A remote tensor needs its group's bytes; a local one needs its chunk unpinned by a
-        # started gather (Note [Started gathers] in chunk/group_collectives.h). Within a forward
-        # a local tensor gathers its group too: it must not be in use (COMPUTE) when a later
-        # access gathers the group and pins its chunk for the send (a weight that filled a chunk
-        # exactly, with its bias in the other rank's chunk of the group, crashed so). Only
-        # within a forward, which every rank ends with gather_all(): elsewhere an owner may read
-        # its own tensors alone (checkpoints, tied pipeline weights), and a gather there would be
-        # a collective the other ranks never issue.
-        if self._in_forward or tensor_id in self._remote or position < self._started:
-            self._gather_through(position)
+        self.gathers.before_access(tensor_id, self._in_forward)
 
     def before_forward(self) -> None:
         self._in_forward = self.enabled
-
-    def _gather_through(self, position: int) -> None:
-        """Gathers the groups up to `position` in order, first starting the next
-        `gather_ahead` ones after it, so that their collectives run while this rank computes."""
-        groups = self._compute_groups
-        while self._gather_cursor <= position:
-            if self.gather_ahead > 0:  # at most gather_ahead + 1 groups in flight
-                end = min(self._gather_cursor + 1 + self.gather_ahead, len(groups))
-                while self._started < end:
-                    declined = self.collectives.gathers_declined
-                    if self.collectives.start_gather(groups[self._started]) and (
-                            self._started > position):
-                        self.gathers_ahead += 1
-                    if self.collectives.gathers_declined != declined:
-                        # No room to start this group now: start nothing after it either, or
-                        # a later group's collective would be issued before this one's (which
-                        # the gather below or a later start issues), and the ranks would pair
-                        # different groups. Next time round it is tried again.
-                        break
-                    self._started += 1
-            self.collectives.gather(groups[self._gather_cursor])
-            self._gather_cursor += 1
-        self._started = max(self._started, self._gather_cursor)
 
     def gather_all(self) -> None:
         """Gathers every group not gathered since the last step (the end of a forward, and
         state_dict(): every rank calls these at the same point)."""
         if self.enabled:
-            self._gather_through(len(self._compute_groups) - 1)
+            self.gathers.gather_all()
 
     def after_forward(self) -> None:
         self._in_forward = False
         self.gather_all()
+
+    @property
+    def gathers_ahead(self) -> int:
+        """Gathers started before any tensor of their group was needed."""
+        return 0 if self.gathers is None else self.gathers.gathers_ahead
+
+    @property
+    def compute_group_count(self) -> int:
+        return 0 if self.gathers is None else len(self.gathers.groups)
+
+    @property
+    def grad_group_count(self) -> int:
+        return len(getattr(self, "_grad_groups", ()))
 
     # ---- Gradients ----------------------------------------------------------------------------
 
@@ -330,7 +309,4 @@ class DataParallel:
         """The parameters changed: every rank drops its gathered copies (finishing a gather
         still in flight first)."""
         if self.enabled:
-            try:
-                self.collectives.release_all(K.COMPUTE_PARAM)
-            finally:
-                self._gather_cursor = self._started = 0
+            self.gathers.release_all()

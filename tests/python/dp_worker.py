@@ -45,8 +45,8 @@ def train(name: str, rank: int, world: int) -> dict:
     result = {"losses": losses, "state": model.state_dict(), "stats": stats}
     if world > 1:
         result.update(collectives=model.dp.collectives.collectives_issued,
-                      compute_groups=len(model.dp._compute_groups),
-                      grad_groups=len(model.dp._grad_groups),
+                      compute_groups=model.dp.compute_group_count,
+                      grad_groups=model.dp.grad_group_count,
                       early_reduce_scatters=model.dp.early_reduce_scatters,
                       gathers_ahead=model.dp.gathers_ahead,
                       gathers_started=model.dp.collectives.gathers_started)

@@ -317,16 +317,11 @@ def test_a_declined_start_never_reorders_the_gathers(declined):
     # Note [Started gathers]: a rank without room declines to start a group; it must then start
     # nothing after it either, or a later group's allgather is issued first and pairs with
     # another rank's gather of the declined one.
-    from types import SimpleNamespace
-
-    from patrickstar.data_parallel import DataParallel
-    config = SimpleNamespace(parallel=SimpleNamespace(collective_timeout=1, gather_ahead=2))
-    dp = DataParallel(config, world_size=2, rank=0)
-    dp.collectives = _RecordingCollectives(declined)
-    dp._compute_groups = list(range(6))
-    dp._gather_cursor = dp._started = 0
-    dp._gather_through(0)
-    dp._gather_through(3)
-    dp.gather_all()
-    assert dp.collectives.issued == list(range(6))
-    assert dp.collectives.gathers_declined == len(declined)
+    from patrickstar.gather_schedule import GatherSchedule
+    schedule = GatherSchedule(_RecordingCollectives(declined), list(range(6)), position_of={},
+                              remote=set(), gather_ahead=2)
+    schedule.gather_through(0)
+    schedule.gather_through(3)
+    schedule.gather_all()
+    assert schedule.collectives.issued == list(range(6))
+    assert schedule.collectives.gathers_declined == len(declined)

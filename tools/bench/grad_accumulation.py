@@ -155,8 +155,8 @@ def run_ours(args, rank: int) -> dict:
     issued, moved = collectives.collectives_issued, collectives.bytes_communicated
     times = timed_steps(step, args.steps)
     steps = args.steps + 1  # timed_steps' own warm-up step is counted too
-    compute_groups = len(model.dp._compute_groups)
-    grad_groups = len(model.dp._grad_groups)
+    compute_groups = model.dp.compute_group_count
+    grad_groups = model.dp.grad_group_count
     return {**times,
             "collectives_per_step": (collectives.collectives_issued - issued) / steps,
             "bytes_per_step": (collectives.bytes_communicated - moved) / steps,
