@@ -468,6 +468,14 @@ void InitComm(py::module_& module) {
           },
           py::arg("kind"))
       .def(
+          "release",
+          [](PyGroupCollectives& self, ChunkId group) {
+            return ValueOrThrow(self.Run([&](GroupCollectives& c) { return c.Release(group); }));
+          },
+          py::arg("group"),
+          "Releases one compute-param group (local, no collective); False while one of its "
+          "tensors is in use (Note [Releasing one group]).")
+      .def(
           "start_reduce_scatter",
           [](PyGroupCollectives& self, ChunkId group) {
             ThrowIfError(
@@ -478,6 +486,13 @@ void InitComm(py::module_& module) {
            [](PyGroupCollectives& self) {
              ThrowIfError(self.Run([](GroupCollectives& c) { return c.FinishReduceScatters(); }));
            })
+      .def("finish_completed_reduce_scatters",
+           [](PyGroupCollectives& self) {
+             return ValueOrThrow(self.Run(
+                 [](GroupCollectives& c) { return c.FinishCompletedReduceScatters(); }));
+           },
+           "Finishes the started reduce-scatters that are already done, oldest first, without "
+           "waiting; returns how many.")
       .def_property_readonly(
           "pending_reduce_scatters",
           [](PyGroupCollectives& self) {

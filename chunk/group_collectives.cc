@@ -347,42 +347,80 @@ absl::Status GroupCollectives::StartReduceScatter(ChunkId group) {
   return absl::OkStatus();
 }
 
+absl::Status GroupCollectives::FinishOldestReduceScatter() {
+  Pending pending = std::move(pending_.front());
+  pending_.pop_front();
+  absl::Status status = WaitAll(pending.handles);
+  const int world = manager_->world_size();
+  if (status.ok()) {
+    const ChunkId local = pending.first + manager_->rank();
+    // Every tensor of the local chunk now holds the reduced gradient: make it HOLD while the
+    // chunk is still pinned, so unpinning cannot drop the payload.
+    for (TensorId t : (*manager_->chunk(local))->tensors()) {
+      if ((*manager_->tensor(t))->state != TensorState::kFree) continue;
+      status = manager_->Access(t, TierFor(**manager_->chunk(local))).status();
+      if (status.ok()) status = manager_->Release(t, TensorState::kHold);
+      if (!status.ok()) break;
+    }
+    for (Pin& pin : pending.pins) {
+      if ((*manager_->tensor(pin.tensor))->chunk == local) pin.restore = TensorState::kHold;
+    }
+  }
+  absl::Status unpinned = Unpin(pending.pins);
+  if (status.ok()) status = unpinned;
+  for (int r = 0; r < world && status.ok(); ++r) {
+    const ChunkId member = pending.first + r;
+    if (manager_->IsLocal(member)) continue;
+    for (TensorId t : (*manager_->chunk(member))->tensors()) {
+      if (HoldsData((*manager_->tensor(t))->state)) {
+        status = manager_->SetTensorState(t, TensorState::kFree);
+        if (!status.ok()) break;
+      }
+    }
+  }
+  return status;
+}
+
 absl::Status GroupCollectives::FinishReduceScatters() {
   absl::Status first_error;
   while (!pending_.empty()) {
-    Pending pending = std::move(pending_.front());
-    pending_.pop_front();
-    absl::Status status = WaitAll(pending.handles);
-    const int world = manager_->world_size();
-    if (status.ok()) {
-      const ChunkId local = pending.first + manager_->rank();
-      // Every tensor of the local chunk now holds the reduced gradient: make it HOLD while the
-      // chunk is still pinned, so unpinning cannot drop the payload.
-      for (TensorId t : (*manager_->chunk(local))->tensors()) {
-        if ((*manager_->tensor(t))->state != TensorState::kFree) continue;
-        status = manager_->Access(t, TierFor(**manager_->chunk(local))).status();
-        if (status.ok()) status = manager_->Release(t, TensorState::kHold);
-        if (!status.ok()) break;
-      }
-      for (Pin& pin : pending.pins) {
-        if ((*manager_->tensor(pin.tensor))->chunk == local) pin.restore = TensorState::kHold;
-      }
-    }
-    absl::Status unpinned = Unpin(pending.pins);
-    if (status.ok()) status = unpinned;
-    for (int r = 0; r < world && status.ok(); ++r) {
-      const ChunkId member = pending.first + r;
-      if (manager_->IsLocal(member)) continue;
-      for (TensorId t : (*manager_->chunk(member))->tensors()) {
-        if (HoldsData((*manager_->tensor(t))->state)) {
-          status = manager_->SetTensorState(t, TensorState::kFree);
-          if (!status.ok()) break;
-        }
-      }
-    }
+    absl::Status status = FinishOldestReduceScatter();
     if (first_error.ok()) first_error = status;
   }
   return first_error;
+}
+
+absl::StatusOr<int> GroupCollectives::FinishCompletedReduceScatters() {
+  int finished = 0;
+  while (!pending_.empty() &&
+         std::all_of(pending_.front().handles.begin(), pending_.front().handles.end(),
+                     [](const CollectiveHandle& handle) { return handle.done(); })) {
+    PS_RETURN_IF_ERROR(FinishOldestReduceScatter());
+    ++finished;
+  }
+  return finished;
+}
+
+absl::StatusOr<bool> GroupCollectives::Release(ChunkId group) {
+  PS_ASSIGN_OR_RETURN(const Chunk* any, manager_->chunk(group));
+  if (any->kind() != ChunkKind::kComputeParam) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "release of one group: chunk ", group, " is a ", ChunkKindName(any->kind()),
+        " chunk; only compute-param groups are gathered and released"));
+  }
+  const ChunkId first = FirstOf(*any);
+  const int started = FindStartedGather(first);
+  if (started >= 0) PS_RETURN_IF_ERROR(FinishGathersThrough(static_cast<size_t>(started)));
+  int64_t count = 0;
+  DType dtype = DType::kFloat32;
+  PS_ASSIGN_OR_RETURN(const std::vector<ChunkId> members, Members(first, &count, &dtype));
+  for (ChunkId member : members) {
+    for (TensorId t : (*manager_->chunk(member))->tensors()) {
+      if ((*manager_->tensor(t))->state == TensorState::kCompute) return false;
+    }
+  }
+  PS_RETURN_IF_ERROR(manager_->ReleaseGroup(first));
+  return true;
 }
 
 }  // namespace ps

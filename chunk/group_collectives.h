@@ -48,6 +48,15 @@
 // every gather queued behind it are abandoned without further waiting: their groups stay
 // ungathered and their chunks stay pinned, because the communicator may still write into them
 // (the destructor unpins those that finished by then).
+//
+// Note [Releasing one group]
+// Dropping a group's remote payloads is no collective, so each rank may release a group when
+// its own pass is done with it (data_parallel.py, Note [Resharding after forward]). What must
+// agree is the next Gather: PlanGather's needs_gather is true on a rank that released the group
+// and false on one that did not, so the caller makes every rank release every group it will
+// gather again before that gather (the end of forward releases all of them), or the ranks would
+// issue different sequences. A group with a tensor in COMPUTE is not released (its chunk
+// memory is in use by torch); Release says so and the caller retries at its next moment.
 #pragma once
 
 #include <deque>
@@ -101,12 +110,22 @@ class GroupCollectives {
   // Gather of each group runs its collective, on every rank alike. Finishes started gathers
   // first.
   absl::Status ReleaseAll(ChunkKind kind);
+  // Releases one compute-param group (its remote payloads are dropped; the next Gather of it
+  // runs its collective), finishing its started gather first. Returns false, changing nothing,
+  // while a tensor of the group is in use (COMPUTE): the caller tries again later. Releasing is
+  // local, no collective (Note [Releasing one group]).
+  absl::StatusOr<bool> Release(ChunkId group);
 
   // Starts the reduce-scatter of a gradient group; its chunks stay pinned until
   // FinishReduceScatters, which waits for every started one in issue order, drops the remote
   // payloads (their tensors become FREE) and leaves every tensor of the local chunk HOLD.
   absl::Status StartReduceScatter(ChunkId group);
   absl::Status FinishReduceScatters();
+  // Finishes the started reduce-scatters, oldest first, whose collectives are already done,
+  // stopping at the first still running; never waits. Returns how many it finished (their
+  // remote gradient payloads are dropped at once, so a long backward holds few full-size
+  // gradient groups).
+  absl::StatusOr<int> FinishCompletedReduceScatters();
   int pending_reduce_scatters() const { return static_cast<int>(pending_.size()); }
 
   // Counters for tests and benchmarks.
@@ -150,6 +169,8 @@ class GroupCollectives {
   int FindStartedGather(ChunkId first) const;  // its index in gathers_, or -1
   ChunkId FirstOf(const Chunk& chunk) const;  // the first chunk of `chunk`'s group
   std::string Label(ChunkId first) const;
+  // Waits for pending_.front(), makes its local chunk HOLD and drops its remote payloads.
+  absl::Status FinishOldestReduceScatter();
 
   ChunkManager* manager_;
   Communicator* communicator_;

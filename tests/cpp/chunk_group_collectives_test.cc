@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "chunk/group_collectives.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -208,6 +209,88 @@ TEST_P(GroupCollectivesTest, ReduceScatterLeavesEachRankTheAverageOfItsChunk) {
       }
       EXPECT_EQ(info.state, TensorState::kHold) << info.name;
       Expect(r, t, t == NumParams() + 3 ? mean - 1 / world : mean);
+    }
+  });
+}
+
+// Note [Releasing one group]: releasing is local; a released group is gathered again (with the
+// owners' current bytes) and the other groups stay as they are. A group with a tensor in use is
+// not released.
+TEST_P(GroupCollectivesTest, ReleasingOneGroupRegathersOnlyThatGroup) {
+  Build({});
+  OnEveryRank([&](int r) {
+    ChunkManager& m = *ranks_[r]->manager;
+    GroupCollectives& c = *ranks_[r]->collectives;
+    InitializeAndRelease(r);
+    const std::vector<ChunkId> groups = c.Groups(ChunkKind::kComputeParam);
+    ASSERT_GE(groups.size(), 2u);
+    for (ChunkId group : groups) ASSERT_TRUE(c.Gather(group).ok());
+    const int64_t issued = c.collectives_issued();
+    // A tensor of group 0 in use: the release is refused and changes nothing.
+    TensorId in_use = -1;
+    for (TensorId t = 0; t < NumParams(); ++t) {
+      if (*c.GroupOf(t) == groups[0]) in_use = t;
+    }
+    ASSERT_GE(in_use, 0);
+    ASSERT_TRUE(m.Access(in_use, TierKind::kHost).ok());
+    auto refused = c.Release(groups[0]);
+    ASSERT_TRUE(refused.ok()) << refused.status();
+    EXPECT_FALSE(*refused);
+    ASSERT_TRUE(m.Release(in_use, TensorState::kHold).ok());
+    auto released = c.Release(groups[0]);
+    ASSERT_TRUE(released.ok()) << released.status();
+    EXPECT_TRUE(*released);
+    for (ChunkId member = groups[0]; member < groups[0] + world_size_; ++member) {
+      EXPECT_EQ((*m.chunk(member))->has_payload(), m.IsLocal(member)) << "chunk " << member;
+    }
+    // The owners change their bytes; only the released group is gathered again.
+    for (TensorId t = 0; t < NumParams(); ++t) {
+      if (m.IsLocal((*m.tensor(t))->chunk)) Write(r, t, 2.0f);
+    }
+    for (ChunkId group : groups) ASSERT_TRUE(c.Gather(group).ok());
+    EXPECT_EQ(c.collectives_issued(), issued + 1);
+    for (TensorId t = 0; t < NumParams(); ++t) {
+      const bool fresh = m.IsLocal((*m.tensor(t))->chunk) || *c.GroupOf(t) == groups[0];
+      Expect(r, t, fresh ? 2.0f : 1.0f);
+    }
+    EXPECT_FALSE(c.Release((*m.tensor(NumParams()))->chunk).ok())
+        << "a gradient group is not released one by one";
+  });
+}
+
+// A started reduce-scatter that is done is finished without waiting for the ones behind it:
+// its remote gradient payloads go at once.
+TEST_P(GroupCollectivesTest, FinishingCompletedReduceScattersDropsTheirRemoteGradients) {
+  Build({});
+  OnEveryRank([&](int r) {
+    ChunkManager& m = *ranks_[r]->manager;
+    GroupCollectives& c = *ranks_[r]->collectives;
+    for (TensorId t = NumParams(); t < 2 * NumParams(); ++t) Write(r, t, 1.0f + r);
+    const std::vector<ChunkId> groups = c.Groups(ChunkKind::kGradient);
+    ASSERT_TRUE(c.StartReduceScatter(groups.back()).ok());
+    int finished = 0;
+    for (int tries = 0; tries < 10000 && finished == 0; ++tries) {
+      auto done = c.FinishCompletedReduceScatters();
+      ASSERT_TRUE(done.ok()) << done.status();
+      finished = *done;
+      if (finished == 0) absl::SleepFor(absl::Milliseconds(1));
+    }
+    EXPECT_EQ(finished, 1);
+    EXPECT_EQ(c.pending_reduce_scatters(), 0);
+    for (ChunkId member = groups.back(); member < groups.back() + world_size_; ++member) {
+      if (!m.IsLocal(member)) {
+        EXPECT_FALSE((*m.chunk(member))->has_payload()) << member;
+      }
+    }
+    auto none = c.FinishCompletedReduceScatters();
+    ASSERT_TRUE(none.ok());
+    EXPECT_EQ(*none, 0);
+    for (auto it = groups.rbegin() + 1; it != groups.rend(); ++it) {
+      ASSERT_TRUE(c.StartReduceScatter(*it).ok());
+    }
+    ASSERT_TRUE(c.FinishReduceScatters().ok());
+    for (TensorId t = NumParams(); t < 2 * NumParams(); ++t) {
+      if (m.IsLocal((*m.tensor(t))->chunk)) Expect(r, t, (world_size_ + 1) / 2.0f);
     }
   });
 }
