@@ -117,6 +117,12 @@ class ParallelConfig:
     # each group only when first used; data_parallel.py, Note [A data-independent collective
     # schedule]).
     gather_ahead: int = 1
+    # Release each gathered compute group after its last use in forward and gather it again in
+    # backward (ZeRO-3, FSDP2's reshard_after_forward): per-rank parameters 1/N plus a window,
+    # for a second allgather per group and micro-step (gather_schedule.py, Note [Resharding
+    # after forward]). False keeps every gathered group until the optimizer step: one allgather
+    # per group and step, the full compute parameters on every rank.
+    reshard_after_forward: bool = True
     # Pipeline parallelism (pipe/): "1f1b" or "gpipe".
     schedule: str = "1f1b"
 
@@ -348,7 +354,7 @@ def _parse_parallel(raw: Any) -> ParallelConfig:
     section = _section("parallel", raw)
     _check_keys("parallel", section, {"data", "pipeline", "tensor", "collective_timeout",
                                       "memory_saving", "reduce_scatter", "schedule",
-                                      "gather_ahead"})
+                                      "gather_ahead", "reshard_after_forward"})
     data = section.get("data")
     reduce_scatter = section.get("reduce_scatter", "ring")
     if reduce_scatter not in ("ring", "native", "allreduce"):
@@ -365,6 +371,8 @@ def _parse_parallel(raw: Any) -> ParallelConfig:
                                    strict=True),
         memory_saving=_bool("parallel.memory_saving", section.get("memory_saving", False)),
         reduce_scatter=reduce_scatter,
+        reshard_after_forward=_bool("parallel.reshard_after_forward",
+                                    section.get("reshard_after_forward", True)),
         gather_ahead=_number("parallel.gather_ahead", section.get("gather_ahead", 1), minimum=0,
                              integer=True),
         data=None if data is None else _number("parallel.data", data, minimum=1, integer=True),

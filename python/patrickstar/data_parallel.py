@@ -96,6 +96,8 @@ class DataParallel:
         self.early_reduce_scatters = 0  # started while backward was still running
         self.gather_ahead = int(config.parallel.gather_ahead)
         self.gathers: GatherSchedule | None = None  # the compute-param gathers (attach)
+        self.reshard = False  # parallel.reshard_after_forward, for a world of more than one
+        self.gather_communicator = None  # backward's gathers' own group (resharding)
         self._in_forward = False  # between engine.forward's start and after_forward()
         # Pipeline stages / tensor slices: the norm and overflow flag span the model group too.
         self.model_parallel: topology.ModelParallelGradStats | None = None
@@ -157,13 +159,36 @@ class DataParallel:
         gather_position = {}
         remote = set()
         self._owned = []
+        self._compute_position = []  # parameter index -> its compute group's position
+        trainable = [0] * len(compute_groups)
+        frozen = set()
         for ids in engine.params.ids:
             self._owned.append(self.owns(manager, ids.compute))
-            gather_position[ids.compute] = position[self.collectives.group_of(ids.compute)]
+            p = position[self.collectives.group_of(ids.compute)]
+            gather_position[ids.compute] = p
+            self._compute_position.append(p)
+            if ids.grad is not None:
+                trainable[p] += 1
+            else:
+                frozen.add(p)
             if not self._owned[-1]:
                 remote.add(ids.compute)
-        self.gathers = GatherSchedule(self.collectives, compute_groups, gather_position, remote,
-                                      self.gather_ahead)
+        self.reshard = bool(parallel.reshard_after_forward)
+        gatherer = self.collectives
+        if self.reshard:
+            # Note [Resharding after forward]: backward's gathers get their own process group.
+            gather_group = groups.twin_data_group() if groups is not None else None
+            self.gather_communicator = _C.process_group_communicator(
+                gather_group.group_name, reduce_scatter=parallel.reduce_scatter,
+                timeout_s=self.timeout)
+            gatherer = _C.GroupCollectives(
+                manager, self.gather_communicator, tier=Tier.HOST, timeout_s=self.timeout,
+                memory_saving=parallel.memory_saving, gradient_op="avg")
+        names = {ids.compute: name for ids, name in zip(engine.params.ids, engine.params.names)}
+        self.gathers = GatherSchedule(gatherer, compute_groups, gather_position, remote,
+                                      self.gather_ahead, reshard=self.reshard,
+                                      trainable=trainable, frozen=frozen,
+                                      name_of=lambda tensor_id: names.get(tensor_id, tensor_id))
         # Gradient groups in reduce-scatter order, and which parameters each one waits for.
         self._grad_groups = list(reversed(self.collectives.groups(K.GRADIENT)))
         grad_position = {first: p for p, first in enumerate(self._grad_groups)}
@@ -180,7 +205,9 @@ class DataParallel:
         """Waits for started gathers and drops the collectives, then the communicator (and this
         rank's reference to the c10d process group); engine.destroy() and interpreter exit."""
         self.collectives = None  # ~GroupCollectives waits for started gathers
+        self.gathers = None
         self.communicator = None
+        self.gather_communicator = None
 
     def all_gather_object(self, obj) -> list:
         """Every rank's picklable `obj` in rank order (`[obj]` for a world of one), over the
@@ -210,6 +237,8 @@ class DataParallel:
 
     def before_forward(self) -> None:
         self._in_forward = self.enabled
+        if self.enabled:
+            self.gathers.begin_forward()
 
     def gather_all(self) -> None:
         """Gathers every group not gathered since the last step (the end of a forward, and
@@ -219,12 +248,30 @@ class DataParallel:
 
     def after_forward(self) -> None:
         self._in_forward = False
-        self.gather_all()
+        if self.enabled:
+            self.gathers.end_forward()
 
     @property
     def gathers_ahead(self) -> int:
         """Gathers started before any tensor of their group was needed."""
         return 0 if self.gathers is None else self.gathers.gathers_ahead
+
+    @property
+    def collectives_issued(self) -> int:
+        """Collectives of the chunk groups this rank issued (gathers and reduce-scatters)."""
+        return self._sum_counter("collectives_issued")
+
+    @property
+    def bytes_communicated(self) -> int:
+        return self._sum_counter("bytes_communicated")
+
+    def _sum_counter(self, name: str) -> int:
+        if not self.enabled or self.gathers is None:
+            return 0
+        total = getattr(self.collectives, name)
+        if self.gathers.collectives is not self.collectives:
+            total += getattr(self.gathers.collectives, name)
+        return total
 
     @property
     def compute_group_count(self) -> int:
@@ -241,15 +288,25 @@ class DataParallel:
         self._seen: set[int] = set()
         self._rs_cursor = 0
 
+    def before_backward(self) -> None:
+        if self.enabled:
+            self.gathers.begin_backward()
+
     def _boundary(self) -> bool:
         engine = self._engine
         return (engine.micro_step + 1) % self.config.gradient_accumulation_steps == 0
 
     def on_grad(self, index: int) -> None:
         """Called by the engine's gradient hook once the gradient is in its chunk."""
-        if not self.enabled or index in self._seen or not self._boundary():
+        if not self.enabled or index in self._seen:
             return
         self._seen.add(index)
+        self.gathers.on_grad(self._compute_position[index])
+        if not self._boundary():
+            return
+        if self.collectives.pending_reduce_scatters:
+            # Done reduce-scatters drop their full-size remote gradients now, not at the end.
+            self.collectives.finish_completed_reduce_scatters()
         self._missing[self._grad_group_of[index]] -= 1
         while (self._rs_cursor < len(self._grad_groups)
                and self._missing[self._rs_cursor] == 0):
@@ -266,7 +323,18 @@ class DataParallel:
         which *owned* parameters have a gradient on some rank."""
         if not self.enabled:
             return
+        if self.reshard:
+            # Backward's gathers first (Note [Resharding after forward]): a rank still gathering
+            # must not wait for another that waits for its reduce-scatters.
+            lowest = self.gathers.lowest_gathered
+            agreed = torch.zeros(self.world_size, dtype=torch.float32)
+            agreed[self.rank] = lowest
+            self.gather_communicator.all_reduce(
+                agreed, op="sum", label="lowest compute group gathered in backward").wait(
+                self.timeout)
+            self.gathers.end_backward(int(agreed.min().item()))
         if not self._boundary():
+            self._seen.clear()
             return
         try:
             while self._rs_cursor < len(self._grad_groups):

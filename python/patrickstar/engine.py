@@ -423,6 +423,7 @@ class PatrickStarEngine(nn.Module):
         self._run_backward(tensors, grads)
 
     def _run_backward(self, tensors, grads) -> None:
+        self.dp.before_backward()
         try:
             if tensors:
                 torch.autograd.backward(tensors, grads)

@@ -1,14 +1,57 @@
 """When the compute-param groups of a data-parallel engine are gathered and released (Note [A
 data-independent collective schedule] in data_parallel.py): the ascending forward cursor, the
-gathers started ahead of use, and the release at the optimizer step. `DataParallel` owns one
-and hands it the accesses; nothing else touches the gather collectives."""
+gathers started ahead of use, and, with `parallel.reshard_after_forward`, the release after the
+last use in forward, the descending gathers of backward and the release once a group's gradients
+are in. `DataParallel` owns one and hands it the accesses and gradients; nothing else touches the
+gather collectives.
+
+Note [Resharding after forward]
+Keeping every gathered group until the optimizer step holds the full compute parameters on
+every rank; ZeRO-3 and FSDP2 release a group after its use and gather it again in backward.
+What must agree between ranks is the sequence of gathers, never the releases: dropping a
+group's remote payloads is local (Note [Releasing one group] in chunk/group_collectives.h). So:
+  * forward gathers ascend with one cursor, exactly as without resharding (every group once,
+    gather_all() at the end). Each rank releases a group once its forward has moved past the
+    group's last use, known from its own trace of the forwards before (for every group, the
+    highest group accessed so far at its last access). The first forward has no trace and
+    releases nothing until it ends. A later access of a remote tensor of a group released in
+    this pass is a departure from the trace that no rank can honour (a gather there is a
+    collective the others do not issue): ScheduleDepartureError names the parameter and the
+    group at once, on that rank; the others fail in their next collective within
+    `parallel.collective_timeout`. Traces only grow (a group's last use is the latest seen in
+    any forward), so a departure happens at most once per new pattern, and it cannot happen at
+    all to a model whose forward reuses no earlier group late (tied weights and modules called
+    twice are in every trace, so they stay gathered until their last use).
+  * the end of a forward gathers what is left (the agreed count), then releases every group
+    but the last on every rank: backward starts with the same gathered set everywhere, and the
+    last group, used first in backward, needs no second gather.
+  * backward gathers descend with a second cursor: the first access of a tensor of group g
+    (local ones too: a collective must not find a tensor of its group in use) gathers every
+    group from the cursor down to g, starting `gather_ahead` groups below it. Backward's order
+    of accesses depends on autograd and may differ between ranks (an unused branch), but the
+    sequence of gathers is still every group once, descending. A group is released once every
+    trainable tensor of it got its gradient in this backward (and no frozen tensor needs it
+    for an input gradient), at the first access after that which finds none of its tensors in
+    use. At the end of backward the ranks agree (one all-reduce on the gather group) on the
+    lowest group any of them gathered, gather down to it, and release everything.
+  * the gathers of backward run on their own process group (data_parallel.py creates it):
+    reduce-scatters start as soon as a rank's own gradients of a group are in, which depends
+    on its control flow, so on one communicator gloo could pair one rank's allgather with
+    another's reduce-scatter. Backward's remaining gathers go before its reduce-scatters are
+    awaited, or a rank waiting for a reduce-scatter and one waiting in a gather deadlock.
+"""
 from __future__ import annotations
 
 from . import _C
 
-__all__ = ["GatherSchedule"]
+__all__ = ["GatherSchedule", "ScheduleDepartureError"]
 
 K = _C.ChunkKind
+
+
+class ScheduleDepartureError(RuntimeError):
+    """A rank needs a group it released on the strength of the warm-up trace (Note [Resharding
+    after forward])."""
 
 
 class GatherSchedule:
@@ -16,22 +59,49 @@ class GatherSchedule:
 
     `groups` are the compute-param groups (their first chunks) in gather order;
     `position_of` maps a compute tensor id to its group's position; `remote` holds the compute
-    tensors another rank owns."""
+    tensors another rank owns. With `reshard`, `trainable` counts the trainable tensors of each
+    group, `frozen` holds the positions of groups with a frozen tensor and `name_of` names a
+    compute tensor for errors."""
 
-    def __init__(self, collectives, groups, position_of: dict, remote: set, gather_ahead: int):
+    def __init__(self, collectives, groups, position_of: dict, remote: set, gather_ahead: int,
+                 reshard: bool = False, trainable=None, frozen=(), name_of=None):
         self.collectives = collectives
         self.groups = list(groups)
         self.position_of = position_of
         self.remote = remote
         self.gather_ahead = gather_ahead
+        self.reshard = reshard
         self.gathers_ahead = 0  # gathers started before any tensor of their group was needed
+        self.released_in_forward = 0  # groups released before their forward ended (counter)
+        self.released_in_backward = 0  # groups released before their backward ended (counter)
         self._cursor = 0  # groups before it are gathered
         self._started = 0  # groups before it are gathered or started (gather_ahead > 0)
+        # Resharding.
+        self._trainable = list(trainable or [0] * len(self.groups))
+        self._frozen = set(frozen)
+        self._name_of = name_of or (lambda tensor_id: f"tensor {tensor_id}")
+        self._trace: dict[int, int] = {}  # group -> highest group accessed at its last use
+        self._pass_trace: dict[int, int] = {}
+        self._has_trace = False
+        self._frontier = -1  # the highest group accessed in this forward
+        self._released: set[int] = set()  # released in this pass
+        self._in_backward = False
+        self._down = -1  # backward: groups above it are gathered (or released again)
+        self._down_started = 0  # backward: groups from it up are gathered or started
+        self._missing: list[int] = []
+        self._ready: set[int] = set()
+
+    # ---- Accesses -----------------------------------------------------------------------------
 
     def before_access(self, tensor_id: int, in_forward: bool) -> None:
         position = self.position_of.get(tensor_id)
-        if position is None or position < self._cursor:
+        if position is None:
             return
+        if self._in_backward:
+            self._backward_access(tensor_id, position)
+            return
+        if in_forward and position in self._released and tensor_id in self.remote:
+            self._depart(tensor_id, position, "forward")
         # A remote tensor needs its group's bytes; a local one needs its chunk unpinned by a
         # started gather (Note [Started gathers] in chunk/group_collectives.h). Within a forward
         # a local tensor gathers its group too: it must not be in use (COMPUTE) when a later
@@ -40,8 +110,23 @@ class GatherSchedule:
         # within a forward, which every rank ends with gather_all(): elsewhere an owner may read
         # its own tensors alone (checkpoints, tied pipeline weights), and a gather there would be
         # a collective the other ranks never issue.
-        if in_forward or tensor_id in self.remote or position < self._started:
+        if position >= self._cursor and (
+                in_forward or tensor_id in self.remote or position < self._started):
             self.gather_through(position)
+        if in_forward and self.reshard:
+            if position > self._frontier:
+                self._frontier = position
+                self._release_passed()
+            self._pass_trace[position] = self._frontier
+
+    def _depart(self, tensor_id: int, position: int, phase: str) -> None:
+        raise ScheduleDepartureError(
+            f"data parallel: parameter '{self._name_of(tensor_id)}' (compute group {position} "
+            f"of {len(self.groups)}) is used again in this {phase} after this rank released the "
+            f"group, following the previous iterations' trace (parallel.reshard_after_forward; "
+            f"Note [Resharding after forward]); gathering it again here would be a collective "
+            f"the other ranks do not issue. Set parallel.reshard_after_forward to false for a "
+            f"model whose {phase} reuses parameters in an order that changes between iterations")
 
     def gather_through(self, position: int) -> None:
         """Gathers the groups up to `position` in order, first starting the next
@@ -51,25 +136,30 @@ class GatherSchedule:
             if self.gather_ahead > 0:  # at most gather_ahead + 1 groups in flight
                 end = min(self._cursor + 1 + self.gather_ahead, len(groups))
                 while self._started < end:
-                    declined = self.collectives.gathers_declined
-                    if self.collectives.start_gather(groups[self._started]) and (
-                            self._started > position):
-                        self.gathers_ahead += 1
-                    if self.collectives.gathers_declined != declined:
-                        # No room to start this group now: start nothing after it either, or
-                        # a later group's collective would be issued before this one's (which
-                        # the gather below or a later start issues), and the ranks would pair
-                        # different groups. Next time round it is tried again.
+                    if not self._start(self._started, ahead=self._started > position):
                         break
                     self._started += 1
             self.collectives.gather(groups[self._cursor])
             self._cursor += 1
         self._started = max(self._started, self._cursor)
 
+    def _start(self, position: int, ahead: bool) -> bool:
+        """Starts the gather of one group; False when the collectives declined it for want of
+        room: then nothing after it may be started either, or a later group's collective would
+        be issued before this one's (which a later gather or start issues) and the ranks would
+        pair different groups. Next time round it is tried again."""
+        declined = self.collectives.gathers_declined
+        if self.collectives.start_gather(self.groups[position]) and ahead:
+            self.gathers_ahead += 1
+        return self.collectives.gathers_declined == declined
+
     def gather_all(self) -> None:
         """Gathers every group not gathered since the last release (the end of a forward, and
         state_dict(): every rank calls these at the same point)."""
-        self.gather_through(len(self.groups) - 1)
+        if self._in_backward:
+            self._gather_down_to(0)
+        else:
+            self.gather_through(len(self.groups) - 1)
 
     def release_all(self) -> None:
         """Every rank drops its gathered copies (finishing a gather still in flight first)."""
@@ -77,3 +167,122 @@ class GatherSchedule:
             self.collectives.release_all(K.COMPUTE_PARAM)
         finally:
             self._cursor = self._started = 0
+            self._released.clear()
+            self._in_backward = False
+
+    # ---- Resharding: forward ------------------------------------------------------------------
+
+    def begin_forward(self) -> None:
+        if not self.reshard:
+            return
+        self.release_all()  # local: every rank starts each forward from nothing gathered
+        self._frontier = -1
+        self._pass_trace = {}
+
+    def end_forward(self) -> None:
+        """Gathers what is left (agreed); with resharding then releases every group but the
+        last, on every rank, and sets up backward's descending gathers."""
+        self.gather_all()
+        if not self.reshard or not self.groups:
+            return
+        last = len(self.groups) - 1
+        for position in range(last):
+            if position not in self._released and not self._release(position):
+                raise RuntimeError(
+                    f"data parallel: compute group {position} still has a tensor in use when "
+                    f"the forward ends, so it cannot be released on this rank while the others "
+                    f"release it (Note [Resharding after forward])")
+        for position, frontier in self._pass_trace.items():
+            self._trace[position] = max(frontier, self._trace.get(position, -1))
+        self._has_trace = True
+        self._enter_backward(last)
+
+    def begin_backward(self) -> None:
+        """A backward that no forward's end prepared (a pipeline stage runs several backwards
+        in a row): it starts from nothing gathered, on every rank alike."""
+        if self.reshard and not self._in_backward and self.groups:
+            self.release_all()
+            self._enter_backward(len(self.groups))
+
+    def _enter_backward(self, gathered_from: int) -> None:
+        """Backward's descending gathers start below `gathered_from` (the groups from it up are
+        gathered)."""
+        self._released.clear()
+        self._in_backward = True
+        self._down = gathered_from - 1
+        self._down_started = gathered_from
+        self._missing = list(self._trainable)
+        self._ready.clear()
+
+    def _release_passed(self) -> None:
+        """Releases the groups the trace says this forward is done with (never the last)."""
+        if not self._has_trace:
+            return
+        for position in range(min(self._cursor, len(self.groups) - 1)):
+            if (position not in self._released and self._trace.get(position, -1) < self._frontier
+                    and self._release(position)):
+                self.released_in_forward += 1
+
+    def _release(self, position: int) -> bool:
+        if not self.collectives.release(self.groups[position]):
+            return False  # a tensor of it is in use: tried again at the next moment
+        self._released.add(position)
+        return True
+
+    # ---- Resharding: backward -----------------------------------------------------------------
+
+    def _backward_access(self, tensor_id: int, position: int) -> None:
+        if position > self._down:
+            if position in self._released and tensor_id in self.remote:
+                self._depart(tensor_id, position, "backward")
+        else:
+            self._gather_down_to(position)
+        self._release_ready()
+
+    def _gather_down_to(self, position: int) -> None:
+        """Backward's gathers: every group from the cursor down to `position`, descending,
+        starting `gather_ahead` groups below the one gathered."""
+        while self._down >= position:
+            if self.gather_ahead > 0:
+                low = max(self._down - self.gather_ahead, 0)
+                while self._down_started > low:
+                    candidate = self._down_started - 1
+                    if candidate < self._down and not self._start(
+                            candidate, ahead=candidate < position):
+                        break
+                    self._down_started = candidate
+            self.collectives.gather(self.groups[self._down])
+            self._down -= 1
+        self._down_started = min(self._down_started, self._down + 1)
+
+    def on_grad(self, position: int) -> None:
+        """A trainable tensor of group `position` got its gradient in this backward."""
+        if not self._in_backward or position >= len(self._missing):
+            return
+        self._missing[position] -= 1
+        if self._missing[position] == 0 and position not in self._frozen:
+            self._ready.add(position)
+            self._release_ready()
+
+    def _release_ready(self) -> None:
+        for position in sorted(self._ready):
+            if position > self._down and position not in self._released and \
+                    self._release(position):
+                self._ready.discard(position)
+                self.released_in_backward += 1
+
+    @property
+    def lowest_gathered(self) -> int:
+        """In backward: the lowest group whose gather this rank issued (started ones count),
+        len(groups) if none."""
+        if not self._in_backward:
+            return len(self.groups)
+        return min(self._down + 1, self._down_started)
+
+    def end_backward(self, lowest: int) -> None:
+        """Gathers down to `lowest` (agreed between the ranks: the lowest any of them gathered)
+        so that every rank issued the same gathers, then releases everything."""
+        if not self._in_backward:
+            return
+        self._gather_down_to(lowest)
+        self.release_all()

@@ -155,18 +155,26 @@ class ParallelGroups:
         coord = self.coord
         return self.topology.get_rank(pipe=stage, data=coord.data, tensor=coord.tensor)
 
-    def new_groups(self, rank_lists) -> object:
+    def new_groups(self, rank_lists, purpose: str = "") -> object:
         """Builds one group per list (a world collective: every rank passes the same lists in
-        the same order) and returns this rank's, None if it is in none. Cached by the lists."""
-        key = tuple(tuple(ranks) for ranks in rank_lists)
+        the same order) and returns this rank's, None if it is in none. Cached by the lists
+        and `purpose` (a second set of groups over the same ranks needs its own)."""
+        key = (purpose,) + tuple(tuple(ranks) for ranks in rank_lists)
         if key not in self._extra:
             mine = None
-            for ranks in key:
+            for ranks in key[1:]:
                 group = dist.new_group(list(ranks)) if dist.is_initialized() else None
                 if self.rank in ranks:
                     mine = group
             self._extra[key] = mine
         return self._extra[key]
+
+
+    def twin_data_group(self) -> object:
+        """A second process group over this rank's data-parallel ranks: backward's gathers run
+        on it, apart from the reduce-scatters (gather_schedule.py, Note [Resharding after
+        forward]). Built once per process, on every rank."""
+        return self.new_groups(self.topology.get_axis_comm_lists("data"), purpose="gathers")
 
 
 _CURRENT: ParallelGroups | None = None

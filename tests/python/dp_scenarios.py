@@ -133,6 +133,9 @@ SCENARIOS = {
                           steps=10),
     "mlp_accumulation_clipping": Scenario(MLP, mlp_batches, {"default_chunk_size": 4096},
                                           steps=4, clip=0.5, accumulation=3),
+    "mlp_accumulation_keep": Scenario(MLP, mlp_batches, {
+        "default_chunk_size": 4096, "parallel": {"reshard_after_forward": False}},
+        steps=4, clip=0.5, accumulation=3),
     "mlp_memory_saving": Scenario(MLP, mlp_batches, {"default_chunk_size": 4096,
                                                      "parallel": {"memory_saving": True}},
                                   steps=5),
@@ -151,6 +154,11 @@ SCENARIOS = {
         "memory": {"device_budget": int(2 * model_bytes(_gpt) * 0.5)},
         "parallel": {"gather_ahead": 0}},
         steps=10, weight_decay=0.1, atol=5e-5),
+    # Every gathered group kept until the optimizer step (parallel.reshard_after_forward off):
+    # one allgather per group and step.
+    "gpt_keep": Scenario(_gpt, _gpt_batches, {"default_chunk_size": 8192,
+                                              "parallel": {"reshard_after_forward": False}},
+                         steps=10, weight_decay=0.1, atol=5e-5),
     # Mixed precision: tracked against fp32 PyTorch loosely (test_initialize.py's bf16 test).
     "gpt_bf16": Scenario(_gpt, _gpt_batches, {"default_chunk_size": 16384,
                                               "bf16": {"enabled": True}}, steps=10),

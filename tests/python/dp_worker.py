@@ -44,12 +44,15 @@ def train(name: str, rank: int, world: int) -> dict:
     stats = model.memory_stats()  # after the step: gathered copies and remote grads dropped
     result = {"losses": losses, "state": model.state_dict(), "stats": stats}
     if world > 1:
-        result.update(collectives=model.dp.collectives.collectives_issued,
+        result.update(collectives=model.dp.collectives_issued,
+                      reshard=model.dp.reshard,
+                      released_in_forward=model.dp.gathers.released_in_forward,
+                      released_in_backward=model.dp.gathers.released_in_backward,
                       compute_groups=model.dp.compute_group_count,
                       grad_groups=model.dp.grad_group_count,
                       early_reduce_scatters=model.dp.early_reduce_scatters,
                       gathers_ahead=model.dp.gathers_ahead,
-                      gathers_started=model.dp.collectives.gathers_started)
+                      gathers_started=model.dp.gathers.collectives.gathers_started)
     return result
 
 

@@ -80,8 +80,9 @@ def check_matches_reference(results, name: str):
             torch.testing.assert_close(other[name]["state"][key], tensor, rtol=0, atol=0)
 
 
-TWO_RANK_SCENARIOS = ["mlp", "mlp_tight", "mlp_accumulation_clipping", "mlp_memory_saving",
-                      "gpt", "gpt_tight", "gpt_tight_no_ahead", "branch", "gpt_bf16", "mlp_fp16",
+TWO_RANK_SCENARIOS = ["mlp", "mlp_tight", "mlp_accumulation_clipping", "mlp_accumulation_keep",
+                      "mlp_memory_saving",
+                      "gpt", "gpt_tight", "gpt_tight_no_ahead", "gpt_keep", "branch", "gpt_bf16", "mlp_fp16",
                       "mlp_frozen"]
 
 
@@ -93,15 +94,25 @@ def two_ranks(tmp_path_factory):
     return results
 
 
-@pytest.mark.parametrize("name", ["mlp", "mlp_tight", "gpt", "gpt_tight"])
+@pytest.mark.parametrize("name", ["mlp", "mlp_tight", "gpt", "gpt_tight", "gpt_keep"])
 def test_two_ranks_with_half_batches_match_pytorch_on_the_whole_batch(two_ranks, name):
     check_matches_reference(two_ranks, name)
     steps = SCENARIOS[name].steps
     result = two_ranks[0][name]
-    # One allgather per compute group per step (+1: state_dict after the last step) and one
-    # reduce-scatter per gradient group per step (the small all-reduces are not counted).
-    assert result["collectives"] == (steps + 1) * result["compute_groups"] + steps * result[
-        "grad_groups"]
+    groups = result["compute_groups"]
+    # Gathers: with parallel.reshard_after_forward (the default), every group in forward and
+    # all but the last again in backward (these models use group 0 in backward: tied
+    # embeddings, or one group); without it, one allgather per group and step. +1 gather of
+    # each group: state_dict after the last step. One reduce-scatter per gradient group and
+    # step (the small all-reduces are not counted).
+    assert result["reshard"] == (name != "gpt_keep")
+    gathers = (2 * groups - 1 if result["reshard"] else groups) * steps + groups
+    assert result["collectives"] == gathers + steps * result["grad_groups"]
+    if result["reshard"] and groups > 2:
+        # Groups were released before their pass ended: in forward (from the second step, by
+        # the trace) and in backward (once their gradients were in).
+        assert result["released_in_forward"] > 0
+        assert result["released_in_backward"] > 0
     if name.startswith("gpt"):
         # All groups but the one holding the embeddings (whose gradient comes last) are
         # reduce-scattered while backward still runs.
@@ -140,15 +151,20 @@ def test_gathers_started_ahead_overlap_and_change_no_bit(two_ranks):
             torch.testing.assert_close(result[ahead]["state"][key], tensor, rtol=0, atol=0)
 
 
-def test_gradient_accumulation_and_clipping_reduce_once_per_boundary(two_ranks):
-    name = "mlp_accumulation_clipping"
+@pytest.mark.parametrize("name", ["mlp_accumulation_clipping", "mlp_accumulation_keep"])
+def test_gradient_accumulation_and_clipping_reduce_once_per_boundary(two_ranks, name):
     check_matches_reference(two_ranks, name)
     s = SCENARIOS[name]
     result = two_ranks[0][name]
-    # Gathers once per step (not per micro-step) and reduce-scatters once per boundary: 12
-    # micro-steps, 4 steps.
-    assert result["collectives"] == (s.steps + 1) * result["compute_groups"] + s.steps * result[
-        "grad_groups"]
+    groups = result["compute_groups"]
+    # Reduce-scatters once per boundary: 12 micro-steps, 4 steps. Gathers: resharding gathers
+    # in every micro-step's forward and backward; keeping the gathered groups, once per step.
+    # +1 gather of each group: state_dict.
+    if result["reshard"]:
+        gathers = s.steps * s.accumulation * (2 * groups - 1) + groups
+    else:
+        gathers = (s.steps + 1) * groups
+    assert result["collectives"] == gathers + s.steps * result["grad_groups"]
 
 
 def test_memory_saving_mode_matches_with_broadcast_and_reduce(two_ranks):
