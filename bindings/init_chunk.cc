@@ -530,6 +530,15 @@ void InitChunk(py::module_& module) {
           },
           "Per-tier statistics as JSON (a list of objects), without the trace.")
       .def(
+          "reset_peak_stats", [](PyChunkManager& self) { self.Run([](M& m) { m.ResetPeakStats(); }); },
+          "Each tier's peak_chunk_bytes starts again from its current chunk bytes.")
+      .def_property_readonly(
+          "peak_total_chunk_bytes",
+          [](PyChunkManager& self) {
+            return self.Run([](M& m) { return m.peak_total_chunk_bytes(); });
+          },
+          "The peak of all tiers' chunk bytes together (not the sum of each tier's peak).")
+      .def(
           "layout_json",
           [](PyChunkManager& self) { return self.Run([](M& m) { return m.LayoutJson().dump(); }); },
           "The chunk layout alone (chunks with their tensors, owners, hash) as JSON text; "

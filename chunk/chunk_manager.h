@@ -198,6 +198,13 @@ class ChunkManager {
   // copies after it: CopyEngine::OrderAfter).
   CopyEngine& copy_engine() const { return *options_.copy_engine; }
   std::vector<TierChunkStats> Stats() const;
+  // Each tier's peak_chunk_bytes starts again from its current chunk bytes (torch's
+  // reset_peak_memory_stats): the peak of a phase, training after initialization say.
+  void ResetPeakStats();
+  // The peak of the chunk bytes of all tiers together (model data in the process): summing the
+  // tiers' own peaks counts a chunk twice when it moves between tiers at different moments
+  // (device in backward, host in a CPU optimizer step).
+  int64_t peak_total_chunk_bytes() const { return peak_total_chunk_bytes_; }
   // The most recent evictions: at least the last kEvictionLogKeep (all of them before that).
   static constexpr size_t kEvictionLogKeep = 1 << 14;
   const std::vector<EvictionRecord>& eviction_log() const { return eviction_log_; }
@@ -220,6 +227,9 @@ class ChunkManager {
     int64_t chunk_bytes = 0;   // resident payloads and pending prefetch destinations
     TierChunkStats stats;
   };
+
+  int64_t total_chunk_bytes_ = 0;  // over all tiers
+  int64_t peak_total_chunk_bytes_ = 0;
 
   explicit ChunkManager(ChunkManagerOptions options);
   absl::StatusOr<LayoutReport> Adopt(LayoutPlan plan, int64_t candidates);

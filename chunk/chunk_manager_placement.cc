@@ -52,6 +52,8 @@ void ChunkManager::AddChunkBytes(int tier, int64_t delta) {
   TierSlot& slot = tiers_[tier];
   slot.chunk_bytes += delta;
   slot.stats.peak_chunk_bytes = std::max(slot.stats.peak_chunk_bytes, slot.chunk_bytes);
+  total_chunk_bytes_ += delta;
+  peak_total_chunk_bytes_ = std::max(peak_total_chunk_bytes_, total_chunk_bytes_);
   tracer_.ObserveModelBytes(tier, slot.chunk_bytes);
 }
 

@@ -21,6 +21,11 @@ std::vector<TierChunkStats> ChunkManager::Stats() const {
   return result;
 }
 
+void ChunkManager::ResetPeakStats() {
+  for (TierSlot& slot : tiers_) slot.stats.peak_chunk_bytes = slot.chunk_bytes;
+  peak_total_chunk_bytes_ = total_chunk_bytes_;
+}
+
 nlohmann::json ChunkManager::TierStatsJson() const {
   nlohmann::json tiers = nlohmann::json::array();
   for (const TierChunkStats& stats : Stats()) {

@@ -53,6 +53,9 @@ class Chunks:
     def stats(self) -> list[dict]:
         return json.loads(self.manager.tier_stats_json())
 
+    def reset_peak_stats(self) -> None:
+        self.manager.reset_peak_stats()
+
 
 class ChunkRuntime:
     """Tiers, copy engine and chunk manager of one engine (`config.memory`)."""

@@ -188,7 +188,8 @@ class DataParallel:
         self.gathers = GatherSchedule(gatherer, compute_groups, gather_position, remote,
                                       self.gather_ahead, reshard=self.reshard,
                                       trainable=trainable, frozen=frozen,
-                                      name_of=lambda tensor_id: names.get(tensor_id, tensor_id))
+                                      name_of=lambda tensor_id: names.get(tensor_id, tensor_id),
+                                      agree=self._agree_on_rank_zeros)
         # Gradient groups in reduce-scatter order, and which parameters each one waits for.
         self._grad_groups = list(reversed(self.collectives.groups(K.GRADIENT)))
         grad_position = {first: p for p, first in enumerate(self._grad_groups)}
@@ -288,6 +289,14 @@ class DataParallel:
         self._seen: set[int] = set()
         self._rs_cursor = 0
 
+    def _agree_on_rank_zeros(self, order: list[int]) -> list[int]:
+        """Rank 0's backward gather order, on every rank (a broadcast on the gather group at
+        the end of the first forward; Note [Resharding after forward])."""
+        values = torch.tensor(order, dtype=torch.float32)
+        self.gather_communicator.broadcast(values, root=0, label="backward gather order").wait(
+            self.timeout)
+        return [int(v) for v in values.tolist()]
+
     def before_backward(self) -> None:
         if self.enabled:
             self.gathers.begin_backward()
@@ -326,13 +335,11 @@ class DataParallel:
         if self.reshard:
             # Backward's gathers first (Note [Resharding after forward]): a rank still gathering
             # must not wait for another that waits for its reduce-scatters.
-            lowest = self.gathers.lowest_gathered
-            agreed = torch.zeros(self.world_size, dtype=torch.float32)
-            agreed[self.rank] = lowest
+            issued = torch.zeros(self.world_size, dtype=torch.float32)
+            issued[self.rank] = self.gathers.backward_gathers_issued
             self.gather_communicator.all_reduce(
-                agreed, op="sum", label="lowest compute group gathered in backward").wait(
-                self.timeout)
-            self.gathers.end_backward(int(agreed.min().item()))
+                issued, op="sum", label="compute groups gathered in backward").wait(self.timeout)
+            self.gathers.end_backward(int(issued.max().item()))
         if not self._boundary():
             self._seen.clear()
             return

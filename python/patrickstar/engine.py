@@ -578,3 +578,16 @@ class PatrickStarEngine(nn.Module):
         """Per tier: budget, chunk bytes now and at peak, bytes moved in and out, evictions."""
         return self.chunks.stats()
 
+    def reset_peak_memory_stats(self) -> None:
+        """`peak_chunk_bytes` of every tier starts again from its current chunk bytes (as
+        torch.cuda.reset_peak_memory_stats): the peak of training apart from initialization,
+        when every rank of a data-parallel job builds the whole model once."""
+        self.chunks.reset_peak_stats()
+
+    @property
+    def peak_model_bytes(self) -> int:
+        """The peak of this process's chunk bytes over all tiers together (parameters,
+        gradients, optimizer state, gathered copies) since initialization or the last
+        reset_peak_memory_stats(); the tiers' own peak_chunk_bytes peak at different moments."""
+        return int(self.chunks.manager.peak_total_chunk_bytes)
+

@@ -64,7 +64,7 @@ class GatherSchedule:
     compute tensor for errors."""
 
     def __init__(self, collectives, groups, position_of: dict, remote: set, gather_ahead: int,
-                 reshard: bool = False, trainable=None, frozen=(), name_of=None):
+                 reshard: bool = False, trainable=None, frozen=(), name_of=None, agree=None):
         self.collectives = collectives
         self.groups = list(groups)
         self.position_of = position_of
@@ -84,10 +84,17 @@ class GatherSchedule:
         self._pass_trace: dict[int, int] = {}
         self._has_trace = False
         self._frontier = -1  # the highest group accessed in this forward
+        self._accesses = 0  # accesses in this forward
+        self._last_access: dict[int, int] = {}  # group -> its last access in this forward
         self._released: set[int] = set()  # released in this pass
         self._in_backward = False
-        self._down = -1  # backward: groups above it are gathered (or released again)
-        self._down_started = 0  # backward: groups from it up are gathered or started
+        # Backward's gather sequence: descending until the first forward's trace gives the
+        # order in which backward needs the groups, agreed between the ranks by `agree(order)`.
+        self._agree = agree
+        self._order_agreed = False
+        self._set_order(list(reversed(range(len(self.groups)))))
+        self._next = 0  # backward: _order[:_next] is gathered
+        self._next_started = 0  # backward: _order[:_next_started] is gathered or started
         self._missing: list[int] = []
         self._ready: set[int] = set()
 
@@ -118,6 +125,8 @@ class GatherSchedule:
                 self._frontier = position
                 self._release_passed()
             self._pass_trace[position] = self._frontier
+            self._last_access[position] = self._accesses
+            self._accesses += 1
 
     def _depart(self, tensor_id: int, position: int, phase: str) -> None:
         raise ScheduleDepartureError(
@@ -157,7 +166,7 @@ class GatherSchedule:
         """Gathers every group not gathered since the last release (the end of a forward, and
         state_dict(): every rank calls these at the same point)."""
         if self._in_backward:
-            self._gather_down_to(0)
+            self._gather_until(len(self.groups) - 1)
         else:
             self.gather_through(len(self.groups) - 1)
 
@@ -178,16 +187,27 @@ class GatherSchedule:
         self.release_all()  # local: every rank starts each forward from nothing gathered
         self._frontier = -1
         self._pass_trace = {}
+        self._accesses = 0
+        self._last_access = {}
 
     def end_forward(self) -> None:
         """Gathers what is left (agreed); with resharding then releases every group but the
-        last, on every rank, and sets up backward's descending gathers."""
+        one backward needs first, on every rank, and sets up backward's gathers."""
         self.gather_all()
         if not self.reshard or not self.groups:
             return
-        last = len(self.groups) - 1
-        for position in range(last):
-            if position not in self._released and not self._release(position):
+        if not self._order_agreed:
+            # The first forward's trace: backward needs the groups in the reverse order of
+            # their last use (a layout that packs a late layer's small tensors into an early
+            # chunk makes that group needed first, not last).
+            local = sorted(range(len(self.groups)),
+                           key=lambda p: (-self._last_access.get(p, -1), -p))
+            self._set_order(self._agree(local) if self._agree is not None else local)
+            self._order_agreed = True
+        keep = self._order[0]
+        for position in range(len(self.groups)):
+            if position != keep and position not in self._released and \
+                    not self._release(position):
                 raise RuntimeError(
                     f"data parallel: compute group {position} still has a tensor in use when "
                     f"the forward ends, so it cannot be released on this rank while the others "
@@ -195,31 +215,43 @@ class GatherSchedule:
         for position, frontier in self._pass_trace.items():
             self._trace[position] = max(frontier, self._trace.get(position, -1))
         self._has_trace = True
-        self._enter_backward(last)
+        self._enter_backward(1)
+
+    def _set_order(self, order) -> None:
+        if sorted(order) != list(range(len(self.groups))):
+            raise RuntimeError(f"data parallel: backward's gather order {order} is not a "
+                               f"permutation of the {len(self.groups)} compute groups")
+        self._order = list(order)
+        self._index_in_order = {position: i for i, position in enumerate(self._order)}
+
+    @property
+    def backward_order(self) -> list[int]:
+        return list(self._order)
 
     def begin_backward(self) -> None:
         """A backward that no forward's end prepared (a pipeline stage runs several backwards
         in a row): it starts from nothing gathered, on every rank alike."""
         if self.reshard and not self._in_backward and self.groups:
             self.release_all()
-            self._enter_backward(len(self.groups))
+            self._enter_backward(0)
 
-    def _enter_backward(self, gathered_from: int) -> None:
-        """Backward's descending gathers start below `gathered_from` (the groups from it up are
-        gathered)."""
+    def _enter_backward(self, gathered: int) -> None:
+        """Backward's gathers continue after the first `gathered` groups of the order."""
         self._released.clear()
         self._in_backward = True
-        self._down = gathered_from - 1
-        self._down_started = gathered_from
+        self._next = self._next_started = gathered
         self._missing = list(self._trainable)
         self._ready.clear()
 
     def _release_passed(self) -> None:
-        """Releases the groups the trace says this forward is done with (never the last)."""
+        """Releases the groups the trace says this forward is done with (never the one
+        backward needs first)."""
         if not self._has_trace:
             return
-        for position in range(min(self._cursor, len(self.groups) - 1)):
-            if (position not in self._released and self._trace.get(position, -1) < self._frontier
+        keep = self._order[0]
+        for position in range(min(self._cursor, len(self.groups))):
+            if (position != keep and position not in self._released
+                    and self._trace.get(position, -1) < self._frontier
                     and self._release(position)):
                 self.released_in_forward += 1
 
@@ -232,28 +264,30 @@ class GatherSchedule:
     # ---- Resharding: backward -----------------------------------------------------------------
 
     def _backward_access(self, tensor_id: int, position: int) -> None:
-        if position > self._down:
+        index = self._index_in_order[position]
+        if index < self._next:
             if position in self._released and tensor_id in self.remote:
                 self._depart(tensor_id, position, "backward")
         else:
-            self._gather_down_to(position)
+            self._gather_until(index)
         self._release_ready()
 
-    def _gather_down_to(self, position: int) -> None:
-        """Backward's gathers: every group from the cursor down to `position`, descending,
-        starting `gather_ahead` groups below the one gathered."""
-        while self._down >= position:
+    def _gather_until(self, index: int) -> None:
+        """Backward's gathers: the groups of the order up to `index`, in order, starting
+        `gather_ahead` groups after the one gathered."""
+        order = self._order
+        while self._next <= index:
             if self.gather_ahead > 0:
-                low = max(self._down - self.gather_ahead, 0)
-                while self._down_started > low:
-                    candidate = self._down_started - 1
-                    if candidate < self._down and not self._start(
-                            candidate, ahead=candidate < position):
+                end = min(self._next + 1 + self.gather_ahead, len(order))
+                while self._next_started < end:
+                    candidate = self._next_started
+                    if candidate > self._next and not self._start(
+                            order[candidate], ahead=candidate > index):
                         break
-                    self._down_started = candidate
-            self.collectives.gather(self.groups[self._down])
-            self._down -= 1
-        self._down_started = min(self._down_started, self._down + 1)
+                    self._next_started += 1
+            self.collectives.gather(self.groups[order[self._next]])
+            self._next += 1
+        self._next_started = max(self._next_started, self._next)
 
     def on_grad(self, position: int) -> None:
         """A trainable tensor of group `position` got its gradient in this backward."""
@@ -266,23 +300,24 @@ class GatherSchedule:
 
     def _release_ready(self) -> None:
         for position in sorted(self._ready):
-            if position > self._down and position not in self._released and \
-                    self._release(position):
+            if self._index_in_order[position] < self._next and \
+                    position not in self._released and self._release(position):
                 self._ready.discard(position)
                 self.released_in_backward += 1
 
     @property
-    def lowest_gathered(self) -> int:
-        """In backward: the lowest group whose gather this rank issued (started ones count),
-        len(groups) if none."""
+    def backward_gathers_issued(self) -> int:
+        """In backward: how many groups of the order this rank issued gathers for (started
+        ones count); 0 outside backward."""
         if not self._in_backward:
-            return len(self.groups)
-        return min(self._down + 1, self._down_started)
+            return 0
+        return max(self._next, self._next_started)
 
-    def end_backward(self, lowest: int) -> None:
-        """Gathers down to `lowest` (agreed between the ranks: the lowest any of them gathered)
-        so that every rank issued the same gathers, then releases everything."""
+    def end_backward(self, issued: int) -> None:
+        """Gathers the first `issued` groups of the order (agreed between the ranks: the most
+        any of them issued) so that every rank issued the same gathers, then releases
+        everything."""
         if not self._in_backward:
             return
-        self._gather_down_to(lowest)
+        self._gather_until(issued - 1)
         self.release_all()

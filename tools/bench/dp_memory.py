@@ -8,9 +8,12 @@ LayerNorm(512) (24 blocks: 50.4M parameters), Adam, chunks of 1.5M elements. Eac
 trains two optimizer steps, fp32 and bf16, with and without gradient accumulation (2 micro-steps);
 every rank sees its own micro-batches (memory does not depend on the values).
 
-  * ours: `memory_stats()` `peak_chunk_bytes` summed over the tiers: compute parameters,
-    gradients and optimizer state (master weights, momentum, variance), gathered copies
-    included.
+  * ours: `model.peak_model_bytes`, the peak of the chunk bytes of all tiers together
+    (issue 18 summed each tier's `peak_chunk_bytes`, which counts a chunk twice when it sits on
+    the device in backward and on the host in the CPU optimizer step; kept in the JSON as
+    sum_of_tier_peaks): compute parameters, gradients and optimizer state (master weights,
+    momentum, variance), gathered copies included, over training (`reset_peak_memory_stats()` after initialize(), whose peak,
+    every rank building the whole model once, is reported apart as init_peak_model_bytes).
   * fsdp2: `fully_shard` per block and on the root, CPU, gloo (bf16: MixedPrecisionPolicy with
     bf16 parameters). The same model data is counted, sampled at every module's forward and
     backward hooks and after the step: each parameter's local shard and its gradient, the
@@ -82,12 +85,18 @@ def run_ours(args, rank: int) -> dict:
     if args.precision == "bf16":
         config["bf16"] = {"enabled": True}
     model, optimizer = patrickstar.initialize(lambda: Blocks(args.layers), config=config)
+    # Training's peak, as FSDP2's and DeepSpeed's are counted from their sharded models: every
+    # rank built the whole model once before (reported apart, as init_peak_model_bytes).
+    init_peak = model.peak_model_bytes
+    model.reset_peak_memory_stats()
     def end_step():
         optimizer.step()
         optimizer.zero_grad()
     train(args, rank, compute_dtype(args), lambda x: model.backward(model(x)), end_step)
     stats = model.memory_stats()
-    return {"peak_model_bytes": sum(t["peak_chunk_bytes"] for t in stats)}
+    return {"peak_model_bytes": model.peak_model_bytes,
+            "sum_of_tier_peaks": sum(t["peak_chunk_bytes"] for t in stats),
+            "init_peak_model_bytes": init_peak}
 
 
 def _storage_bytes(tensor) -> int:

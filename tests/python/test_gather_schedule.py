@@ -1,0 +1,133 @@
+"""GatherSchedule (gather_schedule.py, Note [Resharding after forward]) against a recording
+stand-in for the C++ group collectives: which gathers each rank issues, in which order, and what
+it releases. The multi-process runs that train against PyTorch are in test_data_parallel.py."""
+from __future__ import annotations
+
+import pytest
+
+from patrickstar.gather_schedule import GatherSchedule, ScheduleDepartureError
+
+
+class RecordingCollectives:
+    """Gathers and releases groups named by their position; refuses to release a group listed
+    in `in_use` (a tensor of it is COMPUTE)."""
+
+    def __init__(self):
+        self.issued: list[int] = []
+        self.gathered: set[int] = set()
+        self.released: list[int] = []
+        self.in_use: set[int] = set()
+        self.gathers_declined = 0
+
+    def start_gather(self, group):
+        if group in self.gathered:
+            return False
+        self.issued.append(group)
+        self.gathered.add(group)
+        return True
+
+    def gather(self, group):
+        return self.start_gather(group)
+
+    def release(self, group):
+        if group in self.in_use:
+            return False
+        self.gathered.discard(group)
+        self.released.append(group)
+        return True
+
+    def release_all(self, kind):
+        self.gathered.clear()
+
+
+GROUPS = 5
+
+
+def make_schedule(agree=None, gather_ahead=0):
+    # Tensor t is in group t // 2; every tensor is remote and trainable.
+    position_of = {t: t // 2 for t in range(2 * GROUPS)}
+    return GatherSchedule(RecordingCollectives(), list(range(GROUPS)), position_of,
+                          remote=set(position_of), gather_ahead=gather_ahead, reshard=True,
+                          trainable=[2] * GROUPS, agree=agree)
+
+
+def forward(schedule, tensors):
+    schedule.begin_forward()
+    for t in tensors:
+        schedule.before_access(t, in_forward=True)
+    schedule.end_forward()
+
+
+def test_the_second_forward_releases_each_group_after_its_traced_last_use():
+    schedule = make_schedule()
+    plain = list(range(2 * GROUPS))
+    forward(schedule, plain)  # no trace yet: nothing released before the forward ends
+    assert schedule.released_in_forward == 0
+    collectives = schedule.collectives
+    schedule.end_backward(0)
+    collectives.released.clear()
+    schedule.begin_forward()
+    for t in plain:
+        schedule.before_access(t, in_forward=True)
+        # A group is dropped once the forward moved past its last use; the window stays small.
+        assert len(collectives.gathered) <= 2, (t, collectives.gathered)
+    assert schedule.released_in_forward == GROUPS - 1
+
+
+def test_a_group_reused_late_stays_gathered_and_a_new_late_reuse_is_a_named_error():
+    schedule = make_schedule()
+    tied = list(range(2 * GROUPS)) + [0]  # tensor 0 (group 0) used again at the end: tied
+    forward(schedule, tied)
+    schedule.end_backward(0)
+    forward(schedule, tied)  # the trace knows: group 0 stays until its last use
+    schedule.end_backward(0)
+    schedule.begin_forward()
+    for t in range(2 * GROUPS):
+        schedule.before_access(t, in_forward=True)
+    assert 0 in schedule.collectives.gathered  # its traced last use is still to come
+    with pytest.raises(ScheduleDepartureError, match=r"'tensor 2' \(compute group 1 of 5\).*"
+                                                     r"reshard_after_forward"):
+        schedule.before_access(2, in_forward=True)  # group 1: released after its last use
+
+
+def test_backward_gathers_follow_the_agreed_order_on_every_rank():
+    # The last forward access is of group 0 (a late layer's small tensors packed into the first
+    # chunk): backward needs group 0 first. Rank 0's order is every rank's.
+    orders = []
+
+    def agree(order):
+        orders.append(order)
+        return orders[0]
+
+    ranks = [make_schedule(agree), make_schedule(agree)]
+    accesses = list(range(2, 2 * GROUPS)) + [0, 1]
+    for schedule in ranks:
+        forward(schedule, accesses)
+    assert orders[0][0] == 0
+    for rank, schedule in enumerate(ranks):
+        schedule.collectives.issued.clear()
+        # Rank 1 skips group 2 in backward (a branch it did not take): same gathers, in order.
+        wanted = [0, 1, 4, 3, 2] if rank == 0 else [0, 1, 4, 3]
+        for position in wanted:
+            schedule.before_access(2 * position, in_forward=False)
+    issued = [schedule.backward_gathers_issued for schedule in ranks]
+    for schedule in ranks:
+        schedule.end_backward(max(issued))
+    assert ranks[0].collectives.issued == ranks[1].collectives.issued == orders[0][1:]
+
+
+def test_backward_releases_a_group_once_its_gradients_are_in_and_nothing_uses_it():
+    schedule = make_schedule()
+    forward(schedule, list(range(2 * GROUPS)))
+    collectives = schedule.collectives
+    collectives.released.clear()
+    for position in reversed(range(GROUPS)):
+        schedule.before_access(2 * position, in_forward=False)
+        collectives.in_use = {position}
+        schedule.on_grad(position)
+        schedule.on_grad(position)  # both tensors in: ready, but still in use
+        assert position not in collectives.released
+        collectives.in_use = set()
+    schedule.before_access(0, in_forward=False)  # the next access releases what is ready
+    assert sorted(collectives.released) == list(range(GROUPS))
+    assert schedule.released_in_backward == GROUPS
