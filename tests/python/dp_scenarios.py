@@ -111,6 +111,22 @@ class Scenario:
     atol: float = 1e-6
 
 
+class BlockStack(nn.Module):
+    """dp_memory.py's model at a test's size: residual blocks, many chunk groups."""
+
+    def __init__(self, blocks=8, width=64):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(
+            nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width),
+            nn.LayerNorm(width)) for _ in range(blocks))
+        self.head = nn.Linear(width, 10)
+
+    def forward(self, x, y):
+        for block in self.blocks:
+            x = x + block(x)
+        return nn.functional.cross_entropy(self.head(x), y)
+
+
 def _mlp_frozen_first():
     model = MLP()
     model.layers[0].weight.requires_grad_(False)
@@ -168,6 +184,9 @@ SCENARIOS = {
     # so each parameter's compute and optimizer-state chunks share an owner.
     "mlp_frozen": Scenario(_mlp_frozen_first, mlp_batches, {"default_chunk_size": 4096},
                            steps=5),
+    # Per-rank model data (issue 18): 8 blocks of 33k parameters in chunks of 16384 elements.
+    "blocks": Scenario(BlockStack, wide_batches(64), {"default_chunk_size": 16384}, steps=3,
+                       optimizer="Adam", weight_decay=0.0, atol=1e-5),
     "branch": Scenario(RankDependentBranch, branch_batches, {"default_chunk_size": 2048},
                        steps=6),
 }

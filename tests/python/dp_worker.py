@@ -33,6 +33,7 @@ def train(name: str, rank: int, world: int) -> dict:
     config["gradient_accumulation_steps"] = s.accumulation
     torch.manual_seed(0)
     model, optimizer = patrickstar.initialize(s.model, config=config)
+    model.reset_peak_memory_stats()  # training's peak (every rank built the whole model once)
     losses = []
     for step, batch in enumerate(s.batches(s.steps * s.accumulation)):
         loss = model(*shard(batch, rank, world))
@@ -42,7 +43,8 @@ def train(name: str, rank: int, world: int) -> dict:
             optimizer.step()
             optimizer.zero_grad()
     stats = model.memory_stats()  # after the step: gathered copies and remote grads dropped
-    result = {"losses": losses, "state": model.state_dict(), "stats": stats}
+    result = {"losses": losses, "state": model.state_dict(), "stats": stats,
+              "peak_model_bytes": model.peak_model_bytes}
     if world > 1:
         result.update(collectives=model.dp.collectives_issued,
                       reshard=model.dp.reshard,

@@ -82,7 +82,7 @@ def check_matches_reference(results, name: str):
 
 TWO_RANK_SCENARIOS = ["mlp", "mlp_tight", "mlp_accumulation_clipping", "mlp_accumulation_keep",
                       "mlp_memory_saving",
-                      "gpt", "gpt_tight", "gpt_tight_no_ahead", "gpt_keep", "branch", "gpt_bf16", "mlp_fp16",
+                      "gpt", "gpt_tight", "gpt_tight_no_ahead", "gpt_keep", "blocks", "branch", "gpt_bf16", "mlp_fp16",
                       "mlp_frozen"]
 
 
@@ -122,6 +122,37 @@ def test_two_ranks_with_half_batches_match_pytorch_on_the_whole_batch(two_ranks,
         device = result["stats"][0]
         assert device["evictions"] > 0
         assert device["peak_chunk_bytes"] <= device["budget_bytes"]
+
+
+def single_process_peak(name: str) -> int:
+    """peak_model_bytes of `name` trained in this process, as dp_worker trains it."""
+    import patrickstar
+    s = SCENARIOS[name]
+    torch.manual_seed(0)
+    model, optimizer = patrickstar.initialize(s.model, config={
+        **s.config, "optimizer": {"type": s.optimizer,
+                                  "params": {"lr": s.lr, "weight_decay": s.weight_decay}}})
+    model.reset_peak_memory_stats()
+    for batch in s.batches(s.steps):
+        model.backward(model(*batch))
+        optimizer.step()
+        optimizer.zero_grad()
+    peak = model.peak_model_bytes
+    model.destroy()
+    return peak
+
+
+def test_each_rank_holds_about_half_the_model_data_of_one_process(two_ranks):
+    # Issue 18's bound, loosely (tools/bench/dp_memory.py holds the tight one at 50M
+    # parameters): 1/2 of the sharded data plus a window of gathered groups, never the whole
+    # model per rank (measured 0.54 and 0.59 when written).
+    check_matches_reference(two_ranks, "blocks")
+    single = single_process_peak("blocks")
+    for rank, result in enumerate(two_ranks):
+        assert result["blocks"]["released_in_forward"] > 0, rank
+        assert result["blocks"]["released_in_backward"] > 0, rank
+        ratio = result["blocks"]["peak_model_bytes"] / single
+        assert ratio <= 0.7, (rank, ratio)
 
 
 def test_prefetch_under_data_parallelism_hits_and_matches_pytorch(two_ranks):
