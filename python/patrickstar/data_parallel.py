@@ -5,7 +5,9 @@ engine finds the world through `torch.distributed` (initializing the default pro
 torchrun's environment if the script did not). Each rank owns chunk r of every communication
 group (Note [Communication groups] in chunk/chunk_manager_groups.cc): it keeps the fp32 master /
 momentum / variance chunks of its own chunks only, updates only those, and sees the other ranks'
-parameters only while a gathered copy lives between an allgather and the next optimizer step.
+parameters only while a gathered copy lives: from an allgather to the group's last use in that
+forward or backward (`parallel.reshard_after_forward`, the default: gather_schedule.py, Note
+[Resharding after forward]), or to the next optimizer step without it.
 The collectives run in C++ (`patrickstar._C.GroupCollectives` over a `Communicator`: the
 torch.distributed process group's gloo or NCCL), one per chunk group, never one per tensor.
 With pipeline stages or tensor slices (topology.py) all of this runs within the data group, the
