@@ -56,6 +56,11 @@ class Chunks:
     def reset_peak_stats(self) -> None:
         self.manager.reset_peak_stats()
 
+    @property
+    def peak_total_bytes(self) -> int:
+        """The peak of all tiers' chunk bytes together."""
+        return int(self.manager.peak_total_chunk_bytes)
+
 
 class ChunkRuntime:
     """Tiers, copy engine and chunk manager of one engine (`config.memory`)."""

@@ -179,9 +179,8 @@ class DataParallel:
         gatherer = self.collectives
         if self.reshard:
             # Note [Resharding after forward]: backward's gathers get their own process group.
-            gather_group = groups.twin_data_group() if groups is not None else None
             self.gather_communicator = _C.process_group_communicator(
-                gather_group.group_name, reduce_scatter=parallel.reduce_scatter,
+                groups.twin_data_group().group_name, reduce_scatter=parallel.reduce_scatter,
                 timeout_s=self.timeout)
             gatherer = _C.GroupCollectives(
                 manager, self.gather_communicator, tier=Tier.HOST, timeout_s=self.timeout,
@@ -315,9 +314,8 @@ class DataParallel:
         self.gathers.on_grad(self._compute_position[index])
         if not self._boundary():
             return
-        if self.collectives.pending_reduce_scatters:
-            # Done reduce-scatters drop their full-size remote gradients now, not at the end.
-            self.collectives.finish_completed_reduce_scatters()
+        # Done reduce-scatters drop their full-size remote gradients now, not at the end.
+        self.collectives.finish_completed_reduce_scatters()
         self._missing[self._grad_group_of[index]] -= 1
         while (self._rs_cursor < len(self._grad_groups)
                and self._missing[self._rs_cursor] == 0):
@@ -337,11 +335,10 @@ class DataParallel:
         if self.reshard:
             # Backward's gathers first (Note [Resharding after forward]): a rank still gathering
             # must not wait for another that waits for its reduce-scatters.
-            issued = torch.zeros(self.world_size, dtype=torch.float32)
-            issued[self.rank] = self.gathers.backward_gathers_issued
-            self.gather_communicator.all_reduce(
-                issued, op="sum", label="compute groups gathered in backward").wait(self.timeout)
-            self.gathers.end_backward(int(issued.max().item()))
+            issued = self._every_ranks(self.gathers.backward_gathers_issued,
+                                       self.gather_communicator,
+                                       "compute groups gathered in backward")
+            self.gathers.end_backward(int(max(issued)))
         if not self._boundary():
             self._seen.clear()
             return
@@ -362,10 +359,15 @@ class DataParallel:
         """The ranks of the group whose `flag` is set; a collective every rank must call."""
         if not self.enabled:
             return [self.rank] if flag else []
-        flags = torch.zeros(self.world_size, dtype=torch.float32)
-        flags[self.rank] = 1.0 if flag else 0.0
-        self.communicator.all_reduce(flags, op="sum", label=label).wait(self.timeout)
-        return [rank for rank, value in enumerate(flags.tolist()) if value > 0]
+        values = self._every_ranks(1.0 if flag else 0.0, self.communicator, label)
+        return [rank for rank, value in enumerate(values) if value > 0]
+
+    def _every_ranks(self, value: float, communicator, label: str) -> list[float]:
+        """Every rank's `value` in rank order (one small all-reduce on `communicator`)."""
+        values = torch.zeros(self.world_size, dtype=torch.float32)
+        values[self.rank] = value
+        communicator.all_reduce(values, op="sum", label=label).wait(self.timeout)
+        return values.tolist()
 
     def all_reduce_grad_stats(self, overflow: bool, squared: float) -> tuple[bool, float]:
         """Sums the squared norms of the owned gradients and ORs the overflow flags (over the

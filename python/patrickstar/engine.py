@@ -589,5 +589,5 @@ class PatrickStarEngine(nn.Module):
         """The peak of this process's chunk bytes over all tiers together (parameters,
         gradients, optimizer state, gathered copies) since initialization or the last
         reset_peak_memory_stats(); the tiers' own peak_chunk_bytes peak at different moments."""
-        return int(self.chunks.manager.peak_total_chunk_bytes)
+        return self.chunks.peak_total_bytes
 

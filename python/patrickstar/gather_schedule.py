@@ -1,8 +1,8 @@
 """When the compute-param groups of a data-parallel engine are gathered and released (Note [A
 data-independent collective schedule] in data_parallel.py): the ascending forward cursor, the
 gathers started ahead of use, and, with `parallel.reshard_after_forward`, the release after the
-last use in forward, the descending gathers of backward and the release once a group's gradients
-are in. `DataParallel` owns one and hands it the accesses and gradients; nothing else touches the
+last use in forward, the gathers of backward in an agreed order and the release once a group's
+gradients are in. `DataParallel` owns one and hands it the accesses and gradients; nothing else touches the
 gather collectives.
 
 Note [Resharding after forward]
@@ -22,18 +22,28 @@ group's remote payloads is local (Note [Releasing one group] in chunk/group_coll
     any forward), so a departure happens at most once per new pattern, and it cannot happen at
     all to a model whose forward reuses no earlier group late (tied weights and modules called
     twice are in every trace, so they stay gathered until their last use).
-  * the end of a forward gathers what is left (the agreed count), then releases every group
-    but the last on every rank: backward starts with the same gathered set everywhere, and the
-    last group, used first in backward, needs no second gather.
-  * backward gathers descend with a second cursor: the first access of a tensor of group g
-    (local ones too: a collective must not find a tensor of its group in use) gathers every
-    group from the cursor down to g, starting `gather_ahead` groups below it. Backward's order
-    of accesses depends on autograd and may differ between ranks (an unused branch), but the
-    sequence of gathers is still every group once, descending. A group is released once every
-    trainable tensor of it got its gradient in this backward (and no frozen tensor needs it
-    for an input gradient), at the first access after that which finds none of its tensors in
-    use. At the end of backward the ranks agree (one all-reduce on the gather group) on the
-    lowest group any of them gathered, gather down to it, and release everything.
+  * backward gathers follow one order agreed by every rank: the reverse of the groups' last
+    use in the first forward (rank 0's, broadcast when that forward ends; until then
+    descending group order). A chunk layout packs a late layer's small tensors into early
+    chunks, so descending order alone made the first backward access gather the whole model.
+    The end of a forward gathers what is left (the agreed count), then releases every group
+    but the first of that order on every rank: backward starts with the same gathered set
+    everywhere, and the group it needs first needs no second gather.
+  * in backward the same cursor walks that order (gather_through): the first access of a
+    tensor of group g (local ones too: a collective must not find a tensor of its group in
+    use) gathers every group of the order up to g. Backward starts no gather ahead: a started
+    group stays pinned where it is until its first use, and the gradients the current group's
+    backward stores need that room (a 1F1B pipeline stage under a tight device budget ran out
+    of it). Before this was written down, backward did start one group ahead, but issued it
+    before the group it gathered and then finished both at once: no overlap, and a rank whose
+    start was declined would have issued the two in the other order.
+    Backward's accesses depend on autograd and may differ between ranks (an unused branch)
+    or between iterations, but the sequence of gathers is still a prefix of the one order:
+    a different need only gathers earlier. A group is released once every trainable tensor
+    of it got its gradient in this backward (and no frozen tensor needs it for an input
+    gradient), at the first access after that which finds none of its tensors in use. At the
+    end of backward the ranks agree (one all-reduce on the gather group) on how many groups
+    of the order any of them issued, all gather that many, and release everything.
   * the gathers of backward run on their own process group (data_parallel.py creates it):
     reduce-scatters start as soon as a rank's own gradients of a group are in, which depends
     on its control flow, so on one communicator gloo could pair one rank's allgather with
@@ -74,15 +84,20 @@ class GatherSchedule:
         self.gathers_ahead = 0  # gathers started before any tensor of their group was needed
         self.released_in_forward = 0  # groups released before their forward ended (counter)
         self.released_in_backward = 0  # groups released before their backward ended (counter)
-        self._cursor = 0  # groups before it are gathered
-        self._started = 0  # groups before it are gathered or started (gather_ahead > 0)
+        # One cursor walks the current sequence of gathers: group order in forward (and
+        # outside a pass), backward's agreed order in backward. _sequence[:_next] is gathered,
+        # _sequence[:_started] gathered or started (gather_ahead > 0).
+        self._forward_order = list(range(len(self.groups)))
+        self._sequence = self._forward_order
+        self._next = 0
+        self._started = 0
         # Resharding.
         self._trainable = list(trainable or [0] * len(self.groups))
         self._frozen = set(frozen)
         self._name_of = name_of or (lambda tensor_id: f"tensor {tensor_id}")
         self._trace: dict[int, int] = {}  # group -> highest group accessed at its last use
         self._pass_trace: dict[int, int] = {}
-        self._has_trace = False
+        self._traced = False  # a forward ended: the trace and backward's order exist
         self._frontier = -1  # the highest group accessed in this forward
         self._accesses = 0  # accesses in this forward
         self._last_access: dict[int, int] = {}  # group -> its last access in this forward
@@ -91,10 +106,7 @@ class GatherSchedule:
         # Backward's gather sequence: descending until the first forward's trace gives the
         # order in which backward needs the groups, agreed between the ranks by `agree(order)`.
         self._agree = agree
-        self._order_agreed = False
         self._set_order(list(reversed(range(len(self.groups)))))
-        self._next = 0  # backward: _order[:_next] is gathered
-        self._next_started = 0  # backward: _order[:_next_started] is gathered or started
         self._missing: list[int] = []
         self._ready: set[int] = set()
 
@@ -117,7 +129,7 @@ class GatherSchedule:
         # within a forward, which every rank ends with gather_all(): elsewhere an owner may read
         # its own tensors alone (checkpoints, tied pipeline weights), and a gather there would be
         # a collective the other ranks never issue.
-        if position >= self._cursor and (
+        if position >= self._next and (
                 in_forward or tensor_id in self.remote or position < self._started):
             self.gather_through(position)
         if in_forward and self.reshard:
@@ -137,20 +149,24 @@ class GatherSchedule:
             f"the other ranks do not issue. Set parallel.reshard_after_forward to false for a "
             f"model whose {phase} reuses parameters in an order that changes between iterations")
 
-    def gather_through(self, position: int) -> None:
-        """Gathers the groups up to `position` in order, first starting the next
-        `gather_ahead` ones after it, so that their collectives run while this rank computes."""
-        groups = self.groups
-        while self._cursor <= position:
-            if self.gather_ahead > 0:  # at most gather_ahead + 1 groups in flight
-                end = min(self._cursor + 1 + self.gather_ahead, len(groups))
+    def gather_through(self, index: int) -> None:
+        """Gathers the groups of the current sequence up to `index` in order (in forward the
+        index is the group's position). In forward it first starts the next `gather_ahead`
+        groups, so that their collectives run while this rank computes; backward starts none
+        (Note [Resharding after forward]: a started group stays pinned where it is until its
+        first use, and backward's gradient stores need that room)."""
+        sequence = self._sequence
+        ahead = 0 if self._in_backward else self.gather_ahead
+        while self._next <= index:
+            if ahead > 0:  # at most gather_ahead + 1 groups in flight
+                end = min(self._next + 1 + ahead, len(sequence))
                 while self._started < end:
-                    if not self._start(self._started, ahead=self._started > position):
+                    if not self._start(sequence[self._started], ahead=self._started > index):
                         break
                     self._started += 1
-            self.collectives.gather(groups[self._cursor])
-            self._cursor += 1
-        self._started = max(self._started, self._cursor)
+            self.collectives.gather(self.groups[sequence[self._next]])
+            self._next += 1
+        self._started = max(self._started, self._next)
 
     def _start(self, position: int, ahead: bool) -> bool:
         """Starts the gather of one group; False when the collectives declined it for want of
@@ -165,17 +181,15 @@ class GatherSchedule:
     def gather_all(self) -> None:
         """Gathers every group not gathered since the last release (the end of a forward, and
         state_dict(): every rank calls these at the same point)."""
-        if self._in_backward:
-            self._gather_until(len(self.groups) - 1)
-        else:
-            self.gather_through(len(self.groups) - 1)
+        self.gather_through(len(self.groups) - 1)
 
     def release_all(self) -> None:
         """Every rank drops its gathered copies (finishing a gather still in flight first)."""
         try:
             self.collectives.release_all(K.COMPUTE_PARAM)
         finally:
-            self._cursor = self._started = 0
+            self._sequence = self._forward_order
+            self._next = self._started = 0
             self._released.clear()
             self._in_backward = False
 
@@ -196,14 +210,13 @@ class GatherSchedule:
         self.gather_all()
         if not self.reshard or not self.groups:
             return
-        if not self._order_agreed:
+        if not self._traced:
             # The first forward's trace: backward needs the groups in the reverse order of
             # their last use (a layout that packs a late layer's small tensors into an early
             # chunk makes that group needed first, not last).
             local = sorted(range(len(self.groups)),
                            key=lambda p: (-self._last_access.get(p, -1), -p))
             self._set_order(self._agree(local) if self._agree is not None else local)
-            self._order_agreed = True
         keep = self._order[0]
         for position in range(len(self.groups)):
             if position != keep and position not in self._released and \
@@ -214,7 +227,7 @@ class GatherSchedule:
                     f"release it (Note [Resharding after forward])")
         for position, frontier in self._pass_trace.items():
             self._trace[position] = max(frontier, self._trace.get(position, -1))
-        self._has_trace = True
+        self._traced = True
         self._enter_backward(1)
 
     def _set_order(self, order) -> None:
@@ -223,10 +236,6 @@ class GatherSchedule:
                                f"permutation of the {len(self.groups)} compute groups")
         self._order = list(order)
         self._index_in_order = {position: i for i, position in enumerate(self._order)}
-
-    @property
-    def backward_order(self) -> list[int]:
-        return list(self._order)
 
     def begin_backward(self) -> None:
         """A backward that no forward's end prepared (a pipeline stage runs several backwards
@@ -239,17 +248,18 @@ class GatherSchedule:
         """Backward's gathers continue after the first `gathered` groups of the order."""
         self._released.clear()
         self._in_backward = True
-        self._next = self._next_started = gathered
+        self._sequence = self._order
+        self._next = self._started = gathered
         self._missing = list(self._trainable)
         self._ready.clear()
 
     def _release_passed(self) -> None:
         """Releases the groups the trace says this forward is done with (never the one
         backward needs first)."""
-        if not self._has_trace:
+        if not self._traced:
             return
         keep = self._order[0]
-        for position in range(min(self._cursor, len(self.groups))):
+        for position in range(self._next):  # forward: the gathered groups
             if (position != keep and position not in self._released
                     and self._trace.get(position, -1) < self._frontier
                     and self._release(position)):
@@ -269,29 +279,12 @@ class GatherSchedule:
             if position in self._released and tensor_id in self.remote:
                 self._depart(tensor_id, position, "backward")
         else:
-            self._gather_until(index)
+            self.gather_through(index)
         self._release_ready()
-
-    def _gather_until(self, index: int) -> None:
-        """Backward's gathers: the groups of the order up to `index`, in order, starting
-        `gather_ahead` groups after the one gathered."""
-        order = self._order
-        while self._next <= index:
-            if self.gather_ahead > 0:
-                end = min(self._next + 1 + self.gather_ahead, len(order))
-                while self._next_started < end:
-                    candidate = self._next_started
-                    if candidate > self._next and not self._start(
-                            order[candidate], ahead=candidate > index):
-                        break
-                    self._next_started += 1
-            self.collectives.gather(self.groups[order[self._next]])
-            self._next += 1
-        self._next_started = max(self._next_started, self._next)
 
     def on_grad(self, position: int) -> None:
         """A trainable tensor of group `position` got its gradient in this backward."""
-        if not self._in_backward or position >= len(self._missing):
+        if not self._in_backward:
             return
         self._missing[position] -= 1
         if self._missing[position] == 0 and position not in self._frozen:
@@ -309,9 +302,7 @@ class GatherSchedule:
     def backward_gathers_issued(self) -> int:
         """In backward: how many groups of the order this rank issued gathers for (started
         ones count); 0 outside backward."""
-        if not self._in_backward:
-            return 0
-        return max(self._next, self._next_started)
+        return self._started if self._in_backward else 0
 
     def end_backward(self, issued: int) -> None:
         """Gathers the first `issued` groups of the order (agreed between the ranks: the most
@@ -319,5 +310,5 @@ class GatherSchedule:
         everything."""
         if not self._in_backward:
             return
-        self._gather_until(issued - 1)
+        self.gather_through(issued - 1)
         self.release_all()

@@ -9,34 +9,47 @@ from patrickstar.gather_schedule import GatherSchedule, ScheduleDepartureError
 
 
 class RecordingCollectives:
-    """Gathers and releases groups named by their position; refuses to release a group listed
-    in `in_use` (a tensor of it is COMPUTE)."""
+    """GroupCollectives' gather interface, recording the order in which collectives would be
+    issued; `decline` lists groups whose first start finds no room (StartGather returns false
+    and counts a decline). Refuses to release a group listed in `in_use` (a tensor of it is
+    COMPUTE)."""
 
-    def __init__(self):
-        self.issued: list[int] = []
-        self.gathered: set[int] = set()
+    def __init__(self, decline=()):
+        self.issued, self.started, self.gathered = [], set(), set()
+        self.decline = set(decline)
+        self.gathers_declined = 0
         self.released: list[int] = []
         self.in_use: set[int] = set()
-        self.gathers_declined = 0
 
     def start_gather(self, group):
-        if group in self.gathered:
+        if group in self.started or group in self.gathered:
             return False
+        if group in self.decline:
+            self.decline.discard(group)
+            self.gathers_declined += 1
+            return False
+        self.started.add(group)
         self.issued.append(group)
-        self.gathered.add(group)
         return True
 
     def gather(self, group):
-        return self.start_gather(group)
+        if group in self.gathered:
+            return False
+        if group not in self.started:
+            self.issued.append(group)
+        self.gathered.add(group)
+        return True
 
     def release(self, group):
         if group in self.in_use:
             return False
+        self.started.discard(group)
         self.gathered.discard(group)
         self.released.append(group)
         return True
 
     def release_all(self, kind):
+        self.started.clear()
         self.gathered.clear()
 
 
@@ -131,3 +144,17 @@ def test_backward_releases_a_group_once_its_gradients_are_in_and_nothing_uses_it
     schedule.before_access(0, in_forward=False)  # the next access releases what is ready
     assert sorted(collectives.released) == list(range(GROUPS))
     assert schedule.released_in_backward == GROUPS
+
+
+@pytest.mark.parametrize("declined", [[], [0], [2], [1, 3]])
+def test_a_declined_start_never_reorders_the_gathers(declined):
+    # Note [Started gathers]: a rank without room declines to start a group; it must then start
+    # nothing after it either, or a later group's allgather is issued first and pairs with
+    # another rank's gather of the declined one.
+    schedule = GatherSchedule(RecordingCollectives(declined), list(range(6)), position_of={},
+                              remote=set(), gather_ahead=2)
+    schedule.gather_through(0)
+    schedule.gather_through(3)
+    schedule.gather_all()
+    assert schedule.collectives.issued == list(range(6))
+    assert schedule.collectives.gathers_declined == len(declined)
