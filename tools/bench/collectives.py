@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (Blocks, add_block_model_arguments, forwarded, launch_ranks,  # noqa: E402
-                    machine_description, rank_parser, write_json)
+                    machine_description, parallel_config, rank_parser, write_json)
 
 WORLD = 2
 
@@ -140,7 +140,7 @@ def part_training(args, rank: int, which: str) -> dict:
         model, optimizer = patrickstar.initialize(
             lambda: Blocks(args.layers, args.hidden),
             config={"default_chunk_size": args.chunk_elements,
-                    "parallel": {"gather_ahead": args.gather_ahead},
+                    "parallel": parallel_config(args),
                     "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}})
 
         def step():
@@ -184,7 +184,8 @@ def run_rank(args) -> None:
 
 def launch(args, part: str) -> list[dict]:
     result = launch_ranks(__file__, WORLD, part, args.out, forwarded(
-        args, "layers", "hidden", "chunk_elements", "repeats", "steps", "batch", "gather_ahead"))
+        args, "layers", "hidden", "chunk_elements", "repeats", "steps", "batch", "gather_ahead",
+        "reshard"))
     if result is None:
         raise SystemExit(f"a rank of part '{part}' failed")
     return result

@@ -73,6 +73,13 @@ def add_block_model_arguments(parser: argparse.ArgumentParser, layers: int, hidd
     parser.add_argument("--batch", type=int, default=batch)
     parser.add_argument("--gather-ahead", type=int, default=1,
                         help="parallel.gather_ahead of our run (0: gather on use)")
+    parser.add_argument("--reshard", choices=["on", "off"], default="on",
+                        help="parallel.reshard_after_forward of our run")
+
+
+def parallel_config(args: argparse.Namespace) -> dict:
+    """Our config's `parallel` section from add_block_model_arguments' options."""
+    return {"gather_ahead": args.gather_ahead, "reshard_after_forward": args.reshard == "on"}
 
 
 def forwarded(args: argparse.Namespace, *names: str) -> list[str]:

@@ -46,8 +46,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (Blocks, add_block_model_arguments, deepspeed_importable,  # noqa: E402
-                    finish_rank, forwarded, launch_ranks, machine_description, rank_parser,
-                    write_json)
+                    finish_rank, forwarded, launch_ranks, machine_description,
+                    parallel_config, rank_parser, write_json)
 
 WORLD = 2
 
@@ -135,7 +135,7 @@ def run_ours(args, rank: int) -> dict:
     model, optimizer = patrickstar.initialize(
         lambda: Blocks(args.layers, args.hidden),
         config={"default_chunk_size": args.chunk_elements,
-                "parallel": {"gather_ahead": args.gather_ahead},
+                "parallel": parallel_config(args),
                 "gradient_accumulation_steps": args.accumulation,
                 "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}})
     batches = micro_batches(args, rank)
@@ -162,7 +162,7 @@ def run_ours(args, rank: int) -> dict:
             "bytes_per_step": (collectives.bytes_communicated - moved) / steps,
             "collectives_per_micro_step": per_micro[:args.accumulation],
             "compute_groups": compute_groups, "grad_groups": grad_groups,
-            "gather_ahead": args.gather_ahead,
+            "gather_ahead": args.gather_ahead, "reshard": args.reshard,
             "gathers_started_ahead_per_step": model.dp.gathers_ahead / (steps + 1),
             # Not in the counts above: one all-reduce of per-parameter flags per boundary.
             "small_all_reduces_per_step": 1,
@@ -258,7 +258,7 @@ def run_rank(args) -> None:
 def launch(args, part: str) -> list[dict] | None:
     return launch_ranks(__file__, WORLD, part, args.out, forwarded(
         args, "layers", "hidden", "chunk_elements", "steps", "batch", "accumulation",
-        "gather_ahead"))
+        "gather_ahead", "reshard"))
 
 
 def main() -> None:
