@@ -17,6 +17,7 @@
 
 #include <chrono>
 #include <memory>
+#include <optional>
 #include <string>
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
@@ -477,11 +478,15 @@ void InitComm(py::module_& module) {
           "tensors is in use (Note [Releasing one group]).")
       .def(
           "start_reduce_scatter",
-          [](PyGroupCollectives& self, ChunkId group) {
-            ThrowIfError(
-                self.Run([&](GroupCollectives& c) { return c.StartReduceScatter(group); }));
+          [](PyGroupCollectives& self, ChunkId group, std::optional<std::string> op) {
+            std::optional<ReduceOp> reduce_op;
+            if (op.has_value()) reduce_op = ParseReduceOp(*op);
+            ThrowIfError(self.Run(
+                [&](GroupCollectives& c) { return c.StartReduceScatter(group, reduce_op); }));
           },
-          py::arg("group"))
+          py::arg("group"), py::arg("op") = py::none(),
+          "Starts the reduce-scatter of a gradient group; `op` (\"sum\" or \"avg\") overrides "
+          "the collectives' gradient_op for it (Note [Sharded accumulation]).")
       .def("finish_reduce_scatters",
            [](PyGroupCollectives& self) {
              ThrowIfError(self.Run([](GroupCollectives& c) { return c.FinishReduceScatters(); }));

@@ -175,6 +175,10 @@ class ChunkManager {
   // tensors holding data become RELEASED) and marks the group as needing a gather. Every rank
   // calls it at the same point (also after initialization: release_after_init).
   absl::Status ReleaseGroup(ChunkId chunk);
+  // Writes zeros over the FREE tensors of a chunk that has a payload in memory (Note [FREE
+  // tensors in a reduced chunk]): a reduce-scatter adds every byte of its buffers. No-op
+  // without a payload; FailedPrecondition when the payload is a file range.
+  absl::Status ZeroFreeTensors(ChunkId chunk);
   // For a remote chunk without a payload (one of PlanGather's to_receive): places a payload on
   // `tier`, lets `fill` write the chunk's bytes into it (the collective, or a test's fake one),
   // and turns its RELEASED tensors back to HOLD. A failed fill drops the payload again.

@@ -3,6 +3,8 @@
 #include "chunk/chunk_manager.h"
 
 #include <algorithm>
+#include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "runtime/status.h"
@@ -78,6 +80,45 @@ std::vector<ChunkId> ChunkManager::ReleasableGroups() const {
     if (all_used && any_tensor) firsts.push_back(first.id_);
   }
   return firsts;
+}
+
+// Note [FREE tensors in a reduced chunk]
+// A chunk without a payload is zero-filled when it gets one (Note [Zero-filled chunks]), but a
+// chunk that keeps its payload because some of its tensors hold data leaves the bytes of its
+// FREE tensors as they were: a gradient freed by zero_grad keeps last step's values there. That
+// is harmless until the chunk is the input of a reduce-scatter, which adds every byte of it: a
+// gradient this rank did not produce this step (a branch it did not take), in a chunk it owns
+// next to a tensor no rank produced a gradient for (which stays HOLD with its zeros), added the
+// stale values to the other ranks' gradients. So the reduce-scatter zeroes FREE tensors first.
+absl::Status ChunkManager::ZeroFreeTensors(ChunkId id) {
+  PS_ASSIGN_OR_RETURN(const Chunk* found, chunk(id));
+  const Chunk& target = chunks_[found->id_];
+  if (!target.has_payload()) return absl::OkStatus();
+  const Block& payload = target.payload();
+  if (payload.tier->address_space() == AddressSpace::kFile) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "zeroing the FREE tensors of ", DescribeChunk(target), ": its payload is a file range"));
+  }
+  const int64_t element = ElementSize(target.dtype_);
+  // Runs of adjacent FREE tensors become one fill (a device fill waits for its stream).
+  std::vector<std::pair<int64_t, int64_t>> runs;  // [begin, end) in elements
+  for (TensorId t : target.tensors_) {
+    const TensorInfo& info = tensors_[t];
+    if (info.state != TensorState::kFree || info.numel == 0) continue;
+    if (!runs.empty() && runs.back().second == info.offset) {
+      runs.back().second += info.numel;
+    } else {
+      runs.emplace_back(info.offset, info.offset + info.numel);
+    }
+  }
+  for (const auto& [begin, end] : runs) {
+    Block range = payload;
+    range.address += static_cast<uint64_t>(begin * element);
+    range.bytes = (end - begin) * element;
+    PS_RETURN_IF_ERROR(Annotate(options_.copy_engine->Fill(range, 0),
+                                absl::StrCat("zeroing FREE tensors of ", DescribeChunk(target))));
+  }
+  return absl::OkStatus();
 }
 
 absl::Status ChunkManager::ReleaseGroup(ChunkId id) {

@@ -309,7 +309,8 @@ absl::Status GroupCollectives::ReleaseAll(ChunkKind kind) {
   return absl::OkStatus();
 }
 
-absl::Status GroupCollectives::StartReduceScatter(ChunkId group) {
+absl::Status GroupCollectives::StartReduceScatter(ChunkId group, std::optional<ReduceOp> op) {
+  const ReduceOp reduce_op = op.value_or(options_.gradient_op);
   int64_t count = 0;
   DType dtype = DType::kFloat32;
   PS_ASSIGN_OR_RETURN(const std::vector<ChunkId> members, Members(group, &count, &dtype));
@@ -325,6 +326,8 @@ absl::Status GroupCollectives::StartReduceScatter(ChunkId group) {
     absl::StatusOr<void*> pinned = PinChunk(members[r], /*zero_fill=*/local, &pending.pins);
     status = pinned.status();
     if (pinned.ok()) buffers[r] = *pinned;
+    // Note [FREE tensors in a reduced chunk] (chunk_manager_groups.cc).
+    if (status.ok() && buffers[r] != nullptr) status = manager_->ZeroFreeTensors(members[r]);
   }
   if (!status.ok()) {
     Unpin(pending.pins).IgnoreError();  // the first error is the one to report
@@ -333,13 +336,13 @@ absl::Status GroupCollectives::StartReduceScatter(ChunkId group) {
   const std::string label = Label(pending.first);
   if (options_.memory_saving) {
     for (size_t r = 0; r < members.size(); ++r) {
-      pending.handles.push_back(communicator_->Reduce(buffers[r], count, dtype,
-                                                      options_.gradient_op, static_cast<int>(r),
+      pending.handles.push_back(communicator_->Reduce(buffers[r], count, dtype, reduce_op,
+                                                      static_cast<int>(r),
                                                       absl::StrCat(label, ", chunk ", r)));
     }
   } else {
     pending.handles.push_back(
-        communicator_->ReduceScatter(buffers, count, dtype, options_.gradient_op, label));
+        communicator_->ReduceScatter(buffers, count, dtype, reduce_op, label));
   }
   collectives_issued_ += static_cast<int64_t>(pending.handles.size());
   bytes_communicated_ += count * ElementSize(dtype) * static_cast<int64_t>(members.size());

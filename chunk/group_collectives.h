@@ -81,6 +81,16 @@ struct GroupCollectiveOptions {
   ReduceOp gradient_op = ReduceOp::kAvg;
 };
 
+// Note [Sharded accumulation]
+// With gradient accumulation, a group may be reduce-scattered on every micro-step instead of once
+// at the boundary, so that no rank keeps full-size gradients between micro-steps. The owner's
+// chunk is both its input and its output: after a micro-step's reduce-scatter it holds the sum
+// S of every rank's gradients so far, and the next micro-step's local gradients are added to it
+// (the remote chunks were dropped and start from zeros). Reducing with kSum before the boundary
+// and kAvg at it therefore gives (S + sum of the last micro-step's gradients) / N: the average
+// over ranks of the accumulated gradient, exactly what one reduce-scatter at the boundary gives,
+// with no extra pass to scale the shard. Summation order differs (per micro-step partial sums),
+// so results match the one-shot reduce-scatter up to rounding, not bit for bit.
 class GroupCollectives {
  public:
   // Both must outlive this object; `communicator` has the manager's world size and rank.
@@ -119,7 +129,8 @@ class GroupCollectives {
   // Starts the reduce-scatter of a gradient group; its chunks stay pinned until
   // FinishReduceScatters, which waits for every started one in issue order, drops the remote
   // payloads (their tensors become FREE) and leaves every tensor of the local chunk HOLD.
-  absl::Status StartReduceScatter(ChunkId group);
+  // `op` overrides the options' gradient_op for this collective (Note [Sharded accumulation]).
+  absl::Status StartReduceScatter(ChunkId group, std::optional<ReduceOp> op = std::nullopt);
   absl::Status FinishReduceScatters();
   // Finishes the started reduce-scatters, oldest first, whose collectives are already done,
   // stopping at the first still running; never waits. Returns how many it finished (their

@@ -123,6 +123,13 @@ class ParallelConfig:
     # after forward]). False keeps every gathered group until the optimizer step: one allgather
     # per group and step, the full compute parameters on every rank.
     reshard_after_forward: bool = True
+    # With gradient_accumulation_steps > 1: "sharded" reduce-scatters every micro-step's
+    # gradients into their owner's shard (ZeRO-3's, FSDP2's default: no rank keeps full-size
+    # gradients between micro-steps, per-rank gradients 1/N); "full" accumulates full-size
+    # gradient chunks on every rank and reduce-scatters once at the boundary (1/A of the
+    # reduce-scatter bytes, the gradients of the whole model on every rank in some tier).
+    # data_parallel.py, Note [Sharded accumulation] in chunk/group_collectives.h.
+    gradient_accumulation: str = "sharded"
     # Pipeline parallelism (pipe/): "1f1b" or "gpipe".
     schedule: str = "1f1b"
 
@@ -354,12 +361,19 @@ def _parse_parallel(raw: Any) -> ParallelConfig:
     section = _section("parallel", raw)
     _check_keys("parallel", section, {"data", "pipeline", "tensor", "collective_timeout",
                                       "memory_saving", "reduce_scatter", "schedule",
-                                      "gather_ahead", "reshard_after_forward"})
+                                      "gather_ahead", "reshard_after_forward",
+                                      "gradient_accumulation"})
     data = section.get("data")
     reduce_scatter = section.get("reduce_scatter", "ring")
     if reduce_scatter not in ("ring", "native", "allreduce"):
         raise ValueError(f"config key 'parallel.reduce_scatter': expected 'ring', 'native' or "
                          f"'allreduce', got {reduce_scatter!r}")
+    accumulation = section.get("gradient_accumulation", "sharded")
+    if accumulation not in ("sharded", "full"):
+        raise ValueError(f"config key 'parallel.gradient_accumulation': expected 'sharded' "
+                         f"(reduce-scatter every micro-step, gradients 1/N per rank) or 'full' "
+                         f"(accumulate full-size gradients, reduce-scatter at the boundary), got "
+                         f"{accumulation!r}")
     schedule = section.get("schedule", "1f1b")
     if not isinstance(schedule, str) or schedule.lower() not in ("1f1b", "gpipe"):
         raise ValueError(f"config key 'parallel.schedule': expected '1f1b' or 'gpipe', got "
@@ -371,6 +385,7 @@ def _parse_parallel(raw: Any) -> ParallelConfig:
                                    strict=True),
         memory_saving=_bool("parallel.memory_saving", section.get("memory_saving", False)),
         reduce_scatter=reduce_scatter,
+        gradient_accumulation=accumulation,
         reshard_after_forward=_bool("parallel.reshard_after_forward",
                                     section.get("reshard_after_forward", True)),
         gather_ahead=_number("parallel.gather_ahead", section.get("gather_ahead", 1), minimum=0,

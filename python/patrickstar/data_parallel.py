@@ -36,7 +36,10 @@ group collectives therefore follow a fixed order and only their *timing* follows
     end of forward and state_dict() finish whatever is in flight; a started gather that fails
     raises naming its collective where it is waited for.
   * reduce-scatters of gradient groups go in descending group order (backward runs the model in
-    reverse), only on the micro-step that ends an accumulation: group g is started, on the
+    reverse), on every micro-step with `parallel.gradient_accumulation` "sharded" (summed into
+    the owner's shard, averaged at the boundary: Note [Sharded accumulation] in
+    chunk/group_collectives.h), only on the micro-step that ends an accumulation with "full"
+    (the full-size gradients accumulate in their chunks until then): group g is started, on the
     communicator's own thread, as soon as every trainable tensor of g and of all groups after it
     in that order got its gradient, so it overlaps the rest of backward; groups whose tensors
     did not all get a gradient on this rank (an unused branch) are started when backward ends.
@@ -44,9 +47,12 @@ group collectives therefore follow a fixed order and only their *timing* follows
   * after that, one all-reduce of each parameter's has-gradient flag, and at the optimizer step
     one all-reduce of the squared gradient norm and overflow flag (when clipping or fp16 need
     them): a parameter without a gradient on every rank is skipped as torch would skip it.
-This costs one allgather per group per step (ZeRO-3 pays two, forward and backward) and keeps
-the full compute parameters of one step on every rank, in whatever tier the manager places them;
-the optimizer state, master weights and (after the reduce-scatter) gradients are 1/N per rank.
+The optimizer state and master weights are 1/N per rank. With the defaults (resharding,
+sharded accumulation) so are the parameters and gradients, plus the groups in use: two
+allgathers per group and micro-step (forward and backward, as ZeRO-3) and one reduce-scatter.
+Without resharding a step costs one allgather per group and keeps the full compute parameters
+of the step on every rank; with "full" accumulation one reduce-scatter per group and step, and
+the full-size gradients on every rank between micro-steps.
 """
 from __future__ import annotations
 
@@ -99,6 +105,10 @@ class DataParallel:
         self.gather_ahead = int(config.parallel.gather_ahead)
         self.gathers: GatherSchedule | None = None  # the compute-param gathers (attach)
         self.reshard = False  # parallel.reshard_after_forward, for a world of more than one
+        # parallel.gradient_accumulation "sharded" with more than one micro-step per step.
+        self.sharded_accumulation = (
+            config.gradient_accumulation_steps > 1
+            and config.parallel.gradient_accumulation == "sharded")
         self.gather_communicator = None  # backward's gathers' own group (resharding)
         self._in_forward = False  # between engine.forward's start and after_forward()
         # Pipeline stages / tensor slices: the norm and overflow flag span the model group too.
@@ -201,7 +211,7 @@ class DataParallel:
                 p = grad_position[self.collectives.group_of(ids.grad)]
                 self._grad_group_of[index] = p
                 self._group_size[p] += 1
-        self._reset_backward()
+        self._reset_accumulation()
 
     def close(self) -> None:
         """Waits for started gathers and drops the collectives, then the communicator (and this
@@ -290,6 +300,10 @@ class DataParallel:
         self._seen: set[int] = set()
         self._rs_cursor = 0
 
+    def _reset_accumulation(self) -> None:
+        self._reset_backward()
+        self._had_grad: set[int] = set()  # parameters with a local gradient since the last step
+
     def _agree_on_rank_zeros(self, order: list[int]) -> list[int]:
         """Rank 0's backward gather order, on every rank (a broadcast on the gather group at
         the end of the first forward; Note [Resharding after forward])."""
@@ -306,13 +320,18 @@ class DataParallel:
         engine = self._engine
         return (engine.micro_step + 1) % self.config.gradient_accumulation_steps == 0
 
+    def _reduces_now(self) -> bool:
+        """Whether this micro-step reduce-scatters its gradients."""
+        return self.sharded_accumulation or self._boundary()
+
     def on_grad(self, index: int) -> None:
         """Called by the engine's gradient hook once the gradient is in its chunk."""
         if not self.enabled or index in self._seen:
             return
         self._seen.add(index)
+        self._had_grad.add(index)
         self.gathers.on_grad(self._compute_position[index])
-        if not self._boundary():
+        if not self._reduces_now():
             return
         # Done reduce-scatters drop their full-size remote gradients now, not at the end.
         self.collectives.finish_completed_reduce_scatters()
@@ -323,7 +342,9 @@ class DataParallel:
             self.early_reduce_scatters += 1
 
     def _start_reduce_scatter(self) -> None:
-        self.collectives.start_reduce_scatter(self._grad_groups[self._rs_cursor])
+        # Sharded accumulation sums into the owner's shard until the boundary averages it.
+        op = "avg" if self._boundary() else "sum"
+        self.collectives.start_reduce_scatter(self._grad_groups[self._rs_cursor], op=op)
         self._rs_cursor += 1
 
     def after_backward(self) -> None:
@@ -339,7 +360,7 @@ class DataParallel:
                                        self.gather_communicator,
                                        "compute groups gathered in backward")
             self.gathers.end_backward(int(max(issued)))
-        if not self._boundary():
+        if not self._reduces_now():
             self._seen.clear()
             return
         try:
@@ -348,12 +369,21 @@ class DataParallel:
         finally:
             self.collectives.finish_reduce_scatters()
         has_grad = self._engine.optimizer.has_grad
-        flags = torch.tensor([1.0 if has else 0.0 for has in has_grad])
+        if not self._boundary():
+            # Sharded accumulation between micro-steps: an owned gradient chunk holds the sum so
+            # far (every tensor of it), which the next micro-step's gradients add to; a remote
+            # one was dropped, and the next gradient stored there starts it afresh.
+            for index in self._grad_group_of:
+                has_grad[index] = self._owned[index]
+            self._reset_backward()
+            return
+        flags = torch.tensor([1.0 if index in self._had_grad else 0.0
+                              for index in range(len(has_grad))])
         self.communicator.all_reduce(flags, op="sum", label="has-gradient flags").wait(
             self.timeout)
         for index, total in enumerate(flags.tolist()):
             has_grad[index] = total > 0 and self._owned[index]
-        self._reset_backward()
+        self._reset_accumulation()
 
     def ranks_with(self, flag: bool, label: str = "non-finite loss flags") -> list[int]:
         """The ranks of the group whose `flag` is set; a collective every rank must call."""

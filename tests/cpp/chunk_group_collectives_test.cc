@@ -3,6 +3,7 @@
 // group, reduce-scatters leave each rank the average of its own chunk and drop the rest, the
 // memory-saving mode gives the same bytes with broadcast/reduce, and a rank that never comes
 // makes the others fail with DeadlineExceeded naming the collective.
+#include <algorithm>
 #include <cstring>
 #include <functional>
 #include <memory>
@@ -131,6 +132,16 @@ class GroupCollectivesTest : public ::testing::TestWithParam<int> {
     ASSERT_TRUE(view.ok()) << view.status();
     auto* data = static_cast<float*>(testing::ComputePointer(*view));
     for (int64_t i = 0; i < view->numel; ++i) data[i] = scale * Value(tensor % NumParams(), i);
+    ASSERT_TRUE(m.Release(tensor, TensorState::kHold).ok());
+  }
+
+  // Adds scale * Value to a tensor that holds data, as a gradient hook accumulates.
+  void Add(int r, TensorId tensor, float scale) {
+    ChunkManager& m = *ranks_[r]->manager;
+    auto view = m.Access(tensor, TierKind::kHost);
+    ASSERT_TRUE(view.ok()) << view.status();
+    auto* data = static_cast<float*>(testing::ComputePointer(*view));
+    for (int64_t i = 0; i < view->numel; ++i) data[i] += scale * Value(tensor % NumParams(), i);
     ASSERT_TRUE(m.Release(tensor, TensorState::kHold).ok());
   }
 
@@ -291,6 +302,76 @@ TEST_P(GroupCollectivesTest, FinishingCompletedReduceScattersDropsTheirRemoteGra
     ASSERT_TRUE(c.FinishReduceScatters().ok());
     for (TensorId t = NumParams(); t < 2 * NumParams(); ++t) {
       if (m.IsLocal((*m.tensor(t))->chunk)) Expect(r, t, (world_size_ + 1) / 2.0f);
+    }
+  });
+}
+
+// Note [Sharded accumulation]: a micro-step's reduce-scatter sums into the owner's chunk, the
+// next micro-step adds its local gradients there and writes fresh remote chunks, and the
+// boundary's average gives the average of the accumulated gradients.
+TEST_P(GroupCollectivesTest, SumPerMicroStepThenAverageAccumulatesIntoTheOwnersShard) {
+  Build({});
+  OnEveryRank([&](int r) {
+    ChunkManager& m = *ranks_[r]->manager;
+    GroupCollectives& c = *ranks_[r]->collectives;
+    const std::vector<ChunkId> grads = c.Groups(ChunkKind::kGradient);
+    for (TensorId t = NumParams(); t < 2 * NumParams(); ++t) Write(r, t, 1.0f + r);
+    for (auto it = grads.rbegin(); it != grads.rend(); ++it) {
+      ASSERT_TRUE(c.StartReduceScatter(*it, ReduceOp::kSum).ok());
+    }
+    ASSERT_TRUE(c.FinishReduceScatters().ok());
+    const float sum = world_size_ * (world_size_ + 1) / 2.0f;
+    for (TensorId t = NumParams(); t < 2 * NumParams(); ++t) {
+      const bool local = m.IsLocal((*m.tensor(t))->chunk);
+      if (local) Expect(r, t, sum);
+      EXPECT_EQ(HoldsData((*m.tensor(t))->state), local) << "tensor " << t;
+    }
+    // Micro-step 2: the same gradients again.
+    for (TensorId t = NumParams(); t < 2 * NumParams(); ++t) {
+      if (m.IsLocal((*m.tensor(t))->chunk)) {
+        Add(r, t, 1.0f + r);
+      } else {
+        Write(r, t, 1.0f + r);
+      }
+    }
+    for (auto it = grads.rbegin(); it != grads.rend(); ++it) {
+      ASSERT_TRUE(c.StartReduceScatter(*it).ok());  // the options' kAvg
+    }
+    ASSERT_TRUE(c.FinishReduceScatters().ok());
+    for (TensorId t = NumParams(); t < 2 * NumParams(); ++t) {
+      if (m.IsLocal((*m.tensor(t))->chunk)) Expect(r, t, 2 * sum / world_size_);
+    }
+  });
+}
+
+// Note [FREE tensors in a reduced chunk]: a gradient freed on its owner (zero_grad) keeps its
+// old bytes while the chunk's other tensors hold data; the reduce-scatter counts it as zeros.
+TEST_P(GroupCollectivesTest, AFreeTensorInAnOwnedChunkWithDataAddsNothing) {
+  Build({});
+  OnEveryRank([&](int r) {
+    ChunkManager& m = *ranks_[r]->manager;
+    GroupCollectives& c = *ranks_[r]->collectives;
+    for (TensorId t = NumParams(); t < 2 * NumParams(); ++t) Write(r, t, 1.0f + r);
+    // On its owner, the first tensor of every local gradient chunk with more than one tensor
+    // is freed; its stale bytes stay in the payload.
+    std::vector<TensorId> freed;
+    for (ChunkId id : c.Groups(ChunkKind::kGradient)) {
+      const ChunkId local = id + r;
+      const std::vector<TensorId>& tensors = (*m.chunk(local))->tensors();
+      if (tensors.size() < 2) continue;
+      ASSERT_TRUE(m.SetTensorState(tensors.front(), TensorState::kFree).ok());
+      freed.push_back(tensors.front());
+    }
+    const std::vector<ChunkId> grads = c.Groups(ChunkKind::kGradient);
+    for (auto it = grads.rbegin(); it != grads.rend(); ++it) {
+      ASSERT_TRUE(c.StartReduceScatter(*it).ok());
+    }
+    ASSERT_TRUE(c.FinishReduceScatters().ok());
+    const float sum = world_size_ * (world_size_ + 1) / 2.0f;
+    for (TensorId t = NumParams(); t < 2 * NumParams(); ++t) {
+      if (!m.IsLocal((*m.tensor(t))->chunk)) continue;
+      const bool was_freed = std::find(freed.begin(), freed.end(), t) != freed.end();
+      Expect(r, t, (was_freed ? sum - (1.0f + r) : sum) / world_size_);
     }
   });
 }

@@ -29,6 +29,17 @@ class RankDependentBranch(nn.Module):
         return nn.functional.cross_entropy(self.head(h), y)
 
 
+class BranchWithUnused(RankDependentBranch):
+    """RankDependentBranch plus a parameter no rank ever uses, packed into the chunk of the
+    branch, which the rank that never takes the branch owns (2 ranks, chunks of 2048): the
+    owner's chunk keeps its payload (the unused tensor holds its zeros) while the branch's
+    gradient slot there is FREE, and must add nothing to the branch's reduced gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.unused = nn.Parameter(torch.zeros(1000))
+
+
 def branch_batches(steps, batch=16, seed=0):
     """Like mlp_batches, but the first half of each batch says "branch" and the second not."""
     for x, y in mlp_batches(steps, batch, seed):
@@ -150,7 +161,8 @@ SCENARIOS = {
     "mlp_accumulation_clipping": Scenario(MLP, mlp_batches, {"default_chunk_size": 4096},
                                           steps=4, clip=0.5, accumulation=3),
     "mlp_accumulation_keep": Scenario(MLP, mlp_batches, {
-        "default_chunk_size": 4096, "parallel": {"reshard_after_forward": False}},
+        "default_chunk_size": 4096,
+        "parallel": {"reshard_after_forward": False, "gradient_accumulation": "full"}},
         steps=4, clip=0.5, accumulation=3),
     "mlp_memory_saving": Scenario(MLP, mlp_batches, {"default_chunk_size": 4096,
                                                      "parallel": {"memory_saving": True}},
@@ -187,8 +199,24 @@ SCENARIOS = {
     # Per-rank model data (issue 18): 8 blocks of 33k parameters in chunks of 16384 elements.
     "blocks": Scenario(BlockStack, wide_batches(64), {"default_chunk_size": 16384}, steps=3,
                        optimizer="Adam", weight_decay=0.0, atol=1e-5),
+    # Sharded against full accumulation of the same block stack: per-rank peak (issue 18).
+    "blocks_accumulation": Scenario(BlockStack, wide_batches(64), {"default_chunk_size": 16384},
+                                    steps=2, accumulation=2, optimizer="Adam", weight_decay=0.0,
+                                    atol=1e-5),
+    "blocks_accumulation_full": Scenario(BlockStack, wide_batches(64), {
+        "default_chunk_size": 16384, "parallel": {"gradient_accumulation": "full"}},
+        steps=2, accumulation=2, optimizer="Adam", weight_decay=0.0, atol=1e-5),
     "branch": Scenario(RankDependentBranch, branch_batches, {"default_chunk_size": 2048},
                        steps=6),
+    "branch_unused": Scenario(BranchWithUnused, branch_batches, {"default_chunk_size": 2048},
+                              steps=4),
+    # Sharded accumulation (parallel.gradient_accumulation "sharded", the default): the branch's
+    # owner never has a gradient of it and only sums the other rank's, micro-step by micro-step.
+    "branch_accumulation": Scenario(BranchWithUnused, branch_batches,
+                                    {"default_chunk_size": 2048}, steps=3, accumulation=3),
+    "mlp_accumulation_full": Scenario(MLP, mlp_batches, {
+        "default_chunk_size": 4096, "parallel": {"gradient_accumulation": "full"}},
+        steps=4, clip=0.5, accumulation=3),
 }
 
 # Chunk-size boundaries (issue 18). BoundaryMLP's layers.0.weight has 2048 elements, its bias 64,

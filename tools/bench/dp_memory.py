@@ -14,6 +14,9 @@ every rank sees its own micro-batches (memory does not depend on the values).
     sum_of_tier_peaks): compute parameters, gradients and optimizer state (master weights,
     momentum, variance), gathered copies included, over training (`reset_peak_memory_stats()` after initialize(), whose peak,
     every rank building the whole model once, is reported apart as init_peak_model_bytes).
+  * ours_full (with accumulation only): the same with `parallel.gradient_accumulation` "full"
+    (full-size gradients accumulated on every rank, one reduce-scatter at the boundary) instead
+    of the default "sharded" (a reduce-scatter into the owner's shard every micro-step).
   * fsdp2: `fully_shard` per block and on the root, CPU, gloo (bf16: MixedPrecisionPolicy with
     bf16 parameters). The same model data is counted, sampled at every module's forward and
     backward hooks and after the step: each parameter's local shard and its gradient, the
@@ -76,11 +79,12 @@ def train(args, rank: int, dtype, micro_step, end_step) -> None:
         end_step()
 
 
-def run_ours(args, rank: int) -> dict:
+def run_ours(args, rank: int, accumulation_mode: str = "sharded") -> dict:
     import patrickstar
     torch.manual_seed(0)
     config = {"default_chunk_size": CHUNK_ELEMENTS,
               "gradient_accumulation_steps": args.accumulation,
+              "parallel": {"gradient_accumulation": accumulation_mode},
               "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}}
     if args.precision == "bf16":
         config["bf16"] = {"enabled": True}
@@ -214,6 +218,7 @@ def run_rank(args) -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     runner = {"ours": lambda: run_ours(args, rank),
+              "ours_full": lambda: run_ours(args, rank, "full"),
               "fsdp2": lambda: run_fsdp2(args, rank, world),
               "deepspeed": lambda: run_deepspeed(args, rank, world)}[args.part]
     finish_rank(runner(), args.result_file, world)
@@ -239,7 +244,8 @@ def main() -> None:
         for accumulation in args.accumulations:
             single = {}
             for world in sorted(args.worlds):
-                for name in contenders:
+                for name in contenders[:1] + (["ours_full"] if accumulation > 1 else []) + \
+                        contenders[1:]:
                     result = launch_ranks(__file__, world, name, args.out, forwarded(
                         args, "layers", "steps") + ["--precision", precision,
                                                     "--accumulation", str(accumulation)])
