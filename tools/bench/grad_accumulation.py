@@ -11,9 +11,15 @@ move (a collective's whole group: an allgather's output, a reduce-scatter's inpu
 all-reduce's buffer, per rank) and the wall time (median over the timed steps, after a warm-up
 step). Every contender computes the same forward, backward and Adam update.
 
-  * ours: patrickstar.initialize, chunk-granular data parallelism. Gathered groups are kept
-    until the step, so only the first micro-step gathers; gradients accumulate in their chunks
-    and each gradient group is reduce-scattered once, at the accumulation boundary.
+  * ours: patrickstar.initialize, chunk-granular data parallelism with
+    `parallel.gradient_accumulation` "full": gradients accumulate in their full-size chunks and
+    each gradient group is reduce-scattered once, at the accumulation boundary. With
+    `--reshard off` gathered groups are kept until the step, so only the first micro-step
+    gathers; with `--reshard on` (the runtime's default) every micro-step gathers in forward and
+    backward, as ZeRO-3 does.
+  * ours_sharded: the same with "sharded" (the runtime's default): a reduce-scatter into the
+    owner's shard every micro-step, as ZeRO-3 and FSDP2 do (gradients 1/N per rank between
+    micro-steps). The ratios are against "ours".
   * deepspeed: DeepSpeed ZeRO stage 3 (CPU accelerator, gloo), only when `import deepspeed`
     works (it is not a project dependency: e.g. `pip install --target DIR deepspeed einops
     hjson msgpack ninja psutil py-cpuinfo` and PYTHONPATH=DIR): it gathers parameters in forward
@@ -129,17 +135,18 @@ def timed_steps(step, steps: int) -> dict:
     return {"step_seconds": statistics.median(wall), "step_cpu_seconds": statistics.median(cpu)}
 
 
-def run_ours(args, rank: int) -> dict:
+def run_ours(args, rank: int, accumulation_mode: str) -> dict:
     import patrickstar
     torch.manual_seed(0)
     model, optimizer = patrickstar.initialize(
         lambda: Blocks(args.layers, args.hidden),
         config={"default_chunk_size": args.chunk_elements,
-                "parallel": parallel_config(args),
+                "parallel": {**parallel_config(args),
+                             "gradient_accumulation": accumulation_mode},
                 "gradient_accumulation_steps": args.accumulation,
                 "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}})
     batches = micro_batches(args, rank)
-    collectives = model.dp.collectives
+    collectives = model.dp  # both of its process groups' chunk collectives
     per_micro = []
 
     def step():
@@ -163,6 +170,7 @@ def run_ours(args, rank: int) -> dict:
             "collectives_per_micro_step": per_micro[:args.accumulation],
             "compute_groups": compute_groups, "grad_groups": grad_groups,
             "gather_ahead": args.gather_ahead, "reshard": args.reshard,
+            "gradient_accumulation": accumulation_mode,
             "gathers_started_ahead_per_step": model.dp.gathers_ahead / (steps + 1),
             # Not in the counts above: one all-reduce of per-parameter flags per boundary.
             "small_all_reduces_per_step": 1,
@@ -239,15 +247,17 @@ def run_rank(args) -> None:
     # torch 2.13 deprecates the *_into_tensor / *_tensor names DeepSpeed calls, on every call.
     warnings.filterwarnings("ignore", category=FutureWarning)
     counter = Counter()
-    if args.part != "ours":
+    if not args.part.startswith("ours"):
         counter.install()
     if args.part == "deepspeed":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         os.environ["LOCAL_RANK"] = str(rank)
     dist.init_process_group("gloo")
     torch.set_num_threads(1)  # two ranks share the cores
-    if args.part == "ours":
-        result = run_ours(args, rank)
+    if args.part == "ours":  # parallel.gradient_accumulation "full": the mode compared here
+        result = run_ours(args, rank, "full")
+    elif args.part == "ours_sharded":
+        result = run_ours(args, rank, "sharded")
     elif args.part == "deepspeed":
         result = run_deepspeed(args, rank, counter)
     else:
@@ -273,7 +283,7 @@ def main() -> None:
         run_rank(args)
         return
     os.makedirs(os.path.dirname(os.path.abspath(args.out)) or ".", exist_ok=True)
-    names = ["ours"]
+    names = ["ours", "ours_sharded"]
     if deepspeed_importable():
         names.append("deepspeed")
     else:
