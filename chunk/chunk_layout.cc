@@ -131,6 +131,8 @@ absl::StatusOr<LayoutPlan> PlanLayout(absl::Span<const TensorSpec> specs, int64_
       list.chunks.push_back(PlannedChunk{chunk_elements, 0, {}, {}, false, true});
     }
     for (const PlannedChunk& chunk : list.chunks) {
+      // A chunk without tensors (padding) never gets a payload, on any rank: it is not memory.
+      if (chunk.tensors.empty()) continue;
       plan.wasted_bytes +=
           (chunk.capacity_elements - chunk.used_elements) * ElementSize(list.dtype);
     }

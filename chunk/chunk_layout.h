@@ -65,7 +65,11 @@ struct LayoutPlan {
   int64_t chunk_elements = 0;
   int world_size = 1;
   std::vector<PlannedList> lists;         // in ChunkKind order, only kinds that have tensors
-  int64_t wasted_bytes = 0;               // unused capacity of regular and padding chunks
+  // Unused capacity of the chunks that hold tensors: padding chunks never get a payload (a
+  // null buffer in the collectives), so under data parallelism a small chunk size that makes
+  // large tensors oversize costs no memory (Note [One holder, one broadcast] in
+  // group_collectives.h moves only their bytes).
+  int64_t wasted_bytes = 0;
   std::vector<int64_t> oversize_tensors;  // spec indices that got a chunk of their own
 };
 

@@ -104,6 +104,18 @@ absl::Status GroupCollectives::CheckNoneInUse(absl::Span<const ChunkId> members)
   return absl::OkStatus();
 }
 
+int GroupCollectives::SoleHolder(absl::Span<const ChunkId> members) const {
+  int holder = -1;
+  for (size_t r = 0; r < members.size(); ++r) {
+    const Chunk& chunk = **manager_->chunk(members[r]);
+    if (!chunk.oversize()) return -1;
+    if (chunk.tensors().empty()) continue;
+    if (holder >= 0) return -1;
+    holder = static_cast<int>(r);
+  }
+  return holder;
+}
+
 absl::StatusOr<void*> GroupCollectives::PinChunk(ChunkId id, bool zero_fill,
                                                  std::vector<Pin>* pins) {
   PS_ASSIGN_OR_RETURN(const Chunk* chunk, manager_->chunk(id));
@@ -218,16 +230,23 @@ absl::StatusOr<std::optional<GroupCollectives::Pending>> GroupCollectives::Issue
     return status;
   }
   const std::string label = Label(pending.first);
-  if (options_.memory_saving) {
+  const int holder = SoleHolder(members);
+  if (holder >= 0) {
+    // Note [One holder, one broadcast].
+    pending.handles.push_back(communicator_->Broadcast(buffers[holder], count, dtype, holder,
+                                                       absl::StrCat(label, ", oversize")));
+    bytes_communicated_ += count * ElementSize(dtype);
+  } else if (options_.memory_saving) {
     for (size_t r = 0; r < members.size(); ++r) {
       pending.handles.push_back(communicator_->Broadcast(
           buffers[r], count, dtype, static_cast<int>(r), absl::StrCat(label, ", chunk ", r)));
     }
+    bytes_communicated_ += count * ElementSize(dtype) * static_cast<int64_t>(members.size());
   } else {
     pending.handles.push_back(communicator_->AllGather(buffers, count, dtype, label));
+    bytes_communicated_ += count * ElementSize(dtype) * static_cast<int64_t>(members.size());
   }
   collectives_issued_ += static_cast<int64_t>(pending.handles.size());
-  bytes_communicated_ += count * ElementSize(dtype) * static_cast<int64_t>(members.size());
   return pending;
 }
 
@@ -334,18 +353,25 @@ absl::Status GroupCollectives::StartReduceScatter(ChunkId group, std::optional<R
     return status;
   }
   const std::string label = Label(pending.first);
-  if (options_.memory_saving) {
+  const int holder = SoleHolder(members);
+  if (holder >= 0) {
+    // Note [One holder, one broadcast].
+    pending.handles.push_back(communicator_->Reduce(buffers[holder], count, dtype, reduce_op,
+                                                    holder, absl::StrCat(label, ", oversize")));
+    bytes_communicated_ += count * ElementSize(dtype);
+  } else if (options_.memory_saving) {
     for (size_t r = 0; r < members.size(); ++r) {
       pending.handles.push_back(communicator_->Reduce(buffers[r], count, dtype, reduce_op,
                                                       static_cast<int>(r),
                                                       absl::StrCat(label, ", chunk ", r)));
     }
+    bytes_communicated_ += count * ElementSize(dtype) * static_cast<int64_t>(members.size());
   } else {
     pending.handles.push_back(
         communicator_->ReduceScatter(buffers, count, dtype, reduce_op, label));
+    bytes_communicated_ += count * ElementSize(dtype) * static_cast<int64_t>(members.size());
   }
   collectives_issued_ += static_cast<int64_t>(pending.handles.size());
-  bytes_communicated_ += count * ElementSize(dtype) * static_cast<int64_t>(members.size());
   pending_.push_back(std::move(pending));
   return absl::OkStatus();
 }

@@ -91,6 +91,15 @@ struct GroupCollectiveOptions {
 // over ranks of the accumulated gradient, exactly what one reduce-scatter at the boundary gives,
 // with no extra pass to scale the shard. Summation order differs (per micro-step partial sums),
 // so results match the one-shot reduce-scatter up to rounding, not bit for bit.
+// Note [One holder, one broadcast]
+// An oversize group (Note [Oversize groups] in chunk_layout.h) is world_size chunks of one
+// tensor's size of which only the holder's has the tensor; the others are padding that never
+// has a payload. An allgather of it moved world_size buffers, zeros from every rank but the
+// holder (world_size times the bytes of the tensor), and a reduce-scatter reduced world_size
+// buffers of which all but the holder's were discarded. The group's only data is the holder's,
+// so its gather is one broadcast from the holder and its reduce-scatter one reduce to it: the
+// same results, 1/world_size of the bytes, one collective either way. Every rank decides this
+// from the layout alone (the same on every rank), so the collectives still pair.
 class GroupCollectives {
  public:
   // Both must outlive this object; `communicator` has the manager's world size and rank.
@@ -168,6 +177,9 @@ class GroupCollectives {
   // it has no tensor or (unless `zero_fill`) no data.
   absl::StatusOr<void*> PinChunk(ChunkId chunk, bool zero_fill, std::vector<Pin>* pins);
   absl::Status Unpin(std::vector<Pin>& pins);
+  // The index of the one member holding tensors when the group is an oversize group (Note
+  // [Oversize groups] in chunk_layout.h), else -1: Note [One holder, one broadcast].
+  int SoleHolder(absl::Span<const ChunkId> members) const;
   // Where to pin `chunk`: a parameter chunk stays in its own tier when the communicator can
   // address it, so that pinning does not move it (autograd may hold views of its current
   // memory); gradient chunks, and chunks elsewhere, go to options_.tier.

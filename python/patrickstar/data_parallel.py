@@ -200,7 +200,8 @@ class DataParallel:
                                       self.gather_ahead, reshard=self.reshard,
                                       trainable=trainable, frozen=frozen,
                                       name_of=lambda tensor_id: names.get(tensor_id, tensor_id),
-                                      agree=self._agree_on_rank_zeros)
+                                      agree=self._agree_on_rank_zeros,
+                                      compare=self._compare_next_gathers)
         # Gradient groups in reduce-scatter order, and which parameters each one waits for.
         self._grad_groups = list(reversed(self.collectives.groups(K.GRADIENT)))
         grad_position = {first: p for p, first in enumerate(self._grad_groups)}
@@ -311,6 +312,12 @@ class DataParallel:
         self.gather_communicator.broadcast(values, root=0, label="backward gather order").wait(
             self.timeout)
         return [int(v) for v in values.tolist()]
+
+    def _compare_next_gathers(self, position: int) -> list[float]:
+        """Every rank's next gather of the first forward (Note [Resharding after forward])."""
+        mine = f"compute_param group {position}" if position >= 0 else "the forward's end"
+        return self._every_ranks(float(position), self.gather_communicator,
+                                 f"first forward's next gather, here {mine}")
 
     def before_backward(self) -> None:
         if self.enabled:

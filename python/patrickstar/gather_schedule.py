@@ -13,8 +13,8 @@ group's remote payloads is local (Note [Releasing one group] in chunk/group_coll
   * forward gathers ascend with one cursor, exactly as without resharding (every group once,
     gather_all() at the end). Each rank releases a group once its forward has moved past the
     group's last use, known from its own trace of the forwards before (for every group, the
-    highest group accessed so far at its last access). The first forward has no trace and
-    releases nothing until it ends. A later access of a remote tensor of a group released in
+    highest group accessed so far at its last access). The first forward has no trace: see
+    the next point. A later access of a remote tensor of a group released in
     this pass is a departure from the trace that no rank can honour (a gather there is a
     collective the others do not issue): ScheduleDepartureError names the parameter and the
     group at once, on that rank; the others fail in their next collective within
@@ -22,6 +22,19 @@ group's remote payloads is local (Note [Releasing one group] in chunk/group_coll
     any forward), so a departure happens at most once per new pattern, and it cannot happen at
     all to a model whose forward reuses no earlier group late (tied weights and modules called
     twice are in every trace, so they stay gathered until their last use).
+  * the first forward (no trace yet) releases a group once every tensor of it was used in
+    this forward, the forward moved on to a later group and none of its tensors is in use; a
+    group used again after that (tied weights, a module called twice) is gathered again. Such
+    a re-gather is a collective the other ranks must issue at the same point, which only a
+    model whose forward is the same on every rank guarantees, so in the first forward every
+    gather is preceded by one small all-reduce on the gather group in which the ranks compare
+    the group they are about to gather (or that their forward ended): the same everywhere, or
+    a ScheduleDepartureError naming every rank's next group on every rank, never two groups
+    paired in one allgather. The first forward starts no gather ahead (each start would need
+    its own check). At its end every group is released on every rank alike (which ones a rank
+    still holds depends on its accesses), so the first backward gathers from the start of its
+    order. Later forwards follow the trace, checked by nothing: their sequence of gathers is
+    the ascending one whatever the accesses.
   * backward gathers follow one order agreed by every rank: the reverse of the groups' last
     use in the first forward (rank 0's, broadcast when that forward ends; until then
     descending group order). A chunk layout packs a late layer's small tensors into early
@@ -74,7 +87,8 @@ class GatherSchedule:
     compute tensor for errors."""
 
     def __init__(self, collectives, groups, position_of: dict, remote: set, gather_ahead: int,
-                 reshard: bool = False, trainable=None, frozen=(), name_of=None, agree=None):
+                 reshard: bool = False, trainable=None, frozen=(), name_of=None, agree=None,
+                 compare=None):
         self.collectives = collectives
         self.groups = list(groups)
         self.position_of = position_of
@@ -103,12 +117,22 @@ class GatherSchedule:
         self._last_access: dict[int, int] = {}  # group -> its last access in this forward
         self._released: set[int] = set()  # released in this pass
         self._in_backward = False
+        self._in_forward = False  # between begin_forward and end_forward (resharding)
         # Backward's gather sequence: descending until the first forward's trace gives the
         # order in which backward needs the groups, agreed between the ranks by `agree(order)`.
         self._agree = agree
         self._set_order(list(reversed(range(len(self.groups)))))
         self._missing: list[int] = []
         self._ready: set[int] = set()
+        # The first forward (Note [Resharding after forward]): tensors of each group, those used
+        # in this forward, and `compare(value)`, every rank's value (an all-reduce on the gather
+        # group), checking each gather.
+        self._tensors_in = [0] * len(self.groups)
+        for position in position_of.values():
+            self._tensors_in[position] += 1
+        self._used: dict[int, set] = {}
+        self._compare = compare
+        self.regathered_in_first_forward = 0  # counter
 
     # ---- Accesses -----------------------------------------------------------------------------
 
@@ -119,8 +143,11 @@ class GatherSchedule:
         if self._in_backward:
             self._backward_access(tensor_id, position)
             return
-        if in_forward and position in self._released and tensor_id in self.remote:
-            self._depart(tensor_id, position, "forward")
+        if in_forward and position in self._released:
+            if self._checking:
+                self._regather(tensor_id, position)
+            elif tensor_id in self.remote:
+                self._depart(tensor_id, position, "forward")
         # A remote tensor needs its group's bytes; a local one needs its chunk unpinned by a
         # started gather (Note [Started gathers] in chunk/group_collectives.h). Within a forward
         # a local tensor gathers its group too: it must not be in use (COMPUTE) when a later
@@ -133,6 +160,7 @@ class GatherSchedule:
                 in_forward or tensor_id in self.remote or position < self._started):
             self.gather_through(position)
         if in_forward and self.reshard:
+            self._used.setdefault(position, set()).add(tensor_id)
             if position > self._frontier:
                 self._frontier = position
                 self._release_passed()
@@ -156,7 +184,7 @@ class GatherSchedule:
         (Note [Resharding after forward]: a started group stays pinned where it is until its
         first use, and backward's gradient stores need that room)."""
         sequence = self._sequence
-        ahead = 0 if self._in_backward else self.gather_ahead
+        ahead = 0 if self._in_backward or self._checking else self.gather_ahead
         while self._next <= index:
             if ahead > 0:  # at most gather_ahead + 1 groups in flight
                 end = min(self._next + 1 + ahead, len(sequence))
@@ -164,9 +192,45 @@ class GatherSchedule:
                     if not self._start(sequence[self._started], ahead=self._started > index):
                         break
                     self._started += 1
+            if self._checking:
+                self._check_next(sequence[self._next], None)
             self.collectives.gather(self.groups[sequence[self._next]])
             self._next += 1
         self._started = max(self._started, self._next)
+
+    # ---- The first forward --------------------------------------------------------------------
+
+    @property
+    def _checking(self) -> bool:
+        """In the first forward with resharding: gathers are compared between the ranks."""
+        return self.reshard and self._in_forward and not self._traced and \
+            self._compare is not None
+
+    def _check_next(self, position: int, tensor_id) -> None:
+        """Every rank's next gather of the first forward (a group position, -1: its forward
+        ended) must be the same (Note [Resharding after forward])."""
+        values = [int(v) for v in self._compare(position)]
+        if all(v == position for v in values):
+            return
+        def describe(value):
+            return "ends its forward" if value < 0 else f"gathers compute group {value}"
+        mine = "" if tensor_id is None else \
+            f" (this rank uses parameter '{self._name_of(tensor_id)}' again)"
+        raise ScheduleDepartureError(
+            "data parallel: in the first forward the ranks disagree on the next gather: "
+            + ", ".join(f"rank {rank} {describe(v)}" for rank, v in enumerate(values))
+            + f"{mine}. A group released after its use and used again (tied weights, a module "
+            f"called twice) is gathered again, which needs every rank's forward to use it "
+            f"again at the same point (Note [Resharding after forward]). Set "
+            f"parallel.reshard_after_forward to false for a model whose forward differs "
+            f"between ranks in this way")
+
+    def _regather(self, tensor_id: int, position: int) -> None:
+        """The first forward uses a group it released again: gathered again, checked."""
+        self._check_next(position, tensor_id)
+        self.collectives.gather(self.groups[position])
+        self._released.discard(position)
+        self.regathered_in_first_forward += 1
 
     def _start(self, position: int, ahead: bool) -> bool:
         """Starts the gather of one group; False when the collectives declined it for want of
@@ -199,7 +263,9 @@ class GatherSchedule:
         if not self.reshard:
             return
         self.release_all()  # local: every rank starts each forward from nothing gathered
+        self._in_forward = True
         self._frontier = -1
+        self._used = {}
         self._pass_trace = {}
         self._accesses = 0
         self._last_access = {}
@@ -209,7 +275,12 @@ class GatherSchedule:
         one backward needs first, on every rank, and sets up backward's gathers."""
         self.gather_all()
         if not self.reshard or not self.groups:
+            self._in_forward = False
             return
+        first = self._checking
+        if first:
+            self._check_next(-1, None)
+        self._in_forward = False
         if not self._traced:
             # The first forward's trace: backward needs the groups in the reverse order of
             # their last use (a layout that packs a late layer's small tensors into an early
@@ -217,7 +288,8 @@ class GatherSchedule:
             local = sorted(range(len(self.groups)),
                            key=lambda p: (-self._last_access.get(p, -1), -p))
             self._set_order(self._agree(local) if self._agree is not None else local)
-        keep = self._order[0]
+        # The first forward released groups by what this rank used: every rank releases all.
+        keep = None if first else self._order[0]
         for position in range(len(self.groups)):
             if position != keep and position not in self._released and \
                     not self._release(position):
@@ -228,7 +300,7 @@ class GatherSchedule:
         for position, frontier in self._pass_trace.items():
             self._trace[position] = max(frontier, self._trace.get(position, -1))
         self._traced = True
-        self._enter_backward(1)
+        self._enter_backward(0 if first else 1)
 
     def _set_order(self, order) -> None:
         if sorted(order) != list(range(len(self.groups))):
@@ -255,8 +327,14 @@ class GatherSchedule:
 
     def _release_passed(self) -> None:
         """Releases the groups the trace says this forward is done with (never the one
-        backward needs first)."""
+        backward needs first); in the first forward, those whose tensors were all used."""
         if not self._traced:
+            if self._checking:
+                for position in range(min(self._next, self._frontier)):
+                    if (position not in self._released
+                            and len(self._used.get(position, ())) == self._tensors_in[position]
+                            and self._release(position)):
+                        self.released_in_forward += 1
             return
         keep = self._order[0]
         for position in range(self._next):  # forward: the gathered groups

@@ -91,7 +91,8 @@ void WriteEveryTensor(ChunkManager& m, TierKind tier) {
 
 class GroupCollectivesTest : public ::testing::TestWithParam<int> {
  protected:
-  void Build(GroupCollectiveOptions options) {
+  void Build(GroupCollectiveOptions options,
+             const std::vector<TensorSpec>& specs = ModelSpecs()) {
     world_size_ = GetParam();
     world_ = std::make_shared<testing::FakeWorld>(world_size_);
     for (int r = 0; r < world_size_; ++r) {
@@ -100,7 +101,7 @@ class GroupCollectivesTest : public ::testing::TestWithParam<int> {
       manager_options.world_size = world_size_;
       manager_options.rank = r;
       rank->manager = testing::MakeManager(rank->hierarchy, manager_options);
-      for (const TensorSpec& spec : ModelSpecs()) {
+      for (const TensorSpec& spec : specs) {
         ASSERT_TRUE(rank->manager->RegisterTensor(spec).ok());
       }
       ASSERT_TRUE(rank->manager->BuildChunkLists(kChunkElements).ok());
@@ -372,6 +373,60 @@ TEST_P(GroupCollectivesTest, AFreeTensorInAnOwnedChunkWithDataAddsNothing) {
       if (!m.IsLocal((*m.tensor(t))->chunk)) continue;
       const bool was_freed = std::find(freed.begin(), freed.end(), t) != freed.end();
       Expect(r, t, (was_freed ? sum - (1.0f + r) : sum) / world_size_);
+    }
+  });
+}
+
+// Note [One holder, one broadcast]: an oversize group's gather is one broadcast from its holder
+// and its reduce-scatter one reduce to it, moving the tensor's bytes once.
+TEST_P(GroupCollectivesTest, AnOversizeGroupMovesOnlyItsHoldersBytes) {
+  constexpr int64_t kBig = 3 * kChunkElements;
+  std::vector<TensorSpec> specs;
+  for (ChunkKind kind : {ChunkKind::kComputeParam, ChunkKind::kGradient}) {
+    specs.push_back(testing::Spec(absl::StrCat("big", kind == ChunkKind::kGradient ? "#g" : ""),
+                                  {kBig}, kind, DType::kFloat32));
+  }
+  Build({}, specs);
+  OnEveryRank([&](int r) {
+    ChunkManager& m = *ranks_[r]->manager;
+    GroupCollectives& c = *ranks_[r]->collectives;
+    auto fill = [&](TensorId t, float scale, bool check) {
+      auto view = m.Access(t, TierKind::kHost);
+      ASSERT_TRUE(view.ok()) << view.status();
+      auto* data = static_cast<float*>(testing::ComputePointer(*view));
+      for (int64_t i = 0; i < kBig; ++i) {
+        const float expected = scale * static_cast<float>(i % 997);
+        if (check) {
+          ASSERT_FLOAT_EQ(data[i], expected) << "rank " << r << " element " << i;
+        } else {
+          data[i] = expected;
+        }
+      }
+      ASSERT_TRUE(m.Release(t, TensorState::kHold).ok());
+    };
+    fill(0, 1.0f, /*check=*/false);  // initialization: every rank builds the tensor
+    ASSERT_TRUE(c.ReleaseAll(ChunkKind::kComputeParam).ok());
+    const std::vector<ChunkId> groups = c.Groups(ChunkKind::kComputeParam);
+    ASSERT_EQ(groups.size(), 1u);
+    ASSERT_TRUE((*m.chunk(groups[0]))->oversize());
+    auto gathered = c.Gather(groups[0]);
+    ASSERT_TRUE(gathered.ok()) << gathered.status();
+    EXPECT_EQ(*gathered, world_size_ > 1) << "the holder alone needs no gather";
+    fill(0, 1.0f, /*check=*/true);
+    const int64_t gather_collectives = c.collectives_issued();
+    EXPECT_EQ(gather_collectives, world_size_ > 1 ? 1 : 0);
+    EXPECT_EQ(c.bytes_communicated(), gather_collectives * kBig * 4);
+    fill(1, 1.0f + r, /*check=*/false);  // every rank's gradient of it
+    const std::vector<ChunkId> grads = c.Groups(ChunkKind::kGradient);
+    ASSERT_EQ(grads.size(), 1u);
+    ASSERT_TRUE(c.StartReduceScatter(grads[0]).ok());
+    ASSERT_TRUE(c.FinishReduceScatters().ok());
+    EXPECT_EQ(c.collectives_issued(), gather_collectives + 1);
+    EXPECT_EQ(c.bytes_communicated(), (gather_collectives + 1) * kBig * 4);
+    if (m.IsLocal((*m.tensor(1))->chunk)) {
+      fill(1, (world_size_ + 1) / 2.0f, /*check=*/true);
+    } else {
+      EXPECT_FALSE(HoldsData((*m.tensor(1))->state)) << "the gradient went to its holder";
     }
   });
 }

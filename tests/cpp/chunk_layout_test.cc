@@ -81,7 +81,7 @@ TEST(ChunkLayoutTest, OversizeTensorsGetPaddedGroupsOfTheirOwnUnderDataParalleli
   EXPECT_EQ(chunks[5].capacity_elements, 30);
   for (int c = 2; c < 6; ++c) EXPECT_TRUE(chunks[c].oversize) << c;
   EXPECT_THAT(plan->oversize_tensors, ElementsAre(1, 3));
-  EXPECT_EQ(plan->wasted_bytes, (1 + 7 + 25 + 30) * 4);
+  EXPECT_EQ(plan->wasted_bytes, (1 + 7) * 4);  // padding never gets a payload
   // A world of one keeps one chunk per oversize tensor, no padding.
   auto single = PlanLayout(specs, 10, 1);
   ASSERT_TRUE(single.ok()) << single.status();
@@ -104,8 +104,8 @@ TEST(ChunkLayoutTest, ListsArePerKindAndPaddedToTheWorldSize) {
   EXPECT_TRUE(plan->lists[0].chunks[3].padding);
   EXPECT_EQ(plan->lists[1].kind, ChunkKind::kMasterParam);
   ASSERT_EQ(plan->lists[1].chunks.size(), 4u);  // 1 full + 3 padding
-  // Padding is real memory once gathered: 1 fp16 chunk + 3 fp32 chunks of 8 elements.
-  EXPECT_EQ(plan->wasted_bytes, 8 * 2 + 3 * 8 * 4);
+  // Padding never gets a payload (no rank has a tensor there to gather or keep): no waste.
+  EXPECT_EQ(plan->wasted_bytes, 0);
 }
 
 TEST(ChunkLayoutTest, BadInputIsAnErrorNamingTheTensor) {
@@ -145,15 +145,18 @@ TEST(ChunkLayoutTest, SearchFindsTheKnownOptimum) {
   }
 }
 
-TEST(ChunkLayoutTest, SearchCountsPaddingAndBreaksTiesTowardsSmallChunks) {
-  // 3 tensors of 10 in a world of 2: size 10 -> 3 chunks + 1 padding (40 bytes wasted);
-  // 20 -> 2 chunks, 10 elements free (40 bytes); 30 -> 1 chunk + 1 padding (120 bytes);
-  // 15 -> 3 + 1 padding (5*3*4 + 60 = 120). Tie between 10 and 20: the smaller wins.
+TEST(ChunkLayoutTest, SearchCountsOnlyChunksWithTensorsAndBreaksTiesTowardsSmallChunks) {
+  // 3 tensors of 10 in a world of 2: size 10 -> 3 chunks + 1 padding (no waste: padding never
+  // gets a payload); 20 -> 2 chunks, 10 elements free (40 bytes); 30 -> 1 chunk + 1 padding
+  // (0); 15 -> 3 chunks of 5 free + 1 padding (60). Tie between 10 and 30: the smaller wins.
   const std::vector<TensorSpec> specs = Vectors({10, 10, 10});
   auto result = SearchChunkSize(specs, ChunkSizeSearch{10, 30, 5}, 2);
   ASSERT_TRUE(result.ok()) << result.status();
   EXPECT_EQ(result->plan.chunk_elements, 10);
-  EXPECT_EQ(result->plan.wasted_bytes, 40);
+  EXPECT_EQ(result->plan.wasted_bytes, 0);
+  auto twenty = PlanLayout(specs, 20, 2);
+  ASSERT_TRUE(twenty.ok());
+  EXPECT_EQ(twenty->wasted_bytes, 40);
   EXPECT_EQ(SearchChunkSize(specs, ChunkSizeSearch{30, 10, 5}, 1).status().code(),
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(SearchChunkSize(specs, ChunkSizeSearch{10, 30, 0}, 1).status().code(),

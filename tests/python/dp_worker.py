@@ -51,6 +51,7 @@ def train(name: str, rank: int, world: int) -> dict:
                       sharded_accumulation=model.dp.sharded_accumulation,
                       released_in_forward=model.dp.gathers.released_in_forward,
                       released_in_backward=model.dp.gathers.released_in_backward,
+                      regathered=model.dp.gathers.regathered_in_first_forward,
                       compute_groups=model.dp.compute_group_count,
                       grad_groups=model.dp.grad_group_count,
                       early_reduce_scatters=model.dp.early_reduce_scatters,

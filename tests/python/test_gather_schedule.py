@@ -56,12 +56,26 @@ class RecordingCollectives:
 GROUPS = 5
 
 
-def make_schedule(agree=None, gather_ahead=0):
+def make_schedule(agree=None, gather_ahead=0, compare=None):
     # Tensor t is in group t // 2; every tensor is remote and trainable.
     position_of = {t: t // 2 for t in range(2 * GROUPS)}
     return GatherSchedule(RecordingCollectives(), list(range(GROUPS)), position_of,
                           remote=set(position_of), gather_ahead=gather_ahead, reshard=True,
-                          trainable=[2] * GROUPS, agree=agree)
+                          trainable=[2] * GROUPS, agree=agree, compare=compare)
+
+
+class Comparisons:
+    """The first forward's all-reduce of every rank's next gather, for one rank: records what
+    this rank compared and answers with the other ranks' scripted values (by default its own)."""
+
+    def __init__(self, others=None):
+        self.compared: list[int] = []
+        self.others = others
+
+    def __call__(self, position):
+        self.compared.append(position)
+        other = position if self.others is None else self.others[len(self.compared) - 1]
+        return [float(position), float(other)]
 
 
 def forward(schedule, tensors):
@@ -158,3 +172,53 @@ def test_a_declined_start_never_reorders_the_gathers(declined):
     schedule.gather_all()
     assert schedule.collectives.issued == list(range(6))
     assert schedule.collectives.gathers_declined == len(declined)
+
+
+def test_the_first_forward_releases_groups_whose_tensors_were_all_used():
+    compare = Comparisons()
+    schedule = make_schedule(compare=compare, gather_ahead=1)
+    collectives = schedule.collectives
+    schedule.begin_forward()
+    for t in range(2 * GROUPS):
+        schedule.before_access(t, in_forward=True)
+        assert len(collectives.gathered) <= 2, (t, collectives.gathered)
+    assert schedule.released_in_forward == GROUPS - 1
+    schedule.end_forward()
+    # Each gather was compared first, then the end of the forward; nothing started ahead.
+    assert compare.compared == list(range(GROUPS)) + [-1]
+    assert collectives.issued == list(range(GROUPS))
+    assert schedule.gathers_ahead == 0
+    # Every group released at its end: the first backward gathers from the start of its order.
+    assert not collectives.gathered
+    collectives.issued.clear()
+    schedule.before_access(2 * (GROUPS - 1), in_forward=False)
+    assert collectives.issued == [GROUPS - 1]
+    schedule.end_backward(schedule.backward_gathers_issued)
+    # The second forward follows the trace and compares nothing.
+    forward(schedule, list(range(2 * GROUPS)))
+    assert len(compare.compared) == GROUPS + 1
+
+
+def test_a_group_used_again_in_the_first_forward_is_gathered_again_after_a_comparison():
+    compare = Comparisons()
+    schedule = make_schedule(compare=compare)
+    tied = list(range(2 * GROUPS)) + [0]  # tensor 0 (group 0) used again at the end: tied
+    forward(schedule, tied)
+    assert schedule.regathered_in_first_forward == 1
+    assert schedule.collectives.issued == list(range(GROUPS)) + [0]
+    assert compare.compared == list(range(GROUPS)) + [0, -1]
+
+
+def test_ranks_that_disagree_on_a_gather_of_the_first_forward_fail_naming_each_rank():
+    # This rank uses group 0 again; the other rank's forward has ended.
+    compare = Comparisons(others=list(range(GROUPS)) + [-1])
+    schedule = make_schedule(compare=compare)
+    schedule.begin_forward()
+    for t in range(2 * GROUPS):
+        schedule.before_access(t, in_forward=True)
+    issued = list(schedule.collectives.issued)
+    with pytest.raises(ScheduleDepartureError,
+                       match=r"rank 0 gathers compute group 0, rank 1 ends its forward "
+                             r"\(this rank uses parameter 'tensor 1' again\)"):
+        schedule.before_access(1, in_forward=True)
+    assert schedule.collectives.issued == issued  # no collective was issued unpaired
