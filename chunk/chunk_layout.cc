@@ -1,6 +1,8 @@
 #include "chunk/chunk_layout.h"
 
+#include <algorithm>
 #include <limits>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -63,6 +65,7 @@ absl::StatusOr<LayoutPlan> PlanLayout(absl::Span<const TensorSpec> specs, int64_
   LayoutPlan plan;
   plan.chunk_elements = chunk_elements;
   plan.world_size = world_size;
+  std::vector<int64_t> rank_bytes(static_cast<size_t>(world_size), 0);
   for (int kind_index = 0; kind_index < kNumChunkKinds; ++kind_index) {
     const auto kind = static_cast<ChunkKind>(kind_index);
     PlannedList list;
@@ -130,15 +133,33 @@ absl::StatusOr<LayoutPlan> PlanLayout(absl::Span<const TensorSpec> specs, int64_
     while (list.chunks.size() % world_size != 0) {
       list.chunks.push_back(PlannedChunk{chunk_elements, 0, {}, {}, false, true});
     }
-    for (const PlannedChunk& chunk : list.chunks) {
+    std::vector<int64_t> group_bytes(list.chunks.size() / static_cast<size_t>(world_size), 0);
+    for (size_t c = 0; c < list.chunks.size(); ++c) {
+      const PlannedChunk& chunk = list.chunks[c];
       // A chunk without tensors (padding) never gets a payload, on any rank: it is not memory.
       if (chunk.tensors.empty()) continue;
       plan.wasted_bytes +=
           (chunk.capacity_elements - chunk.used_elements) * ElementSize(list.dtype);
+      // Chunk c is member c % world_size of its group (oversize groups start at a multiple).
+      const int64_t bytes = chunk.capacity_elements * ElementSize(list.dtype);
+      rank_bytes[c % static_cast<size_t>(world_size)] += bytes;
+      group_bytes[c / static_cast<size_t>(world_size)] += bytes;
+    }
+    for (int64_t bytes : group_bytes) {
+      plan.largest_group_bytes = std::max(plan.largest_group_bytes, bytes);
     }
     plan.lists.push_back(std::move(list));
   }
+  plan.largest_rank_bytes = *std::max_element(rank_bytes.begin(), rank_bytes.end());
   return plan;
+}
+
+int64_t EstimatedRankPeak(const LayoutPlan& plan) {
+  // One process gathers nothing: its chunks are its memory. Under data parallelism a rank holds
+  // its own chunks plus gathered groups: the one in use and the one started ahead (or a
+  // gradient group filling while the previous one is reduce-scattered).
+  if (plan.world_size == 1) return plan.largest_rank_bytes;
+  return plan.largest_rank_bytes + 2 * plan.largest_group_bytes;
 }
 
 absl::StatusOr<ChunkSizeSearchResult> SearchChunkSize(absl::Span<const TensorSpec> specs,
@@ -156,7 +177,11 @@ absl::StatusOr<ChunkSizeSearchResult> SearchChunkSize(absl::Span<const TensorSpe
        size += search.step_elements) {
     PS_ASSIGN_OR_RETURN(LayoutPlan plan, PlanLayout(specs, size, world_size));
     ++result.candidates;
-    if (!have_best || plan.wasted_bytes < result.plan.wasted_bytes) {
+    // Note [Chunk-size search].
+    const int64_t peak = EstimatedRankPeak(plan);
+    const int64_t best = have_best ? EstimatedRankPeak(result.plan) : 0;
+    if (!have_best || peak < best ||
+        (peak == best && plan.wasted_bytes < result.plan.wasted_bytes)) {
       result.plan = std::move(plan);
       have_best = true;
     }

@@ -71,7 +71,16 @@ struct LayoutPlan {
   // group_collectives.h moves only their bytes).
   int64_t wasted_bytes = 0;
   std::vector<int64_t> oversize_tensors;  // spec indices that got a chunk of their own
+  // The chunk bytes of the rank that owns the most (chunks holding tensors, all lists): with
+  // world_size 1 every chunk's.
+  int64_t largest_rank_bytes = 0;
+  // The bytes of the largest group of any list (its chunks holding tensors): what a gather or
+  // a full-size gradient group adds to a rank.
+  int64_t largest_group_bytes = 0;
 };
+
+// The search's estimate of a rank's peak chunk bytes (Note [Chunk-size search]).
+int64_t EstimatedRankPeak(const LayoutPlan& plan);
 
 // First-fit packing of `specs` into chunks of `chunk_elements`, one list per kind, each list
 // padded with empty chunks to a multiple of `world_size` (and oversize tensors in padded groups
@@ -91,8 +100,14 @@ struct ChunkSizeSearchResult {
   int64_t candidates = 0;  // how many sizes were evaluated
 };
 
-// Plans every candidate size and keeps the one with the fewest wasted bytes (the smallest size
-// on a tie, so that moves stay small). InvalidArgument for an empty or malformed range.
+// Note [Chunk-size search]
+// Plans every candidate size and keeps the one with the smallest estimated peak of a rank
+// (EstimatedRankPeak), then the fewest wasted bytes, then the smallest size (moves stay small).
+// With one rank the estimate is the total of the chunks, so this is the least waste. With
+// several it is the busiest rank's own chunk bytes plus two of the largest group: waste alone
+// preferred one chunk holding the whole model next to padding (no waste, one rank owning
+// everything), and owned bytes alone chunks so large that a gathered group was half the model.
+// InvalidArgument for an empty or malformed range.
 absl::StatusOr<ChunkSizeSearchResult> SearchChunkSize(absl::Span<const TensorSpec> specs,
                                                       const ChunkSizeSearch& search,
                                                       int world_size);

@@ -148,7 +148,8 @@ TEST(ChunkLayoutTest, SearchFindsTheKnownOptimum) {
 TEST(ChunkLayoutTest, SearchCountsOnlyChunksWithTensorsAndBreaksTiesTowardsSmallChunks) {
   // 3 tensors of 10 in a world of 2: size 10 -> 3 chunks + 1 padding (no waste: padding never
   // gets a payload); 20 -> 2 chunks, 10 elements free (40 bytes); 30 -> 1 chunk + 1 padding
-  // (0); 15 -> 3 chunks of 5 free + 1 padding (60). Tie between 10 and 30: the smaller wins.
+  // (0); 15 -> 3 chunks of 5 free + 1 padding (60). 10 puts two tensors on rank 0 and one on
+  // rank 1; 30 all three on rank 0.
   const std::vector<TensorSpec> specs = Vectors({10, 10, 10});
   auto result = SearchChunkSize(specs, ChunkSizeSearch{10, 30, 5}, 2);
   ASSERT_TRUE(result.ok()) << result.status();
@@ -157,6 +158,15 @@ TEST(ChunkLayoutTest, SearchCountsOnlyChunksWithTensorsAndBreaksTiesTowardsSmall
   auto twenty = PlanLayout(specs, 20, 2);
   ASSERT_TRUE(twenty.ok());
   EXPECT_EQ(twenty->wasted_bytes, 40);
+  // Size 30 wastes nothing either, but one rank would own all three tensors.
+  auto thirty = PlanLayout(specs, 30, 2);
+  ASSERT_TRUE(thirty.ok());
+  EXPECT_EQ(thirty->wasted_bytes, 0);
+  EXPECT_EQ(thirty->largest_rank_bytes, 30 * 4);
+  EXPECT_EQ(result->plan.largest_rank_bytes, 20 * 4);
+  EXPECT_EQ(result->plan.largest_group_bytes, 20 * 4);
+  EXPECT_EQ(EstimatedRankPeak(result->plan), 20 * 4 + 2 * 20 * 4);
+  EXPECT_EQ(EstimatedRankPeak(*thirty), 30 * 4 + 2 * 30 * 4);
   EXPECT_EQ(SearchChunkSize(specs, ChunkSizeSearch{30, 10, 5}, 1).status().code(),
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(SearchChunkSize(specs, ChunkSizeSearch{10, 30, 0}, 1).status().code(),

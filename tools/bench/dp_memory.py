@@ -1,10 +1,12 @@
 """Per-rank peak model data under data parallelism, ours against PyTorch FSDP2 (and DeepSpeed
 ZeRO-3 when importable), for 1, 2, 4 and 8 gloo ranks on this machine (issue 18).
 
-    python tools/bench/dp_memory.py [--worlds 1 2 4 8] [--layers 24]
+    python tools/bench/dp_memory.py [--worlds 1 2 4 8] [--layers 24] [--chunk-elements auto]
 
 The model is issue 18's: `layers` blocks of Linear(512, 2048), GELU, Linear(2048, 512),
-LayerNorm(512) (24 blocks: 50.4M parameters), Adam, chunks of 1.5M elements. Each contender
+LayerNorm(512) (24 blocks: 50.4M parameters), Adam, chunks of 1.5M elements (issue 18's
+measurement; `--chunk-elements auto` lets the runtime search the size, as
+`"default_chunk_size": "auto"` does, and DeepSpeed's buckets stay 1.5M elements). Each contender
 trains two optimizer steps, fp32 and bf16, with and without gradient accumulation (2 micro-steps);
 every rank sees its own micro-batches (memory does not depend on the values).
 
@@ -82,7 +84,8 @@ def train(args, rank: int, dtype, micro_step, end_step) -> None:
 def run_ours(args, rank: int, accumulation_mode: str = "sharded") -> dict:
     import patrickstar
     torch.manual_seed(0)
-    config = {"default_chunk_size": CHUNK_ELEMENTS,
+    chunk = args.chunk_elements
+    config = {"default_chunk_size": chunk if chunk == "auto" else int(chunk),
               "gradient_accumulation_steps": args.accumulation,
               "parallel": {"gradient_accumulation": accumulation_mode},
               "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}}
@@ -99,6 +102,7 @@ def run_ours(args, rank: int, accumulation_mode: str = "sharded") -> dict:
     train(args, rank, compute_dtype(args), lambda x: model.backward(model(x)), end_step)
     stats = model.memory_stats()
     return {"peak_model_bytes": model.peak_model_bytes,
+            "chunk_elements": model.layout["chunk_elements"],
             "sum_of_tier_peaks": sum(t["peak_chunk_bytes"] for t in stats),
             "init_peak_model_bytes": init_peak}
 
@@ -229,6 +233,10 @@ def main() -> None:
     parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--chunk-elements", default=str(CHUNK_ELEMENTS),
+                        help="ours: elements per chunk, or 'auto'")
+    parser.add_argument("--contenders", nargs="+", default=None,
+                        help="a subset of ours, fsdp2, deepspeed (default: all that run here)")
     parser.add_argument("--precisions", nargs="+", default=["fp32", "bf16"])
     parser.add_argument("--accumulations", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--precision", default="fp32", help=argparse.SUPPRESS)
@@ -238,16 +246,21 @@ def main() -> None:
         run_rank(args)
         return
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    contenders = ["ours", "fsdp2"] + (["deepspeed"] if deepspeed_importable() else [])
+    if args.chunk_elements != "auto":
+        args.chunk_elements = int(args.chunk_elements)
+    contenders = args.contenders or (
+        ["ours", "fsdp2"] + (["deepspeed"] if deepspeed_importable() else []))
     rows = []
     for precision in args.precisions:
         for accumulation in args.accumulations:
             single = {}
             for world in sorted(args.worlds):
-                for name in contenders[:1] + (["ours_full"] if accumulation > 1 else []) + \
-                        contenders[1:]:
+                names = list(contenders)
+                if "ours" in names and accumulation > 1:
+                    names.insert(names.index("ours") + 1, "ours_full")
+                for name in names:
                     result = launch_ranks(__file__, world, name, args.out, forwarded(
-                        args, "layers", "steps") + ["--precision", precision,
+                        args, "layers", "steps", "chunk_elements") + ["--precision", precision,
                                                     "--accumulation", str(accumulation)])
                     if result is None:
                         rows.append({"contender": name, "world": world, "precision": precision,
@@ -259,6 +272,7 @@ def main() -> None:
                     row = {"contender": name, "world": world, "precision": precision,
                            "accumulation": accumulation, "peak_model_bytes": peak,
                            "per_rank": [r["peak_model_bytes"] for r in result],
+                           "chunk_elements": result[0].get("chunk_elements"),
                            "over_one_process": peak / single[name] if name in single else None}
                     rows.append(row)
                     ratio = row["over_one_process"]
@@ -268,7 +282,8 @@ def main() -> None:
                           flush=True)
     params = sum(p.numel() for p in Blocks(args.layers).parameters())
     write_json(args.out, {"machine": machine_description(), "config": vars(args),
-                          "parameters": params, "chunk_elements": CHUNK_ELEMENTS, "rows": rows})
+                          "parameters": params, "chunk_elements": args.chunk_elements,
+                          "deepspeed_bucket_elements": CHUNK_ELEMENTS, "rows": rows})
 
 
 if __name__ == "__main__":
