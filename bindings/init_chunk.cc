@@ -472,6 +472,9 @@ void InitChunk(py::module_& module) {
       .def_property_readonly(
           "layout_hash",
           [](PyChunkManager& self) { return self.Run([](M& m) { return m.layout_hash(); }); })
+      .def_property_readonly(
+          "world_size",
+          [](PyChunkManager& self) { return self.Run([](M& m) { return m.world_size(); }); })
       .def_property_readonly("warming_up",
                              [](PyChunkManager& self) {
                                return self.Run([](M& m) { return m.tracer().warming_up(); });

@@ -199,6 +199,9 @@ SCENARIOS = {
     # Per-rank model data (issue 18): 8 blocks of 33k parameters in chunks of 16384 elements.
     "blocks": Scenario(BlockStack, wide_batches(64), {"default_chunk_size": 16384}, steps=3,
                        optimizer="Adam", weight_decay=0.0, atol=1e-5),
+    # The chunk size searched for 2 ranks (Note [Chunk-size search] in chunk/chunk_layout.h).
+    "blocks_auto": Scenario(BlockStack, wide_batches(64), {"default_chunk_size": "auto"},
+                            steps=3, optimizer="Adam", weight_decay=0.0, atol=1e-5),
     # Sharded against full accumulation of the same block stack: per-rank peak (issue 18).
     "blocks_accumulation": Scenario(BlockStack, wide_batches(64), {"default_chunk_size": 16384},
                                     steps=2, accumulation=2, optimizer="Adam", weight_decay=0.0,

@@ -82,7 +82,7 @@ def check_matches_reference(results, name: str):
 
 TWO_RANK_SCENARIOS = ["mlp", "mlp_tight", "mlp_accumulation_clipping", "mlp_accumulation_keep",
                       "mlp_accumulation_full", "mlp_memory_saving", "gpt", "gpt_tight",
-                      "gpt_tight_no_ahead", "gpt_keep", "blocks", "blocks_accumulation",
+                      "gpt_tight_no_ahead", "gpt_keep", "blocks", "blocks_auto", "blocks_accumulation",
                       "blocks_accumulation_full", "branch", "branch_unused",
                       "branch_accumulation", "gpt_bf16", "mlp_fp16", "mlp_frozen"]
 
@@ -158,6 +158,16 @@ def test_each_rank_holds_about_half_the_model_data_of_one_process(two_ranks):
         assert result["blocks"]["released_in_forward"] > 0, rank
         assert result["blocks"]["released_in_backward"] > 0, rank
         ratio = result["blocks"]["peak_model_bytes"] / single
+        assert ratio <= 0.7, (rank, ratio)
+
+
+def test_an_auto_chunk_size_keeps_each_rank_near_half_of_one_process(two_ranks):
+    # "default_chunk_size": "auto" searches the size for the world (Note [Chunk-size search]):
+    # at least as good as the hand-picked 16384 of "blocks" against one process of its own.
+    check_matches_reference(two_ranks, "blocks_auto")
+    single = single_process_peak("blocks_auto")
+    for rank, result in enumerate(two_ranks):
+        ratio = result["blocks_auto"]["peak_model_bytes"] / single
         assert ratio <= 0.7, (rank, ratio)
 
 
