@@ -177,9 +177,9 @@ py::dict MultiAdam(const std::vector<at::Tensor>& params, const std::vector<at::
                    const std::vector<at::Tensor>& exp_avgs,
                    const std::vector<at::Tensor>& exp_avg_sqs,
                    const std::optional<std::vector<std::optional<at::Tensor>>>& param_copies,
-                   const std::optional<std::vector<at::Tensor>>& param_compensations,
-                   const std::optional<std::vector<at::Tensor>>& exp_avg_scales,
-                   const std::optional<std::vector<at::Tensor>>& exp_avg_sq_scales,
+                   const std::optional<std::vector<std::optional<at::Tensor>>>& param_compensations,
+                   const std::optional<std::vector<std::optional<at::Tensor>>>& exp_avg_scales,
+                   const std::optional<std::vector<std::optional<at::Tensor>>>& exp_avg_sq_scales,
                    const kernels::AdamHyperParams& hp) {
   const size_t n = params.size();
   auto check_len = [n](size_t size, const char* name) {
@@ -357,9 +357,9 @@ void InitKernels(py::module_& module) {
          double lr, double beta1, double beta2, double eps, double weight_decay, int64_t step,
          bool adamw, bool bias_correction, double grad_scale, double clip_coef,
          const std::optional<std::vector<std::optional<at::Tensor>>>& param_copies,
-         const std::optional<std::vector<at::Tensor>>& param_compensations,
-         const std::optional<std::vector<at::Tensor>>& exp_avg_scales,
-         const std::optional<std::vector<at::Tensor>>& exp_avg_sq_scales) {
+         const std::optional<std::vector<std::optional<at::Tensor>>>& param_compensations,
+         const std::optional<std::vector<std::optional<at::Tensor>>>& exp_avg_scales,
+         const std::optional<std::vector<std::optional<at::Tensor>>>& exp_avg_sq_scales) {
         return MultiAdam(params, grads, exp_avgs, exp_avg_sqs, param_copies, param_compensations,
                          exp_avg_scales, exp_avg_sq_scales,
                          HyperParams(lr, beta1, beta2, eps, weight_decay, step, adamw,
@@ -373,7 +373,9 @@ void InitKernels(py::module_& module) {
       py::arg("param_compensations") = py::none(), py::arg("exp_avg_scales") = py::none(),
       py::arg("exp_avg_sq_scales") = py::none(),
       "adam_ over many chunks (hybrid Adam): CUDA chunks go to the GPU kernel and CPU chunks to "
-      "the CPU kernel, run concurrently. Returns the counts each side updated.");
+      "the CPU kernel, run concurrently. Returns the counts each side updated. The lists "
+      "param_copies, param_compensations, exp_avg_scales and exp_avg_sq_scales hold None where "
+      "a chunk has no such tensor.");
 
   kernels.def(
       "adam_traffic_bound_",
