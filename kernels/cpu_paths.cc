@@ -71,8 +71,9 @@ struct Ops {
   static PS_INLINE int32_t MaxLaneI(VI a) { return a; }
   static PS_INLINE V CvtI2F(VI a) { return static_cast<float>(a); }
   static PS_INLINE V Gather(const float* table, VI index) { return table[index]; }
-  static PS_INLINE VI GatherBytes(const uint8_t* table, VI index) { return table[index]; }
-  static PS_INLINE VI AddIfGreater(VI q, V x, V t) { return q + (x > t ? 1 : 0); }
+  static PS_INLINE VI GatherI(const int32_t* table, VI index) { return table[index]; }
+  static PS_INLINE VI XorI(VI a, VI b) { return a ^ b; }
+  static PS_INLINE VI AddIfGreaterI(VI q, VI a, VI b) { return q + (a > b ? 1 : 0); }
   static PS_INLINE VI LoadU8(const uint8_t* p) { return *p; }
   static PS_INLINE void StoreU8(uint8_t* p, VI x) { *p = static_cast<uint8_t>(x); }
 
@@ -178,13 +179,12 @@ struct Ops {
   static PS_INLINE V Gather(const float* table, VI index) {
     return _mm256_i32gather_ps(table, index, 4);
   }
-  static PS_INLINE VI GatherBytes(const uint8_t* table, VI index) {
-    return _mm256_and_si256(
-        _mm256_i32gather_epi32(reinterpret_cast<const int*>(table), index, 1),
-        _mm256_set1_epi32(0xff));
+  static PS_INLINE VI GatherI(const int32_t* table, VI index) {
+    return _mm256_i32gather_epi32(table, index, 4);
   }
-  static PS_INLINE VI AddIfGreater(VI q, V x, V t) {  // the compare is all ones (-1) where x > t
-    return _mm256_sub_epi32(q, _mm256_castps_si256(_mm256_cmp_ps(x, t, _CMP_GT_OQ)));
+  static PS_INLINE VI XorI(VI a, VI b) { return _mm256_xor_si256(a, b); }
+  static PS_INLINE VI AddIfGreaterI(VI q, VI a, VI b) {  // the compare is -1 where a > b
+    return _mm256_sub_epi32(q, _mm256_cmpgt_epi32(a, b));
   }
   static PS_INLINE VI LoadU8(const uint8_t* p) {
     return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
@@ -292,12 +292,12 @@ struct Ops {
   static PS_INLINE V Gather(const float* table, VI index) {
     return _mm512_i32gather_ps(index, table, 4);
   }
-  static PS_INLINE VI GatherBytes(const uint8_t* table, VI index) {
-    return _mm512_and_si512(_mm512_i32gather_epi32(index, table, 1), _mm512_set1_epi32(0xff));
+  static PS_INLINE VI GatherI(const int32_t* table, VI index) {
+    return _mm512_i32gather_epi32(index, table, 4);
   }
-  static PS_INLINE VI AddIfGreater(VI q, V x, V t) {
-    return _mm512_mask_add_epi32(q, _mm512_cmp_ps_mask(x, t, _CMP_GT_OQ), q,
-                                 _mm512_set1_epi32(1));
+  static PS_INLINE VI XorI(VI a, VI b) { return _mm512_xor_si512(a, b); }
+  static PS_INLINE VI AddIfGreaterI(VI q, VI a, VI b) {
+    return _mm512_mask_add_epi32(q, _mm512_cmpgt_epi32_mask(a, b), q, _mm512_set1_epi32(1));
   }
   static PS_INLINE VI LoadU8(const uint8_t* p) {
     return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));

@@ -24,7 +24,7 @@ namespace ps::kernels {
 //   x      = value * (1.0f / scale): one division per block, then one multiply per element.
 //            |x| may exceed 1 by an ulp or two; it then takes the code 1.0 like 1 itself.
 //   code   = the code nearest to x; exactly halfway (at threshold[k], the float midpoint of
-//            codes k and k + 1) goes to the lower code k (Note [Nearest code by bucket]).
+//            codes k and k + 1) goes to the code nearer zero (Note [Nearest code by bucket]).
 // Every SIMD path of the Adam kernel does exactly these operations with these tables, so the
 // codes and scales are bit-identical across paths and thread counts (tested), and equal to
 // QuantizeBlockwise applied to the updated fp32 state.
@@ -40,15 +40,19 @@ namespace {
 #include "kernels/internal/quantization_maps.inc"
 
 // Note [Nearest code by bucket]
-// The nearest code of x is the number of thresholds below x (thresholds ascending), which a
-// binary search would find in 8 dependent table reads. Instead the float's top 16 bits (sign,
-// exponent, 7 mantissa bits; magnitudes below 2^-24 folded into the first bucket of their sign,
-// 2 and above into the last) select a bucket, a range of floats narrow enough (relative width
-// 2^-7 = 0.8%) that at most one threshold falls inside it: neighbouring codes of both maps are
-// at least 7% apart in relative terms, and the first threshold above zero is 1.6e-7 > 2^-23.
-// bucket[b] holds the code of the bucket's lowest value, q; then code(x) = q + (x > threshold[q]).
-// That is two table reads (a gather each on the SIMD paths) and a compare, and it is exact:
-// BuildTables checks the one-threshold property for every bucket at start-up.
+// The nearest code of x >= 0 is the number of thresholds below x (thresholds ascending), which a
+// binary search would find in 8 dependent table reads. Instead the float's exponent and top 7
+// mantissa bits (magnitudes below 2^-24 folded into the first bucket, 2 and above into the last)
+// select a bucket, a range of floats narrow enough (relative width 2^-7 = 0.8%) that at most one
+// threshold falls inside it: neighbouring codes of both maps are at least 7% apart in relative
+// terms, and the first threshold above zero is 1.6e-7 > 2^-23. A threshold inside a bucket shares
+// the bucket's top 16 bits, so x > threshold compares the low 16 bits alone, and one 32-bit entry
+// per bucket holds both the code q of the bucket's lowest value and the threshold's low 16 bits:
+// code(x) = q + (low16(x) > low16(threshold)). One table read (a gather on the SIMD paths) and
+// an integer compare, exact: BuildTables checks the one-threshold property at start-up.
+// Negative x uses the same table through the signed map's symmetry, code(-y) = 254 - code(y)
+// (codes 0..126 are codes 128..254 negated, and so are the thresholds), which is why halfway
+// goes toward zero on both sides; -y beyond -threshold[254] takes code 0, the map's end.
 internal::QuantizationTables BuildTables(const float* codes) {
   internal::QuantizationTables t;
   for (int k = 0; k < 256; ++k) t.code[k] = codes[k];
@@ -57,30 +61,28 @@ internal::QuantizationTables BuildTables(const float* codes) {
         static_cast<float>((static_cast<double>(codes[k]) + static_cast<double>(codes[k + 1])) / 2);
   }
   t.threshold[255] = std::numeric_limits<float>::infinity();
-  // Number of thresholds below x (x > threshold), and at or below x.
-  auto below = [&t](float x) {
-    return static_cast<int>(std::lower_bound(t.threshold, t.threshold + 255, x) - t.threshold);
-  };
-  auto at_or_below = [&t](float x) {
-    return static_cast<int>(std::upper_bound(t.threshold, t.threshold + 255, x) - t.threshold);
-  };
-  for (int32_t sign = 0; sign < 2; ++sign) {
-    for (int32_t j = 0; j < internal::kBucketsPerSign; ++j) {
-      const uint32_t top = static_cast<uint32_t>(j + (internal::kBucketMinExponent << 7));
-      float low = j == 0 ? 0.0f : std::bit_cast<float>(top << 16);
-      float high = j == internal::kBucketsPerSign - 1 ? std::numeric_limits<float>::infinity()
-                                                      : std::bit_cast<float>((top << 16) | 0xffff);
-      if (sign == 1) {  // the bucket of magnitudes [low, high] is the range [-high, -low]
-        const float negative_high = -low;
-        low = -high;
-        high = negative_high;
-      }
-      const int q = below(low);
-      PS_CHECK(at_or_below(high) - q <= 1);  // Note [Nearest code by bucket]
-      t.bucket[sign * internal::kBucketsPerSign + j] = static_cast<uint8_t>(q);
+  const float* begin = t.threshold;
+  const float* end = t.threshold + 255;
+  for (int32_t j = 0; j < internal::kBuckets; ++j) {
+    const uint32_t top = static_cast<uint32_t>(j + (internal::kBucketMinExponent << 7));
+    const float low = j == 0 ? 0.0f : std::bit_cast<float>(top << 16);
+    const float high = j == internal::kBuckets - 1 ? std::numeric_limits<float>::infinity()
+                                                   : std::bit_cast<float>((top << 16) | 0xffff);
+    const int q = static_cast<int>(std::lower_bound(begin, end, low) - t.threshold);
+    const int inside = static_cast<int>(std::upper_bound(begin, end, high) - t.threshold) - q;
+    PS_CHECK(inside <= 1, "bucket ", j, " holds ", inside, " thresholds");
+    uint32_t key = 0xffff;
+    if (inside == 1) {
+      const uint32_t bits = std::bit_cast<uint32_t>(t.threshold[q]);
+      PS_CHECK(j != 0 && j != internal::kBuckets - 1 && (bits >> 16) == top, "bucket ", j);
+      key = bits & 0xffff;
     }
+    t.bucket[j] = static_cast<uint32_t>(q) | (key << 16);
   }
-  for (int k = 0; k < 4; ++k) t.bucket[2 * internal::kBucketsPerSign + k] = 0;
+  if (codes[127] == 0.0f) {  // the signed map: check the symmetry negative values rely on
+    for (int k = 0; k < 127; ++k) PS_CHECK(codes[k] == -codes[254 - k], "code ", k);
+    for (int k = 0; k < 127; ++k) PS_CHECK(t.threshold[k] == -t.threshold[253 - k], "t ", k);
+  }
   return t;
 }
 
@@ -102,9 +104,9 @@ absl::Span<const float> QuantizationCodes(QuantizationMap map) {
 }
 
 uint8_t QuantizeNormalized(QuantizationMap map, float normalized) {
-  const internal::QuantizationTables& t = internal::GetQuantizationTables(map);
-  const uint8_t q = t.bucket[internal::BucketOf(std::bit_cast<uint32_t>(normalized))];
-  return static_cast<uint8_t>(q + (normalized > t.threshold[q] ? 1 : 0));
+  return internal::QuantizeWithTables(internal::GetQuantizationTables(map),
+                                      map == QuantizationMap::kSigned,
+                                      std::bit_cast<int32_t>(normalized));
 }
 
 float BlockScale(absl::Span<const float> values) {

@@ -33,7 +33,8 @@ constexpr int64_t NumQuantizationBlocks(int64_t count) {
 absl::Span<const float> QuantizationCodes(QuantizationMap map);
 
 // The code byte nearest to `normalized` (a value divided by its block's scale, nominally in
-// [-1, 1]); a value exactly halfway between two codes takes the lower one.
+// [-1, 1]); a value exactly halfway between two codes takes the one nearer zero. Beyond the
+// map's range it takes the end code (negative values take code 0 = 0.0 in the unsigned map).
 uint8_t QuantizeNormalized(QuantizationMap map, float normalized);
 
 // The scale of a block holding `values`: max(absmax, FLT_MIN), so that an all-zero block has a
@@ -50,26 +51,41 @@ absl::Status DequantizeBlockwise(const uint8_t* codes, const float* scales, int6
 namespace internal {
 
 // The lookup tables shared by the scalar functions above and every SIMD path of the Adam kernel
-// (Note [Nearest code by bucket]).
+// (Note [Nearest code by bucket] in quantization.cc).
 inline constexpr int32_t kBucketMinExponent = 103;  // biased exponent of 2^-24
-inline constexpr int32_t kBucketsPerSign = (127 - kBucketMinExponent + 1) * 128;
+inline constexpr int32_t kBuckets = (127 - kBucketMinExponent + 1) * 128;
 struct QuantizationTables {
   float code[256];
   // threshold[k]: midpoint of code[k] and code[k + 1], rounded to float; threshold[255] = +inf.
   float threshold[256];
-  // The lowest code of each bucket (positive buckets first); +4 bytes so that 32-bit gathers at
-  // any index stay inside.
-  uint8_t bucket[2 * kBucketsPerSign + 4];
+  // Per bucket of magnitudes: the code of its lowest magnitude in bits 0-7 and, in bits 16-31,
+  // the low 16 bits of the one threshold inside it (0xffff when none is).
+  uint32_t bucket[kBuckets];
 };
 const QuantizationTables& GetQuantizationTables(QuantizationMap map);
 
-// The bucket of a float by its bits: sign, exponent and the top 7 mantissa bits, with
-// magnitudes below 2^-24 * (1 + 2^-7) in bucket 0 of their sign and magnitudes of 2 and more (and inf, NaN) in
-// the last.
-inline int32_t BucketOf(uint32_t bits) {
-  int32_t magnitude = static_cast<int32_t>((bits >> 16) & 0x7fff) - (kBucketMinExponent << 7);
-  magnitude = magnitude < 0 ? 0 : (magnitude > kBucketsPerSign - 1 ? kBucketsPerSign - 1 : magnitude);
-  return magnitude + ((bits >> 31) != 0 ? kBucketsPerSign : 0);
+// The bucket of a magnitude's bits (sign clear): exponent and the top 7 mantissa bits, with
+// magnitudes below 2^-24 * (1 + 2^-7) in bucket 0 and 2 and above (inf, NaN) in the last.
+inline int32_t BucketOf(int32_t magnitude_bits) {
+  const int32_t b = (magnitude_bits >> 16) - (kBucketMinExponent << 7);
+  return b < 0 ? 0 : (b > kBuckets - 1 ? kBuckets - 1 : b);
+}
+
+// The scalar quantization of one normalized value (the SIMD paths do the same operations).
+inline uint8_t QuantizeWithTables(const QuantizationTables& t, bool is_signed, int32_t bits) {
+  int32_t sign = 0;
+  if (is_signed) {
+    sign = bits >> 31;  // 0 or -1 (arithmetic shift)
+    bits &= 0x7fffffff;
+  } else if (bits < 0) {
+    bits = 0;  // negative (and negative NaN) -> +0.0, whose nearest unsigned code is 0
+  }
+  const uint32_t entry = t.bucket[BucketOf(bits)];
+  int32_t q = static_cast<int32_t>(entry & 0xff) +
+              ((bits & 0xffff) > static_cast<int32_t>(entry >> 16) ? 1 : 0);
+  // Negative: the mirror code 254 - q (the signed map is symmetric but for its code 1.0).
+  q = (q ^ sign) + (sign & 255);
+  return static_cast<uint8_t>(q < 0 ? 0 : q);
 }
 
 }  // namespace internal

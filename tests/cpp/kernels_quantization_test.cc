@@ -15,13 +15,14 @@
 namespace ps::kernels {
 namespace {
 
-// The specification: the number of float midpoints of neighbouring codes below x.
+// The specification: the number of float midpoints of neighbouring codes below x, where a
+// midpoint equal to x counts as below when x < 0 (halfway goes toward zero).
 uint8_t ScanQuantize(QuantizationMap map, float x) {
   absl::Span<const float> codes = QuantizationCodes(map);
   int q = 0;
   for (int k = 0; k < 255; ++k) {
     const float t = static_cast<float>((double{codes[k]} + double{codes[k + 1]}) / 2);
-    if (x > t) q = k + 1;
+    if (x > t || (x < 0 && x == t)) q = k + 1;
   }
   return static_cast<uint8_t>(q);
 }
