@@ -63,6 +63,14 @@ namespace ps::kernels {
 //    float(p') - p are exact (Sterbenz) whenever q and p' are within a factor 2 of p.
 // All of it is +, -, *, /, sqrt, one fma per use and table lookups by integer index, so every
 // path (and the CUDA kernel) rounds identically (Note [Identical rounding on every path]).
+//
+// Note [Stochastic rounding]
+// The alternative to Kahan for bf16 params (param_rounding kStochastic, no compensation buffer):
+// p' = bf16 of q rounded up with probability (the 16 dropped bits) / 2^16, unbiased, so that
+// updates below the bf16 ulp still move p on average. The random bits are a function of
+// (rounding_seed, step, element index) only (internal::RoundingBits: lowbias32 of the index
+// under a per-step key), not of a stateful generator, so the result is the same on every SIMD
+// path, thread split and on the GPU, and a step can be replayed. Indices are taken mod 2^32.
 
 absl::string_view StateDTypeName(StateDType dtype) {
   switch (dtype) {
@@ -106,6 +114,7 @@ AdamConstants MakeAdamConstants(const AdamHyperParams& p) {
   k.bias_correction2_sqrt = static_cast<float>(std::pow(bias_correction2, 0.5));
   k.neg_step_size = static_cast<float>(-(p.lr / bias_correction1));
   k.eps = static_cast<float>(p.eps);
+  k.step = p.step;
   return k;
 }
 
@@ -160,7 +169,8 @@ absl::Status ValidateAdamChunk(const AdamChunk& c) {
           "Adam chunk: param_copy is set but param_dtype is bfloat16 (the param is the compute "
           "copy: there is no fp32 master to copy from)");
     }
-    if (c.count > 0 && c.param_compensation == nullptr) {
+    if (c.count > 0 && c.param_compensation == nullptr &&
+        c.param_rounding == ParamRounding::kKahan) {
       return absl::InvalidArgumentError(
           "Adam chunk: param_compensation is null but param_dtype is bfloat16 (the Kahan "
           "compensation buffer of count bf16 elements is required)");
@@ -168,6 +178,23 @@ absl::Status ValidateAdamChunk(const AdamChunk& c) {
   } else if (c.param_compensation != nullptr) {
     return absl::InvalidArgumentError(
         "Adam chunk: param_compensation is set but param_dtype is float32");
+  }
+  if (c.param_rounding != ParamRounding::kKahan &&
+      c.param_rounding != ParamRounding::kStochastic) {
+    return absl::InvalidArgumentError(absl::StrCat("Adam chunk: unknown param_rounding ",
+                                                   static_cast<int>(c.param_rounding)));
+  }
+  if (c.param_rounding == ParamRounding::kStochastic) {
+    if (c.param_dtype != DType::kBFloat16) {
+      return absl::InvalidArgumentError(
+          "Adam chunk: param_rounding is stochastic but param_dtype is float32 (stochastic "
+          "rounding is for bf16 params without a master)");
+    }
+    if (c.param_compensation != nullptr) {
+      return absl::InvalidArgumentError(
+          "Adam chunk: param_compensation is set but param_rounding is stochastic (the "
+          "compensation buffer belongs to Kahan)");
+    }
   }
   switch (c.state_dtype) {
     case StateDType::kFloat32:

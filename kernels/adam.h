@@ -53,6 +53,14 @@ constexpr int64_t StateElementSize(StateDType dtype) {
   return dtype == StateDType::kFloat32 ? 4 : (dtype == StateDType::kBFloat16 ? 2 : 1);
 }
 
+// How a bf16 param without an fp32 master (AdamChunk::param_dtype kBFloat16) takes its update.
+enum class ParamRounding : uint8_t {
+  kKahan = 0,       // round to nearest even; the error is carried in param_compensation
+  kStochastic = 1,  // stochastic rounding with counter-based random bits of (rounding_seed,
+                    // step, element index): no compensation buffer, results independent of
+                    // threads and SIMD path (Note [Stochastic rounding] in adam.cc)
+};
+
 // One chunk to update. All pointers address `count` elements; they are host pointers for the
 // CPU kernel and device pointers for the GPU kernel. `param_copy` may be null (no copy-out). A
 // 16-bit `grad` and `param_copy` may be the same memory (PatrickStar writes the new compute
@@ -79,6 +87,11 @@ struct AdamChunk {
   // zero-initialized by the owner with the params).
   DType param_dtype = DType::kFloat32;
   uint16_t* param_compensation = nullptr;
+  // bf16 params only: kStochastic instead of Kahan (then param_compensation is null). The
+  // random bits of element i at step t are a hash of (rounding_seed, t, i mod 2^32): give each
+  // chunk its own seed (e.g. a global seed mixed with the chunk id).
+  ParamRounding param_rounding = ParamRounding::kKahan;
+  uint64_t rounding_seed = 0;
   StateDType state_dtype = StateDType::kFloat32;
   // kInt8 only: NumQuantizationBlocks(count) float scales per moment (4-byte aligned, in any
   // memory the kernel reads: a chunk of its own is fine). Quantization block b covers elements

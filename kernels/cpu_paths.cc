@@ -62,8 +62,22 @@ struct Ops {
   static PS_INLINE VI Set1I(int32_t x) { return x; }
   static PS_INLINE VI Bits(V x) { return std::bit_cast<int32_t>(x); }
   static PS_INLINE VI AndI(VI a, VI b) { return a & b; }
-  static PS_INLINE VI AddI(VI a, VI b) { return a + b; }
-  static PS_INLINE VI SubI(VI a, VI b) { return a - b; }
+  // Wrapping integer arithmetic, as the vector instructions (signed overflow is UB in C++).
+  static PS_INLINE VI AddI(VI a, VI b) {
+    return static_cast<int32_t>(static_cast<uint32_t>(a) + static_cast<uint32_t>(b));
+  }
+  static PS_INLINE VI SubI(VI a, VI b) {
+    return static_cast<int32_t>(static_cast<uint32_t>(a) - static_cast<uint32_t>(b));
+  }
+  static PS_INLINE VI MulLoI(VI a, VI b) {
+    return static_cast<int32_t>(static_cast<uint32_t>(a) * static_cast<uint32_t>(b));
+  }
+  static PS_INLINE VI IotaI(int32_t base) { return base; }
+  static PS_INLINE V FromBits(VI a) { return std::bit_cast<float>(a); }
+  static PS_INLINE VI Srl15(VI a) { return static_cast<int32_t>(static_cast<uint32_t>(a) >> 15); }
+  static PS_INLINE V BlendIfNan(V x, V if_nan, V otherwise) {
+    return std::isnan(x) ? if_nan : otherwise;
+  }
   static PS_INLINE VI MaxI(VI a, VI b) { return std::max(a, b); }
   static PS_INLINE VI MinI(VI a, VI b) { return std::min(a, b); }
   static PS_INLINE VI Srl16(VI a) { return static_cast<int32_t>(static_cast<uint32_t>(a) >> 16); }
@@ -166,6 +180,15 @@ struct Ops {
   static PS_INLINE VI AndI(VI a, VI b) { return _mm256_and_si256(a, b); }
   static PS_INLINE VI AddI(VI a, VI b) { return _mm256_add_epi32(a, b); }
   static PS_INLINE VI SubI(VI a, VI b) { return _mm256_sub_epi32(a, b); }
+  static PS_INLINE VI MulLoI(VI a, VI b) { return _mm256_mullo_epi32(a, b); }
+  static PS_INLINE VI IotaI(int32_t base) {
+    return _mm256_add_epi32(_mm256_set1_epi32(base), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  }
+  static PS_INLINE V FromBits(VI a) { return _mm256_castsi256_ps(a); }
+  static PS_INLINE VI Srl15(VI a) { return _mm256_srli_epi32(a, 15); }
+  static PS_INLINE V BlendIfNan(V x, V if_nan, V otherwise) {
+    return _mm256_blendv_ps(otherwise, if_nan, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+  }
   static PS_INLINE VI MaxI(VI a, VI b) { return _mm256_max_epi32(a, b); }
   static PS_INLINE VI MinI(VI a, VI b) { return _mm256_min_epi32(a, b); }
   static PS_INLINE VI Srl16(VI a) { return _mm256_srli_epi32(a, 16); }
@@ -283,6 +306,16 @@ struct Ops {
   static PS_INLINE VI AndI(VI a, VI b) { return _mm512_and_si512(a, b); }
   static PS_INLINE VI AddI(VI a, VI b) { return _mm512_add_epi32(a, b); }
   static PS_INLINE VI SubI(VI a, VI b) { return _mm512_sub_epi32(a, b); }
+  static PS_INLINE VI MulLoI(VI a, VI b) { return _mm512_mullo_epi32(a, b); }
+  static PS_INLINE VI IotaI(int32_t base) {
+    return _mm512_add_epi32(_mm512_set1_epi32(base), _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8,
+                                                                       9, 10, 11, 12, 13, 14, 15));
+  }
+  static PS_INLINE V FromBits(VI a) { return _mm512_castsi512_ps(a); }
+  static PS_INLINE VI Srl15(VI a) { return _mm512_srli_epi32(a, 15); }
+  static PS_INLINE V BlendIfNan(V x, V if_nan, V otherwise) {
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), otherwise, if_nan);
+  }
   static PS_INLINE VI MaxI(VI a, VI b) { return _mm512_max_epi32(a, b); }
   static PS_INLINE VI MinI(VI a, VI b) { return _mm512_min_epi32(a, b); }
   static PS_INLINE VI Srl16(VI a) { return _mm512_srli_epi32(a, 16); }

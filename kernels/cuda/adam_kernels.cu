@@ -80,8 +80,9 @@ struct DeviceLowpChunk {
   int64_t count;
   int32_t grad_dtype;
   int32_t copy_dtype;  // kF16, kBF16 or kNoCopy
-  int32_t param_bf16;
-  int32_t state;  // StateDType
+  int32_t param_mode;  // kParamF32, kParamKahan or kParamStochastic
+  int32_t state;       // StateDType
+  uint32_t rounding_key;  // internal::RoundingKey(rounding_seed, step) for kParamStochastic
 };
 
 // Chunks per launch table: fewer of the larger low-precision entries fit in 4 KiB.
@@ -177,6 +178,7 @@ __global__ void __launch_bounds__(kThreads)
 constexpr int32_t kStateF32 = static_cast<int32_t>(StateDType::kFloat32);
 constexpr int32_t kStateBf16 = static_cast<int32_t>(StateDType::kBFloat16);
 constexpr int32_t kStateInt8 = static_cast<int32_t>(StateDType::kInt8);
+constexpr int32_t kParamF32 = 0, kParamKahan = 1, kParamStochastic = 2;
 constexpr int kPerThread = kTileElements / kThreads;
 static_assert(kTileElements == kQuantizationBlock,
               "one tile is one quantization block: its block reduces the tile's absmax");
@@ -261,7 +263,14 @@ __global__ void __launch_bounds__(kThreads)
       const float g = __fmul_rn(LoadAsFloat(c.grad, i, c.grad_dtype), k.grad_mul);
       float m = LoadState(c.exp_avg, i, c.state, 0, m_scale);
       float v = LoadState(c.exp_avg_sq, i, c.state, 1, v_scale);
-      if (c.param_bf16) {
+      if (c.param_mode == kParamStochastic) {  // Note [Stochastic rounding]
+        unsigned short* param16 = static_cast<unsigned short*>(c.param);
+        float q = Bf16ToFloat(param16[i]);
+        AdamMath(k, q, g, m, v);
+        const uint32_t random = internal::RoundingBits(c.rounding_key, static_cast<uint32_t>(i));
+        param16[i] = isnan(q) ? FloatToBf16(q)
+                              : static_cast<unsigned short>((__float_as_uint(q) + random) >> 16);
+      } else if (c.param_mode == kParamKahan) {
         unsigned short* param16 = static_cast<unsigned short*>(c.param);
         const float p = Bf16ToFloat(param16[i]);
         float q = p;
@@ -454,8 +463,13 @@ absl::Status AdamUpdateOnDevice(absl::Span<const AdamChunk> chunks, const AdamHy
       lowp_entries.push_back({c.param, c.param_compensation, c.grad, c.exp_avg, c.exp_avg_sq,
                               c.exp_avg_scale, c.exp_avg_sq_scale, c.param_copy, c.count,
                               DtypeCode(c.grad_dtype), copy,
-                              c.param_dtype == DType::kBFloat16 ? 1 : 0,
-                              static_cast<int32_t>(c.state_dtype)});
+                              c.param_dtype == DType::kFloat32
+                                  ? kParamF32
+                                  : (c.param_rounding == ParamRounding::kStochastic
+                                         ? kParamStochastic
+                                         : kParamKahan),
+                              static_cast<int32_t>(c.state_dtype),
+                              internal::RoundingKey(c.rounding_seed, params.step)});
     }
   }
   const internal::AdamConstants k = internal::MakeAdamConstants(params);

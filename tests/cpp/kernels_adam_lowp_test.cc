@@ -12,6 +12,7 @@
 #include "gtest/gtest.h"
 #include "kernels/adam.h"
 #include "kernels/cast.h"
+#include "kernels/internal/stochastic_rounding.h"
 #include "kernels/parallel.h"
 #include "kernels/quantization.h"
 #include "kernels/simd.h"
@@ -32,6 +33,8 @@ struct State {
   StateDType state_dtype = StateDType::kFloat32;
   DType grad_dtype = DType::kFloat32;
   int copy = 0;  // 0 none, 1 fp16, 2 bf16
+  bool stochastic = false;  // bf16 params: stochastic rounding instead of Kahan
+  uint64_t seed = 0x1234567890abcdefull;
   std::vector<float> param32, m32, v32, grad32;
   std::vector<uint16_t> param16, comp, m16, v16, grad16, copy16;
   std::vector<uint8_t> m8, v8;
@@ -45,7 +48,9 @@ struct State {
     c.grad_dtype = grad_dtype;
     c.param = param_dtype == DType::kFloat32 ? param32.data()
                                              : reinterpret_cast<float*>(param16.data());
-    if (param_dtype == DType::kBFloat16) c.param_compensation = comp.data();
+    if (param_dtype == DType::kBFloat16 && !stochastic) c.param_compensation = comp.data();
+    if (stochastic) c.param_rounding = ParamRounding::kStochastic;
+    c.rounding_seed = seed;
     c.grad = grad_dtype == DType::kFloat32 ? static_cast<const void*>(grad32.data())
                                            : static_cast<const void*>(grad16.data());
     switch (state_dtype) {
@@ -161,6 +166,12 @@ void ReferenceStep(State& s, const AdamHyperParams& hp) {
       ReferenceElement(hp, s.param32[i], s.grad32[i], m[i], v[i]);
       if (s.copy == 1) s.copy16[i] = FloatToHalfBits(s.param32[i]);
       if (s.copy == 2) s.copy16[i] = FloatToBFloat16Bits(s.param32[i]);
+    } else if (s.stochastic) {  // Note [Stochastic rounding]
+      float q = BFloat16BitsToFloat(s.param16[i]);
+      ReferenceElement(hp, q, s.grad32[i], m[i], v[i]);
+      const uint32_t random = internal::RoundingBits(internal::RoundingKey(s.seed, hp.step),
+                                                     static_cast<uint32_t>(i));
+      s.param16[i] = FloatToBFloat16Bits(internal::StochasticBf16(q, random));
     } else {  // Note [Low-precision Adam]: Kahan-compensated bf16 param
       const float p = BFloat16BitsToFloat(s.param16[i]);
       float q = p;
@@ -228,15 +239,17 @@ AdamHyperParams LossScaledParams() {
 std::string Name(const State& s, SimdLevel level, int64_t n, bool adamw) {
   return std::string(SimdLevelName(level)) + " n=" + std::to_string(n) +
          " param=" + std::string(DTypeName(s.param_dtype)) +
+         (s.stochastic ? " stochastic" : "") +
          " state=" + std::string(StateDTypeName(s.state_dtype)) +
          " grad=" + std::string(DTypeName(s.grad_dtype)) + " copy=" + std::to_string(s.copy) +
          (adamw ? " AdamW" : " Adam");
 }
 
 void RunCase(int64_t n, DType param_dtype, StateDType state_dtype, DType grad_dtype, int copy,
-             bool adamw, SimdLevel level, int steps = 6) {
+             bool adamw, SimdLevel level, int steps = 6, bool stochastic = false) {
   ScopedSimd simd(level);
   State ours = MakeState(n, param_dtype, state_dtype, grad_dtype, copy, 7);
+  ours.stochastic = stochastic;
   State ref = ours;
   const std::string context = Name(ours, level, n, adamw);
   std::mt19937 rng_ours(11), rng_ref(11);
@@ -257,12 +270,15 @@ void RunCase(int64_t n, DType param_dtype, StateDType state_dtype, DType grad_dt
 struct Variant {
   DType param_dtype;
   StateDType state_dtype;
+  bool stochastic = false;
 };
 const Variant kVariants[] = {{DType::kFloat32, StateDType::kBFloat16},
                              {DType::kFloat32, StateDType::kInt8},
                              {DType::kBFloat16, StateDType::kFloat32},
                              {DType::kBFloat16, StateDType::kBFloat16},
-                             {DType::kBFloat16, StateDType::kInt8}};
+                             {DType::kBFloat16, StateDType::kInt8},
+                             {DType::kBFloat16, StateDType::kFloat32, true},
+                             {DType::kBFloat16, StateDType::kInt8, true}};
 
 TEST(AdamLowpTest, EveryPathMatchesTheReferenceBitForBitOnTailsAndBlockEdges) {
   for (SimdLevel level : SupportedSimdLevels()) {
@@ -272,7 +288,8 @@ TEST(AdamLowpTest, EveryPathMatchesTheReferenceBitForBitOnTailsAndBlockEdges) {
           const int max_copy = variant.param_dtype == DType::kFloat32 ? 2 : 0;
           for (int copy = 0; copy <= max_copy; ++copy) {
             for (bool adamw : {false, true}) {
-              RunCase(n, variant.param_dtype, variant.state_dtype, grad, copy, adamw, level, 3);
+              RunCase(n, variant.param_dtype, variant.state_dtype, grad, copy, adamw, level, 3,
+                      variant.stochastic);
               if (HasFatalFailure()) return;
             }
           }
@@ -286,7 +303,7 @@ TEST(AdamLowpTest, EveryPathMatchesTheReferenceOnALargeChunkOverManySteps) {
   for (SimdLevel level : SupportedSimdLevels()) {
     for (const Variant& variant : kVariants) {
       RunCase(100003, variant.param_dtype, variant.state_dtype, DType::kBFloat16, 0, true, level,
-              8);
+              8, variant.stochastic);
       if (HasFatalFailure()) return;
     }
   }
@@ -295,6 +312,7 @@ TEST(AdamLowpTest, EveryPathMatchesTheReferenceOnALargeChunkOverManySteps) {
 TEST(AdamLowpTest, ResultsDoNotDependOnTheThreadCount) {
   for (const Variant& variant : kVariants) {
     State one = MakeState(300001, variant.param_dtype, variant.state_dtype, DType::kFloat32, 0, 9);
+    one.stochastic = variant.stochastic;
     State three = one;
     for (int step = 1; step <= 3; ++step) {
       std::mt19937 rng1(step), rng3(step);
@@ -339,11 +357,37 @@ TEST(AdamLowpTest, KahanCompensationKeepsUpdatesBelowTheBf16Ulp) {
   }
 }
 
+// Stochastic rounding is unbiased: params at 1.0 moved by -lr (far below the bf16 ulp, 2^-7)
+// end, on average, where an fp32 master does; and the seed changes the draws.
+TEST(AdamLowpTest, StochasticRoundingIsUnbiasedAndSeeded) {
+  const int64_t n = 1 << 16;
+  State bf = MakeState(n, DType::kBFloat16, StateDType::kFloat32, DType::kFloat32, 0, 3);
+  bf.stochastic = true;
+  for (int64_t i = 0; i < n; ++i) {
+    bf.param16[i] = FloatToBFloat16Bits(1.0f);
+    bf.grad32[i] = 1.0f;
+  }
+  State other = bf;
+  other.seed = 99;
+  AdamHyperParams hp;
+  hp.lr = 1e-4;
+  for (int64_t step = 1; step <= 100; ++step) {
+    hp.step = step;
+    ASSERT_TRUE(AdamUpdate(bf.Chunk(), hp).ok());
+    ASSERT_TRUE(AdamUpdate(other.Chunk(), hp).ok());
+  }
+  double sum = 0.0;
+  for (uint16_t bits : bf.param16) sum += BFloat16BitsToFloat(bits);
+  EXPECT_NEAR(sum / n, 1.0 - 100 * 1e-4, 2e-4);  // plain rounding would stay at 1
+  EXPECT_NE(bf.param16, other.param16);
+}
+
 TEST(AdamLowpTest, TrafficBoundTouchesTheSameElements) {
   for (SimdLevel level : SupportedSimdLevels()) {
     ScopedSimd simd(level);
     for (const Variant& variant : kVariants) {
       State s = MakeState(2100, variant.param_dtype, variant.state_dtype, DType::kFloat32, 0, 1);
+      s.stochastic = variant.stochastic;
       std::fill(s.grad32.begin(), s.grad32.end(), 1.0f);
       const State before = s;
       ASSERT_TRUE(AdamTrafficBound({s.Chunk()}).ok());
@@ -389,6 +433,14 @@ TEST(AdamLowpTest, RejectsInconsistentChunksNamingTheField) {
   bad = c;
   bad.param_dtype = DType::kFloat32;
   EXPECT_NE(message(bad).find("param_compensation"), std::string::npos);
+  bad = c;
+  bad.param_rounding = ParamRounding::kStochastic;  // with a compensation buffer
+  EXPECT_NE(message(bad).find("param_compensation is set but param_rounding"), std::string::npos);
+  bad = s.Chunk();
+  bad.param_dtype = DType::kFloat32;
+  bad.param_compensation = nullptr;
+  bad.param_rounding = ParamRounding::kStochastic;
+  EXPECT_NE(message(bad).find("param_rounding"), std::string::npos);
   bad = c;
   bad.state_dtype = static_cast<StateDType>(7);
   EXPECT_NE(message(bad).find("state_dtype"), std::string::npos);
