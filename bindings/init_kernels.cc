@@ -73,7 +73,15 @@ void CheckTensor(const char* fn, const char* name, const at::Tensor& t, const at
 // The optional tensors of the low-precision variants (issue 21) of one chunk.
 struct LowpTensors {
   std::optional<at::Tensor> param_compensation, exp_avg_scale, exp_avg_sq_scale;
+  kernels::ParamRounding rounding = kernels::ParamRounding::kKahan;
+  uint64_t rounding_seed = 0;
 };
+
+kernels::ParamRounding ParseRounding(const std::string& name) {
+  if (name == "kahan") return kernels::ParamRounding::kKahan;
+  if (name == "stochastic") return kernels::ParamRounding::kStochastic;
+  throw py::value_error("param_rounding must be 'kahan' or 'stochastic', got '" + name + "'");
+}
 
 // The chunk's variant follows the tensors' dtypes: param float32 (fp32 master) or bfloat16 (no
 // master; param_compensation, bfloat16, required); exp_avg/exp_avg_sq float32, bfloat16 or uint8
@@ -132,6 +140,8 @@ kernels::AdamChunk ChunkFromTensors(const char* fn, const at::Tensor& param, con
                 "ceil(param / 2048)");
     chunk.exp_avg_sq_scale = lowp.exp_avg_sq_scale->data_ptr<float>();
   }
+  chunk.param_rounding = lowp.rounding;
+  chunk.rounding_seed = lowp.rounding_seed;
   // Inconsistent combinations (a bf16 param without compensation, uint8 state without scales,
   // ...) are the kernel's InvalidArgument, raised as ValueError naming the field.
   ThrowIfError(kernels::ValidateAdamChunk(chunk));
@@ -180,6 +190,8 @@ py::dict MultiAdam(const std::vector<at::Tensor>& params, const std::vector<at::
                    const std::optional<std::vector<std::optional<at::Tensor>>>& param_compensations,
                    const std::optional<std::vector<std::optional<at::Tensor>>>& exp_avg_scales,
                    const std::optional<std::vector<std::optional<at::Tensor>>>& exp_avg_sq_scales,
+                   kernels::ParamRounding rounding,
+                   const std::optional<std::vector<uint64_t>>& rounding_seeds,
                    const kernels::AdamHyperParams& hp) {
   const size_t n = params.size();
   auto check_len = [n](size_t size, const char* name) {
@@ -195,6 +207,7 @@ py::dict MultiAdam(const std::vector<at::Tensor>& params, const std::vector<at::
   if (param_compensations) check_len(param_compensations->size(), "param_compensations");
   if (exp_avg_scales) check_len(exp_avg_scales->size(), "exp_avg_scales");
   if (exp_avg_sq_scales) check_len(exp_avg_sq_scales->size(), "exp_avg_sq_scales");
+  if (rounding_seeds) check_len(rounding_seeds->size(), "rounding_seeds");
   std::vector<kernels::AdamChunkUpdate> updates;
   int device = -1;
   for (size_t i = 0; i < n; ++i) {
@@ -204,6 +217,8 @@ py::dict MultiAdam(const std::vector<at::Tensor>& params, const std::vector<at::
     if (param_compensations) lowp.param_compensation = (*param_compensations)[i];
     if (exp_avg_scales) lowp.exp_avg_scale = (*exp_avg_scales)[i];
     if (exp_avg_sq_scales) lowp.exp_avg_sq_scale = (*exp_avg_sq_scales)[i];
+    if (params[i].scalar_type() == at::kBFloat16) lowp.rounding = rounding;
+    if (rounding_seeds) lowp.rounding_seed = (*rounding_seeds)[i];
     update.chunk = ChunkFromTensors(fn.c_str(), params[i], grads[i], exp_avgs[i], exp_avg_sqs[i],
                                     param_copies ? (*param_copies)[i] : std::nullopt, lowp);
     if (params[i].device().is_cuda()) {
@@ -318,10 +333,12 @@ void InitKernels(py::module_& module) {
          double clip_coef, const std::optional<at::Tensor>& param_copy,
          const std::optional<at::Tensor>& param_compensation,
          const std::optional<at::Tensor>& exp_avg_scale,
-         const std::optional<at::Tensor>& exp_avg_sq_scale) {
-        const kernels::AdamChunk chunk =
-            ChunkFromTensors("adam_", param, grad, exp_avg, exp_avg_sq, param_copy,
-                             {param_compensation, exp_avg_scale, exp_avg_sq_scale});
+         const std::optional<at::Tensor>& exp_avg_sq_scale, const std::string& param_rounding,
+         uint64_t rounding_seed) {
+        const kernels::AdamChunk chunk = ChunkFromTensors(
+            "adam_", param, grad, exp_avg, exp_avg_sq, param_copy,
+            {param_compensation, exp_avg_scale, exp_avg_sq_scale, ParseRounding(param_rounding),
+             rounding_seed});
         const kernels::AdamHyperParams hp =
             HyperParams(lr, beta1, beta2, eps, weight_decay, step, adamw, bias_correction,
                         grad_scale, clip_coef);
@@ -342,9 +359,11 @@ void InitKernels(py::module_& module) {
       py::arg("bias_correction") = true, py::arg("grad_scale") = 1.0, py::arg("clip_coef") = 1.0,
       py::arg("param_copy") = py::none(), py::arg("param_compensation") = py::none(),
       py::arg("exp_avg_scale") = py::none(), py::arg("exp_avg_sq_scale") = py::none(),
+      py::arg("param_rounding") = "kahan", py::arg("rounding_seed") = 0,
       "One fused Adam (adamw=False, L2 weight decay) or AdamW step of a chunk, in place. param: "
       "float32 (master) or bfloat16 (no master: Kahan-compensated with param_compensation, "
-      "bfloat16, zero-initialized); exp_avg, exp_avg_sq: float32, bfloat16, or uint8 codes of "
+      "bfloat16, zero-initialized), or param_rounding='stochastic' (no compensation; random bits "
+      "from rounding_seed, step and the element index); exp_avg, exp_avg_sq: float32, bfloat16, or uint8 codes of "
       "the blockwise 8-bit state with exp_avg_scale/exp_avg_sq_scale (float32, ceil(n / 2048) "
       "each); grad: float32/float16/bfloat16, divided by grad_scale and multiplied by clip_coef; "
       "step counts from 1; param_copy (float16/bfloat16) receives the updated fp32 param. CPU "
@@ -359,9 +378,12 @@ void InitKernels(py::module_& module) {
          const std::optional<std::vector<std::optional<at::Tensor>>>& param_copies,
          const std::optional<std::vector<std::optional<at::Tensor>>>& param_compensations,
          const std::optional<std::vector<std::optional<at::Tensor>>>& exp_avg_scales,
-         const std::optional<std::vector<std::optional<at::Tensor>>>& exp_avg_sq_scales) {
+         const std::optional<std::vector<std::optional<at::Tensor>>>& exp_avg_sq_scales,
+         const std::string& param_rounding,
+         const std::optional<std::vector<uint64_t>>& rounding_seeds) {
         return MultiAdam(params, grads, exp_avgs, exp_avg_sqs, param_copies, param_compensations,
-                         exp_avg_scales, exp_avg_sq_scales,
+                         exp_avg_scales, exp_avg_sq_scales, ParseRounding(param_rounding),
+                         rounding_seeds,
                          HyperParams(lr, beta1, beta2, eps, weight_decay, step, adamw,
                                      bias_correction, grad_scale, clip_coef));
       },
@@ -371,11 +393,13 @@ void InitKernels(py::module_& module) {
       py::arg("adamw") = false, py::arg("bias_correction") = true, py::arg("grad_scale") = 1.0,
       py::arg("clip_coef") = 1.0, py::arg("param_copies") = py::none(),
       py::arg("param_compensations") = py::none(), py::arg("exp_avg_scales") = py::none(),
-      py::arg("exp_avg_sq_scales") = py::none(),
+      py::arg("exp_avg_sq_scales") = py::none(), py::arg("param_rounding") = "kahan",
+      py::arg("rounding_seeds") = py::none(),
       "adam_ over many chunks (hybrid Adam): CUDA chunks go to the GPU kernel and CPU chunks to "
       "the CPU kernel, run concurrently. Returns the counts each side updated. The lists "
       "param_copies, param_compensations, exp_avg_scales and exp_avg_sq_scales hold None where "
-      "a chunk has no such tensor.");
+      "a chunk has no such tensor; param_rounding applies to the bfloat16 params, each with its "
+      "seed from rounding_seeds (default 0).");
 
   kernels.def(
       "adam_traffic_bound_",
@@ -383,10 +407,10 @@ void InitKernels(py::module_& module) {
          const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& param_copy,
          const std::optional<at::Tensor>& param_compensation,
          const std::optional<at::Tensor>& exp_avg_scale,
-         const std::optional<at::Tensor>& exp_avg_sq_scale) {
-        const kernels::AdamChunk chunk =
-            ChunkFromTensors("adam_traffic_bound_", param, grad, exp_avg, exp_avg_sq, param_copy,
-                             {param_compensation, exp_avg_scale, exp_avg_sq_scale});
+         const std::optional<at::Tensor>& exp_avg_sq_scale, const std::string& param_rounding) {
+        const kernels::AdamChunk chunk = ChunkFromTensors(
+            "adam_traffic_bound_", param, grad, exp_avg, exp_avg_sq, param_copy,
+            {param_compensation, exp_avg_scale, exp_avg_sq_scale, ParseRounding(param_rounding)});
         if (!param.device().is_cpu()) throw py::value_error("adam_traffic_bound_: CPU only");
         py::gil_scoped_release release;
         ThrowIfError(kernels::AdamTrafficBound({chunk}));
@@ -394,7 +418,7 @@ void InitKernels(py::module_& module) {
       py::arg("param"), py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"),
       py::arg("param_copy") = py::none(), py::kw_only(),
       py::arg("param_compensation") = py::none(), py::arg("exp_avg_scale") = py::none(),
-      py::arg("exp_avg_sq_scale") = py::none(),
+      py::arg("exp_avg_sq_scale") = py::none(), py::arg("param_rounding") = "kahan",
       "Benchmark bound: the loads and stores of adam_ (same dtypes and variant) with trivial "
       "arithmetic (overwrites the tensors with meaningless values).");
 
