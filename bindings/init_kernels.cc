@@ -363,11 +363,12 @@ void InitKernels(py::module_& module) {
       "One fused Adam (adamw=False, L2 weight decay) or AdamW step of a chunk, in place. param: "
       "float32 (master) or bfloat16 (no master: Kahan-compensated with param_compensation, "
       "bfloat16, zero-initialized), or param_rounding='stochastic' (no compensation; random bits "
-      "from rounding_seed, step and the element index); exp_avg, exp_avg_sq: float32, bfloat16, or uint8 codes of "
-      "the blockwise 8-bit state with exp_avg_scale/exp_avg_sq_scale (float32, ceil(n / 2048) "
-      "each); grad: float32/float16/bfloat16, divided by grad_scale and multiplied by clip_coef; "
-      "step counts from 1; param_copy (float16/bfloat16) receives the updated fp32 param. CPU "
-      "tensors use the CPU kernel, CUDA tensors the GPU kernel.");
+      "from rounding_seed, step and the element index); exp_avg, exp_avg_sq: float32, "
+      "bfloat16, or uint8 codes of the blockwise 8-bit state with exp_avg_scale and "
+      "exp_avg_sq_scale (float32, ceil(n / 2048) each); grad: float32/float16/bfloat16, "
+      "divided by grad_scale and multiplied by clip_coef; step counts from 1; param_copy "
+      "(float16/bfloat16) receives the updated fp32 param. CPU tensors use the CPU kernel, CUDA "
+      "tensors the GPU kernel.");
 
   kernels.def(
       "multi_adam_",

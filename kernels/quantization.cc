@@ -91,7 +91,8 @@ internal::QuantizationTables BuildTables(const float* codes) {
 namespace internal {
 
 const QuantizationTables& GetQuantizationTables(QuantizationMap map) {
-  static const QuantizationTables* const kSigned = new QuantizationTables(BuildTables(kSignedCodes));
+  static const QuantizationTables* const kSigned =
+      new QuantizationTables(BuildTables(kSignedCodes));
   static const QuantizationTables* const kUnsigned =
       new QuantizationTables(BuildTables(kUnsignedCodes));
   return map == QuantizationMap::kSigned ? *kSigned : *kUnsigned;

@@ -1,8 +1,9 @@
 // The GPU kernel's low-precision variants (issue 21) against the CPU kernel (which
 // kernels_adam_lowp_test.cc checks against a scalar reference): int8 and bf16 state, bf16 params
-// with Kahan compensation or stochastic rounding, mixed with fp32 chunks in one call and across launch tables. Skipped
-// without a GPU; under the strict emulated device (PATRICKSTAR_STRICT_DEVICE=1) it checks the
-// launch path, the memory ranges and the device-side pointers of every new field.
+// with Kahan compensation or stochastic rounding, mixed with fp32 chunks in one call and across
+// launch tables. Skipped without a GPU; under the strict emulated device
+// (PATRICKSTAR_STRICT_DEVICE=1) it checks the launch path, the memory ranges and the device-side
+// pointers of every new field.
 #include <cmath>
 #include <cstring>
 #include <random>

@@ -1,8 +1,9 @@
 """Low-precision Adam kernels (issue 21) against plain-PyTorch references of the same math:
 the dynamic quantization maps against bitsandbytes' recipe, blockwise (de)quantization, int8 and
 bf16 Adam state (dequantize with the map, torch.optim.AdamW's step, requantize), bf16 params
-without an fp32 master updated with Kahan compensation or stochastic rounding, and training a small regression problem
-next to fp32 torch Adam for a few hundred steps. Every SIMD path the CPU supports."""
+without an fp32 master updated with Kahan compensation or stochastic rounding, and training a
+small regression problem next to fp32 torch Adam for a few hundred steps. Every SIMD path the CPU
+supports."""
 
 import pytest
 import torch
