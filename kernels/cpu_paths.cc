@@ -55,8 +55,9 @@ struct Ops {
   static PS_INLINE V Fma(V a, V b, V c) { return std::fma(a, b, c); }
   static PS_INLINE bool AnyNonZero(V a) { return a != 0.0f; }
 
-  static PS_INLINE V RoundBf16(V x) {
-    return std::bit_cast<float>(static_cast<uint32_t>(FloatToBFloat16Bits(x)) << 16);
+  static PS_INLINE V StoreBf16Rounded(uint16_t* p, V x) {
+    *p = FloatToBFloat16Bits(x);
+    return std::bit_cast<float>(static_cast<uint32_t>(*p) << 16);
   }
   using VI = int32_t;
   static PS_INLINE VI Set1I(int32_t x) { return x; }
@@ -87,6 +88,7 @@ struct Ops {
   static PS_INLINE V Gather(const float* table, VI index) { return table[index]; }
   static PS_INLINE VI GatherI(const int32_t* table, VI index) { return table[index]; }
   static PS_INLINE VI XorI(VI a, VI b) { return a ^ b; }
+  static PS_INLINE VI OrI(VI a, VI b) { return a | b; }
   static PS_INLINE VI AddIfGreaterI(VI q, VI a, VI b) { return q + (a > b ? 1 : 0); }
   static PS_INLINE VI LoadU8(const uint8_t* p) { return *p; }
   static PS_INLINE void StoreU8(uint8_t* p, VI x) { *p = static_cast<uint8_t>(x); }
@@ -162,6 +164,12 @@ struct Ops {
     return _mm256_movemask_ps(_mm256_cmp_ps(a, _mm256_setzero_ps(), _CMP_NEQ_UQ)) != 0;
   }
 
+  // StoreBf16, returning the stored value as a float.
+  static PS_INLINE V StoreBf16Rounded(uint16_t* p, V x) {
+    const V rounded = RoundBf16(x);
+    StoreTruncated16(p, rounded);
+    return rounded;
+  }
   // StoreBf16's rounding, kept in the high half of a float.
   static PS_INLINE V RoundBf16(V x) {
     const __m256i bits = _mm256_castps_si256(x);
@@ -206,6 +214,7 @@ struct Ops {
     return _mm256_i32gather_epi32(table, index, 4);
   }
   static PS_INLINE VI XorI(VI a, VI b) { return _mm256_xor_si256(a, b); }
+  static PS_INLINE VI OrI(VI a, VI b) { return _mm256_or_si256(a, b); }
   static PS_INLINE VI AddIfGreaterI(VI q, VI a, VI b) {  // the compare is -1 where a > b
     return _mm256_sub_epi32(q, _mm256_cmpgt_epi32(a, b));
   }
@@ -289,6 +298,12 @@ struct Ops {
     return _mm512_cmp_ps_mask(a, _mm512_setzero_ps(), _CMP_NEQ_UQ) != 0;
   }
 
+  // StoreBf16, returning the stored value as a float.
+  static PS_INLINE V StoreBf16Rounded(uint16_t* p, V x) {
+    const V rounded = RoundBf16(x);
+    StoreTruncated16(p, rounded);
+    return rounded;
+  }
   // StoreBf16's rounding, kept in the high half of a float.
   static PS_INLINE V RoundBf16(V x) {
     const __m512i bits = _mm512_castps_si512(x);
@@ -329,6 +344,7 @@ struct Ops {
     return _mm512_i32gather_epi32(index, table, 4);
   }
   static PS_INLINE VI XorI(VI a, VI b) { return _mm512_xor_si512(a, b); }
+  static PS_INLINE VI OrI(VI a, VI b) { return _mm512_or_si512(a, b); }
   static PS_INLINE VI AddIfGreaterI(VI q, VI a, VI b) {
     return _mm512_mask_add_epi32(q, _mm512_cmpgt_epi32_mask(a, b), q, _mm512_set1_epi32(1));
   }
@@ -382,6 +398,20 @@ struct Ops : avx512_path::Ops {
     }
     const __m256bh converted = _mm512_cvtneps_pbh(x);
     std::memcpy(p, &converted, sizeof(converted));
+  }
+  // One vcvtneps2bf16 for the store and the value (widened back), denormals as StoreBf16.
+  static PS_INLINE V StoreBf16Rounded(uint16_t* p, V x) {
+    const __m512i bits = _mm512_castps_si512(x);
+    const __mmask16 denormal = _mm512_testn_epi32_mask(bits, _mm512_set1_epi32(0x7f800000)) &
+                               _mm512_test_epi32_mask(bits, _mm512_set1_epi32(0x007fffff));
+    if (denormal != 0) [[unlikely]] {
+      return avx512_path::Ops::StoreBf16Rounded(p, x);
+    }
+    const __m256bh converted = _mm512_cvtneps_pbh(x);
+    __m256i halves;
+    std::memcpy(&halves, &converted, sizeof(halves));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), halves);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
   }
 };
 
