@@ -6,7 +6,9 @@
 // One pass per chunk reads the fp32 master param, the gradient (fp32, fp16 or bf16), momentum
 // and variance, and writes param, momentum, variance and, when asked, the fp16/bf16 compute
 // copy of the param. The arithmetic is torch.optim.Adam / AdamW (foreach=False) operation for
-// operation; see Note [Adam arithmetic] in adam.cc.
+// operation; see Note [Adam arithmetic] in adam.cc. The moments may instead be bf16 or blockwise
+// 8-bit (kernels/quantization.h), and the param bf16 without an fp32 master, Kahan-compensated
+// or stochastically rounded, in the same single pass (Note [Low-precision Adam]).
 #pragma once
 
 #include <cstdint>
