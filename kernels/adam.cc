@@ -4,9 +4,11 @@
 #include <cmath>
 #include <vector>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "kernels/internal/cpu_paths.h"
 #include "kernels/parallel.h"
+#include "kernels/quantization.h"
 #include "kernels/simd.h"
 #include "runtime/status.h"
 
@@ -42,6 +44,55 @@ namespace ps::kernels {
 // zero-padded copies. The results are therefore bit-identical across paths, which the tests
 // check with exact equality by forcing each path.
 
+// Note [Low-precision Adam]
+// Issue 21 adds two independent choices to the chunk, handled by the same one-pass kernel:
+//  - state_dtype: the moments are loaded as bf16 (exact widening) or as 8-bit codes (code value
+//    times the block's old scale, one multiply), the update runs in fp32 exactly as in Note [Adam
+//    arithmetic], the param update uses the fp32 moments just computed (as bitsandbytes'
+//    blockwise 8-bit Adam does), and the new moments are stored rounded to nearest even (bf16)
+//    or requantized (int8: the block's new fp32 moments go to a 2048-element stack buffer, then
+//    the new scale is taken and the codes written from the buffer, Note [Blockwise
+//    quantization]). Main memory is read and written once per element either way.
+//  - param_dtype bf16 without an fp32 master, Kahan-compensated ("Revisiting BFloat16 Training",
+//    optimi's kahan_sum): with p the widened bf16 param and c the widened compensation,
+//        q  = the fp32 Adam result from p (Note [Adam arithmetic], decay included)
+//        y  = (q - p) + c                the intended change plus the error carried so far
+//        s  = p + y;  p' = bf16(s)       round to nearest even
+//        c' = bf16(y - (float(p') - p))  what this rounding lost, for the next step
+//    so updates far below the bf16 ulp of p accumulate in c until they move p. q - p and
+//    float(p') - p are exact (Sterbenz) whenever q and p' are within a factor 2 of p.
+// All of it is +, -, *, /, sqrt, one fma per use and table lookups by integer index, so every
+// path (and the CUDA kernel) rounds identically (Note [Identical rounding on every path]).
+//
+// Note [Stochastic rounding]
+// The alternative to Kahan for bf16 params (param_rounding kStochastic, no compensation buffer):
+// p' = bf16 of q rounded up with probability (the 16 dropped bits) / 2^16, unbiased, so that
+// updates below the bf16 ulp still move p on average. The random bits are a function of
+// (rounding_seed, step, element index) only (internal::RoundingBits: lowbias32 of the index
+// under a per-step key), not of a stateful generator, so the result is the same on every SIMD
+// path, thread split and on the GPU, and a step can be replayed. Indices are taken mod 2^32.
+
+absl::string_view StateDTypeName(StateDType dtype) {
+  switch (dtype) {
+    case StateDType::kFloat32:
+      return "fp32";
+    case StateDType::kBFloat16:
+      return "bf16";
+    case StateDType::kInt8:
+      return "int8";
+  }
+  return "unknown";
+}
+
+absl::StatusOr<StateDType> ParseStateDType(absl::string_view name) {
+  const std::string lower = absl::AsciiStrToLower(name);
+  if (lower == "fp32" || lower == "float32" || lower == "float") return StateDType::kFloat32;
+  if (lower == "bf16" || lower == "bfloat16") return StateDType::kBFloat16;
+  if (lower == "int8" || lower == "8bit") return StateDType::kInt8;
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown Adam state dtype '", name, "': expected fp32, bf16 or int8"));
+}
+
 namespace internal {
 
 AdamConstants MakeAdamConstants(const AdamHyperParams& p) {
@@ -63,6 +114,7 @@ AdamConstants MakeAdamConstants(const AdamHyperParams& p) {
   k.bias_correction2_sqrt = static_cast<float>(std::pow(bias_correction2, 0.5));
   k.neg_step_size = static_cast<float>(-(p.lr / bias_correction1));
   k.eps = static_cast<float>(p.eps);
+  k.step = p.step;
   return k;
 }
 
@@ -106,6 +158,63 @@ absl::Status ValidateAdamChunk(const AdamChunk& c) {
                       c.exp_avg_sq == nullptr)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "Adam chunk of ", c.count, " elements: null param, grad, exp_avg or exp_avg_sq"));
+  }
+  if (c.param_dtype != DType::kFloat32 && c.param_dtype != DType::kBFloat16) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "Adam chunk: param_dtype must be float32 or bfloat16, not ", DTypeName(c.param_dtype)));
+  }
+  if (c.param_dtype == DType::kBFloat16) {
+    if (c.param_copy != nullptr) {
+      return absl::InvalidArgumentError(
+          "Adam chunk: param_copy is set but param_dtype is bfloat16 (the param is the compute "
+          "copy: there is no fp32 master to copy from)");
+    }
+    if (c.count > 0 && c.param_compensation == nullptr &&
+        c.param_rounding == ParamRounding::kKahan) {
+      return absl::InvalidArgumentError(
+          "Adam chunk: param_compensation is null but param_dtype is bfloat16 (the Kahan "
+          "compensation buffer of count bf16 elements is required)");
+    }
+  } else if (c.param_compensation != nullptr) {
+    return absl::InvalidArgumentError(
+        "Adam chunk: param_compensation is set but param_dtype is float32");
+  }
+  if (c.param_rounding != ParamRounding::kKahan &&
+      c.param_rounding != ParamRounding::kStochastic) {
+    return absl::InvalidArgumentError(absl::StrCat("Adam chunk: unknown param_rounding ",
+                                                   static_cast<int>(c.param_rounding)));
+  }
+  if (c.param_rounding == ParamRounding::kStochastic) {
+    if (c.param_dtype != DType::kBFloat16) {
+      return absl::InvalidArgumentError(
+          "Adam chunk: param_rounding is stochastic but param_dtype is float32 (stochastic "
+          "rounding is for bf16 params without a master)");
+    }
+    if (c.param_compensation != nullptr) {
+      return absl::InvalidArgumentError(
+          "Adam chunk: param_compensation is set but param_rounding is stochastic (the "
+          "compensation buffer belongs to Kahan)");
+    }
+  }
+  switch (c.state_dtype) {
+    case StateDType::kFloat32:
+    case StateDType::kBFloat16:
+      if (c.exp_avg_scale != nullptr || c.exp_avg_sq_scale != nullptr) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "Adam chunk: exp_avg_scale/exp_avg_sq_scale are set but state_dtype is ",
+            StateDTypeName(c.state_dtype), " (scales belong to int8 state)"));
+      }
+      break;
+    case StateDType::kInt8:
+      if (c.count > 0 && (c.exp_avg_scale == nullptr || c.exp_avg_sq_scale == nullptr)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "Adam chunk: state_dtype is int8 but exp_avg_scale or exp_avg_sq_scale is null (",
+            NumQuantizationBlocks(c.count), " scales each are needed)"));
+      }
+      break;
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat("Adam chunk: unknown state_dtype ", static_cast<int>(c.state_dtype)));
   }
   return absl::OkStatus();
 }

@@ -17,13 +17,16 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <bit>
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
 
 #include "kernels/cast.h"
+#include "kernels/quantization.h"
 
 #define PS_INLINE inline __attribute__((always_inline))
 
@@ -51,6 +54,44 @@ struct Ops {
   static PS_INLINE V Sqrt(V a) { return std::sqrt(a); }
   static PS_INLINE V Fma(V a, V b, V c) { return std::fma(a, b, c); }
   static PS_INLINE bool AnyNonZero(V a) { return a != 0.0f; }
+
+  static PS_INLINE V StoreBf16Rounded(uint16_t* p, V x) {
+    *p = FloatToBFloat16Bits(x);
+    return std::bit_cast<float>(static_cast<uint32_t>(*p) << 16);
+  }
+  using VI = int32_t;
+  static PS_INLINE VI Set1I(int32_t x) { return x; }
+  static PS_INLINE VI Bits(V x) { return std::bit_cast<int32_t>(x); }
+  static PS_INLINE VI AndI(VI a, VI b) { return a & b; }
+  // Wrapping integer arithmetic, as the vector instructions (signed overflow is UB in C++).
+  static PS_INLINE VI AddI(VI a, VI b) {
+    return static_cast<int32_t>(static_cast<uint32_t>(a) + static_cast<uint32_t>(b));
+  }
+  static PS_INLINE VI SubI(VI a, VI b) {
+    return static_cast<int32_t>(static_cast<uint32_t>(a) - static_cast<uint32_t>(b));
+  }
+  static PS_INLINE VI MulLoI(VI a, VI b) {
+    return static_cast<int32_t>(static_cast<uint32_t>(a) * static_cast<uint32_t>(b));
+  }
+  static PS_INLINE VI IotaI(int32_t base) { return base; }
+  static PS_INLINE V FromBits(VI a) { return std::bit_cast<float>(a); }
+  static PS_INLINE VI Srl15(VI a) { return static_cast<int32_t>(static_cast<uint32_t>(a) >> 15); }
+  static PS_INLINE V BlendIfNan(V x, V if_nan, V otherwise) {
+    return std::isnan(x) ? if_nan : otherwise;
+  }
+  static PS_INLINE VI MaxI(VI a, VI b) { return std::max(a, b); }
+  static PS_INLINE VI MinI(VI a, VI b) { return std::min(a, b); }
+  static PS_INLINE VI Srl16(VI a) { return static_cast<int32_t>(static_cast<uint32_t>(a) >> 16); }
+  static PS_INLINE VI Sra31(VI a) { return a < 0 ? -1 : 0; }
+  static PS_INLINE int32_t MaxLaneI(VI a) { return a; }
+  static PS_INLINE V CvtI2F(VI a) { return static_cast<float>(a); }
+  static PS_INLINE V Gather(const float* table, VI index) { return table[index]; }
+  static PS_INLINE VI GatherI(const int32_t* table, VI index) { return table[index]; }
+  static PS_INLINE VI XorI(VI a, VI b) { return a ^ b; }
+  static PS_INLINE VI OrI(VI a, VI b) { return a | b; }
+  static PS_INLINE VI AddIfGreaterI(VI q, VI a, VI b) { return q + (a > b ? 1 : 0); }
+  static PS_INLINE VI LoadU8(const uint8_t* p) { return *p; }
+  static PS_INLINE void StoreU8(uint8_t* p, VI x) { *p = static_cast<uint8_t>(x); }
 
   struct Acc16 {
     double lane[16];
@@ -121,6 +162,69 @@ struct Ops {
   static PS_INLINE V Fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
   static PS_INLINE bool AnyNonZero(V a) {
     return _mm256_movemask_ps(_mm256_cmp_ps(a, _mm256_setzero_ps(), _CMP_NEQ_UQ)) != 0;
+  }
+
+  // StoreBf16, returning the stored value as a float.
+  static PS_INLINE V StoreBf16Rounded(uint16_t* p, V x) {
+    const V rounded = RoundBf16(x);
+    StoreTruncated16(p, rounded);
+    return rounded;
+  }
+  // StoreBf16's rounding, kept in the high half of a float.
+  static PS_INLINE V RoundBf16(V x) {
+    const __m256i bits = _mm256_castps_si256(x);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    const __m256i rounded =
+        _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+    const __m256i nan = _mm256_or_si256(bits, _mm256_set1_epi32(0x400000));
+    const __m256 is_nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
+    const __m256i chosen = _mm256_castps_si256(
+        _mm256_blendv_ps(_mm256_castsi256_ps(rounded), _mm256_castsi256_ps(nan), is_nan));
+    return _mm256_castsi256_ps(_mm256_and_si256(chosen, _mm256_set1_epi32(~0xffff)));
+  }
+  using VI = __m256i;
+  static PS_INLINE VI Set1I(int32_t x) { return _mm256_set1_epi32(x); }
+  static PS_INLINE VI Bits(V x) { return _mm256_castps_si256(x); }
+  static PS_INLINE VI AndI(VI a, VI b) { return _mm256_and_si256(a, b); }
+  static PS_INLINE VI AddI(VI a, VI b) { return _mm256_add_epi32(a, b); }
+  static PS_INLINE VI SubI(VI a, VI b) { return _mm256_sub_epi32(a, b); }
+  static PS_INLINE VI MulLoI(VI a, VI b) { return _mm256_mullo_epi32(a, b); }
+  static PS_INLINE VI IotaI(int32_t base) {
+    return _mm256_add_epi32(_mm256_set1_epi32(base), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  }
+  static PS_INLINE V FromBits(VI a) { return _mm256_castsi256_ps(a); }
+  static PS_INLINE VI Srl15(VI a) { return _mm256_srli_epi32(a, 15); }
+  static PS_INLINE V BlendIfNan(V x, V if_nan, V otherwise) {
+    return _mm256_blendv_ps(otherwise, if_nan, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+  }
+  static PS_INLINE VI MaxI(VI a, VI b) { return _mm256_max_epi32(a, b); }
+  static PS_INLINE VI MinI(VI a, VI b) { return _mm256_min_epi32(a, b); }
+  static PS_INLINE VI Srl16(VI a) { return _mm256_srli_epi32(a, 16); }
+  static PS_INLINE VI Sra31(VI a) { return _mm256_srai_epi32(a, 31); }
+  static PS_INLINE int32_t MaxLaneI(VI a) {
+    alignas(32) int32_t lanes[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), a);
+    return *std::max_element(lanes, lanes + 8);
+  }
+  static PS_INLINE V CvtI2F(VI a) { return _mm256_cvtepi32_ps(a); }
+  static PS_INLINE V Gather(const float* table, VI index) {
+    return _mm256_i32gather_ps(table, index, 4);
+  }
+  static PS_INLINE VI GatherI(const int32_t* table, VI index) {
+    return _mm256_i32gather_epi32(table, index, 4);
+  }
+  static PS_INLINE VI XorI(VI a, VI b) { return _mm256_xor_si256(a, b); }
+  static PS_INLINE VI OrI(VI a, VI b) { return _mm256_or_si256(a, b); }
+  static PS_INLINE VI AddIfGreaterI(VI q, VI a, VI b) {  // the compare is -1 where a > b
+    return _mm256_sub_epi32(q, _mm256_cmpgt_epi32(a, b));
+  }
+  static PS_INLINE VI LoadU8(const uint8_t* p) {
+    return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  }
+  static PS_INLINE void StoreU8(uint8_t* p, VI x) {  // lanes hold 0..255
+    const __m128i words =
+        _mm_packus_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packus_epi16(words, words));
   }
 
   struct Acc16 {
@@ -194,6 +298,63 @@ struct Ops {
     return _mm512_cmp_ps_mask(a, _mm512_setzero_ps(), _CMP_NEQ_UQ) != 0;
   }
 
+  // StoreBf16, returning the stored value as a float.
+  static PS_INLINE V StoreBf16Rounded(uint16_t* p, V x) {
+    const V rounded = RoundBf16(x);
+    StoreTruncated16(p, rounded);
+    return rounded;
+  }
+  // StoreBf16's rounding, kept in the high half of a float.
+  static PS_INLINE V RoundBf16(V x) {
+    const __m512i bits = _mm512_castps_si512(x);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    const __m512i rounded =
+        _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+    const __m512i nan = _mm512_or_si512(bits, _mm512_set1_epi32(0x400000));
+    const __mmask16 is_nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    return _mm512_castsi512_ps(_mm512_and_si512(_mm512_mask_blend_epi32(is_nan, rounded, nan),
+                                                _mm512_set1_epi32(~0xffff)));
+  }
+  using VI = __m512i;
+  static PS_INLINE VI Set1I(int32_t x) { return _mm512_set1_epi32(x); }
+  static PS_INLINE VI Bits(V x) { return _mm512_castps_si512(x); }
+  static PS_INLINE VI AndI(VI a, VI b) { return _mm512_and_si512(a, b); }
+  static PS_INLINE VI AddI(VI a, VI b) { return _mm512_add_epi32(a, b); }
+  static PS_INLINE VI SubI(VI a, VI b) { return _mm512_sub_epi32(a, b); }
+  static PS_INLINE VI MulLoI(VI a, VI b) { return _mm512_mullo_epi32(a, b); }
+  static PS_INLINE VI IotaI(int32_t base) {
+    return _mm512_add_epi32(_mm512_set1_epi32(base), _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8,
+                                                                       9, 10, 11, 12, 13, 14, 15));
+  }
+  static PS_INLINE V FromBits(VI a) { return _mm512_castsi512_ps(a); }
+  static PS_INLINE VI Srl15(VI a) { return _mm512_srli_epi32(a, 15); }
+  static PS_INLINE V BlendIfNan(V x, V if_nan, V otherwise) {
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), otherwise, if_nan);
+  }
+  static PS_INLINE VI MaxI(VI a, VI b) { return _mm512_max_epi32(a, b); }
+  static PS_INLINE VI MinI(VI a, VI b) { return _mm512_min_epi32(a, b); }
+  static PS_INLINE VI Srl16(VI a) { return _mm512_srli_epi32(a, 16); }
+  static PS_INLINE VI Sra31(VI a) { return _mm512_srai_epi32(a, 31); }
+  static PS_INLINE int32_t MaxLaneI(VI a) { return _mm512_reduce_max_epi32(a); }
+  static PS_INLINE V CvtI2F(VI a) { return _mm512_cvtepi32_ps(a); }
+  static PS_INLINE V Gather(const float* table, VI index) {
+    return _mm512_i32gather_ps(index, table, 4);
+  }
+  static PS_INLINE VI GatherI(const int32_t* table, VI index) {
+    return _mm512_i32gather_epi32(index, table, 4);
+  }
+  static PS_INLINE VI XorI(VI a, VI b) { return _mm512_xor_si512(a, b); }
+  static PS_INLINE VI OrI(VI a, VI b) { return _mm512_or_si512(a, b); }
+  static PS_INLINE VI AddIfGreaterI(VI q, VI a, VI b) {
+    return _mm512_mask_add_epi32(q, _mm512_cmpgt_epi32_mask(a, b), q, _mm512_set1_epi32(1));
+  }
+  static PS_INLINE VI LoadU8(const uint8_t* p) {
+    return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  static PS_INLINE void StoreU8(uint8_t* p, VI x) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(x));
+  }
+
   struct Acc16 {
     __m512d lane[2];  // lanes 0-7, 8-15
   };
@@ -237,6 +398,20 @@ struct Ops : avx512_path::Ops {
     }
     const __m256bh converted = _mm512_cvtneps_pbh(x);
     std::memcpy(p, &converted, sizeof(converted));
+  }
+  // One vcvtneps2bf16 for the store and the value (widened back), denormals as StoreBf16.
+  static PS_INLINE V StoreBf16Rounded(uint16_t* p, V x) {
+    const __m512i bits = _mm512_castps_si512(x);
+    const __mmask16 denormal = _mm512_testn_epi32_mask(bits, _mm512_set1_epi32(0x7f800000)) &
+                               _mm512_test_epi32_mask(bits, _mm512_set1_epi32(0x007fffff));
+    if (denormal != 0) [[unlikely]] {
+      return avx512_path::Ops::StoreBf16Rounded(p, x);
+    }
+    const __m256bh converted = _mm512_cvtneps_pbh(x);
+    __m256i halves;
+    std::memcpy(&halves, &converted, sizeof(halves));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), halves);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
   }
 };
 

@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/cast.h"
+#include "kernels/quantization.h"
 #include "runtime/logging.h"
 #include "runtime/status.h"
 #include "runtime/strict_device.h"
@@ -49,12 +50,18 @@ absl::Status AdamUpdateOnDevice(absl::Span<const AdamChunk> chunks, const AdamHy
   for (size_t i = 0; i < launched.size(); ++i) {
     const AdamChunk& c = launched[i];
     PS_RETURN_IF_ERROR(Annotate(ValidateAdamChunk(c), absl::StrCat("device chunk ", i)));
-    const int64_t floats = c.count * 4;
-    touched.push_back({c.param, floats});
-    touched.push_back({c.exp_avg, floats});
-    touched.push_back({c.exp_avg_sq, floats});
+    const int64_t state_bytes = c.count * StateElementSize(c.state_dtype);
+    touched.push_back({c.param, c.count * ElementSize(c.param_dtype)});
+    touched.push_back({c.exp_avg, state_bytes});
+    touched.push_back({c.exp_avg_sq, state_bytes});
     touched.push_back({c.grad, c.count * ElementSize(c.grad_dtype)});
     if (c.param_copy != nullptr) touched.push_back({c.param_copy, c.count * 2});
+    if (c.param_compensation != nullptr) touched.push_back({c.param_compensation, c.count * 2});
+    if (c.state_dtype == StateDType::kInt8) {
+      const int64_t scale_bytes = NumQuantizationBlocks(c.count) * int64_t{sizeof(float)};
+      touched.push_back({c.exp_avg_scale, scale_bytes});
+      touched.push_back({c.exp_avg_sq_scale, scale_bytes});
+    }
   }
   return gpu::strict::LaunchWork(stream, std::move(touched), [launched, params]() mutable {
     for (AdamChunk& c : launched) {
@@ -63,6 +70,9 @@ absl::Status AdamUpdateOnDevice(absl::Span<const AdamChunk> chunks, const AdamHy
       c.exp_avg = Reach(c.exp_avg);
       c.exp_avg_sq = Reach(c.exp_avg_sq);
       if (c.param_copy != nullptr) c.param_copy = Reach(c.param_copy);
+      if (c.param_compensation != nullptr) c.param_compensation = Reach(c.param_compensation);
+      if (c.exp_avg_scale != nullptr) c.exp_avg_scale = Reach(c.exp_avg_scale);
+      if (c.exp_avg_sq_scale != nullptr) c.exp_avg_sq_scale = Reach(c.exp_avg_sq_scale);
     }
     LogIfError(AdamUpdate(launched, params), "AdamUpdateOnDevice");
   });

@@ -4,6 +4,7 @@
 #include <cstdint>
 
 #include "kernels/adam.h"
+#include "kernels/internal/stochastic_rounding.h"
 #include "kernels/simd.h"
 #include "runtime/dtype.h"
 
@@ -24,6 +25,7 @@ struct AdamConstants {
   int32_t l2;              // add l2_decay * param to the gradient
   int32_t decoupled;       // multiply param by param_decay
   int32_t lerp_from_grad;  // lerp base is the gradient (1 - beta1 >= 0.5)
+  int64_t step;            // for stochastic rounding's random bits (Note [Stochastic rounding])
 };
 AdamConstants MakeAdamConstants(const AdamHyperParams& params);
 

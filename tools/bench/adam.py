@@ -2,6 +2,10 @@
 """CPU Adam benchmark: patrickstar's fused kernel against torch.optim.Adam (foreach=False,
 foreach=True, fused=True) and against the memory-traffic bound measured in the same run.
 
+The low-precision variants of issue 21 (int8 or bf16 Adam state; bf16 params without an fp32
+master, Kahan-compensated) are timed the same way, each against its own bound (the traffic twin
+with that variant's loads and stores) and against torch's fused fp32 Adam in the same rounds.
+
 The bound is kernels.adam_traffic_bound_: the same loads and stores as the update (read param,
 grad, exp_avg, exp_avg_sq; write param, exp_avg, exp_avg_sq in place; plus the 16-bit copy where
 there is one) on the same SIMD path, blocks and threads, with trivial arithmetic. Each variant
@@ -180,6 +184,78 @@ def main():
               f"| {fused_name} {fused_rate:7.1f}: x{rate / fused_rate:4.2f}  "
               f"| x foreach {rate / torch_rates['torch foreach=True']:4.2f}  "
               f"x unfused {rate / torch_rates['torch foreach=False']:4.2f}")
+
+    # Issue 21's low-precision variants, each on its own state of n elements: (name, tensors,
+    # keyword tensors, bytes moved per param). int8 state is one code byte per moment plus a
+    # float scale per 2048 elements; the bf16 param variants take bf16 gradients, as bf16
+    # training without a master produces them.
+    def lowp_state(param, state, copy):
+        g = torch.Generator().manual_seed(1)
+        t = {"param": torch.randn(n, generator=g), "grad": view["grad"]}
+        kw = {}
+        if param != "fp32":
+            t["param"] = t["param"].bfloat16()
+            t["grad"] = view["grad"].bfloat16()
+        if param == "kahan":
+            kw["param_compensation"] = torch.zeros(n, dtype=torch.bfloat16)
+        elif param == "stochastic":
+            kw["param_rounding"] = "stochastic"
+        if state == "int8":
+            t["exp_avg"] = torch.full((n,), 127, dtype=torch.uint8)
+            t["exp_avg_sq"] = torch.zeros(n, dtype=torch.uint8)
+            blocks = (n + K.QUANTIZATION_BLOCK - 1) // K.QUANTIZATION_BLOCK
+            kw["exp_avg_scale"] = torch.ones(blocks)
+            kw["exp_avg_sq_scale"] = torch.ones(blocks)
+        elif state == "bf16":
+            t["exp_avg"] = torch.zeros(n, dtype=torch.bfloat16)
+            t["exp_avg_sq"] = torch.zeros(n, dtype=torch.bfloat16)
+        else:
+            t["exp_avg"], t["exp_avg_sq"] = torch.zeros(n), torch.zeros(n)
+        if copy:
+            kw["param_copy"] = torch.empty(n, dtype=torch.bfloat16)
+        return t, kw
+
+    lowp_variants = [("ours int8 state", "fp32", "int8", False, 16),
+                     ("ours int8 state + bf16 copy", "fp32", "int8", True, 18),
+                     ("ours bf16 state", "fp32", "bf16", False, 20),
+                     ("ours bf16 param kahan", "kahan", "fp32", False, 26),
+                     ("ours bf16 param stochastic", "stochastic", "fp32", False, 22),
+                     ("ours bf16 param kahan + int8 state", "kahan", "int8", False, 14)]
+    for name, param, state, copy, bytes_per_param in lowp_variants:
+        t, kw = lowp_state(param, state, copy)
+
+        def ours_lowp(t=t, kw=kw):
+            step[0] += 1
+            K.adam_(t["param"], t["grad"], t["exp_avg"], t["exp_avg_sq"], lr=1e-3, step=step[0],
+                    **kw)
+
+        def bound_lowp(t=t, kw=kw):
+            kw = dict(kw)
+            kw.pop("rounding_seed", None)
+            copy_tensor = kw.pop("param_copy", None)
+            K.adam_traffic_bound_(t["param"], t["grad"], t["exp_avg"], t["exp_avg_sq"],
+                                  copy_tensor, **kw)
+
+        # The bound leaves meaningless (but finite, normal) values behind for ours to update:
+        # neither kernel's speed depends on the values.
+        t_ours, t_bound, t_fused = alternate([ours_lowp, bound_lowp, torch_fused(copy)], reps)
+        ours_s, bound_s = statistics.median(t_ours), statistics.median(t_bound)
+        fused_s = statistics.median(t_fused)
+        rate, bound_rate, fused_rate = mparams(n, ours_s), mparams(n, bound_s), mparams(n, fused_s)
+        fused_name = "torch fused=True (fp32 state)" + (" + copy_ to bf16" if copy else "")
+        entry = {"seconds": ours_s, "mparams_per_s": rate, "bound_seconds": bound_s,
+                 "bound_mparams_per_s": bound_rate, "vs_bound": rate / bound_rate,
+                 "bytes_per_param": bytes_per_param,
+                 "bound_gb_per_s": n * bytes_per_param / bound_s / 1e9,
+                 "ours_gb_per_s": n * bytes_per_param / ours_s / 1e9,
+                 "alternated_baseline": fused_name, "alternated_baseline_mparams_per_s": fused_rate,
+                 "vs_alternated_baseline": rate / fused_rate,
+                 "ours_all": t_ours, "bound_all": t_bound, "baseline_all": t_fused}
+        results["variants"][name] = entry
+        print(f"{name:34s} {rate:9.1f} Mparams/s  bound {bound_rate:7.1f} "
+              f"({entry['bound_gb_per_s']:.1f} GB/s)  ours/bound {rate / bound_rate:5.3f}  "
+              f"| {fused_name} {fused_rate:7.1f}: x{rate / fused_rate:4.2f}")
+        del t, kw
     del fused
 
     # Per SIMD path (fp32 grads, no copy), each against the bound on the same path.

@@ -1,0 +1,92 @@
+// Blockwise 8-bit quantization of optimizer state (issue 21): the dynamic tree quantization maps
+// of Dettmers et al. 2022, "8-bit Optimizers via Block-wise Quantization" (bitsandbytes'
+// create_dynamic_map: the signed map for exp_avg, the unsigned one for exp_avg_sq), blocks of
+// 2048 elements with one float scale each, and round to the nearest code.
+//
+// The Adam kernels (kernels/adam.h, state_dtype kInt8) dequantize, update and requantize in one
+// pass with the same tables and the same rounding (Note [Blockwise quantization]); the functions
+// here are the standalone scalar versions, used by tests, checkpoints and state conversion.
+#pragma once
+
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "absl/types/span.h"
+
+namespace ps::kernels {
+
+// Elements per quantization block. Blocks start at element 0 of the tensor (chunk) and every
+// multiple of kQuantizationBlock after it, whatever the thread split.
+inline constexpr int64_t kQuantizationBlock = 2048;
+
+enum class QuantizationMap : uint8_t {
+  kSigned = 0,    // 256 codes in [-1, 1]: 127 negative, 0, 127 positive, 1 (exp_avg)
+  kUnsigned = 1,  // 256 codes in [0, 1]: 0, 254 positive, 1 (exp_avg_sq)
+};
+
+// Scales a tensor of `count` elements needs: ceil(count / kQuantizationBlock).
+constexpr int64_t NumQuantizationBlocks(int64_t count) {
+  return (count + kQuantizationBlock - 1) / kQuantizationBlock;
+}
+
+// The map's 256 code values, ascending (code byte i stands for codes[i] * block scale).
+absl::Span<const float> QuantizationCodes(QuantizationMap map);
+
+// The code byte nearest to `normalized` (a value divided by its block's scale, nominally in
+// [-1, 1]); a value exactly halfway between two codes takes the one nearer zero. Beyond the
+// map's range it takes the end code (negative values take code 0 = 0.0 in the unsigned map).
+uint8_t QuantizeNormalized(QuantizationMap map, float normalized);
+
+// The scale of a block holding `values`: max(absmax, FLT_MIN), so that an all-zero block has a
+// positive scale (Note [Blockwise quantization]). A NaN makes the scale NaN.
+float BlockScale(absl::Span<const float> values);
+
+// values[count] -> codes[count] and scales[NumQuantizationBlocks(count)].
+absl::Status QuantizeBlockwise(const float* values, int64_t count, QuantizationMap map,
+                               uint8_t* codes, float* scales);
+// codes + scales -> values: values[i] = codes_map[codes[i]] * scales[i / kQuantizationBlock].
+absl::Status DequantizeBlockwise(const uint8_t* codes, const float* scales, int64_t count,
+                                 QuantizationMap map, float* values);
+
+namespace internal {
+
+// The lookup tables shared by the scalar functions above and every SIMD path of the Adam kernel
+// (Note [Nearest code by bucket] in quantization.cc).
+inline constexpr int32_t kBucketMinExponent = 103;  // biased exponent of 2^-24
+inline constexpr int32_t kBuckets = (127 - kBucketMinExponent + 1) * 128;
+struct QuantizationTables {
+  float code[256];
+  // threshold[k]: midpoint of code[k] and code[k + 1], rounded to float; threshold[255] = +inf.
+  float threshold[256];
+  // Per bucket of magnitudes: the code of its lowest magnitude in bits 0-7 and, in bits 16-31,
+  // the low 16 bits of the one threshold inside it (0xffff when none is).
+  uint32_t bucket[kBuckets];
+};
+const QuantizationTables& GetQuantizationTables(QuantizationMap map);
+
+// The bucket of a magnitude's bits (sign clear): exponent and the top 7 mantissa bits, with
+// magnitudes below 2^-24 * (1 + 2^-7) in bucket 0 and 2 and above (inf, NaN) in the last.
+inline int32_t BucketOf(int32_t magnitude_bits) {
+  const int32_t b = (magnitude_bits >> 16) - (kBucketMinExponent << 7);
+  return b < 0 ? 0 : (b > kBuckets - 1 ? kBuckets - 1 : b);
+}
+
+// The scalar quantization of one normalized value (the SIMD paths do the same operations).
+inline uint8_t QuantizeWithTables(const QuantizationTables& t, bool is_signed, int32_t bits) {
+  int32_t sign = 0;
+  if (is_signed) {
+    sign = bits >> 31;  // 0 or -1 (arithmetic shift)
+    bits &= 0x7fffffff;
+  } else if (bits < 0) {
+    bits = 0;  // negative (and negative NaN) -> +0.0, whose nearest unsigned code is 0
+  }
+  const uint32_t entry = t.bucket[BucketOf(bits)];
+  int32_t q = static_cast<int32_t>(entry & 0xff) +
+              ((bits & 0xffff) > static_cast<int32_t>(entry >> 16) ? 1 : 0);
+  // Negative: the mirror code 254 - q (the signed map is symmetric but for its code 1.0).
+  q = (q ^ sign) + (sign & 255);
+  return static_cast<uint8_t>(q < 0 ? 0 : q);
+}
+
+}  // namespace internal
+}  // namespace ps::kernels

@@ -1,0 +1,163 @@
+// Blockwise 8-bit quantization (kernels/quantization.h): the dynamic maps' shape, nearest-code
+// rounding against a plain scan of the thresholds and the distance to the codes, the block
+// scales (absmax, the FLT_MIN floor, NaN) and block alignment.
+#include "kernels/quantization.h"
+
+#include <bit>
+#include <cfloat>
+#include <cmath>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "gtest/gtest.h"
+
+namespace ps::kernels {
+namespace {
+
+// The specification: the number of float midpoints of neighbouring codes below x, where a
+// midpoint equal to x counts as below when x < 0 (halfway goes toward zero).
+uint8_t ScanQuantize(QuantizationMap map, float x) {
+  absl::Span<const float> codes = QuantizationCodes(map);
+  int q = 0;
+  for (int k = 0; k < 255; ++k) {
+    const float t = static_cast<float>((double{codes[k]} + double{codes[k + 1]}) / 2);
+    if (x > t || (x < 0 && x == t)) q = k + 1;
+  }
+  return static_cast<uint8_t>(q);
+}
+
+TEST(QuantizationTest, MapsHaveTheDynamicTreeShape) {
+  absl::Span<const float> s = QuantizationCodes(QuantizationMap::kSigned);
+  absl::Span<const float> u = QuantizationCodes(QuantizationMap::kUnsigned);
+  ASSERT_EQ(s.size(), 256u);
+  ASSERT_EQ(u.size(), 256u);
+  for (int k = 0; k < 255; ++k) {
+    EXPECT_LT(s[k], s[k + 1]) << k;
+    EXPECT_LT(u[k], u[k + 1]) << k;
+  }
+  EXPECT_EQ(s[127], 0.0f);
+  EXPECT_EQ(s[255], 1.0f);
+  EXPECT_GT(s[0], -1.0f);  // bitsandbytes' signed map has 1 but not -1
+  EXPECT_FLOAT_EQ(s[128], 5.5e-7f);
+  EXPECT_EQ(u[0], 0.0f);
+  EXPECT_EQ(u[255], 1.0f);
+  EXPECT_FLOAT_EQ(u[1], 3.25e-7f);
+}
+
+TEST(QuantizationTest, NearestCodeEqualsTheThresholdScanEverywhere) {
+  std::mt19937 rng(1);
+  std::uniform_real_distribution<float> uniform(-1.01f, 1.01f);
+  std::uniform_real_distribution<float> exponent(-30.0f, 0.5f);
+  for (QuantizationMap map : {QuantizationMap::kSigned, QuantizationMap::kUnsigned}) {
+    std::vector<float> values = {0.0f, -0.0f, 1.0f, -1.0f, 1.0000001f, 2.5f, 1e-30f, -1e-30f,
+                                 FLT_MIN, std::numeric_limits<float>::denorm_min()};
+    absl::Span<const float> codes = QuantizationCodes(map);
+    for (int k = 0; k < 256; ++k) {
+      values.push_back(codes[k]);
+      if (k < 255) {
+        const float t = static_cast<float>((double{codes[k]} + double{codes[k + 1]}) / 2);
+        values.push_back(t);
+        values.push_back(std::nextafter(t, 2.0f));
+        values.push_back(std::nextafter(t, -2.0f));
+      }
+    }
+    for (int i = 0; i < 200000; ++i) values.push_back(uniform(rng));
+    for (int i = 0; i < 200000; ++i) {
+      const float x = std::pow(10.0f, exponent(rng));
+      values.push_back(x);
+      values.push_back(-x);
+    }
+    for (float x : values) {
+      const uint8_t q = QuantizeNormalized(map, x);
+      ASSERT_EQ(q, ScanQuantize(map, x)) << "x = " << x;
+      // Nearest: no other code is closer, up to the rounding of the midpoint to float.
+      const double d = std::fabs(double{x} - codes[q]);
+      const double slack = 4e-7 * std::fabs(double{x}) + 1e-40;
+      if (q > 0) ASSERT_LE(d, std::fabs(double{x} - codes[q - 1]) + slack) << x;
+      if (q < 255) ASSERT_LE(d, std::fabs(double{x} - codes[q + 1]) + slack) << x;
+    }
+  }
+}
+
+TEST(QuantizationTest, BlockwiseRoundTripIsWithinHalfACodeGapOfTheBlockScale) {
+  std::mt19937 rng(2);
+  std::normal_distribution<float> normal(0.0f, 1e-3f);
+  const int64_t n = 3 * kQuantizationBlock + 77;
+  std::vector<float> values(n);
+  for (float& v : values) v = normal(rng);
+  for (QuantizationMap map : {QuantizationMap::kSigned, QuantizationMap::kUnsigned}) {
+    std::vector<float> input = values;
+    if (map == QuantizationMap::kUnsigned) {
+      for (float& v : input) v = v * v;
+    }
+    std::vector<uint8_t> codes(n);
+    std::vector<float> scales(NumQuantizationBlocks(n)), out(n);
+    ASSERT_EQ(scales.size(), 4u);
+    ASSERT_TRUE(QuantizeBlockwise(input.data(), n, map, codes.data(), scales.data()).ok());
+    ASSERT_TRUE(DequantizeBlockwise(codes.data(), scales.data(), n, map, out.data()).ok());
+    absl::Span<const float> table = QuantizationCodes(map);
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t b = i / kQuantizationBlock;
+      const float scale = scales[b];
+      EXPECT_EQ(scale, BlockScale(absl::MakeConstSpan(input.data() + b * kQuantizationBlock,
+                                                      std::min(kQuantizationBlock,
+                                                               n - b * kQuantizationBlock))));
+      const int q = codes[i];
+      const double gap = std::max(q > 0 ? table[q] - table[q - 1] : 0.0,
+                                  q < 255 ? table[q + 1] - table[q] : 0.0);
+      ASSERT_LE(std::fabs(double{out[i]} - input[i]), 0.5 * gap * scale * (1 + 1e-5) + 1e-30)
+          << i;
+    }
+  }
+}
+
+TEST(QuantizationTest, BlocksAreFixedRelativeToTheTensorStart) {
+  std::mt19937 rng(3);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  const int64_t n = 2 * kQuantizationBlock + 5;
+  std::vector<float> values(n);
+  for (float& v : values) v = normal(rng);
+  std::vector<uint8_t> whole(n), piece(n);
+  std::vector<float> whole_scales(3), piece_scales(3);
+  ASSERT_TRUE(QuantizeBlockwise(values.data(), n, QuantizationMap::kSigned, whole.data(),
+                                whole_scales.data())
+                  .ok());
+  for (int64_t b = 0; b < 3; ++b) {
+    const int64_t begin = b * kQuantizationBlock;
+    ASSERT_TRUE(QuantizeBlockwise(values.data() + begin, std::min(kQuantizationBlock, n - begin),
+                                  QuantizationMap::kSigned, piece.data() + begin,
+                                  piece_scales.data() + b)
+                    .ok());
+  }
+  EXPECT_EQ(whole, piece);
+  EXPECT_EQ(whole_scales, piece_scales);
+}
+
+TEST(QuantizationTest, ZeroBlocksNaNAndArguments) {
+  std::vector<float> zeros(10, 0.0f);
+  std::vector<uint8_t> codes(10);
+  float scale = 0.0f;
+  ASSERT_TRUE(QuantizeBlockwise(zeros.data(), 10, QuantizationMap::kSigned, codes.data(), &scale)
+                  .ok());
+  EXPECT_EQ(scale, FLT_MIN);
+  for (uint8_t q : codes) EXPECT_EQ(q, 127);
+  ASSERT_TRUE(
+      QuantizeBlockwise(zeros.data(), 10, QuantizationMap::kUnsigned, codes.data(), &scale).ok());
+  for (uint8_t q : codes) EXPECT_EQ(q, 0);
+  zeros[3] = std::numeric_limits<float>::quiet_NaN();
+  ASSERT_TRUE(
+      QuantizeBlockwise(zeros.data(), 10, QuantizationMap::kSigned, codes.data(), &scale).ok());
+  EXPECT_TRUE(std::isnan(scale));
+  EXPECT_EQ(QuantizeBlockwise(zeros.data(), -1, QuantizationMap::kSigned, codes.data(), &scale)
+                .code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(QuantizeBlockwise(nullptr, 4, QuantizationMap::kSigned, codes.data(), &scale).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(NumQuantizationBlocks(0), 0);
+  EXPECT_EQ(NumQuantizationBlocks(2048), 1);
+  EXPECT_EQ(NumQuantizationBlocks(2049), 2);
+}
+
+}  // namespace
+}  // namespace ps::kernels
