@@ -14,43 +14,12 @@
 #include "kernels/cast.h"
 #include "kernels/quantization.h"
 #include "runtime/gpu.h"
+#include "tests/cpp/kernels_test_util.h"
 
 namespace ps::kernels {
 namespace {
 
-class GpuLowpTest : public testing::Test {
- protected:
-  void SetUp() override {
-    if (gpu::DeviceCount() == 0) GTEST_SKIP() << "no GPU: " << gpu::UnavailableReason();
-    absl::StatusOr<gpu::Stream> stream = gpu::CreateStream(0);
-    ASSERT_TRUE(stream.ok()) << stream.status();
-    stream_ = *stream;
-  }
-  void TearDown() override {
-    for (void* p : allocations_) gpu::DeviceFree(0, p);
-    if (stream_.handle != nullptr) gpu::DestroyStream(stream_);
-  }
-  template <typename T>
-  T* ToDevice(const std::vector<T>& host) {
-    const int64_t bytes = std::max<int64_t>(1, host.size() * sizeof(T));
-    absl::StatusOr<void*> p = gpu::DeviceMalloc(0, bytes);
-    EXPECT_TRUE(p.ok()) << p.status();
-    if (!p.ok()) return nullptr;
-    allocations_.push_back(*p);
-    if (!host.empty()) EXPECT_TRUE(gpu::CopyAsync(*p, host.data(), bytes, stream_).ok());
-    return static_cast<T*>(*p);
-  }
-  template <typename T>
-  std::vector<T> ToHost(const void* device, size_t n) {
-    std::vector<T> host(n);
-    if (n > 0) EXPECT_TRUE(gpu::CopyAsync(host.data(), device, n * sizeof(T), stream_).ok());
-    EXPECT_TRUE(gpu::SynchronizeStream(stream_).ok());
-    return host;
-  }
-
-  gpu::Stream stream_;
-  std::vector<void*> allocations_;
-};
+using GpuLowpTest = kernel_testing::GpuKernelTest;
 
 // Host storage of one chunk of any variant (the unused vectors stay empty).
 struct HostChunk {

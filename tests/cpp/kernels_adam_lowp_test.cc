@@ -16,15 +16,12 @@
 #include "kernels/parallel.h"
 #include "kernels/quantization.h"
 #include "kernels/simd.h"
+#include "tests/cpp/kernels_test_util.h"
 
 namespace ps::kernels {
 namespace {
 
-class ScopedSimd {
- public:
-  explicit ScopedSimd(SimdLevel level) { EXPECT_TRUE(ForceSimdLevel(level).ok()); }
-  ~ScopedSimd() { ClearForcedSimdLevel(); }
-};
+using kernel_testing::ScopedSimd;
 
 // One chunk's storage in every form the kernel may use.
 struct State {

@@ -14,16 +14,12 @@
 #include "kernels/parallel.h"
 #include "kernels/simd.h"
 #include "runtime/gpu.h"
+#include "tests/cpp/kernels_test_util.h"
 
 namespace ps::kernels {
 namespace {
 
-// Forces a SIMD level for the duration of a scope.
-class ScopedSimd {
- public:
-  explicit ScopedSimd(SimdLevel level) { EXPECT_TRUE(ForceSimdLevel(level).ok()); }
-  ~ScopedSimd() { ClearForcedSimdLevel(); }
-};
+using kernel_testing::ScopedSimd;
 
 struct State {
   std::vector<float> param, exp_avg, exp_avg_sq;

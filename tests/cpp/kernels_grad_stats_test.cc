@@ -12,17 +12,14 @@
 #include "kernels/grad_stats.h"
 #include "kernels/parallel.h"
 #include "kernels/simd.h"
+#include "tests/cpp/kernels_test_util.h"
 
 namespace ps::kernels {
 namespace {
 
 constexpr int64_t kBlock = int64_t{1} << 16;  // internal::kNormBlock
 
-class ScopedSimd {
- public:
-  explicit ScopedSimd(SimdLevel level) { EXPECT_TRUE(ForceSimdLevel(level).ok()); }
-  ~ScopedSimd() { ClearForcedSimdLevel(); }
-};
+using kernel_testing::ScopedSimd;
 
 std::vector<float> RandomFloats(int64_t n, uint32_t seed) {
   std::mt19937 rng(seed);
