@@ -373,6 +373,9 @@ def test_parallel_config_errors_name_the_key():
         patrickstar.initialize(MLP, config={"parallel": {"gather_ahead": 0.5}})
     with pytest.raises(ValueError, match="parallel.collective_timeout"):
         patrickstar.initialize(MLP, config={"parallel": {"collective_timeout": 0}})
+    with pytest.raises(ValueError, match="'parallel.gradient_accumulation': expected 'sharded' "
+                                         r".*got 'per_step'"):
+        patrickstar.initialize(MLP, config={"parallel": {"gradient_accumulation": "per_step"}})
     # No torch.distributed world here: asking for two data-parallel ranks is an error.
     with pytest.raises(ValueError, match="'parallel.data': 2 data-parallel ranks"):
         patrickstar.initialize(MLP, config={"parallel": {"data": 2}})
