@@ -11,7 +11,9 @@ the state kept the way the engine's chunks will keep it:
 
 The parameter's own dtype picks the param path: fp32 parameters are the master weights; bf16
 parameters are trained without a master copy, either with a bf16 Kahan compensation buffer
-(`param_rounding="kahan"`) or with stochastic rounding (`"stochastic"`, no buffer).
+(`param_rounding="kahan"`) or with stochastic rounding (`"stochastic"`, no buffer), unless
+`master_weights=True`: then the optimizer keeps an fp32 master of each bf16 parameter and the
+kernel writes the bf16 parameter as its `param_copy` (the engine's bf16-with-master path).
 """
 from __future__ import annotations
 
@@ -42,10 +44,12 @@ class LowpAdamW(torch.optim.Optimizer):
       param_rounding: "kahan" or "stochastic"; used by bf16 parameters only.
       seed: base of the stochastic-rounding seeds; parameter i uses seed + i, so no two tensors
         share their random bits.
+      master_weights: bf16 parameters get an fp32 master copy in the optimizer state (taken
+        from the bf16 values at the first step); the bf16 parameter is then only a copy.
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *,
-                 state_dtype="float32", param_rounding="kahan", seed=0):
+                 state_dtype="float32", param_rounding="kahan", seed=0, master_weights=False):
         if state_dtype not in STATE_DTYPES:
             raise ValueError(f"state_dtype must be one of {STATE_DTYPES}, got {state_dtype!r}")
         if param_rounding not in ROUNDINGS:
@@ -55,6 +59,7 @@ class LowpAdamW(torch.optim.Optimizer):
         self.state_dtype = state_dtype
         self.param_rounding = param_rounding
         self.seed = seed
+        self.master_weights = master_weights
         index = 0
         for group in self.param_groups:
             for param in group["params"]:
@@ -85,7 +90,9 @@ class LowpAdamW(torch.optim.Optimizer):
             dtype = getattr(torch, self.state_dtype)
             state["exp_avg"] = torch.zeros(n, dtype=dtype)
             state["exp_avg_sq"] = torch.zeros(n, dtype=dtype)
-        if param.dtype == torch.bfloat16 and self.param_rounding == "kahan":
+        if param.dtype == torch.bfloat16 and self.master_weights:
+            state["master"] = param.detach().float().view(-1).clone()
+        elif param.dtype == torch.bfloat16 and self.param_rounding == "kahan":
             state["compensation"] = torch.zeros(n, dtype=torch.bfloat16)
         state["step"] = 0
 
@@ -112,16 +119,20 @@ class LowpAdamW(torch.optim.Optimizer):
                     self._init_state(param, state)
                 state["step"] += 1
                 extra = {}
+                target = param.data.view(-1)
                 if self.state_dtype == "int8":
                     extra.update(exp_avg_scale=state["exp_avg_scale"],
                                  exp_avg_sq_scale=state["exp_avg_sq_scale"])
-                if param.dtype == torch.bfloat16:
+                if "master" in state:
+                    extra["param_copy"] = target
+                    target = state["master"]
+                elif param.dtype == torch.bfloat16:
                     if self.param_rounding == "kahan":
                         extra["param_compensation"] = state["compensation"]
                     else:
                         extra.update(param_rounding="stochastic",
                                      rounding_seed=self.seed + state["index"])
-                _K.adam_(param.data.view(-1), param.grad.contiguous().view(-1),
+                _K.adam_(target, param.grad.contiguous().view(-1),
                          state["exp_avg"], state["exp_avg_sq"], lr=group["lr"], beta1=beta1,
                          beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
                          step=state["step"], adamw=True, **extra)
