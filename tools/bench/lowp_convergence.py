@@ -315,8 +315,8 @@ def run(args) -> dict:
     wanted = [v for v in VARIANTS if args.variants is None or v.key in args.variants]
     if not wanted or wanted[0].key != "torch":
         wanted = [VARIANTS[0]] + [v for v in wanted if v.key != "torch"]
-    results = {"machine": machine_description(), "threads": args.threads, "steps": steps, "window": window,
-               "tolerance": args.tolerance, "seed": args.seed, "weight_decay": args.weight_decay,
+    results = {"machine": machine_description(), "threads": args.threads, "steps": steps,
+               "window": window, "tolerance": args.tolerance, "seed": args.seed, "weight_decay": args.weight_decay,
                "lr_scale": args.lr_scale, "quick": args.quick, "models": {}}
     for model_name in args.models:
         spec = specs[model_name]
