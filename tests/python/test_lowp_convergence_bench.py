@@ -121,3 +121,21 @@ def test_quick_run_tracks_fp32(tmp_path):
             assert run["final_loss"] < first - 0.1, (model, key)
             assert abs(run["max_rel_dev"]) < 0.02, (model, key, run["max_rel_dev"])
             assert run["pass"], (model, key)
+
+
+def test_param_group_state_dtype():
+    # A group may keep fp32 state next to int8 state elsewhere (embeddings, small tensors): the
+    # fp32 group then matches torch exactly.
+    ref = mlp()
+    ours = copy.deepcopy(ref)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    our_opt = LowpAdamW([{"params": list(ours[0].parameters())},
+                         {"params": list(ours[2].parameters()), "state_dtype": "float32"}],
+                        lr=1e-2, state_dtype="int8")
+    train(ref, ref_opt, steps=1)
+    train(ours, our_opt, steps=1)
+    assert our_opt.state[ours[0].weight]["exp_avg"].dtype == torch.uint8
+    assert our_opt.state[ours[2].weight]["exp_avg"].dtype == torch.float32
+    torch.testing.assert_close(ours[2].weight, ref[2].weight, rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="state_dtype"):
+        LowpAdamW([{"params": list(mlp().parameters()), "state_dtype": "fp8"}])

@@ -7,6 +7,8 @@ initial weights, once per optimizer variant:
   fp32 (torch)          torch.optim.AdamW, fp32 params: the reference
   fp32 state            our kernel, fp32 state (sanity: should track torch to rounding)
   int8 state            blockwise 8-bit moments, fp32 master params
+  int8 state, stable   int8 state except embeddings and tensors under 4096 elements, which keep
+                        fp32 state (bitsandbytes' StableEmbedding and min_8bit_size)
   bf16 state            bf16 moments, fp32 master params
   bf16 compute, master  bf16 params and compute, fp32 master in the optimizer (the engine's
                         bf16-with-master path): separates bf16 compute from the update rounding
@@ -30,7 +32,7 @@ For every variant it reports the final loss (mean of the last 20 steps), the lar
 deviation from the fp32 reference of the loss averaged over consecutive 20-step windows, and
 pass/fail against 2%. Writes JSON (`--out`) and a plot (`--plot`).
 
-  python tools/bench/lowp_convergence.py            # both models, 300 steps (~6 min)
+  python tools/bench/lowp_convergence.py            # both models, 300 steps (~8.5 min)
   python tools/bench/lowp_convergence.py --quick    # tiny models, a few seconds
 """
 from __future__ import annotations
@@ -60,6 +62,7 @@ class Variant:
     key: str
     ours: bool = True              # our kernel (False: torch.optim.AdamW)
     state_dtype: str = "float32"
+    fp32_state_for_small: bool = False  # embeddings and tensors < 4096 elements keep fp32 state
     bf16_params: bool = False      # no master copy: the model itself is bf16
     rounding: str = "kahan"
     round_to_nearest: bool = False  # control: zero the Kahan compensation before every step
@@ -73,6 +76,8 @@ VARIANTS = [
             init_seed_offset=1),
     Variant("fp32 state (ours)", "fp32"),
     Variant("int8 state", "int8", state_dtype="int8"),
+    Variant("int8 state, fp32 for embeddings and small tensors", "int8_stable",
+            state_dtype="int8", fp32_state_for_small=True),
     Variant("bf16 state", "bf16_state", state_dtype="bfloat16"),
     Variant("bf16 compute, fp32 master", "bf16_master", bf16_params=True, master_weights=True),
     Variant("bf16 params, Kahan", "bf16_kahan", bf16_params=True),
@@ -84,7 +89,7 @@ VARIANTS = [
 ]
 # Variants held to the issue's 2% (the control is expected to miss it; the others are sanity or
 # reference).
-CHECKED = ("int8", "bf16_state", "bf16_master", "bf16_kahan", "bf16_sr", "bf16_kahan_int8")
+CHECKED = ("int8", "int8_stable", "bf16_state", "bf16_master", "bf16_kahan", "bf16_sr", "bf16_kahan_int8")
 
 
 # ---- data ---------------------------------------------------------------------------------
@@ -185,7 +190,14 @@ def train(spec: ModelSpec, variant: Variant, batches, seed: int, weight_decay: f
         model = model.to(torch.bfloat16)
     params = list(model.parameters())  # de-duplicated: a tied embedding appears once
     if variant.ours:
-        opt = LowpAdamW(params, lr=spec.lr, weight_decay=weight_decay,
+        groups = params
+        if variant.fp32_state_for_small:
+            embeddings = {id(m.weight) for m in model.modules()
+                          if isinstance(m, torch.nn.Embedding)}
+            full = [p for p in params if id(p) in embeddings or p.numel() < 4096]
+            groups = [{"params": [p for p in params if not any(p is q for q in full)]},
+                      {"params": full, "state_dtype": "float32"}]
+        opt = LowpAdamW(groups, lr=spec.lr, weight_decay=weight_decay,
                         state_dtype=variant.state_dtype, param_rounding=variant.rounding,
                         seed=seed, master_weights=variant.master_weights)
     else:
@@ -246,7 +258,7 @@ def plot(results: dict, path: str, window: int, tolerance: float) -> None:
               "int8": ("tab:blue", "-", 1.2), "bf16_state": ("tab:cyan", "--", 1.2),
               "bf16_kahan": ("tab:green", "-", 1.2), "bf16_sr": ("tab:orange", "-", 1.2),
               "bf16_kahan_int8": ("tab:purple", "--", 1.2), "bf16_rn": ("tab:red", ":", 1.2),
-              "torch_reseed": ("silver", "-", 1.0), "bf16_master": ("olive", "-.", 1.2)}
+              "torch_reseed": ("silver", "-", 1.0), "int8_stable": ("navy", "-.", 1.2), "bf16_master": ("olive", "-.", 1.2)}
     for column, model in enumerate(models):
         entry = results["models"][model]
         reference = entry["variants"]["torch"]["losses"]
@@ -316,8 +328,8 @@ def run(args) -> dict:
     if not wanted or wanted[0].key != "torch":
         wanted = [VARIANTS[0]] + [v for v in wanted if v.key != "torch"]
     results = {"machine": machine_description(), "threads": args.threads, "steps": steps,
-               "window": window, "tolerance": args.tolerance, "seed": args.seed, "weight_decay": args.weight_decay,
-               "lr_scale": args.lr_scale, "quick": args.quick, "models": {}}
+               "window": window, "tolerance": args.tolerance, "seed": args.seed,
+               "weight_decay": args.weight_decay, "lr_scale": args.lr_scale, "quick": args.quick, "models": {}}
     for model_name in args.models:
         spec = specs[model_name]
         probs = markov_chain(spec.vocab, successors=4, noise=0.05, seed=args.seed + 1)
@@ -337,7 +349,7 @@ def run(args) -> dict:
             entry["parameters"] = params.numel()
             entry["variants"][variant.key] = {"name": variant.name, "losses": losses,
                                               "seconds": seconds, "state_bytes": state_bytes}
-            print(f"  {variant.name:42s} first {losses[0]:.3f} final "
+            print(f"  {variant.name:50s} first {losses[0]:.3f} final "
                   f"{sum(losses[-window:]) / window:.4f}  ({seconds:.1f} s)", flush=True)
         entry["description"] = (f"{entry['parameters'] / 1e6:.2f}M params, vocab {spec.vocab}, "
                                 f"seq {spec.seq}, {spec.layers}x{spec.hidden}, batch "
@@ -364,12 +376,12 @@ def print_table(results: dict) -> None:
     print(f"\nfinal = mean of the last {window} steps; max dev = largest |relative deviation| "
           f"from torch AdamW of {window}-step window means (signed); limit "
           f"{100 * results['tolerance']:.0f}%")
-    header = f"{'model':6s} {'variant':42s} {'final':>8s} {'final dev':>10s} {'max dev':>9s}  "
+    header = f"{'model':6s} {'variant':50s} {'final':>8s} {'final dev':>10s} {'max dev':>9s}  "
     print(header + "result  weight drift")
     for model, entry in results["models"].items():
         for run_ in entry["variants"].values():
             verdict = ("pass" if run_["pass"] else "FAIL") if run_["checked"] else "-"
-            print(f"{model:6s} {run_['name']:42s} {run_['final_loss']:8.4f} "
+            print(f"{model:6s} {run_['name']:50s} {run_['final_loss']:8.4f} "
                   f"{100 * run_['final_rel_dev']:+9.2f}% {100 * run_['max_rel_dev']:+8.2f}%  "
                   f"{verdict:6s}  {drift_text(run_)}")
 

@@ -40,7 +40,8 @@ class LowpAdamW(torch.optim.Optimizer):
       params: parameters or param groups, as for torch.optim.AdamW. Every parameter must be a
         contiguous CPU tensor, float32 (fp32 master) or bfloat16 (no master).
       lr, betas, eps, weight_decay: as torch.optim.AdamW.
-      state_dtype: "float32", "bfloat16" or "int8" (see the module docstring).
+      state_dtype: "float32", "bfloat16" or "int8" (see the module docstring); a param group
+        may set its own (e.g. fp32 state for embeddings next to int8 state elsewhere).
       param_rounding: "kahan" or "stochastic"; used by bf16 parameters only.
       seed: base of the stochastic-rounding seeds; parameter i uses seed + i, so no two tensors
         share their random bits.
@@ -50,13 +51,15 @@ class LowpAdamW(torch.optim.Optimizer):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *,
                  state_dtype="float32", param_rounding="kahan", seed=0, master_weights=False):
-        if state_dtype not in STATE_DTYPES:
-            raise ValueError(f"state_dtype must be one of {STATE_DTYPES}, got {state_dtype!r}")
         if param_rounding not in ROUNDINGS:
             raise ValueError(f"param_rounding must be one of {ROUNDINGS}, got {param_rounding!r}")
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                        state_dtype=state_dtype)
         super().__init__(params, defaults)
-        self.state_dtype = state_dtype
+        for group in self.param_groups:
+            if group["state_dtype"] not in STATE_DTYPES:
+                raise ValueError(f"state_dtype must be one of {STATE_DTYPES}, got "
+                                 f"{group['state_dtype']!r}")
         self.param_rounding = param_rounding
         self.seed = seed
         self.master_weights = master_weights
@@ -77,9 +80,9 @@ class LowpAdamW(torch.optim.Optimizer):
                 self.state[param]["index"] = index
                 index += 1
 
-    def _init_state(self, param, state):
+    def _init_state(self, param, state, state_dtype):
         n = param.numel()
-        if self.state_dtype == "int8":
+        if state_dtype == "int8":
             blocks = (n + _K.QUANTIZATION_BLOCK - 1) // _K.QUANTIZATION_BLOCK
             state["exp_avg"] = torch.full((n,), _SIGNED_ZERO_CODE, dtype=torch.uint8)
             state["exp_avg_sq"] = torch.full((n,), _UNSIGNED_ZERO_CODE, dtype=torch.uint8)
@@ -87,7 +90,7 @@ class LowpAdamW(torch.optim.Optimizer):
             state["exp_avg_scale"] = torch.ones(blocks)
             state["exp_avg_sq_scale"] = torch.ones(blocks)
         else:
-            dtype = getattr(torch, self.state_dtype)
+            dtype = getattr(torch, state_dtype)
             state["exp_avg"] = torch.zeros(n, dtype=dtype)
             state["exp_avg_sq"] = torch.zeros(n, dtype=dtype)
         if param.dtype == torch.bfloat16 and self.master_weights:
@@ -116,11 +119,11 @@ class LowpAdamW(torch.optim.Optimizer):
                     raise ValueError("LowpAdamW does not support sparse gradients")
                 state = self.state[param]
                 if "step" not in state:
-                    self._init_state(param, state)
+                    self._init_state(param, state, group["state_dtype"])
                 state["step"] += 1
                 extra = {}
                 target = param.data.view(-1)
-                if self.state_dtype == "int8":
+                if group["state_dtype"] == "int8":
                     extra.update(exp_avg_scale=state["exp_avg_scale"],
                                  exp_avg_sq_scale=state["exp_avg_sq_scale"])
                 if "master" in state:
