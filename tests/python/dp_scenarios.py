@@ -192,6 +192,13 @@ SCENARIOS = {
                                               "bf16": {"enabled": True}}, steps=10),
     "mlp_fp16": Scenario(MLP, half_mlp_batches, {"default_chunk_size": 4096, "fp16": {
         "enabled": True, "initial_scale_power": 8}}, steps=10),
+    # Sharded accumulation (the default) with 16-bit compute: fp32 gradient chunks summed into
+    # the owner's shard each micro-step, the loss scale and clipping at the boundary.
+    "mlp_fp16_accumulation": Scenario(MLP, half_mlp_batches, {"default_chunk_size": 4096, "fp16": {
+        "enabled": True, "initial_scale_power": 8}}, steps=4, accumulation=3, clip=0.5),
+    "gpt_bf16_accumulation": Scenario(_gpt, _gpt_batches, {"default_chunk_size": 16384,
+                                                           "bf16": {"enabled": True}},
+                                      steps=4, accumulation=2),
     # A frozen tensor registered first in the model: compute chunks are packed trainable-first
     # so each parameter's compute and optimizer-state chunks share an owner.
     "mlp_frozen": Scenario(_mlp_frozen_first, mlp_batches, {"default_chunk_size": 4096},
