@@ -55,14 +55,16 @@ _SLOT_OF_KIND = {K.COMPUTE_PARAM: "compute", K.MASTER_PARAM: "master", K.GRADIEN
                  K.MOMENTUM: "momentum", K.VARIANCE: "variance"}
 
 
-def chunk_dtypes(precision: str, accumulation_steps: int) -> dict[str, str | None]:
+def chunk_dtypes(precision: str, accumulation_steps: int,
+                 state_dtype: str = "fp32") -> dict[str, str | None]:
     """The dtype name of each chunk tensor of a parameter, by `TensorIds` slot (None: not used);
-    Note [Chunk kinds per precision]."""
+    Note [Chunk kinds per precision]. `state_dtype` is optimizer.params.state_dtype."""
     mixed = precision != "fp32"
     compute = dtypes.precision_name(precision)
+    moments = "bfloat16" if state_dtype == "bf16" else "float32"
     return {"compute": compute, "master": "float32" if mixed else None,
             "grad": "float32" if accumulation_steps > 1 or not mixed else compute,
-            "momentum": "float32", "variance": "float32"}
+            "momentum": moments, "variance": moments}
 
 
 def register_chunk_tensors(manager, specs, chunk_dtypes: dict[str, str | None],
@@ -103,7 +105,7 @@ class ChunkedParams:
     builds the chunk lists; `bind()` adds the `nn.Parameter`s once the real module exists."""
 
     def __init__(self, chunks, specs, precision: str, accumulation_steps: int,
-                 chunk_size: int | None, compute_order=None):
+                 chunk_size: int | None, compute_order=None, state_dtype: str = "fp32"):
         self.chunks = chunks
         self.names: list[str] = [spec.name for spec in specs]
         self.shapes: list[tuple[int, ...]] = [tuple(spec.shape) for spec in specs]
@@ -111,7 +113,7 @@ class ChunkedParams:
         self.precision = precision
         self.mixed = precision != "fp32"
         self.compute_dtype = dtypes.precision_dtype(precision)
-        self.dtype_names = chunk_dtypes(precision, accumulation_steps)
+        self.dtype_names = chunk_dtypes(precision, accumulation_steps, state_dtype)
         self.grad_dtype = dtypes.dtype_of(self.dtype_names["grad"])
         self.ids, self.layout = register_chunk_tensors(chunks, specs, self.dtype_names,
                                                        chunk_size, compute_order)

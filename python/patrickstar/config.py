@@ -61,6 +61,9 @@ class OptimizerConfig:
     eps: float = 1e-8
     weight_decay: float = 0.0
     use_hybrid_adam: bool = True
+    # Storage of Adam's two moments (issue 21): "fp32", or "bf16" (half the bytes; the update
+    # runs in fp32 and rounds the moments to nearest on store, kernels/adam.h).
+    state_dtype: str = "fp32"
 
     @property
     def decoupled_weight_decay(self) -> bool:
@@ -257,7 +260,7 @@ def _parse_optimizer(raw: Any) -> OptimizerConfig:
     params = lowered
     _check_keys("optimizer.params", params,
                 {"lr", "betas", "eps", "weight_decay", "use_hybrid_adam", "amsgrad",
-                 "bias_correction"})
+                 "bias_correction", "state_dtype"})
     defaults = OptimizerConfig()
     betas = params.get("betas", defaults.betas)
     if (not isinstance(betas, (list, tuple)) or len(betas) != 2):
@@ -271,6 +274,14 @@ def _parse_optimizer(raw: Any) -> OptimizerConfig:
     if params.get("amsgrad", False) is not False:
         raise ValueError("config key 'optimizer.params.amsgrad': amsgrad is not supported; "
                          "set it to false or remove it")
+    state_dtype = params.get("state_dtype", defaults.state_dtype)
+    if state_dtype == "int8":
+        raise ValueError("config key 'optimizer.params.state_dtype': 'int8' is not available in "
+                         "the engine yet (its kernels exist, its 1-byte chunks and scales do not; "
+                         "issue 21); use 'fp32' or 'bf16'")
+    if state_dtype not in ("fp32", "bf16"):
+        raise ValueError(f"config key 'optimizer.params.state_dtype': expected 'fp32' or 'bf16', "
+                         f"got {state_dtype!r}")
     if params.get("bias_correction", True) is not True:
         raise ValueError("config key 'optimizer.params.bias_correction': only true is "
                          "supported (as torch.optim.Adam)")
@@ -287,6 +298,7 @@ def _parse_optimizer(raw: Any) -> OptimizerConfig:
                                         else defaults.weight_decay), minimum=0.0),
         use_hybrid_adam=_bool("optimizer.params.use_hybrid_adam",
                               params.get("use_hybrid_adam", defaults.use_hybrid_adam)),
+        state_dtype=state_dtype,
     )
 
 

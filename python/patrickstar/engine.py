@@ -200,7 +200,8 @@ class PatrickStarEngine(nn.Module):
         self.chunks = self.runtime.chunks
         self.params = ChunkedParams(self.chunks, specs, self.precision,
                                     config.gradient_accumulation_steps, config.default_chunk_size,
-                                    self.dp.compute_registration_order(specs))
+                                    self.dp.compute_registration_order(specs),
+                                    state_dtype=config.optimizer.state_dtype)
         self.grad_dtype = self.params.grad_dtype
         self.layout = self.params.layout
         check_budgets(config, self.chunks.layout_json(), [spec.name for spec in specs],

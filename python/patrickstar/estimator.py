@@ -47,20 +47,21 @@ _KINDS = tuple(_LABELS.values())
 _BLOCK_ALIGNMENT = 4096
 
 
-def _dtypes(precision: str, accumulation_steps: int) -> dict[str, str | None]:
+def _dtypes(precision: str, accumulation_steps: int,
+            state_dtype: str = "fp32") -> dict[str, str | None]:
     """The dtype of each chunk kind (None: not used), the engine's own rule."""
-    by_slot = chunk_dtypes(precision, accumulation_steps)
+    by_slot = chunk_dtypes(precision, accumulation_steps, state_dtype)
     return {label: by_slot[TensorIds.slot_of(kind)] for kind, label in _LABELS.items()}
 
 
 def _layout_bytes(specs, precision: str, accumulation_steps: int,
-                  chunk_size: int | None) -> dict:
+                  chunk_size: int | None, state_dtype: str = "fp32") -> dict:
     """Chunk bytes per kind, largest chunk per kind, elements per chunk and waste, laid out by
     the engine's own registration (register_chunk_tensors) on a manager with no memory."""
     tier = _C.EmulatedDeviceTier(budget=0, name="estimate")
     manager = _C.ChunkManager(tiers=[tier], copy_engine=_C.CopyEngine(host_threads=1))
-    _, layout = register_chunk_tensors(manager, specs, chunk_dtypes(precision, accumulation_steps),
-                                       chunk_size)
+    _, layout = register_chunk_tensors(
+        manager, specs, chunk_dtypes(precision, accumulation_steps, state_dtype), chunk_size)
     by_kind = {kind: 0 for kind in _KINDS}
     largest_chunk = {kind: 0 for kind in _KINDS}
     for chunk in json.loads(manager.layout_json())["chunks"]:
@@ -127,10 +128,13 @@ def estimate_memory(model: Callable[[], nn.Module] | int, config: Any = None,
                          "number (\"auto\" searches over the model's real tensor sizes)")
     modes = {}
     for label, precision in (("fp32", "fp32"), ("fp16/bf16", "fp16")):
-        figures = (_layout_bytes(specs, precision, cfg.gradient_accumulation_steps, chunk_size)
+        state_dtype = cfg.optimizer.state_dtype
+        figures = (_layout_bytes(specs, precision, cfg.gradient_accumulation_steps, chunk_size,
+                                 state_dtype)
                    if specs is not None
                    else _count_bytes(params, trainable,
-                                     _dtypes(precision, cfg.gradient_accumulation_steps),
+                                     _dtypes(precision, cfg.gradient_accumulation_steps,
+                                             state_dtype),
                                      chunk_size))
         by_kind = figures["by_kind"]
         total = sum(by_kind.values())

@@ -120,6 +120,7 @@ class Scenario:
     clip: float = 0.0
     accumulation: int = 1
     atol: float = 1e-6
+    state_dtype: str = "fp32"  # optimizer.params.state_dtype
 
 
 class BlockStack(nn.Module):
@@ -196,6 +197,9 @@ SCENARIOS = {
     # the owner's shard each micro-step, the loss scale and clipping at the boundary.
     "mlp_fp16_accumulation": Scenario(MLP, half_mlp_batches, {"default_chunk_size": 4096, "fp16": {
         "enabled": True, "initial_scale_power": 8}}, steps=4, accumulation=3, clip=0.5),
+    # Adam's moments in bf16 chunks (optimizer.params.state_dtype, issue 21), on their owners.
+    "mlp_bf16_state": Scenario(MLP, mlp_batches, {"default_chunk_size": 4096}, steps=10,
+                               state_dtype="bf16"),
     "gpt_bf16_accumulation": Scenario(_gpt, _gpt_batches, {"default_chunk_size": 16384,
                                                            "bf16": {"enabled": True}},
                                       steps=4, accumulation=2),

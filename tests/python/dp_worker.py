@@ -28,7 +28,8 @@ def train(name: str, rank: int, world: int) -> dict:
     s = SCENARIOS[name]
     config = copy.deepcopy(s.config)
     config["optimizer"] = {"type": s.optimizer,
-                           "params": {"lr": s.lr, "weight_decay": s.weight_decay}}
+                           "params": {"lr": s.lr, "weight_decay": s.weight_decay,
+                                      "state_dtype": s.state_dtype}}
     config["gradient_clipping"] = s.clip
     config["gradient_accumulation_steps"] = s.accumulation
     torch.manual_seed(0)

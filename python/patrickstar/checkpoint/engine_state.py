@@ -61,7 +61,11 @@ class EngineState:
         entries = []
         for index, name in enumerate(self.names):
             shape = self.shapes[index]
-            kind_dtypes = {"param": self.compute_dtype}
+            # Each tensor as its chunk holds it: the moments in optimizer.params.state_dtype
+            # (restore converts, so either state dtype loads into the other).
+            kind_dtypes = {"param": self.compute_dtype,
+                           "exp_avg": self.params.dtype_names["momentum"],
+                           "exp_avg_sq": self.params.dtype_names["variance"]}
             for kind in self.kinds(index):
                 entries.append(Entry(name, kind, kind_dtypes.get(kind, "float32"), shape))
         for name, buffer in self.buffers().items():
