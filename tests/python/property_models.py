@@ -31,10 +31,11 @@ class Case:
     seed: int
     world: int
     budget: str  # "none" or "tight"
+    accumulation: int = 1  # micro-steps per optimizer step (sharded accumulation, the default)
 
     @property
     def id(self) -> str:
-        return f"w{self.world}-{self.budget}-s{self.seed}"
+        return f"w{self.world}-{self.budget}-s{self.seed}-a{self.accumulation}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +52,8 @@ def cases() -> list[Case]:
     """About 30 cases by default; PS_PROPERTY_LONG=N runs N seeds per (world, budget)."""
     long_run = int(os.environ.get("PS_PROPERTY_LONG", "0"))
     per = {1: 7, 2: 5, 4: 3} if not long_run else {1: long_run, 2: long_run, 4: long_run}
-    return [Case(seed, world, budget) for world, count in per.items()
+    # Odd seeds accumulate gradients over 2 micro-steps.
+    return [Case(seed, world, budget, 1 + seed % 2) for world, count in per.items()
             for budget in ("none", "tight") for seed in range(count)]
 
 
@@ -138,7 +140,8 @@ def model_func(case: Case):
 def batches(case: Case):
     generator = torch.Generator().manual_seed(case.seed + 1)
     return [(torch.randn(BATCH, WIDTH, generator=generator),
-             torch.randint(0, 10, (BATCH,), generator=generator)) for _ in range(STEPS)]
+             torch.randint(0, 10, (BATCH,), generator=generator))
+            for _ in range(STEPS * case.accumulation)]
 
 
 def shard(batch, rank: int, world: int):
@@ -155,12 +158,13 @@ def reference(case: Case) -> tuple[list[float], dict]:
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2,
                                   weight_decay=0.01)
     losses = []
-    for batch in batches(case):
+    for micro_step, batch in enumerate(batches(case)):
         loss = sum(model(*shard(batch, r, case.world)) for r in range(case.world)) / case.world
-        loss.backward()
+        (loss / case.accumulation).backward()
         losses.append(loss.item())
-        optimizer.step()
-        optimizer.zero_grad()
+        if (micro_step + 1) % case.accumulation == 0:
+            optimizer.step()
+            optimizer.zero_grad()
     # The reference calls forward once per shard; PatrickStar's ranks once per step each.
     state = model.state_dict()
     state["calls"] = state["calls"] // case.world
@@ -169,6 +173,7 @@ def reference(case: Case) -> tuple[list[float], dict]:
 
 def _initialize(case: Case):
     config = {"default_chunk_size": CHUNK, "optimizer": copy.deepcopy(OPTIMIZER),
+              "gradient_accumulation_steps": case.accumulation,
               "parallel": {"collective_timeout": 60}}
     if case.budget == "none":
         torch.manual_seed(case.seed)
@@ -189,12 +194,13 @@ def train(case: Case, rank: int = 0) -> dict:
     model, optimizer = _initialize(case)
     try:
         losses = []
-        for batch in batches(case):
+        for micro_step, batch in enumerate(batches(case)):
             loss = model(*shard(batch, rank, case.world))
             model.backward(loss)
             losses.append(loss.item())
-            optimizer.step()
-            optimizer.zero_grad()
+            if (micro_step + 1) % case.accumulation == 0:
+                optimizer.step()
+                optimizer.zero_grad()
         return {"losses": losses, "state": model.state_dict(),
                 "device": model.memory_stats()[0]}
     finally:

@@ -2,7 +2,7 @@
 and with plain PyTorch give the same losses and parameters: tensor sizes just below, at, above
 and at multiples of the chunk size; tied, frozen, unused and twice-called parameters; an integer
 buffer; 1, 2 and 4 gloo ranks; no budget and the tightest device budget initialize() accepts;
-fp32; fixed seeds. About 30 cases; PS_PROPERTY_LONG=N runs N seeds per (world, budget).
+gradient accumulation over 2 micro-steps for odd seeds; fp32; fixed seeds. About 30 cases; PS_PROPERTY_LONG=N runs N seeds per (world, budget).
 
 Multi-rank cases of one world size share one launch of property_worker.py (processes start
 once: torch's import dominates)."""
@@ -45,7 +45,9 @@ def _check(case: pm.Case, per_rank: list[dict]) -> None:
     for rank, result in enumerate(per_rank):
         assert "error" not in result, f"rank {rank}: {result.get('traceback', result['error'])}"
     ref_losses, ref_state = pm.reference(case)
-    losses = [sum(r["losses"][i] for r in per_rank) / case.world for i in range(pm.STEPS)]
+    losses = [sum(r["losses"][i] for r in per_rank) / case.world
+              for i in range(len(ref_losses))]
+    assert len(ref_losses) == pm.STEPS * case.accumulation
     for step, (a, b) in enumerate(zip(ref_losses, losses)):
         assert math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-6), f"step {step}: {a} vs {b}"
     for rank, result in enumerate(per_rank):
