@@ -104,6 +104,12 @@ absl::Status GroupCollectives::CheckNoneInUse(absl::Span<const ChunkId> members)
   return absl::OkStatus();
 }
 
+void GroupCollectives::CountCollective(const Pending& pending, int64_t count, DType dtype,
+                                       size_t buffers) {
+  collectives_issued_ += static_cast<int64_t>(pending.handles.size());
+  bytes_communicated_ += count * ElementSize(dtype) * static_cast<int64_t>(buffers);
+}
+
 int GroupCollectives::SoleHolder(absl::Span<const ChunkId> members) const {
   int holder = -1;
   for (size_t r = 0; r < members.size(); ++r) {
@@ -235,18 +241,15 @@ absl::StatusOr<std::optional<GroupCollectives::Pending>> GroupCollectives::Issue
     // Note [One holder, one broadcast].
     pending.handles.push_back(communicator_->Broadcast(buffers[holder], count, dtype, holder,
                                                        absl::StrCat(label, ", oversize")));
-    bytes_communicated_ += count * ElementSize(dtype);
   } else if (options_.memory_saving) {
     for (size_t r = 0; r < members.size(); ++r) {
       pending.handles.push_back(communicator_->Broadcast(
           buffers[r], count, dtype, static_cast<int>(r), absl::StrCat(label, ", chunk ", r)));
     }
-    bytes_communicated_ += count * ElementSize(dtype) * static_cast<int64_t>(members.size());
   } else {
     pending.handles.push_back(communicator_->AllGather(buffers, count, dtype, label));
-    bytes_communicated_ += count * ElementSize(dtype) * static_cast<int64_t>(members.size());
   }
-  collectives_issued_ += static_cast<int64_t>(pending.handles.size());
+  CountCollective(pending, count, dtype, holder >= 0 ? 1 : members.size());
   return pending;
 }
 
@@ -358,20 +361,17 @@ absl::Status GroupCollectives::StartReduceScatter(ChunkId group, std::optional<R
     // Note [One holder, one broadcast].
     pending.handles.push_back(communicator_->Reduce(buffers[holder], count, dtype, reduce_op,
                                                     holder, absl::StrCat(label, ", oversize")));
-    bytes_communicated_ += count * ElementSize(dtype);
   } else if (options_.memory_saving) {
     for (size_t r = 0; r < members.size(); ++r) {
       pending.handles.push_back(communicator_->Reduce(buffers[r], count, dtype, reduce_op,
                                                       static_cast<int>(r),
                                                       absl::StrCat(label, ", chunk ", r)));
     }
-    bytes_communicated_ += count * ElementSize(dtype) * static_cast<int64_t>(members.size());
   } else {
     pending.handles.push_back(
         communicator_->ReduceScatter(buffers, count, dtype, reduce_op, label));
-    bytes_communicated_ += count * ElementSize(dtype) * static_cast<int64_t>(members.size());
   }
-  collectives_issued_ += static_cast<int64_t>(pending.handles.size());
+  CountCollective(pending, count, dtype, holder >= 0 ? 1 : members.size());
   pending_.push_back(std::move(pending));
   return absl::OkStatus();
 }

@@ -180,6 +180,9 @@ class GroupCollectives {
   // The index of the one member holding tensors when the group is an oversize group (Note
   // [Oversize groups] in chunk_layout.h), else -1: Note [One holder, one broadcast].
   int SoleHolder(absl::Span<const ChunkId> members) const;
+  // Adds a just-issued group collective to the counters: its handles, and `buffers` buffers of
+  // `count` elements moved.
+  void CountCollective(const Pending& pending, int64_t count, DType dtype, size_t buffers);
   // Where to pin `chunk`: a parameter chunk stays in its own tier when the communicator can
   // address it, so that pinning does not move it (autograd may hold views of its current
   // memory); gradient chunks, and chunks elsewhere, go to options_.tier.
