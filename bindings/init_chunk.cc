@@ -127,7 +127,8 @@ void InitChunk(py::module_& module) {
   // and keeps no table of its own.
   BindKindEnum<ChunkKind>(module, "ChunkKind",
                           {ChunkKind::kComputeParam, ChunkKind::kMasterParam,
-                           ChunkKind::kMomentum, ChunkKind::kVariance, ChunkKind::kGradient},
+                           ChunkKind::kMomentum, ChunkKind::kVariance, ChunkKind::kGradient,
+                           ChunkKind::kMomentumScale, ChunkKind::kVarianceScale},
                           ChunkKindName);
   BindKindEnum<TierKind>(module, "TierKind",
                          {std::begin(kAllTierKinds), std::end(kAllTierKinds)}, TierKindName);

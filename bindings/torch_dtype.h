@@ -16,6 +16,8 @@ inline at::ScalarType ToScalarType(DType dtype) {
       return at::kHalf;
     case DType::kBFloat16:
       return at::kBFloat16;
+    case DType::kUInt8:
+      return at::kByte;
   }
   throw pybind11::value_error("unknown dtype");
 }

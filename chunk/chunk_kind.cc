@@ -9,6 +9,8 @@ absl::string_view ChunkKindName(ChunkKind kind) {
     case ChunkKind::kMomentum: return "momentum";
     case ChunkKind::kVariance: return "variance";
     case ChunkKind::kGradient: return "gradient";
+    case ChunkKind::kMomentumScale: return "momentum_scale";
+    case ChunkKind::kVarianceScale: return "variance_scale";
   }
   return "unknown";
 }

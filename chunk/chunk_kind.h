@@ -12,6 +12,10 @@ enum class ChunkKind : uint8_t {
   kMomentum = 2,
   kVariance = 3,
   kGradient = 4,  // separate gradient chunks (gradient accumulation)
+  // Blockwise scales of 8-bit moments (float32, one per 2048 elements; Note [Scale lists
+  // mirror their moments] in chunk_layout.cc).
+  kMomentumScale = 5,
+  kVarianceScale = 6,
 };
 
 absl::string_view ChunkKindName(ChunkKind kind);

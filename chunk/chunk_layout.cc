@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <optional>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -11,7 +12,7 @@
 namespace ps {
 namespace {
 
-constexpr int kNumChunkKinds = 5;
+constexpr int kNumChunkKinds = 7;
 
 // FNV-1a over the bytes of integers and strings, fed in a fixed order.
 class Fnv1a {
@@ -33,6 +34,57 @@ class Fnv1a {
   }
   uint64_t hash_ = 14695981039346656037ull;
 };
+
+
+// Note [Scale lists mirror their moments]
+// The blockwise scales of 8-bit optimizer state (kMomentumScale, kVarianceScale) must sit on the
+// rank that owns the moments they scale, and a rank owns chunk c of every list when c is its
+// member of the group (Note [Oversize groups]). First-fit packing of the much smaller scale
+// tensors would put them in other chunks, so a scale list is not packed: its chunk c holds the
+// scales of the tensors of its moment list's chunk c, in the same order. The k-th scale tensor
+// registered scales the k-th moment tensor (the engine registers them in one loop), so the
+// mapping needs no ids. Every chunk of the list gets the capacity of the fullest one, keeping a
+// group's chunks equal as every list's are.
+std::optional<ChunkKind> MirroredKind(ChunkKind kind) {
+  if (kind == ChunkKind::kMomentumScale) return ChunkKind::kMomentum;
+  if (kind == ChunkKind::kVarianceScale) return ChunkKind::kVariance;
+  return std::nullopt;
+}
+
+absl::Status PlanMirroredList(absl::Span<const TensorSpec> specs, const PlannedList& moments,
+                              PlannedList& list) {
+  std::vector<int64_t> scales;  // spec indices of this kind, in registration order
+  for (int64_t i = 0; i < static_cast<int64_t>(specs.size()); ++i) {
+    if (specs[i].kind == list.kind) scales.push_back(i);
+  }
+  std::vector<int64_t> moment_ordinal(specs.size(), -1);
+  int64_t moment_count = 0;
+  for (int64_t i = 0; i < static_cast<int64_t>(specs.size()); ++i) {
+    if (specs[i].kind == moments.kind) moment_ordinal[i] = moment_count++;
+  }
+  if (static_cast<int64_t>(scales.size()) != moment_count) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        ChunkKindName(list.kind), " has ", scales.size(), " tensors but ",
+        ChunkKindName(moments.kind), " has ", moment_count,
+        ": a scale list holds one tensor per moment tensor, registered in the same order"));
+  }
+  int64_t capacity = 1;
+  for (const PlannedChunk& moment_chunk : moments.chunks) {
+    PlannedChunk chunk;
+    chunk.padding = moment_chunk.tensors.empty();
+    for (int64_t moment : moment_chunk.tensors) {
+      const int64_t scale = scales[static_cast<size_t>(moment_ordinal[moment])];
+      PS_ASSIGN_OR_RETURN(const int64_t numel, NumElements(specs[scale].shape));
+      chunk.tensors.push_back(scale);
+      chunk.offsets.push_back(chunk.used_elements);
+      chunk.used_elements += numel;
+    }
+    capacity = std::max(capacity, chunk.used_elements);
+    list.chunks.push_back(std::move(chunk));
+  }
+  for (PlannedChunk& chunk : list.chunks) chunk.capacity_elements = capacity;
+  return absl::OkStatus();
+}
 
 }  // namespace
 
@@ -84,6 +136,7 @@ absl::StatusOr<LayoutPlan> PlanLayout(absl::Span<const TensorSpec> specs, int64_
             " but '", specs[first_of_kind].name, "' of the same kind is ", DTypeName(list.dtype),
             ": one chunk list holds one dtype"));
       }
+      if (MirroredKind(kind).has_value()) continue;  // placed after the loop
       PS_ASSIGN_OR_RETURN(const int64_t numel, NumElements(spec.shape));
       if (numel == 0) {
         return absl::InvalidArgumentError(
@@ -130,6 +183,15 @@ absl::StatusOr<LayoutPlan> PlanLayout(absl::Span<const TensorSpec> specs, int64_
       target->used_elements += numel;
     }
     if (first_of_kind < 0) continue;
+    if (const std::optional<ChunkKind> moment_kind = MirroredKind(kind)) {
+      const auto moments = std::find_if(plan.lists.begin(), plan.lists.end(),
+                                        [&](const PlannedList& l) { return l.kind == *moment_kind; });
+      if (moments == plan.lists.end()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            ChunkKindName(kind), " tensors need ", ChunkKindName(*moment_kind), " tensors to scale"));
+      }
+      PS_RETURN_IF_ERROR(PlanMirroredList(specs, *moments, list));
+    }
     while (list.chunks.size() % world_size != 0) {
       list.chunks.push_back(PlannedChunk{chunk_elements, 0, {}, {}, false, true});
     }

@@ -17,7 +17,8 @@ inline constexpr int64_t kUnlimited = std::numeric_limits<int64_t>::max();
 
 inline bool IsOptimizerState(ChunkKind kind) {
   return kind == ChunkKind::kMasterParam || kind == ChunkKind::kMomentum ||
-         kind == ChunkKind::kVariance;
+         kind == ChunkKind::kVariance || kind == ChunkKind::kMomentumScale ||
+         kind == ChunkKind::kVarianceScale;
 }
 
 inline bool Contains(absl::Span<const ChunkId> ids, ChunkId id) {

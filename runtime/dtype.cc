@@ -13,6 +13,8 @@ absl::string_view DTypeName(DType dtype) {
       return "float16";
     case DType::kBFloat16:
       return "bfloat16";
+    case DType::kUInt8:
+      return "uint8";
   }
   return "unknown";
 }
@@ -22,8 +24,9 @@ absl::StatusOr<DType> ParseDType(absl::string_view name) {
   if (lower == "float32" || lower == "fp32" || lower == "float") return DType::kFloat32;
   if (lower == "float16" || lower == "fp16" || lower == "half") return DType::kFloat16;
   if (lower == "bfloat16" || lower == "bf16") return DType::kBFloat16;
+  if (lower == "uint8") return DType::kUInt8;
   return absl::InvalidArgumentError(
-      absl::StrCat("unknown dtype '", name, "': expected float32, float16 or bfloat16"));
+      absl::StrCat("unknown dtype '", name, "': expected float32, float16, bfloat16 or uint8"));
 }
 
 }  // namespace ps

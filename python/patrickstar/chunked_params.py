@@ -7,6 +7,11 @@ Note [Chunk kinds per precision]
   fp32:       compute (fp32, also the master copy), gradient (fp32), momentum, variance
   fp16/bf16:  compute (16-bit), master (fp32), gradient (16-bit; fp32 when accumulating over
               micro-steps), momentum, variance
+The moments are fp32, bf16 or uint8 (optimizer.params.state_dtype). 8-bit moments hold the codes
+of blockwise dynamic quantization (kernels/quantization.h) and come with one fp32 scale per
+QUANTIZATION_BLOCK elements of each moment tensor, in chunk lists of their own that mirror the
+moments' chunks (Note [Scale lists mirror their moments] in chunk/chunk_layout.cc), so scales
+move, spill to NVMe and checkpoint like every other chunk.
 Only trainable parameters get master, gradient and optimizer-state tensors, so frozen ones cost
 just their compute copy.
 """
@@ -22,7 +27,8 @@ from torch import nn
 from . import _C, dtypes
 from .vocabulary import Tier
 
-__all__ = ["ChunkedParams", "TensorIds", "chunk_dtypes", "register_chunk_tensors"]
+__all__ = ["ChunkedParams", "QUANTIZATION_BLOCK", "TensorIds", "chunk_dtypes",
+           "register_chunk_tensors", "scale_count"]
 
 K = _C.ChunkKind
 S = _C.TensorState
@@ -31,10 +37,12 @@ S = _C.TensorState
 class TensorIds:
     """The chunk-manager tensor ids of one parameter (None: the parameter has no such tensor)."""
 
-    __slots__ = ("compute", "master", "grad", "momentum", "variance")
+    __slots__ = ("compute", "master", "grad", "momentum", "variance", "momentum_scale",
+                 "variance_scale")
 
     def __init__(self):
         self.compute = self.master = self.grad = self.momentum = self.variance = None
+        self.momentum_scale = self.variance_scale = None
 
     def of(self, kind) -> int | None:
         """The id of the tensor of chunk kind `kind` (a `ChunkKind`)."""
@@ -47,12 +55,20 @@ class TensorIds:
 
     def all(self) -> list[int]:
         """Every tensor id of the parameter."""
-        return [t for t in (self.compute, self.master, self.grad, self.momentum, self.variance)
-                if t is not None]
+        return [t for t in (getattr(self, slot) for slot in self.__slots__) if t is not None]
 
 
 _SLOT_OF_KIND = {K.COMPUTE_PARAM: "compute", K.MASTER_PARAM: "master", K.GRADIENT: "grad",
-                 K.MOMENTUM: "momentum", K.VARIANCE: "variance"}
+                 K.MOMENTUM: "momentum", K.VARIANCE: "variance",
+                 K.MOMENTUM_SCALE: "momentum_scale", K.VARIANCE_SCALE: "variance_scale"}
+
+# Elements per fp32 scale of 8-bit optimizer state (the paper's block size).
+QUANTIZATION_BLOCK = 2048
+
+
+def scale_count(numel: int) -> int:
+    """The fp32 scales of one 8-bit moment tensor of `numel` elements."""
+    return -(-numel // QUANTIZATION_BLOCK)
 
 
 def chunk_dtypes(precision: str, accumulation_steps: int,
@@ -61,10 +77,12 @@ def chunk_dtypes(precision: str, accumulation_steps: int,
     Note [Chunk kinds per precision]. `state_dtype` is optimizer.params.state_dtype."""
     mixed = precision != "fp32"
     compute = dtypes.precision_name(precision)
-    moments = "bfloat16" if state_dtype == "bf16" else "float32"
+    moments = {"fp32": "float32", "bf16": "bfloat16", "int8": "uint8"}[state_dtype]
+    scales = "float32" if state_dtype == "int8" else None
     return {"compute": compute, "master": "float32" if mixed else None,
             "grad": "float32" if accumulation_steps > 1 or not mixed else compute,
-            "momentum": moments, "variance": moments}
+            "momentum": moments, "variance": moments,
+            "momentum_scale": scales, "variance_scale": scales}
 
 
 def register_chunk_tensors(manager, specs, chunk_dtypes: dict[str, str | None],
@@ -79,12 +97,17 @@ def register_chunk_tensors(manager, specs, chunk_dtypes: dict[str, str | None],
     trainable = [i for i, spec in enumerate(specs) if spec.requires_grad]
     # Registered kind by kind so each list packs in registration order.
     for kind, attr in ((K.MASTER_PARAM, "master"), (K.GRADIENT, "grad"),
-                       (K.MOMENTUM, "momentum"), (K.VARIANCE, "variance")):
+                       (K.MOMENTUM, "momentum"), (K.VARIANCE, "variance"),
+                       (K.MOMENTUM_SCALE, "momentum_scale"),
+                       (K.VARIANCE_SCALE, "variance_scale")):
         if chunk_dtypes[attr] is None:
             continue
         for i in trainable:
+            shape = list(specs[i].shape)
+            if attr.endswith("_scale"):  # in the moments' order: Note [Chunk kinds per precision]
+                shape = [scale_count(math.prod(shape))]
             setattr(ids[i], attr, manager.register_tensor(
-                f"{specs[i].name}#{attr}", list(specs[i].shape), kind, chunk_dtypes[attr]))
+                f"{specs[i].name}#{attr}", shape, kind, chunk_dtypes[attr]))
     if chunk_size is None:
         largest = max(math.prod(spec.shape) or 1 for spec in specs)
         # Under data parallelism small chunks pay off (a group is world_size of them and a
@@ -113,6 +136,7 @@ class ChunkedParams:
         self.precision = precision
         self.mixed = precision != "fp32"
         self.compute_dtype = dtypes.precision_dtype(precision)
+        self.state_dtype = state_dtype
         self.dtype_names = chunk_dtypes(precision, accumulation_steps, state_dtype)
         self.grad_dtype = dtypes.dtype_of(self.dtype_names["grad"])
         self.ids, self.layout = register_chunk_tensors(chunks, specs, self.dtype_names,
@@ -146,9 +170,16 @@ class ChunkedParams:
         tensor_id = self.tensor_id(index, kind)
         view = self.chunks.access(tensor_id, tier)
         try:
-            yield view.view(self.shapes[index])
+            yield view.view(self.shape_of(index, kind))
         finally:
             self.chunks.release(tensor_id, S.HOLD)
+
+    def shape_of(self, index: int, kind) -> tuple[int, ...]:
+        """The shape of parameter `index`'s tensor of kind `kind`: the parameter's, or one
+        dimension of scales for the scale kinds."""
+        if kind in (K.MOMENTUM_SCALE, K.VARIANCE_SCALE):
+            return (scale_count(math.prod(self.shapes[index])),)
+        return self.shapes[index]
 
     def read(self, index: int, kind) -> torch.Tensor:
         """A copy of parameter `index`'s tensor of kind `kind`, on the CPU."""

@@ -275,12 +275,9 @@ def _parse_optimizer(raw: Any) -> OptimizerConfig:
         raise ValueError("config key 'optimizer.params.amsgrad': amsgrad is not supported; "
                          "set it to false or remove it")
     state_dtype = params.get("state_dtype", defaults.state_dtype)
-    if state_dtype == "int8":
-        raise ValueError("config key 'optimizer.params.state_dtype': 'int8' is not available in "
-                         "the engine yet (its kernels exist, its 1-byte chunks and scales do not; "
-                         "issue 21); use 'fp32' or 'bf16'")
-    if state_dtype not in ("fp32", "bf16"):
-        raise ValueError(f"config key 'optimizer.params.state_dtype': expected 'fp32' or 'bf16', "
+    if state_dtype not in ("fp32", "bf16", "int8"):
+        raise ValueError(f"config key 'optimizer.params.state_dtype': expected 'fp32', 'bf16' "
+                         f"or 'int8', "
                          f"got {state_dtype!r}")
     if params.get("bias_correction", True) is not True:
         raise ValueError("config key 'optimizer.params.bias_correction': only true is "

@@ -148,8 +148,7 @@ class DataParallel:
                 f"rank: {hashes}); every rank must build the same model with the same config "
                 "(default_chunk_size, precision, frozen parameters)")
         for index, ids in enumerate(engine.params.ids):
-            owned = {self.owns(manager, t) for t in (ids.compute, ids.master, ids.grad,
-                                                     ids.momentum, ids.variance) if t is not None}
+            owned = {self.owns(manager, t) for t in ids.all()}
             if len(owned) != 1:
                 raise RuntimeError(f"data parallel: parameter '{engine.params.names[index]}' has "
                                    "its chunks on different ranks (layout bug)")

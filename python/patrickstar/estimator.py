@@ -33,7 +33,7 @@ from torch import nn
 from . import _C
 from .config import Config, load_config
 from . import dtypes
-from .chunked_params import TensorIds, chunk_dtypes, register_chunk_tensors
+from .chunked_params import TensorIds, chunk_dtypes, register_chunk_tensors, scale_count
 from .init_context import plan_parameters
 from .vocabulary import ChunkKind, chunk_kind
 
@@ -44,6 +44,8 @@ _K = ChunkKind
 _LABELS = {_K.COMPUTE_PARAM: "compute", _K.MASTER_PARAM: "master", _K.GRADIENT: "gradient",
            _K.MOMENTUM: "momentum", _K.VARIANCE: "variance"}
 _KINDS = tuple(_LABELS.values())
+# 8-bit moments' scales count with their moments.
+_SCALE_LABELS = {_K.MOMENTUM_SCALE: "momentum", _K.VARIANCE_SCALE: "variance"}
 _BLOCK_ALIGNMENT = 4096
 
 
@@ -64,10 +66,18 @@ def _layout_bytes(specs, precision: str, accumulation_steps: int,
         manager, specs, chunk_dtypes(precision, accumulation_steps, state_dtype), chunk_size)
     by_kind = {kind: 0 for kind in _KINDS}
     largest_chunk = {kind: 0 for kind in _KINDS}
+    scale_chunks = {}
     for chunk in json.loads(manager.layout_json())["chunks"]:
-        kind = _LABELS[chunk_kind(chunk["kind"])]
+        chunk_kind_ = chunk_kind(chunk["kind"])
+        if chunk_kind_ in _SCALE_LABELS:
+            by_kind[_SCALE_LABELS[chunk_kind_]] += chunk["bytes"]
+            scale_chunks[_SCALE_LABELS[chunk_kind_]] = chunk["bytes"]
+            continue
+        kind = _LABELS[chunk_kind_]
         by_kind[kind] += chunk["bytes"]
         largest_chunk[kind] = max(largest_chunk[kind], chunk["bytes"])
+    for kind, nbytes in scale_chunks.items():  # a moment chunk moves with its scale chunk
+        largest_chunk[kind] += nbytes
     return {"by_kind": by_kind, "largest_chunk": largest_chunk,
             "chunk_elements": layout["chunk_elements"], "wasted_bytes": layout["wasted_bytes"]}
 
@@ -86,6 +96,8 @@ def _count_bytes(params: int, trainable: int, kind_dtypes: dict[str, str | None]
             continue
         chunk_bytes = -(-chunk_size * dtypes.element_size(dtype) // _BLOCK_ALIGNMENT) \
             * _BLOCK_ALIGNMENT
+        if dtype == "uint8":  # 8-bit moments: a chunk of fp32 scales beside each chunk
+            chunk_bytes += -(-scale_count(chunk_size) * 4 // _BLOCK_ALIGNMENT) * _BLOCK_ALIGNMENT
         by_kind[kind] = -(-count // chunk_size) * chunk_bytes
         largest_chunk[kind] = chunk_bytes
     return {"by_kind": by_kind, "largest_chunk": largest_chunk, "chunk_elements": chunk_size,

@@ -165,8 +165,9 @@ def check_budgets(config, manager_json: str, names: list[str], trainable: list[b
         if train:
             # Note [Optimizer sweep] in optimizer.py: where the device tier is host memory the
             # update reads parameters and gradients where they are; only state comes to the host.
-            parts = ["momentum", "variance"] + (["master"] if mixed else [])
-            chunks = {chunk_of[f"{name}#{p}"] for p in parts}
+            parts = ["momentum", "variance", "momentum_scale", "variance_scale"] \
+                + (["master"] if mixed else [])
+            chunks = {chunk_of[f"{name}#{p}"] for p in parts if f"{name}#{p}" in chunk_of}
             if not device_is_host_memory:
                 chunks |= {chunk_of[name], chunk_of[f"{name}#grad"]}
             host = sum(chunk_bytes[c] for c in chunks)

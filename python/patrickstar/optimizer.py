@@ -29,7 +29,7 @@ from typing import Callable, ContextManager, Iterable
 
 import torch
 
-from . import _C
+from . import _C, moment_state
 from .chunked_params import ChunkedParams
 from .vocabulary import Tier as T
 
@@ -258,12 +258,16 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
     # ---- The sweep -----------------------------------------------------------------------------
 
     def _update_tensors(self, index: int) -> list[int]:
-        """The chunk tensors one Adam update of parameter `index` reads and writes."""
+        """The chunk tensors one Adam update of parameter `index` reads and writes: param (the
+        master in mixed precision), gradient, the moments, then the compute copy in mixed
+        precision and the moments' scales with 8-bit state."""
         ids = self.chunked.ids[index]
         mixed = self.chunked.mixed
         accessed = [ids.master if mixed else ids.compute, ids.grad, ids.momentum, ids.variance]
         if mixed:
             accessed.append(ids.compute)
+        if ids.momentum_scale is not None:
+            accessed += [ids.momentum_scale, ids.variance_scale]
         return accessed
 
     def _update_rows(self) -> list[_UpdateRow]:
@@ -332,9 +336,13 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         views = chunks.access_tensors(tensors, self._update_tiers(tensors))
         try:
             beta1, beta2 = group["betas"]
+            mixed = self.chunked.mixed
+            scales = views[5 if mixed else 4:]
             _C.kernels.adam_(
                 views[0], views[1], views[2], views[3],
-                param_copy=views[4] if self.chunked.mixed else None,
+                param_copy=views[4] if mixed else None,
+                exp_avg_scale=scales[0] if scales else None,
+                exp_avg_sq_scale=scales[1] if scales else None,
                 lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
                 weight_decay=group["weight_decay"], adamw=self.decoupled_weight_decay,
                 step=self.step_counts[index], grad_scale=grad_scale, clip_coef=coef)
@@ -350,8 +358,8 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
             if params.ids[index].momentum is None or self.step_counts[index] == 0:
                 continue
             entry = {"step": torch.tensor(float(self.step_counts[index]))}
-            for key, kind in (("exp_avg", K.MOMENTUM), ("exp_avg_sq", K.VARIANCE)):
-                entry[key] = params.read(index, kind)
+            for key in moment_state.MOMENT_KEYS:  # 8-bit state: codes and their scales
+                entry.update(moment_state.read_moment(params, index, key))
             state[index] = entry
         groups = []
         for group in self.param_groups:
@@ -371,8 +379,9 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         for index, entry in state_dict["state"].items():
             index = int(index)
             self.step_counts[index] = int(entry["step"])
-            for key, kind in (("exp_avg", K.MOMENTUM), ("exp_avg_sq", K.VARIANCE)):
-                self.chunked.write(index, kind, entry[key])
+            for key in moment_state.MOMENT_KEYS:
+                moment_state.write_moment(self.chunked, index, key, entry[key],
+                                          entry.get(moment_state.scale_key(key)))
         if "loss_scaler" in state_dict:
             self.loss_scaler.load_state_dict(state_dict["loss_scaler"])
 

@@ -49,6 +49,8 @@ ncclDataType_t NcclType(DType dtype) {
       return ncclFloat16;
     case DType::kBFloat16:
       return ncclBfloat16;
+    case DType::kUInt8:
+      return ncclUint8;
   }
   return ncclFloat32;
 }

@@ -108,6 +108,58 @@ TEST(ChunkLayoutTest, ListsArePerKindAndPaddedToTheWorldSize) {
   EXPECT_EQ(plan->wasted_bytes, 0);
 }
 
+TEST(ChunkLayoutTest, ScaleListsMirrorTheChunksOfTheirMomentsOnEveryRank) {
+  // 8-bit moments (uint8) packed first-fit with chunks of 10 elements over 2 ranks: m0 (6) and
+  // m2 (4) share chunk 0, m1 (5) is chunk 1, m3 (25) is an oversize group of its own (its
+  // holder is member 0, the chunks 2 and 3). Their scales, registered in the same order with
+  // other sizes, follow the moments chunk by chunk (Note [Scale lists mirror their moments]),
+  // so a rank that owns a moment owns its scales.
+  std::vector<TensorSpec> specs;
+  const std::vector<int64_t> moments = {6, 5, 4, 25};
+  const std::vector<int64_t> scales = {2, 1, 3, 7};
+  for (size_t i = 0; i < moments.size(); ++i) {
+    specs.push_back(Spec("m" + std::to_string(i), {moments[i]}, ChunkKind::kMomentum,
+                         DType::kUInt8));
+  }
+  for (size_t i = 0; i < scales.size(); ++i) {
+    specs.push_back(Spec("s" + std::to_string(i), {scales[i]}, ChunkKind::kMomentumScale,
+                         DType::kFloat32));
+  }
+  auto plan = PlanLayout(specs, 10, 2);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  ASSERT_EQ(plan->lists.size(), 2u);
+  const PlannedList& moment_list = plan->lists[0];
+  const PlannedList& scale_list = plan->lists[1];
+  EXPECT_EQ(moment_list.dtype, DType::kUInt8);
+  EXPECT_EQ(scale_list.kind, ChunkKind::kMomentumScale);
+  ASSERT_EQ(moment_list.chunks.size(), 4u);
+  ASSERT_EQ(scale_list.chunks.size(), moment_list.chunks.size());
+  EXPECT_THAT(moment_list.chunks[0].tensors, ElementsAre(0, 2));
+  EXPECT_THAT(scale_list.chunks[0].tensors, ElementsAre(4, 6));
+  EXPECT_THAT(scale_list.chunks[0].offsets, ElementsAre(0, 2));
+  EXPECT_THAT(scale_list.chunks[1].tensors, ElementsAre(5));
+  EXPECT_THAT(moment_list.chunks[2].tensors, ElementsAre(3));
+  EXPECT_THAT(scale_list.chunks[2].tensors, ElementsAre(7));
+  EXPECT_TRUE(scale_list.chunks[3].padding);
+  EXPECT_TRUE(scale_list.chunks[3].tensors.empty());
+  for (const PlannedChunk& chunk : scale_list.chunks) EXPECT_EQ(chunk.capacity_elements, 7);
+}
+
+TEST(ChunkLayoutTest, AScaleListWithoutOneTensorPerMomentIsAnError) {
+  std::vector<TensorSpec> specs = {
+      Spec("m0", {6}, ChunkKind::kVariance, DType::kUInt8),
+      Spec("m1", {6}, ChunkKind::kVariance, DType::kUInt8),
+      Spec("s0", {1}, ChunkKind::kVarianceScale, DType::kFloat32),
+  };
+  auto plan = PlanLayout(specs, 10, 1);
+  ASSERT_FALSE(plan.ok());
+  EXPECT_THAT(plan.status().message(), HasSubstr("variance_scale has 1 tensors but variance has 2"));
+  specs.erase(specs.begin(), specs.begin() + 2);
+  plan = PlanLayout(specs, 10, 1);
+  ASSERT_FALSE(plan.ok());
+  EXPECT_THAT(plan.status().message(), HasSubstr("need variance tensors"));
+}
+
 TEST(ChunkLayoutTest, BadInputIsAnErrorNamingTheTensor) {
   std::vector<TensorSpec> mixed = {Spec("a", {4}, ChunkKind::kMomentum, DType::kFloat32),
                                    Spec("b", {4}, ChunkKind::kMomentum, DType::kBFloat16)};

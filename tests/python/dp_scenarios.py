@@ -200,6 +200,9 @@ SCENARIOS = {
     # Adam's moments in bf16 chunks (optimizer.params.state_dtype, issue 21), on their owners.
     "mlp_bf16_state": Scenario(MLP, mlp_batches, {"default_chunk_size": 4096}, steps=10,
                                state_dtype="bf16"),
+    # 8-bit moments and their scale chunks, which must sit with the moments' owners.
+    "mlp_int8_state": Scenario(MLP, mlp_batches, {"default_chunk_size": 4096}, steps=10,
+                               state_dtype="int8"),
     "gpt_bf16_accumulation": Scenario(_gpt, _gpt_batches, {"default_chunk_size": 16384,
                                                            "bf16": {"enabled": True}},
                                       steps=4, accumulation=2),

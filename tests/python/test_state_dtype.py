@@ -1,23 +1,32 @@
-"""optimizer.params.state_dtype (issue 21): Adam's moments stored in bf16 chunks train like
-torch.optim.AdamW, checkpoint and restore exactly, halve the moments' bytes in estimate_memory and
-the layout, and bad values name the key. ("int8" has kernels but no engine storage yet.)"""
+"""optimizer.params.state_dtype (issue 21): Adam's moments stored in bf16 chunks, or as 8-bit
+blockwise codes with fp32 scales in chunks of their own, train like torch.optim.AdamW, checkpoint
+and restore exactly (8-bit codes with their scales), convert across state dtypes on load, shrink
+the moments' bytes in estimate_memory and the layout, stream through NVMe, and bad values name the
+key."""
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
 from torch import nn
 
 import patrickstar
+from patrickstar import moment_state
 
 BASE = {"default_chunk_size": 1 << 16,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}}}
+LOWP = ["bf16", "int8"]
+# Loss tolerance against fp32 torch.optim.AdamW over 150 steps (the convergence study in
+# tools/bench/lowp_convergence.py holds the tight 2% over 300 steps).
+TOLERANCE = {"bf16": 0.01, "int8": 0.02}
 
 
 def make_model():
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 10))
+    # 64 * 5000 weights: several quantization blocks of 2048, the last one partial.
+    return nn.Sequential(nn.Linear(64, 5000), nn.GELU(), nn.Linear(5000, 10))
 
 
 def batches(count: int):
@@ -26,9 +35,10 @@ def batches(count: int):
              torch.randint(0, 10, (32,), generator=generator)) for _ in range(count)]
 
 
-def config(state_dtype: str) -> dict:
+def config(state_dtype: str, **extra) -> dict:
     result = copy.deepcopy(BASE)
     result["optimizer"]["params"]["state_dtype"] = state_dtype
+    result.update(extra)
     return result
 
 
@@ -43,83 +53,167 @@ def train(model, optimizer, data) -> list[float]:
     return losses
 
 
-def test_bf16_moments_train_like_torch_adamw():
-    data = batches(150)
+def torch_losses(data) -> list[float]:
     reference = make_model()
     torch_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.01)
-    ref_losses = []
+    losses = []
     for x, y in data:
         loss = nn.functional.cross_entropy(reference(x), y)
         loss.backward()
         torch_optimizer.step()
         torch_optimizer.zero_grad()
-        ref_losses.append(loss.item())
-    model, optimizer = patrickstar.initialize(make_model, config=config("bf16"))
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("state_dtype", LOWP)
+def test_low_precision_moments_train_like_torch_adamw(state_dtype):
+    data = batches(10) * 15  # memorized: the loss falls
+    ref_losses = torch_losses(data)
+    model, optimizer = patrickstar.initialize(make_model, config=config(state_dtype))
     losses = train(model, optimizer, data)
     for step, (ours, ref) in enumerate(zip(losses, ref_losses)):
-        assert abs(ours - ref) <= 0.01 * abs(ref), (step, ours, ref)
-    assert losses[-1] < losses[0]
+        # Relative, with a floor for the memorized end where the loss nears 0.
+        assert abs(ours - ref) <= TOLERANCE[state_dtype] * abs(ref) + 0.005, (step, ours, ref)
+    assert losses[-1] < 0.5 * losses[0]
     state = optimizer.state_dict()["state"]
-    assert state and all(entry["exp_avg"].dtype == torch.bfloat16 and
-                         entry["exp_avg_sq"].dtype == torch.bfloat16 for entry in state.values())
+    assert state
+    for index, entry in state.items():
+        if state_dtype == "bf16":
+            assert entry["exp_avg"].dtype == torch.bfloat16
+            assert entry["exp_avg_sq"].dtype == torch.bfloat16
+        else:  # codes and their scales, one per 2048 elements
+            numel = math.prod(model.params.shapes[index])
+            for key in moment_state.MOMENT_KEYS:
+                assert entry[key].dtype == torch.uint8 and entry[key].numel() == numel
+                scales = entry[moment_state.scale_key(key)]
+                assert scales.dtype == torch.float32 and scales.numel() == -(-numel // 2048)
+                assert scales.abs().max() > 0
     model.destroy()
 
 
-def test_bf16_moments_halve_the_moment_bytes():
-    fp32 = patrickstar.estimate_memory(make_model, config=config("fp32"))["modes"]["fp32"]
-    bf16 = patrickstar.estimate_memory(make_model, config=config("bf16"))["modes"]["fp32"]
+def test_moment_bytes_follow_the_state_dtype():
+    modes = {dtype: patrickstar.estimate_memory(make_model, config=config(dtype),
+                                                verbose=False)["modes"]["fp32"]
+             for dtype in ("fp32", "bf16", "int8")}
     for kind in ("momentum", "variance"):
-        assert bf16["by_kind"][kind] * 2 == fp32["by_kind"][kind], kind
-    assert bf16["by_kind"]["compute"] == fp32["by_kind"]["compute"]
+        fp32 = modes["fp32"]["by_kind"][kind]
+        # Half and a quarter, up to each chunk's 4 KiB alignment; 8-bit state adds its chunks
+        # of fp32 scales (one per 2048 elements).
+        chunks = 4
+        assert abs(modes["bf16"]["by_kind"][kind] * 2 - fp32) <= chunks * 4096, kind
+        int8 = modes["int8"]["by_kind"][kind]
+        assert fp32 // 4 - chunks * 4096 < int8 <= fp32 // 4 + 2 * chunks * 4096, kind
+    assert modes["int8"]["by_kind"]["compute"] == modes["fp32"]["by_kind"]["compute"]
+    # The bare-count estimate agrees in kind.
+    count = patrickstar.estimate_memory(10_000_000, config=config("int8"),
+                                        verbose=False)["modes"]["fp32"]["by_kind"]
+    assert 10_000_000 < count["momentum"] < 10_700_000  # a byte each + scale chunks
 
 
-def test_a_checkpoint_of_bf16_moments_restores_the_same_training(tmp_path):
+@pytest.mark.parametrize("state_dtype", LOWP)
+def test_a_checkpoint_of_low_precision_moments_restores_the_same_training(tmp_path,
+                                                                          state_dtype):
     data = batches(20)
-    model, optimizer = patrickstar.initialize(make_model, config=config("bf16"))
+    model, optimizer = patrickstar.initialize(make_model, config=config(state_dtype))
     uninterrupted = train(model, optimizer, data)
     model.destroy()
 
-    model, optimizer = patrickstar.initialize(make_model, config=config("bf16"))
+    model, optimizer = patrickstar.initialize(make_model, config=config(state_dtype))
     first = train(model, optimizer, data[:10])
     model.save_checkpoint(str(tmp_path))
+    saved_state = optimizer.state_dict()
     model.destroy()
-    model, optimizer = patrickstar.initialize(make_model, config=config("bf16"))
+    model, optimizer = patrickstar.initialize(make_model, config=config(state_dtype))
     model.load_checkpoint(str(tmp_path))
+    for index, entry in optimizer.state_dict()["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(value, saved_state["state"][index][key]), (index, key)
     second = train(model, optimizer, data[10:])
     model.destroy()
     assert first + second == uninterrupted
 
 
+def test_the_optimizer_state_dict_of_8bit_moments_round_trips_exactly():
+    data = batches(8)
+    model, optimizer = patrickstar.initialize(make_model, config=config("int8"))
+    train(model, optimizer, data[:4])
+    saved = copy.deepcopy(optimizer.state_dict())
+    after = train(model, optimizer, data[4:])
+    optimizer.load_state_dict(saved)
+    for index, entry in optimizer.state_dict()["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(value, saved["state"][index][key]), (index, key)
+    # Codes without their scales cannot be read: the error names what is missing.
+    broken = copy.deepcopy(saved)
+    del broken["state"][0]["exp_avg_scale"]
+    with pytest.raises(ValueError, match="exp_avg: 8-bit codes without their 'exp_avg_scale'"):
+        optimizer.load_state_dict(broken)
+    model.destroy()
+    assert after
+
+
 @pytest.mark.parametrize("value, message", [
-    ("int8", "'optimizer.params.state_dtype': 'int8' is not available in the engine yet"),
-    ("fp16", "'optimizer.params.state_dtype': expected 'fp32' or 'bf16', got 'fp16'"),
+    ("fp16", "'optimizer.params.state_dtype': expected 'fp32', 'bf16' or 'int8', got 'fp16'"),
+    ("uint8", "'optimizer.params.state_dtype': expected 'fp32', 'bf16' or 'int8', got 'uint8'"),
 ])
 def test_bad_state_dtypes_name_the_key(value, message):
     with pytest.raises(ValueError, match=message):
         patrickstar.initialize(make_model, config=config(value))
 
 
-def test_checkpoints_load_across_state_dtypes(tmp_path):
-    # The moments are converted on load, fp32 into bf16 chunks and back. The layouts differ (a
-    # chunk's dtype is part of it), so without allow_reshard the load says so.
+@pytest.mark.parametrize("state_dtype", LOWP)
+def test_checkpoints_load_across_state_dtypes(tmp_path, state_dtype):
+    # The moments are converted on load: fp32 into bf16 chunks or quantized into 8-bit codes,
+    # and back. The layouts differ (a chunk's dtype is part of it, 8-bit state adds scale
+    # lists), so without allow_reshard the load says so.
     data = batches(6)
     model, optimizer = patrickstar.initialize(make_model, config=config("fp32"))
     train(model, optimizer, data[:3])
     model.save_checkpoint(str(tmp_path / "fp32"))
     fp32_state = optimizer.state_dict()["state"]
     model.destroy()
-    model, optimizer = patrickstar.initialize(make_model, config=config("bf16"))
+    model, optimizer = patrickstar.initialize(make_model, config=config(state_dtype))
     with pytest.raises(Exception, match="allow_reshard=True"):
         model.load_checkpoint(str(tmp_path / "fp32"))
     model.load_checkpoint(str(tmp_path / "fp32"), allow_reshard=True)
     for index, entry in optimizer.state_dict()["state"].items():
-        for key in ("exp_avg", "exp_avg_sq"):
-            torch.testing.assert_close(entry[key], fp32_state[index][key].bfloat16())
+        for key, signed in (("exp_avg", True), ("exp_avg_sq", False)):
+            expected = fp32_state[index][key]
+            if state_dtype == "bf16":
+                torch.testing.assert_close(entry[key], expected.bfloat16())
+            else:
+                codes, scales = moment_state.quantize(expected, signed)
+                assert torch.equal(entry[key], codes)
+                assert torch.equal(entry[moment_state.scale_key(key)], scales)
     losses = train(model, optimizer, data[3:])
-    assert all(loss == loss for loss in losses)
-    model.save_checkpoint(str(tmp_path / "bf16"))
+    assert all(math.isfinite(loss) for loss in losses)
+    model.save_checkpoint(str(tmp_path / state_dtype))
+    low_state = optimizer.state_dict()["state"]
     model.destroy()
     model, optimizer = patrickstar.initialize(make_model, config=config("fp32"))
-    model.load_checkpoint(str(tmp_path / "bf16"), allow_reshard=True)
-    assert next(iter(optimizer.state_dict()["state"].values()))["exp_avg"].dtype == torch.float32
+    model.load_checkpoint(str(tmp_path / state_dtype), allow_reshard=True)
+    for index, entry in optimizer.state_dict()["state"].items():
+        for key, signed in (("exp_avg", True), ("exp_avg_sq", False)):
+            assert entry[key].dtype == torch.float32
+            low = low_state[index]
+            expected = (low[key].float() if state_dtype == "bf16" else
+                        moment_state.dequantize(low[key], low[moment_state.scale_key(key)],
+                                                signed))
+            assert torch.equal(entry[key], expected), (index, key)
     model.destroy()
+
+
+def test_8bit_moments_and_their_scales_stream_through_nvme(tmp_path):
+    # A host budget of a few chunks: the scale chunks spill and come back like the moments.
+    data = batches(12)
+    reference, optimizer = patrickstar.initialize(make_model, config=config("int8"))
+    expected = train(reference, optimizer, data)
+    reference.destroy()
+    small = config("int8", memory={"host_budget": 6 * (1 << 16) * 4,
+                                   "nvme": {"path": str(tmp_path)}})
+    model, optimizer = patrickstar.initialize(make_model, config=small)
+    assert train(model, optimizer, data) == expected
+    stats = model.memory_stats()
+    model.destroy()
+    assert stats

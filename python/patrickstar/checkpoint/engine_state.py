@@ -10,7 +10,7 @@ import random
 
 import torch
 
-from .. import _C, dtypes
+from .. import _C, dtypes, moment_state
 from .shard import Entry
 
 __all__ = ["EngineState", "SAVED_KINDS", "source_kind", "rng_states", "set_rng_states",
@@ -19,7 +19,9 @@ __all__ = ["EngineState", "SAVED_KINDS", "source_kind", "rng_states", "set_rng_s
 K = _C.ChunkKind
 # The kind names a checkpoint stores (Note [Shard format]) and the chunk kind of each.
 SAVED_KINDS = {"param": K.COMPUTE_PARAM, "master": K.MASTER_PARAM, "exp_avg": K.MOMENTUM,
-               "exp_avg_sq": K.VARIANCE}
+               "exp_avg_sq": K.VARIANCE, "exp_avg_scale": K.MOMENTUM_SCALE,
+               "exp_avg_sq_scale": K.VARIANCE_SCALE}
+_SCALE_KINDS = {moment_state.scale_key(key) for key in moment_state.MOMENT_KEYS}
 
 
 class EngineState:
@@ -48,7 +50,23 @@ class EngineState:
             kinds.append("master")
         if optimizer_state and ids.momentum is not None:
             kinds += ["exp_avg", "exp_avg_sq"]
+        if optimizer_state and ids.momentum_scale is not None:  # 8-bit state
+            kinds += ["exp_avg_scale", "exp_avg_sq_scale"]
         return [k for k in kinds if self.dp.owns(self.chunks.manager, self.tensor_id(index, k))]
+
+    def sources(self, reader, index: int, optimizer_state: bool = True) -> list[str]:
+        """The saved kinds a load of parameter `index` reads from `reader`: a moment's scales
+        only when the checkpoint holds 8-bit codes (any state dtype loads into any other)."""
+        name = self.names[index]
+        result = []
+        for kind in self.kinds(index, optimizer_state):
+            if kind in _SCALE_KINDS:
+                continue
+            result.append(source_kind(reader, name, kind))
+            if (kind in moment_state.MOMENT_KEYS and reader.has(name, kind)
+                    and reader.entry(name, kind).dtype == "uint8"):
+                result.append(moment_state.scale_key(kind))
+        return result
 
     def tensor_id(self, index: int, kind: str):
         return self.params.tensor_id(index, SAVED_KINDS[kind])
@@ -67,7 +85,8 @@ class EngineState:
                            "exp_avg": self.params.dtype_names["momentum"],
                            "exp_avg_sq": self.params.dtype_names["variance"]}
             for kind in self.kinds(index):
-                entries.append(Entry(name, kind, kind_dtypes.get(kind, "float32"), shape))
+                entries.append(Entry(name, kind, kind_dtypes.get(kind, "float32"),
+                                     self.params.shape_of(index, SAVED_KINDS[kind])))
         for name, buffer in self.buffers().items():
             entries.append(Entry(name, "buffer", dtypes.name_of(buffer.dtype),
                                  tuple(buffer.shape)))
@@ -181,9 +200,18 @@ class EngineState:
         with torch.no_grad():
             for index, name in enumerate(self.names):
                 for kind in self.kinds(index, load_optimizer_states):
+                    if kind in _SCALE_KINDS:
+                        continue  # written with their moment
                     source = reader.tensor(name, source_kind(reader, name, kind))
-                    with self.view(index, kind) as view:
-                        view.copy_(source)
+                    if kind in moment_state.MOMENT_KEYS:
+                        # Converted when the checkpoint's state dtype is not the engine's.
+                        scales = moment_state.scale_key(kind)
+                        moment_state.write_moment(
+                            self.params, index, kind, source,
+                            reader.tensor(name, scales) if reader.has(name, scales) else None)
+                    else:
+                        with self.view(index, kind) as view:
+                            view.copy_(source)
                     del source
             for name, buffer in buffers.items():
                 if reader.has(name, "buffer"):

@@ -13,7 +13,7 @@ from . import shard
 from ..utils.logging import logger
 from .atomic_files import (PartialDirectory, crash_point, publish_directory,
                            remove_stale_partials, write_bytes_durably)
-from .engine_state import EngineState, config_json, rng_states, source_kind
+from .engine_state import EngineState, config_json, rng_states
 from .errors import CheckpointError
 from .extra_state import encode_extra
 from .meta import LATEST, check_tag, read_meta, resolve_tag, write_latest, write_meta
@@ -258,8 +258,8 @@ def _verify_loadable(state: EngineState, reader: CheckpointReader, scheduler,
             f"checkpoint '{reader.directory}' has {len(counters['param_groups'])} "
             f"optimizer param groups, the optimizer {len(optimizer.param_groups)}")
     for index, name in enumerate(state.names):
-        for kind in state.kinds(index, load_optimizer_states):
-            if not reader.has(name, source_kind(reader, name, kind)):
+        for kind in state.sources(reader, index, load_optimizer_states):
+            if not reader.has(name, kind):
                 raise CheckpointError(
                     f"checkpoint '{reader.directory}' has no "
                     f"{'optimizer state' if kind.startswith('exp_avg') else kind} for "
