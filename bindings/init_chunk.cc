@@ -128,7 +128,8 @@ void InitChunk(py::module_& module) {
   BindKindEnum<ChunkKind>(module, "ChunkKind",
                           {ChunkKind::kComputeParam, ChunkKind::kMasterParam,
                            ChunkKind::kMomentum, ChunkKind::kVariance, ChunkKind::kGradient,
-                           ChunkKind::kMomentumScale, ChunkKind::kVarianceScale},
+                           ChunkKind::kMomentumScale, ChunkKind::kVarianceScale,
+                           ChunkKind::kParamCompensation},
                           ChunkKindName);
   BindKindEnum<TierKind>(module, "TierKind",
                          {std::begin(kAllTierKinds), std::end(kAllTierKinds)}, TierKindName);

@@ -11,6 +11,7 @@ absl::string_view ChunkKindName(ChunkKind kind) {
     case ChunkKind::kGradient: return "gradient";
     case ChunkKind::kMomentumScale: return "momentum_scale";
     case ChunkKind::kVarianceScale: return "variance_scale";
+    case ChunkKind::kParamCompensation: return "param_compensation";
   }
   return "unknown";
 }

@@ -16,6 +16,9 @@ enum class ChunkKind : uint8_t {
   // mirror their moments] in chunk_layout.cc).
   kMomentumScale = 5,
   kVarianceScale = 6,
+  // bf16 training without an fp32 master (bf16.master_weights false): the Kahan compensation
+  // of each bf16 parameter's updates (bf16, zero-initialized), optimizer state like a master.
+  kParamCompensation = 7,
 };
 
 absl::string_view ChunkKindName(ChunkKind kind);

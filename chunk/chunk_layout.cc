@@ -12,7 +12,7 @@
 namespace ps {
 namespace {
 
-constexpr int kNumChunkKinds = 7;
+constexpr int kNumChunkKinds = 8;
 
 // FNV-1a over the bytes of integers and strings, fed in a fixed order.
 class Fnv1a {

@@ -18,7 +18,7 @@ inline constexpr int64_t kUnlimited = std::numeric_limits<int64_t>::max();
 inline bool IsOptimizerState(ChunkKind kind) {
   return kind == ChunkKind::kMasterParam || kind == ChunkKind::kMomentum ||
          kind == ChunkKind::kVariance || kind == ChunkKind::kMomentumScale ||
-         kind == ChunkKind::kVarianceScale;
+         kind == ChunkKind::kVarianceScale || kind == ChunkKind::kParamCompensation;
 }
 
 inline bool Contains(absl::Span<const ChunkId> ids, ChunkId id) {

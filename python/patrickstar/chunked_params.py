@@ -7,6 +7,9 @@ Note [Chunk kinds per precision]
   fp32:       compute (fp32, also the master copy), gradient (fp32), momentum, variance
   fp16/bf16:  compute (16-bit), master (fp32), gradient (16-bit; fp32 when accumulating over
               micro-steps), momentum, variance
+  bf16 without master (bf16.master_weights false): compute (bf16, updated in place by the
+              optimizer), compensation (bf16 Kahan compensation of those updates), gradient,
+              momentum, variance
 The moments are fp32, bf16 or uint8 (optimizer.params.state_dtype). 8-bit moments hold the codes
 of blockwise dynamic quantization (kernels/quantization.h) and come with one fp32 scale per
 QUANTIZATION_BLOCK elements of each moment tensor, in chunk lists of their own that mirror the
@@ -37,12 +40,12 @@ S = _C.TensorState
 class TensorIds:
     """The chunk-manager tensor ids of one parameter (None: the parameter has no such tensor)."""
 
-    __slots__ = ("compute", "master", "grad", "momentum", "variance", "momentum_scale",
-                 "variance_scale")
+    __slots__ = ("compute", "master", "compensation", "grad", "momentum", "variance",
+                 "momentum_scale", "variance_scale")
 
     def __init__(self):
         self.compute = self.master = self.grad = self.momentum = self.variance = None
-        self.momentum_scale = self.variance_scale = None
+        self.compensation = self.momentum_scale = self.variance_scale = None
 
     def of(self, kind) -> int | None:
         """The id of the tensor of chunk kind `kind` (a `ChunkKind`)."""
@@ -58,7 +61,8 @@ class TensorIds:
         return [t for t in (getattr(self, slot) for slot in self.__slots__) if t is not None]
 
 
-_SLOT_OF_KIND = {K.COMPUTE_PARAM: "compute", K.MASTER_PARAM: "master", K.GRADIENT: "grad",
+_SLOT_OF_KIND = {K.COMPUTE_PARAM: "compute", K.MASTER_PARAM: "master",
+                 K.PARAM_COMPENSATION: "compensation", K.GRADIENT: "grad",
                  K.MOMENTUM: "momentum", K.VARIANCE: "variance",
                  K.MOMENTUM_SCALE: "momentum_scale", K.VARIANCE_SCALE: "variance_scale"}
 
@@ -71,15 +75,18 @@ def scale_count(numel: int) -> int:
     return -(-numel // QUANTIZATION_BLOCK)
 
 
-def chunk_dtypes(precision: str, accumulation_steps: int,
-                 state_dtype: str = "fp32") -> dict[str, str | None]:
+def chunk_dtypes(precision: str, accumulation_steps: int, state_dtype: str = "fp32",
+                 master_weights: bool = True) -> dict[str, str | None]:
     """The dtype name of each chunk tensor of a parameter, by `TensorIds` slot (None: not used);
-    Note [Chunk kinds per precision]. `state_dtype` is optimizer.params.state_dtype."""
+    Note [Chunk kinds per precision]. `state_dtype` is optimizer.params.state_dtype,
+    `master_weights` bf16.master_weights."""
     mixed = precision != "fp32"
     compute = dtypes.precision_name(precision)
     moments = {"fp32": "float32", "bf16": "bfloat16", "int8": "uint8"}[state_dtype]
     scales = "float32" if state_dtype == "int8" else None
-    return {"compute": compute, "master": "float32" if mixed else None,
+    no_master = precision == "bf16" and not master_weights
+    return {"compute": compute, "master": "float32" if mixed and not no_master else None,
+            "compensation": "bfloat16" if no_master else None,
             "grad": "float32" if accumulation_steps > 1 or not mixed else compute,
             "momentum": moments, "variance": moments,
             "momentum_scale": scales, "variance_scale": scales}
@@ -96,7 +103,8 @@ def register_chunk_tensors(manager, specs, chunk_dtypes: dict[str, str | None],
                                                  K.COMPUTE_PARAM, chunk_dtypes["compute"])
     trainable = [i for i, spec in enumerate(specs) if spec.requires_grad]
     # Registered kind by kind so each list packs in registration order.
-    for kind, attr in ((K.MASTER_PARAM, "master"), (K.GRADIENT, "grad"),
+    for kind, attr in ((K.MASTER_PARAM, "master"), (K.PARAM_COMPENSATION, "compensation"),
+                       (K.GRADIENT, "grad"),
                        (K.MOMENTUM, "momentum"), (K.VARIANCE, "variance"),
                        (K.MOMENTUM_SCALE, "momentum_scale"),
                        (K.VARIANCE_SCALE, "variance_scale")):
@@ -128,7 +136,8 @@ class ChunkedParams:
     builds the chunk lists; `bind()` adds the `nn.Parameter`s once the real module exists."""
 
     def __init__(self, chunks, specs, precision: str, accumulation_steps: int,
-                 chunk_size: int | None, compute_order=None, state_dtype: str = "fp32"):
+                 chunk_size: int | None, compute_order=None, state_dtype: str = "fp32",
+                 master_weights: bool = True):
         self.chunks = chunks
         self.names: list[str] = [spec.name for spec in specs]
         self.shapes: list[tuple[int, ...]] = [tuple(spec.shape) for spec in specs]
@@ -137,7 +146,8 @@ class ChunkedParams:
         self.mixed = precision != "fp32"
         self.compute_dtype = dtypes.precision_dtype(precision)
         self.state_dtype = state_dtype
-        self.dtype_names = chunk_dtypes(precision, accumulation_steps, state_dtype)
+        self.dtype_names = chunk_dtypes(precision, accumulation_steps, state_dtype,
+                                        master_weights)
         self.grad_dtype = dtypes.dtype_of(self.dtype_names["grad"])
         self.ids, self.layout = register_chunk_tensors(chunks, specs, self.dtype_names,
                                                        chunk_size, compute_order)

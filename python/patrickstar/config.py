@@ -145,6 +145,9 @@ class Config:
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     fp16: Fp16Config = dataclasses.field(default_factory=Fp16Config)
     bf16_enabled: bool = False
+    # bf16.master_weights: false trains the bf16 parameters themselves, without an fp32 master
+    # copy, their updates Kahan-compensated in a bf16 buffer (issue 21; docs/kernels_lowp.md).
+    bf16_master_weights: bool = True
     gradient_clipping: float = 0.0  # max global norm; 0 disables
     gradient_accumulation_steps: int = 1
     memory: MemoryConfig = dataclasses.field(default_factory=MemoryConfig)
@@ -457,12 +460,17 @@ def load_config(config: Mapping[str, Any] | str | os.PathLike | None) -> Config:
     else:
         chunk_size = _number("default_chunk_size", chunk_size, minimum=1, integer=True)
     bf16 = _section("bf16", raw.get("bf16", {}))
-    _check_keys("bf16", bf16, {"enabled"})
+    _check_keys("bf16", bf16, {"enabled", "master_weights"})
     fp16 = _parse_fp16(raw.get("fp16", {}))
     bf16_enabled = _bool("bf16.enabled", bf16.get("enabled", False))
     if fp16.enabled and bf16_enabled:
         raise ValueError("config keys 'fp16.enabled' and 'bf16.enabled': only one of them may be "
                          "true")
+    bf16_master_weights = _bool("bf16.master_weights", bf16.get("master_weights", True))
+    if not bf16_master_weights and not bf16_enabled:
+        raise ValueError("config key 'bf16.master_weights': false trains bf16 parameters without "
+                         "an fp32 master copy and needs 'bf16.enabled': true (fp16 keeps its "
+                         "master, fp32 weights are their own)")
     nonfinite_loss = raw.get("nonfinite_loss", Config.nonfinite_loss)
     if nonfinite_loss not in ("raise", "skip"):
         raise ValueError(f"config key 'nonfinite_loss': expected \"raise\" or \"skip\", got "
@@ -484,6 +492,7 @@ def load_config(config: Mapping[str, Any] | str | os.PathLike | None) -> Config:
         optimizer=_parse_optimizer(raw.get("optimizer", {})),
         fp16=fp16,
         bf16_enabled=bf16_enabled,
+        bf16_master_weights=bf16_master_weights,
         gradient_clipping=float(_number("gradient_clipping", raw.get("gradient_clipping", 0.0),
                                         minimum=0.0)),
         gradient_accumulation_steps=_number("gradient_accumulation_steps",

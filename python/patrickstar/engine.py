@@ -201,11 +201,12 @@ class PatrickStarEngine(nn.Module):
         self.params = ChunkedParams(self.chunks, specs, self.precision,
                                     config.gradient_accumulation_steps, config.default_chunk_size,
                                     self.dp.compute_registration_order(specs),
-                                    state_dtype=config.optimizer.state_dtype)
+                                    state_dtype=config.optimizer.state_dtype,
+                                    master_weights=config.bf16_master_weights)
         self.grad_dtype = self.params.grad_dtype
         self.layout = self.params.layout
         check_budgets(config, self.chunks.layout_json(), [spec.name for spec in specs],
-                      [spec.requires_grad for spec in specs], self.mixed,
+                      [spec.requires_grad for spec in specs],
                       device_is_host_memory=self.device.type == "cpu")
 
     def _init_storage_ids(self, index: int) -> int | None:
@@ -515,11 +516,13 @@ class PatrickStarEngine(nn.Module):
                 if index is None:
                     value.copy_(source)
                     continue
-                for kind in (K.COMPUTE_PARAM, K.MASTER_PARAM):
+                for kind in (K.COMPUTE_PARAM, K.MASTER_PARAM, K.PARAM_COMPENSATION):
                     tensor_id = self.params.tensor_id(index, kind)
                     if tensor_id is None or not self.dp.owns(self.chunks.manager, tensor_id):
                         continue  # data parallel: the owner loads it
-                    self.params.write(index, kind, source)
+                    # New weights carry no rounding error of earlier updates.
+                    self.params.write(index, kind, torch.zeros_like(source)
+                                      if kind == K.PARAM_COMPENSATION else source)
         return nn.modules.module._IncompatibleKeys(missing, unexpected)
 
     # ---- Checkpoints (logic in checkpoint/) -------------------------------------------------

@@ -44,34 +44,40 @@ _K = ChunkKind
 _LABELS = {_K.COMPUTE_PARAM: "compute", _K.MASTER_PARAM: "master", _K.GRADIENT: "gradient",
            _K.MOMENTUM: "momentum", _K.VARIANCE: "variance"}
 _KINDS = tuple(_LABELS.values())
-# 8-bit moments' scales count with their moments.
-_SCALE_LABELS = {_K.MOMENTUM_SCALE: "momentum", _K.VARIANCE_SCALE: "variance"}
+# Chunk kinds counted in another's row: 8-bit moments' scales with their moments, the Kahan
+# compensation of bf16 without master in the master's row (it takes the master's place).
+_FOLDED_LABELS = {_K.MOMENTUM_SCALE: "momentum", _K.VARIANCE_SCALE: "variance",
+                  _K.PARAM_COMPENSATION: "master"}
 _BLOCK_ALIGNMENT = 4096
 
 
-def _dtypes(precision: str, accumulation_steps: int,
-            state_dtype: str = "fp32") -> dict[str, str | None]:
-    """The dtype of each chunk kind (None: not used), the engine's own rule."""
-    by_slot = chunk_dtypes(precision, accumulation_steps, state_dtype)
-    return {label: by_slot[TensorIds.slot_of(kind)] for kind, label in _LABELS.items()}
+def _dtypes(precision: str, accumulation_steps: int, state_dtype: str = "fp32",
+            master_weights: bool = True) -> dict[str, str | None]:
+    """The dtype of each row's chunks (None: not used), the engine's own rule."""
+    by_slot = chunk_dtypes(precision, accumulation_steps, state_dtype, master_weights)
+    result = {label: by_slot[TensorIds.slot_of(kind)] for kind, label in _LABELS.items()}
+    result["master"] = result["master"] or by_slot["compensation"]
+    return result
 
 
 def _layout_bytes(specs, precision: str, accumulation_steps: int,
-                  chunk_size: int | None, state_dtype: str = "fp32") -> dict:
+                  chunk_size: int | None, state_dtype: str = "fp32",
+                  master_weights: bool = True) -> dict:
     """Chunk bytes per kind, largest chunk per kind, elements per chunk and waste, laid out by
     the engine's own registration (register_chunk_tensors) on a manager with no memory."""
     tier = _C.EmulatedDeviceTier(budget=0, name="estimate")
     manager = _C.ChunkManager(tiers=[tier], copy_engine=_C.CopyEngine(host_threads=1))
     _, layout = register_chunk_tensors(
-        manager, specs, chunk_dtypes(precision, accumulation_steps, state_dtype), chunk_size)
+        manager, specs, chunk_dtypes(precision, accumulation_steps, state_dtype, master_weights),
+        chunk_size)
     by_kind = {kind: 0 for kind in _KINDS}
     largest_chunk = {kind: 0 for kind in _KINDS}
     scale_chunks = {}
     for chunk in json.loads(manager.layout_json())["chunks"]:
         chunk_kind_ = chunk_kind(chunk["kind"])
-        if chunk_kind_ in _SCALE_LABELS:
-            by_kind[_SCALE_LABELS[chunk_kind_]] += chunk["bytes"]
-            scale_chunks[_SCALE_LABELS[chunk_kind_]] = chunk["bytes"]
+        if chunk_kind_ in _FOLDED_LABELS:
+            by_kind[_FOLDED_LABELS[chunk_kind_]] += chunk["bytes"]
+            scale_chunks[_FOLDED_LABELS[chunk_kind_]] = chunk["bytes"]
             continue
         kind = _LABELS[chunk_kind_]
         by_kind[kind] += chunk["bytes"]
@@ -139,14 +145,17 @@ def estimate_memory(model: Callable[[], nn.Module] | int, config: Any = None,
         raise ValueError("estimate_memory: with a parameter count, default_chunk_size must be a "
                          "number (\"auto\" searches over the model's real tensor sizes)")
     modes = {}
-    for label, precision in (("fp32", "fp32"), ("fp16/bf16", "fp16")):
-        state_dtype = cfg.optimizer.state_dtype
+    state_dtype = cfg.optimizer.state_dtype
+    precisions = [("fp32", "fp32", True), ("fp16/bf16", "fp16", True)]
+    if not cfg.bf16_master_weights:  # its master row is the bf16 Kahan compensation
+        precisions.append(("bf16, no master", "bf16", False))
+    for label, precision, master_weights in precisions:
         figures = (_layout_bytes(specs, precision, cfg.gradient_accumulation_steps, chunk_size,
-                                 state_dtype)
+                                 state_dtype, master_weights)
                    if specs is not None
                    else _count_bytes(params, trainable,
                                      _dtypes(precision, cfg.gradient_accumulation_steps,
-                                             state_dtype),
+                                             state_dtype, master_weights),
                                      chunk_size))
         by_kind = figures["by_kind"]
         total = sum(by_kind.values())

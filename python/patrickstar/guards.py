@@ -139,7 +139,7 @@ def _fmt(nbytes: int) -> str:
 
 
 def check_budgets(config, manager_json: str, names: list[str], trainable: list[bool],
-                  mixed: bool, device_is_host_memory: bool = False) -> None:
+                  device_is_host_memory: bool = False) -> None:
     """Refuses, before any chunk is allocated, budgets that no placement can satisfy: the
     device must hold a module's compute chunks and a gradient chunk at once (its backward),
     the host the chunks one Adam update touches at once, and without an NVMe tier device plus
@@ -165,8 +165,8 @@ def check_budgets(config, manager_json: str, names: list[str], trainable: list[b
         if train:
             # Note [Optimizer sweep] in optimizer.py: where the device tier is host memory the
             # update reads parameters and gradients where they are; only state comes to the host.
-            parts = ["momentum", "variance", "momentum_scale", "variance_scale"] \
-                + (["master"] if mixed else [])
+            parts = ["momentum", "variance", "momentum_scale", "variance_scale", "master",
+                     "compensation"]  # those the parameter has
             chunks = {chunk_of[f"{name}#{p}"] for p in parts if f"{name}#{p}" in chunk_of}
             if not device_is_host_memory:
                 chunks |= {chunk_of[name], chunk_of[f"{name}#grad"]}
@@ -184,7 +184,7 @@ def check_budgets(config, manager_json: str, names: list[str], trainable: list[b
     # Initialization writes every parameter's fp32 copy (master, or compute in fp32) on the host;
     # without an NVMe tier to spill them to, they must all fit there (Note [Initialization under
     # a host budget] in init_context.py).
-    init_need = per_kind.get("master_param" if mixed else "compute_param", 0)
+    init_need = per_kind.get("master_param", 0) or per_kind.get("compute_param", 0)
     if memory.nvme.path is None and memory.host_budget is not None \
             and memory.host_budget < init_need:
         raise _C.ChunkOutOfMemoryError(

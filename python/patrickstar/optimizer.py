@@ -257,18 +257,27 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
 
     # ---- The sweep -----------------------------------------------------------------------------
 
-    def _update_tensors(self, index: int) -> list[int]:
-        """The chunk tensors one Adam update of parameter `index` reads and writes: param (the
-        master in mixed precision), gradient, the moments, then the compute copy in mixed
-        precision and the moments' scales with 8-bit state."""
+    def _update_roles(self, index: int) -> dict[str, int]:
+        """The chunk tensors one Adam update of parameter `index` reads and writes, by the
+        kernel argument each one is: the param is the fp32 master where there is one (its
+        16-bit compute copy then receives the result), else the compute chunk itself (fp32, or
+        bf16 with its Kahan compensation when bf16.master_weights is false); 8-bit moments
+        bring their scales."""
         ids = self.chunked.ids[index]
-        mixed = self.chunked.mixed
-        accessed = [ids.master if mixed else ids.compute, ids.grad, ids.momentum, ids.variance]
-        if mixed:
-            accessed.append(ids.compute)
+        roles = {"param": ids.master if ids.master is not None else ids.compute,
+                 "grad": ids.grad, "exp_avg": ids.momentum, "exp_avg_sq": ids.variance}
+        if ids.master is not None:
+            roles["param_copy"] = ids.compute
+        if ids.compensation is not None:
+            roles["param_compensation"] = ids.compensation
         if ids.momentum_scale is not None:
-            accessed += [ids.momentum_scale, ids.variance_scale]
-        return accessed
+            roles["exp_avg_scale"] = ids.momentum_scale
+            roles["exp_avg_sq_scale"] = ids.variance_scale
+        return roles
+
+    def _update_tensors(self, index: int) -> list[int]:
+        """The chunk tensors one Adam update of parameter `index` reads and writes."""
+        return list(self._update_roles(index).values())
 
     def _update_rows(self) -> list[_UpdateRow]:
         if self._rows is None:
@@ -332,17 +341,14 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
 
     def _adam_update(self, index: int, group: dict, grad_scale: float, coef: float) -> None:
         chunks = self.chunked.chunks
-        tensors = self._update_tensors(index)
-        views = chunks.access_tensors(tensors, self._update_tiers(tensors))
+        roles = self._update_roles(index)
+        tensors = list(roles.values())
+        views = dict(zip(roles, chunks.access_tensors(tensors, self._update_tiers(tensors))))
         try:
             beta1, beta2 = group["betas"]
-            mixed = self.chunked.mixed
-            scales = views[5 if mixed else 4:]
             _C.kernels.adam_(
-                views[0], views[1], views[2], views[3],
-                param_copy=views[4] if mixed else None,
-                exp_avg_scale=scales[0] if scales else None,
-                exp_avg_sq_scale=scales[1] if scales else None,
+                views.pop("param"), views.pop("grad"), views.pop("exp_avg"),
+                views.pop("exp_avg_sq"), **views,
                 lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
                 weight_decay=group["weight_decay"], adamw=self.decoupled_weight_decay,
                 step=self.step_counts[index], grad_scale=grad_scale, clip_coef=coef)

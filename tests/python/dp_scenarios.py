@@ -55,6 +55,12 @@ def half_mlp_batches(steps, batch=16, seed=0):
         yield x.half(), y
 
 
+def bf16_mlp_batches(steps, batch=16, seed=0):
+    """bf16 inputs for bf16 parameters (the fp32 reference casts them back)."""
+    for x, y in mlp_batches(steps, batch, seed):
+        yield x.bfloat16(), y
+
+
 class EmbeddingModel(nn.Module):
     """Two tensors larger than the chunk (the embedding and the output projection, 6400 elements
     each in chunks of 4096): each gets a padded group of its own, held by different ranks."""
@@ -203,6 +209,10 @@ SCENARIOS = {
     # 8-bit moments and their scale chunks, which must sit with the moments' owners.
     "mlp_int8_state": Scenario(MLP, mlp_batches, {"default_chunk_size": 4096}, steps=10,
                                state_dtype="int8"),
+    # bf16 parameters updated in place without an fp32 master, Kahan-compensated on their
+    # owners, then gathered; with 8-bit state: issue 21's 8 bytes per parameter.
+    "mlp_bf16_no_master": Scenario(MLP, bf16_mlp_batches, {"default_chunk_size": 4096, "bf16": {
+        "enabled": True, "master_weights": False}}, steps=10, state_dtype="int8"),
     "gpt_bf16_accumulation": Scenario(_gpt, _gpt_batches, {"default_chunk_size": 16384,
                                                            "bf16": {"enabled": True}},
                                       steps=4, accumulation=2),

@@ -76,17 +76,21 @@ def test_write_then_read_round_trips():
 
 
 def test_chunk_dtypes_follow_the_precision_rule():
-    assert chunk_dtypes("fp32", 1) == {"compute": "float32", "master": None, "grad": "float32",
+    assert chunk_dtypes("fp32", 1) == {"compute": "float32", "master": None, "compensation": None,
+                                       "grad": "float32",
                                        "momentum": "float32", "variance": "float32",
                                        "momentum_scale": None, "variance_scale": None}
     assert chunk_dtypes("fp16", 1)["grad"] == "float16"
     assert chunk_dtypes("bf16", 4) == {"compute": "bfloat16", "master": "float32",
+                                       "compensation": None,
                                        "grad": "float32", "momentum": "float32",
                                        "variance": "float32", "momentum_scale": None,
                                        "variance_scale": None}
     int8 = chunk_dtypes("fp32", 1, "int8")
     assert (int8["momentum"], int8["variance"]) == ("uint8", "uint8")
     assert (int8["momentum_scale"], int8["variance_scale"]) == ("float32", "float32")
+    no_master = chunk_dtypes("bf16", 1, "fp32", master_weights=False)
+    assert (no_master["master"], no_master["compensation"]) == (None, "bfloat16")
 
 
 def test_optimizer_owns_step_counts_has_grad_and_state_like_torch():

@@ -85,7 +85,8 @@ TWO_RANK_SCENARIOS = ["mlp", "mlp_tight", "mlp_accumulation_clipping", "mlp_accu
                       "gpt_tight_no_ahead", "gpt_keep", "blocks", "blocks_auto", "blocks_accumulation",
                       "blocks_accumulation_full", "branch", "branch_unused",
                       "branch_accumulation", "gpt_bf16", "mlp_fp16", "mlp_fp16_accumulation",
-                      "gpt_bf16_accumulation", "mlp_bf16_state", "mlp_int8_state", "mlp_frozen"]
+                      "gpt_bf16_accumulation", "mlp_bf16_state", "mlp_int8_state", "mlp_bf16_no_master",
+                      "mlp_frozen"]
 
 
 @pytest.fixture(scope="module")
@@ -253,7 +254,8 @@ def test_memory_saving_mode_matches_with_broadcast_and_reduce(two_ranks):
 
 
 @pytest.mark.parametrize("name", ["gpt_bf16", "mlp_fp16", "mlp_fp16_accumulation",
-                                  "gpt_bf16_accumulation", "mlp_bf16_state", "mlp_int8_state"])
+                                  "gpt_bf16_accumulation", "mlp_bf16_state", "mlp_int8_state",
+                                  "mlp_bf16_no_master"])
 def test_mixed_precision_tracks_fp32_pytorch(two_ranks, name):
     ref_losses, _ = reference(name, 2)
     losses = [sum(r[name]["losses"][i] for r in two_ranks) / 2 for i in range(len(ref_losses))]

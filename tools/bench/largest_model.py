@@ -1,5 +1,7 @@
 """The largest model: a GPT whose fp32 master weights + Adam state are at least twice this
-machine's RAM, trained a few steps with that state on NVMe (issue 7).
+machine's RAM, trained a few steps with that state on NVMe (issue 7); with `--model llama`, a
+Hugging Face LlamaForCausalLM of Llama-2-7B's shape (32 layers, hidden 4096, MLP 11008, 32 heads,
+vocab 32000, embedding untied) with 8-bit optimizer state (`--state-dtype int8`, issue 21).
 
 fp32 training by default (the fp32 weights are the master copy): weights and gradients move
 between the (emulated, on a CPU-only machine) device and host tiers and NVMe within the budgets;
@@ -12,6 +14,7 @@ and writes JSON (bench-results/largest_model.json).
 
     tools/bench/largest_model.py --nvme DIR                  # the full run (several minutes)
     tools/bench/largest_model.py --nvme DIR --quick          # a small smoke run
+    tools/bench/largest_model.py --nvme DIR --model llama --state-dtype int8   # 7B (~70 GB)
 """
 from __future__ import annotations
 
@@ -53,13 +56,33 @@ def tier_totals(stats: list[dict]) -> dict:
             for tier in stats}
 
 
+def llama_model(args):
+    """A Hugging Face LlamaForCausalLM of the requested shape (Llama-2-7B's by default: 32
+    layers, hidden 4096, MLP 11008, 32 heads without grouped-query attention, vocab 32000,
+    untied output layer) and its parameter count."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    heads = max(1, args.hidden // 128)
+    config = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden,
+                         intermediate_size=args.intermediate, num_hidden_layers=args.layers,
+                         num_attention_heads=heads, num_key_value_heads=heads,
+                         max_position_embeddings=max(args.seq, 64), tie_word_embeddings=False,
+                         attn_implementation="sdpa")
+    h, m = args.hidden, args.intermediate
+    params = 2 * args.vocab * h + args.layers * (4 * h * h + 3 * h * m + 2 * h) + h
+    return (lambda: LlamaForCausalLM(config)), params
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nvme", default=tempfile.gettempdir(), help="NVMe directory")
+    parser.add_argument("--model", choices=["gpt", "llama"], default="gpt")
     parser.add_argument("--hidden", type=int, default=4096)
-    parser.add_argument("--layers", type=int, default=22)
-    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--layers", type=int, default=None, help="gpt: 22, llama: 32")
+    parser.add_argument("--vocab", type=int, default=None, help="gpt: 8192, llama: 32000")
+    parser.add_argument("--intermediate", type=int, default=11008, help="llama's MLP width")
+    parser.add_argument("--state-dtype", choices=["fp32", "bf16", "int8"], default="fp32",
+                        help="optimizer.params.state_dtype")
     parser.add_argument("--seq", type=int, default=8)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--steps", type=int, default=3)
@@ -74,29 +97,46 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="a small model, 3 steps")
     parser.add_argument("--json", default="bench-results/largest_model.json")
     args = parser.parse_args()
+    llama = args.model == "llama"
+    if args.layers is None:
+        args.layers = 32 if llama else 22
+    if args.vocab is None:
+        args.vocab = 32000 if llama else 8192
     if args.quick:
         args.hidden, args.layers, args.vocab, args.steps = 256, 2, 512, 3
+        args.intermediate = 688
         args.device_budget, args.host_budget, args.lr = "8MiB", "8MiB", 1e-3
     gpt = GPTConfig(vocab_size=args.vocab, max_seq_len=args.seq, hidden=args.hidden,
                     layers=args.layers, heads=max(1, args.hidden // 128))
-    params = gpt.parameter_count()
-    state_bytes = 12 * params  # fp32 master + momentum + variance
+    if llama:
+        model_func, params = llama_model(args)
+        # One chunk holds the largest weight of a block (an MLP matrix); the embedding and the
+        # output layer (vocab x hidden) get chunks of their own (Note [Oversize groups]).
+        chunk = args.intermediate * args.hidden
+    else:
+        model_func, params = (lambda: GPT(gpt)), gpt.parameter_count()
+        # One chunk holds the largest weight (the MLP's 4h x h), so no tensor is oversize.
+        chunk = 4 * args.hidden * args.hidden
+    # The optimizer's bytes per parameter: the fp32 master (the weights themselves in fp32
+    # training) and the two moments.
+    moment_bytes = {"fp32": 4, "bf16": 2, "int8": 1}[args.state_dtype]
+    state_bytes = (4 + 2 * moment_bytes) * params
     ram = ram_bytes()
-    # One chunk holds the largest weight (the MLP's 4h x h), so no tensor is oversize.
-    chunk = 4 * args.hidden * args.hidden
     config = {"default_chunk_size": chunk, "bf16": {"enabled": args.precision == "bf16"},
-              "optimizer": {"type": "AdamW", "params": {"lr": args.lr, "weight_decay": 0.0}},
+              "optimizer": {"type": "AdamW", "params": {"lr": args.lr, "weight_decay": 0.0,
+                                                        "state_dtype": args.state_dtype}},
               "memory": {"device_budget": args.device_budget, "host_budget": args.host_budget,
                          "nvme": {"path": args.nvme}}}
-    print(f"GPT: {params / 1e9:.2f} B parameters ({args.layers} x {args.hidden}, "
-          f"{args.precision}), fp32 master + Adam state {state_bytes / GiB:.1f} GiB = "
-          f"{state_bytes / ram:.2f} x RAM ({ram / GiB:.1f} GiB); budgets device "
-          f"{args.device_budget}, host {args.host_budget}, NVMe {args.nvme}", flush=True)
+    print(f"{args.model}: {params / 1e9:.2f} B parameters ({args.layers} x {args.hidden}, "
+          f"{args.precision}, {args.state_dtype} state), master + Adam state "
+          f"{state_bytes / GiB:.1f} GiB = {state_bytes / ram:.2f} x RAM ({ram / GiB:.1f} GiB); "
+          f"budgets device {args.device_budget}, host {args.host_budget}, NVMe {args.nvme}",
+          flush=True)
     started = time.perf_counter()
     torch.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model, opt = patrickstar.initialize(lambda: GPT(gpt), config=config)
+        model, opt = patrickstar.initialize(model_func, config=config)
     init_seconds = time.perf_counter() - started
     print(f"initialized in {init_seconds:.1f} s, peak RSS {peak_rss_bytes() / GiB:.2f} GiB",
           flush=True)
@@ -106,7 +146,10 @@ def main() -> int:
     ids, targets = next(synthetic_batches(gpt, args.batch, 1))
     for index in range(args.steps):
         started = time.perf_counter()
-        loss = model(ids, targets)
+        if llama:  # next-token loss of HF's causal LM on the same tokens
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        else:
+            loss = model(ids, targets)
         model.backward(loss)
         backward_done = time.perf_counter()
         opt.step()
@@ -132,7 +175,9 @@ def main() -> int:
           f"{peak_rss_bytes() / GiB:.2f} GiB")
     write_json(args.json, {
         "benchmark": "largest_model", "machine": machine_description(), "nvme": args.nvme,
+        "model": args.model, "state_dtype": args.state_dtype, "chunk_elements": chunk,
         "parameters": params, "hidden": args.hidden, "layers": args.layers, "vocab": args.vocab,
+        "intermediate": args.intermediate if llama else 4 * args.hidden,
         "tokens_per_step": args.batch * args.seq, "state_bytes": state_bytes, "ram_bytes": ram,
         "state_over_ram": state_bytes / ram,
         "budgets": {"device": parse_bytes(args.device_budget, "device"),

@@ -18,7 +18,8 @@ __all__ = ["EngineState", "SAVED_KINDS", "source_kind", "rng_states", "set_rng_s
 
 K = _C.ChunkKind
 # The kind names a checkpoint stores (Note [Shard format]) and the chunk kind of each.
-SAVED_KINDS = {"param": K.COMPUTE_PARAM, "master": K.MASTER_PARAM, "exp_avg": K.MOMENTUM,
+SAVED_KINDS = {"param": K.COMPUTE_PARAM, "master": K.MASTER_PARAM,
+               "compensation": K.PARAM_COMPENSATION, "exp_avg": K.MOMENTUM,
                "exp_avg_sq": K.VARIANCE, "exp_avg_scale": K.MOMENTUM_SCALE,
                "exp_avg_sq_scale": K.VARIANCE_SCALE}
 _SCALE_KINDS = {moment_state.scale_key(key) for key in moment_state.MOMENT_KEYS}
@@ -48,6 +49,8 @@ class EngineState:
         kinds = ["param"]
         if ids.master is not None:
             kinds.append("master")
+        if ids.compensation is not None:  # bf16 without master: the updates' rounding error
+            kinds.append("compensation")
         if optimizer_state and ids.momentum is not None:
             kinds += ["exp_avg", "exp_avg_sq"]
         if optimizer_state and ids.momentum_scale is not None:  # 8-bit state
@@ -60,8 +63,9 @@ class EngineState:
         name = self.names[index]
         result = []
         for kind in self.kinds(index, optimizer_state):
-            if kind in _SCALE_KINDS:
-                continue
+            if kind in _SCALE_KINDS or (kind == "compensation"
+                                        and not reader.has(name, "compensation")):
+                continue  # read with their moment; zero after a checkpoint with a master
             result.append(source_kind(reader, name, kind))
             if (kind in moment_state.MOMENT_KEYS and reader.has(name, kind)
                     and reader.entry(name, kind).dtype == "uint8"):
@@ -81,7 +85,7 @@ class EngineState:
             shape = self.shapes[index]
             # Each tensor as its chunk holds it: the moments in optimizer.params.state_dtype
             # (restore converts, so either state dtype loads into the other).
-            kind_dtypes = {"param": self.compute_dtype,
+            kind_dtypes = {"param": self.compute_dtype, "compensation": "bfloat16",
                            "exp_avg": self.params.dtype_names["momentum"],
                            "exp_avg_sq": self.params.dtype_names["variance"]}
             for kind in self.kinds(index):
@@ -202,6 +206,11 @@ class EngineState:
                 for kind in self.kinds(index, load_optimizer_states):
                     if kind in _SCALE_KINDS:
                         continue  # written with their moment
+                    if kind == "compensation" and not reader.has(name, kind):
+                        # A checkpoint with fp32 masters: its params are rounded, no error kept.
+                        with self.view(index, kind) as view:
+                            view.zero_()
+                        continue
                     source = reader.tensor(name, source_kind(reader, name, kind))
                     if kind in moment_state.MOMENT_KEYS:
                         # Converted when the checkpoint's state dtype is not the engine's.
