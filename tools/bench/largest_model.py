@@ -94,6 +94,9 @@ def main() -> int:
     # 0.92), so the default is small enough for the loss to fall on every step.
     parser.add_argument("--lr", type=float, default=1e-6)
     parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
+    parser.add_argument("--no-master", action="store_true",
+                        help="with --precision bf16: bf16.master_weights false (Kahan-compensated "
+                             "bf16 params, no fp32 master)")
     parser.add_argument("--quick", action="store_true", help="a small model, 3 steps")
     parser.add_argument("--json", default="bench-results/largest_model.json")
     args = parser.parse_args()
@@ -117,18 +120,28 @@ def main() -> int:
         model_func, params = (lambda: GPT(gpt)), gpt.parameter_count()
         # One chunk holds the largest weight (the MLP's 4h x h), so no tensor is oversize.
         chunk = 4 * args.hidden * args.hidden
+    if args.no_master and args.precision != "bf16":
+        parser.error("--no-master needs --precision bf16")
     # The optimizer's bytes per parameter: the fp32 master (the weights themselves in fp32
-    # training) and the two moments.
+    # training; without a master the bf16 compensation) and the two moments.
     moment_bytes = {"fp32": 4, "bf16": 2, "int8": 1}[args.state_dtype]
-    state_bytes = (4 + 2 * moment_bytes) * params
+    state_bytes = ((2 if args.no_master else 4) + 2 * moment_bytes) * params
+    # Every chunk byte per parameter: weights (+ master or compensation), gradient, moments.
+    if args.precision == "fp32":
+        bytes_per_param = 4 + 4 + 2 * moment_bytes
+    else:
+        bytes_per_param = 2 + (2 if args.no_master else 4) + 2 + 2 * moment_bytes
     ram = ram_bytes()
-    config = {"default_chunk_size": chunk, "bf16": {"enabled": args.precision == "bf16"},
+    config = {"default_chunk_size": chunk,
+              "bf16": {"enabled": args.precision == "bf16", "master_weights": not args.no_master},
               "optimizer": {"type": "AdamW", "params": {"lr": args.lr, "weight_decay": 0.0,
                                                         "state_dtype": args.state_dtype}},
               "memory": {"device_budget": args.device_budget, "host_budget": args.host_budget,
                          "nvme": {"path": args.nvme}}}
     print(f"{args.model}: {params / 1e9:.2f} B parameters ({args.layers} x {args.hidden}, "
-          f"{args.precision}, {args.state_dtype} state), master + Adam state "
+          f"{args.precision}{', no master' if args.no_master else ''}, {args.state_dtype} state, "
+          f"{bytes_per_param} B/param = {bytes_per_param * params / GiB:.1f} GiB of chunks), "
+          f"master + Adam state "
           f"{state_bytes / GiB:.1f} GiB = {state_bytes / ram:.2f} x RAM ({ram / GiB:.1f} GiB); "
           f"budgets device {args.device_budget}, host {args.host_budget}, NVMe {args.nvme}",
           flush=True)
@@ -176,6 +189,7 @@ def main() -> int:
     write_json(args.json, {
         "benchmark": "largest_model", "machine": machine_description(), "nvme": args.nvme,
         "model": args.model, "state_dtype": args.state_dtype, "chunk_elements": chunk,
+        "master_weights": not args.no_master, "bytes_per_param": bytes_per_param,
         "parameters": params, "hidden": args.hidden, "layers": args.layers, "vocab": args.vocab,
         "intermediate": args.intermediate if llama else 4 * args.hidden,
         "tokens_per_step": args.batch * args.seq, "state_bytes": state_bytes, "ram_bytes": ram,
