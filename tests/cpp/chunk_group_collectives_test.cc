@@ -115,15 +115,32 @@ class GroupCollectivesTest : public ::testing::TestWithParam<int> {
   }
 
   void TearDown() override {
-    // Communicators first: their workers may still wait for a peer in the killed-rank test.
+    // Every rank's worker stops before any rank's collectives or chunks go: a worker still
+    // copying a collective (one rank's program returned early on a failed ASSERT, or left a
+    // gather in flight) reads and writes the other ranks' buffers, which resetting their
+    // collectives would free under it.
+    for (auto& rank : ranks_) {
+      if (rank->communicator != nullptr) rank->communicator->Shutdown();
+    }
     for (auto& rank : ranks_) rank->collectives.reset();
     for (auto& rank : ranks_) rank->communicator.reset();
   }
 
-  // Runs `program(rank)` on one thread per rank, as separate processes would.
+  // Runs `program(rank)` on one thread per rank, as separate processes would. A rank whose
+  // program stops on a fatal failure aborts the world, so the others fail at their next
+  // collective instead of waiting for it, and the failure names the rank.
   void OnEveryRank(const std::function<void(int)>& program) {
     std::vector<std::thread> threads;
-    for (int r = 0; r < world_size_; ++r) threads.emplace_back(program, r);
+    for (int r = 0; r < world_size_; ++r) {
+      threads.emplace_back([&, r] {
+        program(r);
+        if (::testing::Test::HasFatalFailure()) {
+          ADD_FAILURE() << "rank " << r << " ended after a fatal failure of the test (this rank's "
+                        << "or another's); aborting the world";
+          world_->Abort();
+        }
+      });
+    }
     for (std::thread& thread : threads) thread.join();
   }
 

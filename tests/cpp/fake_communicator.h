@@ -69,8 +69,13 @@ class FakeCommunicator : public Communicator {
  public:
   FakeCommunicator(std::shared_ptr<FakeWorld> world, int rank)
       : world_(std::move(world)), rank_(rank), worker_(1, absl::StrCat("fake-comm-", rank)) {}
-  ~FakeCommunicator() override {
-    world_->Abort();  // a peer that never comes must not keep the worker waiting
+  ~FakeCommunicator() override { Shutdown(); }
+
+  // Aborts the world (a peer that never comes must not keep the worker waiting) and waits
+  // until this rank's worker has finished what it was doing: after it, no copy of a collective
+  // still touches any rank's buffers, so those may be freed.
+  void Shutdown() {
+    world_->Abort();
     worker_.WaitIdle();
   }
 
