@@ -41,11 +41,12 @@ def dp_config(precision: str, **extra) -> dict:
     return base_config(precision, parallel=TIMEOUT, **extra)
 
 
-def mlp_config() -> dict:
+def mlp_config(state_dtype: str = "fp32") -> dict:
     """dp_scenarios' "mlp" run (no dropout, no BatchNorm): N ranks on 1/N of each batch track
     one rank on the whole batch to 1e-6, so resharded runs can be compared with continuous ones."""
     return {"default_chunk_size": 4096, "parallel": TIMEOUT,
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}}}
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01,
+                                                      "state_dtype": state_dtype}}}
 
 
 def capture(model, opt) -> dict:
@@ -137,12 +138,13 @@ def _initialize(model_func, config, seed=0):
         return patrickstar.initialize(model_func, config=config)
 
 
-def reshard_2to1(out: str, rank: int, world: int) -> dict:
+def reshard_2to1(out: str, rank: int, world: int, state_dtype: str = "fp32") -> dict:
     """The 2-rank side of 2 -> 1: save after STEPS, then the continuous run."""
     data = [shard(batch, rank, world) for batch in mlp_batches(2 * STEPS)]
-    model, opt = _initialize(MLP, mlp_config())
+    model, opt = _initialize(MLP, mlp_config(state_dtype))
     train(model, opt, data[:STEPS])
-    model.save_checkpoint(os.path.join(out, "two_to_one"), tag="t")
+    suffix = "" if state_dtype == "fp32" else f"_{state_dtype}"
+    model.save_checkpoint(os.path.join(out, "two_to_one" + suffix), tag="t")
     at_save = capture(model, opt)
     losses = train(model, opt, data[STEPS:])
     return {"at_save": at_save, "losses": losses, "final": model.state_dict()}
@@ -231,8 +233,10 @@ SCENARIOS = {
     "resume_fp32": lambda *a: resume("fp32", *a),
     "resume_bf16": lambda *a: resume("bf16", *a),
     "resume_fp16": lambda *a: resume("fp16", *a),
+    "resume_bf16_lowp": lambda *a: resume("bf16_lowp", *a),
     "resume_fp32_nvme": lambda *a: resume("fp32", *a, nvme=True),
     "reshard_2to1": reshard_2to1,
+    "reshard_2to1_int8": lambda *a: reshard_2to1(*a, state_dtype="int8"),
     "reshard_1to2": reshard_1to2,
     "consolidate_gpt": consolidate_gpt,
     "errors": errors,

@@ -50,6 +50,10 @@ PRECISIONS = {
     "fp32": {},
     "fp16": {"fp16": {"enabled": True, "initial_scale_power": 8}},
     "bf16": {"bf16": {"enabled": True}},
+    # Issue 21's 8 bytes per parameter: bf16 without master (Kahan compensation), 8-bit moments.
+    "bf16_lowp": {"bf16": {"enabled": True, "master_weights": False},
+                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01,
+                                                            "state_dtype": "int8"}}},
 }
 
 
@@ -127,7 +131,7 @@ def resume_pair(tmp_path, config, before=3, after=3):
     return losses, resumed, expected, full_state(other, other_opt)
 
 
-@pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16", "bf16_lowp"])
 def test_exact_resume_is_bit_identical(tmp_path, precision):
     losses, resumed, expected, actual = resume_pair(tmp_path, base_config(precision))
     assert losses == resumed  # bit for bit, not approximately
