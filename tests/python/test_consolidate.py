@@ -75,6 +75,28 @@ def test_16bit_runs_give_their_exact_16bit_weights_and_fp32_masters(tmp_path, pr
     assert any(not torch.equal(full[k], full[k].to(dtype).float()) for k in full)
 
 
+def test_a_run_without_master_and_8bit_state_consolidates_to_its_bf16_weights(tmp_path):
+    # No fp32 master and 8-bit moments (issue 21): the plain weights are the bf16 params; the
+    # compensation, codes and scales stay in the checkpoint.
+    cfg = gpt_config()
+    config = {"default_chunk_size": 8192, "bf16": {"enabled": True, "master_weights": False},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "state_dtype": "int8"}}}
+    model, _ = trained(lambda: GPT(cfg), config, gpt_batches)
+    weights = model.state_dict()
+    model.save_checkpoint(tmp_path / "ckpt", tag="t")
+    model.destroy()
+    consolidate(tmp_path / "ckpt", tmp_path / "full.pt", dtype="fp32", tag="t")
+    consolidate(tmp_path / "ckpt", tmp_path / "half.pt", dtype="bf16", tag="t")
+    full = torch.load(tmp_path / "full.pt", weights_only=True)
+    half = torch.load(tmp_path / "half.pt", weights_only=True)
+    assert full.keys() == weights.keys()
+    for key, value in weights.items():
+        assert full[key].dtype == torch.float32 and torch.equal(full[key], value.float()), key
+        assert torch.equal(half[key], value), key
+    plain = GPT(cfg)
+    plain.load_state_dict(full)
+
+
 def test_huggingface_gpt2_names_round_trip(tmp_path):
     transformers = pytest.importorskip("transformers")
     hf_config = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=128,
