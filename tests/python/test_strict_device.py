@@ -2,6 +2,11 @@
 runtime/strict_device.h): these run when PATRICKSTAR_STRICT_DEVICE=1, as tools/test.sh does, and
 check the stream orderings a GPU needs and the CPU build cannot show."""
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -116,3 +121,49 @@ def test_engine_training_matches_pytorch_under_a_device_budget():
     for name, tensor in reference.state_dict().items():
         torch.testing.assert_close(state[name], tensor, msg=name)
     model.destroy()
+
+
+def _lowp_losses() -> tuple[list[float], set[str]]:
+    """Trains a small MLP with bf16 params without master and 8-bit state under a device budget
+    that evicts; the losses of each step and the tiers the optimizer updated tensors on."""
+    def build():
+        return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(),
+                                   torch.nn.Linear(64, 32))
+
+    torch.manual_seed(0)
+    model, optimizer = patrickstar.initialize(build, config={
+        "default_chunk_size": 4 * CHUNK, "bf16": {"enabled": True, "master_weights": False},
+        "optimizer": {"params": {"lr": 1e-2, "state_dtype": "int8"}},
+        "memory": {"device_budget": 64 * KiB}})
+    tiers = set()
+    where = optimizer._update_tiers  # records where each update runs (device or host kernel)
+    optimizer._update_tiers = lambda ids: tiers.update(where(ids)) or where(ids)
+    generator = torch.Generator().manual_seed(1)
+    losses = []
+    for x in [torch.randn(8, 32, generator=generator) for _ in range(3)] * 4:
+        loss = model(x.bfloat16()).float().square().mean()
+        model.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    state = optimizer.state_dict()["state"]
+    assert all(entry["exp_avg"].dtype == torch.uint8 for entry in state.values())
+    model.destroy()
+    return losses, tiers
+
+
+def test_8bit_state_and_bf16_without_master_train_on_the_device_path_as_on_the_host():
+    # Issue 21's kernels through the engine's CUDA path: moments, scales and compensation
+    # chunks in device memory the host must not touch, updated by the device kernel where all
+    # of a parameter's chunks are on the device. Its kernels give the CPU kernels' bits, so the
+    # run matches the CPU build's step for step (run in a process without the strict device).
+    on_device, tiers = _lowp_losses()
+    assert "device" in tiers  # the device kernel ran
+    script = ("import json, test_strict_device as t; "
+              "print(json.dumps(t._lowp_losses()[0]))")
+    env = dict(os.environ, PATRICKSTAR_STRICT_DEVICE="0")
+    out = subprocess.run([sys.executable, "-c", script], cwd=os.path.dirname(__file__), env=env,
+                         capture_output=True, text=True, timeout=300, check=True)
+    on_host = json.loads(out.stdout.strip().splitlines()[-1])
+    assert on_device == on_host
+    assert on_device[-1] < on_device[0]
