@@ -59,6 +59,13 @@ def external_parameter_hint(error: BaseException) -> str | None:
     if not isinstance(error, RuntimeError):
         return None
     message = str(error)
+    if "dtype" in message or "scalar type" in message:
+        # Not a placeholder: fp32 inputs meeting 16-bit parameters.
+        if "BFloat16" in message or "Half" in message:
+            return ("PatrickStar: with bf16 or fp16 enabled the parameters are 16-bit; cast "
+                    "floating-point inputs to the model's dtype (e.g. x.to(torch.bfloat16)), as "
+                    "with DeepSpeed.")
+        return None
     if not any(word in message for word in _SHAPE_ERROR_WORDS):
         return None
     return ("PatrickStar: outside its own module's forward a parameter holds an empty "

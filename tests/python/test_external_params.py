@@ -41,6 +41,18 @@ def test_without_registration_the_error_names_the_fix():
     assert any("register_external_parameter" in note for note in caught.value.__notes__)
 
 
+def test_fp32_inputs_to_a_bf16_model_get_the_dtype_hint_not_the_placeholder_one():
+    model, _ = patrickstar.initialize(lambda: nn.Linear(8, 4), config=dict(
+        CONFIG, bf16={"enabled": True}))
+    with pytest.raises(RuntimeError) as caught:
+        model(torch.randn(2, 8))
+    notes = getattr(caught.value, "__notes__", [])
+    assert any("cast floating-point inputs to the model's dtype" in note for note in notes)
+    assert not any("register_external_parameter" in note for note in notes)
+    assert model(torch.randn(2, 8).bfloat16()).dtype == torch.bfloat16
+    model.destroy()
+
+
 def test_registering_something_that_is_not_a_model_parameter_is_a_clear_error():
     stray = nn.Parameter(torch.zeros(3, 5))
 
