@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 import patrickstar
+import test_state_dtype as state_dtype_tests
 
 BASE = {"default_chunk_size": 1 << 16, "bf16": {"enabled": True, "master_weights": False},
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}}}
@@ -24,10 +25,7 @@ def make_model():
     return nn.Sequential(nn.Linear(64, 2000), nn.GELU(), nn.Linear(2000, 10))
 
 
-def batches(count: int):
-    generator = torch.Generator().manual_seed(1)
-    return [(torch.randn(32, 64, generator=generator),
-             torch.randint(0, 10, (32,), generator=generator)) for _ in range(count)]
+batches = state_dtype_tests.batches
 
 
 def config(master_weights: bool = False, state_dtype: str = "fp32") -> dict:
@@ -38,27 +36,11 @@ def config(master_weights: bool = False, state_dtype: str = "fp32") -> dict:
 
 
 def train(model, optimizer, data) -> list[float]:
-    losses = []
-    for x, y in data:
-        loss = nn.functional.cross_entropy(model(x.bfloat16()).float(), y)
-        model.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return state_dtype_tests.train(model, optimizer, data, input_dtype=torch.bfloat16)
 
 
 def torch_losses(data) -> list[float]:
-    reference = make_model()
-    optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.01)
-    losses = []
-    for x, y in data:
-        loss = nn.functional.cross_entropy(reference(x), y)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return state_dtype_tests.torch_losses(data, make_model)
 
 
 @pytest.mark.parametrize("state_dtype", ["fp32", "int8"])

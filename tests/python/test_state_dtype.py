@@ -42,10 +42,10 @@ def config(state_dtype: str, **extra) -> dict:
     return result
 
 
-def train(model, optimizer, data) -> list[float]:
+def train(model, optimizer, data, input_dtype=torch.float32) -> list[float]:
     losses = []
     for x, y in data:
-        loss = nn.functional.cross_entropy(model(x), y)
+        loss = nn.functional.cross_entropy(model(x.to(input_dtype)).float(), y)
         model.backward(loss)
         optimizer.step()
         optimizer.zero_grad()
@@ -53,8 +53,9 @@ def train(model, optimizer, data) -> list[float]:
     return losses
 
 
-def torch_losses(data) -> list[float]:
-    reference = make_model()
+def torch_losses(data, build=make_model) -> list[float]:
+    """fp32 torch.optim.AdamW on `build()`: the reference of every low-precision variant."""
+    reference = build()
     torch_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.01)
     losses = []
     for x, y in data:
