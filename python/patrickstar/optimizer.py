@@ -35,7 +35,6 @@ from .vocabulary import Tier as T
 
 __all__ = ["PatrickStarOptimizer", "build_param_groups", "clip_coefficient"]
 
-K = _C.ChunkKind
 S = _C.TensorState
 
 _GROUP_KEYS = {"params", "lr", "betas", "eps", "weight_decay", "name"}

@@ -82,7 +82,6 @@ class EngineState:
     def entries(self) -> list[Entry]:
         entries = []
         for index, name in enumerate(self.names):
-            shape = self.shapes[index]
             # Each tensor as its chunk holds it: the moments in optimizer.params.state_dtype
             # (restore converts, so either state dtype loads into the other).
             kind_dtypes = {"param": self.compute_dtype, "compensation": "bfloat16",
