@@ -10,6 +10,8 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <ctime>
 #include <utility>
@@ -61,11 +63,20 @@ namespace {
 // for its own timeout. A rank that left normally has already satisfied every condition its
 // peers wait on (the same sequence of calls), and the conditions are tested before the state.
 
+// Note [Dead peers]
+// A rank killed without closing (SIGKILL, a crash, os._exit) never stores kClosed, and gloo
+// would have seen its socket close at once. So a rank that has been asleep waiting for a peer
+// looks at the peer's process every kLivenessInterval: no /proc/<pid> entry, a zombie, or a
+// different start time (the pid was reused) means the peer is gone, and the wait fails with
+// Aborted naming it. Ranks in one process (threads, the tests) and ranks in another pid
+// namespace (whose pids mean nothing here) are not checked; the timeout still covers them.
+
 constexpr uint64_t kMagic = 0x70732d73686d3031;  // "ps-shm01"
 constexpr int kMaxWorldSize = 1024;
 constexpr int kSpins = 256;
 constexpr absl::Duration kSleep = absl::Milliseconds(5);
 constexpr int64_t kBlock = 1024;  // elements reduced at a time, in fp32 on the stack
+constexpr absl::Duration kLivenessInterval = absl::Milliseconds(100);
 
 enum RankState : uint32_t { kAlive = 0, kClosed = 1, kFailed = 2 };
 constexpr int kEveryPeer = -1;
@@ -88,6 +99,10 @@ struct alignas(64) RankControl {
   std::atomic<uint32_t> signal;     // futex word, bumped after every store above or to state
   std::atomic<uint32_t> waiters;    // peers asleep on `signal`
   std::atomic<uint32_t> state;      // RankState
+  // The rank's process, written before it counts itself attached (Note [Dead peers]).
+  int64_t pid;
+  uint64_t start_time;     // field 22 of /proc/<pid>/stat: tells a reused pid apart
+  uint64_t pid_namespace;  // inode of /proc/self/ns/pid: pids compare within one namespace
 };
 
 int64_t SegmentBytes(int world_size, int64_t slot_bytes) {
@@ -104,6 +119,40 @@ void FutexWait(std::atomic<uint32_t>* word, uint32_t expected, absl::Duration ti
 void FutexWakeAll(std::atomic<uint32_t>* word) {
   syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE, INT32_MAX, nullptr, nullptr,
           0);
+}
+
+// The state letter and start time of process `pid` from /proc/<pid>/stat; false if it has none.
+bool ReadProcessStat(int64_t pid, char* state, uint64_t* start_time) {
+  char path[64];
+  std::snprintf(path, sizeof(path), "/proc/%lld/stat", static_cast<long long>(pid));
+  const int fd = open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return false;
+  char text[1024];
+  const ssize_t length = read(fd, text, sizeof(text) - 1);
+  close(fd);
+  if (length <= 0) return false;
+  text[length] = '\0';
+  // "pid (comm) state ppid ...": comm may hold spaces and parentheses, so start after the last
+  // ')'. The state is field 3, the start time field 22.
+  const char* fields = std::strrchr(text, ')');
+  if (fields == nullptr) return false;
+  fields += 1;
+  int field = 2;
+  for (const char* c = fields; *c != '\0'; ++c) {
+    if (*c != ' ') continue;
+    ++field;
+    if (field == 3) *state = c[1];
+    if (field == 22) {
+      *start_time = std::strtoull(c + 1, nullptr, 10);
+      return true;
+    }
+  }
+  return false;
+}
+
+uint64_t PidNamespace() {
+  struct stat info;
+  return stat("/proc/self/ns/pid", &info) == 0 ? static_cast<uint64_t>(info.st_ino) : 0;
 }
 
 inline void CpuRelax() {
@@ -398,6 +447,18 @@ class ShmCommunicator : public Communicator {
     return status;
   }
 
+  // Note [Dead peers].
+  bool PeerProcessAlive(const RankControl& peer) const {
+    if (peer.pid == creator_pid_ || peer.pid_namespace != own_pid_namespace_ ||
+        peer.pid_namespace == 0) {
+      return true;
+    }
+    char state = '?';
+    uint64_t start_time = 0;
+    if (!ReadProcessStat(peer.pid, &state, &start_time)) return false;
+    return state != 'Z' && state != 'X' && start_time == peer.start_time;
+  }
+
   int Divisor(ReduceOp op) const { return op == ReduceOp::kAvg ? world_size_ : 1; }
 
   void Signal(RankControl& control) {
@@ -418,6 +479,7 @@ class ShmCommunicator : public Communicator {
     for (int r = 0; r < world_size_; ++r) {
       if (r == rank_ || (only >= 0 && r != only)) continue;
       RankControl& peer = *segment_->control(r);
+      absl::Time next_liveness_check = absl::Now() + kLivenessInterval;
       for (int spins = 0;; ++spins) {
         const uint32_t signal = peer.signal.load(std::memory_order_acquire);
         if (ready(peer)) break;
@@ -435,7 +497,17 @@ class ShmCommunicator : public Communicator {
           CpuRelax();
           continue;
         }
-        if (absl::Now() > deadline) {
+        const absl::Time now = absl::Now();
+        if (now >= next_liveness_check) {
+          next_liveness_check = now + kLivenessInterval;
+          if (!PeerProcessAlive(peer)) {
+            if (ready(peer)) break;
+            return absl::AbortedError(absl::StrCat(
+                "rank ", r, " (process ", peer.pid, ") exited before it could ", what, " ",
+                step, " of ", collective, " (rank ", rank_, ")"));
+          }
+        }
+        if (now > deadline) {
           return absl::DeadlineExceededError(absl::StrCat(
               "rank ", r, " did not ", what, " ", step, " within ", absl::FormatDuration(timeout_),
               " (rank ", rank_, " waiting): it died, stopped, or issued a different sequence "
@@ -455,6 +527,7 @@ class ShmCommunicator : public Communicator {
   const int64_t slot_bytes_;
   const absl::Duration timeout_;
   const pid_t creator_pid_ = getpid();
+  const uint64_t own_pid_namespace_ = PidNamespace();
   std::atomic<bool> stopping_{false};
   // Worker thread only.
   uint64_t step_ = 0;
@@ -588,7 +661,12 @@ absl::StatusOr<std::unique_ptr<Communicator>> CreateShmCommunicator(
     }
   }
   SegmentHeader* header = segment->header();
-  header->attached.fetch_add(1, std::memory_order_acq_rel);
+  RankControl* own = segment->control(options.rank);
+  own->pid = getpid();
+  own->pid_namespace = PidNamespace();
+  char state = '?';
+  if (!ReadProcessStat(own->pid, &state, &own->start_time)) own->pid_namespace = 0;  // unknown
+  header->attached.fetch_add(1, std::memory_order_acq_rel);  // publishes the identity above
   while (header->attached.load(std::memory_order_acquire) < options.world_size) {
     if (absl::Now() > deadline) {
       if (creator) shm_unlink(options.name.c_str());

@@ -2,7 +2,8 @@
 // as forked processes): every collective for 2, 3 and 4 ranks and every dtype, sizes around the
 // slot and reduce-scatter piece boundaries, all issued before any is waited for; null buffers;
 // a missing rank (DeadlineExceeded naming the collective, at Wait and from the worker's own
-// timeout); destruction while a call waits; attaching; the name gone once everybody attached.
+// timeout); a peer process that exited; destruction while a call waits; attaching; the name
+// gone once everybody attached.
 #include "runtime/shm_communicator.h"
 
 #include <fcntl.h>
@@ -500,6 +501,33 @@ TEST(ShmCommunicatorTest, RanksAsProcesses) {
     ASSERT_TRUE(WIFEXITED(status));
     EXPECT_EQ(WEXITSTATUS(status), 0) << "a forked rank failed";
   }
+}
+
+// Note [Dead peers]: a rank whose process exits without closing (killed, os._exit) makes the
+// others fail with Aborted naming it well before their timeout, as gloo's closed socket does.
+TEST(ShmCommunicatorTest, PeerProcessThatExitedIsAbortedBeforeTheTimeout) {
+  const std::string name = UniqueName();
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    auto made = CreateShmCommunicator(Options(name, 1, 2, absl::Seconds(60)));
+    _exit(made.ok() ? 0 : 1);  // leaves without closing, a zombie until waitpid below
+  }
+  auto made = CreateShmCommunicator(Options(name, 0, 2, absl::Seconds(60)));
+  PS_ASSERT_OK(made.status());
+  std::vector<float> a(10), b(10);
+  std::vector<void*> pointers = {a.data(), b.data()};
+  const absl::Time start = absl::Now();
+  const absl::Status status =
+      (*made)->AllGather(pointers, 10, DType::kFloat32, "layer 0").Wait(absl::Seconds(30));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(10));
+  EXPECT_EQ(status.code(), absl::StatusCode::kAborted) << status;
+  EXPECT_THAT(status.message(), HasSubstr("rank 1 (process "));
+  EXPECT_THAT(status.message(), HasSubstr("exited"));
+  EXPECT_THAT(status.message(), HasSubstr("allgather of 2 x 10 float32 (layer 0) on shm"));
+  int exit_status = 0;
+  ASSERT_EQ(waitpid(child, &exit_status, 0), child);
+  EXPECT_TRUE(WIFEXITED(exit_status) && WEXITSTATUS(exit_status) == 0);
 }
 
 }  // namespace
