@@ -80,7 +80,7 @@ def check_matches_reference(results, name: str):
             torch.testing.assert_close(other[name]["state"][key], tensor, rtol=0, atol=0)
 
 
-TWO_RANK_SCENARIOS = ["mlp", "mlp_tight", "mlp_accumulation_clipping", "mlp_accumulation_keep",
+TWO_RANK_SCENARIOS = ["mlp", "mlp_process_group", "mlp_tight", "mlp_accumulation_clipping", "mlp_accumulation_keep",
                       "mlp_accumulation_full", "mlp_memory_saving", "gpt", "gpt_tight",
                       "gpt_tight_no_ahead", "gpt_keep", "blocks", "blocks_auto", "blocks_accumulation",
                       "blocks_accumulation_full", "branch", "branch_unused",
@@ -129,6 +129,24 @@ def test_two_ranks_with_half_batches_match_pytorch_on_the_whole_batch(two_ranks,
         device = result["stats"][0]
         assert device["evictions"] > 0
         assert device["peak_chunk_bytes"] <= device["budget_bytes"]
+
+
+def test_ranks_on_one_host_use_shared_memory_and_the_process_group_gives_the_same_bits(
+        two_ranks):
+    # parallel.transport "auto" (the default) takes the shared-memory communicator for two
+    # gloo ranks on this host; "process_group" still goes through gloo.
+    for name in TWO_RANK_SCENARIOS:
+        expected = "process_group" if name == "mlp_process_group" else "shm"
+        for rank, result in enumerate(two_ranks):
+            assert result[name]["transport"] == expected, (name, rank)
+    check_matches_reference(two_ranks, "mlp_process_group")
+    # Two ranks: a + b and its half are the same whichever transport adds them.
+    for rank, result in enumerate(two_ranks):
+        assert result["mlp"]["losses"] == result["mlp_process_group"]["losses"]
+        for key, tensor in result["mlp"]["state"].items():
+            torch.testing.assert_close(result["mlp_process_group"]["state"][key], tensor,
+                                       rtol=0, atol=0)
+        assert result["mlp"]["collectives"] == result["mlp_process_group"]["collectives"]
 
 
 def single_process_peak(name: str) -> int:
@@ -373,6 +391,9 @@ def test_parallel_config_errors_name_the_key():
         patrickstar.initialize(MLP, config={"parallel": {"gather_ahead": -1}})
     with pytest.raises(ValueError, match="'parallel.gather_ahead': expected an integer"):
         patrickstar.initialize(MLP, config={"parallel": {"gather_ahead": 0.5}})
+    with pytest.raises(ValueError, match="'parallel.transport': expected 'auto', 'shm' .*"
+                                         "got 'tcp'"):
+        patrickstar.initialize(MLP, config={"parallel": {"transport": "tcp"}})
     with pytest.raises(ValueError, match="parallel.collective_timeout"):
         patrickstar.initialize(MLP, config={"parallel": {"collective_timeout": 0}})
     with pytest.raises(ValueError, match="'parallel.gradient_accumulation': expected 'sharded' "
