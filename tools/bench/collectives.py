@@ -190,12 +190,56 @@ def part_training(args, rank: int, which: str) -> dict:
     return {"step_seconds": seconds, "peak_rss_above_baseline_bytes": peak_rss_bytes() - baseline}
 
 
+def part_interleaved(args, rank: int) -> dict:
+    """Our training step in several configurations (`--interleave transport:reshard,...`), one
+    engine each in this process, their steps taken in turn (the first of each round rotating):
+    on a machine whose load changes from minute to minute (other jobs on the 2 cores) the
+    configurations see the same load, which separate runs do not."""
+    import patrickstar
+    configurations = [item.split(":") for item in args.interleave.split(",")]
+    batch = args.batch // WORLD
+    generator = torch.Generator().manual_seed(rank)
+    x = torch.randn(batch, args.hidden, generator=generator)
+    y = torch.randn(batch, args.hidden, generator=generator)
+    engines = []
+    for transport, reshard in configurations:
+        torch.manual_seed(0)
+        engines.append(patrickstar.initialize(
+            lambda: Blocks(args.layers, args.hidden),
+            config={"default_chunk_size": args.chunk_elements,
+                    "parallel": {"gather_ahead": args.gather_ahead,
+                                 "reshard_after_forward": reshard == "on",
+                                 "transport": transport},
+                    "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}}))
+
+    def step(model, optimizer):
+        model.backward(model(x, y))
+        optimizer.step()
+        optimizer.zero_grad()
+
+    for model, optimizer in engines:  # warm-up
+        step(model, optimizer)
+    times = [[] for _ in engines]
+    for round_index in range(args.steps):
+        for k in range(len(engines)):
+            index = (round_index + k) % len(engines)
+            dist.barrier()
+            start = time.perf_counter()
+            step(*engines[index])
+            times[index].append(time.perf_counter() - start)
+    return {f"{transport}:reshard_{reshard}": {"step_seconds": statistics.median(t),
+                                               "transport": engines[i][0].dp.transport}
+            for i, ((transport, reshard), t) in enumerate(zip(configurations, times))}
+
+
 def run_rank(args) -> None:
     rank = int(os.environ["RANK"])
     dist.init_process_group("gloo")
     torch.set_num_threads(1)  # two ranks share the two cores
     if args.part == "collectives":
         result = part_collectives(args, rank)
+    elif args.part == "interleaved":
+        result = part_interleaved(args, rank)
     else:
         result = part_training(args, rank, args.part)
     gathered = [None] * WORLD
@@ -209,7 +253,7 @@ def run_rank(args) -> None:
 def launch(args, part: str) -> list[dict]:
     result = launch_ranks(__file__, WORLD, part, args.out, forwarded(
         args, "layers", "hidden", "chunk_elements", "repeats", "steps", "batch", "gather_ahead",
-        "reshard", "transport"))
+        "reshard", "transport", "interleave"))
     if result is None:
         raise SystemExit(f"a rank of part '{part}' failed")
     return result
@@ -221,20 +265,25 @@ def main() -> None:
                               batch=64)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--parts", default="collectives,ours,fsdp2",
-                        help="comma-separated parts to run: collectives, ours, fsdp2")
+                        help="comma-separated parts to run: collectives, ours, fsdp2, "
+                             "interleaved")
+    parser.add_argument("--interleave",
+                        default="shm:on,shm:off,process_group:on,process_group:off",
+                        help="the interleaved part's configurations, transport:reshard each")
     args = parser.parse_args()
     if args.rank_process:
         run_rank(args)
         return
     os.makedirs(os.path.dirname(os.path.abspath(args.out)) or ".", exist_ok=True)
     parts = set(args.parts.split(","))
-    unknown = parts - {"collectives", "ours", "fsdp2"}
+    unknown = parts - {"collectives", "ours", "fsdp2", "interleaved"}
     if unknown:
         raise SystemExit(f"--parts: unknown {sorted(unknown)}")
     collectives = launch(args, "collectives")[0] if "collectives" in parts else None
     ours = launch(args, "ours") if "ours" in parts else None
     fsdp = launch(args, "fsdp2") if "fsdp2" in parts else None
-    step = {"ours": ours, "fsdp2": fsdp}
+    interleaved = launch(args, "interleaved") if "interleaved" in parts else None
+    step = {"ours": ours, "fsdp2": fsdp, "interleaved": interleaved}
     if ours and fsdp:
         step["ours_vs_fsdp2_time"] = statistics.mean(
             o["step_seconds"] for o in ours) / statistics.mean(f["step_seconds"] for f in fsdp)
@@ -250,6 +299,11 @@ def main() -> None:
         for key in ("chunked_ring", "chunked_shm"):
             print(f"  one group's allgather, {key}: "
                   f"{c[key]['allgather_seconds_per_group'] * 1e3:.1f} ms")
+    if interleaved is not None:
+        for key in interleaved[0]:
+            print(f"  step {key:26s} " + "  ".join(
+                f"rank{r}: {v[key]['step_seconds'] * 1e3:.0f} ms"
+                for r, v in enumerate(interleaved)))
     for name, ranks in (("ours", ours), ("fsdp2", fsdp)):
         if ranks is None:
             continue
