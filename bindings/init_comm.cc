@@ -1,6 +1,6 @@
 // Data-parallel collectives in Python: the c10d ProcessGroup back end of ps::Communicator (the
-// core never sees torch, so it lives here), the direct NCCL back end's factory, and
-// GroupCollectives over a ChunkManager.
+// core never sees torch, so it lives here), the factories of the direct NCCL and shared-memory
+// back ends, and GroupCollectives over a ChunkManager.
 //
 // Note [c10d back end]
 // The process group is looked up by its name in torch's registry (`group.group_name` in Python,
