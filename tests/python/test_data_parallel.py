@@ -149,6 +149,23 @@ def test_ranks_on_one_host_use_shared_memory_and_the_process_group_gives_the_sam
         assert result["mlp"]["collectives"] == result["mlp_process_group"]["collectives"]
 
 
+def test_transport_follows_where_the_ranks_are():
+    # Note [Transport], without a world: the ranks' host identities are faked.
+    from patrickstar.config import Config
+    from patrickstar.data_parallel import DataParallel, _host_identity
+    here = _host_identity()
+    dp = DataParallel(Config(), world_size=2, rank=0)
+    dp.all_gather_object = lambda obj: [obj, here]
+    assert dp._choose_transport("shm", None) == "shm"
+    assert dp._choose_transport("process_group", None) == "process_group"
+    elsewhere = ("elsewhere", "another-boot-id", here[2])
+    dp.all_gather_object = lambda obj: [obj, elsewhere]
+    assert dp._choose_transport("auto", None) == "process_group"
+    with pytest.raises(ValueError, match="'parallel.transport': 'shm' needs every data-parallel "
+                                         "rank on one host.*elsewhere"):
+        dp._choose_transport("shm", None)
+
+
 def single_process_peak(name: str) -> int:
     """peak_model_bytes of `name` trained in this process, as dp_worker trains it."""
     import patrickstar
