@@ -35,8 +35,7 @@ namespace {
 // across calls; step s uses slot s % 2 of every rank. For its step s, rank r:
 //   1. waits until every peer's `consumed` >= s - 2: nobody still reads r's slot s % 2, last
 //      used for step s - 2;
-//   2. writes its piece into its slot s % 2 (what it depends on the collective: its input, its
-//      contributions to every other rank's result, nothing for a non-root of a broadcast);
+//   2. writes its piece into its slot s % 2 (below);
 //   3. stores `published` = s (release);
 //   4. waits until `published` >= s for every rank it reads from (acquire): their pieces are
 //      complete;
@@ -49,6 +48,18 @@ namespace {
 // (a pipeline of depth 2, no barrier between steps). `published` > s while reading step s is
 // possible and fine (the peer's next piece is in its other slot).
 //
+// What a step's piece is (elements [o, o + n) of every buffer; null inputs are written as
+// zeros, null outputs are not read into):
+//   allgather        this rank's buffer; it copies every peer's slot into that peer's buffer.
+//   reduce-scatter   world_size sub-pieces of slot_bytes / world_size (64-byte aligned), sub-
+//                    piece d holding the contribution to rank d (its own one stays unused);
+//                    rank d sums sub-piece d of every slot and its own buffer d.
+//   all-reduce       this rank's buffer; every rank sums all ranks' pieces in rank order, so
+//                    all get the same bits. reduce: the same on the root, whose own piece is
+//                    read from its buffer (it writes nothing). broadcast: the root's buffer.
+// Sums run in fp32 (fp16/bf16 widened by kernels/cast.h and rounded once), average = sum /
+// world_size.
+//
 // Waiting: a rank bumps its futex word `signal` after each store of `published` or `consumed`
 // and wakes it when someone sleeps there (`waiters`). A waiter reads `signal`, tests its
 // condition, spins a little, then sleeps on the word it read (futex across processes: the
@@ -60,8 +71,9 @@ namespace {
 // destroyed, fails; the rank then sets its `state` to kFailed (kClosed on destruction) and
 // every later call on it fails at once, since the ranks' step numbers no longer agree. A peer
 // waiting for a rank that left fails too, with Aborted naming that rank, instead of waiting
-// for its own timeout. A rank that left normally has already satisfied every condition its
-// peers wait on (the same sequence of calls), and the conditions are tested before the state.
+// for its own timeout (and one whose process died: Note [Dead peers]). A rank that left
+// normally has already satisfied every condition its peers wait on (the same sequence of
+// calls), and the conditions are tested before the state.
 
 // Note [Dead peers]
 // A rank killed without closing (SIGKILL, a crash, os._exit) never stores kClosed, and gloo
