@@ -149,6 +149,24 @@ def test_ranks_on_one_host_use_shared_memory_and_the_process_group_gives_the_sam
         assert result["mlp"]["collectives"] == result["mlp_process_group"]["collectives"]
 
 
+def test_shm_communicator_binding_checks_its_arguments():
+    import uuid
+    from patrickstar import _C
+    name = f"/ps-pytest-{uuid.uuid4().hex}"
+    communicator = _C.shm_communicator(name, rank=0, world_size=1, timeout_s=5)
+    assert communicator.backend == "shm" and communicator.world_size == 1
+    values = torch.arange(5.0)
+    communicator.all_reduce(values, op="avg").wait(5)
+    torch.testing.assert_close(values, torch.arange(5.0))
+    assert not os.path.exists("/dev/shm" + name)  # unlinked once every rank attached
+    with pytest.raises(ValueError, match="segment name"):
+        _C.shm_communicator("no-slash", rank=0, world_size=1)
+    with pytest.raises(ValueError, match="slot_bytes"):
+        _C.shm_communicator(name + "-b", rank=0, world_size=2, slot_bytes=100)
+    with pytest.raises(TimeoutError, match="1 of 2 ranks attached"):
+        _C.shm_communicator(name + "-c", rank=0, world_size=2, timeout_s=0.2)
+
+
 def test_transport_follows_where_the_ranks_are():
     # Note [Transport], without a world: the ranks' host identities are faked.
     from patrickstar.config import Config
