@@ -221,7 +221,8 @@ class DataParallel:
         self.reshard = bool(parallel.reshard_after_forward)
         gatherer = self.collectives
         if self.reshard:
-            # Note [Resharding after forward]: backward's gathers get their own process group.
+            # Note [Resharding after forward]: backward's gathers get their own communicator
+            # (over their own process group, or their own segment).
             self.gather_communicator = self._make_communicator(groups.twin_data_group(),
                                                                "gathers")
             gatherer = _C.GroupCollectives(
