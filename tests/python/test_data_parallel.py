@@ -80,7 +80,8 @@ def check_matches_reference(results, name: str):
             torch.testing.assert_close(other[name]["state"][key], tensor, rtol=0, atol=0)
 
 
-TWO_RANK_SCENARIOS = ["mlp", "mlp_process_group", "mlp_tight", "mlp_accumulation_clipping", "mlp_accumulation_keep",
+TWO_RANK_SCENARIOS = ["mlp", "mlp_process_group", "mlp_tight", "mlp_accumulation_clipping",
+                      "mlp_accumulation_keep",
                       "mlp_accumulation_full", "mlp_memory_saving", "gpt", "gpt_tight",
                       "gpt_tight_no_ahead", "gpt_keep", "blocks", "blocks_auto", "blocks_accumulation",
                       "blocks_accumulation_full", "branch", "branch_unused",
