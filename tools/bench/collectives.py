@@ -299,6 +299,9 @@ def main() -> None:
         for key in ("chunked_ring", "chunked_shm"):
             print(f"  one group's allgather, {key}: "
                   f"{c[key]['allgather_seconds_per_group'] * 1e3:.1f} ms")
+        shm = c["chunked_shm"]
+        print(f"  shm / gloo (same run): iteration {shm['vs_chunked_ring']:.2f}, "
+              f"allgather {shm['allgather_vs_gloo']:.2f}")
     if interleaved is not None:
         for key in interleaved[0]:
             print(f"  step {key:26s} " + "  ".join(
