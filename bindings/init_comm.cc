@@ -1,6 +1,6 @@
 // Data-parallel collectives in Python: the c10d ProcessGroup back end of ps::Communicator (the
-// core never sees torch, so it lives here), the direct NCCL back end's factory, and
-// GroupCollectives over a ChunkManager.
+// core never sees torch, so it lives here), the factories of the direct NCCL and shared-memory
+// back ends, and GroupCollectives over a ChunkManager.
 //
 // Note [c10d back end]
 // The process group is looked up by its name in torch's registry (`group.group_name` in Python,
@@ -30,6 +30,7 @@
 #include "bindings/torch_dtype.h"
 #include "chunk/group_collectives.h"
 #include "runtime/communicator.h"
+#include "runtime/shm_communicator.h"
 #include "runtime/status.h"
 #include "runtime/thread_pool.h"
 
@@ -378,6 +379,30 @@ void InitComm(py::module_& module) {
       py::arg("group_name"), py::arg("reduce_scatter") = "ring", py::arg("timeout_s") = 300.0,
       "A Communicator over the torch.distributed process group of that name "
       "(`group.group_name`): gloo on CPU, NCCL when torch has it (Note [c10d back end]).");
+
+  module.def(
+      "shm_communicator",
+      [](const std::string& name, int rank, int world_size, double timeout_s,
+         int64_t slot_bytes) -> std::shared_ptr<Communicator> {
+        ShmCommunicatorOptions options;
+        options.name = name;
+        options.rank = rank;
+        options.world_size = world_size;
+        options.timeout = Seconds(timeout_s);
+        options.slot_bytes = slot_bytes;
+        absl::StatusOr<std::unique_ptr<Communicator>> made;
+        {
+          py::gil_scoped_release release;  // waits for every rank to attach
+          made = CreateShmCommunicator(options);
+        }
+        return std::shared_ptr<Communicator>(ValueOrThrow(std::move(made)));
+      },
+      py::arg("name"), py::arg("rank"), py::arg("world_size"), py::arg("timeout_s") = 300.0,
+      py::arg("slot_bytes") = 4 << 20,
+      "A Communicator for ranks on this host over a POSIX shared-memory segment "
+      "(runtime/shm_communicator.h): `name` (\"/ps-...\") is made by rank 0 and shared, new for "
+      "each communicator; returns once every rank attached, TimeoutError if one does not within "
+      "`timeout_s`, which also bounds how long a collective waits for a peer.");
 
   module.def("nccl_available", &NcclAvailable, "Whether this build has the direct NCCL back end.");
   module.def(

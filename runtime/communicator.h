@@ -1,7 +1,8 @@
 // Collectives over chunk groups: the interface the chunk layer uses for data parallelism, and
 // the handle its asynchronous calls return. Back ends: a c10d ProcessGroup (gloo, or NCCL
-// through torch) implemented in bindings/ (the core never sees torch), and a direct NCCL back
-// end in runtime/cuda/ (CreateNcclCommunicator). Tests use an in-process fake world.
+// through torch) implemented in bindings/ (the core never sees torch), a direct NCCL back end
+// in runtime/cuda/ (CreateNcclCommunicator), and shared memory for ranks on one host
+// (runtime/shm_communicator.h). Tests use an in-process fake world.
 //
 // Note [Group collectives]
 // A chunk group is world_size equal-size buffers, one per rank's chunk, each contiguous but not

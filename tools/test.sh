@@ -109,11 +109,12 @@ if ((run_sanitize)); then
 fi
 if ((run_tsan)); then
   # Only the runtime's threaded parts: copy engine, NVMe IO (io_uring reaper, pread/pwrite
-  # workers), tiers and fault injection. Note [TSan and Debian's Abseil] in
+  # workers), tiers, fault injection and the shared-memory communicator (its ranks as threads). Note [TSan and Debian's Abseil] in
   # tests/cpp/tsan_absl_shim.cc explains the shim these binaries link.
   log "copy engine and NVMe IO tests under ThreadSanitizer (build-tsan/)"
   tsan_tests=(runtime_copy_engine_test runtime_nvme_tier_test runtime_tier_test
-              runtime_fault_injection_test runtime_strict_device_test chunk_strict_device_test)
+              runtime_fault_injection_test runtime_strict_device_test chunk_strict_device_test
+              shm_communicator_test)
   if [ ! -f build-tsan/build.ninja ]; then
     cmake -S . -B build-tsan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DPS_TSAN=ON \
       -DPS_BUILD_PYTHON=OFF -DPS_BUILD_BENCHMARKS=OFF -DPS_WITH_CUDA=OFF >/dev/null

@@ -135,6 +135,11 @@ class ParallelConfig:
     gradient_accumulation: str = "sharded"
     # Pipeline parallelism (pipe/): "1f1b" or "gpipe".
     schedule: str = "1f1b"
+    # How the data-parallel collectives move bytes: "shm" (a shared-memory segment, ranks on
+    # one host: runtime/shm_communicator.h), "process_group" (the torch.distributed group:
+    # gloo or NCCL), or "auto": shm when every rank of the data group is on this host and the
+    # group is gloo, else the process group (data_parallel.py, Note [Transport]).
+    transport: str = "auto"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -374,7 +379,7 @@ def _parse_parallel(raw: Any) -> ParallelConfig:
     _check_keys("parallel", section, {"data", "pipeline", "tensor", "collective_timeout",
                                       "memory_saving", "reduce_scatter", "schedule",
                                       "gather_ahead", "reshard_after_forward",
-                                      "gradient_accumulation"})
+                                      "gradient_accumulation", "transport"})
     data = section.get("data")
     reduce_scatter = section.get("reduce_scatter", "ring")
     if reduce_scatter not in ("ring", "native", "allreduce"):
@@ -386,12 +391,17 @@ def _parse_parallel(raw: Any) -> ParallelConfig:
                          f"(reduce-scatter every micro-step, gradients 1/N per rank) or 'full' "
                          f"(accumulate full-size gradients, reduce-scatter at the boundary), got "
                          f"{accumulation!r}")
+    transport = section.get("transport", "auto")
+    if transport not in ("auto", "shm", "process_group"):
+        raise ValueError(f"config key 'parallel.transport': expected 'auto', 'shm' (shared "
+                         f"memory, ranks on one host) or 'process_group', got {transport!r}")
     schedule = section.get("schedule", "1f1b")
     if not isinstance(schedule, str) or schedule.lower() not in ("1f1b", "gpipe"):
         raise ValueError(f"config key 'parallel.schedule': expected '1f1b' or 'gpipe', got "
                          f"{schedule!r}")
     return ParallelConfig(
         schedule=schedule.lower(),
+        transport=transport,
         collective_timeout=_number("parallel.collective_timeout",
                                    section.get("collective_timeout", 300.0), minimum=0,
                                    strict=True),

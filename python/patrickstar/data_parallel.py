@@ -8,8 +8,9 @@ momentum / variance chunks of its own chunks only, updates only those, and sees 
 parameters only while a gathered copy lives: from an allgather to the group's last use in that
 forward or backward (`parallel.reshard_after_forward`, the default: gather_schedule.py, Note
 [Resharding after forward]), or to the next optimizer step without it.
-The collectives run in C++ (`patrickstar._C.GroupCollectives` over a `Communicator`: the
-torch.distributed process group's gloo or NCCL), one per chunk group, never one per tensor.
+The collectives run in C++ (`patrickstar._C.GroupCollectives` over a `Communicator`: a
+shared-memory segment for ranks on one host, or the torch.distributed process group's gloo or
+NCCL; Note [Transport]), one per chunk group, never one per tensor.
 With pipeline stages or tensor slices (topology.py) all of this runs within the data group, the
 ranks with the same pipe and tensor coordinates; "rank" and "world" below mean that group.
 
@@ -53,10 +54,26 @@ allgathers per group and micro-step (forward and backward, as ZeRO-3) and one re
 Without resharding a step costs one allgather per group and keeps the full compute parameters
 of the step on every rank; with "full" accumulation one reduce-scatter per group and step, and
 the full-size gradients on every rank between micro-steps.
+
+Note [Transport]
+`parallel.transport` picks the communicators' back end once, at attach, the same on every rank
+(every rank decides from the same all-gathered facts). "auto" takes the shared-memory
+communicator (runtime/shm_communicator.h) when every rank of the data group is on this host --
+same boot id and the same /dev/shm file system, compared by all-gathering them over the group --
+and the group is gloo (NCCL keeps its device buffers); else the process group. Over gloo each
+collective goes through TCP loopback, several copies through the kernel on the cores that also
+compute: backward's re-gathers under resharding cost ~12 ms per few-MiB group that way
+(docs/benchmarks.md). Each communicator gets its own segment, named by data rank 0 and
+all-gathered; the name is unlinked as soon as every rank attached. The process groups are made
+either way (the twin group for backward's gathers included): creating a group is a collective
+of the whole world, so no rank may skip it on a decision another data group made differently.
 """
 from __future__ import annotations
 
 import atexit
+import os
+import secrets
+import socket
 import weakref
 
 import torch
@@ -76,6 +93,21 @@ def _close_at_exit(ref) -> None:
     data_parallel = ref()
     if data_parallel is not None:
         data_parallel.close()
+
+
+def _host_identity() -> tuple[str, str, int]:
+    """(host name, boot id, device of /dev/shm): equal on two ranks that can share memory
+    through /dev/shm (the name only makes the error readable)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot_id = f.read().strip()
+    except OSError:
+        boot_id = ""
+    try:
+        shm_device = os.stat("/dev/shm").st_dev
+    except OSError:
+        shm_device = -1
+    return socket.gethostname(), boot_id, shm_device
 
 
 def detect_world(config) -> tuple[int, int, object]:
@@ -110,6 +142,7 @@ class DataParallel:
             config.gradient_accumulation_steps > 1
             and config.parallel.gradient_accumulation == "sharded")
         self.gather_communicator = None  # backward's gathers' own group (resharding)
+        self.transport = None  # "shm" or "process_group" (Note [Transport]), from attach
         self._in_forward = False  # between engine.forward's start and after_forward()
         # Pipeline stages / tensor slices: the norm and overflow flag span the model group too.
         self.model_parallel: topology.ModelParallelGradStats | None = None
@@ -154,8 +187,8 @@ class DataParallel:
                                    "its chunks on different ranks (layout bug)")
         parallel = self.config.parallel
         group = dist.group.WORLD if self.group is None else self.group
-        self.communicator = _C.process_group_communicator(
-            group.group_name, reduce_scatter=parallel.reduce_scatter, timeout_s=self.timeout)
+        self.transport = self._choose_transport(parallel.transport, group)
+        self.communicator = self._make_communicator(group, "steps")
         self.collectives = _C.GroupCollectives(
             manager, self.communicator, tier=Tier.HOST, timeout_s=self.timeout,
             memory_saving=parallel.memory_saving, gradient_op="avg")
@@ -187,10 +220,10 @@ class DataParallel:
         self.reshard = bool(parallel.reshard_after_forward)
         gatherer = self.collectives
         if self.reshard:
-            # Note [Resharding after forward]: backward's gathers get their own process group.
-            self.gather_communicator = _C.process_group_communicator(
-                groups.twin_data_group().group_name, reduce_scatter=parallel.reduce_scatter,
-                timeout_s=self.timeout)
+            # Note [Resharding after forward]: backward's gathers get their own communicator
+            # (over their own process group, or their own segment).
+            self.gather_communicator = self._make_communicator(groups.twin_data_group(),
+                                                               "gathers")
             gatherer = _C.GroupCollectives(
                 manager, self.gather_communicator, tier=Tier.HOST, timeout_s=self.timeout,
                 memory_saving=parallel.memory_saving, gradient_op="avg")
@@ -212,6 +245,33 @@ class DataParallel:
                 self._grad_group_of[index] = p
                 self._group_size[p] += 1
         self._reset_accumulation()
+
+    def _choose_transport(self, transport: str, group) -> str:
+        """"shm" or "process_group" for `parallel.transport` (Note [Transport])."""
+        if transport == "process_group":
+            return transport
+        hosts = self.all_gather_object(_host_identity())
+        one_host = len(set(hosts)) == 1 and hosts[0][2] != -1  # -1: no /dev/shm
+        if transport == "shm":
+            if not one_host:
+                raise ValueError(
+                    "config key 'parallel.transport': 'shm' needs every data-parallel rank on "
+                    f"one host, but they are on {sorted({h[0] for h in hosts})} (or on one host "
+                    "without a shared /dev/shm); use 'auto' or 'process_group'")
+            return transport
+        return "shm" if one_host and dist.get_backend(group) == "gloo" else "process_group"
+
+    def _make_communicator(self, group, purpose: str):
+        parallel = self.config.parallel
+        if self.transport == "shm":
+            # Data rank 0's name for everybody: new for every communicator (and every run).
+            name = self.all_gather_object(
+                f"/patrickstar-{os.getpid()}-{secrets.token_hex(8)}-{purpose}")[0]
+            return _C.shm_communicator(name, rank=dist.get_rank(group),
+                                       world_size=dist.get_world_size(group),
+                                       timeout_s=self.timeout)
+        return _C.process_group_communicator(
+            group.group_name, reduce_scatter=parallel.reduce_scatter, timeout_s=self.timeout)
 
     def close(self) -> None:
         """Waits for started gathers and drops the collectives, then the communicator (and this

@@ -22,6 +22,10 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 
+// In libtsan, not declared by <sanitizer/tsan_interface.h>: ignore this thread's accesses.
+extern "C" void __tsan_ignore_thread_begin();
+extern "C" void __tsan_ignore_thread_end();
+
 namespace {
 
 #define PS_STR2(x) #x
@@ -79,10 +83,26 @@ void Mutex::Await(const Condition& cond) {
   __tsan_mutex_post_lock(this, 0, 0);
 }
 
+// The same with a deadline (CollectiveState::Wait, so every collective's handle).
+bool Mutex::AwaitWithTimeout(const Condition& cond, absl::Duration timeout) {
+  static const auto real = Real<bool (*)(Mutex*, const Condition&, absl::Duration)>(
+      "5Mutex16AwaitWithTimeoutERKNS0_9ConditionENS0_8DurationE");
+  __tsan_mutex_pre_unlock(this, 0);
+  __tsan_mutex_post_unlock(this, 0);
+  __tsan_mutex_pre_lock(this, 0);
+  const bool satisfied = real(this, cond, timeout);
+  __tsan_mutex_post_lock(this, 0, 0);
+  return satisfied;
+}
+
 Mutex::~Mutex() {
   static const auto real = Real<void (*)(Mutex*)>("5MutexD2Ev");
   __tsan_mutex_destroy(this, 0);
+  // Deadlock detection's global graph (GraphCycles::RemoveNode) is guarded by a lock of the
+  // uninstrumented library: its memmoves would be reported as races between destructors.
+  __tsan_ignore_thread_begin();
   real(this);
+  __tsan_ignore_thread_end();
 }
 
 // The fast path returns without touching the mutex when notified_yet_ is already set (an

@@ -171,6 +171,11 @@ SCENARIOS = {
         "default_chunk_size": 4096,
         "parallel": {"reshard_after_forward": False, "gradient_accumulation": "full"}},
         steps=4, clip=0.5, accumulation=3),
+    # "mlp" over the torch.distributed process group (gloo) instead of shared memory, which
+    # parallel.transport "auto" takes for ranks on one host.
+    "mlp_process_group": Scenario(MLP, mlp_batches, {"default_chunk_size": 4096,
+                                                     "parallel": {"transport": "process_group"}},
+                                  steps=10),
     "mlp_memory_saving": Scenario(MLP, mlp_batches, {"default_chunk_size": 4096,
                                                      "parallel": {"memory_saving": True}},
                                   steps=5),

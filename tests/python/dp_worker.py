@@ -49,6 +49,7 @@ def train(name: str, rank: int, world: int) -> dict:
     if world > 1:
         result.update(collectives=model.dp.collectives_issued,
                       reshard=model.dp.reshard,
+                      transport=model.dp.transport,
                       sharded_accumulation=model.dp.sharded_accumulation,
                       released_in_forward=model.dp.gathers.released_in_forward,
                       released_in_backward=model.dp.gathers.released_in_backward,

@@ -80,7 +80,8 @@ def check_matches_reference(results, name: str):
             torch.testing.assert_close(other[name]["state"][key], tensor, rtol=0, atol=0)
 
 
-TWO_RANK_SCENARIOS = ["mlp", "mlp_tight", "mlp_accumulation_clipping", "mlp_accumulation_keep",
+TWO_RANK_SCENARIOS = ["mlp", "mlp_process_group", "mlp_tight", "mlp_accumulation_clipping",
+                      "mlp_accumulation_keep",
                       "mlp_accumulation_full", "mlp_memory_saving", "gpt", "gpt_tight",
                       "gpt_tight_no_ahead", "gpt_keep", "blocks", "blocks_auto", "blocks_accumulation",
                       "blocks_accumulation_full", "branch", "branch_unused",
@@ -130,6 +131,59 @@ def test_two_ranks_with_half_batches_match_pytorch_on_the_whole_batch(two_ranks,
         device = result["stats"][0]
         assert device["evictions"] > 0
         assert device["peak_chunk_bytes"] <= device["budget_bytes"]
+
+
+def test_ranks_on_one_host_use_shared_memory_and_the_process_group_gives_the_same_bits(
+        two_ranks):
+    # parallel.transport "auto" (the default) takes the shared-memory communicator for two
+    # gloo ranks on this host; "process_group" still goes through gloo.
+    for name in TWO_RANK_SCENARIOS:
+        expected = "process_group" if name == "mlp_process_group" else "shm"
+        for rank, result in enumerate(two_ranks):
+            assert result[name]["transport"] == expected, (name, rank)
+    check_matches_reference(two_ranks, "mlp_process_group")
+    # Two ranks: a + b and its half are the same whichever transport adds them.
+    for rank, result in enumerate(two_ranks):
+        assert result["mlp"]["losses"] == result["mlp_process_group"]["losses"]
+        for key, tensor in result["mlp"]["state"].items():
+            torch.testing.assert_close(result["mlp_process_group"]["state"][key], tensor,
+                                       rtol=0, atol=0)
+        assert result["mlp"]["collectives"] == result["mlp_process_group"]["collectives"]
+
+
+def test_shm_communicator_binding_checks_its_arguments():
+    import uuid
+    from patrickstar import _C
+    name = f"/ps-pytest-{uuid.uuid4().hex}"
+    communicator = _C.shm_communicator(name, rank=0, world_size=1, timeout_s=5)
+    assert communicator.backend == "shm" and communicator.world_size == 1
+    values = torch.arange(5.0)
+    communicator.all_reduce(values, op="avg").wait(5)
+    torch.testing.assert_close(values, torch.arange(5.0))
+    assert not os.path.exists("/dev/shm" + name)  # unlinked once every rank attached
+    with pytest.raises(ValueError, match="segment name"):
+        _C.shm_communicator("no-slash", rank=0, world_size=1)
+    with pytest.raises(ValueError, match="slot_bytes"):
+        _C.shm_communicator(name + "-b", rank=0, world_size=2, slot_bytes=100)
+    with pytest.raises(TimeoutError, match="1 of 2 ranks attached"):
+        _C.shm_communicator(name + "-c", rank=0, world_size=2, timeout_s=0.2)
+
+
+def test_transport_follows_where_the_ranks_are():
+    # Note [Transport], without a world: the ranks' host identities are faked.
+    from patrickstar.config import Config
+    from patrickstar.data_parallel import DataParallel, _host_identity
+    here = _host_identity()
+    dp = DataParallel(Config(), world_size=2, rank=0)
+    dp.all_gather_object = lambda obj: [obj, here]
+    assert dp._choose_transport("shm", None) == "shm"
+    assert dp._choose_transport("process_group", None) == "process_group"
+    elsewhere = ("elsewhere", "another-boot-id", here[2])
+    dp.all_gather_object = lambda obj: [obj, elsewhere]
+    assert dp._choose_transport("auto", None) == "process_group"
+    with pytest.raises(ValueError, match="'parallel.transport': 'shm' needs every data-parallel "
+                                         "rank on one host.*elsewhere"):
+        dp._choose_transport("shm", None)
 
 
 def single_process_peak(name: str) -> int:
@@ -375,6 +429,9 @@ def test_parallel_config_errors_name_the_key():
         patrickstar.initialize(MLP, config={"parallel": {"gather_ahead": -1}})
     with pytest.raises(ValueError, match="'parallel.gather_ahead': expected an integer"):
         patrickstar.initialize(MLP, config={"parallel": {"gather_ahead": 0.5}})
+    with pytest.raises(ValueError, match="'parallel.transport': expected 'auto', 'shm' .*"
+                                         "got 'tcp'"):
+        patrickstar.initialize(MLP, config={"parallel": {"transport": "tcp"}})
     with pytest.raises(ValueError, match="parallel.collective_timeout"):
         patrickstar.initialize(MLP, config={"parallel": {"collective_timeout": 0}})
     with pytest.raises(ValueError, match="'parallel.gradient_accumulation': expected 'sharded' "

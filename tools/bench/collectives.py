@@ -7,9 +7,12 @@ The model has `layers` blocks of Linear(hidden, hidden) + LayerNorm(hidden): 4 t
 many small tensors. Part 1 moves the bytes of one iteration (an allgather of the parameters and
 a reduce-scatter of the gradients) three ways, in the same run: our chunk groups (one collective
 per group, each reduce-scatter algorithm of the c10d back end), one collective per tensor, and
-one flat collective of all the bytes (the transport's limit). Part 2 times one training step of
-our 2-rank data parallelism and of FSDP2 (`fully_shard` per block, CPU, gloo) on the same model
-and batch, with each rank's peak resident memory above its baseline after setup.
+one flat collective of all the bytes (the transport's limit), and our chunk groups once more
+over the shared-memory communicator (`chunked_shm`, runtime/shm_communicator.h), with the time
+of one group's allgather on each transport. Part 2 times one training step of our 2-rank data
+parallelism (`--transport`, `--reshard`) and of FSDP2 (`fully_shard` per block, CPU, gloo) on
+the same model and batch, with each rank's peak resident memory above its baseline after setup;
+`--parts` runs some of the three parts only.
 The script starts its two ranks itself (no torchrun needed) and rank 0 writes the JSON.
 """
 from __future__ import annotations
@@ -75,8 +78,9 @@ def part_collectives(args, rank: int) -> dict:
     results["flat"] = {"collectives": 2, "seconds": median_time(flat, args.repeats)}
 
     # Ours: the chunk manager's compute and gradient lists, gathered and reduce-scattered by
-    # group through the c10d back end.
-    for algorithm in ("ring", "native", "allreduce"):
+    # group through the c10d back end (each reduce-scatter algorithm), then through shared
+    # memory.
+    for algorithm in ("ring", "native", "allreduce", "shm"):
         tiers = [_C.HostTier(budget=0, name="host", pinned=False)]
         manager = _C.ChunkManager(tiers=tiers, copy_engine=_C.CopyEngine(host_threads=1),
                                   world_size=WORLD, rank=rank)
@@ -88,8 +92,13 @@ def part_collectives(args, rank: int) -> dict:
         for tensor in ids:
             manager.access(tensor, "host")
             manager.release(tensor, _C.TensorState.HOLD)
-        communicator = _C.process_group_communicator(dist.group.WORLD.group_name,
-                                                     reduce_scatter=algorithm)
+        if algorithm == "shm":
+            gathered_names = [None] * WORLD
+            dist.all_gather_object(gathered_names, f"/ps-bench-{os.getpid()}-{time.time_ns()}")
+            communicator = _C.shm_communicator(gathered_names[0], rank=rank, world_size=WORLD)
+        else:
+            communicator = _C.process_group_communicator(dist.group.WORLD.group_name,
+                                                         reduce_scatter=algorithm)
         collectives = _C.GroupCollectives(manager, communicator, tier="host")
         compute_groups = collectives.groups(_C.ChunkKind.COMPUTE_PARAM)
         grad_groups = list(reversed(collectives.groups(_C.ChunkKind.GRADIENT)))
@@ -111,10 +120,25 @@ def part_collectives(args, rank: int) -> dict:
         results[f"chunked_{algorithm}"] = {"collectives": issued, "seconds": seconds,
                                            "chunk_elements": layout["chunk_elements"],
                                            "groups": len(compute_groups) + len(grad_groups)}
+
+        def gathers_only():
+            collectives.release_all(_C.ChunkKind.COMPUTE_PARAM)
+            for group in compute_groups:
+                collectives.gather(group)
+
+        if algorithm in ("ring", "shm"):  # the allgathers are the same for the three c10d rows
+            results[f"chunked_{algorithm}"]["allgather_seconds_per_group"] = median_time(
+                gathers_only, args.repeats) / len(compute_groups)
         del collectives, communicator, manager
     flat_seconds = results["flat"]["seconds"]
-    for key in ("per_tensor", "chunked_ring", "chunked_native", "chunked_allreduce"):
+    for key in ("per_tensor", "chunked_ring", "chunked_native", "chunked_allreduce",
+                "chunked_shm"):
         results[key]["vs_flat"] = results[key]["seconds"] / flat_seconds
+    results["chunked_shm"]["vs_chunked_ring"] = (results["chunked_shm"]["seconds"]
+                                                 / results["chunked_ring"]["seconds"])
+    results["chunked_shm"]["allgather_vs_gloo"] = (
+        results["chunked_shm"]["allgather_seconds_per_group"]
+        / results["chunked_ring"]["allgather_seconds_per_group"])
     return results
 
 
@@ -166,12 +190,56 @@ def part_training(args, rank: int, which: str) -> dict:
     return {"step_seconds": seconds, "peak_rss_above_baseline_bytes": peak_rss_bytes() - baseline}
 
 
+def part_interleaved(args, rank: int) -> dict:
+    """Our training step in several configurations (`--interleave transport:reshard,...`), one
+    engine each in this process, their steps taken in turn (the first of each round rotating):
+    on a machine whose load changes from minute to minute (other jobs on the 2 cores) the
+    configurations see the same load, which separate runs do not."""
+    import patrickstar
+    configurations = [item.split(":") for item in args.interleave.split(",")]
+    batch = args.batch // WORLD
+    generator = torch.Generator().manual_seed(rank)
+    x = torch.randn(batch, args.hidden, generator=generator)
+    y = torch.randn(batch, args.hidden, generator=generator)
+    engines = []
+    for transport, reshard in configurations:
+        torch.manual_seed(0)
+        engines.append(patrickstar.initialize(
+            lambda: Blocks(args.layers, args.hidden),
+            config={"default_chunk_size": args.chunk_elements,
+                    "parallel": {"gather_ahead": args.gather_ahead,
+                                 "reshard_after_forward": reshard == "on",
+                                 "transport": transport},
+                    "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}}))
+
+    def step(model, optimizer):
+        model.backward(model(x, y))
+        optimizer.step()
+        optimizer.zero_grad()
+
+    for model, optimizer in engines:  # warm-up
+        step(model, optimizer)
+    times = [[] for _ in engines]
+    for round_index in range(args.steps):
+        for k in range(len(engines)):
+            index = (round_index + k) % len(engines)
+            dist.barrier()
+            start = time.perf_counter()
+            step(*engines[index])
+            times[index].append(time.perf_counter() - start)
+    return {f"{transport}:reshard_{reshard}": {"step_seconds": statistics.median(t),
+                                               "transport": engines[i][0].dp.transport}
+            for i, ((transport, reshard), t) in enumerate(zip(configurations, times))}
+
+
 def run_rank(args) -> None:
     rank = int(os.environ["RANK"])
     dist.init_process_group("gloo")
     torch.set_num_threads(1)  # two ranks share the two cores
     if args.part == "collectives":
         result = part_collectives(args, rank)
+    elif args.part == "interleaved":
+        result = part_interleaved(args, rank)
     else:
         result = part_training(args, rank, args.part)
     gathered = [None] * WORLD
@@ -185,7 +253,7 @@ def run_rank(args) -> None:
 def launch(args, part: str) -> list[dict]:
     result = launch_ranks(__file__, WORLD, part, args.out, forwarded(
         args, "layers", "hidden", "chunk_elements", "repeats", "steps", "batch", "gather_ahead",
-        "reshard"))
+        "reshard", "transport", "interleave"))
     if result is None:
         raise SystemExit(f"a rank of part '{part}' failed")
     return result
@@ -196,26 +264,52 @@ def main() -> None:
     add_block_model_arguments(parser, layers=200, hidden=256, chunk_elements=1 << 21, steps=3,
                               batch=64)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--parts", default="collectives,ours,fsdp2",
+                        help="comma-separated parts to run: collectives, ours, fsdp2, "
+                             "interleaved")
+    parser.add_argument("--interleave",
+                        default="shm:on,shm:off,process_group:on,process_group:off",
+                        help="the interleaved part's configurations, transport:reshard each")
     args = parser.parse_args()
     if args.rank_process:
         run_rank(args)
         return
     os.makedirs(os.path.dirname(os.path.abspath(args.out)) or ".", exist_ok=True)
-    collectives = launch(args, "collectives")[0]
-    ours = launch(args, "ours")
-    fsdp = launch(args, "fsdp2")
+    parts = set(args.parts.split(","))
+    unknown = parts - {"collectives", "ours", "fsdp2", "interleaved"}
+    if unknown:
+        raise SystemExit(f"--parts: unknown {sorted(unknown)}")
+    collectives = launch(args, "collectives")[0] if "collectives" in parts else None
+    ours = launch(args, "ours") if "ours" in parts else None
+    fsdp = launch(args, "fsdp2") if "fsdp2" in parts else None
+    interleaved = launch(args, "interleaved") if "interleaved" in parts else None
+    step = {"ours": ours, "fsdp2": fsdp, "interleaved": interleaved}
+    if ours and fsdp:
+        step["ours_vs_fsdp2_time"] = statistics.mean(
+            o["step_seconds"] for o in ours) / statistics.mean(f["step_seconds"] for f in fsdp)
     payload = {"machine": machine_description(), "config": vars(args),
-               "collectives": collectives,
-               "training_step": {"ours": ours, "fsdp2": fsdp,
-                                 "ours_vs_fsdp2_time": statistics.mean(
-                                     o["step_seconds"] for o in ours) / statistics.mean(
-                                     f["step_seconds"] for f in fsdp)}}
+               "collectives": collectives, "training_step": step}
     c = collectives
-    print(f"{c['tensors']} tensors, {c['parameters']} params, 2 gloo ranks")
-    for key in ("flat", "per_tensor", "chunked_ring", "chunked_native", "chunked_allreduce"):
-        print(f"  {key:18s} {c[key]['collectives']:5d} collectives  "
-              f"{c[key]['seconds'] * 1e3:8.1f} ms  {c[key].get('vs_flat', 1.0):5.2f}x flat")
+    if c is not None:
+        print(f"{c['tensors']} tensors, {c['parameters']} params, 2 gloo ranks")
+        for key in ("flat", "per_tensor", "chunked_ring", "chunked_native", "chunked_allreduce",
+                    "chunked_shm"):
+            print(f"  {key:18s} {c[key]['collectives']:5d} collectives  "
+                  f"{c[key]['seconds'] * 1e3:8.1f} ms  {c[key].get('vs_flat', 1.0):5.2f}x flat")
+        for key in ("chunked_ring", "chunked_shm"):
+            print(f"  one group's allgather, {key}: "
+                  f"{c[key]['allgather_seconds_per_group'] * 1e3:.1f} ms")
+        shm = c["chunked_shm"]
+        print(f"  shm / gloo (same run): iteration {shm['vs_chunked_ring']:.2f}, "
+              f"allgather {shm['allgather_vs_gloo']:.2f}")
+    if interleaved is not None:
+        for key in interleaved[0]:
+            print(f"  step {key:26s} " + "  ".join(
+                f"rank{r}: {v[key]['step_seconds'] * 1e3:.0f} ms"
+                for r, v in enumerate(interleaved)))
     for name, ranks in (("ours", ours), ("fsdp2", fsdp)):
+        if ranks is None:
+            continue
         print(f"  step {name:6s} " + "  ".join(
             f"rank{r}: {v['step_seconds'] * 1e3:.0f} ms, peak +"
             f"{v['peak_rss_above_baseline_bytes'] / 2**20:.0f} MiB" for r, v in enumerate(ranks)))

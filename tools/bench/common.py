@@ -75,11 +75,14 @@ def add_block_model_arguments(parser: argparse.ArgumentParser, layers: int, hidd
                         help="parallel.gather_ahead of our run (0: gather on use)")
     parser.add_argument("--reshard", choices=["on", "off"], default="on",
                         help="parallel.reshard_after_forward of our run")
+    parser.add_argument("--transport", choices=["auto", "shm", "process_group"], default="auto",
+                        help="parallel.transport of our run (auto: shm, the ranks share a host)")
 
 
 def parallel_config(args: argparse.Namespace) -> dict:
     """Our config's `parallel` section from add_block_model_arguments' options."""
-    return {"gather_ahead": args.gather_ahead, "reshard_after_forward": args.reshard == "on"}
+    return {"gather_ahead": args.gather_ahead, "reshard_after_forward": args.reshard == "on",
+            "transport": args.transport}
 
 
 def forwarded(args: argparse.Namespace, *names: str) -> list[str]:
