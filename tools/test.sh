@@ -109,8 +109,9 @@ if ((run_sanitize)); then
 fi
 if ((run_tsan)); then
   # Only the runtime's threaded parts: copy engine, NVMe IO (io_uring reaper, pread/pwrite
-  # workers), tiers, fault injection and the shared-memory communicator (its ranks as threads). Note [TSan and Debian's Abseil] in
-  # tests/cpp/tsan_absl_shim.cc explains the shim these binaries link.
+  # workers), tiers, fault injection and the shared-memory communicator (its ranks as
+  # threads). Note [TSan and Debian's Abseil] in tests/cpp/tsan_absl_shim.cc explains the shim
+  # these binaries link.
   log "copy engine and NVMe IO tests under ThreadSanitizer (build-tsan/)"
   tsan_tests=(runtime_copy_engine_test runtime_nvme_tier_test runtime_tier_test
               runtime_fault_injection_test runtime_strict_device_test chunk_strict_device_test
