@@ -23,6 +23,9 @@ every rank sees its own micro-batches (memory does not depend on the values).
     bf16 parameters). The same model data is counted, sampled at every module's forward and
     backward hooks and after the step: each parameter's local shard and its gradient, the
     optimizer state, and the unsharded parameters (and their gradients) while FSDP2 holds them.
+    With `--fsdp2-collectives` it is also sampled as each of FSDP2's allgathers and
+    reduce-scatters is issued, counting their flat buffers (the gathered output, the copied-in
+    gradients): model data in flight that the module hooks never see.
   * deepspeed: ZeRO stage 3 on the CPU accelerator when `import deepspeed` works (see
     tools/bench/grad_accumulation.py for how it was installed); counted like FSDP2 from its
     partitioned parameters (`ds_tensor`), the parameters it holds gathered, the optimizer
@@ -121,13 +124,15 @@ class ModelDataSampler:
 
     def __init__(self, model: nn.Module, optimizer, extra):
         self.model, self.optimizer, self.extra, self.peak = model, optimizer, extra, 0
+        self.collective_samples = 0
         for module in model.modules():
             module.register_forward_pre_hook(lambda *_: self.sample())
             module.register_forward_hook(lambda *_: self.sample())
             module.register_full_backward_pre_hook(lambda *_: self.sample())
             module.register_full_backward_hook(lambda *_: self.sample())
 
-    def sample(self) -> None:
+    def sample(self, in_flight=()) -> None:
+        """`in_flight`: tensors a collective is about to move, counted with the rest."""
         storages = {}  # one count per storage: views of a flat buffer share it
         def add(tensor):
             if tensor is None:
@@ -144,6 +149,8 @@ class ModelDataSampler:
                 if torch.is_tensor(value) and value.numel() > 1:
                     add(value)
         for tensor in self.extra():
+            add(tensor)
+        for tensor in in_flight:
             add(tensor)
         storages.pop(0, None)  # freed storages (resized to 0) have no address
         self.peak = max(self.peak, sum(storages.values()))
@@ -164,6 +171,20 @@ def fsdp_unsharded(model: nn.Module):
     return tensors
 
 
+def sample_fsdp2_collectives(sampler: ModelDataSampler) -> None:
+    """Samples as FSDP2 issues each allgather and reduce-scatter, with its flat input and
+    output buffers (torch's default AllGather / ReduceScatter objects, wrapped in place)."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives as collectives
+    for cls in (collectives.DefaultAllGather, collectives.DefaultReduceScatter):
+        issue = cls.__call__
+
+        def sampled(self, output_tensor, input_tensor, *args, _issue=issue, **kwargs):
+            sampler.collective_samples += 1
+            sampler.sample((output_tensor, input_tensor))
+            return _issue(self, output_tensor, input_tensor, *args, **kwargs)
+        cls.__call__ = sampled
+
+
 def run_fsdp2(args, rank: int, world: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -177,13 +198,15 @@ def run_fsdp2(args, rank: int, world: int) -> dict:
     fully_shard(model, mesh=mesh, mp_policy=policy)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     sampler = ModelDataSampler(model, optimizer, fsdp_unsharded(model))
+    if args.fsdp2_collectives:
+        sample_fsdp2_collectives(sampler)
     def end_step():
         optimizer.step()
         sampler.sample()
         optimizer.zero_grad()
     train(args, rank, torch.float32, lambda x: (model(x) / args.accumulation).backward(),
           end_step)
-    return {"peak_model_bytes": sampler.peak}
+    return {"peak_model_bytes": sampler.peak, "collective_samples": sampler.collective_samples}
 
 
 def optimizer_buffers(zero_optimizer):
@@ -261,6 +284,8 @@ def main() -> None:
     parser.add_argument("--contenders", nargs="+", default=None,
                         help="a subset of ours, fsdp2, deepspeed (default: all that run here)")
     parser.add_argument("--precisions", nargs="+", default=["fp32", "bf16"])
+    parser.add_argument("--fsdp2-collectives", action="store_true",
+                        help="also sample FSDP2's model data as it issues each collective")
     parser.add_argument("--accumulations", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--precision", default="fp32", help=argparse.SUPPRESS)
     parser.add_argument("--accumulation", type=int, default=1, help=argparse.SUPPRESS)
@@ -284,7 +309,8 @@ def main() -> None:
                 for name in names:
                     result = launch_ranks(__file__, world, name, args.out, forwarded(
                         args, "layers", "steps", "chunk_elements") + ["--precision", precision,
-                                                    "--accumulation", str(accumulation)])
+                                                    "--accumulation", str(accumulation)]
+                        + (["--fsdp2-collectives"] if args.fsdp2_collectives else []))
                     if result is None:
                         rows.append({"contender": name, "world": world, "precision": precision,
                                      "accumulation": accumulation, "failed": True})
@@ -296,6 +322,7 @@ def main() -> None:
                            "accumulation": accumulation, "peak_model_bytes": peak,
                            "per_rank": [r["peak_model_bytes"] for r in result],
                            "chunk_elements": result[0].get("chunk_elements"),
+                           "collective_samples": result[0].get("collective_samples"),
                            "over_one_process": peak / single[name] if name in single else None}
                     rows.append(row)
                     ratio = row["over_one_process"]
