@@ -175,7 +175,9 @@ TEST_F(GpuLowpTest, EveryVariantEqualsTheCpuKernelAcrossLaunchTables) {
       EXPECT_EQ(ToHost<float>(d.exp_avg_scale, c.m_scale.size()), c.m_scale) << "chunk " << i;
       EXPECT_EQ(ToHost<float>(d.exp_avg_sq_scale, c.v_scale.size()), c.v_scale) << "chunk " << i;
     }
-    if (c.with_copy) EXPECT_EQ(ToHost<uint16_t>(d.param_copy, n), c.copy) << "chunk " << i;
+    if (c.with_copy) {
+      EXPECT_EQ(ToHost<uint16_t>(d.param_copy, n), c.copy) << "chunk " << i;
+    }
   }
 }
 

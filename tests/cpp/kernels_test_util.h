@@ -41,14 +41,18 @@ class GpuKernelTest : public ::testing::Test {
     EXPECT_TRUE(p.ok()) << p.status();
     if (!p.ok()) return nullptr;
     allocations_.push_back(*p);
-    if (!host.empty()) EXPECT_TRUE(gpu::CopyAsync(*p, host.data(), bytes, stream_).ok());
+    if (!host.empty()) {
+      EXPECT_TRUE(gpu::CopyAsync(*p, host.data(), bytes, stream_).ok());
+    }
     return static_cast<T*>(*p);
   }
   // `n` elements of device memory, copied back after the stream's work.
   template <typename T>
   std::vector<T> ToHost(const void* device, size_t n) {
     std::vector<T> host(n);
-    if (n > 0) EXPECT_TRUE(gpu::CopyAsync(host.data(), device, n * sizeof(T), stream_).ok());
+    if (n > 0) {
+      EXPECT_TRUE(gpu::CopyAsync(host.data(), device, n * sizeof(T), stream_).ok());
+    }
     EXPECT_TRUE(gpu::SynchronizeStream(stream_).ok());
     return host;
   }
