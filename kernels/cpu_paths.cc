@@ -18,6 +18,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <bit>
 #include <cfloat>
 #include <cmath>
@@ -31,6 +32,24 @@
 #define PS_INLINE inline __attribute__((always_inline))
 
 namespace ps::kernels::internal {
+
+namespace {
+
+std::atomic<bool> vbmi_allowed{true};
+
+// VBMI byte-table lookups (Note [Dequantization by byte tables]) when the CPU has them and
+// tests have not turned them off.
+bool UseVbmi() {
+  static const bool supported = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512vbmi") != 0;
+  }();
+  return supported && vbmi_allowed.load(std::memory_order_relaxed);
+}
+
+}  // namespace
+
+void AllowVbmiForTesting(bool allowed) { vbmi_allowed.store(allowed); }
 
 namespace scalar_path {
 
@@ -92,6 +111,25 @@ struct Ops {
   static PS_INLINE VI AddIfGreaterI(VI q, VI a, VI b) { return q + (a > b ? 1 : 0); }
   static PS_INLINE VI LoadU8(const uint8_t* p) { return *p; }
   static PS_INLINE void StoreU8(uint8_t* p, VI x) { *p = static_cast<uint8_t>(x); }
+  static PS_INLINE bool AnyZeroI(VI a) { return a == 0; }
+  // Note [Nearest code by arithmetic]'s operations, for the one scalar mirror of the vector code
+  // (the scalar path itself uses the bucket search).
+  static PS_INLINE VI Srl23(VI a) { return static_cast<int32_t>(static_cast<uint32_t>(a) >> 23); }
+  static PS_INLINE VI CvttI(V a) {  // as cvttps2dq: out of range and NaN give INT32_MIN
+    return a >= -2147483648.0f && a < 2147483648.0f ? static_cast<int32_t>(a) : INT32_MIN;
+  }
+  static PS_INLINE VI AddIfGreaterF(VI q, V a, V b) { return q + (a > b ? 1 : 0); }
+  static PS_INLINE V MinF(V a, V b) { return a < b ? a : b; }  // as minps: b if unordered
+  static PS_INLINE V Lookup16(const float* table, VI r) { return table[r]; }
+  static PS_INLINE VI Lookup16I(const int32_t* table, VI r) { return table[r]; }
+  static PS_INLINE VI OctaveRegion(const FastQuantization& f, VI octave) {
+    return f.octave_region[octave];
+  }
+  // The scalar path reads the code table directly (no groups).
+  static PS_INLINE int64_t DequantizeGroups(const QuantizationTables&, const uint8_t*, int64_t,
+                                            float, float*) {
+    return 0;
+  }
 
   struct Acc16 {
     double lane[16];
@@ -226,6 +264,39 @@ struct Ops {
         _mm_packus_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1));
     _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packus_epi16(words, words));
   }
+  static PS_INLINE VI Srl23(VI a) { return _mm256_srli_epi32(a, 23); }
+  static PS_INLINE VI CvttI(V a) { return _mm256_cvttps_epi32(a); }
+  static PS_INLINE V MinF(V a, V b) { return _mm256_min_ps(a, b); }  // b if unordered
+  static PS_INLINE VI AddIfGreaterF(VI q, V a, V b) {
+    return _mm256_sub_epi32(q, _mm256_castps_si256(_mm256_cmp_ps(a, b, _CMP_GT_OQ)));
+  }
+  static PS_INLINE bool AnyZeroI(VI a) {
+    return _mm256_movemask_epi8(_mm256_cmpeq_epi32(a, _mm256_setzero_si256())) != 0;
+  }
+  // table[r] for r in [0, 8) (the tables have 16 entries for the AVX-512 path).
+  static PS_INLINE V Lookup16(const float* table, VI r) {
+    return _mm256_permutevar8x32_ps(_mm256_load_ps(table), r);
+  }
+  static PS_INLINE VI Lookup16I(const int32_t* table, VI r) {
+    return _mm256_permutevar8x32_epi32(_mm256_load_si256(reinterpret_cast<const __m256i*>(table)),
+                                       r);
+  }
+  // The 32-entry octave table by two 16-byte shuffles: the index is the low byte of each lane
+  // (the other bytes are 0 and read entry 0, masked off), bit 4 picks the half.
+  static PS_INLINE VI OctaveRegion(const FastQuantization& f, VI octave) {
+    const __m256i low = _mm256_broadcastsi128_si256(
+        _mm_load_si128(reinterpret_cast<const __m128i*>(f.octave_region_bytes)));
+    const __m256i high = _mm256_broadcastsi128_si256(
+        _mm_load_si128(reinterpret_cast<const __m128i*>(f.octave_region_bytes + 16)));
+    const __m256i chosen = _mm256_blendv_epi8(_mm256_shuffle_epi8(low, octave),
+                                              _mm256_shuffle_epi8(high, octave),
+                                              _mm256_slli_epi32(octave, 3));
+    return _mm256_and_si256(chosen, _mm256_set1_epi32(0xff));
+  }
+  static PS_INLINE int64_t DequantizeGroups(const QuantizationTables&, const uint8_t*, int64_t,
+                                            float, float*) {
+    return 0;
+  }
 
   struct Acc16 {
     __m256d lane[4];  // lanes 0-3, 4-7, 8-11, 12-15
@@ -254,6 +325,56 @@ struct Ops {
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq")
 namespace avx512_path {
+
+// Note [Dequantization by byte tables]
+// A code's value is a 256-entry table read; gathering 16 floats costs more than the rest of a
+// vector's update on the CPUs measured. With VBMI, vpermi2b reads a 128-entry byte table for 64
+// indices at once, so the table is kept as four byte planes (QuantizationTables::code_byte, 16
+// zmm registers): per plane two vpermi2b (codes below and above 128) and a blend on the code's
+// top bit, then the four planes are interleaved back into floats with byte and word unpacks.
+// The unpacks work inside 128-bit lanes, so the 64 codes are first permuted (one vpermb) such
+// that the four result vectors come out in element order. The values are the table's, so the
+// result is the gather's, bit for bit; then the one multiply by the scale, as everywhere.
+__attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi")))
+int64_t DequantizeGroupsVbmi(const QuantizationTables& t, const uint8_t* codes, int64_t n,
+                                  float scale, float* out) {
+  __m512i plane[4][4];
+  for (int p = 0; p < 4; ++p) {
+    for (int q = 0; q < 4; ++q) plane[p][q] = _mm512_load_si512(t.code_byte[p] + 64 * q);
+  }
+  // Result vector k's 128-bit lane L, position q (dword) comes from byte 16 L + 4 k + q of the
+  // permuted codes and must be element 16 k + 4 L + q.
+  alignas(64) uint8_t order_bytes[64];
+  for (int lane = 0; lane < 4; ++lane) {
+    for (int k = 0; k < 4; ++k) {
+      for (int q = 0; q < 4; ++q) order_bytes[16 * lane + 4 * k + q] = 16 * k + 4 * lane + q;
+    }
+  }
+  const __m512i order = _mm512_load_si512(order_bytes);
+  const __m512 s = _mm512_set1_ps(scale);
+  int64_t j = 0;
+  for (; j + 64 <= n; j += 64) {
+    const __m512i c = _mm512_permutexvar_epi8(order, _mm512_loadu_si512(codes + j));
+    const __mmask64 high = _mm512_movepi8_mask(c);
+    __m512i b[4];
+    for (int p = 0; p < 4; ++p) {
+      b[p] = _mm512_mask_blend_epi8(high, _mm512_permutex2var_epi8(plane[p][0], c, plane[p][1]),
+                                    _mm512_permutex2var_epi8(plane[p][2], c, plane[p][3]));
+    }
+    const __m512i w01_low = _mm512_unpacklo_epi8(b[0], b[1]);
+    const __m512i w01_high = _mm512_unpackhi_epi8(b[0], b[1]);
+    const __m512i w23_low = _mm512_unpacklo_epi8(b[2], b[3]);
+    const __m512i w23_high = _mm512_unpackhi_epi8(b[2], b[3]);
+    const __m512i f[4] = {
+        _mm512_unpacklo_epi16(w01_low, w23_low), _mm512_unpackhi_epi16(w01_low, w23_low),
+        _mm512_unpacklo_epi16(w01_high, w23_high), _mm512_unpackhi_epi16(w01_high, w23_high)};
+    for (int k = 0; k < 4; ++k) {
+      _mm512_storeu_ps(out + j + 16 * k, _mm512_mul_ps(_mm512_castsi512_ps(f[k]), s));
+    }
+  }
+  return j;
+}
+
 
 struct Ops {
   using V = __m512;
@@ -353,6 +474,30 @@ struct Ops {
   }
   static PS_INLINE void StoreU8(uint8_t* p, VI x) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(x));
+  }
+  static PS_INLINE VI Srl23(VI a) { return _mm512_srli_epi32(a, 23); }
+  static PS_INLINE VI CvttI(V a) { return _mm512_cvttps_epi32(a); }
+  static PS_INLINE V MinF(V a, V b) { return _mm512_min_ps(a, b); }  // b if unordered
+  static PS_INLINE VI AddIfGreaterF(VI q, V a, V b) {
+    return _mm512_mask_add_epi32(q, _mm512_cmp_ps_mask(a, b, _CMP_GT_OQ), q,
+                                 _mm512_set1_epi32(1));
+  }
+  static PS_INLINE bool AnyZeroI(VI a) { return _mm512_testn_epi32_mask(a, a) != 0; }
+  static PS_INLINE V Lookup16(const float* table, VI r) {
+    return _mm512_permutexvar_ps(r, _mm512_load_ps(table));
+  }
+  static PS_INLINE VI Lookup16I(const int32_t* table, VI r) {
+    return _mm512_permutexvar_epi32(r, _mm512_load_si512(table));
+  }
+  static PS_INLINE VI OctaveRegion(const FastQuantization& f, VI octave) {
+    return _mm512_permutex2var_epi32(_mm512_load_si512(f.octave_region), octave,
+                                     _mm512_load_si512(f.octave_region + 16));
+  }
+  // Whole groups of 64 codes by byte-table lookups where the CPU has VBMI, else none (the caller
+  // gathers). Returns the elements done.
+  static PS_INLINE int64_t DequantizeGroups(const QuantizationTables& t, const uint8_t* codes,
+                                            int64_t n, float scale, float* out) {
+    return UseVbmi() ? DequantizeGroupsVbmi(t, codes, n, scale, out) : 0;
   }
 
   struct Acc16 {

@@ -49,4 +49,8 @@ struct CpuPath {
 
 const CpuPath& GetCpuPath(SimdLevel level);
 
+// Tests: false makes the AVX-512 paths gather the int8 code values even where the CPU has VBMI
+// (Note [Dequantization by byte tables] in kernels/cpu_paths.cc), so both variants are checked.
+void AllowVbmiForTesting(bool allowed);
+
 }  // namespace ps::kernels::internal
