@@ -123,7 +123,11 @@ struct Ops {
   static PS_INLINE V Lookup16(const float* table, VI r) { return table[r]; }
   static PS_INLINE VI Lookup16I(const int32_t* table, VI r) { return table[r]; }
   static PS_INLINE VI OctaveRegion(const FastQuantization& f, VI octave) {
-    return f.octave_region[octave];
+    return f.octave_region[octave & (kFastOctaves - 1)];  // as the 5-bit permute index
+  }
+  static PS_INLINE VI SubSaturateU16(VI a, int32_t k) { return a > k ? a - k : 0; }
+  static PS_INLINE void StoreU8Mirrored(uint8_t* p, VI q, VI sign_bits) {
+    *p = static_cast<uint8_t>(sign_bits < 0 ? (q > 254 ? 0 : 254 - q) : q);
   }
   // The scalar path reads the code table directly (no groups).
   static PS_INLINE int64_t DequantizeGroups(const QuantizationTables&, const uint8_t*, int64_t,
@@ -293,6 +297,17 @@ struct Ops {
                                               _mm256_slli_epi32(octave, 3));
     return _mm256_and_si256(chosen, _mm256_set1_epi32(0xff));
   }
+  // a - k, saturated at 0, for lanes holding 0 <= a < 2^16 (16-bit saturation on the low half).
+  static PS_INLINE VI SubSaturateU16(VI a, int32_t k) {
+    return _mm256_subs_epu16(a, _mm256_set1_epi32(k));
+  }
+  // StoreU8 of q, or of max(254 - q, 0) where sign_bits is negative.
+  static PS_INLINE void StoreU8Mirrored(uint8_t* p, VI q, VI sign_bits) {
+    const VI sign = _mm256_srai_epi32(sign_bits, 31);
+    StoreU8(p, _mm256_max_epi32(_mm256_add_epi32(_mm256_xor_si256(q, sign),
+                                                 _mm256_and_si256(sign, _mm256_set1_epi32(255))),
+                                _mm256_setzero_si256()));
+  }
   static PS_INLINE int64_t DequantizeGroups(const QuantizationTables&, const uint8_t*, int64_t,
                                             float, float*) {
     return 0;
@@ -335,46 +350,50 @@ namespace avx512_path {
 // The unpacks work inside 128-bit lanes, so the 64 codes are first permuted (one vpermb) such
 // that the four result vectors come out in element order. The values are the table's, so the
 // result is the gather's, bit for bit; then the one multiply by the scale, as everywhere.
+// Result vector k's 128-bit lane L, dword q, comes from byte 16 L + 4 k + q of the permuted
+// codes and must be element 16 k + 4 L + q.
+alignas(64) constexpr uint8_t kVbmiOrder[64] = {
+    0,  1,  2,  3,  16, 17, 18, 19, 32, 33, 34, 35, 48, 49, 50, 51,  //
+    4,  5,  6,  7,  20, 21, 22, 23, 36, 37, 38, 39, 52, 53, 54, 55,  //
+    8,  9,  10, 11, 24, 25, 26, 27, 40, 41, 42, 43, 56, 57, 58, 59,  //
+    12, 13, 14, 15, 28, 29, 30, 31, 44, 45, 46, 47, 60, 61, 62, 63};
+
 __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi")))
 int64_t DequantizeGroupsVbmi(const QuantizationTables& t, const uint8_t* codes, int64_t n,
-                                  float scale, float* out) {
-  __m512i plane[4][4];
-  for (int p = 0; p < 4; ++p) {
-    for (int q = 0; q < 4; ++q) plane[p][q] = _mm512_load_si512(t.code_byte[p] + 64 * q);
-  }
-  // Result vector k's 128-bit lane L, position q (dword) comes from byte 16 L + 4 k + q of the
-  // permuted codes and must be element 16 k + 4 L + q.
-  alignas(64) uint8_t order_bytes[64];
-  for (int lane = 0; lane < 4; ++lane) {
-    for (int k = 0; k < 4; ++k) {
-      for (int q = 0; q < 4; ++q) order_bytes[16 * lane + 4 * k + q] = 16 * k + 4 * lane + q;
-    }
-  }
-  const __m512i order = _mm512_load_si512(order_bytes);
+                             float scale, float* out) {
+  // Plane p, codes 64 q .. 64 q + 63 (named, not an array, so that they stay in registers).
+#define PS_PLANE(p, q) const __m512i plane##p##q = _mm512_load_si512(t.code_byte[p] + 64 * q)
+  PS_PLANE(0, 0); PS_PLANE(0, 1); PS_PLANE(0, 2); PS_PLANE(0, 3);
+  PS_PLANE(1, 0); PS_PLANE(1, 1); PS_PLANE(1, 2); PS_PLANE(1, 3);
+  PS_PLANE(2, 0); PS_PLANE(2, 1); PS_PLANE(2, 2); PS_PLANE(2, 3);
+  PS_PLANE(3, 0); PS_PLANE(3, 1); PS_PLANE(3, 2); PS_PLANE(3, 3);
+#undef PS_PLANE
+  const __m512i order = _mm512_load_si512(kVbmiOrder);
   const __m512 s = _mm512_set1_ps(scale);
   int64_t j = 0;
   for (; j + 64 <= n; j += 64) {
     const __m512i c = _mm512_permutexvar_epi8(order, _mm512_loadu_si512(codes + j));
     const __mmask64 high = _mm512_movepi8_mask(c);
-    __m512i b[4];
-    for (int p = 0; p < 4; ++p) {
-      b[p] = _mm512_mask_blend_epi8(high, _mm512_permutex2var_epi8(plane[p][0], c, plane[p][1]),
-                                    _mm512_permutex2var_epi8(plane[p][2], c, plane[p][3]));
-    }
-    const __m512i w01_low = _mm512_unpacklo_epi8(b[0], b[1]);
-    const __m512i w01_high = _mm512_unpackhi_epi8(b[0], b[1]);
-    const __m512i w23_low = _mm512_unpacklo_epi8(b[2], b[3]);
-    const __m512i w23_high = _mm512_unpackhi_epi8(b[2], b[3]);
-    const __m512i f[4] = {
-        _mm512_unpacklo_epi16(w01_low, w23_low), _mm512_unpackhi_epi16(w01_low, w23_low),
-        _mm512_unpacklo_epi16(w01_high, w23_high), _mm512_unpackhi_epi16(w01_high, w23_high)};
-    for (int k = 0; k < 4; ++k) {
-      _mm512_storeu_ps(out + j + 16 * k, _mm512_mul_ps(_mm512_castsi512_ps(f[k]), s));
-    }
+#define PS_LOOKUP(p)                                                               \
+  _mm512_mask_blend_epi8(high, _mm512_permutex2var_epi8(plane##p##0, c, plane##p##1), \
+                         _mm512_permutex2var_epi8(plane##p##2, c, plane##p##3))
+    const __m512i b0 = PS_LOOKUP(0), b1 = PS_LOOKUP(1), b2 = PS_LOOKUP(2), b3 = PS_LOOKUP(3);
+#undef PS_LOOKUP
+    const __m512i w01_low = _mm512_unpacklo_epi8(b0, b1);
+    const __m512i w01_high = _mm512_unpackhi_epi8(b0, b1);
+    const __m512i w23_low = _mm512_unpacklo_epi8(b2, b3);
+    const __m512i w23_high = _mm512_unpackhi_epi8(b2, b3);
+    float* o = out + j;
+    _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(w01_low, w23_low)), s));
+    _mm512_storeu_ps(o + 16,
+                     _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(w01_low, w23_low)), s));
+    _mm512_storeu_ps(o + 32,
+                     _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(w01_high, w23_high)), s));
+    _mm512_storeu_ps(o + 48,
+                     _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(w01_high, w23_high)), s));
   }
   return j;
 }
-
 
 struct Ops {
   using V = __m512;
@@ -492,6 +511,16 @@ struct Ops {
   static PS_INLINE VI OctaveRegion(const FastQuantization& f, VI octave) {
     return _mm512_permutex2var_epi32(_mm512_load_si512(f.octave_region), octave,
                                      _mm512_load_si512(f.octave_region + 16));
+  }
+  static PS_INLINE VI SubSaturateU16(VI a, int32_t k) {
+    return _mm512_subs_epu16(a, _mm512_set1_epi32(k));
+  }
+  // The mirror on the packed bytes: 254 - q saturates at 0 by itself.
+  static PS_INLINE void StoreU8Mirrored(uint8_t* p, VI q, VI sign_bits) {
+    const __m128i codes = _mm512_cvtepi32_epi8(q);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                     _mm_mask_subs_epu8(codes, _mm512_movepi32_mask(sign_bits),
+                                        _mm_set1_epi8(static_cast<char>(254)), codes));
   }
   // Whole groups of 64 codes by byte-table lookups where the CPU has VBMI, else none (the caller
   // gathers). Returns the elements done.
