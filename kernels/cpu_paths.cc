@@ -119,7 +119,9 @@ struct Ops {
     return a >= -2147483648.0f && a < 2147483648.0f ? static_cast<int32_t>(a) : INT32_MIN;
   }
   static PS_INLINE VI AddIfGreaterF(VI q, V a, V b) { return q + (a > b ? 1 : 0); }
-  static PS_INLINE V MinF(V a, V b) { return a < b ? a : b; }  // as minps: b if unordered
+  static PS_INLINE V BlendIfGreaterF(V a, V b, V if_greater, V otherwise) {
+    return a > b ? if_greater : otherwise;
+  }
   static PS_INLINE V Lookup16(const float* table, VI r) { return table[r]; }
   static PS_INLINE VI Lookup16I(const int32_t* table, VI r) { return table[r]; }
   static PS_INLINE VI OctaveRegion(const FastQuantization& f, VI octave) {
@@ -270,7 +272,9 @@ struct Ops {
   }
   static PS_INLINE VI Srl23(VI a) { return _mm256_srli_epi32(a, 23); }
   static PS_INLINE VI CvttI(V a) { return _mm256_cvttps_epi32(a); }
-  static PS_INLINE V MinF(V a, V b) { return _mm256_min_ps(a, b); }  // b if unordered
+  static PS_INLINE V BlendIfGreaterF(V a, V b, V if_greater, V otherwise) {
+    return _mm256_blendv_ps(otherwise, if_greater, _mm256_cmp_ps(a, b, _CMP_GT_OQ));
+  }
   static PS_INLINE VI AddIfGreaterF(VI q, V a, V b) {
     return _mm256_sub_epi32(q, _mm256_castps_si256(_mm256_cmp_ps(a, b, _CMP_GT_OQ)));
   }
@@ -496,7 +500,9 @@ struct Ops {
   }
   static PS_INLINE VI Srl23(VI a) { return _mm512_srli_epi32(a, 23); }
   static PS_INLINE VI CvttI(V a) { return _mm512_cvttps_epi32(a); }
-  static PS_INLINE V MinF(V a, V b) { return _mm512_min_ps(a, b); }  // b if unordered
+  static PS_INLINE V BlendIfGreaterF(V a, V b, V if_greater, V otherwise) {
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, b, _CMP_GT_OQ), otherwise, if_greater);
+  }
   static PS_INLINE VI AddIfGreaterF(VI q, V a, V b) {
     return _mm512_mask_add_epi32(q, _mm512_cmp_ps_mask(a, b, _CMP_GT_OQ), q,
                                  _mm512_set1_epi32(1));

@@ -54,36 +54,37 @@ namespace {
 // (codes 0..126 are codes 128..254 negated, and so are the thresholds), which is why halfway
 // goes toward zero on both sides; -y beyond -threshold[254] takes code 0, the map's end.
 // Note [Nearest code by arithmetic]
-// The SIMD paths find the nearest code without a table gather (gathers are the int8 update's
-// bottleneck). The map's code bytes have structure: after the zero code come seven decades
-// 10^(i-6) * [0.1, 1], i = 0..6, each holding 2^i (signed) or 2^(i+1) (unsigned) codes spread
-// evenly over it, then 1.0. Inside decade i the thresholds between its codes are, up to float
-// rounding, evenly spaced too, so there the nearest code is floor(|x| * A + B) with A the
-// inverse spacing; the threshold between the decade's last code and the next decade's first
-// code is not on that grid, and neither is the one below 1.0. So:
-//   region  regions are the zero code, then decade 0..6 (the last holding 1.0 as well), each
-//           (upper[r-1], upper[r]] with upper[r] the exact threshold above its highest code.
-//           Decades are 3.3 octaves wide, so an octave holds at most one region boundary: the
-//           exponent of |x| picks the region of its octave's low end (a 32-entry table) and one
-//           compare with that region's upper end moves to the next. Exact, ties included.
-//   index   z = fma(|x|, A[r] * 2^15, B[r] * 2^15), truncated to an integer: code = min(z >> 15,
-//           last[r]), plus one when |x| > threshold[254] (the code 1.0). The clamp keeps the gap
-//           above a decade's last code, where z runs on by up to 2 codes, on that last code.
-//   check   rounding (of the codes, the thresholds and the fma) moves z by up to an ulp (2^-16
-//           at 128) around the exact threshold crossings, so lanes with z within kFastSlack / 2^15
-//           of an integer (about 2 in 10^4 of uniformly spread values, and NaN and inf, whose
-//           conversion gives INT_MIN) are redone with the bucket search, lane by lane.
-// Why the rest is exact: z is a monotone function of |x| (fma with A >= 0 is correctly rounded,
+// The SIMD paths find the nearest code without a table gather (gathers were the int8 update's
+// bottleneck: ~10 cycles per 16 lanes here). The map's code bytes have structure: after the
+// zero code come seven decades 10^(i-6) * [0.1, 1], i = 0..6, each holding 2^i (signed) or
+// 2^(i+1) (unsigned) codes spread evenly over it, then 1.0. Inside a decade the thresholds
+// between its codes are, up to float rounding, evenly spaced too, so there the nearest code is
+// floor(|x| * A + B) with A the inverse spacing; the threshold between a decade's last code and
+// the next decade's first is not on that grid, and neither is the one below 1.0. So, for y = |x|:
+//   top     y > threshold[254] gives 255: y is replaced by `above_top`, whose index is 255.
+//   region  the zero code, then decade 0..6, each (upper[r-1], upper[r]] with upper[r] the exact
+//           threshold above its highest code. Decades are 3.3 octaves wide, so an octave holds
+//           at most one region boundary: the exponent of y picks the region of its octave's low
+//           end (a 32-entry table, one permute) and one compare with that region's upper end
+//           moves to the next. Exact, ties included.
+//   index   z = fma(y, A[r] 2^15, B[r] 2^15 + window / 2), truncated to an integer; the code is
+//           min(z >> 15, last[r]). The clamp keeps the gap above a decade's last code, where z
+//           runs on by up to 2 codes, on that last code (the last region has no such gap).
+//   window  rounding (of the codes, the thresholds and the fma) moves z by up to about an ulp
+//           (1/2 at 2^22) around the exact crossings of the integers, so lanes with z mod 2^15 <
+//           kFastWindow (2^-12 of a code: about 2 in 10^4 uniformly spread values, and NaN and
+//           inf, whose conversion gives INT_MIN) are redone with the bucket search.
+// Why the rest is exact: z is a monotone function of y (fma with A >= 0 is correctly rounded,
 // truncation is monotone), so inside a region it suffices that for every threshold t[k] inside
-// it, z(t[k]) < (k + 1) 2^15 + slack and z(next float above t[k]) >= (k + 1) 2^15 - slack: then
-// every |x| in (t[k-1], t[k]] has z in [k 2^15 - slack, (k + 1) 2^15 + slack), which is either
-// flagged or floors to k. BuildFast checks exactly that at start-up (two evaluations per
-// threshold, the same std::fma as the vector paths' fma), together with the one-boundary-per-octave
-// property and the region ends, and kernels_quantization_test compares every path with the
-// bucket search on every float within 2^13 ulps of each threshold and on random values.
+// it, z(t[k]) < (k + 1) 2^15 + window and z(the float above t[k]) >= (k + 1) 2^15: then every y
+// in (t[k-1], t[k]] has z in [k 2^15, (k + 1) 2^15 + window), which is in a window or floors
+// to k. BuildFast checks exactly that at start-up (two evaluations per threshold, with std::fma,
+// the vector fma's rounding), with the region ends, the stand-in above the top and the
+// one-boundary-per-octave property; kernels_quantization_test compares every path with the
+// bucket search on every float near each threshold and on random values.
 internal::FastQuantization BuildFast(const internal::QuantizationTables& t, bool is_signed) {
   using internal::kFastFractionBits;
-  using internal::kFastSlack;
+  using internal::kFastWindow;
   internal::FastQuantization f{};
   const int zero = is_signed ? 127 : 0;
   int first[internal::kFastRegions], last[internal::kFastRegions];
@@ -92,49 +93,47 @@ internal::FastQuantization BuildFast(const internal::QuantizationTables& t, bool
     first[i + 1] = is_signed ? 127 + (1 << i) : (1 << (i + 1)) - 1;
     last[i + 1] = is_signed ? 126 + (1 << (i + 1)) : (1 << (i + 2)) - 2;
   }
-  PS_CHECK(last[7] == 254, "last region ends at ", last[7]);
-  constexpr float kOne = static_cast<float>(1 << kFastFractionBits);
+  constexpr int kTop = internal::kFastRegions - 1;
+  PS_CHECK(last[kTop] == 254, "the last region ends at ", last[kTop]);
+  constexpr double kOne = 1 << kFastFractionBits;
   for (int r = 0; r < internal::kFastRegions; ++r) {
     const int lo = first[r], hi = last[r];
     PS_CHECK(r == 0 || lo == last[r - 1] + 1, "regions do not tile the codes at ", r);
-    f.upper[r] = r == internal::kFastRegions - 1 ? std::numeric_limits<float>::infinity()
-                                                 : t.threshold[hi];
-    f.last[r] = hi;
+    f.upper[r] = r == kTop ? std::numeric_limits<float>::infinity() : t.threshold[hi];
+    // The last region has no gap above it (y <= top, checked below), and the stand-in for
+    // y > top must reach 255.
+    f.last[r] = r == kTop ? 255 : hi;
     if (lo == hi) {
       f.scale[r] = 0.0f;
-      f.offset[r] = (static_cast<float>(lo) + 0.5f) * kOne;
+      f.offset[r] = static_cast<float>((lo + 0.5) * kOne);
       continue;
     }
-    const double spacing =
-        (static_cast<double>(t.code[hi]) - static_cast<double>(t.code[lo])) / (hi - lo);
-    const double a = 1.0 / spacing;
+    const double a =
+        (hi - lo) / (static_cast<double>(t.code[hi]) - static_cast<double>(t.code[lo]));
     f.scale[r] = static_cast<float>(a * kOne);
-    f.offset[r] = static_cast<float>((lo + 0.5 - static_cast<double>(t.code[lo]) * a) * kOne);
+    f.offset[r] = static_cast<float>((lo + 0.5 - static_cast<double>(t.code[lo]) * a) * kOne +
+                                     kFastWindow / 2);
   }
   f.top = t.threshold[254];
+  f.above_top = static_cast<float>((255.5 * kOne - f.offset[kTop]) / f.scale[kTop]);
   // The region formulas against every threshold inside them (Note [Nearest code by arithmetic]).
   auto z = [&f](int r, float y) {
     const float v = std::fma(y, f.scale[r], f.offset[r]);
-    return v >= -2147483648.0f && v < 2147483648.0f ? static_cast<int64_t>(static_cast<int32_t>(v))
+    return v >= -2147483648.0f && v < 2147483648.0f ? int64_t{static_cast<int32_t>(v)}
                                                       : int64_t{INT32_MIN};
   };
   const float inf = std::numeric_limits<float>::infinity();
   for (int r = 1; r < internal::kFastRegions; ++r) {
     const float bottom = std::nextafter(f.upper[r - 1], inf);
-    PS_CHECK(z(r, bottom) >= (int64_t{first[r]} << kFastFractionBits) - kFastSlack,
-             "region ", r, " starts below its first code");
+    PS_CHECK(z(r, bottom) >= int64_t{first[r]} << kFastFractionBits, "region ", r,
+             " starts below its first code");
     for (int k = first[r]; k < last[r]; ++k) {
       const int64_t crossing = int64_t{k + 1} << kFastFractionBits;
-      PS_CHECK(z(r, t.threshold[k]) < crossing + kFastSlack, "threshold ", k, " is late");
-      PS_CHECK(z(r, std::nextafter(t.threshold[k], inf)) >= crossing - kFastSlack, "threshold ",
-               k, " is early");
+      PS_CHECK(z(r, t.threshold[k]) < crossing + kFastWindow, "threshold ", k, " is late");
+      PS_CHECK(z(r, std::nextafter(t.threshold[k], inf)) >= crossing, "threshold ", k,
+               " is early");
     }
   }
-  // Above threshold[254] z is taken at it (code 255 there whatever z): clear of the window.
-  const int64_t z_top = z(internal::kFastRegions - 1, f.top);
-  PS_CHECK(z_top >= (int64_t{254} << kFastFractionBits) + kFastSlack &&
-               z_top < (int64_t{255} << kFastFractionBits) - kFastSlack,
-           "z at threshold 254 is ", z_top);
   // Octave -> region of its low end; at most one boundary inside an octave.
   for (int octave = 0; octave < internal::kFastOctaves; ++octave) {
     const float low = std::ldexp(1.0f, octave + internal::kFastOctaveBase - 127);
@@ -148,6 +147,16 @@ internal::FastQuantization BuildFast(const internal::QuantizationTables& t, bool
     f.octave_region[octave] = region;
     f.octave_region_bytes[octave] = static_cast<uint8_t>(region);
   }
+  PS_CHECK(z(kTop, f.top) < int64_t{255} << kFastFractionBits, "z at threshold 254 is too high");
+  // The stand-in above the top: in the last octave's region, the last region, code 255, clear.
+  const int32_t above_bits = std::bit_cast<int32_t>(f.above_top);
+  PS_CHECK((above_bits >> 23) - internal::kFastOctaveBase == internal::kFastOctaves - 1 &&
+               f.octave_region[internal::kFastOctaves - 1] == kTop,
+           "above_top ", f.above_top, " is not in the last region");
+  const int64_t z_above = z(kTop, f.above_top);
+  PS_CHECK(z_above >> kFastFractionBits == 255 &&
+               (z_above & ((1 << kFastFractionBits) - 1)) >= kFastWindow,
+           "above_top gives z ", z_above);
   return f;
 }
 
