@@ -112,6 +112,8 @@ struct Ops {
   static PS_INLINE VI LoadU8(const uint8_t* p) { return *p; }
   static PS_INLINE void StoreU8(uint8_t* p, VI x) { *p = static_cast<uint8_t>(x); }
   static PS_INLINE bool AnyZeroI(VI a) { return a == 0; }
+  static PS_INLINE VI LoadI(const int32_t* p) { return *p; }
+  static PS_INLINE void StoreI(int32_t* p, VI a) { *p = a; }
   // Note [Nearest code by arithmetic]'s operations, for the one scalar mirror of the vector code
   // (the scalar path itself uses the bucket search).
   static PS_INLINE VI Srl23(VI a) { return static_cast<int32_t>(static_cast<uint32_t>(a) >> 23); }
@@ -271,6 +273,12 @@ struct Ops {
     _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packus_epi16(words, words));
   }
   static PS_INLINE VI Srl23(VI a) { return _mm256_srli_epi32(a, 23); }
+  static PS_INLINE VI LoadI(const int32_t* p) {
+    return _mm256_load_si256(reinterpret_cast<const __m256i*>(p));
+  }
+  static PS_INLINE void StoreI(int32_t* p, VI a) {
+    _mm256_store_si256(reinterpret_cast<__m256i*>(p), a);
+  }
   static PS_INLINE VI CvttI(V a) { return _mm256_cvttps_epi32(a); }
   static PS_INLINE V BlendIfGreaterF(V a, V b, V if_greater, V otherwise) {
     return _mm256_blendv_ps(otherwise, if_greater, _mm256_cmp_ps(a, b, _CMP_GT_OQ));
@@ -499,6 +507,8 @@ struct Ops {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(x));
   }
   static PS_INLINE VI Srl23(VI a) { return _mm512_srli_epi32(a, 23); }
+  static PS_INLINE VI LoadI(const int32_t* p) { return _mm512_load_si512(p); }
+  static PS_INLINE void StoreI(int32_t* p, VI a) { _mm512_store_si512(p, a); }
   static PS_INLINE VI CvttI(V a) { return _mm512_cvttps_epi32(a); }
   static PS_INLINE V BlendIfGreaterF(V a, V b, V if_greater, V otherwise) {
     return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, b, _CMP_GT_OQ), otherwise, if_greater);
