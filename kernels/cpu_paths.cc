@@ -395,14 +395,14 @@ int64_t DequantizeGroupsVbmi(const QuantizationTables& t, const uint8_t* codes, 
     const __m512i w01_high = _mm512_unpackhi_epi8(b0, b1);
     const __m512i w23_low = _mm512_unpacklo_epi8(b2, b3);
     const __m512i w23_high = _mm512_unpackhi_epi8(b2, b3);
-    float* o = out + j;
-    _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(w01_low, w23_low)), s));
-    _mm512_storeu_ps(o + 16,
-                     _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(w01_low, w23_low)), s));
-    _mm512_storeu_ps(o + 32,
-                     _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(w01_high, w23_high)), s));
-    _mm512_storeu_ps(o + 48,
-                     _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(w01_high, w23_high)), s));
+    const __m512i f0 = _mm512_unpacklo_epi16(w01_low, w23_low);
+    const __m512i f1 = _mm512_unpackhi_epi16(w01_low, w23_low);
+    const __m512i f2 = _mm512_unpacklo_epi16(w01_high, w23_high);
+    const __m512i f3 = _mm512_unpackhi_epi16(w01_high, w23_high);
+    _mm512_storeu_ps(out + j, _mm512_mul_ps(_mm512_castsi512_ps(f0), s));
+    _mm512_storeu_ps(out + j + 16, _mm512_mul_ps(_mm512_castsi512_ps(f1), s));
+    _mm512_storeu_ps(out + j + 32, _mm512_mul_ps(_mm512_castsi512_ps(f2), s));
+    _mm512_storeu_ps(out + j + 48, _mm512_mul_ps(_mm512_castsi512_ps(f3), s));
   }
   return j;
 }
