@@ -30,6 +30,9 @@
 #include "kernels/quantization.h"
 
 #define PS_INLINE inline __attribute__((always_inline))
+// The per-vector lambdas: GCC does not always inline the larger ones (bf16 params with int8
+// state), and a call per vector costs more than the vector's work.
+#define PS_INLINE_LAMBDA __attribute__((always_inline))
 
 namespace ps::kernels::internal {
 
