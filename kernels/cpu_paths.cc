@@ -127,8 +127,8 @@ struct Ops {
   static PS_INLINE V BlendIfGreaterF(V a, V b, V if_greater, V otherwise) {
     return a > b ? if_greater : otherwise;
   }
-  static PS_INLINE V Lookup16(const float* table, VI r) { return table[r]; }
-  static PS_INLINE VI Lookup16I(const int32_t* table, VI r) { return table[r]; }
+  static PS_INLINE V Lookup16(const float* table, VI r) { return table[r & 15]; }
+  static PS_INLINE VI Lookup16I(const int32_t* table, VI r) { return table[r & 15]; }
   static PS_INLINE VI OctaveRegion(const FastQuantization& f, VI octave) {
     return f.octave_region[octave & (kFastOctaves - 1)];  // as the 5-bit permute index
   }
