@@ -114,7 +114,7 @@ struct Ops {
   static PS_INLINE VI AddIfGreaterI(VI q, VI a, VI b) { return q + (a > b ? 1 : 0); }
   static PS_INLINE VI LoadU8(const uint8_t* p) { return *p; }
   static PS_INLINE void StoreU8(uint8_t* p, VI x) { *p = static_cast<uint8_t>(x); }
-  static PS_INLINE bool AnyZeroI(VI a) { return a == 0; }
+  static PS_INLINE bool AnyAndZeroI(VI a, VI mask) { return (a & mask) == 0; }
   static PS_INLINE VI LoadI(const int32_t* p) { return *p; }
   static PS_INLINE void StoreI(int32_t* p, VI a) { *p = a; }
   // Note [Nearest code by arithmetic]'s operations, for the one scalar mirror of the vector code
@@ -289,8 +289,10 @@ struct Ops {
   static PS_INLINE VI AddIfGreaterF(VI q, V a, V b) {
     return _mm256_sub_epi32(q, _mm256_castps_si256(_mm256_cmp_ps(a, b, _CMP_GT_OQ)));
   }
-  static PS_INLINE bool AnyZeroI(VI a) {
-    return _mm256_movemask_epi8(_mm256_cmpeq_epi32(a, _mm256_setzero_si256())) != 0;
+  // Some lane with a & mask == 0.
+  static PS_INLINE bool AnyAndZeroI(VI a, VI mask) {
+    return _mm256_movemask_epi8(_mm256_cmpeq_epi32(_mm256_and_si256(a, mask),
+                                                   _mm256_setzero_si256())) != 0;
   }
   // table[r] for r in [0, 8) (the tables have 16 entries for the AVX-512 path).
   static PS_INLINE V Lookup16(const float* table, VI r) {
@@ -520,7 +522,9 @@ struct Ops {
     return _mm512_mask_add_epi32(q, _mm512_cmp_ps_mask(a, b, _CMP_GT_OQ), q,
                                  _mm512_set1_epi32(1));
   }
-  static PS_INLINE bool AnyZeroI(VI a) { return _mm512_testn_epi32_mask(a, a) != 0; }
+  static PS_INLINE bool AnyAndZeroI(VI a, VI mask) {  // one vptestnmd
+    return _mm512_testn_epi32_mask(a, mask) != 0;
+  }
   static PS_INLINE V Lookup16(const float* table, VI r) {
     return _mm512_permutexvar_ps(r, _mm512_load_ps(table));
   }
