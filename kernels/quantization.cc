@@ -25,9 +25,10 @@ namespace ps::kernels {
 //            |x| may exceed 1 by an ulp or two; it then takes the code 1.0 like 1 itself.
 //   code   = the code nearest to x; exactly halfway (at threshold[k], the float midpoint of
 //            codes k and k + 1) goes to the code nearer zero (Note [Nearest code by bucket]).
-// Every SIMD path of the Adam kernel does exactly these operations with these tables, so the
-// codes and scales are bit-identical across paths and thread counts (tested), and equal to
-// QuantizeBlockwise applied to the updated fp32 state.
+// Every SIMD path of the Adam kernel does exactly these operations; its nearest-code search is
+// a different computation (Note [Nearest code by arithmetic]) proven to give the same code for
+// every float, so the codes and scales are bit-identical across paths and thread counts
+// (tested), and equal to QuantizeBlockwise applied to the updated fp32 state.
 //
 // The maps are bitsandbytes' create_dynamic_map(signed=True) and create_dynamic_map(signed=False)
 // (max_exponent_bits=7, total_bits=8) evaluated with torch's float32 linspace and sorted; the

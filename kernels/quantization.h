@@ -50,8 +50,8 @@ absl::Status DequantizeBlockwise(const uint8_t* codes, const float* scales, int6
 
 namespace internal {
 
-// The lookup tables shared by the scalar functions above and every SIMD path of the Adam kernel
-// (Note [Nearest code by bucket] in quantization.cc).
+// The lookup tables shared by the scalar functions above and every path of the Adam kernel
+// (Notes [Nearest code by bucket] and [Nearest code by arithmetic] in quantization.cc).
 inline constexpr int32_t kBucketMinExponent = 103;  // biased exponent of 2^-24
 inline constexpr int32_t kBuckets = (127 - kBucketMinExponent + 1) * 128;
 
