@@ -73,8 +73,9 @@ namespace {
 //           runs on by up to 2 codes, on that last code (the last region has no such gap).
 //   window  rounding (of the codes, the thresholds and the fma) moves z by up to about an ulp
 //           (1/2 at 2^22) around the exact crossings of the integers, so lanes with z mod 2^15 <
-//           kFastWindow (2^-12 of a code: about 2 in 10^4 uniformly spread values, and NaN and
-//           inf, whose conversion gives INT_MIN) are redone with the bucket search.
+//           kFastWindow (2^-12 of a code: about 2 in 10^4 uniformly spread values, and NaN,
+//           whose conversion gives INT_MIN) are redone with the bucket search (inf is above
+//           the top).
 // Why the rest is exact: z is a monotone function of y (fma with A >= 0 is correctly rounded,
 // truncation is monotone), so inside a region it suffices that for every threshold t[k] inside
 // it, z(t[k]) < (k + 1) 2^15 + window and z(the float above t[k]) >= (k + 1) 2^15: then every y
