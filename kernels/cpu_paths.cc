@@ -18,6 +18,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <bit>
 #include <cfloat>
 #include <cmath>
@@ -29,8 +30,29 @@
 #include "kernels/quantization.h"
 
 #define PS_INLINE inline __attribute__((always_inline))
+// The per-vector lambdas: GCC does not always inline the larger ones (bf16 params with int8
+// state), and a call per vector costs more than the vector's work.
+#define PS_INLINE_LAMBDA __attribute__((always_inline))
 
 namespace ps::kernels::internal {
+
+namespace {
+
+std::atomic<bool> vbmi_allowed{true};
+
+// VBMI byte-table lookups (Note [Dequantization by byte tables]) when the CPU has them and
+// tests have not turned them off.
+bool UseVbmi() {
+  static const bool supported = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512vbmi") != 0;
+  }();
+  return supported && vbmi_allowed.load(std::memory_order_relaxed);
+}
+
+}  // namespace
+
+void AllowVbmiForTesting(bool allowed) { vbmi_allowed.store(allowed); }
 
 namespace scalar_path {
 
@@ -92,6 +114,33 @@ struct Ops {
   static PS_INLINE VI AddIfGreaterI(VI q, VI a, VI b) { return q + (a > b ? 1 : 0); }
   static PS_INLINE VI LoadU8(const uint8_t* p) { return *p; }
   static PS_INLINE void StoreU8(uint8_t* p, VI x) { *p = static_cast<uint8_t>(x); }
+  static PS_INLINE bool AnyAndZeroI(VI a, VI mask) { return (a & mask) == 0; }
+  static PS_INLINE VI LoadI(const int32_t* p) { return *p; }
+  static PS_INLINE void StoreI(int32_t* p, VI a) { *p = a; }
+  // Note [Nearest code by arithmetic]'s operations, for the one scalar mirror of the vector code
+  // (the scalar path itself uses the bucket search).
+  static PS_INLINE VI Srl23(VI a) { return static_cast<int32_t>(static_cast<uint32_t>(a) >> 23); }
+  static PS_INLINE VI CvttI(V a) {  // as cvttps2dq: out of range and NaN give INT32_MIN
+    return a >= -2147483648.0f && a < 2147483648.0f ? static_cast<int32_t>(a) : INT32_MIN;
+  }
+  static PS_INLINE VI AddIfGreaterF(VI q, V a, V b) { return q + (a > b ? 1 : 0); }
+  static PS_INLINE V BlendIfGreaterF(V a, V b, V if_greater, V otherwise) {
+    return a > b ? if_greater : otherwise;
+  }
+  static PS_INLINE V Lookup16(const float* table, VI r) { return table[r & 15]; }
+  static PS_INLINE VI Lookup16I(const int32_t* table, VI r) { return table[r & 15]; }
+  static PS_INLINE VI OctaveRegion(const FastQuantization& f, VI octave) {
+    return f.octave_region[octave & (kFastOctaves - 1)];  // as the 5-bit permute index
+  }
+  static PS_INLINE VI SubSaturateU16(VI a, int32_t k) { return a > k ? a - k : 0; }
+  static PS_INLINE void StoreU8Mirrored(uint8_t* p, VI q, VI sign_bits) {
+    *p = static_cast<uint8_t>(sign_bits < 0 ? (q > 254 ? 0 : 254 - q) : q);
+  }
+  // The scalar path reads the code table directly (no groups).
+  static PS_INLINE int64_t DequantizeGroups(const QuantizationTables&, const uint8_t*, int64_t,
+                                            float, float*) {
+    return 0;
+  }
 
   struct Acc16 {
     double lane[16];
@@ -226,6 +275,60 @@ struct Ops {
         _mm_packus_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1));
     _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packus_epi16(words, words));
   }
+  static PS_INLINE VI Srl23(VI a) { return _mm256_srli_epi32(a, 23); }
+  static PS_INLINE VI LoadI(const int32_t* p) {
+    return _mm256_load_si256(reinterpret_cast<const __m256i*>(p));
+  }
+  static PS_INLINE void StoreI(int32_t* p, VI a) {
+    _mm256_store_si256(reinterpret_cast<__m256i*>(p), a);
+  }
+  static PS_INLINE VI CvttI(V a) { return _mm256_cvttps_epi32(a); }
+  static PS_INLINE V BlendIfGreaterF(V a, V b, V if_greater, V otherwise) {
+    return _mm256_blendv_ps(otherwise, if_greater, _mm256_cmp_ps(a, b, _CMP_GT_OQ));
+  }
+  static PS_INLINE VI AddIfGreaterF(VI q, V a, V b) {
+    return _mm256_sub_epi32(q, _mm256_castps_si256(_mm256_cmp_ps(a, b, _CMP_GT_OQ)));
+  }
+  // Some lane with a & mask == 0.
+  static PS_INLINE bool AnyAndZeroI(VI a, VI mask) {
+    return _mm256_movemask_epi8(_mm256_cmpeq_epi32(_mm256_and_si256(a, mask),
+                                                   _mm256_setzero_si256())) != 0;
+  }
+  // table[r] for r in [0, 8) (the tables have 16 entries for the AVX-512 path).
+  static PS_INLINE V Lookup16(const float* table, VI r) {
+    return _mm256_permutevar8x32_ps(_mm256_load_ps(table), r);
+  }
+  static PS_INLINE VI Lookup16I(const int32_t* table, VI r) {
+    return _mm256_permutevar8x32_epi32(_mm256_load_si256(reinterpret_cast<const __m256i*>(table)),
+                                       r);
+  }
+  // The 32-entry octave table by two 16-byte shuffles: the index is the low byte of each lane
+  // (the other bytes are 0 and read entry 0, masked off), bit 4 picks the half.
+  static PS_INLINE VI OctaveRegion(const FastQuantization& f, VI octave) {
+    const __m256i low = _mm256_broadcastsi128_si256(
+        _mm_load_si128(reinterpret_cast<const __m128i*>(f.octave_region_bytes)));
+    const __m256i high = _mm256_broadcastsi128_si256(
+        _mm_load_si128(reinterpret_cast<const __m128i*>(f.octave_region_bytes + 16)));
+    const __m256i chosen = _mm256_blendv_epi8(_mm256_shuffle_epi8(low, octave),
+                                              _mm256_shuffle_epi8(high, octave),
+                                              _mm256_slli_epi32(octave, 3));
+    return _mm256_and_si256(chosen, _mm256_set1_epi32(0xff));
+  }
+  // a - k, saturated at 0, for lanes holding 0 <= a < 2^16 (16-bit saturation on the low half).
+  static PS_INLINE VI SubSaturateU16(VI a, int32_t k) {
+    return _mm256_subs_epu16(a, _mm256_set1_epi32(k));
+  }
+  // StoreU8 of q, or of max(254 - q, 0) where sign_bits is negative.
+  static PS_INLINE void StoreU8Mirrored(uint8_t* p, VI q, VI sign_bits) {
+    const VI sign = _mm256_srai_epi32(sign_bits, 31);
+    StoreU8(p, _mm256_max_epi32(_mm256_add_epi32(_mm256_xor_si256(q, sign),
+                                                 _mm256_and_si256(sign, _mm256_set1_epi32(255))),
+                                _mm256_setzero_si256()));
+  }
+  static PS_INLINE int64_t DequantizeGroups(const QuantizationTables&, const uint8_t*, int64_t,
+                                            float, float*) {
+    return 0;
+  }
 
   struct Acc16 {
     __m256d lane[4];  // lanes 0-3, 4-7, 8-11, 12-15
@@ -254,6 +357,60 @@ struct Ops {
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq")
 namespace avx512_path {
+
+// Note [Dequantization by byte tables]
+// A code's value is a 256-entry table read; gathering 16 floats costs more than the rest of a
+// vector's update on the CPUs measured. With VBMI, vpermi2b reads a 128-entry byte table for 64
+// indices at once, so the table is kept as four byte planes (QuantizationTables::code_byte, 16
+// zmm registers): per plane two vpermi2b (codes below and above 128) and a blend on the code's
+// top bit, then the four planes are interleaved back into floats with byte and word unpacks.
+// The unpacks work inside 128-bit lanes, so the 64 codes are first permuted (one vpermb) such
+// that the four result vectors come out in element order. The values are the table's, so the
+// result is the gather's, bit for bit; then the one multiply by the scale, as everywhere.
+// Result vector k's 128-bit lane L, dword q, comes from byte 16 L + 4 k + q of the permuted
+// codes and must be element 16 k + 4 L + q.
+alignas(64) constexpr uint8_t kVbmiOrder[64] = {
+    0,  1,  2,  3,  16, 17, 18, 19, 32, 33, 34, 35, 48, 49, 50, 51,  //
+    4,  5,  6,  7,  20, 21, 22, 23, 36, 37, 38, 39, 52, 53, 54, 55,  //
+    8,  9,  10, 11, 24, 25, 26, 27, 40, 41, 42, 43, 56, 57, 58, 59,  //
+    12, 13, 14, 15, 28, 29, 30, 31, 44, 45, 46, 47, 60, 61, 62, 63};
+
+__attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi")))
+int64_t DequantizeGroupsVbmi(const QuantizationTables& t, const uint8_t* codes, int64_t n,
+                             float scale, float* out) {
+  // Plane p, codes 64 q .. 64 q + 63 (named, not an array, so that they stay in registers).
+#define PS_PLANE(p, q) const __m512i plane##p##q = _mm512_load_si512(t.code_byte[p] + 64 * q)
+  PS_PLANE(0, 0); PS_PLANE(0, 1); PS_PLANE(0, 2); PS_PLANE(0, 3);
+  PS_PLANE(1, 0); PS_PLANE(1, 1); PS_PLANE(1, 2); PS_PLANE(1, 3);
+  PS_PLANE(2, 0); PS_PLANE(2, 1); PS_PLANE(2, 2); PS_PLANE(2, 3);
+  PS_PLANE(3, 0); PS_PLANE(3, 1); PS_PLANE(3, 2); PS_PLANE(3, 3);
+#undef PS_PLANE
+  const __m512i order = _mm512_load_si512(kVbmiOrder);
+  const __m512 s = _mm512_set1_ps(scale);
+  int64_t j = 0;
+  for (; j + 64 <= n; j += 64) {
+    const __m512i c = _mm512_permutexvar_epi8(order, _mm512_loadu_si512(codes + j));
+    const __mmask64 high = _mm512_movepi8_mask(c);
+#define PS_LOOKUP(p)                                                               \
+  _mm512_mask_blend_epi8(high, _mm512_permutex2var_epi8(plane##p##0, c, plane##p##1), \
+                         _mm512_permutex2var_epi8(plane##p##2, c, plane##p##3))
+    const __m512i b0 = PS_LOOKUP(0), b1 = PS_LOOKUP(1), b2 = PS_LOOKUP(2), b3 = PS_LOOKUP(3);
+#undef PS_LOOKUP
+    const __m512i w01_low = _mm512_unpacklo_epi8(b0, b1);
+    const __m512i w01_high = _mm512_unpackhi_epi8(b0, b1);
+    const __m512i w23_low = _mm512_unpacklo_epi8(b2, b3);
+    const __m512i w23_high = _mm512_unpackhi_epi8(b2, b3);
+    const __m512i f0 = _mm512_unpacklo_epi16(w01_low, w23_low);
+    const __m512i f1 = _mm512_unpackhi_epi16(w01_low, w23_low);
+    const __m512i f2 = _mm512_unpacklo_epi16(w01_high, w23_high);
+    const __m512i f3 = _mm512_unpackhi_epi16(w01_high, w23_high);
+    _mm512_storeu_ps(out + j, _mm512_mul_ps(_mm512_castsi512_ps(f0), s));
+    _mm512_storeu_ps(out + j + 16, _mm512_mul_ps(_mm512_castsi512_ps(f1), s));
+    _mm512_storeu_ps(out + j + 32, _mm512_mul_ps(_mm512_castsi512_ps(f2), s));
+    _mm512_storeu_ps(out + j + 48, _mm512_mul_ps(_mm512_castsi512_ps(f3), s));
+  }
+  return j;
+}
 
 struct Ops {
   using V = __m512;
@@ -353,6 +510,46 @@ struct Ops {
   }
   static PS_INLINE void StoreU8(uint8_t* p, VI x) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(x));
+  }
+  static PS_INLINE VI Srl23(VI a) { return _mm512_srli_epi32(a, 23); }
+  static PS_INLINE VI LoadI(const int32_t* p) { return _mm512_load_si512(p); }
+  static PS_INLINE void StoreI(int32_t* p, VI a) { _mm512_store_si512(p, a); }
+  static PS_INLINE VI CvttI(V a) { return _mm512_cvttps_epi32(a); }
+  static PS_INLINE V BlendIfGreaterF(V a, V b, V if_greater, V otherwise) {
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, b, _CMP_GT_OQ), otherwise, if_greater);
+  }
+  static PS_INLINE VI AddIfGreaterF(VI q, V a, V b) {
+    return _mm512_mask_add_epi32(q, _mm512_cmp_ps_mask(a, b, _CMP_GT_OQ), q,
+                                 _mm512_set1_epi32(1));
+  }
+  static PS_INLINE bool AnyAndZeroI(VI a, VI mask) {  // one vptestnmd
+    return _mm512_testn_epi32_mask(a, mask) != 0;
+  }
+  static PS_INLINE V Lookup16(const float* table, VI r) {
+    return _mm512_permutexvar_ps(r, _mm512_load_ps(table));
+  }
+  static PS_INLINE VI Lookup16I(const int32_t* table, VI r) {
+    return _mm512_permutexvar_epi32(r, _mm512_load_si512(table));
+  }
+  static PS_INLINE VI OctaveRegion(const FastQuantization& f, VI octave) {
+    return _mm512_permutex2var_epi32(_mm512_load_si512(f.octave_region), octave,
+                                     _mm512_load_si512(f.octave_region + 16));
+  }
+  static PS_INLINE VI SubSaturateU16(VI a, int32_t k) {
+    return _mm512_subs_epu16(a, _mm512_set1_epi32(k));
+  }
+  // The mirror on the packed bytes: 254 - q saturates at 0 by itself.
+  static PS_INLINE void StoreU8Mirrored(uint8_t* p, VI q, VI sign_bits) {
+    const __m128i codes = _mm512_cvtepi32_epi8(q);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                     _mm_mask_subs_epu8(codes, _mm512_movepi32_mask(sign_bits),
+                                        _mm_set1_epi8(static_cast<char>(254)), codes));
+  }
+  // Whole groups of 64 codes by byte-table lookups where the CPU has VBMI, else none (the caller
+  // gathers). Returns the elements done.
+  static PS_INLINE int64_t DequantizeGroups(const QuantizationTables& t, const uint8_t* codes,
+                                            int64_t n, float scale, float* out) {
+    return UseVbmi() ? DequantizeGroupsVbmi(t, codes, n, scale, out) : 0;
   }
 
   struct Acc16 {

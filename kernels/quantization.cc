@@ -25,9 +25,10 @@ namespace ps::kernels {
 //            |x| may exceed 1 by an ulp or two; it then takes the code 1.0 like 1 itself.
 //   code   = the code nearest to x; exactly halfway (at threshold[k], the float midpoint of
 //            codes k and k + 1) goes to the code nearer zero (Note [Nearest code by bucket]).
-// Every SIMD path of the Adam kernel does exactly these operations with these tables, so the
-// codes and scales are bit-identical across paths and thread counts (tested), and equal to
-// QuantizeBlockwise applied to the updated fp32 state.
+// Every SIMD path of the Adam kernel does exactly these operations; its nearest-code search is
+// a different computation (Note [Nearest code by arithmetic]) proven to give the same code for
+// every float, so the codes and scales are bit-identical across paths and thread counts
+// (tested), and equal to QuantizeBlockwise applied to the updated fp32 state.
 //
 // The maps are bitsandbytes' create_dynamic_map(signed=True) and create_dynamic_map(signed=False)
 // (max_exponent_bits=7, total_bits=8) evaluated with torch's float32 linspace and sorted; the
@@ -53,6 +54,114 @@ namespace {
 // Negative x uses the same table through the signed map's symmetry, code(-y) = 254 - code(y)
 // (codes 0..126 are codes 128..254 negated, and so are the thresholds), which is why halfway
 // goes toward zero on both sides; -y beyond -threshold[254] takes code 0, the map's end.
+// Note [Nearest code by arithmetic]
+// The SIMD paths find the nearest code without a table gather (gathers were the int8 update's
+// bottleneck: ~10 cycles per 16 lanes here). The map's code bytes have structure: after the
+// zero code come seven decades 10^(i-6) * [0.1, 1], i = 0..6, each holding 2^i (signed) or
+// 2^(i+1) (unsigned) codes spread evenly over it, then 1.0. Inside a decade the thresholds
+// between its codes are, up to float rounding, evenly spaced too, so there the nearest code is
+// floor(|x| * A + B) with A the inverse spacing; the threshold between a decade's last code and
+// the next decade's first is not on that grid, and neither is the one below 1.0. So, for y = |x|:
+//   top     y > threshold[254] gives 255: y is replaced by `above_top`, whose index is 255.
+//   region  the zero code, then decade 0..6, each (upper[r-1], upper[r]] with upper[r] the exact
+//           threshold above its highest code. Decades are 3.3 octaves wide, so an octave holds
+//           at most one region boundary: the exponent of y picks the region of its octave's low
+//           end (a 32-entry table, one permute) and one compare with that region's upper end
+//           moves to the next. Exact, ties included.
+//   index   z = fma(y, A[r] 2^15, B[r] 2^15 + window / 2), truncated to an integer; the code is
+//           min(z >> 15, last[r]). The clamp keeps the gap above a decade's last code, where z
+//           runs on by up to 2 codes, on that last code (the last region has no such gap).
+//   window  rounding (of the codes, the thresholds and the fma) moves z by up to about an ulp
+//           (1/2 at 2^22) around the exact crossings of the integers, so lanes with z mod 2^15 <
+//           kFastWindow (2^-12 of a code: about 2 in 10^4 uniformly spread values, and NaN,
+//           whose conversion gives INT_MIN) are redone with the bucket search (inf is above
+//           the top).
+// Why the rest is exact: z is a monotone function of y (fma with A >= 0 is correctly rounded,
+// truncation is monotone), so inside a region it suffices that for every threshold t[k] inside
+// it, z(t[k]) < (k + 1) 2^15 + window and z(the float above t[k]) >= (k + 1) 2^15: then every y
+// in (t[k-1], t[k]] has z in [k 2^15, (k + 1) 2^15 + window), which is in a window or floors
+// to k. BuildFast checks exactly that at start-up (two evaluations per threshold, with std::fma,
+// the vector fma's rounding), with the region ends, the stand-in above the top and the
+// one-boundary-per-octave property; kernels_quantization_test compares every path with the
+// bucket search on every float near each threshold and on random values.
+internal::FastQuantization BuildFast(const internal::QuantizationTables& t, bool is_signed) {
+  using internal::kFastFractionBits;
+  using internal::kFastWindow;
+  internal::FastQuantization f{};
+  const int zero = is_signed ? 127 : 0;
+  int first[internal::kFastRegions], last[internal::kFastRegions];
+  first[0] = last[0] = zero;
+  for (int i = 0; i < 7; ++i) {
+    first[i + 1] = is_signed ? 127 + (1 << i) : (1 << (i + 1)) - 1;
+    last[i + 1] = is_signed ? 126 + (1 << (i + 1)) : (1 << (i + 2)) - 2;
+  }
+  constexpr int kTop = internal::kFastRegions - 1;
+  PS_CHECK(last[kTop] == 254, "the last region ends at ", last[kTop]);
+  constexpr double kOne = 1 << kFastFractionBits;
+  for (int r = 0; r < internal::kFastRegions; ++r) {
+    const int lo = first[r], hi = last[r];
+    PS_CHECK(r == 0 || lo == last[r - 1] + 1, "regions do not tile the codes at ", r);
+    f.upper[r] = r == kTop ? std::numeric_limits<float>::infinity() : t.threshold[hi];
+    // The last region has no gap above it (y <= top, checked below), and the stand-in for
+    // y > top must reach 255.
+    f.last[r] = r == kTop ? 255 : hi;
+    if (lo == hi) {
+      f.scale[r] = 0.0f;
+      f.offset[r] = static_cast<float>((lo + 0.5) * kOne);
+      continue;
+    }
+    const double a =
+        (hi - lo) / (static_cast<double>(t.code[hi]) - static_cast<double>(t.code[lo]));
+    f.scale[r] = static_cast<float>(a * kOne);
+    f.offset[r] = static_cast<float>((lo + 0.5 - static_cast<double>(t.code[lo]) * a) * kOne +
+                                     kFastWindow / 2);
+  }
+  f.top = t.threshold[254];
+  f.above_top = static_cast<float>((255.5 * kOne - f.offset[kTop]) / f.scale[kTop]);
+  // The region formulas against every threshold inside them (Note [Nearest code by arithmetic]).
+  auto z = [&f](int r, float y) {
+    const float v = std::fma(y, f.scale[r], f.offset[r]);
+    return v >= -2147483648.0f && v < 2147483648.0f ? int64_t{static_cast<int32_t>(v)}
+                                                      : int64_t{INT32_MIN};
+  };
+  const float inf = std::numeric_limits<float>::infinity();
+  for (int r = 1; r < internal::kFastRegions; ++r) {
+    const float bottom = std::nextafter(f.upper[r - 1], inf);
+    PS_CHECK(z(r, bottom) >= int64_t{first[r]} << kFastFractionBits, "region ", r,
+             " starts below its first code");
+    for (int k = first[r]; k < last[r]; ++k) {
+      const int64_t crossing = int64_t{k + 1} << kFastFractionBits;
+      PS_CHECK(z(r, t.threshold[k]) < crossing + kFastWindow, "threshold ", k, " is late");
+      PS_CHECK(z(r, std::nextafter(t.threshold[k], inf)) >= crossing, "threshold ", k,
+               " is early");
+    }
+  }
+  // Octave -> region of its low end; at most one boundary inside an octave.
+  for (int octave = 0; octave < internal::kFastOctaves; ++octave) {
+    const float low = std::ldexp(1.0f, octave + internal::kFastOctaveBase - 127);
+    int region = 0, inside = 0;
+    for (int r = 0; r < internal::kFastRegions; ++r) {
+      if (f.upper[r] < low) ++region;
+      if (f.upper[r] >= low && f.upper[r] < 2 * low) ++inside;
+    }
+    PS_CHECK(inside <= 1, "octave ", octave, " holds ", inside, " region boundaries");
+    PS_CHECK(octave != 0 || region == 0, "a region boundary below octave 0");
+    f.octave_region[octave] = region;
+    f.octave_region_bytes[octave] = static_cast<uint8_t>(region);
+  }
+  PS_CHECK(z(kTop, f.top) < int64_t{255} << kFastFractionBits, "z at threshold 254 is too high");
+  // The stand-in above the top: in the last octave's region, the last region, code 255, clear.
+  const int32_t above_bits = std::bit_cast<int32_t>(f.above_top);
+  PS_CHECK((above_bits >> 23) - internal::kFastOctaveBase == internal::kFastOctaves - 1 &&
+               f.octave_region[internal::kFastOctaves - 1] == kTop,
+           "above_top ", f.above_top, " is not in the last region");
+  const int64_t z_above = z(kTop, f.above_top);
+  PS_CHECK(z_above >> kFastFractionBits == 255 &&
+               (z_above & ((1 << kFastFractionBits) - 1)) >= kFastWindow,
+           "above_top gives z ", z_above);
+  return f;
+}
+
 internal::QuantizationTables BuildTables(const float* codes) {
   internal::QuantizationTables t;
   for (int k = 0; k < 256; ++k) t.code[k] = codes[k];
@@ -79,10 +188,16 @@ internal::QuantizationTables BuildTables(const float* codes) {
     }
     t.bucket[j] = static_cast<uint32_t>(q) | (key << 16);
   }
-  if (codes[127] == 0.0f) {  // the signed map: check the symmetry negative values rely on
+  const bool is_signed = codes[127] == 0.0f;
+  if (is_signed) {  // check the symmetry negative values rely on
     for (int k = 0; k < 127; ++k) PS_CHECK(codes[k] == -codes[254 - k], "code ", k);
     for (int k = 0; k < 127; ++k) PS_CHECK(t.threshold[k] == -t.threshold[253 - k], "t ", k);
   }
+  for (int k = 0; k < 256; ++k) {
+    const uint32_t bits = std::bit_cast<uint32_t>(codes[k]);
+    for (int p = 0; p < 4; ++p) t.code_byte[p][k] = static_cast<uint8_t>(bits >> (8 * p));
+  }
+  t.fast = BuildFast(t, is_signed);
   return t;
 }
 

@@ -50,12 +50,41 @@ absl::Status DequantizeBlockwise(const uint8_t* codes, const float* scales, int6
 
 namespace internal {
 
-// The lookup tables shared by the scalar functions above and every SIMD path of the Adam kernel
-// (Note [Nearest code by bucket] in quantization.cc).
+// The lookup tables shared by the scalar functions above and every path of the Adam kernel
+// (Notes [Nearest code by bucket] and [Nearest code by arithmetic] in quantization.cc).
 inline constexpr int32_t kBucketMinExponent = 103;  // biased exponent of 2^-24
 inline constexpr int32_t kBuckets = (127 - kBucketMinExponent + 1) * 128;
+
+// Note [Nearest code by arithmetic] in quantization.cc: the vector paths' nearest-code search.
+// |x| selects one of kFastRegions regions (the zero code, then the map's seven decades, the
+// last one also holding the code 1.0), where z = fma(|x|, scale[r], offset[r]) is a fixed-point
+// (kFastFractionBits) code index: the code is z >> 15 (at most last[r]) unless z mod 2^15 <
+// kFastWindow, near a threshold, where the exact bucket search decides.
+inline constexpr int32_t kFastRegions = 8;
+inline constexpr int32_t kFastOctaves = 32;
+inline constexpr int32_t kFastOctaveBase = 96;  // biased exponent of octave 0, [2^-31, 2^-30)
+inline constexpr int32_t kFastFractionBits = 15;
+inline constexpr int32_t kFastWindow = 8;
+struct FastQuantization {
+  // The region of the lowest magnitude of each octave (exponents below octave 0 count as octave
+  // 0); a magnitude above upper[region] is in the next region.
+  alignas(64) int32_t octave_region[kFastOctaves];
+  alignas(32) uint8_t octave_region_bytes[kFastOctaves];
+  // Per region (16 entries, the last 8 unused, so that one 16-lane permute reads them): the
+  // region's upper end (a threshold, +inf for the last), the linear map and the highest code.
+  alignas(64) float upper[16];
+  alignas(64) float scale[16];
+  alignas(64) float offset[16];
+  alignas(64) int32_t last[16];
+  float top;        // threshold[254]: above it the code is 255 (1.0)
+  float above_top;  // the magnitude that stands in for those above top: its z gives 255
+};
+
 struct QuantizationTables {
   float code[256];
+  // Byte p of code[k]'s bits in code_byte[p][k]: byte-wise table lookups (VBMI).
+  alignas(64) uint8_t code_byte[4][256];
+  FastQuantization fast;
   // threshold[k]: midpoint of code[k] and code[k + 1], rounded to float; threshold[255] = +inf.
   float threshold[256];
   // Per bucket of magnitudes: the code of its lowest magnitude in bits 0-7 and, in bits 16-31,

@@ -5,6 +5,7 @@
 
 #include "kernels/adam.h"
 #include "kernels/internal/stochastic_rounding.h"
+#include "kernels/quantization.h"
 #include "kernels/simd.h"
 #include "runtime/dtype.h"
 
@@ -45,8 +46,15 @@ struct CpuPath {
   double (*sum_squares)(const void* data, DType dtype, int64_t begin, int64_t end);
   // True when some element of [begin, end) is inf or NaN.
   bool (*has_inf_or_nan)(const void* data, DType dtype, int64_t begin, int64_t end);
+  // Nearest codes of already normalized values, with the int8 update's search (tests).
+  void (*quantize_normalized)(QuantizationMap map, const float* values, int64_t n,
+                              uint8_t* codes);
 };
 
 const CpuPath& GetCpuPath(SimdLevel level);
+
+// Tests: false makes the AVX-512 paths gather the int8 code values even where the CPU has VBMI
+// (Note [Dequantization by byte tables] in kernels/cpu_paths.cc), so both variants are checked.
+void AllowVbmiForTesting(bool allowed);
 
 }  // namespace ps::kernels::internal

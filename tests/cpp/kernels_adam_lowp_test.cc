@@ -12,6 +12,7 @@
 #include "gtest/gtest.h"
 #include "kernels/adam.h"
 #include "kernels/cast.h"
+#include "kernels/internal/cpu_paths.h"
 #include "kernels/internal/stochastic_rounding.h"
 #include "kernels/parallel.h"
 #include "kernels/quantization.h"
@@ -304,6 +305,23 @@ TEST(AdamLowpTest, EveryPathMatchesTheReferenceOnALargeChunkOverManySteps) {
       if (HasFatalFailure()) return;
     }
   }
+}
+
+// The AVX-512 paths read int8 code values with VBMI byte-table lookups where the CPU has VBMI
+// (Note [Dequantization by byte tables]); this runs them with scalar table reads instead, so both
+// variants are checked on a VBMI machine.
+TEST(AdamLowpTest, Int8WithoutVbmiMatchesTheReference) {
+  internal::AllowVbmiForTesting(false);
+  for (SimdLevel level : SupportedSimdLevels()) {
+    if (level != SimdLevel::kAvx512 && level != SimdLevel::kAvx512Bf16) continue;
+    for (DType param : {DType::kFloat32, DType::kBFloat16}) {
+      for (int64_t n : {17, 2049, 70001}) {
+        RunCase(n, param, StateDType::kInt8, DType::kFloat32, 0, true, level, 4);
+        if (HasFatalFailure()) break;
+      }
+    }
+  }
+  internal::AllowVbmiForTesting(true);
 }
 
 TEST(AdamLowpTest, ResultsDoNotDependOnTheThreadCount) {

@@ -1,6 +1,7 @@
 // Blockwise 8-bit quantization (kernels/quantization.h): the dynamic maps' shape, nearest-code
 // rounding against a plain scan of the thresholds and the distance to the codes, the block
-// scales (absmax, the FLT_MIN floor, NaN) and block alignment.
+// scales (absmax, the FLT_MIN floor, NaN) and block alignment; the SIMD paths' arithmetic
+// nearest-code search against the bucket search.
 #include "kernels/quantization.h"
 
 #include <bit>
@@ -11,6 +12,8 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "kernels/internal/cpu_paths.h"
+#include "kernels/simd.h"
 
 namespace ps::kernels {
 namespace {
@@ -76,6 +79,46 @@ TEST(QuantizationTest, NearestCodeEqualsTheThresholdScanEverywhere) {
       const double slack = 4e-7 * std::fabs(double{x}) + 1e-40;
       if (q > 0) ASSERT_LE(d, std::fabs(double{x} - codes[q - 1]) + slack) << x;
       if (q < 255) ASSERT_LE(d, std::fabs(double{x} - codes[q + 1]) + slack) << x;
+    }
+  }
+}
+
+// Note [Nearest code by arithmetic]: the start-up checks prove the vector search exact; this
+// compares it with the bucket search on every float within 2^12 ulps of every threshold (where
+// the window and the exact search matter), on the region boundaries' neighbourhoods, on special
+// values and on random magnitudes, for both signs, on every path.
+TEST(QuantizationTest, EveryPathsSearchEqualsTheBucketSearchNearEveryThreshold) {
+  constexpr int32_t kUlps = 1 << 12;
+  std::mt19937 rng(2);
+  std::uniform_real_distribution<float> exponent(-35.0f, 0.01f);
+  for (QuantizationMap map : {QuantizationMap::kSigned, QuantizationMap::kUnsigned}) {
+    absl::Span<const float> codes = QuantizationCodes(map);
+    std::vector<float> values = {0.0f, 1.0f, 1.0000001f, 1.0000002f, 0.99999994f, 2.5f, 1e30f,
+                                 1e-30f, FLT_MIN, FLT_MAX, std::numeric_limits<float>::denorm_min(),
+                                 std::numeric_limits<float>::infinity(),
+                                 std::numeric_limits<float>::quiet_NaN()};
+    for (int k = 0; k < 255; ++k) {
+      const float t = static_cast<float>((double{codes[k]} + double{codes[k + 1]}) / 2);
+      if (!(t > 0.0f)) continue;
+      const int32_t bits = std::bit_cast<int32_t>(t);
+      for (int32_t d = -kUlps; d <= kUlps; ++d) values.push_back(std::bit_cast<float>(bits + d));
+    }
+    for (int i = 0; i < 300000; ++i) values.push_back(std::pow(10.0f, exponent(rng)));
+    for (int e = 0; e < 255; ++e) values.push_back(std::bit_cast<float>(e << 23));  // octaves
+    const size_t positive = values.size();
+    for (size_t i = 0; i < positive; ++i) values.push_back(-values[i]);
+    std::vector<uint8_t> expected(values.size());
+    for (size_t i = 0; i < values.size(); ++i) expected[i] = QuantizeNormalized(map, values[i]);
+    for (SimdLevel level : SupportedSimdLevels()) {
+      std::vector<uint8_t> got(values.size(), 0xaa);
+      internal::GetCpuPath(level).quantize_normalized(map, values.data(),
+                                                      static_cast<int64_t>(values.size()),
+                                                      got.data());
+      for (size_t i = 0; i < values.size(); ++i) {
+        ASSERT_EQ(got[i], expected[i])
+            << SimdLevelName(level) << " map " << static_cast<int>(map) << " x = " << values[i]
+            << " (bits " << std::hex << std::bit_cast<uint32_t>(values[i]) << ")";
+      }
     }
   }
 }

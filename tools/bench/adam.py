@@ -14,6 +14,7 @@ compared, so that memory-bandwidth drift during the run (other processes) hits b
 
     python tools/bench/adam.py            # 50M parameters, ~1 minute
     python tools/bench/adam.py --quick    # smoke run, a few seconds
+    python tools/bench/adam.py --only int8 --lowp-simd   # the int8 rows, on every SIMD path
 Writes bench-results/adam.json (git-ignored).
 """
 
@@ -89,6 +90,12 @@ def main():
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--threads", type=int, default=0, help="0: the cores we may use")
     parser.add_argument("--out", default="bench-results/adam.json")
+    parser.add_argument("--only", default=None, metavar="SUBSTRING",
+                        help="run only the low-precision variants whose name contains SUBSTRING "
+                             "(no torch, fp32 or chunk-size rows; no alternated torch baseline)")
+    parser.add_argument("--lowp-simd", action="store_true",
+                        help="also time each low-precision variant on every SIMD path against "
+                             "its bound on the same path")
     args = parser.parse_args()
     n = 2 * M if args.quick else args.params
     reps = 3 if args.quick else args.reps
@@ -121,9 +128,10 @@ def main():
     # ones are slow and timed on their own; fused=True is also timed alternately with ours below.
     torch_rates = {}
     fused = None
-    for name, kwargs in [("torch foreach=False", dict(foreach=False)),
-                         ("torch foreach=True", dict(foreach=True)),
-                         ("torch fused=True", dict(fused=True))]:
+    torch_runs = [("torch foreach=False", dict(foreach=False)),
+                  ("torch foreach=True", dict(foreach=True)),
+                  ("torch fused=True", dict(fused=True))] if args.only is None else []
+    for name, kwargs in torch_runs:
         p = torch.nn.Parameter(view["param"])
         p.grad = view["grad"]
         opt = torch.optim.Adam([p], lr=1e-3, **kwargs)
@@ -161,7 +169,7 @@ def main():
     # (name, grad, copy, bytes moved per param). Each variant is timed alternately with its
     # bound and with torch fused=True (plus the copy to bf16 where ours makes one).
     variants = [("ours fp32", "grad", False, 28), ("ours fp32 + bf16 copy", "grad", True, 30),
-                ("ours fp16 grads", "grad16", False, 26)]
+                ("ours fp16 grads", "grad16", False, 26)] if args.only is None else []
     for name, grad_key, copy, bytes_per_param in variants:
         t_ours, t_bound, t_fused = alternate(
             [ours(grad_key, copy), bound(grad_key, copy), torch_fused(copy)], reps)
@@ -221,6 +229,9 @@ def main():
                      ("ours bf16 param kahan", "kahan", "fp32", False, 26),
                      ("ours bf16 param stochastic", "stochastic", "fp32", False, 22),
                      ("ours bf16 param kahan + int8 state", "kahan", "int8", False, 14)]
+    if args.only is not None:
+        lowp_variants = [v for v in lowp_variants if args.only in v[0]]
+    results["lowp_simd_paths"] = {}
     for name, param, state, copy, bytes_per_param in lowp_variants:
         t, kw = lowp_state(param, state, copy)
 
@@ -237,10 +248,15 @@ def main():
                                   copy_tensor, **kw)
 
         # The bound leaves meaningless (but finite, normal) values behind for ours to update:
-        # neither kernel's speed depends on the values.
-        t_ours, t_bound, t_fused = alternate([ours_lowp, bound_lowp, torch_fused(copy)], reps)
+        # neither kernel's speed depends much on the values (int8: a vector whose values fall
+        # within 2^-12 of a code threshold takes a slower exact search; rare either way).
+        if fused is not None:
+            t_ours, t_bound, t_fused = alternate([ours_lowp, bound_lowp, torch_fused(copy)], reps)
+            fused_s = statistics.median(t_fused)
+        else:
+            t_ours, t_bound = alternate([ours_lowp, bound_lowp], reps)
+            t_fused, fused_s = [], float("nan")
         ours_s, bound_s = statistics.median(t_ours), statistics.median(t_bound)
-        fused_s = statistics.median(t_fused)
         rate, bound_rate, fused_rate = mparams(n, ours_s), mparams(n, bound_s), mparams(n, fused_s)
         fused_name = "torch fused=True (fp32 state)" + (" + copy_ to bf16" if copy else "")
         entry = {"seconds": ours_s, "mparams_per_s": rate, "bound_seconds": bound_s,
@@ -252,14 +268,31 @@ def main():
                  "vs_alternated_baseline": rate / fused_rate,
                  "ours_all": t_ours, "bound_all": t_bound, "baseline_all": t_fused}
         results["variants"][name] = entry
+        versus_torch = (f"  | {fused_name} {fused_rate:7.1f}: x{rate / fused_rate:4.2f}"
+                        if fused is not None else "")
         print(f"{name:34s} {rate:9.1f} Mparams/s  bound {bound_rate:7.1f} "
-              f"({entry['bound_gb_per_s']:.1f} GB/s)  ours/bound {rate / bound_rate:5.3f}  "
-              f"| {fused_name} {fused_rate:7.1f}: x{rate / fused_rate:4.2f}")
+              f"({entry['bound_gb_per_s']:.1f} GB/s)  ours/bound {rate / bound_rate:5.3f}"
+              + versus_torch)
+        if args.lowp_simd:
+            paths = results["lowp_simd_paths"].setdefault(name, {})
+            for level in K.supported_simd():
+                K.set_simd(level)
+                try:
+                    t_ours, t_bound = alternate([ours_lowp, bound_lowp], max(3, reps // 2))
+                finally:
+                    K.set_simd(None)
+                rate = mparams(n, statistics.median(t_ours))
+                bound_rate = mparams(n, statistics.median(t_bound))
+                paths[level] = {"mparams_per_s": rate, "bound_mparams_per_s": bound_rate,
+                                "vs_bound": rate / bound_rate, "ours_all": t_ours,
+                                "bound_all": t_bound}
+                print(f"  simd {level:11s} {rate:9.1f} Mparams/s  bound {bound_rate:7.1f}  "
+                      f"ours/bound {rate / bound_rate:5.3f}")
         del t, kw
     del fused
 
     # Per SIMD path (fp32 grads, no copy), each against the bound on the same path.
-    for level in K.supported_simd():
+    for level in (K.supported_simd() if args.only is None else []):
         K.set_simd(level)
         try:
             t_ours, t_bound = alternate([ours("grad", False), bound("grad", False)],
@@ -274,7 +307,7 @@ def main():
               f"ours/bound {rate / bound_rate:5.3f}")
 
     # Per chunk size: the same total, updated chunk by chunk (one call per chunk).
-    for size in chunk_sizes:
+    for size in (chunk_sizes if args.only is None else []):
         total = (chunk_total // size) * size
         chunks = [{k: v[i:i + size] for k, v in base.items()} for i in range(0, total, size)]
 
