@@ -412,6 +412,11 @@ int64_t DequantizeGroupsVbmi(const QuantizationTables& t, const uint8_t* codes, 
   return j;
 }
 
+// WidenBf16's permute: word 2 k + 1 of the result is bf16 k (word 2 k is zeroed by the mask).
+alignas(64) constexpr uint16_t kWidenBf16[32] = {0, 0, 0, 1,  0, 2,  0, 3,  0, 4,  0, 5,  0, 6,
+                                                 0, 7, 0, 8,  0, 9,  0, 10, 0, 11, 0, 12, 0, 13,
+                                                 0, 14, 0, 15};
+
 struct Ops {
   using V = __m512;
   static constexpr int kWidth = 16;
@@ -422,9 +427,13 @@ struct Ops {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
   static PS_INLINE V LoadBf16(const uint16_t* p) {
-    const __m512i wide =
-        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+    return WidenBf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  // 16 bf16 -> 16 floats by one word permute into the high halves, zeroing the low ones: one
+  // vector operation where the widening and a shift are two.
+  static PS_INLINE V WidenBf16(__m256i halves) {
+    return _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(
+        0xaaaaaaaa, _mm512_load_si512(kWidenBf16), _mm512_castsi256_si512(halves)));
   }
   static PS_INLINE void StoreHalf(uint16_t* p, V x) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
@@ -608,7 +617,7 @@ struct Ops : avx512_path::Ops {
     __m256i halves;
     std::memcpy(&halves, &converted, sizeof(halves));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), halves);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
+    return WidenBf16(halves);
   }
 };
 
