@@ -35,7 +35,6 @@ class Fnv1a {
   uint64_t hash_ = 14695981039346656037ull;
 };
 
-
 // Note [Scale lists mirror their moments]
 // The blockwise scales of 8-bit optimizer state (kMomentumScale, kVarianceScale) must sit on the
 // rank that owns the moments they scale, and a rank owns chunk c of every list when c is its
@@ -54,12 +53,10 @@ std::optional<ChunkKind> MirroredKind(ChunkKind kind) {
 absl::Status PlanMirroredList(absl::Span<const TensorSpec> specs, const PlannedList& moments,
                               PlannedList& list) {
   std::vector<int64_t> scales;  // spec indices of this kind, in registration order
-  for (int64_t i = 0; i < static_cast<int64_t>(specs.size()); ++i) {
-    if (specs[i].kind == list.kind) scales.push_back(i);
-  }
   std::vector<int64_t> moment_ordinal(specs.size(), -1);
   int64_t moment_count = 0;
   for (int64_t i = 0; i < static_cast<int64_t>(specs.size()); ++i) {
+    if (specs[i].kind == list.kind) scales.push_back(i);
     if (specs[i].kind == moments.kind) moment_ordinal[i] = moment_count++;
   }
   if (static_cast<int64_t>(scales.size()) != moment_count) {
@@ -184,11 +181,13 @@ absl::StatusOr<LayoutPlan> PlanLayout(absl::Span<const TensorSpec> specs, int64_
     }
     if (first_of_kind < 0) continue;
     if (const std::optional<ChunkKind> moment_kind = MirroredKind(kind)) {
-      const auto moments = std::find_if(plan.lists.begin(), plan.lists.end(),
-                                        [&](const PlannedList& l) { return l.kind == *moment_kind; });
+      const auto moments =
+          std::find_if(plan.lists.begin(), plan.lists.end(),
+                       [&](const PlannedList& planned) { return planned.kind == *moment_kind; });
       if (moments == plan.lists.end()) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            ChunkKindName(kind), " tensors need ", ChunkKindName(*moment_kind), " tensors to scale"));
+        return absl::InvalidArgumentError(absl::StrCat(ChunkKindName(kind), " tensors need ",
+                                                       ChunkKindName(*moment_kind),
+                                                       " tensors to scale"));
       }
       PS_RETURN_IF_ERROR(PlanMirroredList(specs, *moments, list));
     }

@@ -66,8 +66,8 @@ _SLOT_OF_KIND = {K.COMPUTE_PARAM: "compute", K.MASTER_PARAM: "master",
                  K.MOMENTUM: "momentum", K.VARIANCE: "variance",
                  K.MOMENTUM_SCALE: "momentum_scale", K.VARIANCE_SCALE: "variance_scale"}
 
-# Elements per fp32 scale of 8-bit optimizer state (the paper's block size).
-QUANTIZATION_BLOCK = 2048
+# Elements per fp32 scale of 8-bit optimizer state: the kernels' block (kernels/quantization.h).
+QUANTIZATION_BLOCK = _C.kernels.QUANTIZATION_BLOCK
 
 
 def scale_count(numel: int) -> int:
@@ -145,7 +145,6 @@ class ChunkedParams:
         self.precision = precision
         self.mixed = precision != "fp32"
         self.compute_dtype = dtypes.precision_dtype(precision)
-        self.state_dtype = state_dtype
         self.dtype_names = chunk_dtypes(precision, accumulation_steps, state_dtype,
                                         master_weights)
         self.grad_dtype = dtypes.dtype_of(self.dtype_names["grad"])

@@ -61,8 +61,9 @@ class OptimizerConfig:
     eps: float = 1e-8
     weight_decay: float = 0.0
     use_hybrid_adam: bool = True
-    # Storage of Adam's two moments (issue 21): "fp32", or "bf16" (half the bytes; the update
-    # runs in fp32 and rounds the moments to nearest on store, kernels/adam.h).
+    # Storage of Adam's two moments (issue 21): "fp32", "bf16" (half the bytes; the update runs
+    # in fp32 and rounds the moments to nearest on store, kernels/adam.h) or "int8" (blockwise
+    # 8-bit codes with fp32 scales, moment_state.py).
     state_dtype: str = "fp32"
 
     @property
@@ -285,8 +286,7 @@ def _parse_optimizer(raw: Any) -> OptimizerConfig:
     state_dtype = params.get("state_dtype", defaults.state_dtype)
     if state_dtype not in ("fp32", "bf16", "int8"):
         raise ValueError(f"config key 'optimizer.params.state_dtype': expected 'fp32', 'bf16' "
-                         f"or 'int8', "
-                         f"got {state_dtype!r}")
+                         f"or 'int8', got {state_dtype!r}")
     if params.get("bias_correction", True) is not True:
         raise ValueError("config key 'optimizer.params.bias_correction': only true is "
                          "supported (as torch.optim.Adam)")

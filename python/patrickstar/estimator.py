@@ -72,17 +72,16 @@ def _layout_bytes(specs, precision: str, accumulation_steps: int,
         chunk_size)
     by_kind = {kind: 0 for kind in _KINDS}
     largest_chunk = {kind: 0 for kind in _KINDS}
-    scale_chunks = {}
+    largest_folded = {kind: 0 for kind in _KINDS}
     for chunk in json.loads(manager.layout_json())["chunks"]:
-        chunk_kind_ = chunk_kind(chunk["kind"])
-        if chunk_kind_ in _FOLDED_LABELS:
-            by_kind[_FOLDED_LABELS[chunk_kind_]] += chunk["bytes"]
-            scale_chunks[_FOLDED_LABELS[chunk_kind_]] = chunk["bytes"]
-            continue
-        kind = _LABELS[chunk_kind_]
+        kind_of_chunk = chunk_kind(chunk["kind"])
+        folded = kind_of_chunk in _FOLDED_LABELS
+        kind = _FOLDED_LABELS[kind_of_chunk] if folded else _LABELS[kind_of_chunk]
+        largest = largest_folded if folded else largest_chunk
         by_kind[kind] += chunk["bytes"]
-        largest_chunk[kind] = max(largest_chunk[kind], chunk["bytes"])
-    for kind, nbytes in scale_chunks.items():  # a moment chunk moves with its scale chunk
+        largest[kind] = max(largest[kind], chunk["bytes"])
+    # A moment chunk moves with its scale chunk; a compensation chunk stands in for a master.
+    for kind, nbytes in largest_folded.items():
         largest_chunk[kind] += nbytes
     return {"by_kind": by_kind, "largest_chunk": largest_chunk,
             "chunk_elements": layout["chunk_elements"], "wasted_bytes": layout["wasted_bytes"]}

@@ -108,19 +108,8 @@ def test_no_master_chunks_and_estimate_memory_agrees():
 
 
 def test_a_checkpoint_without_master_restores_the_same_training(tmp_path):
-    data = batches(12)
-    model, optimizer = patrickstar.initialize(make_model, config=config(False))
-    uninterrupted = train(model, optimizer, data)
-    model.destroy()
-    model, optimizer = patrickstar.initialize(make_model, config=config(False))
-    first = train(model, optimizer, data[:6])
-    model.save_checkpoint(str(tmp_path))
-    model.destroy()
-    model, optimizer = patrickstar.initialize(make_model, config=config(False))
-    model.load_checkpoint(str(tmp_path))
-    second = train(model, optimizer, data[6:])
-    model.destroy()
-    assert first + second == uninterrupted
+    state_dtype_tests.check_exact_resume(tmp_path, make_model, config(False), batches(12),
+                                         input_dtype=torch.bfloat16)
 
 
 def test_checkpoints_load_between_master_and_no_master(tmp_path):
