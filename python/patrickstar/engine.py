@@ -126,6 +126,7 @@ class PatrickStarEngine(nn.Module):
         self.guard = TrainingGuard(config)  # Note [Training call order] in guards.py
         self.micro_step = 0
         self.iteration = 0
+        self._in_backward = False  # Note [loss.backward()]
         self._warmup_done = False
 
         # Before the model is built: tensor-parallel layers size their slices by the groups.
@@ -302,6 +303,7 @@ class PatrickStarEngine(nn.Module):
     def _access_module(self, module: nn.Module, phase: str) -> None:
         indices = self._module_params.get(module)
         if indices:
+            self._join_autograd_backward()
             self._slots.access(indices)
 
     def _release_module(self, module: nn.Module, phase: str) -> None:
@@ -337,6 +339,7 @@ class PatrickStarEngine(nn.Module):
         if self._slots.access_count(packed.index) == 0:
             # No hook accessed it for this backward (a parameter used outside its module's
             # forward); backward() releases it when it ends.
+            self._join_autograd_backward()
             self._slots.access([packed.index])
         data = self.params.params[packed.index].data
         return data.as_strided(packed.size, packed.stride, data.storage_offset() + packed.offset)
@@ -391,6 +394,9 @@ class PatrickStarEngine(nn.Module):
 
     def forward(self, *args, **kwargs):
         self.guard.check_alive("model(...)")
+        if self._in_backward:  # a loss.backward() that raised before its end
+            self._in_backward = False
+            self._release_all(S.HOLD_AFTER_BWD)
         self.dp.before_forward()
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack_saved, self._unpack_saved):
@@ -425,16 +431,55 @@ class PatrickStarEngine(nn.Module):
         self._run_backward(tensors, grads)
 
     def _run_backward(self, tensors, grads) -> None:
+        self._in_backward = True
         self.dp.before_backward()
         try:
             if tensors:
                 torch.autograd.backward(tensors, grads)
         finally:
+            self._in_backward = False
             # Modules whose inputs need no grad never see their post-backward hook.
             self._release_all(S.HOLD_AFTER_BWD)
+        self._end_backward()
+
+    def _end_backward(self) -> None:
         self.guard.after_backward()
         self.dp.after_backward()
         self.micro_step += 1
+
+    # Note [loss.backward()]
+    # PyTorch users write `loss.backward()`; DeepSpeed's and upstream PatrickStar's users write
+    # `model.backward(loss)`. Both work. A backward the user started through autograd is noticed
+    # at the engine's first parameter access inside an autograd graph task (a module's
+    # pre-backward hook, the recomputation of a checkpointed block, or a saved parameter
+    # unpacked): that access runs what model.backward() runs before autograd (the call-order
+    # checks, the data-parallel backward schedule) and queues the end of model.backward()
+    # (release, count, the last reduce-scatters) as an autograd callback, which runs when the
+    # graph task finishes, still inside loss.backward(). What loss.backward() cannot do:
+    #  * scale the loss. fp16 needs the loss scale before autograd runs, so it raises, naming
+    #    model.backward(loss); with gradient_accumulation_steps the user divides the loss, as
+    #    in a PyTorch accumulation loop (model.backward divides by itself).
+    #  * check the loss for NaN/inf before the backward (config nonfinite_loss): there is no
+    #    loss to look at. Non-finite gradients are then the user's, as in PyTorch.
+    # A loss.backward() that raised before its end leaves no callback; the next forward
+    # releases what it held.
+    def _join_autograd_backward(self) -> None:
+        if self._in_backward or torch._C._current_graph_task_id() == -1:
+            return
+        if self.precision == "fp16":
+            raise RuntimeError(
+                "loss.backward() in fp16 training: call model.backward(loss) instead, which "
+                "applies the dynamic loss scale (without it small fp16 gradients underflow to "
+                "zero)")
+        self.guard.before_autograd_backward()
+        self._in_backward = True
+        self.dp.before_backward()
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_autograd_backward)
+
+    def _end_autograd_backward(self) -> None:
+        self._in_backward = False
+        self._release_all(S.HOLD_AFTER_BWD)
+        self._end_backward()
 
     def _make_grad_hook(self, index: int):
         engine = weakref.ref(self)  # C++ holds the parameter too: Note [Engine lifetime]

@@ -2,8 +2,8 @@
 
 Note [Training call order]
 The engine expects, per optimizer step, exactly `gradient_accumulation_steps` calls of
-`model.backward(loss)` followed by one `optimizer.step()` (and `zero_grad()`), as a DeepSpeed
-user writes it. `TrainingGuard` counts backward calls since the last step:
+`model.backward(loss)` (or `loss.backward()`, Note [loss.backward()] in engine.py) followed by
+one `optimizer.step()` (and `zero_grad()`), as a DeepSpeed user writes it. `TrainingGuard` counts backward calls since the last step:
   * `step()` with no backward since the last step is an error (there are no gradients; a
     silent no-op would hide a broken loop), and so is `step()` after fewer backward calls than
     `gradient_accumulation_steps` (the loss was divided by that number, so the update would be
@@ -76,14 +76,7 @@ class TrainingGuard:
         `nonfinite_ranks(flag)` (data parallelism: a collective) returns the ranks whose loss
         is non-finite, so every rank decides the same: a rank that skipped its backward alone
         would miss the others' reduce-scatters and hang them."""
-        self.check_alive("model.backward()")
-        if self.backwards >= self.accumulation:
-            raise RuntimeError(
-                f"model.backward() called {self.backwards + 1} times since the last "
-                f"optimizer.step(), but gradient_accumulation_steps is {self.accumulation}: "
-                f"call optimizer.step() and optimizer.zero_grad() after every "
-                f"{self.accumulation} backward() call(s), or raise "
-                f"gradient_accumulation_steps")
+        self.before_autograd_backward("model.backward()")
         if precision == "fp16":  # the loss scaler handles overflow
             return True
         bad = not bool(torch.isfinite(loss.detach()).all())
@@ -102,6 +95,18 @@ class TrainingGuard:
             return False
         return True
 
+    def before_autograd_backward(self, what: str = "loss.backward()") -> None:
+        """The checks of every backward, also one the user started with `loss.backward()`
+        (Note [loss.backward()] in engine.py), which has no loss to check."""
+        self.check_alive(what)
+        if self.backwards >= self.accumulation:
+            raise RuntimeError(
+                f"{what} called {self.backwards + 1} times since the last "
+                f"optimizer.step(), but gradient_accumulation_steps is {self.accumulation}: "
+                f"call optimizer.step() and optimizer.zero_grad() after every "
+                f"{self.accumulation} backward() call(s), or raise "
+                f"gradient_accumulation_steps")
+
     def after_backward(self) -> None:
         self.backwards += 1
 
@@ -109,8 +114,8 @@ class TrainingGuard:
         """False when the step must be skipped (a skipped non-finite loss in it)."""
         self.check_alive("optimizer.step()")
         if self.backwards == 0:
-            raise RuntimeError("optimizer.step() called before model.backward(loss): there are "
-                               "no gradients for this step (call model.backward() first)")
+            raise RuntimeError("optimizer.step() called before model.backward(loss) (or "
+                               "loss.backward()): there are no gradients for this step")
         if self.backwards < self.accumulation:
             raise RuntimeError(
                 f"optimizer.step() after {self.backwards} of {self.accumulation} backward() "

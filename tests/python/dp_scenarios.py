@@ -127,6 +127,9 @@ class Scenario:
     accumulation: int = 1
     atol: float = 1e-6
     state_dtype: str = "fp32"  # optimizer.params.state_dtype
+    # The worker calls (loss / accumulation).backward(), as a PyTorch loop does, instead of
+    # model.backward(loss) (Note [loss.backward()] in engine.py).
+    autograd_backward: bool = False
 
 
 class BlockStack(nn.Module):
@@ -277,6 +280,13 @@ SCENARIOS["embedding_oversize_bf16"] = Scenario(
 # elements: inp fills a chunk exactly, the 64 x 64 weights are oversize (padded groups).
 SCENARIOS["reused_recomputed"] = Scenario(ReusedAndRecomputed, mlp_batches,
                                           {"default_chunk_size": 2112}, steps=4)
+# loss.backward() instead of model.backward(loss): with sharded accumulation and clipping
+# (collectives at the end of backward, from the autograd callback), and with a module called
+# twice plus checkpoint recomputation (the first access inside backward is a recomputed forward).
+SCENARIOS["mlp_loss_backward"] = dataclasses.replace(SCENARIOS["mlp_accumulation_clipping"],
+                                                     autograd_backward=True)
+SCENARIOS["reused_recomputed_loss_backward"] = dataclasses.replace(
+    SCENARIOS["reused_recomputed"], autograd_backward=True)
 # The reproducer at its size: Linear(256, 256) in a 2^16-element chunk.
 SCENARIOS["boundary_65536"] = Scenario(lambda: MLP((256, 256, 10)), wide_batches(256),
                                        {"default_chunk_size": 65536}, steps=3)

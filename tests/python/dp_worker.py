@@ -38,7 +38,10 @@ def train(name: str, rank: int, world: int) -> dict:
     losses = []
     for step, batch in enumerate(s.batches(s.steps * s.accumulation)):
         loss = model(*shard(batch, rank, world))
-        model.backward(loss)
+        if s.autograd_backward:
+            (loss / s.accumulation).backward()
+        else:
+            model.backward(loss)
         losses.append(loss.item())
         if (step + 1) % s.accumulation == 0:
             optimizer.step()

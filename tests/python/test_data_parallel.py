@@ -87,7 +87,7 @@ TWO_RANK_SCENARIOS = ["mlp", "mlp_process_group", "mlp_tight", "mlp_accumulation
                       "blocks_accumulation_full", "branch", "branch_unused",
                       "branch_accumulation", "gpt_bf16", "mlp_fp16", "mlp_fp16_accumulation",
                       "gpt_bf16_accumulation", "mlp_bf16_state", "mlp_int8_state", "mlp_bf16_no_master",
-                      "mlp_frozen"]
+                      "mlp_frozen", "mlp_loss_backward"]
 
 
 @pytest.fixture(scope="module")
@@ -332,7 +332,8 @@ def test_rank_dependent_control_flow_neither_deadlocks_nor_diverges(two_ranks):
 
 
 BOUNDARY_SCENARIOS = [f"boundary_{chunk}" for chunk in BOUNDARY_CHUNKS] + ["boundary_65536"]
-OVERSIZE_SCENARIOS = ["embedding_oversize", "embedding_oversize_bf16", "reused_recomputed"]
+OVERSIZE_SCENARIOS = ["embedding_oversize", "embedding_oversize_bf16", "reused_recomputed",
+                      "reused_recomputed_loss_backward"]
 
 
 @pytest.fixture(scope="module")
@@ -371,6 +372,19 @@ def test_tensors_larger_than_the_chunk_train_as_on_one_rank(boundary_runs):
 def test_modules_called_twice_and_recomputation_match_pytorch(boundary_runs):
     check_matches_reference(boundary_runs, "reused_recomputed")
     assert boundary_runs[0]["reused_recomputed"]["compute_groups"] > 2
+
+
+@pytest.mark.parametrize("runs, name, same_as", [
+    ("two_ranks", "mlp_loss_backward", "mlp_accumulation_clipping"),
+    ("boundary_runs", "reused_recomputed_loss_backward", "reused_recomputed")])
+def test_loss_backward_trains_as_model_backward(request, runs, name, same_as):
+    # (loss / accumulation).backward() on every rank: the same collectives, the same bits.
+    results = request.getfixturevalue(runs)
+    check_matches_reference(results, name)
+    for result in results:
+        assert result[name]["losses"] == result[same_as]["losses"]
+        for key, tensor in result[same_as]["state"].items():
+            torch.testing.assert_close(result[name]["state"][key], tensor, rtol=0, atol=0)
 
 
 def test_per_rank_chunk_memory_is_about_one_over_n(two_ranks, tmp_path):

@@ -1,0 +1,169 @@
+"""`loss.backward()` as a PyTorch loop writes it, next to `model.backward(loss)` (Note
+[loss.backward()] in engine.py). The two-rank runs are in test_data_parallel.py."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import patrickstar
+from test_initialize import MLP
+
+
+def batches(steps, batch=8, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return [(torch.randn(batch, 32, generator=generator),
+             torch.randint(0, 10, (batch,), generator=generator)) for _ in range(steps)]
+
+
+class Checkpointed(nn.Module):
+    """Every block recomputed in backward: the engine's first access inside loss.backward() is
+    a recomputed forward, not a pre-backward hook."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(32, 32) for _ in range(3))
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, x, y):
+        for block in self.blocks:
+            x = checkpoint(lambda t, b=block: torch.relu(b(t)), x, use_reentrant=False)
+        return nn.functional.cross_entropy(self.head(x), y)
+
+
+def train(model_func, config, data, autograd: bool, accumulation: int = 1):
+    config = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+              "default_chunk_size": 4096, "gradient_accumulation_steps": accumulation, **config}
+    torch.manual_seed(0)
+    model, optimizer = patrickstar.initialize(model_func, config=config)
+    losses = []
+    for step, (x, y) in enumerate(data):
+        loss = model(x.to(model.compute_dtype), y)
+        if autograd:
+            (loss / accumulation).backward()
+        else:
+            model.backward(loss)
+        losses.append(loss.item())
+        if (step + 1) % accumulation == 0:
+            optimizer.step()
+            optimizer.zero_grad()
+    return losses, model.state_dict()
+
+
+def assert_same(a, b):
+    assert a[0] == b[0]
+    for key, tensor in a[1].items():
+        torch.testing.assert_close(b[1][key], tensor, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("model_func, config, accumulation", [
+    (MLP, {}, 1),
+    (MLP, {"bf16": {"enabled": True}}, 2),
+    (MLP, {"bf16": {"enabled": True, "master_weights": False}}, 1),
+    (Checkpointed, {}, 2),
+])
+def test_loss_backward_trains_as_model_backward(model_func, config, accumulation):
+    data = batches(6)
+    assert_same(train(model_func, config, data, autograd=False, accumulation=accumulation),
+                train(model_func, config, data, autograd=True, accumulation=accumulation))
+
+
+def test_loss_backward_matches_pytorch():
+    data = batches(5)
+    torch.manual_seed(0)
+    reference = MLP()
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
+    ref_losses = []
+    for x, y in data:
+        loss = reference(x, y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        ref_losses.append(loss.item())
+    losses, state = train(MLP, {}, data, autograd=True)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    for key, tensor in reference.state_dict().items():
+        torch.testing.assert_close(state[key], tensor, rtol=1e-5, atol=1e-6)
+
+
+def test_hugging_face_gradient_checkpointing_with_loss_backward():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=2, n_positions=16)
+    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+
+    def run(autograd):
+        torch.manual_seed(0)
+        model, optimizer = patrickstar.initialize(
+            lambda: transformers.GPT2LMHeadModel(config),
+            config={"optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+                    "default_chunk_size": 16384})
+        model.gradient_checkpointing_enable()
+        losses = []
+        for _ in range(3):
+            loss = model(input_ids=tokens, labels=tokens).loss
+            loss.backward() if autograd else model.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        return losses, model.state_dict()
+
+    assert_same(run(False), run(True))
+
+
+def test_fp16_loss_backward_names_model_backward_and_changes_nothing():
+    config = {"optimizer": {"type": "Adam", "params": {"lr": 1e-3}}, "default_chunk_size": 4096,
+              "fp16": {"enabled": True}}
+    model, optimizer = patrickstar.initialize(MLP, config=config)
+    x, y = batches(1)[0]
+    before = model.state_dict()
+    with pytest.raises(RuntimeError, match=r"model\.backward\(loss\)"):
+        model(x.half(), y).backward()
+    for key, tensor in before.items():
+        torch.testing.assert_close(model.state_dict()[key], tensor, rtol=0, atol=0)
+    # The engine goes on with the supported call.
+    model.backward(model(x.half(), y))
+    optimizer.step()
+
+
+def test_call_order_errors_name_the_accumulation_steps():
+    model, optimizer = patrickstar.initialize(
+        MLP, config={"optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+                     "default_chunk_size": 4096, "gradient_accumulation_steps": 2})
+    x, y = batches(1)[0]
+    model(x, y).backward()
+    with pytest.raises(RuntimeError, match="1 of 2 backward"):
+        optimizer.step()
+    model(x, y).backward()
+    with pytest.raises(RuntimeError, match="gradient_accumulation_steps is 2"):
+        model(x, y).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    with pytest.raises(RuntimeError, match="before model.backward"):
+        optimizer.step()
+
+
+def test_a_loss_backward_that_raised_leaves_the_engine_usable():
+    data = batches(4)
+    model, optimizer = patrickstar.initialize(
+        MLP, config={"optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+                     "default_chunk_size": 4096})
+
+    def fail(grad):
+        raise ValueError("user hook failed")
+
+    x, y = data[0]
+    loss = model(x, y)
+    loss.register_hook(fail)
+    with pytest.raises(ValueError, match="user hook failed"):
+        loss.backward()
+    # A hook that fails halfway through the graph, after the engine joined the backward.
+    h = model.module.layers[0].register_full_backward_hook(lambda *args: fail(None))
+    with pytest.raises(ValueError, match="user hook failed"):
+        model(x, y).backward()
+    h.remove()
+    for x, y in data[1:]:
+        model(x, y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert model.memory_stats() is not None
