@@ -53,7 +53,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from . import _C, checkpoint, dtypes
+from . import _C, checkpoint, clip_grad, dtypes
 from .activations import ActivationCounter
 from .chunk_runtime import ChunkRuntime
 from .chunked_params import ChunkedParams
@@ -188,6 +188,8 @@ class PatrickStarEngine(nn.Module):
         upstream_profiler.engine_built(self)  # `from patrickstar.profiler import profiler`
         self.created_ns = time.monotonic_ns()
         global_timer.watch(self)  # upstream's data_move_cnter reports this engine's traffic
+        clip_grad.install()  # torch.nn.utils.clip_grad_norm_(model.parameters(), ...) works
+        clip_grad.register_engine(self, self.params.params)
         _live_engines.add(self)
 
     # ---- Construction --------------------------------------------------------------------------

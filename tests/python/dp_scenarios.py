@@ -130,6 +130,9 @@ class Scenario:
     # The worker calls (loss / accumulation).backward(), as a PyTorch loop does, instead of
     # model.backward(loss) (Note [loss.backward()] in engine.py).
     autograd_backward: bool = False
+    # torch.nn.utils.clip_grad_norm_(model.parameters(), clip) before each step instead of the
+    # config's gradient_clipping (Note [torch's clip_grad_norm_] in clip_grad.py).
+    torch_clip: bool = False
 
 
 class BlockStack(nn.Module):
@@ -280,11 +283,11 @@ SCENARIOS["embedding_oversize_bf16"] = Scenario(
 # elements: inp fills a chunk exactly, the 64 x 64 weights are oversize (padded groups).
 SCENARIOS["reused_recomputed"] = Scenario(ReusedAndRecomputed, mlp_batches,
                                           {"default_chunk_size": 2112}, steps=4)
-# loss.backward() instead of model.backward(loss): with sharded accumulation and clipping
-# (collectives at the end of backward, from the autograd callback), and with a module called
+# loss.backward() instead of model.backward(loss): with sharded accumulation and torch's
+# clip_grad_norm_ (collectives at the end of backward, from the autograd callback), and with a module called
 # twice plus checkpoint recomputation (the first access inside backward is a recomputed forward).
 SCENARIOS["mlp_loss_backward"] = dataclasses.replace(SCENARIOS["mlp_accumulation_clipping"],
-                                                     autograd_backward=True)
+                                                     autograd_backward=True, torch_clip=True)
 SCENARIOS["reused_recomputed_loss_backward"] = dataclasses.replace(
     SCENARIOS["reused_recomputed"], autograd_backward=True)
 # The reproducer at its size: Linear(256, 256) in a 2^16-element chunk.

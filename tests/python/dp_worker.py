@@ -30,7 +30,7 @@ def train(name: str, rank: int, world: int) -> dict:
     config["optimizer"] = {"type": s.optimizer,
                            "params": {"lr": s.lr, "weight_decay": s.weight_decay,
                                       "state_dtype": s.state_dtype}}
-    config["gradient_clipping"] = s.clip
+    config["gradient_clipping"] = 0.0 if s.torch_clip else s.clip
     config["gradient_accumulation_steps"] = s.accumulation
     torch.manual_seed(0)
     model, optimizer = patrickstar.initialize(s.model, config=config)
@@ -44,6 +44,8 @@ def train(name: str, rank: int, world: int) -> dict:
             model.backward(loss)
         losses.append(loss.item())
         if (step + 1) % s.accumulation == 0:
+            if s.torch_clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), s.clip)
             optimizer.step()
             optimizer.zero_grad()
     stats = model.memory_stats()  # after the step: gathered copies and remote grads dropped

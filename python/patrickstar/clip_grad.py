@@ -1,0 +1,91 @@
+"""`torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)` on an engine's parameters.
+
+Note [torch's clip_grad_norm_]
+nanoGPT, Hugging Face loops and most PyTorch recipes clip with torch's function. An engine's
+gradients live in chunks (`p.grad` is None; under data parallelism a rank holds only its
+shard), so torch's function would find no gradient, return 0 and clip nothing: a silent
+difference in training. `install()` (run by `initialize()`) wraps torch's function once: when
+the parameters given belong to an engine, the call becomes `model.clip_grad_norm_(max_norm)`
+(the norm over every rank's gradients, as torch reports it under DDP, and the clip applied by
+the coming `optimizer.step()`), provided they are all of that engine's trainable parameters
+(its norm is over all of them); a subset, or a mix with other modules' gradients, raises
+instead of clipping a different set than asked. Parameters of no engine go to torch's function
+untouched. The engine registers its parameters weakly, so the registry never keeps a model
+alive.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import weakref
+from typing import Iterable
+
+import torch
+
+__all__ = ["install", "register_engine"]
+
+# id(param) -> (weak param, weak engine). Not a WeakKeyDictionary: tensors compare by value.
+_OWNER: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+_TORCH_CLIP = torch.nn.utils.clip_grad_norm_
+
+
+def register_engine(engine, params: Iterable[torch.nn.Parameter]) -> None:
+    """Routes torch's clip_grad_norm_ over `params` to `engine.clip_grad_norm_`."""
+    owner = weakref.ref(engine)
+    for param in params:
+        key = id(param)
+
+        def forget(ref, key=key):
+            if key in _OWNER and _OWNER[key][0] is ref:
+                del _OWNER[key]
+        _OWNER[key] = (weakref.ref(param, forget), owner)
+
+
+@functools.wraps(_TORCH_CLIP)
+def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    engines = {id(e): e for e in (_engine_of(p) for p in params) if e is not None}
+    if not engines:
+        return _TORCH_CLIP(params, max_norm, norm_type, error_if_nonfinite, foreach)
+    if len(engines) > 1:
+        raise ValueError("torch.nn.utils.clip_grad_norm_: the parameters belong to "
+                         f"{len(engines)} PatrickStar engines; clip each model on its own "
+                         "(model.clip_grad_norm_(max_norm))")
+    engine = next(iter(engines.values()))
+    foreign = [p for p in params if _engine_of(p) is None and p.grad is not None]
+    if foreign:
+        raise ValueError(
+            f"torch.nn.utils.clip_grad_norm_: {len(foreign)} of the parameters given have "
+            f"gradients outside the PatrickStar engine (shapes "
+            f"{[tuple(p.shape) for p in foreign[:3]]}); their norm cannot be combined with the "
+            f"engine's chunked gradients. Clip the engine with model.clip_grad_norm_(max_norm) "
+            f"and the others separately")
+    given = {id(p) for p in params}
+    missing = [name for name, p in zip(engine.params.names, engine.params.params)
+               if p.requires_grad and id(p) not in given]
+    if missing:
+        raise ValueError(
+            f"torch.nn.utils.clip_grad_norm_: {len(missing)} trainable parameters of the "
+            f"PatrickStar engine are not among those given (e.g. {missing[:3]}); the engine "
+            f"clips by the norm of all its gradients: pass model.parameters() or call "
+            f"model.clip_grad_norm_(max_norm)")
+    norm = engine.clip_grad_norm_(float(max_norm), float(norm_type))
+    if error_if_nonfinite and not math.isfinite(float(norm)):
+        raise RuntimeError(f"The total norm of order {float(norm_type)} for gradients from "
+                           "`parameters` is non-finite, so it cannot be clipped. To disable this "
+                           "error and scale the gradients by the non-finite norm anyway, set "
+                           "`error_if_nonfinite=False`")
+    return norm
+
+
+def _engine_of(param):
+    entry = _OWNER.get(id(param))
+    if entry is None or entry[0]() is not param:
+        return None
+    return entry[1]()
+
+
+def install() -> None:
+    """Puts the wrapper where torch's callers look it up (idempotent)."""
+    torch.nn.utils.clip_grad_norm_ = clip_grad_norm_
+    torch.nn.utils.clip_grad.clip_grad_norm_ = clip_grad_norm_

@@ -1,0 +1,100 @@
+"""torch.nn.utils.clip_grad_norm_ over an engine's parameters (Note [torch's clip_grad_norm_] in
+clip_grad.py); the two-rank run is test_data_parallel.py's mlp_loss_backward."""
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+import patrickstar
+from test_initialize import MLP
+
+CONFIG = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+          "default_chunk_size": 4096}
+
+
+def batches(steps, batch=8, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return [(torch.randn(batch, 32, generator=generator) * 4,
+             torch.randint(0, 10, (batch,), generator=generator)) for _ in range(steps)]
+
+
+def test_nanogpt_loop_clips_as_pytorch_does():
+    data = batches(6)
+    torch.manual_seed(0)
+    reference = MLP()
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
+    ref_norms = []
+    for x, y in data:
+        reference(x, y).backward()
+        ref_norms.append(torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5).item())
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    torch.manual_seed(0)
+    model, optimizer = patrickstar.initialize(MLP, config=CONFIG)
+    norms = []
+    for x, y in data:
+        model(x, y).backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5).item())
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    assert min(ref_norms) > 0.5  # every step clipped
+    torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5, atol=0)
+    state = model.state_dict()
+    for key, tensor in reference.state_dict().items():
+        torch.testing.assert_close(state[key], tensor, rtol=1e-5, atol=1e-6)
+
+
+def test_imported_name_and_model_module_parameters_work_too():
+    model, optimizer = patrickstar.initialize(MLP, config=CONFIG)
+    from torch.nn.utils import clip_grad_norm_  # looked up after initialize()
+    x, y = batches(1)[0]
+    model.backward(model(x, y))
+    expected = model.clip_grad_norm_(1e9).item()
+    assert clip_grad_norm_(model.module.parameters(), 1e9).item() == expected
+    assert expected > 0
+    optimizer.step()
+
+
+def test_a_subset_or_foreign_gradients_raise_naming_the_engine_call():
+    model, optimizer = patrickstar.initialize(MLP, config=CONFIG)
+    x, y = batches(1)[0]
+    model.backward(model(x, y))
+    with pytest.raises(ValueError, match=r"not among those given \(e\.g\. \['layers\.1"):
+        torch.nn.utils.clip_grad_norm_(model.module.layers[0].parameters(), 1.0)
+    other = nn.Linear(3, 3)
+    other(torch.randn(2, 3)).sum().backward()
+    with pytest.raises(ValueError, match=r"outside the PatrickStar engine \(shapes \[\(3, 3\)"):
+        torch.nn.utils.clip_grad_norm_([*model.parameters(), *other.parameters()], 1.0)
+    with pytest.raises(ValueError, match="norm_type 1.0 is not supported"):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, norm_type=1.0)
+    # Modules outside any engine keep torch's own function.
+    plain = torch.nn.utils.clip_grad_norm_(other.parameters(), 1e9)
+    expected = torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in other.parameters()]))
+    torch.testing.assert_close(plain, expected)
+    optimizer.step()
+
+
+def test_nonfinite_norm_raises_when_asked():
+    model, optimizer = patrickstar.initialize(MLP, config={**CONFIG, "nonfinite_loss": "skip"})
+    x, y = batches(1)[0]
+    x[0, 0] = float("inf")
+    model(x, y).backward()  # loss.backward() does not check the loss
+    with pytest.raises(RuntimeError, match="non-finite"):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, error_if_nonfinite=True)
+    assert not torch.isfinite(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
+
+
+def test_the_registry_does_not_keep_an_engine_alive():
+    model, optimizer = patrickstar.initialize(MLP, config=CONFIG)
+    params = list(model.parameters())
+    alive = weakref.ref(model)
+    del model, optimizer
+    gc.collect()
+    assert alive() is None
+    # Its parameters, still referenced here, are plain parameters again for torch.
+    assert torch.nn.utils.clip_grad_norm_(params, 1.0).item() == 0.0
