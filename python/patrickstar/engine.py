@@ -62,6 +62,7 @@ from .data_parallel import DataParallel, detect_world
 from .guards import TrainingGuard, check_budgets
 from .external_params import external_parameter_hint, external_parameters
 from .hooks import ModuleHooks
+from .module_state_hooks import ModuleStateHooks
 from .init_context import InitResidency, ParameterPlacer, plan_parameters
 from .loss_scaler import make_loss_scaler
 from .optimizer import PatrickStarOptimizer, build_param_groups
@@ -189,6 +190,8 @@ class PatrickStarEngine(nn.Module):
         self.created_ns = time.monotonic_ns()
         global_timer.watch(self)  # upstream's data_move_cnter reports this engine's traffic
         clip_grad.install()  # torch.nn.utils.clip_grad_norm_(model.parameters(), ...) works
+        self._state_hooks = ModuleStateHooks(  # Note [The user's module's state dict]
+            [m for m, owned in self._module_params.items() if owned], self)
         clip_grad.register_engine(self, self.params.params)
         _live_engines.add(self)
 
@@ -562,15 +565,27 @@ class PatrickStarEngine(nn.Module):
                                      f"in the state dict but {tuple(shape)} in the model")
                 if index is None:
                     value.copy_(source)
-                    continue
-                for kind in (K.COMPUTE_PARAM, K.MASTER_PARAM, K.PARAM_COMPENSATION):
-                    tensor_id = self.params.tensor_id(index, kind)
-                    if tensor_id is None or not self.dp.owns(self.chunks.manager, tensor_id):
-                        continue  # data parallel: the owner loads it
-                    # New weights carry no rounding error of earlier updates.
-                    self.params.write(index, kind, torch.zeros_like(source)
-                                      if kind == K.PARAM_COMPENSATION else source)
+                else:
+                    self.load_parameter(index, source)
         return nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+    def load_parameter(self, index: int, source: torch.Tensor) -> None:
+        """New weights for parameter `index` (its shape, any float dtype)."""
+        self.guard.check_alive("load_state_dict()")
+        with torch.no_grad():
+            for kind in (K.COMPUTE_PARAM, K.MASTER_PARAM, K.PARAM_COMPENSATION):
+                tensor_id = self.params.tensor_id(index, kind)
+                if tensor_id is None or not self.dp.owns(self.chunks.manager, tensor_id):
+                    continue  # data parallel: the owner loads it
+                # New weights carry no rounding error of earlier updates.
+                self.params.write(index, kind, torch.zeros_like(source)
+                                  if kind == K.PARAM_COMPENSATION else source)
+
+    def read_parameter(self, index: int) -> torch.Tensor:
+        """Parameter `index` in the compute dtype (a collective under data parallelism)."""
+        self.guard.check_alive("state_dict()")
+        self.dp.gather_all()
+        return self.params.read(index, K.COMPUTE_PARAM)
 
     # ---- Checkpoints (logic in checkpoint/) -------------------------------------------------
 

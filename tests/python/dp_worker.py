@@ -49,8 +49,12 @@ def train(name: str, rank: int, world: int) -> dict:
             optimizer.step()
             optimizer.zero_grad()
     stats = model.memory_stats()  # after the step: gathered copies and remote grads dropped
-    result = {"losses": losses, "state": model.state_dict(), "stats": stats,
-              "peak_model_bytes": model.peak_model_bytes}
+    state = model.state_dict()
+    module_state = model.module.state_dict()  # Note [The user's module's state dict]
+    result = {"losses": losses, "state": state, "stats": stats,
+              "peak_model_bytes": model.peak_model_bytes,
+              "module_state_matches": list(module_state) == list(state) and all(
+                  torch.equal(module_state[k], v) for k, v in state.items())}
     if world > 1:
         result.update(collectives=model.dp.collectives_issued,
                       reshard=model.dp.reshard,

@@ -387,6 +387,13 @@ def test_loss_backward_trains_as_model_backward(request, runs, name, same_as):
             torch.testing.assert_close(result[name]["state"][key], tensor, rtol=0, atol=0)
 
 
+def test_the_users_module_state_dict_is_the_gathered_model(two_ranks):
+    # model.module.state_dict() as a DDP user saves it: real, gathered values on every rank.
+    for result in two_ranks:
+        for name in TWO_RANK_SCENARIOS:
+            assert result[name]["module_state_matches"], name
+
+
 def test_per_rank_chunk_memory_is_about_one_over_n(two_ranks, tmp_path):
     single = launch(tmp_path, 1, "gpt")
     check_no_errors(single)

@@ -1,0 +1,91 @@
+"""The state_dict() / load_state_dict() of the user's own module and its submodules.
+
+Note [The user's module's state dict]
+Between uses an engine's parameters hold empty placeholders (Note [Parameter data swapping]),
+so the user's module, reached as `model.module` or through the engine's attribute forwarding,
+would save empty tensors: `model.module.state_dict()` as a DDP user writes it, and Hugging
+Face's `model.save_pretrained(dir)`, which wrote a checkpoint of zero-size weights without a
+word. Loading into it failed with size mismatches against the placeholders. Hooks on every
+module that owns parameters fix both:
+  * its state_dict carries each parameter's real value, read out of the chunks (the compute
+    dtype, as `model.state_dict()`; under data parallelism the groups are gathered first, a
+    collective, so every rank calls it, as with `model.state_dict()`). With keep_vars=True the
+    entries stay the Parameter objects (the engine's own state_dict builds on that).
+  * its load_state_dict writes each parameter present into the chunks (the engine's
+    `load_parameter`: compute copy, master, compensation zeroed) and hands torch an empty
+    tensor in its place, so torch's copy into the placeholder is a no-op and its missing- and
+    unexpected-key accounting is unchanged. A shape that differs from the real one is reported
+    in torch's own words with the real shape; `assign=True` cannot replace a chunked parameter
+    and says so.
+"""
+from __future__ import annotations
+
+import functools
+import weakref
+
+import torch
+from torch import nn
+
+__all__ = ["ModuleStateHooks"]
+
+
+class ModuleStateHooks:
+    def __init__(self, modules, engine):
+        """Hooks `modules` (those owning parameters) of `engine`, held weakly (Note [Engine
+        lifetime]): the engine's `params`, `read_parameter(index)` and
+        `load_parameter(index, tensor)` do the work."""
+        self._engine = weakref.ref(engine)
+        self._handles = []
+        # Partials, not bound methods: torch marks its hooks with an attribute.
+        after_state_dict = functools.partial(ModuleStateHooks._after_state_dict, self)
+        before_load = functools.partial(ModuleStateHooks._before_load_state_dict, self)
+        for module in modules:
+            self._handles.append(module.register_state_dict_post_hook(after_state_dict))
+            self._handles.append(module.register_load_state_dict_pre_hook(before_load))
+
+    def _live_engine(self):
+        engine = self._engine()
+        if engine is None:
+            raise RuntimeError("state_dict()/load_state_dict() of a module whose PatrickStar "
+                               "engine is gone: its parameters lived in the engine's chunks, "
+                               "which were freed with it")
+        return engine
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _chunked(self, engine, module: nn.Module, prefix: str):
+        for name, param in module.named_parameters(recurse=False):
+            index = engine.params.index_of(param)
+            if index is not None:
+                yield prefix + name, param, index
+
+    def _after_state_dict(self, module, state_dict, prefix, local_metadata) -> None:
+        engine = self._live_engine()
+        for key, param, index in self._chunked(engine, module, prefix):
+            if key in state_dict and state_dict[key] is not param:  # not keep_vars
+                state_dict[key] = engine.read_parameter(index)
+
+    def _before_load_state_dict(self, module, state_dict, prefix, local_metadata, strict,
+                                missing_keys, unexpected_keys, error_msgs) -> None:
+        engine = self._live_engine()
+        for key, param, index in self._chunked(engine, module, prefix):
+            if key not in state_dict:
+                continue
+            source = state_dict[key]
+            shape = tuple(engine.params.shapes[index])
+            if local_metadata.get("assign_to_params_buffers", False):
+                error_msgs.append(f"load_state_dict(assign=True) cannot replace '{key}': its "
+                                  f"data lives in PatrickStar chunks; load without assign")
+                del state_dict[key]  # torch would put a new Parameter in the engine's place
+                continue
+            if not isinstance(source, torch.Tensor) or tuple(source.shape) != shape:
+                error_msgs.append(
+                    f"size mismatch for {key}: copying a param with shape "
+                    f"{tuple(getattr(source, 'shape', ()))} from checkpoint, the shape in "
+                    f"current model is {torch.Size(shape)}.")
+            else:
+                engine.load_parameter(index, source)
+            state_dict[key] = torch.empty(0, dtype=param.dtype)

@@ -1,0 +1,129 @@
+"""The user's module's own state_dict / load_state_dict (Note [The user's module's state dict]
+in module_state_hooks.py): model.module.state_dict(), Hugging Face's save_pretrained through
+the engine. The two-rank check is test_data_parallel.py's
+test_the_users_module_state_dict_is_the_gathered_model."""
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from torch import nn
+
+import patrickstar
+from test_initialize import MLP
+
+CONFIG = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "default_chunk_size": 4096}
+
+
+def trained(config=CONFIG, steps=3):
+    torch.manual_seed(0)
+    model, optimizer = patrickstar.initialize(MLP, config=config)
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        x = torch.randn(8, 32, generator=generator).to(model.compute_dtype)
+        model.backward(model(x, torch.randint(0, 10, (8,), generator=generator)))
+        optimizer.step()
+        optimizer.zero_grad()
+    return model, optimizer
+
+
+@pytest.mark.parametrize("config", [CONFIG, {**CONFIG, "bf16": {"enabled": True}}])
+def test_module_state_dict_holds_the_trained_values(config):
+    model, _ = trained(config)
+    expected = model.state_dict()
+    state = model.module.state_dict()
+    assert list(state) == list(expected)
+    for key, tensor in expected.items():
+        assert torch.equal(state[key], tensor), key
+    assert state["layers.0.weight"].shape == (64, 32)
+    # A submodule's own state dict, and keep_vars (the Parameter objects themselves).
+    layer = model.module.layers[1].state_dict()
+    assert torch.equal(layer["weight"], expected["layers.1.weight"])
+    kept = model.module.state_dict(keep_vars=True)
+    assert kept["layers.0.weight"] is model.module.layers[0].weight
+
+
+def test_module_load_state_dict_trains_as_the_engine_load():
+    source, _ = trained()
+    weights = source.state_dict()
+    results = []
+    for load in ("engine", "module"):
+        torch.manual_seed(5)
+        model, optimizer = patrickstar.initialize(MLP, config=CONFIG)
+        if load == "engine":
+            model.load_state_dict(weights)
+        else:
+            keys = model.module.load_state_dict(weights)
+            assert keys.missing_keys == [] and keys.unexpected_keys == []
+        x, y = torch.randn(8, 32), torch.randint(0, 10, (8,))
+        model.backward(model(x, y))
+        optimizer.step()
+        results.append(model.state_dict())
+    for key, tensor in results[0].items():
+        assert torch.equal(results[1][key], tensor), key
+    # Loaded, not the initial weights.
+    assert not torch.equal(results[0]["layers.0.weight"], trained(steps=0)[0].state_dict()[
+        "layers.0.weight"])
+
+
+def test_module_load_state_dict_errors_speak_torch_with_real_shapes():
+    model, _ = trained(steps=0)
+    before = model.state_dict()
+    weights = {k: v.clone() for k, v in before.items()}
+    del weights["layers.2.bias"]
+    keys = model.module.load_state_dict(weights, strict=False)
+    assert keys.missing_keys == ["layers.2.bias"]
+    with pytest.raises(RuntimeError, match=r'Missing key\(s\) in state_dict: "layers.2.bias"'):
+        model.module.load_state_dict(weights)
+    weights["layers.2.bias"] = torch.zeros(11)
+    with pytest.raises(RuntimeError, match=r"size mismatch for layers.2.bias: copying a param "
+                                           r"with shape \(11,\) from checkpoint, the shape in "
+                                           r"current model is torch.Size\(\[10\]\)"):
+        model.module.load_state_dict(weights)
+    weights["layers.2.bias"] = before["layers.2.bias"]
+    with pytest.raises(RuntimeError, match=r"assign=True\) cannot replace 'layers.0.weight'"):
+        model.module.load_state_dict(weights, assign=True)
+    # assign kept the engine's parameter objects.
+    assert model.module.layers[0].weight in set(model.parameters())
+    for key, tensor in model.state_dict().items():
+        assert torch.equal(tensor, before[key]), key
+
+
+def test_hugging_face_save_pretrained_writes_the_trained_weights(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=2, n_positions=16)
+    torch.manual_seed(0)
+    model, optimizer = patrickstar.initialize(
+        lambda: transformers.GPT2LMHeadModel(config),
+        config={"optimizer": {"type": "Adam", "params": {"lr": 1e-2}}, "default_chunk_size": 16384})
+    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    for _ in range(2):
+        model.backward(model(input_ids=tokens, labels=tokens).loss)
+        optimizer.step()
+        optimizer.zero_grad()
+    model.save_pretrained(tmp_path)
+    reloaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path).eval()
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(input_ids=tokens).logits,
+                                   model(input_ids=tokens).logits, rtol=0, atol=0)
+
+
+def test_a_module_outliving_its_engine_says_so():
+    model, optimizer = trained(steps=1)
+    module = model.module
+    del model, optimizer
+    gc.collect()
+    with pytest.raises(RuntimeError, match="engine is gone"):
+        module.state_dict()
+    model, _ = trained(steps=1)
+    model.destroy()
+    with pytest.raises(RuntimeError, match="destroyed"):
+        model.module.state_dict()
+
+
+def test_plain_modules_are_untouched():
+    plain = nn.Linear(3, 2)
+    trained(steps=0)
+    assert plain.state_dict()["weight"].shape == (2, 3)
