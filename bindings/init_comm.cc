@@ -271,14 +271,41 @@ Buffers BuffersOf(const py::sequence& tensors, const Communicator& communicator,
 }
 
 // GroupCollectives bound to the manager it drives; calls take the manager's lock.
+//
+// Note [Closing the collectives before the manager]
+// GroupCollectives pins chunks and lets the communicator write into their buffers, through a
+// raw pointer to the ChunkManager. The Python object can outlive the engine: a traceback of a
+// failed collective holds the frames that hold it, and is freed at interpreter exit, after
+// engine.destroy() closed the manager; its destructor then unpinned chunks of a freed manager
+// (a segfault at exit after a collective timeout). So close() destroys it now, under the
+// manager's lock, and DataParallel.close() calls it before the manager closes; later calls
+// raise. Should the manager be closed first anyway, the GroupCollectives is leaked rather than
+// allowed to touch freed memory.
 struct PyGroupCollectives {
-  PyChunkManager* manager;
+  PyChunkManager* manager;  // kept alive by py::keep_alive
   std::shared_ptr<Communicator> communicator;
   std::unique_ptr<GroupCollectives> collectives;
 
+  PyGroupCollectives() = default;
+  PyGroupCollectives(const PyGroupCollectives&) = delete;
+  PyGroupCollectives& operator=(const PyGroupCollectives&) = delete;
+  ~PyGroupCollectives() { Close(); }
+
   template <typename F>
   auto Run(F&& f) {
-    return manager->Run([&](ChunkManager&) { return f(*collectives); });
+    return manager->Run([&](ChunkManager&) {
+      if (collectives == nullptr) {
+        throw std::runtime_error("these chunk-group collectives were closed (model.destroy())");
+      }
+      return f(*collectives);
+    });
+  }
+
+  void Close() {
+    if (collectives == nullptr) return;
+    if (!manager->RunIfOpen([&](ChunkManager&) { collectives.reset(); })) {
+      static_cast<void>(collectives.release());  // Note [Closing the collectives ...]
+    }
   }
 };
 
@@ -441,6 +468,9 @@ void InitComm(py::module_& module) {
            py::arg("manager"), py::arg("communicator"), py::arg("tier") = "host",
            py::arg("timeout_s") = 300.0, py::arg("memory_saving") = false,
            py::arg("gradient_op") = "avg", py::keep_alive<1, 2>())
+      .def("close", &PyGroupCollectives::Close,
+           "Waits for started gathers, unpins their chunks and lets go of the manager now; "
+           "later calls raise (Note [Closing the collectives before the manager]).")
       .def(
           "groups",
           [](PyGroupCollectives& self, ChunkKind kind) {

@@ -24,6 +24,17 @@ class PyChunkManager {
     return f(Get());
   }
 
+  // Runs f(manager) unless Close() ran; returns whether it ran. For objects that hold raw
+  // pointers into the manager and must let go of them while it lives (PyGroupCollectives).
+  template <typename F>
+  bool RunIfOpen(F&& f) {
+    pybind11::gil_scoped_release release;
+    absl::MutexLock lock(&mutex_);
+    if (manager_ == nullptr) return false;
+    f(*manager_);
+    return true;
+  }
+
   // For calls that run Python code (callbacks): the GIL stays held.
   template <typename F>
   auto RunHoldingGil(F&& f) {

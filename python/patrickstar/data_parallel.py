@@ -276,7 +276,13 @@ class DataParallel:
     def close(self) -> None:
         """Waits for started gathers and drops the collectives, then the communicator (and this
         rank's reference to the c10d process group); engine.destroy() and interpreter exit."""
-        self.collectives = None  # ~GroupCollectives waits for started gathers
+        # Closed, not only dropped: a traceback may keep them past the manager's close (Note
+        # [Closing the collectives before the manager] in bindings/init_comm.cc).
+        if self.gathers is not None:
+            self.gathers.close()
+        if self.collectives is not None:
+            self.collectives.close()  # waits for started gathers
+        self.collectives = None
         self.gathers = None
         self.communicator = None
         self.gather_communicator = None

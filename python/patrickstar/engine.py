@@ -532,7 +532,7 @@ class PatrickStarEngine(nn.Module):
 
     def state_dict(self, destination=None, prefix: str = "", keep_vars: bool = False):
         """The module's state dict with full parameters (compute dtype) read out of chunks."""
-        self.dp.gather_all()  # a collective: every rank calls state_dict()
+        self._gather_for_state_dict()
         result = self.module.state_dict(keep_vars=True)
         for name, value in list(result.items()):
             index = self.params.index_of(value)
@@ -581,10 +581,20 @@ class PatrickStarEngine(nn.Module):
                 self.params.write(index, kind, torch.zeros_like(source)
                                   if kind == K.PARAM_COMPENSATION else source)
 
+    def _gather_for_state_dict(self) -> None:
+        try:
+            self.dp.gather_all()  # a collective: every rank calls state_dict()
+        except _C.ChunkRuntimeError as error:
+            error.add_note("state_dict() under data parallelism gathers every rank's shards, so "
+                           "every rank must call it: `sd = model.state_dict()` on all ranks, "
+                           "then `if rank == 0: torch.save(sd, path)`; or "
+                           "model.save_checkpoint(dir), which writes each rank's shards")
+            raise
+
     def read_parameter(self, index: int) -> torch.Tensor:
         """Parameter `index` in the compute dtype (a collective under data parallelism)."""
         self.guard.check_alive("state_dict()")
-        self.dp.gather_all()
+        self._gather_for_state_dict()
         return self.params.read(index, K.COMPUTE_PARAM)
 
     # ---- Checkpoints (logic in checkpoint/) -------------------------------------------------

@@ -134,6 +134,10 @@ class GatherSchedule:
         self._compare = compare
         self.regathered_in_first_forward = 0  # counter
 
+    def close(self) -> None:
+        """Closes its collectives (DataParallel.close(): before the chunk manager closes)."""
+        self.collectives.close()
+
     # ---- Accesses -----------------------------------------------------------------------------
 
     def before_access(self, tensor_id: int, in_forward: bool) -> None:

@@ -4,6 +4,8 @@
     dp_worker.py OUT_DIR --mismatch               rank 1 builds a different model
     dp_worker.py OUT_DIR --kill                   rank 1 dies after initialize()
     dp_worker.py OUT_DIR --stall                  rank 1 stops issuing collectives (sleeps)
+    dp_worker.py OUT_DIR --lonely-state-dict      rank 0 alone calls state_dict(), then both
+                                                  train; errors kept past model.destroy()
     dp_worker.py OUT_DIR --checkpoint SCENARIO... checkpoint scenarios of dp_checkpoint_worker.py
 
 Writes OUT_DIR/<what>-rank<r>.pt with losses, the gathered state dict, memory statistics or
@@ -93,6 +95,8 @@ def main() -> None:
                 model.backward(model(x, y))
             finally:
                 results["elapsed"] = time.monotonic() - start
+        elif what == ["--lonely-state-dict"]:
+            results.update(lonely_state_dict(rank))
         elif what[:1] == ["--checkpoint"]:
             from dp_checkpoint_worker import run
             results.update(run(out, what[1:], rank, world))
@@ -102,6 +106,35 @@ def main() -> None:
     except Exception as error:  # the test inspects it
         results.update(error_result(error))
     save_and_exit(out, rank, results)
+
+
+def lonely_state_dict(rank: int) -> dict:
+    """Rank 0 alone calls state_dict() (a collective), then both ranks train: both time out.
+    Each keeps its error's traceback, which holds the collectives, past model.destroy(), and
+    frees it once the peer has left: that crashed (Note [Closing the collectives before the
+    manager] in bindings/init_comm.cc)."""
+    import gc
+    s = SCENARIOS["blocks"]
+    model, optimizer = patrickstar.initialize(s.model, config={
+        **s.config, "parallel": {"collective_timeout": 3}})
+    x, y = next(s.batches(1))
+    model.backward(model(x, y))
+    optimizer.step()
+    optimizer.zero_grad()
+    if rank == 0:
+        model.state_dict()
+    kept = result = None
+    try:
+        model.backward(model(x, y))
+        optimizer.step()
+    except Exception as error:
+        result = error_result(error)
+        kept = sys.exc_info()
+    model.destroy()
+    time.sleep(2)
+    del model, optimizer, kept
+    gc.collect()
+    return {**(result or {}), "survived": True}
 
 
 def error_result(error) -> dict:

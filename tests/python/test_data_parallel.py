@@ -441,6 +441,16 @@ def test_a_stalled_rank_is_a_timeout_naming_the_collective(tmp_path):
     assert survivor["elapsed"] < 6
 
 
+def test_a_state_dict_on_one_rank_fails_cleanly_and_its_traceback_is_freed_safely(tmp_path):
+    # state_dict() is a collective; called on rank 0 only it pairs with rank 1's next
+    # collectives until the ranks part ways: both raise within collective_timeout. Python keeps
+    # the failed collective's frames (and its GroupCollectives) in the traceback; freeing it
+    # after model.destroy() crashed.
+    for rank, result in enumerate(launch(tmp_path, 2, "--lonely-state-dict")):
+        assert result.get("error_type") in ("TimeoutError", "ChunkRuntimeError"), (rank, result)
+        assert result.get("survived"), (rank, result)
+
+
 def test_parallel_config_errors_name_the_key():
     import patrickstar
     from test_initialize import MLP
