@@ -61,8 +61,26 @@ namespace ps::kernels {
 //        c' = bf16(y - (float(p') - p))  what this rounding lost, for the next step
 //    so updates far below the bf16 ulp of p accumulate in c until they move p. q - p and
 //    float(p') - p are exact (Sterbenz) whenever q and p' are within a factor 2 of p.
+// int8 state's denominator multiplies by 1 / sqrt(bc2) instead of dividing by sqrt(bc2) (Note
+// [One division fewer for int8 state]).
 // All of it is +, -, *, /, sqrt, one fma per use and table lookups by integer index, so every
 // path (and the CUDA kernel) rounds identically (Note [Identical rounding on every path]).
+//
+// Note [One division fewer for int8 state]
+// With int8 state the denominator is d = sqrt(v) * float(1 / sqrt(1 - beta2^t)) + float(eps)
+// (the reciprocal computed in double once per step, AdamConstants::inverse_bias_correction2_sqrt)
+// instead of Note [Adam arithmetic]'s sqrt(v) / float(sqrt(1 - beta2^t)): a multiply where the
+// division was, so two divider operations per element (the square root and p's division) instead
+// of three. The int8 update's loop is bound by the divider; in cache, one thread, this made the
+// int8-state kernel 6-8% faster (docs/kernels_lowp.md, "Performance"). The two forms differ by
+// at most an ulp of d. Torch-exactness means nothing here: torch has no 8-bit Adam, and the
+// moments (which alone decide the codes and scales) are untouched, still torch's bit for bit;
+// the references (kernels_adam_lowp_test, tests/python/test_adam_lowp.py) encode this formula.
+// fp32 and bf16 state keep the division, so that the fp32 path stays torch's operation for
+// operation and bf16 state keeps its bit-exact comparison with torch.optim.AdamW rounded to
+// bf16 (those kernels are near their memory bound when the machine is quiet). Every path, the
+// CUDA kernel included, multiplies where the state is int8 (Note [Identical rounding on every
+// path] still holds: one correctly rounded multiply).
 //
 // Note [Stochastic rounding]
 // The alternative to Kahan for bf16 params (param_rounding kStochastic, no compensation buffer):
@@ -112,6 +130,7 @@ AdamConstants MakeAdamConstants(const AdamHyperParams& p) {
   k.beta2 = static_cast<float>(p.beta2);
   k.one_minus_beta2 = static_cast<float>(1.0 - p.beta2);
   k.bias_correction2_sqrt = static_cast<float>(std::pow(bias_correction2, 0.5));
+  k.inverse_bias_correction2_sqrt = static_cast<float>(1.0 / std::pow(bias_correction2, 0.5));
   k.neg_step_size = static_cast<float>(-(p.lr / bias_correction1));
   k.eps = static_cast<float>(p.eps);
   k.step = p.step;

@@ -146,14 +146,19 @@ __device__ __forceinline__ void StoreFromFloat(void* data, int64_t i, int32_t dt
   }
 }
 
-// Note [Adam arithmetic] in adam.cc, as AdamMath in kernels/internal/cpu_body.inc.
+// Note [Adam arithmetic] in adam.cc, as AdamMath in kernels/internal/cpu_body.inc; with
+// inverse_bc2 (int8 state) sqrt(v) times the inverse instead of divided (Note [One division fewer
+// for int8 state]).
 __device__ __forceinline__ void AdamMath(const internal::AdamConstants& k, float& p, float g,
-                                         float& m, float& v) {
+                                         float& m, float& v, bool inverse_bc2 = false) {
   if (k.l2) g = __fmaf_rn(p, k.l2_decay, g);
   if (k.decoupled) p = __fmul_rn(p, k.param_decay);
   m = __fmaf_rn(k.lerp_coeff, __fsub_rn(g, m), k.lerp_from_grad ? g : m);
   v = __fmaf_rn(__fmul_rn(k.one_minus_beta2, g), g, __fmul_rn(v, k.beta2));
-  const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(v), k.bias_correction2_sqrt), k.eps);
+  const float root = __fsqrt_rn(v);
+  const float denom = __fadd_rn(inverse_bc2 ? __fmul_rn(root, k.inverse_bias_correction2_sqrt)
+                                            : __fdiv_rn(root, k.bias_correction2_sqrt),
+                                k.eps);
   p = __fadd_rn(p, __fdiv_rn(__fmul_rn(k.neg_step_size, m), denom));
 }
 
@@ -266,7 +271,7 @@ __global__ void __launch_bounds__(kThreads)
       if (c.param_mode == kParamStochastic) {  // Note [Stochastic rounding]
         unsigned short* param16 = static_cast<unsigned short*>(c.param);
         float q = Bf16ToFloat(param16[i]);
-        AdamMath(k, q, g, m, v);
+        AdamMath(k, q, g, m, v, int8);
         const uint32_t random = internal::RoundingBits(c.rounding_key, static_cast<uint32_t>(i));
         param16[i] = isnan(q) ? FloatToBf16(q)
                               : static_cast<unsigned short>((__float_as_uint(q) + random) >> 16);
@@ -274,7 +279,7 @@ __global__ void __launch_bounds__(kThreads)
         unsigned short* param16 = static_cast<unsigned short*>(c.param);
         const float p = Bf16ToFloat(param16[i]);
         float q = p;
-        AdamMath(k, q, g, m, v);
+        AdamMath(k, q, g, m, v, int8);
         const float change = __fadd_rn(__fsub_rn(q, p), Bf16ToFloat(c.compensation[i]));
         const unsigned short rounded = FloatToBf16(__fadd_rn(p, change));
         param16[i] = rounded;
@@ -282,7 +287,7 @@ __global__ void __launch_bounds__(kThreads)
       } else {
         float* param32 = static_cast<float*>(c.param);
         float p = param32[i];
-        AdamMath(k, p, g, m, v);
+        AdamMath(k, p, g, m, v, int8);
         param32[i] = p;
         if (c.copy_dtype != kNoCopy) StoreFromFloat(c.copy, i, c.copy_dtype, p);
       }

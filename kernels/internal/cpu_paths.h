@@ -21,6 +21,8 @@ struct AdamConstants {
   float beta2;
   float one_minus_beta2;
   float bias_correction2_sqrt;
+  float inverse_bias_correction2_sqrt;  // 1 / sqrt(1 - beta2^step): int8 state only (Note [One
+                                        // division fewer for int8 state] in kernels/adam.cc)
   float neg_step_size;  // -lr / (1 - beta1^step)
   float eps;
   int32_t l2;              // add l2_decay * param to the gradient

@@ -121,7 +121,10 @@ void FillGrad(State& s, std::mt19937& rng) {
 }
 
 // torch's _single_tensor_adam on one element (Note [Adam arithmetic]); grad32 already widened.
-void ReferenceElement(const AdamHyperParams& hp, float& p, float g, float& m, float& v) {
+// int8 state: sqrt(v) times float(1 / sqrt(bc2)) instead of divided by float(sqrt(bc2)) (Note
+// [One division fewer for int8 state]).
+void ReferenceElement(const AdamHyperParams& hp, float& p, float g, float& m, float& v,
+                      bool int8) {
   const double t = static_cast<double>(hp.step);
   const double bc1 = hp.bias_correction ? 1.0 - std::pow(hp.beta1, t) : 1.0;
   const double bc2 = hp.bias_correction ? 1.0 - std::pow(hp.beta2, t) : 1.0;
@@ -132,7 +135,9 @@ void ReferenceElement(const AdamHyperParams& hp, float& p, float g, float& m, fl
   if (use_wd && hp.decoupled_weight_decay) p *= static_cast<float>(1.0 - hp.lr * hp.weight_decay);
   m = std::fabs(weight) < 0.5f ? std::fma(weight, g - m, m) : std::fma(weight - 1.0f, g - m, g);
   v = std::fma(static_cast<float>(1.0 - hp.beta2) * g, g, v * static_cast<float>(hp.beta2));
-  const float denom = std::sqrt(v) / static_cast<float>(std::pow(bc2, 0.5)) +
+  const float root = std::sqrt(v);
+  const float denom = (int8 ? root * static_cast<float>(1.0 / std::pow(bc2, 0.5))
+                            : root / static_cast<float>(std::pow(bc2, 0.5))) +
                       static_cast<float>(hp.eps);
   p = p + (static_cast<float>(-(hp.lr / bc1)) * m) / denom;
 }
@@ -159,21 +164,22 @@ void ReferenceStep(State& s, const AdamHyperParams& hp) {
                                     v.data())
                     .ok());
   }
+  const bool int8 = s.state_dtype == StateDType::kInt8;
   for (int64_t i = 0; i < n; ++i) {
     if (s.param_dtype == DType::kFloat32) {
-      ReferenceElement(hp, s.param32[i], s.grad32[i], m[i], v[i]);
+      ReferenceElement(hp, s.param32[i], s.grad32[i], m[i], v[i], int8);
       if (s.copy == 1) s.copy16[i] = FloatToHalfBits(s.param32[i]);
       if (s.copy == 2) s.copy16[i] = FloatToBFloat16Bits(s.param32[i]);
     } else if (s.stochastic) {  // Note [Stochastic rounding]
       float q = BFloat16BitsToFloat(s.param16[i]);
-      ReferenceElement(hp, q, s.grad32[i], m[i], v[i]);
+      ReferenceElement(hp, q, s.grad32[i], m[i], v[i], int8);
       const uint32_t random = internal::RoundingBits(internal::RoundingKey(s.seed, hp.step),
                                                      static_cast<uint32_t>(i));
       s.param16[i] = FloatToBFloat16Bits(internal::StochasticBf16(q, random));
     } else {  // Note [Low-precision Adam]: Kahan-compensated bf16 param
       const float p = BFloat16BitsToFloat(s.param16[i]);
       float q = p;
-      ReferenceElement(hp, q, s.grad32[i], m[i], v[i]);
+      ReferenceElement(hp, q, s.grad32[i], m[i], v[i], int8);
       const float y = (q - p) + BFloat16BitsToFloat(s.comp[i]);
       const float rounded = Bf16(p + y);
       s.param16[i] = FloatToBFloat16Bits(rounded);

@@ -76,6 +76,22 @@ def torch_adamw_step(param, grad, exp_avg, exp_avg_sq, step, **hp):
     return p.detach(), opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"]
 
 
+def int8_adamw_step(param, grad, exp_avg, exp_avg_sq, step, lr, betas, eps, weight_decay):
+    """torch.optim.AdamW's _single_tensor_adam, op for op, but for int8 state's denominator:
+    sqrt(v) times 1 / sqrt(1 - beta2^step) (a Python float, rounded to float32 by the multiply)
+    where torch divides by sqrt(1 - beta2^step) (Note [One division fewer for int8 state] in
+    kernels/adam.cc)."""
+    p, m, v = param.clone(), exp_avg.clone(), exp_avg_sq.clone()
+    beta1, beta2 = betas
+    p.mul_(1 - lr * weight_decay)
+    m.lerp_(grad, 1 - beta1)
+    v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    step_size = lr / (1 - beta1 ** step)
+    denom = (v.sqrt() * (1 / (1 - beta2 ** step) ** 0.5)).add_(eps)
+    p.addcdiv_(m, denom, value=-step_size)
+    return p, m, v
+
+
 def bf16_bits(t):
     return t.view(torch.int16)
 
@@ -160,17 +176,20 @@ def test_int8_state_step_equals_dequantize_torch_adamw_requantize(simd, n):
     m8, ms, v8, vs = make_int8_state(n, gen)
     for step in (1, 7):
         grad = torch.randn(n, generator=gen) * 0.1
-        ref_p, ref_m, ref_v = torch_adamw_step(param, grad, ref_dequantize(m8, ms, True),
-                                               ref_dequantize(v8, vs, False), step, **HP)
+        m, v = ref_dequantize(m8, ms, True), ref_dequantize(v8, vs, False)
+        ref_p, ref_m, ref_v = int8_adamw_step(param, grad, m, v, step, **HP)
+        torch_p, _, _ = torch_adamw_step(param, grad, m, v, step, **HP)
         ref_m8, ref_ms = ref_quantize(ref_m, True)
         ref_v8, ref_vs = ref_quantize(ref_v, False)
         p = param.clone()
         K.adam_(p, grad, m8, v8, exp_avg_scale=ms, exp_avg_sq_scale=vs, **ours_hp(step))
         # The moments are torch's bit for bit (lerp and the contracted addcmul, Note [Adam
         # arithmetic]), so are their codes and scales; the param differs only by torch's MKL sqrt.
+        # From torch.optim.AdamW's param it differs by that and an ulp of the denominator.
         assert torch.equal(ms, ref_ms) and torch.equal(vs, ref_vs)
         assert torch.equal(m8, ref_m8) and torch.equal(v8, ref_v8)
         torch.testing.assert_close(p, ref_p, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(p, torch_p, rtol=1e-6, atol=1e-7)
         param = p
 
 
