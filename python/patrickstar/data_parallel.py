@@ -278,10 +278,9 @@ class DataParallel:
         rank's reference to the c10d process group); engine.destroy() and interpreter exit."""
         # Closed, not only dropped: a traceback may keep them past the manager's close (Note
         # [Closing the collectives before the manager] in bindings/init_comm.cc).
-        if self.gathers is not None:
-            self.gathers.close()
-        if self.collectives is not None:
-            self.collectives.close()  # waits for started gathers
+        for owner in (getattr(self, "gathers", None), getattr(self, "collectives", None)):
+            if owner is not None:
+                owner.close()  # the collectives wait for started gathers
         self.collectives = None
         self.gathers = None
         self.communicator = None

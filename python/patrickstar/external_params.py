@@ -46,7 +46,27 @@ def unregister_external_parameter(module: nn.Module, parameter: nn.Parameter) ->
 
 
 def external_parameters(module: nn.Module) -> list[nn.Parameter]:
-    return list(module.__dict__.get(_ATTRIBUTE, []))
+    """The registered ones, and those torch's own modules read (Note [torch's external
+    reads])."""
+    registered = list(module.__dict__.get(_ATTRIBUTE, []))
+    return registered + [p for p in _read_by_torch_module(module)
+                         if all(p is not q for q in registered)]
+
+
+# Note [torch's external reads]
+# Some of torch's own modules read their children's parameters without calling the children:
+#  * nn.MultiheadAttention passes out_proj.weight and out_proj.bias to
+#    F.multi_head_attention_forward and never calls out_proj;
+#  * nn.TransformerEncoderLayer / nn.TransformerDecoderLayer, in eval mode without autograd,
+#    take a fused fast path (torch._transformer_encoder_layer_fwd) over every parameter of
+#    their attention, feed-forward and norm children.
+# Their forwards are counted as users of those parameters, as if registered by the user.
+def _read_by_torch_module(module: nn.Module) -> list[nn.Parameter]:
+    if isinstance(module, nn.MultiheadAttention):
+        return list(module.out_proj.parameters())
+    if isinstance(module, (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)):
+        return list(module.parameters())
+    return []
 
 
 # Errors that a placeholder (an empty tensor) typically causes inside torch ops.

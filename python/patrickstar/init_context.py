@@ -161,12 +161,26 @@ def plan_parameters(model_func: Callable[[], nn.Module]) -> tuple[list[ParamSpec
         if alive:
             specs.append(ParamSpec(len(specs), names[id(param)], tuple(param.shape),
                                    param.requires_grad))
-    missing = set(names) - {id(p) for p in registrations}
-    if missing:
-        raise RuntimeError("model_func created parameters that were never registered through "
-                           "nn.Module (PatrickStar cannot place them): "
-                           + ", ".join(sorted(names[i] for i in missing)))
+    for name, param in _unregistered(model, lambda p: id(p) in seen):  # Note [Parameters no...]
+        _check_dtype(name, param.dtype)
+        specs.append(ParamSpec(len(specs), name, tuple(param.shape), param.requires_grad))
     return specs, survives
+
+
+# Note [Parameters no hook saw]
+# A parameter can reach the finished model without a registration event: `copy.deepcopy` of a
+# module copies its `_parameters` dict directly (nn.TransformerEncoder and nn.TransformerDecoder
+# clone the layer they are given that way; so do user models that stack copies of one block).
+# Such parameters, in the model's named_parameters() order, follow the registered ones in the
+# specs, and pass 2 places them once model_func has returned (ParameterPlacer.build): the same
+# parameters in the same order both times, as the model is built the same way. Until then they
+# are ordinary CPU tensors, so a model made mostly of copies holds those copies in host memory
+# once during its build, as plain PyTorch does.
+def _unregistered(model: nn.Module, registered: Callable[[nn.Parameter], bool]
+                  ) -> list[tuple[str, nn.Parameter]]:
+    """Parameters of `model` with elements for which `registered(param)` is false."""
+    return [(name, param) for name, param in model.named_parameters()
+            if not registered(param) and param.numel() > 0]
 
 
 class ParameterPlacer:
@@ -188,8 +202,7 @@ class ParameterPlacer:
     def _hook(self, module, name, param):
         if param is None:
             return None
-        seen = self._seen.get(id(param))
-        if seen is not None and seen() is param:
+        if self._was_registered(param):
             return None
         self._seen[id(param)] = weakref.ref(param)
         if self._event >= len(self._survives):
@@ -206,12 +219,23 @@ class ParameterPlacer:
             self.parameters.append(param)
         return None
 
+    def _was_registered(self, param: nn.Parameter) -> bool:
+        seen = self._seen.get(id(param))
+        return seen is not None and seen() is param
+
     def build(self, model_func: Callable[[], nn.Module]) -> nn.Module:
         with _registration_hook(self._hook):
             model = _call_model_func(model_func)
         if self._event != len(self._survives):
             raise RuntimeError("model_func registered fewer parameters than on its first run; "
                                "it must build the same model every time it is called")
+        for _, param in _unregistered(model, self._was_registered):  # Note [Parameters no...]
+            with torch.no_grad():
+                view = self._place(self._placed, param)
+                view.copy_(param.data)
+                param.data = view
+            self._placed += 1
+            self.parameters.append(param)
         return model
 
 

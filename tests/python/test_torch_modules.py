@@ -1,0 +1,157 @@
+"""torch.nn's own building blocks trained as PyTorch trains them: modules that read their
+children's parameters (Note [torch's external reads] in external_params.py), models cloned with
+copy.deepcopy (Note [Parameters no hook saw] in init_context.py), recurrent and convolutional
+layers. The comparison is the loss and the gradient norm, step by step: Adam turns float noise in
+a gradient that is zero in exact arithmetic (an attention key bias, a conv bias before
+BatchNorm) into whole steps, so parameters are compared only after one step of exact inputs."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import patrickstar
+
+
+class VisionTransformerish(nn.Module):
+    """Parameters of the root used in the root's forward, and nn.MultiheadAttention (which
+    never calls its out_proj)."""
+
+    def __init__(self):
+        super().__init__()
+        self.cls = nn.Parameter(torch.randn(1, 1, 16))
+        self.pos = nn.Parameter(torch.randn(1, 5, 16))
+        self.proj = nn.Linear(8, 16)
+        self.attn = nn.MultiheadAttention(16, 2, batch_first=True)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x):
+        tokens = self.proj(x)
+        tokens = torch.cat([self.cls.expand(tokens.shape[0], -1, -1), tokens], 1) + self.pos
+        mixed, _ = self.attn(tokens, tokens, tokens)
+        return self.head(mixed[:, 0])
+
+
+class StackedCopies(nn.Module):
+    """One block deep-copied into a stack, as many user models are built."""
+
+    def __init__(self):
+        super().__init__()
+        block = nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.LayerNorm(16))
+        self.blocks = nn.ModuleList(copy.deepcopy(block) for _ in range(3))
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+
+class Recurrent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lstm = nn.LSTM(8, 16, num_layers=2, batch_first=True)
+        self.gru = nn.GRU(16, 8, batch_first=True, bidirectional=True)
+        self.head = nn.Linear(16, 2)
+
+    def forward(self, x):
+        out, _ = self.lstm(x)
+        out, _ = self.gru(out)
+        return self.head(out[:, -1])
+
+
+def encoder():
+    return nn.TransformerEncoder(
+        nn.TransformerEncoderLayer(16, 2, 32, batch_first=True, dropout=0.0), 2)
+
+
+def decoder():
+    return nn.TransformerDecoder(
+        nn.TransformerDecoderLayer(16, 2, 32, batch_first=True, dropout=0.0), 2)
+
+
+class Decoding(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.decoder = decoder()
+
+    def forward(self, x):
+        return self.decoder(x, x.flip(1))
+
+
+def convolutional():
+    return nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(),
+                         nn.Conv2d(8, 8, 3, groups=2), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                         nn.Linear(8, 4))
+
+
+MODELS = {
+    "vit_mha": (VisionTransformerish, (2, 4, 8)),
+    "transformer_encoder": (encoder, (2, 5, 16)),
+    "transformer_decoder": (Decoding, (2, 5, 16)),
+    "stacked_copies": (StackedCopies, (3, 16)),
+    "recurrent": (Recurrent, (2, 5, 8)),
+    "convolutional": (convolutional, (2, 3, 12, 12)),
+}
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_trains_as_pytorch(name):
+    model_func, shape = MODELS[name]
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    reference = model_func()
+    ref_optimizer = torch.optim.Adam(reference.parameters(), lr=1e-3)
+    torch.manual_seed(0)
+    model, optimizer = patrickstar.initialize(model_func, config={
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}, "default_chunk_size": 4096})
+    for step in range(4):
+        loss = model(x).pow(2).mean()
+        ref_loss = reference(x).pow(2).mean()
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-3, atol=1e-6)
+        loss.backward()
+        ref_loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
+        ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1e9)
+        torch.testing.assert_close(norm, ref_norm, rtol=1e-3, atol=0)
+        optimizer.step()
+        optimizer.zero_grad()
+        ref_optimizer.step()
+        ref_optimizer.zero_grad()
+        if step == 0:  # one Adam step from equal gradients moves each element by lr at most
+            state = model.state_dict()
+            for key, tensor in reference.state_dict().items():
+                torch.testing.assert_close(state[key], tensor, rtol=0, atol=1e-3 * 1.01)
+
+
+@pytest.mark.parametrize("name", ["transformer_encoder", "transformer_decoder", "vit_mha"])
+def test_eval_fast_paths_read_chunked_parameters(name):
+    # In eval mode without autograd nn.TransformerEncoderLayer takes a fused path over all of
+    # its children's parameters.
+    model_func, shape = MODELS[name]
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    reference = model_func().eval()
+    torch.manual_seed(0)
+    model, _ = patrickstar.initialize(model_func, config={
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}, "default_chunk_size": 4096})
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), reference(x), rtol=1e-5, atol=1e-6)
+    with torch.inference_mode():
+        torch.testing.assert_close(model(x), reference(x), rtol=1e-5, atol=1e-6)
+
+
+def test_deep_copied_parameters_are_planned_and_estimated():
+    model, _ = patrickstar.initialize(StackedCopies, config={
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}, "default_chunk_size": 4096})
+    names = list(model.params.names)
+    # Registered parameters first, then the copies in the model's order.
+    assert names == ["head.weight", "head.bias"] + [
+        name for name, _ in StackedCopies().named_parameters() if name.startswith("blocks.")]
+    assert model.params.shapes[names.index("blocks.2.0.weight")] == (16, 16)
+    report = patrickstar.estimate_memory(StackedCopies, {
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}, "default_chunk_size": 4096})
+    assert report is not None
