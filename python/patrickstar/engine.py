@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import copy
 import sys
 import time
 import weakref
@@ -62,6 +63,7 @@ from .data_parallel import DataParallel, detect_world
 from .guards import TrainingGuard, check_budgets
 from .external_params import external_parameter_hint, external_parameters
 from .hooks import ModuleHooks
+from .module_copies import ModuleCopies
 from .module_state_hooks import ModuleStateHooks
 from .init_context import InitResidency, ParameterPlacer, plan_parameters
 from .loss_scaler import make_loss_scaler
@@ -190,8 +192,11 @@ class PatrickStarEngine(nn.Module):
         self.created_ns = time.monotonic_ns()
         global_timer.watch(self)  # upstream's data_move_cnter reports this engine's traffic
         clip_grad.install()  # torch.nn.utils.clip_grad_norm_(model.parameters(), ...) works
-        self._state_hooks = ModuleStateHooks(  # Note [The user's module's state dict]
-            [m for m, owned in self._module_params.items() if owned], self)
+        hooked = [m for m, owned in self._module_params.items() if owned]
+        self._state_hooks = ModuleStateHooks(hooked, self)  # Note [The user's module's state...]
+        hooks = (self._hooks, self._state_hooks)
+        self._copies = ModuleCopies(  # Note [Copies of the user's module]
+            hooked, self, lambda: set().union(*(h.hook_ids for h in hooks)))
         clip_grad.register_engine(self, self.params.params)
         _live_engines.add(self)
 
@@ -380,6 +385,18 @@ class PatrickStarEngine(nn.Module):
                 f"the move out: the engine's buffers and parameters are already on its device")
         self._move_buffers(fn)
         return self
+
+    def __deepcopy__(self, memo):
+        """A copy of the user's module with the current weights (Note [Copies of the user's
+        module]): a plain nn.Module, not a second engine."""
+        return copy.deepcopy(self.module, memo)
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError("a PatrickStarEngine cannot be pickled (torch.save(model)): its "
+                        "parameters and optimizer state live in chunks of its runtime. Save "
+                        "model.state_dict(), torch.save(model.module) (the plain module with "
+                        "its current weights) or model.save_checkpoint(dir) (the whole training "
+                        "state)")
 
     def __getattr__(self, name: str):
         """Attributes of the user's module (`model.generate(...)`, `model.get_input_embeddings()`)

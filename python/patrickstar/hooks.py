@@ -70,6 +70,10 @@ class ModuleHooks:
             self._handles.append(module.register_forward_pre_hook(self._pre_forward))
             self._handles.append(module.register_forward_hook(self._post_forward))
 
+    @property
+    def hook_ids(self) -> set[int]:
+        return {handle.id for handle in self._handles}
+
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()

@@ -51,6 +51,10 @@ class ModuleStateHooks:
                                "which were freed with it")
         return engine
 
+    @property
+    def hook_ids(self) -> set[int]:
+        return {handle.id for handle in self._handles}
+
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()

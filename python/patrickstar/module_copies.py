@@ -1,0 +1,74 @@
+"""copy.deepcopy and pickling of the user's module: plain modules with the current weights.
+
+Note [Copies of the user's module]
+An EMA or teacher model starts as `copy.deepcopy(model)` (timm's ModelEmaV2) or
+`copy.deepcopy(model.module)`, and `torch.save(model.module, path)` pickles the whole module.
+Both go through `__getstate__`, and the user's modules would hand over their parameters' empty
+placeholders and the engine's hooks (a copy of empty weights whose forward calls into this
+engine; pickling failed on the hooks). Each module that owns parameters gets an instance-level
+`__getstate__` (instance attributes shadow the class's for deepcopy and pickle alike) that
+returns its state with:
+  * each chunked parameter replaced by a Parameter over its current value (`read_parameter`:
+    the compute dtype, gathered under data parallelism, so every rank copies), the same new
+    Parameter for every module that shares it within one copy (a weak cache by index that lives
+    as long as the copy operation holds it), so tied weights stay tied in the copy;
+  * the engine's hooks and registrations left out, and no `__getstate__` of its own.
+The copy is therefore an ordinary PyTorch module, independent of the engine. The engine itself
+deep-copies to such a copy of its module (two engines would need two chunk runtimes) and refuses
+to be pickled, naming what to save instead.
+"""
+from __future__ import annotations
+
+import functools
+import weakref
+
+from torch import nn
+
+__all__ = ["ModuleCopies"]
+
+_OWN_ATTRIBUTES = ("__getstate__", "_patrickstar_external_parameters")
+
+
+class ModuleCopies:
+    def __init__(self, modules, engine, hook_ids):
+        """`hook_ids()` are the ids of the engine's hooks (RemovableHandle ids, unique across
+        modules), left out of copies; `engine` is held weakly (Note [Engine lifetime])."""
+        self._engine = weakref.ref(engine)
+        self._hook_ids = hook_ids
+        self._materialized: "weakref.WeakValueDictionary[int, nn.Parameter]" = \
+            weakref.WeakValueDictionary()
+        for module in modules:
+            module.__dict__["__getstate__"] = functools.partial(self._state_of, module)
+
+    def remove(self, modules) -> None:
+        for module in modules:
+            module.__dict__.pop("__getstate__", None)
+
+    def _state_of(self, module: nn.Module) -> dict:
+        engine = self._engine()
+        state = {key: value for key, value in module.__dict__.items()
+                 if key not in _OWN_ATTRIBUTES}
+        ours = set(self._hook_ids())
+        for key, value in state.items():
+            if "hooks" in key and isinstance(value, dict) and ours & set(value):
+                copy = type(value)()
+                copy.update((k, v) for k, v in value.items() if k not in ours)
+                state[key] = copy
+        if engine is None:
+            raise RuntimeError(f"copying or pickling a {type(module).__name__} whose PatrickStar "
+                               "engine is gone: its parameters lived in the engine's chunks, "
+                               "which were freed with it")
+        parameters = dict(state["_parameters"])
+        for name, param in parameters.items():
+            index = None if param is None else engine.params.index_of(param)
+            if index is not None:
+                parameters[name] = self._materialize(engine, index, param)
+        state["_parameters"] = parameters
+        return state
+
+    def _materialize(self, engine, index: int, param: nn.Parameter) -> nn.Parameter:
+        copy = self._materialized.get(index)
+        if copy is None:
+            copy = nn.Parameter(engine.read_parameter(index), requires_grad=param.requires_grad)
+            self._materialized[index] = copy
+        return copy

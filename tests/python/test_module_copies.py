@@ -1,0 +1,99 @@
+"""copy.deepcopy and torch.save of the user's module and of the engine (Note [Copies of the
+user's module] in module_copies.py): EMA / teacher copies, whole-module pickles."""
+from __future__ import annotations
+
+import copy
+import gc
+import io
+
+import pytest
+import torch
+from torch import nn
+
+import patrickstar
+from test_initialize import MLP
+
+CONFIG = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "default_chunk_size": 4096}
+
+
+def trained(model_func=MLP, steps=2):
+    torch.manual_seed(0)
+    model, optimizer = patrickstar.initialize(model_func, config=CONFIG)
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        x = torch.randn(8, 32, generator=generator)
+        model.backward(model(x, torch.randint(0, 10, (8,), generator=generator)))
+        optimizer.step()
+        optimizer.zero_grad()
+    return model, optimizer
+
+
+def assert_same_weights(module: nn.Module, model) -> None:
+    expected = model.state_dict()
+    state = module.state_dict()
+    assert list(state) == list(expected)
+    for key, tensor in expected.items():
+        assert torch.equal(state[key], tensor), key
+
+
+@pytest.mark.parametrize("source", ["module", "engine"])
+def test_deepcopy_is_a_plain_module_with_the_current_weights(source):
+    model, optimizer = trained()
+    ema = copy.deepcopy(model.module if source == "module" else model)
+    assert type(ema) is MLP
+    assert_same_weights(ema, model)
+    # Independent of the engine: no hooks of it, its own parameters.
+    assert all(not m._forward_pre_hooks and not m._forward_hooks for m in ema.modules())
+    assert not set(map(id, ema.parameters())) & set(map(id, model.parameters()))
+    x, y = torch.randn(4, 32), torch.randint(0, 10, (4,))
+    torch.testing.assert_close(ema(x, y), model(x, y), rtol=0, atol=0)
+    # timm's ModelEmaV2 update, then the engine trains on unaffected.
+    with torch.no_grad():
+        for ema_v, model_v in zip(ema.state_dict().values(), model.state_dict().values()):
+            ema_v.copy_(ema_v * 0.9 + 0.1 * model_v)
+    before = model.state_dict()
+    model.backward(model(x, y))
+    optimizer.step()
+    after = model.state_dict()
+    assert not torch.equal(after["layers.0.weight"], before["layers.0.weight"])
+    assert not torch.equal(ema.state_dict()["layers.0.weight"], after["layers.0.weight"])
+
+
+def test_tied_weights_stay_tied_in_the_copy():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2, n_positions=16)
+    model, _ = patrickstar.initialize(lambda: transformers.GPT2LMHeadModel(config), config=CONFIG)
+    plain = copy.deepcopy(model.module)
+    assert plain.lm_head.weight is plain.transformer.wte.weight
+    assert plain.lm_head.weight.shape == (64, 32)
+    tokens = torch.randint(0, 64, (2, 8))
+    model.eval()
+    plain.eval()  # dropout
+    with torch.no_grad():
+        torch.testing.assert_close(plain(input_ids=tokens).logits,
+                                   model(input_ids=tokens).logits, rtol=0, atol=0)
+
+
+def test_torch_save_of_the_module_loads_as_a_plain_module():
+    model, _ = trained()
+    buffer = io.BytesIO()
+    torch.save(model.module, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert type(loaded) is MLP
+    assert_same_weights(loaded, model)
+
+
+def test_torch_save_of_the_engine_names_what_to_save():
+    model, _ = trained(steps=0)
+    with pytest.raises(TypeError, match=r"torch.save\(model.module\).*save_checkpoint"):
+        torch.save(model, io.BytesIO())
+
+
+def test_copying_a_module_whose_engine_is_gone_says_so():
+    model, optimizer = trained(steps=0)
+    module = model.module
+    del model, optimizer
+    gc.collect()
+    with pytest.raises(RuntimeError, match="engine is gone"):
+        copy.deepcopy(module)
