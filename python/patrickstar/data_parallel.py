@@ -390,6 +390,13 @@ class DataParallel:
         """Whether this micro-step reduce-scatters its gradients."""
         return self.sharded_accumulation or self._boundary()
 
+    def before_grad(self, index: int) -> None:
+        """Called by the engine's gradient hook before the gradient goes into its chunk: the
+        reduce-scatters that are done drop their full-size gradients first, so that a group's
+        gradients do not land beside the previous group's."""
+        if self.enabled and index not in self._seen and self._reduces_now():
+            self.collectives.finish_completed_reduce_scatters()
+
     def on_grad(self, index: int) -> None:
         """Called by the engine's gradient hook once the gradient is in its chunk."""
         if not self.enabled or index in self._seen:
