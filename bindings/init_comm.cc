@@ -523,6 +523,25 @@ void InitComm(py::module_& module) {
            },
            "Finishes the started reduce-scatters that are already done, oldest first, without "
            "waiting; returns how many.")
+      .def(
+          "finish_reduce_scatters_issued_everywhere",
+          [](PyGroupCollectives& self, std::shared_ptr<Communicator> watched, double bound_s) {
+            const absl::Duration bound = Seconds(bound_s);
+            const ReduceScatterWait wait = ValueOrThrow(self.Run([&](GroupCollectives& c) {
+              return c.FinishReduceScattersIssuedEverywhere(watched.get(), bound);
+            }));
+            return py::make_tuple(wait.finished, wait.gave_up);
+          },
+          py::arg("watched"), py::arg("bound_s"),
+          "Finishes the started reduce-scatters, oldest first, waiting for each once every rank "
+          "issued it; stops when the back end cannot tell, when a rank yet to issue it went "
+          "ahead on `watched` (None: never), or after bound_s (Note [Waiting for "
+          "reduce-scatters every rank issued]). Returns (finished, gave_up).")
+      .def_property_readonly(
+          "issued_by_rank",
+          [](PyGroupCollectives& self) { return self.communicator->IssuedByRank(); },
+          "Calls each rank issued on the communicator, as far as it can tell (empty: it cannot; "
+          "Note [Issued everywhere]).")
       .def_property_readonly(
           "pending_reduce_scatters",
           [](PyGroupCollectives& self) {

@@ -87,6 +87,11 @@ __all__ = ["DataParallel", "detect_world"]
 
 K = _C.ChunkKind
 S = _C.TensorState
+# How long a rank waits in backward for its peers to issue a reduce-scatter before it stops
+# waiting for the rest of that backward (Note [Waiting for reduce-scatters every rank issued]):
+# lockstep ranks are milliseconds apart; a peer later than this is held up by something this
+# rank cannot see, and keeping the gradients then costs memory only.
+REDUCE_SCATTER_WAIT_S = 1.0
 
 
 def _close_at_exit(ref) -> None:
@@ -233,7 +238,8 @@ class DataParallel:
                                       trainable=trainable, frozen=frozen,
                                       name_of=lambda tensor_id: names.get(tensor_id, tensor_id),
                                       agree=self._agree_on_rank_zeros,
-                                      compare=self._compare_next_gathers)
+                                      compare=self._compare_next_gathers,
+                                      before_backward_gather=self._finish_reduce_scatters)
         # Gradient groups in reduce-scatter order, and which parameters each one waits for.
         self._grad_groups = list(reversed(self.collectives.groups(K.GRADIENT)))
         grad_position = {first: p for p, first in enumerate(self._grad_groups)}
@@ -359,6 +365,8 @@ class DataParallel:
         self._missing = list(self._group_size)
         self._seen: set[int] = set()
         self._rs_cursor = 0
+        self._last_grad_group = None
+        self._wait_for_reduce_scatters = self.reshard and self.model_parallel is None
 
     def _reset_accumulation(self) -> None:
         self._reset_backward()
@@ -391,10 +399,33 @@ class DataParallel:
         return self.sharded_accumulation or self._boundary()
 
     def before_grad(self, index: int) -> None:
-        """Called by the engine's gradient hook before the gradient goes into its chunk: the
-        reduce-scatters that are done drop their full-size gradients first, so that a group's
-        gradients do not land beside the previous group's."""
-        if self.enabled and index not in self._seen and self._reduces_now():
+        """Called by the engine's gradient hook before the gradient goes into its chunk. The
+        first gradient of a group (and every gather in backward: GatherSchedule's
+        before_backward_gather) waits for the reduce-scatters every rank has issued, so that
+        their full-size gradients are gone before this group's land (Note [Waiting for
+        reduce-scatters every rank issued] in chunk/group_collectives.h); only with resharding,
+        whose gathers' communicator tells when a peer may be waiting for this rank, and without
+        pipeline stages or tensor slices, whose own collectives in backward it cannot see."""
+        if not self.enabled or index in self._seen or not self._reduces_now():
+            return
+        group = self._grad_group_of.get(index)
+        if group == self._last_grad_group:
+            return  # its chunks already hold gradients: nothing new lands
+        self._last_grad_group = group
+        self._finish_reduce_scatters()
+
+    def _finish_reduce_scatters(self) -> None:
+        """Before new full-size data lands in backward (a group's first gradient, a gather):
+        finishes the reduce-scatters every rank issued, or those done."""
+        if not self._reduces_now():
+            return
+        if self._wait_for_reduce_scatters:
+            _, gave_up = self.collectives.finish_reduce_scatters_issued_everywhere(
+                self.gather_communicator, REDUCE_SCATTER_WAIT_S)
+            # A peer is behind by more than the bound or may wait for us: the rest of this
+            # backward keeps the old behaviour (memory, not correctness).
+            self._wait_for_reduce_scatters = not gave_up
+        else:
             self.collectives.finish_completed_reduce_scatters()
 
     def on_grad(self, index: int) -> None:

@@ -90,7 +90,7 @@ class GatherSchedule:
 
     def __init__(self, collectives, groups, position_of: dict, remote: set, gather_ahead: int,
                  reshard: bool = False, trainable=None, frozen=(), name_of=None, agree=None,
-                 compare=None):
+                 compare=None, before_backward_gather=None):
         self.collectives = collectives
         self.groups = list(groups)
         self.position_of = position_of
@@ -135,6 +135,9 @@ class GatherSchedule:
         self._used: dict[int, set] = {}
         self._compare = compare
         self.regathered_in_first_forward = 0  # counter
+        # Called before a gather in backward: the gradients of the groups done with go before
+        # the next group's parameters arrive (data_parallel.py's reduce-scatters).
+        self._before_backward_gather = before_backward_gather
 
     # ---- Accesses -----------------------------------------------------------------------------
 
@@ -361,6 +364,8 @@ class GatherSchedule:
             if position in self._released and tensor_id in self.remote:
                 self._depart(tensor_id, position, "backward")
         else:
+            if self._before_backward_gather is not None:
+                self._before_backward_gather()
             self.gather_through(index)
             self._release_ready()
 
