@@ -424,12 +424,13 @@ void InitComm(py::module_& module) {
                                  "(chunk/group_collectives.h).")
       .def(py::init([](PyChunkManager& manager, std::shared_ptr<Communicator> communicator,
                        const std::string& tier, double timeout_s, bool memory_saving,
-                       const std::string& gradient_op) {
+                       const std::string& gradient_op, bool remote_gradients_in_place) {
              GroupCollectiveOptions options;
              options.tier = ParseCollectiveTier(tier);
              options.timeout = Seconds(timeout_s);
              options.memory_saving = memory_saving;
              options.gradient_op = ParseReduceOp(gradient_op);
+             options.remote_gradients_in_place = remote_gradients_in_place;
              auto result = std::make_unique<PyGroupCollectives>();
              result->manager = &manager;
              result->communicator = communicator;
@@ -440,7 +441,8 @@ void InitComm(py::module_& module) {
            }),
            py::arg("manager"), py::arg("communicator"), py::arg("tier") = "host",
            py::arg("timeout_s") = 300.0, py::arg("memory_saving") = false,
-           py::arg("gradient_op") = "avg", py::keep_alive<1, 2>())
+           py::arg("gradient_op") = "avg", py::arg("remote_gradients_in_place") = false,
+           py::keep_alive<1, 2>())
       .def(
           "groups",
           [](PyGroupCollectives& self, ChunkKind kind) {

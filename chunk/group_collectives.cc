@@ -144,15 +144,16 @@ absl::StatusOr<void*> GroupCollectives::PinChunk(ChunkId id, bool zero_fill,
 }
 
 TierKind GroupCollectives::TierFor(const Chunk& chunk) const {
-  // This rank's gradient chunk receives the reduced gradient, which the optimizer uses in the
-  // collective's tier: it moves there now, so that a pending reduce-scatter holds no device
-  // memory for it during backward. Another rank's gradient chunk is dropped as soon as the
-  // reduce-scatter is done: moving it would only copy it, holding it twice for a moment (4 MiB
-  // more on every rank's peak for the block stack of docs/benchmarks.md, whose emulated device
-  // tier the communicator can address), so it is pinned where it is when the communicator can
-  // read it there, as parameter chunks are.
+  // Gradient chunks move to the collective's tier, so that a pending reduce-scatter holds no
+  // device memory during backward; this rank's own receives the reduced gradient, which the
+  // optimizer uses there. Another rank's is dropped as soon as the reduce-scatter is done:
+  // moving it only copies it, holding it twice for a moment (4 MiB more on every rank's peak
+  // for the block stack of docs/benchmarks.md, whose emulated device tier the communicator can
+  // address), so with remote_gradients_in_place it is pinned where it is when the communicator
+  // can read it there, as parameter chunks are.
   if (!chunk.has_payload() ||
-      (chunk.kind() == ChunkKind::kGradient && manager_->IsLocal(chunk.id()))) {
+      (chunk.kind() == ChunkKind::kGradient &&
+       (!options_.remote_gradients_in_place || manager_->IsLocal(chunk.id())))) {
     return options_.tier;
   }
   // A chunk with a copy in flight (a prefetch for the access after this collective) is pinned

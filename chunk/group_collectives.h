@@ -80,6 +80,12 @@ struct GroupCollectiveOptions {
   // PatrickStar's broadcast / reduce per chunk instead of one allgather / reduce-scatter.
   bool memory_saving = false;
   ReduceOp gradient_op = ReduceOp::kAvg;
+  // Another rank's gradient chunk is pinned for its reduce-scatter where it is, when the
+  // communicator can address that memory, instead of being copied into `tier` (TierFor). Only
+  // for callers that finish reduce-scatters promptly (Note [Waiting for reduce-scatters every
+  // rank issued]): a pending one pins the chunk in the compute tier until finished, which
+  // starved a pipeline stage's tight device budget.
+  bool remote_gradients_in_place = false;
 };
 
 // Note [Sharded accumulation]

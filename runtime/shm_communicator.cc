@@ -111,7 +111,8 @@ struct alignas(64) RankControl {
   std::atomic<uint32_t> signal;     // futex word, bumped after every store above or to state
   std::atomic<uint32_t> waiters;    // peers asleep on `signal`
   std::atomic<uint32_t> state;      // RankState
-  std::atomic<int64_t> issued;      // calls issued, counted once scheduled (Note [Issued everywhere])
+  // Calls issued, counted once scheduled (Note [Issued everywhere] in communicator.h).
+  std::atomic<int64_t> issued;
   // The rank's process, written before it counts itself attached (Note [Dead peers]).
   int64_t pid;
   uint64_t start_time;     // field 22 of /proc/<pid>/stat: tells a reused pid apart

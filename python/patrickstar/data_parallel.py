@@ -45,6 +45,12 @@ group collectives therefore follow a fixed order and only their *timing* follows
     in that order got its gradient, so it overlaps the rest of backward; groups whose tensors
     did not all get a gradient on this rank (an unused branch) are started when backward ends.
     All are awaited before backward returns. Gradients are averaged over the (data) world.
+    Before a group's first gradient lands and before each gather of backward, a rank waits
+    for the pending reduce-scatters that every rank has already issued (those complete without
+    anybody's caller), so backward holds one group's gradients at a time; it never waits for
+    one a peer has yet to issue past the moment that peer may be waiting for it (Note [Waiting
+    for reduce-scatters every rank issued] in chunk/group_collectives.h). Waiting issues
+    nothing: the sequence is the same with or without it.
   * after that, one all-reduce of each parameter's has-gradient flag, and at the optimizer step
     one all-reduce of the squared gradient norm and overflow flag (when clipping or fp16 need
     them): a parameter without a gradient on every rank is skipped as torch would skip it.
@@ -142,6 +148,7 @@ class DataParallel:
         self.gather_ahead = int(config.parallel.gather_ahead)
         self.gathers: GatherSchedule | None = None  # the compute-param gathers (attach)
         self.reshard = False  # parallel.reshard_after_forward, for a world of more than one
+        self._waits_for_reduce_scatters = False  # in backward (before_grad), from attach
         # parallel.gradient_accumulation "sharded" with more than one micro-step per step.
         self.sharded_accumulation = (
             config.gradient_accumulation_steps > 1
@@ -194,9 +201,15 @@ class DataParallel:
         group = dist.group.WORLD if self.group is None else self.group
         self.transport = self._choose_transport(parallel.transport, group)
         self.communicator = self._make_communicator(group, "steps")
+        self.reshard = bool(parallel.reshard_after_forward)
+        # Backward finishes reduce-scatters before new gradients land (before_grad) only with
+        # resharding and without pipeline stages or tensor slices; only then may a pending one
+        # pin other ranks' gradient chunks where they are (no copy into the host tier).
+        self._waits_for_reduce_scatters = self.reshard and self.model_parallel is None
         self.collectives = _C.GroupCollectives(
             manager, self.communicator, tier=Tier.HOST, timeout_s=self.timeout,
-            memory_saving=parallel.memory_saving, gradient_op="avg")
+            memory_saving=parallel.memory_saving, gradient_op="avg",
+            remote_gradients_in_place=self._waits_for_reduce_scatters)
         # An engine never destroyed would otherwise free these during interpreter finalization,
         # after the script's destroy_process_group(): the last reference to the c10d group then
         # goes in an order torch does not expect (a rank of a 2-rank benchmark aborted once at
@@ -222,7 +235,6 @@ class DataParallel:
                 frozen.add(p)
             if not self._owned[-1]:
                 remote.add(ids.compute)
-        self.reshard = bool(parallel.reshard_after_forward)
         gatherer = self.collectives
         if self.reshard:
             # Note [Resharding after forward]: backward's gathers get their own communicator
@@ -366,7 +378,7 @@ class DataParallel:
         self._seen: set[int] = set()
         self._rs_cursor = 0
         self._last_grad_group = None
-        self._wait_for_reduce_scatters = self.reshard and self.model_parallel is None
+        self._wait_for_reduce_scatters = self._waits_for_reduce_scatters
 
     def _reset_accumulation(self) -> None:
         self._reset_backward()
