@@ -191,14 +191,17 @@ void InitChunk(py::module_& module) {
       .def(
           "search_chunk_lists",
           [](PyChunkManager& self, int64_t min_elements, int64_t max_elements,
-             int64_t step_elements) {
+             int64_t step_elements, int64_t floor_elements) {
             return LayoutToDict(ValueOrThrow(self.Run([&](M& m) {
               return m.BuildChunkListsSearched(
-                  ChunkSizeSearch{min_elements, max_elements, step_elements});
+                  ChunkSizeSearch{min_elements, max_elements, step_elements, floor_elements});
             })));
           },
           py::arg("min_elements"), py::arg("max_elements"), py::arg("step_elements"),
-          "Builds the lists with the chunk size in the range that wastes the fewest bytes.")
+          py::arg("floor_elements") = 0,
+          "Builds the lists with the candidate chunk size of the smallest estimated per-rank "
+          "peak (Note [Chunk-size search]): min, min + step, ... <= max, and with "
+          "floor_elements > 0 also floor, 2 floor, 4 floor, ... below min.")
       .def(
           "access",
           [](PyChunkManager& self, TensorId tensor, const std::string& tier) {

@@ -451,12 +451,13 @@ void InitComm(py::module_& module) {
                                  "(chunk/group_collectives.h).")
       .def(py::init([](PyChunkManager& manager, std::shared_ptr<Communicator> communicator,
                        const std::string& tier, double timeout_s, bool memory_saving,
-                       const std::string& gradient_op) {
+                       const std::string& gradient_op, bool remote_gradients_in_place) {
              GroupCollectiveOptions options;
              options.tier = ParseCollectiveTier(tier);
              options.timeout = Seconds(timeout_s);
              options.memory_saving = memory_saving;
              options.gradient_op = ParseReduceOp(gradient_op);
+             options.remote_gradients_in_place = remote_gradients_in_place;
              auto result = std::make_unique<PyGroupCollectives>();
              result->manager = &manager;
              result->communicator = communicator;
@@ -467,7 +468,8 @@ void InitComm(py::module_& module) {
            }),
            py::arg("manager"), py::arg("communicator"), py::arg("tier") = "host",
            py::arg("timeout_s") = 300.0, py::arg("memory_saving") = false,
-           py::arg("gradient_op") = "avg", py::keep_alive<1, 2>())
+           py::arg("gradient_op") = "avg", py::arg("remote_gradients_in_place") = false,
+           py::keep_alive<1, 2>())
       .def("close", &PyGroupCollectives::Close,
            "Waits for started gathers, unpins their chunks and lets go of the manager now; "
            "later calls raise (Note [Closing the collectives before the manager]).")
@@ -553,6 +555,25 @@ void InitComm(py::module_& module) {
            },
            "Finishes the started reduce-scatters that are already done, oldest first, without "
            "waiting; returns how many.")
+      .def(
+          "finish_reduce_scatters_issued_everywhere",
+          [](PyGroupCollectives& self, std::shared_ptr<Communicator> watched, double bound_s) {
+            const absl::Duration bound = Seconds(bound_s);
+            const ReduceScatterWait wait = ValueOrThrow(self.Run([&](GroupCollectives& c) {
+              return c.FinishReduceScattersIssuedEverywhere(watched.get(), bound);
+            }));
+            return py::make_tuple(wait.finished, wait.gave_up);
+          },
+          py::arg("watched"), py::arg("bound_s"),
+          "Finishes the started reduce-scatters, oldest first, waiting for each once every rank "
+          "issued it; stops when the back end cannot tell, when a rank yet to issue it went "
+          "ahead on `watched` (None: never), or after bound_s (Note [Waiting for "
+          "reduce-scatters every rank issued]). Returns (finished, gave_up).")
+      .def_property_readonly(
+          "issued_by_rank",
+          [](PyGroupCollectives& self) { return self.communicator->IssuedByRank(); },
+          "Calls each rank issued on the communicator, as far as it can tell (empty: it cannot; "
+          "Note [Issued everywhere]).")
       .def_property_readonly(
           "pending_reduce_scatters",
           [](PyGroupCollectives& self) {

@@ -232,10 +232,24 @@ absl::StatusOr<ChunkSizeSearchResult> SearchChunkSize(absl::Span<const TensorSpe
         absl::StrCat("chunk size search range is empty or malformed: min ", search.min_elements,
                      ", max ", search.max_elements, ", step ", search.step_elements, " elements"));
   }
-  ChunkSizeSearchResult result;
-  bool have_best = false;
+  if (search.floor_elements < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "chunk size search floor must not be negative, got ", search.floor_elements));
+  }
+  // Ascending: the powers of two of the floor below the range, then the range itself.
+  std::vector<int64_t> sizes;
+  if (search.floor_elements > 0) {
+    for (int64_t size = search.floor_elements; size < search.min_elements; size *= 2) {
+      sizes.push_back(size);
+    }
+  }
   for (int64_t size = search.min_elements; size <= search.max_elements;
        size += search.step_elements) {
+    sizes.push_back(size);
+  }
+  ChunkSizeSearchResult result;
+  bool have_best = false;
+  for (const int64_t size : sizes) {
     PS_ASSIGN_OR_RETURN(LayoutPlan plan, PlanLayout(specs, size, world_size));
     ++result.candidates;
     // Note [Chunk-size search].

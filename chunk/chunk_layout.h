@@ -93,6 +93,9 @@ struct ChunkSizeSearch {
   int64_t min_elements = 0;
   int64_t max_elements = 0;
   int64_t step_elements = 0;  // candidates are min, min + step, ... <= max
+  // When positive, floor, 2 floor, 4 floor, ... below min_elements are candidates too (Note
+  // [Chunk-size search]: small chunks spread small tensors over the ranks).
+  int64_t floor_elements = 0;
 };
 
 struct ChunkSizeSearchResult {
@@ -103,6 +106,16 @@ struct ChunkSizeSearchResult {
 // Note [Chunk-size search]
 // Plans every candidate size and keeps the one with the smallest estimated peak of a rank
 // (EstimatedRankPeak), then the fewest wasted bytes, then the smallest size (moves stay small).
+// The linear range suits one process, where a chunk smaller than a quarter of the largest tensor
+// only adds chunks. Under data parallelism the search also tries powers of two times
+// floor_elements below the range: there every tensor larger than the chunk is an oversize group
+// of its own anyway, and what the chunk size still decides is how the small tensors (biases,
+// norms) spread. With chunks of a quarter of the largest tensor (262,144 elements for the
+// 50M-parameter block stack of docs/benchmarks.md) every LayerNorm and bias of the model sat in
+// one chunk, a third full, on one rank in every kind: 4 MiB more on that rank than on the others
+// in fp32. Chunks of 4,096 elements put them in the padding chunks before each oversize group,
+// which belong to every rank in turn. Powers of two keep it to a few candidates (a linear step
+// that fine would plan thousands of layouts).
 // With one rank the estimate is the total of the chunks, so this is the least waste. With
 // several it is the busiest rank's own chunk bytes plus two of the largest group: waste alone
 // preferred one chunk holding the whole model next to padding (no waste, one rank owning

@@ -144,9 +144,18 @@ absl::StatusOr<void*> GroupCollectives::PinChunk(ChunkId id, bool zero_fill,
 }
 
 TierKind GroupCollectives::TierFor(const Chunk& chunk) const {
-  // Gradient chunks have no views outside the engine's hooks; moving them to the collective's
-  // tier keeps a pending reduce-scatter from holding device memory during backward.
-  if (!chunk.has_payload() || chunk.kind() == ChunkKind::kGradient) return options_.tier;
+  // Gradient chunks move to the collective's tier, so that a pending reduce-scatter holds no
+  // device memory during backward; this rank's own receives the reduced gradient, which the
+  // optimizer uses there. Another rank's is dropped as soon as the reduce-scatter is done:
+  // moving it only copies it, holding it twice for a moment (4 MiB more on every rank's peak
+  // for the block stack of docs/benchmarks.md, whose emulated device tier the communicator can
+  // address), so with remote_gradients_in_place it is pinned where it is when the communicator
+  // can read it there, as parameter chunks are.
+  if (!chunk.has_payload() ||
+      (chunk.kind() == ChunkKind::kGradient &&
+       (!options_.remote_gradients_in_place || manager_->IsLocal(chunk.id())))) {
+    return options_.tier;
+  }
   // A chunk with a copy in flight (a prefetch for the access after this collective) is pinned
   // where the copy lands: pinning it at its source would settle the copy and move it straight
   // back (Note [Pinning a group for a collective]).
@@ -372,6 +381,8 @@ absl::Status GroupCollectives::StartReduceScatter(ChunkId group, std::optional<R
         communicator_->ReduceScatter(buffers, count, dtype, reduce_op, label));
   }
   CountCollective(pending, count, dtype, holder >= 0 ? 1 : members.size());
+  const std::vector<int64_t> issued = communicator_->IssuedByRank();
+  if (!issued.empty()) pending.issued = issued[static_cast<size_t>(manager_->rank())];
   pending_.push_back(std::move(pending));
   return absl::OkStatus();
 }
@@ -428,6 +439,48 @@ absl::StatusOr<int> GroupCollectives::FinishCompletedReduceScatters() {
     ++finished;
   }
   return finished;
+}
+
+absl::StatusOr<ReduceScatterWait> GroupCollectives::FinishReduceScattersIssuedEverywhere(
+    const Communicator* watched, absl::Duration bound) {
+  // Note [Waiting for reduce-scatters every rank issued].
+  ReduceScatterWait result;
+  const absl::Time give_up = absl::Now() + bound;
+  const size_t me = static_cast<size_t>(manager_->rank());
+  int polls = 0;
+  while (!pending_.empty()) {
+    const Pending& oldest = pending_.front();
+    const bool done = std::all_of(oldest.handles.begin(), oldest.handles.end(),
+                                  [](const CollectiveHandle& handle) { return handle.done(); });
+    if (!done) {
+      const std::vector<int64_t> issued = communicator_->IssuedByRank();
+      if (issued.empty() || oldest.issued == 0) return result;  // the back end cannot tell
+      bool everywhere = true;
+      bool stop = false;
+      const std::vector<int64_t> elsewhere =
+          watched == nullptr ? std::vector<int64_t>{} : watched->IssuedByRank();
+      for (size_t r = 0; r < issued.size(); ++r) {
+        if (issued[r] >= oldest.issued) continue;
+        everywhere = false;
+        // A rank that has yet to issue it went ahead of us on the watched communicator: it
+        // may be waiting for us there.
+        if (watched != nullptr && (elsewhere.empty() || elsewhere[r] > elsewhere[me])) {
+          stop = true;
+        }
+      }
+      if (!everywhere) {
+        if (stop || absl::Now() >= give_up) {
+          result.gave_up = true;
+          return result;
+        }
+        if (++polls > 64) absl::SleepFor(absl::Microseconds(20));
+        continue;
+      }
+    }
+    PS_RETURN_IF_ERROR(FinishOldestReduceScatter());
+    ++result.finished;
+  }
+  return result;
 }
 
 absl::StatusOr<bool> GroupCollectives::Release(ChunkId group) {

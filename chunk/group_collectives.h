@@ -7,8 +7,9 @@
 // A collective writes into (and reads from) every chunk of a group at once, possibly on another
 // thread, so none of them may move or be freed until it is done. The manager pins a chunk while
 // one of its tensors is COMPUTE, so each member is pinned by accessing one of its tensors: a
-// parameter chunk where it already is if the communicator can reach that memory, anything else
-// in the collective's tier (a copy), and released back to the state it had when the collective ends
+// parameter chunk, or another rank's gradient chunk (dropped right after its reduce-scatter),
+// where it already is if the communicator can reach that memory, anything else in the
+// collective's tier (a copy), and released back to the state it had when the collective ends
 // (a tensor of the local chunk of a reduce-scatter goes to HOLD: it now holds the reduced
 // gradient). A member without tensors (padding) or without data is passed as a null buffer (Note
 // [Group collectives] in runtime/communicator.h). The extra accesses appear in the tracer's access
@@ -79,6 +80,12 @@ struct GroupCollectiveOptions {
   // PatrickStar's broadcast / reduce per chunk instead of one allgather / reduce-scatter.
   bool memory_saving = false;
   ReduceOp gradient_op = ReduceOp::kAvg;
+  // Another rank's gradient chunk is pinned for its reduce-scatter where it is, when the
+  // communicator can address that memory, instead of being copied into `tier` (TierFor). Only
+  // for callers that finish reduce-scatters promptly (Note [Waiting for reduce-scatters every
+  // rank issued]): a pending one pins the chunk in the compute tier until finished, which
+  // starved a pipeline stage's tight device budget.
+  bool remote_gradients_in_place = false;
 };
 
 // Note [Sharded accumulation]
@@ -100,6 +107,29 @@ struct GroupCollectiveOptions {
 // so its gather is one broadcast from the holder and its reduce-scatter one reduce to it: the
 // same results, 1/world_size of the bytes, one collective either way. Every rank decides this
 // from the layout alone (the same on every rank), so the collectives still pair.
+// Note [Waiting for reduce-scatters every rank issued]
+// A reduce-scatter started in backward keeps this rank's full-size gradients of its group until
+// it is finished, and FinishCompletedReduceScatters only finishes the ones already done: on
+// a rank whose next group's gradients arrive while the last group's reduce is still in flight
+// (the common case when compute is short: a 4 MiB reduce against one small matmul), three
+// groups were held at once in backward (the next group's parameters, its gradients, the last
+// group's gradients), where FSDP2 holds about two. Waiting for the reduce-scatter before the
+// next gradients land would keep it at two, but blocking on a collective a peer has yet to
+// issue can deadlock: its gradients of the group may come only after a gather it needs this
+// rank to join (an unused branch on that rank, or a model whose ranks run different code).
+// So the wait is for collectives every rank has already issued (Note [Issued everywhere] in
+// runtime/communicator.h), which complete without anybody's caller; while some rank has not
+// issued the oldest yet this rank waits for it to do so, but gives up as soon as that rank is
+// ahead on `watched` (backward's gathers: it may be waiting there for this rank), or after
+// `bound`. Giving up only costs memory: nothing is issued, so the collective sequence is what
+// it was. A rank that never issues the reduce-scatter in backward (its gradients of the group
+// come last) either gathers again (ahead on `watched`: the waiter stops) or ends backward,
+// which begins with a collective on `watched` too.
+struct ReduceScatterWait {
+  int finished = 0;      // reduce-scatters finished
+  bool gave_up = false;  // stopped waiting for a rank to issue the oldest one left
+};
+
 class GroupCollectives {
  public:
   // Both must outlive this object; `communicator` has the manager's world size and rank.
@@ -146,6 +176,12 @@ class GroupCollectives {
   // remote gradient payloads are dropped at once, so a long backward holds few full-size
   // gradient groups).
   absl::StatusOr<int> FinishCompletedReduceScatters();
+  // Finishes the started reduce-scatters, oldest first, waiting for each once every rank has
+  // issued it (Note [Waiting for reduce-scatters every rank issued]). Stops, without error,
+  // when the communicator cannot tell who issued what, when a rank that has yet to issue the
+  // oldest went ahead of this one on `watched` (null: never), or after `bound`.
+  absl::StatusOr<ReduceScatterWait> FinishReduceScattersIssuedEverywhere(
+      const Communicator* watched, absl::Duration bound);
   int pending_reduce_scatters() const { return static_cast<int>(pending_.size()); }
 
   // Counters for tests and benchmarks.
@@ -163,6 +199,7 @@ class GroupCollectives {
     ChunkId first = -1;
     std::vector<Pin> pins;
     std::vector<CollectiveHandle> handles;
+    int64_t issued = 0;  // this rank's calls on the communicator after it; 0: not counted
   };
 
   GroupCollectives(ChunkManager* manager, Communicator* communicator,

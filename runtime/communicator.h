@@ -108,6 +108,16 @@ class Communicator {
                                      std::string label) = 0;
   virtual CollectiveHandle Reduce(void* buffer, int64_t count, DType dtype, ReduceOp op, int root,
                                   std::string label) = 0;
+
+  // Note [Issued everywhere]
+  // How many calls each rank has issued on this communicator, in rank order, as far as this rank
+  // can see: empty when the back end cannot tell (c10d, NCCL, fake), a lower bound otherwise.
+  // A call every rank has issued completes without any rank's caller doing anything more (the
+  // back ends run calls in issue order, and every rank issued the same calls before it), so a
+  // caller may block on it where blocking on one a peer has yet to issue could deadlock (the
+  // peer might first need this caller in another collective). The shared-memory back end
+  // counts in its segment.
+  virtual std::vector<int64_t> IssuedByRank() const { return {}; }
 };
 
 // Argument checks shared by the back ends: buffer count, element count, root, and that this

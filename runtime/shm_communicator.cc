@@ -111,6 +111,8 @@ struct alignas(64) RankControl {
   std::atomic<uint32_t> signal;     // futex word, bumped after every store above or to state
   std::atomic<uint32_t> waiters;    // peers asleep on `signal`
   std::atomic<uint32_t> state;      // RankState
+  // Calls issued, counted once scheduled (Note [Issued everywhere] in communicator.h).
+  std::atomic<int64_t> issued;
   // The rank's process, written before it counts itself attached (Note [Dead peers]).
   int64_t pid;
   uint64_t start_time;     // field 22 of /proc/<pid>/stat: tells a reused pid apart
@@ -324,8 +326,22 @@ class ShmCommunicator : public Communicator {
     if (!valid.ok()) return CollectiveHandle::Failed(std::move(description), valid);
     auto state = std::make_shared<CollectiveState>(std::move(description));
     worker_.Schedule([this, state, call = std::move(call)] { state->Finish(Run(call)); });
+    // After scheduling: a peer that reads n here may rely on our first n calls running
+    // (Note [Issued everywhere] in communicator.h).
+    segment_->control(rank_)->issued.fetch_add(1, std::memory_order_release);
     return CollectiveHandle(state);
   }
+
+ public:
+  std::vector<int64_t> IssuedByRank() const override {
+    std::vector<int64_t> issued(static_cast<size_t>(world_size_));
+    for (int r = 0; r < world_size_; ++r) {
+      issued[r] = segment_->control(r)->issued.load(std::memory_order_acquire);
+    }
+    return issued;
+  }
+
+ private:
 
   // On the worker thread.
   absl::Status Run(const Call& call) {

@@ -119,10 +119,12 @@ def register_chunk_tensors(manager, specs, chunk_dtypes: dict[str, str | None],
     if chunk_size is None:
         largest = max(math.prod(spec.shape) or 1 for spec in specs)
         # Under data parallelism small chunks pay off (a group is world_size of them and a
-        # large tensor an oversize group of its own: Note [Chunk-size search]); one process
-        # keeps chunks of at least 64K elements.
-        low = max(1 << 12 if manager.world_size > 1 else 1 << 16, largest // 4)
-        layout = manager.search_chunk_lists(low, max(low, 4 * largest), max(1, low // 4))
+        # large tensor an oversize group of its own: Note [Chunk-size search]), down to 4K
+        # elements in powers of two below the range; one process keeps chunks of at least 64K.
+        floor = 1 << 12 if manager.world_size > 1 else 0
+        low = max(floor or 1 << 16, largest // 4)
+        layout = manager.search_chunk_lists(low, max(low, 4 * largest), max(1, low // 4),
+                                            floor_elements=floor)
     else:
         layout = manager.build_chunk_lists(chunk_size)
     return ids, layout

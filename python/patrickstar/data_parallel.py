@@ -45,6 +45,12 @@ group collectives therefore follow a fixed order and only their *timing* follows
     in that order got its gradient, so it overlaps the rest of backward; groups whose tensors
     did not all get a gradient on this rank (an unused branch) are started when backward ends.
     All are awaited before backward returns. Gradients are averaged over the (data) world.
+    Before a group's first gradient lands and before each gather of backward, a rank waits
+    for the pending reduce-scatters that every rank has already issued (those complete without
+    anybody's caller), so backward holds one group's gradients at a time; it never waits for
+    one a peer has yet to issue past the moment that peer may be waiting for it (Note [Waiting
+    for reduce-scatters every rank issued] in chunk/group_collectives.h). Waiting issues
+    nothing: the sequence is the same with or without it.
   * after that, one all-reduce of each parameter's has-gradient flag, and at the optimizer step
     one all-reduce of the squared gradient norm and overflow flag (when clipping or fp16 need
     them): a parameter without a gradient on every rank is skipped as torch would skip it.
@@ -87,6 +93,11 @@ __all__ = ["DataParallel", "detect_world"]
 
 K = _C.ChunkKind
 S = _C.TensorState
+# How long a rank waits in backward for its peers to issue a reduce-scatter before it stops
+# waiting for the rest of that backward (Note [Waiting for reduce-scatters every rank issued]):
+# lockstep ranks are milliseconds apart; a peer later than this is held up by something this
+# rank cannot see, and keeping the gradients then costs memory only.
+REDUCE_SCATTER_WAIT_S = 1.0
 
 
 def _close_at_exit(ref) -> None:
@@ -137,6 +148,7 @@ class DataParallel:
         self.gather_ahead = int(config.parallel.gather_ahead)
         self.gathers: GatherSchedule | None = None  # the compute-param gathers (attach)
         self.reshard = False  # parallel.reshard_after_forward, for a world of more than one
+        self._waits_for_reduce_scatters = False  # in backward (before_grad), from attach
         # parallel.gradient_accumulation "sharded" with more than one micro-step per step.
         self.sharded_accumulation = (
             config.gradient_accumulation_steps > 1
@@ -189,9 +201,15 @@ class DataParallel:
         group = dist.group.WORLD if self.group is None else self.group
         self.transport = self._choose_transport(parallel.transport, group)
         self.communicator = self._make_communicator(group, "steps")
+        self.reshard = bool(parallel.reshard_after_forward)
+        # Backward finishes reduce-scatters before new gradients land (before_grad) only with
+        # resharding and without pipeline stages or tensor slices; only then may a pending one
+        # pin other ranks' gradient chunks where they are (no copy into the host tier).
+        self._waits_for_reduce_scatters = self.reshard and self.model_parallel is None
         self.collectives = _C.GroupCollectives(
             manager, self.communicator, tier=Tier.HOST, timeout_s=self.timeout,
-            memory_saving=parallel.memory_saving, gradient_op="avg")
+            memory_saving=parallel.memory_saving, gradient_op="avg",
+            remote_gradients_in_place=self._waits_for_reduce_scatters)
         # An engine never destroyed would otherwise free these during interpreter finalization,
         # after the script's destroy_process_group(): the last reference to the c10d group then
         # goes in an order torch does not expect (a rank of a 2-rank benchmark aborted once at
@@ -217,7 +235,6 @@ class DataParallel:
                 frozen.add(p)
             if not self._owned[-1]:
                 remote.add(ids.compute)
-        self.reshard = bool(parallel.reshard_after_forward)
         gatherer = self.collectives
         if self.reshard:
             # Note [Resharding after forward]: backward's gathers get their own communicator
@@ -233,7 +250,8 @@ class DataParallel:
                                       trainable=trainable, frozen=frozen,
                                       name_of=lambda tensor_id: names.get(tensor_id, tensor_id),
                                       agree=self._agree_on_rank_zeros,
-                                      compare=self._compare_next_gathers)
+                                      compare=self._compare_next_gathers,
+                                      before_backward_gather=self._finish_reduce_scatters)
         # Gradient groups in reduce-scatter order, and which parameters each one waits for.
         self._grad_groups = list(reversed(self.collectives.groups(K.GRADIENT)))
         grad_position = {first: p for p, first in enumerate(self._grad_groups)}
@@ -364,6 +382,8 @@ class DataParallel:
         self._missing = list(self._group_size)
         self._seen: set[int] = set()
         self._rs_cursor = 0
+        self._last_grad_group = None
+        self._wait_for_reduce_scatters = self._waits_for_reduce_scatters
 
     def _reset_accumulation(self) -> None:
         self._reset_backward()
@@ -394,6 +414,36 @@ class DataParallel:
     def _reduces_now(self) -> bool:
         """Whether this micro-step reduce-scatters its gradients."""
         return self.sharded_accumulation or self._boundary()
+
+    def before_grad(self, index: int) -> None:
+        """Called by the engine's gradient hook before the gradient goes into its chunk. The
+        first gradient of a group (and every gather in backward: GatherSchedule's
+        before_backward_gather) waits for the reduce-scatters every rank has issued, so that
+        their full-size gradients are gone before this group's land (Note [Waiting for
+        reduce-scatters every rank issued] in chunk/group_collectives.h); only with resharding,
+        whose gathers' communicator tells when a peer may be waiting for this rank, and without
+        pipeline stages or tensor slices, whose own collectives in backward it cannot see."""
+        if not self.enabled or index in self._seen or not self._reduces_now():
+            return
+        group = self._grad_group_of.get(index)
+        if group == self._last_grad_group:
+            return  # its chunks already hold gradients: nothing new lands
+        self._last_grad_group = group
+        self._finish_reduce_scatters()
+
+    def _finish_reduce_scatters(self) -> None:
+        """Before new full-size data lands in backward (a group's first gradient, a gather):
+        finishes the reduce-scatters every rank issued, or those done."""
+        if not self._reduces_now():
+            return
+        if self._wait_for_reduce_scatters:
+            _, gave_up = self.collectives.finish_reduce_scatters_issued_everywhere(
+                self.gather_communicator, REDUCE_SCATTER_WAIT_S)
+            # A peer is behind by more than the bound or may wait for us: the rest of this
+            # backward keeps the old behaviour (memory, not correctness).
+            self._wait_for_reduce_scatters = not gave_up
+        else:
+            self.collectives.finish_completed_reduce_scatters()
 
     def on_grad(self, index: int) -> None:
         """Called by the engine's gradient hook once the gradient is in its chunk."""

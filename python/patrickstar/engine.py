@@ -513,6 +513,7 @@ class PatrickStarEngine(nn.Module):
             if grad is None or owner is None:
                 return
             has_grad = owner.optimizer.has_grad
+            owner.dp.before_grad(index)
             owner._slots.store_grad(index, grad, has_grad[index])
             has_grad[index] = True
             owner.dp.on_grad(index)

@@ -54,7 +54,9 @@ group's remote payloads is local (Note [Releasing one group] in chunk/group_coll
     or between iterations, but the sequence of gathers is still a prefix of the one order:
     a different need only gathers earlier. A group is released once every trainable tensor
     of it got its gradient in this backward (and no frozen tensor needs it for an input
-    gradient), at the first access after that which finds none of its tensors in use. At the
+    gradient), at the first access after that which finds none of its tensors in use, before
+    that access gathers anything (the group used last and the next one are then not held
+    together: a third of backward's window for the block stack of docs/benchmarks.md). At the
     end of backward the ranks agree (one all-reduce on the gather group) on how many groups
     of the order any of them issued, all gather that many, and release everything.
   * the gathers of backward run on their own process group (data_parallel.py creates it):
@@ -88,7 +90,7 @@ class GatherSchedule:
 
     def __init__(self, collectives, groups, position_of: dict, remote: set, gather_ahead: int,
                  reshard: bool = False, trainable=None, frozen=(), name_of=None, agree=None,
-                 compare=None):
+                 compare=None, before_backward_gather=None):
         self.collectives = collectives
         self.groups = list(groups)
         self.position_of = position_of
@@ -133,6 +135,9 @@ class GatherSchedule:
         self._used: dict[int, set] = {}
         self._compare = compare
         self.regathered_in_first_forward = 0  # counter
+        # Called before a gather in backward: the gradients of the groups done with go before
+        # the next group's parameters arrive (data_parallel.py's reduce-scatters).
+        self._before_backward_gather = before_backward_gather
 
     def close(self) -> None:
         """Closes its collectives (DataParallel.close(): before the chunk manager closes)."""
@@ -357,12 +362,16 @@ class GatherSchedule:
 
     def _backward_access(self, tensor_id: int, position: int) -> None:
         index = self._index_in_order[position]
+        # Groups done with go first, so that the next one's gather does not land beside them.
+        self._release_ready()
         if index < self._next:
             if position in self._released and tensor_id in self.remote:
                 self._depart(tensor_id, position, "backward")
         else:
+            if self._before_backward_gather is not None:
+                self._before_backward_gather()
             self.gather_through(index)
-        self._release_ready()
+            self._release_ready()
 
     def on_grad(self, position: int) -> None:
         """A trainable tensor of group `position` got its gradient in this backward."""

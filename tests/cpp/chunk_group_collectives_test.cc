@@ -4,6 +4,7 @@
 // memory-saving mode gives the same bytes with broadcast/reduce, and a rank that never comes
 // makes the others fail with DeadlineExceeded naming the collective.
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <functional>
 #include <memory>
@@ -284,6 +285,77 @@ TEST_P(GroupCollectivesTest, ReleasingOneGroupRegathersOnlyThatGroup) {
     }
     EXPECT_FALSE(c.Release((*m.tensor(NumParams()))->chunk).ok())
         << "a gradient group is not released one by one";
+  });
+}
+
+// Note [Waiting for reduce-scatters every rank issued]: rank 0 does not wait for a reduce-scatter
+// that rank 1 has not issued when rank 1 went ahead on the watched communicator, nor past the
+// bound; it waits for one every rank issued, which completes; a world that cannot tell who
+// issued what finishes only what is done.
+TEST_P(GroupCollectivesTest, WaitsOnlyForReduceScattersEveryRankIssued) {
+  if (GetParam() != 2) GTEST_SKIP() << "two ranks take turns";
+  Build({});
+  auto watched_world = std::make_shared<testing::FakeWorld>(2);
+  watched_world->CountIssued();
+  testing::FakeCommunicator watched_0(watched_world, 0), watched_1(watched_world, 1);
+  std::atomic<int> turn{0};
+  auto wait_for = [&](int value) {
+    while (turn != value) absl::SleepFor(absl::Milliseconds(1));
+  };
+  OnEveryRank([&](int r) {
+    GroupCollectives& c = *ranks_[r]->collectives;
+    for (TensorId t = NumParams(); t < 2 * NumParams(); ++t) Write(r, t, 1.0f + r);
+    const ChunkId group = c.Groups(ChunkKind::kGradient).back();
+    if (r == 0) {
+      // The world does not count yet: nothing is done, and nothing is waited for.
+      ASSERT_TRUE(c.StartReduceScatter(group).ok());
+      auto blind = c.FinishReduceScattersIssuedEverywhere(nullptr, absl::Seconds(30));
+      ASSERT_TRUE(blind.ok()) << blind.status();
+      EXPECT_EQ(blind->finished, 0);
+      EXPECT_FALSE(blind->gave_up);
+      turn = 1;
+      ASSERT_TRUE(c.FinishReduceScatters().ok());
+      wait_for(2);
+      ASSERT_TRUE(c.StartReduceScatter(group).ok());  // counted: rank 1 has issued none
+      turn = 3;
+      wait_for(4);
+      // Rank 1 went ahead on the watched communicator: it may be waiting there for rank 0, so
+      // rank 0 stops at once (with no bound at all: a wrong wait hangs the test).
+      auto ahead =
+          c.FinishReduceScattersIssuedEverywhere(&watched_0, absl::InfiniteDuration());
+      ASSERT_TRUE(ahead.ok()) << ahead.status();
+      EXPECT_EQ(ahead->finished, 0);
+      EXPECT_TRUE(ahead->gave_up);
+      auto bounded = c.FinishReduceScattersIssuedEverywhere(nullptr, absl::Milliseconds(20));
+      ASSERT_TRUE(bounded.ok()) << bounded.status();
+      EXPECT_EQ(bounded->finished, 0);
+      EXPECT_TRUE(bounded->gave_up);
+      turn = 5;
+      // Rank 1 issues its reduce-scatter a little later: this call waits for it and finishes.
+      auto waited = c.FinishReduceScattersIssuedEverywhere(nullptr, absl::InfiniteDuration());
+      ASSERT_TRUE(waited.ok()) << waited.status();
+      EXPECT_EQ(waited->finished, 1);
+      EXPECT_FALSE(waited->gave_up);
+      EXPECT_EQ(c.pending_reduce_scatters(), 0);
+      float value = 1;
+      EXPECT_TRUE(watched_0.AllReduce(&value, 1, DType::kFloat32, ReduceOp::kSum, "x")
+                      .Wait(absl::Seconds(30)).ok());
+    } else {
+      wait_for(1);
+      ASSERT_TRUE(c.StartReduceScatter(group).ok());
+      ASSERT_TRUE(c.FinishReduceScatters().ok());
+      world_->CountIssued();
+      turn = 2;
+      wait_for(3);
+      float value = 2;
+      CollectiveHandle ahead = watched_1.AllReduce(&value, 1, DType::kFloat32, ReduceOp::kSum, "x");
+      turn = 4;
+      wait_for(5);
+      absl::SleepFor(absl::Milliseconds(50));
+      ASSERT_TRUE(c.StartReduceScatter(group).ok());
+      ASSERT_TRUE(c.FinishReduceScatters().ok());
+      EXPECT_TRUE(ahead.Wait(absl::Seconds(30)).ok());
+    }
   });
 }
 

@@ -225,6 +225,25 @@ TEST(ChunkLayoutTest, SearchCountsOnlyChunksWithTensorsAndBreaksTiesTowardsSmall
             absl::StatusCode::kInvalidArgument);
 }
 
+TEST(ChunkLayoutTest, SearchTriesPowersOfTwoOfTheFloorBelowItsRange) {
+  // Note [Chunk-size search]: two large tensors (oversize groups, one per rank) and four small
+  // ones in a world of 2. From 100 elements up the small ones share one chunk on rank 0 (400
+  // bytes more there); chunks of 25 (floor 25: 25, 50) put two on each rank's padding.
+  std::vector<int64_t> sizes = {400, 25, 400, 25, 25, 25};
+  const std::vector<TensorSpec> specs = Vectors(sizes);
+  auto without = SearchChunkSize(specs, ChunkSizeSearch{100, 400, 100}, 2);
+  ASSERT_TRUE(without.ok()) << without.status();
+  EXPECT_EQ(without->candidates, 4);
+  auto with = SearchChunkSize(specs, ChunkSizeSearch{100, 400, 100, 25}, 2);
+  ASSERT_TRUE(with.ok()) << with.status();
+  EXPECT_EQ(with->candidates, 6);  // 25, 50, then 100 ... 400
+  EXPECT_LT(with->plan.chunk_elements, 100);
+  EXPECT_LT(with->plan.largest_rank_bytes, without->plan.largest_rank_bytes);
+  EXPECT_EQ(with->plan.largest_rank_bytes, (400 + 50) * 4);
+  EXPECT_EQ(SearchChunkSize(specs, ChunkSizeSearch{100, 400, 100, -1}, 2).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 TEST(ChunkLayoutTest, HashIsDeterministicAndSeesOrderNamesShapesAndWorldSize) {
   const std::vector<TensorSpec> specs = {Spec("a", {2, 3}), Spec("b", {4}), Spec("c", {5})};
   auto plan = PlanLayout(specs, 8, 2);

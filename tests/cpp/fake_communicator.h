@@ -47,6 +47,20 @@ class FakeWorld {
     return true;
   }
 
+  // Calls each rank issued, when the world counts them (Note [Issued everywhere]); else empty.
+  void CountIssued() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    issued_.assign(world_size_, 0);
+  }
+  void Issued(int rank) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!issued_.empty()) issued_[rank] += 1;
+  }
+  std::vector<int64_t> IssuedByRank() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return issued_;
+  }
+
   void Abort() {
     std::lock_guard<std::mutex> lock(mutex_);
     aborted_ = true;
@@ -63,6 +77,7 @@ class FakeWorld {
   std::condition_variable changed_;
   std::map<std::pair<int64_t, int>, Slot> slots_;
   bool aborted_ = false;
+  std::vector<int64_t> issued_;
 };
 
 class FakeCommunicator : public Communicator {
@@ -84,6 +99,7 @@ class FakeCommunicator : public Communicator {
   std::string backend() const override { return "fake"; }
   AddressSpace address_space() const override { return AddressSpace::kHostMemory; }
   int64_t issued() const { return seq_; }
+  std::vector<int64_t> IssuedByRank() const override { return world_->IssuedByRank(); }
 
   CollectiveHandle AllGather(absl::Span<void* const> buffers, int64_t count, DType dtype,
                              std::string label) override {
@@ -122,6 +138,7 @@ class FakeCommunicator : public Communicator {
     FakeWorld::Call call{type, std::vector<void*>(buffers.begin(), buffers.end()), count, op, root};
     const int64_t seq = seq_++;
     worker_.Schedule([this, state, call, seq] { state->Finish(Run(seq, call)); });
+    world_->Issued(rank_);
     return CollectiveHandle(state);
   }
 

@@ -350,6 +350,34 @@ TEST(ShmCommunicatorTest, ManySmallCallsInARow) {
   });
 }
 
+TEST(ShmCommunicatorTest, EveryRankSeesWhatEachIssued) {
+  // Note [Issued everywhere]: a call counts once issued, before it runs, on every rank's view.
+  auto ranks = MakeWorld(3);
+  EXPECT_EQ(ranks[0]->IssuedByRank(), (std::vector<int64_t>{0, 0, 0}));
+  float a = 1, b = 2, c = 3;
+  CollectiveHandle first = ranks[0]->AllReduce(&a, 1, DType::kFloat32, ReduceOp::kSum, "one");
+  CollectiveHandle second = ranks[0]->AllReduce(&a, 1, DType::kFloat32, ReduceOp::kSum, "two");
+  CollectiveHandle peer = ranks[2]->AllReduce(&c, 1, DType::kFloat32, ReduceOp::kSum, "one");
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_EQ(ranks[r]->IssuedByRank(), (std::vector<int64_t>{2, 0, 1})) << "rank " << r;
+  }
+  EXPECT_FALSE(first.done());  // rank 1 has issued nothing yet
+  // A call that fails its checks is not issued: the peers must not count on it.
+  EXPECT_FALSE(ranks[1]->AllReduce(&b, -1, DType::kFloat32, ReduceOp::kSum, "bad").Wait(
+      absl::Seconds(5)).ok());
+  EXPECT_EQ(ranks[0]->IssuedByRank()[1], 0);
+  CollectiveHandle late = ranks[1]->AllReduce(&b, 1, DType::kFloat32, ReduceOp::kSum, "one");
+  PS_EXPECT_OK(first.Wait(absl::Seconds(30)));
+  PS_EXPECT_OK(peer.Wait(absl::Seconds(30)));
+  PS_EXPECT_OK(late.Wait(absl::Seconds(30)));
+  EXPECT_EQ(ranks[1]->IssuedByRank(), (std::vector<int64_t>{2, 1, 1}));
+  CollectiveHandle ends = ranks[1]->AllReduce(&b, 1, DType::kFloat32, ReduceOp::kSum, "two");
+  CollectiveHandle also = ranks[2]->AllReduce(&c, 1, DType::kFloat32, ReduceOp::kSum, "two");
+  PS_EXPECT_OK(second.Wait(absl::Seconds(30)));
+  PS_EXPECT_OK(ends.Wait(absl::Seconds(30)));
+  PS_EXPECT_OK(also.Wait(absl::Seconds(30)));
+}
+
 TEST(ShmCommunicatorTest, MissingRankIsDeadlineExceededNamingTheCollective) {
   auto ranks = MakeWorld(2);
   std::vector<float> a(100), b(100);

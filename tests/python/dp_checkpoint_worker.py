@@ -93,8 +93,8 @@ def _seed_rank(rank: int, base: int) -> None:
 
 def resume(precision: str, out: str, rank: int, world: int, nvme: bool = False) -> dict:
     """Train STEPS, save, train STEPS more; a fresh engine loads and trains the same STEPS.
-    `nvme`: tight device and host budgets over an NVMe tier, so every save and load reads
-    chunks from the swap file (rank r's own directory)."""
+    `nvme`: tight device and host budgets over an NVMe tier (rank r's own directory), through
+    which chunks move while training."""
     name = f"resume_{precision}" + ("_nvme" if nvme else "")
     save_dir = os.path.join(out, name)
     data = [shard(batch, rank, world) for batch in batches(2 * STEPS)]
@@ -109,8 +109,10 @@ def resume(precision: str, out: str, rank: int, world: int, nvme: bool = False) 
     _seed_rank(rank, 100)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.5)
     train(model, opt, data[:STEPS], sched)
-    nvme_bytes = sum(tier["chunk_bytes"] for tier in model.memory_stats()
-                     if tier["kind"] == "nvme")
+    # Bytes written to the swap file while training. What is there at the end depends on the
+    # schedule's transients: since a reduce-scatter reads other ranks' gradient chunks where
+    # they are (no host copy), this model's state fits the budgets again once the step is done.
+    nvme_bytes = sum(tier["bytes_in"] for tier in model.memory_stats() if tier["kind"] == "nvme")
     assert model.save_checkpoint(save_dir, tag="t", client_state={"rank": rank},
                                  lr_scheduler=sched)
     at_save = {k: v.clone() for k, v in model.state_dict().items()}

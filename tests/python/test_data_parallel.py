@@ -219,12 +219,14 @@ def test_each_rank_holds_about_half_the_model_data_of_one_process(two_ranks):
 
 def test_an_auto_chunk_size_keeps_each_rank_near_half_of_one_process(two_ranks):
     # "default_chunk_size": "auto" searches the size for the world (Note [Chunk-size search]):
-    # at least as good as the hand-picked 16384 of "blocks" against one process of its own.
+    # better than the hand-picked 16384 of "blocks" against one process of its own (measured
+    # 0.43 and 0.44 with the search's small candidates and backward's wait for reduce-scatters,
+    # 0.59 for "blocks").
     check_matches_reference(two_ranks, "blocks_auto")
     single = single_process_peak("blocks_auto")
     for rank, result in enumerate(two_ranks):
         ratio = result["blocks_auto"]["peak_model_bytes"] / single
-        assert ratio <= 0.7, (rank, ratio)
+        assert ratio <= 0.5, (rank, ratio)
 
 
 def test_prefetch_under_data_parallelism_hits_and_matches_pytorch(two_ranks):

@@ -68,7 +68,7 @@ def _assert_close_runs(losses, ref_losses, state, ref_state):
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16", "bf16_lowp", "fp32_nvme"])
 def test_two_ranks_resume_bit_for_bit(runs, precision):
-    """fp32_nvme: tight budgets over each rank's NVMe tier (state read from disk on save)."""
+    """fp32_nvme: tight budgets over each rank's NVMe tier (chunks move through it)."""
     out, _, results = runs
     name = f"resume_{precision}"
     for rank, result in enumerate(r[name] for r in results):
