@@ -23,8 +23,10 @@ checkpoint is loaded, since the rows before the failure were already updated.
 """
 from __future__ import annotations
 
+import collections.abc
 import contextlib
 import math
+import weakref
 from typing import Callable, ContextManager, Iterable
 
 import torch
@@ -97,6 +99,42 @@ class _UpdateRow:
         self.chunks: set[int] = set()
 
 
+class ChunkedStateView(collections.abc.Mapping):
+    """`optimizer.state` as torch.optim offers it (parameter -> its state dict), read out of the
+    chunks on each lookup. Read-only: the state lives in chunks, so an assignment here would be
+    lost; `optimizer.load_state_dict` writes state."""
+
+    def __init__(self, optimizer: "PatrickStarOptimizer"):
+        self._optimizer = weakref.ref(optimizer)
+
+    def _indices(self):
+        optimizer = self._optimizer()
+        if optimizer is None or getattr(optimizer, "chunked", None) is None:
+            return optimizer, {}
+        chunked = optimizer.chunked
+        return optimizer, {index: param for index, param in enumerate(chunked.params)
+                           if optimizer.step_counts[index] > 0
+                           and chunked.ids[index].momentum is not None}
+
+    def __getitem__(self, param) -> dict:
+        optimizer, stepped = self._indices()
+        index = None if optimizer is None else optimizer.chunked.index_of(param)
+        return {} if index not in stepped else optimizer.state_entry(index)
+
+    def __iter__(self):
+        return iter(self._indices()[1].values())
+
+    def __len__(self) -> int:
+        return len(self._indices()[1])
+
+    def __setitem__(self, param, value):
+        raise TypeError("optimizer.state is a read-only view of the state in chunks; use "
+                        "optimizer.load_state_dict() to change it")
+
+    def __repr__(self) -> str:
+        return f"ChunkedStateView({len(self)} parameters with state)"
+
+
 class PatrickStarOptimizer(torch.optim.Optimizer):
     """Adam/AdamW over chunked state. Built by `patrickstar.initialize()`, not by users.
 
@@ -115,6 +153,7 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         groups = [dict(group, params=[p for p in group["params"] if params.index_of(p) is not None])
                   for group in groups]
         super().__init__(groups, defaults)
+        self.state = ChunkedStateView(self)  # torch's dict of per-parameter state, read-only
         self.chunked = params
         self.config = config
         self.precision = params.precision
@@ -356,16 +395,32 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
 
     # ---- State dict ----------------------------------------------------------------------------
 
+    def add_param_group(self, param_group: dict) -> None:
+        if getattr(self, "chunked", None) is None:  # torch.optim.Optimizer.__init__'s groups
+            return super().add_param_group(param_group)
+        raise ValueError("add_param_group: the PatrickStar optimizer updates the chunks of the "
+                         "model it was built with; parameters cannot be added later. Split the "
+                         "model's parameters into groups with initialize(..., param_groups=...), "
+                         "and give other parameters a torch optimizer of their own")
+
+    def state_entry(self, index: int) -> dict:
+        """Parameter `index`'s Adam state as torch keeps it ({} before its first step): "step"
+        and the moments read out of their chunks (8-bit state: codes and their scales)."""
+        params = self.chunked
+        if params.ids[index].momentum is None or self.step_counts[index] == 0:
+            return {}
+        entry = {"step": torch.tensor(float(self.step_counts[index]))}
+        for key in moment_state.MOMENT_KEYS:
+            entry.update(moment_state.read_moment(params, index, key))
+        return entry
+
     def state_dict(self):
         params = self.chunked
         state = {}
         for index in range(len(params)):
-            if params.ids[index].momentum is None or self.step_counts[index] == 0:
-                continue
-            entry = {"step": torch.tensor(float(self.step_counts[index]))}
-            for key in moment_state.MOMENT_KEYS:  # 8-bit state: codes and their scales
-                entry.update(moment_state.read_moment(params, index, key))
-            state[index] = entry
+            entry = self.state_entry(index)
+            if entry:
+                state[index] = entry
         groups = []
         for group in self.param_groups:
             saved = {k: v for k, v in group.items() if k != "params"}
