@@ -51,7 +51,24 @@ class _BackwardCall(torch.autograd.Function):
         return None, None, grad
 
 
-class ModuleHooks:
+class HookSet:
+    """The handles of hooks an engine installed: removable together, and known by id (copies
+    of the user's module leave them out: module_copies.py)."""
+
+    def __init__(self):
+        self._handles = []
+
+    @property
+    def hook_ids(self) -> set[int]:
+        return {handle.id for handle in self._handles}
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
+class ModuleHooks(HookSet):
     """Installs forward hooks on `modules`; calls `access(module)` before a module runs (forward
     and backward) and `release(module, phase)` after, with phase "fwd" or "bwd"; `tick(event)`
     at each of those moments. The engine passes the modules that own parameters directly: a
@@ -62,22 +79,13 @@ class ModuleHooks:
     def __init__(self, modules, access: Callable[[torch.nn.Module, str], None],
                  release: Callable[[torch.nn.Module, str], None],
                  tick: Callable[[str], None]):
+        super().__init__()
         self._access = access
         self._release = release
         self._tick = tick
-        self._handles = []
         for module in modules:
             self._handles.append(module.register_forward_pre_hook(self._pre_forward))
             self._handles.append(module.register_forward_hook(self._post_forward))
-
-    @property
-    def hook_ids(self) -> set[int]:
-        return {handle.id for handle in self._handles}
-
-    def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
 
     # Forward ----------------------------------------------------------------------------------
     def _pre_forward(self, module, inputs):

@@ -211,13 +211,16 @@ class ParameterPlacer:
         alive = self._survives[self._event]
         self._event += 1
         if alive:
-            with torch.no_grad():
-                view = self._place(self._placed, param)
-                view.copy_(param.data)
-                param.data = view
-            self._placed += 1
-            self.parameters.append(param)
+            self._place_next(param)
         return None
+
+    def _place_next(self, param: nn.Parameter) -> None:
+        with torch.no_grad():
+            view = self._place(self._placed, param)
+            view.copy_(param.data)
+            param.data = view
+        self._placed += 1
+        self.parameters.append(param)
 
     def _was_registered(self, param: nn.Parameter) -> bool:
         seen = self._seen.get(id(param))
@@ -230,12 +233,7 @@ class ParameterPlacer:
             raise RuntimeError("model_func registered fewer parameters than on its first run; "
                                "it must build the same model every time it is called")
         for _, param in _unregistered(model, self._was_registered):  # Note [Parameters no...]
-            with torch.no_grad():
-                view = self._place(self._placed, param)
-                view.copy_(param.data)
-                param.data = view
-            self._placed += 1
-            self.parameters.append(param)
+            self._place_next(param)
         return model
 
 

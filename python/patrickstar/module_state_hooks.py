@@ -26,16 +26,18 @@ import weakref
 import torch
 from torch import nn
 
+from .hooks import HookSet
+
 __all__ = ["ModuleStateHooks"]
 
 
-class ModuleStateHooks:
+class ModuleStateHooks(HookSet):
     def __init__(self, modules, engine):
         """Hooks `modules` (those owning parameters) of `engine`, held weakly (Note [Engine
         lifetime]): the engine's `params`, `read_parameter(index)` and
         `load_parameter(index, tensor)` do the work."""
+        super().__init__()
         self._engine = weakref.ref(engine)
-        self._handles = []
         # Partials, not bound methods: torch marks its hooks with an attribute.
         after_state_dict = functools.partial(ModuleStateHooks._after_state_dict, self)
         before_load = functools.partial(ModuleStateHooks._before_load_state_dict, self)
@@ -50,15 +52,6 @@ class ModuleStateHooks:
                                "engine is gone: its parameters lived in the engine's chunks, "
                                "which were freed with it")
         return engine
-
-    @property
-    def hook_ids(self) -> set[int]:
-        return {handle.id for handle in self._handles}
-
-    def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
 
     def _chunked(self, engine, module: nn.Module, prefix: str):
         for name, param in module.named_parameters(recurse=False):

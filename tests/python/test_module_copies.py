@@ -12,20 +12,7 @@ from torch import nn
 
 import patrickstar
 from test_initialize import MLP
-
-CONFIG = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "default_chunk_size": 4096}
-
-
-def trained(model_func=MLP, steps=2):
-    torch.manual_seed(0)
-    model, optimizer = patrickstar.initialize(model_func, config=CONFIG)
-    generator = torch.Generator().manual_seed(1)
-    for _ in range(steps):
-        x = torch.randn(8, 32, generator=generator)
-        model.backward(model(x, torch.randint(0, 10, (8,), generator=generator)))
-        optimizer.step()
-        optimizer.zero_grad()
-    return model, optimizer
+from test_module_state_dict import trained
 
 
 def assert_same_weights(module: nn.Module, model) -> None:
@@ -62,7 +49,7 @@ def test_deepcopy_is_a_plain_module_with_the_current_weights(source):
 def test_tied_weights_stay_tied_in_the_copy():
     transformers = pytest.importorskip("transformers")
     config = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2, n_positions=16)
-    model, _ = patrickstar.initialize(lambda: transformers.GPT2LMHeadModel(config), config=CONFIG)
+    model, _ = patrickstar.initialize(lambda: transformers.GPT2LMHeadModel(config), config={"optimizer": {"type": "Adam", "params": {"lr": 1e-2}}})
     plain = copy.deepcopy(model.module)
     assert plain.lm_head.weight is plain.transformer.wte.weight
     assert plain.lm_head.weight.shape == (64, 32)
