@@ -9,7 +9,8 @@ engine; pickling failed on the hooks). Each module that owns parameters gets an 
 `__getstate__` (instance attributes shadow the class's for deepcopy and pickle alike) that
 returns its state with:
   * each chunked parameter replaced by a Parameter over its current value (`read_parameter`:
-    the compute dtype, gathered under data parallelism, so every rank copies), the same new
+    the compute dtype, gathered under data parallelism, so every rank copies; on the engine's
+    device, beside the module's buffers), the same new
     Parameter for every module that shares it within one copy (a weak cache by index that lives
     as long as the copy operation holds it), so tied weights stay tied in the copy;
   * the engine's hooks and registrations left out, and no `__getstate__` of its own.
@@ -69,6 +70,9 @@ class ModuleCopies:
     def _materialize(self, engine, index: int, param: nn.Parameter) -> nn.Parameter:
         copy = self._materialized.get(index)
         if copy is None:
-            copy = nn.Parameter(engine.read_parameter(index), requires_grad=param.requires_grad)
+            # On the engine's device, where the module's buffers are, as a deepcopy of a CUDA
+            # model is a CUDA model.
+            copy = nn.Parameter(engine.read_parameter(index).to(engine.device),
+                                requires_grad=param.requires_grad)
             self._materialized[index] = copy
         return copy
