@@ -114,6 +114,17 @@ def _check_dtype(name: str, dtype: torch.dtype) -> None:
         f"state_dict and checkpoints, and stay on the module")
 
 
+def _check_sparse_gradients(model: nn.Module) -> None:
+    """Sparse gradients cannot go into a gradient chunk, and Adam has no sparse update (torch's
+    Adam refuses them too, at its first step); say so before anything is allocated."""
+    for name, module in model.named_modules():
+        if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.sparse:
+            raise ValueError(
+                f"{type(module).__name__} '{name}' was built with sparse=True: its sparse "
+                f"gradients cannot be stored in PatrickStar's gradient chunks, and Adam has no "
+                f"sparse update (torch.optim.Adam refuses them too). Build it with sparse=False")
+
+
 def plan_parameters(model_func: Callable[[], nn.Module]) -> tuple[list[ParamSpec], list[bool]]:
     """Pass 1 of Note [Two-pass initialization]. Returns the specs of the surviving parameters
     and, per registration event, whether it is the first registration of a surviving one."""
@@ -141,6 +152,7 @@ def plan_parameters(model_func: Callable[[], nn.Module]) -> tuple[list[ParamSpec
         on_meta = False
         with _preserved_rng(), _registration_hook(record):
             model = _call_model_func(model_func)
+    _check_sparse_gradients(model)
     names = {id(p): n for n, p in model.named_parameters()}
     outside = [(n, p.device) for n, p in model.named_parameters()
                if p.device.type != "meta" and on_meta]

@@ -148,3 +148,16 @@ def test_empty_and_scalar_parameters_train_as_in_pytorch(tmp_path):
     model.save_checkpoint(tmp_path)
     model.load_checkpoint(tmp_path)
     assert model.state_dict()["empty"].shape == (0, 4)
+
+
+def test_sparse_embeddings_are_refused_naming_the_module():
+    class Sparse(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.table = nn.EmbeddingBag(100, 8, sparse=True)
+
+        def forward(self, tokens):
+            return self.table(tokens).sum()
+
+    with pytest.raises(ValueError, match="EmbeddingBag 'table' was built with sparse=True"):
+        patrickstar.initialize(Sparse, config={"default_chunk_size": 4096})
