@@ -21,15 +21,27 @@ class Checkpointed(nn.Module):
     """Every block recomputed in backward: the engine's first access inside loss.backward() is
     a recomputed forward, not a pre-backward hook."""
 
+    reentrant = False
+
     def __init__(self):
         super().__init__()
+        self.stem = nn.Linear(32, 32)  # so the checkpointed blocks' inputs require grad
         self.blocks = nn.ModuleList(nn.Linear(32, 32) for _ in range(3))
         self.head = nn.Linear(32, 10)
 
     def forward(self, x, y):
+        x = self.stem(x)
         for block in self.blocks:
-            x = checkpoint(lambda t, b=block: torch.relu(b(t)), x, use_reentrant=False)
-        return nn.functional.cross_entropy(self.head(x), y)
+            x = checkpoint(lambda t, b=block: torch.relu(b(t)), x,
+                           use_reentrant=self.reentrant)
+        logits = checkpoint(self.head, x, use_reentrant=self.reentrant)
+        return nn.functional.cross_entropy(logits, y)
+
+
+class CheckpointedReentrant(Checkpointed):
+    """Reentrant checkpointing runs a nested autograd backward per block: the engine must join
+    the outer one (its end is the end of loss.backward())."""
+    reentrant = True
 
 
 def train(model_func, config, data, autograd: bool, accumulation: int = 1):
@@ -62,6 +74,7 @@ def assert_same(a, b):
     (MLP, {"bf16": {"enabled": True}}, 2),
     (MLP, {"bf16": {"enabled": True, "master_weights": False}}, 1),
     (Checkpointed, {}, 2),
+    (CheckpointedReentrant, {}, 1),
 ])
 def test_loss_backward_trains_as_model_backward(model_func, config, accumulation):
     data = batches(6)
