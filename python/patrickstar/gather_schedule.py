@@ -362,8 +362,9 @@ class GatherSchedule:
 
     def _backward_access(self, tensor_id: int, position: int) -> None:
         index = self._index_in_order[position]
-        # Groups done with go first, so that the next one's gather does not land beside them.
-        self._release_ready()
+        # Groups done with go first, so that the next one's gather does not land beside them;
+        # not the one accessed now (a tensor of it used again after its gradients are in).
+        self._release_ready(keep=position)
         if index < self._next:
             if position in self._released and tensor_id in self.remote:
                 self._depart(tensor_id, position, "backward")
@@ -382,9 +383,9 @@ class GatherSchedule:
             self._ready.add(position)
             self._release_ready()
 
-    def _release_ready(self) -> None:
+    def _release_ready(self, keep: int | None = None) -> None:
         for position in sorted(self._ready):
-            if self._index_in_order[position] < self._next and \
+            if position != keep and self._index_in_order[position] < self._next and \
                     position not in self._released and self._release(position):
                 self._ready.discard(position)
                 self.released_in_backward += 1
