@@ -395,6 +395,12 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
 
     # ---- State dict ----------------------------------------------------------------------------
 
+    def __reduce_ex__(self, protocol):
+        raise TypeError("the PatrickStar optimizer cannot be pickled (torch.save(optimizer)): "
+                        "its state lives in chunks of the engine's runtime. Save "
+                        "optimizer.state_dict() (loads with optimizer.load_state_dict) or "
+                        "model.save_checkpoint(dir) (the whole training state)")
+
     def add_param_group(self, param_group: dict) -> None:
         if getattr(self, "chunked", None) is None:  # torch.optim.Optimizer.__init__'s groups
             return super().add_param_group(param_group)

@@ -44,3 +44,10 @@ def test_add_param_group_after_initialize_is_refused():
     with pytest.raises(ValueError, match=r"param_groups=\.\.\."):
         optimizer.add_param_group({"params": [nn.Parameter(torch.zeros(3))]})
     assert len(optimizer.param_groups) == 1
+
+
+def test_pickling_the_optimizer_names_what_to_save():
+    import io
+    _, optimizer = patrickstar.initialize(MLP, config={"default_chunk_size": 4096})
+    with pytest.raises(TypeError, match=r"optimizer.state_dict\(\)"):
+        torch.save(optimizer, io.BytesIO())
