@@ -181,8 +181,19 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
     def loss_scale(self) -> float:
         return self.loss_scaler.scale
 
+    # torch.amp.GradScaler hands such an optimizer to step() instead of looking for p.grad
+    # (which chunked gradients never fill), so its use gets a clear error rather than its
+    # "No inf checks were recorded for this optimizer".
+    _step_supports_amp_scaling = True
+
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None, grad_scaler=None):
+        if grad_scaler is not None:
+            raise TypeError(
+                "torch.amp.GradScaler cannot scale the PatrickStar optimizer's gradients (they "
+                "live in chunks): for fp16 training set config fp16.enabled, whose dynamic loss "
+                "scale model.backward(loss) applies; with torch.autocast(dtype=torch.bfloat16) "
+                "no scaler is needed (GradScaler(enabled=False) is fine)")
         loss = None
         if closure is not None:
             with torch.enable_grad():

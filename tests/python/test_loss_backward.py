@@ -180,3 +180,28 @@ def test_a_loss_backward_that_raised_leaves_the_engine_usable():
         optimizer.step()
         optimizer.zero_grad()
     assert model.memory_stats() is not None
+
+
+def test_a_disabled_grad_scaler_steps_and_an_enabled_one_names_the_config():
+    # nanoGPT's loop: GradScaler(enabled=(dtype == "float16")) around bf16 autocast.
+    data = batches(3)
+    reference = train(MLP, {}, data, autograd=True)
+    torch.manual_seed(0)
+    model, optimizer = patrickstar.initialize(MLP, config={
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+        "default_chunk_size": 4096})
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    losses = []
+    for x, y in data:
+        loss = model(x, y)
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    assert_same(reference, (losses, model.state_dict()))
+    scaler = torch.amp.GradScaler("cpu", enabled=True)
+    scaler.scale(model(*data[0])).backward()
+    with pytest.raises(TypeError, match="fp16.enabled"), pytest.warns(FutureWarning):
+        scaler.step(optimizer)
