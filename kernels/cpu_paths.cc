@@ -59,6 +59,7 @@ namespace scalar_path {
 struct Ops {
   using V = float;
   static constexpr int kWidth = 1;
+  static constexpr bool kNineRegions = false;
   static PS_INLINE V Set1(float x) { return x; }
   static PS_INLINE V Load(const float* p) { return *p; }
   static PS_INLINE void Store(float* p, V x) { *p = x; }
@@ -169,6 +170,7 @@ namespace avx2_path {
 struct Ops {
   using V = __m256;
   static constexpr int kWidth = 8;
+  static constexpr bool kNineRegions = false;  // 8-entry tables
   static PS_INLINE V Set1(float x) { return _mm256_set1_ps(x); }
   static PS_INLINE V Load(const float* p) { return _mm256_loadu_ps(p); }
   static PS_INLINE void Store(float* p, V x) { _mm256_storeu_ps(p, x); }
@@ -420,6 +422,7 @@ alignas(64) constexpr uint16_t kWidenBf16[32] = {0, 0, 0, 1,  0, 2,  0, 3,  0, 4
 struct Ops {
   using V = __m512;
   static constexpr int kWidth = 16;
+  static constexpr bool kNineRegions = true;  // Note [Nearest code by arithmetic]
   static PS_INLINE V Set1(float x) { return _mm512_set1_ps(x); }
   static PS_INLINE V Load(const float* p) { return _mm512_loadu_ps(p); }
   static PS_INLINE void Store(float* p, V x) { _mm512_storeu_ps(p, x); }
@@ -540,6 +543,10 @@ struct Ops {
   static PS_INLINE VI Lookup16I(const int32_t* table, VI r) {
     return _mm512_permutexvar_epi32(r, _mm512_load_si512(table));
   }
+  // min(|x|, c) with the sign cleared (vrangeps, imm: min of magnitudes, sign 0); a NaN x
+  // stays NaN.
+  static PS_INLINE V MinAbs(V x, V c) { return _mm512_range_ps(x, c, 0x0a); }
+  static PS_INLINE V MaxF(V a, V b) { return _mm512_max_ps(a, b); }  // b when either is NaN
   static PS_INLINE VI OctaveRegion(const FastQuantization& f, VI octave) {
     return _mm512_permutex2var_epi32(_mm512_load_si512(f.octave_region), octave,
                                      _mm512_load_si512(f.octave_region + 16));
