@@ -62,12 +62,22 @@ namespace {
 // between its codes are, up to float rounding, evenly spaced too, so there the nearest code is
 // floor(|x| * A + B) with A the inverse spacing; the threshold between a decade's last code and
 // the next decade's first is not on that grid, and neither is the one below 1.0. So, for y = |x|:
-//   top     y > threshold[254] gives 255: y is replaced by `above_top`, whose index is 255.
 //   region  the zero code, then decade 0..6, each (upper[r-1], upper[r]] with upper[r] the exact
-//           threshold above its highest code. Decades are 3.3 octaves wide, so an octave holds
-//           at most one region boundary: the exponent of y picks the region of its octave's low
-//           end (a 32-entry table, one permute) and one compare with that region's upper end
-//           moves to the next. Exact, ties included.
+//           threshold above its highest code, then region 8, y > threshold[254] (= top), the
+//           code 255 alone. Decades are 3.3 octaves wide, so an octave holds at most one region
+//           boundary: the exponent of y picks the region of its octave's low end (a 32-entry
+//           table, one permute) and one compare with that region's upper end moves to the next.
+//           Exact, ties included. Before that, y is clamped into [2^-31, above_top] (above_top
+//           is in [1, 2), above the top): the exponent is then 96..127, whose low 5 bits are the
+//           octave (96 = 3 * 32), and neither clamp changes a code, since regions 0 and 8 have
+//           scale 0 (z does not depend on y there). Signed: min(|x|, above_top), sign cleared,
+//           is one vrangeps that keeps a NaN, and max(2^-31, y) keeps it too (NaN -> window);
+//           unsigned: two integer clamps of the bits, negative (and negative NaN) -> 2^-31, code
+//           0, positive NaN -> above_top, code 255, the bucket search's codes for them.
+//   top, 8 lanes  the AVX2 tables hold 8 entries (one 256-bit permute), so that path has no
+//           region 8: y > top is replaced by `above_top`, whose z in region 7 is 255 (region 7's
+//           last is 255; in the nine-region search its y <= top keeps z below 255), and it reads
+//           its own `upper8` (region 7 ends at +inf) and `octave_region_bytes`.
 //   index   z = fma(y, A[r] 2^15, B[r] 2^15 + window / 2), truncated to an integer; the code is
 //           min(z >> 15, last[r]). The clamp keeps the gap above a decade's last code, where z
 //           runs on by up to 2 codes, on that last code (the last region has no such gap).
@@ -82,8 +92,9 @@ namespace {
 // in (t[k-1], t[k]] has z in [k 2^15, (k + 1) 2^15 + window), which is in a window or floors
 // to k. BuildFast checks exactly that at start-up (two evaluations per threshold, with std::fma,
 // the vector fma's rounding), with the region ends, the stand-in above the top and the
-// one-boundary-per-octave property; kernels_quantization_test compares every path with the
-// bucket search on every float near each threshold and on random values.
+// one-boundary-per-octave property, for both searches (and the clamps' ends);
+// kernels_quantization_test compares every path with the bucket search on every float near each
+// threshold, special values (NaN payloads and a signaling NaN among them) and random values.
 internal::FastQuantization BuildFast(const internal::QuantizationTables& t, bool is_signed) {
   using internal::kFastFractionBits;
   using internal::kFastRegions;
