@@ -59,6 +59,8 @@ namespace scalar_path {
 struct Ops {
   using V = float;
   static constexpr int kWidth = 1;
+  static constexpr bool kNineRegions = false;
+  static constexpr bool kPackCodes4 = false;
   static PS_INLINE V Set1(float x) { return x; }
   static PS_INLINE V Load(const float* p) { return *p; }
   static PS_INLINE void Store(float* p, V x) { *p = x; }
@@ -169,6 +171,8 @@ namespace avx2_path {
 struct Ops {
   using V = __m256;
   static constexpr int kWidth = 8;
+  static constexpr bool kNineRegions = false;  // 8-entry tables
+  static constexpr bool kPackCodes4 = false;
   static PS_INLINE V Set1(float x) { return _mm256_set1_ps(x); }
   static PS_INLINE V Load(const float* p) { return _mm256_loadu_ps(p); }
   static PS_INLINE void Store(float* p, V x) { _mm256_storeu_ps(p, x); }
@@ -420,6 +424,8 @@ alignas(64) constexpr uint16_t kWidenBf16[32] = {0, 0, 0, 1,  0, 2,  0, 3,  0, 4
 struct Ops {
   using V = __m512;
   static constexpr int kWidth = 16;
+  static constexpr bool kNineRegions = true;  // Note [Nearest code by arithmetic]
+  static constexpr bool kPackCodes4 = true;
   static PS_INLINE V Set1(float x) { return _mm512_set1_ps(x); }
   static PS_INLINE V Load(const float* p) { return _mm512_loadu_ps(p); }
   static PS_INLINE void Store(float* p, V x) { _mm512_storeu_ps(p, x); }
@@ -540,6 +546,10 @@ struct Ops {
   static PS_INLINE VI Lookup16I(const int32_t* table, VI r) {
     return _mm512_permutexvar_epi32(r, _mm512_load_si512(table));
   }
+  // min(|x|, c) with the sign cleared (vrangeps, imm: min of magnitudes, sign 0); a NaN x
+  // stays NaN.
+  static PS_INLINE V MinAbs(V x, V c) { return _mm512_range_ps(x, c, 0x0a); }
+  static PS_INLINE V MaxF(V a, V b) { return _mm512_max_ps(a, b); }  // b when either is NaN
   static PS_INLINE VI OctaveRegion(const FastQuantization& f, VI octave) {
     return _mm512_permutex2var_epi32(_mm512_load_si512(f.octave_region), octave,
                                      _mm512_load_si512(f.octave_region + 16));
@@ -553,6 +563,34 @@ struct Ops {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
                      _mm_mask_subs_epu8(codes, _mm512_movepi32_mask(sign_bits),
                                         _mm_set1_epi8(static_cast<char>(254)), codes));
+  }
+  // Four vectors of codes (lanes 0..255) as 64 bytes: vpackusdw and vpackuswb work inside
+  // 128-bit lanes, so lane L holds dwords 4 L .. 4 L + 3 of q[0], q[1], q[2], q[3] in that order;
+  // the permute puts them in element order. Three packs and a permute where four vpmovdb are
+  // eight operations. `signs` packs the sign bits alike (signed saturation keeps them).
+  static PS_INLINE __m512i PackLanes4(__m512i a, __m512i b, __m512i c, __m512i d) {
+    return _mm512_packus_epi16(_mm512_packus_epi32(a, b), _mm512_packus_epi32(c, d));
+  }
+  static PS_INLINE __m512i ElementOrder4(__m512i packed) {
+    return _mm512_permutexvar_epi32(
+        _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), packed);
+  }
+  static PS_INLINE void StoreU8x4(uint8_t* p, VI q0, VI q1, VI q2, VI q3) {
+    _mm512_storeu_si512(p, ElementOrder4(PackLanes4(q0, q1, q2, q3)));
+  }
+  // StoreU8x4 of q, or of max(254 - q, 0) where sign_bits is negative (StoreU8Mirrored).
+  static PS_INLINE void StoreU8x4Mirrored(uint8_t* p, VI q0, VI q1, VI q2, VI q3, VI s0, VI s1,
+                                          VI s2, VI s3) {
+    const __m512i codes = PackLanes4(q0, q1, q2, q3);
+    const __m512i signs =
+        _mm512_packs_epi16(_mm512_packs_epi32(s0, s1), _mm512_packs_epi32(s2, s3));
+    _mm512_storeu_si512(p, ElementOrder4(_mm512_mask_subs_epu8(
+                               codes, _mm512_movepi8_mask(signs),
+                               _mm512_set1_epi8(static_cast<char>(254)), codes)));
+  }
+  static PS_INLINE bool AnyAndZeroI4(VI a0, VI a1, VI a2, VI a3, VI mask) {
+    return (_mm512_testn_epi32_mask(a0, mask) | _mm512_testn_epi32_mask(a1, mask) |
+            _mm512_testn_epi32_mask(a2, mask) | _mm512_testn_epi32_mask(a3, mask)) != 0;
   }
   // Whole groups of 64 codes by byte-table lookups where the CPU has VBMI, else none (the caller
   // gathers). Returns the elements done.
@@ -594,11 +632,11 @@ namespace avx512bf16_path {
 // treats denormal inputs as zero. A vector holding a denormal (rare: |x| < 2^-126) therefore takes
 // the integer rounding, so that this path's copy matches the others bit for bit.
 struct Ops : avx512_path::Ops {
+  // A denormal lane: one vfpclassps (class 0x20, denormal of either sign), where two tests and a
+  // mask AND were three operations (twice per vector with Kahan).
+  static PS_INLINE bool AnyDenormal(V x) { return _mm512_fpclass_ps_mask(x, 0x20) != 0; }
   static PS_INLINE void StoreBf16(uint16_t* p, V x) {
-    const __m512i bits = _mm512_castps_si512(x);
-    const __mmask16 denormal = _mm512_testn_epi32_mask(bits, _mm512_set1_epi32(0x7f800000)) &
-                               _mm512_test_epi32_mask(bits, _mm512_set1_epi32(0x007fffff));
-    if (denormal != 0) [[unlikely]] {
+    if (AnyDenormal(x)) [[unlikely]] {
       avx512_path::Ops::StoreBf16(p, x);
       return;
     }
@@ -607,10 +645,7 @@ struct Ops : avx512_path::Ops {
   }
   // One vcvtneps2bf16 for the store and the value (widened back), denormals as StoreBf16.
   static PS_INLINE V StoreBf16Rounded(uint16_t* p, V x) {
-    const __m512i bits = _mm512_castps_si512(x);
-    const __mmask16 denormal = _mm512_testn_epi32_mask(bits, _mm512_set1_epi32(0x7f800000)) &
-                               _mm512_test_epi32_mask(bits, _mm512_set1_epi32(0x007fffff));
-    if (denormal != 0) [[unlikely]] {
+    if (AnyDenormal(x)) [[unlikely]] {
       return avx512_path::Ops::StoreBf16Rounded(p, x);
     }
     const __m256bh converted = _mm512_cvtneps_pbh(x);

@@ -62,12 +62,22 @@ namespace {
 // between its codes are, up to float rounding, evenly spaced too, so there the nearest code is
 // floor(|x| * A + B) with A the inverse spacing; the threshold between a decade's last code and
 // the next decade's first is not on that grid, and neither is the one below 1.0. So, for y = |x|:
-//   top     y > threshold[254] gives 255: y is replaced by `above_top`, whose index is 255.
 //   region  the zero code, then decade 0..6, each (upper[r-1], upper[r]] with upper[r] the exact
-//           threshold above its highest code. Decades are 3.3 octaves wide, so an octave holds
-//           at most one region boundary: the exponent of y picks the region of its octave's low
-//           end (a 32-entry table, one permute) and one compare with that region's upper end
-//           moves to the next. Exact, ties included.
+//           threshold above its highest code, then region 8, y > threshold[254] (= top), the
+//           code 255 alone. Decades are 3.3 octaves wide, so an octave holds at most one region
+//           boundary: the exponent of y picks the region of its octave's low end (a 32-entry
+//           table, one permute) and one compare with that region's upper end moves to the next.
+//           Exact, ties included. Before that, y is clamped into [2^-31, above_top] (above_top
+//           is in [1, 2), above the top): the exponent is then 96..127, whose low 5 bits are the
+//           octave (96 = 3 * 32), and neither clamp changes a code, since regions 0 and 8 have
+//           scale 0 (z does not depend on y there). Signed: min(|x|, above_top), sign cleared,
+//           is one vrangeps that keeps a NaN, and max(2^-31, y) keeps it too (NaN -> window);
+//           unsigned: two integer clamps of the bits, negative (and negative NaN) -> 2^-31, code
+//           0, positive NaN -> above_top, code 255, the bucket search's codes for them.
+//   top, 8 lanes  the AVX2 tables hold 8 entries (one 256-bit permute), so that path has no
+//           region 8: y > top is replaced by `above_top`, whose z in region 7 is 255 (region 7's
+//           last is 255; in the nine-region search its y <= top keeps z below 255), and it reads
+//           its own `upper8` (region 7 ends at +inf) and `octave_region_bytes`.
 //   index   z = fma(y, A[r] 2^15, B[r] 2^15 + window / 2), truncated to an integer; the code is
 //           min(z >> 15, last[r]). The clamp keeps the gap above a decade's last code, where z
 //           runs on by up to 2 codes, on that last code (the last region has no such gap).
@@ -82,29 +92,34 @@ namespace {
 // in (t[k-1], t[k]] has z in [k 2^15, (k + 1) 2^15 + window), which is in a window or floors
 // to k. BuildFast checks exactly that at start-up (two evaluations per threshold, with std::fma,
 // the vector fma's rounding), with the region ends, the stand-in above the top and the
-// one-boundary-per-octave property; kernels_quantization_test compares every path with the
-// bucket search on every float near each threshold and on random values.
+// one-boundary-per-octave property, for both searches (and the clamps' ends);
+// kernels_quantization_test compares every path with the bucket search on every float near each
+// threshold, special values (NaN payloads and a signaling NaN among them) and random values.
 internal::FastQuantization BuildFast(const internal::QuantizationTables& t, bool is_signed) {
   using internal::kFastFractionBits;
+  using internal::kFastRegions;
+  using internal::kFastTopRegion;
   using internal::kFastWindow;
   internal::FastQuantization f{};
   const int zero = is_signed ? 127 : 0;
-  int first[internal::kFastRegions], last[internal::kFastRegions];
+  int first[kFastRegions], last[kFastRegions];
   first[0] = last[0] = zero;
   for (int i = 0; i < 7; ++i) {
     first[i + 1] = is_signed ? 127 + (1 << i) : (1 << (i + 1)) - 1;
     last[i + 1] = is_signed ? 126 + (1 << (i + 1)) : (1 << (i + 2)) - 2;
   }
-  constexpr int kTop = internal::kFastRegions - 1;
-  PS_CHECK(last[kTop] == 254, "the last region ends at ", last[kTop]);
+  first[kFastTopRegion] = last[kFastTopRegion] = 255;
+  constexpr int kDecade6 = kFastTopRegion - 1;  // region 7, the last decade
+  PS_CHECK(last[kDecade6] == 254, "the last decade ends at ", last[kDecade6]);
   constexpr double kOne = 1 << kFastFractionBits;
-  for (int r = 0; r < internal::kFastRegions; ++r) {
+  const float inf = std::numeric_limits<float>::infinity();
+  for (int r = 0; r < kFastRegions; ++r) {
     const int lo = first[r], hi = last[r];
     PS_CHECK(r == 0 || lo == last[r - 1] + 1, "regions do not tile the codes at ", r);
-    f.upper[r] = r == kTop ? std::numeric_limits<float>::infinity() : t.threshold[hi];
-    // The last region has no gap above it (y <= top, checked below), and the stand-in for
-    // y > top must reach 255.
-    f.last[r] = r == kTop ? 255 : hi;
+    f.upper[r] = r == kFastTopRegion ? inf : t.threshold[hi];
+    // Region 7 of the eight-region search also takes the stand-in for y > top (code 255); in the
+    // nine-region search its y <= top (z below 255, checked below), so the clamp is inactive.
+    f.last[r] = r == kDecade6 ? 255 : hi;
     if (lo == hi) {
       f.scale[r] = 0.0f;
       f.offset[r] = static_cast<float>((lo + 0.5) * kOne);
@@ -116,16 +131,18 @@ internal::FastQuantization BuildFast(const internal::QuantizationTables& t, bool
     f.offset[r] = static_cast<float>((lo + 0.5 - static_cast<double>(t.code[lo]) * a) * kOne +
                                      kFastWindow / 2);
   }
+  for (int r = 0; r < 8; ++r) f.upper8[r] = r == kDecade6 ? inf : f.upper[r];
   f.top = t.threshold[254];
-  f.above_top = static_cast<float>((255.5 * kOne - f.offset[kTop]) / f.scale[kTop]);
+  PS_CHECK(f.upper[kDecade6] == f.top, "region 7 does not end at threshold[254]");
+  f.above_top = static_cast<float>((255.5 * kOne - f.offset[kDecade6]) / f.scale[kDecade6]);
+  f.lowest = std::ldexp(1.0f, internal::kFastOctaveBase - 127);
   // The region formulas against every threshold inside them (Note [Nearest code by arithmetic]).
   auto z = [&f](int r, float y) {
     const float v = std::fma(y, f.scale[r], f.offset[r]);
     return v >= -2147483648.0f && v < 2147483648.0f ? int64_t{static_cast<int32_t>(v)}
                                                       : int64_t{INT32_MIN};
   };
-  const float inf = std::numeric_limits<float>::infinity();
-  for (int r = 1; r < internal::kFastRegions; ++r) {
+  for (int r = 1; r < kFastRegions; ++r) {
     const float bottom = std::nextafter(f.upper[r - 1], inf);
     PS_CHECK(z(r, bottom) >= int64_t{first[r]} << kFastFractionBits, "region ", r,
              " starts below its first code");
@@ -136,29 +153,43 @@ internal::FastQuantization BuildFast(const internal::QuantizationTables& t, bool
                " is early");
     }
   }
-  // Octave -> region of its low end; at most one boundary inside an octave.
+  // Octave -> region of its low end, in both searches; at most one boundary inside an octave.
   for (int octave = 0; octave < internal::kFastOctaves; ++octave) {
     const float low = std::ldexp(1.0f, octave + internal::kFastOctaveBase - 127);
-    int region = 0, inside = 0;
-    for (int r = 0; r < internal::kFastRegions; ++r) {
+    int region = 0, region8 = 0, inside = 0;
+    for (int r = 0; r < kFastRegions; ++r) {
       if (f.upper[r] < low) ++region;
+      if (r < 8 && f.upper8[r] < low) ++region8;
       if (f.upper[r] >= low && f.upper[r] < 2 * low) ++inside;
     }
     PS_CHECK(inside <= 1, "octave ", octave, " holds ", inside, " region boundaries");
     PS_CHECK(octave != 0 || region == 0, "a region boundary below octave 0");
     f.octave_region[octave] = region;
-    f.octave_region_bytes[octave] = static_cast<uint8_t>(region);
+    f.octave_region_bytes[octave] = static_cast<uint8_t>(region8);
   }
-  PS_CHECK(z(kTop, f.top) < int64_t{255} << kFastFractionBits, "z at threshold 254 is too high");
-  // The stand-in above the top: in the last octave's region, the last region, code 255, clear.
+  PS_CHECK(z(kDecade6, f.top) < int64_t{255} << kFastFractionBits,
+           "z at threshold 254 is too high");
+  // The stand-in above the top (eight-region search): in the last octave's region, region 7,
+  // code 255, clear of the window.
   const int32_t above_bits = std::bit_cast<int32_t>(f.above_top);
   PS_CHECK((above_bits >> 23) - internal::kFastOctaveBase == internal::kFastOctaves - 1 &&
-               f.octave_region[internal::kFastOctaves - 1] == kTop,
+               f.octave_region_bytes[internal::kFastOctaves - 1] == kDecade6,
            "above_top ", f.above_top, " is not in the last region");
-  const int64_t z_above = z(kTop, f.above_top);
+  const int64_t z_above = z(kDecade6, f.above_top);
   PS_CHECK(z_above >> kFastFractionBits == 255 &&
                (z_above & ((1 << kFastFractionBits) - 1)) >= kFastWindow,
            "above_top gives z ", z_above);
+  // The nine-region search's clamp: above_top is above the top and in the last octave, whose
+  // region is then 8; lowest is in octave 0 and region 0; region 8's z is 255, clear.
+  PS_CHECK(f.above_top > f.top && f.octave_region[internal::kFastOctaves - 1] == kFastTopRegion,
+           "the clamp above_top is not in region 8");
+  PS_CHECK(f.lowest < f.upper[0] && (std::bit_cast<int32_t>(f.lowest) >> 23) ==
+                                        internal::kFastOctaveBase,
+           "the clamp lowest is not in octave 0, region 0");
+  const int64_t z_top = z(kFastTopRegion, f.above_top);
+  PS_CHECK(z_top >> kFastFractionBits == 255 &&
+               (z_top & ((1 << kFastFractionBits) - 1)) >= kFastWindow,
+           "region 8 gives z ", z_top);
   return f;
 }
 

@@ -56,28 +56,36 @@ inline constexpr int32_t kBucketMinExponent = 103;  // biased exponent of 2^-24
 inline constexpr int32_t kBuckets = (127 - kBucketMinExponent + 1) * 128;
 
 // Note [Nearest code by arithmetic] in quantization.cc: the vector paths' nearest-code search.
-// |x| selects one of kFastRegions regions (the zero code, then the map's seven decades, the
-// last one also holding the code 1.0), where z = fma(|x|, scale[r], offset[r]) is a fixed-point
+// |x| selects one of kFastRegions regions (the zero code, then the map's seven decades, then the
+// top code 1.0 alone), where z = fma(|x|, scale[r], offset[r]) is a fixed-point
 // (kFastFractionBits) code index: the code is z >> 15 (at most last[r]) unless z mod 2^15 <
-// kFastWindow, near a threshold, where the exact bucket search decides.
-inline constexpr int32_t kFastRegions = 8;
+// kFastWindow, near a threshold, where the exact bucket search decides. The 8-lane (AVX2) search
+// reads 8-entry tables, so it has no region 8: its region 7 also holds the top code, reached
+// through the stand-in `above_top` (its own `upper8` and `octave_region_bytes`).
+inline constexpr int32_t kFastRegions = 9;
+inline constexpr int32_t kFastTopRegion = kFastRegions - 1;
 inline constexpr int32_t kFastOctaves = 32;
 inline constexpr int32_t kFastOctaveBase = 96;  // biased exponent of octave 0, [2^-31, 2^-30)
 inline constexpr int32_t kFastFractionBits = 15;
 inline constexpr int32_t kFastWindow = 8;
 struct FastQuantization {
   // The region of the lowest magnitude of each octave (exponents below octave 0 count as octave
-  // 0); a magnitude above upper[region] is in the next region.
+  // 0); a magnitude above upper[region] is in the next region. octave_region and upper are the
+  // nine-region search's, octave_region_bytes and upper8 the eight-region one's.
   alignas(64) int32_t octave_region[kFastOctaves];
   alignas(32) uint8_t octave_region_bytes[kFastOctaves];
-  // Per region (16 entries, the last 8 unused, so that one 16-lane permute reads them): the
+  // Per region (16 entries, the last 7 unused, so that one 16-lane permute reads them): the
   // region's upper end (a threshold, +inf for the last), the linear map and the highest code.
   alignas(64) float upper[16];
   alignas(64) float scale[16];
   alignas(64) float offset[16];
   alignas(64) int32_t last[16];
+  alignas(32) float upper8[8];  // upper of the eight-region search: region 7 ends at +inf
   float top;        // threshold[254]: above it the code is 255 (1.0)
   float above_top;  // the magnitude that stands in for those above top: its z gives 255
+  // The nine-region search clamps magnitudes into [lowest, above_top]: below octave 0 (region 0,
+  // whose z does not depend on y) and above the top (region 8, likewise) nothing changes.
+  float lowest;  // 2^-31, the bottom of octave 0
 };
 
 struct QuantizationTables {

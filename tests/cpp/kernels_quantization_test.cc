@@ -96,7 +96,9 @@ TEST(QuantizationTest, EveryPathsSearchEqualsTheBucketSearchNearEveryThreshold) 
     std::vector<float> values = {0.0f, 1.0f, 1.0000001f, 1.0000002f, 0.99999994f, 2.5f, 1e30f,
                                  1e-30f, FLT_MIN, FLT_MAX, std::numeric_limits<float>::denorm_min(),
                                  std::numeric_limits<float>::infinity(),
-                                 std::numeric_limits<float>::quiet_NaN()};
+                                 std::numeric_limits<float>::quiet_NaN(),
+                                 std::numeric_limits<float>::signaling_NaN(),
+                                 std::bit_cast<float>(0x7fffffff), 1.5f, 1.9999999f};
     for (int k = 0; k < 255; ++k) {
       const float t = static_cast<float>((double{codes[k]} + double{codes[k + 1]}) / 2);
       if (!(t > 0.0f)) continue;
