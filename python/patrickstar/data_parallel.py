@@ -204,12 +204,15 @@ class DataParallel:
         self.reshard = bool(parallel.reshard_after_forward)
         # Backward finishes reduce-scatters before new gradients land (before_grad) only with
         # resharding and without pipeline stages or tensor slices; only then may a pending one
-        # pin other ranks' gradient chunks where they are (no copy into the host tier).
+        # pin gradient chunks where they are (no copy into the host tier). Gathers receive into
+        # the compute tier when it has free room (Note [Receiving where the group is computed
+        # on] in chunk/group_collectives.h).
         self._waits_for_reduce_scatters = self.reshard and self.model_parallel is None
         self.collectives = _C.GroupCollectives(
             manager, self.communicator, tier=Tier.HOST, timeout_s=self.timeout,
             memory_saving=parallel.memory_saving, gradient_op="avg",
-            remote_gradients_in_place=self._waits_for_reduce_scatters)
+            gradients_in_place=self._waits_for_reduce_scatters,
+            compute_tier=engine.compute_tier)
         # An engine never destroyed would otherwise free these during interpreter finalization,
         # after the script's destroy_process_group(): the last reference to the c10d group then
         # goes in an order torch does not expect (a rank of a 2-rank benchmark aborted once at
@@ -243,7 +246,8 @@ class DataParallel:
                                                                "gathers")
             gatherer = _C.GroupCollectives(
                 manager, self.gather_communicator, tier=Tier.HOST, timeout_s=self.timeout,
-                memory_saving=parallel.memory_saving, gradient_op="avg")
+                memory_saving=parallel.memory_saving, gradient_op="avg",
+                compute_tier=engine.compute_tier)
         names = {ids.compute: name for ids, name in zip(engine.params.ids, engine.params.names)}
         self.gathers = GatherSchedule(gatherer, compute_groups, gather_position, remote,
                                       self.gather_ahead, reshard=self.reshard,

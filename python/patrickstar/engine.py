@@ -117,6 +117,11 @@ class PatrickStarEngine(nn.Module):
     """What `initialize()` returns as `model`: call it like the module, then
     `model.backward(loss)`. `model.module` is the user's module."""
 
+    # The tier whose chunks forward and backward compute on (the parameter accesses; data
+    # parallelism receives gathered chunks there when it can: Note [Receiving where the group
+    # is computed on] in chunk/group_collectives.h).
+    compute_tier = T.DEVICE
+
     def __init__(self, model_func: Callable[[], nn.Module], config: Config, local_rank: int,
                  param_groups=None):
         super().__init__()
@@ -168,7 +173,7 @@ class PatrickStarEngine(nn.Module):
         # gradient stores in one C++ call per module or gradient.
         self._slots = _C.ParameterSlots(
             self.chunks.manager, self.params.params, [ids.compute for ids in self.params.ids],
-            [ids.grad for ids in self.params.ids], T.DEVICE, placeholder)
+            [ids.grad for ids in self.params.ids], self.compute_tier, placeholder)
         self._slots.set_before_access(self.chunks.before_access)  # set by dp.after_init()
         # Where the activations really are: GPU memory with CUDA; host memory on a CPU build,
         # whose device tier only emulates a GPU's budget for chunks.
