@@ -419,6 +419,13 @@ class DataParallel:
         """Whether this micro-step reduce-scatters its gradients."""
         return self.sharded_accumulation or self._boundary()
 
+    @property
+    def ends_param_access_at_grad(self) -> bool:
+        """Whether the engine's gradient hook ends its parameter's access before before_grad
+        (with resharding: GatherSchedule.before_grad can then release the compute group before
+        its last gradient lands)."""
+        return self.enabled and self.reshard
+
     def before_grad(self, index: int) -> None:
         """Called by the engine's gradient hook before the gradient goes into its chunk. The
         first gradient of a group (and every gather in backward: GatherSchedule's
@@ -427,7 +434,11 @@ class DataParallel:
         reduce-scatters every rank issued] in chunk/group_collectives.h); only with resharding,
         whose gathers' communicator tells when a peer may be waiting for this rank, and without
         pipeline stages or tensor slices, whose own collectives in backward it cannot see."""
-        if not self.enabled or index in self._seen or not self._reduces_now():
+        if not self.enabled or index in self._seen:
+            return
+        # Its compute group goes before the gradient lands when this is the group's last.
+        self.gathers.before_grad(self._compute_position[index])
+        if not self._reduces_now():
             return
         group = self._grad_group_of.get(index)
         if group == self._last_grad_group:

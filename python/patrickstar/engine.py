@@ -508,6 +508,17 @@ class PatrickStarEngine(nn.Module):
         self._release_all(S.HOLD_AFTER_BWD)
         self._end_backward()
 
+    def _end_param_access(self, index: int) -> None:
+        """Ends every access of parameter `index` (its module's backward hook then finds none to
+        release). Torch runs the gradient hook once every use of the parameter in this backward
+        has been differentiated, so nothing in this backward reads it any more, and data
+        parallelism may release its group before the gradient lands
+        (GatherSchedule.before_grad). A later read anyway (a saved view unpacked again) accesses
+        it afresh, as `_unpack_saved` does for a parameter no hook accessed."""
+        count = self._slots.access_count(index)
+        if count > 0:
+            self._slots.release([index] * count, S.HOLD_AFTER_BWD)
+
     def _make_grad_hook(self, index: int):
         engine = weakref.ref(self)  # C++ holds the parameter too: Note [Engine lifetime]
 
@@ -518,6 +529,8 @@ class PatrickStarEngine(nn.Module):
             if grad is None or owner is None:
                 return
             has_grad = owner.optimizer.has_grad
+            if owner.dp.ends_param_access_at_grad:
+                owner._end_param_access(index)
             owner.dp.before_grad(index)
             owner._slots.store_grad(index, grad, has_grad[index])
             has_grad[index] = True
