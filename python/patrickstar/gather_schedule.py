@@ -60,7 +60,11 @@ group's remote payloads is local (Note [Releasing one group] in chunk/group_coll
     already before its last gradient lands when none of its tensors is in use then (the
     engine ends a parameter's access at torch's gradient hook, which runs once every use of
     the parameter in this backward is done): the group and its gradients are then not held
-    together either (2 MiB of bf16 at the end of backward in docs/benchmarks.md). At the
+    together either (2 MiB of bf16 at the end of backward in docs/benchmarks.md). A model
+    that still reads a parameter in backward after its gradient is complete (a detached use
+    of it saved for backward, whose node autograd may run after the parameter's own gradient
+    hook) then finds a remote group released: ScheduleDepartureError names it, and
+    reshard_after_forward: false is the way out. At the
     end of backward the ranks agree (one all-reduce on the gather group) on how many groups
     of the order any of them issued, all gather that many, and release everything.
   * the gathers of backward run on their own process group (data_parallel.py creates it):
