@@ -451,13 +451,15 @@ void InitComm(py::module_& module) {
                                  "(chunk/group_collectives.h).")
       .def(py::init([](PyChunkManager& manager, std::shared_ptr<Communicator> communicator,
                        const std::string& tier, double timeout_s, bool memory_saving,
-                       const std::string& gradient_op, bool remote_gradients_in_place) {
+                       const std::string& gradient_op, bool gradients_in_place,
+                       std::optional<std::string> compute_tier) {
              GroupCollectiveOptions options;
              options.tier = ParseCollectiveTier(tier);
              options.timeout = Seconds(timeout_s);
              options.memory_saving = memory_saving;
              options.gradient_op = ParseReduceOp(gradient_op);
-             options.remote_gradients_in_place = remote_gradients_in_place;
+             options.gradients_in_place = gradients_in_place;
+             if (compute_tier) options.compute_tier = ParseCollectiveTier(*compute_tier);
              auto result = std::make_unique<PyGroupCollectives>();
              result->manager = &manager;
              result->communicator = communicator;
@@ -468,8 +470,8 @@ void InitComm(py::module_& module) {
            }),
            py::arg("manager"), py::arg("communicator"), py::arg("tier") = "host",
            py::arg("timeout_s") = 300.0, py::arg("memory_saving") = false,
-           py::arg("gradient_op") = "avg", py::arg("remote_gradients_in_place") = false,
-           py::keep_alive<1, 2>())
+           py::arg("gradient_op") = "avg", py::arg("gradients_in_place") = false,
+           py::arg("compute_tier") = py::none(), py::keep_alive<1, 2>())
       .def("close", &PyGroupCollectives::Close,
            "Waits for started gathers, unpins their chunks and lets go of the manager now; "
            "later calls raise (Note [Closing the collectives before the manager]).")

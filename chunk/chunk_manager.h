@@ -181,9 +181,13 @@ class ChunkManager {
   absl::Status ZeroFreeTensors(ChunkId chunk);
   // For a remote chunk without a payload (one of PlanGather's to_receive): places a payload on
   // `tier`, lets `fill` write the chunk's bytes into it (the collective, or a test's fake one),
-  // and turns its RELEASED tensors back to HOLD. A failed fill drops the payload again.
+  // and turns its RELEASED tensors back to HOLD. A failed fill drops the payload again. With
+  // `evict` false it takes only room that is free on `tier` now: when there is none it evicts
+  // nothing and returns ResourceExhausted with the chunk unchanged (Note [Receiving where the
+  // group is computed on] in group_collectives.h).
   absl::Status MaterializeGathered(ChunkId chunk, TierKind tier,
-                                   absl::FunctionRef<absl::Status(void* data, int64_t bytes)> fill);
+                                   absl::FunctionRef<absl::Status(void* data, int64_t bytes)> fill,
+                                   bool evict = true);
   // Marks the group of `chunk` gathered after its collective; FailedPrecondition if a chunk this
   // rank had to receive is still missing.
   absl::Status CompleteGather(ChunkId chunk);
@@ -250,10 +254,11 @@ class ChunkManager {
   int64_t AllowedChunkBytes(int tier) const;
   // Applies B - N to the Tier and evicts/trims until its reservation fits.
   absl::Status EnforceBudget(int tier);
-  // A block of `bytes` on `tier`, evicting unpinned chunks not in `exclude` as needed.
+  // A block of `bytes` on `tier`, evicting unpinned chunks not in `exclude` as needed (with
+  // `evict` false: ResourceExhausted instead of evicting or settling a copy into the tier).
   absl::StatusOr<Block> AllocateWithEviction(int tier, int64_t bytes,
                                              absl::Span<const ChunkId> exclude,
-                                             absl::string_view purpose);
+                                             absl::string_view purpose, bool evict = true);
   Chunk* ChooseVictim(int tier, absl::Span<const ChunkId> exclude);
   // A chunk outside `exclude` with a copy in flight into `tier` (`into`) or out of it.
   Chunk* PendingCopy(int tier, absl::Span<const ChunkId> exclude, bool into);
@@ -265,7 +270,7 @@ class ChunkManager {
                                        bool prefetch, absl::string_view purpose);
   // Copies the payload to `tier` (synchronously) and frees the old block.
   absl::Status MoveTo(Chunk& chunk, int tier, absl::Span<const ChunkId> exclude);
-  absl::Status MakeResident(Chunk& chunk, int tier);
+  absl::Status MakeResident(Chunk& chunk, int tier, bool evict = true);
   // Waits for a copy of `chunk` into `destination` on `tier`; on success the destination becomes
   // the payload and the old block is freed, on failure the destination is freed.
   absl::Status SettleCopy(Chunk& chunk, const Block& destination, int tier,

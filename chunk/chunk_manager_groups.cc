@@ -173,7 +173,8 @@ absl::Status ChunkManager::CompleteGather(ChunkId id) {
 }
 
 absl::Status ChunkManager::MaterializeGathered(
-    ChunkId id, TierKind tier_kind, absl::FunctionRef<absl::Status(void*, int64_t)> fill) {
+    ChunkId id, TierKind tier_kind, absl::FunctionRef<absl::Status(void*, int64_t)> fill,
+    bool evict) {
   PS_RETURN_IF_ERROR(CheckBuilt("materialize gathered chunk"));
   PS_ASSIGN_OR_RETURN(const Chunk* found, chunk(id));
   Chunk& remote = chunks_[found->id_];
@@ -189,7 +190,7 @@ absl::Status ChunkManager::MaterializeGathered(
   }
   {
     EventLog::TriggerScope trigger(events_, EventTrigger::kGather, remote.id_);
-    PS_RETURN_IF_ERROR(MakeResident(remote, tier));
+    PS_RETURN_IF_ERROR(MakeResident(remote, tier, evict));
   }
   // Pinned while the collective writes into it, so the fill cannot trigger its own eviction.
   remote.compute_tensors_ += 1;

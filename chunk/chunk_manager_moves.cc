@@ -145,7 +145,7 @@ absl::Status ChunkManager::IssuePrefetches() {
   return absl::OkStatus();
 }
 
-absl::Status ChunkManager::MakeResident(Chunk& chunk, int tier) {
+absl::Status ChunkManager::MakeResident(Chunk& chunk, int tier, bool evict) {
   if (chunk.pending_.has_value()) PS_RETURN_IF_ERROR(FinishPrefetch(chunk));
   if (chunk.tier_index_ == tier) {
     if (chunk.prefetched_tier_ == tier) tiers_[tier].stats.prefetch_hits += 1;
@@ -161,7 +161,8 @@ absl::Status ChunkManager::MakeResident(Chunk& chunk, int tier) {
     // the chunk is handed out, like any copy into the device.
     PS_ASSIGN_OR_RETURN(Block block,
                         AllocateWithEviction(tier, chunk.bytes(), {chunk.id_},
-                                             absl::StrCat("placing ", DescribeChunk(chunk))));
+                                             absl::StrCat("placing ", DescribeChunk(chunk)),
+                                             evict));
     if (absl::Status filled = options_.copy_engine->Fill(block, 0); !filled.ok()) {
       if (absl::Status freed = block.tier->Free(block); !freed.ok()) {
         PS_LOG(kWarning, "chunk manager: %s", freed.ToString());

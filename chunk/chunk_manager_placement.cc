@@ -149,7 +149,8 @@ absl::Status ChunkManager::Evict(Chunk& victim, absl::Span<const ChunkId> exclud
 
 absl::StatusOr<Block> ChunkManager::AllocateWithEviction(int tier, int64_t bytes,
                                                          absl::Span<const ChunkId> exclude,
-                                                         absl::string_view purpose) {
+                                                         absl::string_view purpose,
+                                                         bool evict) {
   TierSlot& slot = tiers_[tier];
   for (;;) {
     const int64_t allowed = AllowedChunkBytes(tier);
@@ -168,13 +169,14 @@ absl::StatusOr<Block> ChunkManager::AllocateWithEviction(int tier, int64_t bytes
       PS_RETURN_IF_ERROR(FinishPrefetch(*leaving));
       continue;
     }
-    Chunk* victim = ChooseVictim(tier, exclude);
+    Chunk* victim = evict ? ChooseVictim(tier, exclude) : nullptr;
     if (victim == nullptr) {
       // A prefetch may only use room that was free (Note [Prefetch]), but when the moment's
       // real demand exceeds the trace's (a gather, another iteration's control flow) a pending
       // copy into this tier must not make an access fail: settle it, and it becomes an
       // evictable chunk.
-      if (Chunk* pending = PendingCopy(tier, exclude, /*into=*/true); pending != nullptr) {
+      Chunk* pending = evict ? PendingCopy(tier, exclude, /*into=*/true) : nullptr;
+      if (pending != nullptr) {
         PS_RETURN_IF_ERROR(FinishPrefetch(*pending));
         continue;
       }
@@ -187,7 +189,8 @@ absl::StatusOr<Block> ChunkManager::AllocateWithEviction(int tier, int64_t bytes
           ") cannot take ", FormatBytes(bytes), ": budget ", FormatBytes(slot.budget_bytes),
           ", non-model data ", FormatBytes(tracer_.NonModelBytes(tier)), ", chunks in use ",
           FormatBytes(slot.chunk_bytes), " of which ", FormatBytes(pinned_bytes),
-          " pinned (COMPUTE or copy in flight), nothing left to evict"));
+          " pinned (COMPUTE or copy in flight), ",
+          evict ? "nothing left to evict" : "no free room and no eviction asked for"));
     }
     PS_RETURN_IF_ERROR(Evict(*victim, exclude));
   }

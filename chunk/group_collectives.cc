@@ -9,6 +9,7 @@
 
 namespace ps {
 
+
 absl::StatusOr<std::unique_ptr<GroupCollectives>> GroupCollectives::Create(
     ChunkManager* manager, Communicator* communicator, GroupCollectiveOptions options) {
   if (manager == nullptr || communicator == nullptr) {
@@ -24,6 +25,16 @@ absl::StatusOr<std::unique_ptr<GroupCollectives>> GroupCollectives::Create(
         manager->world_size(), " but the ", communicator->backend(), " communicator is rank ",
         communicator->rank(), " of ", communicator->world_size()));
   }
+  // Note [Receiving where the group is computed on]: a compute tier the communicator cannot
+  // write into (or none) receives nothing; the access moves the chunk there, as before.
+  bool compute_tier_usable = false;
+  for (int t = 0; t < manager->num_tiers(); ++t) {
+    const Tier& tier = manager->tier(t);
+    compute_tier_usable |= options.compute_tier == tier.kind() &&
+                           tier.kind() != TierKind::kNvme &&
+                           tier.address_space() == communicator->address_space();
+  }
+  if (!compute_tier_usable) options.compute_tier.reset();
   for (int t = 0; t < manager->num_tiers(); ++t) {
     const Tier& tier = manager->tier(t);
     if (tier.kind() != options.tier) continue;
@@ -144,16 +155,17 @@ absl::StatusOr<void*> GroupCollectives::PinChunk(ChunkId id, bool zero_fill,
 }
 
 TierKind GroupCollectives::TierFor(const Chunk& chunk) const {
-  // Gradient chunks move to the collective's tier, so that a pending reduce-scatter holds no
-  // device memory during backward; this rank's own receives the reduced gradient, which the
-  // optimizer uses there. Another rank's is dropped as soon as the reduce-scatter is done:
-  // moving it only copies it, holding it twice for a moment (4 MiB more on every rank's peak
-  // for the block stack of docs/benchmarks.md, whose emulated device tier the communicator can
-  // address), so with remote_gradients_in_place it is pinned where it is when the communicator
-  // can read it there, as parameter chunks are.
+  // Without gradients_in_place, gradient chunks move to the collective's tier, so that a
+  // pending reduce-scatter holds no device memory during backward. Moving one copies it,
+  // holding it twice for a moment, and the owner's then went back to the compute tier for the
+  // next micro-step's gradients (prefetched there, twice again): 4 MiB each on the peak of the
+  // block stack of docs/benchmarks.md, whose emulated device tier the communicator can address
+  // (another rank's chunk in backward; the owner's accumulated shard with gradient
+  // accumulation). So with gradients_in_place both are pinned where they are when the
+  // communicator can address that memory, as parameter chunks are; the owner's receives the
+  // reduced gradient there, and the optimizer reads it there (Note [Optimizer sweep] in optimizer.py).
   if (!chunk.has_payload() ||
-      (chunk.kind() == ChunkKind::kGradient &&
-       (!options_.remote_gradients_in_place || manager_->IsLocal(chunk.id())))) {
+      (chunk.kind() == ChunkKind::kGradient && !options_.gradients_in_place)) {
     return options_.tier;
   }
   // A chunk with a copy in flight (a prefetch for the access after this collective) is pinned
@@ -200,8 +212,20 @@ GroupCollectives::~GroupCollectives() {
   }
 }
 
+absl::Status GroupCollectives::PlaceReceived(ChunkId chunk, bool compute_tier_allowed) {
+  const auto no_fill = [](void*, int64_t) { return absl::OkStatus(); };
+  if (compute_tier_allowed && options_.compute_tier.has_value() &&
+      *options_.compute_tier != options_.tier) {
+    // Note [Receiving where the group is computed on]: free room only, no eviction.
+    absl::Status placed =
+        manager_->MaterializeGathered(chunk, *options_.compute_tier, no_fill, /*evict=*/false);
+    if (!absl::IsResourceExhausted(placed)) return placed;
+  }
+  return manager_->MaterializeGathered(chunk, options_.tier, no_fill);
+}
+
 absl::StatusOr<std::optional<GroupCollectives::Pending>> GroupCollectives::IssueGather(
-    ChunkId group) {
+    ChunkId group, bool started) {
   int64_t count = 0;
   DType dtype = DType::kFloat32;
   PS_ASSIGN_OR_RETURN(const std::vector<ChunkId> members, Members(group, &count, &dtype));
@@ -231,8 +255,7 @@ absl::StatusOr<std::optional<GroupCollectives::Pending>> GroupCollectives::Issue
                plan.to_receive.end()) {
       // The bytes arrive with the collective below; until then the tensors are HOLD over
       // uninitialized memory, pinned, and nobody reads them.
-      status = manager_->MaterializeGathered(member, options_.tier,
-                                             [](void*, int64_t) { return absl::OkStatus(); });
+      status = PlaceReceived(member, /*compute_tier_allowed=*/!started);
       if (!status.ok()) break;
       absl::StatusOr<void*> pinned = PinChunk(member, /*zero_fill=*/false, &pending.pins);
       status = pinned.status();
@@ -296,7 +319,7 @@ absl::StatusOr<bool> GroupCollectives::StartGather(ChunkId group) {
   if (FindStartedGather(FirstOf(*any)) >= 0) {
     return false;  // already on its way
   }
-  absl::StatusOr<std::optional<Pending>> pending = IssueGather(group);
+  absl::StatusOr<std::optional<Pending>> pending = IssueGather(group, /*started=*/true);
   if (absl::IsResourceExhausted(pending.status())) {
     // No room to pin the group now (Note [Started gathers]): nothing was issued and the group
     // is as it was, so the Gather that needs it issues it, at the same place in the sequence.
@@ -318,7 +341,7 @@ absl::StatusOr<bool> GroupCollectives::Gather(ChunkId group) {
     PS_RETURN_IF_ERROR(FinishGathersThrough(static_cast<size_t>(started)));
     return true;
   }
-  PS_ASSIGN_OR_RETURN(std::optional<Pending> pending, IssueGather(group));
+  PS_ASSIGN_OR_RETURN(std::optional<Pending> pending, IssueGather(group, /*started=*/false));
   if (!pending.has_value()) return false;
   gathers_.push_back(*std::move(pending));
   PS_RETURN_IF_ERROR(FinishGathersThrough(gathers_.size() - 1));

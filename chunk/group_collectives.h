@@ -7,8 +7,9 @@
 // A collective writes into (and reads from) every chunk of a group at once, possibly on another
 // thread, so none of them may move or be freed until it is done. The manager pins a chunk while
 // one of its tensors is COMPUTE, so each member is pinned by accessing one of its tensors: a
-// parameter chunk, or another rank's gradient chunk (dropped right after its reduce-scatter),
-// where it already is if the communicator can reach that memory, anything else in the
+// parameter chunk, or a gradient chunk with gradients_in_place (another rank's is dropped right
+// after its reduce-scatter), where it already is if the communicator can reach that memory,
+// anything else in the
 // collective's tier (a copy), and released back to the state it had when the collective ends
 // (a tensor of the local chunk of a reduce-scatter goes to HOLD: it now holds the reduced
 // gradient). A member without tensors (padding) or without data is passed as a null buffer (Note
@@ -58,6 +59,23 @@
 // gather again before that gather (the end of forward releases all of them), or the ranks would
 // issue different sequences. A group with a tensor in COMPUTE is not released (its chunk
 // memory is in use by torch); Release says so and the caller retries at its next moment.
+//
+// Note [Receiving where the group is computed on]
+// A chunk a gather receives was placed in the collective's tier (the host tier for gloo) and
+// moved into the compute tier by its first access: a copy that holds the chunk twice for a
+// moment, one chunk more on the peak model data of every rank that does not own it (traced at
+// the peak of the 2-rank bf16 run of docs/benchmarks.md, issue 18). With `compute_tier` set and
+// addressable by the communicator (the emulated device tier for gloo, the device tier for
+// NCCL), Gather receives there instead, but only into room that is free at the call: it evicts
+// nothing for its receive buffers (evicting would do early what the access does anyway, but
+// while the group's other chunks are pinned for the collective, so it could fail where the
+// access would not). Without free room the chunk goes to `tier` as before and its access moves
+// it when it comes. StartGather always receives into `tier`: its chunks stay pinned until their
+// group's first use, and room taken in the compute tier then is room that the accesses and
+// gradient stores before that use may need (a pipeline stage under a tight device budget,
+// tests/python/test_parallelism.py); measured, receiving started gathers there too lowered no
+// configuration that is above FSDP2's in docs/benchmarks.md. Where a chunk is received is this
+// rank's business: the collective sequence is the same either way.
 #pragma once
 
 #include <deque>
@@ -80,12 +98,17 @@ struct GroupCollectiveOptions {
   // PatrickStar's broadcast / reduce per chunk instead of one allgather / reduce-scatter.
   bool memory_saving = false;
   ReduceOp gradient_op = ReduceOp::kAvg;
-  // Another rank's gradient chunk is pinned for its reduce-scatter where it is, when the
-  // communicator can address that memory, instead of being copied into `tier` (TierFor). Only
-  // for callers that finish reduce-scatters promptly (Note [Waiting for reduce-scatters every
-  // rank issued]): a pending one pins the chunk in the compute tier until finished, which
-  // starved a pipeline stage's tight device budget.
-  bool remote_gradients_in_place = false;
+  // A gradient chunk with a payload (another rank's, or this rank's own) is pinned for its
+  // reduce-scatter where it is, when the communicator can address that memory, instead of
+  // being copied into `tier` (TierFor). Only for callers that finish reduce-scatters promptly
+  // (Note [Waiting for reduce-scatters every rank issued]): a pending one pins the chunk in the
+  // compute tier until finished, which starved a pipeline stage's tight device budget.
+  bool gradients_in_place = false;
+  // The tier the caller computes on (the engine accesses parameters there): the chunks Gather
+  // receives go there when the communicator can address it and it has free room, else to
+  // `tier`; StartGather's go to `tier` (Note [Receiving where the group is computed on]).
+  // Unset, or a tier the communicator cannot address: always `tier`.
+  std::optional<TierKind> compute_tier;
 };
 
 // Note [Sharded accumulation]
@@ -225,8 +248,13 @@ class GroupCollectives {
   // memory); gradient chunks, and chunks elsewhere, go to options_.tier.
   TierKind TierFor(const Chunk& chunk) const;
   absl::Status WaitAll(const std::vector<CollectiveHandle>& handles) const;
+  // Gives a remote chunk of a gather its (uninitialized) receive buffer, HOLD and unpinned: in
+  // the compute tier when `compute_tier_allowed` and it has free room, else in options_.tier
+  // (Note [Receiving where the group is computed on]).
+  absl::Status PlaceReceived(ChunkId chunk, bool compute_tier_allowed);
   // Pins the group and issues its gather; nullopt when it needs none.
-  absl::StatusOr<std::optional<Pending>> IssueGather(ChunkId group);
+  // `started`: by StartGather (Note [Receiving where the group is computed on]).
+  absl::StatusOr<std::optional<Pending>> IssueGather(ChunkId group, bool started);
   // Waits for gathers_[0..index] in order, completing each (Note [Started gathers]).
   absl::Status FinishGathersThrough(size_t index);
   int FindStartedGather(ChunkId first) const;  // its index in gathers_, or -1

@@ -204,12 +204,15 @@ class DataParallel:
         self.reshard = bool(parallel.reshard_after_forward)
         # Backward finishes reduce-scatters before new gradients land (before_grad) only with
         # resharding and without pipeline stages or tensor slices; only then may a pending one
-        # pin other ranks' gradient chunks where they are (no copy into the host tier).
+        # pin gradient chunks where they are (no copy into the host tier). Gathers receive into
+        # the compute tier when it has free room (Note [Receiving where the group is computed
+        # on] in chunk/group_collectives.h).
         self._waits_for_reduce_scatters = self.reshard and self.model_parallel is None
         self.collectives = _C.GroupCollectives(
             manager, self.communicator, tier=Tier.HOST, timeout_s=self.timeout,
             memory_saving=parallel.memory_saving, gradient_op="avg",
-            remote_gradients_in_place=self._waits_for_reduce_scatters)
+            gradients_in_place=self._waits_for_reduce_scatters,
+            compute_tier=engine.compute_tier)
         # An engine never destroyed would otherwise free these during interpreter finalization,
         # after the script's destroy_process_group(): the last reference to the c10d group then
         # goes in an order torch does not expect (a rank of a 2-rank benchmark aborted once at
@@ -243,7 +246,8 @@ class DataParallel:
                                                                "gathers")
             gatherer = _C.GroupCollectives(
                 manager, self.gather_communicator, tier=Tier.HOST, timeout_s=self.timeout,
-                memory_saving=parallel.memory_saving, gradient_op="avg")
+                memory_saving=parallel.memory_saving, gradient_op="avg",
+                compute_tier=engine.compute_tier)
         names = {ids.compute: name for ids, name in zip(engine.params.ids, engine.params.names)}
         self.gathers = GatherSchedule(gatherer, compute_groups, gather_position, remote,
                                       self.gather_ahead, reshard=self.reshard,
@@ -415,6 +419,13 @@ class DataParallel:
         """Whether this micro-step reduce-scatters its gradients."""
         return self.sharded_accumulation or self._boundary()
 
+    @property
+    def ends_param_access_at_grad(self) -> bool:
+        """Whether the engine's gradient hook ends its parameter's access before before_grad
+        (with resharding: GatherSchedule.before_grad can then release the compute group before
+        its last gradient lands)."""
+        return self.enabled and self.reshard
+
     def before_grad(self, index: int) -> None:
         """Called by the engine's gradient hook before the gradient goes into its chunk. The
         first gradient of a group (and every gather in backward: GatherSchedule's
@@ -423,7 +434,11 @@ class DataParallel:
         reduce-scatters every rank issued] in chunk/group_collectives.h); only with resharding,
         whose gathers' communicator tells when a peer may be waiting for this rank, and without
         pipeline stages or tensor slices, whose own collectives in backward it cannot see."""
-        if not self.enabled or index in self._seen or not self._reduces_now():
+        if not self.enabled or index in self._seen:
+            return
+        # Its compute group goes before the gradient lands when this is the group's last.
+        self.gathers.before_grad(self._compute_position[index])
+        if not self._reduces_now():
             return
         group = self._grad_group_of.get(index)
         if group == self._last_grad_group:

@@ -117,6 +117,11 @@ class PatrickStarEngine(nn.Module):
     """What `initialize()` returns as `model`: call it like the module, then
     `model.backward(loss)`. `model.module` is the user's module."""
 
+    # The tier whose chunks forward and backward compute on (the parameter accesses; data
+    # parallelism receives gathered chunks there when it can: Note [Receiving where the group
+    # is computed on] in chunk/group_collectives.h).
+    compute_tier = T.DEVICE
+
     def __init__(self, model_func: Callable[[], nn.Module], config: Config, local_rank: int,
                  param_groups=None):
         super().__init__()
@@ -168,7 +173,7 @@ class PatrickStarEngine(nn.Module):
         # gradient stores in one C++ call per module or gradient.
         self._slots = _C.ParameterSlots(
             self.chunks.manager, self.params.params, [ids.compute for ids in self.params.ids],
-            [ids.grad for ids in self.params.ids], T.DEVICE, placeholder)
+            [ids.grad for ids in self.params.ids], self.compute_tier, placeholder)
         self._slots.set_before_access(self.chunks.before_access)  # set by dp.after_init()
         # Where the activations really are: GPU memory with CUDA; host memory on a CPU build,
         # whose device tier only emulates a GPU's budget for chunks.
@@ -503,6 +508,17 @@ class PatrickStarEngine(nn.Module):
         self._release_all(S.HOLD_AFTER_BWD)
         self._end_backward()
 
+    def _end_param_access(self, index: int) -> None:
+        """Ends every access of parameter `index` (its module's backward hook then finds none to
+        release). Torch runs the gradient hook once every use of the parameter in this backward
+        has been differentiated, so nothing in this backward reads it any more, and data
+        parallelism may release its group before the gradient lands
+        (GatherSchedule.before_grad). A later read anyway (a saved view unpacked again) accesses
+        it afresh, as `_unpack_saved` does for a parameter no hook accessed."""
+        count = self._slots.access_count(index)
+        if count > 0:
+            self._slots.release([index] * count, S.HOLD_AFTER_BWD)
+
     def _make_grad_hook(self, index: int):
         engine = weakref.ref(self)  # C++ holds the parameter too: Note [Engine lifetime]
 
@@ -513,6 +529,8 @@ class PatrickStarEngine(nn.Module):
             if grad is None or owner is None:
                 return
             has_grad = owner.optimizer.has_grad
+            if owner.dp.ends_param_access_at_grad:
+                owner._end_param_access(index)
             owner.dp.before_grad(index)
             owner._slots.store_grad(index, grad, has_grad[index])
             has_grad[index] = True

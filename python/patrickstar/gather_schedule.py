@@ -56,7 +56,15 @@ group's remote payloads is local (Note [Releasing one group] in chunk/group_coll
     of it got its gradient in this backward (and no frozen tensor needs it for an input
     gradient), at the first access after that which finds none of its tensors in use, before
     that access gathers anything (the group used last and the next one are then not held
-    together: a third of backward's window for the block stack of docs/benchmarks.md). At the
+    together: a third of backward's window for the block stack of docs/benchmarks.md), or
+    already before its last gradient lands when none of its tensors is in use then (the
+    engine ends a parameter's access at torch's gradient hook, which runs once every use of
+    the parameter in this backward is done): the group and its gradients are then not held
+    together either (2 MiB of bf16 at the end of backward in docs/benchmarks.md). A model
+    that still reads a parameter in backward after its gradient is complete (a detached use
+    of it saved for backward, whose node autograd may run after the parameter's own gradient
+    hook) then finds a remote group released: ScheduleDepartureError names it, and
+    reshard_after_forward: false is the way out. At the
     end of backward the ranks agree (one all-reduce on the gather group) on how many groups
     of the order any of them issued, all gather that many, and release everything.
   * the gathers of backward run on their own process group (data_parallel.py creates it):
@@ -374,12 +382,23 @@ class GatherSchedule:
             self.gather_through(index)
             self._release_ready()
 
+    def before_grad(self, position: int) -> None:
+        """A trainable tensor of group `position` is about to get its gradient in this backward
+        (its access already ended: the engine ends it at torch's gradient hook): when it is the
+        group's last, the group is released now, before the gradient lands beside it (Note
+        [Resharding after forward]); a tensor of it still in use defers that to on_grad."""
+        if (self._in_backward and self._missing[position] == 1 and position not in self._frozen
+                and self._index_in_order[position] < self._next
+                and position not in self._released and self._release(position)):
+            self.released_in_backward += 1
+
     def on_grad(self, position: int) -> None:
         """A trainable tensor of group `position` got its gradient in this backward."""
         if not self._in_backward:
             return
         self._missing[position] -= 1
-        if self._missing[position] == 0 and position not in self._frozen:
+        if self._missing[position] == 0 and position not in self._frozen and \
+                position not in self._released:
             self._ready.add(position)
             self._release_ready()
 

@@ -773,6 +773,93 @@ TEST(GroupCollectivesStartTest, ARankWithoutRoomDeclinesToStartAndGathersAtFirst
   for (auto& rank : ranks) rank->collectives.reset();
 }
 
+// Note [Receiving where the group is computed on]: with a compute tier the communicator can
+// address, a gathered chunk is received there when it has free room (its access then moves
+// nothing), and in the collective's tier when it has none, without evicting for it; a started
+// gather receives in the collective's tier.
+TEST(GroupCollectivesComputeTierTest, AGatherReceivesIntoFreeComputeRoomAndNeverEvictsForIt) {
+  constexpr int kWorld = 2;
+  constexpr int64_t kChunkBytes = kChunkElements * 4;
+  constexpr int kDevice = 0;  // MakeHierarchy's tier order
+  constexpr int kHost = 1;
+  auto world = std::make_shared<testing::FakeWorld>(kWorld);
+  GroupCollectiveOptions collective_options;
+  collective_options.timeout = absl::Seconds(30);  // a failing rank must not hang the other
+  collective_options.compute_tier = TierKind::kDevice;
+  // Three groups of two chunks (tensor t alone in chunk t); a device tier of one chunk, in
+  // host memory so that the host communicator can write into it.
+  std::vector<std::unique_ptr<Rank>> ranks = OneTensorPerChunk(
+      world, 3 * kWorld,
+      [&](int, Rank& rank, ChunkManagerOptions&) {
+        rank.hierarchy = testing::MakeHierarchy(kChunkBytes, 0, kChunkBytes, nullptr,
+                                                /*device_in_host_memory=*/true);
+      },
+      collective_options);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < kWorld; ++r) {
+    threads.emplace_back([&, r] {
+      ChunkManager& m = *ranks[r]->manager;
+      GroupCollectives& c = *ranks[r]->collectives;
+      WriteEveryTensor(m, TierKind::kHost);  // initialization
+      ASSERT_TRUE(c.ReleaseAll(ChunkKind::kComputeParam).ok());
+      const std::vector<ChunkId> groups = c.Groups(ChunkKind::kComputeParam);
+      ASSERT_EQ(groups.size(), 3u);
+      const TensorId remote0 = 1 - r;  // the other rank's tensor of group 0
+      const TensorId own1 = kWorld + r;
+      const TensorId remote1 = kWorld + 1 - r;
+      const auto tier_of = [&](TensorId t) {
+        return (*m.chunk((*m.tensor(t))->chunk))->tier_index();
+      };
+      // A started gather pins its chunks until first use: the host, though the device is free.
+      const TensorId remote2 = 2 * kWorld + 1 - r;
+      auto started = c.StartGather(groups[2]);
+      ASSERT_TRUE(started.ok()) << started.status();
+      ASSERT_TRUE(*started);
+      EXPECT_EQ(tier_of(remote2), kHost) << "rank " << r;
+      ASSERT_TRUE(c.Gather(groups[2]).ok());
+      EXPECT_EQ(tier_of(remote2), kHost) << "rank " << r;
+      // The device is empty: group 0's remote chunk is received there, and its access moves
+      // nothing.
+      auto gathered = c.Gather(groups[0]);
+      ASSERT_TRUE(gathered.ok()) << gathered.status();
+      ASSERT_TRUE(*gathered);
+      EXPECT_EQ(tier_of(remote0), kDevice) << "rank " << r;
+      const int64_t moved_in = m.Stats()[kDevice].chunks_in;
+      auto view = m.Access(remote0, TierKind::kDevice);
+      ASSERT_TRUE(view.ok()) << view.status();
+      for (int64_t i = 0; i < view->numel; ++i) {
+        ASSERT_EQ(static_cast<const float*>(testing::ComputePointer(*view))[i], Value(remote0, i))
+            << "rank " << r << " element " << i;
+      }
+      ASSERT_TRUE(m.Release(remote0, TensorState::kHoldAfterFwd).ok());
+      EXPECT_EQ(m.Stats()[kDevice].chunks_in, moved_in) << "rank " << r;
+      // This rank's chunk of group 1 takes the device (evicting group 0's received chunk, as
+      // any access does); group 1's remote chunk then finds no free room and goes to the host
+      // without evicting it.
+      ASSERT_TRUE(m.Access(own1, TierKind::kDevice).ok());
+      ASSERT_TRUE(m.Release(own1, TensorState::kHold).ok());
+      const size_t evictions = m.eviction_log().size();
+      gathered = c.Gather(groups[1]);
+      ASSERT_TRUE(gathered.ok()) << gathered.status();
+      ASSERT_TRUE(*gathered);
+      EXPECT_EQ(tier_of(remote1), kHost) << "rank " << r;
+      EXPECT_EQ(tier_of(own1), kDevice) << "rank " << r;
+      EXPECT_EQ(m.eviction_log().size(), evictions) << "rank " << r;
+      for (TensorId t = 0; t < 3 * kWorld; ++t) {
+        view = m.Access(t, TierKind::kHost);
+        ASSERT_TRUE(view.ok()) << view.status();
+        for (int64_t i = 0; i < view->numel; ++i) {
+          ASSERT_EQ(static_cast<const float*>(testing::ComputePointer(*view))[i], Value(t, i))
+              << "rank " << r << " tensor " << t << " element " << i;
+        }
+        ASSERT_TRUE(m.Release(t, TensorState::kHold).ok());
+      }
+    });
+  }
+  for (std::thread& thread : threads) thread.join();
+  for (auto& rank : ranks) rank->collectives.reset();
+}
+
 TEST(GroupCollectivesSingleOwnerTest, EveryRankGathersAGroupOneRankOwnsEntirely) {
   // One small tensor: chunk 0 holds it, chunk 1 is padding, so rank 0 holds no remote payload.
   // Both ranks must still run the group's allgather (a rank-dependent decision would pair the
