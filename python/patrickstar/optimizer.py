@@ -101,8 +101,9 @@ class _UpdateRow:
 
 class ChunkedStateView(collections.abc.Mapping):
     """`optimizer.state` as torch.optim offers it (parameter -> its state dict), read out of the
-    chunks on each lookup. Read-only: the state lives in chunks, so an assignment here would be
-    lost; `optimizer.load_state_dict` writes state."""
+    chunks on each lookup; under data parallelism a rank has the state of the parameters it
+    owns, as in its `state_dict()`. Read-only: the state lives in chunks, so an assignment here
+    would be lost; `optimizer.load_state_dict` writes state."""
 
     def __init__(self, optimizer: "PatrickStarOptimizer"):
         self._optimizer = weakref.ref(optimizer)
