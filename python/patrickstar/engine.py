@@ -135,6 +135,7 @@ class PatrickStarEngine(nn.Module):
         self.micro_step = 0
         self.iteration = 0
         self._in_backward = False  # Note [loss.backward()]
+        self._autograd_unchecked = False  # joined, no gradient stored yet
         self._warmup_done = False
 
         # Before the model is built: tensor-parallel layers size their slices by the groups.
@@ -422,8 +423,7 @@ class PatrickStarEngine(nn.Module):
     def forward(self, *args, **kwargs):
         self.guard.check_alive("model(...)")
         if self._in_backward:  # a loss.backward() that raised before its end
-            self._in_backward = False
-            self._release_all(S.HOLD_AFTER_BWD)
+            self._abandon_backward()
         self.dp.before_forward()
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack_saved, self._unpack_saved):
@@ -488,24 +488,47 @@ class PatrickStarEngine(nn.Module):
     #    in a PyTorch accumulation loop (model.backward divides by itself).
     #  * check the loss for NaN/inf before the backward (config nonfinite_loss): there is no
     #    loss to look at. Non-finite gradients are then the user's, as in PyTorch.
+    # A graph task that stores no gradient is not a training backward: torch.autograd.grad (a
+    # gradient penalty, input gradients) runs the same hooks but accumulates nothing. So the
+    # call-order checks run when the first gradient is about to be stored, and a graph task
+    # that stored none ends with the release only, uncounted.
     # A loss.backward() that raised before its end leaves no callback; the next forward
     # releases what it held.
     def _join_autograd_backward(self) -> None:
         if self._in_backward or torch._C._current_graph_task_id() == -1:
             return
-        if self.precision == "fp16":
-            raise RuntimeError(
-                "loss.backward() in fp16 training: call model.backward(loss) instead, which "
-                "applies the dynamic loss scale (without it small fp16 gradients underflow to "
-                "zero)")
-        self.guard.before_autograd_backward()
+        self.guard.check_alive("loss.backward()")
         self._in_backward = True
+        self._autograd_unchecked = True
         self.dp.before_backward()
         torch.autograd.Variable._execution_engine.queue_callback(self._end_autograd_backward)
+
+    def _before_storing_grad(self) -> None:
+        self._join_autograd_backward()
+        if not self._autograd_unchecked:
+            return
+        try:
+            if self.precision == "fp16":
+                raise RuntimeError(
+                    "loss.backward() in fp16 training: call model.backward(loss) instead, which "
+                    "applies the dynamic loss scale (without it small fp16 gradients underflow "
+                    "to zero)")
+            self.guard.before_autograd_backward()
+        except BaseException:
+            self._abandon_backward()  # nothing stored: the engine is as before this backward
+            raise
+        self._autograd_unchecked = False
+
+    def _abandon_backward(self) -> None:
+        self._in_backward = self._autograd_unchecked = False
+        self._release_all(S.HOLD_AFTER_BWD)
 
     def _end_autograd_backward(self) -> None:
         self._in_backward = False
         self._release_all(S.HOLD_AFTER_BWD)
+        if self._autograd_unchecked:  # no gradient stored: torch.autograd.grad
+            self._autograd_unchecked = False
+            return
         self._end_backward()
 
     def _end_param_access(self, index: int) -> None:
@@ -528,6 +551,7 @@ class PatrickStarEngine(nn.Module):
             owner = engine()
             if grad is None or owner is None:
                 return
+            owner._before_storing_grad()
             has_grad = owner.optimizer.has_grad
             if owner.dp.ends_param_access_at_grad:
                 owner._end_param_access(index)

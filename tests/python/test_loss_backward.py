@@ -205,3 +205,37 @@ def test_a_disabled_grad_scaler_steps_and_an_enabled_one_names_the_config():
     scaler.scale(model(*data[0])).backward()
     with pytest.raises(TypeError, match="fp16.enabled"), pytest.warns(FutureWarning):
         scaler.step(optimizer)
+
+
+@pytest.mark.parametrize("autograd", [True, False])
+def test_a_gradient_penalty_through_autograd_grad_trains_as_pytorch(autograd):
+    # torch.autograd.grad runs the engine's hooks but stores no gradient: not a training
+    # backward, so it is not counted against gradient_accumulation_steps.
+    def model_func():
+        return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+
+    inputs = [torch.randn(4, 8, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    torch.manual_seed(0)
+    reference = model_func()
+    ref_optimizer = torch.optim.Adam(reference.parameters(), lr=1e-2)
+    torch.manual_seed(0)
+    model, optimizer = patrickstar.initialize(model_func, config={
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-2}}, "default_chunk_size": 4096})
+
+    def penalized(module, x):
+        x = x.clone().requires_grad_()
+        out = module(x)
+        grad, = torch.autograd.grad(out.sum(), x, create_graph=True)
+        return out.mean() + 0.1 * grad.pow(2).sum()
+
+    for x in inputs:
+        penalized(reference, x).backward()
+        ref_optimizer.step()
+        ref_optimizer.zero_grad()
+        loss = penalized(model, x)
+        loss.backward() if autograd else model.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+    state = model.state_dict()
+    for key, tensor in reference.state_dict().items():
+        torch.testing.assert_close(state[key], tensor, rtol=1e-5, atol=1e-6)
