@@ -90,6 +90,28 @@ def _weakly(method: Callable) -> Callable:
     return call
 
 
+# Hugging Face methods that replace or re-initialize parameters. After initialize() the
+# parameters live in chunks and hold placeholders, so these would fail inside (resizing reads
+# the old embedding's shape) or write into placeholders without effect (re-initialization);
+# through the engine they raise, saying to call them in model_func.
+_REBUILDS_PARAMETERS = frozenset({"resize_token_embeddings", "resize_position_embeddings",
+                                  "prune_heads", "init_weights", "post_init"})
+
+
+def _refuse_rebuild(module_type: str, name: str) -> Callable:
+    if name.startswith("resize_"):
+        instead = ("build the model with the new size instead: set it in the config that "
+                   "model_func builds from (e.g. config.vocab_size = n), and load trained "
+                   "weights after initialize() with load_state_dict")
+    else:
+        instead = "call it inside model_func, on the module it builds"
+
+    def refuse(*args, **kwargs):
+        raise ValueError(f"model.{name}() changes the parameters of {module_type}, which live "
+                         f"in PatrickStar chunks since initialize(): {instead}")
+    return refuse
+
+
 # Engines not yet destroyed: destroyed at interpreter exit (Note [Engine lifetime]).
 _live_engines: "weakref.WeakSet[PatrickStarEngine]" = weakref.WeakSet()
 
@@ -414,11 +436,14 @@ class PatrickStarEngine(nn.Module):
             if module is None or name.startswith("__"):
                 raise
             try:
-                return getattr(module, name)
+                value = getattr(module, name)
             except AttributeError:
                 raise AttributeError(f"neither 'PatrickStarEngine' nor its module "
                                      f"'{type(module).__name__}' has an attribute '{name}'"
                                      ) from None
+            if name in _REBUILDS_PARAMETERS and callable(value):
+                return _refuse_rebuild(type(module).__name__, name)
+            return value
 
     def forward(self, *args, **kwargs):
         self.guard.check_alive("model(...)")

@@ -219,7 +219,9 @@ class ParameterPlacer:
         self._seen[id(param)] = weakref.ref(param)
         if self._event >= len(self._survives):
             raise RuntimeError("model_func registered more parameters than on its first run; "
-                               "it must build the same model every time it is called")
+                               "it must build the same model every time it is called (it runs "
+                               "twice: state it changes, such as a Hugging Face config that "
+                               "resize_token_embeddings() updates, must be copied inside it)")
         alive = self._survives[self._event]
         self._event += 1
         if alive:
@@ -243,7 +245,9 @@ class ParameterPlacer:
             model = _call_model_func(model_func)
         if self._event != len(self._survives):
             raise RuntimeError("model_func registered fewer parameters than on its first run; "
-                               "it must build the same model every time it is called")
+                               "it must build the same model every time it is called (it runs "
+                               "twice: state it changes, such as a Hugging Face config that "
+                               "resize_token_embeddings() updates, must be copied inside it)")
         for _, param in _unregistered(model, self._was_registered):  # Note [Parameters no...]
             self._place_next(param)
         return model

@@ -188,3 +188,17 @@ def test_upstream_pretrain_demo_timers_and_profiler_work(tmp_path, caplog):
     with pytest.raises(RuntimeError, match="'FWD' was not started"):
         global_timer.my_timer.finish_profile("FWD")
     model.destroy()
+
+
+def test_hugging_face_parameter_rebuilds_name_what_to_do_instead():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(vocab_size=100, n_embd=32, n_layer=1, n_head=2,
+                                     n_positions=16)
+    opts = {"optimizer": {"type": "Adam", "params": {"lr": 1e-3}}, "default_chunk_size": 20000}
+    model, _ = patrickstar.initialize(lambda: transformers.GPT2LMHeadModel(config), config=opts)
+    with pytest.raises(ValueError, match=r"config.vocab_size = n"):
+        model.resize_token_embeddings(120)
+    with pytest.raises(ValueError, match="call it inside model_func"):
+        model.post_init()
+    # The module's own methods that change nothing still pass through.
+    assert model.get_input_embeddings() is model.module.transformer.wte
