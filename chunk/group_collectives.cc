@@ -163,7 +163,8 @@ TierKind GroupCollectives::TierFor(const Chunk& chunk) const {
   // (another rank's chunk in backward; the owner's accumulated shard with gradient
   // accumulation). So with gradients_in_place both are pinned where they are when the
   // communicator can address that memory, as parameter chunks are; the owner's receives the
-  // reduced gradient there, and the optimizer reads it there (Note [Optimizer sweep] in optimizer.py).
+  // reduced gradient there, and the optimizer reads it there (Note [Optimizer sweep] in
+  // optimizer.py).
   if (!chunk.has_payload() ||
       (chunk.kind() == ChunkKind::kGradient && !options_.gradients_in_place)) {
     return options_.tier;

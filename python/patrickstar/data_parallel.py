@@ -147,6 +147,7 @@ class DataParallel:
         self.early_reduce_scatters = 0  # started while backward was still running
         self.gather_ahead = int(config.parallel.gather_ahead)
         self.gathers: GatherSchedule | None = None  # the compute-param gathers (attach)
+        self.collectives = None  # _C.GroupCollectives of the steps (attach)
         self.reshard = False  # parallel.reshard_after_forward, for a world of more than one
         self._waits_for_reduce_scatters = False  # in backward (before_grad), from attach
         # parallel.gradient_accumulation "sharded" with more than one micro-step per step.
@@ -300,7 +301,7 @@ class DataParallel:
         rank's reference to the c10d process group); engine.destroy() and interpreter exit."""
         # Closed, not only dropped: a traceback may keep them past the manager's close (Note
         # [Closing the collectives before the manager] in bindings/init_comm.cc).
-        for owner in (getattr(self, "gathers", None), getattr(self, "collectives", None)):
+        for owner in (self.gathers, self.collectives):
             if owner is not None:
                 owner.close()  # the collectives wait for started gathers
         self.collectives = None

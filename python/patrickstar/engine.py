@@ -538,7 +538,7 @@ class PatrickStarEngine(nn.Module):
                     "loss.backward() in fp16 training: call model.backward(loss) instead, which "
                     "applies the dynamic loss scale (without it small fp16 gradients underflow "
                     "to zero)")
-            self.guard.before_autograd_backward()
+            self.guard.check_backward_allowed("loss.backward()")
         except BaseException:
             self._abandon_backward()  # nothing stored: the engine is as before this backward
             raise
@@ -616,19 +616,19 @@ class PatrickStarEngine(nn.Module):
     # ---- State dicts ---------------------------------------------------------------------------
 
     def state_dict(self, destination=None, prefix: str = "", keep_vars: bool = False):
-        """The module's state dict with full parameters (compute dtype) read out of chunks."""
-        self._gather_for_state_dict()
-        result = self.module.state_dict(keep_vars=True)
-        for name, value in list(result.items()):
-            index = self.params.index_of(value)
-            if index is not None:
-                result[name] = self.params.read(index, K.COMPUTE_PARAM)
-            elif not keep_vars and isinstance(value, torch.Tensor):
-                result[name] = value.detach()
+        """The module's state dict with full parameters (compute dtype) read out of chunks: the
+        module's own state dict (Note [The user's module's state dict]); with keep_vars the
+        buffers are the module's tensors and the parameters still their values."""
+        result = self.module.state_dict(prefix=prefix, keep_vars=keep_vars)
+        if keep_vars:  # the hooks leave Parameter objects, which hold placeholders
+            for name, value in result.items():
+                index = self.params.index_of(value)
+                if index is not None:
+                    result[name] = self.read_parameter(index)
         if destination is not None:
-            destination.update({prefix + k: v for k, v in result.items()})
+            destination.update(result)
             return destination
-        return {prefix + k: v for k, v in result.items()} if prefix else result
+        return result
 
     def load_state_dict(self, state_dict, strict: bool = True):
         """Accepts plain PyTorch tensors (any float dtype) for every parameter and buffer."""

@@ -3,7 +3,8 @@
 Note [Training call order]
 The engine expects, per optimizer step, exactly `gradient_accumulation_steps` calls of
 `model.backward(loss)` (or `loss.backward()`, Note [loss.backward()] in engine.py) followed by
-one `optimizer.step()` (and `zero_grad()`), as a DeepSpeed user writes it. `TrainingGuard` counts backward calls since the last step:
+one `optimizer.step()` (and `zero_grad()`), as a DeepSpeed user writes it. `TrainingGuard`
+counts backward calls since the last step:
   * `step()` with no backward since the last step is an error (there are no gradients; a
     silent no-op would hide a broken loop), and so is `step()` after fewer backward calls than
     `gradient_accumulation_steps` (the loss was divided by that number, so the update would be
@@ -76,7 +77,7 @@ class TrainingGuard:
         `nonfinite_ranks(flag)` (data parallelism: a collective) returns the ranks whose loss
         is non-finite, so every rank decides the same: a rank that skipped its backward alone
         would miss the others' reduce-scatters and hang them."""
-        self.before_autograd_backward("model.backward()")
+        self.check_backward_allowed("model.backward()")
         if precision == "fp16":  # the loss scaler handles overflow
             return True
         bad = not bool(torch.isfinite(loss.detach()).all())
@@ -95,7 +96,7 @@ class TrainingGuard:
             return False
         return True
 
-    def before_autograd_backward(self, what: str = "loss.backward()") -> None:
+    def check_backward_allowed(self, what: str) -> None:
         """The checks of every backward, also one the user started with `loss.backward()`
         (Note [loss.backward()] in engine.py), which has no loss to check."""
         self.check_alive(what)

@@ -41,12 +41,12 @@ class ModuleCopies:
         for module in modules:
             module.__dict__["__getstate__"] = functools.partial(self._state_of, module)
 
-    def remove(self, modules) -> None:
-        for module in modules:
-            module.__dict__.pop("__getstate__", None)
-
     def _state_of(self, module: nn.Module) -> dict:
         engine = self._engine()
+        if engine is None:
+            raise RuntimeError(f"copying or pickling a {type(module).__name__} whose PatrickStar "
+                               "engine is gone: its parameters lived in the engine's chunks, "
+                               "which were freed with it")
         state = {key: value for key, value in module.__dict__.items()
                  if key not in _OWN_ATTRIBUTES}
         ours = set(self._hook_ids())
@@ -55,10 +55,6 @@ class ModuleCopies:
                 copy = type(value)()
                 copy.update((k, v) for k, v in value.items() if k not in ours)
                 state[key] = copy
-        if engine is None:
-            raise RuntimeError(f"copying or pickling a {type(module).__name__} whose PatrickStar "
-                               "engine is gone: its parameters lived in the engine's chunks, "
-                               "which were freed with it")
         parameters = dict(state["_parameters"])
         for name, param in parameters.items():
             index = None if param is None else engine.params.index_of(param)

@@ -108,25 +108,23 @@ class ChunkedStateView(collections.abc.Mapping):
     def __init__(self, optimizer: "PatrickStarOptimizer"):
         self._optimizer = weakref.ref(optimizer)
 
-    def _indices(self):
+    def _with_state(self) -> list:
         optimizer = self._optimizer()
-        if optimizer is None or getattr(optimizer, "chunked", None) is None:
-            return optimizer, {}
-        chunked = optimizer.chunked
-        return optimizer, {index: param for index, param in enumerate(chunked.params)
-                           if optimizer.step_counts[index] > 0
-                           and chunked.ids[index].momentum is not None}
+        if optimizer is None:
+            return []
+        return [param for index, param in enumerate(optimizer.chunked.params)
+                if optimizer.has_state(index)]
 
     def __getitem__(self, param) -> dict:
-        optimizer, stepped = self._indices()
+        optimizer = self._optimizer()
         index = None if optimizer is None else optimizer.chunked.index_of(param)
-        return {} if index not in stepped else optimizer.state_entry(index)
+        return {} if index is None else optimizer.state_entry(index)
 
     def __iter__(self):
-        return iter(self._indices()[1].values())
+        return iter(self._with_state())
 
     def __len__(self) -> int:
-        return len(self._indices()[1])
+        return len(self._with_state())
 
     def __setitem__(self, param, value):
         raise TypeError("optimizer.state is a read-only view of the state in chunks; use "
@@ -154,8 +152,8 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         groups = [dict(group, params=[p for p in group["params"] if params.index_of(p) is not None])
                   for group in groups]
         super().__init__(groups, defaults)
-        self.state = ChunkedStateView(self)  # torch's dict of per-parameter state, read-only
         self.chunked = params
+        self.state = ChunkedStateView(self)  # torch's dict of per-parameter state, read-only
         self.config = config
         self.precision = params.precision
         self.decoupled_weight_decay = config.optimizer.decoupled_weight_decay
@@ -421,12 +419,16 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
                          "model's parameters into groups with initialize(..., param_groups=...), "
                          "and give other parameters a torch optimizer of their own")
 
+    def has_state(self, index: int) -> bool:
+        """Whether parameter `index` has Adam state: trainable and stepped at least once."""
+        return self.chunked.ids[index].momentum is not None and self.step_counts[index] > 0
+
     def state_entry(self, index: int) -> dict:
         """Parameter `index`'s Adam state as torch keeps it ({} before its first step): "step"
         and the moments read out of their chunks (8-bit state: codes and their scales)."""
-        params = self.chunked
-        if params.ids[index].momentum is None or self.step_counts[index] == 0:
+        if not self.has_state(index):
             return {}
+        params = self.chunked
         entry = {"step": torch.tensor(float(self.step_counts[index]))}
         for key in moment_state.MOMENT_KEYS:
             entry.update(moment_state.read_moment(params, index, key))
