@@ -14,6 +14,18 @@
 //
 // Errors leave the counts consistent: a count rises only once its access succeeded, so a failed
 // access (a budget that cannot hold the chunk) leaves nothing to release.
+//
+// Note [Writes to a released parameter]
+// Between uses a parameter's .data is the empty placeholder, so a write the user makes then
+// (nn.init.normal_(p), p.mul_() under no_grad, p.data = t) lands in the placeholder, and the
+// next access would point .data at the chunk as if nothing happened: the change lost without a
+// word. Torch bumps a tensor's version counter on every in-place write, and set_data keeps the
+// parameter's own counter, so each released slot remembers its version and whether .data is
+// still the placeholder; an access (or CheckUnchanged, for the reads of state_dict) that finds
+// either changed raises, naming the parameter, before it changes any count. It reports each
+// change once: the slot is reset to the placeholder, the chunk keeps the old values. Writes
+// through p.data.normal_() go to a fresh alias with its own counter and are not seen (they
+// write zero elements).
 #include <ATen/ATen.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -22,6 +34,7 @@
 #include <cstdint>
 #include <exception>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -42,7 +55,7 @@ class ParameterSlots {
  public:
   ParameterSlots(py::object manager, std::vector<at::Tensor> params,
                  std::vector<TensorId> compute_ids, std::vector<std::optional<TensorId>> grad_ids,
-                 const std::string& tier, at::Tensor placeholder)
+                 const std::string& tier, at::Tensor placeholder, std::vector<std::string> names)
       : manager_object_(std::move(manager)),
         manager_(manager_object_.cast<PyChunkManager*>()),
         params_(std::move(params)),
@@ -50,12 +63,20 @@ class ParameterSlots {
         grad_ids_(std::move(grad_ids)),
         tier_(ParseTierKind(tier)),
         placeholder_(std::move(placeholder)),
+        names_(std::move(names)),
         counts_(params_.size(), 0),
         addresses_(params_.size(), 0) {
-    if (compute_ids_.size() != params_.size() || grad_ids_.size() != params_.size()) {
+    if (compute_ids_.size() != params_.size() || grad_ids_.size() != params_.size() ||
+        (!names_.empty() && names_.size() != params_.size())) {
       throw py::value_error("ParameterSlots: " + std::to_string(params_.size()) +
                             " parameters but " + std::to_string(compute_ids_.size()) +
-                            " compute ids and " + std::to_string(grad_ids_.size()) + " grad ids");
+                            " compute ids, " + std::to_string(grad_ids_.size()) +
+                            " grad ids and " + std::to_string(names_.size()) + " names");
+    }
+    released_versions_.reserve(params_.size());
+    for (size_t index = 0; index < params_.size(); ++index) {
+      params_[index].set_data(placeholder_);
+      released_versions_.push_back(params_[index]._version());
     }
   }
 
@@ -63,8 +84,8 @@ class ParameterSlots {
   void set_before_access(py::object callback) { before_access_ = std::move(callback); }
 
   void Access(const std::vector<int64_t>& indices) {
+    CheckUnchanged(indices);
     for (int64_t index : indices) {
-      CheckIndex(index);
       if (counts_[index] > 0) {
         counts_[index] += 1;
         continue;
@@ -111,6 +132,35 @@ class ParameterSlots {
       }
     }
     if (first_error != nullptr) std::rethrow_exception(first_error);
+  }
+
+  // Raises if a released parameter among `indices` was written or reassigned since its release
+  // (Note [Writes to a released parameter]).
+  void CheckUnchanged(const std::vector<int64_t>& indices) {
+    for (int64_t index : indices) {
+      CheckIndex(index);
+      if (counts_[index] > 0 || !ChangedWhileReleased(index)) continue;
+      const bool reassigned = !SharesPlaceholder(index);
+      ResetToPlaceholder(index);  // reported once; the chunk keeps the values it had
+      throw std::runtime_error(
+          "parameter " + Name(index) + " was " +
+          (reassigned ? "assigned new data (p.data = ...)"
+                      : "written in place (nn.init.*_(p), p.mul_() / p.copy_() under no_grad)") +
+          " while it was not in use: between uses a PatrickStar parameter holds an empty "
+          "placeholder and its values live in chunks, so the change was not applied (the chunk "
+          "keeps the old values). Change weights with model.apply(fn) on the engine, "
+          "model.load_state_dict(...), or inside model_func before initialize() returns");
+    }
+  }
+
+  // Points a released parameter's .data back at the placeholder (after the engine lent it a full
+  // copy of its values, model.apply).
+  void RestorePlaceholder(int64_t index) {
+    CheckIndex(index);
+    if (counts_[index] > 0) {
+      throw py::value_error("RestorePlaceholder: parameter " + Name(index) + " is in use");
+    }
+    ResetToPlaceholder(index);
   }
 
   int64_t AccessCount(int64_t index) const {
@@ -226,6 +276,24 @@ class ParameterSlots {
     }
   }
 
+  std::string Name(int64_t index) const {
+    return names_.empty() ? std::to_string(index) : "'" + names_[index] + "'";
+  }
+
+  bool SharesPlaceholder(int64_t index) const {
+    return params_[index].unsafeGetTensorImpl()->storage().unsafeGetStorageImpl() ==
+           placeholder_.unsafeGetTensorImpl()->storage().unsafeGetStorageImpl();
+  }
+
+  bool ChangedWhileReleased(int64_t index) const {
+    return params_[index]._version() != released_versions_[index] || !SharesPlaceholder(index);
+  }
+
+  void ResetToPlaceholder(int64_t index) {
+    params_[index].set_data(placeholder_);
+    released_versions_[index] = params_[index]._version();
+  }
+
   void NotifyBeforeAccess(TensorId id) {
     if (!before_access_.is_none()) before_access_(id);
   }
@@ -233,7 +301,7 @@ class ParameterSlots {
   void ReleaseSlot(int64_t index, TensorState state) {
     if (addresses_[index] != 0) index_of_address_.erase(addresses_[index]);
     addresses_[index] = 0;
-    params_[index].set_data(placeholder_);
+    ResetToPlaceholder(index);
     const TensorId id = compute_ids_[index];
     ThrowIfError(manager_->Run([&](ChunkManager& m) { return m.Release(id, state); }));
   }
@@ -245,7 +313,11 @@ class ParameterSlots {
   std::vector<std::optional<TensorId>> grad_ids_;
   TierKind tier_;
   at::Tensor placeholder_;  // empty, the compute dtype and device: .data while released
+  std::vector<std::string> names_;  // for errors; empty: parameters are named by index
   std::vector<int64_t> counts_;
+  // Each parameter's version counter when it was last released (Note [Writes to a released
+  // parameter]).
+  std::vector<int64_t> released_versions_;
   std::vector<uint64_t> addresses_;  // each accessed parameter's view address (0: none)
   absl::flat_hash_map<uint64_t, int64_t> index_of_address_;  // chunk view address -> index
   py::object before_access_ = py::none();
@@ -258,15 +330,19 @@ void InitParameterSlots(py::module_& module) {
   py::class_<ParameterSlots>(module, "ParameterSlots",
                              "The engine's parameters in their chunks: Note [Parameter slots].")
       .def(py::init<py::object, std::vector<at::Tensor>, std::vector<TensorId>,
-                    std::vector<std::optional<TensorId>>, const std::string&, at::Tensor>(),
+                    std::vector<std::optional<TensorId>>, const std::string&, at::Tensor,
+                    std::vector<std::string>>(),
            py::arg("manager"), py::arg("params"), py::arg("compute_ids"), py::arg("grad_ids"),
-           py::arg("tier"), py::arg("placeholder"))
+           py::arg("tier"), py::arg("placeholder"), py::arg("names") = std::vector<std::string>{})
       .def("set_before_access", &ParameterSlots::set_before_access, py::arg("callback"))
       .def("access", &ParameterSlots::Access, py::arg("indices"),
            "Accesses each parameter (counted) and points its .data at the chunk view.")
       .def("release", &ParameterSlots::Release, py::arg("indices"), py::arg("state"),
            "Drops one access of each; the last one releases the chunk tensor to `state`.")
       .def("release_all", &ParameterSlots::ReleaseAll, py::arg("state"))
+      .def("check_unchanged", &ParameterSlots::CheckUnchanged, py::arg("indices"),
+           "Raises if a released parameter was written or reassigned since its release.")
+      .def("restore_placeholder", &ParameterSlots::RestorePlaceholder, py::arg("index"))
       .def("access_count", &ParameterSlots::AccessCount, py::arg("index"))
       .def("saved_index", &ParameterSlots::SavedIndex, py::arg("tensor"),
            "Index of the parameter whose chunk view the tensor is a view of, or -1.")

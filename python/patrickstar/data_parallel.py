@@ -413,8 +413,7 @@ class DataParallel:
             self.gathers.begin_backward()
 
     def _boundary(self) -> bool:
-        engine = self._engine
-        return (engine.micro_step + 1) % self.config.gradient_accumulation_steps == 0
+        return self._engine.guard.ends_accumulation
 
     def _reduces_now(self) -> bool:
         """Whether this micro-step reduce-scatters its gradients."""
@@ -522,6 +521,12 @@ class DataParallel:
             has_grad[index] = total > 0 and self._owned[index]
         self._reset_accumulation()
 
+    def discard_accumulation(self) -> None:
+        """optimizer.zero_grad() dropped the gradients between steps (every rank calls it):
+        the next backward starts a fresh accumulation."""
+        if self.enabled:
+            self._reset_accumulation()
+
     def ranks_with(self, flag: bool, label: str = "non-finite loss flags") -> list[int]:
         """The ranks of the group whose `flag` is set; a collective every rank must call."""
         if not self.enabled:
@@ -552,7 +557,10 @@ class DataParallel:
         return overflow, squared
 
     def after_step(self) -> None:
-        """The parameters changed: every rank drops its gathered copies (finishing a gather
-        still in flight first)."""
+        self.parameters_changed()
+
+    def parameters_changed(self) -> None:
+        """The owners' parameters changed (a step, loaded weights): every rank drops its
+        gathered copies (finishing a gather still in flight first), which would be stale."""
         if self.enabled:
             self.gathers.release_all()

@@ -196,7 +196,8 @@ class PatrickStarEngine(nn.Module):
         # gradient stores in one C++ call per module or gradient.
         self._slots = _C.ParameterSlots(
             self.chunks.manager, self.params.params, [ids.compute for ids in self.params.ids],
-            [ids.grad for ids in self.params.ids], self.compute_tier, placeholder)
+            [ids.grad for ids in self.params.ids], self.compute_tier, placeholder,
+            [f"module.{name}" for name in self.params.names])
         self._slots.set_before_access(self.chunks.before_access)  # set by dp.after_init()
         # Where the activations really are: GPU memory with CUDA; host memory on a CPU build,
         # whose device tier only emulates a GPU's budget for chunks.
@@ -316,9 +317,8 @@ class PatrickStarEngine(nn.Module):
                                          device=self.device).expand(shape)
             yield
         finally:
-            placeholder = self._placeholder()
-            for param in params:
-                param.data = placeholder
+            for index in range(len(params)):
+                self._slots.restore_placeholder(index)
 
     # ---- Access and release --------------------------------------------------------------------
 
@@ -495,8 +495,8 @@ class PatrickStarEngine(nn.Module):
         self._end_backward()
 
     def _end_backward(self) -> None:
+        self.dp.after_backward()  # reads guard.ends_accumulation: before the count moves on
         self.guard.after_backward()
-        self.dp.after_backward()
         self.micro_step += 1
 
     # Note [loss.backward()]
@@ -638,6 +638,13 @@ class PatrickStarEngine(nn.Module):
         if strict and (missing or unexpected):
             raise RuntimeError(f"load_state_dict: missing keys {missing}, unexpected keys "
                                f"{unexpected}")
+        try:
+            self._load_values(own, state_dict)
+        finally:
+            self.dp.parameters_changed()  # gathered copies of what the owners loaded are stale
+        return nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+    def _load_values(self, own: dict, state_dict) -> None:
         with torch.no_grad():
             for name, value in own.items():
                 if name not in state_dict:
@@ -652,7 +659,6 @@ class PatrickStarEngine(nn.Module):
                     value.copy_(source)
                 else:
                     self.load_parameter(index, source)
-        return nn.modules.module._IncompatibleKeys(missing, unexpected)
 
     def load_parameter(self, index: int, source: torch.Tensor) -> None:
         """New weights for parameter `index` (its shape, any float dtype)."""
@@ -679,8 +685,67 @@ class PatrickStarEngine(nn.Module):
     def read_parameter(self, index: int) -> torch.Tensor:
         """Parameter `index` in the compute dtype (a collective under data parallelism)."""
         self.guard.check_alive("state_dict()")
+        self._slots.check_unchanged([index])  # Note [Writes to a released parameter]
         self._gather_for_state_dict()
         return self.params.read(index, K.COMPUTE_PARAM)
+
+    def after_module_load(self, indices: list[int]) -> None:
+        """The user's module loaded new values of these parameters into the chunks (Note [The
+        user's module's state dict]): torch's own copy into their placeholders after that is
+        not a lost user write, and under data parallelism gathered copies are stale."""
+        for index in indices:
+            if self._slots.access_count(index) == 0:
+                self._slots.restore_placeholder(index)
+        self.dp.parameters_changed()
+
+    def apply(self, fn: Callable[[nn.Module], None]):
+        """`nn.Module.apply`: `fn` on every module, children first, each module's own parameters
+        holding their values while `fn` runs it (between uses they hold empty placeholders);
+        what `fn` changes (HF's `_init_weights`, `nn.init` on a new head) is written back into
+        the chunks. A collective under data parallelism (every rank calls it)."""
+        self.guard.check_alive("model.apply()")
+
+        def visit(module: nn.Module) -> None:
+            for child in module.children():
+                visit(child)
+            with self._lent_parameters(module):
+                fn(module)
+
+        try:
+            visit(self.module)
+        finally:
+            self.dp.parameters_changed()
+        fn(self)
+        return self
+
+    @contextlib.contextmanager
+    def _lent_parameters(self, module: nn.Module):
+        """`module`'s own parameters hold copies of their values inside the block; the ones
+        written or reassigned are loaded back into the chunks after it."""
+        indices = [index for index in map(self.params.index_of, module.parameters(recurse=False))
+                   if index is not None]
+        lent = []
+        try:
+            for index in indices:
+                value = self.read_parameter(index)
+                param = self.params.params[index]
+                param.data = value
+                lent.append((index, param, param._version, value))
+            yield
+        finally:
+            for index, param, version, value in lent:
+                data = param.data
+                changed = (param._version != version or data.data_ptr() != value.data_ptr()
+                           or data.shape != value.shape)
+                self._slots.restore_placeholder(index)
+                if not changed:
+                    continue
+                shape = self.params.shapes[index]
+                if tuple(data.shape) != tuple(shape):
+                    raise ValueError(f"model.apply(): {self.params.names[index]} was given "
+                                     f"shape {tuple(data.shape)}; it has {tuple(shape)} in the "
+                                     f"chunks and keeps its old values")
+                self.load_parameter(index, data)
 
     # ---- Checkpoints (logic in checkpoint/) -------------------------------------------------
 

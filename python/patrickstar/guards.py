@@ -12,6 +12,13 @@ counts backward calls since the last step:
     is the user's `optimizer.step()`, called once per boundary, so a mismatch is a bug.
   * more backward calls than `gradient_accumulation_steps` before a step is an error: without
     accumulation a second backward would add a second batch's gradients into the first's.
+  * `optimizer.zero_grad()` between steps drops the gradients and the count with them (as in
+    PyTorch, where it starts a fresh accumulation): a GAN's discriminator, whose gradients from
+    the generator's loss are computed and dropped, and a loop that abandons a partial
+    accumulation go on with the next backward as the first of a step.
+  * the count, skipped backwards included, is also what says which backward ends an
+    accumulation (`ends_accumulation`, data parallelism's reduce-scatter boundary): a count kept
+    elsewhere missed the skipped ones and moved every later boundary under data parallelism.
   * a non-finite loss in fp32/bf16 (fp16 has the loss scaler for that) is checked before its
     backward runs: `nonfinite_loss: "raise"` (default) raises `FloatingPointError` and leaves
     parameters, gradients and optimizer state as they were; `"skip"` drops the loss and turns
@@ -105,11 +112,23 @@ class TrainingGuard:
                 f"{what} called {self.backwards + 1} times since the last "
                 f"optimizer.step(), but gradient_accumulation_steps is {self.accumulation}: "
                 f"call optimizer.step() and optimizer.zero_grad() after every "
-                f"{self.accumulation} backward() call(s), or raise "
-                f"gradient_accumulation_steps")
+                f"{self.accumulation} backward() call(s) (optimizer.zero_grad() alone drops "
+                f"the gradients), or raise gradient_accumulation_steps")
 
     def after_backward(self) -> None:
         self.backwards += 1
+
+    @property
+    def ends_accumulation(self) -> bool:
+        """Whether the backward under way (counted only at its end) completes the step's
+        `gradient_accumulation_steps`."""
+        return self.backwards + 1 >= self.accumulation
+
+    def discard_backwards(self) -> int:
+        """The gradients were dropped (`optimizer.zero_grad()`): the next backward is the first
+        of a step. Returns how many backward calls were dropped."""
+        dropped, self.backwards, self.skip_step = self.backwards, 0, False
+        return dropped
 
     def before_step(self) -> bool:
         """False when the step must be skipped (a skipped non-finite loss in it)."""

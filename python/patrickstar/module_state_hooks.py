@@ -14,7 +14,8 @@ module that owns parameters fix both:
   * its load_state_dict writes each parameter present into the chunks (the engine's
     `load_parameter`: compute copy, master, compensation zeroed) and hands torch an empty
     tensor in its place, so torch's copy into the placeholder is a no-op and its missing- and
-    unexpected-key accounting is unchanged. A shape that differs from the real one is reported
+    unexpected-key accounting is unchanged (that copy bumps the parameter's version counter,
+    which a post-hook then forgets: Note [Writes to a released parameter]). A shape that differs from the real one is reported
     in torch's own words with the real shape; `assign=True` cannot replace a chunked parameter
     and says so.
 """
@@ -41,9 +42,11 @@ class ModuleStateHooks(HookSet):
         # Partials, not bound methods: torch marks its hooks with an attribute.
         after_state_dict = functools.partial(ModuleStateHooks._after_state_dict, self)
         before_load = functools.partial(ModuleStateHooks._before_load_state_dict, self)
+        after_load = functools.partial(ModuleStateHooks._after_load_state_dict, self)
         for module in modules:
             self._handles.append(module.register_state_dict_post_hook(after_state_dict))
             self._handles.append(module.register_load_state_dict_pre_hook(before_load))
+            self._handles.append(module.register_load_state_dict_post_hook(after_load))
 
     def _live_engine(self):
         engine = self._engine()
@@ -86,3 +89,7 @@ class ModuleStateHooks(HookSet):
             else:
                 engine.load_parameter(index, source)
             state_dict[key] = torch.empty(0, dtype=param.dtype)
+
+    def _after_load_state_dict(self, module, incompatible_keys) -> None:
+        engine = self._live_engine()
+        engine.after_module_load([index for _, _, index in self._chunked(engine, module, "")])

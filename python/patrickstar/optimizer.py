@@ -270,12 +270,16 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         return torch.tensor(total)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drops the gradients; between steps also the backward calls made so far (Note
+        [Training call order] in guards.py)."""
         self._requested_clip = None
         chunks = self.chunked.chunks
         for index, has in enumerate(self.has_grad):
             if has:
                 chunks.set_tensor_state(self.chunked.ids[index].grad, S.FREE)
                 self.has_grad[index] = False
+        if self.guard.discard_backwards():
+            self.dp.discard_accumulation()
 
     # ---- Gradients -----------------------------------------------------------------------------
 

@@ -133,6 +133,22 @@ class Scenario:
     # torch.nn.utils.clip_grad_norm_(model.parameters(), clip) before each step instead of the
     # config's gradient_clipping (Note [torch's clip_grad_norm_] in clip_grad.py).
     torch_clip: bool = False
+    # (micro-step, rank) whose loss the worker makes NaN before backward (config nonfinite_loss
+    # "skip": every rank skips that backward and the step it belongs to).
+    nan_loss: tuple[int, int] | None = None
+    # Optimizer steps the worker replaces by optimizer.zero_grad() (the gradients dropped).
+    discarded_steps: tuple[int, ...] = ()
+    # New weights after initialize(), before training (`reinitialize` on the model):
+    # "apply" model.apply(reinitialize); "load" model.load_state_dict(...) and "module_load"
+    # model.module.load_state_dict(...) of a plain model it reinitialized.
+    reinitialize: str = ""
+
+    def step_applied(self, step: int) -> bool:
+        """Whether optimizer step `step` updates the parameters (as opposed to being skipped
+        for `nan_loss` or dropped for `discarded_steps`)."""
+        if step in self.discarded_steps:
+            return False
+        return self.nan_loss is None or self.nan_loss[0] // self.accumulation != step
 
 
 class BlockStack(nn.Module):
@@ -255,6 +271,36 @@ SCENARIOS = {
     "mlp_accumulation_full": Scenario(MLP, mlp_batches, {
         "default_chunk_size": 4096, "parallel": {"gradient_accumulation": "full"}},
         steps=4, clip=0.5, accumulation=3),
+    # Rank 1's loss is NaN on the first micro-step of step 1 (config nonfinite_loss "skip"):
+    # every rank skips that backward and the step; the accumulation boundaries that follow must
+    # stay every third backward() call, counting the skipped one.
+    "mlp_accumulation_skip": Scenario(MLP, mlp_batches, {
+        "default_chunk_size": 4096, "nonfinite_loss": "skip"},
+        steps=4, clip=0.5, accumulation=3, nan_loss=(3, 1)),
+    "mlp_accumulation_full_skip": Scenario(MLP, mlp_batches, {
+        "default_chunk_size": 4096, "nonfinite_loss": "skip",
+        "parallel": {"gradient_accumulation": "full"}},
+        steps=4, clip=0.5, accumulation=3, nan_loss=(3, 1)),
+    # Step 1's gradients are computed and dropped by optimizer.zero_grad() (a GAN's
+    # discriminator, which the generator's loss runs through): training goes on from there.
+    "mlp_accumulation_discard": Scenario(MLP, mlp_batches, {"default_chunk_size": 4096},
+                                         steps=4, clip=0.5, accumulation=3,
+                                         discarded_steps=(1,)),
+    # model.apply(fn) on every rank after initialize(): the owners write, every rank trains on
+    # the new weights (gathered copies dropped), with and without resharding.
+    "mlp_apply": Scenario(MLP, mlp_batches, {"default_chunk_size": 4096}, steps=3,
+                          reinitialize="apply"),
+    "mlp_apply_keep": Scenario(MLP, mlp_batches, {
+        "default_chunk_size": 4096, "parallel": {"reshard_after_forward": False}}, steps=3,
+        reinitialize="apply"),
+    "mlp_load_keep": Scenario(MLP, mlp_batches, {
+        "default_chunk_size": 4096, "parallel": {"reshard_after_forward": False}}, steps=3,
+        reinitialize="load"),
+    "mlp_module_load_keep": Scenario(MLP, mlp_batches, {
+        "default_chunk_size": 4096, "parallel": {"reshard_after_forward": False}}, steps=3,
+        reinitialize="module_load"),
+    "mlp_discard": Scenario(MLP, mlp_batches, {"default_chunk_size": 4096}, steps=5,
+                            discarded_steps=(1, 2)),
 }
 
 # Chunk-size boundaries (issue 18). BoundaryMLP's layers.0.weight has 2048 elements, its bias 64,
@@ -295,6 +341,21 @@ SCENARIOS["boundary_65536"] = Scenario(lambda: MLP((256, 256, 10)), wide_batches
                                        {"default_chunk_size": 65536}, steps=3)
 
 
+def reinitialize(module: nn.Module) -> None:
+    """New weights for every Linear (a write and a reassignment)."""
+    if isinstance(module, nn.Linear):
+        nn.init.normal_(module.weight, std=0.2)
+        module.bias.data = torch.full_like(module.bias, 0.1)
+
+
+def reinitialized_state(s: Scenario) -> dict:
+    """The scenario's model, built and reinitialized as `reference` does."""
+    torch.manual_seed(0)
+    model = s.model()
+    torch.manual_seed(5)
+    return model.apply(reinitialize).state_dict()
+
+
 def shard(batch, rank: int, world: int):
     """This rank's contiguous slice of every tensor of a batch."""
     return tuple(t.chunk(world)[rank] for t in batch)
@@ -307,6 +368,8 @@ def reference(name: str, world: int):
     s = SCENARIOS[name]
     torch.manual_seed(0)
     model = s.model()
+    if s.reinitialize:
+        model.load_state_dict(reinitialized_state(s))
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = make_optimizer(s.optimizer, trainable, s.lr, s.weight_decay)
     losses = []
@@ -316,9 +379,10 @@ def reference(name: str, world: int):
         (loss / s.accumulation).backward()
         losses.append(loss.item())
         if (step + 1) % s.accumulation == 0:
-            if s.clip:
-                nn.utils.clip_grad_norm_(model.parameters(), s.clip)
-            optimizer.step()
+            if s.step_applied(step // s.accumulation):
+                if s.clip:
+                    nn.utils.clip_grad_norm_(model.parameters(), s.clip)
+                optimizer.step()
             optimizer.zero_grad()
     return losses, model.state_dict()
 

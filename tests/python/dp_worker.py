@@ -22,7 +22,7 @@ import traceback
 import torch
 
 import patrickstar
-from dp_scenarios import SCENARIOS, shard
+from dp_scenarios import SCENARIOS, reinitialize, reinitialized_state, shard
 from test_initialize import MLP
 
 
@@ -36,16 +36,28 @@ def train(name: str, rank: int, world: int) -> dict:
     config["gradient_accumulation_steps"] = s.accumulation
     torch.manual_seed(0)
     model, optimizer = patrickstar.initialize(s.model, config=config)
+    if s.reinitialize == "apply":
+        torch.manual_seed(5)
+        model.apply(reinitialize)
+    elif s.reinitialize in ("load", "module_load"):
+        model.state_dict()  # gathers every group first (a user who saved before loading)
+        load = model.load_state_dict if s.reinitialize == "load" else model.module.load_state_dict
+        load(reinitialized_state(s))
     model.reset_peak_memory_stats()  # training's peak (every rank built the whole model once)
     losses = []
     for step, batch in enumerate(s.batches(s.steps * s.accumulation)):
         loss = model(*shard(batch, rank, world))
+        losses.append(loss.item())
+        if s.nan_loss == (step, rank):
+            loss = loss * float("nan")
         if s.autograd_backward:
             (loss / s.accumulation).backward()
         else:
             model.backward(loss)
-        losses.append(loss.item())
         if (step + 1) % s.accumulation == 0:
+            if (step // s.accumulation) in s.discarded_steps:
+                optimizer.zero_grad()  # gradients computed and dropped: no update
+                continue
             if s.torch_clip:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), s.clip)
             optimizer.step()

@@ -163,6 +163,35 @@ def test_backward_twice_needs_gradient_accumulation():
         model.backward(model(x, y))
 
 
+ADAMW = {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}}
+
+
+@pytest.mark.parametrize("accumulation", [1, 3])
+def test_zero_grad_between_steps_drops_the_backwards_as_in_pytorch(accumulation):
+    # Note [Training call order]: zero_grad() without a step starts the next accumulation (it
+    # raised "called 2 times since the last optimizer.step()" at the next backward before).
+    model, opt = make({"default_chunk_size": 4096, "optimizer": ADAMW,
+                       "gradient_accumulation_steps": accumulation})
+    torch.manual_seed(0)
+    reference = MLP()
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
+    data = batches(2 + 2 * accumulation)
+    dropped, kept = data[:2], data[2:]
+    for step_batches in (kept[:accumulation], kept[accumulation:]):
+        for x, y in dropped[:1 if accumulation == 1 else 2]:  # a whole step, or part of one
+            model.backward(model(x, y))
+            reference(x, y).backward()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        for x, y in step_batches:
+            model.backward(model(x, y))
+            (reference(x, y) / accumulation).backward()
+        opt.step(), opt.zero_grad()
+        ref_opt.step(), ref_opt.zero_grad()
+    for name, tensor in reference.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[name], tensor, rtol=0, atol=1e-6)
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_nonfinite_loss_raises_by_default_and_changes_nothing(precision):
     model, opt = make(base_config(precision), DropoutMLP)
