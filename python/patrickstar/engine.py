@@ -13,7 +13,11 @@ module's backward sees whatever `.data` holds when it runs: the pre-backward hoo
 module's parameters first (Note [Backward hooks through autograd functions] in hooks.py).
 Accesses are reference-counted per parameter because a tied parameter can be in use by two
 modules at once. The counts, the swaps and the gradient stores live in C++ (`_C.ParameterSlots`,
-Note [Parameter slots] in bindings/parameter_slots.cc): one call per module or gradient.
+Note [Parameter slots] in bindings/parameter_slots.cc): one call per module or gradient. Each
+parameter also carries DeepSpeed ZeRO-3's `ds_numel` and `ds_shape` (its real size), which
+libraries that count parameters (PEFT's `print_trainable_parameters`) read when `numel()` is 0.
+A write into a placeholder raises at the next access (Note [Writes to a released parameter]);
+`model.apply(fn)` is the way to change weights in place.
 
 Note [Saved views of parameters]
 Autograd saves leaves by reference, but many ops save a *view* made in forward: `F.linear` saves
@@ -96,6 +100,12 @@ def _weakly(method: Callable) -> Callable:
 # through the engine they raise, saying to call them in model_func.
 _REBUILDS_PARAMETERS = frozenset({"resize_token_embeddings", "resize_position_embeddings",
                                   "prune_heads", "init_weights", "post_init"})
+
+
+# Hugging Face methods that only look at parameter shapes (num_parameters, which sums
+# p.numel(), was 0): through the engine they run with stand-ins of the real shapes.
+_READS_PARAMETER_SHAPES = frozenset({"num_parameters", "get_memory_footprint",
+                                     "floating_point_ops"})
 
 
 def _refuse_rebuild(module_type: str, name: str) -> Callable:
@@ -190,8 +200,10 @@ class PatrickStarEngine(nn.Module):
         self._module_params = {module: self._parameters_used_by(module)
                                for module in self.module.modules()}
         placeholder = self._placeholder()
-        for param in self.params.params:
+        for param, shape in zip(self.params.params, self.params.shapes):
             param.data = placeholder
+            param.ds_shape = torch.Size(shape)
+            param.ds_numel = param.ds_shape.numel()
         # Note [Parameter slots] in bindings/parameter_slots.cc: access counts, .data swaps and
         # gradient stores in one C++ call per module or gradient.
         self._slots = _C.ParameterSlots(
@@ -310,14 +322,16 @@ class PatrickStarEngine(nn.Module):
         inside this block each holds a stand-in of its real shape and dtype instead (one
         element broadcast, no memory), for code that looks at shapes: a param_groups callable
         (nanoGPT's `p.dim() >= 2` decay rule)."""
-        params = self.params.params
+        released = [index for index in range(len(self.params.params))
+                    if self._slots.access_count(index) == 0]  # in use: the real data already
         try:
-            for param, shape in zip(params, self.params.shapes):
-                param.data = torch.zeros((), dtype=self.compute_dtype,
-                                         device=self.device).expand(shape)
+            for index in released:
+                self.params.params[index].data = torch.zeros(
+                    (), dtype=self.compute_dtype, device=self.device).expand(
+                        self.params.shapes[index])
             yield
         finally:
-            for index in range(len(params)):
+            for index in released:
                 self._slots.restore_placeholder(index)
 
     # ---- Access and release --------------------------------------------------------------------
@@ -443,7 +457,15 @@ class PatrickStarEngine(nn.Module):
                                      ) from None
             if name in _REBUILDS_PARAMETERS and callable(value):
                 return _refuse_rebuild(type(module).__name__, name)
+            if name in _READS_PARAMETER_SHAPES and callable(value):
+                return self._with_real_shapes(value)
             return value
+
+    def _with_real_shapes(self, method: Callable) -> Callable:
+        def call(*args, **kwargs):
+            with self._real_shapes():
+                return method(*args, **kwargs)
+        return call
 
     def forward(self, *args, **kwargs):
         self.guard.check_alive("model(...)")

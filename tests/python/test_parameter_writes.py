@@ -112,3 +112,29 @@ def test_module_load_state_dict_is_not_taken_for_a_user_write():
     assert torch.equal(loaded["0.weight"], torch.ones(32, 16))
     assert torch.equal(loaded["2.weight"], torch.zeros(4, 32))
     train(model, opt, steps=1)
+
+
+def test_parameters_carry_their_real_size_as_deepspeed_zero3_does():
+    # Between uses numel() is 0 (the placeholder); PEFT and others then read ds_numel.
+    model, _ = make()
+    reference = net()
+    assert [p.ds_shape for p in model.parameters()] == [p.shape for p in reference.parameters()]
+    assert sum(p.ds_numel for p in model.parameters()) == \
+        sum(p.numel() for p in reference.parameters())
+
+
+def test_hugging_face_parameter_counts_through_the_engine():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(vocab_size=100, n_embd=32, n_layer=2, n_head=2,
+                                     n_positions=32)
+    reference = transformers.GPT2LMHeadModel(config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, _ = patrickstar.initialize(lambda: transformers.GPT2LMHeadModel(config),
+                                          config={"default_chunk_size": 8192})
+    assert model.num_parameters() == reference.num_parameters() > 0
+    assert model.num_parameters(only_trainable=True, exclude_embeddings=True) == \
+        reference.num_parameters(only_trainable=True, exclude_embeddings=True)
+    assert sum(p.numel() for p in model.parameters()) == 0  # placeholders again
+    x = torch.randint(0, 100, (2, 8))
+    model(input_ids=x, labels=x)  # and nothing was taken for a write
