@@ -110,7 +110,9 @@ _READS_PARAMETER_SHAPES = frozenset({"num_parameters", "get_memory_footprint",
 
 def _refuse_rebuild(module_type: str, name: str) -> Callable:
     if name.startswith("resize_"):
-        instead = ("build the model with the new size instead: set it in the config that "
+        instead = ("call it inside model_func, on the module it builds (with a copy of the "
+                   "config made there: the resize updates the config, and model_func runs "
+                   "twice), or build the model with the new size: set it in the config that "
                    "model_func builds from (e.g. config.vocab_size = n), and load trained "
                    "weights after initialize() with load_state_dict")
     else:
@@ -182,8 +184,9 @@ class PatrickStarEngine(nn.Module):
             lambda index: self.chunks.access(self._init_views[index], T.HOST),
             lambda index: self.chunks.release(self._init_views[index], S.HOLD),
             _C.ChunkOutOfMemoryError)
-        placer = ParameterPlacer(survives, self._place_at_init)
+        placer = ParameterPlacer(survives, [spec.shape for spec in specs], self._place_at_init)
         module = placer.build(model_func)
+        self._take_replaced_data(placer.parameters)
         self.add_module("module", module)
         self._move_buffers(lambda buffer: buffer.to(self.device))
         self.params.bind(placer.parameters)
@@ -276,6 +279,20 @@ class PatrickStarEngine(nn.Module):
             return view
         self._init_views[index] = tensor_id
         return self._init_residency.place(index, param)
+
+    def _take_replaced_data(self, params: list[nn.Parameter]) -> None:
+        """A parameter whose `.data` model_func replaced after its placement (Note [Parameters
+        resized while building]) has its final data copied into its slot."""
+        with torch.no_grad():
+            for index, param in enumerate(params):
+                given = self._init_views[index]
+                if not isinstance(given, torch.Tensor):
+                    given = self._init_residency.view_of(index)
+                if given is None:  # deferred: its .data is the residency's placeholder
+                    continue
+                if param.data_ptr() != given.data_ptr() or param.shape != given.shape:
+                    given.copy_(param.data)
+                    param.data = given
 
     def _finish_init(self) -> None:
         self._init_residency.finish()

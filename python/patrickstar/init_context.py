@@ -195,21 +195,35 @@ def _unregistered(model: nn.Module, registered: Callable[[nn.Parameter], bool]
             if not registered(param) and param.numel() > 0]
 
 
+# Note [Parameters resized while building]
+# Code in model_func may give a registered parameter new data of another shape: Hugging Face's
+# resize_token_embeddings() builds a larger embedding, then points the old Parameter's `.data`
+# at the new weights (the Parameter object survives with the new shape). Pass 1 plans the
+# parameter from its final shape, so at its registration in pass 2 (old shape) it cannot take
+# its slot yet: a parameter whose shape differs from its spec stays an ordinary tensor until
+# model_func returns and is placed then, from its final data. A parameter that was placed but
+# whose `.data` model_func later replaced by a same-shape tensor (`p.data = t`) is no longer a
+# view of its slot, whose bytes are stale: the engine copies the final data into the slot before
+# the build ends (PatrickStarEngine._take_replaced_data).
 class ParameterPlacer:
     """Pass 2: a context manager under which `model_func()` runs for real; `place(index, param)`
-    is called for each surviving parameter as it is registered and must return the tensor that
-    becomes its `.data` (a view of chunk memory)."""
+    is called for each surviving parameter as it is registered (or, resized, once model_func
+    returned) and must return the tensor that becomes its `.data` (a view of chunk memory).
+    `shapes` are the surviving parameters' final shapes from pass 1."""
 
-    def __init__(self, survives: list[bool], place: Callable[[int, nn.Parameter], torch.Tensor]):
+    def __init__(self, survives: list[bool], shapes: list[tuple[int, ...]],
+                 place: Callable[[int, nn.Parameter], torch.Tensor]):
         self._survives = survives
+        self._shapes = shapes
         self._place = place
         self._event = 0
         self._placed = 0
+        self._resized: list[tuple[int, nn.Parameter]] = []  # Note [Parameters resized while...]
         # Registered parameters by id, held weakly: a parameter replaced by a tied one dies at
         # once, and its id may then be reused by the next parameter created, which a plain set
         # of ids would take for one already seen (and the placement would shift by one).
         self._seen: dict[int, weakref.ref] = {}
-        self.parameters: list[nn.Parameter] = []
+        self.parameters: list[nn.Parameter | None] = [None] * len(shapes)
 
     def _hook(self, module, name, param):
         if param is None:
@@ -229,12 +243,19 @@ class ParameterPlacer:
         return None
 
     def _place_next(self, param: nn.Parameter) -> None:
+        index = self._placed
+        self._placed += 1
+        if tuple(param.shape) != self._shapes[index]:
+            self._resized.append((index, param))
+        else:
+            self._place_at(index, param)
+
+    def _place_at(self, index: int, param: nn.Parameter) -> None:
         with torch.no_grad():
-            view = self._place(self._placed, param)
+            view = self._place(index, param)
             view.copy_(param.data)
             param.data = view
-        self._placed += 1
-        self.parameters.append(param)
+        self.parameters[index] = param
 
     def _was_registered(self, param: nn.Parameter) -> bool:
         seen = self._seen.get(id(param))
@@ -250,6 +271,13 @@ class ParameterPlacer:
                                "resize_token_embeddings() updates, must be copied inside it)")
         for _, param in _unregistered(model, self._was_registered):  # Note [Parameters no...]
             self._place_next(param)
+        for index, param in self._resized:
+            if tuple(param.shape) != self._shapes[index]:
+                raise RuntimeError(
+                    f"model_func built parameter {index} with shape {tuple(param.shape)} but "
+                    f"{self._shapes[index]} on its first run; it must build the same model "
+                    f"every time it is called (it runs twice)")
+            self._place_at(index, param)
         return model
 
 
@@ -286,13 +314,19 @@ class InitResidency:
         self._out_of_memory = out_of_memory
         self._live: collections.OrderedDict[int, nn.Parameter] = collections.OrderedDict()
         self._deferred: dict[int, tuple[nn.Parameter, type, torch.Size]] = {}
+        self._views: dict[int, torch.Tensor] = {}  # each live slot's view, as its param's .data
         self.deferrals = 0  # how many times a parameter was released early (tests, logs)
 
     def place(self, index: int, param: nn.Parameter) -> torch.Tensor:
         """The view a newly registered parameter becomes."""
         view = self._access_with_room(index)
         self._live[index] = param
-        return view.view(param.shape)
+        self._views[index] = view.view(param.shape)
+        return self._views[index]
+
+    def view_of(self, index: int) -> torch.Tensor | None:
+        """The slot view a live parameter was given; None while it is deferred."""
+        return self._views.get(index)
 
     def _access_with_room(self, index: int) -> torch.Tensor:
         while True:
@@ -305,6 +339,7 @@ class InitResidency:
 
     def _defer(self, index: int, param: nn.Parameter) -> None:
         self._release(index)
+        del self._views[index]
         original, shape = type(param), param.shape
         with torch._C.DisableTorchFunctionSubclass():
             param.data = torch.empty(0, dtype=param.dtype, device=param.device)
@@ -319,8 +354,9 @@ class InitResidency:
         param.__class__ = original
         view = self._access_with_room(index)
         self._live[index] = param
+        self._views[index] = view.view(shape)
         with torch._C.DisableTorchFunctionSubclass():
-            param.data = view.view(shape)
+            param.data = self._views[index]
 
     def finish(self) -> None:
         """Model built: releases every slot and turns deferred parameters back into plain ones
@@ -329,6 +365,7 @@ class InitResidency:
             del param._ps_restore
             param.__class__ = original
         self._deferred.clear()
+        self._views.clear()
         while self._live:
             index, _ = self._live.popitem(last=False)
             self._release(index)

@@ -161,3 +161,76 @@ def test_sparse_embeddings_are_refused_naming_the_module():
 
     with pytest.raises(ValueError, match="EmbeddingBag 'table' was built with sparse=True"):
         patrickstar.initialize(Sparse, config={"default_chunk_size": 4096})
+
+
+class Regrown(nn.Module):
+    """A weight given new data of another shape after its registration (as Hugging Face's
+    resize_token_embeddings does), and one given new data of its own shape."""
+
+    def __init__(self):
+        super().__init__()
+        self.grown = nn.Linear(8, 4)
+        self.replaced = nn.Linear(4, 2)
+        # Chunks enough that a small host budget releases the first slots while building.
+        self.filler = nn.ModuleList(nn.Linear(64, 64) for _ in range(24))
+        with torch.no_grad():
+            old = self.grown.weight.data
+            self.grown.weight.data = torch.cat([old, torch.randn(3, 8)])  # 7 x 8 now
+            self.grown.bias.data = torch.cat([self.grown.bias.data, torch.zeros(3)])
+            self.grown.out_features = 7
+            self.replaced.weight.data = torch.randn(2, 4)
+
+    def forward(self, x):
+        return self.replaced(self.grown(x)[:, :4]).sum()
+
+
+@pytest.mark.parametrize("host_budget", [None, 3 * 65536])
+def test_parameters_given_new_data_while_building_keep_their_final_values(host_budget, nvme_dir):
+    # Note [Parameters resized while building]: the grown weight failed to take its slot
+    # ("shape '[4, 8]' is invalid for input of size 56"); the replaced one kept its first values.
+    torch.manual_seed(0)
+    reference = Regrown()
+    config = {"default_chunk_size": 4096}
+    if host_budget is not None:  # slots released while building (Note [Initialization under...])
+        config["memory"] = {"host_budget": host_budget, "nvme": {"path": nvme_dir}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.manual_seed(0)
+        model, _ = patrickstar.initialize(Regrown, config=config)
+    assert (model.init_deferrals > 0) == (host_budget is not None)
+    state = model.state_dict()
+    for name, tensor in reference.state_dict().items():
+        assert torch.equal(state[name], tensor), name
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(model(x), reference(x))
+    model.destroy()
+
+
+def test_hugging_face_resize_token_embeddings_inside_model_func():
+    transformers = pytest.importorskip("transformers")
+    import copy
+    config = transformers.GPT2Config(vocab_size=100, n_embd=32, n_layer=1, n_head=2,
+                                     n_positions=16, resid_pdrop=0.0, embd_pdrop=0.0,
+                                     attn_pdrop=0.0)
+
+    def build():
+        model = transformers.GPT2LMHeadModel(copy.deepcopy(config))  # the resize updates it
+        model.resize_token_embeddings(120)
+        return model
+
+    torch.manual_seed(0)
+    reference = build()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.manual_seed(0)
+        model, opt = patrickstar.initialize(build, config={
+            "default_chunk_size": 20000, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}})
+    state = model.state_dict()
+    for name, tensor in reference.state_dict().items():
+        assert torch.equal(state[name], tensor), name
+    x = torch.randint(0, 120, (2, 8))
+    loss = model(input_ids=x, labels=x).loss
+    torch.testing.assert_close(loss, reference(input_ids=x, labels=x).loss)
+    model.backward(loss)
+    opt.step()
+    model.destroy()
