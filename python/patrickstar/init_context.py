@@ -22,7 +22,8 @@ every slot at once, `InitResidency` releases the least recently used parameter s
 may spill to NVMe, and marks it *deferred*: its `.data` becomes an empty placeholder and its class
 a subclass of its own with a `__torch_function__` that, on the parameter's next use by any torch
 function or method (`normal_`, `copy_`, `.data`, `.shape`, `F.linear`, ...), accesses the slot
-again, turns the parameter back into a plain one over it, and runs the call. Peak host memory
+again, turns the parameter back into a plain one over it, and runs the call (Note [Restoring on
+first use] in restore_on_use.py). Peak host memory
 during initialization is then bounded by the budget, not by the model, and every write lands in
 the chunk. The one pattern this cannot see is a `.data` view kept in a variable across the
 creation of other parameters, which could outlive the slot it points into.
@@ -49,6 +50,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from .restore_on_use import defer, undefer
 from .utils.logging import logger as _log
 
 __all__ = ["ParamSpec", "plan_parameters", "ParameterPlacer", "InitResidency"]
@@ -281,27 +283,6 @@ class ParameterPlacer:
         return model
 
 
-_DEFERRED_CLASSES: dict[type, type] = {}
-
-
-def _deferred_class(cls: type) -> type:
-    """A subclass of `cls` whose instances restore themselves on first use (Note
-    [Initialization under a host budget])."""
-    deferred = _DEFERRED_CLASSES.get(cls)
-    if deferred is None:
-        def __torch_function__(klass, func, types, args=(), kwargs=None):
-            kwargs = kwargs or {}
-            for value in torch.utils._pytree.tree_leaves((args, kwargs)):
-                if type(value) in _DEFERRED_CLASSES.values():
-                    value._ps_restore()
-            return torch._C._disabled_torch_function_impl(func, types, args, kwargs)
-
-        deferred = type(f"Deferred{cls.__name__}", (cls,),
-                        {"__torch_function__": classmethod(__torch_function__)})
-        _DEFERRED_CLASSES[cls] = deferred
-    return deferred
-
-
 class InitResidency:
     """Which parameter slots stay accessed during initialization: Note [Initialization under a
     host budget]. `access(index)` must return the slot's view (accessing its chunk) and raise
@@ -340,18 +321,16 @@ class InitResidency:
     def _defer(self, index: int, param: nn.Parameter) -> None:
         self._release(index)
         del self._views[index]
-        original, shape = type(param), param.shape
+        shape = param.shape
         with torch._C.DisableTorchFunctionSubclass():
             param.data = torch.empty(0, dtype=param.dtype, device=param.device)
-        param.__class__ = _deferred_class(original)
-        param._ps_restore = lambda: self._restore(index)
+        original = defer(param, lambda: self._restore(index))
         self._deferred[index] = (param, original, shape)
         self.deferrals += 1
 
     def _restore(self, index: int) -> None:
         param, original, shape = self._deferred.pop(index)
-        del param._ps_restore
-        param.__class__ = original
+        undefer(param, original)
         view = self._access_with_room(index)
         self._live[index] = param
         self._views[index] = view.view(shape)
@@ -362,8 +341,7 @@ class InitResidency:
         """Model built: releases every slot and turns deferred parameters back into plain ones
         (their `.data` stays a placeholder; the engine manages it from here)."""
         for param, original, _ in self._deferred.values():
-            del param._ps_restore
-            param.__class__ = original
+            undefer(param, original)
         self._deferred.clear()
         self._views.clear()
         while self._live:
