@@ -67,6 +67,7 @@ from .data_parallel import DataParallel, detect_world
 from .guards import TrainingGuard, check_budgets
 from .external_params import external_parameter_hint, external_parameters
 from .hooks import ModuleHooks
+from .module_apply import ModuleApply
 from .module_copies import ModuleCopies
 from .module_state_hooks import ModuleStateHooks
 from .init_context import InitResidency, ParameterPlacer, plan_parameters
@@ -732,59 +733,30 @@ class PatrickStarEngine(nn.Module):
         """The user's module loaded new values of these parameters into the chunks (Note [The
         user's module's state dict]): torch's own copy into their placeholders after that is
         not a lost user write, and under data parallelism gathered copies are stale."""
-        for index in indices:
-            if self._slots.access_count(index) == 0:
-                self._slots.restore_placeholder(index)
+        self.restore_placeholders(indices)
         self.dp.parameters_changed()
 
     def apply(self, fn: Callable[[nn.Module], None]):
-        """`nn.Module.apply`: `fn` on every module, children first, each module's own parameters
-        holding their values while `fn` runs it (between uses they hold empty placeholders);
-        what `fn` changes (HF's `_init_weights`, `nn.init` on a new head) is written back into
-        the chunks. A collective under data parallelism (every rank calls it)."""
+        """`nn.Module.apply`: `fn` on every module, children first; the parameters `fn` touches
+        hold their values while it runs and what it changes goes back into the chunks (Note
+        [Applying a function to the modules] in module_apply.py). Under data parallelism every
+        rank calls it with the same `fn`."""
         self.guard.check_alive("model.apply()")
-
-        def visit(module: nn.Module) -> None:
-            for child in module.children():
-                visit(child)
-            with self._lent_parameters(module):
-                fn(module)
-
-        try:
-            visit(self.module)
-        finally:
-            self.dp.parameters_changed()
-        fn(self)
+        applying = ModuleApply(self, pending_until_end=self.dp.enabled)
+        applying.run(self.module, fn)
+        applying.call(self, fn)
         return self
 
-    @contextlib.contextmanager
-    def _lent_parameters(self, module: nn.Module):
-        """`module`'s own parameters hold copies of their values inside the block; the ones
-        written or reassigned are loaded back into the chunks after it."""
-        indices = [index for index in map(self.params.index_of, module.parameters(recurse=False))
-                   if index is not None]
-        lent = []
-        try:
-            for index in indices:
-                value = self.read_parameter(index)
-                param = self.params.params[index]
-                param.data = value
-                lent.append((index, param, param._version, value))
-            yield
-        finally:
-            for index, param, version, value in lent:
-                data = param.data
-                changed = (param._version != version or data.data_ptr() != value.data_ptr()
-                           or data.shape != value.shape)
+    def parameter_in_use(self, index: int) -> bool:
+        """Whether parameter `index` holds its chunk view now (inside its module's use)."""
+        return self._slots.access_count(index) > 0
+
+    def restore_placeholders(self, indices: list[int]) -> None:
+        """Points these released parameters' .data back at the placeholder and forgets writes
+        into it (Note [Writes to a released parameter])."""
+        for index in indices:
+            if self._slots.access_count(index) == 0:
                 self._slots.restore_placeholder(index)
-                if not changed:
-                    continue
-                shape = self.params.shapes[index]
-                if tuple(data.shape) != tuple(shape):
-                    raise ValueError(f"model.apply(): {self.params.names[index]} was given "
-                                     f"shape {tuple(data.shape)}; it has {tuple(shape)} in the "
-                                     f"chunks and keeps its old values")
-                self.load_parameter(index, data)
 
     # ---- Checkpoints (logic in checkpoint/) -------------------------------------------------
 

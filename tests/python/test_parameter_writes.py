@@ -138,3 +138,65 @@ def test_hugging_face_parameter_counts_through_the_engine():
     assert sum(p.numel() for p in model.parameters()) == 0  # placeholders again
     x = torch.randint(0, 100, (2, 8))
     model(input_ids=x, labels=x)  # and nothing was taken for a write
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.inner(x)
+
+
+def blocks():
+    return nn.Sequential(Block(), nn.GELU(), Block())
+
+
+def init_from_the_parent(module):
+    # A parent writing its child's weight through .data (no version bump on the parameter).
+    if isinstance(module, Block):
+        module.inner.weight.data.normal_(std=0.3)
+
+
+def test_apply_lends_a_parents_fn_its_childrens_parameters():
+    torch.manual_seed(0)
+    reference = blocks()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.manual_seed(0)
+        model, _ = patrickstar.initialize(blocks, config={"default_chunk_size": 1024})
+    torch.manual_seed(7)
+    model.apply(init_from_the_parent)
+    torch.manual_seed(7)
+    reference.apply(init_from_the_parent)
+    state = model.state_dict()
+    for name, tensor in reference.state_dict().items():
+        assert torch.equal(state[name], tensor), name
+
+
+def test_apply_of_hugging_faces_init_weights_as_on_the_plain_model():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(vocab_size=100, n_embd=32, n_layer=2, n_head=2,
+                                     n_positions=32)
+    torch.manual_seed(0)
+    reference = transformers.GPT2LMHeadModel(config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.manual_seed(0)
+        model, _ = patrickstar.initialize(lambda: transformers.GPT2LMHeadModel(config),
+                                          config={"default_chunk_size": 8192})
+    for plain in (reference, model):  # HF skips weights it marked initialized
+        for param in plain.parameters():
+            param._is_hf_initialized = False
+    before = model.state_dict()
+    torch.manual_seed(3)
+    model.apply(model.module._init_weights)
+    torch.manual_seed(3)
+    reference.apply(reference._init_weights)
+    state = model.state_dict()
+    for name, tensor in reference.state_dict().items():
+        assert torch.equal(state[name], tensor), name
+    # (c_proj.weight is scaled from the attention module, its parent)
+    assert not torch.equal(state["transformer.h.0.attn.c_proj.weight"],
+                           before["transformer.h.0.attn.c_proj.weight"])
