@@ -109,6 +109,21 @@ _READS_PARAMETER_SHAPES = frozenset({"num_parameters", "get_memory_footprint",
                                      "floating_point_ops"})
 
 
+def _refuse_wrapping_data_parallel(engine: nn.Module) -> None:
+    """An engine inside torch's DistributedDataParallel (nanoGPT's `model = DDP(model)`) failed
+    in backward with "returned an invalid gradient ... expected shape compatible with [0]": DDP
+    hooks the parameters while they hold placeholders, and would average gradients the engine
+    already reduce-scatters."""
+    active = getattr(nn.parallel.DistributedDataParallel, "_active_ddp_module", None)
+    if active is not None and active.module is engine:
+        raise RuntimeError(
+            "a PatrickStar engine was wrapped in torch DistributedDataParallel: the engine "
+            "already trains data-parallel over the torchrun ranks (each rank keeps 1/N of the "
+            "model and the gradients are reduce-scattered in its chunks). Use the engine "
+            "directly: drop the DDP(model) wrapper and call model(...), model.backward(loss) "
+            "(or loss.backward()) and optimizer.step()")
+
+
 def _refuse_rebuild(module_type: str, name: str) -> Callable:
     if name.startswith("resize_"):
         instead = ("call it inside model_func, on the module it builds (with a copy of the "
@@ -487,6 +502,7 @@ class PatrickStarEngine(nn.Module):
 
     def forward(self, *args, **kwargs):
         self.guard.check_alive("model(...)")
+        _refuse_wrapping_data_parallel(self)
         if self._in_backward:  # a loss.backward() that raised before its end
             self._abandon_backward()
         self.dp.before_forward()

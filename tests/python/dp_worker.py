@@ -7,6 +7,7 @@
     dp_worker.py OUT_DIR --lonely-state-dict      rank 0 alone calls state_dict(), then both
                                                   train; errors kept past model.destroy()
     dp_worker.py OUT_DIR --checkpoint SCENARIO... checkpoint scenarios of dp_checkpoint_worker.py
+    dp_worker.py OUT_DIR --ddp-wrap               the engine wrapped in torch's DDP
 
 Writes OUT_DIR/<what>-rank<r>.pt with losses, the gathered state dict, memory statistics or
 the error raised, then leaves with os._exit so a dead peer cannot hold up interpreter exit.
@@ -109,6 +110,10 @@ def main() -> None:
                 results["elapsed"] = time.monotonic() - start
         elif what == ["--lonely-state-dict"]:
             results.update(lonely_state_dict(rank))
+        elif what == ["--ddp-wrap"]:  # nanoGPT's `model = DDP(model)` around the engine
+            model, _ = patrickstar.initialize(MLP, config={"default_chunk_size": 4096})
+            wrapped = torch.nn.parallel.DistributedDataParallel(model)
+            wrapped(torch.randn(8, 32), torch.randint(0, 10, (8,))).backward()
         elif what[:1] == ["--checkpoint"]:
             from dp_checkpoint_worker import run
             results.update(run(out, what[1:], rank, world))

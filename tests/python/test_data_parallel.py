@@ -311,6 +311,14 @@ def test_weights_changed_after_initialize_reach_every_rank(two_ranks, name):
     check_matches_reference(two_ranks, name)
 
 
+def test_wrapping_the_engine_in_torch_ddp_says_the_engine_is_data_parallel(tmp_path):
+    # It failed in backward with "AddmmBackward0 returned an invalid gradient ... [0]".
+    for result in launch(tmp_path, 2, "--ddp-wrap"):
+        assert result.get("error_type") == "RuntimeError", result.get("traceback")
+        assert "wrapped in torch DistributedDataParallel" in result["error"]
+        assert "drop the DDP(model) wrapper" in result["error"]
+
+
 @pytest.mark.parametrize("name", ["branch_unused", "branch_accumulation"])
 def test_a_gradient_only_another_rank_made_is_not_mixed_with_stale_bytes(two_ranks, name):
     # Note [FREE tensors in a reduced chunk]: the branch's owner never takes it; its gradient
