@@ -10,41 +10,26 @@ the parameters given belong to an engine, the call becomes `model.clip_grad_norm
 the coming `optimizer.step()`), provided they are all of that engine's trainable parameters
 (its norm is over all of them); a subset, or a mix with other modules' gradients, raises
 instead of clipping a different set than asked. Parameters of no engine go to torch's function
-untouched. The engine registers its parameters weakly, so the registry never keeps a model
-alive.
+untouched (param_owners.py says which engine a parameter belongs to).
 """
 from __future__ import annotations
 
 import functools
 import math
-import weakref
-from typing import Iterable
 
 import torch
 
-__all__ = ["install", "register_engine"]
+from .param_owners import engine_of
 
-# id(param) -> (weak param, weak engine). Not a WeakKeyDictionary: tensors compare by value.
-_OWNER: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+__all__ = ["install"]
+
 _TORCH_CLIP = torch.nn.utils.clip_grad_norm_
-
-
-def register_engine(engine, params: Iterable[torch.nn.Parameter]) -> None:
-    """Routes torch's clip_grad_norm_ over `params` to `engine.clip_grad_norm_`."""
-    owner = weakref.ref(engine)
-    for param in params:
-        key = id(param)
-
-        def forget(ref, key=key):
-            if key in _OWNER and _OWNER[key][0] is ref:
-                del _OWNER[key]
-        _OWNER[key] = (weakref.ref(param, forget), owner)
 
 
 @functools.wraps(_TORCH_CLIP)
 def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-    engines = {id(e): e for e in (_engine_of(p) for p in params) if e is not None}
+    engines = {id(e): e for e in (engine_of(p) for p in params) if e is not None}
     if not engines:
         return _TORCH_CLIP(params, max_norm, norm_type, error_if_nonfinite, foreach)
     if len(engines) > 1:
@@ -52,7 +37,7 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
                          f"{len(engines)} PatrickStar engines; clip each model on its own "
                          "(model.clip_grad_norm_(max_norm))")
     engine = next(iter(engines.values()))
-    foreign = [p for p in params if _engine_of(p) is None and p.grad is not None]
+    foreign = [p for p in params if engine_of(p) is None and p.grad is not None]
     if foreign:
         raise ValueError(
             f"torch.nn.utils.clip_grad_norm_: {len(foreign)} of the parameters given have "
@@ -76,13 +61,6 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
                            "error and scale the gradients by the non-finite norm anyway, set "
                            "`error_if_nonfinite=False`")
     return norm
-
-
-def _engine_of(param):
-    entry = _OWNER.get(id(param))
-    if entry is None or entry[0]() is not param:
-        return None
-    return entry[1]()
 
 
 def install() -> None:

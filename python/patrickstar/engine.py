@@ -58,7 +58,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from . import _C, checkpoint, clip_grad, dtypes
+from . import _C, checkpoint, clip_grad, dtypes, param_owners
 from .activations import ActivationCounter
 from .chunk_runtime import ChunkRuntime
 from .chunked_params import ChunkedParams
@@ -257,7 +257,7 @@ class PatrickStarEngine(nn.Module):
         hooks = (self._hooks, self._state_hooks)
         self._copies = ModuleCopies(  # Note [Copies of the user's module]
             hooked, self, lambda: set().union(*(h.hook_ids for h in hooks)))
-        clip_grad.register_engine(self, self.params.params)
+        param_owners.register_engine(self, self.params.params)
         _live_engines.add(self)
 
     # ---- Construction --------------------------------------------------------------------------

@@ -1,0 +1,34 @@
+"""Which engine a parameter belongs to, for code that receives plain parameters from torch's
+side (torch's clip_grad_norm_, torch optimizers: Note [torch's clip_grad_norm_] in clip_grad.py,
+Note [torch optimizers over an engine's parameters] in torch_optimizers.py). The engine
+registers its parameters weakly, so the registry never keeps a model alive."""
+from __future__ import annotations
+
+import weakref
+from typing import Iterable
+
+import torch
+
+__all__ = ["register_engine", "engine_of"]
+
+# id(param) -> (weak param, weak engine). Not a WeakKeyDictionary: tensors compare by value.
+_OWNER: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+
+
+def register_engine(engine, params: Iterable[torch.nn.Parameter]) -> None:
+    owner = weakref.ref(engine)
+    for param in params:
+        key = id(param)
+
+        def forget(ref, key=key):
+            if key in _OWNER and _OWNER[key][0] is ref:
+                del _OWNER[key]
+        _OWNER[key] = (weakref.ref(param, forget), owner)
+
+
+def engine_of(param):
+    """The live engine `param` belongs to, or None."""
+    entry = _OWNER.get(id(param))
+    if entry is None or entry[0]() is not param:
+        return None
+    return entry[1]()
