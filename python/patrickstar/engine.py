@@ -58,7 +58,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from . import _C, checkpoint, clip_grad, dtypes, param_owners
+from . import _C, checkpoint, clip_grad, dtypes, param_owners, torch_optimizers
 from .activations import ActivationCounter
 from .chunk_runtime import ChunkRuntime
 from .chunked_params import ChunkedParams
@@ -95,18 +95,20 @@ def _weakly(method: Callable) -> Callable:
     return call
 
 
-# Hugging Face methods that replace or re-initialize parameters. After initialize() the
-# parameters live in chunks and hold placeholders, so these would fail inside (resizing reads
-# the old embedding's shape) or write into placeholders without effect (re-initialization);
-# through the engine they raise, saying to call them in model_func.
+# Hugging Face's (and nanoGPT's crop_block_size) methods that replace or re-initialize
+# parameters. After initialize() the parameters live in chunks and hold placeholders, so these
+# would fail inside (resizing reads the old embedding's shape) or write into placeholders
+# without effect (re-initialization); through the engine they raise, saying to call them in
+# model_func.
 _REBUILDS_PARAMETERS = frozenset({"resize_token_embeddings", "resize_position_embeddings",
-                                  "prune_heads", "init_weights", "post_init"})
+                                  "prune_heads", "init_weights", "post_init", "crop_block_size"})
 
 
-# Hugging Face methods that only look at parameter shapes (num_parameters, which sums
-# p.numel(), was 0): through the engine they run with stand-ins of the real shapes.
+# Hugging Face's and nanoGPT's methods that only look at parameter shapes (num_parameters and
+# get_num_params, which sum p.numel(), were 0): through the engine they run with stand-ins of
+# the real shapes.
 _READS_PARAMETER_SHAPES = frozenset({"num_parameters", "get_memory_footprint",
-                                     "floating_point_ops"})
+                                     "floating_point_ops", "get_num_params", "estimate_mfu"})
 
 
 def _refuse_wrapping_data_parallel(engine: nn.Module) -> None:
@@ -252,6 +254,7 @@ class PatrickStarEngine(nn.Module):
         self.created_ns = time.monotonic_ns()
         global_timer.watch(self)  # upstream's data_move_cnter reports this engine's traffic
         clip_grad.install()  # torch.nn.utils.clip_grad_norm_(model.parameters(), ...) works
+        torch_optimizers.install()  # a torch optimizer over these parameters raises at step()
         hooked = [m for m, owned in self._module_params.items() if owned]
         self._state_hooks = ModuleStateHooks(hooked, self)  # Note [The user's module's state...]
         hooks = (self._hooks, self._state_hooks)
