@@ -110,6 +110,8 @@ def main() -> None:
                 results["elapsed"] = time.monotonic() - start
         elif what == ["--lonely-state-dict"]:
             results.update(lonely_state_dict(rank))
+        elif what[:1] == ["--discard-partial"]:
+            results.update(discard_partial(rank, world, what[1]))
         elif what == ["--ddp-wrap"]:  # nanoGPT's `model = DDP(model)` around the engine
             model, _ = patrickstar.initialize(MLP, config={"default_chunk_size": 4096})
             wrapped = torch.nn.parallel.DistributedDataParallel(model)
@@ -123,6 +125,34 @@ def main() -> None:
     except Exception as error:  # the test inspects it
         results.update(error_result(error))
     save_and_exit(out, rank, results)
+
+
+def discard_partial(rank: int, world: int, mode: str) -> dict:
+    """gradient_accumulation_steps 3: two micro-steps, optimizer.zero_grad() (they are dropped),
+    then two whole steps; with the reference, plain PyTorch on the whole batches of the kept
+    micro-steps (Note [Training call order])."""
+    from test_initialize import make_optimizer, mlp_batches
+    config = {"default_chunk_size": 4096, "gradient_accumulation_steps": 3,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
+              "parallel": {"gradient_accumulation": mode}}
+    torch.manual_seed(0)
+    model, optimizer = patrickstar.initialize(MLP, config=config)
+    torch.manual_seed(0)
+    reference = MLP()
+    ref_optimizer = make_optimizer("AdamW", reference.parameters(), 1e-3, 0.01)
+    batches = list(mlp_batches(8))
+    for x, y in batches[:2]:
+        model.backward(model(*shard((x, y), rank, world)))
+    optimizer.zero_grad()
+    for step in range(2):
+        for x, y in batches[2 + 3 * step: 5 + 3 * step]:
+            model.backward(model(*shard((x, y), rank, world)))
+            (reference(x, y) / 3).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        ref_optimizer.step()
+        ref_optimizer.zero_grad()
+    return {"state": model.state_dict(), "reference": reference.state_dict()}
 
 
 def lonely_state_dict(rank: int) -> dict:

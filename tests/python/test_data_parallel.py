@@ -311,6 +311,15 @@ def test_weights_changed_after_initialize_reach_every_rank(two_ranks, name):
     check_matches_reference(two_ranks, name)
 
 
+@pytest.mark.parametrize("mode", ["sharded", "full"])
+def test_zero_grad_in_the_middle_of_an_accumulation_drops_it_on_every_rank(tmp_path, mode):
+    results = launch(tmp_path, 2, "--discard-partial", mode)
+    check_no_errors(results)
+    for result in results:
+        for name, tensor in result["reference"].items():
+            torch.testing.assert_close(result["state"][name], tensor, rtol=0, atol=1e-6)
+
+
 def test_wrapping_the_engine_in_torch_ddp_says_the_engine_is_data_parallel(tmp_path):
     # It failed in backward with "AddmmBackward0 returned an invalid gradient ... [0]".
     for result in launch(tmp_path, 2, "--ddp-wrap"):
