@@ -153,6 +153,18 @@ class ParameterSlots {
     }
   }
 
+  // Waits until the gradient stores queued on the compute stream have run (Note [Gradient stores
+  // on the compute stream]): before gradient chunks are freed without anything having read
+  // them (optimizer.zero_grad() with no step), whose device blocks a queued store still uses.
+  void WaitForGradientStores() {
+    if (!on_device_) return;
+    const int device =
+        manager_->Run([](ChunkManager& m) { return m.copy_engine().options().device; });
+    const gpu::Stream compute = ComputeStream(device);
+    py::gil_scoped_release release;
+    ThrowIfError(gpu::SynchronizeStream(compute));
+  }
+
   // Points a released parameter's .data back at the placeholder (after the engine lent it a full
   // copy of its values, model.apply).
   void RestorePlaceholder(int64_t index) {
@@ -343,6 +355,7 @@ void InitParameterSlots(py::module_& module) {
       .def("check_unchanged", &ParameterSlots::CheckUnchanged, py::arg("indices"),
            "Raises if a released parameter was written or reassigned since its release.")
       .def("restore_placeholder", &ParameterSlots::RestorePlaceholder, py::arg("index"))
+      .def("wait_for_gradient_stores", &ParameterSlots::WaitForGradientStores)
       .def("access_count", &ParameterSlots::AccessCount, py::arg("index"))
       .def("saved_index", &ParameterSlots::SavedIndex, py::arg("tensor"),
            "Index of the parameter whose chunk view the tensor is a view of, or -1.")

@@ -87,7 +87,7 @@ if ((run_main)); then
     tests/python/test_dp_checkpoint.py tests/python/test_checkpoint.py \
     tests/python/test_profile.py tests/python/test_reliability.py \
     tests/python/test_parameter_slots.py tests/python/test_chunk_bindings.py \
-    tests/python/test_runtime.py
+    tests/python/test_runtime.py tests/python/test_parameter_writes.py
   status=$?
   set -e
   if [ "$status" -eq 5 ]; then echo "[test] pytest collected no tests" >&2; exit 1; fi

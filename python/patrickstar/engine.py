@@ -248,7 +248,8 @@ class PatrickStarEngine(nn.Module):
         self.profiler = None
         self.optimizer = PatrickStarOptimizer(
             self.params, groups, config, self.dp, self.guard, self.loss_scaler, self.device,
-            self.runtime.has_nvme, self.end_iteration, lambda: optimizer_phase(self.profiler))
+            self.runtime.has_nvme, self.end_iteration, lambda: optimizer_phase(self.profiler),
+            self._slots.wait_for_gradient_stores)
         self.profiler = profiler_from_config(self)  # None unless config profile.enabled
         upstream_profiler.engine_built(self)  # `from patrickstar.profiler import profiler`
         self.created_ns = time.monotonic_ns()

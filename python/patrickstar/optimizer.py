@@ -139,13 +139,15 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
 
     Handed what a step needs: `params` (the chunk tensors), the config, the data-parallel side
     `dp`, the training guard and loss scaler, whether chunks stream from NVMe, `end_iteration`
-    (the engine's, called after every step, applied or skipped) and `phase` (the profiler's
-    optimizer phase)."""
+    (the engine's, called after every step, applied or skipped), `phase` (the profiler's
+    optimizer phase) and `wait_for_gradient_stores` (before gradients are freed unread: Note
+    [Gradient stores on the compute stream])."""
 
     def __init__(self, params: ChunkedParams, groups: list[dict], config, dp, guard,
                  loss_scaler, device: torch.device, has_nvme: bool,
                  end_iteration: Callable[[], None],
-                 phase: Callable[[], ContextManager] = contextlib.nullcontext):
+                 phase: Callable[[], ContextManager] = contextlib.nullcontext,
+                 wait_for_gradient_stores: Callable[[], None] = lambda: None):
         defaults = {k: v for k, v in groups[0].items() if k != "params"}
         # Parameters without elements stay outside the chunks (init_context.plan_parameters):
         # nothing to update.
@@ -167,6 +169,7 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         self.has_grad = [False] * len(params)  # a gradient this step (set by the engine)
         self._end_iteration = end_iteration
         self._phase = phase
+        self._wait_for_gradient_stores = wait_for_gradient_stores
         self._group_of = {}
         for group_index, group in enumerate(self.param_groups):
             for param in group["params"]:
@@ -274,6 +277,8 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         [Training call order] in guards.py)."""
         self._requested_clip = None
         chunks = self.chunked.chunks
+        if any(self.has_grad):  # a store still queued on the GPU may use a block being freed
+            self._wait_for_gradient_stores()
         for index, has in enumerate(self.has_grad):
             if has:
                 chunks.set_tensor_state(self.chunked.ids[index].grad, S.FREE)
