@@ -13,6 +13,7 @@ from .config import Config, load_config
 from .engine import PatrickStarEngine
 from .estimator import estimate_memory
 from .external_params import register_external_parameter, unregister_external_parameter
+from .full_grad import safe_get_full_grad
 from .initializer import initialize, initialize_engine
 from .profiling.recorder import Profiler, profile
 
@@ -22,5 +23,5 @@ _upstream.install()  # upstream-only module names fail with what to use instead
 
 __all__ = ["ChunkOutOfMemoryError", "ChunkRuntimeError", "Config", "PatrickStarEngine",
            "Profiler", "estimate_memory", "initialize", "initialize_engine", "load_config",
-           "profile", "register_external_parameter", "unregister_external_parameter",
-           "__version__"]
+           "profile", "register_external_parameter", "safe_get_full_grad",
+           "unregister_external_parameter", "__version__"]

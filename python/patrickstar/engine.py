@@ -749,6 +749,37 @@ class PatrickStarEngine(nn.Module):
         self._gather_for_state_dict()
         return self.params.read(index, K.COMPUTE_PARAM)
 
+    def full_gradient(self, param) -> torch.Tensor | None:
+        """DeepSpeed's `safe_get_full_grad`: the gradient of `param` (one of this engine's
+        parameters, or its name) between backward and `optimizer.step()`, as `p.grad` would
+        hold it in PyTorch (`p.grad` itself stays None: gradients live in chunks). Under data
+        parallelism a collective (every rank calls it) that gives the gradient averaged over
+        the ranks, read after the backward that ends an accumulation."""
+        index = self._parameter_index(param, "full_gradient")
+        if not self.dp.enabled:
+            return self.optimizer.gradient(index)
+        if self.guard.backwards % self.config.gradient_accumulation_steps:
+            raise RuntimeError(
+                f"full_gradient() after {self.guard.backwards} of "
+                f"{self.config.gradient_accumulation_steps} backward() calls: under data "
+                f"parallelism the ranks' gradients are reduced by the backward that ends the "
+                f"accumulation; read them after it")
+        gathered = self.dp.all_gather_object(self.optimizer.gradient(index))
+        return next((grad for grad in gathered if grad is not None), None)
+
+    def _parameter_index(self, param, what: str) -> int:
+        if isinstance(param, str):
+            name = param.removeprefix("module.")
+            if name not in self.params.names:
+                raise KeyError(f"{what}: this engine has no parameter '{param}' (names as in "
+                               f"model.state_dict(), e.g. '{self.params.names[0]}')")
+            return self.params.names.index(name)
+        index = self.params.index_of(param)
+        if index is None:
+            raise ValueError(f"{what}: the tensor given is not a parameter of this engine "
+                             f"(shape {tuple(getattr(param, 'shape', ()))})")
+        return index
+
     def after_module_load(self, indices: list[int]) -> None:
         """The user's module loaded new values of these parameters into the chunks (Note [The
         user's module's state dict]): torch's own copy into their placeholders after that is

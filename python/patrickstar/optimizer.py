@@ -257,6 +257,22 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
                     f"requires_grad_(False) afterwards instead: a parameter frozen after "
                     f"initialize() is skipped by the step, as torch skips it")
 
+    def gradient(self, index: int) -> torch.Tensor | None:
+        """Parameter `index`'s gradient as `p.grad` would show it in PyTorch now: fp32, the loss
+        scale taken out, clipped when `clip_grad_norm_()` was called (the config's
+        `gradient_clipping` applies inside `step()`, as DeepSpeed's does); None without one.
+        This rank's chunk: under data parallelism only the owner has it after the
+        accumulation boundary (PatrickStarEngine.full_gradient gathers it)."""
+        if not self.has_grad[index]:
+            return None
+        grad = self.chunked.read(index, _C.ChunkKind.GRADIENT).float()
+        scale = self.loss_scaler.scale
+        coef = 1.0
+        if self._requested_clip is not None:
+            max_norm, _, norm = self._requested_clip
+            coef = clip_coefficient(norm / scale, max_norm)
+        return grad.mul_(coef / scale) if coef != 1.0 or scale != 1.0 else grad
+
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """`torch.nn.utils.clip_grad_norm_` for gradients that live in chunks (which
         `model.parameters()` cannot show): returns the total norm over every rank's gradients

@@ -112,6 +112,8 @@ def main() -> None:
             results.update(lonely_state_dict(rank))
         elif what[:1] == ["--discard-partial"]:
             results.update(discard_partial(rank, world, what[1]))
+        elif what == ["--full-grad"]:
+            results.update(full_gradients(rank, world))
         elif what == ["--ddp-wrap"]:  # nanoGPT's `model = DDP(model)` around the engine
             model, _ = patrickstar.initialize(MLP, config={"default_chunk_size": 4096})
             wrapped = torch.nn.parallel.DistributedDataParallel(model)
@@ -153,6 +155,32 @@ def discard_partial(rank: int, world: int, mode: str) -> dict:
         ref_optimizer.step()
         ref_optimizer.zero_grad()
     return {"state": model.state_dict(), "reference": reference.state_dict()}
+
+
+def full_gradients(rank: int, world: int) -> dict:
+    """model.full_gradient of every parameter after a backward on half batches (and in the middle
+    of an accumulation, an error), with plain PyTorch's p.grad on the whole batch."""
+    from test_initialize import mlp_batches
+    result = {}
+    torch.manual_seed(0)
+    model, optimizer = patrickstar.initialize(MLP, config={
+        "default_chunk_size": 4096, "gradient_accumulation_steps": 2,
+        "parallel": {"collective_timeout": 20}})
+    torch.manual_seed(0)
+    reference = MLP()
+    batches = list(mlp_batches(2))
+    for step, (x, y) in enumerate(batches):
+        model.backward(model(*shard((x, y), rank, world)))
+        (sum(reference(*shard((x, y), r, world)) for r in range(world)) / world / 2).backward()
+        if step == 0:
+            try:
+                model.full_gradient(next(model.parameters()))
+            except RuntimeError as error:
+                result["early_error"] = str(error)
+    result["grads"] = {name: model.full_gradient(param)
+                       for name, param in model.named_parameters()}
+    result["reference"] = {name: param.grad for name, param in reference.named_parameters()}
+    return result
 
 
 def lonely_state_dict(rank: int) -> dict:

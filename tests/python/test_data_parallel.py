@@ -320,6 +320,16 @@ def test_zero_grad_in_the_middle_of_an_accumulation_drops_it_on_every_rank(tmp_p
             torch.testing.assert_close(result["state"][name], tensor, rtol=0, atol=1e-6)
 
 
+def test_full_gradients_are_the_averaged_gradients_on_every_rank(tmp_path):
+    results = launch(tmp_path, 2, "--full-grad")
+    check_no_errors(results)
+    for result in results:
+        assert "read them after it" in result["early_error"]
+        for name, grad in result["reference"].items():
+            torch.testing.assert_close(result["grads"][f"module.{name}"], grad, rtol=1e-5,
+                                       atol=1e-7)
+
+
 def test_wrapping_the_engine_in_torch_ddp_says_the_engine_is_data_parallel(tmp_path):
     # It failed in backward with "AddmmBackward0 returned an invalid gradient ... [0]".
     for result in launch(tmp_path, 2, "--ddp-wrap"):
