@@ -723,7 +723,7 @@ struct Ops : avx512bf16_path::Ops {
       const __mmask64 negative = _kandn_mask64(_mm512_movepi8_mask(c), nonzero);
       const __m512i index = _mm512_mask_sub_epi8(c, negative, _mm512_set1_epi8(126), c);
       const __m512i b3 = _mm512_maskz_permutex2var_epi8(nonzero, s30_, index, s31_);
-      const __m512i sign = _mm512_set1_epi8(static_cast<char>(0x80));  // added: the top bit flips
+      const __m512i sign = _mm512_set1_epi8(static_cast<char>(0x80));  // added, it flips bit 7
       avx512_path::StorePlanes(_mm512_maskz_permutex2var_epi8(nonzero, s00_, index, s01_),
                                _mm512_maskz_permutex2var_epi8(nonzero, s10_, index, s11_),
                                _mm512_maskz_permutex2var_epi8(nonzero, s20_, index, s21_),
