@@ -61,7 +61,6 @@ struct Ops {
   static constexpr int kWidth = 1;
   static constexpr bool kNineRegions = false;
   static constexpr bool kPackCodes4 = false;
-  static constexpr bool kFusedDequantization = false;
   static PS_INLINE V Set1(float x) { return x; }
   static PS_INLINE V Load(const float* p) { return *p; }
   static PS_INLINE void Store(float* p, V x) { *p = x; }
@@ -174,7 +173,6 @@ struct Ops {
   static constexpr int kWidth = 8;
   static constexpr bool kNineRegions = false;  // 8-entry tables
   static constexpr bool kPackCodes4 = false;
-  static constexpr bool kFusedDequantization = false;
   static PS_INLINE V Set1(float x) { return _mm256_set1_ps(x); }
   static PS_INLINE V Load(const float* p) { return _mm256_loadu_ps(p); }
   static PS_INLINE void Store(float* p, V x) { _mm256_storeu_ps(p, x); }
@@ -381,64 +379,40 @@ alignas(64) constexpr uint8_t kVbmiOrder[64] = {
     8,  9,  10, 11, 24, 25, 26, 27, 40, 41, 42, 43, 56, 57, 58, 59,  //
     12, 13, 14, 15, 28, 29, 30, 31, 44, 45, 46, 47, 60, 61, 62, 63};
 
-#define PS_VBMI_TARGET \
-  __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi")))
-
-// One byte plane of 64 codes `c` (permuted by kVbmiOrder) from a 256-entry plane in four
-// registers: codes below 128 from the first two, the others (`high`) from the last two.
-PS_VBMI_TARGET PS_INLINE __m512i LookupPlane(__m512i c, __mmask64 high, __m512i q0, __m512i q1,
-                                             __m512i q2, __m512i q3) {
-  return _mm512_mask_blend_epi8(high, _mm512_permutex2var_epi8(q0, c, q1),
-                                _mm512_permutex2var_epi8(q2, c, q3));
-}
-
-// The four looked-up byte planes of 64 codes interleaved back into floats (in element order,
-// thanks to kVbmiOrder), times `scale`, into out[0, 64).
-PS_VBMI_TARGET PS_INLINE void StorePlanes(__m512i b0, __m512i b1, __m512i b2, __m512i b3,
-                                          __m512 scale, float* out) {
-  const __m512i w01_low = _mm512_unpacklo_epi8(b0, b1);
-  const __m512i w01_high = _mm512_unpackhi_epi8(b0, b1);
-  const __m512i w23_low = _mm512_unpacklo_epi8(b2, b3);
-  const __m512i w23_high = _mm512_unpackhi_epi8(b2, b3);
-  const __m512i f0 = _mm512_unpacklo_epi16(w01_low, w23_low);
-  const __m512i f1 = _mm512_unpackhi_epi16(w01_low, w23_low);
-  const __m512i f2 = _mm512_unpacklo_epi16(w01_high, w23_high);
-  const __m512i f3 = _mm512_unpackhi_epi16(w01_high, w23_high);
-  _mm512_storeu_ps(out, _mm512_mul_ps(_mm512_castsi512_ps(f0), scale));
-  _mm512_storeu_ps(out + 16, _mm512_mul_ps(_mm512_castsi512_ps(f1), scale));
-  _mm512_storeu_ps(out + 32, _mm512_mul_ps(_mm512_castsi512_ps(f2), scale));
-  _mm512_storeu_ps(out + 48, _mm512_mul_ps(_mm512_castsi512_ps(f3), scale));
-}
-
-// A map's four 256-entry byte planes, 16 registers (named, not an array, so that they stay in
-// registers): plane p, codes 64 q .. 64 q + 63 in p<p><q>.
-struct FullPlanes {
-  PS_VBMI_TARGET PS_INLINE explicit FullPlanes(const QuantizationTables& t)
-#define PS_PLANE(a, b) p##a##b(_mm512_load_si512(t.code_byte[a] + 64 * b))
-      : PS_PLANE(0, 0), PS_PLANE(0, 1), PS_PLANE(0, 2), PS_PLANE(0, 3),
-        PS_PLANE(1, 0), PS_PLANE(1, 1), PS_PLANE(1, 2), PS_PLANE(1, 3),
-        PS_PLANE(2, 0), PS_PLANE(2, 1), PS_PLANE(2, 2), PS_PLANE(2, 3),
-        PS_PLANE(3, 0), PS_PLANE(3, 1), PS_PLANE(3, 2), PS_PLANE(3, 3) {}
-#undef PS_PLANE
-  // The code values of codes[0, 64) times scale into out[0, 64).
-  PS_VBMI_TARGET PS_INLINE void Dequantize(const uint8_t* codes, __m512 scale, float* out) const {
-    const __m512i c =
-        _mm512_permutexvar_epi8(_mm512_load_si512(kVbmiOrder), _mm512_loadu_si512(codes));
-    const __mmask64 high = _mm512_movepi8_mask(c);
-    StorePlanes(LookupPlane(c, high, p00, p01, p02, p03), LookupPlane(c, high, p10, p11, p12, p13),
-                LookupPlane(c, high, p20, p21, p22, p23), LookupPlane(c, high, p30, p31, p32, p33),
-                scale, out);
-  }
-  __m512i p00, p01, p02, p03, p10, p11, p12, p13, p20, p21, p22, p23, p30, p31, p32, p33;
-};
-
-PS_VBMI_TARGET
+__attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi")))
 int64_t DequantizeGroupsVbmi(const QuantizationTables& t, const uint8_t* codes, int64_t n,
                              float scale, float* out) {
-  const FullPlanes planes(t);
+  // Plane p, codes 64 q .. 64 q + 63 (named, not an array, so that they stay in registers).
+#define PS_PLANE(p, q) const __m512i plane##p##q = _mm512_load_si512(t.code_byte[p] + 64 * q)
+  PS_PLANE(0, 0); PS_PLANE(0, 1); PS_PLANE(0, 2); PS_PLANE(0, 3);
+  PS_PLANE(1, 0); PS_PLANE(1, 1); PS_PLANE(1, 2); PS_PLANE(1, 3);
+  PS_PLANE(2, 0); PS_PLANE(2, 1); PS_PLANE(2, 2); PS_PLANE(2, 3);
+  PS_PLANE(3, 0); PS_PLANE(3, 1); PS_PLANE(3, 2); PS_PLANE(3, 3);
+#undef PS_PLANE
+  const __m512i order = _mm512_load_si512(kVbmiOrder);
   const __m512 s = _mm512_set1_ps(scale);
   int64_t j = 0;
-  for (; j + 64 <= n; j += 64) planes.Dequantize(codes + j, s, out + j);
+  for (; j + 64 <= n; j += 64) {
+    const __m512i c = _mm512_permutexvar_epi8(order, _mm512_loadu_si512(codes + j));
+    const __mmask64 high = _mm512_movepi8_mask(c);
+#define PS_LOOKUP(p)                                                               \
+  _mm512_mask_blend_epi8(high, _mm512_permutex2var_epi8(plane##p##0, c, plane##p##1), \
+                         _mm512_permutex2var_epi8(plane##p##2, c, plane##p##3))
+    const __m512i b0 = PS_LOOKUP(0), b1 = PS_LOOKUP(1), b2 = PS_LOOKUP(2), b3 = PS_LOOKUP(3);
+#undef PS_LOOKUP
+    const __m512i w01_low = _mm512_unpacklo_epi8(b0, b1);
+    const __m512i w01_high = _mm512_unpackhi_epi8(b0, b1);
+    const __m512i w23_low = _mm512_unpacklo_epi8(b2, b3);
+    const __m512i w23_high = _mm512_unpackhi_epi8(b2, b3);
+    const __m512i f0 = _mm512_unpacklo_epi16(w01_low, w23_low);
+    const __m512i f1 = _mm512_unpackhi_epi16(w01_low, w23_low);
+    const __m512i f2 = _mm512_unpacklo_epi16(w01_high, w23_high);
+    const __m512i f3 = _mm512_unpackhi_epi16(w01_high, w23_high);
+    _mm512_storeu_ps(out + j, _mm512_mul_ps(_mm512_castsi512_ps(f0), s));
+    _mm512_storeu_ps(out + j + 16, _mm512_mul_ps(_mm512_castsi512_ps(f1), s));
+    _mm512_storeu_ps(out + j + 32, _mm512_mul_ps(_mm512_castsi512_ps(f2), s));
+    _mm512_storeu_ps(out + j + 48, _mm512_mul_ps(_mm512_castsi512_ps(f3), s));
+  }
   return j;
 }
 
@@ -452,7 +426,6 @@ struct Ops {
   static constexpr int kWidth = 16;
   static constexpr bool kNineRegions = true;  // Note [Nearest code by arithmetic]
   static constexpr bool kPackCodes4 = true;
-  static constexpr bool kFusedDequantization = false;  // the VBMI path's (below)
   static PS_INLINE V Set1(float x) { return _mm512_set1_ps(x); }
   static PS_INLINE V Load(const float* p) { return _mm512_loadu_ps(p); }
   static PS_INLINE void Store(float* p, V x) { _mm512_storeu_ps(p, x); }
@@ -688,63 +661,6 @@ struct Ops : avx512_path::Ops {
 }  // namespace avx512bf16_path
 #pragma GCC pop_options
 
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vbmi")
-namespace avx512vbmi_path {
-
-// The avx512bf16 path compiled with VBMI, for CPUs that have both (GetCpuPath): the int8 body's
-// code values are looked up inside the update loop (Note [Dequantization in the update loop] in
-// kernels/internal/cpu_body.inc), which needs the byte permutes inlined there. A path of its own
-// because avx512bf16 CPUs without VBMI exist (Cooper Lake).
-struct Ops : avx512bf16_path::Ops {
-  static constexpr bool kFusedDequantization = true;
-
-  // Both maps' byte planes, loaded once per range (24 registers where the compiler can keep
-  // them): the unsigned map's whole planes, and of the signed map only codes 128..255, since
-  // code(254 - c) = -code(c) for c < 127 (BuildTables checks it) and code 127 is 0.
-  class Dequantizer {
-   public:
-    static constexpr int64_t kGroup = 64;  // codes per lookup
-    PS_INLINE Dequantizer(const QuantizationTables& signed_map,
-                          const QuantizationTables& unsigned_map)
-#define PS_PLANE(a, b) s##a##b##_(_mm512_load_si512(signed_map.code_byte[a] + 128 + 64 * b))
-        : unsigned_(unsigned_map), PS_PLANE(0, 0), PS_PLANE(0, 1), PS_PLANE(1, 0),
-          PS_PLANE(1, 1), PS_PLANE(2, 0), PS_PLANE(2, 1), PS_PLANE(3, 0), PS_PLANE(3, 1) {}
-#undef PS_PLANE
-
-    // The values of 64 signed codes times scale into out[0, 64): codes 128..255 index the half
-    // planes by their low 7 bits (as vpermi2b reads them), codes c < 127 by 254 - c - 128 with
-    // the sign bit set in the top byte afterwards, code 127 by a zeroing mask: one permute per
-    // plane where the full planes take two and a blend, and 8 registers instead of 16.
-    PS_INLINE void Signed(const uint8_t* codes, __m512 scale, float* out) const {
-      const __m512i c = _mm512_permutexvar_epi8(_mm512_load_si512(avx512_path::kVbmiOrder),
-                                                _mm512_loadu_si512(codes));
-      const __mmask64 nonzero = _mm512_cmpneq_epi8_mask(c, _mm512_set1_epi8(127));
-      const __mmask64 negative = _kandn_mask64(_mm512_movepi8_mask(c), nonzero);
-      const __m512i index = _mm512_mask_sub_epi8(c, negative, _mm512_set1_epi8(126), c);
-      const __m512i b3 = _mm512_maskz_permutex2var_epi8(nonzero, s30_, index, s31_);
-      const __m512i sign = _mm512_set1_epi8(static_cast<char>(0x80));  // added, it flips bit 7
-      avx512_path::StorePlanes(_mm512_maskz_permutex2var_epi8(nonzero, s00_, index, s01_),
-                               _mm512_maskz_permutex2var_epi8(nonzero, s10_, index, s11_),
-                               _mm512_maskz_permutex2var_epi8(nonzero, s20_, index, s21_),
-                               _mm512_mask_add_epi8(b3, negative, b3, sign), scale, out);
-    }
-    // The values of 64 unsigned codes times scale into out[0, 64).
-    PS_INLINE void Unsigned(const uint8_t* codes, __m512 scale, float* out) const {
-      unsigned_.Dequantize(codes, scale, out);
-    }
-
-   private:
-    avx512_path::FullPlanes unsigned_;
-    __m512i s00_, s01_, s10_, s11_, s20_, s21_, s30_, s31_;  // plane a, codes 128 + 64 b ..
-  };
-};
-
-#include "kernels/internal/cpu_body.inc"
-
-}  // namespace avx512vbmi_path
-#pragma GCC pop_options
-
 const CpuPath& GetCpuPath(SimdLevel level) {
   switch (level) {
     case SimdLevel::kScalar:
@@ -754,7 +670,7 @@ const CpuPath& GetCpuPath(SimdLevel level) {
     case SimdLevel::kAvx512:
       return avx512_path::kPath;
     case SimdLevel::kAvx512Bf16:
-      return UseVbmi() ? avx512vbmi_path::kPath : avx512bf16_path::kPath;
+      return avx512bf16_path::kPath;
   }
   return scalar_path::kPath;
 }

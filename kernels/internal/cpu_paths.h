@@ -55,11 +55,8 @@ struct CpuPath {
 
 const CpuPath& GetCpuPath(SimdLevel level);
 
-// Tests: false makes the AVX-512 paths read the int8 code values by scalar table reads even
-// where the CPU has VBMI (Note [Dequantization by byte tables] in kernels/cpu_paths.cc), and
-// GetCpuPath(kAvx512Bf16) the plain avx512bf16 path instead of the one compiled with VBMI (Note
-// [Dequantization in the update loop] in kernels/internal/cpu_body.inc), so every variant is
-// checked on a VBMI machine.
+// Tests: false makes the AVX-512 paths gather the int8 code values even where the CPU has VBMI
+// (Note [Dequantization by byte tables] in kernels/cpu_paths.cc), so both variants are checked.
 void AllowVbmiForTesting(bool allowed);
 
 }  // namespace ps::kernels::internal
