@@ -139,8 +139,8 @@ struct Ops {
     *p = static_cast<uint8_t>(sign_bits < 0 ? (q > 254 ? 0 : 254 - q) : q);
   }
   // The scalar path reads the code table directly (no groups).
-  static PS_INLINE int64_t DequantizeGroups(const QuantizationTables&, bool, const uint8_t*,
-                                            int64_t, float, float*) {
+  static PS_INLINE int64_t DequantizeGroups(const QuantizationTables&, const uint8_t*, int64_t,
+                                            float, float*) {
     return 0;
   }
 
@@ -329,8 +329,8 @@ struct Ops {
                                                  _mm256_and_si256(sign, _mm256_set1_epi32(255))),
                                 _mm256_setzero_si256()));
   }
-  static PS_INLINE int64_t DequantizeGroups(const QuantizationTables&, bool, const uint8_t*,
-                                            int64_t, float, float*) {
+  static PS_INLINE int64_t DequantizeGroups(const QuantizationTables&, const uint8_t*, int64_t,
+                                            float, float*) {
     return 0;
   }
 
@@ -379,30 +379,9 @@ alignas(64) constexpr uint8_t kVbmiOrder[64] = {
     8,  9,  10, 11, 24, 25, 26, 27, 40, 41, 42, 43, 56, 57, 58, 59,  //
     12, 13, 14, 15, 28, 29, 30, 31, 44, 45, 46, 47, 60, 61, 62, 63};
 
-#define PS_VBMI_TARGET \
-  __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi")))
-
-// The four looked-up byte planes of 64 codes interleaved back into floats (element order thanks
-// to kVbmiOrder), times s, into out[0, 64).
-PS_VBMI_TARGET PS_INLINE void StorePlanes(__m512i b0, __m512i b1, __m512i b2, __m512i b3,
-                                          __m512 s, float* out) {
-  const __m512i w01_low = _mm512_unpacklo_epi8(b0, b1);
-  const __m512i w01_high = _mm512_unpackhi_epi8(b0, b1);
-  const __m512i w23_low = _mm512_unpacklo_epi8(b2, b3);
-  const __m512i w23_high = _mm512_unpackhi_epi8(b2, b3);
-  const __m512i f0 = _mm512_unpacklo_epi16(w01_low, w23_low);
-  const __m512i f1 = _mm512_unpackhi_epi16(w01_low, w23_low);
-  const __m512i f2 = _mm512_unpacklo_epi16(w01_high, w23_high);
-  const __m512i f3 = _mm512_unpackhi_epi16(w01_high, w23_high);
-  _mm512_storeu_ps(out, _mm512_mul_ps(_mm512_castsi512_ps(f0), s));
-  _mm512_storeu_ps(out + 16, _mm512_mul_ps(_mm512_castsi512_ps(f1), s));
-  _mm512_storeu_ps(out + 32, _mm512_mul_ps(_mm512_castsi512_ps(f2), s));
-  _mm512_storeu_ps(out + 48, _mm512_mul_ps(_mm512_castsi512_ps(f3), s));
-}
-
-// The unsigned map: the whole planes.
-PS_VBMI_TARGET int64_t DequantizeGroupsVbmi(const QuantizationTables& t, const uint8_t* codes,
-                                            int64_t n, float scale, float* out) {
+__attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi")))
+int64_t DequantizeGroupsVbmi(const QuantizationTables& t, const uint8_t* codes, int64_t n,
+                             float scale, float* out) {
   // Plane p, codes 64 q .. 64 q + 63 (named, not an array, so that they stay in registers).
 #define PS_PLANE(p, q) const __m512i plane##p##q = _mm512_load_si512(t.code_byte[p] + 64 * q)
   PS_PLANE(0, 0); PS_PLANE(0, 1); PS_PLANE(0, 2); PS_PLANE(0, 3);
@@ -419,40 +398,20 @@ PS_VBMI_TARGET int64_t DequantizeGroupsVbmi(const QuantizationTables& t, const u
 #define PS_LOOKUP(p)                                                               \
   _mm512_mask_blend_epi8(high, _mm512_permutex2var_epi8(plane##p##0, c, plane##p##1), \
                          _mm512_permutex2var_epi8(plane##p##2, c, plane##p##3))
-    StorePlanes(PS_LOOKUP(0), PS_LOOKUP(1), PS_LOOKUP(2), PS_LOOKUP(3), s, out + j);
+    const __m512i b0 = PS_LOOKUP(0), b1 = PS_LOOKUP(1), b2 = PS_LOOKUP(2), b3 = PS_LOOKUP(3);
 #undef PS_LOOKUP
-  }
-  return j;
-}
-
-// The signed map by its symmetry: code(c) = -code(254 - c) for c < 127 (BuildTables checks it),
-// code 127 = 0. Only codes 128..255 are kept (two registers per plane): those codes index them by
-// their low 7 bits (all vpermi2b reads), codes c < 127 by 254 - c - 128 = 126 - c with the sign
-// bit added to the top byte afterwards, code 127 by the zeroing mask. One permute per plane
-// where the whole planes take two and a blend; the same values, so the same bits.
-PS_VBMI_TARGET int64_t DequantizeSignedGroupsVbmi(const QuantizationTables& t,
-                                                  const uint8_t* codes, int64_t n, float scale,
-                                                  float* out) {
-  // Plane p, codes 128 + 64 q .. 128 + 64 q + 63.
-#define PS_PLANE(p, q) const __m512i plane##p##q = _mm512_load_si512(t.code_byte[p] + 128 + 64 * q)
-  PS_PLANE(0, 0); PS_PLANE(0, 1); PS_PLANE(1, 0); PS_PLANE(1, 1);
-  PS_PLANE(2, 0); PS_PLANE(2, 1); PS_PLANE(3, 0); PS_PLANE(3, 1);
-#undef PS_PLANE
-  const __m512i order = _mm512_load_si512(kVbmiOrder);
-  const __m512i zero_code = _mm512_set1_epi8(127), mirror = _mm512_set1_epi8(126);
-  const __m512i sign = _mm512_set1_epi8(static_cast<char>(0x80));  // added, it flips bit 7
-  const __m512 s = _mm512_set1_ps(scale);
-  int64_t j = 0;
-  for (; j + 64 <= n; j += 64) {
-    const __m512i c = _mm512_permutexvar_epi8(order, _mm512_loadu_si512(codes + j));
-    const __mmask64 nonzero = _mm512_cmpneq_epi8_mask(c, zero_code);
-    const __mmask64 negative = _kandn_mask64(_mm512_movepi8_mask(c), nonzero);
-    const __m512i index = _mm512_mask_sub_epi8(c, negative, mirror, c);
-#define PS_LOOKUP(p) _mm512_maskz_permutex2var_epi8(nonzero, plane##p##0, index, plane##p##1)
-    const __m512i b3 = PS_LOOKUP(3);
-    StorePlanes(PS_LOOKUP(0), PS_LOOKUP(1), PS_LOOKUP(2),
-                _mm512_mask_add_epi8(b3, negative, b3, sign), s, out + j);
-#undef PS_LOOKUP
+    const __m512i w01_low = _mm512_unpacklo_epi8(b0, b1);
+    const __m512i w01_high = _mm512_unpackhi_epi8(b0, b1);
+    const __m512i w23_low = _mm512_unpacklo_epi8(b2, b3);
+    const __m512i w23_high = _mm512_unpackhi_epi8(b2, b3);
+    const __m512i f0 = _mm512_unpacklo_epi16(w01_low, w23_low);
+    const __m512i f1 = _mm512_unpackhi_epi16(w01_low, w23_low);
+    const __m512i f2 = _mm512_unpacklo_epi16(w01_high, w23_high);
+    const __m512i f3 = _mm512_unpackhi_epi16(w01_high, w23_high);
+    _mm512_storeu_ps(out + j, _mm512_mul_ps(_mm512_castsi512_ps(f0), s));
+    _mm512_storeu_ps(out + j + 16, _mm512_mul_ps(_mm512_castsi512_ps(f1), s));
+    _mm512_storeu_ps(out + j + 32, _mm512_mul_ps(_mm512_castsi512_ps(f2), s));
+    _mm512_storeu_ps(out + j + 48, _mm512_mul_ps(_mm512_castsi512_ps(f3), s));
   }
   return j;
 }
@@ -635,12 +594,9 @@ struct Ops {
   }
   // Whole groups of 64 codes by byte-table lookups where the CPU has VBMI, else none (the caller
   // gathers). Returns the elements done.
-  static PS_INLINE int64_t DequantizeGroups(const QuantizationTables& t, bool is_signed,
-                                            const uint8_t* codes, int64_t n, float scale,
-                                            float* out) {
-    if (!UseVbmi()) return 0;
-    return is_signed ? DequantizeSignedGroupsVbmi(t, codes, n, scale, out)
-                     : DequantizeGroupsVbmi(t, codes, n, scale, out);
+  static PS_INLINE int64_t DequantizeGroups(const QuantizationTables& t, const uint8_t* codes,
+                                            int64_t n, float scale, float* out) {
+    return UseVbmi() ? DequantizeGroupsVbmi(t, codes, n, scale, out) : 0;
   }
 
   struct Acc16 {
