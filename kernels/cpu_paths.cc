@@ -445,8 +445,12 @@ struct Ops {
   // 16 bf16 -> 16 floats by one word permute into the high halves, zeroing the low ones: one
   // vector operation where the widening and a shift are two.
   static PS_INLINE V WidenBf16(__m256i halves) {
-    return _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(
-        0xaaaaaaaa, _mm512_load_si512(kWidenBf16), _mm512_castsi256_si512(halves)));
+    return WidenBf16Of(_mm512_castsi256_si512(halves), kWidenBf16);
+  }
+  // The 16 of 32 bf16 that `table` (kWidenBf16: the low ones, kWidenBf16High) picks, as floats.
+  static PS_INLINE V WidenBf16Of(__m512i bf16, const uint16_t* table) {
+    return _mm512_castsi512_ps(
+        _mm512_maskz_permutexvar_epi16(0xaaaaaaaa, _mm512_load_si512(table), bf16));
   }
   static PS_INLINE void StoreHalf(uint16_t* p, V x) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
@@ -691,10 +695,8 @@ struct Ops : avx512_path::Ops {
     }
     const __m512i bits = ConvertBf16x2(x0, x1);
     _mm512_storeu_si512(p, bits);
-    rounded0 = _mm512_castsi512_ps(
-        _mm512_maskz_permutexvar_epi16(0xaaaaaaaa, _mm512_load_si512(avx512_path::kWidenBf16), bits));
-    rounded1 = _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(
-        0xaaaaaaaa, _mm512_load_si512(avx512_path::kWidenBf16High), bits));
+    rounded0 = WidenBf16Of(bits, avx512_path::kWidenBf16);
+    rounded1 = WidenBf16Of(bits, avx512_path::kWidenBf16High);
   }
 };
 
