@@ -61,6 +61,7 @@ struct Ops {
   static constexpr int kWidth = 1;
   static constexpr bool kNineRegions = false;
   static constexpr bool kPackCodes4 = false;
+  static constexpr bool kPairedBf16 = false;  // KahanRound2 in kernels/internal/cpu_body.inc
   static PS_INLINE V Set1(float x) { return x; }
   static PS_INLINE V Load(const float* p) { return *p; }
   static PS_INLINE void Store(float* p, V x) { *p = x; }
@@ -173,6 +174,7 @@ struct Ops {
   static constexpr int kWidth = 8;
   static constexpr bool kNineRegions = false;  // 8-entry tables
   static constexpr bool kPackCodes4 = false;
+  static constexpr bool kPairedBf16 = false;  // KahanRound2 in kernels/internal/cpu_body.inc
   static PS_INLINE V Set1(float x) { return _mm256_set1_ps(x); }
   static PS_INLINE V Load(const float* p) { return _mm256_loadu_ps(p); }
   static PS_INLINE void Store(float* p, V x) { _mm256_storeu_ps(p, x); }
@@ -420,12 +422,17 @@ int64_t DequantizeGroupsVbmi(const QuantizationTables& t, const uint8_t* codes, 
 alignas(64) constexpr uint16_t kWidenBf16[32] = {0, 0, 0, 1,  0, 2,  0, 3,  0, 4,  0, 5,  0, 6,
                                                  0, 7, 0, 8,  0, 9,  0, 10, 0, 11, 0, 12, 0, 13,
                                                  0, 14, 0, 15};
+// The same for bf16 16 + k (the high half of a 32-bf16 vector, vcvtne2ps2bf16's first operand).
+alignas(64) constexpr uint16_t kWidenBf16High[32] = {0, 16, 0, 17, 0, 18, 0, 19, 0, 20, 0, 21,
+                                                     0, 22, 0, 23, 0, 24, 0, 25, 0, 26, 0, 27,
+                                                     0, 28, 0, 29, 0, 30, 0, 31};
 
 struct Ops {
   using V = __m512;
   static constexpr int kWidth = 16;
   static constexpr bool kNineRegions = true;  // Note [Nearest code by arithmetic]
   static constexpr bool kPackCodes4 = true;
+  static constexpr bool kPairedBf16 = false;  // KahanRound2 in kernels/internal/cpu_body.inc
   static PS_INLINE V Set1(float x) { return _mm512_set1_ps(x); }
   static PS_INLINE V Load(const float* p) { return _mm512_loadu_ps(p); }
   static PS_INLINE void Store(float* p, V x) { _mm512_storeu_ps(p, x); }
@@ -438,8 +445,12 @@ struct Ops {
   // 16 bf16 -> 16 floats by one word permute into the high halves, zeroing the low ones: one
   // vector operation where the widening and a shift are two.
   static PS_INLINE V WidenBf16(__m256i halves) {
-    return _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(
-        0xaaaaaaaa, _mm512_load_si512(kWidenBf16), _mm512_castsi256_si512(halves)));
+    return WidenBf16Of(_mm512_castsi256_si512(halves), kWidenBf16);
+  }
+  // The 16 of 32 bf16 that `table` (kWidenBf16: the low ones, kWidenBf16High) picks, as floats.
+  static PS_INLINE V WidenBf16Of(__m512i bf16, const uint16_t* table) {
+    return _mm512_castsi512_ps(
+        _mm512_maskz_permutexvar_epi16(0xaaaaaaaa, _mm512_load_si512(table), bf16));
   }
   static PS_INLINE void StoreHalf(uint16_t* p, V x) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
@@ -653,6 +664,39 @@ struct Ops : avx512_path::Ops {
     std::memcpy(&halves, &converted, sizeof(halves));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), halves);
     return WidenBf16(halves);
+  }
+
+  // Two vectors at a time (KahanRound2): x0 into p[0, 16), x1 into p[16, 32) by one
+  // vcvtne2ps2bf16, as StoreBf16 and StoreBf16Rounded do each (a pair holding a denormal takes
+  // them one vector at a time).
+  static constexpr bool kPairedBf16 = true;
+  static PS_INLINE bool AnyDenormal2(V x0, V x1) {
+    return (_mm512_fpclass_ps_mask(x0, 0x20) | _mm512_fpclass_ps_mask(x1, 0x20)) != 0;
+  }
+  static PS_INLINE __m512i ConvertBf16x2(V x0, V x1) {
+    const __m512bh converted = _mm512_cvtne2ps_pbh(x1, x0);  // x1 in the high half
+    __m512i bits;
+    std::memcpy(&bits, &converted, sizeof(bits));
+    return bits;
+  }
+  static PS_INLINE void StoreBf16x2(uint16_t* p, V x0, V x1) {
+    if (AnyDenormal2(x0, x1)) [[unlikely]] {
+      StoreBf16(p, x0);
+      StoreBf16(p + kWidth, x1);
+      return;
+    }
+    _mm512_storeu_si512(p, ConvertBf16x2(x0, x1));
+  }
+  static PS_INLINE void StoreBf16Rounded2(uint16_t* p, V x0, V x1, V& rounded0, V& rounded1) {
+    if (AnyDenormal2(x0, x1)) [[unlikely]] {
+      rounded0 = StoreBf16Rounded(p, x0);
+      rounded1 = StoreBf16Rounded(p + kWidth, x1);
+      return;
+    }
+    const __m512i bits = ConvertBf16x2(x0, x1);
+    _mm512_storeu_si512(p, bits);
+    rounded0 = WidenBf16Of(bits, avx512_path::kWidenBf16);
+    rounded1 = WidenBf16Of(bits, avx512_path::kWidenBf16High);
   }
 };
 
