@@ -242,6 +242,16 @@ absl::StatusOr<std::optional<GroupCollectives::Pending>> GroupCollectives::Issue
   PS_ASSIGN_OR_RETURN(const GatherPlan plan, manager_->PlanGather(probe));
   if (!plan.needs_gather) return std::nullopt;
   PS_RETURN_IF_ERROR(CheckNoneInUse(members));
+  // The owner's dropped chunk is made again from its master before it is sent (Note [Compute
+  // chunks re-made from the master] in chunk/chunk_manager_remake.cc): in the compute tier
+  // when it has free room, evicting nothing, else in the host tier. A started gather too: its
+  // local chunk was pinned where it lived, the compute tier, before it was ever dropped, and
+  // made in the host tier it is copied up at its first use (holding it twice: 2 MiB on the
+  // per-rank peak of docs/benchmarks.md's bf16 run with accumulation at 2 ranks, measured).
+  if (plan.local_chunk >= 0) {
+    PS_RETURN_IF_ERROR(
+        manager_->Remake(plan.local_chunk, options_.compute_tier, /*evict=*/false).status());
+  }
   Pending pending;
   pending.first = members.front();
   std::vector<void*> buffers(members.size(), nullptr);

@@ -325,8 +325,15 @@ class DataParallel:
         return not self.enabled or manager.is_local(manager.tensor_info(tensor_id)["chunk"])
 
     def after_init(self) -> None:
-        """Every rank built the whole model; keep only the owned compute chunks."""
+        """Every rank built the whole model; keep only the owned compute chunks (with
+        `parallel.remake_compute`, not even those of them that their masters can make again)."""
         if self.enabled:
+            if self.config.parallel.remake_compute:
+                # Note [Compute chunks re-made from the master] in chunk/chunk_manager_remake.cc.
+                pairs = [(ids.compute, ids.master) for ids in self._engine.params.ids
+                         if ids.master is not None]
+                if pairs:
+                    self._engine.chunks.manager.set_remake_sources(pairs)
             self.collectives.release_all(K.COMPUTE_PARAM)
             self._engine.chunks.before_access = self._before_access
 

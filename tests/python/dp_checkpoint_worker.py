@@ -237,6 +237,9 @@ SCENARIOS = {
     "resume_fp16": lambda *a: resume("fp16", *a),
     "resume_bf16_lowp": lambda *a: resume("bf16_lowp", *a),
     "resume_fp32_nvme": lambda *a: resume("fp32", *a, nvme=True),
+    # bf16 masters on NVMe: the owner's compute chunks are made from them (Note [Compute
+    # chunks re-made from the master]), each staged from NVMe inside a gather.
+    "resume_bf16_nvme": lambda *a: resume("bf16", *a, nvme=True),
     "reshard_2to1": reshard_2to1,
     "reshard_2to1_int8": lambda *a: reshard_2to1(*a, state_dtype="int8"),
     "reshard_1to2": reshard_1to2,
