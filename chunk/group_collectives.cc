@@ -266,7 +266,8 @@ absl::StatusOr<std::optional<GroupCollectives::Pending>> GroupCollectives::Issue
                plan.to_receive.end()) {
       // The bytes arrive with the collective below; until then the tensors are HOLD over
       // uninitialized memory, pinned, and nobody reads them.
-      status = PlaceReceived(member, /*compute_tier_allowed=*/!started);
+      status = PlaceReceived(member, /*compute_tier_allowed=*/!started ||
+                                         options_.started_in_compute_tier);
       if (!status.ok()) break;
       absl::StatusOr<void*> pinned = PinChunk(member, /*zero_fill=*/false, &pending.pins);
       status = pinned.status();

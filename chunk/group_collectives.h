@@ -74,8 +74,14 @@
 // group's first use, and room taken in the compute tier then is room that the accesses and
 // gradient stores before that use may need (a pipeline stage under a tight device budget,
 // tests/python/test_parallelism.py); measured, receiving started gathers there too lowered no
-// configuration that is above FSDP2's in docs/benchmarks.md. Where a chunk is received is this
-// rank's business: the collective sequence is the same either way.
+// configuration that was above FSDP2's in docs/benchmarks.md then. Once the owner stopped
+// keeping its bf16 compute chunks (Note [Compute chunks re-made from the master] in
+// chunk_manager_remake.cc) it did: bf16 with accumulation at 2 ranks peaked in forward while a
+// started group's 2 MiB chunk was copied from the host tier into the compute tier at its first
+// use, 2 MiB above gathering at first use (measured). So `started_in_compute_tier` lets a
+// caller that starts gathers only in forward and has no pipeline stages (data_parallel.py)
+// receive started gathers in the compute tier too, into free room only as Gather does. Where a
+// chunk is received is this rank's business: the collective sequence is the same either way.
 #pragma once
 
 #include <deque>
@@ -109,6 +115,11 @@ struct GroupCollectiveOptions {
   // `tier`; StartGather's go to `tier` (Note [Receiving where the group is computed on]).
   // Unset, or a tier the communicator cannot address: always `tier`.
   std::optional<TierKind> compute_tier;
+  // StartGather's chunks go to `compute_tier` too, into free room only, like Gather's: for
+  // callers that access nothing of another group between starting a gather and the group's
+  // first use that the pinned room could starve (a forward without pipeline stages; Note
+  // [Receiving where the group is computed on]).
+  bool started_in_compute_tier = false;
 };
 
 // Note [Sharded accumulation]

@@ -209,11 +209,14 @@ class DataParallel:
         # the compute tier when it has free room (Note [Receiving where the group is computed
         # on] in chunk/group_collectives.h).
         self._waits_for_reduce_scatters = self.reshard and self.model_parallel is None
+        # Forward's started gathers receive into the compute tier's free room too, without
+        # pipeline stages (Note [Receiving where the group is computed on]).
         self.collectives = _C.GroupCollectives(
             manager, self.communicator, tier=Tier.HOST, timeout_s=self.timeout,
             memory_saving=parallel.memory_saving, gradient_op="avg",
             gradients_in_place=self._waits_for_reduce_scatters,
-            compute_tier=engine.compute_tier)
+            compute_tier=engine.compute_tier,
+            started_in_compute_tier=self.model_parallel is None)
         # An engine never destroyed would otherwise free these during interpreter finalization,
         # after the script's destroy_process_group(): the last reference to the c10d group then
         # goes in an order torch does not expect (a rank of a 2-rank benchmark aborted once at
@@ -248,7 +251,8 @@ class DataParallel:
             gatherer = _C.GroupCollectives(
                 manager, self.gather_communicator, tier=Tier.HOST, timeout_s=self.timeout,
                 memory_saving=parallel.memory_saving, gradient_op="avg",
-                compute_tier=engine.compute_tier)
+                compute_tier=engine.compute_tier,
+                started_in_compute_tier=self.model_parallel is None)
         names = {ids.compute: name for ids, name in zip(engine.params.ids, engine.params.names)}
         self.gathers = GatherSchedule(gatherer, compute_groups, gather_position, remote,
                                       self.gather_ahead, reshard=self.reshard,
