@@ -163,6 +163,9 @@ class ChunkManager {
   // bytes the warm-up trace recorded there (during warm-up: the latest report).
   // std::numeric_limits<int64_t>::max() for a tier without a budget.
   absl::StatusOr<int64_t> ChunkBytesAllowedAt(TierKind tier, int64_t moment) const;
+  // Chunk bytes `tier` may take now without evicting anything: AllowedChunkBytes minus what it
+  // holds; std::numeric_limits<int64_t>::max() for a tier without a budget.
+  absl::StatusOr<int64_t> FreeChunkBytes(TierKind tier) const;
 
   // ---- Communication groups (Note [Communication groups] in chunk_manager_groups.cc) --------------
   int world_size() const { return options_.world_size; }
