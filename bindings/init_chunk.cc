@@ -493,7 +493,8 @@ void InitChunk(py::module_& module) {
           },
           py::arg("chunk"))
       .def_property_readonly(
-          "remakes", [](PyChunkManager& self) { return self.Run([](M& m) { return m.remakes(); }); })
+          "remakes",
+          [](PyChunkManager& self) { return self.Run([](M& m) { return m.remakes(); }); })
       .def_property_readonly(
           "num_tensors",
           [](PyChunkManager& self) { return self.Run([](M& m) { return m.num_tensors(); }); })

@@ -35,12 +35,13 @@ namespace ps {
 //   * every tensor of the chunk has a master at the same offset of one master chunk: a chunk
 //     with a frozen 16-bit parameter (no master, Note [Frozen parameters in 16 bits] in
 //     engine.py) is not declared and keeps its payload.
-// The master is staged in the host tier by an access (which may bring it from NVMe and may
-// evict to make room, like any access) and converted there on the host, into a payload placed
-// where the caller computes when the host can write that memory (a gather: only into free room,
-// as for the chunks it receives, Note [Receiving where the group is computed on] in
-// group_collectives.h), else in the host tier: device memory is never touched by the host, and
-// a chunk made in the host tier is pinned or moved like a received one.
+// The master is staged by an access where it is when the host can read that memory, else in the
+// host tier (which may bring it from NVMe and may evict to make room, like any access), and
+// converted on the host into a payload placed where the caller computes when the host can write
+// that memory (a gather: only into free room, as for the chunks it receives, Note [Receiving
+// where the group is computed on] in group_collectives.h), else in the host tier: device memory
+// is never touched by the host, and a chunk made in the host tier is pinned or moved like a
+// received one.
 
 absl::StatusOr<int64_t> ChunkManager::SetRemakeSources(
     absl::Span<const std::pair<TensorId, TensorId>> pairs, CastToCompute cast) {
@@ -102,7 +103,16 @@ absl::StatusOr<bool> ChunkManager::Remake(ChunkId id, std::optional<TierKind> ti
   Chunk& master = chunks_[source->second];
   PS_ASSIGN_OR_RETURN(const int host, TierIndex(TierKind::kHost));
   // Stage the master in host memory, pinned by an access of one of its tensors, unless it is
-  // pinned there already (an optimizer row in progress).
+  // pinned there already (an optimizer row in progress): where it is (or is being moved to)
+  // when that is host memory (the emulated device outside strict mode: moving it out would
+  // copy 4 bytes per element twice per pass), else in the host tier (from NVMe or the device).
+  TierKind stage_tier = TierKind::kHost;
+  if (master.has_payload()) {
+    const int where =
+        master.prefetch_in_flight() ? master.pending_tier_index() : master.tier_index_;
+    const Tier& tier = *tiers_[where].tier;
+    if (tier.address_space() == AddressSpace::kHostMemory) stage_tier = tier.kind();
+  }
   TensorId staged = -1;
   TensorState staged_state = TensorState::kHold;
   if (master.compute_tensors_ == 0) {
@@ -113,7 +123,7 @@ absl::StatusOr<bool> ChunkManager::Remake(ChunkId id, std::optional<TierKind> ti
         break;
       }
     }
-    if (staged >= 0) PS_RETURN_IF_ERROR(Access(staged, TierKind::kHost).status());
+    if (staged >= 0) PS_RETURN_IF_ERROR(Access(staged, stage_tier).status());
   } else if (tiers_[master.tier_index_].tier->address_space() != AddressSpace::kHostMemory) {
     return absl::FailedPreconditionError(
         absl::StrCat("re-make ", DescribeChunk(target), ": its master ", DescribeChunk(master),

@@ -103,9 +103,10 @@ def resume(precision: str, out: str, rank: int, world: int, nvme: bool = False) 
         nvme_dir = os.path.join(out, f"nvme_rank{rank}")
         os.makedirs(nvme_dir, exist_ok=True)
         # 16 KiB chunks: device 4 (2 gathered pairs) and host 4 of them; the rest lives on NVMe.
-        # In bf16 (8 KiB compute chunks) the host keeps 3.5 masters' worth, so the masters the
-        # owner re-makes its compute chunks from move through NVMe too.
-        host = 4 * 16384 if precision == "fp32" else 7 * 8192
+        # In bf16 (8 KiB compute chunks) the host has room for one Adam update (56 KiB: master,
+        # bf16 gradient, moments) and a little, so the masters the owner re-makes its compute
+        # chunks from move through NVMe too, on the strict device as well.
+        host = 4 * 16384 if precision == "fp32" else 7 * 8192 + 1024
         extra["memory"] = {"device_budget": 4 * 16384, "host_budget": host,
                            "nvme": {"path": nvme_dir}}
     model, opt = make(dp_config(precision, **extra))
