@@ -473,8 +473,9 @@ void InitChunk(py::module_& module) {
       .def(
           "set_remake_sources",
           [](PyChunkManager& self, const std::vector<std::pair<TensorId, TensorId>>& pairs) {
-            return ValueOrThrow(
-                self.Run([&](M& m) { return m.SetRemakeSources(pairs, &kernels::CastFloatTo16); }));
+            return ValueOrThrow(self.Run([&](M& m) {
+              return m.SetRemakeSources(pairs, &kernels::CastFloatTo16AsUpdate);
+            }));
           },
           py::arg("pairs"),
           "Declares (compute tensor, master tensor) pairs: this rank's compute chunks whose "

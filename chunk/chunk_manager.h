@@ -200,8 +200,8 @@ class ChunkManager {
   // ---- Compute chunks re-made from their masters (Note [Compute chunks re-made from the master]
   // in chunk_manager_remake.cc) ---------------------------------------------------------------
   // Converts `count` fp32 values into `dtype` (kFloat16 or kBFloat16) on the host: the
-  // optimizer's own conversion (kernels::CastFloatTo16), passed in because the kernels library
-  // is built on this one.
+  // optimizer's own conversion (kernels::CastFloatTo16AsUpdate), passed in because the kernels
+  // library is built on this one.
   using CastToCompute = absl::Status (*)(const float* src, uint16_t* dst, int64_t count,
                                          DType dtype);
   // Declares which of this rank's compute-param chunks ReleaseGroup drops like a remote one,
