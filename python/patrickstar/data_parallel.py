@@ -209,8 +209,9 @@ class DataParallel:
         # the compute tier when it has free room (Note [Receiving where the group is computed
         # on] in chunk/group_collectives.h).
         self._waits_for_reduce_scatters = self.reshard and self.model_parallel is None
-        # Forward's started gathers receive into the compute tier's free room too, without
-        # pipeline stages (Note [Receiving where the group is computed on]).
+        # Without pipeline stages forward's started gathers receive into the compute tier too,
+        # while it has free room for twice them (Note [Receiving where the group is computed
+        # on]).
         self.collectives = _C.GroupCollectives(
             manager, self.communicator, tier=Tier.HOST, timeout_s=self.timeout,
             memory_saving=parallel.memory_saving, gradient_op="avg",
