@@ -7,6 +7,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/ascii.h"
@@ -20,6 +21,7 @@
 #include "chunk/chunk_manager.h"
 #include "chunk/event_log.h"
 #include "chunk/tensor_state.h"
+#include "kernels/cast.h"
 #include "runtime/status.h"
 
 namespace py = pybind11;
@@ -468,6 +470,32 @@ void InitChunk(py::module_& module) {
             ThrowIfError(self.Run([&](M& m) { return m.CompleteGather(chunk); }));
           },
           py::arg("chunk"))
+      .def(
+          "set_remake_sources",
+          [](PyChunkManager& self, const std::vector<std::pair<TensorId, TensorId>>& pairs) {
+            return ValueOrThrow(self.Run([&](M& m) {
+              return m.SetRemakeSources(pairs, &kernels::CastFloatTo16AsUpdate);
+            }));
+          },
+          py::arg("pairs"),
+          "Declares (compute tensor, master tensor) pairs: this rank's compute chunks whose "
+          "tensors all have a master are dropped with their group and made again from the "
+          "masters (Note [Compute chunks re-made from the master]). Returns how many chunks.")
+      .def(
+          "remakeable",
+          [](PyChunkManager& self, ChunkId chunk) {
+            return self.Run([&](M& m) { return m.Remakeable(chunk); });
+          },
+          py::arg("chunk"))
+      .def(
+          "remake",
+          [](PyChunkManager& self, ChunkId chunk) {
+            return ValueOrThrow(self.Run([&](M& m) { return m.Remake(chunk); }));
+          },
+          py::arg("chunk"))
+      .def_property_readonly(
+          "remakes",
+          [](PyChunkManager& self) { return self.Run([](M& m) { return m.remakes(); }); })
       .def_property_readonly(
           "num_tensors",
           [](PyChunkManager& self) { return self.Run([](M& m) { return m.num_tensors(); }); })

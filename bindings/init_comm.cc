@@ -452,7 +452,7 @@ void InitComm(py::module_& module) {
       .def(py::init([](PyChunkManager& manager, std::shared_ptr<Communicator> communicator,
                        const std::string& tier, double timeout_s, bool memory_saving,
                        const std::string& gradient_op, bool gradients_in_place,
-                       std::optional<std::string> compute_tier) {
+                       std::optional<std::string> compute_tier, bool started_in_compute_tier) {
              GroupCollectiveOptions options;
              options.tier = ParseCollectiveTier(tier);
              options.timeout = Seconds(timeout_s);
@@ -460,6 +460,7 @@ void InitComm(py::module_& module) {
              options.gradient_op = ParseReduceOp(gradient_op);
              options.gradients_in_place = gradients_in_place;
              if (compute_tier) options.compute_tier = ParseCollectiveTier(*compute_tier);
+             options.started_in_compute_tier = started_in_compute_tier;
              auto result = std::make_unique<PyGroupCollectives>();
              result->manager = &manager;
              result->communicator = communicator;
@@ -471,7 +472,8 @@ void InitComm(py::module_& module) {
            py::arg("manager"), py::arg("communicator"), py::arg("tier") = "host",
            py::arg("timeout_s") = 300.0, py::arg("memory_saving") = false,
            py::arg("gradient_op") = "avg", py::arg("gradients_in_place") = false,
-           py::arg("compute_tier") = py::none(), py::keep_alive<1, 2>())
+           py::arg("compute_tier") = py::none(), py::arg("started_in_compute_tier") = false,
+           py::keep_alive<1, 2>())
       .def("close", &PyGroupCollectives::Close,
            "Waits for started gathers, unpins their chunks and lets go of the manager now; "
            "later calls raise (Note [Closing the collectives before the manager]).")

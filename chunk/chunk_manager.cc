@@ -306,6 +306,11 @@ absl::StatusOr<TensorView> ChunkManager::Access(TensorId id, TierKind tier_kind)
                      "': ", DescribeChunk(chunk), " has ", chunk.compute_tensors_,
                      " tensors in COMPUTE there and cannot move"));
   }
+  // An owner reads its own dropped compute chunk alone (checkpoints, tied weights, a use after
+  // its group was released): made again from the master, no collective.
+  if (tensor->state == TensorState::kReleased) {
+    PS_RETURN_IF_ERROR(Remake(chunk.id_, tier_kind).status());
+  }
   // Zero-filling a chunk that holds RELEASED tensors would later pass zeros off as their data,
   // whichever of its tensors is accessed.
   if (!chunk.has_payload() &&

@@ -17,6 +17,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
@@ -162,6 +163,9 @@ class ChunkManager {
   // bytes the warm-up trace recorded there (during warm-up: the latest report).
   // std::numeric_limits<int64_t>::max() for a tier without a budget.
   absl::StatusOr<int64_t> ChunkBytesAllowedAt(TierKind tier, int64_t moment) const;
+  // Chunk bytes `tier` may take now without evicting anything: AllowedChunkBytes minus what it
+  // holds; std::numeric_limits<int64_t>::max() for a tier without a budget.
+  absl::StatusOr<int64_t> FreeChunkBytes(TierKind tier) const;
 
   // ---- Communication groups (Note [Communication groups] in chunk_manager_groups.cc) --------------
   int world_size() const { return options_.world_size; }
@@ -171,8 +175,9 @@ class ChunkManager {
   // Groups (named by their first chunk) whose tensors were all used in this pass
   // (HOLD_AFTER_FWD / HOLD_AFTER_BWD), none COMPUTE, and that are not released yet.
   std::vector<ChunkId> ReleasableGroups() const;
-  // Releases the group of `chunk` on this rank: drops the payloads of its remote chunks (their
-  // tensors holding data become RELEASED) and marks the group as needing a gather. Every rank
+  // Releases the group of `chunk` on this rank: drops the payloads of its remote chunks, and of
+  // its local one when Remakeable (their tensors holding data become RELEASED), and marks the
+  // group as needing a gather. Every rank
   // calls it at the same point (also after initialization: release_after_init).
   absl::Status ReleaseGroup(ChunkId chunk);
   // Writes zeros over the FREE tensors of a chunk that has a payload in memory (Note [FREE
@@ -191,6 +196,31 @@ class ChunkManager {
   // Marks the group of `chunk` gathered after its collective; FailedPrecondition if a chunk this
   // rank had to receive is still missing.
   absl::Status CompleteGather(ChunkId chunk);
+
+  // ---- Compute chunks re-made from their masters (Note [Compute chunks re-made from the master]
+  // in chunk_manager_remake.cc) ---------------------------------------------------------------
+  // Converts `count` fp32 values into `dtype` (kFloat16 or kBFloat16) on the host: the
+  // optimizer's own conversion (kernels::CastFloatTo16AsUpdate), passed in because the kernels
+  // library is built on this one.
+  using CastToCompute = absl::Status (*)(const float* src, uint16_t* dst, int64_t count,
+                                         DType dtype);
+  // Declares which of this rank's compute-param chunks ReleaseGroup drops like a remote one,
+  // from (16-bit compute tensor, its fp32 master tensor) pairs: a local chunk each of whose
+  // tensors is paired, at the same offset of one master chunk of this rank. Chunks with an
+  // unpaired tensor (a frozen 16-bit parameter) keep their payload as before. Replaces any
+  // earlier declaration; returns how many chunks it names. Needs a host tier (the conversion
+  // runs there).
+  absl::StatusOr<int64_t> SetRemakeSources(absl::Span<const std::pair<TensorId, TensorId>> pairs,
+                                           CastToCompute cast);
+  bool Remakeable(ChunkId chunk) const { return remake_sources_.contains(chunk); }
+  // For a remakeable chunk without a payload whose tensors are RELEASED: places a payload in
+  // `tier` when the host can write it (with `evict` false only into free room there), else in
+  // the host tier, and writes each RELEASED tensor from its master (staged in the host tier by
+  // an access, from NVMe if need be), which turns it HOLD. Returns whether it did; false (no-op)
+  // for any other chunk. Access and GroupCollectives' gathers call it; no collective.
+  absl::StatusOr<bool> Remake(ChunkId chunk, std::optional<TierKind> tier = std::nullopt,
+                              bool evict = true);
+  int64_t remakes() const { return remakes_; }  // chunks Remake re-made (a counter)
 
   // ---- Introspection ----------------------------------------------------------------------
   int64_t num_tensors() const { return static_cast<int64_t>(tensors_.size()); }
@@ -298,6 +328,12 @@ class ChunkManager {
   bool built_ = false;
 
   absl::flat_hash_set<ChunkId> released_groups_;  // first chunk of each released group
+  // Note [Compute chunks re-made from the master]: local compute chunk -> its master chunk,
+  // compute tensor -> its master tensor, and the conversion.
+  absl::flat_hash_map<ChunkId, ChunkId> remake_sources_;
+  absl::flat_hash_map<TensorId, TensorId> master_of_;
+  CastToCompute cast_ = nullptr;
+  int64_t remakes_ = 0;
   int64_t lru_clock_ = 0;
   std::vector<EvictionRecord> eviction_log_;
 

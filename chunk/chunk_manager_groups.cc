@@ -133,7 +133,7 @@ absl::Status ChunkManager::ReleaseGroup(ChunkId id) {
           "release group ", member.group_, " of ", ChunkKindName(member.kind_), ": ",
           DescribeChunk(member), " has ", member.compute_tensors_, " tensors in COMPUTE"));
     }
-    if (IsLocal(member.id_)) continue;
+    if (IsLocal(member.id_) && !Remakeable(member.id_)) continue;
     for (TensorId t : member.tensors_) {
       if (HoldsData(tensors_[t].state)) {
         PS_RETURN_IF_ERROR(
@@ -143,7 +143,9 @@ absl::Status ChunkManager::ReleaseGroup(ChunkId id) {
   }
   for (int r = 0; r < options_.world_size; ++r) {
     Chunk& member = chunks_[first + r];
-    if (IsLocal(member.id_)) continue;
+    // The owner's chunk goes too when its master can make it again (Note [Compute chunks re-made
+    // from the master] in chunk_manager_remake.cc).
+    if (IsLocal(member.id_) && !Remakeable(member.id_)) continue;
     for (TensorId t : member.tensors_) {
       if (HoldsData(tensors_[t].state)) tensors_[t].state = TensorState::kReleased;
     }

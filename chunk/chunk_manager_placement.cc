@@ -48,6 +48,13 @@ absl::StatusOr<int64_t> ChunkManager::ChunkBytesAllowedAt(TierKind tier_kind,
   return budget - tracer_.TracedNonModelBytes(tier, moment);
 }
 
+absl::StatusOr<int64_t> ChunkManager::FreeChunkBytes(TierKind tier_kind) const {
+  PS_ASSIGN_OR_RETURN(const int tier, TierIndex(tier_kind));
+  const int64_t allowed = AllowedChunkBytes(tier);
+  if (allowed == kUnlimited) return kUnlimited;
+  return std::max<int64_t>(0, allowed - tiers_[tier].chunk_bytes);
+}
+
 void ChunkManager::AddChunkBytes(int tier, int64_t delta) {
   TierSlot& slot = tiers_[tier];
   slot.chunk_bytes += delta;

@@ -225,6 +225,16 @@ absl::Status GroupCollectives::PlaceReceived(ChunkId chunk, bool compute_tier_al
   return manager_->MaterializeGathered(chunk, options_.tier, no_fill);
 }
 
+bool GroupCollectives::StartedFitComputeTier(const GatherPlan& plan, int64_t count,
+                                             DType dtype) const {
+  if (!options_.started_in_compute_tier || !options_.compute_tier.has_value()) return false;
+  const absl::StatusOr<int64_t> free = manager_->FreeChunkBytes(*options_.compute_tier);
+  if (!free.ok()) return false;
+  const int64_t placed = static_cast<int64_t>(plan.to_receive.size() + 1) * count *
+                         ElementSize(dtype);
+  return *free >= 2 * placed;
+}
+
 absl::StatusOr<std::optional<GroupCollectives::Pending>> GroupCollectives::IssueGather(
     ChunkId group, bool started) {
   int64_t count = 0;
@@ -242,6 +252,20 @@ absl::StatusOr<std::optional<GroupCollectives::Pending>> GroupCollectives::Issue
   PS_ASSIGN_OR_RETURN(const GatherPlan plan, manager_->PlanGather(probe));
   if (!plan.needs_gather) return std::nullopt;
   PS_RETURN_IF_ERROR(CheckNoneInUse(members));
+  // The owner's dropped chunk is made again from its master before it is sent (Note [Compute
+  // chunks re-made from the master] in chunk/chunk_manager_remake.cc): in the compute tier
+  // when it has free room, evicting nothing, else in the host tier. A started gather too: its
+  // local chunk was pinned where it lived, the compute tier, before it was ever dropped, and
+  // made in the host tier it is copied up at its first use (holding it twice: 2 MiB on the
+  // per-rank peak of docs/benchmarks.md's bf16 run with accumulation at 2 ranks, measured).
+  const bool compute_tier_allowed = !started || StartedFitComputeTier(plan, count, dtype);
+  if (plan.local_chunk >= 0) {
+    PS_RETURN_IF_ERROR(manager_
+                           ->Remake(plan.local_chunk,
+                                    compute_tier_allowed ? options_.compute_tier : std::nullopt,
+                                    /*evict=*/false)
+                           .status());
+  }
   Pending pending;
   pending.first = members.front();
   std::vector<void*> buffers(members.size(), nullptr);
@@ -256,7 +280,7 @@ absl::StatusOr<std::optional<GroupCollectives::Pending>> GroupCollectives::Issue
                plan.to_receive.end()) {
       // The bytes arrive with the collective below; until then the tensors are HOLD over
       // uninitialized memory, pinned, and nobody reads them.
-      status = PlaceReceived(member, /*compute_tier_allowed=*/!started);
+      status = PlaceReceived(member, compute_tier_allowed);
       if (!status.ok()) break;
       absl::StatusOr<void*> pinned = PinChunk(member, /*zero_fill=*/false, &pending.pins);
       status = pinned.status();

@@ -74,8 +74,17 @@
 // group's first use, and room taken in the compute tier then is room that the accesses and
 // gradient stores before that use may need (a pipeline stage under a tight device budget,
 // tests/python/test_parallelism.py); measured, receiving started gathers there too lowered no
-// configuration that is above FSDP2's in docs/benchmarks.md. Where a chunk is received is this
-// rank's business: the collective sequence is the same either way.
+// configuration that was above FSDP2's in docs/benchmarks.md then. Once the owner stopped
+// keeping its bf16 compute chunks (Note [Compute chunks re-made from the master] in
+// chunk_manager_remake.cc) it did: bf16 with accumulation at 2 ranks peaked in forward while a
+// started group's 2 MiB chunk was copied from the host tier into the compute tier at its first
+// use, 2 MiB above gathering at first use (measured). So `started_in_compute_tier` lets a
+// caller without pipeline stages (data_parallel.py) receive started gathers in the compute tier
+// too, only while that tier has free room for twice what the group places there: a tight
+// budget keeps the old way (gpt_tight of tests/python/test_data_parallel.py, a device budget of
+// a few chunks, evicted more and lost every prefetch hit of rank 0 when started gathers took
+// its last free room). Where a chunk is received is this rank's business: the collective
+// sequence is the same either way.
 #pragma once
 
 #include <deque>
@@ -109,6 +118,11 @@ struct GroupCollectiveOptions {
   // `tier`; StartGather's go to `tier` (Note [Receiving where the group is computed on]).
   // Unset, or a tier the communicator cannot address: always `tier`.
   std::optional<TierKind> compute_tier;
+  // StartGather's chunks go to `compute_tier` too, but only while it has free room for twice
+  // what the group places there (as much again stays free for the accesses before the group's
+  // first use): for callers without pipeline stages (Note [Receiving where the group is
+  // computed on]).
+  bool started_in_compute_tier = false;
 };
 
 // Note [Sharded accumulation]
@@ -252,6 +266,9 @@ class GroupCollectives {
   // the compute tier when `compute_tier_allowed` and it has free room, else in options_.tier
   // (Note [Receiving where the group is computed on]).
   absl::Status PlaceReceived(ChunkId chunk, bool compute_tier_allowed);
+  // Whether a started gather of `plan` (chunks of `count` elements) may place its chunks in the
+  // compute tier: started_in_compute_tier and free room for twice them.
+  bool StartedFitComputeTier(const GatherPlan& plan, int64_t count, DType dtype) const;
   // Pins the group and issues its gather; nullopt when it needs none.
   // `started`: by StartGather (Note [Receiving where the group is computed on]).
   absl::StatusOr<std::optional<Pending>> IssueGather(ChunkId group, bool started);

@@ -3,7 +3,9 @@
 #include <bit>
 #include <cmath>
 
+#include "kernels/internal/cpu_paths.h"
 #include "kernels/internal/dtype_dispatch.h"
+#include "kernels/simd.h"
 
 namespace ps::kernels {
 
@@ -75,6 +77,15 @@ absl::Status CastFloatTo16(const float* src, uint16_t* dst, int64_t count, DType
     for (int64_t i = 0; i < count; ++i) dst[i] = FloatTo16Bits<kDtype>(src[i]);
     return absl::OkStatus();
   });
+}
+
+absl::Status CastFloatTo16AsUpdate(const float* src, uint16_t* dst, int64_t count,
+                                   DType dst_dtype) {
+  if (dst_dtype != DType::kFloat16 && dst_dtype != DType::kBFloat16) {
+    return CastFloatTo16(src, dst, count, dst_dtype);  // its error
+  }
+  internal::GetCpuPath(ActiveSimdLevel()).cast_to_16(src, dst, count, dst_dtype);
+  return absl::OkStatus();
 }
 
 absl::Status Cast16ToFloat(const uint16_t* src, float* dst, int64_t count, DType src_dtype) {

@@ -19,6 +19,12 @@ float BFloat16BitsToFloat(uint16_t bits);
 absl::Status CastFloatTo16(const float* src, uint16_t* dst, int64_t count, DType dst_dtype);
 absl::Status Cast16ToFloat(const uint16_t* src, float* dst, int64_t count, DType src_dtype);
 
+// CastFloatTo16 on the SIMD path the update kernels use now (kernels/simd.h), vectorized: the
+// bits the Adam kernel's param_copy stores (every path rounds as the scalar code does, Note
+// [vcvtneps2bf16 and denormals] in kernels/cpu_paths.cc). Host memory.
+absl::Status CastFloatTo16AsUpdate(const float* src, uint16_t* dst, int64_t count,
+                                   DType dst_dtype);
+
 // The same on device memory, enqueued on `stream`. FailedPrecondition in a build without CUDA.
 absl::Status CastFloatTo16OnDevice(const float* src, uint16_t* dst, int64_t count,
                                    DType dst_dtype, gpu::Stream stream);

@@ -51,6 +51,8 @@ struct CpuPath {
   // Nearest codes of already normalized values, with the int8 update's search (tests).
   void (*quantize_normalized)(QuantizationMap map, const float* values, int64_t n,
                               uint8_t* codes);
+  // fp32 -> `dtype` (kFloat16 or kBFloat16) exactly as the update's param_copy stores it.
+  void (*cast_to_16)(const float* src, uint16_t* dst, int64_t n, DType dtype);
 };
 
 const CpuPath& GetCpuPath(SimdLevel level);

@@ -127,6 +127,11 @@ class ParallelConfig:
     # after forward]). False keeps every gathered group until the optimizer step: one allgather
     # per group and step, the full compute parameters on every rank.
     reshard_after_forward: bool = True
+    # In fp16/bf16 with master weights: the owner drops its 16-bit compute chunks with their
+    # groups and converts them again from the fp32 masters at each gather, as FSDP2 does (2
+    # bytes per owned parameter less; Note [Compute chunks re-made from the master] in
+    # chunk/chunk_manager_remake.cc). False keeps them between uses, written by the optimizer.
+    remake_compute: bool = True
     # With gradient_accumulation_steps > 1: "sharded" reduce-scatters every micro-step's
     # gradients into their owner's shard (ZeRO-3's, FSDP2's default: no rank keeps full-size
     # gradients between micro-steps, per-rank gradients 1/N); "full" accumulates full-size
@@ -378,7 +383,7 @@ def _parse_parallel(raw: Any) -> ParallelConfig:
     section = _section("parallel", raw)
     _check_keys("parallel", section, {"data", "pipeline", "tensor", "collective_timeout",
                                       "memory_saving", "reduce_scatter", "schedule",
-                                      "gather_ahead", "reshard_after_forward",
+                                      "gather_ahead", "reshard_after_forward", "remake_compute",
                                       "gradient_accumulation", "transport"})
     data = section.get("data")
     reduce_scatter = section.get("reduce_scatter", "ring")
@@ -410,6 +415,7 @@ def _parse_parallel(raw: Any) -> ParallelConfig:
         gradient_accumulation=accumulation,
         reshard_after_forward=_bool("parallel.reshard_after_forward",
                                     section.get("reshard_after_forward", True)),
+        remake_compute=_bool("parallel.remake_compute", section.get("remake_compute", True)),
         gather_ahead=_number("parallel.gather_ahead", section.get("gather_ahead", 1), minimum=0,
                              integer=True),
         data=None if data is None else _number("parallel.data", data, minimum=1, integer=True),

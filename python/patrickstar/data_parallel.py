@@ -209,11 +209,15 @@ class DataParallel:
         # the compute tier when it has free room (Note [Receiving where the group is computed
         # on] in chunk/group_collectives.h).
         self._waits_for_reduce_scatters = self.reshard and self.model_parallel is None
+        # Without pipeline stages forward's started gathers receive into the compute tier too,
+        # while it has free room for twice them (Note [Receiving where the group is computed
+        # on]).
         self.collectives = _C.GroupCollectives(
             manager, self.communicator, tier=Tier.HOST, timeout_s=self.timeout,
             memory_saving=parallel.memory_saving, gradient_op="avg",
             gradients_in_place=self._waits_for_reduce_scatters,
-            compute_tier=engine.compute_tier)
+            compute_tier=engine.compute_tier,
+            started_in_compute_tier=self.model_parallel is None)
         # An engine never destroyed would otherwise free these during interpreter finalization,
         # after the script's destroy_process_group(): the last reference to the c10d group then
         # goes in an order torch does not expect (a rank of a 2-rank benchmark aborted once at
@@ -248,7 +252,8 @@ class DataParallel:
             gatherer = _C.GroupCollectives(
                 manager, self.gather_communicator, tier=Tier.HOST, timeout_s=self.timeout,
                 memory_saving=parallel.memory_saving, gradient_op="avg",
-                compute_tier=engine.compute_tier)
+                compute_tier=engine.compute_tier,
+                started_in_compute_tier=self.model_parallel is None)
         names = {ids.compute: name for ids, name in zip(engine.params.ids, engine.params.names)}
         self.gathers = GatherSchedule(gatherer, compute_groups, gather_position, remote,
                                       self.gather_ahead, reshard=self.reshard,
@@ -325,8 +330,15 @@ class DataParallel:
         return not self.enabled or manager.is_local(manager.tensor_info(tensor_id)["chunk"])
 
     def after_init(self) -> None:
-        """Every rank built the whole model; keep only the owned compute chunks."""
+        """Every rank built the whole model; keep only the owned compute chunks (with
+        `parallel.remake_compute`, not even those of them that their masters can make again)."""
         if self.enabled:
+            if self.config.parallel.remake_compute:
+                # Note [Compute chunks re-made from the master] in chunk/chunk_manager_remake.cc.
+                pairs = [(ids.compute, ids.master) for ids in self._engine.params.ids
+                         if ids.master is not None]
+                if pairs:
+                    self._engine.chunks.manager.set_remake_sources(pairs)
             self.collectives.release_all(K.COMPUTE_PARAM)
             self._engine.chunks.before_access = self._before_access
 

@@ -173,6 +173,11 @@ class GatherSchedule:
         # within a forward, which every rank ends with gather_all(): elsewhere an owner may read
         # its own tensors alone (checkpoints, tied pipeline weights), and a gather there would be
         # a collective the other ranks never issue.
+        if in_forward and self.reshard and self._traced and position > self._frontier:
+            # The groups the trace says this forward is done with go before the gathers below
+            # land beside them (the group in use, the next, the one started ahead).
+            self._frontier = position
+            self._release_passed()
         if position >= self._next and (
                 in_forward or tensor_id in self.remote or position < self._started):
             self.gather_through(position)

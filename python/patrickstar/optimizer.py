@@ -333,13 +333,15 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
     def _update_roles(self, index: int) -> dict[str, int]:
         """The chunk tensors one Adam update of parameter `index` reads and writes, by the
         kernel argument each one is: the param is the fp32 master where there is one (its
-        16-bit compute copy then receives the result), else the compute chunk itself (fp32, or
-        bf16 with its Kahan compensation when bf16.master_weights is false); 8-bit moments
-        bring their scales."""
+        16-bit compute copy then receives the result, unless the chunk manager makes that copy
+        from the master when it is next needed: Note [Compute chunks re-made from the master]
+        in chunk/chunk_manager_remake.cc), else the compute chunk itself (fp32, or bf16 with
+        its Kahan compensation when bf16.master_weights is false); 8-bit moments bring their
+        scales."""
         ids = self.chunked.ids[index]
         roles = {"param": ids.master if ids.master is not None else ids.compute,
                  "grad": ids.grad, "exp_avg": ids.momentum, "exp_avg_sq": ids.variance}
-        if ids.master is not None:
+        if ids.master is not None and not self._remade(ids.compute):
             roles["param_copy"] = ids.compute
         if ids.compensation is not None:
             roles["param_compensation"] = ids.compensation
@@ -347,6 +349,12 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
             roles["exp_avg_scale"] = ids.momentum_scale
             roles["exp_avg_sq_scale"] = ids.variance_scale
         return roles
+
+    def _remade(self, compute_id: int) -> bool:
+        """Whether the chunk manager drops this compute tensor's chunk between uses and makes it
+        again from the master (data parallelism with parallel.remake_compute)."""
+        manager = self.chunked.chunks.manager
+        return manager.remakeable(manager.tensor_info(compute_id)["chunk"])
 
     def _update_tensors(self, index: int) -> list[int]:
         """The chunk tensors one Adam update of parameter `index` reads and writes."""

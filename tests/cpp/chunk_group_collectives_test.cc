@@ -10,11 +10,13 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "chunk/group_collectives.h"
+#include "kernels/cast.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/cpp/chunk_test_util.h"
@@ -209,6 +211,68 @@ TEST_P(GroupCollectivesTest, GatherBringsBackTheOwnersBytesOneCollectivePerGroup
     }
     EXPECT_EQ(c.collectives_issued(), static_cast<int64_t>(groups.size()));
     for (TensorId t = 0; t < NumParams(); ++t) Expect(r, t, 2.0f);
+  });
+}
+
+// Note [Compute chunks re-made from the master]: the owner's bf16 chunks go with their groups,
+// and the gather sends what their fp32 masters say now, converted as the optimizer would.
+TEST_P(GroupCollectivesTest, GatherRemakesTheOwnersDroppedChunkFromItsMaster) {
+  std::vector<TensorSpec> specs;
+  for (ChunkKind kind : {ChunkKind::kComputeParam, ChunkKind::kMasterParam}) {
+    for (int i = 0; i < 5; ++i) {
+      const bool compute = kind == ChunkKind::kComputeParam;
+      specs.push_back(testing::Spec(absl::StrCat("p", i, compute ? "" : "#m"), {300 + 100 * i},
+                                    kind, compute ? DType::kBFloat16 : DType::kFloat32));
+    }
+  }
+  Build({}, specs);
+  const auto value = [](TensorId t, int64_t i, float scale) {
+    return scale * (static_cast<float>(t * 1000 + i) + 0.3f);
+  };
+  OnEveryRank([&](int r) {
+    ChunkManager& m = *ranks_[r]->manager;
+    GroupCollectives& c = *ranks_[r]->collectives;
+    std::vector<std::pair<TensorId, TensorId>> pairs;
+    for (TensorId t = 0; t < 5; ++t) {
+      pairs.emplace_back(t, t + 5);
+      auto view = m.Access(t, TierKind::kHost);
+      ASSERT_TRUE(view.ok()) << view.status();
+      auto* data = static_cast<uint16_t*>(testing::ComputePointer(*view));
+      for (int64_t i = 0; i < view->numel; ++i) {
+        data[i] = kernels::FloatToBFloat16Bits(value(t, i, 1.0f));
+      }
+      ASSERT_TRUE(m.Release(t, TensorState::kHold).ok());
+    }
+    auto declared = m.SetRemakeSources(pairs, &kernels::CastFloatTo16);
+    ASSERT_TRUE(declared.ok()) << declared.status();
+    ASSERT_TRUE(c.ReleaseAll(ChunkKind::kComputeParam).ok());
+    for (ChunkId chunk : m.ChunksOfKind(ChunkKind::kComputeParam)) {
+      EXPECT_FALSE((*m.chunk(chunk))->has_payload()) << "rank " << r << " chunk " << chunk;
+    }
+    // An optimizer step writes only the masters this rank owns.
+    for (TensorId t = 5; t < 10; ++t) {
+      if (!m.IsLocal((*m.tensor(t))->chunk)) continue;
+      auto view = m.Access(t, TierKind::kHost);
+      ASSERT_TRUE(view.ok()) << view.status();
+      auto* data = static_cast<float*>(testing::ComputePointer(*view));
+      for (int64_t i = 0; i < view->numel; ++i) data[i] = value(t - 5, i, 3.0f);
+      ASSERT_TRUE(m.Release(t, TensorState::kHold).ok());
+    }
+    for (ChunkId group : c.Groups(ChunkKind::kComputeParam)) {
+      auto gathered = c.Gather(group);
+      ASSERT_TRUE(gathered.ok()) << gathered.status();
+    }
+    EXPECT_EQ(m.remakes(), *declared);
+    for (TensorId t = 0; t < 5; ++t) {
+      auto view = m.Access(t, TierKind::kHost);
+      ASSERT_TRUE(view.ok()) << view.status();
+      const auto* data = static_cast<const uint16_t*>(testing::ComputePointer(*view));
+      for (int64_t i = 0; i < view->numel; ++i) {
+        ASSERT_EQ(data[i], kernels::FloatToBFloat16Bits(value(t, i, 3.0f)))
+            << "rank " << r << " tensor " << t << " element " << i;
+      }
+      ASSERT_TRUE(m.Release(t, TensorState::kHold).ok());
+    }
   });
 }
 

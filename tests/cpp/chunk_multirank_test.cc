@@ -4,10 +4,12 @@
 #include <memory>
 #include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "chunk/chunk_manager.h"
+#include "kernels/cast.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/cpp/chunk_test_util.h"
@@ -236,6 +238,89 @@ TEST_P(FakeWorldTest, OptimizerStateLivesOnlyOnItsOwner) {
         M(r).MaterializeGathered(M(r).ChunksOfKind(ChunkKind::kComputeParam)[r], TierKind::kHost,
                                  [](void*, int64_t) { return absl::OkStatus(); });
     EXPECT_EQ(gather_local.code(), absl::StatusCode::kFailedPrecondition);
+  }
+}
+
+// Note [Compute chunks re-made from the master]: the owner's compute chunks go with their groups
+// and come back, from the masters, at the gather or at an access of the owner alone.
+TEST_P(FakeWorldTest, OwnersComputeChunksAreDroppedAndRemadeFromTheirMasters) {
+  const int64_t compute_tensors = NumComputeTensors();
+  const std::vector<ChunkId> list = M(0).ChunksOfKind(ChunkKind::kComputeParam);
+  const auto master_value = [](TensorId t, int64_t i) {
+    return static_cast<float>(t * 1000 + i) * 0.37f - 5.0f;
+  };
+  // The last compute tensor has no master (a frozen 16-bit parameter): its chunk keeps its
+  // payload.
+  const TensorId frozen = compute_tensors - 1;
+  for (int r = 0; r < world_size_; ++r) {
+    ChunkManager& m = M(r);
+    std::vector<std::pair<TensorId, TensorId>> pairs;
+    for (TensorId t = 0; t < compute_tensors; ++t) {
+      if (t != frozen) pairs.emplace_back(t, t + compute_tensors);
+    }
+    for (TensorId t = 0; t < compute_tensors; ++t) {
+      const TensorId master = t + compute_tensors;
+      const bool owned = m.IsLocal((*m.tensor(master))->chunk);
+      std::vector<float> values((*m.tensor(t))->numel);
+      for (size_t i = 0; i < values.size(); ++i) values[i] = master_value(t, i);
+      if (owned) {
+        auto view = m.Access(master, TierKind::kHost);
+        ASSERT_TRUE(view.ok()) << view.status();
+        std::memcpy(testing::ComputePointer(*view), values.data(), values.size() * 4);
+        ASSERT_TRUE(m.Release(master, TensorState::kHold).ok());
+      }
+      auto view = m.Access(t, TierKind::kHost);
+      ASSERT_TRUE(view.ok()) << view.status();
+      ASSERT_TRUE(kernels::CastFloatTo16(values.data(),
+                                         static_cast<uint16_t*>(testing::ComputePointer(*view)),
+                                         view->numel, DType::kFloat16)
+                      .ok());
+      ASSERT_TRUE(m.Release(t, TensorState::kHold).ok());
+    }
+    auto declared = m.SetRemakeSources(pairs, &kernels::CastFloatTo16);
+    ASSERT_TRUE(declared.ok()) << declared.status();
+    const ChunkId frozen_chunk = (*m.tensor(frozen))->chunk;
+    int64_t expected = 0;
+    for (ChunkId c : list) {
+      expected += m.IsLocal(c) && c != frozen_chunk && !(*m.chunk(c))->tensors().empty();
+    }
+    EXPECT_EQ(*declared, expected);
+    for (size_t first = 0; first < list.size(); first += world_size_) {
+      ASSERT_TRUE(m.ReleaseGroup(list[first]).ok());
+    }
+    for (ChunkId c : list) {
+      const Chunk& chunk = **m.chunk(c);
+      const bool kept = m.IsLocal(c) && c == frozen_chunk;
+      EXPECT_EQ(chunk.has_payload(), kept) << c;
+    }
+    // The owner reads its tensors alone: each chunk is made again, bit for bit the values it
+    // held (the frozen one was never dropped).
+    for (TensorId t = 0; t < compute_tensors; ++t) {
+      if (!m.IsLocal((*m.tensor(t))->chunk)) continue;
+      auto view = m.Access(t, TierKind::kHost);
+      ASSERT_TRUE(view.ok()) << view.status();
+      const auto* data = static_cast<const uint16_t*>(testing::ComputePointer(*view));
+      for (int64_t i = 0; i < view->numel; ++i) {
+        ASSERT_EQ(data[i], kernels::FloatToHalfBits(master_value(t, i))) << t << " " << i;
+      }
+      ASSERT_TRUE(m.Release(t, TensorState::kHold).ok());
+    }
+    EXPECT_EQ(m.remakes(), expected);
+    // Released again, then made again by Remake (the gather's call) without any access.
+    for (size_t first = 0; first < list.size(); first += world_size_) {
+      ASSERT_TRUE(m.ReleaseGroup(list[first]).ok());
+    }
+    for (ChunkId c : list) {
+      auto remade = m.Remake(c);
+      ASSERT_TRUE(remade.ok()) << remade.status();
+      EXPECT_EQ(*remade, m.Remakeable(c)) << c;
+      if (m.Remakeable(c)) {
+        for (TensorId t : (*m.chunk(c))->tensors()) {
+          EXPECT_EQ((*m.tensor(t))->state, TensorState::kHold);
+        }
+      }
+    }
+    EXPECT_EQ(m.remakes(), 2 * expected);
   }
 }
 

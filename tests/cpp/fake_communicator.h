@@ -130,6 +130,12 @@ class FakeCommunicator : public Communicator {
     const bool group = type == CollectiveType::kAllGather || type == CollectiveType::kReduceScatter;
     absl::Status valid =
         group ? ValidateCollective(*this, type, buffers, count, root) : absl::OkStatus();
+    // Gathers and broadcasts only copy: 16-bit elements move as half as many float32 words.
+    const bool copies = type == CollectiveType::kAllGather || type == CollectiveType::kBroadcast;
+    if (valid.ok() && copies && ElementSize(dtype) == 2 && count % 2 == 0) {
+      count /= 2;
+      dtype = DType::kFloat32;
+    }
     if (valid.ok() && dtype != DType::kFloat32) {
       valid = absl::UnimplementedError("the fake communicator reduces float32 only");
     }

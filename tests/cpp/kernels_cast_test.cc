@@ -9,6 +9,9 @@
 #include <limits>
 #include <vector>
 
+#include "kernels/adam.h"
+#include "kernels/simd.h"
+#include "runtime/dtype.h"
 #include "runtime/gpu.h"
 #include "test_util.h"
 
@@ -53,6 +56,52 @@ TEST(CastTest, RoundsToNearestEven) {
   EXPECT_EQ(FloatToBFloat16Bits(1.0f + std::ldexp(1.0f, -8)), 0x3f80u);  // tie to even
   EXPECT_EQ(FloatToBFloat16Bits(std::numeric_limits<float>::max()), 0x7f80u);
   EXPECT_EQ(FloatToBFloat16Bits(-std::numeric_limits<float>::infinity()), 0xff80u);
+}
+
+// Note [Compute chunks re-made from the master] (chunk/chunk_manager_remake.cc): a 16-bit compute
+// copy made from the fp32 master must carry the bits the update's param_copy stored, on every
+// SIMD path: random values of every magnitude, subnormals, zeros of both signs, infinities and
+// NaNs, with lengths that leave partial vectors.
+TEST(CastTest, AsUpdateGivesTheParamCopyOfTheAdamKernelOnEveryPath) {
+  std::vector<float> values;
+  uint32_t state = 12345;
+  for (int i = 0; i < 4099; ++i) {
+    state = state * 1664525u + 1013904223u;
+    values.push_back(std::bit_cast<float>(state));
+  }
+  for (float special : {0.0f, -0.0f, std::ldexp(1.0f, -130), -std::ldexp(1.0f, -149),
+                        std::numeric_limits<float>::infinity(),
+                        std::numeric_limits<float>::quiet_NaN(), 1.0f + std::ldexp(1.0f, -8)}) {
+    values.insert(values.begin() + 5, special);
+  }
+  for (SimdLevel level : SupportedSimdLevels()) {
+    PS_ASSERT_OK(ForceSimdLevel(level));
+    for (DType dtype : {DType::kBFloat16, DType::kFloat16}) {
+      for (int64_t n : {int64_t{1}, int64_t{17}, static_cast<int64_t>(values.size())}) {
+        // lr 0 and a zero gradient: the kernel stores the master unchanged (NaNs quieted).
+        std::vector<float> master(values.begin(), values.begin() + n);
+        std::vector<float> zeros(n, 0.0f), exp_avg(n, 0.0f), exp_avg_sq(n, 0.0f);
+        std::vector<uint16_t> copy(n), remade(n);
+        AdamChunk chunk;
+        chunk.param = master.data();
+        chunk.grad = zeros.data();
+        chunk.exp_avg = exp_avg.data();
+        chunk.exp_avg_sq = exp_avg_sq.data();
+        chunk.param_copy = copy.data();
+        chunk.copy_dtype = dtype;
+        chunk.count = n;
+        AdamHyperParams params;
+        params.lr = 0.0;
+        PS_ASSERT_OK(AdamUpdate(chunk, params));
+        PS_ASSERT_OK(CastFloatTo16AsUpdate(master.data(), remade.data(), n, dtype));
+        for (int64_t i = 0; i < n; ++i) {
+          ASSERT_EQ(remade[i], copy[i]) << SimdLevelName(level) << " " << DTypeName(dtype)
+                                        << " element " << i << " of " << n;
+        }
+      }
+    }
+  }
+  ClearForcedSimdLevel();
 }
 
 TEST(CastTest, ArrayCastsRejectNon16BitTargets) {

@@ -103,7 +103,11 @@ def resume(precision: str, out: str, rank: int, world: int, nvme: bool = False) 
         nvme_dir = os.path.join(out, f"nvme_rank{rank}")
         os.makedirs(nvme_dir, exist_ok=True)
         # 16 KiB chunks: device 4 (2 gathered pairs) and host 4 of them; the rest lives on NVMe.
-        extra["memory"] = {"device_budget": 4 * 16384, "host_budget": 4 * 16384,
+        # In bf16 (8 KiB compute chunks) the host has room for one Adam update (56 KiB: master,
+        # bf16 gradient, moments) and a little, so the masters the owner re-makes its compute
+        # chunks from move through NVMe too, on the strict device as well.
+        host = 4 * 16384 if precision == "fp32" else 7 * 8192 + 1024
+        extra["memory"] = {"device_budget": 4 * 16384, "host_budget": host,
                            "nvme": {"path": nvme_dir}}
     model, opt = make(dp_config(precision, **extra))
     _seed_rank(rank, 100)
@@ -237,6 +241,9 @@ SCENARIOS = {
     "resume_fp16": lambda *a: resume("fp16", *a),
     "resume_bf16_lowp": lambda *a: resume("bf16_lowp", *a),
     "resume_fp32_nvme": lambda *a: resume("fp32", *a, nvme=True),
+    # bf16 masters on NVMe: the owner's compute chunks are made from them (Note [Compute
+    # chunks re-made from the master]), each staged from NVMe inside a gather.
+    "resume_bf16_nvme": lambda *a: resume("bf16", *a, nvme=True),
     "reshard_2to1": reshard_2to1,
     "reshard_2to1_int8": lambda *a: reshard_2to1(*a, state_dtype="int8"),
     "reshard_1to2": reshard_1to2,

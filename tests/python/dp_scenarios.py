@@ -303,6 +303,31 @@ SCENARIOS = {
                             discarded_steps=(1, 2)),
 }
 
+# Note [Compute chunks re-made from the master] (chunk/chunk_manager_remake.cc): mixed precision
+# with the owner's 16-bit compute chunks dropped between uses (parallel.remake_compute, the
+# default) against the same runs keeping them ("_kept"): bit for bit the same training. A frozen
+# 16-bit parameter (no master) keeps its chunk; without resharding the owner's chunks are made
+# once per step.
+_KEPT = {"remake_compute": False}
+SCENARIOS["gpt_bf16_accumulation_kept"] = dataclasses.replace(
+    SCENARIOS["gpt_bf16_accumulation"],
+    config={**SCENARIOS["gpt_bf16_accumulation"].config, "parallel": _KEPT})
+SCENARIOS["mlp_fp16_accumulation_kept"] = dataclasses.replace(
+    SCENARIOS["mlp_fp16_accumulation"],
+    config={**SCENARIOS["mlp_fp16_accumulation"].config, "parallel": _KEPT})
+SCENARIOS["mlp_frozen_bf16"] = Scenario(_mlp_frozen_first, bf16_mlp_batches, {
+    "default_chunk_size": 4096, "bf16": {"enabled": True}}, steps=5)
+SCENARIOS["mlp_frozen_bf16_kept"] = Scenario(_mlp_frozen_first, bf16_mlp_batches, {
+    "default_chunk_size": 4096, "bf16": {"enabled": True}, "parallel": _KEPT}, steps=5)
+SCENARIOS["gpt_bf16_no_reshard"] = Scenario(_gpt, _gpt_batches, {
+    "default_chunk_size": 16384, "bf16": {"enabled": True},
+    "parallel": {"reshard_after_forward": False}}, steps=4, accumulation=2)
+SCENARIOS["gpt_bf16_no_reshard_kept"] = Scenario(_gpt, _gpt_batches, {
+    "default_chunk_size": 16384, "bf16": {"enabled": True},
+    "parallel": {"reshard_after_forward": False, **_KEPT}}, steps=4, accumulation=2)
+REMAKE_PAIRS = ["gpt_bf16_accumulation", "mlp_fp16_accumulation", "mlp_frozen_bf16",
+                "gpt_bf16_no_reshard"]
+
 # Chunk-size boundaries (issue 18). BoundaryMLP's layers.0.weight has 2048 elements, its bias 64,
 # layers.1 640 and 10. A weight exactly filling a chunk puts its bias in the next chunk of the
 # same group, owned by the other rank (this crashed at the first forward); one element more

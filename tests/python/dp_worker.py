@@ -15,6 +15,7 @@ the error raised, then leaves with os._exit so a dead peer cannot hold up interp
 from __future__ import annotations
 
 import copy
+import json
 import os
 import sys
 import time
@@ -64,10 +65,22 @@ def train(name: str, rank: int, world: int) -> dict:
             optimizer.step()
             optimizer.zero_grad()
     stats = model.memory_stats()  # after the step: gathered copies and remote grads dropped
+    manager = model.chunks.manager
+    # This rank's compute chunks holding a payload after the step, and those it may re-make
+    # (Note [Compute chunks re-made from the master]).
+    compute_chunks = manager.chunks_of_kind(patrickstar._C.ChunkKind.COMPUTE_PARAM)
+    compute_after_step = sum(1 for c in compute_chunks if manager.chunk_tier(c) is not None)
+    remakeable = [c for c in compute_chunks if manager.remakeable(c)]
+    layout = json.loads(manager.layout_json())["chunks"]
+    remakeable_bytes = sum(layout[c]["bytes"] for c in remakeable)
+    remakes = manager.remakes
     state = model.state_dict()
     module_state = model.module.state_dict()  # Note [The user's module's state dict]
     result = {"losses": losses, "state": state, "stats": stats,
               "peak_model_bytes": model.peak_model_bytes,
+              "compute_after_step": compute_after_step, "remakeable": len(remakeable),
+              "remakeable_bytes": remakeable_bytes,
+              "remakes": remakes, "chunk_bytes": sum(t["chunk_bytes"] for t in stats),
               "module_state_matches": list(module_state) == list(state) and all(
                   torch.equal(module_state[k], v) for k, v in state.items())}
     if world > 1:

@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from dp_scenarios import BOUNDARY_CHUNKS, SCENARIOS, reference
+from dp_scenarios import BOUNDARY_CHUNKS, REMAKE_PAIRS, SCENARIOS, reference
 from test_initialize import assert_same_training
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -89,7 +89,10 @@ TWO_RANK_SCENARIOS = ["mlp", "mlp_process_group", "mlp_tight", "mlp_accumulation
                       "gpt_bf16_accumulation", "mlp_bf16_state", "mlp_int8_state", "mlp_bf16_no_master",
                       "mlp_frozen", "mlp_loss_backward", "mlp_accumulation_skip",
                       "mlp_accumulation_full_skip", "mlp_accumulation_discard", "mlp_discard",
-                      "mlp_apply", "mlp_apply_keep", "mlp_load_keep", "mlp_module_load_keep"]
+                      "mlp_apply", "mlp_apply_keep", "mlp_load_keep", "mlp_module_load_keep"] + [
+                          name + suffix for name in REMAKE_PAIRS for suffix in ("", "_kept")
+                          if name + suffix not in ("gpt_bf16_accumulation",
+                                                   "mlp_fp16_accumulation")]
 
 
 @pytest.fixture(scope="module")
@@ -359,7 +362,8 @@ def test_memory_saving_mode_matches_with_broadcast_and_reduce(two_ranks):
 
 @pytest.mark.parametrize("name", ["gpt_bf16", "mlp_fp16", "mlp_fp16_accumulation",
                                   "gpt_bf16_accumulation", "mlp_bf16_state", "mlp_int8_state",
-                                  "mlp_bf16_no_master"])
+                                  "mlp_bf16_no_master", "mlp_frozen_bf16",
+                                  "gpt_bf16_no_reshard"])
 def test_mixed_precision_tracks_fp32_pytorch(two_ranks, name):
     ref_losses, _ = reference(name, 2)
     losses = [sum(r[name]["losses"][i] for r in two_ranks) / 2 for i in range(len(ref_losses))]
@@ -370,6 +374,29 @@ def test_mixed_precision_tracks_fp32_pytorch(two_ranks, name):
     state = two_ranks[0][name]["state"]
     for key, tensor in two_ranks[1][name]["state"].items():
         torch.testing.assert_close(state[key], tensor, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", REMAKE_PAIRS)
+def test_owners_compute_chunks_remade_from_masters_train_bit_for_bit(two_ranks, name):
+    # Note [Compute chunks re-made from the master]: the owner drops its 16-bit compute chunks
+    # with their groups and converts them again from the masters at each gather, which gives
+    # the bits the optimizer's param_copy wrote when it kept them.
+    for rank, result in enumerate(two_ranks):
+        remade, kept = result[name], result[name + "_kept"]
+        assert remade["losses"] == kept["losses"], rank
+        assert remade["state"].keys() == kept["state"].keys()
+        for key, tensor in kept["state"].items():
+            torch.testing.assert_close(remade["state"][key], tensor, rtol=0, atol=0)
+        assert (remade["remakes"] > 0) == (remade["remakeable"] > 0), rank
+        assert kept["remakeable"] == 0 and kept["remakes"] == 0, rank
+        # After the step the owner holds only the compute chunks no master can make (a frozen
+        # 16-bit parameter's): exactly those bytes less of model data.
+        assert remade["compute_after_step"] == kept["compute_after_step"] - remade["remakeable"]
+        assert kept["chunk_bytes"] - remade["chunk_bytes"] == remade["remakeable_bytes"], rank
+        assert remade["peak_model_bytes"] <= kept["peak_model_bytes"], rank
+    assert sum(r[name]["remakeable"] for r in two_ranks) > 0
+    if name == "mlp_frozen_bf16":  # the frozen parameter's owner kept its chunk
+        assert any(r[name]["compute_after_step"] > 0 for r in two_ranks)
 
 
 def test_frozen_parameters_match_pytorch(two_ranks):

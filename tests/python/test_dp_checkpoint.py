@@ -25,6 +25,7 @@ from test_initialize import MLP, gpt_config, mlp_batches
 
 CHECKPOINT_WORKER = os.path.join(HERE, "dp_checkpoint_worker.py")
 SCENARIOS = ["resume_fp32", "resume_bf16", "resume_fp16", "resume_bf16_lowp", "resume_fp32_nvme",
+             "resume_bf16_nvme",
              "reshard_2to1", "reshard_2to1_int8", "reshard_1to2", "consolidate_gpt", "errors"]
 
 
@@ -66,7 +67,8 @@ def _assert_close_runs(losses, ref_losses, state, ref_state):
         torch.testing.assert_close(state[key], ref_state[key], rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16", "bf16_lowp", "fp32_nvme"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16", "bf16_lowp", "fp32_nvme",
+                                       "bf16_nvme"])
 def test_two_ranks_resume_bit_for_bit(runs, precision):
     """fp32_nvme: tight budgets over each rank's NVMe tier (chunks move through it)."""
     out, _, results = runs
@@ -93,7 +95,7 @@ def test_two_ranks_resume_bit_for_bit(runs, precision):
         tensors = [{k for k in reader.by_rank[r] if k[1] != "buffer"} for r in (0, 1)]
         assert tensors[0] and tensors[1] and not tensors[0] & tensors[1]
         kinds = {"param", "exp_avg", "exp_avg_sq"} | (
-            {"master"} if precision in ("bf16", "fp16") else set()) | (
+            {"master"} if precision in ("bf16", "fp16", "bf16_nvme") else set()) | (
             {"compensation", "exp_avg_scale", "exp_avg_sq_scale"}
             if precision == "bf16_lowp" else set())
         assert tensors[0] | tensors[1] == {(t["name"], kind) for t in meta["tensors"]

@@ -40,7 +40,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
+import time
 import warnings
 
 import torch
@@ -91,7 +93,8 @@ def run_ours(args, rank: int, accumulation_mode: str = "sharded") -> dict:
     chunk = args.chunk_elements
     config = {"default_chunk_size": chunk if chunk == "auto" else int(chunk),
               "gradient_accumulation_steps": args.accumulation,
-              "parallel": {"gradient_accumulation": accumulation_mode},
+              "parallel": {"gradient_accumulation": accumulation_mode,
+                           "remake_compute": not args.keep_compute},
               "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}}
     if args.precision == "bf16":
         config["bf16"] = {"enabled": True}
@@ -100,12 +103,17 @@ def run_ours(args, rank: int, accumulation_mode: str = "sharded") -> dict:
     # rank built the whole model once before (reported apart, as init_peak_model_bytes).
     init_peak = model.peak_model_bytes
     model.reset_peak_memory_stats()
+    ends = [time.perf_counter()]
     def end_step():
         optimizer.step()
         optimizer.zero_grad()
+        ends.append(time.perf_counter())
     train(args, rank, compute_dtype(args), lambda x: model.backward(model(x)), end_step)
     stats = model.memory_stats()
+    # Wall time of each optimizer step after the first (warm-up), micro-steps included.
+    step_seconds = [b - a for a, b in zip(ends[1:], ends[2:])]
     return {"peak_model_bytes": model.peak_model_bytes,
+            "step_seconds": step_seconds,
             "chunk_elements": model.layout["chunk_elements"],
             "sum_of_tier_peaks": sum(t["peak_chunk_bytes"] for t in stats),
             "init_peak_model_bytes": init_peak}
@@ -287,6 +295,9 @@ def main() -> None:
     parser.add_argument("--fsdp2-collectives", action="store_true",
                         help="also sample FSDP2's model data as it issues each collective")
     parser.add_argument("--accumulations", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--keep-compute", action="store_true",
+                        help="ours: parallel.remake_compute false (the owner keeps its 16-bit "
+                             "compute chunks between uses)")
     parser.add_argument("--precision", default="fp32", help=argparse.SUPPRESS)
     parser.add_argument("--accumulation", type=int, default=1, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -310,6 +321,7 @@ def main() -> None:
                     result = launch_ranks(__file__, world, name, args.out, forwarded(
                         args, "layers", "steps", "chunk_elements") + ["--precision", precision,
                                                     "--accumulation", str(accumulation)]
+                        + (["--keep-compute"] if args.keep_compute else [])
                         + (["--fsdp2-collectives"] if args.fsdp2_collectives else []))
                     if result is None:
                         rows.append({"contender": name, "world": world, "precision": precision,
@@ -321,6 +333,7 @@ def main() -> None:
                     row = {"contender": name, "world": world, "precision": precision,
                            "accumulation": accumulation, "peak_model_bytes": peak,
                            "per_rank": [r["peak_model_bytes"] for r in result],
+                           "step_seconds": result[0].get("step_seconds"),
                            "chunk_elements": result[0].get("chunk_elements"),
                            "collective_samples": result[0].get("collective_samples"),
                            "over_one_process": peak / single[name] if name in single else None}
@@ -328,7 +341,9 @@ def main() -> None:
                     ratio = row["over_one_process"]
                     print(f"{precision} acc {accumulation} {name:9s} {world} ranks: "
                           f"{peak / 2**20:8.1f} MiB per rank"
-                          + (f" ({ratio:.2f} of one process)" if ratio is not None else ""),
+                          + (f" ({ratio:.2f} of one process)" if ratio is not None else "")
+                          + (f", step {statistics.median(row['step_seconds']):.3f} s (median "
+                             f"of {len(row['step_seconds'])})" if row["step_seconds"] else ""),
                           flush=True)
     params = sum(p.numel() for p in Blocks(args.layers).parameters())
     write_json(args.out, {"machine": machine_description(), "config": vars(args),
