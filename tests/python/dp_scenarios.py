@@ -325,8 +325,19 @@ SCENARIOS["gpt_bf16_no_reshard"] = Scenario(_gpt, _gpt_batches, {
 SCENARIOS["gpt_bf16_no_reshard_kept"] = Scenario(_gpt, _gpt_batches, {
     "default_chunk_size": 16384, "bf16": {"enabled": True},
     "parallel": {"reshard_after_forward": False, **_KEPT}}, steps=4, accumulation=2)
+# Weights loaded after state_dict() gathered every group, without resharding (stale gathered
+# copies trained once: test_weights_changed_after_initialize_reach_every_rank), with re-made
+# compute chunks.
+SCENARIOS["mlp_bf16_load_no_reshard"] = Scenario(MLP, bf16_mlp_batches, {
+    "default_chunk_size": 4096, "bf16": {"enabled": True},
+    "parallel": {"reshard_after_forward": False}}, steps=3, accumulation=2,
+    reinitialize="load")
+SCENARIOS["mlp_bf16_load_no_reshard_kept"] = dataclasses.replace(
+    SCENARIOS["mlp_bf16_load_no_reshard"],
+    config={**SCENARIOS["mlp_bf16_load_no_reshard"].config,
+            "parallel": {"reshard_after_forward": False, **_KEPT}})
 REMAKE_PAIRS = ["gpt_bf16_accumulation", "mlp_fp16_accumulation", "mlp_frozen_bf16",
-                "gpt_bf16_no_reshard"]
+                "gpt_bf16_no_reshard", "mlp_bf16_load_no_reshard"]
 
 # Chunk-size boundaries (issue 18). BoundaryMLP's layers.0.weight has 2048 elements, its bias 64,
 # layers.1 640 and 10. A weight exactly filling a chunk puts its bias in the next chunk of the

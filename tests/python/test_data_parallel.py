@@ -363,7 +363,7 @@ def test_memory_saving_mode_matches_with_broadcast_and_reduce(two_ranks):
 @pytest.mark.parametrize("name", ["gpt_bf16", "mlp_fp16", "mlp_fp16_accumulation",
                                   "gpt_bf16_accumulation", "mlp_bf16_state", "mlp_int8_state",
                                   "mlp_bf16_no_master", "mlp_frozen_bf16",
-                                  "gpt_bf16_no_reshard"])
+                                  "gpt_bf16_no_reshard", "mlp_bf16_load_no_reshard"])
 def test_mixed_precision_tracks_fp32_pytorch(two_ranks, name):
     ref_losses, _ = reference(name, 2)
     losses = [sum(r[name]["losses"][i] for r in two_ranks) / 2 for i in range(len(ref_losses))]
