@@ -131,7 +131,9 @@ class ParallelConfig:
     # groups and converts them again from the fp32 masters at each gather, as FSDP2 does (2
     # bytes per owned parameter less; Note [Compute chunks re-made from the master] in
     # chunk/chunk_manager_remake.cc). False keeps them between uses, written by the optimizer.
-    remake_compute: bool = True
+    # None ("auto", the default): on, except on a CUDA device, where the conversion would move
+    # a master kept in device memory to the host and back (it converts on the host).
+    remake_compute: bool | None = None
     # With gradient_accumulation_steps > 1: "sharded" reduce-scatters every micro-step's
     # gradients into their owner's shard (ZeRO-3's, FSDP2's default: no rank keeps full-size
     # gradients between micro-steps, per-rank gradients 1/N); "full" accumulates full-size
@@ -187,6 +189,16 @@ def _bool(key: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise ValueError(f"config key '{key}': expected true or false, got {_type_name(value)} "
                          f"{value!r}")
+    return value
+
+
+def _auto_bool(key: str, value: Any) -> bool | None:
+    """true, false, or "auto" (None: the engine decides)."""
+    if value == "auto" or value is None:
+        return None
+    if not isinstance(value, bool):
+        raise ValueError(f"config key '{key}': expected true, false or \"auto\", got "
+                         f"{_type_name(value)} {value!r}")
     return value
 
 
@@ -415,7 +427,7 @@ def _parse_parallel(raw: Any) -> ParallelConfig:
         gradient_accumulation=accumulation,
         reshard_after_forward=_bool("parallel.reshard_after_forward",
                                     section.get("reshard_after_forward", True)),
-        remake_compute=_bool("parallel.remake_compute", section.get("remake_compute", True)),
+        remake_compute=_auto_bool("parallel.remake_compute", section.get("remake_compute", "auto")),
         gather_ahead=_number("parallel.gather_ahead", section.get("gather_ahead", 1), minimum=0,
                              integer=True),
         data=None if data is None else _number("parallel.data", data, minimum=1, integer=True),

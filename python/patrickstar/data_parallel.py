@@ -333,7 +333,10 @@ class DataParallel:
         """Every rank built the whole model; keep only the owned compute chunks (with
         `parallel.remake_compute`, not even those of them that their masters can make again)."""
         if self.enabled:
-            if self.config.parallel.remake_compute:
+            remake = self.config.parallel.remake_compute
+            if remake is None:  # "auto": not on a GPU yet (it converts on the host)
+                remake = self._engine.device.type != "cuda"
+            if remake:
                 # Note [Compute chunks re-made from the master] in chunk/chunk_manager_remake.cc.
                 pairs = [(ids.compute, ids.master) for ids in self._engine.params.ids
                          if ids.master is not None]

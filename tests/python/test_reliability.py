@@ -71,6 +71,8 @@ def test_unrelated_unknown_key_gets_no_suggestion():
     ({"bf16": {"enabled": 1}}, "'bf16.enabled': expected true or false, got int"),
     ({"memory": {"nvme": {"path": 5}}}, "'memory.nvme.path': expected a directory path"),
     ({"nonfinite_loss": "ignore"}, "'nonfinite_loss': expected \"raise\" or \"skip\""),
+    ({"parallel": {"remake_compute": "yes"}},
+     "'parallel.remake_compute': expected true, false or \"auto\", got str"),
 ])
 def test_wrong_types_name_key_and_type(config, message):
     with pytest.raises(ValueError) as info:
