@@ -57,10 +57,12 @@ class ModuleApply:
 
     def call(self, module: nn.Module, fn: Callable[[nn.Module], None]) -> None:
         """`fn(module)`, the parameters of `module`'s subtree lent on first touch."""
-        with self._lending(module):
-            fn(module)
-        if not self._pending_until_end:
-            self._load_pending()
+        try:
+            with self._lending(module):
+                fn(module)
+        finally:  # what fn changed before it raised is kept, as in PyTorch
+            if not self._pending_until_end:
+                self._load_pending()
 
     @contextlib.contextmanager
     def _lending(self, module: nn.Module):

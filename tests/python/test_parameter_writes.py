@@ -200,3 +200,23 @@ def test_apply_of_hugging_faces_init_weights_as_on_the_plain_model():
     # (c_proj.weight is scaled from the attention module, its parent)
     assert not torch.equal(state["transformer.h.0.attn.c_proj.weight"],
                            before["transformer.h.0.attn.c_proj.weight"])
+
+
+def test_apply_whose_fn_raises_keeps_what_it_changed_before_as_pytorch_does():
+    model, _ = make()
+    torch.manual_seed(0)
+    reference = net()
+
+    def zero_then_fail(module):
+        if isinstance(module, nn.Linear):
+            nn.init.zeros_(module.weight)
+            if module.out_features == 4:
+                raise RuntimeError("stop")
+
+    for plain in (model, reference):
+        with pytest.raises(RuntimeError, match="stop"):
+            plain.apply(zero_then_fail)
+    state = model.state_dict()
+    for name, tensor in reference.state_dict().items():
+        assert torch.equal(state[name], tensor), name
+    model(torch.randn(2, 16))  # nothing left lent or deferred
