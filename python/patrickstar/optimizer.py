@@ -468,12 +468,20 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         return entry
 
     def state_dict(self):
+        """torch's layout, every parameter's Adam state: under data parallelism a collective
+        (every rank calls it, as `model.state_dict()`) that gathers each owner's entries, so a
+        file saved by one rank holds all of it and loads on any rank."""
         params = self.chunked
         state = {}
         for index in range(len(params)):
             entry = self.state_entry(index)
             if entry:
                 state[index] = entry
+        if self.dp.enabled:
+            merged = {}
+            for part in self.dp.all_gather_object(state):
+                merged.update(part)
+            state = dict(sorted(merged.items()))
         groups = []
         for group in self.param_groups:
             saved = {k: v for k, v in group.items() if k != "params"}
@@ -489,8 +497,12 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
                              f"optimizer {len(self.param_groups)}")
         for saved, group in zip(groups, self.param_groups):
             group.update({k: v for k, v in saved.items() if k != "params"})
+        manager = self.chunked.chunks.manager
         for index, entry in state_dict["state"].items():
             index = int(index)
+            momentum = self.chunked.ids[index].momentum
+            if momentum is not None and not self.dp.owns(manager, momentum):
+                continue  # data parallel: its owner loads it
             self.step_counts[index] = int(entry["step"])
             for key in moment_state.MOMENT_KEYS:
                 moment_state.write_moment(self.chunked, index, key, entry[key],

@@ -125,6 +125,8 @@ def main() -> None:
             results.update(lonely_state_dict(rank))
         elif what[:1] == ["--discard-partial"]:
             results.update(discard_partial(rank, world, what[1]))
+        elif what == ["--optimizer-resume"]:
+            results.update(optimizer_resume(rank, world))
         elif what == ["--full-grad"]:
             results.update(full_gradients(rank, world))
         elif what == ["--ddp-wrap"]:  # nanoGPT's `model = DDP(model)` around the engine
@@ -168,6 +170,40 @@ def discard_partial(rank: int, world: int, mode: str) -> dict:
         ref_optimizer.step()
         ref_optimizer.zero_grad()
     return {"state": model.state_dict(), "reference": reference.state_dict()}
+
+
+def optimizer_resume(rank: int, world: int) -> dict:
+    """A PyTorch-style resume: every rank calls model.state_dict() and optimizer.state_dict(),
+    rank 0's pair is "saved", a new engine on every rank loads it and trains on; against the
+    engine that went on training."""
+    import torch.distributed as dist
+    from test_initialize import mlp_batches
+    config = {"default_chunk_size": 4096,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}}}
+    batches = [shard(batch, rank, world) for batch in mlp_batches(4)]
+
+    def build():
+        torch.manual_seed(0)
+        return patrickstar.initialize(MLP, config=config)
+
+    def train(model, optimizer, data):
+        for x, y in data:
+            model.backward(model(x, y))
+            optimizer.step()
+            optimizer.zero_grad()
+
+    model, optimizer = build()
+    train(model, optimizer, batches[:2])
+    saved = (model.state_dict(), optimizer.state_dict())
+    on_rank0 = [None] * world
+    dist.all_gather_object(on_rank0, saved)
+    resumed, resumed_optimizer = build()
+    resumed.load_state_dict(on_rank0[0][0])
+    resumed_optimizer.load_state_dict(on_rank0[0][1])
+    train(model, optimizer, batches[2:])
+    train(resumed, resumed_optimizer, batches[2:])
+    return {"state_keys": sorted(saved[1]["state"]), "trainable": len(list(model.parameters())),
+            "state": model.state_dict(), "resumed": resumed.state_dict()}
 
 
 def full_gradients(rank: int, world: int) -> dict:

@@ -323,6 +323,17 @@ def test_zero_grad_in_the_middle_of_an_accumulation_drops_it_on_every_rank(tmp_p
             torch.testing.assert_close(result["state"][name], tensor, rtol=0, atol=1e-6)
 
 
+def test_optimizer_state_dict_saved_by_one_rank_resumes_every_rank(tmp_path):
+    # optimizer.state_dict() held only the calling rank's shard: a file saved by rank 0 lacked
+    # the others' Adam state, and loading it on rank 1 failed.
+    results = launch(tmp_path, 2, "--optimizer-resume")
+    check_no_errors(results)
+    for result in results:
+        assert result["state_keys"] == list(range(result["trainable"]))
+        for name, tensor in result["state"].items():
+            torch.testing.assert_close(result["resumed"][name], tensor, rtol=0, atol=0)
+
+
 def test_full_gradients_are_the_averaged_gradients_on_every_rank(tmp_path):
     results = launch(tmp_path, 2, "--full-grad")
     check_no_errors(results)
