@@ -798,6 +798,16 @@ class PatrickStarEngine(nn.Module):
         applying.call(self, fn)
         return self
 
+    @contextlib.contextmanager
+    def summon_full_params(self, writeback: bool = True):
+        """FSDP's `summon_full_params`: inside the block every parameter holds its values (lent
+        on first touch: Note [Applying a function to the modules] in module_apply.py), e.g. for
+        `AveragedModel.update_parameters(model)`; with `writeback` what the block changes goes
+        back into the chunks. No forward inside. Under data parallelism every rank enters it."""
+        self.guard.check_alive("model.summon_full_params()")
+        with ModuleApply(self, pending_until_end=self.dp.enabled).lent(self.module, writeback):
+            yield
+
     def parameter_in_use(self, index: int) -> bool:
         """Whether parameter `index` holds its chunk view now (inside its module's use)."""
         return self._slots.access_count(index) > 0

@@ -1,4 +1,5 @@
-"""`model.apply(fn)` on the engine: the parameters `fn` touches hold their values while it runs.
+"""`model.apply(fn)` and `model.summon_full_params()` on the engine: the parameters the code
+touches hold their values while it runs.
 
 Note [Applying a function to the modules]
 Between uses an engine's parameters hold empty placeholders (Note [Parameter data swapping] in
@@ -19,6 +20,10 @@ parameter is a collective (the groups are gathered first, as for state_dict) and
 only the owners' chunks, so the changes stay pending (a parameter touched again is lent its
 pending value) until apply ends; then they are loaded and every rank drops its gathered copies,
 which would be stale. Every rank must call apply with the same `fn`.
+`model.summon_full_params(writeback=True)` (FSDP's name) lends the same way for a block of code
+(`torch.optim.swa_utils.AveragedModel.update_parameters(model)`, reading or editing weights by
+hand); no forward may run inside it (an access finds a lent parameter's data in place of its
+placeholder and raises).
 """
 from __future__ import annotations
 
@@ -63,6 +68,19 @@ class ModuleApply:
         finally:  # what fn changed before it raised is kept, as in PyTorch
             if not self._pending_until_end:
                 self._load_pending()
+
+    @contextlib.contextmanager
+    def lent(self, module: nn.Module, writeback: bool):
+        """The parameters of `module`'s subtree lent on first touch inside the block (FSDP's
+        `summon_full_params`); their changes loaded at its end when `writeback`, else
+        dropped."""
+        try:
+            with self._lending(module):
+                yield
+        finally:
+            if not writeback:
+                self._pending.clear()
+            self._load_pending()
 
     @contextlib.contextmanager
     def _lending(self, module: nn.Module):

@@ -220,3 +220,36 @@ def test_apply_whose_fn_raises_keeps_what_it_changed_before_as_pytorch_does():
     for name, tensor in reference.state_dict().items():
         assert torch.equal(state[name], tensor), name
     model(torch.randn(2, 16))  # nothing left lent or deferred
+
+
+def test_summon_full_params_serves_averaged_model_as_pytorch():
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+    model, opt = make()
+    torch.manual_seed(0)
+    reference = net()
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
+    emas = [AveragedModel(m, multi_avg_fn=get_ema_multi_avg_fn(0.9)) for m in (model, reference)]
+    for _ in range(3):
+        train(model, opt, steps=1)
+        train(reference, ref_opt, steps=1)
+        with model.summon_full_params(writeback=False):  # it read placeholders: a size error
+            emas[0].update_parameters(model)
+        emas[1].update_parameters(reference)
+    for ours, ref in zip(emas[0].module.parameters(), emas[1].module.parameters()):
+        torch.testing.assert_close(ours, ref, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("writeback", [True, False])
+def test_summon_full_params_writes_back_only_when_asked(writeback):
+    model, _ = make()
+    before = model.state_dict()
+    with model.summon_full_params(writeback=writeback):
+        assert model.module[0].weight.shape == (32, 16)
+        with torch.no_grad():
+            model.module[0].weight.mul_(2)
+            model.module[2].bias.data.fill_(3.0)
+    state = model.state_dict()
+    factor = 2 if writeback else 1
+    assert torch.equal(state["0.weight"], before["0.weight"] * factor)
+    assert torch.equal(state["2.bias"], torch.full((4,), 3.0) if writeback else before["2.bias"])
+    model(torch.randn(2, 16))  # placeholders back, no write reported
