@@ -148,8 +148,9 @@ class ParameterSlots {
                       : "written in place (nn.init.*_(p), p.mul_() / p.copy_() under no_grad)") +
           " while it was not in use: between uses a PatrickStar parameter holds an empty "
           "placeholder and its values live in chunks, so the change was not applied (the chunk "
-          "keeps the old values). Change weights with model.apply(fn) on the engine, "
-          "model.load_state_dict(...), or inside model_func before initialize() returns");
+          "keeps the old values). Change weights inside `with model.summon_full_params():`, "
+          "with model.apply(fn) on the engine, model.load_state_dict(...), or inside "
+          "model_func before initialize() returns");
     }
   }
 
