@@ -654,8 +654,16 @@ class PatrickStarEngine(nn.Module):
         `backward()` and `optimizer.step()`; returns the total gradient norm."""
         return self.optimizer.clip_grad_norm_(max_norm, norm_type)
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad()
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """DDP's accumulation idiom (`with model.no_sync(): loss.backward()` on all but the last
+        micro-step). Here the reduction follows config `gradient_accumulation_steps` (the
+        engine reduces at the right micro-step itself), so the block changes nothing; a loop
+        with more backward calls per step than that key raises at the extra one."""
+        yield
 
     def step(self) -> None:
         """DeepSpeed's `engine.step()` is spelled `optimizer.step()` here (README, "Coming from

@@ -194,6 +194,23 @@ def test_zero_grad_between_steps_drops_the_backwards_as_in_pytorch(accumulation)
         torch.testing.assert_close(model.state_dict()[name], tensor, rtol=0, atol=1e-6)
 
 
+def test_ddp_no_sync_accumulation_idiom_trains_as_pytorch():
+    model, opt = make({"default_chunk_size": 4096, "optimizer": ADAMW,
+                       "gradient_accumulation_steps": 2})
+    torch.manual_seed(0)
+    reference = MLP()
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
+    (x, y), (x2, y2) = batches(2)
+    with model.no_sync():
+        (model(x, y) / 2).backward()
+    (model(x2, y2) / 2).backward()
+    opt.step(), opt.zero_grad()
+    ((reference(x, y) + reference(x2, y2)) / 2).backward()
+    ref_opt.step()
+    for name, tensor in reference.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[name], tensor, rtol=0, atol=1e-6)
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_nonfinite_loss_raises_by_default_and_changes_nothing(precision):
     model, opt = make(base_config(precision), DropoutMLP)
