@@ -10,7 +10,9 @@ the parameters given belong to an engine, the call becomes `model.clip_grad_norm
 the coming `optimizer.step()`), provided they are all of that engine's trainable parameters
 (its norm is over all of them); a subset, or a mix with other modules' gradients, raises
 instead of clipping a different set than asked. Parameters of no engine go to torch's function
-untouched (param_owners.py says which engine a parameter belongs to).
+untouched (param_owners.py says which engine a parameter belongs to). Likewise
+`torch.nn.utils.clip_grad_value_`, which did nothing either: an engine's gradients are clamped
+in their chunks, other parameters' by torch.
 """
 from __future__ import annotations
 
@@ -63,7 +65,32 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
     return norm
 
 
+_TORCH_CLIP_VALUE = torch.nn.utils.clip_grad_value_
+
+
+@functools.wraps(_TORCH_CLIP_VALUE)
+def clip_grad_value_(parameters, clip_value, foreach=None):
+    """Each engine's parameters are clamped in their chunks (PatrickStarEngine
+    .clip_grad_value_), the others by torch's function: value clipping is per element, so a
+    subset or a mix is meaningful, unlike the norm's."""
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    by_engine: dict[int, tuple[object, list]] = {}
+    others = []
+    for param in params:
+        engine = engine_of(param)
+        if engine is None:
+            others.append(param)
+        else:
+            by_engine.setdefault(id(engine), (engine, []))[1].append(param)
+    for engine, owned in by_engine.values():
+        engine.clip_grad_value_(clip_value, owned)
+    if others or not by_engine:
+        _TORCH_CLIP_VALUE(others, clip_value, foreach)
+
+
 def install() -> None:
-    """Puts the wrapper where torch's callers look it up (idempotent)."""
+    """Puts the wrappers where torch's callers look them up (idempotent)."""
     torch.nn.utils.clip_grad_norm_ = clip_grad_norm_
     torch.nn.utils.clip_grad.clip_grad_norm_ = clip_grad_norm_
+    torch.nn.utils.clip_grad_value_ = clip_grad_value_
+    torch.nn.utils.clip_grad.clip_grad_value_ = clip_grad_value_

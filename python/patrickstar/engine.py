@@ -654,6 +654,19 @@ class PatrickStarEngine(nn.Module):
         `backward()` and `optimizer.step()`; returns the total gradient norm."""
         return self.optimizer.clip_grad_norm_(max_norm, norm_type)
 
+    def clip_grad_value_(self, clip_value: float, parameters=None) -> None:
+        """`torch.nn.utils.clip_grad_value_` for gradients in chunks (`parameters`: some of this
+        engine's, default all). Under data parallelism every rank calls it after the backward
+        that ends the accumulation, on the reduced gradients (as after DDP's all-reduce)."""
+        params = list(self.params.params if parameters is None else parameters)
+        indices = [self._parameter_index(param, "clip_grad_value_") for param in params]
+        if self.dp.enabled and self.guard.backwards % self.config.gradient_accumulation_steps:
+            raise RuntimeError(
+                f"clip_grad_value_() after {self.guard.backwards} of "
+                f"{self.config.gradient_accumulation_steps} backward() calls: under data "
+                f"parallelism clip after the backward that ends the accumulation")
+        self.optimizer.clip_grad_value_(clip_value, indices)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad()
 

@@ -288,6 +288,22 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         total = math.inf if overflow else norm / self.loss_scaler.scale
         return torch.tensor(total)
 
+    def clip_grad_value_(self, clip_value: float, indices: Iterable[int]) -> None:
+        """`torch.nn.utils.clip_grad_value_` on these parameters' gradients in their chunks
+        (clamped in place to +-clip_value, in the loss scale they carry). In fp16, gradients
+        with an inf or NaN are left as they are, so that the step still skips them (torch's
+        clamp would turn an overflow into +-clip_value)."""
+        value = float(clip_value)
+        if not value >= 0:
+            raise ValueError(f"clip_grad_value_: clip_value must be >= 0, got {clip_value}")
+        indices = [index for index in indices if self.has_grad[index]]
+        if self.precision == "fp16" and self._gradient_statistics()[0]:
+            return
+        bound = value * self.loss_scaler.scale
+        for index in indices:
+            with self.chunked.view(index, _C.ChunkKind.GRADIENT, T.HOST) as grad:
+                grad.clamp_(-bound, bound)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drops the gradients; between steps also the backward calls made so far (Note
         [Training call order] in guards.py)."""

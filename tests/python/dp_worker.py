@@ -228,7 +228,13 @@ def full_gradients(rank: int, world: int) -> dict:
                 result["early_error"] = str(error)
     result["grads"] = {name: model.full_gradient(param)
                        for name, param in model.named_parameters()}
-    result["reference"] = {name: param.grad for name, param in reference.named_parameters()}
+    result["reference"] = {name: param.grad.clone() for name, param in reference.named_parameters()}
+    # torch's clip_grad_value_ on the reduced gradients (after DDP's all-reduce in PyTorch)
+    torch.nn.utils.clip_grad_value_(model.parameters(), 0.002)
+    torch.nn.utils.clip_grad_value_(reference.parameters(), 0.002)
+    result["clamped"] = {name: model.full_gradient(param)
+                         for name, param in model.named_parameters()}
+    result["reference_clamped"] = {name: param.grad for name, param in reference.named_parameters()}
     return result
 
 

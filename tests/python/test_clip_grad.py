@@ -98,3 +98,27 @@ def test_the_registry_does_not_keep_an_engine_alive():
     assert alive() is None
     # Its parameters, still referenced here, are plain parameters again for torch.
     assert torch.nn.utils.clip_grad_norm_(params, 1.0).item() == 0.0
+
+
+@pytest.mark.parametrize("subset", [False, True])
+def test_clip_grad_value_clamps_the_chunked_gradients_as_pytorch(subset):
+    # torch's clip_grad_value_ found no p.grad and clamped nothing, silently.
+    data = batches(4)
+    torch.manual_seed(0)
+    reference = MLP()
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
+    torch.manual_seed(0)
+    model, optimizer = patrickstar.initialize(MLP, config=CONFIG)
+    extra = nn.Parameter(torch.ones(3))  # a foreign parameter clamped by torch beside them
+    for x, y in data:
+        for module, opt in ((reference, ref_opt), (model, optimizer)):
+            module(x, y).backward()
+            params = list(module.parameters())[:2] if subset else list(module.parameters())
+            extra.grad = torch.full((3,), 5.0)
+            torch.nn.utils.clip_grad_value_(params + [extra], 0.01)
+            assert torch.equal(extra.grad, torch.full((3,), 0.01))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    state = model.state_dict()
+    for key, tensor in reference.state_dict().items():
+        torch.testing.assert_close(state[key], tensor, rtol=1e-5, atol=1e-6)

@@ -342,6 +342,10 @@ def test_full_gradients_are_the_averaged_gradients_on_every_rank(tmp_path):
         for name, grad in result["reference"].items():
             torch.testing.assert_close(result["grads"][f"module.{name}"], grad, rtol=1e-5,
                                        atol=1e-7)
+        for name, grad in result["reference_clamped"].items():  # torch's clip_grad_value_
+            assert grad.abs().max() <= 0.002
+            torch.testing.assert_close(result["clamped"][f"module.{name}"], grad, rtol=1e-5,
+                                       atol=1e-7)
 
 
 def test_wrapping_the_engine_in_torch_ddp_says_the_engine_is_data_parallel(tmp_path):
