@@ -817,6 +817,7 @@ class PatrickStarEngine(nn.Module):
         applying = ModuleApply(self, pending_until_end=self.dp.enabled)
         applying.run(self.module, fn)
         applying.call(self, fn)
+        applying.raise_refused()
         return self
 
     @contextlib.contextmanager

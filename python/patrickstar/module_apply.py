@@ -48,12 +48,22 @@ class ModuleApply:
         self._engine = engine
         self._pending_until_end = pending_until_end
         self._pending: dict[int, torch.Tensor] = {}
+        self._reshaped: list[str] = []  # changes refused (another shape), raised at the end
 
     def run(self, module: nn.Module, fn: Callable[[nn.Module], None]) -> None:
+        """`fn` on `module`'s subtree, children first; changes of another shape are refused by
+        `raise_refused()`, after the rest is applied."""
         try:
             self._visit(module, fn)
         finally:
             self._load_pending()
+
+    def raise_refused(self) -> None:
+        reshaped, self._reshaped = self._reshaped, []
+        if reshaped:
+            raise ValueError(f"model.apply()/summon_full_params(): {'; '.join(reshaped)} in the "
+                             f"chunks: those keep their old values (the other changes were "
+                             f"applied)")
 
     def _visit(self, module: nn.Module, fn: Callable[[nn.Module], None]) -> None:
         for child in module.children():
@@ -81,6 +91,7 @@ class ModuleApply:
             if not writeback:
                 self._pending.clear()
             self._load_pending()
+        self.raise_refused()
 
     @contextlib.contextmanager
     def _lending(self, module: nn.Module):
@@ -123,10 +134,9 @@ class ModuleApply:
             for index, value in pending.items():
                 shape = tuple(engine.params.shapes[index])
                 if tuple(value.shape) != shape:
-                    raise ValueError(
-                        f"model.apply(): parameter 'module.{engine.params.names[index]}' was "
-                        f"given shape {tuple(value.shape)}; it has {shape} in the chunks and "
-                        f"keeps its old values")
-                engine.load_parameter(index, value)
+                    self._reshaped.append(f"'module.{engine.params.names[index]}' was given "
+                                          f"shape {tuple(value.shape)}, it has {shape}")
+                else:
+                    engine.load_parameter(index, value)
         finally:
             engine.dp.parameters_changed()  # gathered copies of what the owners loaded

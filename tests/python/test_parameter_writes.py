@@ -253,3 +253,21 @@ def test_summon_full_params_writes_back_only_when_asked(writeback):
     assert torch.equal(state["0.weight"], before["0.weight"] * factor)
     assert torch.equal(state["2.bias"], torch.full((4,), 3.0) if writeback else before["2.bias"])
     model(torch.randn(2, 16))  # placeholders back, no write reported
+
+
+def test_a_shape_change_is_refused_naming_it_and_the_other_changes_stay():
+    model, _ = make()
+    before = model.state_dict()
+
+    def reshape_and_zero(module):
+        if isinstance(module, nn.Linear) and module.out_features == 32:
+            module.weight.data = torch.zeros(3, 3)
+        elif isinstance(module, nn.Linear):
+            nn.init.zeros_(module.weight)
+
+    with pytest.raises(ValueError, match=r"'module.0.weight' was given shape \(3, 3\), it has "
+                                         r"\(32, 16\).*other changes were applied"):
+        model.apply(reshape_and_zero)
+    state = model.state_dict()
+    assert torch.equal(state["0.weight"], before["0.weight"])
+    assert torch.equal(state["2.weight"], torch.zeros(4, 32))
