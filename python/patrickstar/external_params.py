@@ -60,13 +60,27 @@ def external_parameters(module: nn.Module) -> list[nn.Parameter]:
 #  * nn.TransformerEncoderLayer / nn.TransformerDecoderLayer, in eval mode without autograd,
 #    take a fused fast path (torch._transformer_encoder_layer_fwd) over every parameter of
 #    their attention, feed-forward and norm children.
+#  * nn.ParameterList and nn.ParameterDict have no forward at all: the module holding one (also
+#    inside an nn.ModuleList / nn.ModuleDict) reads its parameters (`x @ self.weights[i]`).
 # Their forwards are counted as users of those parameters, as if registered by the user.
 def _read_by_torch_module(module: nn.Module) -> list[nn.Parameter]:
     if isinstance(module, nn.MultiheadAttention):
         return list(module.out_proj.parameters())
     if isinstance(module, (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)):
         return list(module.parameters())
-    return []
+    return _in_parameter_containers(module)
+
+
+def _in_parameter_containers(module: nn.Module) -> list[nn.Parameter]:
+    """The parameters of `module`'s ParameterList/ParameterDict children, also those reached
+    through ModuleList/ModuleDict children (containers without a forward of their own)."""
+    params = []
+    for child in module.children():
+        if isinstance(child, (nn.ParameterList, nn.ParameterDict)):
+            params.extend(child.parameters())
+        elif isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+            params.extend(_in_parameter_containers(child))
+    return params
 
 
 # Errors that a placeholder (an empty tensor) typically causes inside torch ops.

@@ -372,6 +372,25 @@ SCENARIOS["mlp_loss_backward"] = dataclasses.replace(SCENARIOS["mlp_accumulation
                                                      autograd_backward=True, torch_clip=True)
 SCENARIOS["reused_recomputed_loss_backward"] = dataclasses.replace(
     SCENARIOS["reused_recomputed"], autograd_backward=True)
+class ParameterContainers(nn.Module):
+    """nn.ParameterList / nn.ParameterDict read by their holder (Note [torch's external reads])."""
+
+    def __init__(self):
+        super().__init__()
+        self.weights = nn.ParameterList([nn.Parameter(torch.randn(32, 32) * 0.2) for _ in range(3)])
+        self.affine = nn.ParameterDict({"shift": nn.Parameter(torch.zeros(32)),
+                                        "scale": nn.Parameter(torch.ones(32))})
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, x, y):
+        for weight in self.weights:
+            x = torch.tanh(x @ weight)
+        x = (x + self.affine["shift"]) * self.affine["scale"]
+        return nn.functional.cross_entropy(self.head(x), y)
+
+
+SCENARIOS["parameter_containers"] = Scenario(ParameterContainers, mlp_batches,
+                                             {"default_chunk_size": 2048}, steps=4)
 # The issue's reproducer at its size: Linear(256, 256) in a 2^16-element chunk.
 SCENARIOS["boundary_65536"] = Scenario(lambda: MLP((256, 256, 10)), wide_batches(256),
                                        {"default_chunk_size": 65536}, steps=3)

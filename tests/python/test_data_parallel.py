@@ -424,7 +424,8 @@ def test_rank_dependent_control_flow_neither_deadlocks_nor_diverges(two_ranks):
 
 
 BOUNDARY_SCENARIOS = [f"boundary_{chunk}" for chunk in BOUNDARY_CHUNKS] + ["boundary_65536"]
-OVERSIZE_SCENARIOS = ["embedding_oversize", "embedding_oversize_bf16", "reused_recomputed",
+OVERSIZE_SCENARIOS = ["parameter_containers", "embedding_oversize", "embedding_oversize_bf16",
+                      "reused_recomputed",
                       "reused_recomputed_loss_backward"]
 
 
@@ -459,6 +460,10 @@ def test_tensors_larger_than_the_chunk_train_as_on_one_rank(boundary_runs):
         assert abs(ours - ref) <= 0.02 * abs(ref), (step, ours, ref)
     for key, tensor in boundary_runs[1][name]["state"].items():
         torch.testing.assert_close(boundary_runs[0][name]["state"][key], tensor, rtol=0, atol=0)
+
+
+def test_parameter_lists_and_dicts_read_by_their_holder_match_pytorch(boundary_runs):
+    check_matches_reference(boundary_runs, "parameter_containers")
 
 
 def test_modules_called_twice_and_recomputation_match_pytorch(boundary_runs):

@@ -87,7 +87,27 @@ def convolutional():
                          nn.Linear(8, 4))
 
 
+class ParameterContainers(nn.Module):
+    """nn.ParameterList / nn.ParameterDict (also inside an nn.ModuleList): no forward, their
+    parameters read by the holder's (they met empty placeholders: "size mismatch ... vec (0)")."""
+
+    def __init__(self):
+        super().__init__()
+        self.weights = nn.ParameterList([nn.Parameter(torch.randn(8, 8) * 0.3) for _ in range(2)])
+        self.affine = nn.ParameterDict({"shift": nn.Parameter(torch.randn(8)),
+                                        "scale": nn.Parameter(torch.ones(8))})
+        self.nested = nn.ModuleList([nn.ParameterList([nn.Parameter(torch.randn(8))])])
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        for weight in self.weights:
+            x = torch.tanh(x @ weight)
+        x = (x + self.affine["shift"]) * self.affine["scale"] + self.nested[0][0]
+        return self.head(x)
+
+
 MODELS = {
+    "parameter_containers": (ParameterContainers, (4, 8)),
     "vit_mha": (VisionTransformerish, (2, 4, 8)),
     "transformer_encoder": (encoder, (2, 5, 16)),
     "transformer_decoder": (Decoding, (2, 5, 16)),
