@@ -159,9 +159,7 @@ class ParameterSlots {
   // them (optimizer.zero_grad() with no step), whose device blocks a queued store still uses.
   void WaitForGradientStores() {
     if (!on_device_) return;
-    const int device =
-        manager_->Run([](ChunkManager& m) { return m.copy_engine().options().device; });
-    const gpu::Stream compute = ComputeStream(device);
+    const gpu::Stream compute = ComputeStream(Device());
     py::gil_scoped_release release;
     ThrowIfError(gpu::SynchronizeStream(compute));
   }
@@ -251,9 +249,7 @@ class ParameterSlots {
   }
 
   void StoreOnComputeStream(const TensorView& chunk_view, const at::Tensor& grad, bool accumulate) {
-    const int device =
-        manager_->Run([](ChunkManager& m) { return m.copy_engine().options().device; });
-    const gpu::Stream compute = ComputeStream(device);
+    const gpu::Stream compute = ComputeStream(Device());
     void* data = reinterpret_cast<void*>(static_cast<uintptr_t>(chunk_view.address));
     if (gpu::StrictDevice()) {
       // torch is the CPU build here: the store is emulated device work, late, on the stand-in
@@ -287,6 +283,10 @@ class ParameterSlots {
       throw py::index_error("parameter index " + std::to_string(index) + " out of range [0, " +
                             std::to_string(counts_.size()) + ")");
     }
+  }
+
+  int Device() const {
+    return manager_->Run([](ChunkManager& m) { return m.copy_engine().options().device; });
   }
 
   std::string Name(int64_t index) const {

@@ -9,7 +9,6 @@
 
 namespace ps {
 
-
 absl::StatusOr<std::unique_ptr<GroupCollectives>> GroupCollectives::Create(
     ChunkManager* manager, Communicator* communicator, GroupCollectiveOptions options) {
   if (manager == nullptr || communicator == nullptr) {

@@ -220,16 +220,15 @@ class PatrickStarEngine(nn.Module):
         self.activations = ActivationCounter()
         self._module_params = {module: self._parameters_used_by(module)
                                for module in self.module.modules()}
-        placeholder = self._placeholder()
         for param, shape in zip(self.params.params, self.params.shapes):
-            param.data = placeholder
             param.ds_shape = torch.Size(shape)
             param.ds_numel = param.ds_shape.numel()
         # Note [Parameter slots] in bindings/parameter_slots.cc: access counts, .data swaps and
-        # gradient stores in one C++ call per module or gradient.
+        # gradient stores in one C++ call per module or gradient; the slots point every
+        # parameter's .data at the placeholder.
         self._slots = _C.ParameterSlots(
             self.chunks.manager, self.params.params, [ids.compute for ids in self.params.ids],
-            [ids.grad for ids in self.params.ids], self.compute_tier, placeholder,
+            [ids.grad for ids in self.params.ids], self.compute_tier, self._placeholder(),
             [f"module.{name}" for name in self.params.names])
         self._slots.set_before_access(self.chunks.before_access)  # set by dp.after_init()
         # Where the activations really are: GPU memory with CUDA; host memory on a CPU build,
@@ -368,8 +367,7 @@ class PatrickStarEngine(nn.Module):
                         self.params.shapes[index])
             yield
         finally:
-            for index in released:
-                self._slots.restore_placeholder(index)
+            self.restore_placeholders(released)
 
     # ---- Access and release --------------------------------------------------------------------
 
@@ -660,11 +658,7 @@ class PatrickStarEngine(nn.Module):
         that ends the accumulation, on the reduced gradients (as after DDP's all-reduce)."""
         params = list(self.params.params if parameters is None else parameters)
         indices = [self._parameter_index(param, "clip_grad_value_") for param in params]
-        if self.dp.enabled and self.guard.backwards % self.config.gradient_accumulation_steps:
-            raise RuntimeError(
-                f"clip_grad_value_() after {self.guard.backwards} of "
-                f"{self.config.gradient_accumulation_steps} backward() calls: under data "
-                f"parallelism clip after the backward that ends the accumulation")
+        self._check_gradients_reduced("clip_grad_value_()")
         self.optimizer.clip_grad_value_(clip_value, indices)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -779,14 +773,18 @@ class PatrickStarEngine(nn.Module):
         index = self._parameter_index(param, "full_gradient")
         if not self.dp.enabled:
             return self.optimizer.gradient(index)
-        if self.guard.backwards % self.config.gradient_accumulation_steps:
-            raise RuntimeError(
-                f"full_gradient() after {self.guard.backwards} of "
-                f"{self.config.gradient_accumulation_steps} backward() calls: under data "
-                f"parallelism the ranks' gradients are reduced by the backward that ends the "
-                f"accumulation; read them after it")
+        self._check_gradients_reduced("full_gradient()")
         gathered = self.dp.all_gather_object(self.optimizer.gradient(index))
         return next((grad for grad in gathered if grad is not None), None)
+
+    def _check_gradients_reduced(self, what: str) -> None:
+        """Under data parallelism gradients are whole (reduced over the ranks, on their owners)
+        only after the backward that ends an accumulation, or before any backward."""
+        if self.dp.enabled and self.guard.in_accumulation:
+            raise RuntimeError(
+                f"{what} after {self.guard.backwards} of {self.guard.accumulation} backward() "
+                f"calls: under data parallelism the ranks' gradients are reduced by the "
+                f"backward that ends the accumulation; read them after it")
 
     def _parameter_index(self, param, what: str) -> int:
         if isinstance(param, str):

@@ -119,6 +119,11 @@ class TrainingGuard:
         self.backwards += 1
 
     @property
+    def in_accumulation(self) -> bool:
+        """Between the first and the last backward of a step's accumulation."""
+        return 0 < self.backwards < self.accumulation
+
+    @property
     def ends_accumulation(self) -> bool:
         """Whether the backward under way (counted only at its end) completes the step's
         `gradient_accumulation_steps`."""

@@ -207,6 +207,12 @@ def _unregistered(model: nn.Module, registered: Callable[[nn.Parameter], bool]
 # whose `.data` model_func later replaced by a same-shape tensor (`p.data = t`) is no longer a
 # view of its slot, whose bytes are stale: the engine copies the final data into the slot before
 # the build ends (PatrickStarEngine._take_replaced_data).
+_SAME_MODEL_EVERY_TIME = (
+    "it must build the same model every time it is called (it runs twice: state it changes, "
+    "such as a Hugging Face config that resize_token_embeddings() updates, must be copied "
+    "inside it)")
+
+
 class ParameterPlacer:
     """Pass 2: a context manager under which `model_func()` runs for real; `place(index, param)`
     is called for each surviving parameter as it is registered (or, resized, once model_func
@@ -235,9 +241,7 @@ class ParameterPlacer:
         self._seen[id(param)] = weakref.ref(param)
         if self._event >= len(self._survives):
             raise RuntimeError("model_func registered more parameters than on its first run; "
-                               "it must build the same model every time it is called (it runs "
-                               "twice: state it changes, such as a Hugging Face config that "
-                               "resize_token_embeddings() updates, must be copied inside it)")
+                               + _SAME_MODEL_EVERY_TIME)
         alive = self._survives[self._event]
         self._event += 1
         if alive:
@@ -268,17 +272,14 @@ class ParameterPlacer:
             model = _call_model_func(model_func)
         if self._event != len(self._survives):
             raise RuntimeError("model_func registered fewer parameters than on its first run; "
-                               "it must build the same model every time it is called (it runs "
-                               "twice: state it changes, such as a Hugging Face config that "
-                               "resize_token_embeddings() updates, must be copied inside it)")
+                               + _SAME_MODEL_EVERY_TIME)
         for _, param in _unregistered(model, self._was_registered):  # Note [Parameters no...]
             self._place_next(param)
         for index, param in self._resized:
             if tuple(param.shape) != self._shapes[index]:
                 raise RuntimeError(
                     f"model_func built parameter {index} with shape {tuple(param.shape)} but "
-                    f"{self._shapes[index]} on its first run; it must build the same model "
-                    f"every time it is called (it runs twice)")
+                    f"{self._shapes[index]} on its first run; " + _SAME_MODEL_EVERY_TIME)
             self._place_at(index, param)
         return model
 

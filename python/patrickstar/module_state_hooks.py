@@ -15,9 +15,9 @@ module that owns parameters fix both:
     `load_parameter`: compute copy, master, compensation zeroed) and hands torch an empty
     tensor in its place, so torch's copy into the placeholder is a no-op and its missing- and
     unexpected-key accounting is unchanged (that copy bumps the parameter's version counter,
-    which a post-hook then forgets: Note [Writes to a released parameter]). A shape that differs from the real one is reported
-    in torch's own words with the real shape; `assign=True` cannot replace a chunked parameter
-    and says so.
+    which a post-hook then forgets: Note [Writes to a released parameter]). A shape that
+    differs from the real one is reported in torch's own words with the real shape;
+    `assign=True` cannot replace a chunked parameter and says so.
 """
 from __future__ import annotations
 

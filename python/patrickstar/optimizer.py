@@ -176,6 +176,7 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
                 self._group_of[params.index_of(param)] = group_index
         self._rows: list[_UpdateRow] | None = None  # built at the first step
         self._tensor_chunk: dict[int, int] = {}
+        self._remade_chunks: dict[int, bool] = {}  # compute chunk -> re-made from its master
         # clip_grad_norm_() before this step: (max_norm, overflow, scaled norm).
         self._requested_clip: tuple[float, bool, float] | None = None
 
@@ -271,7 +272,7 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         if self._requested_clip is not None:
             max_norm, _, norm = self._requested_clip
             coef = clip_coefficient(norm / scale, max_norm)
-        return grad.mul_(coef / scale) if coef != 1.0 or scale != 1.0 else grad
+        return grad.mul_(coef / scale)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """`torch.nn.utils.clip_grad_norm_` for gradients that live in chunks (which
@@ -369,8 +370,11 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
     def _remade(self, compute_id: int) -> bool:
         """Whether the chunk manager drops this compute tensor's chunk between uses and makes it
         again from the master (data parallelism with parallel.remake_compute)."""
-        manager = self.chunked.chunks.manager
-        return manager.remakeable(manager.tensor_info(compute_id)["chunk"])
+        chunk = self._chunk_of(compute_id)
+        remade = self._remade_chunks.get(chunk)
+        if remade is None:  # fixed once data parallelism declared the sources (after_init)
+            remade = self._remade_chunks[chunk] = self.chunked.chunks.manager.remakeable(chunk)
+        return remade
 
     def _update_tensors(self, index: int) -> list[int]:
         """The chunk tensors one Adam update of parameter `index` reads and writes."""
