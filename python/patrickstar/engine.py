@@ -673,11 +673,30 @@ class PatrickStarEngine(nn.Module):
         yield
 
     def step(self) -> None:
-        """DeepSpeed's `engine.step()` is spelled `optimizer.step()` here (README, "Coming from
-        PatrickStar / DeepSpeed"): PatrickStar's loop, and one place that steps."""
-        raise AttributeError("model.step() is DeepSpeed's; with PatrickStar call "
-                             "optimizer.step() and optimizer.zero_grad() (once per "
-                             "gradient_accumulation_steps backward() calls)")
+        """DeepSpeed's `engine.step()`, for loops written against it (`model.backward(loss)`
+        then `model.step()` every micro-step): at the backward that completes the step's
+        `gradient_accumulation_steps` it runs `optimizer.step()` (which also drops the
+        gradients), before that nothing. PatrickStar's own loop calls `optimizer.step()` instead;
+        calling both in one step makes the second find no gradients, which raises."""
+        self.guard.check_alive("model.step()")
+        if self.guard.backwards == 0:
+            raise RuntimeError("model.step() called before model.backward(loss) (or "
+                               "loss.backward()): there are no gradients for this step "
+                               "(optimizer.step() already took them?)")
+        if self.guard.backwards >= self.guard.accumulation:
+            self.optimizer.step()
+
+    @property
+    def global_steps(self) -> int:
+        """DeepSpeed's count of optimizer steps taken (applied or skipped for overflow)."""
+        return self.iteration
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.guard.accumulation
+
+    def get_lr(self) -> list[float]:
+        """DeepSpeed's: the learning rate of every parameter group."""
+        return [group["lr"] for group in self.optimizer.param_groups]
 
     def end_iteration(self) -> None:
         """The end of a training iteration (the optimizer calls it after every step, applied or

@@ -120,15 +120,44 @@ def test_upstream_arguments_and_names_without_counterpart_say_what_to_use():
     assert not hasattr(module, "no_such_name")  # other names stay plain AttributeErrors
 
 
-def test_deepspeed_engine_step_names_the_optimizer_call():
+def _deepspeed_model(accumulation):
+    torch.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model, _ = patrickstar.initialize(lambda: torch.nn.Linear(2, 2),
-                                          config={"default_chunk_size": 1024})
-    with pytest.raises(AttributeError, match="call optimizer.step\\(\\) and "
-                                             "optimizer.zero_grad\\(\\)"):
-        model.step()
-    model.destroy()
+        return patrickstar.initialize(
+            lambda: torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(),
+                                        torch.nn.Linear(16, 2)),
+            config={"default_chunk_size": 1024, "gradient_accumulation_steps": accumulation,
+                    "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}})
+
+
+def test_deepspeed_engine_step_at_the_accumulation_boundary_matches_optimizer_step():
+    """DeepSpeed's loop (backward and model.step() every micro-step) trains as PatrickStar's
+    (optimizer.step() after every gradient_accumulation_steps backward calls)."""
+    batches = [(torch.randn(4, 8), torch.randn(4, 2)) for _ in range(6)]
+    ds_model, ds_optimizer = _deepspeed_model(3)
+    ps_model, ps_optimizer = _deepspeed_model(3)
+    assert ds_model.gradient_accumulation_steps() == 3 and ds_model.get_lr() == [1e-2]
+    for micro, (x, y) in enumerate(batches):
+        ds_model.backward(torch.nn.functional.mse_loss(ds_model(x), y))
+        ds_model.step()
+        ps_model.backward(torch.nn.functional.mse_loss(ps_model(x), y))
+        if micro % 3 == 2:
+            ps_optimizer.step()
+            ps_optimizer.zero_grad()
+        assert ds_model.global_steps == (micro + 1) // 3
+    for (name, a), b in zip(ds_model.state_dict().items(), ps_model.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert ds_model.global_steps == 2
+    # One loop, not both: the second step of one accumulation finds no gradients.
+    ds_model.backward(torch.nn.functional.mse_loss(ds_model(batches[0][0]), batches[0][1]))
+    ds_model.backward(torch.nn.functional.mse_loss(ds_model(batches[1][0]), batches[1][1]))
+    ds_model.backward(torch.nn.functional.mse_loss(ds_model(batches[2][0]), batches[2][1]))
+    ds_optimizer.step()
+    with pytest.raises(RuntimeError, match="model.step\\(\\) called before model.backward"):
+        ds_model.step()
+    ds_model.destroy()
+    ps_model.destroy()
 
 
 @pytest.mark.parametrize("name", ["getsizeof", "get_memory_info", "SingletonMeta"])
