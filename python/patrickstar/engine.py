@@ -63,6 +63,7 @@ from .activations import ActivationCounter
 from .chunk_runtime import ChunkRuntime
 from .chunked_params import ChunkedParams
 from .config import Config
+from .module_config_view import ModuleConfigView
 from .data_parallel import DataParallel, detect_world
 from .guards import TrainingGuard, check_budgets
 from .external_params import external_parameter_hint, external_parameters
@@ -177,7 +178,7 @@ class PatrickStarEngine(nn.Module):
     def __init__(self, model_func: Callable[[], nn.Module], config: Config, local_rank: int,
                  param_groups=None):
         super().__init__()
-        self.config = config
+        self.ps_config = config  # `config` is a view of it and the module's (ModuleConfigView)
         self.local_rank = local_rank
         self.precision = config.precision
         self.compute_dtype = dtypes.precision_dtype(self.precision)
@@ -266,7 +267,7 @@ class PatrickStarEngine(nn.Module):
     # ---- Construction --------------------------------------------------------------------------
 
     def _build_runtime(self, specs) -> None:
-        config = self.config
+        config = self.ps_config
         self.runtime = ChunkRuntime(config, self.local_rank, self.dp.world_size, self.dp.rank)
         self.device = self.runtime.device
         self.tiers = self.runtime.tiers
@@ -496,6 +497,14 @@ class PatrickStarEngine(nn.Module):
                 return self._with_real_shapes(value)
             return value
 
+    @property
+    def config(self) -> ModuleConfigView:
+        """PatrickStar's config, then the user's module's `config` (Hugging Face's): reads and
+        writes of `model.config.use_cache` or `.vocab_size` reach the module's, as they would
+        without the engine (Note in module_config_view.py)."""
+        module = self.__dict__.get("_modules", {}).get("module")
+        return ModuleConfigView(self.ps_config, getattr(module, "config", None))
+
     def _with_real_shapes(self, method: Callable) -> Callable:
         def call(*args, **kwargs):
             with self._real_shapes():
@@ -529,7 +538,7 @@ class PatrickStarEngine(nn.Module):
         agree = self.dp.ranks_with if self.dp.enabled else None
         if not self.guard.before_backward(loss, self.precision, agree):
             return
-        scale = self.loss_scaler.scale / self.config.gradient_accumulation_steps
+        scale = self.loss_scaler.scale / self.ps_config.gradient_accumulation_steps
         self._run_backward([loss.float() * scale], None)
 
     def backward_from(self, tensors, grads) -> None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 
 import pytest
@@ -380,6 +381,47 @@ def test_module_attributes_reach_through_the_engine_and_generate_matches_pytorch
     assert model.config.default_chunk_size == 16384  # the engine's own attributes come first
     with pytest.raises(AttributeError, match="nor its module 'GPT2LMHeadModel'.*'no_such'"):
         model.no_such
+
+
+def test_model_config_reads_and_writes_reach_the_modules_config():
+    """Hugging Face scripts set `model.config.use_cache = False` (and read `.vocab_size`) on
+    whatever wraps the model; nanoGPT's GPT keeps a dataclass `config` too."""
+    transformers = pytest.importorskip("transformers")
+    hf_config = transformers.GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=64,
+                                        n_positions=16)
+    model, _ = patrickstar.initialize(lambda: transformers.GPT2LMHeadModel(hf_config),
+                                      config={"default_chunk_size": 8192})
+    assert model.config.vocab_size == 64 and model.config.default_chunk_size == 8192
+    model.config.use_cache = False
+    assert model.module.config.use_cache is False
+    model.config.pad_token_id = 3
+    assert model.module.config.pad_token_id == 3
+    with pytest.raises(AttributeError, match="PatrickStar's config key 'default_chunk_size'"):
+        model.config.default_chunk_size = 1
+    with pytest.raises(AttributeError, match="nor the module's GPT2Config has.*'no_such'"):
+        model.config.no_such
+    assert model.config == model.module.config
+    model.destroy()
+
+    @dataclasses.dataclass
+    class NanoConfig:
+        block_size: int = 8
+
+    class Nano(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.config = NanoConfig()
+            self.head = torch.nn.Linear(4, 4)
+
+    model, _ = patrickstar.initialize(Nano, config={"default_chunk_size": 1024})
+    model.config.block_size = 4  # nanoGPT's crop_block_size sets it so
+    assert model.module.config.block_size == 4 and model.config.optimizer.lr > 0
+    model.destroy()
+    model, _ = patrickstar.initialize(lambda: torch.nn.Linear(2, 2),
+                                      config={"default_chunk_size": 1024})
+    with pytest.raises(AttributeError, match="the module has no 'config' attribute"):
+        model.config.use_cache = False
+    model.destroy()
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "bert"])

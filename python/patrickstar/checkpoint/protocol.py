@@ -155,7 +155,7 @@ def _publish(state: EngineState, engine, save_dir: str, tag: str, partial: str,
     counters["step_counts"] = step_counts
     body = {
         "tag": tag, "world_size": state.world_size, "precision": state.precision,
-        "compute_dtype": state.compute_dtype, "config": config_json(engine.config),
+        "compute_dtype": state.compute_dtype, "config": config_json(engine.ps_config),
         "layout": state.layout(), "tensors": state.tensor_table(),
         "state_dict_keys": state.state_dict_keys(), "engine": counters,
         "has_lr_scheduler": scheduler is not None,

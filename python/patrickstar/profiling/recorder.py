@@ -263,7 +263,7 @@ def profile(model, output_dir: str | os.PathLike | None = None,
     if not _is_engine(model):
         raise TypeError(f"patrickstar.profile(model, ...): model must be what "
                         f"patrickstar.initialize() returned, got {type(model).__name__}")
-    directory = output_dir if output_dir is not None else model.config.profile.output_dir
+    directory = output_dir if output_dir is not None else model.ps_config.profile.output_dir
     profiler = Profiler(model, directory, capacity).start()
     try:
         yield profiler
@@ -273,9 +273,9 @@ def profile(model, output_dir: str | os.PathLike | None = None,
 
 def profiler_from_config(engine) -> Profiler | None:
     """The engine's profiler when the config enables one (written at stop() or at exit)."""
-    if not engine.config.profile.enabled:
+    if not engine.ps_config.profile.enabled:
         return None
-    profiler = Profiler(engine, engine.config.profile.output_dir).start()
+    profiler = Profiler(engine, engine.ps_config.profile.output_dir).start()
     reference = weakref.ref(profiler)
 
     def write_at_exit() -> None:
