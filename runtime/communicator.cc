@@ -52,7 +52,8 @@ absl::Status CollectiveState::Wait(absl::Duration timeout) const {
   if (!finished) {
     return absl::DeadlineExceededError(absl::StrCat(
         description_.ToString(), " did not finish within ", absl::FormatDuration(timeout),
-        ": another rank died, stopped, or issued a different sequence of collectives"));
+        ": another rank died, stopped, or issued a different sequence of collectives (",
+        kSameCallsHint, ")"));
   }
   return status_;
 }

@@ -38,6 +38,13 @@ namespace ps {
 enum class ReduceOp { kSum, kAvg };
 enum class CollectiveType { kAllGather, kReduceScatter, kAllReduce, kBroadcast, kReduce };
 
+// Ends the errors of ranks whose calls no longer pair up (a timeout, Note [Same call at every
+// step] in shm_communicator.cc): the usual cause in a training script.
+inline constexpr absl::string_view kSameCallsHint =
+    "every rank must make the same calls in the same order (each forward, backward, optimizer "
+    "step and state-dict read on every rank); work on one rank alone, such as evaluation or "
+    "saving under `if rank == 0`, desynchronizes them";
+
 absl::string_view CollectiveName(CollectiveType type);  // "allgather", "reduce_scatter", ...
 absl::string_view ReduceOpName(ReduceOp op);
 

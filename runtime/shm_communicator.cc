@@ -83,7 +83,7 @@ namespace {
 // Aborted naming it. Ranks in one process (threads, the tests) and ranks in another pid
 // namespace (whose pids mean nothing here) are not checked; the timeout still covers them.
 
-constexpr uint64_t kMagic = 0x70732d73686d3031;  // "ps-shm01"
+constexpr uint64_t kMagic = 0x70732d73686d3032;  // "ps-shm02"
 constexpr int kMaxWorldSize = 1024;
 constexpr int kSpins = 256;
 constexpr absl::Duration kSleep = absl::Milliseconds(5);
@@ -105,6 +105,30 @@ struct alignas(64) SegmentHeader {
   std::atomic<int64_t> attached;  // ranks that mapped the segment
 };
 
+// Note [Same call at every step]
+// Steps pair the ranks' calls by position alone, so ranks whose sequences of calls differ (one
+// rank ran a forward the others did not: evaluation or saving under `if rank == 0`) would read
+// each other's pieces as if they belonged to their own calls: an allgather's parameters summed as
+// another rank's loss flags, flags copied in as parameters, silently, until the step counts
+// drift apart and a wait times out minutes later. So each rank writes what its step belongs to
+// (the call's type, sizes and root, the step's offset in it, and the call's label for the
+// message) beside its piece before publishing it, and a rank compares the signature of every
+// slot it reads with its own before reading: a difference fails the call at once on the reading
+// ranks, naming both calls. Labels are not compared (ranks may word them differently).
+struct CallSignature {
+  uint32_t type;
+  uint32_t dtype;
+  int32_t root;
+  int32_t buffers;
+  int64_t count;
+  int64_t offset;
+  char label[64];  // the call's label, cut to fit, NUL-terminated: for the message only
+  bool SameCall(const CallSignature& other) const {
+    return type == other.type && dtype == other.dtype && root == other.root &&
+           buffers == other.buffers && count == other.count && offset == other.offset;
+  }
+};
+
 struct alignas(64) RankControl {
   std::atomic<uint64_t> published;  // the last step whose piece is in this rank's slot
   std::atomic<uint64_t> consumed;   // the last step this rank finished reading
@@ -117,6 +141,8 @@ struct alignas(64) RankControl {
   int64_t pid;
   uint64_t start_time;     // field 22 of /proc/<pid>/stat: tells a reused pid apart
   uint64_t pid_namespace;  // inode of /proc/self/ns/pid: pids compare within one namespace
+  // What the piece in slot k belongs to (Note [Same call at every step]).
+  CallSignature signature[2];
 };
 
 int64_t SegmentBytes(int world_size, int64_t slot_bytes) {
@@ -264,7 +290,32 @@ struct Call {
   DType dtype = DType::kFloat32;
   ReduceOp op = ReduceOp::kSum;
   int root = 0;
+  std::string label;  // for Note [Same call at every step]'s message
 };
+
+CallSignature SignatureOf(const Call& call, int64_t offset) {
+  CallSignature signature{};
+  signature.type = static_cast<uint32_t>(call.type);
+  signature.dtype = static_cast<uint32_t>(call.dtype);
+  signature.root = call.root;
+  signature.buffers = static_cast<int32_t>(call.buffers.size());
+  signature.count = call.count;
+  signature.offset = offset;
+  const size_t n = std::min(call.label.size(), sizeof(signature.label) - 1);
+  std::memcpy(signature.label, call.label.data(), n);
+  signature.label[n] = '\0';
+  return signature;
+}
+
+std::string DescribeSignature(const CallSignature& signature) {
+  CollectiveDescription description;
+  description.type = static_cast<CollectiveType>(signature.type);
+  description.buffers = signature.buffers;
+  description.count = signature.count;
+  description.dtype = static_cast<DType>(signature.dtype);
+  description.label = signature.label;
+  return description.ToString();
+}
 
 class ShmCommunicator : public Communicator {
  public:
@@ -317,6 +368,7 @@ class ShmCommunicator : public Communicator {
 
  private:
   CollectiveHandle Issue(Call call, std::string label) {
+    call.label = label;
     CollectiveDescription description{call.type, static_cast<int64_t>(call.buffers.size()),
                                       call.count, call.dtype, std::move(label), backend()};
     // A null single buffer is allowed (zeros in, discarded out), as on the c10d back end.
@@ -418,8 +470,9 @@ class ShmCommunicator : public Communicator {
         break;
     }
 
-    // 3. Publish.
+    // 3. Publish, with what the piece belongs to (Note [Same call at every step]).
     RankControl& own = *segment_->control(me);
+    own.signature[step % 2] = SignatureOf(call, offset);
     own.published.store(step, std::memory_order_release);
     Signal(own);
 
@@ -432,7 +485,17 @@ class ShmCommunicator : public Communicator {
           read_from, deadline, "publish step", step, CollectiveName(call.type)));
     }
 
-    // 5. Read.
+    // 5. Read, once every piece read belongs to the same call (Note [Same call at every step]).
+    for (int r = 0; r < world; ++r) {
+      if (r == me || (read_from != kEveryPeer && r != read_from)) continue;
+      const CallSignature& peer = segment_->control(r)->signature[step % 2];
+      if (!peer.SameCall(own.signature[step % 2])) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "rank ", r, " issued ", DescribeSignature(peer), " at step ", step,
+            " (offset ", peer.offset, ") where rank ", me, " issued this call (offset ", offset,
+            "): the ranks' sequences of collectives differ: ", kSameCallsHint));
+      }
+    }
     absl::Status status;
     switch (call.type) {
       case CollectiveType::kAllGather:
@@ -539,7 +602,7 @@ class ShmCommunicator : public Communicator {
           return absl::DeadlineExceededError(absl::StrCat(
               "rank ", r, " did not ", what, " ", step, " within ", absl::FormatDuration(timeout_),
               " (rank ", rank_, " waiting): it died, stopped, or issued a different sequence "
-              "of collectives"));
+              "of collectives (", kSameCallsHint, ")"));
         }
         peer.waiters.fetch_add(1, std::memory_order_seq_cst);
         FutexWait(&peer.signal, signal, kSleep);

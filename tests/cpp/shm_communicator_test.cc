@@ -406,6 +406,40 @@ TEST(ShmCommunicatorTest, MissingRankIsDeadlineExceededNamingTheCollective) {
   EXPECT_THAT(late.message(), HasSubstr("allgather"));
 }
 
+// Note [Same call at every step]: ranks whose calls differ fail at once, naming both calls,
+// instead of reading each other's pieces (an allgather's data summed as another rank's flags).
+TEST(ShmCommunicatorTest, DifferentCallsAtOneStepFailAtOnceNamingBoth) {
+  auto ranks = MakeWorld(2);
+  std::vector<float> a(100, 1.0f), b(100, 2.0f), flags(2, 0.0f);
+  std::vector<void*> pointers = {a.data(), b.data()};
+  absl::Status gather, reduce;
+  const absl::Time start = absl::Now();
+  OnEveryRank(2, [&](int r) {
+    if (r == 0) {
+      gather = ranks[0]->AllGather(pointers, 100, DType::kFloat32, "forward gather of group 3")
+                   .Wait(absl::Seconds(20));
+    } else {
+      reduce = ranks[1]
+                   ->AllReduce(flags.data(), 2, DType::kFloat32, ReduceOp::kSum,
+                               "non-finite loss flags")
+                   .Wait(absl::Seconds(20));
+    }
+  });
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));  // not the 30 s timeout
+  EXPECT_EQ(gather.code(), absl::StatusCode::kFailedPrecondition) << gather;
+  EXPECT_THAT(gather.message(),
+              HasSubstr("rank 1 issued all_reduce of 2 float32 (non-finite loss flags)"));
+  EXPECT_THAT(gather.message(), HasSubstr("allgather of 2 x 100 float32 (forward gather"));
+  EXPECT_THAT(gather.message(), HasSubstr("sequences of collectives differ"));
+  EXPECT_EQ(reduce.code(), absl::StatusCode::kFailedPrecondition) << reduce;
+  EXPECT_THAT(reduce.message(), HasSubstr("rank 0 issued allgather of 2 x 100 float32"));
+  EXPECT_EQ(flags[0], 0.0f);  // nothing read from the other call's piece
+  // The sequences no longer agree: later calls fail at once.
+  EXPECT_FALSE(ranks[0]->AllReduce(a.data(), 1, DType::kFloat32, ReduceOp::kSum, "")
+                   .Wait(absl::Seconds(5))
+                   .ok());
+}
+
 TEST(ShmCommunicatorTest, WorkerTimesOutAndLaterCallsFailAtOnce) {
   auto ranks = MakeWorld(2, kSlotBytes, absl::Milliseconds(300));
   std::vector<float> a(10), b(10);

@@ -4,6 +4,8 @@
     dp_worker.py OUT_DIR --mismatch               rank 1 builds a different model
     dp_worker.py OUT_DIR --kill                   rank 1 dies after initialize()
     dp_worker.py OUT_DIR --stall                  rank 1 stops issuing collectives (sleeps)
+    dp_worker.py OUT_DIR --lonely-eval            rank 0 alone runs an evaluation forward, then
+                                                  both train
     dp_worker.py OUT_DIR --lonely-state-dict      rank 0 alone calls state_dict(), then both
                                                   train; errors kept past model.destroy()
     dp_worker.py OUT_DIR --checkpoint SCENARIO... checkpoint scenarios of dp_checkpoint_worker.py
@@ -122,7 +124,9 @@ def main() -> None:
             finally:
                 results["elapsed"] = time.monotonic() - start
         elif what == ["--lonely-state-dict"]:
-            results.update(lonely_state_dict(rank))
+            results.update(lonely_call(rank, "state_dict"))
+        elif what == ["--lonely-eval"]:
+            results.update(lonely_call(rank, "eval"))
         elif what[:1] == ["--discard-partial"]:
             results.update(discard_partial(rank, world, what[1]))
         elif what == ["--optimizer-resume"]:
@@ -238,11 +242,12 @@ def full_gradients(rank: int, world: int) -> dict:
     return result
 
 
-def lonely_state_dict(rank: int) -> dict:
-    """Rank 0 alone calls state_dict() (a collective), then both ranks train: both time out.
-    Each keeps its error's traceback, which holds the collectives, past model.destroy(), and
-    frees it once the peer has left: that crashed (Note [Closing the collectives before the
-    manager] in bindings/init_comm.cc)."""
+def lonely_call(rank: int, what: str) -> dict:
+    """Rank 0 alone calls state_dict() (a collective) or runs an evaluation forward (nanoGPT's
+    estimate_loss() under `if master_process`), then both ranks train: both time out or see
+    the ranks' calls differ. Each keeps its error's traceback, which holds the collectives, past
+    model.destroy(), and frees it once the peer has left: that crashed (Note [Closing the
+    collectives before the manager] in bindings/init_comm.cc)."""
     import gc
     s = SCENARIOS["blocks"]
     model, optimizer = patrickstar.initialize(s.model, config={
@@ -251,8 +256,13 @@ def lonely_state_dict(rank: int) -> dict:
     model.backward(model(x, y))
     optimizer.step()
     optimizer.zero_grad()
-    if rank == 0:
+    if rank == 0 and what == "state_dict":
         model.state_dict()
+    elif rank == 0:
+        model.eval()
+        with torch.no_grad():
+            model(x, y)
+        model.train()
     kept = result = None
     try:
         model.backward(model(x, y))

@@ -548,6 +548,16 @@ def test_a_state_dict_on_one_rank_fails_cleanly_and_its_traceback_is_freed_safel
         assert result.get("survived"), (rank, result)
 
 
+def test_an_evaluation_forward_on_one_rank_fails_naming_the_cause(tmp_path):
+    # nanoGPT's estimate_loss() runs under `if master_process`: with parameters sharded across
+    # ranks that forward pairs with the other rank's next collectives until the sequences part.
+    for rank, result in enumerate(launch(tmp_path, 2, "--lonely-eval")):
+        assert result.get("error_type") in ("TimeoutError", "ChunkRuntimeError",
+                                            "RuntimeError"), (rank, result)
+        assert "`if rank == 0`" in result["error"], (rank, result["error"])
+        assert result.get("survived"), (rank, result)
+
+
 def test_parallel_config_errors_name_the_key():
     import patrickstar
     from test_initialize import MLP
