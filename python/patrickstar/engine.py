@@ -111,6 +111,12 @@ _READS_PARAMETER_SHAPES = frozenset({"num_parameters", "get_memory_footprint",
                                      "floating_point_ops", "get_num_params", "estimate_mfu"})
 
 
+def _recomputing() -> bool:
+    """A module's forward running inside an autograd backward: activation checkpointing's
+    recomputation (Note [Recomputed forwards])."""
+    return torch._C._current_graph_task_id() != -1
+
+
 def _refuse_wrapping_data_parallel(engine: nn.Module) -> None:
     """An engine inside torch's DistributedDataParallel (nanoGPT's `model = DDP(model)`) failed
     in backward with "returned an invalid gradient ... expected shape compatible with [0]": DDP
@@ -189,6 +195,9 @@ class PatrickStarEngine(nn.Module):
         self._in_backward = False  # Note [loss.backward()]
         self._autograd_unchecked = False  # joined, no gradient stored yet
         self._warmup_done = False
+        # Module -> accesses of forwards recomputed inside this backward that its backward has
+        # not yet given back (Note [Recomputed forwards]).
+        self._recompute_holds: dict[nn.Module, int] = {}
 
         # Before the model is built: tensor-parallel layers size their slices by the groups.
         self.dp = DataParallel(config, *detect_world(config))
@@ -387,18 +396,46 @@ class PatrickStarEngine(nn.Module):
                 indices.append(index)
         return indices
 
+    # Note [Recomputed forwards]
+    # Activation checkpointing (torch.utils.checkpoint, Hugging Face's
+    # gradient_checkpointing_enable) runs a block's forward again inside the backward, and the
+    # tensors that recomputation saves are raw views of the chunk memory of that moment: the
+    # reentrant kind recomputes outside the engine's saved_tensors_hooks, the non-reentrant kind
+    # under torch's own hooks, which keep what they are given. Released at the post-forward hook
+    # as in a forward, the chunk could move before the block's backward read those views (under a
+    # device budget: wrong gradients with the reentrant kind, which then trained silently away
+    # from PyTorch). The non-reentrant kind also stops the recomputation right after the last
+    # tensor it needs, inside a module, whose post-forward hook then never ran and whose access
+    # was never given back (under a budget: "chunks in use ... pinned", out of memory). So a
+    # forward run inside a backward holds its access until that module's own backward ends
+    # (one hold per post-backward hook, for a module called twice) or the backward ends.
     def _access_module(self, module: nn.Module, phase: str) -> None:
         indices = self._module_params.get(module)
         if indices:
             self._join_autograd_backward()
             self._slots.access(indices)
+            if phase == "fwd" and _recomputing():
+                self._recompute_holds[module] = self._recompute_holds.get(module, 0) + 1
 
     def _release_module(self, module: nn.Module, phase: str) -> None:
         indices = self._module_params.get(module)
-        if indices:
-            self._slots.release(indices, S.HOLD_AFTER_FWD if phase == "fwd" else S.HOLD_AFTER_BWD)
+        if not indices:
+            return
+        if phase == "fwd":
+            if not _recomputing():  # else held until the module's backward: Note [Recomputed...]
+                self._slots.release(indices, S.HOLD_AFTER_FWD)
+            return
+        holds = self._recompute_holds.get(module, 0)
+        if holds:
+            if holds == 1:
+                del self._recompute_holds[module]
+            else:
+                self._recompute_holds[module] = holds - 1
+            indices = indices * 2
+        self._slots.release(indices, S.HOLD_AFTER_BWD)
 
     def _release_all(self, state) -> None:
+        self._recompute_holds.clear()
         self._slots.release_all(state)
 
     def _tick(self, event: str) -> None:
