@@ -43,7 +43,10 @@ alive; the engine <-> optimizer cycle is plain Python, which the collector frees
 then runs `destroy()`, which writes a running profile first and closes everything. At
 interpreter exit (normal, or after an uncaught exception) `_destroy_live_engines` destroys the
 engines still alive, so swap files do not outlive the process. `destroy()` stays the explicit
-way; a second call does nothing.
+way; a second call does nothing. A process forked from the engine's (os.fork, multiprocessing,
+DataLoader workers) inherits it: every training call there raises (Note [Training call order]
+in guards.py), and the child's exit hook frees only the child's copies, leaving the parent's
+profile, swap file and IO alone (Note [Swap files across fork] in runtime/nvme_tier.h).
 """
 from __future__ import annotations
 
@@ -907,7 +910,10 @@ class PatrickStarEngine(nn.Module):
         self.guard.destroyed = True
         _live_engines.discard(self)
         try:
-            if self.profiler is not None and self.profiler.running:
+            # A forked child leaves the parent's profile alone; its tiers leave the parent's
+            # files and IO alone (Note [Swap files across fork] in runtime/nvme_tier.h).
+            if self.profiler is not None and self.profiler.running and \
+                    self.guard.in_owner_process():
                 self.profiler.stop(engine=self)  # while the chunk manager is still open
         finally:
             self.dp.close()

@@ -90,3 +90,20 @@ def test_destroy_writes_a_config_profile_and_exit_raises_nothing(tmp_path):
     assert "Traceback" not in result.stderr and "closed" not in result.stderr, result.stderr
     for name in ("trace.json", "memory.csv", "summary.json", "report.html"):
         assert (tmp_path / "prof" / name).exists(), name
+
+
+def test_a_forked_child_refuses_the_engine_and_its_exit_leaves_the_parent_alone(tmp_path):
+    """Before: the child's exit hook destroyed its copy of the engine as the owner, unlinking the
+    parent's swap file, punching holes over its chunks and stopping its io_uring reaper, so the
+    parent hung at its next forward; a forward in the child waited forever."""
+    results = {}
+    for mode in ("fork", "nofork"):
+        out, nvme = tmp_path / mode, tmp_path / mode / "nvme"
+        os.makedirs(nvme)
+        result = _run(out, "fork", nvme, *(["nofork"] if mode == "nofork" else []))
+        assert result.returncode == 0, result.stderr
+        results[mode] = torch.load(out / "parent.pt")
+    child = torch.load(tmp_path / "fork" / "child.pt")
+    assert child["error"] and "forked from it" in child["error"], child
+    assert len(results["fork"]["files"]) == 1, results  # the parent's swap file is still there
+    assert results["fork"]["losses"] == results["nofork"]["losses"]
