@@ -27,7 +27,12 @@ another chunk, so the backward would read another tensor's bytes. The engine the
 forward under `saved_tensors_hooks`: a saved tensor whose storage is a parameter's chunk view is
 packed as (parameter, offset, sizes, strides) and rebuilt in backward over wherever the
 parameter's chunk lives then (re-accessing it if no hook did). DeepSpeed ZeRO-3 patches
-`F.linear` for the same reason; the hooks cover every op, not just linear.
+`F.linear` for the same reason; the hooks cover every op, not just linear. A forward of the user's
+module that does not come through `model(...)` (`model.module(x)`, or a method reached through
+the engine that calls `self(...)`, such as `model.training_loss(batch)`) gets the same hooks from
+a pre-hook on the module (`CallHooks`), unless saved-tensor hooks are active already (the engine's
+forward, or torch.utils.checkpoint's, which must keep what it is given): without them such a
+forward trained silently away from PyTorch under a device budget.
 
 Note [Optimizer sweep] is in optimizer.py, Note [Chunk kinds per precision] in
 chunked_params.py.
@@ -69,7 +74,7 @@ from .config import Config
 from .data_parallel import DataParallel, detect_world
 from .guards import TrainingGuard, check_budgets
 from .external_params import external_parameter_hint, external_parameters
-from .hooks import ModuleHooks
+from .hooks import CallHooks, ModuleHooks
 from .module_apply import ModuleApply
 from .module_copies import ModuleCopies
 from .module_state_hooks import ModuleStateHooks
@@ -112,6 +117,12 @@ _REBUILDS_PARAMETERS = frozenset({"resize_token_embeddings", "resize_position_em
 # the real shapes.
 _READS_PARAMETER_SHAPES = frozenset({"num_parameters", "get_memory_footprint",
                                      "floating_point_ops", "get_num_params", "estimate_mfu"})
+
+
+def _saved_tensor_hooks_active() -> bool:
+    """Whether saved-tensor hooks (the engine's, torch.utils.checkpoint's) are in effect."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top is not None and top(False) is not None
 
 
 def _recomputing() -> bool:
@@ -269,9 +280,14 @@ class PatrickStarEngine(nn.Module):
         torch_optimizers.install()  # a torch optimizer over these parameters raises at step()
         hooked = [m for m, owned in self._module_params.items() if owned]
         self._state_hooks = ModuleStateHooks(hooked, self)  # Note [The user's module's state...]
-        hooks = (self._hooks, self._state_hooks)
+        # Note [Saved views of parameters]: forwards that bypass model(...).
+        self._direct_calls: list = []
+        self._call_hooks = CallHooks(self.module, _weakly(self._enter_direct_call),
+                                     _weakly(self._leave_direct_call))
+        hooks = (self._hooks, self._state_hooks, self._call_hooks)
+        copied = hooked if any(m is self.module for m in hooked) else [*hooked, self.module]
         self._copies = ModuleCopies(  # Note [Copies of the user's module]
-            hooked, self, lambda: set().union(*(h.hook_ids for h in hooks)))
+            copied, self, lambda: set().union(*(h.hook_ids for h in hooks)))
         param_owners.register_engine(self, self.params.params)
         _live_engines.add(self)
 
@@ -470,6 +486,18 @@ class PatrickStarEngine(nn.Module):
             self._slots.access([packed.index])
         data = self.params.params[packed.index].data
         return data.as_strided(packed.size, packed.stride, data.storage_offset() + packed.offset)
+
+    def _enter_direct_call(self) -> None:
+        hooks = None
+        if torch.is_grad_enabled() and not _saved_tensor_hooks_active():
+            hooks = torch.autograd.graph.saved_tensors_hooks(self._pack_saved, self._unpack_saved)
+            hooks.__enter__()
+        self._direct_calls.append(hooks)
+
+    def _leave_direct_call(self) -> None:
+        hooks = self._direct_calls.pop() if self._direct_calls else None
+        if hooks is not None:
+            hooks.__exit__(None, None, None)
 
     # Note [Moving the engine]
     # Parameters live in chunks of the compute dtype, placed by the chunk manager; buffers
@@ -918,6 +946,7 @@ class PatrickStarEngine(nn.Module):
         finally:
             self.dp.close()
             self._hooks.remove()
+            self._call_hooks.remove()
             for param in self.params.params:
                 param.data = self._placeholder()
             self.chunks.close()

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["ModuleHooks"]
+__all__ = ["CallHooks", "ModuleHooks"]
 
 
 def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
@@ -112,3 +112,16 @@ class ModuleHooks(HookSet):
     def post_backward(self, module):
         self._release(module, "bwd")
         self._tick("post_backward")
+
+
+class CallHooks(HookSet):
+    """Calls `enter()` before `module` runs and `leave()` after it, also when it raises (the
+    engine's saved-tensor hooks around a forward that did not come through the engine: Note
+    [Saved views of parameters] in engine.py)."""
+
+    def __init__(self, module, enter: Callable[[], None], leave: Callable[[], None]):
+        super().__init__()
+        self._handles.append(module.register_forward_pre_hook(
+            lambda _module, _inputs: enter(), prepend=True))
+        self._handles.append(module.register_forward_hook(
+            lambda _module, _inputs, _output: leave(), always_call=True))
