@@ -485,7 +485,14 @@ class PatrickStarEngine(nn.Module):
             self._join_autograd_backward()
             self._slots.access([packed.index])
         data = self.params.params[packed.index].data
-        return data.as_strided(packed.size, packed.stride, data.storage_offset() + packed.offset)
+        view = data.as_strided(packed.size, packed.stride, data.storage_offset() + packed.offset)
+        if torch.is_grad_enabled():
+            # A backward with create_graph=True (a gradient penalty): its own ops save what
+            # they read for the second backward, outside these hooks, and a view of chunk memory
+            # would be stale once the chunk moved. They save a copy of it instead (autograd
+            # keeps the link to the parameter).
+            return view.clone()
+        return view
 
     def _enter_direct_call(self) -> None:
         hooks = None
