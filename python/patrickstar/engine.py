@@ -260,9 +260,13 @@ class PatrickStarEngine(nn.Module):
         for index, param in enumerate(self.params.params):
             if param.requires_grad:
                 param.register_post_accumulate_grad_hook(self._make_grad_hook(index))
+        # Note [Outputs that are parameters]
+        self._module_param_ids = {
+            module: frozenset(id(self.params.params[index]) for index in owned)
+            for module, owned in self._module_params.items() if owned}
         self._hooks = ModuleHooks([m for m, owned in self._module_params.items() if owned],
                                   _weakly(self._access_module), _weakly(self._release_module),
-                                  _weakly(self._tick))
+                                  _weakly(self._tick), _weakly(self._own_output))
         defaults = {"lr": config.optimizer.lr, "betas": config.optimizer.betas,
                     "eps": config.optimizer.eps, "weight_decay": config.optimizer.weight_decay}
         with self._real_shapes():  # a callable sees p.shape / p.dim() as the model has them
@@ -452,6 +456,19 @@ class PatrickStarEngine(nn.Module):
                 self._recompute_holds[module] = holds - 1
             indices = indices * 2
         self._slots.release(indices, S.HOLD_AFTER_BWD)
+
+    # Note [Outputs that are parameters]
+    # A module may return one of its parameters or a view of one (`return self.pe[:T]`, a learned
+    # position table; `return self.scale`): that tensor's memory is the chunk, released right
+    # after the module's forward, and under a device budget the chunk moves while the caller
+    # still holds the view (the next modules' accesses evict it), so the forward read another
+    # chunk's bytes, silently. Such an output is handed on as a copy made before the release;
+    # autograd links the copy to the parameter as it did the view.
+    def _own_output(self, module: nn.Module, tensor: torch.Tensor) -> torch.Tensor:
+        base = tensor._base if tensor._is_view() else tensor
+        if base is not None and id(base) in self._module_param_ids.get(module, ()):
+            return tensor.clone()
+        return tensor
 
     def _release_all(self, state) -> None:
         self._recompute_holds.clear()

@@ -78,11 +78,16 @@ class ModuleHooks(HookSet):
 
     def __init__(self, modules, access: Callable[[torch.nn.Module, str], None],
                  release: Callable[[torch.nn.Module, str], None],
-                 tick: Callable[[str], None]):
+                 tick: Callable[[str], None],
+                 own_output: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]):
+        """`own_output(module, tensor)` is applied to each output tensor before the release:
+        a tensor that is one of the module's parameters or a view of one comes back as a copy
+        (Note [Outputs that are parameters] in engine.py)."""
         super().__init__()
         self._access = access
         self._release = release
         self._tick = tick
+        self._own_output = own_output
         for module in modules:
             self._handles.append(module.register_forward_pre_hook(self._pre_forward))
             self._handles.append(module.register_forward_hook(self._post_forward))
@@ -97,12 +102,17 @@ class ModuleHooks(HookSet):
         return None
 
     def _post_forward(self, module, inputs, output):
+        output = _map_tensors(output, lambda t: self._owned(module, t))
         self._release(module, "fwd")
         self._tick("post_forward")
         if torch.is_grad_enabled():
             return _map_tensors(output, lambda t: _BackwardCall.apply(self.pre_backward, module, t)
                                 if t.requires_grad else t)
-        return None
+        return output
+
+    def _owned(self, module, tensor):
+        owned = self._own_output(module, tensor)
+        return tensor if owned is None else owned  # None: the engine is gone
 
     # Backward (called from the autograd functions) --------------------------------------------
     def pre_backward(self, module):
