@@ -599,6 +599,8 @@ class PatrickStarEngine(nn.Module):
         _refuse_wrapping_data_parallel(self)
         if self._in_backward:  # a loss.backward() that raised before its end
             self._abandon_backward()
+        while self._direct_calls:  # a direct call that a KeyboardInterrupt left (no hooks ran)
+            self._leave_direct_call()
         self.dp.before_forward()
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack_saved, self._unpack_saved):

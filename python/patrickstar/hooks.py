@@ -102,17 +102,22 @@ class ModuleHooks(HookSet):
         return None
 
     def _post_forward(self, module, inputs, output):
-        output = _map_tensors(output, lambda t: self._owned(module, t))
+        copies = []
+
+        def own(tensor):
+            copy = self._own_output(module, tensor)  # None: the engine is gone
+            if copy is None or copy is tensor:
+                return tensor
+            copies.append(copy)
+            return copy
+
+        output = _map_tensors(output, own)
         self._release(module, "fwd")
         self._tick("post_forward")
         if torch.is_grad_enabled():
             return _map_tensors(output, lambda t: _BackwardCall.apply(self.pre_backward, module, t)
                                 if t.requires_grad else t)
-        return output
-
-    def _owned(self, module, tensor):
-        owned = self._own_output(module, tensor)
-        return tensor if owned is None else owned  # None: the engine is gone
+        return output if copies else None
 
     # Backward (called from the autograd functions) --------------------------------------------
     def pre_backward(self, module):
