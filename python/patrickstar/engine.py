@@ -30,9 +30,11 @@ parameter's chunk lives then (re-accessing it if no hook did). DeepSpeed ZeRO-3 
 `F.linear` for the same reason; the hooks cover every op, not just linear. A forward of the user's
 module that does not come through `model(...)` (`model.module(x)`, or a method reached through
 the engine that calls `self(...)`, such as `model.training_loss(batch)`) gets the same hooks from
-a pre-hook on the module (`CallHooks`), unless saved-tensor hooks are active already (the engine's
-forward, or torch.utils.checkpoint's, which must keep what it is given): without them such a
-forward trained silently away from PyTorch under a device budget.
+a pre-hook on the module (`CallHooks`), and so does a submodule called directly (a forward written
+outside the module: `model.module.blocks[0](x)`) from its pre-forward hook, unless saved-tensor
+hooks are active already (the engine's forward, or torch.utils.checkpoint's, which must keep what
+it is given): without them such forwards trained silently away from PyTorch under a device
+budget.
 
 Note [Optimizer sweep] is in optimizer.py, Note [Chunk kinds per precision] in
 chunked_params.py.
@@ -74,7 +76,7 @@ from .config import Config
 from .data_parallel import DataParallel, detect_world
 from .guards import TrainingGuard, check_budgets
 from .external_params import external_parameter_hint, external_parameters
-from .hooks import CallHooks, ModuleHooks
+from .hooks import CallHooks, ModuleHooks, saved_tensor_hooks_active
 from .module_apply import ModuleApply
 from .module_copies import ModuleCopies
 from .module_state_hooks import ModuleStateHooks
@@ -117,12 +119,6 @@ _REBUILDS_PARAMETERS = frozenset({"resize_token_embeddings", "resize_position_em
 # the real shapes.
 _READS_PARAMETER_SHAPES = frozenset({"num_parameters", "get_memory_footprint",
                                      "floating_point_ops", "get_num_params", "estimate_mfu"})
-
-
-def _saved_tensor_hooks_active() -> bool:
-    """Whether saved-tensor hooks (the engine's, torch.utils.checkpoint's) are in effect."""
-    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    return top is not None and top(False) is not None
 
 
 def _recomputing() -> bool:
@@ -266,7 +262,8 @@ class PatrickStarEngine(nn.Module):
             for module, owned in self._module_params.items() if owned}
         self._hooks = ModuleHooks([m for m, owned in self._module_params.items() if owned],
                                   _weakly(self._access_module), _weakly(self._release_module),
-                                  _weakly(self._tick), _weakly(self._own_output))
+                                  _weakly(self._tick), _weakly(self._own_output),
+                                  _weakly(self._saved_tensor_hooks))
         defaults = {"lr": config.optimizer.lr, "betas": config.optimizer.betas,
                     "eps": config.optimizer.eps, "weight_decay": config.optimizer.weight_decay}
         with self._real_shapes():  # a callable sees p.shape / p.dim() as the model has them
@@ -511,10 +508,13 @@ class PatrickStarEngine(nn.Module):
             return view.clone()
         return view
 
+    def _saved_tensor_hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(self._pack_saved, self._unpack_saved)
+
     def _enter_direct_call(self) -> None:
         hooks = None
-        if torch.is_grad_enabled() and not _saved_tensor_hooks_active():
-            hooks = torch.autograd.graph.saved_tensors_hooks(self._pack_saved, self._unpack_saved)
+        if torch.is_grad_enabled() and not saved_tensor_hooks_active():
+            hooks = self._saved_tensor_hooks()
             hooks.__enter__()
         self._direct_calls.append(hooks)
 
@@ -599,7 +599,9 @@ class PatrickStarEngine(nn.Module):
         _refuse_wrapping_data_parallel(self)
         if self._in_backward:  # a loss.backward() that raised before its end
             self._abandon_backward()
-        while self._direct_calls:  # a direct call that a KeyboardInterrupt left (no hooks ran)
+        # Saved-tensor hooks that a direct call raising past its post-forward hook left entered.
+        self._hooks.leave_saved_tensor_hooks()
+        while self._direct_calls:
             self._leave_direct_call()
         self.dp.before_forward()
         try:

@@ -172,11 +172,21 @@ class GPTWithLossMethod(GPT):
         return self(tokens, targets)
 
 
-@pytest.mark.parametrize("call", ["module", "method"])
+def gpt_forward_by_hand(gpt, tokens, targets):
+    """GPT.forward written outside the module, calling its submodules directly."""
+    x = gpt.tokens(tokens) + gpt.positions(torch.arange(tokens.shape[1]))
+    for block in gpt.blocks:
+        x = block(x)
+    logits = gpt.head(gpt.ln_f(x))
+    return nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+@pytest.mark.parametrize("call", ["module", "method", "submodules"])
 def test_forwards_that_bypass_the_engine_train_as_through_it_under_a_device_budget(call):
-    """`model.module(x)` and a method reached through the engine that calls `self(...)` ran
-    without the engine's saved-tensor hooks (Note [Saved views of parameters]): F.linear's saved
-    weight.t() pointed at chunk memory that moved before the backward (0.007 off after 4 steps)."""
+    """`model.module(x)`, a method reached through the engine that calls `self(...)` and
+    submodules called directly ran without the engine's saved-tensor hooks (Note [Saved views of
+    parameters]): F.linear's saved weight.t() pointed at chunk memory that moved before the
+    backward (0.007 off after 4 steps)."""
     cfg = gpt_config()
     config = {"default_chunk_size": 4096, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
               "memory": {"device_budget": 4 * 4096 * 4}}
@@ -197,8 +207,10 @@ def test_forwards_that_bypass_the_engine_train_as_through_it_under_a_device_budg
     through = run(lambda model, *batch: model(*batch))
     if call == "module":
         bypassing = run(lambda model, *batch: model.module(*batch))
-    else:
+    elif call == "method":
         bypassing = run(lambda model, *batch: model.training_loss(*batch))
+    else:
+        bypassing = run(lambda model, *batch: gpt_forward_by_hand(model.module, *batch))
     assert bypassing[0] == through[0]
     for name, tensor in through[1].items():
         torch.testing.assert_close(bypassing[1][name], tensor, rtol=0, atol=0)
