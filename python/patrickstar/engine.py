@@ -801,8 +801,14 @@ class PatrickStarEngine(nn.Module):
             return destination
         return result
 
-    def load_state_dict(self, state_dict, strict: bool = True):
-        """Accepts plain PyTorch tensors (any float dtype) for every parameter and buffer."""
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Accepts plain PyTorch tensors (any float dtype) for every parameter and buffer.
+        `assign=True` (torch's, to take the given tensors as the parameters) is refused as
+        `model.module.load_state_dict` refuses it: the parameters' data lives in chunks."""
+        if assign:
+            raise RuntimeError("load_state_dict(assign=True) cannot replace the model's "
+                               "parameters: their data lives in PatrickStar chunks; load without "
+                               "assign, which copies the values into the chunks")
         own = self.module.state_dict(keep_vars=True)
         missing = [name for name in own if name not in state_dict]
         unexpected = [name for name in state_dict if name not in own]
