@@ -619,14 +619,16 @@ class PatrickStarEngine(nn.Module):
         self.dp.after_forward()
         return output
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
+        """`retain_graph` as torch's and DeepSpeed's: keep the graph for another backward
+        through it (two losses of one forward, each its own backward call)."""
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError("backward(loss) expects a scalar loss tensor")
         agree = self.dp.ranks_with if self.dp.enabled else None
         if not self.guard.before_backward(loss, self.precision, agree):
             return
         scale = self.loss_scaler.scale / self.config.gradient_accumulation_steps
-        self._run_backward([loss.float() * scale], None)
+        self._run_backward([loss.float() * scale], None, retain_graph)
 
     def backward_from(self, tensors, grads) -> None:
         """Backward from non-scalar `tensors` given their gradients: a pipeline stage other
@@ -636,12 +638,12 @@ class PatrickStarEngine(nn.Module):
             return
         self._run_backward(tensors, grads)
 
-    def _run_backward(self, tensors, grads) -> None:
+    def _run_backward(self, tensors, grads, retain_graph: bool = False) -> None:
         self._in_backward = True
         self.dp.before_backward()
         try:
             if tensors:
-                torch.autograd.backward(tensors, grads)
+                torch.autograd.backward(tensors, grads, retain_graph=retain_graph)
         finally:
             self._in_backward = False
             # Modules whose inputs need no grad never see their post-backward hook.

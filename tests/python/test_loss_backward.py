@@ -279,3 +279,30 @@ def test_a_gradient_penalty_under_a_device_budget_trains_as_pytorch(autograd):
     state = model.state_dict()
     for key, tensor in reference.state_dict().items():
         torch.testing.assert_close(state[key], tensor, rtol=1e-5, atol=1e-6)
+
+
+def test_model_backward_retain_graph_takes_two_losses_of_one_forward_as_pytorch():
+    """DeepSpeed's and torch's `retain_graph=True` (two losses of one forward, one backward
+    each): model.backward(loss, retain_graph=True) was a TypeError."""
+    data = batches(4)
+    torch.manual_seed(0)
+    reference = MLP()
+    ref_optimizer = torch.optim.Adam(reference.parameters(), lr=1e-2, foreach=False)
+    torch.manual_seed(0)
+    model, optimizer = patrickstar.initialize(MLP, config={
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-2}}, "default_chunk_size": 4096,
+        "gradient_accumulation_steps": 2, "memory": {"device_budget": 3 * 4096 * 4}})
+    for x, y in data:
+        loss = reference(x, y)
+        (loss / 2).backward(retain_graph=True)
+        (loss * loss / 2).backward()
+        ref_optimizer.step()
+        ref_optimizer.zero_grad()
+        ours = model(x, y)
+        model.backward(ours, retain_graph=True)
+        model.backward(ours * ours)
+        optimizer.step()
+        optimizer.zero_grad()
+    state = model.state_dict()
+    for key, tensor in reference.state_dict().items():
+        torch.testing.assert_close(state[key], tensor, rtol=1e-5, atol=1e-6)
