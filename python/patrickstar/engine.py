@@ -52,14 +52,17 @@ interpreter exit (normal, or after an uncaught exception) `_destroy_live_engines
 engines still alive, so swap files do not outlive the process. `destroy()` stays the explicit
 way; a second call does nothing. A process forked from the engine's (os.fork, multiprocessing,
 DataLoader workers) inherits it: every training call there raises (Note [Training call order]
-in guards.py), and the child's exit hook frees only the child's copies, leaving the parent's
-profile, swap file and IO alone (Note [Swap files across fork] in runtime/nvme_tier.h).
+in guards.py), and its destroy() (the exit hook, `del`) leaves the runtime undestroyed: tearing
+it down waited for threads that exist only in the parent (`_abandon_inherited_runtime`), and its
+profile, swap file and IO are the parent's (Note [Swap files across fork] in
+runtime/nvme_tier.h).
 """
 from __future__ import annotations
 
 import atexit
 import contextlib
 import copy
+import ctypes
 import sys
 import time
 import weakref
@@ -973,11 +976,11 @@ class PatrickStarEngine(nn.Module):
             return
         self.guard.destroyed = True
         _live_engines.discard(self)
+        if not self.guard.in_owner_process():
+            self._abandon_inherited_runtime()
+            return
         try:
-            # A forked child leaves the parent's profile alone; its tiers leave the parent's
-            # files and IO alone (Note [Swap files across fork] in runtime/nvme_tier.h).
-            if self.profiler is not None and self.profiler.running and \
-                    self.guard.in_owner_process():
+            if self.profiler is not None and self.profiler.running:
                 self.profiler.stop(engine=self)  # while the chunk manager is still open
         finally:
             self.dp.close()
@@ -988,6 +991,19 @@ class PatrickStarEngine(nn.Module):
             self.chunks.close()
             self._slots = None  # it holds the manager, and the manager the tiers
             self.chunks = self.tiers = self.copy_engine = self.runtime = None
+
+    def _abandon_inherited_runtime(self) -> None:
+        """In a process forked from the engine's (Note [Engine lifetime]): the runtime's
+        threads (copy engine, IO, the device's streams) exist only in the parent, so tearing it
+        down here waits for them forever (the strict emulated device's synchronize; a CUDA
+        context is not usable after fork either), and its files and rings are the parent's. The
+        child keeps its copies undestroyed until it ends: one more reference each, never given
+        back, so no destructor runs at interpreter exit either."""
+        for held in (self.runtime, self.chunks, self.tiers, self.copy_engine, self._slots,
+                     self.dp):
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(held))
+        self._hooks.remove()
+        self._call_hooks.remove()
 
     def __del__(self) -> None:
         # Note [Engine lifetime]. Attributes may be missing when __init__ raised.

@@ -86,6 +86,7 @@ def fork(out, nvme_dir, forking: bool) -> None:
     if forking:
         pid = os.fork()
         if pid == 0:
+            signal.alarm(60)  # a child whose exit hangs dies (alarms are not inherited)
             try:
                 model(torch.randn(4, WIDTH))
                 error = None
@@ -93,7 +94,7 @@ def fork(out, nvme_dir, forking: bool) -> None:
                 error = str(caught)
             torch.save({"error": error}, os.path.join(out, "child.pt"))
             return  # the interpreter's exit runs the engine's exit hook in the child
-        os.waitpid(pid, 0)
+        status = os.waitpid(pid, 0)[1]
     files = sorted(os.listdir(nvme_dir))
     losses = []
     for _ in range(3):
@@ -102,7 +103,9 @@ def fork(out, nvme_dir, forking: bool) -> None:
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    torch.save({"files": files, "losses": losses}, os.path.join(out, "parent.pt"))
+    torch.save({"files": files, "losses": losses,
+                "child_exit": os.waitstatus_to_exitcode(status) if forking else None},
+               os.path.join(out, "parent.pt"))
 
 
 def main() -> None:
