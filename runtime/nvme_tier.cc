@@ -431,16 +431,25 @@ absl::StatusOr<std::unique_ptr<NvmeTier>> NvmeTier::Create(NvmeTierOptions optio
 NvmeTier::NvmeTier(NvmeTierOptions options, int fd, std::string path, bool direct_io)
     : Tier(TierKind::kNvme, AddressSpace::kFile, options.tier, /*blocks_start_valid=*/false),
       nvme_options_(std::move(options)),
+      creator_pid_(getpid()),
       fd_(fd),
       path_(std::move(path)),
       direct_io_(direct_io) {}
 
+bool NvmeTier::InCreatorProcess() const { return getpid() == creator_pid_; }
+
 NvmeTier::~NvmeTier() {
-  backend_.reset();  // drains IO in flight
-  ReleaseAllRegions();
+  const bool owner = InCreatorProcess();
+  if (owner) {
+    backend_.reset();  // drains IO in flight
+  } else {
+    // Note [Swap files across fork]: the ring and IO threads are the parent's.
+    static_cast<void>(backend_.release());
+  }
+  ReleaseAllRegions();  // punches holes only in the creator process
   // Unlink while the lock is still held (Note [Swap file ownership]). ENOENT: the directory
   // went first (a temporary directory removed before the process ended); nothing is left.
-  if (!path_.empty() && unlink(path_.c_str()) != 0 && errno != ENOENT) {
+  if (owner && !path_.empty() && unlink(path_.c_str()) != 0 && errno != ENOENT) {
     PS_LOG(kWarning, "could not remove NVMe swap file %s: %s", path_, std::strerror(errno));
   }
   if (fd_ >= 0) close(fd_);
@@ -485,8 +494,11 @@ absl::StatusOr<uint64_t> NvmeTier::ReserveRegion(int64_t bytes) {
 
 void NvmeTier::ReleaseRegion(uint64_t base, int64_t bytes) {
   absl::MutexLock lock(&region_mutex_);
-  // Give the disk space back; the range stays reusable.
-  fallocate(fd_, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, base, bytes);
+  // Give the disk space back; the range stays reusable. Not from a forked child: the file's
+  // contents are the parent's chunks (Note [Swap files across fork]).
+  if (InCreatorProcess()) {
+    fallocate(fd_, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, base, bytes);
+  }
   released_ranges_.emplace_back(base, bytes);
 }
 

@@ -27,7 +27,21 @@
 // never sees the file unlocked either. The token (getrandom) makes the name unique per process
 // instance, so a stale file carrying this process's own pid is no obstacle. flock needs a local
 // filesystem or an NFS/Lustre mount that forwards it; the NVMe tier is meant for local disks.
+//
+// Note [Swap files across fork]
+// A child forked from the owner (os.fork, a multiprocessing worker) inherits the tier object,
+// the file descriptor (one open file description, with its flock) and the io_uring ring, whose
+// queues are memory shared with the parent. Destroying the tier there as its owner would unlink
+// the parent's swap file, punch holes over the parent's chunks (zeroing its optimizer state)
+// and post the reaper's stop NOP into the shared ring, where the parent's reaper thread takes
+// it and stops, so the parent's next NVMe read never completes (found: a forked child ending
+// normally ran the engine's exit hook, and the parent then hung in its next forward). In a
+// process other than the creator the destructor therefore only closes its descriptor: the IO
+// backend is left undestroyed (its ring and threads are the parent's; the child is a copy of
+// memory whose threads do not run) and regions are forgotten without punching holes.
 #pragma once
+
+#include <sys/types.h>
 
 #include <atomic>
 #include <functional>
@@ -67,7 +81,9 @@ class NvmeTier final : public Tier {
 
   // Checks the directory, removes stale swap files, creates and locks this tier's file.
   static absl::StatusOr<std::unique_ptr<NvmeTier>> Create(NvmeTierOptions options);
-  ~NvmeTier() override;  // waits for IO in flight, closes and removes the file
+  // Waits for IO in flight, closes and removes the file; in a forked child only closes its
+  // descriptor (Note [Swap files across fork]).
+  ~NvmeTier() override;
 
   const std::string& path() const { return path_; }
   bool direct_io() const { return direct_io_; }
@@ -99,7 +115,11 @@ class NvmeTier final : public Tier {
                           absl::string_view op) const;
   void Submit(IoOp op, const Block& block, void* buffer, int64_t bytes, IoCallback done);
 
+  // Whether this process created the tier (Note [Swap files across fork]).
+  bool InCreatorProcess() const;
+
   NvmeTierOptions nvme_options_;
+  const pid_t creator_pid_;
   int fd_ = -1;
   std::string path_;
   bool direct_io_ = false;

@@ -239,10 +239,12 @@ def _check_keys(key: str, section: Mapping[str, Any], known: set[str]) -> None:
 
 
 # Keys of PatrickStar's config that are accepted for compatibility but change nothing here.
+_MEM_TRACER_KEYS = {"use_async_mem_monitor", "warmup_gpu_chunk_mem_ratio", "overall_gpu_mem_ratio",
+                    "overall_cpu_mem_ratio", "margin_use_ratio", "use_fake_dist",
+                    "with_mem_saving_comm", "with_static_partition"}
 _IGNORED_CLIENT_KEYS = {
-    "mem_tracer": {"use_async_mem_monitor", "warmup_gpu_chunk_mem_ratio", "overall_gpu_mem_ratio",
-                   "overall_cpu_mem_ratio", "margin_use_ratio", "use_fake_dist",
-                   "with_mem_saving_comm", "with_static_partition"},
+    "mem_tracer": _MEM_TRACER_KEYS,
+    "mem_sampler": _MEM_TRACER_KEYS,  # the same section in upstream v0.4.0's README
     "opts": {"with_mem_saving_comm", "with_mem_cache", "with_async_move"},
 }
 

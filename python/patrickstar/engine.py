@@ -27,7 +27,14 @@ another chunk, so the backward would read another tensor's bytes. The engine the
 forward under `saved_tensors_hooks`: a saved tensor whose storage is a parameter's chunk view is
 packed as (parameter, offset, sizes, strides) and rebuilt in backward over wherever the
 parameter's chunk lives then (re-accessing it if no hook did). DeepSpeed ZeRO-3 patches
-`F.linear` for the same reason; the hooks cover every op, not just linear.
+`F.linear` for the same reason; the hooks cover every op, not just linear. A forward of the user's
+module that does not come through `model(...)` (`model.module(x)`, or a method reached through
+the engine that calls `self(...)`, such as `model.training_loss(batch)`) gets the same hooks from
+a pre-hook on the module (`CallHooks`), and so does a submodule called directly (a forward written
+outside the module: `model.module.blocks[0](x)`) from its pre-forward hook, unless saved-tensor
+hooks are active already (the engine's forward, or torch.utils.checkpoint's, which must keep what
+it is given): without them such forwards trained silently away from PyTorch under a device
+budget.
 
 Note [Optimizer sweep] is in optimizer.py, Note [Chunk kinds per precision] in
 chunked_params.py.
@@ -43,13 +50,19 @@ alive; the engine <-> optimizer cycle is plain Python, which the collector frees
 then runs `destroy()`, which writes a running profile first and closes everything. At
 interpreter exit (normal, or after an uncaught exception) `_destroy_live_engines` destroys the
 engines still alive, so swap files do not outlive the process. `destroy()` stays the explicit
-way; a second call does nothing.
+way; a second call does nothing. A process forked from the engine's (os.fork, multiprocessing,
+DataLoader workers) inherits it: every training call there raises (Note [Training call order]
+in guards.py), and its destroy() (the exit hook, `del`) leaves the runtime undestroyed: tearing
+it down waited for threads that exist only in the parent (`_abandon_inherited_runtime`), and its
+profile, swap file and IO are the parent's (Note [Swap files across fork] in
+runtime/nvme_tier.h).
 """
 from __future__ import annotations
 
 import atexit
 import contextlib
 import copy
+import ctypes
 import sys
 import time
 import weakref
@@ -67,7 +80,7 @@ from .module_config_view import ModuleConfigView
 from .data_parallel import DataParallel, detect_world
 from .guards import TrainingGuard, check_budgets
 from .external_params import external_parameter_hint, external_parameters
-from .hooks import ModuleHooks
+from .hooks import CallHooks, ModuleHooks, saved_tensor_hooks_active
 from .module_apply import ModuleApply
 from .module_copies import ModuleCopies
 from .module_state_hooks import ModuleStateHooks
@@ -110,6 +123,12 @@ _REBUILDS_PARAMETERS = frozenset({"resize_token_embeddings", "resize_position_em
 # the real shapes.
 _READS_PARAMETER_SHAPES = frozenset({"num_parameters", "get_memory_footprint",
                                      "floating_point_ops", "get_num_params", "estimate_mfu"})
+
+
+def _recomputing() -> bool:
+    """A module's forward running inside an autograd backward: activation checkpointing's
+    recomputation (Note [Recomputed forwards])."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def _refuse_wrapping_data_parallel(engine: nn.Module) -> None:
@@ -190,6 +209,9 @@ class PatrickStarEngine(nn.Module):
         self._in_backward = False  # Note [loss.backward()]
         self._autograd_unchecked = False  # joined, no gradient stored yet
         self._warmup_done = False
+        # Module -> accesses of forwards recomputed inside this backward that its backward has
+        # not yet given back (Note [Recomputed forwards]).
+        self._recompute_holds: dict[nn.Module, int] = {}
 
         # Before the model is built: tensor-parallel layers size their slices by the groups.
         self.dp = DataParallel(config, *detect_world(config))
@@ -238,9 +260,14 @@ class PatrickStarEngine(nn.Module):
         for index, param in enumerate(self.params.params):
             if param.requires_grad:
                 param.register_post_accumulate_grad_hook(self._make_grad_hook(index))
+        # Note [Outputs that are parameters]
+        self._module_param_ids = {
+            module: frozenset(id(self.params.params[index]) for index in owned)
+            for module, owned in self._module_params.items() if owned}
         self._hooks = ModuleHooks([m for m, owned in self._module_params.items() if owned],
                                   _weakly(self._access_module), _weakly(self._release_module),
-                                  _weakly(self._tick))
+                                  _weakly(self._tick), _weakly(self._own_output),
+                                  _weakly(self._saved_tensor_hooks))
         defaults = {"lr": config.optimizer.lr, "betas": config.optimizer.betas,
                     "eps": config.optimizer.eps, "weight_decay": config.optimizer.weight_decay}
         with self._real_shapes():  # a callable sees p.shape / p.dim() as the model has them
@@ -258,9 +285,14 @@ class PatrickStarEngine(nn.Module):
         torch_optimizers.install()  # a torch optimizer over these parameters raises at step()
         hooked = [m for m, owned in self._module_params.items() if owned]
         self._state_hooks = ModuleStateHooks(hooked, self)  # Note [The user's module's state...]
-        hooks = (self._hooks, self._state_hooks)
+        # Note [Saved views of parameters]: forwards that bypass model(...).
+        self._direct_calls: list = []
+        self._call_hooks = CallHooks(self.module, _weakly(self._enter_direct_call),
+                                     _weakly(self._leave_direct_call))
+        hooks = (self._hooks, self._state_hooks, self._call_hooks)
+        copied = hooked if any(m is self.module for m in hooked) else [*hooked, self.module]
         self._copies = ModuleCopies(  # Note [Copies of the user's module]
-            hooked, self, lambda: set().union(*(h.hook_ids for h in hooks)))
+            copied, self, lambda: set().union(*(h.hook_ids for h in hooks)))
         param_owners.register_engine(self, self.params.params)
         _live_engines.add(self)
 
@@ -388,18 +420,59 @@ class PatrickStarEngine(nn.Module):
                 indices.append(index)
         return indices
 
+    # Note [Recomputed forwards]
+    # Activation checkpointing (torch.utils.checkpoint, Hugging Face's
+    # gradient_checkpointing_enable) runs a block's forward again inside the backward, and the
+    # tensors that recomputation saves are raw views of the chunk memory of that moment: the
+    # reentrant kind recomputes outside the engine's saved_tensors_hooks, the non-reentrant kind
+    # under torch's own hooks, which keep what they are given. Released at the post-forward hook
+    # as in a forward, the chunk could move before the block's backward read those views (under a
+    # device budget: wrong gradients with the reentrant kind, which then trained silently away
+    # from PyTorch). The non-reentrant kind also stops the recomputation right after the last
+    # tensor it needs, inside a module, whose post-forward hook then never ran and whose access
+    # was never given back (under a budget: "chunks in use ... pinned", out of memory). So a
+    # forward run inside a backward holds its access until that module's own backward ends
+    # (one hold per post-backward hook, for a module called twice) or the backward ends.
     def _access_module(self, module: nn.Module, phase: str) -> None:
         indices = self._module_params.get(module)
         if indices:
             self._join_autograd_backward()
             self._slots.access(indices)
+            if phase == "fwd" and _recomputing():
+                self._recompute_holds[module] = self._recompute_holds.get(module, 0) + 1
 
     def _release_module(self, module: nn.Module, phase: str) -> None:
         indices = self._module_params.get(module)
-        if indices:
-            self._slots.release(indices, S.HOLD_AFTER_FWD if phase == "fwd" else S.HOLD_AFTER_BWD)
+        if not indices:
+            return
+        if phase == "fwd":
+            if not _recomputing():  # else held until the module's backward: Note [Recomputed...]
+                self._slots.release(indices, S.HOLD_AFTER_FWD)
+            return
+        holds = self._recompute_holds.get(module, 0)
+        if holds:
+            if holds == 1:
+                del self._recompute_holds[module]
+            else:
+                self._recompute_holds[module] = holds - 1
+            indices = indices * 2
+        self._slots.release(indices, S.HOLD_AFTER_BWD)
+
+    # Note [Outputs that are parameters]
+    # A module may return one of its parameters or a view of one (`return self.pe[:T]`, a learned
+    # position table; `return self.scale`): that tensor's memory is the chunk, released right
+    # after the module's forward, and under a device budget the chunk moves while the caller
+    # still holds the view (the next modules' accesses evict it), so the forward read another
+    # chunk's bytes, silently. Such an output is handed on as a copy made before the release;
+    # autograd links the copy to the parameter as it did the view.
+    def _own_output(self, module: nn.Module, tensor: torch.Tensor) -> torch.Tensor:
+        base = tensor._base if tensor._is_view() else tensor
+        if base is not None and id(base) in self._module_param_ids.get(module, ()):
+            return tensor.clone()
+        return tensor
 
     def _release_all(self, state) -> None:
+        self._recompute_holds.clear()
         self._slots.release_all(state)
 
     def _tick(self, event: str) -> None:
@@ -430,7 +503,29 @@ class PatrickStarEngine(nn.Module):
             self._join_autograd_backward()
             self._slots.access([packed.index])
         data = self.params.params[packed.index].data
-        return data.as_strided(packed.size, packed.stride, data.storage_offset() + packed.offset)
+        view = data.as_strided(packed.size, packed.stride, data.storage_offset() + packed.offset)
+        if torch.is_grad_enabled():
+            # A backward with create_graph=True (a gradient penalty): its own ops save what
+            # they read for the second backward, outside these hooks, and a view of chunk memory
+            # would be stale once the chunk moved. They save a copy of it instead (autograd
+            # keeps the link to the parameter).
+            return view.clone()
+        return view
+
+    def _saved_tensor_hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(self._pack_saved, self._unpack_saved)
+
+    def _enter_direct_call(self) -> None:
+        hooks = None
+        if torch.is_grad_enabled() and not saved_tensor_hooks_active():
+            hooks = self._saved_tensor_hooks()
+            hooks.__enter__()
+        self._direct_calls.append(hooks)
+
+    def _leave_direct_call(self) -> None:
+        hooks = self._direct_calls.pop() if self._direct_calls else None
+        if hooks is not None:
+            hooks.__exit__(None, None, None)
 
     # Note [Moving the engine]
     # Parameters live in chunks of the compute dtype, placed by the chunk manager; buffers
@@ -516,6 +611,10 @@ class PatrickStarEngine(nn.Module):
         _refuse_wrapping_data_parallel(self)
         if self._in_backward:  # a loss.backward() that raised before its end
             self._abandon_backward()
+        # Saved-tensor hooks that a direct call raising past its post-forward hook left entered.
+        self._hooks.leave_saved_tensor_hooks()
+        while self._direct_calls:
+            self._leave_direct_call()
         self.dp.before_forward()
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack_saved, self._unpack_saved):
@@ -532,14 +631,16 @@ class PatrickStarEngine(nn.Module):
         self.dp.after_forward()
         return output
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
+        """`retain_graph` as torch's and DeepSpeed's: keep the graph for another backward
+        through it (two losses of one forward, each its own backward call)."""
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError("backward(loss) expects a scalar loss tensor")
         agree = self.dp.ranks_with if self.dp.enabled else None
         if not self.guard.before_backward(loss, self.precision, agree):
             return
         scale = self.loss_scaler.scale / self.ps_config.gradient_accumulation_steps
-        self._run_backward([loss.float() * scale], None)
+        self._run_backward([loss.float() * scale], None, retain_graph)
 
     def backward_from(self, tensors, grads) -> None:
         """Backward from non-scalar `tensors` given their gradients: a pipeline stage other
@@ -549,12 +650,12 @@ class PatrickStarEngine(nn.Module):
             return
         self._run_backward(tensors, grads)
 
-    def _run_backward(self, tensors, grads) -> None:
+    def _run_backward(self, tensors, grads, retain_graph: bool = False) -> None:
         self._in_backward = True
         self.dp.before_backward()
         try:
             if tensors:
-                torch.autograd.backward(tensors, grads)
+                torch.autograd.backward(tensors, grads, retain_graph=retain_graph)
         finally:
             self._in_backward = False
             # Modules whose inputs need no grad never see their post-backward hook.
@@ -733,8 +834,14 @@ class PatrickStarEngine(nn.Module):
             return destination
         return result
 
-    def load_state_dict(self, state_dict, strict: bool = True):
-        """Accepts plain PyTorch tensors (any float dtype) for every parameter and buffer."""
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Accepts plain PyTorch tensors (any float dtype) for every parameter and buffer.
+        `assign=True` (torch's, to take the given tensors as the parameters) is refused as
+        `model.module.load_state_dict` refuses it: the parameters' data lives in chunks."""
+        if assign:
+            raise RuntimeError("load_state_dict(assign=True) cannot replace the model's "
+                               "parameters: their data lives in PatrickStar chunks; load without "
+                               "assign, which copies the values into the chunks")
         own = self.module.state_dict(keep_vars=True)
         missing = [name for name in own if name not in state_dict]
         unexpected = [name for name in state_dict if name not in own]
@@ -897,17 +1004,34 @@ class PatrickStarEngine(nn.Module):
             return
         self.guard.destroyed = True
         _live_engines.discard(self)
+        if not self.guard.in_owner_process():
+            self._abandon_inherited_runtime()
+            return
         try:
             if self.profiler is not None and self.profiler.running:
                 self.profiler.stop(engine=self)  # while the chunk manager is still open
         finally:
             self.dp.close()
             self._hooks.remove()
+            self._call_hooks.remove()
             for param in self.params.params:
                 param.data = self._placeholder()
             self.chunks.close()
             self._slots = None  # it holds the manager, and the manager the tiers
             self.chunks = self.tiers = self.copy_engine = self.runtime = None
+
+    def _abandon_inherited_runtime(self) -> None:
+        """In a process forked from the engine's (Note [Engine lifetime]): the runtime's
+        threads (copy engine, IO, the device's streams) exist only in the parent, so tearing it
+        down here waits for them forever (the strict emulated device's synchronize; a CUDA
+        context is not usable after fork either), and its files and rings are the parent's. The
+        child keeps its copies undestroyed until it ends: one more reference each, never given
+        back, so no destructor runs at interpreter exit either."""
+        for held in (self.runtime, self.chunks, self.tiers, self.copy_engine, self._slots,
+                     self.dp):
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(held))
+        self._hooks.remove()
+        self._call_hooks.remove()
 
     def __del__(self) -> None:
         # Note [Engine lifetime]. Attributes may be missing when __init__ raised.

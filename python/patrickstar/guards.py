@@ -26,6 +26,10 @@ counts backward calls since the last step:
     like an fp16 overflow. Under data parallelism the ranks agree first (a small all-reduce of
     the flags per backward): if any rank's loss is non-finite, every rank raises, or every rank
     skips, so none misses a collective the others run.
+In a process forked from the one that built the engine (os.fork, a multiprocessing or
+DataLoader worker) every call raises too: the copy threads and NVMe IO are the parent's, so a
+forward there waited forever for a copy nobody makes (Note [Swap files across fork] in
+runtime/nvme_tier.h for what the child's exit must leave alone).
 After `model.destroy()` every call raises instead of touching freed chunk memory, and after a
 `load_checkpoint()` whose restore failed partway (the checks before it change nothing), or an
 `optimizer.step()` that failed partway (an NVMe read or write-back error, Note [Optimizer sweep]
@@ -35,6 +39,7 @@ state: the rows updated before the failure would otherwise mix two steps.
 from __future__ import annotations
 
 import json
+import os
 from typing import Callable
 
 import torch
@@ -51,10 +56,22 @@ class TrainingGuard:
         self.backwards = 0
         self.skip_step = False
         self.destroyed = False
+        self.owner_pid = os.getpid()  # the process whose threads and files the engine uses
         # What stopped partway (an optimizer.step() or a load_checkpoint()) and what it left.
         self.failed_step: str | None = None
 
+    def in_owner_process(self) -> bool:
+        """False in a process forked from the one that built the engine."""
+        return os.getpid() == self.owner_pid
+
     def check_alive(self, what: str) -> None:
+        if not self.in_owner_process():
+            raise RuntimeError(
+                f"{what}: this PatrickStar engine was built in process {self.owner_pid}, and "
+                f"this is a process forked from it (pid {os.getpid()}): its copy threads and "
+                f"NVMe IO belong to the parent, so a forked child cannot train or read it. Give "
+                f"worker processes data rather than the model, or build an engine in the child "
+                f"with patrickstar.initialize()")
         if self.destroyed:
             raise RuntimeError(f"{what}: this PatrickStar engine was destroyed (model.destroy()); "
                                f"its chunks are freed. Build a new one with "

@@ -13,11 +13,11 @@ backward ends.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, ContextManager
 
 import torch
 
-__all__ = ["ModuleHooks"]
+__all__ = ["CallHooks", "ModuleHooks", "saved_tensor_hooks_active"]
 
 
 def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
@@ -78,11 +78,22 @@ class ModuleHooks(HookSet):
 
     def __init__(self, modules, access: Callable[[torch.nn.Module, str], None],
                  release: Callable[[torch.nn.Module, str], None],
-                 tick: Callable[[str], None]):
+                 tick: Callable[[str], None],
+                 own_output: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor],
+                 saved_tensor_hooks: Callable[[], ContextManager] | None = None):
+        """`own_output(module, tensor)` is applied to each output tensor before the release:
+        a tensor that is one of the module's parameters or a view of one comes back as a copy
+        (Note [Outputs that are parameters] in engine.py). `saved_tensor_hooks()` makes the
+        engine's saved-tensor hooks, entered around a module's forward with grad enabled when
+        none are in effect (a submodule called directly, not through the engine: Note [Saved
+        views of parameters] in engine.py)."""
         super().__init__()
         self._access = access
         self._release = release
         self._tick = tick
+        self._own_output = own_output
+        self._saved_tensor_hooks = saved_tensor_hooks
+        self._entered: list = []  # (module, context) entered by a pre-forward, innermost last
         for module in modules:
             self._handles.append(module.register_forward_pre_hook(self._pre_forward))
             self._handles.append(module.register_forward_hook(self._post_forward))
@@ -92,17 +103,38 @@ class ModuleHooks(HookSet):
         self._tick("pre_forward")
         self._access(module, "fwd")
         if torch.is_grad_enabled():
+            if self._saved_tensor_hooks is not None and not saved_tensor_hooks_active():
+                context = self._saved_tensor_hooks()
+                context.__enter__()
+                self._entered.append((module, context))
             return _map_tensors(inputs, lambda t: _BackwardCall.apply(self.post_backward, module, t)
                                 if t.requires_grad else t)
         return None
 
+    def leave_saved_tensor_hooks(self) -> None:
+        """Leaves the hooks entered by forwards that raised before their post-forward hook."""
+        while self._entered:
+            self._entered.pop()[1].__exit__(None, None, None)
+
     def _post_forward(self, module, inputs, output):
+        if self._entered and self._entered[-1][0] is module:
+            self._entered.pop()[1].__exit__(None, None, None)
+        copies = []
+
+        def own(tensor):
+            copy = self._own_output(module, tensor)  # None: the engine is gone
+            if copy is None or copy is tensor:
+                return tensor
+            copies.append(copy)
+            return copy
+
+        output = _map_tensors(output, own)
         self._release(module, "fwd")
         self._tick("post_forward")
         if torch.is_grad_enabled():
             return _map_tensors(output, lambda t: _BackwardCall.apply(self.pre_backward, module, t)
                                 if t.requires_grad else t)
-        return None
+        return output if copies else None
 
     # Backward (called from the autograd functions) --------------------------------------------
     def pre_backward(self, module):
@@ -112,3 +144,22 @@ class ModuleHooks(HookSet):
     def post_backward(self, module):
         self._release(module, "bwd")
         self._tick("post_backward")
+
+
+def saved_tensor_hooks_active() -> bool:
+    """Whether saved-tensor hooks (the engine's, torch.utils.checkpoint's) are in effect."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top is not None and top(False) is not None
+
+
+class CallHooks(HookSet):
+    """Calls `enter()` before `module` runs and `leave()` after it, also when it raises (the
+    engine's saved-tensor hooks around a forward that did not come through the engine: Note
+    [Saved views of parameters] in engine.py)."""
+
+    def __init__(self, module, enter: Callable[[], None], leave: Callable[[], None]):
+        super().__init__()
+        self._handles.append(module.register_forward_pre_hook(
+            lambda _module, _inputs: enter(), prepend=True))
+        self._handles.append(module.register_forward_hook(
+            lambda _module, _inputs, _output: leave(), always_call=True))

@@ -209,6 +209,7 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
 
     def _step(self) -> bool:
         """Applies one Adam/AdamW step; returns False when it was skipped for overflow."""
+        self._check_hyperparameters()
         self._check_no_unplaced_gradients()
         run = self.guard.before_step()
         self.guard.after_step()
@@ -242,6 +243,23 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         self.zero_grad()
         self._end_iteration()
         return True
+
+    def _check_hyperparameters(self) -> None:
+        """A group's lr, betas, eps or weight_decay set to something other than a number (`g['lr']
+        = None` in a user's schedule, betas as one number) failed inside the update kernel at the
+        first parameter, with pybind11's signature dump listing whole tensors, after that
+        parameter's step count had moved: the optimizer then refused every later step as
+        "failed partway" though nothing was updated. Checked before anything changes, naming
+        the group, key and value; the step can be called again once it is fixed."""
+        for index, group in enumerate(self.param_groups):
+            for key in ("lr", "eps", "weight_decay"):
+                _require_number(index, key, group.get(key))
+            betas = group.get("betas")
+            if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+                raise TypeError(f"optimizer.param_groups[{index}]['betas'] is {betas!r}: "
+                                f"expected two numbers (beta1, beta2); nothing was updated")
+            for beta in betas:
+                _require_number(index, "betas", beta, whole=betas)
 
     def _check_no_unplaced_gradients(self) -> None:
         """A parameter frozen when initialize() built the model has no gradient or optimizer
@@ -529,6 +547,20 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
                                           entry.get(moment_state.scale_key(key)))
         if "loss_scaler" in state_dict:
             self.loss_scaler.load_state_dict(state_dict["loss_scaler"])
+
+
+def _require_number(group: int, key: str, value, whole=None) -> None:
+    """Raises unless `value` converts to one float, as the update kernel takes it (a Python
+    number, a numpy scalar, a one-element tensor)."""
+    try:
+        if isinstance(value, (str, bytes)):
+            raise TypeError
+        float(value)
+    except (TypeError, ValueError, RuntimeError):
+        shown = value if whole is None else whole
+        raise TypeError(f"optimizer.param_groups[{group}][{key!r}] is {shown!r} "
+                        f"({type(value).__name__}): expected a number; nothing was updated, "
+                        f"set it to a number and call optimizer.step() again") from None
 
 
 def clip_coefficient(total_norm: float, max_norm: float) -> float:

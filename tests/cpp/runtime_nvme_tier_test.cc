@@ -4,11 +4,14 @@
 #include <gtest/gtest.h>
 #include <sys/file.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <thread>
 
 #include "runtime/host_memory.h"
 #include "runtime/nvme_tier.h"
@@ -98,6 +101,43 @@ TEST_P(NvmeTierTest, FileIsRemovedOnCleanShutdown) {
     (void)block;
   }
   EXPECT_FALSE(std::filesystem::exists(path));
+}
+
+// Note [Swap files across fork]: a child that destroys its copy of the tier (an engine's exit
+// hook in a forked process) leaves the parent's file, contents and IO as they were. Before, the
+// child unlinked the file, punched a hole over the block and stopped the parent's io_uring
+// reaper through the shared ring.
+TEST_P(NvmeTierTest, AForkedChildDestroyingItsCopyLeavesTheParentsFileAndIo) {
+  PS_ASSERT_OK_AND_ASSIGN(auto tier, NvmeTier::Create(Options(dir_.path(), io_uring())));
+  PS_ASSERT_OK_AND_ASSIGN(Block block, tier->Allocate(256 << 10));
+  AlignedBuffer out(block.bytes), in(block.bytes);
+  testing::FillRandom(out.data, block.bytes, 7);
+  PS_ASSERT_OK(tier->Write(block, out.data, block.bytes));
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    tier.reset();
+    _exit(0);
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+  ASSERT_TRUE(std::filesystem::exists(tier->path()));
+  PS_ASSERT_OK(tier->Read(block, in.data, block.bytes));
+  EXPECT_TRUE(testing::SameBytes(out.data, in.data, block.bytes));
+  // Asynchronous IO still completes: the parent's reaper (io_uring) was not stopped.
+  std::atomic<bool> done{false};
+  PS_ASSERT_OK(tier->BeginWrite(block));
+  tier->SubmitWrite(block, out.data, block.bytes, [&](absl::Status s) {
+    EXPECT_TRUE(s.ok()) << s;
+    tier->EndWrite(block, s.ok());
+    done = true;
+  });
+  for (int i = 0; i < 10000 && !done.load(); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  ASSERT_TRUE(done.load()) << "the write did not complete within 10 s";
+  PS_ASSERT_OK(tier->Free(block));
 }
 
 TEST_P(NvmeTierTest, InjectedEnospcFailsTheWriteNamingFileOffsetAndBytes) {

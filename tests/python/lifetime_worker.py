@@ -5,6 +5,8 @@
     lifetime_worker.py OUT_DIR raise NVME_DIR                train, then die of an exception
 (the NVMe files of rank r go to NVME_DIR/r; with torchrun's environment, every rank does it)
     lifetime_worker.py OUT_DIR profile PROFILE_DIR           profile from config, destroy()
+    lifetime_worker.py OUT_DIR fork NVME_DIR [nofork]        train, fork a child that tries the
+                                                             engine and ends normally, train on
 
 The cycles write OUT_DIR/rank<r>.pt: RSS after every cycle, the files left in NVME_DIR and
 whether the engine survived `del` + gc.collect().
@@ -14,6 +16,7 @@ from __future__ import annotations
 import gc
 import os
 import resource
+import signal
 import sys
 import warnings
 import weakref
@@ -71,6 +74,40 @@ def cycles(out, nvme_dir, profile_dir) -> None:
     torch.save(result, os.path.join(out, f"rank{rank}.pt"))
 
 
+def fork(out, nvme_dir, forking: bool) -> None:
+    """A child forked after initialize() (os.fork; multiprocessing's workers end with
+    os._exit, this one like a script, through the exit hooks) must leave the parent's swap
+    file, its contents and its IO alone; the parent trains on as without the child. Writes
+    OUT_DIR/parent.pt (losses, files left after the child) and OUT_DIR/child.pt."""
+    signal.alarm(120)  # a parent whose NVMe reads never complete dies instead of hanging
+    torch.manual_seed(0)
+    model, optimizer = patrickstar.initialize(model_func, config=config(nvme_dir))
+    train(model, optimizer)
+    if forking:
+        pid = os.fork()
+        if pid == 0:
+            signal.alarm(60)  # a child whose exit hangs dies (alarms are not inherited)
+            try:
+                model(torch.randn(4, WIDTH))
+                error = None
+            except RuntimeError as caught:
+                error = str(caught)
+            torch.save({"error": error}, os.path.join(out, "child.pt"))
+            return  # the interpreter's exit runs the engine's exit hook in the child
+        status = os.waitpid(pid, 0)[1]
+    files = sorted(os.listdir(nvme_dir))
+    losses = []
+    for _ in range(3):
+        loss = model(torch.randn(4, WIDTH)).square().mean()
+        model.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    torch.save({"files": files, "losses": losses,
+                "child_exit": os.waitstatus_to_exitcode(status) if forking else None},
+               os.path.join(out, "parent.pt"))
+
+
 def main() -> None:
     warnings.simplefilter("ignore")
     out, what = sys.argv[1], sys.argv[2]
@@ -90,6 +127,8 @@ def main() -> None:
         torch.save({"trained": True}, os.path.join(out, f"rank{rank}.pt"))
         if what == "raise":
             raise RuntimeError("the training script failed")
+    elif what == "fork":
+        fork(out, sys.argv[3], forking=len(sys.argv) < 5)
     elif what == "profile":
         model, optimizer = patrickstar.initialize(model_func,
                                                   config=config(profile_dir=sys.argv[3]))

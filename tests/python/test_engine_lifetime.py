@@ -21,9 +21,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "lifetime_worker.py")
 
 
-def _run(*args):
+def _run(*args, **env):
     return subprocess.run([sys.executable, WORKER, *map(str, args)], capture_output=True,
-                          text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+                          text=True, timeout=300,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", **env))
 
 
 def test_del_frees_the_engine_and_its_swap_file(nvme_dir):
@@ -90,3 +91,24 @@ def test_destroy_writes_a_config_profile_and_exit_raises_nothing(tmp_path):
     assert "Traceback" not in result.stderr and "closed" not in result.stderr, result.stderr
     for name in ("trace.json", "memory.csv", "summary.json", "report.html"):
         assert (tmp_path / "prof" / name).exists(), name
+
+
+@pytest.mark.parametrize("strict", ["0", "1"])
+def test_a_forked_child_refuses_the_engine_and_its_exit_leaves_the_parent_alone(tmp_path, strict):
+    """Before: the child's exit hook destroyed its copy of the engine as the owner, unlinking the
+    parent's swap file, punching holes over its chunks and stopping its io_uring reaper, so the
+    parent hung at its next forward; on the strict emulated device the child's exit itself hung,
+    synchronizing with stream threads that exist only in the parent."""
+    results = {}
+    for mode in ("fork", "nofork"):
+        out, nvme = tmp_path / mode, tmp_path / mode / "nvme"
+        os.makedirs(nvme)
+        result = _run(out, "fork", nvme, *(["nofork"] if mode == "nofork" else []),
+                      PATRICKSTAR_STRICT_DEVICE=strict)
+        assert result.returncode == 0, result.stderr
+        results[mode] = torch.load(out / "parent.pt")
+    child = torch.load(tmp_path / "fork" / "child.pt")
+    assert child["error"] and "forked from it" in child["error"], child
+    assert results["fork"]["child_exit"] == 0, results  # the child ended normally
+    assert len(results["fork"]["files"]) == 1, results  # the parent's swap file is still there
+    assert results["fork"]["losses"] == results["nofork"]["losses"]

@@ -168,6 +168,101 @@ def test_gpt_fp32_tied_embeddings_matches_pytorch(budget_fraction):
         assert device["evictions"] > 0 and device["prefetch_hits"] > 0
 
 
+class GPTWithLossMethod(GPT):
+    def training_loss(self, tokens, targets):  # a method that calls the module itself
+        return self(tokens, targets)
+
+
+def gpt_forward_by_hand(gpt, tokens, targets):
+    """GPT.forward written outside the module, calling its submodules directly."""
+    x = gpt.tokens(tokens) + gpt.positions(torch.arange(tokens.shape[1]))
+    for block in gpt.blocks:
+        x = block(x)
+    logits = gpt.head(gpt.ln_f(x))
+    return nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+@pytest.mark.parametrize("call", ["module", "method", "submodules"])
+def test_forwards_that_bypass_the_engine_train_as_through_it_under_a_device_budget(call):
+    """`model.module(x)`, a method reached through the engine that calls `self(...)` and
+    submodules called directly ran without the engine's saved-tensor hooks (Note [Saved views of
+    parameters]): F.linear's saved weight.t() pointed at chunk memory that moved before the
+    backward (0.007 off after 4 steps)."""
+    cfg = gpt_config()
+    config = {"default_chunk_size": 4096, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              "memory": {"device_budget": 4 * 4096 * 4}}
+
+    def run(forward):
+        torch.manual_seed(0)
+        model, optimizer = patrickstar.initialize(lambda: GPTWithLossMethod(cfg), config=config)
+        losses = []
+        for tokens, targets in synthetic_batches(cfg, batch=4, steps=4):
+            loss = forward(model, tokens, targets)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        assert model.memory_stats()[0]["evictions"] > 0
+        return losses, model.state_dict()
+
+    through = run(lambda model, *batch: model(*batch))
+    if call == "module":
+        bypassing = run(lambda model, *batch: model.module(*batch))
+    elif call == "method":
+        bypassing = run(lambda model, *batch: model.training_loss(*batch))
+    else:
+        bypassing = run(lambda model, *batch: gpt_forward_by_hand(model.module, *batch))
+    assert bypassing[0] == through[0]
+    for name, tensor in through[1].items():
+        torch.testing.assert_close(bypassing[1][name], tensor, rtol=0, atol=0)
+
+
+class PositionTable(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(32, 16) * 0.1)
+        self.gain = nn.Parameter(torch.ones(16))
+
+    def forward(self, length):
+        return self.table[:length], self.gain  # a view of one parameter, and another as it is
+
+
+class ReturnsItsParameters(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.positions = PositionTable()
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(4))
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x, y):
+        positions, gain = self.positions(x.shape[1])
+        for layer in self.layers:  # their accesses evict the table's chunk
+            x = torch.tanh(layer(x))
+        return nn.functional.cross_entropy(self.head((x + positions) * gain).mean(1), y)
+
+
+def test_a_module_returning_its_parameters_matches_pytorch_under_a_device_budget():
+    """Note [Outputs that are parameters]: the caller used the returned view after the table's
+    chunk had moved, so the forward read other bytes (the first loss was already off)."""
+    def batches(steps):
+        generator = torch.Generator().manual_seed(0)
+        for _ in range(steps):
+            yield (torch.randn(4, 8, 16, generator=generator),
+                   torch.randint(0, 4, (4,), generator=generator))
+
+    result = train_pair(ReturnsItsParameters, batches,
+                        {"default_chunk_size": 512, "memory": {"device_budget": 3 * 4096}},
+                        steps=4, lr=1e-2)
+    assert_same_training(*result[:4])
+    assert result[4].memory_stats()[0]["evictions"] > 0
+    plain = ReturnsItsParameters()
+    plain.load_state_dict(result[2])
+    model = result[4]
+    with torch.no_grad():  # and without autograd (inference, generate) as well
+        x, y = next(batches(1))
+        torch.testing.assert_close(model(x, y), plain(x, y), rtol=1e-5, atol=1e-6)
+
+
 def test_unused_parameters_buffers_and_double_calls_match_pytorch():
     result = train_pair(SometimesUnused, small_batches, {"default_chunk_size": 1024}, steps=20)
     assert_same_training(*result[:4])

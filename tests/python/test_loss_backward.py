@@ -239,3 +239,70 @@ def test_a_gradient_penalty_through_autograd_grad_trains_as_pytorch(autograd):
     state = model.state_dict()
     for key, tensor in reference.state_dict().items():
         torch.testing.assert_close(state[key], tensor, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("autograd", [True, False])
+def test_a_gradient_penalty_under_a_device_budget_trains_as_pytorch(autograd):
+    """The backward with create_graph=True saves, for the second backward, what its ops read:
+    views of chunk memory (the weights unpacked for it) that moved before the second backward
+    read them, so the penalty's parameter gradients were silently wrong (0.01 off after 5
+    steps) whenever chunks were evicted in between."""
+    def model_func():
+        return nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(16, 16), nn.Tanh())],
+                             nn.Linear(16, 1))
+
+    inputs = [torch.randn(8, 16, generator=torch.Generator().manual_seed(i)) for i in range(5)]
+    torch.manual_seed(0)
+    reference = model_func()
+    ref_optimizer = torch.optim.Adam(reference.parameters(), lr=1e-3, foreach=False)
+    torch.manual_seed(0)
+    # A chunk per layer, three of them on the device.
+    model, optimizer = patrickstar.initialize(model_func, config={
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}, "default_chunk_size": 272,
+        "memory": {"device_budget": 3 * 4096}})
+
+    def penalized(module, x):
+        x = x.clone().requires_grad_()
+        out = module(x)
+        grad, = torch.autograd.grad(out.sum(), x, create_graph=True)
+        return out.mean() + 10 * ((grad.norm(2, dim=1) - 1) ** 2).mean()
+
+    for x in inputs:
+        penalized(reference, x).backward()
+        ref_optimizer.step()
+        ref_optimizer.zero_grad()
+        loss = penalized(model, x)
+        loss.backward() if autograd else model.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+    assert model.memory_stats()[0]["evictions"] > 0
+    state = model.state_dict()
+    for key, tensor in reference.state_dict().items():
+        torch.testing.assert_close(state[key], tensor, rtol=1e-5, atol=1e-6)
+
+
+def test_model_backward_retain_graph_takes_two_losses_of_one_forward_as_pytorch():
+    """DeepSpeed's and torch's `retain_graph=True` (two losses of one forward, one backward
+    each): model.backward(loss, retain_graph=True) was a TypeError."""
+    data = batches(4)
+    torch.manual_seed(0)
+    reference = MLP()
+    ref_optimizer = torch.optim.Adam(reference.parameters(), lr=1e-2, foreach=False)
+    torch.manual_seed(0)
+    model, optimizer = patrickstar.initialize(MLP, config={
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-2}}, "default_chunk_size": 4096,
+        "gradient_accumulation_steps": 2, "memory": {"device_budget": 3 * 4096 * 4}})
+    for x, y in data:
+        loss = reference(x, y)
+        (loss / 2).backward(retain_graph=True)
+        (loss * loss / 2).backward()
+        ref_optimizer.step()
+        ref_optimizer.zero_grad()
+        ours = model(x, y)
+        model.backward(ours, retain_graph=True)
+        model.backward(ours * ours)
+        optimizer.step()
+        optimizer.zero_grad()
+    state = model.state_dict()
+    for key, tensor in reference.state_dict().items():
+        torch.testing.assert_close(state[key], tensor, rtol=1e-5, atol=1e-6)

@@ -84,6 +84,10 @@ def test_module_load_state_dict_errors_speak_torch_with_real_shapes():
     weights["layers.2.bias"] = before["layers.2.bias"]
     with pytest.raises(RuntimeError, match=r"assign=True\) cannot replace 'layers.0.weight'"):
         model.module.load_state_dict(weights, assign=True)
+    # On the engine too (it was "got an unexpected keyword argument 'assign'").
+    with pytest.raises(RuntimeError, match=r"assign=True\) cannot replace the model's "
+                                           r"parameters.*load without assign"):
+        model.load_state_dict(weights, assign=True)
     # assign kept the engine's parameter objects.
     assert model.module.layers[0].weight in set(model.parameters())
     for key, tensor in model.state_dict().items():

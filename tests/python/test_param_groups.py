@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import warnings
 
+import pytest
 import torch
 from torch import nn
 
 import patrickstar
 
 from patrickstar.examples.gpt import GPT, synthetic_batches
-from test_initialize import gpt_config
+from test_initialize import MLP, gpt_config
 
 
 def decay_split(module: nn.Module) -> list[dict]:
@@ -64,3 +65,44 @@ def test_decay_recipe_splits_like_the_plain_model_and_trains_like_it():
         torch.testing.assert_close(state[name], tensor, rtol=1e-5, atol=5e-5,
                                    msg=lambda m, name=name: f"{name}: {m}")
     model.destroy()
+
+
+@pytest.mark.parametrize("key, value, shown", [
+    ("lr", None, r"\['lr'\] is None \(NoneType\)"),
+    ("lr", "1e-3", r"\['lr'\] is '1e-3' \(str\)"),
+    ("betas", 0.9, r"\['betas'\] is 0.9: expected two numbers"),
+    ("betas", (0.9, None), r"\['betas'\] is \(0.9, None\) \(NoneType\)"),
+    ("weight_decay", torch.tensor([0.1, 0.2]), r"\['weight_decay'\] is tensor"),
+])
+def test_a_group_hyperparameter_that_is_not_a_number_is_named_and_changes_nothing(
+        key, value, shown):
+    """`g['lr'] = x` as users schedule it: a value the update cannot take failed inside the
+    kernel with a dump of whole tensors and left the optimizer refusing every later step
+    ("failed partway"), though nothing had been updated."""
+    torch.manual_seed(0)
+    reference = MLP()
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, foreach=False)
+    torch.manual_seed(0)
+    model, opt = patrickstar.initialize(MLP, config={
+        "default_chunk_size": 4096, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
+    generator = torch.Generator().manual_seed(0)
+    x, y = torch.randn(8, 32, generator=generator), torch.randint(0, 10, (8,), generator=generator)
+    model.backward(model(x, y))
+    saved = opt.param_groups[0][key]
+    opt.param_groups[0][key] = value
+    with pytest.raises(TypeError, match=r"optimizer\.param_groups\[0\]" + shown) as error:
+        opt.step()
+    assert len(str(error.value)) < 300
+    opt.param_groups[0][key] = saved
+    opt.step()  # the same gradients, now applied
+    opt.zero_grad()
+    reference(x, y).backward()
+    ref_opt.step()
+    ref_opt.zero_grad()
+    model.backward(model(x, y))  # and training goes on
+    opt.step()
+    reference(x, y).backward()
+    ref_opt.step()
+    state = model.state_dict()
+    for name, tensor in reference.state_dict().items():
+        torch.testing.assert_close(state[name], tensor, rtol=1e-5, atol=1e-6)

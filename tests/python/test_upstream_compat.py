@@ -103,6 +103,24 @@ def test_upstream_config_spellings():
         patrickstar.load_config({"use_fake_dist": "yes"})
 
 
+def test_upstream_v040_readme_config_with_mem_sampler_loads():
+    """Upstream v0.4.0's README names the client section `mem_sampler` (later `mem_tracer`):
+    it was refused as an unknown key, so the README's own snippet did not run."""
+    with pytest.warns(UserWarning, match="client.mem_sampler.use_async_mem_monitor"):
+        config = patrickstar.load_config({
+            "optimizer": {"type": "Adam", "params": {"lr": 0.001, "betas": (0.9, 0.999),
+                                                     "eps": 1e-6, "weight_decay": 0,
+                                                     "use_hybrid_adam": True}},
+            "fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 2 ** 3,
+                     "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1},
+            "default_chunk_size": 64 * 1024 * 1024, "release_after_init": True,
+            "use_cpu_embedding": False,
+            "client": {"mem_sampler": {"use_async_mem_monitor": True}}})
+    assert config.precision == "fp16" and config.fp16.initial_scale_power == 8
+    with pytest.raises(ValueError, match="'client.mem_sampler.bogus'"):
+        patrickstar.load_config({"client": {"mem_sampler": {"bogus": 1}}})
+
+
 @pytest.mark.parametrize("key,instead", [
     ("zero_optimization", "memory.host_budget"), ("train_batch_size", "data loader"),
     ("train_micro_batch_size_per_gpu", "data loader"), ("scheduler", "lr_scheduler="),
