@@ -19,22 +19,7 @@ libraries that count parameters (PEFT's `print_trainable_parameters`) read when 
 A write into a placeholder raises at the next access (Note [Writes to a released parameter]);
 `model.apply(fn)` is the way to change weights in place.
 
-Note [Saved views of parameters]
-Autograd saves leaves by reference, but many ops save a *view* made in forward: `F.linear` saves
-`weight.t()`, whose storage is the chunk memory the weight was a view of at that moment. When the
-chunk moves between forward and backward (eviction, prefetch) that memory is freed and reused by
-another chunk, so the backward would read another tensor's bytes. The engine therefore runs the
-forward under `saved_tensors_hooks`: a saved tensor whose storage is a parameter's chunk view is
-packed as (parameter, offset, sizes, strides) and rebuilt in backward over wherever the
-parameter's chunk lives then (re-accessing it if no hook did). DeepSpeed ZeRO-3 patches
-`F.linear` for the same reason; the hooks cover every op, not just linear. A forward of the user's
-module that does not come through `model(...)` (`model.module(x)`, or a method reached through
-the engine that calls `self(...)`, such as `model.training_loss(batch)`) gets the same hooks from
-a pre-hook on the module (`CallHooks`), and so does a submodule called directly (a forward written
-outside the module: `model.module.blocks[0](x)`) from its pre-forward hook, unless saved-tensor
-hooks are active already (the engine's forward, or torch.utils.checkpoint's, which must keep what
-it is given): without them such forwards trained silently away from PyTorch under a device
-budget.
+Note [Saved views of parameters] and Note [Outputs that are parameters] are in saved_views.py.
 
 Note [Optimizer sweep] is in optimizer.py, Note [Chunk kinds per precision] in
 chunked_params.py.
@@ -80,13 +65,14 @@ from .module_config_view import ModuleConfigView
 from .data_parallel import DataParallel, detect_world
 from .guards import TrainingGuard, check_budgets
 from .external_params import external_parameter_hint, external_parameters
-from .hooks import CallHooks, ModuleHooks, saved_tensor_hooks_active
+from .hooks import CallHooks, ModuleHooks
 from .module_apply import ModuleApply
 from .module_copies import ModuleCopies
 from .module_state_hooks import ModuleStateHooks
 from .init_context import InitResidency, ParameterPlacer, plan_parameters
 from .loss_scaler import make_loss_scaler
 from .optimizer import PatrickStarOptimizer, build_param_groups
+from .saved_views import SavedParameterViews
 from .profiling.recorder import optimizer_phase, profiler_from_config
 from .profiling.upstream import profiler as upstream_profiler
 from .utils import global_timer
@@ -172,19 +158,6 @@ def _destroy_live_engines() -> None:
         engine.destroy()
 
 
-class _SavedParamView:
-    """A saved tensor that is a view of a parameter's chunk memory (Note [Saved views of
-    parameters])."""
-
-    __slots__ = ("index", "offset", "size", "stride")
-
-    def __init__(self, index: int, offset: int, size, stride):
-        self.index = index
-        self.offset = offset
-        self.size = size
-        self.stride = stride
-
-
 class PatrickStarEngine(nn.Module):
     """What `initialize()` returns as `model`: call it like the module, then
     `model.backward(loss)`. `model.module` is the user's module."""
@@ -260,10 +233,9 @@ class PatrickStarEngine(nn.Module):
         for index, param in enumerate(self.params.params):
             if param.requires_grad:
                 param.register_post_accumulate_grad_hook(self._make_grad_hook(index))
-        # Note [Outputs that are parameters]
-        self._module_param_ids = {
-            module: frozenset(id(self.params.params[index]) for index in owned)
-            for module, owned in self._module_params.items() if owned}
+        self._views = SavedParameterViews(  # Note [Saved views of parameters]
+            self._slots, self.params.params, self.activations, self._module_params,
+            _weakly(self._join_autograd_backward))
         self._hooks = ModuleHooks([m for m, owned in self._module_params.items() if owned],
                                   _weakly(self._access_module), _weakly(self._release_module),
                                   _weakly(self._tick), _weakly(self._own_output),
@@ -286,7 +258,6 @@ class PatrickStarEngine(nn.Module):
         hooked = [m for m, owned in self._module_params.items() if owned]
         self._state_hooks = ModuleStateHooks(hooked, self)  # Note [The user's module's state...]
         # Note [Saved views of parameters]: forwards that bypass model(...).
-        self._direct_calls: list = []
         self._call_hooks = CallHooks(self.module, _weakly(self._enter_direct_call),
                                      _weakly(self._leave_direct_call))
         hooks = (self._hooks, self._state_hooks, self._call_hooks)
@@ -458,18 +429,8 @@ class PatrickStarEngine(nn.Module):
             indices = indices * 2
         self._slots.release(indices, S.HOLD_AFTER_BWD)
 
-    # Note [Outputs that are parameters]
-    # A module may return one of its parameters or a view of one (`return self.pe[:T]`, a learned
-    # position table; `return self.scale`): that tensor's memory is the chunk, released right
-    # after the module's forward, and under a device budget the chunk moves while the caller
-    # still holds the view (the next modules' accesses evict it), so the forward read another
-    # chunk's bytes, silently. Such an output is handed on as a copy made before the release;
-    # autograd links the copy to the parameter as it did the view.
     def _own_output(self, module: nn.Module, tensor: torch.Tensor) -> torch.Tensor:
-        base = tensor._base if tensor._is_view() else tensor
-        if base is not None and id(base) in self._module_param_ids.get(module, ()):
-            return tensor.clone()
-        return tensor
+        return self._views.own_output(module, tensor)  # Note [Outputs that are parameters]
 
     def _release_all(self, state) -> None:
         self._recompute_holds.clear()
@@ -488,44 +449,16 @@ class PatrickStarEngine(nn.Module):
 
     # ---- Forward / backward --------------------------------------------------------------------
 
-    def _pack_saved(self, tensor: torch.Tensor):
-        index = self._slots.saved_index(tensor)
-        if index < 0:
-            return self.activations.pack(tensor)
-        return _SavedParamView(index, tensor.storage_offset(), tensor.size(), tensor.stride())
-
-    def _unpack_saved(self, packed):
-        if not isinstance(packed, _SavedParamView):
-            return self.activations.unpack(packed)
-        if self._slots.access_count(packed.index) == 0:
-            # No hook accessed it for this backward (a parameter used outside its module's
-            # forward); backward() releases it when it ends.
-            self._join_autograd_backward()
-            self._slots.access([packed.index])
-        data = self.params.params[packed.index].data
-        view = data.as_strided(packed.size, packed.stride, data.storage_offset() + packed.offset)
-        if torch.is_grad_enabled():
-            # A backward with create_graph=True (a gradient penalty): its own ops save what
-            # they read for the second backward, outside these hooks, and a view of chunk memory
-            # would be stale once the chunk moved. They save a copy of it instead (autograd
-            # keeps the link to the parameter).
-            return view.clone()
-        return view
-
+    # The hooks reach these through weak references (Note [Engine lifetime]); the views object
+    # owns the work (Note [Saved views of parameters] in saved_views.py).
     def _saved_tensor_hooks(self):
-        return torch.autograd.graph.saved_tensors_hooks(self._pack_saved, self._unpack_saved)
+        return self._views.hooks()
 
     def _enter_direct_call(self) -> None:
-        hooks = None
-        if torch.is_grad_enabled() and not saved_tensor_hooks_active():
-            hooks = self._saved_tensor_hooks()
-            hooks.__enter__()
-        self._direct_calls.append(hooks)
+        self._views.enter_direct_call()
 
     def _leave_direct_call(self) -> None:
-        hooks = self._direct_calls.pop() if self._direct_calls else None
-        if hooks is not None:
-            hooks.__exit__(None, None, None)
+        self._views.leave_direct_call()
 
     # Note [Moving the engine]
     # Parameters live in chunks of the compute dtype, placed by the chunk manager; buffers
@@ -613,11 +546,10 @@ class PatrickStarEngine(nn.Module):
             self._abandon_backward()
         # Saved-tensor hooks that a direct call raising past its post-forward hook left entered.
         self._hooks.leave_saved_tensor_hooks()
-        while self._direct_calls:
-            self._leave_direct_call()
+        self._views.leave_direct_calls()
         self.dp.before_forward()
         try:
-            with torch.autograd.graph.saved_tensors_hooks(self._pack_saved, self._unpack_saved):
+            with self._views.hooks():
                 output = self.module(*args, **kwargs)
         except RuntimeError as error:
             hint = external_parameter_hint(error)
@@ -730,7 +662,7 @@ class PatrickStarEngine(nn.Module):
         has been differentiated, so nothing in this backward reads it any more, and data
         parallelism may release its group before the gradient lands
         (GatherSchedule.before_grad). A later read anyway (a saved view unpacked again) accesses
-        it afresh, as `_unpack_saved` does for a parameter no hook accessed."""
+        it afresh, as SavedParameterViews.unpack does for a parameter no hook accessed."""
         count = self._slots.access_count(index)
         if count > 0:
             self._slots.release([index] * count, S.HOLD_AFTER_BWD)
@@ -1018,6 +950,7 @@ class PatrickStarEngine(nn.Module):
                 param.data = self._placeholder()
             self.chunks.close()
             self._slots = None  # it holds the manager, and the manager the tiers
+            self._views.close()  # it holds the slots
             self.chunks = self.tiers = self.copy_engine = self.runtime = None
 
     def _abandon_inherited_runtime(self) -> None:
