@@ -10,7 +10,7 @@
 // than in its optimizer. Here one call covers a module. The slots also know which chunk
 // addresses are parameter views right now (SavedIndex), so that autograd's saved tensors of a
 // parameter are re-created from the chunk in backward instead of pinning a view of memory that
-// may have moved (Note [Saved views of parameters] in engine.py).
+// may have moved (Note [Saved views of parameters] in saved_views.py).
 //
 // Errors leave the counts consistent: a count rises only once its access succeeded, so a failed
 // access (a budget that cannot hold the chunk) leaves nothing to release.

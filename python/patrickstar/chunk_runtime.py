@@ -22,7 +22,7 @@ class Chunks:
         # Prefetch looks PREFETCH_MOMENTS moments ahead in the warm-up trace (Note [Prefetch] in
         # chunk_manager_moves.cc). It was off while prefetch moves corrupted backward; the cause was
         # autograd's saved views of moved chunks (Note [Saved views of parameters] in
-        # engine.py), not the manager. Data parallelism prefetches too: a group's gather pins
+        # saved_views.py), not the manager. Data parallelism prefetches too: a group's gather pins
         # its local chunk where a prefetch in flight takes it (Note [Pinning a group for a
         # collective]), and the pins and gathers are accesses in the trace like any other.
         self.manager = _C.ChunkManager(tiers=tiers, copy_engine=copy_engine,

@@ -8,7 +8,7 @@ its forward. A forward that reads another module's parameter directly (`x @ self
 in the parent, a weight shared by reference rather than by module) would see the placeholder and
 fail with a shape error. Registering the parameter on the module that reads it makes that
 module's forward access and release it like its own. Backward needs nothing: a saved parameter
-is re-accessed on unpack (Note [Saved views of parameters] in engine.py).
+is re-accessed on unpack (Note [Saved views of parameters] in saved_views.py).
 
 The registration lives on the module object (an attribute holding the parameters), so it can be
 made in the module's `__init__`, inside `model_func`, as DeepSpeed users do; the engine reads it

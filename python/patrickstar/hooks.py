@@ -83,7 +83,7 @@ class ModuleHooks(HookSet):
                  saved_tensor_hooks: Callable[[], ContextManager] | None = None):
         """`own_output(module, tensor)` is applied to each output tensor before the release:
         a tensor that is one of the module's parameters or a view of one comes back as a copy
-        (Note [Outputs that are parameters] in engine.py). `saved_tensor_hooks()` makes the
+        (Note [Outputs that are parameters] in saved_views.py). `saved_tensor_hooks()` makes the
         engine's saved-tensor hooks, entered around a module's forward with grad enabled when
         none are in effect (a submodule called directly, not through the engine: Note [Saved
         views of parameters] in engine.py)."""
@@ -155,7 +155,7 @@ def saved_tensor_hooks_active() -> bool:
 class CallHooks(HookSet):
     """Calls `enter()` before `module` runs and `leave()` after it, also when it raises (the
     engine's saved-tensor hooks around a forward that did not come through the engine: Note
-    [Saved views of parameters] in engine.py)."""
+    [Saved views of parameters] in saved_views.py)."""
 
     def __init__(self, module, enter: Callable[[], None], leave: Callable[[], None]):
         super().__init__()
