@@ -86,7 +86,7 @@ class ModuleHooks(HookSet):
         (Note [Outputs that are parameters] in saved_views.py). `saved_tensor_hooks()` makes the
         engine's saved-tensor hooks, entered around a module's forward with grad enabled when
         none are in effect (a submodule called directly, not through the engine: Note [Saved
-        views of parameters] in engine.py)."""
+        views of parameters] in saved_views.py)."""
         super().__init__()
         self._access = access
         self._release = release
