@@ -547,7 +547,7 @@ class PatrickStarEngine(nn.Module):
         # Saved-tensor hooks that a direct call raising past its post-forward hook left entered.
         self._hooks.leave_saved_tensor_hooks()
         self._views.leave_direct_calls()
-        self.dp.before_forward()
+        self.dp.before_forward(torch.is_grad_enabled() and self.module.training)
         try:
             with self._views.hooks():
                 output = self.module(*args, **kwargs)

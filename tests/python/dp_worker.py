@@ -251,20 +251,20 @@ def lonely_call(rank: int, what: str) -> dict:
     import gc
     s = SCENARIOS["blocks"]
     model, optimizer = patrickstar.initialize(s.model, config={
-        **s.config, "parallel": {"collective_timeout": 3}})
+        **s.config, "parallel": {"collective_timeout": 3 if what == "state_dict" else 120}})
     x, y = next(s.batches(1))
     model.backward(model(x, y))
     optimizer.step()
     optimizer.zero_grad()
-    if rank == 0 and what == "state_dict":
-        model.state_dict()
-    elif rank == 0:
-        model.eval()
-        with torch.no_grad():
-            model(x, y)
-        model.train()
     kept = result = None
     try:
+        if rank == 0 and what == "state_dict":
+            model.state_dict()
+        elif rank == 0:
+            model.eval()
+            with torch.no_grad():
+                model(x, y)
+            model.train()
         model.backward(model(x, y))
         optimizer.step()
     except Exception as error:

@@ -9,6 +9,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -520,10 +521,9 @@ def test_a_killed_rank_is_an_error_naming_the_collective(tmp_path):
     # gloo sees the closed connection at once: an error naming our collective, no waiting.
     survivor = launch(tmp_path, 2, "--kill")[0]
     assert survivor.get("error_type") in ("ChunkRuntimeError", "TimeoutError"), survivor
-    # The first collective of the first forward: the comparison of the ranks' next gathers
-    # (Note [Resharding after forward]), or the allgather without resharding.
-    assert ("allgather" in survivor["error"] or "first forward's next gather" in
-            survivor["error"]) and "compute_param group 0" in survivor["error"]
+    # The first collective of the first forward: the ranks' agreement on it (Note [Every rank
+    # runs the same forwards] in data_parallel.py).
+    assert "all_reduce" in survivor["error"] and "forward count and kind" in survivor["error"]
 
 
 def test_a_stalled_rank_is_a_timeout_naming_the_collective(tmp_path):
@@ -531,10 +531,9 @@ def test_a_stalled_rank_is_a_timeout_naming_the_collective(tmp_path):
     # with TimeoutError, before rank 1 wakes up after 6 s and leaves.
     survivor = launch(tmp_path, 2, "--stall")[0]
     assert survivor.get("error_type") == "TimeoutError", survivor
-    # The first collective of the first forward: the comparison of the ranks' next gathers
-    # (Note [Resharding after forward]), or the allgather without resharding.
-    assert ("allgather" in survivor["error"] or "first forward's next gather" in
-            survivor["error"]) and "compute_param group 0" in survivor["error"]
+    # The first collective of the first forward: the ranks' agreement on it (Note [Every rank
+    # runs the same forwards] in data_parallel.py).
+    assert "all_reduce" in survivor["error"] and "forward count and kind" in survivor["error"]
     assert survivor["elapsed"] < 6
 
 
@@ -551,11 +550,16 @@ def test_a_state_dict_on_one_rank_fails_cleanly_and_its_traceback_is_freed_safel
 def test_an_evaluation_forward_on_one_rank_fails_naming_the_cause(tmp_path):
     # nanoGPT's estimate_loss() runs under `if master_process`: with parameters sharded across
     # ranks that forward pairs with the other rank's next collectives until the sequences part.
+    # Note [Every rank runs the same forwards]: both ranks raise at once (the worker's collective
+    # timeout is 120 s), saying what each rank runs.
+    start = time.monotonic()
     for rank, result in enumerate(launch(tmp_path, 2, "--lonely-eval")):
-        assert result.get("error_type") in ("TimeoutError", "ChunkRuntimeError",
-                                            "RuntimeError"), (rank, result)
-        assert "`if rank == 0`" in result["error"], (rank, result["error"])
+        assert result.get("error_type") == "RuntimeError", (rank, result)
+        assert ("rank 0: forward 2 (no backward: eval() or no_grad()); rank 1: forward 2 "
+                "(training, a backward follows)") in result["error"], (rank, result["error"])
+        assert "estimate_loss()" in result["error"]
         assert result.get("survived"), (rank, result)
+    assert time.monotonic() - start < 60
 
 
 def test_parallel_config_errors_name_the_key():
