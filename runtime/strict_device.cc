@@ -502,6 +502,19 @@ absl::Status StreamWaitEvent(Stream stream, Event event) {
   return absl::OkStatus();
 }
 
+// Note [Pageable host memory in async copies]
+// cudaMemcpyAsync is asynchronous only for pinned host memory. From pageable memory (plain
+// malloc, a std::vector) CUDA stages the source before returning, so the caller may reuse or
+// free it at once; into pageable memory it returns only once the copy is done. The emulation
+// keeps those rules rather than stricter ones: a pageable source is snapshotted at the call and a
+// pageable destination waits for its stream. (A test that passed a temporary vector to
+// ToDevice() read freed bytes here now and then, a failure CUDA would never show.) Pinned memory
+// stays asynchronous, as on a GPU, so a pinned buffer reused too early still reads wrong bytes.
+bool IsPageable(const void* pointer, int64_t bytes) {
+  bool straddles = false;
+  return !GetMemory().Find(pointer, bytes, &straddles).has_value();
+}
+
 absl::Status CopyAsync(void* dst, const void* src, int64_t bytes, Stream stream) {
   if (ImplOf(stream) == nullptr) return absl::InvalidArgumentError("cudaMemcpyAsync: null stream");
   if (bytes == 0) return absl::OkStatus();
@@ -510,12 +523,15 @@ absl::Status CopyAsync(void* dst, const void* src, int64_t bytes, Stream stream)
   if (!to.ok()) return to.status();
   absl::StatusOr<char*> from = Reach(src, bytes, what);
   if (!from.ok()) return from.status();
-  ImplOf(stream)->Push(
-      Op{Op::kCopy,
-         [to = *to, from = *from, bytes] { std::memcpy(to, from, static_cast<size_t>(bytes)); },
-         nullptr,
-         {{dst, bytes}, {src, bytes}},
-         what});
+  std::function<void()> copy;
+  if (IsPageable(src, bytes)) {
+    auto staged = std::make_shared<std::vector<char>>(*from, *from + bytes);
+    copy = [to = *to, staged] { std::memcpy(to, staged->data(), staged->size()); };
+  } else {
+    copy = [to = *to, from = *from, bytes] { std::memcpy(to, from, static_cast<size_t>(bytes)); };
+  }
+  ImplOf(stream)->Push(Op{Op::kCopy, std::move(copy), nullptr, {{dst, bytes}, {src, bytes}}, what});
+  if (IsPageable(dst, bytes)) return SynchronizeStream(stream);
   return absl::OkStatus();
 }
 
