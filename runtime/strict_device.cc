@@ -531,7 +531,7 @@ absl::Status CopyAsync(void* dst, const void* src, int64_t bytes, Stream stream)
     copy = [to = *to, from = *from, bytes] { std::memcpy(to, from, static_cast<size_t>(bytes)); };
   }
   ImplOf(stream)->Push(Op{Op::kCopy, std::move(copy), nullptr, {{dst, bytes}, {src, bytes}}, what});
-  if (IsPageable(dst, bytes)) return SynchronizeStream(stream);
+  if (IsPageable(dst, bytes)) return strict::SynchronizeStream(stream);
   return absl::OkStatus();
 }
 
