@@ -207,6 +207,22 @@ def test_a_disabled_grad_scaler_steps_and_an_enabled_one_names_the_config():
         scaler.step(optimizer)
 
 
+def _train_alongside(reference, ref_optimizer, model, optimizer, inputs, loss_of, autograd):
+    """Trains the plain model and the engine on the same inputs (loss_of(module, x)); the
+    engine by loss.backward() or model.backward(loss); then compares their weights."""
+    for x in inputs:
+        loss_of(reference, x).backward()
+        ref_optimizer.step()
+        ref_optimizer.zero_grad()
+        loss = loss_of(model, x)
+        loss.backward() if autograd else model.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+    state = model.state_dict()
+    for key, tensor in reference.state_dict().items():
+        torch.testing.assert_close(state[key], tensor, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("autograd", [True, False])
 def test_a_gradient_penalty_through_autograd_grad_trains_as_pytorch(autograd):
     # torch.autograd.grad runs the engine's hooks but stores no gradient: not a training
@@ -228,17 +244,7 @@ def test_a_gradient_penalty_through_autograd_grad_trains_as_pytorch(autograd):
         grad, = torch.autograd.grad(out.sum(), x, create_graph=True)
         return out.mean() + 0.1 * grad.pow(2).sum()
 
-    for x in inputs:
-        penalized(reference, x).backward()
-        ref_optimizer.step()
-        ref_optimizer.zero_grad()
-        loss = penalized(model, x)
-        loss.backward() if autograd else model.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad()
-    state = model.state_dict()
-    for key, tensor in reference.state_dict().items():
-        torch.testing.assert_close(state[key], tensor, rtol=1e-5, atol=1e-6)
+    _train_alongside(reference, ref_optimizer, model, optimizer, inputs, penalized, autograd)
 
 
 @pytest.mark.parametrize("autograd", [True, False])
@@ -267,18 +273,8 @@ def test_a_gradient_penalty_under_a_device_budget_trains_as_pytorch(autograd):
         grad, = torch.autograd.grad(out.sum(), x, create_graph=True)
         return out.mean() + 10 * ((grad.norm(2, dim=1) - 1) ** 2).mean()
 
-    for x in inputs:
-        penalized(reference, x).backward()
-        ref_optimizer.step()
-        ref_optimizer.zero_grad()
-        loss = penalized(model, x)
-        loss.backward() if autograd else model.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad()
+    _train_alongside(reference, ref_optimizer, model, optimizer, inputs, penalized, autograd)
     assert model.memory_stats()[0]["evictions"] > 0
-    state = model.state_dict()
-    for key, tensor in reference.state_dict().items():
-        torch.testing.assert_close(state[key], tensor, rtol=1e-5, atol=1e-6)
 
 
 def test_model_backward_retain_graph_takes_two_losses_of_one_forward_as_pytorch():
