@@ -237,6 +237,38 @@ def test_upstream_pretrain_demo_timers_and_profiler_work(tmp_path, caplog):
     model.destroy()
 
 
+def test_upstream_profiler_records_the_engine_built_after_start_not_an_older_one(tmp_path):
+    """start() picks an engine already alive only until one is built: an older engine still
+    alive (an earlier model of the script) was recorded instead of the script's, and once the
+    collector destroyed it, save() failed with a TypeError."""
+    import json
+
+    from patrickstar.profiler import profiler
+    from patrickstar.runtime import initialize_engine
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        older, _ = initialize_engine(model_func=lambda: torch.nn.Linear(8, 8), local_rank=0,
+                                     config={"default_chunk_size": 1024})
+        profiler.start()
+        model, optimizer = initialize_engine(
+            model_func=lambda: torch.nn.Sequential(torch.nn.Linear(64, 64),
+                                                   torch.nn.Linear(64, 4)),
+            local_rank=0, config={"default_chunk_size": 4096})
+    older.destroy()
+    del older
+    for _ in range(2):
+        model.backward(model(torch.randn(8, 64)).pow(2).mean())
+        optimizer.step()
+        optimizer.zero_grad()
+    profiler.end()
+    directory = profiler.save(str(tmp_path / "profile.pkl"))
+    with open(f"{directory}/profile.json") as handle:
+        layout = json.load(handle)["layout"]
+    assert layout["chunk_elements"] == 4096
+    model.destroy()
+
+
 def test_hugging_face_parameter_rebuilds_name_what_to_do_instead():
     transformers = pytest.importorskip("transformers")
     config = transformers.GPT2Config(vocab_size=100, n_embd=32, n_layer=1, n_head=2,

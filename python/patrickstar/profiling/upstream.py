@@ -2,11 +2,11 @@
 package's `Profiler`.
 
 Upstream scripts call `profiler.start()` before building the model, `warmup_finish()` after the
-first iteration, `end()` after the last and `save(path)` on rank 0. Here `start()` profiles
-every engine built while it is started (and one already built), `end()` stops recording and
-`save(path)` writes this package's outputs (trace.json, memory.csv, summary.json, report.html)
-into the directory `path` names, its extension dropped (upstream wrote one pickle). Only one
-profiler runs at a time (`Profiler.start`), so with several engines the first one is recorded.
+first iteration, `end()` after the last and `save(path)` on rank 0. Here `start()` records the
+first engine built while it is started, or, until one is, the newest engine already alive;
+`end()` stops recording and `save(path)` writes this package's outputs (trace.json,
+memory.csv, summary.json, report.html) into the directory `path` names, its extension dropped
+(upstream wrote one pickle). Only one profiler runs at a time (`Profiler.start`).
 """
 from __future__ import annotations
 
@@ -27,12 +27,22 @@ class UpstreamProfiler:
         self._recorder: Profiler | None = None
         self._engines: "weakref.WeakSet" = weakref.WeakSet()
         self._stopped_raw: dict | None = None
+        self._recording_earlier = False  # the recorded engine was built before start()
 
     def engine_built(self, engine) -> None:
         """Called for every engine at construction (recorder.profiler_from_config)."""
         self._engines.add(engine)
-        if self.started and self._recorder is None:
+        if not self.started:
+            return
+        if self._recorder is not None and self._recording_earlier:
+            # The script's model, built after start(), replaces an older engine still alive
+            # (one a previous part of the script, or an earlier test, left behind).
+            if self._recorder.running:
+                self._recorder.stop(write=False)
+            self._recorder = None
+        if self._recorder is None:
             self._record(engine)
+            self._recording_earlier = False
 
     def _record(self, engine) -> None:
         if active_profiler() is not None:
@@ -46,9 +56,13 @@ class UpstreamProfiler:
         self.started = True
         self.warmup_finished = False
         self._stopped_raw = None
-        for engine in list(self._engines):
-            if self._recorder is None and getattr(engine, "chunks", None) is not None:
-                self._record(engine)  # (a destroyed engine has no chunks)
+        if self._recorder is not None and self._recorder.running:
+            self._recorder.stop(write=False)
+        self._recorder = None  # a new recording: start/end/save may repeat
+        alive = [e for e in self._engines if getattr(e, "chunks", None) is not None]
+        if alive:  # (a destroyed engine has no chunks)
+            self._record(max(alive, key=lambda e: getattr(e, "created_ns", 0)))
+            self._recording_earlier = True
 
     def warmup_finish(self) -> None:
         """Upstream separated its warm-up iteration; here the first iteration is the warm-up
@@ -69,6 +83,9 @@ class UpstreamProfiler:
                                "last step")
         if self._recorder.running:
             self.end()
+        if self._stopped_raw is None:
+            raise RuntimeError("profiler.save(): the recorded engine was destroyed before "
+                               "profiler.end(); call end() while the model is alive")
         directory = os.path.splitext(os.fspath(path))[0]
         from .outputs import write_outputs  # imported late: only writing needs it
         write_outputs(directory, self._stopped_raw)
