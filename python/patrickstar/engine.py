@@ -234,7 +234,7 @@ class PatrickStarEngine(nn.Module):
             if param.requires_grad:
                 param.register_post_accumulate_grad_hook(self._make_grad_hook(index))
         self._views = SavedParameterViews(  # Note [Saved views of parameters]
-            self._slots, self.params.params, self.activations, self._module_params,
+            self._slots, self.params.params, self.activations,
             _weakly(self._join_autograd_backward))
         self._hooks = ModuleHooks([m for m, owned in self._module_params.items() if owned],
                                   _weakly(self._access_module), _weakly(self._release_module),

@@ -26,7 +26,9 @@ position table; `return self.scale`): that tensor's memory is the chunk, release
 the module's forward, and under a device budget the chunk moves while the caller still holds the
 view (the next modules' accesses evict it), so the forward read another chunk's bytes, silently.
 Such an output is handed on as a copy made before the release; autograd links the copy to the
-parameter as it did the view.
+parameter as it did the view. Any output whose storage is a parameter's chunk view is copied
+(the parameter slots tell, as for saved tensors), so a view taken through `.data`
+(`return self.weight.data[:T]`) is caught too.
 """
 from __future__ import annotations
 
@@ -55,24 +57,20 @@ class _SavedParamView:
 class SavedParameterViews:
     """Owns the saved-tensor hooks of the engine's parameters. Handed the parameter slots (which
     tell a chunk view's parameter and count accesses), the parameters, the activation store for
-    every other saved tensor, which parameters each module owns, and `join_backward` (the
-    engine's: a re-access inside a backward joins it, Note [loss.backward()] in engine.py)."""
+    every other saved tensor, and `join_backward` (the engine's: a re-access inside a backward
+    joins it, Note [loss.backward()] in engine.py)."""
 
     def __init__(self, slots, params: list[nn.Parameter], activations,
-                 module_params: dict[nn.Module, list[int]], join_backward: Callable[[], None]):
+                 join_backward: Callable[[], None]):
         self._slots = slots
         self._params = params
         self._activations = activations
         self._join_backward = join_backward
-        self._module_param_ids = {  # Note [Outputs that are parameters]
-            module: frozenset(id(params[index]) for index in owned)
-            for module, owned in module_params.items() if owned}
         self._direct_calls: list = []  # entered hooks (or None) of forwards not through model()
 
     def close(self) -> None:
         """The engine was destroyed: drop the slots (they hold the chunk manager)."""
         self._slots = self._params = self._activations = None
-        self._module_param_ids = {}
 
     def pack(self, tensor: torch.Tensor):
         index = self._slots.saved_index(tensor)
@@ -115,8 +113,8 @@ class SavedParameterViews:
             self.leave_direct_call()
 
     def own_output(self, module: nn.Module, tensor: torch.Tensor) -> torch.Tensor:
-        """`tensor` returned by `module`, or a copy if it is (a view of) one of its parameters."""
-        base = tensor._base if tensor._is_view() else tensor
-        if base is not None and id(base) in self._module_param_ids.get(module, ()):
+        """`tensor` returned by `module`, or a copy if its memory is a parameter's chunk view
+        (Note [Outputs that are parameters])."""
+        if self._slots is not None and self._slots.saved_index(tensor) >= 0:
             return tensor.clone()
         return tensor

@@ -263,6 +263,29 @@ def test_a_module_returning_its_parameters_matches_pytorch_under_a_device_budget
         torch.testing.assert_close(model(x, y), plain(x, y), rtol=1e-5, atol=1e-6)
 
 
+class ReturnsDataViews(ReturnsItsParameters):
+    """The table handed out through `.data` (old code's way to skip autograd)."""
+
+    def __init__(self):
+        super().__init__()
+        self.positions.forward = lambda length: (self.positions.table.data[:length],
+                                                 self.positions.gain.data)
+
+
+def test_a_module_returning_data_views_of_its_parameters_matches_pytorch_under_a_budget():
+    def batches(steps):
+        generator = torch.Generator().manual_seed(0)
+        for _ in range(steps):
+            yield (torch.randn(4, 8, 16, generator=generator),
+                   torch.randint(0, 4, (4,), generator=generator))
+
+    result = train_pair(ReturnsDataViews, batches,
+                        {"default_chunk_size": 512, "memory": {"device_budget": 3 * 4096}},
+                        steps=3, lr=1e-2)
+    assert_same_training(*result[:4])
+    assert result[4].memory_stats()[0]["evictions"] > 0
+
+
 def test_unused_parameters_buffers_and_double_calls_match_pytorch():
     result = train_pair(SometimesUnused, small_batches, {"default_chunk_size": 1024}, steps=20)
     assert_same_training(*result[:4])
