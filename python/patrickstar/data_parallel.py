@@ -157,7 +157,7 @@ class DataParallel:
         self.gather_communicator = None  # backward's gathers' own group (resharding)
         self.transport = None  # "shm" or "process_group" (Note [Transport]), from attach
         self._in_forward = False  # between engine.forward's start and after_forward()
-        self.forwards = 0  # model(...) calls so far (Note [Every rank runs the same forwards])
+        self.calls = 0  # forwards and state-dict reads (Note [Every rank runs the same forwards])
         # Pipeline stages / tensor slices: the norm and overflow flag span the model group too.
         self.model_parallel: topology.ModelParallelGradStats | None = None
 
@@ -353,40 +353,49 @@ class DataParallel:
 
     # Note [Every rank runs the same forwards]
     # Each forward gathers the parameters from every rank, and one followed by a backward
-    # reduce-scatters its gradients, so every rank must run the same forwards in the same order.
-    # A script that evaluates on one rank only (nanoGPT's estimate_loss() under
-    # `if master_process:`, fine with DDP, where every rank holds the whole model) makes the ranks'
-    # collectives pair up wrongly: on two communicators (gathers and reductions) nothing pairs, and
-    # both ranks waited for the collective timeout (300 s by default) before an error that could
-    # only guess the cause. So each forward starts with one small all-reduce of every rank's
-    # forward count and whether a backward follows (grad enabled, training mode): ranks that
-    # differ raise at once, naming what each rank is running. Cost: one all-reduce of 2 x world
-    # floats per forward (microseconds over shared memory), beside the forward's gathers.
+    # reduce-scatters its gradients, so every rank must run the same forwards in the same order;
+    # so must every rank read the state dicts (model.state_dict() gathers every group,
+    # optimizer.state_dict() every owner's Adam state). A script that evaluates or saves on one
+    # rank only (nanoGPT's estimate_loss() and checkpointing under `if master_process:`, fine with
+    # DDP, where every rank holds the whole model) makes the ranks' collectives pair up wrongly:
+    # on two communicators (gathers and reductions) nothing pairs, and both ranks waited for the
+    # collective timeout (300 s by default) before an error that could only guess the cause. So
+    # each of these calls starts with one small all-reduce of every rank's count of such calls
+    # and what the call is (a forward followed by a backward, one that is not, a state-dict
+    # read): ranks that differ raise at once, naming what each rank is running. Cost: one
+    # all-reduce of 2 x world floats per call (microseconds over shared memory).
+    _CALLS = {0: "a forward without backward (eval() or no_grad())",
+              1: "a training forward (a backward follows)",
+              2: "model.state_dict()", 3: "optimizer.state_dict()"}
+
     def before_forward(self, backward_follows: bool = True) -> None:
         self._in_forward = self.enabled
-        self.forwards += 1
         if self.enabled:
-            self._agree_on_forward(backward_follows)
+            self.agree_on_call(1 if backward_follows else 0)
             self.gathers.begin_forward()
 
-    def _agree_on_forward(self, backward_follows: bool) -> None:
+    def agree_on_call(self, kind: int) -> None:
+        """Every rank is at the same collective call (a key of _CALLS); a no-op for one rank."""
+        if not self.enabled:
+            return
+        self.calls += 1
         values = torch.zeros(2 * self.world_size, dtype=torch.float32)
-        values[2 * self.rank] = self.forwards % (1 << 23)  # exact in fp32; wraps on every rank
-        values[2 * self.rank + 1] = 1.0 if backward_follows else 0.0
-        self.communicator.all_reduce(values, op="sum", label="forward count and kind"
+        values[2 * self.rank] = self.calls % (1 << 23)  # exact in fp32; wraps on every rank
+        values[2 * self.rank + 1] = kind
+        self.communicator.all_reduce(values, op="sum", label="call count and kind"
                                      ).wait(self.timeout)
-        rows = [(int(values[2 * r]), bool(values[2 * r + 1])) for r in range(self.world_size)]
+        rows = [(int(values[2 * r]), int(values[2 * r + 1])) for r in range(self.world_size)]
         if all(row == rows[self.rank] for row in rows):
             return
-        kinds = {True: "training, a backward follows", False: "no backward: eval() or no_grad()"}
-        described = "; ".join(f"rank {r}: forward {count} ({kinds[follows]})"
-                              for r, (count, follows) in enumerate(rows))
+        described = "; ".join(f"rank {r}: call {count}, {self._CALLS.get(what, what)}"
+                              for r, (count, what) in enumerate(rows))
         raise RuntimeError(
-            f"model(...): the ranks are not running the same forward ({described}). Every rank "
-            f"must run the same forwards in the same order, since parameters are sharded and each "
-            f"forward gathers them from every rank: run evaluation on every rank (each on its "
-            f"own batches; nanoGPT's estimate_loss() under `if master_process:` runs it on one), "
-            f"and call state_dict() on every rank before saving from one")
+            f"{self._CALLS[kind]}: the ranks are not making the same call ({described}). Every "
+            f"rank must run the same forwards and state-dict reads in the same order, since "
+            f"parameters and optimizer state are sharded: run evaluation on every rank (each on "
+            f"its own batches; nanoGPT's estimate_loss() under `if master_process:` runs it on "
+            f"one), and call model.state_dict() / optimizer.state_dict() on every rank before "
+            f"saving from one (or model.save_checkpoint(dir) on every rank)")
 
     def gather_all(self) -> None:
         """Gathers every group not gathered since the last step (the end of a forward, and

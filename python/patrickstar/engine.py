@@ -754,7 +754,11 @@ class PatrickStarEngine(nn.Module):
     def state_dict(self, destination=None, prefix: str = "", keep_vars: bool = False):
         """The module's state dict with full parameters (compute dtype) read out of chunks: the
         module's own state dict (Note [The user's module's state dict]); with keep_vars the
-        buffers are the module's tensors and the parameters still their values."""
+        buffers are the module's tensors and the parameters still their values. Under data
+        parallelism a collective: every rank calls it (Note [Every rank runs the same forwards]
+        in data_parallel.py)."""
+        self.guard.check_alive("state_dict()")
+        self.dp.agree_on_call(2)
         result = self.module.state_dict(prefix=prefix, keep_vars=keep_vars)
         if keep_vars:  # the hooks leave Parameter objects, which hold placeholders
             for name, value in result.items():

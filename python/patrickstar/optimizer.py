@@ -510,6 +510,7 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         (every rank calls it, as `model.state_dict()`) that gathers each owner's entries, so a
         file saved by one rank holds all of it and loads on any rank."""
         params = self.chunked
+        self.dp.agree_on_call(3)  # Note [Every rank runs the same forwards] in data_parallel.py
         state = {}
         for index in range(len(params)):
             entry = self.state_entry(index)
