@@ -241,25 +241,32 @@ class ReturnsItsParameters(nn.Module):
         return nn.functional.cross_entropy(self.head((x + positions) * gain).mean(1), y)
 
 
+def position_batches(steps):
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        yield (torch.randn(4, 8, 16, generator=generator),
+               torch.randint(0, 4, (4,), generator=generator))
+
+
+def train_under_a_budget(model_func, steps):
+    """train_pair() of a model whose output-returning table is evicted by its later layers."""
+    result = train_pair(model_func, position_batches,
+                        {"default_chunk_size": 512, "memory": {"device_budget": 3 * 4096}},
+                        steps=steps, lr=1e-2)
+    assert_same_training(*result[:4])
+    assert result[4].memory_stats()[0]["evictions"] > 0
+    return result
+
+
 def test_a_module_returning_its_parameters_matches_pytorch_under_a_device_budget():
     """Note [Outputs that are parameters]: the caller used the returned view after the table's
     chunk had moved, so the forward read other bytes (the first loss was already off)."""
-    def batches(steps):
-        generator = torch.Generator().manual_seed(0)
-        for _ in range(steps):
-            yield (torch.randn(4, 8, 16, generator=generator),
-                   torch.randint(0, 4, (4,), generator=generator))
-
-    result = train_pair(ReturnsItsParameters, batches,
-                        {"default_chunk_size": 512, "memory": {"device_budget": 3 * 4096}},
-                        steps=4, lr=1e-2)
-    assert_same_training(*result[:4])
-    assert result[4].memory_stats()[0]["evictions"] > 0
+    result = train_under_a_budget(ReturnsItsParameters, steps=4)
     plain = ReturnsItsParameters()
     plain.load_state_dict(result[2])
     model = result[4]
     with torch.no_grad():  # and without autograd (inference, generate) as well
-        x, y = next(batches(1))
+        x, y = next(position_batches(1))
         torch.testing.assert_close(model(x, y), plain(x, y), rtol=1e-5, atol=1e-6)
 
 
@@ -273,17 +280,7 @@ class ReturnsDataViews(ReturnsItsParameters):
 
 
 def test_a_module_returning_data_views_of_its_parameters_matches_pytorch_under_a_budget():
-    def batches(steps):
-        generator = torch.Generator().manual_seed(0)
-        for _ in range(steps):
-            yield (torch.randn(4, 8, 16, generator=generator),
-                   torch.randint(0, 4, (4,), generator=generator))
-
-    result = train_pair(ReturnsDataViews, batches,
-                        {"default_chunk_size": 512, "memory": {"device_budget": 3 * 4096}},
-                        steps=3, lr=1e-2)
-    assert_same_training(*result[:4])
-    assert result[4].memory_stats()[0]["evictions"] > 0
+    train_under_a_budget(ReturnsDataViews, steps=3)
 
 
 def test_unused_parameters_buffers_and_double_calls_match_pytorch():
