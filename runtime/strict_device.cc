@@ -358,9 +358,13 @@ absl::Status CheckDevice(int device) {
 
 // Where emulated work reaches [pointer, pointer + bytes): the alias of device memory, or the
 // host pointer itself. A range running past its allocation is cudaErrorInvalidValue.
-absl::StatusOr<char*> Reach(const void* pointer, int64_t bytes, absl::string_view what) {
+// `pageable`: set to whether the range is host memory the emulation did not allocate (Note
+// [Pageable host memory in async copies]).
+absl::StatusOr<char*> Reach(const void* pointer, int64_t bytes, absl::string_view what,
+                            bool* pageable = nullptr) {
   bool straddles = false;
   const std::optional<Allocation> found = GetMemory().Find(pointer, bytes, &straddles);
+  if (pageable != nullptr) *pageable = !found.has_value();
   if (!found.has_value() || found->device < 0) {
     return static_cast<char*>(const_cast<void*>(pointer));
   }
@@ -510,28 +514,24 @@ absl::Status StreamWaitEvent(Stream stream, Event event) {
 // pageable destination waits for its stream. (A test that passed a temporary vector to
 // ToDevice() read freed bytes here now and then, a failure CUDA would never show.) Pinned memory
 // stays asynchronous, as on a GPU, so a pinned buffer reused too early still reads wrong bytes.
-bool IsPageable(const void* pointer, int64_t bytes) {
-  bool straddles = false;
-  return !GetMemory().Find(pointer, bytes, &straddles).has_value();
-}
-
 absl::Status CopyAsync(void* dst, const void* src, int64_t bytes, Stream stream) {
   if (ImplOf(stream) == nullptr) return absl::InvalidArgumentError("cudaMemcpyAsync: null stream");
   if (bytes == 0) return absl::OkStatus();
   const std::string what = absl::StrCat("cudaMemcpyAsync(", bytes, " bytes)");
-  absl::StatusOr<char*> to = Reach(dst, bytes, what);
+  bool dst_pageable = false, src_pageable = false;
+  absl::StatusOr<char*> to = Reach(dst, bytes, what, &dst_pageable);
   if (!to.ok()) return to.status();
-  absl::StatusOr<char*> from = Reach(src, bytes, what);
+  absl::StatusOr<char*> from = Reach(src, bytes, what, &src_pageable);
   if (!from.ok()) return from.status();
   std::function<void()> copy;
-  if (IsPageable(src, bytes)) {
+  if (src_pageable) {
     auto staged = std::make_shared<std::vector<char>>(*from, *from + bytes);
     copy = [to = *to, staged] { std::memcpy(to, staged->data(), staged->size()); };
   } else {
     copy = [to = *to, from = *from, bytes] { std::memcpy(to, from, static_cast<size_t>(bytes)); };
   }
   ImplOf(stream)->Push(Op{Op::kCopy, std::move(copy), nullptr, {{dst, bytes}, {src, bytes}}, what});
-  if (IsPageable(dst, bytes)) return strict::SynchronizeStream(stream);
+  if (dst_pageable) return strict::SynchronizeStream(stream);
   return absl::OkStatus();
 }
 
