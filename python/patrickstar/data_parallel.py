@@ -613,9 +613,6 @@ class DataParallel:
             overflow, squared = self.model_parallel.all_reduce(overflow, squared)
         return overflow, squared
 
-    def after_step(self) -> None:
-        self.parameters_changed()
-
     def parameters_changed(self) -> None:
         """The owners' parameters changed (a step, loaded weights): every rank drops its
         gathered copies (finishing a gather still in flight first), which would be stale."""

@@ -429,8 +429,8 @@ class PatrickStarEngine(nn.Module):
             indices = indices * 2
         self._slots.release(indices, S.HOLD_AFTER_BWD)
 
-    def _own_output(self, module: nn.Module, tensor: torch.Tensor) -> torch.Tensor:
-        return self._views.own_output(module, tensor)  # Note [Outputs that are parameters]
+    def _own_output(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self._views.own_output(tensor)  # Note [Outputs that are parameters]
 
     def _release_all(self, state) -> None:
         self._recompute_holds.clear()
@@ -743,7 +743,7 @@ class PatrickStarEngine(nn.Module):
     def end_iteration(self) -> None:
         """The end of a training iteration (the optimizer calls it after every step, applied or
         skipped)."""
-        self.dp.after_step()
+        self.dp.parameters_changed()  # the step changed the owners' parameters
         self.chunks.end_iteration()
         if self.profiler is not None:
             self.profiler.on_end_iteration()

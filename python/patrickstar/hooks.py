@@ -79,11 +79,11 @@ class ModuleHooks(HookSet):
     def __init__(self, modules, access: Callable[[torch.nn.Module, str], None],
                  release: Callable[[torch.nn.Module, str], None],
                  tick: Callable[[str], None],
-                 own_output: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor],
+                 own_output: Callable[[torch.Tensor], torch.Tensor],
                  saved_tensor_hooks: Callable[[], ContextManager] | None = None):
-        """`own_output(module, tensor)` is applied to each output tensor before the release:
-        a tensor that is one of the module's parameters or a view of one comes back as a copy
-        (Note [Outputs that are parameters] in saved_views.py). `saved_tensor_hooks()` makes the
+        """`own_output(tensor)` is applied to each output tensor before the release: a tensor
+        whose memory is a parameter's chunk view comes back as a copy (Note [Outputs that are
+        parameters] in saved_views.py). `saved_tensor_hooks()` makes the
         engine's saved-tensor hooks, entered around a module's forward with grad enabled when
         none are in effect (a submodule called directly, not through the engine: Note [Saved
         views of parameters] in saved_views.py)."""
@@ -122,7 +122,7 @@ class ModuleHooks(HookSet):
         copies = []
 
         def own(tensor):
-            copy = self._own_output(module, tensor)  # None: the engine is gone
+            copy = self._own_output(tensor)  # None: the engine is gone
             if copy is None or copy is tensor:
                 return tensor
             copies.append(copy)

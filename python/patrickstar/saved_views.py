@@ -112,8 +112,8 @@ class SavedParameterViews:
         while self._direct_calls:
             self.leave_direct_call()
 
-    def own_output(self, module: nn.Module, tensor: torch.Tensor) -> torch.Tensor:
-        """`tensor` returned by `module`, or a copy if its memory is a parameter's chunk view
+    def own_output(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor`, returned by a module, or a copy if its memory is a parameter's chunk view
         (Note [Outputs that are parameters])."""
         if self._slots is not None and self._slots.saved_index(tensor) >= 0:
             return tensor.clone()

@@ -225,7 +225,7 @@ class EngineState:
                 if reader.has(name, "buffer"):
                     buffer.copy_(reader.tensor(name, "buffer", rank=self.rank))
         # Gathered copies of other ranks' parameters predate the load.
-        self.dp.after_step()
+        self.dp.parameters_changed()
         if load_optimizer_states:
             counters = reader.meta["engine"]
             optimizer = engine.optimizer
