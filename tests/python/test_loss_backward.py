@@ -207,9 +207,16 @@ def test_a_disabled_grad_scaler_steps_and_an_enabled_one_names_the_config():
         scaler.step(optimizer)
 
 
-def _train_alongside(reference, ref_optimizer, model, optimizer, inputs, loss_of, autograd):
-    """Trains the plain model and the engine on the same inputs (loss_of(module, x)); the
-    engine by loss.backward() or model.backward(loss); then compares their weights."""
+def _train_alongside(model_func, lr, config, inputs, loss_of, autograd):
+    """Builds model_func as a plain model (torch Adam) and as an engine (its Adam, `config` added
+    to the optimizer's), trains both on the same inputs (loss_of(module, x)), the engine by
+    loss.backward() or model.backward(loss), compares their weights and returns the engine."""
+    torch.manual_seed(0)
+    reference = model_func()
+    ref_optimizer = torch.optim.Adam(reference.parameters(), lr=lr, foreach=False)
+    torch.manual_seed(0)
+    model, optimizer = patrickstar.initialize(model_func, config={
+        "optimizer": {"type": "Adam", "params": {"lr": lr}}, **config})
     for x in inputs:
         loss_of(reference, x).backward()
         ref_optimizer.step()
@@ -221,6 +228,14 @@ def _train_alongside(reference, ref_optimizer, model, optimizer, inputs, loss_of
     state = model.state_dict()
     for key, tensor in reference.state_dict().items():
         torch.testing.assert_close(state[key], tensor, rtol=1e-5, atol=1e-6)
+    return model
+
+
+def _input_gradient(module, x):
+    x = x.clone().requires_grad_()
+    out = module(x)
+    grad, = torch.autograd.grad(out.sum(), x, create_graph=True)
+    return out, grad
 
 
 @pytest.mark.parametrize("autograd", [True, False])
@@ -230,21 +245,13 @@ def test_a_gradient_penalty_through_autograd_grad_trains_as_pytorch(autograd):
     def model_func():
         return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
 
-    inputs = [torch.randn(4, 8, generator=torch.Generator().manual_seed(i)) for i in range(3)]
-    torch.manual_seed(0)
-    reference = model_func()
-    ref_optimizer = torch.optim.Adam(reference.parameters(), lr=1e-2)
-    torch.manual_seed(0)
-    model, optimizer = patrickstar.initialize(model_func, config={
-        "optimizer": {"type": "Adam", "params": {"lr": 1e-2}}, "default_chunk_size": 4096})
-
     def penalized(module, x):
-        x = x.clone().requires_grad_()
-        out = module(x)
-        grad, = torch.autograd.grad(out.sum(), x, create_graph=True)
+        out, grad = _input_gradient(module, x)
         return out.mean() + 0.1 * grad.pow(2).sum()
 
-    _train_alongside(reference, ref_optimizer, model, optimizer, inputs, penalized, autograd)
+    inputs = [torch.randn(4, 8, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    _train_alongside(model_func, 1e-2, {"default_chunk_size": 4096}, inputs, penalized,
+                     autograd)
 
 
 @pytest.mark.parametrize("autograd", [True, False])
@@ -257,23 +264,15 @@ def test_a_gradient_penalty_under_a_device_budget_trains_as_pytorch(autograd):
         return nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(16, 16), nn.Tanh())],
                              nn.Linear(16, 1))
 
-    inputs = [torch.randn(8, 16, generator=torch.Generator().manual_seed(i)) for i in range(5)]
-    torch.manual_seed(0)
-    reference = model_func()
-    ref_optimizer = torch.optim.Adam(reference.parameters(), lr=1e-3, foreach=False)
-    torch.manual_seed(0)
-    # A chunk per layer, three of them on the device.
-    model, optimizer = patrickstar.initialize(model_func, config={
-        "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}, "default_chunk_size": 272,
-        "memory": {"device_budget": 3 * 4096}})
-
     def penalized(module, x):
-        x = x.clone().requires_grad_()
-        out = module(x)
-        grad, = torch.autograd.grad(out.sum(), x, create_graph=True)
+        out, grad = _input_gradient(module, x)
         return out.mean() + 10 * ((grad.norm(2, dim=1) - 1) ** 2).mean()
 
-    _train_alongside(reference, ref_optimizer, model, optimizer, inputs, penalized, autograd)
+    inputs = [torch.randn(8, 16, generator=torch.Generator().manual_seed(i)) for i in range(5)]
+    # A chunk per layer, three of them on the device.
+    model = _train_alongside(model_func, 1e-3, {"default_chunk_size": 272,
+                                                "memory": {"device_budget": 3 * 4096}},
+                             inputs, penalized, autograd)
     assert model.memory_stats()[0]["evictions"] > 0
 
 
