@@ -256,14 +256,15 @@ class PatrickStarEngine(nn.Module):
         clip_grad.install()  # torch.nn.utils.clip_grad_norm_(model.parameters(), ...) works
         torch_optimizers.install()  # a torch optimizer over these parameters raises at step()
         hooked = [m for m, owned in self._module_params.items() if owned]
-        self._state_hooks = ModuleStateHooks(hooked, self)  # Note [The user's module's state...]
+        # Note [The user's module's state dict]
+        self._state_hooks = ModuleStateHooks(hooked, self, self.module)
         # Note [Saved views of parameters]: forwards that bypass model(...).
         self._call_hooks = CallHooks(self.module, _weakly(self._enter_direct_call),
                                      _weakly(self._leave_direct_call))
         hooks = (self._hooks, self._state_hooks, self._call_hooks)
-        copied = hooked if any(m is self.module for m in hooked) else [*hooked, self.module]
+        # Every module: each carries at least the state dict's call agreement hook.
         self._copies = ModuleCopies(  # Note [Copies of the user's module]
-            copied, self, lambda: set().union(*(h.hook_ids for h in hooks)))
+            list(self.module.modules()), self, lambda: set().union(*(h.hook_ids for h in hooks)))
         param_owners.register_engine(self, self.params.params)
         _live_engines.add(self)
 
@@ -758,7 +759,8 @@ class PatrickStarEngine(nn.Module):
         parallelism a collective: every rank calls it (Note [Every rank runs the same forwards]
         in data_parallel.py)."""
         self.guard.check_alive("state_dict()")
-        self.dp.agree_on_call(2)
+        if prefix or keep_vars:  # else the module's own hook agrees (module_state_hooks.py)
+            self.agree_on_state_dict_read()
         result = self.module.state_dict(prefix=prefix, keep_vars=keep_vars)
         if keep_vars:  # the hooks leave Parameter objects, which hold placeholders
             for name, value in result.items():
@@ -769,6 +771,11 @@ class PatrickStarEngine(nn.Module):
             destination.update(result)
             return destination
         return result
+
+    def agree_on_state_dict_read(self) -> None:
+        """Under data parallelism, every rank is reading the model's state dict (Note [Every
+        rank runs the same forwards] in data_parallel.py); a no-op for one rank."""
+        self.dp.agree_on_call(2)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Accepts plain PyTorch tensors (any float dtype) for every parameter and buffer.

@@ -138,7 +138,6 @@ def plan_parameters(model_func: Callable[[], nn.Module]) -> tuple[list[ParamSpec
             seen.add(id(param))
             registrations.append(param)
 
-    on_meta = True
     try:
         with _preserved_rng(), _registration_hook(record), torch.device("meta"):
             model = _call_model_func(model_func)
@@ -151,19 +150,11 @@ def plan_parameters(model_func: Callable[[], nn.Module]) -> tuple[list[ParamSpec
                      "build into chunks", str(error).splitlines()[0])
         registrations.clear()
         seen.clear()
-        on_meta = False
         with _preserved_rng(), _registration_hook(record):
             model = _call_model_func(model_func)
     _check_sparse_gradients(model)
+    _check_not_taken(model)
     names = {id(p): n for n, p in model.named_parameters()}
-    outside = [(n, p.device) for n, p in model.named_parameters()
-               if p.device.type != "meta" and on_meta]
-    if outside:
-        raise RuntimeError(
-            "model_func returned a module built outside patrickstar.initialize() (parameter "
-            f"'{outside[0][0]}' already exists on {outside[0][1]}); pass a "
-            "function that builds a new module on each call, e.g. "
-            "initialize(lambda: MyModel(cfg)), so its parameters go straight into chunks")
     # A parameter without elements holds no memory and no optimizer state (Adam leaves it as it
     # is): it stays a plain parameter of the module, outside the chunks.
     survives = [id(p) in names and p.numel() > 0 for p in registrations]
@@ -179,6 +170,30 @@ def plan_parameters(model_func: Callable[[], nn.Module]) -> tuple[list[ParamSpec
         _check_dtype(name, param.dtype)
         specs.append(ParamSpec(len(specs), name, tuple(param.shape), param.requires_grad))
     return specs, survives
+
+
+# Note [Modules built before initialize()]
+# DeepSpeed's initialize(model=...) and FSDP's fully_shard(module) take a module already built,
+# so `initialize(module)` (and a model_func returning a module built outside it, or one holding
+# such submodules, e.g. a pretrained backbone under a new head) is accepted: parameters that
+# exist before model_func runs raise no registration event in either pass, so they are placed as
+# Note [Parameters no hook saw] places deep copies, after model_func returns, in the module's
+# named_parameters() order, and their original storage is freed as each moves into its slot.
+# The Parameter objects stay the same ones (param groups and optimizers built from
+# `module.parameters()` before initialize() still name them), and the module becomes the
+# engine's `module`. A module whose parameters an engine already took holds placeholders
+# (empty, their real shape in `ds_shape`): planning from those would drop every parameter as
+# element-free, so _check_not_taken refuses it.
+def _check_not_taken(model: nn.Module) -> None:
+    for name, param in model.named_parameters():
+        shape = getattr(param, "ds_shape", None)
+        if shape is not None and param.numel() != shape.numel():
+            raise RuntimeError(
+                f"parameter '{name}' already belongs to a PatrickStar engine (its data moved into "
+                f"that engine's chunks; here it is a placeholder of shape {tuple(param.shape)}, "
+                f"its real shape is {tuple(shape)}): a module can be initialized once. Build a "
+                f"new one (initialize(lambda: MyModel(cfg))), or copy the trained weights out "
+                f"with model.state_dict() first")
 
 
 # Note [Parameters no hook saw]

@@ -18,6 +18,11 @@ def initialize(model_func: Callable[[], nn.Module], config=None, local_rank: int
                param_groups=None):
     """Builds `model_func()` on the chunk runtime and returns `(model, optimizer)`.
 
+    `model_func` may also be a module already built (as DeepSpeed and FSDP take one): its
+    parameters move into chunks and it becomes the engine's `module` (Note [Modules built
+    before initialize()] in init_context.py). Building inside `model_func` is what keeps the
+    peak host memory at the chunks' size: a built fp32 model exists in full first.
+
     `model_func` may also be a `patrickstar.pipe.PipelineModule`: each rank then builds only its
     pipeline stage and gets a `PipelineEngine` (train with `engine.train_batch(data_iter)`).
     `config` is a dict or a path to a JSON file (see `patrickstar.config`); `param_groups`
@@ -26,11 +31,13 @@ def initialize(model_func: Callable[[], nn.Module], config=None, local_rank: int
     if isinstance(model_func, PipelineModule):  # one engine per stage (pipe/engine.py)
         engine = PipelineEngine(model_func, config, local_rank, param_groups)
         return engine, engine.optimizer
-    if not callable(model_func) or isinstance(model_func, nn.Module):
+    if isinstance(model_func, nn.Module):  # Note [Modules built before initialize()]
+        built = model_func
+        model_func = lambda: built  # noqa: E731
+    elif not callable(model_func):
         raise TypeError("initialize(model_func, ...): model_func must be a callable that builds "
-                        "and returns the model (e.g. a class or a lambda), not "
-                        f"{type(model_func).__name__}; PatrickStar builds the model itself so "
-                        "its parameters go straight into chunks")
+                        "and returns the model (e.g. a class or a lambda) or a built "
+                        f"torch.nn.Module, not {type(model_func).__name__}")
     if not isinstance(local_rank, int) or local_rank < 0:
         raise ValueError(f"local_rank must be a non-negative int, got {local_rank!r}")
     engine = PatrickStarEngine(model_func, load_config(config), local_rank, param_groups)

@@ -11,6 +11,11 @@ module that owns parameters fix both:
     dtype, as `model.state_dict()`; under data parallelism the groups are gathered first, a
     collective, so every rank calls it, as with `model.state_dict()`). With keep_vars=True the
     entries stay the Parameter objects (the engine's own state_dict builds on that).
+  * under data parallelism an outermost state_dict() call on any module of the engine (prefix
+    "", keep_vars False: `model.module.state_dict()`, `save_pretrained`, a submodule's) first
+    checks that every rank makes it (Note [Every rank runs the same forwards] in
+    data_parallel.py): a rank saving alone raised only at the collective timeout. Calls
+    nested under it have a prefix; keep_vars=True reads nothing, so needs no agreement.
   * its load_state_dict writes each parameter present into the chunks (the engine's
     `load_parameter`: compute copy, master, compensation zeroed) and hands torch an empty
     tensor in its place, so torch's copy into the placeholder is a no-op and its missing- and
@@ -33,13 +38,17 @@ __all__ = ["ModuleStateHooks"]
 
 
 class ModuleStateHooks(HookSet):
-    def __init__(self, modules, engine):
+    def __init__(self, modules, engine, tree):
         """Hooks `modules` (those owning parameters) of `engine`, held weakly (Note [Engine
         lifetime]): the engine's `params`, `read_parameter(index)` and
-        `load_parameter(index, tensor)` do the work."""
+        `load_parameter(index, tensor)` do the work; every module of `tree` (the user's
+        module) gets the call agreement (`engine.agree_on_state_dict_read()`)."""
         super().__init__()
         self._engine = weakref.ref(engine)
         # Partials, not bound methods: torch marks its hooks with an attribute.
+        before_state_dict = functools.partial(ModuleStateHooks._before_state_dict, self)
+        for module in tree.modules():
+            self._handles.append(module.register_state_dict_pre_hook(before_state_dict))
         after_state_dict = functools.partial(ModuleStateHooks._after_state_dict, self)
         before_load = functools.partial(ModuleStateHooks._before_load_state_dict, self)
         after_load = functools.partial(ModuleStateHooks._after_load_state_dict, self)
@@ -61,6 +70,10 @@ class ModuleStateHooks(HookSet):
             index = engine.params.index_of(param)
             if index is not None:
                 yield prefix + name, param, index
+
+    def _before_state_dict(self, module, prefix, keep_vars) -> None:
+        if prefix == "" and not keep_vars:
+            self._live_engine().agree_on_state_dict_read()
 
     def _after_state_dict(self, module, state_dict, prefix, local_metadata) -> None:
         engine = self._live_engine()

@@ -8,6 +8,7 @@
                                                   both train
     dp_worker.py OUT_DIR --lonely-state-dict      rank 0 alone calls state_dict(), then both
                                                   train; errors kept past model.destroy()
+    dp_worker.py OUT_DIR --lonely-module-state-dict   the same with model.module.state_dict()
     dp_worker.py OUT_DIR --checkpoint SCENARIO... checkpoint scenarios of dp_checkpoint_worker.py
     dp_worker.py OUT_DIR --ddp-wrap               the engine wrapped in torch's DDP
 
@@ -125,6 +126,8 @@ def main() -> None:
                 results["elapsed"] = time.monotonic() - start
         elif what == ["--lonely-state-dict"]:
             results.update(lonely_call(rank, "state_dict"))
+        elif what == ["--lonely-module-state-dict"]:
+            results.update(lonely_call(rank, "module_state_dict"))
         elif what == ["--lonely-eval"]:
             results.update(lonely_call(rank, "eval"))
         elif what[:1] == ["--discard-partial"]:
@@ -260,6 +263,8 @@ def lonely_call(rank: int, what: str) -> dict:
     try:
         if rank == 0 and what == "state_dict":
             model.state_dict()
+        elif rank == 0 and what == "module_state_dict":  # DDP's habit; save_pretrained's call
+            model.module.state_dict()
         elif rank == 0:
             model.eval()
             with torch.no_grad():

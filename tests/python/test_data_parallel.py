@@ -537,13 +537,16 @@ def test_a_stalled_rank_is_a_timeout_naming_the_collective(tmp_path):
     assert survivor["elapsed"] < 6
 
 
-def test_a_state_dict_on_one_rank_fails_cleanly_and_its_traceback_is_freed_safely(tmp_path):
+@pytest.mark.parametrize("mode", ["--lonely-state-dict", "--lonely-module-state-dict"])
+def test_a_state_dict_on_one_rank_fails_cleanly_and_its_traceback_is_freed_safely(tmp_path,
+                                                                                 mode):
     # state_dict() is a collective; called on rank 0 only (nanoGPT saves under
-    # `if master_process:`) both ranks raise at once (Note [Every rank runs the same forwards]),
-    # not after the collective timeout (120 s in the worker). Python keeps the failed call's
-    # frames (and the collectives) in the traceback; freeing it after model.destroy() crashed.
+    # `if master_process:`; a DDP user's `model.module.state_dict()`, HF's save_pretrained) both
+    # ranks raise at once (Note [Every rank runs the same forwards]), not after the collective
+    # timeout (120 s in the worker). Python keeps the failed call's frames (and the
+    # collectives) in the traceback; freeing it after model.destroy() crashed.
     start = time.monotonic()
-    for rank, result in enumerate(launch(tmp_path, 2, "--lonely-state-dict")):
+    for rank, result in enumerate(launch(tmp_path, 2, mode)):
         assert result.get("error_type") == "RuntimeError", (rank, result)
         assert ("rank 0: call 2, model.state_dict(); rank 1: call 2, a training forward"
                 in result["error"]), (rank, result["error"])

@@ -331,6 +331,89 @@ def test_param_groups_frozen_params_and_lr_scheduler_match_pytorch():
     assert all(id(frozen) != id(p) for p in opt.state)  # no optimizer state for frozen params
 
 
+@pytest.mark.parametrize("budget_chunks", [None, 3])
+def test_a_module_built_before_initialize_trains_as_pytorch(budget_chunks):
+    # DeepSpeed's initialize(model=...) habit (Note [Modules built before initialize()]): the
+    # module, a frozen parameter and param groups made from its parameters before initialize().
+    torch.manual_seed(0)
+    built = MLP()
+    built.layers[0].bias.requires_grad_(False)
+    reference = copy.deepcopy(built)
+
+    def groups(model):
+        return [{"params": list(model.layers[1].parameters()), "lr": 5e-3},
+                {"params": [model.layers[0].weight, *model.layers[2].parameters()]}]
+
+    ref_opt = torch.optim.Adam(groups(reference), lr=1e-3, foreach=False)
+    config = {"default_chunk_size": 4096, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}}
+    if budget_chunks is not None:
+        config["memory"] = {"device_budget": budget_chunks * 4096 * 4}
+    model, opt = patrickstar.initialize(built, config=config, param_groups=groups(built))
+    assert model.module is built
+    for x, y in mlp_batches(10):
+        loss = reference(x, y)
+        loss.backward()
+        ref_opt.step(); ref_opt.zero_grad()
+        ours = model(x, y)
+        model.backward(ours)
+        opt.step(); opt.zero_grad()
+        assert math.isclose(loss.item(), ours.item(), rel_tol=RTOL)
+    assert_same_training([], [], reference.state_dict(), model.state_dict())
+    # An engine took its parameters: initializing the module again is refused by name, also
+    # once that engine is gone (its parameters stay placeholders).
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match=r"'layers.0.weight' already belongs to a "
+                                               r"PatrickStar engine.*real shape is \(64, 32\)"):
+            patrickstar.initialize(built, config={"default_chunk_size": 4096})
+        del model, opt
+        model = opt = None
+
+
+def test_a_built_backbone_under_a_new_head_and_a_built_tied_gpt_train_as_pytorch():
+    # A pretrained part built outside model_func, under a head model_func builds (the two mix:
+    # registered parameters first, then the built ones), and a built model with tied weights.
+    cfg = gpt_config()
+    torch.manual_seed(0)
+    backbone = nn.Sequential(nn.Linear(32, 64), nn.Tanh())
+    torch.manual_seed(1)
+    gpt = GPT(cfg)
+    for model_func, batches in ((lambda: BuiltBackbone(backbone), mlp_batches),
+                                (gpt, lambda steps: synthetic_batches(cfg, batch=4,
+                                                                      steps=steps))):
+        torch.manual_seed(2)
+        reference = copy.deepcopy(model_func if isinstance(model_func, nn.Module)
+                                  else model_func())
+        ref_opt = torch.optim.Adam(reference.parameters(), lr=1e-3, foreach=False)
+        torch.manual_seed(2)
+        model, opt = patrickstar.initialize(model_func, config={
+            "default_chunk_size": 8192, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}})
+        for batch in batches(5):
+            loss = reference(*batch)
+            loss.backward()
+            ref_opt.step(); ref_opt.zero_grad()
+            ours = model(*batch)
+            model.backward(ours)
+            opt.step(); opt.zero_grad()
+            assert math.isclose(loss.item(), ours.item(), rel_tol=RTOL)
+        # atol as in test_gpt_fp32_tied_embeddings_matches_pytorch (sqrt rounding near zero).
+        assert_same_training([], [], reference.state_dict(), model.state_dict(), atol=5e-5)
+        if model.module is gpt:
+            assert gpt.head.weight is gpt.tokens.weight
+        del model, opt
+
+
+class BuiltBackbone(nn.Module):
+    """A new head (built in model_func) on a backbone built before it."""
+
+    def __init__(self, backbone):
+        super().__init__()
+        self.backbone = backbone
+        self.head = nn.Linear(64, 10)
+
+    def forward(self, x, y):
+        return nn.functional.cross_entropy(self.head(self.backbone(x)), y)
+
+
 def test_eval_and_no_grad_inference_match_pytorch():
     torch.manual_seed(0)
     reference = MLP()
@@ -633,8 +716,9 @@ def test_bad_config_and_too_small_budget_errors():
         patrickstar.initialize(MLP, config={"optimizer": {"params": {"lr": -1}}})
     with pytest.raises(ValueError, match="'fp16.enabled' and 'bf16.enabled'"):
         patrickstar.initialize(MLP, config={"fp16": {"enabled": True}, "bf16": {"enabled": True}})
-    with pytest.raises(TypeError, match="model_func"):
-        patrickstar.initialize(MLP(), config={})
+    with pytest.raises(TypeError, match="model_func must be a callable .* or a built "
+                                        "torch.nn.Module, not int"):
+        patrickstar.initialize(42, config={})
     with pytest.raises(patrickstar.ChunkOutOfMemoryError) as info:
         model, opt = patrickstar.initialize(MLP, config={"default_chunk_size": 8192,
                                                          "memory": {"device_budget": 4096}})
