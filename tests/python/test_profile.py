@@ -186,6 +186,24 @@ def test_summary_agrees_with_statistics(profiled):
     assert any(device in finding for finding in summary["findings"])
 
 
+def test_peaks_include_chunks_between_samples(tmp_path):
+    """Moments are sampled when they close, so gradient chunks written after the last tick of
+    a backward and dropped by the optimizer were never sampled: summary.json reported a device
+    peak below the manager's own (Note [Peaks between moments] in profiling/analysis.py). The
+    device tier is empty until the first forward, so its peak_chunk_bytes is the profile's."""
+    model, optimizer = _model(_config(memory={}))  # no budget: nothing is evicted
+    with patrickstar.profile(model, tmp_path):
+        _train(model, optimizer, 2)
+    device = model.memory_stats()[0]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    rows = _csv(tmp_path)
+    sampled = max(int(r["device_model_bytes"]) for r in rows)
+    peak = max(int(r["device_peak_model_bytes"]) for r in rows)
+    assert sampled < peak == device["peak_chunk_bytes"]
+    assert summary["tiers"][device["name"]]["peak_model_bytes"] == device["peak_chunk_bytes"]
+    assert all(int(r["device_peak_model_bytes"]) >= int(r["device_model_bytes"]) for r in rows)
+
+
 _PLACEMENT_KEYS = ("bytes_in", "bytes_out", "chunks_in", "chunks_out", "evictions", "zero_fills",
                    "prefetch_issued", "prefetch_hits", "prefetch_misses")
 
