@@ -17,6 +17,13 @@ parameter's chunks are on the GPU. So:
   forward and backward (no chunk moves there after warm-up);
 * ``host_optimizer``: host bytes the optimizer step holds: the optimizer state on a CPU build,
   all model data with CUDA;
+* ``host_initialization``: host bytes initialization writes before training (Note [Initialization
+  under a host budget] in init_context.py): every parameter's fp32 master, or its compute
+  chunks where there is no master (fp32, bf16 without master). Without an NVMe tier
+  ``initialize()`` refuses a host budget below it (guards.check_budgets);
+* ``host_peak``: the larger of the two, what the host tier peaks at. With 8- or 16-bit Adam
+  state the optimizer step holds less than initialization (fp32 + int8 state: 0.57 vs 1.06 MiB
+  on a 4-layer MLP), so ``host_optimizer`` alone is not a host budget;
 * ``host_min_with_nvme``: with an NVMe tier below the host, the host needs at least the chunks one
   parameter's update brings there at once (the largest chunk of each of those kinds).
 Non-model data (activations, temporaries) comes on top; a profile (``patrickstar.profile``) shows
@@ -160,11 +167,18 @@ def estimate_memory(model: Callable[[], nn.Module] | int, config: Any = None,
         total = sum(by_kind.values())
         on_host = [kind for kind in by_kind
                    if _C.cuda_available() or kind in ("master", "momentum", "variance")]
+        host_optimizer = sum(by_kind[kind] for kind in on_host)
+        # The fp32 copy initialization writes (guards.check_budgets' rule); the "master" row of
+        # bf16 without master is the Kahan compensation, and initialization writes the compute
+        # chunks there.
+        host_initialization = by_kind["master"] if master_weights and by_kind["master"] \
+            else by_kind["compute"]
         modes[label] = {
             "by_kind": by_kind, "total": total, "chunk_elements": figures["chunk_elements"],
             "wasted_bytes": figures["wasted_bytes"],
             "device_no_moves": by_kind["compute"] + by_kind["gradient"],
-            "host_optimizer": sum(by_kind[kind] for kind in on_host),
+            "host_optimizer": host_optimizer, "host_initialization": host_initialization,
+            "host_peak": max(host_optimizer, host_initialization),
             "host_min_with_nvme": sum(figures["largest_chunk"].get(kind, 0) for kind in on_host)}
     result = {"parameters": params, "trainable": trainable,
               "gradient_accumulation_steps": cfg.gradient_accumulation_steps, "modes": modes}
@@ -180,13 +194,15 @@ def format_estimate(result: dict) -> str:
              f"per chunk, gradient accumulation {result['gradient_accumulation_steps']}:",
              "  (non-model data such as activations comes on top)"]
     header = ["precision", "total", "compute", "master", "gradient", "momentum", "variance",
-              "device: fwd/bwd without moves", "host: optimizer step", "host min with NVMe"]
+              "device: fwd/bwd without moves", "host: initialization", "host: optimizer step",
+              "host: peak", "host min with NVMe"]
     rows = [header]
     for label, mode in result["modes"].items():
         rows.append([label, _gib(mode["total"])]
                     + [_gib(mode["by_kind"][kind]) if mode["by_kind"][kind] else "-"
                        for kind in _KINDS]
-                    + [_gib(mode["device_no_moves"]), _gib(mode["host_optimizer"]),
+                    + [_gib(mode["device_no_moves"]), _gib(mode["host_initialization"]),
+                       _gib(mode["host_optimizer"]), _gib(mode["host_peak"]),
                        _gib(mode["host_min_with_nvme"])])
     widths = [max(len(row[c]) for row in rows) for c in range(len(header))]
     for row in rows:

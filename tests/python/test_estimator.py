@@ -53,6 +53,25 @@ def test_estimate_within_ten_percent_of_runtime(hidden, layers, precision, accum
     # The layout-based estimate is the runtime's own packing: exact.
     assert from_func["modes"][mode]["device_no_moves"] == device
     assert from_func["modes"][mode]["host_optimizer"] == host
+    assert from_func["modes"][mode]["host_peak"] == host
+
+
+@pytest.mark.parametrize("state_dtype", ["int8", "bf16"])
+def test_estimate_host_peak_includes_initialization(state_dtype):
+    """With 8- or 16-bit Adam state the optimizer step holds less on the host than
+    initialization, which writes every fp32 parameter chunk there first: the engine's host peak
+    (and the host budget initialize() demands without NVMe, guards.check_budgets) is the
+    initialization's, and a host_budget of "host: optimizer step" was refused at initialize()."""
+    gpt = GPTConfig(vocab_size=256, max_seq_len=16, hidden=64, layers=1, heads=2)
+    config = {"default_chunk_size": 1 << 13,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "state_dtype": state_dtype}}}
+    _, host = _measured(gpt, config)
+    figures = patrickstar.estimate_memory(lambda: GPT(gpt), config, verbose=False)["modes"]["fp32"]
+    assert figures["host_initialization"] == figures["by_kind"]["compute"]
+    assert figures["host_peak"] == host == max(figures["host_initialization"],
+                                               figures["host_optimizer"])
+    if not patrickstar._C.cuda_available() and state_dtype == "int8":
+        assert figures["host_optimizer"] < host  # what the estimate used to offer alone
 
 
 def test_estimate_prints_a_table_per_precision(capsys):

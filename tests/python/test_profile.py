@@ -186,6 +186,24 @@ def test_summary_agrees_with_statistics(profiled):
     assert any(device in finding for finding in summary["findings"])
 
 
+def test_peaks_include_chunks_between_samples(tmp_path):
+    """Moments are sampled when they close, so gradient chunks written after the last tick of
+    a backward and dropped by the optimizer were never sampled: summary.json reported a device
+    peak below the manager's own (Note [Peaks between moments] in profiling/analysis.py). The
+    device tier is empty until the first forward, so its peak_chunk_bytes is the profile's."""
+    model, optimizer = _model(_config(memory={}))  # no budget: nothing is evicted
+    with patrickstar.profile(model, tmp_path):
+        _train(model, optimizer, 2)
+    device = model.memory_stats()[0]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    rows = _csv(tmp_path)
+    sampled = max(int(r["device_model_bytes"]) for r in rows)
+    peak = max(int(r["device_peak_model_bytes"]) for r in rows)
+    assert sampled < peak == device["peak_chunk_bytes"]
+    assert summary["tiers"][device["name"]]["peak_model_bytes"] == device["peak_chunk_bytes"]
+    assert all(int(r["device_peak_model_bytes"]) >= int(r["device_model_bytes"]) for r in rows)
+
+
 _PLACEMENT_KEYS = ("bytes_in", "bytes_out", "chunks_in", "chunks_out", "evictions", "zero_fills",
                    "prefetch_issued", "prefetch_hits", "prefetch_misses")
 
@@ -249,6 +267,43 @@ def test_collectives_are_recorded(tmp_path):
                    if e["ph"] == "X" and threads[e["tid"]].startswith("collectives")]
     assert sorted(e["name"] for e in collectives) == ["allgather"] * 2 + ["reduce_scatter"] * 2
     assert all(e["args"]["bytes"] in (1024, 4096) for e in collectives)
+
+
+_RANK_SCRIPT = """
+import sys, torch, patrickstar
+from patrickstar.examples.gpt import GPT, GPTConfig, synthetic_batches
+gpt = GPTConfig(vocab_size=64, max_seq_len=8, hidden=32, layers=1, heads=2)
+torch.manual_seed(0)
+model, optimizer = patrickstar.initialize(lambda: GPT(gpt), config={
+    "default_chunk_size": 4096, "profile": {"enabled": True, "output_dir": sys.argv[1]}})
+for ids, targets in synthetic_batches(gpt, 2, 2):
+    model.backward(model(ids, targets))
+    optimizer.step()
+    optimizer.zero_grad()
+model.destroy()
+"""
+
+
+def test_data_parallel_ranks_write_their_own_profiles(tmp_path):
+    """Every rank runs the same config, so every rank profiles into the same output_dir: each
+    writes into its own rank<k>/ below it instead of racing for the same files (rank 0 used to
+    fail in destroy() renaming a temporary file rank 1 had renamed, and lost its profile)."""
+    from test_data_parallel import finish, free_port
+    env = dict(os.environ, OMP_NUM_THREADS="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()))
+    procs = [subprocess.Popen([sys.executable, "-c", _RANK_SCRIPT, str(tmp_path)],
+                              env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
+                              stderr=subprocess.PIPE, text=True) for r in range(2)]
+    codes = finish(procs)
+    assert codes == [0, 0], [proc.stderr.read()[-2000:] for proc in procs]
+    for rank in range(2):
+        directory = tmp_path / f"rank{rank}"
+        for name in OUTPUTS:
+            assert (directory / name).is_file(), directory / name
+        summary = json.loads((directory / "summary.json").read_text())
+        assert summary["run"]["rank"] == rank and summary["run"]["world_size"] == 2
+        assert summary["run"]["iterations"] == 2
+    assert not [p.name for p in tmp_path.iterdir() if p.is_file()]
 
 
 def test_profile_rejects_bad_arguments():

@@ -12,19 +12,37 @@ from .memory_csv import memory_rows
 from .summary import build_summary
 from .trace import build_trace
 
-__all__ = ["write_outputs", "write_text"]
+__all__ = ["rank_directory", "write_outputs", "write_text"]
+
+
+# Note [One profile directory per rank]
+# Every rank of a data-parallel job runs the same script and config, so every rank profiles
+# into the same output_dir. Writing there directly, the ranks raced for the same files: one rank's
+# os.replace of 'profile.json.tmp' found the file already renamed by another and raised (in
+# destroy(), losing that rank's profile), and whichever rank wrote last left its files over the
+# others'. With more than one rank, rank k writes into '<output_dir>/rank<k>/' instead (what
+# `patrickstar-report` is then pointed at); a single process writes into output_dir itself.
+def rank_directory(directory: str | os.PathLike, run: dict) -> str:
+    """Where a profile of `run` (the raw record's "run": world_size, rank) is written."""
+    directory = os.fspath(directory)
+    if run.get("world_size", 1) > 1:
+        return os.path.join(directory, f"rank{run.get('rank', 0)}")
+    return directory
 
 
 def write_text(path: str, text: str) -> None:
-    temporary = path + ".tmp"
+    # The process id keeps writers of the same path (ranks given one directory by hand) from
+    # renaming each other's temporary file.
+    temporary = f"{path}.{os.getpid()}.tmp"
     with open(temporary, "w", encoding="utf-8", newline="") as handle:
         handle.write(text)
     os.replace(temporary, path)
 
 
 def write_outputs(directory: str | os.PathLike, raw: dict) -> dict:
-    """Writes profile.json and the four outputs into `directory`; returns the summary."""
-    directory = os.fspath(directory)
+    """Writes profile.json and the four outputs into `directory` (its rank<k>/ subdirectory
+    under data parallelism: Note [One profile directory per rank]); returns the summary."""
+    directory = rank_directory(directory, raw["run"])
     try:
         os.makedirs(directory, exist_ok=True)
     except OSError as error:

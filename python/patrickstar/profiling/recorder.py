@@ -119,8 +119,9 @@ class Profiler:
 
     def stop(self, write: bool = True, engine=None) -> str | None:
         """Stops recording; writes the outputs (unless `write` is False) and returns their
-        directory. The engine's destroy() passes itself as `engine`: when the collector
-        finalizes an engine, weak references to it are already cleared."""
+        directory (output_dir, or its rank<k>/ under data parallelism: Note [One profile
+        directory per rank] in outputs.py). The engine's destroy() passes itself as `engine`:
+        when the collector finalizes an engine, weak references to it are already cleared."""
         self._holding = engine
         try:
             return self._stop(write)
@@ -142,9 +143,10 @@ class Profiler:
             self.engine.profiler = None
         if not write:
             return None
-        from .outputs import write_outputs  # imported late: only writing needs it
-        write_outputs(self.output_dir, self.raw())
-        return self.output_dir
+        from .outputs import rank_directory, write_outputs  # imported late: only writing needs it
+        raw = self.raw()
+        write_outputs(self.output_dir, raw)
+        return rank_directory(self.output_dir, raw["run"])
 
     def _drain(self) -> None:
         for target, chunk in ((self._events, self._manager.drain_events()),

@@ -21,13 +21,16 @@ def build_summary(raw: dict, analysis: Analysis | None = None) -> dict:
     a = analysis or Analysis(raw)
     tiers = {}
     for t, info in enumerate(a.tiers):
-        model = [r["model"][t] for r in a.rows] or [0]
+        # Note [Peaks between moments] in analysis.py: the most held between samples too.
+        model = [r["model_peak"][t] for r in a.rows] or [0]
+        if a.window_peaks[t] is not None:
+            model.append(a.window_peaks[t])
         non_model = [r["non_model"][t] for r in a.rows] or [0]
-        total = [r["model"][t] + r["non_model"][t] for r in a.rows] or [0]
+        total = [r["model_peak"][t] + r["non_model"][t] for r in a.rows] or [0]
         tiers[info["name"]] = {
             "kind": info["kind"], "budget_bytes": info["budget_bytes"],
             "peak_model_bytes": max(model), "peak_non_model_bytes": max(non_model),
-            "peak_total_bytes": max(total),
+            "peak_total_bytes": max(max(total), max(model)),
             "bytes_in": stat_delta(raw, t, "bytes_in"),
             "bytes_out": stat_delta(raw, t, "bytes_out"),
             "evictions": stat_delta(raw, t, "evictions"),

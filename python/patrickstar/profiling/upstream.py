@@ -76,7 +76,8 @@ class UpstreamProfiler:
             self._stopped_raw = self._recorder.raw()
 
     def save(self, path: str | os.PathLike) -> str:
-        """Writes the outputs into `path` without its extension; returns that directory."""
+        """Writes the outputs into `path` without its extension (its rank<k>/ under data
+        parallelism: Note [One profile directory per rank]); returns that directory."""
         if self._recorder is None:
             raise RuntimeError("profiler.save(): nothing was recorded; call profiler.start() "
                                "before patrickstar.initialize() and profiler.end() after the "
@@ -86,9 +87,10 @@ class UpstreamProfiler:
         if self._stopped_raw is None:
             raise RuntimeError("profiler.save(): the recorded engine was destroyed before "
                                "profiler.end(); call end() while the model is alive")
+        from .outputs import rank_directory, write_outputs  # imported late: only writing needs it
         directory = os.path.splitext(os.fspath(path))[0]
-        from .outputs import write_outputs  # imported late: only writing needs it
         write_outputs(directory, self._stopped_raw)
+        directory = rank_directory(directory, self._stopped_raw["run"])
         logger.info("profile written to %s (trace.json, memory.csv, summary.json, report.html)",
                     directory)
         return directory
