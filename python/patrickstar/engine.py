@@ -56,7 +56,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from . import _C, checkpoint, clip_grad, dtypes, param_owners, torch_optimizers
+from . import _C, checkpoint, clip_grad, dtypes, module_zero_grad, param_owners, torch_optimizers
 from .activations import ActivationCounter
 from .chunk_runtime import ChunkRuntime
 from .chunked_params import ChunkedParams
@@ -255,6 +255,7 @@ class PatrickStarEngine(nn.Module):
         global_timer.watch(self)  # upstream's data_move_cnter reports this engine's traffic
         clip_grad.install()  # torch.nn.utils.clip_grad_norm_(model.parameters(), ...) works
         torch_optimizers.install()  # a torch optimizer over these parameters raises at step()
+        module_zero_grad.install()  # model.module.zero_grad() drops the chunked gradients
         hooked = [m for m, owned in self._module_params.items() if owned]
         self._state_hooks = ModuleStateHooks(hooked, self)  # Note [The user's module's state...]
         # Note [Saved views of parameters]: forwards that bypass model(...).
@@ -705,6 +706,24 @@ class PatrickStarEngine(nn.Module):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad()
+
+    def drop_gradients(self, params) -> None:
+        """torch's `module.zero_grad()` of a module holding `params` (Note [Module zero_grad]
+        in module_zero_grad.py): all of this engine's parameters is optimizer.zero_grad(); a
+        part drops that part's chunked gradients."""
+        indices = {self._parameter_index(param, "zero_grad") for param in params}
+        if len(indices) == len(self.params.params):
+            self.optimizer.zero_grad()
+            return
+        if self.dp.enabled:
+            names = [f"module.{self.params.names[i]}" for i in sorted(indices)[:3]]
+            raise RuntimeError(
+                f"zero_grad() of a module holding {len(indices)} of the engine's "
+                f"{len(self.params.params)} parameters (e.g. {names}) under data parallelism: "
+                f"each rank's gradient chunks hold reduced shards of every parameter, so a part "
+                f"of them cannot be dropped. Drop all of them with optimizer.zero_grad(), or "
+                f"leave the part out of the loss (torch.no_grad() or detach())")
+        self.optimizer.drop_gradients(sorted(indices))
 
     @contextlib.contextmanager
     def no_sync(self):
