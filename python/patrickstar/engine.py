@@ -230,9 +230,11 @@ class PatrickStarEngine(nn.Module):
         # Where the activations really are: GPU memory with CUDA; host memory on a CPU build,
         # whose device tier only emulates a GPU's budget for chunks.
         self._non_model_tier = T.DEVICE if self.device.type == "cuda" else T.HOST
+        self._grad_hooks: list[tuple[nn.Parameter, int]] = []  # Note [User gradient hooks]
         for index, param in enumerate(self.params.params):
             if param.requires_grad:
-                param.register_post_accumulate_grad_hook(self._make_grad_hook(index))
+                handle = param.register_post_accumulate_grad_hook(self._make_grad_hook(index))
+                self._grad_hooks.append((param, handle.id))
         self._views = SavedParameterViews(  # Note [Saved views of parameters]
             self._slots, self.params.params, self.activations,
             _weakly(self._join_autograd_backward))
@@ -584,6 +586,7 @@ class PatrickStarEngine(nn.Module):
         self._run_backward(tensors, grads)
 
     def _run_backward(self, tensors, grads, retain_graph: bool = False) -> None:
+        self._keep_grad_hooks_last()
         self._in_backward = True
         self.dp.before_backward()
         try:
@@ -624,6 +627,7 @@ class PatrickStarEngine(nn.Module):
         if self._in_backward or torch._C._current_graph_task_id() == -1:
             return
         self.guard.check_alive("loss.backward()")
+        self._keep_grad_hooks_last()
         self._in_backward = True
         self._autograd_unchecked = True
         self.dp.before_backward()
@@ -667,6 +671,25 @@ class PatrickStarEngine(nn.Module):
         count = self._slots.access_count(index)
         if count > 0:
             self._slots.release([index] * count, S.HOLD_AFTER_BWD)
+
+    # Note [User gradient hooks]
+    # The engine takes each gradient out of `p.grad` into its chunk in a post-accumulate-grad
+    # hook and sets `p.grad` to None. torch runs a parameter's post-accumulate-grad hooks in
+    # registration order, so a user's registered after initialize() (a gradient logger, the
+    # optimizer-in-backward recipe, a per-parameter clip) ran after the engine's and found
+    # None, and one changing `p.grad` changed nothing. Each backward therefore starts by moving
+    # the engine's hook behind any the user added since (`p.register_hook` tensor hooks run
+    # before accumulation and need nothing). torch calls the hooks from a snapshot of the
+    # dict's values, so the move must come before the backward, not inside it: model.backward
+    # does it before autograd runs, loss.backward() at the engine's first event in the graph
+    # task (a module's pre-backward, before any of that module's gradients accumulate). What
+    # still differs from PyTorch: `p.grad` holds this backward's gradient only, not the sum of
+    # the accumulation's (the sum is in the chunk: model.full_gradient(p) after the backward).
+    def _keep_grad_hooks_last(self) -> None:
+        for param, hook_id in self._grad_hooks:
+            hooks = param._post_accumulate_grad_hooks
+            if len(hooks) > 1 and next(reversed(hooks)) != hook_id:
+                hooks[hook_id] = hooks.pop(hook_id)  # to the end of the dict's own order too
 
     def _make_grad_hook(self, index: int):
         engine = weakref.ref(self)  # C++ holds the parameter too: Note [Engine lifetime]
