@@ -56,7 +56,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from . import _C, checkpoint, clip_grad, dtypes, module_zero_grad, param_owners, torch_optimizers
+from . import (_C, checkpoint, clip_grad, convert_parameters, dtypes, module_zero_grad,
+               param_owners, torch_optimizers)
 from .activations import ActivationCounter
 from .chunk_runtime import ChunkRuntime
 from .chunked_params import ChunkedParams
@@ -258,6 +259,7 @@ class PatrickStarEngine(nn.Module):
         clip_grad.install()  # torch.nn.utils.clip_grad_norm_(model.parameters(), ...) works
         torch_optimizers.install()  # a torch optimizer over these parameters raises at step()
         module_zero_grad.install()  # model.module.zero_grad() drops the chunked gradients
+        convert_parameters.install()  # parameters_to_vector reads the chunks' values
         hooked = [m for m, owned in self._module_params.items() if owned]
         self._state_hooks = ModuleStateHooks(hooked, self)  # Note [The user's module's state...]
         # Note [Saved views of parameters]: forwards that bypass model(...).
