@@ -57,7 +57,7 @@ import torch
 from torch import nn
 
 from . import (_C, checkpoint, clip_grad, convert_parameters, dtypes, module_zero_grad,
-               param_owners, torch_optimizers)
+               param_owners, parametrizations, torch_optimizers)
 from .activations import ActivationCounter
 from .chunk_runtime import ChunkRuntime
 from .chunked_params import ChunkedParams
@@ -260,6 +260,7 @@ class PatrickStarEngine(nn.Module):
         torch_optimizers.install()  # a torch optimizer over these parameters raises at step()
         module_zero_grad.install()  # model.module.zero_grad() drops the chunked gradients
         convert_parameters.install()  # parameters_to_vector reads the chunks' values
+        parametrizations.install()  # weight_norm(...) after initialize() names model_func
         hooked = [m for m, owned in self._module_params.items() if owned]
         self._state_hooks = ModuleStateHooks(hooked, self)  # Note [The user's module's state...]
         # Note [Saved views of parameters]: forwards that bypass model(...).
