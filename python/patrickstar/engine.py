@@ -56,7 +56,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from . import _C, checkpoint, clip_grad, dtypes, param_owners, torch_optimizers
+from . import (_C, checkpoint, clip_grad, convert_parameters, dtypes, module_zero_grad,
+               param_owners, parametrizations, torch_optimizers)
 from .activations import ActivationCounter
 from .chunk_runtime import ChunkRuntime
 from .chunked_params import ChunkedParams
@@ -230,9 +231,11 @@ class PatrickStarEngine(nn.Module):
         # Where the activations really are: GPU memory with CUDA; host memory on a CPU build,
         # whose device tier only emulates a GPU's budget for chunks.
         self._non_model_tier = T.DEVICE if self.device.type == "cuda" else T.HOST
+        self._grad_hooks: list[tuple[nn.Parameter, int]] = []  # Note [User gradient hooks]
         for index, param in enumerate(self.params.params):
             if param.requires_grad:
-                param.register_post_accumulate_grad_hook(self._make_grad_hook(index))
+                handle = param.register_post_accumulate_grad_hook(self._make_grad_hook(index))
+                self._grad_hooks.append((param, handle.id))
         self._views = SavedParameterViews(  # Note [Saved views of parameters]
             self._slots, self.params.params, self.activations,
             _weakly(self._join_autograd_backward))
@@ -255,6 +258,9 @@ class PatrickStarEngine(nn.Module):
         global_timer.watch(self)  # upstream's data_move_cnter reports this engine's traffic
         clip_grad.install()  # torch.nn.utils.clip_grad_norm_(model.parameters(), ...) works
         torch_optimizers.install()  # a torch optimizer over these parameters raises at step()
+        module_zero_grad.install()  # model.module.zero_grad() drops the chunked gradients
+        convert_parameters.install()  # parameters_to_vector reads the chunks' values
+        parametrizations.install()  # weight_norm(...) after initialize() names model_func
         hooked = [m for m, owned in self._module_params.items() if owned]
         # Note [The user's module's state dict]
         self._state_hooks = ModuleStateHooks(hooked, self, self.module)
@@ -584,6 +590,7 @@ class PatrickStarEngine(nn.Module):
         self._run_backward(tensors, grads)
 
     def _run_backward(self, tensors, grads, retain_graph: bool = False) -> None:
+        self._keep_grad_hooks_last()
         self._in_backward = True
         self.dp.before_backward()
         try:
@@ -624,6 +631,7 @@ class PatrickStarEngine(nn.Module):
         if self._in_backward or torch._C._current_graph_task_id() == -1:
             return
         self.guard.check_alive("loss.backward()")
+        self._keep_grad_hooks_last()
         self._in_backward = True
         self._autograd_unchecked = True
         self.dp.before_backward()
@@ -668,6 +676,25 @@ class PatrickStarEngine(nn.Module):
         if count > 0:
             self._slots.release([index] * count, S.HOLD_AFTER_BWD)
 
+    # Note [User gradient hooks]
+    # The engine takes each gradient out of `p.grad` into its chunk in a post-accumulate-grad
+    # hook and sets `p.grad` to None. torch runs a parameter's post-accumulate-grad hooks in
+    # registration order, so a user's registered after initialize() (a gradient logger, the
+    # optimizer-in-backward recipe, a per-parameter clip) ran after the engine's and found
+    # None, and one changing `p.grad` changed nothing. Each backward therefore starts by moving
+    # the engine's hook behind any the user added since (`p.register_hook` tensor hooks run
+    # before accumulation and need nothing). torch calls the hooks from a snapshot of the
+    # dict's values, so the move must come before the backward, not inside it: model.backward
+    # does it before autograd runs, loss.backward() at the engine's first event in the graph
+    # task (a module's pre-backward, before any of that module's gradients accumulate). What
+    # still differs from PyTorch: `p.grad` holds this backward's gradient only, not the sum of
+    # the accumulation's (the sum is in the chunk: model.full_gradient(p) after the backward).
+    def _keep_grad_hooks_last(self) -> None:
+        for param, hook_id in self._grad_hooks:
+            hooks = param._post_accumulate_grad_hooks
+            if len(hooks) > 1 and next(reversed(hooks)) != hook_id:
+                hooks[hook_id] = hooks.pop(hook_id)  # to the end of the dict's own order too
+
     def _make_grad_hook(self, index: int):
         engine = weakref.ref(self)  # C++ holds the parameter too: Note [Engine lifetime]
 
@@ -706,6 +733,24 @@ class PatrickStarEngine(nn.Module):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad()
+
+    def drop_gradients(self, params) -> None:
+        """torch's `module.zero_grad()` of a module holding `params` (Note [Module zero_grad]
+        in module_zero_grad.py): all of this engine's parameters is optimizer.zero_grad(); a
+        part drops that part's chunked gradients."""
+        indices = {self._parameter_index(param, "zero_grad") for param in params}
+        if len(indices) == len(self.params.params):
+            self.optimizer.zero_grad()
+            return
+        if self.dp.enabled:
+            names = [f"module.{self.params.names[i]}" for i in sorted(indices)[:3]]
+            raise RuntimeError(
+                f"zero_grad() of a module holding {len(indices)} of the engine's "
+                f"{len(self.params.params)} parameters (e.g. {names}) under data parallelism: "
+                f"each rank's gradient chunks hold reduced shards of every parameter, so a part "
+                f"of them cannot be dropped. Drop all of them with optimizer.zero_grad(), or "
+                f"leave the part out of the loss (torch.no_grad() or detach())")
+        self.optimizer.drop_gradients(sorted(indices))
 
     @contextlib.contextmanager
     def no_sync(self):

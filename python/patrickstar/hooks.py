@@ -10,6 +10,21 @@ parameters), and the inputs pass it with the post-backward callback, which runs 
 (release them). A module whose inputs need no
 grad never gets its post-backward call; the engine releases every parameter still in use when
 backward ends.
+
+Note [User hooks around the engine's]
+torch runs a module's forward pre-hooks, then its forward hooks, in registration order. The
+engine's are registered at initialize(): a user's forward hook registered after it ran after the
+engine's release, and a user's pre-hook registered in model_func before the engine's access, so
+a hook reading `module.weight` (a weight logger, a hook computing with the weight) read the
+empty placeholder: shape (0,), sums of 0, silently. The engine's pre-hook is therefore
+registered first (`prepend=True`: hooks from model_func already exist), and each pre-forward
+moves the engine's forward hooks behind any hook registered after them (a cheap walk of a
+module's few hooks), so a user's hook runs between the access and the release, whenever it was
+registered. torch reads the forward hooks only after the forward, so the move takes effect for
+the call under way. Left out: global module hooks (`register_module_forward_pre_hook`, run
+before any module's own) and full backward pre-hooks (torch wraps the output after every
+forward hook, so the user's runs before the engine's pre-backward access); both still see the
+placeholder.
 """
 from __future__ import annotations
 
@@ -51,12 +66,36 @@ class _BackwardCall(torch.autograd.Function):
         return None, None, grad
 
 
+# RemovableHandle ids of every engine's module hooks (unique across modules and engines): the
+# hooks a user's are moved in front of (Note [User hooks around the engine's]).
+_ENGINE_HOOK_IDS: set[int] = set()
+
+
+def _move_engine_hooks_last(hooks) -> None:
+    """Moves the engine's hooks in `hooks` (a module's OrderedDict of forward hooks) behind the
+    others, keeping each side's order, when another follows one of them."""
+    ours = False
+    for key in hooks:
+        if key in _ENGINE_HOOK_IDS:
+            ours = True
+        elif ours:
+            break
+    else:
+        return
+    for key in [key for key in hooks if key in _ENGINE_HOOK_IDS]:
+        hooks.move_to_end(key)
+
+
 class HookSet:
     """The handles of hooks an engine installed: removable together, and known by id (copies
     of the user's module leave them out: module_copies.py)."""
 
     def __init__(self):
         self._handles = []
+
+    def _add(self, handle) -> None:
+        self._handles.append(handle)
+        _ENGINE_HOOK_IDS.add(handle.id)
 
     @property
     def hook_ids(self) -> set[int]:
@@ -65,6 +104,7 @@ class HookSet:
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
+            _ENGINE_HOOK_IDS.discard(handle.id)
         self._handles.clear()
 
 
@@ -94,12 +134,13 @@ class ModuleHooks(HookSet):
         self._own_output = own_output
         self._saved_tensor_hooks = saved_tensor_hooks
         self._entered: list = []  # (module, context) entered by a pre-forward, innermost last
-        for module in modules:
-            self._handles.append(module.register_forward_pre_hook(self._pre_forward))
-            self._handles.append(module.register_forward_hook(self._post_forward))
+        for module in modules:  # Note [User hooks around the engine's]
+            self._add(module.register_forward_pre_hook(self._pre_forward, prepend=True))
+            self._add(module.register_forward_hook(self._post_forward))
 
     # Forward ----------------------------------------------------------------------------------
     def _pre_forward(self, module, inputs):
+        _move_engine_hooks_last(module._forward_hooks)  # Note [User hooks around the engine's]
         self._tick("pre_forward")
         self._access(module, "fwd")
         if torch.is_grad_enabled():
@@ -159,7 +200,7 @@ class CallHooks(HookSet):
 
     def __init__(self, module, enter: Callable[[], None], leave: Callable[[], None]):
         super().__init__()
-        self._handles.append(module.register_forward_pre_hook(
+        self._add(module.register_forward_pre_hook(
             lambda _module, _inputs: enter(), prepend=True))
-        self._handles.append(module.register_forward_hook(
+        self._add(module.register_forward_hook(
             lambda _module, _inputs, _output: leave(), always_call=True))

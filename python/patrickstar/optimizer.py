@@ -327,15 +327,21 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         """Drops the gradients; between steps also the backward calls made so far (Note
         [Training call order] in guards.py)."""
         self._requested_clip = None
-        chunks = self.chunked.chunks
-        if any(self.has_grad):  # a store still queued on the GPU may use a block being freed
-            self._wait_for_gradient_stores()
-        for index, has in enumerate(self.has_grad):
-            if has:
-                chunks.set_tensor_state(self.chunked.ids[index].grad, S.FREE)
-                self.has_grad[index] = False
+        self.drop_gradients(range(len(self.has_grad)))
         if self.guard.discard_backwards():
             self.dp.discard_accumulation()
+
+    def drop_gradients(self, indices: Iterable[int]) -> None:
+        """Frees the gradients of these parameters (a module's zero_grad(): Note [Module
+        zero_grad] in module_zero_grad.py); the backward calls of the step stay counted. A clip
+        asked for before stays: torch would already have scaled the remaining gradients."""
+        indices = [index for index in indices if self.has_grad[index]]
+        if indices:  # a store still queued on the GPU may use a block being freed
+            self._wait_for_gradient_stores()
+        chunks = self.chunked.chunks
+        for index in indices:
+            chunks.set_tensor_state(self.chunked.ids[index].grad, S.FREE)
+            self.has_grad[index] = False
 
     # ---- Gradients -----------------------------------------------------------------------------
 

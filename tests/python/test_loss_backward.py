@@ -301,3 +301,39 @@ def test_model_backward_retain_graph_takes_two_losses_of_one_forward_as_pytorch(
     state = model.state_dict()
     for key, tensor in reference.state_dict().items():
         torch.testing.assert_close(state[key], tensor, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("budget", [None, 3 * 4096 * 4])
+@pytest.mark.parametrize("part", ["module", "first_layer"])
+def test_module_zero_grad_drops_the_engines_gradients_as_pytorch(part, budget):
+    """`model.module.zero_grad()` (or a submodule's: a GAN's `netD.zero_grad()`) between two
+    backwards of one step drops the first backward's gradients in PyTorch. It cleared the
+    placeholders' `p.grad` (None already) and left the chunks' gradients: the step used both
+    backwards' (0.02 off after one step under accumulation). The whole module's is
+    optimizer.zero_grad() (the next backward starts the step: one of one here); a part's drops
+    only its gradients (two backwards of two)."""
+    data = batches(4)
+    config = {"optimizer": {"type": "Adam", "params": {"lr": 1e-2}}, "default_chunk_size": 4096,
+              "gradient_accumulation_steps": 1 if part == "module" else 2}
+    if budget:
+        config["memory"] = {"device_budget": budget}
+    torch.manual_seed(0)
+    reference = MLP()
+    ref_optimizer = torch.optim.Adam(reference.parameters(), lr=1e-2, foreach=False)
+    torch.manual_seed(0)
+    model, optimizer = patrickstar.initialize(MLP, config=config)
+
+    def clear(module):
+        (module if part == "module" else module.layers[0]).zero_grad()
+
+    for (x, y), (x2, y2) in zip(data[::2], data[1::2]):
+        for net, opt in ((reference, ref_optimizer), (model.module, optimizer)):
+            (net(x, y) / 2).backward()
+            clear(net)
+            (net(x2, y2) / 2).backward()
+            opt.step()
+            opt.zero_grad()
+    state = model.state_dict()
+    for key, tensor in reference.state_dict().items():
+        torch.testing.assert_close(state[key], tensor, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"{key}: {m}")

@@ -271,3 +271,40 @@ def test_a_shape_change_is_refused_naming_it_and_the_other_changes_stay():
     state = model.state_dict()
     assert torch.equal(state["0.weight"], before["0.weight"])
     assert torch.equal(state["2.weight"], torch.zeros(4, 32))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_parameters_to_vector_and_back_as_pytorch(precision):
+    # Before: parameters_to_vector(model.parameters()) was an empty vector (the placeholders),
+    # without a word; vector_to_parameters consumed nothing of the vector (placeholders have no
+    # elements) and the next forward raised about a lost write.
+    model, opt = make(precision)
+    from torch.nn.utils import parameters_to_vector, vector_to_parameters  # as wrapped by now
+    torch.manual_seed(0)
+    reference = net()
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    with torch.no_grad():
+        assert torch.equal(parameters_to_vector(model.parameters()),
+                           parameters_to_vector(reference.parameters()).to(dtype))
+        vector = torch.linspace(-0.5, 0.5, sum(p.numel() for p in reference.parameters()))
+        vector_to_parameters(vector, reference.parameters())
+        vector_to_parameters(vector, model.parameters())
+        assert torch.equal(parameters_to_vector(model.parameters()), vector.to(dtype))
+    reference_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
+    train(model, opt, dtype=dtype)  # from the loaded values, master copy included
+    train(reference, reference_opt)
+    state = model.state_dict()
+    for name, tensor in reference.state_dict().items():
+        torch.testing.assert_close(state[name].float(), tensor, rtol=0,
+                                   atol=0.02 if precision == "bf16" else 1e-6)
+
+
+def test_parameters_to_vector_to_differentiate_raises_naming_no_grad():
+    """A vector torch would let autograd differentiate (an L2 penalty added to the loss) cannot
+    be made from chunked values: raised rather than silently penalizing nothing."""
+    model, _ = make()
+    from torch.nn.utils import parameters_to_vector
+    with pytest.raises(RuntimeError, match=r"module.0.weight.*torch.no_grad\(\)"):
+        parameters_to_vector(model.parameters())
+    plain = nn.Linear(2, 2)
+    assert parameters_to_vector(plain.parameters()).requires_grad  # torch's own, untouched

@@ -1,0 +1,158 @@
+"""The user's own hooks on the engine's model see what they see in PyTorch: forward hooks read a
+module's weights (Note [User hooks around the engine's] in hooks.py), gradient hooks change the
+gradient that is trained. Each against the same model in plain PyTorch, with and without a
+device budget under which parameters really move between uses."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import patrickstar
+
+CHUNK = 1024  # elements: a layer or two per chunk, four chunks on the device under a budget
+BUDGETS = [None, 4 * CHUNK * 4]
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(16, 32)
+        self.b = nn.Linear(32, 32)
+        self.c = nn.Linear(32, 32)
+        self.d = nn.Linear(32, 4)
+
+    def forward(self, x):
+        return self.d(torch.relu(self.c(torch.relu(self.b(torch.relu(self.a(x)))))))
+
+
+def batches(steps):
+    generator = torch.Generator().manual_seed(0)
+    return [(torch.randn(8, 16, generator=generator),
+             torch.randint(0, 4, (8,), generator=generator)) for _ in range(steps)]
+
+
+def build(model_func, budget):
+    torch.manual_seed(0)
+    reference = model_func()
+    ref_optimizer = torch.optim.Adam(reference.parameters(), lr=1e-2, foreach=False)
+    config = {"optimizer": {"type": "Adam", "params": {"lr": 1e-2}}, "default_chunk_size": CHUNK}
+    if budget:
+        config["memory"] = {"device_budget": budget}
+    torch.manual_seed(0)
+    model, optimizer = patrickstar.initialize(model_func, config=config)
+    return reference, ref_optimizer, model, optimizer
+
+
+def train_both(reference, ref_optimizer, model, optimizer, steps=3):
+    for x, y in batches(steps):
+        for net, opt in ((reference, ref_optimizer), (model, optimizer)):
+            nn.functional.cross_entropy(net(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+
+
+def assert_same_weights(reference, model):
+    state = model.state_dict()
+    for key, tensor in reference.state_dict().items():
+        torch.testing.assert_close(state[key], tensor, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"{key}: {m}")
+
+
+def weight_readers(log):
+    """Forward hooks that read the module's weight, as activation/weight loggers do."""
+    def post(module, inputs, output):
+        log.append(("post", tuple(module.weight.shape), module.weight.sum().item()))
+
+    def pre(module, inputs):
+        log.append(("pre", tuple(module.weight.shape), module.weight.sum().item()))
+
+    def post_kwargs(module, args, kwargs, output):
+        log.append(("post_kwargs", tuple(module.weight.shape), module.weight.norm().item()))
+        return output * 2
+
+    return pre, post, post_kwargs
+
+
+def hook(net, log):
+    pre, post, post_kwargs = weight_readers(log)
+    net.b.register_forward_pre_hook(pre)
+    net.b.register_forward_hook(post)
+    net.c.register_forward_hook(post_kwargs, with_kwargs=True)
+
+
+@pytest.mark.parametrize("budget", BUDGETS)
+@pytest.mark.parametrize("when", ["in_model_func", "after_initialize"])
+def test_forward_hooks_read_the_modules_weights_as_in_pytorch(when, budget):
+    # Before: a forward hook registered after initialize() ran after the engine's release and
+    # read the empty placeholder (shape (0,), sum 0.0); a pre-hook registered in model_func ran
+    # before the engine's access, the same.
+    ref_log, log = [], []
+
+    def hooked():
+        net = Net()
+        hook(net, log)
+        return net
+
+    if when == "in_model_func":
+        torch.manual_seed(0)
+        reference = Net()
+        hook(reference, ref_log)
+        ref_optimizer = torch.optim.Adam(reference.parameters(), lr=1e-2, foreach=False)
+        _, _, model, optimizer = build(hooked, budget)
+        log.clear()  # what the planning builds logged, if anything
+    else:
+        reference, ref_optimizer, model, optimizer = build(Net, budget)
+        hook(reference, ref_log)
+        hook(model.module, log)
+    train_both(reference, ref_optimizer, model, optimizer)
+    assert [entry[:2] for entry in log] == [entry[:2] for entry in ref_log]
+    assert [entry[2] for entry in log] == pytest.approx([entry[2] for entry in ref_log],
+                                                        rel=1e-5, abs=1e-6)
+    assert_same_weights(reference, model)
+
+
+@pytest.mark.parametrize("budget", BUDGETS)
+@pytest.mark.parametrize("when", ["in_model_func", "after_initialize"])
+def test_post_accumulate_grad_hooks_see_and_change_the_gradient_as_in_pytorch(when, budget):
+    # Before: a hook registered after initialize() ran after the engine's, which had moved the
+    # gradient into its chunk and set p.grad to None: a gradient logger failed on None and a
+    # hook scaling p.grad in place changed nothing.
+    ref_log, log = [], []
+
+    def add_hooks(net, sink):
+        for name, param in net.named_parameters():
+            def scale_and_log(p, name=name):
+                p.grad.mul_(0.5 if name.startswith("b.") else 1.0)
+                sink.append((name, p.grad.norm().item()))
+            param.register_post_accumulate_grad_hook(scale_and_log)
+
+    def hooked():
+        net = Net()
+        add_hooks(net, log)
+        return net
+
+    if when == "in_model_func":
+        torch.manual_seed(0)
+        reference = Net()
+        add_hooks(reference, ref_log)
+        ref_optimizer = torch.optim.Adam(reference.parameters(), lr=1e-2, foreach=False)
+        _, _, model, optimizer = build(hooked, budget)
+    else:
+        reference, ref_optimizer, model, optimizer = build(Net, budget)
+        add_hooks(reference, ref_log)
+        add_hooks(model.module, log)
+    train_both(reference, ref_optimizer, model, optimizer)
+    assert [name for name, _ in log] == [name for name, _ in ref_log]
+    assert [norm for _, norm in log] == pytest.approx([norm for _, norm in ref_log], rel=1e-5)
+    assert_same_weights(reference, model)
+
+
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_tensor_hooks_on_parameters_scale_the_trained_gradient_as_in_pytorch(budget):
+    reference, ref_optimizer, model, optimizer = build(Net, budget)
+    for net in (reference, model.module):
+        for param in net.parameters():
+            param.register_hook(lambda grad: grad * (0.0 if grad.dim() == 1 else 10.0))
+    train_both(reference, ref_optimizer, model, optimizer)
+    assert_same_weights(reference, model)
