@@ -554,7 +554,22 @@ class PatrickStarEngine(nn.Module):
             self._release_all(S.HOLD_AFTER_BWD)
         self._end_backward()
 
+    # Note [Autocast's cast cache]
+    # Inside `torch.autocast` torch caches each parameter's cast (bf16 weight.to(...)) until
+    # the outermost autocast region exits, so a loop written inside one region (forward,
+    # backward and optimizer.step all under it) reuses the casts of its first forward in
+    # later iterations. For a plain model those casts are stale after a step (autocast's
+    # documentation asks for the region around the forward only); here the reused cast also
+    # brings back the earlier graph's cast node, whose backward met the parameter holding its
+    # placeholder and failed with a shape error. Each backward's end therefore drops the cache:
+    # the next forward casts the current weights, exactly as with autocast entered per step.
+    # Casts that graphs still hold are theirs; dropping the cache changes no value, and the
+    # cache of other models in the region refills at their next cast.
+    def _forget_autocast_casts(self) -> None:
+        torch.clear_autocast_cache()
+
     def _end_backward(self) -> None:
+        self._forget_autocast_casts()
         self.dp.after_backward()  # reads guard.ends_accumulation: before the count moves on
         self.guard.after_backward()
         self.micro_step += 1
@@ -606,6 +621,7 @@ class PatrickStarEngine(nn.Module):
 
     def _abandon_backward(self) -> None:
         self._in_backward = self._autograd_unchecked = False
+        self._forget_autocast_casts()
         self._release_all(S.HOLD_AFTER_BWD)
 
     def _end_autograd_backward(self) -> None:
@@ -613,6 +629,7 @@ class PatrickStarEngine(nn.Module):
         self._release_all(S.HOLD_AFTER_BWD)
         if self._autograd_unchecked:  # no gradient stored: torch.autograd.grad
             self._autograd_unchecked = False
+            self._forget_autocast_casts()
             return
         self._end_backward()
 
