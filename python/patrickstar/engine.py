@@ -69,6 +69,7 @@ from .external_params import external_parameter_hint, external_parameters
 from .hooks import CallHooks, ModuleHooks
 from .module_apply import ModuleApply
 from .module_copies import ModuleCopies
+from .module_methods import ModuleMethods
 from .module_state_hooks import ModuleStateHooks
 from .init_context import InitResidency, ParameterPlacer, plan_parameters
 from .loss_scaler import make_loss_scaler
@@ -96,22 +97,6 @@ def _weakly(method: Callable) -> Callable:
     return call
 
 
-# Hugging Face's (and nanoGPT's crop_block_size) methods that replace or re-initialize
-# parameters. After initialize() the parameters live in chunks and hold placeholders, so these
-# would fail inside (resizing reads the old embedding's shape) or write into placeholders
-# without effect (re-initialization); through the engine they raise, saying to call them in
-# model_func.
-_REBUILDS_PARAMETERS = frozenset({"resize_token_embeddings", "resize_position_embeddings",
-                                  "prune_heads", "init_weights", "post_init", "crop_block_size"})
-
-
-# Hugging Face's and nanoGPT's methods that only look at parameter shapes (num_parameters and
-# get_num_params, which sum p.numel(), were 0): through the engine they run with stand-ins of
-# the real shapes.
-_READS_PARAMETER_SHAPES = frozenset({"num_parameters", "get_memory_footprint",
-                                     "floating_point_ops", "get_num_params", "estimate_mfu"})
-
-
 def _recomputing() -> bool:
     """A module's forward running inside an autograd backward: activation checkpointing's
     recomputation (Note [Recomputed forwards])."""
@@ -131,22 +116,6 @@ def _refuse_wrapping_data_parallel(engine: nn.Module) -> None:
             "model and the gradients are reduce-scattered in its chunks). Use the engine "
             "directly: drop the DDP(model) wrapper and call model(...), model.backward(loss) "
             "(or loss.backward()) and optimizer.step()")
-
-
-def _refuse_rebuild(module_type: str, name: str) -> Callable:
-    if name.startswith("resize_"):
-        instead = ("call it inside model_func, on the module it builds (with a copy of the "
-                   "config made there: the resize updates the config, and model_func runs "
-                   "twice), or build the model with the new size: set it in the config that "
-                   "model_func builds from (e.g. config.vocab_size = n), and load trained "
-                   "weights after initialize() with load_state_dict")
-    else:
-        instead = "call it inside model_func, on the module it builds"
-
-    def refuse(*args, **kwargs):
-        raise ValueError(f"model.{name}() changes the parameters of {module_type}, which live "
-                         f"in PatrickStar chunks since initialize(): {instead}")
-    return refuse
 
 
 # Engines not yet destroyed: destroyed at interpreter exit (Note [Engine lifetime]).
@@ -268,6 +237,7 @@ class PatrickStarEngine(nn.Module):
         self._call_hooks = CallHooks(self.module, _weakly(self._enter_direct_call),
                                      _weakly(self._leave_direct_call))
         hooks = (self._hooks, self._state_hooks, self._call_hooks)
+        self._methods = ModuleMethods(self.module, self)  # Note [Methods of the user's modules]
         # Every module: each carries at least the state dict's call agreement hook.
         self._copies = ModuleCopies(  # Note [Copies of the user's module]
             list(self.module.modules()), self, lambda: set().union(*(h.hook_ids for h in hooks)))
@@ -526,11 +496,7 @@ class PatrickStarEngine(nn.Module):
                 raise AttributeError(f"neither 'PatrickStarEngine' nor its module "
                                      f"'{type(module).__name__}' has an attribute '{name}'"
                                      ) from None
-            if name in _REBUILDS_PARAMETERS and callable(value):
-                return _refuse_rebuild(type(module).__name__, name)
-            if name in _READS_PARAMETER_SHAPES and callable(value):
-                return self._with_real_shapes(value)
-            return value
+            return value  # Note [Methods of the user's modules]: its own shadows
 
     @property
     def config(self) -> ModuleConfigView:
@@ -539,12 +505,6 @@ class PatrickStarEngine(nn.Module):
         without the engine (Note in module_config_view.py)."""
         module = self.__dict__.get("_modules", {}).get("module")
         return ModuleConfigView(self.ps_config, getattr(module, "config", None))
-
-    def _with_real_shapes(self, method: Callable) -> Callable:
-        def call(*args, **kwargs):
-            with self._real_shapes():
-                return method(*args, **kwargs)
-        return call
 
     def forward(self, *args, **kwargs):
         self.guard.check_alive("model(...)")
@@ -602,7 +562,22 @@ class PatrickStarEngine(nn.Module):
             self._release_all(S.HOLD_AFTER_BWD)
         self._end_backward()
 
+    # Note [Autocast's cast cache]
+    # Inside `torch.autocast` torch caches each parameter's cast (bf16 weight.to(...)) until
+    # the outermost autocast region exits, so a loop written inside one region (forward,
+    # backward and optimizer.step all under it) reuses the casts of its first forward in
+    # later iterations. For a plain model those casts are stale after a step (autocast's
+    # documentation asks for the region around the forward only); here the reused cast also
+    # brings back the earlier graph's cast node, whose backward met the parameter holding its
+    # placeholder and failed with a shape error. Each backward's end therefore drops the cache:
+    # the next forward casts the current weights, exactly as with autocast entered per step.
+    # Casts that graphs still hold are theirs; dropping the cache changes no value, and the
+    # cache of other models in the region refills at their next cast.
+    def _forget_autocast_casts(self) -> None:
+        torch.clear_autocast_cache()
+
     def _end_backward(self) -> None:
+        self._forget_autocast_casts()
         self.dp.after_backward()  # reads guard.ends_accumulation: before the count moves on
         self.guard.after_backward()
         self.micro_step += 1
@@ -655,6 +630,7 @@ class PatrickStarEngine(nn.Module):
 
     def _abandon_backward(self) -> None:
         self._in_backward = self._autograd_unchecked = False
+        self._forget_autocast_casts()
         self._release_all(S.HOLD_AFTER_BWD)
 
     def _end_autograd_backward(self) -> None:
@@ -662,6 +638,7 @@ class PatrickStarEngine(nn.Module):
         self._release_all(S.HOLD_AFTER_BWD)
         if self._autograd_unchecked:  # no gradient stored: torch.autograd.grad
             self._autograd_unchecked = False
+            self._forget_autocast_casts()
             return
         self._end_backward()
 

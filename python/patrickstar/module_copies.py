@@ -13,7 +13,8 @@ returns its state with:
     device, beside the module's buffers), the same new
     Parameter for every module that shares it within one copy (a weak cache by index that lives
     as long as the copy operation holds it), so tied weights stay tied in the copy;
-  * the engine's hooks and registrations left out, and no `__getstate__` of its own.
+  * the engine's hooks and registrations left out, and no `__getstate__` of its own, nor the
+    methods the engine shadows on it (Note [Methods of the user's modules]).
 The copy is therefore an ordinary PyTorch module, independent of the engine. The engine itself
 deep-copies to such a copy of its module (two engines would need two chunk runtimes) and refuses
 to be pickled, naming what to save instead.
@@ -24,6 +25,8 @@ import functools
 import weakref
 
 from torch import nn
+
+from .module_methods import Shadow
 
 __all__ = ["ModuleCopies"]
 
@@ -48,7 +51,7 @@ class ModuleCopies:
                                "engine is gone: its parameters lived in the engine's chunks, "
                                "which were freed with it")
         state = {key: value for key, value in module.__dict__.items()
-                 if key not in _OWN_ATTRIBUTES}
+                 if key not in _OWN_ATTRIBUTES and not isinstance(value, Shadow)}
         ours = set(self._hook_ids())
         for key, value in state.items():
             if "hooks" in key and isinstance(value, dict) and ours & set(value):

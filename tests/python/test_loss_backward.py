@@ -337,3 +337,41 @@ def test_module_zero_grad_drops_the_engines_gradients_as_pytorch(part, budget):
     for key, tensor in reference.state_dict().items():
         torch.testing.assert_close(state[key], tensor, rtol=1e-5, atol=1e-6,
                                    msg=lambda m: f"{key}: {m}")
+
+
+@pytest.mark.parametrize("autograd", [True, False])
+def test_one_autocast_region_around_the_whole_loop_trains_as_autocast_per_step(autograd):
+    """A loop written inside one `torch.autocast` (forward, backward and step): autocast caches
+    each weight's bf16 cast for the whole region. A cast made in an earlier iteration led the
+    next backward to a parameter holding its placeholder ("The size of tensor a (0) must match
+    ..."); plain PyTorch runs on with the stale cast (Note [Autocast's cast cache])."""
+    data = batches(6)
+    torch.manual_seed(0)
+    reference = MLP()
+    ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, foreach=False)
+    ref_losses = []
+    for step, (x, y) in enumerate(data):
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast entered per micro-step
+            loss = reference(x, y)
+            (loss / 2).backward()
+        ref_losses.append(loss.item())
+        if step % 2 == 1:
+            ref_optimizer.step()
+            ref_optimizer.zero_grad()
+    torch.manual_seed(0)
+    model, optimizer = patrickstar.initialize(MLP, config={
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "default_chunk_size": 4096,
+        "gradient_accumulation_steps": 2})
+    losses = []
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        for step, (x, y) in enumerate(data):
+            loss = model(x, y)
+            (loss / 2).backward() if autograd else model.backward(loss)
+            losses.append(loss.item())
+            if step % 2 == 1:
+                optimizer.step()
+                optimizer.zero_grad()
+    assert losses == pytest.approx(ref_losses, rel=1e-4)
+    state = model.state_dict()
+    for key, tensor in reference.state_dict().items():
+        torch.testing.assert_close(state[key], tensor, rtol=1e-4, atol=1e-5)

@@ -308,3 +308,102 @@ def test_parameters_to_vector_to_differentiate_raises_naming_no_grad():
         parameters_to_vector(model.parameters())
     plain = nn.Linear(2, 2)
     assert parameters_to_vector(plain.parameters()).requires_grad  # torch's own, untouched
+
+
+def hugging_face_mlm(arch):
+    transformers = pytest.importorskip("transformers")
+    if arch == "distilbert":  # vocab_projector's bias beside the tied weight
+        return lambda: transformers.DistilBertForMaskedLM(transformers.DistilBertConfig(
+            vocab_size=100, dim=32, n_layers=2, n_heads=2, hidden_dim=64,
+            max_position_embeddings=32, dropout=0.0, attention_dropout=0.0))
+    return lambda: transformers.BertForMaskedLM(transformers.BertConfig(  # cls.predictions.bias
+        vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=64, max_position_embeddings=32, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0))
+
+
+@pytest.mark.parametrize("arch", ["bert", "distilbert"])
+@pytest.mark.parametrize("through", ["engine", "module"])
+def test_tie_weights_after_initialize_is_a_no_op_as_in_pytorch(arch, through):
+    """Scripts call `model.tie_weights()` after building or loading (a no-op on a tied model).
+    On a masked-LM head Hugging Face re-pads the output bias (`bias.data = pad(bias.data,
+    ...)`), which between uses met placeholders and was taken for a write: the next forward
+    raised."""
+    build = hugging_face_mlm(arch)
+    torch.manual_seed(0)
+    reference = build()
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, foreach=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.manual_seed(0)
+        model, opt = patrickstar.initialize(build, config={"default_chunk_size": 8192,
+                                                           "optimizer": ADAMW})
+    reference.tie_weights()
+    (model if through == "engine" else model.module).tie_weights()
+    ids = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(0))
+    for step in range(3):
+        ref = reference(input_ids=ids, labels=ids).loss
+        ref.backward(); ref_opt.step(); ref_opt.zero_grad()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward(); opt.step(); opt.zero_grad()
+        assert loss.item() == pytest.approx(ref.item(), rel=1e-5), step
+    state = model.state_dict()
+    for name, tensor in reference.state_dict().items():
+        # (atol: an attention key bias has a gradient that is rounding noise, which Adam scales)
+        torch.testing.assert_close(state[name], tensor, rtol=1e-5, atol=1e-5)
+
+
+def test_tie_weights_that_would_tie_other_parameters_is_refused_leaving_the_model():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1,
+                                     num_attention_heads=2, intermediate_size=64,
+                                     tie_word_embeddings=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, _ = patrickstar.initialize(lambda: transformers.BertForMaskedLM(config),
+                                          config={"default_chunk_size": 8192})
+    before = model.state_dict()
+    model.config.tie_word_embeddings = True
+    with pytest.raises(ValueError, match=r"tie_weights\(\) would replace "
+                                         r"'cls.predictions.decoder.weight'.*inside model_func"):
+        model.module.tie_weights()
+    decoder = model.module.cls.predictions.decoder
+    assert decoder.weight is not model.module.bert.embeddings.word_embeddings.weight
+    ids = torch.randint(0, 100, (2, 8))
+    model(input_ids=ids, labels=ids).loss.backward()  # the model as it was
+    state = model.state_dict()
+    assert all(torch.equal(state[name], tensor) for name, tensor in before.items())
+
+
+def test_hugging_face_methods_called_on_the_module_itself():
+    """`model.module.num_parameters()` (or a submodule's) summed the placeholders: 0, without a
+    word; `model.module.resize_token_embeddings(n)` failed inside with an unpacking error.
+    Copies of the module are plain modules again."""
+    import copy
+    build = hugging_face_mlm("bert")
+    reference = build()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, _ = patrickstar.initialize(build, config={"default_chunk_size": 8192})
+    assert model.module.num_parameters() == reference.num_parameters() > 0
+    assert model.module.bert.num_parameters(exclude_embeddings=True) == \
+        reference.bert.num_parameters(exclude_embeddings=True)
+    assert model.module.get_memory_footprint() == reference.get_memory_footprint()
+    with pytest.raises(ValueError, match=r"model.resize_token_embeddings\(\) changes the "
+                                         r"parameters of BertForMaskedLM.*inside model_func"):
+        model.module.resize_token_embeddings(128)
+    for plain in (copy.deepcopy(model.module), torch.load(_saved(model.module),
+                                                          weights_only=False)):
+        assert "num_parameters" not in vars(plain) and "num_parameters" not in vars(plain.bert)
+        assert plain.num_parameters() == reference.num_parameters()
+        plain.resize_token_embeddings(128)
+    ids = torch.randint(0, 100, (2, 8))
+    model(input_ids=ids, labels=ids)
+
+
+def _saved(module):
+    import io
+    buffer = io.BytesIO()
+    torch.save(module, buffer)
+    buffer.seek(0)
+    return buffer

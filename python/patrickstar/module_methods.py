@@ -1,0 +1,141 @@
+"""Hugging Face's and nanoGPT's methods that read, tie or rebuild parameters, on the user's
+modules after initialize().
+
+Note [Methods of the user's modules]
+Between uses an engine's parameters hold empty placeholders (Note [Parameter data swapping] in
+engine.py), so a few well-known methods of the user's modules did the wrong thing when called
+after initialize():
+  * shape readers (`num_parameters`, `get_memory_footprint`, `floating_point_ops`; nanoGPT's
+    `get_num_params`, `estimate_mfu`) sum `p.numel()`: 0, without a word;
+  * `tie_weights` (a no-op on a model whose ties are in place, which scripts call after
+    building or loading) re-pads a masked-LM head's output bias, `bias.data =
+    pad(bias.data, ...)` (BERT, RoBERTa, DistilBERT): a new tensor assigned to a placeholder,
+    which the next forward took for a lost write and raised on;
+  * rebuilders (`resize_token_embeddings`, `init_weights`, nanoGPT's `crop_block_size`, ...)
+    replace parameters the chunks hold, or write into placeholders.
+The engine used to fix these only for calls through it (`model.num_parameters()`), while
+`model.module.num_parameters()` (DeepSpeed users' spelling) and a submodule's
+(`model.module.bert.num_parameters()`) still counted placeholders. `ModuleMethods` gives every
+module of the tree whose class has such a method an instance attribute of that name (instance
+attributes shadow class functions), so the engine, `model.module` and any submodule answer
+alike: shape readers run while the parameters hold stand-ins of their real shapes
+(`engine._real_shapes()`), `tie_weights` runs with the parameters lent their values
+(`summon_full_params`, so an equal re-padded bias is no change), and rebuilders raise, naming
+model_func. A tie that would put another Parameter in a module (the config asks for ties the
+model was not built with) is undone and refused: which parameters exist and are shared is
+fixed when initialize() lays out the chunks.
+The attributes hold the engine weakly (Note [Engine lifetime] in engine.py) and copies leave
+them out (they are `Shadow`s: Note [Copies of the user's module] in module_copies.py), so a deepcopy or
+pickle of the module is a plain module with its class's methods again.
+"""
+from __future__ import annotations
+
+import functools
+import weakref
+from typing import Callable
+
+from torch import nn
+
+__all__ = ["ModuleMethods", "Shadow"]
+
+READS_PARAMETER_SHAPES = frozenset({"num_parameters", "get_memory_footprint",
+                                    "floating_point_ops", "get_num_params", "estimate_mfu"})
+TIES_PARAMETERS = frozenset({"tie_weights"})
+REBUILDS_PARAMETERS = frozenset({"resize_token_embeddings", "resize_position_embeddings",
+                                 "prune_heads", "init_weights", "post_init", "crop_block_size"})
+NAMES = READS_PARAMETER_SHAPES | TIES_PARAMETERS | REBUILDS_PARAMETERS
+
+
+class Shadow(functools.partial):
+    """A method shadowed on a module instance; copies of the module leave these out."""
+
+
+def refuse_rebuild(module_type: str, name: str) -> Callable:
+    if name.startswith("resize_"):
+        instead = ("call it inside model_func, on the module it builds (with a copy of the "
+                   "config made there: the resize updates the config, and model_func runs "
+                   "twice), or build the model with the new size: set it in the config that "
+                   "model_func builds from (e.g. config.vocab_size = n), and load trained "
+                   "weights after initialize() with load_state_dict")
+    else:
+        instead = "call it inside model_func, on the module it builds"
+
+    def refuse(*args, **kwargs):
+        raise ValueError(f"model.{name}() changes the parameters of {module_type}, which live "
+                         f"in PatrickStar chunks since initialize(): {instead}")
+    return refuse
+
+
+class ModuleMethods:
+    def __init__(self, root: nn.Module, engine):
+        """Shadows the methods in NAMES on every module under `root` whose class has them;
+        `modules` lists those modules (their copies must leave the attributes out)."""
+        self._engine = weakref.ref(engine)
+        self._reading_shapes = False
+        self.modules: list[nn.Module] = []
+        for module in root.modules():
+            names = [name for name in NAMES if callable(getattr(type(module), name, None))]
+            for name in names:
+                method = getattr(type(module), name).__get__(module)
+                module.__dict__[name] = self._wrap(module, name, method)
+            if names:
+                self.modules.append(module)
+
+    def _wrap(self, module: nn.Module, name: str, method: Callable) -> Shadow:
+        if name in REBUILDS_PARAMETERS:
+            return Shadow(refuse_rebuild(type(module).__name__, name))
+        if name in TIES_PARAMETERS:
+            return Shadow(self._tie, module, name, method)
+        return Shadow(self._read_shapes, method)
+
+    def _live_engine(self, name: str):
+        engine = self._engine()
+        if engine is None:
+            raise RuntimeError(f"{name}() on a module whose PatrickStar engine is gone: its "
+                               "parameters lived in the engine's chunks, which were freed "
+                               "with it")
+        return engine
+
+    def _read_shapes(self, method: Callable, *args, **kwargs):
+        # One reader calls another (floating_point_ops calls num_parameters): the inner one
+        # must not put the placeholders back under the outer one.
+        if self._reading_shapes:
+            return method(*args, **kwargs)
+        self._reading_shapes = True
+        try:
+            with self._live_engine(method.__name__)._real_shapes():
+                return method(*args, **kwargs)
+        finally:
+            self._reading_shapes = False
+
+    def _tie(self, module: nn.Module, name: str, method: Callable, *args, **kwargs):
+        engine = self._live_engine(name)
+        before = _parameter_slots(module)
+        with engine.summon_full_params(writeback=True):
+            result = method(*args, **kwargs)
+            replaced = [key for key, param in _parameter_slots(module).items()
+                        if before.get(key) is not param]
+            for owner, attribute in replaced:  # undone before the lent values go back
+                if (owner, attribute) in before:
+                    owner._parameters[attribute] = before[(owner, attribute)]
+                else:
+                    del owner._parameters[attribute]
+        if replaced:
+            prefixes = {id(m): f"{n}." if n else ""
+                        for n, m in module.named_modules(remove_duplicate=False)}
+            listed = ", ".join(f"'{prefixes[id(owner)]}{attribute}'"
+                               for owner, attribute in replaced)
+            raise ValueError(
+                f"{name}() would replace {listed} with another parameter (ties the model was "
+                "not built with, e.g. config.tie_word_embeddings changed after initialize()): "
+                "the parameters and their ties are laid out in PatrickStar chunks when "
+                "initialize() builds the model, so the model is left as it was. Set the "
+                "config before the model is built, inside model_func")
+        return result
+
+
+def _parameter_slots(root: nn.Module) -> dict[tuple[nn.Module, str], nn.Parameter]:
+    """(module, attribute) -> the Parameter there, for every module under `root`."""
+    return {(module, attribute): param
+            for module in root.modules(remove_duplicate=False)
+            for attribute, param in module._parameters.items() if param is not None}
