@@ -125,8 +125,8 @@ def estimate_memory(model: Callable[[], nn.Module] | int, config: Any = None,
     """Model-data bytes per tier for each precision mode; prints a table unless `verbose` is
     False and returns the figures as a dict.
 
-    `model` is a ``model_func`` (built on the meta device, so nothing is allocated) or a
-    parameter count (all trainable). `config` is what ``initialize()`` takes; its chunk size and
+    `model` is a ``model_func`` (built on the meta device, so nothing is allocated), a module
+    already built, or a parameter count (all trainable). `config` is what ``initialize()`` takes; its chunk size and
     gradient accumulation steps are used. Precision modes: fp32 and fp16/bf16 (same sizes)."""
     cfg: Config = config if isinstance(config, Config) else load_config(config)
     if isinstance(model, bool) or not (isinstance(model, int) or callable(model)):
@@ -138,10 +138,11 @@ def estimate_memory(model: Callable[[], nn.Module] | int, config: Any = None,
             raise ValueError(f"estimate_memory: the parameter count must be > 0, got {model}")
         params = trainable = model
     else:
-        if isinstance(model, nn.Module):
-            raise TypeError("estimate_memory(model_func, ...): pass the callable that builds the "
-                            "model (as for initialize()), not a built module")
-        specs, _ = plan_parameters(model)
+        if isinstance(model, nn.Module):  # as initialize() takes one (nothing is moved here)
+            built = model
+            specs, _ = plan_parameters(lambda: built)
+        else:
+            specs, _ = plan_parameters(model)
         if not specs:
             raise ValueError("estimate_memory: model_func built a module without parameters")
         params = sum(math.prod(spec.shape) for spec in specs)

@@ -62,10 +62,12 @@ def test_twenty_cycles_keep_rss_flat_and_leave_no_file(tmp_path, world):
         # After warm-up (allocator pools, lazily imported modules) RSS stays within 10%.
         warm, last = result["rss"][4], result["rss"][-1]
         assert last <= warm * 1.10, f"rank {rank}: RSS {warm / 2**20:.0f} -> {last / 2**20:.0f} MiB"
-    # Every cycle's profile was written when its engine went.
+    # Every cycle's profile was written when its engine went (under data parallelism into the
+    # rank's own directory: Note [One profile directory per rank]).
     for rank in range(world):
         for cycle in range(20):
-            assert (profiles / f"{rank}-{cycle}" / "summary.json").exists(), (rank, cycle)
+            written = profiles / f"{rank}-{cycle}" / (f"rank{rank}" if world > 1 else "")
+            assert (written / "summary.json").exists(), (rank, cycle)
 
 
 @pytest.mark.parametrize("how", ["exit", "raise"])

@@ -87,11 +87,26 @@ def test_estimate_prints_a_table_per_precision(capsys):
     assert mixed["by_kind"]["master"] == chunks * 4 and fp32["by_kind"]["master"] == 0
 
 
+def test_estimate_of_a_built_module_equals_its_model_funcs():
+    # initialize() takes a built module, so estimate_memory does (Note [Modules built before
+    # initialize()]); the module's parameters stay where they are.
+    config = {"default_chunk_size": 4096}
+    built = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Linear(64, 10))
+    weight = built[0].weight.detach().clone()
+    of_func = patrickstar.estimate_memory(
+        lambda: torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Linear(64, 10)), config,
+        verbose=False)
+    assert patrickstar.estimate_memory(built, config, verbose=False) == of_func
+    assert torch.equal(built[0].weight, weight)
+
+
 def test_estimate_refuses_bad_input():
     with pytest.raises(TypeError, match="model_func or a parameter count"):
         patrickstar.estimate_memory("gpt2", verbose=False)
-    with pytest.raises(TypeError, match="not a built module"):
-        patrickstar.estimate_memory(torch.nn.Linear(2, 2), verbose=False)
+    built = torch.nn.Linear(2, 2)
+    with pytest.raises(RuntimeError, match="'weight' already belongs to a PatrickStar engine"):
+        patrickstar.initialize(built, config={"default_chunk_size": 64})
+        patrickstar.estimate_memory(built, verbose=False)
     with pytest.raises(ValueError, match="must be > 0, got -5"):
         patrickstar.estimate_memory(-5, verbose=False)
     with pytest.raises(ValueError, match="default_chunk_size must be a number"):
