@@ -5,7 +5,8 @@ from __future__ import annotations
 from .profiling.recorder import (Profiler, active_profiler, now_ns, optimizer_phase, profile,
                                  profiler_from_config)
 from .profiling.upstream import profiler  # upstream PatrickStar's global recorder
+from .profiling.upstream_format import TrainingStage
 
 __all__ = ["Profiler", "profile", "active_profiler", "optimizer_phase", "profiler_from_config",
-           "now_ns", "profiler"]
+           "now_ns", "profiler", "TrainingStage"]
 

@@ -222,6 +222,7 @@ def test_upstream_pretrain_demo_timers_and_profiler_work(tmp_path, caplog):
     profiler.end()
     directory = profiler.save(str(tmp_path / "torch_bert_profile.pkl"))
     assert directory == str(tmp_path / "torch_bert_profile")
+    assert (tmp_path / "torch_bert_profile.pkl").is_file()  # upstream's pickle, at its path
     for name in ("trace.json", "summary.json", "memory.csv", "report.html"):
         assert (tmp_path / "torch_bert_profile" / name).exists(), name
     assert "span since my_timer.start()" in caplog.text and "FWD, " in caplog.text
@@ -267,6 +268,278 @@ def test_upstream_profiler_records_the_engine_built_after_start_not_an_older_one
         layout = json.load(handle)["layout"]
     assert layout["chunk_elements"] == 4096
     model.destroy()
+
+
+# ---- Upstream's profile pickle (profiling/upstream_format.py) --------------------------------
+
+UPSTREAM_PROFILE_KEYS = {"start_time", "end_time", "warmup_finish_time", "gpu_memory_used",
+                         "gpu_chunk_memory_used", "cpu_memory_used", "cpu_chunk_memory_used",
+                         "stage_convert_time", "chunk_life_cycle"}
+
+
+def _plot_memory(state, memory_type, rm_warmup):
+    """What upstream's tools/profile_visualizer.py does with a memory figure, written again
+    here: it reads the pickled dict only by these keys, stage `.value`s in 1..3 and
+    `device.type`, and fails on anything else."""
+    import matplotlib.pyplot as plt
+    prefix = {"GPU": "gpu", "CPU": "cpu"}[memory_type]
+    used = state[f"{prefix}_memory_used"]
+    chunk = state[f"{prefix}_chunk_memory_used"]
+    origin = state["warmup_finish_time"] if rm_warmup else used[0][1]
+    times = [entry[1] - origin for entry in used]
+    total_mb = [entry[2] / 2**20 for entry in used]
+    chunk_mb = [entry[2] / 2**20 for entry in chunk]
+    non_model = [(t, a - b) for t, a, b in zip(times, total_mb, chunk_mb) if t >= 0]
+    colours = {1: "g", 2: "tab:blue", 3: "tab:purple"}
+    stages = [(t - origin, stage.value) for t, stage in state["stage_convert_time"]]
+    figure = plt.figure()
+    for (begin, value), (finish, _) in zip(stages, stages[1:]):
+        plt.axvspan(begin, finish, facecolor=colours[value], alpha=0.3)
+    plt.axvspan(stages[-1][0], times[-1], facecolor="tab:purple", alpha=0.2)
+    plt.plot(times, total_mb, label="total")
+    plt.plot(times, chunk_mb, label="chunk")
+    plt.plot([t for t, _ in non_model], [m for _, m in non_model], label="non-model")
+    plt.legend()
+    return figure
+
+
+def _plot_access(state):
+    """Upstream's chunk-location figure, as above: one row per chunk with accesses."""
+    import matplotlib.patches as patches
+    import matplotlib.pyplot as plt
+    cycles = state["chunk_life_cycle"]
+    origin = min(c["life_cycle"][0][0] for c in cycles.values() if c["life_cycle"])
+    rows = {}
+    for cycle in cycles.values():
+        if cycle["life_cycle"]:
+            rows.setdefault(cycle["type"], []).append(
+                [(entry[0] - origin, entry[2]) for entry in cycle["life_cycle"]])
+    figure, axis = plt.subplots()
+    end = state["end_time"] - origin
+    row = 0
+    for lives in rows.values():
+        for life in lives:
+            row += 1
+            for (at, device), (following, _) in zip(life, life[1:] + [(end, None)]):
+                colour = "#fff" if device is None else (
+                    "#e9616c" if device.type == "cpu" else "#3385fe")
+                axis.add_patch(patches.Rectangle((at, row), following - at, 1, color=colour,
+                                                 alpha=0 if device is None else 1))
+    axis.set_xlim([0, end])
+    axis.set_ylim([0, row + 1])
+    return figure
+
+
+def _csv_rows(path):
+    import csv
+    with open(path, newline="") as handle:
+        return list(csv.DictReader(handle))
+
+
+def test_upstream_profiler_save_writes_upstreams_pickle(tmp_path):
+    """Upstream's tools/profile_visualizer.py does pickle.load(open(path, "rb")); save() wrote
+    only a directory, so it failed with FileNotFoundError. The pickle holds upstream's keys,
+    built from the same record as memory.csv (Note [Upstream profile mapping])."""
+    import json
+    import pickle
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from patrickstar.profiler import TrainingStage, profiler
+    from patrickstar.runtime import initialize_engine
+
+    steps = 3
+    profiler.start()
+    model, optimizer = initialize_engine(
+        model_func=lambda: torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 4)),
+        local_rank=0, config={"default_chunk_size": 4096,
+                              "memory": {"device_budget": 3 * 4096 * 4}})
+    warmup_called = None
+    for step in range(steps):
+        if step == 1:
+            profiler.warmup_finish()
+            warmup_called = profiler.state_dict()["warmup_finish_time"]
+        optimizer.zero_grad()
+        model.backward(model(torch.randn(8, 64)).pow(2).mean())
+        optimizer.step()
+    running = profiler.state_dict()  # before end(): the recording so far, as upstream's
+    assert set(running) == UPSTREAM_PROFILE_KEYS and running["gpu_memory_used"]
+    profiler.end()
+    path = tmp_path / "new" / "dir" / "x.pkl"  # save() creates the directories
+    directory = profiler.save(str(path))
+    assert profiler.pickle_path == str(path)
+    with open(path, "rb") as handle:
+        state = pickle.load(handle)
+    assert set(state) == UPSTREAM_PROFILE_KEYS
+    assert state == profiler.state_dict()
+
+    start, end = state["start_time"], state["end_time"]
+    assert start < end and start < state["warmup_finish_time"] < end
+    assert state["warmup_finish_time"] == warmup_called
+    for key in ("gpu_memory_used", "gpu_chunk_memory_used", "cpu_memory_used",
+                "cpu_chunk_memory_used"):
+        times = [entry[1] for entry in state[key]]
+        assert times == sorted(times) and start <= times[0] and times[-1] <= end, key
+    stage_times = [t for t, _ in state["stage_convert_time"]]
+    assert stage_times == sorted(stage_times) and start <= stage_times[0] < end
+
+    # Memory: memory.csv's per-tier figures, moment for moment.
+    rows = _csv_rows(os.path.join(directory, "memory.csv"))
+    for prefix, kind in (("gpu", "device"), ("cpu", "host")):
+        used, chunk = state[f"{prefix}_memory_used"], state[f"{prefix}_chunk_memory_used"]
+        assert len(used) == len(chunk) == len(rows)
+        for row, (moment, at, total), (_, at_chunk, chunk_bytes) in zip(rows, used, chunk):
+            assert moment == int(row["moment"]) and at == at_chunk
+            assert chunk_bytes == int(row[f"{kind}_model_bytes"])
+            assert total == chunk_bytes + int(row[f"{kind}_non_model_bytes"])
+            assert abs((at - start) * 1e3 - float(row["time_ms"])) < 1e-3
+    assert max(entry[2] for entry in state["gpu_chunk_memory_used"]) > 0
+
+    # Stages: FWD, BWD, ADAM per iteration, as upstream's enum values.
+    stages = [stage for _, stage in state["stage_convert_time"]]
+    assert all(isinstance(stage, TrainingStage) for stage in stages)
+    assert [stage.value for stage in stages] == [1, 2, 3] * steps
+    # warmup_finish() was called between the first iteration's optimizer step and the second
+    # iteration's forward.
+    assert stage_times[2] < state["warmup_finish_time"] < stage_times[3]
+
+    # Chunks: the engine's, with their kinds; devices cpu, cuda:0 or None.
+    layout = json.loads(model.chunks.manager.dump_json(0))["layout"]["chunks"]
+    assert {c["id"]: c["kind"] for c in layout} == \
+        {cid: cycle["type"] for cid, cycle in state["chunk_life_cycle"].items()}
+    devices = set()
+    for cycle in state["chunk_life_cycle"].values():
+        times = [entry[0] for entry in cycle["life_cycle"]]
+        assert times == sorted(times) and all(start <= t <= end for t in times)
+        assert {entry[1] for entry in cycle["life_cycle"]} <= {"allocate", "move", "release"}
+        devices |= {entry[2] for entry in cycle["life_cycle"]}
+    assert devices == {torch.device("cpu"), torch.device("cuda", 0), None}  # moved, dropped
+
+    # Upstream's visualizer, rewritten above, runs on it (its default is rm_warmup=True).
+    for memory_type in ("GPU", "CPU"):
+        for rm_warmup in (True, False):
+            figure = _plot_memory(state, memory_type, rm_warmup)
+            figure.savefig(tmp_path / f"{memory_type}-{rm_warmup}.png")
+            plt.close(figure)
+    figure = _plot_access(state)
+    figure.savefig(tmp_path / "access.png")
+    plt.close(figure)
+    assert len(list(tmp_path.glob("*.png"))) == 5
+
+    # A process of its own (as the visualizer is) loads it by plain pickle.
+    code = ("import pickle, sys; state = pickle.load(open(sys.argv[1], 'rb')); "
+            "print(state['stage_convert_time'][0][1].value)")
+    out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "1", out.stderr[-2000:]
+    model.destroy()
+
+
+def test_upstream_profiler_pickle_without_warmup_call_or_extension(tmp_path):
+    """Without warmup_finish() the warm-up is the first iteration, as in the other outputs
+    (upstream left None, which its visualizer's default rm_warmup=True cannot plot); a path
+    without an extension is the pickle, and the directory gets '_profile'."""
+    import pickle
+
+    from patrickstar.profiler import profiler
+    from patrickstar.runtime import initialize_engine
+
+    profiler.start()
+    model, optimizer = initialize_engine(model_func=lambda: torch.nn.Linear(16, 4),
+                                         local_rank=0, config={"default_chunk_size": 1024})
+    for _ in range(2):
+        model.backward(model(torch.randn(2, 16)).sum())
+        optimizer.step()
+        optimizer.zero_grad()
+    profiler.end()
+    directory = profiler.save(tmp_path / "noext")
+    assert directory == str(tmp_path / "noext_profile")
+    assert (tmp_path / "noext_profile" / "memory.csv").is_file()
+    with open(tmp_path / "noext", "rb") as handle:
+        state = pickle.load(handle)
+    times = [t for t, _ in state["stage_convert_time"]]
+    assert [stage.value for _, stage in state["stage_convert_time"]] == [1, 2, 3, 1, 2, 3]
+    assert times[2] < state["warmup_finish_time"] < times[3]  # the first iteration's end
+    model.destroy()
+
+
+def test_upstream_profiler_save_errors_name_what_to_do(tmp_path):
+    from patrickstar.profiling.analysis import ProfileError
+    from patrickstar.profiling.upstream import UpstreamProfiler
+    from patrickstar.runtime import initialize_engine
+
+    fresh = UpstreamProfiler()
+    with pytest.raises(RuntimeError, match=r"profiler.save\(\): nothing was recorded; call "
+                                           r"profiler.start\(\)"):
+        fresh.save(str(tmp_path / "x.pkl"))
+    with pytest.raises(RuntimeError, match=r"profiler.state_dict\(\): nothing was recorded"):
+        fresh.state_dict()
+    assert not list(tmp_path.iterdir())
+
+    fresh.start()
+    model, optimizer = initialize_engine(model_func=lambda: torch.nn.Linear(16, 4),
+                                         local_rank=0, config={"default_chunk_size": 1024})
+    fresh.engine_built(model)  # (what patrickstar.initialize() tells the global profiler)
+    model.backward(model(torch.randn(2, 16)).sum())
+    optimizer.step()
+    fresh.end()
+    (tmp_path / "taken.pkl").mkdir()  # the pickle's path is a directory
+    with pytest.raises(ProfileError, match="cannot write the profile pickle '.*taken.pkl'"):
+        fresh.save(str(tmp_path / "taken.pkl"))
+    (tmp_path / "file").write_text("")  # a file where a directory would be
+    with pytest.raises(ProfileError, match="'.*file/x'"):
+        fresh.save(str(tmp_path / "file" / "x.pkl"))
+    model.destroy()
+
+
+def test_upstream_pickle_path_per_rank():
+    """Note [One upstream pickle per rank]: rank 0 writes the path upstream's scripts hand to
+    the visualizer, rank k > 0 a name of its own beside it."""
+    from patrickstar.profiling.upstream import rank_pickle_path
+    assert rank_pickle_path("out/p.pkl", {"world_size": 1, "rank": 0}) == "out/p.pkl"
+    assert rank_pickle_path("out/p.pkl", {"world_size": 2, "rank": 0}) == "out/p.pkl"
+    assert rank_pickle_path("out/p.pkl", {"world_size": 2, "rank": 1}) == "out/p.rank1.pkl"
+    assert rank_pickle_path("out/p", {"world_size": 4, "rank": 3}) == "out/p.rank3"
+
+
+_UPSTREAM_RANK_SCRIPT = """
+import sys, torch, patrickstar
+from patrickstar.profiler import profiler
+from patrickstar.examples.gpt import GPT, GPTConfig, synthetic_batches
+gpt = GPTConfig(vocab_size=64, max_seq_len=8, hidden=32, layers=1, heads=2)
+torch.manual_seed(0)
+profiler.start()
+model, optimizer = patrickstar.initialize(lambda: GPT(gpt), config={"default_chunk_size": 4096})
+for ids, targets in synthetic_batches(gpt, 2, 2):
+    model.backward(model(ids, targets))
+    optimizer.step()
+    optimizer.zero_grad()
+profiler.end()
+profiler.save(sys.argv[1] + "/profile.pkl")
+model.destroy()
+"""
+
+
+def test_upstream_profiler_data_parallel_ranks_keep_their_own_pickles(tmp_path):
+    import pickle
+
+    from test_data_parallel import finish, free_port
+    env = dict(os.environ, OMP_NUM_THREADS="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()))
+    procs = [subprocess.Popen([sys.executable, "-c", _UPSTREAM_RANK_SCRIPT, str(tmp_path)],
+                              env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
+                              stderr=subprocess.PIPE, text=True) for r in range(2)]
+    codes = finish(procs)
+    assert codes == [0, 0], [proc.stderr.read()[-2000:] for proc in procs]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_file()) == \
+        ["profile.pkl", "profile.rank1.pkl"]
+    for rank, name in enumerate(("profile.pkl", "profile.rank1.pkl")):
+        with open(tmp_path / name, "rb") as handle:
+            state = pickle.load(handle)
+        assert [stage.value for _, stage in state["stage_convert_time"]] == [1, 2, 3] * 2
+        assert (tmp_path / "profile" / f"rank{rank}" / "memory.csv").is_file()
 
 
 def test_hugging_face_parameter_rebuilds_name_what_to_do_instead():

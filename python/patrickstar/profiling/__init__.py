@@ -8,6 +8,8 @@
     html_page.py   report.html: one self-contained page (inline SVG, nothing fetched)
     outputs.py     writes them all
     cli.py         the `patrickstar-report` command
+    upstream.py    upstream PatrickStar's global `profiler` (start/end/save/state_dict)
+    upstream_format.py  upstream's profile pickle, built from the raw record
 """
 from __future__ import annotations
 

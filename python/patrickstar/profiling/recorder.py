@@ -223,6 +223,15 @@ class Profiler:
 
     # ---- The raw record ----------------------------------------------------------------------
 
+    def snapshot(self) -> dict:
+        """raw(), also while running: what the manager buffered so far is drained first."""
+        if not self.running:
+            return self.raw()
+        self._drain()
+        raw = self.raw()
+        raw["stop_ns"] = now_ns()  # (stop_ns, if set, is an earlier recording's)
+        return raw
+
     def raw(self) -> dict:
         """Everything recorded, as plain JSON-able data (what profile.json holds)."""
         engine = self.engine

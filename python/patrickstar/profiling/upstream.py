@@ -4,18 +4,24 @@ package's `Profiler`.
 Upstream scripts call `profiler.start()` before building the model, `warmup_finish()` after the
 first iteration, `end()` after the last and `save(path)` on rank 0. Here `start()` records the
 first engine built while it is started, or, until one is, the newest engine already alive;
-`end()` stops recording and `save(path)` writes this package's outputs (trace.json,
-memory.csv, summary.json, report.html) into the directory `path` names, its extension dropped
-(upstream wrote one pickle). Only one profiler runs at a time (`Profiler.start`).
+`end()` stops recording and `save(path)` writes, as upstream did, one pickle at `path` in
+upstream's format (upstream_format.py), so upstream's tools/profile_visualizer.py reads it, and
+next to it this package's outputs (trace.json, memory.csv, summary.json, report.html) in the
+directory `path` names without its extension. `state_dict()` returns the pickled dict. Only one
+profiler runs at a time (`Profiler.start`).
 """
 from __future__ import annotations
 
 import os
+import pickle
 import tempfile
+import time
 import weakref
 
 from ..utils.logging import logger
-from .recorder import Profiler, active_profiler
+from .analysis import ProfileError
+from .recorder import Profiler, active_profiler, now_ns
+from .upstream_format import upstream_state_dict
 
 __all__ = ["UpstreamProfiler", "profiler"]
 
@@ -28,6 +34,10 @@ class UpstreamProfiler:
         self._engines: "weakref.WeakSet" = weakref.WeakSet()
         self._stopped_raw: dict | None = None
         self._recording_earlier = False  # the recorded engine was built before start()
+        self._warmup_finish_ns: int | None = None
+        self.pickle_path: str | None = None  # what the last save() wrote
+        # time.time() minus the profiler clock, so the pickle's times read like upstream's.
+        self._clock_offset_s = 0.0
 
     def engine_built(self, engine) -> None:
         """Called for every engine at construction (recorder.profiler_from_config)."""
@@ -55,6 +65,8 @@ class UpstreamProfiler:
     def start(self) -> None:
         self.started = True
         self.warmup_finished = False
+        self._warmup_finish_ns = None
+        self._clock_offset_s = time.time() - now_ns() / 1e9
         self._stopped_raw = None
         if self._recorder is not None and self._recorder.running:
             self._recorder.stop(write=False)
@@ -66,7 +78,10 @@ class UpstreamProfiler:
 
     def warmup_finish(self) -> None:
         """Upstream separated its warm-up iteration; here the first iteration is the warm-up
-        in every output (summary.json, report.html), so this only notes it."""
+        in every output (summary.json, report.html); the pickle's warmup_finish_time is when
+        this was first called."""
+        if not self.warmup_finished:
+            self._warmup_finish_ns = now_ns()
         self.warmup_finished = True
 
     def end(self) -> None:
@@ -75,25 +90,76 @@ class UpstreamProfiler:
             self._recorder.stop(write=False)
             self._stopped_raw = self._recorder.raw()
 
-    def save(self, path: str | os.PathLike) -> str:
-        """Writes the outputs into `path` without its extension (its rank<k>/ under data
-        parallelism: Note [One profile directory per rank]); returns that directory."""
+    def _raw(self, caller: str) -> dict:
         if self._recorder is None:
-            raise RuntimeError("profiler.save(): nothing was recorded; call profiler.start() "
-                               "before patrickstar.initialize() and profiler.end() after the "
-                               "last step")
+            raise RuntimeError(f"profiler.{caller}: nothing was recorded; call profiler.start() "
+                               f"before patrickstar.initialize() and profiler.end() after the "
+                               f"last step")
         if self._recorder.running:
-            self.end()
+            return self._recorder.snapshot()
         if self._stopped_raw is None:
-            raise RuntimeError("profiler.save(): the recorded engine was destroyed before "
-                               "profiler.end(); call end() while the model is alive")
+            raise RuntimeError(f"profiler.{caller}: the recorded engine was destroyed before "
+                               f"profiler.end(); call end() while the model is alive")
+        return self._stopped_raw
+
+    def state_dict(self) -> dict:
+        """Upstream's profile dict (what save() pickles; upstream_format.py). Before end(), the
+        recording so far, ending now (as upstream's did)."""
+        return upstream_state_dict(self._raw("state_dict()"), self._warmup_finish_ns,
+                                   self._clock_offset_s)
+
+    def save(self, path: str | os.PathLike) -> str:
+        """Writes upstream's pickle at `path` (Note [One upstream pickle per rank]) and this
+        package's outputs into `path` without its extension (`path` + "_profile" if it has
+        none; its rank<k>/ under data parallelism: Note [One profile directory per rank]);
+        returns that directory. Stops the recording if end() was not called."""
+        if self._recorder is not None and self._recorder.running:
+            self.end()
+        raw = self._raw("save()")
         from .outputs import rank_directory, write_outputs  # imported late: only writing needs it
-        directory = os.path.splitext(os.fspath(path))[0]
-        write_outputs(directory, self._stopped_raw)
-        directory = rank_directory(directory, self._stopped_raw["run"])
-        logger.info("profile written to %s (trace.json, memory.csv, summary.json, report.html)",
-                    directory)
+        path = os.fspath(path)
+        stem, extension = os.path.splitext(path)
+        directory = stem if extension else f"{path}_profile"
+        write_outputs(directory, raw)
+        pickle_path = rank_pickle_path(path, raw["run"])
+        _write_pickle(pickle_path, upstream_state_dict(raw, self._warmup_finish_ns,
+                                                       self._clock_offset_s))
+        self.pickle_path = pickle_path
+        directory = rank_directory(directory, raw["run"])
+        logger.info("profile written to %s (upstream's format) and %s (trace.json, memory.csv, "
+                    "summary.json, report.html)", pickle_path, directory)
         return directory
+
+
+# Note [One upstream pickle per rank]
+# Every rank of a data-parallel job runs the same script, so every rank that calls
+# profiler.save("profile.pkl") names the same file (as with directories: Note [One profile
+# directory per rank] in outputs.py). Rank 0 writes exactly `path`, since upstream's scripts
+# save on rank 0 and then hand that path to upstream's visualizer; rank k > 0 writes
+# '<stem>.rank<k><extension>' beside it ('profile.rank1.pkl'). A single process writes `path`.
+def rank_pickle_path(path: str | os.PathLike, run: dict) -> str:
+    """Where the upstream pickle of `run` (the raw record's "run") saved to `path` is written."""
+    path = os.fspath(path)
+    rank = run.get("rank", 0)
+    if run.get("world_size", 1) > 1 and rank != 0:
+        stem, extension = os.path.splitext(path)
+        return f"{stem}.rank{rank}{extension}"
+    return path
+
+
+def _write_pickle(path: str, state: dict) -> None:
+    parent = os.path.dirname(path)
+    try:
+        if parent:
+            os.makedirs(parent, exist_ok=True)
+        # The process id keeps two writers of one path from renaming each other's file.
+        temporary = f"{path}.{os.getpid()}.tmp"
+        with open(temporary, "wb") as handle:
+            pickle.dump(state, handle)
+        os.replace(temporary, path)
+    except OSError as error:
+        raise ProfileError(f"profiler.save(): cannot write the profile pickle '{path}': "
+                           f"{error}") from error
 
 
 profiler = UpstreamProfiler()
