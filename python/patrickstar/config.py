@@ -258,8 +258,9 @@ _DEEPSPEED_KEYS = {
                         "supported",
     "train_micro_batch_size_per_gpu": "the batch size is your data loader's; "
                                       "gradient_accumulation_steps is supported",
-    "scheduler": "pass a torch.optim.lr_scheduler scheduler to model.save_checkpoint / "
-                 "load_checkpoint as lr_scheduler= (or set model.lr_scheduler)",
+    "scheduler": "build a torch.optim.lr_scheduler scheduler on the optimizer initialize() "
+                 "returns and assign it to model.lr_scheduler: model.step() steps it (as "
+                 "DeepSpeed's engine.step() does) and save_checkpoint/load_checkpoint keep it",
     "steps_per_print": "profile: {enabled, output_dir} writes per-step timings",
     "wall_clock_breakdown": "profile: {enabled, output_dir} writes per-phase timings",
     "flops_profiler": "profile: {enabled, output_dir}",
