@@ -64,6 +64,7 @@ from .chunked_params import ChunkedParams
 from .config import Config
 from .module_config_view import ModuleConfigView
 from .data_parallel import DataParallel, detect_world
+from .batch_sizes import resolve_batch_sizes
 from .deepspeed_loop import EngineLrScheduler
 from .guards import TrainingGuard, check_budgets
 from .external_params import external_parameter_hint, external_parameters
@@ -141,6 +142,10 @@ class PatrickStarEngine(nn.Module):
     def __init__(self, model_func: Callable[[], nn.Module], config: Config, local_rank: int,
                  param_groups=None):
         super().__init__()
+        # Before anything reads the accumulation: DeepSpeed's batch keys set it from the
+        # data-parallel size (Note [DeepSpeed's batch keys set the accumulation]).
+        world = detect_world(config)
+        config = resolve_batch_sizes(config, world[0])
         self.ps_config = config  # `config` is a view of it and the module's (ModuleConfigView)
         self.local_rank = local_rank
         self.precision = config.precision
@@ -162,7 +167,7 @@ class PatrickStarEngine(nn.Module):
         self._recompute_holds: dict[nn.Module, int] = {}
 
         # Before the model is built: tensor-parallel layers size their slices by the groups.
-        self.dp = DataParallel(config, *detect_world(config))
+        self.dp = DataParallel(config, *world)
         specs, survives = plan_parameters(model_func)
         if not specs:
             raise ValueError("model_func built a module without parameters; nothing to train")
@@ -810,6 +815,16 @@ class PatrickStarEngine(nn.Module):
 
     def gradient_accumulation_steps(self) -> int:
         return self.guard.accumulation
+
+    def train_batch_size(self) -> int | None:
+        """DeepSpeed's: samples per optimizer step over every data-parallel rank (None when the
+        config gives no batch size: the data loader's batch is all the engine sees)."""
+        return self.ps_config.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int | None:
+        """DeepSpeed's: samples per forward on one rank (None without a batch size in the
+        config)."""
+        return self.ps_config.train_micro_batch_size_per_gpu
 
     def get_lr(self) -> list[float]:
         """DeepSpeed's: the learning rate of every parameter group."""

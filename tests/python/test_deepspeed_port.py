@@ -139,3 +139,55 @@ def test_grad_norm_is_none_without_clipping_and_patrickstar_loop_keeps_its_sched
     with pytest.raises(TypeError, match="model.lr_scheduler must be"):
         model.lr_scheduler = 0.1
     model.destroy()
+
+
+@pytest.mark.parametrize("keys,accumulation,micro,train", [
+    ({"train_batch_size": 64, "train_micro_batch_size_per_gpu": 16}, 4, 16, 64),
+    ({"train_batch_size": 64, "gradient_accumulation_steps": 2}, 2, 32, 64),
+    ({"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 3}, 3, 8, 24),
+    ({"train_batch_size": 16}, 1, 16, 16),
+    ({"train_micro_batch_size_per_gpu": 16}, 1, 16, 16),
+    ({"train_batch_size": 48, "train_micro_batch_size_per_gpu": 16,
+      "gradient_accumulation_steps": 3}, 3, 16, 48),
+    ({"gradient_accumulation_steps": 2}, 2, None, None),
+])
+def test_batch_keys_set_the_accumulation_as_in_deepspeed(keys, accumulation, micro, train):
+    """DeepSpeed derives gradient_accumulation_steps from train_batch_size and the micro batch;
+    these keys were refused with "remove it", which silently trained without accumulation."""
+    torch.manual_seed(0)
+    model, _ = patrickstar.initialize(MLP, {"optimizer": {"type": "AdamW"}, **keys})
+    assert model.gradient_accumulation_steps() == accumulation
+    assert model.train_micro_batch_size_per_gpu() == micro
+    assert model.train_batch_size() == train
+    model.destroy()
+
+
+@pytest.mark.parametrize("keys", [
+    {"train_batch_size": 64, "train_micro_batch_size_per_gpu": 16,
+     "gradient_accumulation_steps": 2},
+    {"train_batch_size": 60, "train_micro_batch_size_per_gpu": 16},
+    {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 16},
+])
+def test_batch_keys_that_disagree_are_refused_naming_them(keys):
+    with pytest.raises(ValueError, match="'train_batch_size'.*do not agree with 1 data-parallel"):
+        patrickstar.initialize(MLP, keys)
+
+
+def test_deepspeed_batch_config_trains_with_the_derived_accumulation():
+    """train_batch_size 32 of micro batches 16: two micro-steps per optimizer step, as
+    PyTorch accumulating two batches."""
+    data = batches(6)
+    ref_losses, _, _ = torch_run(data, 2, 0.5)
+    cfg = config(train_batch_size=32, train_micro_batch_size_per_gpu=16)
+    del cfg["gradient_accumulation_steps"]
+    torch.manual_seed(0)
+    model, _ = patrickstar.initialize(MLP, cfg)
+    losses = []
+    for x, y in data:
+        loss = model(x, y)
+        losses.append(loss.item())
+        model.backward(loss)
+        model.step()
+    assert model.global_steps == 3
+    assert_close(losses, ref_losses)
+    model.destroy()
