@@ -191,3 +191,41 @@ def test_deepspeed_batch_config_trains_with_the_derived_accumulation():
     assert model.global_steps == 3
     assert_close(losses, ref_losses)
     model.destroy()
+
+
+def test_deepspeed_initialize_keywords_work_or_name_what_to_use():
+    """deepspeed.initialize(model=..., config=..., lr_scheduler=...) spellings: the ones that
+    mean the same here work, the others say what to use (not Python's bare "unexpected keyword
+    argument")."""
+    data = batches(4)
+    ref_losses, _, ref_lrs = torch_run(data, 2, 0.5, step_lr)
+    torch.manual_seed(0)
+    model, _ = patrickstar.initialize(model=MLP(), config_params=config(), lr_scheduler=step_lr)
+    losses, lrs = [], []
+    for x, y in data:
+        loss = model(x, y)
+        losses.append(loss.item())
+        model.backward(loss)
+        model.step()
+        if model.was_step_applied() and len(lrs) < model.global_steps:
+            lrs.append(model.get_lr()[0])
+    assert_close(losses, ref_losses)
+    assert_close(lrs, ref_lrs)
+    model.destroy()
+    for name, value, says in [("model_parameters", [], "param_groups="),
+                              ("training_data", [], "DataLoader"),
+                              ("optimizer", None, "config 'optimizer'"),
+                              ("args", None, "config="), ("mpu", None, "parallel"),
+                              ("collate_fn", None, "DataLoader"),
+                              ("dist_init_required", True, "torchrun")]:
+        with pytest.raises(TypeError, match=f"initialize\\({name}=...\\) is DeepSpeed's.*{says}"):
+            patrickstar.initialize(MLP, config(), **{name: value})
+    with pytest.raises(TypeError, match="callable taking the optimizer"):
+        patrickstar.initialize(MLP, config(), lr_scheduler=step_lr(torch.optim.SGD(
+            [nn.Parameter(torch.ones(1))], lr=1.0)))
+    with pytest.raises(TypeError, match="unexpected keyword argument.*'bogus'"):
+        patrickstar.initialize(MLP, config(), bogus=1)
+    with pytest.raises(TypeError, match="model_func and model="):
+        patrickstar.initialize(MLP, config(), model=MLP())
+    with pytest.raises(TypeError, match="missing the model"):
+        patrickstar.initialize(config=config())
