@@ -992,6 +992,11 @@ class PatrickStarEngine(nn.Module):
         `AveragedModel.update_parameters(model)`; with `writeback` what the block changes goes
         back into the chunks. No forward inside. Under data parallelism every rank enters it."""
         self.guard.check_alive("model.summon_full_params()")
+        if not isinstance(writeback, bool):  # DeepSpeed's GatheredParameters(params, ...) habit
+            raise TypeError(f"model.summon_full_params(writeback): writeback must be True or "
+                            f"False, not {type(writeback).__name__}; it gathers every parameter "
+                            f"(DeepSpeed's GatheredParameters(params, modifier_rank=0) is "
+                            f"summon_full_params(writeback=True))")
         with ModuleApply(self, pending_until_end=self.dp.enabled).lent(self.module, writeback):
             yield
 

@@ -229,3 +229,26 @@ def test_deepspeed_initialize_keywords_work_or_name_what_to_use():
         patrickstar.initialize(MLP, config(), model=MLP())
     with pytest.raises(TypeError, match="missing the model"):
         patrickstar.initialize(config=config())
+
+
+def test_gathered_parameters_habit_is_refused_and_consolidation_loads_into_pytorch(tmp_path):
+    """GatheredParameters(params, modifier_rank=0) written as summon_full_params(params) took the
+    list as `writeback`; zero_to_fp32's counterpart gives the engine's state_dict to torch."""
+    from patrickstar.consolidate import consolidate
+    torch.manual_seed(0)
+    model, _ = patrickstar.initialize(MLP, config(accumulation=1))
+    model.backward(model(*batches(1)[0]))
+    model.step()
+    with pytest.raises(TypeError, match="GatheredParameters"):
+        with model.summon_full_params(list(model.parameters())):
+            pass
+    with model.summon_full_params(writeback=True):
+        model.module.layers[0].bias.data.fill_(0.25)
+    model.save_checkpoint(tmp_path)
+    consolidate(tmp_path, tmp_path / "full.pt")
+    plain = MLP()
+    plain.load_state_dict(torch.load(tmp_path / "full.pt"))
+    ours = model.state_dict()
+    assert all(torch.equal(value, ours[name]) for name, value in plain.state_dict().items())
+    assert torch.all(plain.layers[0].bias == 0.25)
+    model.destroy()
