@@ -163,6 +163,11 @@ class Config:
     bf16_master_weights: bool = True
     gradient_clipping: float = 0.0  # max global norm; 0 disables
     gradient_accumulation_steps: int = 1
+    # DeepSpeed's batch keys (Note [DeepSpeed's batch keys set the accumulation] in
+    # batch_sizes.py): the engine resolves them with the data-parallel size.
+    train_batch_size: int | None = None
+    train_micro_batch_size_per_gpu: int | None = None
+    accumulation_given: bool = False  # gradient_accumulation_steps was in the config
     memory: MemoryConfig = dataclasses.field(default_factory=MemoryConfig)
     profile: ProfileConfig = dataclasses.field(default_factory=ProfileConfig)
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
@@ -254,12 +259,9 @@ _DEEPSPEED_KEYS = {
     "zero_optimization": "PatrickStar-C++ always keeps parameters, gradients and optimizer "
                          "state in chunks (as ZeRO stage 3); offload is memory.device_budget, "
                          "memory.host_budget and memory.nvme.path",
-    "train_batch_size": "the batch size is your data loader's; gradient_accumulation_steps is "
-                        "supported",
-    "train_micro_batch_size_per_gpu": "the batch size is your data loader's; "
-                                      "gradient_accumulation_steps is supported",
-    "scheduler": "pass a torch.optim.lr_scheduler scheduler to model.save_checkpoint / "
-                 "load_checkpoint as lr_scheduler= (or set model.lr_scheduler)",
+    "scheduler": "build a torch.optim.lr_scheduler scheduler on the optimizer initialize() "
+                 "returns and assign it to model.lr_scheduler: model.step() steps it (as "
+                 "DeepSpeed's engine.step() does) and save_checkpoint/load_checkpoint keep it",
     "steps_per_print": "profile: {enabled, output_dir} writes per-step timings",
     "wall_clock_breakdown": "profile: {enabled, output_dir} writes per-phase timings",
     "flops_profiler": "profile: {enabled, output_dir}",
@@ -453,9 +455,16 @@ _TOP_LEVEL: dict[str, Callable[[Any], Any] | None] = {
     "default_chunk_size": None, "release_after_init": None, "use_cpu_embedding": None,
     "optimizer": _parse_optimizer, "fp16": _parse_fp16, "bf16": None,
     "gradient_clipping": None, "gradient_accumulation_steps": None, "memory": _parse_memory,
+    "train_batch_size": None, "train_micro_batch_size_per_gpu": None,
     "profile": _parse_profile, "parallel": _parse_parallel, "client": _parse_client,
     "nonfinite_loss": None, "chunk_size": None, "use_fake_dist": None,
 }
+
+
+def _optional_positive_int(raw: Mapping[str, Any], key: str) -> int | None:
+    if key not in raw:
+        return None
+    return _number(key, raw[key], minimum=1, integer=True)
 
 
 def load_config(config: Mapping[str, Any] | str | os.PathLike | None) -> Config:
@@ -528,6 +537,10 @@ def load_config(config: Mapping[str, Any] | str | os.PathLike | None) -> Config:
         gradient_accumulation_steps=_number("gradient_accumulation_steps",
                                             raw.get("gradient_accumulation_steps", 1),
                                             minimum=1, integer=True),
+        train_batch_size=_optional_positive_int(raw, "train_batch_size"),
+        train_micro_batch_size_per_gpu=_optional_positive_int(raw,
+                                                              "train_micro_batch_size_per_gpu"),
+        accumulation_given="gradient_accumulation_steps" in raw,
         memory=_parse_memory(raw.get("memory", {})),
         profile=_parse_profile(raw.get("profile", {})),
         parallel=_parse_parallel(raw.get("parallel", {})),

@@ -64,6 +64,8 @@ from .chunked_params import ChunkedParams
 from .config import Config
 from .module_config_view import ModuleConfigView
 from .data_parallel import DataParallel, detect_world
+from .batch_sizes import resolve_batch_sizes
+from .deepspeed_loop import EngineLrScheduler
 from .guards import TrainingGuard, check_budgets
 from .external_params import external_parameter_hint, external_parameters
 from .hooks import CallHooks, ModuleHooks
@@ -140,6 +142,10 @@ class PatrickStarEngine(nn.Module):
     def __init__(self, model_func: Callable[[], nn.Module], config: Config, local_rank: int,
                  param_groups=None):
         super().__init__()
+        # Before anything reads the accumulation: DeepSpeed's batch keys set it from the
+        # data-parallel size (Note [DeepSpeed's batch keys set the accumulation]).
+        world = detect_world(config)
+        config = resolve_batch_sizes(config, world[0])
         self.ps_config = config  # `config` is a view of it and the module's (ModuleConfigView)
         self.local_rank = local_rank
         self.precision = config.precision
@@ -149,6 +155,10 @@ class PatrickStarEngine(nn.Module):
         self.guard = TrainingGuard(config)  # Note [Training call order] in guards.py
         self.micro_step = 0
         self.iteration = 0
+        # DeepSpeed's loop (Note [model.step() steps model.lr_scheduler] in deepspeed_loop.py).
+        self._lr_schedule = EngineLrScheduler()
+        self._backwards_at_model_step = 0  # guard.backwards when model.step() last ran
+        self._step_applied = False
         self._in_backward = False  # Note [loss.backward()]
         self._autograd_unchecked = False  # joined, no gradient stored yet
         self._warmup_done = False
@@ -157,7 +167,7 @@ class PatrickStarEngine(nn.Module):
         self._recompute_holds: dict[nn.Module, int] = {}
 
         # Before the model is built: tensor-parallel layers size their slices by the groups.
-        self.dp = DataParallel(config, *detect_world(config))
+        self.dp = DataParallel(config, *world)
         specs, survives = plan_parameters(model_func)
         if not specs:
             raise ValueError("model_func built a module without parameters; nothing to train")
@@ -741,15 +751,62 @@ class PatrickStarEngine(nn.Module):
         """DeepSpeed's `engine.step()`, for loops written against it (`model.backward(loss)`
         then `model.step()` every micro-step): at the backward that completes the step's
         `gradient_accumulation_steps` it runs `optimizer.step()` (which also drops the
-        gradients), before that nothing. PatrickStar's own loop calls `optimizer.step()` instead;
-        calling both in one step makes the second find no gradients, which raises."""
+        gradients) and then steps `model.lr_scheduler` unless the step was skipped for fp16
+        overflow (Note [model.step() steps model.lr_scheduler] in deepspeed_loop.py); before
+        that nothing. PatrickStar's own loop calls `optimizer.step()` instead; calling both in
+        one step makes the second find no gradients, which raises."""
         self.guard.check_alive("model.step()")
         if self.guard.backwards == 0:
             raise RuntimeError("model.step() called before model.backward(loss) (or "
                                "loss.backward()): there are no gradients for this step "
                                "(optimizer.step() already took them?)")
+        self._backwards_at_model_step = self.guard.backwards
         if self.guard.backwards >= self.guard.accumulation:
+            self._lr_schedule.check_not_stepped_elsewhere()
+            skipped = self.optimizer.skipped_steps
             self.optimizer.step()
+            self._step_applied = self.optimizer.skipped_steps == skipped
+            self._backwards_at_model_step = 0
+            self._lr_schedule.after_optimizer_step(self._step_applied)
+
+    @property
+    def lr_scheduler(self):
+        """DeepSpeed's attribute: the scheduler `model.step()` steps and checkpoints save (None
+        until assigned: build it on the optimizer `initialize()` returned)."""
+        return self._lr_schedule.scheduler
+
+    @lr_scheduler.setter
+    def lr_scheduler(self, scheduler) -> None:
+        self._lr_schedule.set(scheduler)
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """DeepSpeed's: whether the current micro-step (its backward not yet run, or run but
+        not yet followed by `model.step()`) is the one whose `model.step()` steps the
+        optimizer."""
+        backwards = self.guard.backwards
+        if backwards < self._backwards_at_model_step:  # optimizer.step() reset the count
+            self._backwards_at_model_step = 0
+        # A backward since the last model.step() belongs to the current micro-step.
+        done_before = backwards - 1 if backwards > self._backwards_at_model_step else backwards
+        return done_before + 1 >= self.guard.accumulation
+
+    def was_step_applied(self) -> bool:
+        """DeepSpeed's: whether the last optimizer step of `model.step()` changed the
+        parameters (False after an fp16 overflow skipped it)."""
+        return self._step_applied
+
+    @property
+    def skipped_steps(self) -> int:
+        """DeepSpeed's count of optimizer steps skipped (fp16 overflow, `nonfinite_loss:
+        "skip"`)."""
+        return self.optimizer.skipped_steps
+
+    def get_global_grad_norm(self):
+        """DeepSpeed's: the L2 norm of all gradients (every rank's, unscaled, before clipping)
+        that the last optimizer step read; it reads them with `gradient_clipping` or fp16 (or
+        after `model.clip_grad_norm_()`), otherwise this is None, as in DeepSpeed when nothing
+        computed the norm."""
+        return self.optimizer.last_grad_norm
 
     @property
     def global_steps(self) -> int:
@@ -758,6 +815,16 @@ class PatrickStarEngine(nn.Module):
 
     def gradient_accumulation_steps(self) -> int:
         return self.guard.accumulation
+
+    def train_batch_size(self) -> int | None:
+        """DeepSpeed's: samples per optimizer step over every data-parallel rank (None when the
+        config gives no batch size: the data loader's batch is all the engine sees)."""
+        return self.ps_config.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int | None:
+        """DeepSpeed's: samples per forward on one rank (None without a batch size in the
+        config)."""
+        return self.ps_config.train_micro_batch_size_per_gpu
 
     def get_lr(self) -> list[float]:
         """DeepSpeed's: the learning rate of every parameter group."""
@@ -925,6 +992,11 @@ class PatrickStarEngine(nn.Module):
         `AveragedModel.update_parameters(model)`; with `writeback` what the block changes goes
         back into the chunks. No forward inside. Under data parallelism every rank enters it."""
         self.guard.check_alive("model.summon_full_params()")
+        if not isinstance(writeback, bool):  # DeepSpeed's GatheredParameters(params, ...) habit
+            raise TypeError(f"model.summon_full_params(writeback): writeback must be True or "
+                            f"False, not {type(writeback).__name__}; it gathers every parameter "
+                            f"(DeepSpeed's GatheredParameters(params, modifier_rank=0) is "
+                            f"summon_full_params(writeback=True))")
         with ModuleApply(self, pending_until_end=self.dp.enabled).lent(self.module, writeback):
             yield
 
@@ -956,6 +1028,7 @@ class PatrickStarEngine(nn.Module):
                                             load_lr_scheduler_states, load_module_only, **kwargs)
         if loaded[0] is not None and not load_module_only and load_optimizer_states:
             self.guard.failed_step = None  # a consistent state again (guards.py)
+        self._lr_schedule.forget_position()  # the load may have moved the scheduler
         if self.chunks.warming_up:  # loading is not part of the iterations the trace repeats
             self.chunks.restart_warmup()
         return loaded

@@ -7,6 +7,7 @@ from typing import Callable
 from torch import nn
 
 from .config import load_config
+from .deepspeed_arguments import take_deepspeed_arguments
 from .engine import PatrickStarEngine
 from .pipe.engine import PipelineEngine
 from .pipe.module import PipelineModule
@@ -14,8 +15,8 @@ from .pipe.module import PipelineModule
 __all__ = ["initialize", "initialize_engine"]
 
 
-def initialize(model_func: Callable[[], nn.Module], config=None, local_rank: int = 0,
-               param_groups=None):
+def initialize(model_func: Callable[[], nn.Module] | nn.Module | None = None, config=None,
+               local_rank: int = 0, param_groups=None, **deepspeed_kwargs):
     """Builds `model_func()` on the chunk runtime and returns `(model, optimizer)`.
 
     `model_func` may also be a module already built (as DeepSpeed and FSDP take one): its
@@ -27,7 +28,23 @@ def initialize(model_func: Callable[[], nn.Module], config=None, local_rank: int
     pipeline stage and gets a `PipelineEngine` (train with `engine.train_batch(data_iter)`).
     `config` is a dict or a path to a JSON file (see `patrickstar.config`); `param_groups`
     optionally splits the parameters into groups with their own `lr` / `weight_decay`, either as
-    torch.optim's list of dicts or as a callable taking the built module and returning one."""
+    torch.optim's list of dicts or as a callable taking the built module and returning one.
+
+    DeepSpeed's keywords: `model=` and `config_params=` are `model_func` and `config`;
+    `lr_scheduler=fn` sets `model.lr_scheduler = fn(optimizer)`; the others raise naming what
+    to use (Note [DeepSpeed's initialize() arguments])."""
+    model_func, config, make_scheduler = take_deepspeed_arguments(model_func, config,
+                                                                  deepspeed_kwargs)
+    model, optimizer = _initialize(model_func, config, local_rank, param_groups)
+    if make_scheduler is not None:
+        if isinstance(model, PipelineEngine):
+            raise TypeError("initialize(lr_scheduler=...) with a PipelineModule: train_batch() "
+                            "does not step a scheduler; step it yourself after train_batch()")
+        model.lr_scheduler = make_scheduler(optimizer)
+    return model, optimizer
+
+
+def _initialize(model_func, config, local_rank: int, param_groups):
     if isinstance(model_func, PipelineModule):  # one engine per stage (pipe/engine.py)
         engine = PipelineEngine(model_func, config, local_rank, param_groups)
         return engine, engine.optimizer

@@ -179,6 +179,9 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         self._remade_chunks: dict[int, bool] = {}  # compute chunk -> re-made from its master
         # clip_grad_norm_() before this step: (max_norm, overflow, scaled norm).
         self._requested_clip: tuple[float, bool, float] | None = None
+        # DeepSpeed's get_global_grad_norm(): the unscaled norm the last step read (None when it
+        # read none: no clipping and not fp16).
+        self.last_grad_norm: float | None = None
 
     @property
     def loss_scale(self) -> float:
@@ -221,11 +224,14 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         # The scale the gradients carry: backward() used it and only this method changes it.
         grad_scale = self.loss_scaler.scale
         overflow, norm = False, 0.0
+        self.last_grad_norm = None
         if self._requested_clip is not None:  # clip_grad_norm_ read the gradients already
             clip, overflow, norm = self._requested_clip
             self._requested_clip = None
+            self.last_grad_norm = norm / grad_scale
         elif clip > 0 or self.precision == "fp16":  # one read pass over the gradients
             overflow, norm = self._gradient_statistics()
+            self.last_grad_norm = norm / grad_scale
         # Only fp16 skips steps; elsewhere a non-finite gradient reaches the parameters as it
         # would in plain PyTorch.
         overflow = overflow and self.precision == "fp16"

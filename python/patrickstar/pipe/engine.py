@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _C, topology
+from ..batch_sizes import resolve_batch_sizes
 from ..config import load_config
 from ..engine import PatrickStarEngine
 from .module import PipelineModule, TiedLayerSpec
@@ -63,6 +64,8 @@ class PipelineEngine:
         self.config = load_config(config)
         self.pipe_module = pipe_module
         groups = topology.initialize_parallel(self.config.parallel)
+        # DeepSpeed's batch keys set the micro batches per step (batch_sizes.py).
+        self.config = resolve_batch_sizes(self.config, groups.data_size)
         self.groups = groups
         self.num_stages = groups.pipe_size
         if pipe_module.num_stages is not None and pipe_module.num_stages != self.num_stages:

@@ -1,0 +1,69 @@
+"""What DeepSpeed's `engine.step()` does besides the optimizer step: the lr scheduler, and the
+counters its loop reads (`is_gradient_accumulation_boundary()`, `was_step_applied()`,
+`get_global_grad_norm()`).
+
+Note [model.step() steps model.lr_scheduler]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+In DeepSpeed, `engine.lr_scheduler` (given to `deepspeed.initialize(lr_scheduler=...)` or
+assigned) is stepped by `engine.step()` after every optimizer step that was applied, and not
+after one skipped for fp16 overflow; the user never calls `scheduler.step()`. Before, our
+`model.step()` ran only the optimizer, so a DeepSpeed script that assigned `model.lr_scheduler`
+(as our own docs told it to, for checkpoints) trained at its initial learning rate for ever,
+silently. Now `model.step()` steps `model.lr_scheduler` as DeepSpeed does. PatrickStar's loop
+(`optimizer.step()` called directly) is unchanged: there the user steps the scheduler.
+
+The danger of that rule is a scheduler stepped twice per optimizer step (by `model.step()` and
+by the user's own `scheduler.step()`, a habit from plain PyTorch), which would silently run the
+schedule at twice its speed. The scheduler's position is remembered after each step we make;
+finding it moved at the next boundary means someone else stepped it, and that raises before
+the optimizer steps. Positions are torch's `last_epoch` or DeepSpeed's `last_batch_iteration`;
+a scheduler with neither is not checked.
+"""
+from __future__ import annotations
+
+
+def _position(scheduler):
+    for name in ("last_epoch", "last_batch_iteration"):
+        value = getattr(scheduler, name, None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+class EngineLrScheduler:
+    """The scheduler `model.step()` steps (Note [model.step() steps model.lr_scheduler])."""
+
+    def __init__(self):
+        self.scheduler = None
+        self._position = None  # where our last step left it; None: not stepped by us yet
+
+    def set(self, scheduler) -> None:
+        if scheduler is not None and not callable(getattr(scheduler, "step", None)):
+            raise TypeError(f"model.lr_scheduler must be a learning-rate scheduler with a step() "
+                            f"method (a torch.optim.lr_scheduler scheduler built on the "
+                            f"optimizer initialize() returned), not {type(scheduler).__name__}")
+        self.scheduler = scheduler
+        self._position = None
+
+    def forget_position(self) -> None:
+        """After load_checkpoint(): the scheduler's position is the checkpoint's now."""
+        self._position = None
+
+    def check_not_stepped_elsewhere(self) -> None:
+        """Before an optimizer step of model.step(): nobody else stepped the scheduler."""
+        if self.scheduler is None or self._position is None:
+            return
+        now = _position(self.scheduler)
+        if now is not None and now != self._position:
+            raise RuntimeError(
+                f"model.lr_scheduler was stepped outside model.step() (its position moved from "
+                f"{self._position} to {now}): model.step() steps model.lr_scheduler after each "
+                f"optimizer step, as DeepSpeed's engine.step() does, so the schedule would run "
+                f"twice as fast. Remove your own scheduler.step() call (or call "
+                f"optimizer.step() instead of model.step() and step the scheduler yourself)")
+
+    def after_optimizer_step(self, applied: bool) -> None:
+        if self.scheduler is None or not applied:  # DeepSpeed skips it on fp16 overflow
+            return
+        self.scheduler.step()
+        self._position = _position(self.scheduler)

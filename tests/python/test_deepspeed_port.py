@@ -1,0 +1,254 @@
+"""A DeepSpeed ZeRO-3/Offload training script ported to PatrickStar-C++ trains as DeepSpeed
+would: the engine's loop methods, its lr scheduler, its config's batch keys and initialize()'s
+arguments (each compared with plain PyTorch, or refused naming what to use)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import patrickstar
+
+RTOL = 1e-5
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in [(32, 64), (64, 64), (64, 10)])
+
+    def forward(self, x, y):
+        for index, layer in enumerate(self.layers):
+            x = layer(x)
+            if index + 1 < len(self.layers):
+                x = torch.relu(x)
+        return nn.functional.cross_entropy(x, y)
+
+
+def batches(steps, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return [(torch.randn(16, 32, generator=generator),
+             torch.randint(0, 10, (16,), generator=generator)) for _ in range(steps)]
+
+
+def config(accumulation=2, clip=0.5, **extra):
+    return {"gradient_accumulation_steps": accumulation, "gradient_clipping": clip,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "betas": [0.8, 0.99],
+                                                      "eps": 1e-6, "weight_decay": 0.1}},
+            **extra}
+
+
+def torch_run(data, accumulation, clip, schedule=None):
+    """Plain PyTorch: losses, grad norms and learning rates at each optimizer step."""
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.8, 0.99), eps=1e-6,
+                            weight_decay=0.1, foreach=False)
+    sched = schedule(opt) if schedule else None
+    losses, norms, lrs = [], [], []
+    for index, (x, y) in enumerate(data):
+        loss = model(x, y)
+        losses.append(loss.item())
+        (loss / accumulation).backward()
+        if (index + 1) % accumulation == 0:
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item())
+            opt.step()
+            opt.zero_grad()
+            if sched:
+                sched.step()
+            lrs.append(opt.param_groups[0]["lr"])
+    return losses, norms, lrs
+
+
+def assert_close(ours, theirs):
+    assert len(ours) == len(theirs)
+    for a, b in zip(ours, theirs):
+        assert abs(a - b) <= RTOL * abs(b), (ours, theirs)
+
+
+def step_lr(opt):
+    return torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
+
+
+def test_deepspeed_loop_steps_model_lr_scheduler_and_reports_like_deepspeed():
+    """DeepSpeed's engine.step() steps engine.lr_scheduler at each applied optimizer step;
+    ours ran only the optimizer, so the schedule silently never moved."""
+    data = batches(8)
+    ref_losses, ref_norms, ref_lrs = torch_run(data, 2, 0.5, step_lr)
+    torch.manual_seed(0)
+    model, optimizer = patrickstar.initialize(MLP, config())
+    model.lr_scheduler = step_lr(optimizer)
+    losses, norms, lrs, boundaries = [], [], [], []
+    for x, y in data:
+        before = model.is_gradient_accumulation_boundary()
+        loss = model(x, y)
+        losses.append(loss.item())
+        model.backward(loss)
+        assert model.is_gradient_accumulation_boundary() == before
+        boundaries.append(before)
+        model.step()
+        if before:
+            assert model.was_step_applied()
+            norms.append(model.get_global_grad_norm())
+            lrs.append(model.get_lr()[0])
+    assert boundaries == [False, True] * 4
+    assert model.global_steps == 4 and model.skipped_steps == 0
+    assert_close(losses, ref_losses)
+    assert_close(norms, ref_norms)
+    assert_close(lrs, ref_lrs)
+    model.destroy()
+
+
+def test_a_scheduler_stepped_by_the_user_too_raises_instead_of_running_twice_as_fast():
+    data = batches(4)
+    torch.manual_seed(0)
+    model, optimizer = patrickstar.initialize(MLP, config(accumulation=1))
+    model.lr_scheduler = step_lr(optimizer)
+    x, y = data[0]
+    model.backward(model(x, y))
+    model.step()
+    model.lr_scheduler.step()  # a PyTorch habit: DeepSpeed's step() did it already
+    model.backward(model(x, y))
+    with pytest.raises(RuntimeError, match="stepped outside model.step"):
+        model.step()
+    model.destroy()
+
+
+def test_grad_norm_is_none_without_clipping_and_patrickstar_loop_keeps_its_scheduler(tmp_path):
+    """optimizer.step() (PatrickStar's loop) does not step model.lr_scheduler: the user does;
+    a checkpoint load moves the scheduler without counting as a foreign step."""
+    data = batches(4)
+    torch.manual_seed(0)
+    model, optimizer = patrickstar.initialize(MLP, config(accumulation=1, clip=0.0))
+    model.lr_scheduler = step_lr(optimizer)
+    for x, y in data[:2]:
+        model.backward(model(x, y))
+        optimizer.step()
+        optimizer.zero_grad()
+    assert model.get_lr() == [1e-2] and model.get_global_grad_norm() is None
+    model.backward(model(*data[2]))
+    model.step()
+    model.save_checkpoint(tmp_path)
+    model.backward(model(*data[3]))
+    model.step()
+    model.load_checkpoint(tmp_path)
+    assert model.get_lr()[0] == pytest.approx(1e-2 * 0.7)
+    model.backward(model(*data[3]))
+    model.step()  # no "stepped outside model.step()"
+    assert model.get_lr()[0] == pytest.approx(1e-2 * 0.7 ** 2)
+    with pytest.raises(TypeError, match="model.lr_scheduler must be"):
+        model.lr_scheduler = 0.1
+    model.destroy()
+
+
+@pytest.mark.parametrize("keys,accumulation,micro,train", [
+    ({"train_batch_size": 64, "train_micro_batch_size_per_gpu": 16}, 4, 16, 64),
+    ({"train_batch_size": 64, "gradient_accumulation_steps": 2}, 2, 32, 64),
+    ({"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 3}, 3, 8, 24),
+    ({"train_batch_size": 16}, 1, 16, 16),
+    ({"train_micro_batch_size_per_gpu": 16}, 1, 16, 16),
+    ({"train_batch_size": 48, "train_micro_batch_size_per_gpu": 16,
+      "gradient_accumulation_steps": 3}, 3, 16, 48),
+    ({"gradient_accumulation_steps": 2}, 2, None, None),
+])
+def test_batch_keys_set_the_accumulation_as_in_deepspeed(keys, accumulation, micro, train):
+    """DeepSpeed derives gradient_accumulation_steps from train_batch_size and the micro batch;
+    these keys were refused with "remove it", which silently trained without accumulation."""
+    torch.manual_seed(0)
+    model, _ = patrickstar.initialize(MLP, {"optimizer": {"type": "AdamW"}, **keys})
+    assert model.gradient_accumulation_steps() == accumulation
+    assert model.train_micro_batch_size_per_gpu() == micro
+    assert model.train_batch_size() == train
+    model.destroy()
+
+
+@pytest.mark.parametrize("keys", [
+    {"train_batch_size": 64, "train_micro_batch_size_per_gpu": 16,
+     "gradient_accumulation_steps": 2},
+    {"train_batch_size": 60, "train_micro_batch_size_per_gpu": 16},
+    {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 16},
+])
+def test_batch_keys_that_disagree_are_refused_naming_them(keys):
+    with pytest.raises(ValueError, match="'train_batch_size'.*do not agree with 1 data-parallel"):
+        patrickstar.initialize(MLP, keys)
+
+
+def test_deepspeed_batch_config_trains_with_the_derived_accumulation():
+    """train_batch_size 32 of micro batches 16: two micro-steps per optimizer step, as
+    PyTorch accumulating two batches."""
+    data = batches(6)
+    ref_losses, _, _ = torch_run(data, 2, 0.5)
+    cfg = config(train_batch_size=32, train_micro_batch_size_per_gpu=16)
+    del cfg["gradient_accumulation_steps"]
+    torch.manual_seed(0)
+    model, _ = patrickstar.initialize(MLP, cfg)
+    losses = []
+    for x, y in data:
+        loss = model(x, y)
+        losses.append(loss.item())
+        model.backward(loss)
+        model.step()
+    assert model.global_steps == 3
+    assert_close(losses, ref_losses)
+    model.destroy()
+
+
+def test_deepspeed_initialize_keywords_work_or_name_what_to_use():
+    """deepspeed.initialize(model=..., config=..., lr_scheduler=...) spellings: the ones that
+    mean the same here work, the others say what to use (not Python's bare "unexpected keyword
+    argument")."""
+    data = batches(4)
+    ref_losses, _, ref_lrs = torch_run(data, 2, 0.5, step_lr)
+    torch.manual_seed(0)
+    model, _ = patrickstar.initialize(model=MLP(), config_params=config(), lr_scheduler=step_lr)
+    losses, lrs = [], []
+    for x, y in data:
+        loss = model(x, y)
+        losses.append(loss.item())
+        model.backward(loss)
+        model.step()
+        if model.was_step_applied() and len(lrs) < model.global_steps:
+            lrs.append(model.get_lr()[0])
+    assert_close(losses, ref_losses)
+    assert_close(lrs, ref_lrs)
+    model.destroy()
+    for name, value, says in [("model_parameters", [], "param_groups="),
+                              ("training_data", [], "DataLoader"),
+                              ("optimizer", None, "config 'optimizer'"),
+                              ("args", None, "config="), ("mpu", None, "parallel"),
+                              ("collate_fn", None, "DataLoader"),
+                              ("dist_init_required", True, "torchrun")]:
+        with pytest.raises(TypeError, match=f"initialize\\({name}=...\\) is DeepSpeed's.*{says}"):
+            patrickstar.initialize(MLP, config(), **{name: value})
+    with pytest.raises(TypeError, match="callable taking the optimizer"):
+        patrickstar.initialize(MLP, config(), lr_scheduler=step_lr(torch.optim.SGD(
+            [nn.Parameter(torch.ones(1))], lr=1.0)))
+    with pytest.raises(TypeError, match="unexpected keyword argument.*'bogus'"):
+        patrickstar.initialize(MLP, config(), bogus=1)
+    with pytest.raises(TypeError, match="model_func and model="):
+        patrickstar.initialize(MLP, config(), model=MLP())
+    with pytest.raises(TypeError, match="missing the model"):
+        patrickstar.initialize(config=config())
+
+
+def test_gathered_parameters_habit_is_refused_and_consolidation_loads_into_pytorch(tmp_path):
+    """GatheredParameters(params, modifier_rank=0) written as summon_full_params(params) took the
+    list as `writeback`; zero_to_fp32's counterpart gives the engine's state_dict to torch."""
+    from patrickstar.consolidate import consolidate
+    torch.manual_seed(0)
+    model, _ = patrickstar.initialize(MLP, config(accumulation=1))
+    model.backward(model(*batches(1)[0]))
+    model.step()
+    with pytest.raises(TypeError, match="GatheredParameters"):
+        with model.summon_full_params(list(model.parameters())):
+            pass
+    with model.summon_full_params(writeback=True):
+        model.module.layers[0].bias.data.fill_(0.25)
+    model.save_checkpoint(tmp_path)
+    consolidate(tmp_path, tmp_path / "full.pt")
+    plain = MLP()
+    plain.load_state_dict(torch.load(tmp_path / "full.pt"))
+    ours = model.state_dict()
+    assert all(torch.equal(value, ours[name]) for name, value in plain.state_dict().items())
+    assert torch.all(plain.layers[0].bias == 0.25)
+    model.destroy()
