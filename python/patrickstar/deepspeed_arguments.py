@@ -6,17 +6,25 @@ A ported script calls `patrickstar.initialize(model=net, model_parameters=net.pa
 config=ds_config, ...)`. Python's "unexpected keyword argument 'model_parameters'" says nothing
 about what to do; here each of DeepSpeed's arguments is taken when it means the same thing here
 (`model`, `config_params`, an `lr_scheduler` callable) and otherwise refused naming what to use.
-`model_parameters` is refused rather than ignored even though it usually lists every parameter:
-when it does not (a filtered subset), DeepSpeed would train only those, and ignoring it would
-train the others too, silently.
+`model_parameters` (DeepSpeed's usual `model.parameters()`, or a list of param-group dicts) is
+taken as `param_groups` when the model is a built module, whose Parameter objects those are:
+build_param_groups then checks that every trainable parameter is in exactly one group, so a
+filtered subset (which DeepSpeed would train alone) raises naming what is missing rather than
+training the others too. With a model_func the parameters do not exist yet, so it is refused
+naming param_groups.
 """
 from __future__ import annotations
 
+import torch
+
+_MODEL_PARAMETERS_NEED_A_MODULE = (
+    "initialize(model_parameters=...) is DeepSpeed's: it names parameters of a module already "
+    "built, but model_func builds the model inside initialize(). Pass the built module "
+    "(initialize(model=net, model_parameters=net.parameters())), or param_groups= (torch.optim's "
+    "list of dicts, or a callable taking the built module); without either, every parameter "
+    "with requires_grad=True is trained")
+
 _REFUSED = {
-    "model_parameters": "the optimizer trains every parameter with requires_grad=True (freeze "
-                        "the others in model_func); for per-group lr / weight_decay pass "
-                        "param_groups= (torch.optim's list of dicts, or a callable taking the "
-                        "built module)",
     "optimizer": "the optimizer comes from config 'optimizer': {type: Adam/AdamW, params: "
                  "{lr, betas, eps, weight_decay}} and is returned by initialize()",
     "training_data": "build a torch.utils.data.DataLoader yourself; initialize() returns "
@@ -31,9 +39,9 @@ _REFUSED = {
 }
 
 
-def take_deepspeed_arguments(model_func, config, kwargs: dict):
-    """(model_func, config, lr_scheduler factory or None) from DeepSpeed's keyword
-    arguments; raises TypeError naming any argument without a counterpart here."""
+def take_deepspeed_arguments(model_func, config, param_groups, kwargs: dict):
+    """(model_func, config, param_groups, lr_scheduler factory or None) from DeepSpeed's
+    keyword arguments; raises TypeError naming any argument without a counterpart here."""
     kwargs = dict(kwargs)
     model = kwargs.pop("model", None)
     if model is not None:
@@ -54,6 +62,14 @@ def take_deepspeed_arguments(model_func, config, kwargs: dict):
             "returns the optimizer it drives; pass a callable taking the optimizer "
             "(lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, f), as DeepSpeed "
             "also accepts) or assign model.lr_scheduler afterwards")
+    if "model_parameters" in kwargs:
+        model_parameters = kwargs.pop("model_parameters")
+        if param_groups is not None:
+            raise TypeError("initialize(): param_groups and model_parameters= (DeepSpeed's "
+                            "name) both given; pass one")
+        if not isinstance(model_func, torch.nn.Module):
+            raise TypeError(_MODEL_PARAMETERS_NEED_A_MODULE)
+        param_groups = _as_param_groups(model_parameters)
     for name in kwargs:
         if name in _REFUSED:
             raise TypeError(f"initialize({name}=...) is DeepSpeed's and has no counterpart in "
@@ -65,4 +81,15 @@ def take_deepspeed_arguments(model_func, config, kwargs: dict):
     if model_func is None:
         raise TypeError("initialize(): missing the model: pass model_func (a callable building "
                         "the module, or a built module)")
-    return model_func, config, scheduler
+    return model_func, config, param_groups, scheduler
+
+
+def _as_param_groups(model_parameters) -> list:
+    """torch.optim's forms, as DeepSpeed hands them to its optimizer: parameters (a generator
+    is consumed once here) or a list of group dicts."""
+    if isinstance(model_parameters, torch.Tensor):
+        model_parameters = [model_parameters]
+    items = list(model_parameters)
+    if items and all(isinstance(item, dict) for item in items):
+        return items
+    return [{"params": items}]

@@ -1045,18 +1045,22 @@ class PatrickStarEngine(nn.Module):
         if not self.guard.in_owner_process():
             self._abandon_inherited_runtime()
             return
+        # (Attributes read through __dict__ may be missing when __init__ raised part way.)
+        profiler = self.__dict__.get("profiler")
         try:
-            if self.profiler is not None and self.profiler.running:
-                self.profiler.stop(engine=self)  # while the chunk manager is still open
+            if profiler is not None and profiler.running:
+                profiler.stop(engine=self)  # while the chunk manager is still open
         finally:
             self.dp.close()
-            self._hooks.remove()
-            self._call_hooks.remove()
+            for hooks in ("_hooks", "_call_hooks"):
+                if hooks in self.__dict__:
+                    self.__dict__[hooks].remove()
             for param in self.params.params:
                 param.data = self._placeholder()
             self.chunks.close()
             self._slots = None  # it holds the manager, and the manager the tiers
-            self._views.close()  # it holds the slots
+            if "_views" in self.__dict__:
+                self._views.close()  # it holds the slots
             self.chunks = self.tiers = self.copy_engine = self.runtime = None
 
     def _abandon_inherited_runtime(self) -> None:

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from typing import Callable
 
+import torch
 from torch import nn
 
-from .config import load_config
+from .config import Config, load_config
 from .deepspeed_arguments import take_deepspeed_arguments
 from .engine import PatrickStarEngine
+from .optimizer import build_param_groups
 from .pipe.engine import PipelineEngine
 from .pipe.module import PipelineModule
 
@@ -31,10 +33,10 @@ def initialize(model_func: Callable[[], nn.Module] | nn.Module | None = None, co
     torch.optim's list of dicts or as a callable taking the built module and returning one.
 
     DeepSpeed's keywords: `model=` and `config_params=` are `model_func` and `config`;
-    `lr_scheduler=fn` sets `model.lr_scheduler = fn(optimizer)`; the others raise naming what
+    `model_parameters=` (of a built module) is `param_groups`; `lr_scheduler=fn` sets `model.lr_scheduler = fn(optimizer)`; the others raise naming what
     to use (Note [DeepSpeed's initialize() arguments])."""
-    model_func, config, make_scheduler = take_deepspeed_arguments(model_func, config,
-                                                                  deepspeed_kwargs)
+    model_func, config, param_groups, make_scheduler = take_deepspeed_arguments(
+        model_func, config, param_groups, deepspeed_kwargs)
     model, optimizer = _initialize(model_func, config, local_rank, param_groups)
     if make_scheduler is not None:
         if isinstance(model, PipelineEngine):
@@ -48,17 +50,50 @@ def _initialize(model_func, config, local_rank: int, param_groups):
     if isinstance(model_func, PipelineModule):  # one engine per stage (pipe/engine.py)
         engine = PipelineEngine(model_func, config, local_rank, param_groups)
         return engine, engine.optimizer
+    built = None
     if isinstance(model_func, nn.Module):  # Note [Modules built before initialize()]
         built = model_func
         model_func = lambda: built  # noqa: E731
+        config = load_config(config)  # parsed once (it warns once per key)
+        param_groups = _checked_before_placement(built, param_groups, config)
     elif not callable(model_func):
         raise TypeError("initialize(model_func, ...): model_func must be a callable that builds "
                         "and returns the model (e.g. a class or a lambda) or a built "
                         f"torch.nn.Module, not {type(model_func).__name__}")
     if not isinstance(local_rank, int) or local_rank < 0:
         raise ValueError(f"local_rank must be a non-negative int, got {local_rank!r}")
-    engine = PatrickStarEngine(model_func, load_config(config), local_rank, param_groups)
+    if not isinstance(config, Config):
+        config = load_config(config)
+    sizes = [p.numel() for p in built.parameters()] if built is not None else None
+    try:
+        engine = PatrickStarEngine(model_func, config, local_rank, param_groups)
+    except Exception as error:
+        if sizes is not None and sizes != [p.numel() for p in built.parameters()]:
+            error.add_note("initialize() had moved parameters of the module passed in into "
+                           "chunks when this failed, so that module no longer holds its "
+                           "weights: build it again (or pass a model_func, which builds it "
+                           "inside initialize())")
+        raise
     return engine, engine.optimizer
+
+
+def _checked_before_placement(built: nn.Module, param_groups, config):
+    """A built module's parameters move into chunks as the engine is made, so a mistake found
+    after that would leave the caller's module without its weights: torch.optim-style groups
+    (from its own parameters, e.g. DeepSpeed's model_parameters) are checked first, as the
+    engine will check them, and returned with each "params" listed (a generator is consumed
+    by the check)."""
+    if param_groups is None or callable(param_groups) or isinstance(param_groups, dict):
+        return param_groups  # a callable sees the built engine's shapes; a dict fails there
+    groups = [{**group, "params": ([group["params"]] if isinstance(group["params"], torch.Tensor)
+                                   else list(group["params"]))}
+              if isinstance(group, dict) and "params" in group else group
+              for group in param_groups]
+    optimizer = config.optimizer
+    build_param_groups(built, groups, {"lr": optimizer.lr, "betas": optimizer.betas,
+                                       "eps": optimizer.eps,
+                                       "weight_decay": optimizer.weight_decay})
+    return groups
 
 
 def initialize_engine(model_func: Callable[[], nn.Module], local_rank: int = 0, config=None,

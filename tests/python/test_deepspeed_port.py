@@ -231,6 +231,41 @@ def test_deepspeed_initialize_keywords_work_or_name_what_to_use():
         patrickstar.initialize(config=config())
 
 
+def test_deepspeed_model_parameters_of_a_built_module_are_its_param_groups():
+    """deepspeed.initialize(model=net, model_parameters=net.parameters()), DeepSpeed's usual
+    call, trains as PyTorch; group dicts set their own lr; a subset that would leave trainable
+    parameters out raises naming them instead of training them silently."""
+    data = batches(4)
+    ref_losses, _, _ = torch_run(data, 2, 0.5)
+    torch.manual_seed(0)
+    net = MLP()
+    model, _ = patrickstar.initialize(model=net, model_parameters=net.parameters(),
+                                      config=config())
+    losses = []
+    for x, y in data:
+        loss = model(x, y)
+        losses.append(loss.item())
+        model.backward(loss)
+        model.step()
+    assert_close(losses, ref_losses)
+    model.destroy()
+    net = MLP()
+    model, optimizer = patrickstar.initialize(model=net, config=config(), model_parameters=[
+        {"params": net.layers[0].parameters(), "lr": 1e-3},
+        {"params": [*net.layers[1].parameters(), *net.layers[2].parameters()]}])
+    assert [group["lr"] for group in optimizer.param_groups] == [1e-3, 1e-2]
+    model.destroy()
+    net = MLP()
+    weight = net.layers[2].weight.detach().clone()
+    with pytest.raises(ValueError, match=r"4 trainable parameter\(s\) are in no group"):
+        patrickstar.initialize(model=net, config=config(),
+                               model_parameters=net.layers[0].parameters())
+    assert torch.equal(net.layers[2].weight, weight)  # checked before anything moved
+    with pytest.raises(TypeError, match="param_groups and model_parameters"):
+        patrickstar.initialize(model=MLP(), config=config(), param_groups=[],
+                               model_parameters=[])
+
+
 def test_gathered_parameters_habit_is_refused_and_consolidation_loads_into_pytorch(tmp_path):
     """GatheredParameters(params, modifier_rank=0) written as summon_full_params(params) took the
     list as `writeback`; zero_to_fp32's counterpart gives the engine's state_dict to torch."""

@@ -369,6 +369,23 @@ def test_a_module_built_before_initialize_trains_as_pytorch(budget_chunks):
         model = opt = None
 
 
+def test_a_built_module_whose_initialize_fails_late_says_its_weights_moved(capfd):
+    # A param_groups callable runs once the parameters are in chunks: its error carries a note
+    # that the module passed in lost its weights, and the half-made engine goes quietly.
+    built = MLP()
+
+    def groups(model):
+        raise KeyError("no such layer")
+
+    with pytest.raises(KeyError) as info:
+        patrickstar.initialize(built, config={"default_chunk_size": 4096}, param_groups=groups)
+    assert any("no longer holds its weights" in note for note in info.value.__notes__)
+    del info
+    import gc
+    gc.collect()
+    assert "failed" not in capfd.readouterr().err
+
+
 def test_a_built_backbone_under_a_new_head_and_a_built_tied_gpt_train_as_pytorch():
     # A pretrained part built outside model_func, under a head model_func builds (the two mix:
     # registered parameters first, then the built ones), and a built model with tied weights.
