@@ -10,7 +10,9 @@ forward or backward (`parallel.reshard_after_forward`, the default: gather_sched
 [Resharding after forward]), or to the next optimizer step without it.
 The collectives run in C++ (`patrickstar._C.GroupCollectives` over a `Communicator`: a
 shared-memory segment for ranks on one host, or the torch.distributed process group's gloo or
-NCCL; Note [Transport]), one per chunk group, never one per tensor.
+NCCL; Note [Transport]), one per chunk group, never one per tensor. Every collective a rank
+issues goes through recorded_collectives.py, which records it on the running profiler (Note
+[Recording collectives] there).
 With pipeline stages or tensor slices (topology.py) all of this runs within the data group, the
 ranks with the same pipe and tensor coordinates; "rank" and "world" below mean that group.
 
@@ -77,6 +79,7 @@ of the whole world, so no rank may skip it on a decision another data group made
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import secrets
 import socket
@@ -85,8 +88,9 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from . import _C, topology
+from . import _C, recorded_collectives, topology
 from .gather_schedule import GatherSchedule
+from .recorded_collectives import RecordedGroupCollectives
 from .vocabulary import Tier
 
 __all__ = ["DataParallel", "detect_world"]
@@ -160,6 +164,7 @@ class DataParallel:
         self.calls = 0  # forwards and state-dict reads (Note [Every rank runs the same forwards])
         # Pipeline stages / tensor slices: the norm and overflow flag span the model group too.
         self.model_parallel: topology.ModelParallelGradStats | None = None
+        self._group_labels: dict[int, str] | None = None  # made for the first profile
 
     @property
     def _engine(self):
@@ -213,12 +218,12 @@ class DataParallel:
         # Without pipeline stages forward's started gathers receive into the compute tier too,
         # while it has free room for twice them (Note [Receiving where the group is computed
         # on]).
-        self.collectives = _C.GroupCollectives(
+        self.collectives = RecordedGroupCollectives(_C.GroupCollectives(
             manager, self.communicator, tier=Tier.HOST, timeout_s=self.timeout,
             memory_saving=parallel.memory_saving, gradient_op="avg",
             gradients_in_place=self._waits_for_reduce_scatters,
             compute_tier=engine.compute_tier,
-            started_in_compute_tier=self.model_parallel is None)
+            started_in_compute_tier=self.model_parallel is None), self._group_label)
         # An engine never destroyed would otherwise free these during interpreter finalization,
         # after the script's destroy_process_group(): the last reference to the c10d group then
         # goes in an order torch does not expect (a rank of a 2-rank benchmark aborted once at
@@ -250,11 +255,11 @@ class DataParallel:
             # (over their own process group, or their own segment).
             self.gather_communicator = self._make_communicator(groups.twin_data_group(),
                                                                "gathers")
-            gatherer = _C.GroupCollectives(
+            gatherer = RecordedGroupCollectives(_C.GroupCollectives(
                 manager, self.gather_communicator, tier=Tier.HOST, timeout_s=self.timeout,
                 memory_saving=parallel.memory_saving, gradient_op="avg",
                 compute_tier=engine.compute_tier,
-                started_in_compute_tier=self.model_parallel is None)
+                started_in_compute_tier=self.model_parallel is None), self._group_label)
         names = {ids.compute: name for ids, name in zip(engine.params.ids, engine.params.names)}
         self.gathers = GatherSchedule(gatherer, compute_groups, gather_position, remote,
                                       self.gather_ahead, reshard=self.reshard,
@@ -274,6 +279,14 @@ class DataParallel:
                 self._grad_group_of[index] = p
                 self._group_size[p] += 1
         self._reset_accumulation()
+
+    def _group_label(self, first: int) -> str:
+        """The name the C++ gives the chunk group whose first chunk is `first` ("compute_param
+        group 3"), for profiles: the layout is read once, when a profile first needs it."""
+        if self._group_labels is None:
+            chunks = json.loads(self._engine.chunks.manager.layout_json())["chunks"]
+            self._group_labels = {c["id"]: f"{c['kind']} group {c['group']}" for c in chunks}
+        return self._group_labels.get(first, f"chunk {first}")
 
     def _choose_transport(self, transport: str, group) -> str:
         """"shm" or "process_group" for `parallel.transport` (Note [Transport])."""
@@ -315,15 +328,15 @@ class DataParallel:
         self.communicator = None
         self.gather_communicator = None
 
-    def all_gather_object(self, obj) -> list:
+    def all_gather_object(self, obj, label: str = "objects") -> list:
         """Every rank's picklable `obj` in rank order (`[obj]` for a world of one), over the
         data group with the default group's timeout: a dead peer or one stalled past the
         timeout raises instead of hanging (checkpoints share names, records and failures with
-        it)."""
+        it). `label` names it in profiles."""
         if not self.enabled:
             return [obj]
         gathered = [None] * self.world_size
-        dist.all_gather_object(gathered, obj, group=self.group)
+        recorded_collectives.all_gather_object(gathered, obj, self.group, label)
         return gathered
 
     def owns(self, manager, tensor_id: int) -> bool:
@@ -382,8 +395,10 @@ class DataParallel:
         values = torch.zeros(2 * self.world_size, dtype=torch.float32)
         values[2 * self.rank] = self.calls % (1 << 23)  # exact in fp32; wraps on every rank
         values[2 * self.rank + 1] = kind
-        self.communicator.all_reduce(values, op="sum", label="call count and kind"
-                                     ).wait(self.timeout)
+        # A forward's agreement precedes its first hook: profiles count it in the forward.
+        recorded_collectives.all_reduce(self.communicator, values, "sum",
+                                        "call count and kind", self.timeout,
+                                        phase="forward" if kind in (0, 1) else None)
         rows = [(int(values[2 * r]), int(values[2 * r + 1])) for r in range(self.world_size)]
         if all(row == rows[self.rank] for row in rows):
             return
@@ -455,8 +470,8 @@ class DataParallel:
         """Rank 0's backward gather order, on every rank (a broadcast on the gather group at
         the end of the first forward; Note [Resharding after forward])."""
         values = torch.tensor(order, dtype=torch.float32)
-        self.gather_communicator.broadcast(values, root=0, label="backward gather order").wait(
-            self.timeout)
+        recorded_collectives.broadcast(self.gather_communicator, values, 0,
+                                       "backward gather order", self.timeout)
         return [int(v) for v in values.tolist()]
 
     def _compare_next_gathers(self, position: int) -> list[float]:
@@ -572,8 +587,8 @@ class DataParallel:
             return
         flags = torch.tensor([1.0 if index in self._had_grad else 0.0
                               for index in range(len(has_grad))])
-        self.communicator.all_reduce(flags, op="sum", label="has-gradient flags").wait(
-            self.timeout)
+        recorded_collectives.all_reduce(self.communicator, flags, "sum", "has-gradient flags",
+                                        self.timeout)
         for index, total in enumerate(flags.tolist()):
             has_grad[index] = total > 0 and self._owned[index]
         self._reset_accumulation()
@@ -584,18 +599,21 @@ class DataParallel:
         if self.enabled:
             self._reset_accumulation()
 
-    def ranks_with(self, flag: bool, label: str = "non-finite loss flags") -> list[int]:
-        """The ranks of the group whose `flag` is set; a collective every rank must call."""
+    def ranks_with(self, flag: bool, label: str = "non-finite loss flags",
+                   phase: str | None = "backward") -> list[int]:
+        """The ranks of the group whose `flag` is set; a collective every rank must call.
+        `phase` is the profile's for it: the loss check that opens a backward by default."""
         if not self.enabled:
             return [self.rank] if flag else []
-        values = self._every_ranks(1.0 if flag else 0.0, self.communicator, label)
+        values = self._every_ranks(1.0 if flag else 0.0, self.communicator, label, phase)
         return [rank for rank, value in enumerate(values) if value > 0]
 
-    def _every_ranks(self, value: float, communicator, label: str) -> list[float]:
+    def _every_ranks(self, value: float, communicator, label: str,
+                     phase: str | None = None) -> list[float]:
         """Every rank's `value` in rank order (one small all-reduce on `communicator`)."""
         values = torch.zeros(self.world_size, dtype=torch.float32)
         values[self.rank] = value
-        communicator.all_reduce(values, op="sum", label=label).wait(self.timeout)
+        recorded_collectives.all_reduce(communicator, values, "sum", label, self.timeout, phase)
         return values.tolist()
 
     def all_reduce_grad_stats(self, overflow: bool, squared: float) -> tuple[bool, float]:
@@ -606,8 +624,8 @@ class DataParallel:
             squared -= self.model_parallel.local_duplicate_squares()
         if self.enabled:
             stats = torch.tensor([squared, 1.0 if overflow else 0.0], dtype=torch.float32)
-            self.communicator.all_reduce(stats, op="sum", label="gradient norm and overflow"
-                                         ).wait(self.timeout)
+            recorded_collectives.all_reduce(self.communicator, stats, "sum",
+                                            "gradient norm and overflow", self.timeout)
             overflow, squared = stats[1].item() > 0, float(stats[0].item())
         if self.model_parallel is not None:
             overflow, squared = self.model_parallel.all_reduce(overflow, squared)

@@ -530,7 +530,7 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
                 state[index] = entry
         if self.dp.enabled:
             merged = {}
-            for part in self.dp.all_gather_object(state):
+            for part in self.dp.all_gather_object(state, label="optimizer state"):
                 merged.update(part)
             state = dict(sorted(merged.items()))
         groups = []

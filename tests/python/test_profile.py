@@ -306,6 +306,122 @@ def test_data_parallel_ranks_write_their_own_profiles(tmp_path):
     assert not [p.name for p in tmp_path.iterdir() if p.is_file()]
 
 
+_DP_PROFILE_SCRIPT = """
+import json, os, sys, torch, patrickstar
+from patrickstar.examples.gpt import GPT, GPTConfig, synthetic_batches
+gpt = GPTConfig(vocab_size=64, max_seq_len=8, hidden=32, layers=2, heads=2)
+torch.manual_seed(0)
+model, optimizer = patrickstar.initialize(lambda: GPT(gpt), config={"default_chunk_size": 4096})
+def counters():
+    return model.dp.collectives_issued, model.dp.bytes_communicated
+with patrickstar.profile(model, sys.argv[1]):
+    issued, sent = counters()
+    for ids, targets in synthetic_batches(gpt, 2, 3):
+        model.backward(model(ids, targets))
+        optimizer.step()
+        optimizer.zero_grad()
+    optimizer.state_dict()
+    after = counters()
+rank = int(os.environ["RANK"])
+with open(os.path.join(sys.argv[1], f"counters{rank}.json"), "w") as f:
+    json.dump({"issued": after[0] - issued, "bytes": after[1] - sent}, f)
+model.destroy()
+"""
+
+
+def test_data_parallel_profile_records_collectives(tmp_path):
+    """Under two ranks the profile holds every collective a rank issued: each chunk group's
+    allgather and reduce-scatter with the group's bytes as the layout has them (world x chunk
+    bytes: Note [Recording collectives] in recorded_collectives.py), in the pass that issued
+    it, inside the profile, and summary.json, trace.json and report.html show them."""
+    from test_data_parallel import finish, free_port
+    world, chunk_elements = 2, 4096
+    env = dict(os.environ, OMP_NUM_THREADS="1", WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()))
+    procs = [subprocess.Popen([sys.executable, "-c", _DP_PROFILE_SCRIPT, str(tmp_path)],
+                              env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
+                              stderr=subprocess.PIPE, text=True) for r in range(world)]
+    codes = finish(procs)
+    assert codes == [0, 0], [proc.stderr.read()[-2000:] for proc in procs]
+    for rank in range(world):
+        directory = tmp_path / f"rank{rank}"
+        raw = json.loads((directory / "profile.json").read_text())
+        records = raw["collectives"]
+        assert records
+        # What each group collective must move, from the layout alone.
+        chunks = raw["layout"]["chunks"]
+        group_bytes: dict[str, int] = {}
+        for c in chunks:
+            label = f"{c['kind']} group {c['group']}"
+            group_bytes[label] = group_bytes.get(label, 0) + c["bytes"]
+        compute = sorted(g for g in group_bytes if g.startswith("compute_param"))
+        gradient = sorted(g for g in group_bytes if g.startswith("gradient"))
+        assert len(compute) > 1 and len(gradient) > 1
+        element = 2 if raw["run"]["precision"] in ("fp16", "bf16") else 4
+        for label in compute + gradient:  # no oversize tensor in this model
+            assert group_bytes[label] == world * chunk_elements * element, label
+        parameters = {t["id"] for c in chunks if c["kind"] == "compute_param"
+                      for t in c["tensors"]}
+        for c in records:
+            assert raw["start_ns"] <= c["start_ns"] <= c["wait_start_ns"] <= c["end_ns"] \
+                <= raw["stop_ns"], c
+            if c["name"] in ("allgather", "reduce_scatter"):
+                assert c["bytes"] == group_bytes[c["args"]["group"]], c
+                assert c["args"]["collectives"] == 1
+            elif c["args"]["label"] == "call count and kind":
+                assert c["bytes"] == 2 * world * 4
+            elif c["args"]["label"] == "has-gradient flags":
+                assert c["bytes"] == 4 * len(parameters)
+        # Per iteration: every compute group gathered in forward, every gradient group
+        # reduce-scattered once in backward, one call agreement in forward.
+        ends = [m["time_ns"] for m in raw["marks"] if m["kind"] == "end"]
+        assert len(ends) == 3
+        begin = raw["start_ns"]
+        for end in ends:
+            inside = [c for c in records if begin < c["start_ns"] <= end]
+            def issued(name, phase):
+                return sorted(c["args"]["group"] for c in inside
+                              if c["name"] == name and c["phase"] == phase)
+            assert set(issued("allgather", "forward")) == set(compute)
+            assert issued("reduce_scatter", "backward") == gradient
+            assert not [c for c in inside if c["name"] == "reduce_scatter"
+                        and c["phase"] != "backward"]
+            assert [c["phase"] for c in inside
+                    if c["args"].get("label") == "call count and kind"] == ["forward"]
+            begin = end
+        # After the last step: optimizer.state_dict()'s agreement and gather of the state.
+        last = [c for c in records if c["start_ns"] > ends[-1]]
+        assert [(c["name"], c["args"]["label"], c["phase"]) for c in last] == [
+            ("all_reduce", "call count and kind", "other"),
+            ("all_gather_object", "optimizer state", "other")]
+        # The group collectives are what the C++ counters say this rank issued.
+        counted = json.loads((tmp_path / f"counters{rank}.json").read_text())
+        groups = [c for c in records if c["name"] in ("allgather", "reduce_scatter")]
+        assert len(groups) == counted["issued"]
+        assert sum(c["bytes"] for c in groups) == counted["bytes"]
+        # The outputs.
+        summary = json.loads((directory / "summary.json").read_text())
+        assert summary["collectives"]["count"] == len(records)
+        assert summary["collectives"]["bytes"] == sum(c["bytes"] for c in records)
+        by_name = summary["collectives"]["by_name"]
+        assert by_name["allgather"]["count"] == len([c for c in groups
+                                                     if c["name"] == "allgather"])
+        assert by_name["reduce_scatter"]["bytes"] == 3 * sum(group_bytes[g] for g in gradient)
+        assert summary["collectives"]["wait_s"] <= summary["collectives"]["time_s"]
+        for it in summary["time"]["iterations"]:
+            assert 0 < it["collective_s"] <= it["total_s"]
+        trace = json.loads((directory / "trace.json").read_text())
+        threads = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"]
+                   if e["ph"] == "M" and e["name"] == "thread_name"}
+        slices = [e for e in trace["traceEvents"]
+                  if e["ph"] == "X" and threads[e["tid"]].startswith("collectives")]
+        assert len(slices) == len(records)
+        assert all(threads[e["tid"]].startswith(f"collectives {e['name']} #") for e in slices)
+        assert {e["args"]["group"] for e in slices if e["name"] == "allgather"} == set(compute)
+        page = (directory / "report.html").read_text()
+        assert "<h2>Collectives</h2>" in page and "<td>reduce_scatter</td>" in page
+
+
 def test_profile_rejects_bad_arguments():
     with pytest.raises(TypeError, match="patrickstar.initialize"):
         with patrickstar.profile(torch.nn.Linear(2, 2), "unused"):

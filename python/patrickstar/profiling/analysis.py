@@ -193,14 +193,17 @@ class Analysis:
             waits = self.copies[bisect.bisect_right(copy_ends, begin):
                                 bisect.bisect_right(copy_ends, end)]
             move_wait = sum(e["wait_ns"] for e in waits)
-            collectives = [c for c in self.raw["collectives"]
-                           if c["end_ns"] > begin and c["start_ns"] < end]
-            coll = sum(_overlap(c["start_ns"], c["end_ns"], begin, end) for c in collectives)
-            opt_span = sum(_overlap(p["start_ns"], p["end_ns"], begin, end)
-                           for p in self.raw["phases"] if p["name"] == "optimizer")
+            # Waiting for collectives: the union of the intervals this rank was blocked on one
+            # (a started collective's span overlaps compute: Note [Recording collectives] in
+            # recorded_collectives.py).
+            blocked = _merged([(max(begin, c.get("wait_start_ns", c["start_ns"])),
+                                min(end, c["end_ns"])) for c in self.raw["collectives"]])
+            coll = sum(b - a for a, b in blocked)
+            optimizer_spans = [(p["start_ns"], p["end_ns"]) for p in self.raw["phases"]
+                               if p["name"] == "optimizer"]
+            opt_span = sum(_overlap(a, b, begin, end) for a, b in optimizer_spans)
             opt_inner = sum(e["wait_ns"] for e in waits if e["phase"] == "optimizer") + sum(
-                _overlap(c["start_ns"], c["end_ns"], begin, end) for c in collectives
-                if c["phase"] == "optimizer")
+                _overlap(a, b, p0, p1) for a, b in blocked for p0, p1 in optimizer_spans)
             optimizer = max(0, opt_span - opt_inner)
             total = end - begin
             compute = max(0, total - move_wait - coll - optimizer)
@@ -258,6 +261,17 @@ def _phase_runs(ticks: list[dict]) -> list[tuple[str, int, int]]:
         else:
             runs.append([phase, tick["time_ns"], tick["time_ns"]])
     return [tuple(run) for run in runs]
+
+
+def _merged(intervals: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The union of `intervals` as sorted disjoint ones (empty ones dropped)."""
+    merged: list[list[int]] = []
+    for a, b in sorted(i for i in intervals if i[1] > i[0]):
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    return [(a, b) for a, b in merged]
 
 
 def _overlap(a0: int, a1: int, b0: int, b1: int) -> int:

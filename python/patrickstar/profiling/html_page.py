@@ -236,6 +236,14 @@ def render_html(raw: dict, summary: dict, analysis: Analysis | None = None) -> s
                        f"{mib(chunks['wasted_bytes'])} wasted"],
         ["non-model data measured as", run.get("non_model_measure", "")],
     ])
+    collectives = summary.get("collectives", {})
+    collective_rows = [[name, c["count"], mib(c["bytes"]), f"{c['time_s'] * 1e3:.1f}",
+                        f"{c.get('wait_s', c['time_s']) * 1e3:.1f}"]
+                       for name, c in collectives.get("by_name", {}).items()]
+    collective_table = (
+        _table(["collective", "count", "payload", "issue to finish (ms)", "blocked (ms)"],
+               collective_rows, "collectives") if collective_rows
+        else "<p>No collectives (one rank, or none recorded).</p>")
     eviction_table = (_table(["cause", "evictions", "bytes", "mean next-use distance"],
                              eviction_rows, "evictions") if eviction_rows
                       else "<p>No evictions.</p>")
@@ -252,6 +260,7 @@ def render_html(raw: dict, summary: dict, analysis: Analysis | None = None) -> s
 <h2>Step time</h2>{_svg_time_split(a)}
 <h2>Where each chunk is (chunk x moment)</h2>{_svg_heatmap(a)}
 <h2>Top eviction causes</h2>{eviction_table}
+<h2>Collectives</h2>{collective_table}
 <script>{_SCRIPT}</script>
 </body></html>
 """

@@ -10,9 +10,10 @@ when ``model.profiler.stop()`` is called, or at interpreter exit).
 The chunk manager (C++, ``chunk/event_log.h``) records every copy, zero-fill, drop and eviction
 with its cause and steady-clock times, and a per-tier sample whenever a moment closes. This file
 adds what only Python sees: the engine's phases (forward, backward, optimizer), the iteration
-boundaries, non-model data measured outside the manager, and collectives (``record_collective``,
-for the data-parallel layer). The other modules of this package turn the raw record into the
-output files.
+boundaries, non-model data measured outside the manager, and collectives (``record_collective``:
+the data-parallel layer records every collective it issues through recorded_collectives.py,
+whose Note [Recording collectives] says what a record means). The other modules of this package
+turn the raw record into the output files.
 
 Non-model data is measured as Note [Measured non-model data] in activations.py says; the
 profiler records the same measure, attributed to the device tier in its outputs; each moment's
@@ -48,7 +49,8 @@ def now_ns() -> int:
 
 
 def active_profiler() -> "Profiler | None":
-    """The running profiler, if any: the data-parallel layer records collectives through it."""
+    """The running profiler, if any: the data-parallel layer records collectives through it
+    (recorded_collectives.py)."""
     return None if _active is None else _active()
 
 
@@ -84,6 +86,7 @@ class Profiler:
         self._phases: list[dict] = []
         self._collectives: list[dict] = []
         self._phase = "other"
+        self._iterations_ended = 0
 
     # ---- Life cycle --------------------------------------------------------------------------
 
@@ -166,6 +169,7 @@ class Profiler:
 
     def on_end_iteration(self) -> None:
         """After the manager's end of iteration."""
+        self._iterations_ended += 1
         self._marks.append({"kind": "end", "event": "end_iteration", "time_ns": now_ns(),
                             "measured_non_model": self._measure_non_model()})
         if self._phase != "optimizer":
@@ -177,34 +181,49 @@ class Profiler:
     def phase(self, name: str) -> Iterator[None]:
         """Marks a span of the engine's work (e.g. "optimizer"): moves made inside it carry that
         phase, and synchronous moves in "optimizer" have cause optimizer."""
-        previous = self._phase
+        previous, ended = self._phase, self._iterations_ended
         start = now_ns()
         self._set_phase(name)
         try:
             yield
         finally:
             self._phases.append({"name": name, "start_ns": start, "end_ns": now_ns()})
-            self._set_phase("other" if previous == name else previous)
+            # An iteration that ended inside (the optimizer step) leaves its backward behind:
+            # what follows is between iterations.
+            between = previous == name or self._iterations_ended != ended
+            self._set_phase("other" if between else previous)
 
     def _set_phase(self, name: str) -> None:
         self._manager.set_event_phase(name)
         self._phase = name
 
-    # ---- Collectives (for the data-parallel layer) -------------------------------------------
+    # ---- Collectives (recorded by recorded_collectives.py) -----------------------------------
+
+    @property
+    def current_phase(self) -> str:
+        """The phase moves and collectives made now are recorded in."""
+        return self._phase
 
     def record_collective(self, name: str, nbytes: int, start_ns: int, end_ns: int,
+                          phase: str | None = None, wait_start_ns: int | None = None,
                           **args: Any) -> None:
-        """Records a collective that moved `nbytes` (this rank's send + receive) between
-        `start_ns` and `end_ns` (``profiler.now_ns()`` / ``time.monotonic_ns()`` clock).
-        Extra keyword arguments (group, chunk ids...) go into the trace event's args."""
+        """Records a collective of `nbytes` (its payload on this rank: Note [Recording
+        collectives] in recorded_collectives.py) that ran from `start_ns` to `end_ns`
+        (``now_ns()``, the chunk manager's steady clock). This rank was blocked on it from
+        `wait_start_ns` (default `start_ns`: a synchronous call) to `end_ns`; `phase` defaults
+        to the current one. Extra keyword arguments (group, label...) go into the trace
+        event's args."""
         if not isinstance(name, str) or not name:
             raise ValueError(f"record_collective: name must be a non-empty string, got {name!r}")
-        if nbytes < 0 or end_ns < start_ns:
-            raise ValueError(f"record_collective '{name}': needs nbytes >= 0 and end_ns >= "
-                             f"start_ns, got nbytes={nbytes}, start_ns={start_ns}, "
+        wait_start_ns = start_ns if wait_start_ns is None else wait_start_ns
+        if nbytes < 0 or end_ns < start_ns or not start_ns <= wait_start_ns <= end_ns:
+            raise ValueError(f"record_collective '{name}': needs nbytes >= 0 and start_ns <= "
+                             f"wait_start_ns <= end_ns, got nbytes={nbytes}, "
+                             f"start_ns={start_ns}, wait_start_ns={wait_start_ns}, "
                              f"end_ns={end_ns}")
         self._collectives.append({"name": name, "bytes": int(nbytes), "start_ns": int(start_ns),
-                                  "end_ns": int(end_ns), "phase": self._phase,
+                                  "end_ns": int(end_ns), "wait_start_ns": int(wait_start_ns),
+                                  "phase": self._phase if phase is None else phase,
                                   "args": {k: v for k, v in args.items()}})
 
     @contextlib.contextmanager

@@ -81,15 +81,30 @@ def build_summary(raw: dict, analysis: Analysis | None = None) -> dict:
                    "oversize_tensors": layout.get("oversize_tensors", [])},
         "evictions": {"count": len(a.evictions), "bytes": sum(e["bytes"] for e in a.evictions),
                       "top_causes": _eviction_causes(a)[:10]},
-        "collectives": {"count": len(raw["collectives"]),
-                        "bytes": sum(c["bytes"] for c in raw["collectives"]),
-                        "time_s": sum(c["end_ns"] - c["start_ns"]
-                                      for c in raw["collectives"]) / 1e9},
+        "collectives": _collectives(raw["collectives"]),
         "time": {"iterations": iterations, "steady_state_mean": mean},
         "dropped_events": raw.get("dropped", 0),
     }
     summary["findings"] = _findings(a, summary)
     return summary
+
+
+def _collectives(records: list[dict]) -> dict:
+    """Count, payload bytes, summed spans (time_s: issue to finish, overlapping compute for
+    started ones) and summed blocked time (wait_s) of the collectives, in total, by name and
+    by phase (Note [Recording collectives] in recorded_collectives.py)."""
+    def totals(subset: list[dict]) -> dict:
+        return {"count": len(subset), "bytes": sum(c["bytes"] for c in subset),
+                "time_s": sum(c["end_ns"] - c["start_ns"] for c in subset) / 1e9,
+                "wait_s": sum(c["end_ns"] - c.get("wait_start_ns", c["start_ns"])
+                              for c in subset) / 1e9}
+    result = totals(records)
+    for key, field in (("by_name", "name"), ("by_phase", "phase")):
+        groups: dict[str, list[dict]] = {}
+        for c in records:
+            groups.setdefault(c[field], []).append(c)
+        result[key] = {value: totals(subset) for value, subset in sorted(groups.items())}
+    return result
 
 
 def _eviction_causes(a: Analysis) -> list[dict]:

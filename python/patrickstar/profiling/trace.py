@@ -89,10 +89,17 @@ def build_trace(raw: dict, analysis: Analysis | None = None) -> dict:
                                 "trigger": e["trigger"], "for_chunk": e["for_chunk"],
                                 "next_use_distance": e["next_use_distance"],
                                 "phase": e["phase"]}})
-    coll = [(c["start_ns"], c["end_ns"], c) for c in raw["collectives"]]
-    for lane, c in _lanes(coll):
-        slice_(f"collectives #{lane}", c["name"], c["start_ns"], c["end_ns"],
-               dict(c.get("args", {}), bytes=c["bytes"], phase=c["phase"]), "collective")
+    # One track per kind of collective (allgather, reduce_scatter, all_reduce...): started
+    # gathers overlap each other and the compute they hide behind.
+    by_name: dict[str, list] = {}
+    for c in raw["collectives"]:
+        by_name.setdefault(c["name"], []).append((c["start_ns"], c["end_ns"], c))
+    for name, coll in sorted(by_name.items()):
+        for lane, c in _lanes(coll):
+            wait_ns = c["end_ns"] - c.get("wait_start_ns", c["start_ns"])
+            slice_(f"collectives {name} #{lane}", c["name"], c["start_ns"], c["end_ns"],
+                   dict(c.get("args", {}), bytes=c["bytes"], phase=c["phase"],
+                        wait_ns=wait_ns), "collective")
     counters = "memory"
     for r in a.rows:
         for t, name in enumerate(a.tier_names):
