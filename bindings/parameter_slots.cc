@@ -141,7 +141,18 @@ class ParameterSlots {
       CheckIndex(index);
       if (counts_[index] > 0 || !ChangedWhileReleased(index)) continue;
       const bool reassigned = !SharesPlaceholder(index);
+      const std::string converted = reassigned ? ConversionOf(params_[index]) : "";
       ResetToPlaceholder(index);  // reported once; the chunk keeps the values it had
+      if (!converted.empty()) {
+        throw std::runtime_error(
+            "parameter " + Name(index) + " was " + converted +
+            " on the module (module.half() / .bfloat16() / .double() / .to(...) / .cuda()), "
+            "which converts each parameter's data: between uses that is an empty placeholder, "
+            "and the values live in chunks, so nothing was converted. The training precision "
+            "is the config's ('bf16': {'enabled': true} or 'fp16': {...}; fp32 by default) and "
+            "the engine places the chunks on its device itself; for a converted copy of the "
+            "weights, convert model.state_dict() or a copy.deepcopy(model.module)");
+      }
       throw std::runtime_error(
           "parameter " + Name(index) + " was " +
           (reassigned ? "assigned new data (p.data = ...)"
@@ -296,6 +307,17 @@ class ParameterSlots {
   bool SharesPlaceholder(int64_t index) const {
     return params_[index].unsafeGetTensorImpl()->storage().unsafeGetStorageImpl() ==
            placeholder_.unsafeGetTensorImpl()->storage().unsafeGetStorageImpl();
+  }
+
+  // What `module.half()`-style conversions leave (an empty tensor of another dtype or device in
+  // place of the placeholder), in words; "" for any other reassignment.
+  std::string ConversionOf(const at::Tensor& param) const {
+    if (param.numel() != 0) return "";
+    if (param.scalar_type() != placeholder_.scalar_type()) {
+      return std::string("converted to ") + c10::toString(param.scalar_type());
+    }
+    if (param.device() != placeholder_.device()) return "moved to " + param.device().str();
+    return "";
   }
 
   bool ChangedWhileReleased(int64_t index) const {

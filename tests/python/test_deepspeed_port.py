@@ -8,21 +8,11 @@ import torch
 from torch import nn
 
 import patrickstar
+from test_initialize import MLP  # sizes (32, 64, 64, 10)
 
 RTOL = 1e-5
 
 
-class MLP(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in [(32, 64), (64, 64), (64, 10)])
-
-    def forward(self, x, y):
-        for index, layer in enumerate(self.layers):
-            x = layer(x)
-            if index + 1 < len(self.layers):
-                x = torch.relu(x)
-        return nn.functional.cross_entropy(x, y)
 
 
 def batches(steps, seed=0):
@@ -64,6 +54,17 @@ def assert_close(ours, theirs):
     assert len(ours) == len(theirs)
     for a, b in zip(ours, theirs):
         assert abs(a - b) <= RTOL * abs(b), (ours, theirs)
+
+
+def deepspeed_steps(model, data):
+    """DeepSpeed's loop (model.step() after every backward); the losses."""
+    losses = []
+    for x, y in data:
+        loss = model(x, y)
+        losses.append(loss.item())
+        model.backward(loss)
+        model.step()
+    return losses
 
 
 def step_lr(opt):
@@ -182,12 +183,7 @@ def test_deepspeed_batch_config_trains_with_the_derived_accumulation():
     del cfg["gradient_accumulation_steps"]
     torch.manual_seed(0)
     model, _ = patrickstar.initialize(MLP, cfg)
-    losses = []
-    for x, y in data:
-        loss = model(x, y)
-        losses.append(loss.item())
-        model.backward(loss)
-        model.step()
+    losses = deepspeed_steps(model, data)
     assert model.global_steps == 3
     assert_close(losses, ref_losses)
     model.destroy()
@@ -241,12 +237,7 @@ def test_deepspeed_model_parameters_of_a_built_module_are_its_param_groups():
     net = MLP()
     model, _ = patrickstar.initialize(model=net, model_parameters=net.parameters(),
                                       config=config())
-    losses = []
-    for x, y in data:
-        loss = model(x, y)
-        losses.append(loss.item())
-        model.backward(loss)
-        model.step()
+    losses = deepspeed_steps(model, data)
     assert_close(losses, ref_losses)
     model.destroy()
     net = MLP()

@@ -726,6 +726,12 @@ def test_moving_or_converting_the_engine_converts_buffers_or_names_the_config_ke
         with pytest.raises(ValueError, match="precision 'fp32'.*'fp16.enabled' or 'bf16.enabled'"):
             convert(model)
     assert model.module[1].running_mean.dtype == torch.float32  # nothing half-converted
+    # The module's own conversion reaches only the placeholders: the next forward names it and
+    # the config keys (its message said "assigned new data" before).
+    model.module[0].half()
+    with pytest.raises(RuntimeError, match=r"'module.0.weight' was converted to Half on the "
+                                           r"module \(module.half\(\).*'bf16': \{'enabled'"):
+        model(torch.randn(4, 8))
 
 
 def test_bad_config_and_too_small_budget_errors():
