@@ -3,8 +3,9 @@
 A config is a dict or a path to a JSON file. It accepts PatrickStar's keys and the ones this
 runtime adds (``bf16``, ``gradient_accumulation_steps``, ``memory``, ``profile``, ``parallel``).
 Unknown keys, wrong types and impossible values raise ``ValueError`` naming the key path
-(``optimizer.params.lr``); PatrickStar keys that are accepted but have no effect here are
-reported once, in one warning.
+(``optimizer.params.lr``); PatrickStar and DeepSpeed keys that are accepted but have no effect
+here are reported once, in one warning (Note [DeepSpeed keys without an effect here]); DeepSpeed's
+``scheduler`` section is validated here and built by the engine (deepspeed_schedulers.py).
 """
 from __future__ import annotations
 
