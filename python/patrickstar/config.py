@@ -3,8 +3,9 @@
 A config is a dict or a path to a JSON file. It accepts PatrickStar's keys and the ones this
 runtime adds (``bf16``, ``gradient_accumulation_steps``, ``memory``, ``profile``, ``parallel``).
 Unknown keys, wrong types and impossible values raise ``ValueError`` naming the key path
-(``optimizer.params.lr``); PatrickStar keys that are accepted but have no effect here are
-reported once, in one warning.
+(``optimizer.params.lr``); PatrickStar and DeepSpeed keys that are accepted but have no effect
+here are reported once, in one warning (Note [DeepSpeed keys without an effect here]); DeepSpeed's
+``scheduler`` section is validated here and built by the engine (deepspeed_schedulers.py).
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import warnings
 from typing import Any, Callable, Mapping
 
 __all__ = ["Config", "OptimizerConfig", "Fp16Config", "MemoryConfig", "NvmeConfig",
-           "ProfileConfig", "ParallelConfig", "load_config", "parse_bytes"]
+           "ProfileConfig", "ParallelConfig", "SchedulerConfig", "load_config", "parse_bytes"]
 
 _SIZE_UNITS = {
     "": 1, "b": 1,
@@ -151,6 +152,14 @@ class ParallelConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    """DeepSpeed's `scheduler` section, validated with its defaults filled in; the engine
+    builds it as `model.lr_scheduler` (deepspeed_schedulers.py)."""
+    type: str
+    params: Mapping[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     default_chunk_size: int | None = 64 * 1024 * 1024  # elements; None: searched
     release_after_init: bool = False
@@ -173,6 +182,7 @@ class Config:
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     # fp32/bf16: what model.backward() does with a NaN/inf loss (Note [Training call order]).
     nonfinite_loss: str = "raise"  # "raise" or "skip"
+    scheduler: SchedulerConfig | None = None  # DeepSpeed's `scheduler` section
     ignored_keys: tuple[str, ...] = ()
 
     @property
@@ -190,7 +200,18 @@ def _type_name(value: Any) -> str:
     return type(value).__name__
 
 
+def _refuse_auto(key: str, value: Any) -> None:
+    """Hugging Face's DeepSpeed configs say "auto" where its Trainer fills in a value from its
+    TrainingArguments before DeepSpeed sees the config; no Trainer fills them here, and any
+    default we chose could differ from the Trainer's, so "auto" is refused by name."""
+    if isinstance(value, str) and value == "auto":
+        raise ValueError(f"config key '{key}': \"auto\" is filled in by Hugging Face's Trainer "
+                         f"before the config reaches DeepSpeed; PatrickStar-C++ reads the "
+                         f"config as written, so give the value")
+
+
 def _bool(key: str, value: Any) -> bool:
+    _refuse_auto(key, value)
     if not isinstance(value, bool):
         raise ValueError(f"config key '{key}': expected true or false, got {_type_name(value)} "
                          f"{value!r}")
@@ -209,6 +230,7 @@ def _auto_bool(key: str, value: Any) -> bool | None:
 
 def _number(key: str, value: Any, *, minimum: float | None = None, strict: bool = False,
             maximum: float | None = None, integer: bool = False) -> float | int:
+    _refuse_auto(key, value)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"config key '{key}': expected a number, got {_type_name(value)} "
                          f"{value!r}")
@@ -255,20 +277,89 @@ _IGNORED_CLIENT_KEYS = {
 
 
 # Top-level keys of a DeepSpeed config that mean something else here: what to use instead.
+# Refused because ignoring them would change training (or where it is stored) silently.
 _DEEPSPEED_KEYS = {
     "zero_optimization": "PatrickStar-C++ always keeps parameters, gradients and optimizer "
                          "state in chunks (as ZeRO stage 3); offload is memory.device_budget, "
                          "memory.host_budget and memory.nvme.path",
-    "scheduler": "build a torch.optim.lr_scheduler scheduler on the optimizer initialize() "
-                 "returns and assign it to model.lr_scheduler: model.step() steps it (as "
-                 "DeepSpeed's engine.step() does) and save_checkpoint/load_checkpoint keep it",
-    "steps_per_print": "profile: {enabled, output_dir} writes per-step timings",
-    "wall_clock_breakdown": "profile: {enabled, output_dir} writes per-phase timings",
-    "flops_profiler": "profile: {enabled, output_dir}",
+    # DeepSpeed's engine does not read it either, but a config carrying it expects a seeded
+    # run, and ignoring it would make the initial weights differ from run to run.
+    "seed": "seed the run yourself before initialize() (torch.manual_seed(seed), and random / "
+            "numpy if the script uses them): the model's weights are drawn inside initialize()",
     "aio": "memory.nvme: {path, queue_depth, block_size}",
     "activation_checkpointing": "use torch.utils.checkpoint inside the model",
     "amp": "bf16: {enabled: true} or fp16: {enabled: true}",
 }
+
+
+# Note [DeepSpeed keys without an effect here]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A ported ds_config carries keys for DeepSpeed's logging, monitors and communication details.
+# Those that cannot change what is trained here are accepted (their values still checked, so a
+# typo in a value is not hidden) and named once in the "no effect" warning: refusing them made
+# every ported config fail on keys that do not matter. Keys whose absence would change
+# training are refused instead (_DEEPSPEED_KEYS), as is a communication_data_type other than
+# the training precision's (it asks for reductions in a dtype we do not offer).
+def _object(key: str, value: Any) -> None:
+    _section(key, value)
+
+
+def _positive_int(key: str, value: Any) -> None:
+    _number(key, value, minimum=1, integer=True)
+
+
+def _positive_number(key: str, value: Any) -> None:
+    _number(key, value, minimum=0.0, strict=True)
+
+
+_DEEPSPEED_NO_EFFECT: dict[str, Callable[[str, Any], None]] = {
+    "steps_per_print": _positive_int,  # logging; config profile writes per-step timings
+    "wall_clock_breakdown": _bool,  # timing logs; config profile writes per-phase timings
+    "flops_profiler": _object,
+    "memory_breakdown": _bool,
+    "dump_state": _bool,
+    "tensorboard": _object,  # monitors: nothing is written here
+    "wandb": _object,
+    "csv_monitor": _object,
+    "comet": _object,
+    # The optimizer is always the config's own (hybrid CPU/device Adam), never a client's.
+    "zero_allow_untested_optimizer": _bool,
+    "zero_force_ds_cpu_optimizer": _bool,
+    # Gradients are averaged over the data-parallel ranks either way; where the division
+    # happens (before or after the sum) changes only rounding.
+    "prescale_gradients": _bool,
+    "gradient_predivide_factor": _positive_number,
+    # Sparse embedding gradients are summed to the same dense values.
+    "sparse_gradients": _bool,
+}
+_PRECISION_NAMES = {"fp32": ("fp32", "float32", "float"), "fp16": ("fp16", "float16", "half"),
+                    "bf16": ("bf16", "bfloat16")}
+
+
+def _check_communication_data_type(value: Any, precision: str) -> None:
+    _refuse_auto("communication_data_type", value)
+    names = [name for names in _PRECISION_NAMES.values() for name in names]
+    if not isinstance(value, str) or value.lower() not in names:
+        raise ValueError(f"config key 'communication_data_type': expected 'fp32', 'fp16' or "
+                         f"'bf16', got {value!r}")
+    if value.lower() not in _PRECISION_NAMES[precision]:
+        raise ValueError(
+            f"config key 'communication_data_type': {value!r} differs from the training "
+            f"precision ({precision}); PatrickStar-C++ reduces gradients in their chunks' dtype "
+            f"(the training precision; the shared-memory transport sums in fp32 and rounds "
+            f"once) and has no setting for it: remove the key or set it to '{precision}'")
+
+
+def _parse_scheduler(raw: Any) -> SchedulerConfig:
+    from .deepspeed_schedulers import parse_scheduler_params
+    section = _section("scheduler", raw)
+    _check_keys("scheduler", section, {"type", "params"})
+    if "type" not in section:
+        raise ValueError("config key 'scheduler.type': required (one of DeepSpeed's WarmupLR, "
+                         "WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest)")
+    kind, params = parse_scheduler_params(section["type"],
+                                          _section("scheduler.params", section.get("params", {})))
+    return SchedulerConfig(type=kind, params=params)
 
 
 def _parse_optimizer(raw: Any) -> OptimizerConfig:
@@ -293,6 +384,7 @@ def _parse_optimizer(raw: Any) -> OptimizerConfig:
                  "bias_correction", "state_dtype"})
     defaults = OptimizerConfig()
     betas = params.get("betas", defaults.betas)
+    _refuse_auto("optimizer.params.betas", betas)
     if (not isinstance(betas, (list, tuple)) or len(betas) != 2):
         raise ValueError(f"config key 'optimizer.params.betas': expected two numbers, got "
                          f"{betas!r}")
@@ -458,6 +550,8 @@ _TOP_LEVEL: dict[str, Callable[[Any], Any] | None] = {
     "train_batch_size": None, "train_micro_batch_size_per_gpu": None,
     "profile": _parse_profile, "parallel": _parse_parallel, "client": _parse_client,
     "nonfinite_loss": None, "chunk_size": None, "use_fake_dist": None,
+    "scheduler": _parse_scheduler, "communication_data_type": None,
+    **{name: None for name in _DEEPSPEED_NO_EFFECT},
 }
 
 
@@ -524,6 +618,14 @@ def load_config(config: Mapping[str, Any] | str | os.PathLike | None) -> Config:
         ignored.append("use_cpu_embedding")
     if release_after_init:
         ignored.append("release_after_init")
+    for name, check in _DEEPSPEED_NO_EFFECT.items():  # Note [DeepSpeed keys without an effect here]
+        if name in raw:
+            check(name, raw[name])
+            ignored.append(name)
+    precision = "fp16" if fp16.enabled else "bf16" if bf16_enabled else "fp32"
+    if "communication_data_type" in raw:
+        _check_communication_data_type(raw["communication_data_type"], precision)
+        ignored.append("communication_data_type")
     result = Config(
         default_chunk_size=chunk_size,
         release_after_init=release_after_init,
@@ -545,10 +647,11 @@ def load_config(config: Mapping[str, Any] | str | os.PathLike | None) -> Config:
         profile=_parse_profile(raw.get("profile", {})),
         parallel=_parse_parallel(raw.get("parallel", {})),
         nonfinite_loss=nonfinite_loss,
+        scheduler=_parse_scheduler(raw["scheduler"]) if "scheduler" in raw else None,
         ignored_keys=tuple(ignored),
     )
     if ignored:
-        warnings.warn("patrickstar: these PatrickStar config keys are accepted for compatibility "
-                      "but have no effect in PatrickStar-C++: " + ", ".join(ignored),
+        warnings.warn("patrickstar: these PatrickStar / DeepSpeed config keys are accepted for "
+                      "compatibility but have no effect in PatrickStar-C++: " + ", ".join(ignored),
                       UserWarning, stacklevel=2)
     return result

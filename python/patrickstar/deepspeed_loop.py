@@ -18,6 +18,20 @@ schedule at twice its speed. The scheduler's position is remembered after each s
 finding it moved at the next boundary means someone else stepped it, and that raises before
 the optimizer steps. Positions are torch's `last_epoch` or DeepSpeed's `last_batch_iteration`;
 a scheduler with neither is not checked.
+
+Note [A configured scheduler in PatrickStar's loop]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A scheduler built from the config's DeepSpeed `scheduler` section has no line in the script
+that steps it: under DeepSpeed's loop `model.step()` does, but a script calling
+`optimizer.step()` directly (PatrickStar's loop) would train at the schedule's first rate for
+ever, silently. We do not step it inside `optimizer.step()`: there a torch user's own
+`scheduler.step()` would double it, and `optimizer.step()` would differ between a configured
+scheduler and an assigned one. Instead the rule stays "in PatrickStar's loop you step the
+scheduler" and is checked: at each direct `optimizer.step()` after the first, the configured
+scheduler must have moved exactly one position since the previous one (zero is also allowed
+after a step skipped for fp16 overflow, where DeepSpeed does not step it), else it raises
+before the optimizer steps, saying to call `model.lr_scheduler.step()` or to use
+`model.step()`. A scheduler the user assigned is theirs and is not checked this way.
 """
 from __future__ import annotations
 
@@ -36,6 +50,10 @@ class EngineLrScheduler:
     def __init__(self):
         self.scheduler = None
         self._position = None  # where our last step left it; None: not stepped by us yet
+        self.configured = False  # built from the config's `scheduler` section
+        # Note [A configured scheduler in PatrickStar's loop]: the position at the last direct
+        # optimizer.step() and whether that step was applied (None: no direct step yet).
+        self._direct: tuple[int, bool] | None = None
 
     def set(self, scheduler) -> None:
         if scheduler is not None and not callable(getattr(scheduler, "step", None)):
@@ -44,10 +62,13 @@ class EngineLrScheduler:
                             f"optimizer initialize() returned), not {type(scheduler).__name__}")
         self.scheduler = scheduler
         self._position = None
+        self.configured = False
+        self._direct = None
 
     def forget_position(self) -> None:
         """After load_checkpoint(): the scheduler's position is the checkpoint's now."""
         self._position = None
+        self._direct = None
 
     def check_not_stepped_elsewhere(self) -> None:
         """Before an optimizer step of model.step(): nobody else stepped the scheduler."""
@@ -62,8 +83,40 @@ class EngineLrScheduler:
                 f"twice as fast. Remove your own scheduler.step() call (or call "
                 f"optimizer.step() instead of model.step() and step the scheduler yourself)")
 
+    def before_direct_optimizer_step(self) -> None:
+        """Before `optimizer.step()` called outside `model.step()` (Note [A configured scheduler
+        in PatrickStar's loop])."""
+        if not self.configured:
+            return
+        # The user steps it in this loop, so model.step()'s check restarts from its next step.
+        self._position = None
+        if self._direct is None:
+            return
+        before, applied = self._direct
+        now = _position(self.scheduler)
+        moved = now - before
+        if moved == 1 or (moved == 0 and not applied):
+            return
+        kind = type(self.scheduler).__name__
+        if moved == 0:
+            raise RuntimeError(
+                f"model.lr_scheduler ({kind}, built from the config's 'scheduler' section) was "
+                f"not stepped after the last optimizer.step(), so the learning rate would not "
+                f"follow the schedule: call model.lr_scheduler.step() after each "
+                f"optimizer.step(), or use DeepSpeed's loop (model.backward(loss); "
+                f"model.step()), whose model.step() steps it")
+        raise RuntimeError(
+            f"model.lr_scheduler ({kind}, built from the config's 'scheduler' section) was "
+            f"stepped {moved} times since the last optimizer.step() (position {before} to "
+            f"{now}); step it once per optimizer step")
+
+    def after_direct_optimizer_step(self, applied: bool) -> None:
+        if self.configured:
+            self._direct = (_position(self.scheduler), applied)
+
     def after_optimizer_step(self, applied: bool) -> None:
         if self.scheduler is None or not applied:  # DeepSpeed skips it on fp16 overflow
             return
         self.scheduler.step()
         self._position = _position(self.scheduler)
+        self._direct = None  # DeepSpeed's loop stepped it

@@ -66,6 +66,7 @@ from .module_config_view import ModuleConfigView
 from .data_parallel import DataParallel, detect_world
 from .batch_sizes import resolve_batch_sizes
 from .deepspeed_loop import EngineLrScheduler
+from .deepspeed_schedulers import build_scheduler
 from .guards import TrainingGuard, check_budgets
 from .external_params import external_parameter_hint, external_parameters
 from .hooks import CallHooks, ModuleHooks
@@ -157,6 +158,7 @@ class PatrickStarEngine(nn.Module):
         self.iteration = 0
         # DeepSpeed's loop (Note [model.step() steps model.lr_scheduler] in deepspeed_loop.py).
         self._lr_schedule = EngineLrScheduler()
+        self._in_model_step = False  # optimizer.step() called by model.step()
         self._backwards_at_model_step = 0  # guard.backwards when model.step() last ran
         self._step_applied = False
         self._in_backward = False  # Note [loss.backward()]
@@ -230,7 +232,12 @@ class PatrickStarEngine(nn.Module):
         self.optimizer = PatrickStarOptimizer(
             self.params, groups, config, self.dp, self.guard, self.loss_scaler, self.device,
             self.runtime.has_nvme, self.end_iteration, lambda: optimizer_phase(self.profiler),
-            self._slots.wait_for_gradient_stores)
+            self._slots.wait_for_gradient_stores, _weakly(self._before_optimizer_step),
+            _weakly(self._after_optimizer_step))
+        if config.scheduler is not None:  # DeepSpeed's `scheduler` section
+            self._lr_schedule.set(build_scheduler(config.scheduler.type,
+                                                  config.scheduler.params, self.optimizer))
+            self._lr_schedule.configured = True
         self.profiler = profiler_from_config(self)  # None unless config profile.enabled
         upstream_profiler.engine_built(self)  # `from patrickstar.profiler import profiler`
         self.created_ns = time.monotonic_ns()
@@ -764,10 +771,22 @@ class PatrickStarEngine(nn.Module):
         if self.guard.backwards >= self.guard.accumulation:
             self._lr_schedule.check_not_stepped_elsewhere()
             skipped = self.optimizer.skipped_steps
-            self.optimizer.step()
+            self._in_model_step = True
+            try:
+                self.optimizer.step()
+            finally:
+                self._in_model_step = False
             self._step_applied = self.optimizer.skipped_steps == skipped
             self._backwards_at_model_step = 0
             self._lr_schedule.after_optimizer_step(self._step_applied)
+
+    def _before_optimizer_step(self) -> None:
+        if not self._in_model_step:  # PatrickStar's loop
+            self._lr_schedule.before_direct_optimizer_step()
+
+    def _after_optimizer_step(self, applied: bool) -> None:
+        if not self._in_model_step:
+            self._lr_schedule.after_direct_optimizer_step(applied)
 
     @property
     def lr_scheduler(self):
@@ -815,6 +834,42 @@ class PatrickStarEngine(nn.Module):
 
     def gradient_accumulation_steps(self) -> int:
         return self.guard.accumulation
+
+    def zero_optimization_stage(self) -> int:
+        """DeepSpeed's: 3. Parameters, gradients and optimizer state always live in chunks
+        partitioned over the data-parallel ranks (ZeRO stage 3's partitioning; offload is the
+        memory budgets' doing, not a stage)."""
+        return 3
+
+    @property
+    def world_size(self) -> int:
+        """DeepSpeed's: the number of processes (torch.distributed's world; 1 without it)."""
+        distributed = torch.distributed
+        if distributed.is_available() and distributed.is_initialized():
+            return distributed.get_world_size()
+        return 1
+
+    @property
+    def global_rank(self) -> int:
+        """DeepSpeed's: this process's rank in torch.distributed's world (0 without it)."""
+        distributed = torch.distributed
+        if distributed.is_available() and distributed.is_initialized():
+            return distributed.get_rank()
+        return 0
+
+    @property
+    def dp_world_size(self) -> int:
+        """DeepSpeed's: the ranks of this rank's data-parallel group (the world without
+        pipeline or tensor parallelism)."""
+        return self.dp.world_size
+
+    @property
+    def global_samples(self) -> int | None:
+        """DeepSpeed's: samples trained on over all data-parallel ranks, train_batch_size() per
+        optimizer step (applied or skipped, as DeepSpeed counts); None when the config gives
+        no batch size, as train_batch_size()."""
+        batch = self.train_batch_size()
+        return None if batch is None else self.global_steps * batch
 
     def train_batch_size(self) -> int | None:
         """DeepSpeed's: samples per optimizer step over every data-parallel rank (None when the

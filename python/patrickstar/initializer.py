@@ -42,6 +42,9 @@ def initialize(model_func: Callable[[], nn.Module] | nn.Module | None = None, co
         if isinstance(model, PipelineEngine):
             raise TypeError("initialize(lr_scheduler=...) with a PipelineModule: train_batch() "
                             "does not step a scheduler; step it yourself after train_batch()")
+        if model.lr_scheduler is not None:  # DeepSpeed would silently prefer the argument
+            raise TypeError("initialize(lr_scheduler=...) and the config's 'scheduler' section "
+                            "both give a scheduler; keep one")
         model.lr_scheduler = make_scheduler(optimizer)
     return model, optimizer
 

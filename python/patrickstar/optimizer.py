@@ -147,7 +147,9 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
                  loss_scaler, device: torch.device, has_nvme: bool,
                  end_iteration: Callable[[], None],
                  phase: Callable[[], ContextManager] = contextlib.nullcontext,
-                 wait_for_gradient_stores: Callable[[], None] = lambda: None):
+                 wait_for_gradient_stores: Callable[[], None] = lambda: None,
+                 before_step: Callable[[], None] = lambda: None,
+                 after_step: Callable[[bool], None] = lambda applied: None):
         defaults = {k: v for k, v in groups[0].items() if k != "params"}
         # Parameters without elements stay outside the chunks (init_context.plan_parameters):
         # nothing to update.
@@ -170,6 +172,9 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         self._end_iteration = end_iteration
         self._phase = phase
         self._wait_for_gradient_stores = wait_for_gradient_stores
+        # The engine's scheduler checks (Note [A configured scheduler in PatrickStar's loop]).
+        self._before_step = before_step
+        self._after_step = after_step
         self._group_of = {}
         for group_index, group in enumerate(self.param_groups):
             for param in group["params"]:
@@ -204,10 +209,12 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._before_step()
         with self._phase():
             applied = self._step()
         if not applied:
             self.skipped_steps += 1
+        self._after_step(applied)
         return loss
 
     def _step(self) -> bool:

@@ -278,3 +278,81 @@ def test_gathered_parameters_habit_is_refused_and_consolidation_loads_into_pytor
     assert all(torch.equal(value, ours[name]) for name, value in plain.state_dict().items())
     assert torch.all(plain.layers[0].bias == 0.25)
     model.destroy()
+
+
+NO_EFFECT = {"steps_per_print": 10, "wall_clock_breakdown": False, "flops_profiler":
+             {"enabled": False}, "memory_breakdown": False, "dump_state": False,
+             "tensorboard": {"enabled": True, "output_path": "tb/"}, "wandb": {"enabled": False},
+             "csv_monitor": {"enabled": False}, "comet": {"enabled": False},
+             "zero_allow_untested_optimizer": True, "zero_force_ds_cpu_optimizer": False,
+             "prescale_gradients": False, "gradient_predivide_factor": 1.0,
+             "sparse_gradients": False, "communication_data_type": "fp32"}
+
+
+def test_deepspeed_keys_without_effect_are_accepted_and_named_once_in_a_warning():
+    """A ported ds_config's logging, monitor and communication keys were refused ("remove it")
+    or unknown; they cannot change what is trained here, so they are accepted, named once."""
+    with pytest.warns(UserWarning, match="no effect in PatrickStar-C\\+\\+") as record:
+        loaded = patrickstar.load_config(NO_EFFECT)
+    warned = [str(w.message) for w in record if "no effect" in str(w.message)]
+    assert len(warned) == 1
+    assert all(key in warned[0] for key in NO_EFFECT)
+    assert set(loaded.ignored_keys) == set(NO_EFFECT)
+    # The same config trains exactly as without them.
+    data = batches(4)
+    ref_losses, _, _ = torch_run(data, 2, 0.5)
+    torch.manual_seed(0)
+    with pytest.warns(UserWarning, match="no effect"):
+        model, _ = patrickstar.initialize(MLP, config(**NO_EFFECT))
+    losses = []
+    for x, y in data:
+        loss = model(x, y)
+        losses.append(loss.item())
+        model.backward(loss)
+        model.step()
+    assert_close(losses, ref_losses)
+    model.destroy()
+
+
+@pytest.mark.parametrize("keys,says", [
+    ({"steps_per_print": 0}, "'steps_per_print': must be >= 1"),
+    ({"wall_clock_breakdown": "yes"}, "'wall_clock_breakdown': expected true or false"),
+    ({"tensorboard": True}, "'tensorboard': expected an object"),
+    ({"gradient_predivide_factor": 0}, "'gradient_predivide_factor': must be > 0"),
+    ({"communication_data_type": "int8"}, "'communication_data_type': expected 'fp32'"),
+    ({"communication_data_type": "fp32", "bf16": {"enabled": True}},
+     "'communication_data_type': 'fp32' differs from the training precision \\(bf16\\)"),
+    ({"seed": 42}, "'seed' \\(DeepSpeed's\\).*torch.manual_seed\\(seed\\)"),
+    ({"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}},
+     "'optimizer.params.lr': \"auto\" is filled in by Hugging Face's Trainer"),
+    ({"optimizer": {"type": "AdamW", "params": {"betas": "auto"}}},
+     "'optimizer.params.betas': \"auto\""),
+    ({"train_micro_batch_size_per_gpu": "auto"}, "'train_micro_batch_size_per_gpu': \"auto\""),
+    ({"gradient_clipping": "auto"}, "'gradient_clipping': \"auto\""),
+    ({"fp16": {"enabled": "auto"}}, "'fp16.enabled': \"auto\""),
+])
+def test_deepspeed_keys_that_would_change_training_or_bad_values_are_refused(keys, says):
+    """Refused: a bad value of an accepted key, a request we cannot honour
+    (communication_data_type of another dtype), "seed" (ignoring it would leave the run
+    unseeded) and Hugging Face's "auto" placeholders (any default could differ from what its
+    Trainer would fill in)."""
+    with pytest.raises(ValueError, match=says):
+        patrickstar.load_config(keys)
+
+
+def test_deepspeed_engine_attributes_scripts_read():
+    torch.manual_seed(0)
+    model, _ = patrickstar.initialize(MLP, config(train_batch_size=32,
+                                                  train_micro_batch_size_per_gpu=16))
+    assert model.zero_optimization_stage() == 3
+    assert model.world_size == 1 and model.dp_world_size == 1 and model.global_rank == 0
+    assert model.local_rank == 0 and model.device.type in ("cpu", "cuda")
+    assert model.train_batch_size() == 32 and model.global_samples == 0
+    for x, y in batches(4):
+        model.backward(model(x, y))
+        model.step()
+    assert model.global_steps == 2 and model.global_samples == 64
+    model.destroy()
+    model, _ = patrickstar.initialize(MLP, config())
+    assert model.train_batch_size() is None and model.global_samples is None
+    model.destroy()

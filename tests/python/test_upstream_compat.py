@@ -122,7 +122,7 @@ def test_upstream_v040_readme_config_with_mem_sampler_loads():
 
 
 @pytest.mark.parametrize("key,instead", [
-    ("zero_optimization", "memory.host_budget"), ("scheduler", "model.lr_scheduler"),
+    ("zero_optimization", "memory.host_budget"), ("seed", "torch.manual_seed"),
     ("aio", "memory.nvme"), ("amp", "bf16")])
 def test_deepspeed_keys_say_what_to_use_instead(key, instead):
     with pytest.raises(ValueError, match=f"'{key}' \\(DeepSpeed's\\).*{instead}"):

@@ -62,6 +62,10 @@ class PipelineEngine:
             raise TypeError(f"PipelineEngine needs a PipelineModule, got "
                             f"{type(pipe_module).__name__}")
         self.config = load_config(config)
+        if self.config.scheduler is not None:  # as initialize(lr_scheduler=...) here
+            raise ValueError("config key 'scheduler' with a PipelineModule: train_batch() does "
+                             "not step a scheduler; remove the section and step one yourself "
+                             "after train_batch()")
         self.pipe_module = pipe_module
         groups = topology.initialize_parallel(self.config.parallel)
         # DeepSpeed's batch keys set the micro batches per step (batch_sizes.py).
