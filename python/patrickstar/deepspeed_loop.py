@@ -35,6 +35,8 @@ before the optimizer steps, saying to call `model.lr_scheduler.step()` or to use
 """
 from __future__ import annotations
 
+import weakref
+
 
 def _position(scheduler):
     for name in ("last_epoch", "last_batch_iteration"):
@@ -120,3 +122,66 @@ class EngineLrScheduler:
         self.scheduler.step()
         self._position = _position(self.scheduler)
         self._direct = None  # DeepSpeed's loop stepped it
+
+
+class DeepSpeedLoop:
+    """The state of DeepSpeed's loop on an engine: `model.step()` (its optimizer step at the
+    accumulation boundary, then the scheduler), whether the current micro-step is the boundary,
+    whether the last step was applied, and `lr_schedule`, the scheduler it steps. `guard` is
+    the engine's TrainingGuard (backwards, accumulation); `attach(optimizer)` once the
+    optimizer exists."""
+
+    def __init__(self, guard):
+        self.lr_schedule = EngineLrScheduler()
+        self._guard = guard
+        self._optimizer = None
+        self._in_model_step = False  # optimizer.step() called by model.step()
+        self._backwards_at_model_step = 0  # guard.backwards when model.step() last ran
+        self._step_applied = False
+
+    def attach(self, optimizer) -> None:
+        # Weakly: the optimizer holds this loop's hooks, and a cycle would keep both until the
+        # collector ran (Note [Engine lifetime] in engine.py).
+        self._optimizer = weakref.ref(optimizer)
+
+    def step(self) -> None:
+        """The engine's `model.step()` (its docstring says what DeepSpeed's does)."""
+        guard = self._guard
+        guard.check_alive("model.step()")
+        if guard.backwards == 0:
+            raise RuntimeError("model.step() called before model.backward(loss) (or "
+                               "loss.backward()): there are no gradients for this step "
+                               "(optimizer.step() already took them?)")
+        self._backwards_at_model_step = guard.backwards
+        if guard.backwards >= guard.accumulation:
+            self.lr_schedule.check_not_stepped_elsewhere()
+            optimizer = self._optimizer()
+            skipped = optimizer.skipped_steps
+            self._in_model_step = True
+            try:
+                optimizer.step()
+            finally:
+                self._in_model_step = False
+            self._step_applied = optimizer.skipped_steps == skipped
+            self._backwards_at_model_step = 0
+            self.lr_schedule.after_optimizer_step(self._step_applied)
+
+    def before_optimizer_step(self) -> None:
+        """Called by every optimizer.step(), model.step()'s or the user's."""
+        if not self._in_model_step:  # PatrickStar's loop
+            self.lr_schedule.before_direct_optimizer_step()
+
+    def after_optimizer_step(self, applied: bool) -> None:
+        if not self._in_model_step:
+            self.lr_schedule.after_direct_optimizer_step(applied)
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        backwards = self._guard.backwards
+        if backwards < self._backwards_at_model_step:  # optimizer.step() reset the count
+            self._backwards_at_model_step = 0
+        # A backward since the last model.step() belongs to the current micro-step.
+        done_before = backwards - 1 if backwards > self._backwards_at_model_step else backwards
+        return done_before + 1 >= self._guard.accumulation
+
+    def was_step_applied(self) -> bool:
+        return self._step_applied

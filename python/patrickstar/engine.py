@@ -65,7 +65,7 @@ from .config import Config
 from .module_config_view import ModuleConfigView
 from .data_parallel import DataParallel, detect_world
 from .batch_sizes import resolve_batch_sizes
-from .deepspeed_loop import EngineLrScheduler
+from .deepspeed_loop import DeepSpeedLoop
 from .deepspeed_schedulers import build_scheduler
 from .guards import TrainingGuard, check_budgets
 from .external_params import external_parameter_hint, external_parameters
@@ -157,10 +157,7 @@ class PatrickStarEngine(nn.Module):
         self.micro_step = 0
         self.iteration = 0
         # DeepSpeed's loop (Note [model.step() steps model.lr_scheduler] in deepspeed_loop.py).
-        self._lr_schedule = EngineLrScheduler()
-        self._in_model_step = False  # optimizer.step() called by model.step()
-        self._backwards_at_model_step = 0  # guard.backwards when model.step() last ran
-        self._step_applied = False
+        self._loop = DeepSpeedLoop(self.guard)
         self._in_backward = False  # Note [loss.backward()]
         self._autograd_unchecked = False  # joined, no gradient stored yet
         self._warmup_done = False
@@ -232,12 +229,13 @@ class PatrickStarEngine(nn.Module):
         self.optimizer = PatrickStarOptimizer(
             self.params, groups, config, self.dp, self.guard, self.loss_scaler, self.device,
             self.runtime.has_nvme, self.end_iteration, lambda: optimizer_phase(self.profiler),
-            self._slots.wait_for_gradient_stores, _weakly(self._before_optimizer_step),
-            _weakly(self._after_optimizer_step))
+            self._slots.wait_for_gradient_stores, self._loop.before_optimizer_step,
+            self._loop.after_optimizer_step)
+        self._loop.attach(self.optimizer)
         if config.scheduler is not None:  # DeepSpeed's `scheduler` section
-            self._lr_schedule.set(build_scheduler(config.scheduler.type,
-                                                  config.scheduler.params, self.optimizer))
-            self._lr_schedule.configured = True
+            self._loop.lr_schedule.set(build_scheduler(config.scheduler.type,
+                                                       config.scheduler.params, self.optimizer))
+            self._loop.lr_schedule.configured = True
         self.profiler = profiler_from_config(self)  # None unless config profile.enabled
         upstream_profiler.engine_built(self)  # `from patrickstar.profiler import profiler`
         self.created_ns = time.monotonic_ns()
@@ -762,57 +760,28 @@ class PatrickStarEngine(nn.Module):
         overflow (Note [model.step() steps model.lr_scheduler] in deepspeed_loop.py); before
         that nothing. PatrickStar's own loop calls `optimizer.step()` instead; calling both in
         one step makes the second find no gradients, which raises."""
-        self.guard.check_alive("model.step()")
-        if self.guard.backwards == 0:
-            raise RuntimeError("model.step() called before model.backward(loss) (or "
-                               "loss.backward()): there are no gradients for this step "
-                               "(optimizer.step() already took them?)")
-        self._backwards_at_model_step = self.guard.backwards
-        if self.guard.backwards >= self.guard.accumulation:
-            self._lr_schedule.check_not_stepped_elsewhere()
-            skipped = self.optimizer.skipped_steps
-            self._in_model_step = True
-            try:
-                self.optimizer.step()
-            finally:
-                self._in_model_step = False
-            self._step_applied = self.optimizer.skipped_steps == skipped
-            self._backwards_at_model_step = 0
-            self._lr_schedule.after_optimizer_step(self._step_applied)
-
-    def _before_optimizer_step(self) -> None:
-        if not self._in_model_step:  # PatrickStar's loop
-            self._lr_schedule.before_direct_optimizer_step()
-
-    def _after_optimizer_step(self, applied: bool) -> None:
-        if not self._in_model_step:
-            self._lr_schedule.after_direct_optimizer_step(applied)
+        self._loop.step()
 
     @property
     def lr_scheduler(self):
         """DeepSpeed's attribute: the scheduler `model.step()` steps and checkpoints save (None
         until assigned: build it on the optimizer `initialize()` returned)."""
-        return self._lr_schedule.scheduler
+        return self._loop.lr_schedule.scheduler
 
     @lr_scheduler.setter
     def lr_scheduler(self, scheduler) -> None:
-        self._lr_schedule.set(scheduler)
+        self._loop.lr_schedule.set(scheduler)
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """DeepSpeed's: whether the current micro-step (its backward not yet run, or run but
         not yet followed by `model.step()`) is the one whose `model.step()` steps the
         optimizer."""
-        backwards = self.guard.backwards
-        if backwards < self._backwards_at_model_step:  # optimizer.step() reset the count
-            self._backwards_at_model_step = 0
-        # A backward since the last model.step() belongs to the current micro-step.
-        done_before = backwards - 1 if backwards > self._backwards_at_model_step else backwards
-        return done_before + 1 >= self.guard.accumulation
+        return self._loop.is_gradient_accumulation_boundary()
 
     def was_step_applied(self) -> bool:
         """DeepSpeed's: whether the last optimizer step of `model.step()` changed the
         parameters (False after an fp16 overflow skipped it)."""
-        return self._step_applied
+        return self._loop.was_step_applied()
 
     @property
     def skipped_steps(self) -> int:
@@ -1083,7 +1052,7 @@ class PatrickStarEngine(nn.Module):
                                             load_lr_scheduler_states, load_module_only, **kwargs)
         if loaded[0] is not None and not load_module_only and load_optimizer_states:
             self.guard.failed_step = None  # a consistent state again (guards.py)
-        self._lr_schedule.forget_position()  # the load may have moved the scheduler
+        self._loop.lr_schedule.forget_position()  # the load may have moved the scheduler
         if self.chunks.warming_up:  # loading is not part of the iterations the trace repeats
             self.chunks.restart_warmup()
         return loaded
