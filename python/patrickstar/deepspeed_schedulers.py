@@ -9,8 +9,9 @@ Note [Config schedulers follow DeepSpeed's stepping]
 Like DeepSpeed's, each scheduler is a plain object (not a torch LRScheduler) whose position is
 `last_batch_iteration`, -1 before the first step. Building it writes the learning rate of
 position -1 into the optimizer's groups (WarmupLR: warmup_min_lr; WarmupCosineLR: 0; OneCycle:
-cycle_min_lr and cycle_min_mom; LRRangeTest: lr_range_test_min_lr), so the first optimizer step runs at it, and
-each `step()` after an optimizer step moves to the next position and writes that one's rate.
+cycle_min_lr and cycle_min_mom; LRRangeTest: lr_range_test_min_lr), so the first optimizer step
+runs at it, and each `step()` after an optimizer step moves to the next position and writes
+that one's rate.
 `model.step()` steps it after each applied optimizer step (Note [model.step() steps
 model.lr_scheduler] in deepspeed_loop.py), which is where DeepSpeed's engine steps it. Its state
 is `{"last_batch_iteration": n}` as DeepSpeed's; the rates in the groups come back with the

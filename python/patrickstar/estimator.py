@@ -126,8 +126,9 @@ def estimate_memory(model: Callable[[], nn.Module] | int, config: Any = None,
     False and returns the figures as a dict.
 
     `model` is a ``model_func`` (built on the meta device, so nothing is allocated), a module
-    already built, or a parameter count (all trainable). `config` is what ``initialize()`` takes; its chunk size and
-    gradient accumulation steps are used. Precision modes: fp32 and fp16/bf16 (same sizes)."""
+    already built, or a parameter count (all trainable). `config` is what ``initialize()``
+    takes; its chunk size and gradient accumulation steps are used. Precision modes: fp32 and
+    fp16/bf16 (same sizes)."""
     cfg: Config = config if isinstance(config, Config) else load_config(config)
     if isinstance(model, bool) or not (isinstance(model, int) or callable(model)):
         raise TypeError(f"estimate_memory(model, ...): expected a model_func or a parameter "

@@ -33,8 +33,9 @@ def initialize(model_func: Callable[[], nn.Module] | nn.Module | None = None, co
     torch.optim's list of dicts or as a callable taking the built module and returning one.
 
     DeepSpeed's keywords: `model=` and `config_params=` are `model_func` and `config`;
-    `model_parameters=` (of a built module) is `param_groups`; `lr_scheduler=fn` sets `model.lr_scheduler = fn(optimizer)`; the others raise naming what
-    to use (Note [DeepSpeed's initialize() arguments])."""
+    `model_parameters=` (of a built module) is `param_groups`; `lr_scheduler=fn` sets
+    `model.lr_scheduler = fn(optimizer)`; the others raise naming what to use (Note
+    [DeepSpeed's initialize() arguments])."""
     model_func, config, param_groups, make_scheduler = take_deepspeed_arguments(
         model_func, config, param_groups, deepspeed_kwargs)
     model, optimizer = _initialize(model_func, config, local_rank, param_groups)

@@ -25,8 +25,8 @@ model_func. A tie that would put another Parameter in a module (the config asks 
 model was not built with) is undone and refused: which parameters exist and are shared is
 fixed when initialize() lays out the chunks.
 The attributes hold the engine weakly (Note [Engine lifetime] in engine.py) and copies leave
-them out (they are `Shadow`s: Note [Copies of the user's module] in module_copies.py), so a deepcopy or
-pickle of the module is a plain module with its class's methods again.
+them out (they are `Shadow`s: Note [Copies of the user's module] in module_copies.py), so a
+deepcopy or pickle of the module is a plain module with its class's methods again.
 """
 from __future__ import annotations
 
