@@ -56,8 +56,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from . import (_C, checkpoint, clip_grad, convert_parameters, dtypes, module_zero_grad,
-               param_owners, parametrizations, torch_optimizers)
+from . import (_C, backward_pre_hooks, checkpoint, clip_grad, convert_parameters, dtypes,
+               module_zero_grad, param_owners, parametrizations, torch_optimizers)
 from .activations import ActivationCounter
 from .chunk_runtime import ChunkRuntime
 from .chunked_params import ChunkedParams
@@ -243,6 +243,7 @@ class PatrickStarEngine(nn.Module):
         clip_grad.install()  # torch.nn.utils.clip_grad_norm_(model.parameters(), ...) works
         torch_optimizers.install()  # a torch optimizer over these parameters raises at step()
         module_zero_grad.install()  # model.module.zero_grad() drops the chunked gradients
+        backward_pre_hooks.install()  # a user's full backward pre-hook runs after the access
         convert_parameters.install()  # parameters_to_vector reads the chunks' values
         parametrizations.install()  # weight_norm(...) after initialize() names model_func
         hooked = [m for m, owned in self._module_params.items() if owned]
@@ -421,11 +422,17 @@ class PatrickStarEngine(nn.Module):
             indices = indices * 2
         self._slots.release(indices, S.HOLD_AFTER_BWD)
 
+    def order_backward_pre_hooks(self, module: nn.Module) -> None:
+        """A full backward pre-hook was registered on `module`: the engine's access goes first
+        (Note [User full backward pre-hooks] in hooks.py)."""
+        self._hooks.put_first_in_backward(module)
+
     def _own_output(self, tensor: torch.Tensor) -> torch.Tensor:
         return self._views.own_output(tensor)  # Note [Outputs that are parameters]
 
     def _release_all(self, state) -> None:
         self._recompute_holds.clear()
+        self._hooks.end_backward()
         self._slots.release_all(state)
 
     def _tick(self, event: str) -> None:

@@ -22,9 +22,19 @@ moves the engine's forward hooks behind any hook registered after them (a cheap 
 module's few hooks), so a user's hook runs between the access and the release, whenever it was
 registered. torch reads the forward hooks only after the forward, so the move takes effect for
 the call under way. Left out: global module hooks (`register_module_forward_pre_hook`, run
-before any module's own) and full backward pre-hooks (torch wraps the output after every
-forward hook, so the user's runs before the engine's pre-backward access); both still see the
-placeholder.
+before any module's own); they still see the placeholder.
+
+Note [User full backward pre-hooks]
+torch wraps a module's outputs for its full backward hooks after every forward hook, the
+engine's included, so in backward a user's `register_full_backward_pre_hook` ran before the
+engine's pre-backward access (an autograd function on the outputs, inside torch's wrapper) and
+read the placeholder, silently. A module with such hooks therefore also gets the engine's own
+full backward pre-hook, first in its dict (at initialize() for hooks added in model_func; at
+the user's registration afterwards, through backward_pre_hooks.py's wrapper): it makes the
+access, and the module's next pre-backward call skips one access (`_early` counts them per
+module; what a backward leaves is forgotten when it ends). Only such modules get it: a full
+backward hook makes torch wrap the module's inputs and outputs, which forbids in-place
+changes of its outputs.
 """
 from __future__ import annotations
 
@@ -134,9 +144,36 @@ class ModuleHooks(HookSet):
         self._own_output = own_output
         self._saved_tensor_hooks = saved_tensor_hooks
         self._entered: list = []  # (module, context) entered by a pre-forward, innermost last
+        self._modules = set(modules)
+        self._early_hooks: dict[torch.nn.Module, int] = {}  # Note [User full backward pre-hooks]
+        self._early: dict[torch.nn.Module, int] = {}
         for module in modules:  # Note [User hooks around the engine's]
             self._add(module.register_forward_pre_hook(self._pre_forward, prepend=True))
             self._add(module.register_forward_hook(self._post_forward))
+            if module._backward_pre_hooks:  # added in model_func
+                self.put_first_in_backward(module)
+
+    def put_first_in_backward(self, module) -> None:
+        """Note [User full backward pre-hooks]: the engine's access runs before the user's full
+        backward pre-hooks of `module` (a no-op for a module without parameters of its own)."""
+        if module not in self._modules:
+            return
+        hook_id = self._early_hooks.get(module)
+        if hook_id is None:
+            handle = module.register_full_backward_pre_hook(self._early_pre_backward,
+                                                            prepend=True)
+            self._add(handle)
+            self._early_hooks[module] = handle.id
+        elif next(iter(module._backward_pre_hooks)) != hook_id:
+            module._backward_pre_hooks.move_to_end(hook_id, last=False)
+
+    def _early_pre_backward(self, module, grad_output):
+        self.pre_backward(module)
+        self._early[module] = self._early.get(module, 0) + 1
+
+    def end_backward(self) -> None:
+        """Forgets early accesses whose pre-backward call did not come (all are released)."""
+        self._early.clear()
 
     # Forward ----------------------------------------------------------------------------------
     def _pre_forward(self, module, inputs):
@@ -179,6 +216,10 @@ class ModuleHooks(HookSet):
 
     # Backward (called from the autograd functions) --------------------------------------------
     def pre_backward(self, module):
+        early = self._early.get(module, 0)
+        if early:  # made by _early_pre_backward (Note [User full backward pre-hooks])
+            self._early[module] = early - 1
+            return
         self._tick("pre_backward")
         self._access(module, "bwd")
 

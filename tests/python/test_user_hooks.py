@@ -156,3 +156,42 @@ def test_tensor_hooks_on_parameters_scale_the_trained_gradient_as_in_pytorch(bud
             param.register_hook(lambda grad: grad * (0.0 if grad.dim() == 1 else 10.0))
     train_both(reference, ref_optimizer, model, optimizer)
     assert_same_weights(reference, model)
+
+
+def backward_pre_hook(net, log):
+    """A full backward pre-hook that reads the module's weight and scales the gradient."""
+    def pre(module, grad_output):
+        log.append((tuple(module.weight.shape), module.weight.sum().item()))
+        return tuple(g * 0.5 for g in grad_output)
+
+    net.b.register_full_backward_pre_hook(pre)
+
+
+@pytest.mark.parametrize("budget", BUDGETS)
+@pytest.mark.parametrize("when", ["in_model_func", "after_initialize"])
+def test_full_backward_pre_hooks_read_the_weights_and_change_the_gradient_as_in_pytorch(
+        when, budget):
+    # Before: torch ran the user's pre-hook before the engine's pre-backward access, so it read
+    # the placeholder (shape (0,)) silently (Note [User full backward pre-hooks] in hooks.py).
+    ref_log, log = [], []
+
+    def hooked():
+        net = Net()
+        backward_pre_hook(net, log)
+        return net
+
+    if when == "in_model_func":
+        torch.manual_seed(0)
+        reference = Net()
+        backward_pre_hook(reference, ref_log)
+        ref_optimizer = torch.optim.Adam(reference.parameters(), lr=1e-2, foreach=False)
+        _, _, model, optimizer = build(hooked, budget)
+    else:
+        reference, ref_optimizer, model, optimizer = build(Net, budget)
+        backward_pre_hook(reference, ref_log)
+        backward_pre_hook(model.module, log)
+    train_both(reference, ref_optimizer, model, optimizer)
+    assert [shape for shape, _ in log] == [(32, 32)] * 3
+    assert [total for _, total in log] == pytest.approx([total for _, total in ref_log],
+                                                        rel=1e-5, abs=1e-6)
+    assert_same_weights(reference, model)
