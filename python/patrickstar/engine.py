@@ -74,7 +74,8 @@ from .module_apply import ModuleApply
 from .module_copies import ModuleCopies
 from .module_methods import ModuleMethods
 from .module_state_hooks import ModuleStateHooks
-from .init_context import InitResidency, ParameterPlacer, plan_parameters
+from .first_rank_init import first_rank_rng, take_first_rank_state
+from .init_context import BuiltModule, InitResidency, ParameterPlacer, plan_parameters
 from .loss_scaler import make_loss_scaler
 from .optimizer import PatrickStarOptimizer, build_param_groups
 from .saved_views import SavedParameterViews
@@ -167,18 +168,23 @@ class PatrickStarEngine(nn.Module):
 
         # Before the model is built: tensor-parallel layers size their slices by the groups.
         self.dp = DataParallel(config, *world)
-        specs, survives = plan_parameters(model_func)
-        if not specs:
-            raise ValueError("model_func built a module without parameters; nothing to train")
-        self._build_runtime(specs)
+        # Note [The first rank's initial weights] in first_rank_init.py.
+        if self.dp.enabled and isinstance(model_func, BuiltModule):
+            take_first_rank_state(model_func.module, self.dp.group)
+        with first_rank_rng(self.dp.enabled, self.dp.group):
+            specs, survives = plan_parameters(model_func)
+            if not specs:
+                raise ValueError("model_func built a module without parameters; nothing to train")
+            self._build_runtime(specs)
 
-        self._init_views: dict[int, int] = {}
-        self._init_residency = InitResidency(
-            lambda index: self.chunks.access(self._init_views[index], T.HOST),
-            lambda index: self.chunks.release(self._init_views[index], S.HOLD),
-            _C.ChunkOutOfMemoryError)
-        placer = ParameterPlacer(survives, [spec.shape for spec in specs], self._place_at_init)
-        module = placer.build(model_func)
+            self._init_views: dict[int, int] = {}
+            self._init_residency = InitResidency(
+                lambda index: self.chunks.access(self._init_views[index], T.HOST),
+                lambda index: self.chunks.release(self._init_views[index], S.HOLD),
+                _C.ChunkOutOfMemoryError)
+            placer = ParameterPlacer(survives, [spec.shape for spec in specs],
+                                     self._place_at_init)
+            module = placer.build(model_func)
         self._take_replaced_data(placer.parameters)
         self.add_module("module", module)
         self._move_buffers(lambda buffer: buffer.to(self.device))

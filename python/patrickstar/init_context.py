@@ -53,7 +53,7 @@ from torch import nn
 from .restore_on_use import defer, undefer
 from .utils.logging import logger as _log
 
-__all__ = ["ParamSpec", "plan_parameters", "ParameterPlacer", "InitResidency"]
+__all__ = ["BuiltModule", "ParamSpec", "plan_parameters", "ParameterPlacer", "InitResidency"]
 
 
 @dataclasses.dataclass
@@ -184,6 +184,17 @@ def plan_parameters(model_func: Callable[[], nn.Module]) -> tuple[list[ParamSpec
 # engine's `module`. A module whose parameters an engine already took holds placeholders
 # (empty, their real shape in `ds_shape`): planning from those would drop every parameter as
 # element-free, so _check_not_taken refuses it.
+class BuiltModule:
+    """The model_func of a module built before initialize() (the engine tells it apart:
+    Note [The first rank's initial weights] in first_rank_init.py)."""
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+
+    def __call__(self) -> nn.Module:
+        return self.module
+
+
 def _check_not_taken(model: nn.Module) -> None:
     for name, param in model.named_parameters():
         shape = getattr(param, "ds_shape", None)

@@ -10,6 +10,7 @@ from torch import nn
 from .config import Config, load_config
 from .deepspeed_arguments import take_deepspeed_arguments
 from .engine import PatrickStarEngine
+from .init_context import BuiltModule
 from .optimizer import build_param_groups
 from .pipe.engine import PipelineEngine
 from .pipe.module import PipelineModule
@@ -57,7 +58,7 @@ def _initialize(model_func, config, local_rank: int, param_groups):
     built = None
     if isinstance(model_func, nn.Module):  # Note [Modules built before initialize()]
         built = model_func
-        model_func = lambda: built  # noqa: E731
+        model_func = BuiltModule(built)
         config = load_config(config)  # parsed once (it warns once per key)
         param_groups = _checked_before_placement(built, param_groups, config)
     elif not callable(model_func):

@@ -9,6 +9,8 @@
     dp_worker.py OUT_DIR --lonely-state-dict      rank 0 alone calls state_dict(), then both
                                                   train; errors kept past model.destroy()
     dp_worker.py OUT_DIR --lonely-module-state-dict   the same with model.module.state_dict()
+    dp_worker.py OUT_DIR --seed-offset            ranks seeded apart (nanoGPT) build by model_func
+                                                  and as a built module
     dp_worker.py OUT_DIR --checkpoint SCENARIO... checkpoint scenarios of dp_checkpoint_worker.py
     dp_worker.py OUT_DIR --ddp-wrap               the engine wrapped in torch's DDP
 
@@ -128,6 +130,8 @@ def main() -> None:
             results.update(lonely_call(rank, "state_dict"))
         elif what == ["--lonely-module-state-dict"]:
             results.update(lonely_call(rank, "module_state_dict"))
+        elif what == ["--seed-offset"]:
+            results.update(seed_offset(rank))
         elif what == ["--lonely-eval"]:
             results.update(lonely_call(rank, "eval"))
         elif what[:1] == ["--discard-partial"]:
@@ -243,6 +247,20 @@ def full_gradients(rank: int, world: int) -> dict:
                          for name, param in model.named_parameters()}
     result["reference_clamped"] = {name: param.grad for name, param in reference.named_parameters()}
     return result
+
+
+def seed_offset(rank: int) -> dict:
+    """nanoGPT seeds each rank apart (`1337 + seed_offset`) and builds the model after that:
+    the weights each way of building, and the next number each rank draws."""
+    results = {}
+    for how in ("model_func", "built"):
+        torch.manual_seed(1337 + rank)
+        model_func = MLP if how == "model_func" else MLP()
+        model, _ = patrickstar.initialize(model_func, config={"default_chunk_size": 4096})
+        results[f"{how}_draw"] = torch.rand(4)
+        results[how] = model.state_dict()
+        model.destroy()
+    return results
 
 
 def lonely_call(rank: int, what: str) -> dict:

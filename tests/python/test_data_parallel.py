@@ -570,6 +570,25 @@ def test_an_evaluation_forward_on_one_rank_fails_naming_the_cause(tmp_path):
     assert time.monotonic() - start < 60
 
 
+def test_ranks_seeded_apart_train_the_first_ranks_initial_weights_as_ddp(tmp_path):
+    # Note [The first rank's initial weights]: before, each parameter kept its owner's initial
+    # values, a mix of the ranks' seeds (DDP and DeepSpeed broadcast rank 0's). A rank's own
+    # random numbers afterwards stay its own (its batches differ from the other's).
+    import patrickstar  # noqa: F401 (the reference below builds as the worker's MLP)
+    from test_initialize import MLP
+    results = launch(tmp_path, 2, "--seed-offset")
+    torch.manual_seed(1337)
+    expected = MLP().state_dict()
+    for rank, result in enumerate(results):
+        assert "error" not in result, (rank, result.get("error"))
+        for how in ("model_func", "built"):
+            for key, tensor in expected.items():
+                assert torch.equal(result[how][key], tensor), (rank, how, key)
+    own = torch.Generator().manual_seed(1338)
+    assert torch.equal(results[1]["model_func_draw"], torch.rand(4, generator=own))
+    assert not torch.equal(results[0]["model_func_draw"], results[1]["model_func_draw"])
+
+
 def test_parallel_config_errors_name_the_key():
     import patrickstar
     from test_initialize import MLP
