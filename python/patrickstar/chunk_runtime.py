@@ -41,14 +41,40 @@ class Chunks:
     def access(self, tensor_id: int, tier: str) -> torch.Tensor:
         if self.before_access is not None:
             self.before_access(tensor_id)
-        return self.manager.access_tensor(tensor_id, tier)
+        try:
+            return self.manager.access_tensor(tensor_id, tier)
+        except BaseException:
+            self._release_interrupted([tensor_id])
+            raise
 
     def access_tensors(self, tensor_ids: list[int], tiers: list[str]) -> list[torch.Tensor]:
         """access() of each tensor on its tier, all or none."""
         if self.before_access is not None:
             for tensor_id in tensor_ids:
                 self.before_access(tensor_id)
-        return self.manager.access_tensors(tensor_ids, tiers)
+        try:
+            return self.manager.access_tensors(tensor_ids, tiers)
+        except BaseException:
+            self._release_interrupted(tensor_ids)
+            raise
+
+    def _release_interrupted(self, tensor_ids) -> None:
+        """Note [Interrupted access]
+        Python runs a signal handler (Ctrl-C's KeyboardInterrupt, a SIGALRM timeout, a job
+        scheduler's SIGTERM handler) at the first bytecode after a C++ call returns, so a signal
+        that arrives during a long access (an NVMe read) is raised here after the access
+        succeeded, before the caller holds the view it must release. The tensors would stay in
+        COMPUTE, and every later access of them (the next forward, step, save, and the
+        load_checkpoint() meant to recover) fails with "illegal state transition COMPUTE ->
+        COMPUTE". A failed access itself changes nothing (all or none), and no caller accesses a
+        tensor already in COMPUTE (that is the illegal transition), so a tensor of this call found
+        in COMPUTE was put there by it: release it to HOLD, the state every caller releases to."""
+        for tensor_id in tensor_ids:
+            try:
+                if self.manager.tensor_info(tensor_id)["state"] == _C.TensorState.COMPUTE:
+                    self.manager.release(tensor_id, _C.TensorState.HOLD)
+            except Exception:  # the original error matters more than a failed cleanup
+                pass
 
     def stats(self) -> list[dict]:
         return json.loads(self.manager.tier_stats_json())

@@ -1,0 +1,76 @@
+"""Ctrl-C (KeyboardInterrupt) or any exception raised by a Python signal handler in the middle
+of a save or an optimizer step. Python runs signal handlers as soon as a C++ call returns, so an
+interrupt during a long chunk access (an NVMe read) lands right after the access succeeded and
+before the caller could release it. Found probing a week-long run: the accessed tensor stayed
+in COMPUTE, and every later forward, step, save and even load_checkpoint() failed with "illegal
+state transition COMPUTE -> COMPUTE"; only a new process recovered."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from test_checkpoint import batches, full_state, make, train, assert_identical
+
+CONFIG = {"default_chunk_size": 4096,
+          "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}}}
+
+
+class _InterruptAfterAccess:
+    """The chunk manager, except that its `after`-th access succeeds and then raises
+    KeyboardInterrupt, as a signal arriving during that access would."""
+
+    def __init__(self, manager, after):
+        self._manager = manager
+        self._left = after
+
+    def __getattr__(self, name):
+        return getattr(self._manager, name)
+
+    def _count(self):
+        self._left -= 1
+        if self._left == 0:
+            raise KeyboardInterrupt
+
+    def access_tensor(self, *args):
+        result = self._manager.access_tensor(*args)
+        self._count()
+        return result
+
+    def access_tensors(self, *args):
+        result = self._manager.access_tensors(*args)
+        self._count()
+        return result
+
+
+@pytest.mark.parametrize("where", ["save", "step"])
+def test_an_interrupt_right_after_an_access_leaves_an_engine_that_recovers(tmp_path, where):
+    model, opt = make(CONFIG)
+    train(model, opt, batches(2))
+    model.save_checkpoint(tmp_path, tag="good")
+    saved = full_state(model, opt)
+    chunks = model.chunks
+    real = chunks.manager
+    chunks.manager = _InterruptAfterAccess(real, after=3)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            if where == "save":
+                model.save_checkpoint(tmp_path, tag="next")
+            else:
+                x, y = batches(1, seed=5)[0]
+                model.backward(model(x, y))
+                opt.step()
+    finally:
+        chunks.manager = real
+    if where == "save":
+        # A save changes no training state: training goes on at once.
+        train(model, opt, batches(1))
+        model.save_checkpoint(tmp_path, tag="next")
+    else:
+        # A step cut short refuses training until a load (Note [Training call order]), and the
+        # load must work.
+        with pytest.raises(RuntimeError, match="failed partway"):
+            train(model, opt, batches(1))
+    model.load_checkpoint(tmp_path, tag="good")
+    assert_identical(full_state(model, opt), saved)
+    train(model, opt, batches(1))
+    model.destroy()
