@@ -100,3 +100,27 @@ def test_a_failed_write_of_latest_names_it_and_leaves_no_temporary_file(tmp_path
     assert sorted(os.listdir(tmp_path)) == ["good", "latest", "next"]
     assert (tmp_path / "latest").read_text().strip() == "good"
     model.destroy()
+
+
+def test_nvme_on_a_filesystem_smaller_than_its_budget_names_the_full_disk(tmp_path):
+    """memory.nvme.budget above the free space (or the disk filling up under another process):
+    the swap file's fallocate fails with ENOSPC. The error was "cannot evict chunk N ... 'nvme'
+    is the last tier of the hierarchy", naming neither the disk nor the file."""
+    from test_nvme_training import DeepMLP, config as nvme_config
+    with _tmpfs(tmp_path / "small", "1M") as directory:
+        cfg = nvme_config(host_budget="512KiB", nvme={"path": str(directory), "budget": "64MiB"})
+        cfg["default_chunk_size"] = 16384  # 64 KiB chunks; fp32 masters and Adam state: 3 MiB
+        torch.manual_seed(0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model, opt = patrickstar.initialize(lambda: DeepMLP(width=128, depth=16), config=cfg)
+        with pytest.raises(MemoryError) as info:
+            train(model, opt, [(torch.randn(16, 128), torch.randint(0, 10, (16,)))
+                               for _ in range(2)])
+        message = str(info.value)
+        assert "No space left on device" in message and str(directory) in message, message
+        assert "nvme" in message and "last tier" in message, message
+        with pytest.raises(RuntimeError, match="failed partway"):
+            train(model, opt, [(torch.randn(16, 128), torch.randint(0, 10, (16,)))])
+        model.destroy()
+        assert os.listdir(directory) == []
