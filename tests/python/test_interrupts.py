@@ -74,3 +74,28 @@ def test_an_interrupt_right_after_an_access_leaves_an_engine_that_recovers(tmp_p
     assert_identical(full_state(model, opt), saved)
     train(model, opt, batches(1))
     model.destroy()
+
+
+def test_an_interrupt_during_a_restore_stops_training_until_a_good_load(tmp_path):
+    """load_checkpoint() caught only Exception around the restore: a KeyboardInterrupt halfway
+    through it left an engine holding part of the checkpoint and part of its earlier state that
+    trained on silently, where an IO error there stops training until a good load."""
+    model, opt = make(CONFIG)
+    train(model, opt, batches(2))
+    model.save_checkpoint(tmp_path, tag="good")
+    saved = full_state(model, opt)
+    train(model, opt, batches(1))
+    chunks = model.chunks
+    real = chunks.manager
+    chunks.manager = _InterruptAfterAccess(real, after=10)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            model.load_checkpoint(tmp_path, tag="good")
+    finally:
+        chunks.manager = real
+    with pytest.raises(RuntimeError, match="load_checkpoint\\(\\) failed partway"):
+        train(model, opt, batches(1))
+    model.load_checkpoint(tmp_path, tag="good")
+    assert_identical(full_state(model, opt), saved)
+    train(model, opt, batches(1))
+    model.destroy()
