@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from test_checkpoint import batches, full_state, make, train, assert_identical
+from test_nvme_training import DeepMLP, batches as nvme_batches
 
 CONFIG = {"default_chunk_size": 4096,
           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}}}
@@ -98,4 +99,51 @@ def test_an_interrupt_during_a_restore_stops_training_until_a_good_load(tmp_path
     model.load_checkpoint(tmp_path, tag="good")
     assert_identical(full_state(model, opt), saved)
     train(model, opt, batches(1))
+    model.destroy()
+
+
+def _state_after_one_step(model, opt, data):
+    train(model, opt, data)
+    return full_state(model, opt)
+
+
+@pytest.mark.parametrize("how", ["model.backward", "loss.backward"])
+@pytest.mark.parametrize("error", [KeyboardInterrupt, RuntimeError])
+def test_a_backward_that_raised_after_storing_gradients_must_be_dropped(how, error):
+    """A backward that raised partway (Ctrl-C, an error in a user's backward hook) leaves the
+    gradients it stored in the chunks, uncounted. Before, the next backward and step ran as if
+    nothing happened and applied them added to the next batch's: a silently wrong update. Now
+    the next backward or step refuses until optimizer.zero_grad(), after which training equals
+    a run without the failed backward."""
+    # No dropout and no buffers: the failed backward's forward changes no RNG or statistics.
+    reference, ref_opt = make(CONFIG, DeepMLP)
+    train(reference, ref_opt, nvme_batches(2))
+    expected = _state_after_one_step(reference, ref_opt, nvme_batches(1, seed=9))
+    reference.destroy()
+
+    model, opt = make(CONFIG, DeepMLP)
+    train(model, opt, nvme_batches(2))
+    fired = []
+
+    def hook(module, grad_input, grad_output):
+        if not fired:  # the last layer's gradients are stored by then
+            fired.append(True)
+            raise error("interrupted in backward")
+
+    handle = model.module.layers[3].register_full_backward_hook(hook)
+    x, y = nvme_batches(1, seed=5)[0]
+    with pytest.raises(error):
+        loss = model(x, y)
+        model.backward(loss) if how == "model.backward" else loss.backward()
+    handle.remove()
+    x, y = nvme_batches(1, seed=9)[0]
+    with pytest.raises(RuntimeError, match="zero_grad") as info:
+        loss = model(x, y)
+        model.backward(loss)
+        opt.step()
+    assert how in str(info.value)
+    if how == "model.backward":
+        assert "interrupted in backward" in str(info.value)
+    opt.zero_grad()
+    assert_identical(_state_after_one_step(model, opt, nvme_batches(1, seed=9)), expected)
     model.destroy()
