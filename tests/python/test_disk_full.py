@@ -124,3 +124,25 @@ def test_nvme_on_a_filesystem_smaller_than_its_budget_names_the_full_disk(tmp_pa
             train(model, opt, [(torch.randn(16, 128), torch.randint(0, 10, (16,)))])
         model.destroy()
         assert os.listdir(directory) == []
+
+
+def test_budgets_beyond_the_machine_are_warned_about_at_start(tmp_path):
+    """A host budget past the machine's memory ends days later in the OOM killer's SIGKILL, with
+    no error; an NVMe budget past the free disk space in ENOSPC: initialize() says so."""
+    from patrickstar.config import load_config
+    from patrickstar.chunk_runtime import warn_budgets_beyond_the_machine
+    with pytest.warns(UserWarning, match="memory.host_budget.*OOM killer"):
+        warn_budgets_beyond_the_machine(load_config({"memory": {"host_budget": "100TiB"}}).memory)
+    free = os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize
+    memory = load_config({"memory": {"nvme": {"path": str(tmp_path),
+                                              "budget": free + (1 << 30)}}}).memory
+    with pytest.warns(UserWarning, match=f"memory.nvme.budget.*{tmp_path}"):
+        warn_budgets_beyond_the_machine(memory)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warn_budgets_beyond_the_machine(load_config({"memory": {
+            "host_budget": "1GiB", "nvme": {"path": str(tmp_path), "budget": "1MiB"}}}).memory)
+    with pytest.warns(UserWarning, match="memory.host_budget"):
+        model, opt = patrickstar.initialize(
+            lambda: torch.nn.Linear(4, 4), config={"memory": {"host_budget": "100TiB"}})
+    model.destroy()
