@@ -159,6 +159,10 @@ absl::StatusOr<Block> ChunkManager::AllocateWithEviction(int tier, int64_t bytes
                                                          absl::string_view purpose,
                                                          bool evict) {
   TierSlot& slot = tiers_[tier];
+  // Why the tier itself last refused the allocation. On NVMe this can be the filesystem (a
+  // fallocate failing with ENOSPC when the disk filled up under a budget larger than its free
+  // space); the error below must say so and name the file, not only the budget numbers.
+  absl::Status refused;
   for (;;) {
     const int64_t allowed = AllowedChunkBytes(tier);
     if (allowed == kUnlimited || slot.chunk_bytes + bytes <= allowed) {
@@ -167,6 +171,7 @@ absl::StatusOr<Block> ChunkManager::AllocateWithEviction(int tier, int64_t bytes
       if (!absl::IsResourceExhausted(block.status())) {
         return Annotate(block.status(), purpose);
       }
+      refused = block.status();
       // Pooled blocks of other sizes may hold the room: return empty slabs and try again.
       if (slot.tier->Trim() > 0) continue;
     }
@@ -176,7 +181,10 @@ absl::StatusOr<Block> ChunkManager::AllocateWithEviction(int tier, int64_t bytes
       PS_RETURN_IF_ERROR(FinishPrefetch(*leaving));
       continue;
     }
-    Chunk* victim = evict ? ChooseVictim(tier, exclude) : nullptr;
+    // The last tier has nowhere to evict to: a victim there would only fail with "last tier of
+    // the hierarchy" and hide the reason (the budget or a full disk) reported below.
+    const bool can_evict = evict && tier + 1 < num_tiers();
+    Chunk* victim = can_evict ? ChooseVictim(tier, exclude) : nullptr;
     if (victim == nullptr) {
       // A prefetch may only use room that was free (Note [Prefetch]), but when the moment's
       // real demand exceeds the trace's (a gather, another iteration's control flow) a pending
@@ -197,7 +205,10 @@ absl::StatusOr<Block> ChunkManager::AllocateWithEviction(int tier, int64_t bytes
           ", non-model data ", FormatBytes(tracer_.NonModelBytes(tier)), ", chunks in use ",
           FormatBytes(slot.chunk_bytes), " of which ", FormatBytes(pinned_bytes),
           " pinned (COMPUTE or copy in flight), ",
-          evict ? "nothing left to evict" : "no free room and no eviction asked for"));
+          !evict       ? "no free room and no eviction asked for"
+          : can_evict  ? "nothing left to evict"
+                       : "and it is the last tier, with nowhere to evict to",
+          refused.ok() ? "" : absl::StrCat("; the tier refused: ", refused.message())));
     }
     PS_RETURN_IF_ERROR(Evict(*victim, exclude));
   }

@@ -4,13 +4,15 @@ configured)."""
 from __future__ import annotations
 
 import json
+import os
+import warnings
 
 import torch
 
 from . import _C
 from .vocabulary import Tier
 
-__all__ = ["ChunkRuntime", "Chunks", "PREFETCH_MOMENTS"]
+__all__ = ["ChunkRuntime", "Chunks", "PREFETCH_MOMENTS", "warn_budgets_beyond_the_machine"]
 
 PREFETCH_MOMENTS = 2
 
@@ -41,14 +43,40 @@ class Chunks:
     def access(self, tensor_id: int, tier: str) -> torch.Tensor:
         if self.before_access is not None:
             self.before_access(tensor_id)
-        return self.manager.access_tensor(tensor_id, tier)
+        try:
+            return self.manager.access_tensor(tensor_id, tier)
+        except BaseException:
+            self._release_interrupted([tensor_id])
+            raise
 
     def access_tensors(self, tensor_ids: list[int], tiers: list[str]) -> list[torch.Tensor]:
         """access() of each tensor on its tier, all or none."""
         if self.before_access is not None:
             for tensor_id in tensor_ids:
                 self.before_access(tensor_id)
-        return self.manager.access_tensors(tensor_ids, tiers)
+        try:
+            return self.manager.access_tensors(tensor_ids, tiers)
+        except BaseException:
+            self._release_interrupted(tensor_ids)
+            raise
+
+    def _release_interrupted(self, tensor_ids) -> None:
+        """Note [Interrupted access]
+        Python runs a signal handler (Ctrl-C's KeyboardInterrupt, a SIGALRM timeout, a job
+        scheduler's SIGTERM handler) at the first bytecode after a C++ call returns, so a signal
+        that arrives during a long access (an NVMe read) is raised here after the access
+        succeeded, before the caller holds the view it must release. The tensors would stay in
+        COMPUTE, and every later access of them (the next forward, step, save, and the
+        load_checkpoint() meant to recover) fails with "illegal state transition COMPUTE ->
+        COMPUTE". A failed access itself changes nothing (all or none), and no caller accesses a
+        tensor already in COMPUTE (that is the illegal transition), so a tensor of this call found
+        in COMPUTE was put there by it: release it to HOLD, the state every caller releases to."""
+        for tensor_id in tensor_ids:
+            try:
+                if self.manager.tensor_info(tensor_id)["state"] == _C.TensorState.COMPUTE:
+                    self.manager.release(tensor_id, _C.TensorState.HOLD)
+            except Exception:  # the original error matters more than a failed cleanup
+                pass
 
     def stats(self) -> list[dict]:
         return json.loads(self.manager.tier_stats_json())
@@ -87,5 +115,53 @@ class ChunkRuntime:
                                      block_size=memory.nvme.block_size, name=Tier.NVME))
         self.tiers = tiers
         self.has_nvme = memory.nvme.path is not None
+        warn_budgets_beyond_the_machine(memory)
         self.copy_engine = _C.CopyEngine(host_threads=2, device=local_rank)
         self.chunks = Chunks(tiers, self.copy_engine, world_size, rank)
+
+
+def _host_memory_limit() -> tuple[int, str] | None:
+    """The memory this process may use: the machine's, or its cgroup's limit when lower."""
+    try:
+        limit = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        what = "this machine's memory"
+    except (ValueError, OSError):
+        return None
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path, encoding="ascii") as handle:
+                text = handle.read().strip()
+        except OSError:
+            continue
+        if text.isdigit() and int(text) < limit:
+            limit, what = int(text), f"the cgroup limit ({path})"
+        break
+    return limit, what
+
+
+def warn_budgets_beyond_the_machine(memory) -> None:
+    """A budget is a cap the tiers fill up to, not a reservation, so one larger than what is
+    there passes initialize() and fails only when the run grows into it, possibly days later:
+    a host budget past the machine's memory ends in the OOM killer's SIGKILL (no Python error,
+    no message), an NVMe budget past the disk's free space in ENOSPC. Say so at the start."""
+    limit = _host_memory_limit()
+    if memory.host_budget is not None and limit is not None and memory.host_budget > limit[0]:
+        warnings.warn(
+            f"config key 'memory.host_budget' = {memory.host_budget} bytes is more than "
+            f"{limit[1]}, {limit[0]} bytes: when the host chunks grow past it the kernel's OOM "
+            f"killer ends the process without an error; lower the budget (every rank on this "
+            f"machine has its own)", stacklevel=3)
+    nvme = memory.nvme
+    if nvme.path is not None and nvme.budget > 0:
+        try:
+            info = os.statvfs(nvme.path)
+        except OSError:
+            return
+        free = info.f_bavail * info.f_frsize
+        if nvme.budget > free:
+            warnings.warn(
+                f"config key 'memory.nvme.budget' = {nvme.budget} bytes is more than the "
+                f"{free} bytes free on the filesystem of '{nvme.path}': when the swap file "
+                f"outgrows the disk, training stops with 'No space left on device'; lower the "
+                f"budget or free space (a budget of 0 takes the free space at start)",
+                stacklevel=3)

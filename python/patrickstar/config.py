@@ -27,6 +27,7 @@ _SIZE_UNITS = {
     "t": 10**12, "tb": 10**12,
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 }
+_MAX_BYTES = 2**63 - 1
 _SIZE_PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 
@@ -45,12 +46,20 @@ def parse_bytes(value: Any, key: str = "size") -> int:
             raise ValueError(
                 f"config key '{key}': cannot read {value!r} as a size; use bytes or a number with "
                 f"a unit such as 512MiB, 2GiB, 1.5GB")
-        number = int(float(match.group(1)) * _SIZE_UNITS[unit])
+        scaled = float(match.group(1)) * _SIZE_UNITS[unit]
+        if not math.isfinite(scaled):  # "1e400GiB": int() would raise a bare OverflowError
+            raise ValueError(f"config key '{key}': {value!r} is too large")
+        number = int(scaled)
     else:
         raise ValueError(f"config key '{key}': expected a byte count or a string like '2GiB', "
                          f"got {type(value).__name__} {value!r}")
     if number < 0:
         raise ValueError(f"config key '{key}': must be >= 0 bytes, got {value!r}")
+    # The C++ tiers take int64 byte counts; a larger value would fail later in pybind11 as
+    # "incompatible constructor arguments", naming neither the key nor the value.
+    if number > _MAX_BYTES:
+        raise ValueError(f"config key '{key}': {value!r} is too large (at most {_MAX_BYTES} "
+                         f"bytes, 8 EiB)")
     return number
 
 

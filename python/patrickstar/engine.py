@@ -160,6 +160,7 @@ class PatrickStarEngine(nn.Module):
         # DeepSpeed's loop (Note [model.step() steps model.lr_scheduler] in deepspeed_loop.py).
         self._loop = DeepSpeedLoop(self.guard)
         self._in_backward = False  # Note [loss.backward()]
+        self._stored_grads = 0  # gradients stored by the backward under way (guards.py)
         self._autograd_unchecked = False  # joined, no gradient stored yet
         self._warmup_done = False
         # Module -> accesses of forwards recomputed inside this backward that its backward has
@@ -538,6 +539,7 @@ class PatrickStarEngine(nn.Module):
         self.guard.check_alive("model(...)")
         _refuse_wrapping_data_parallel(self)
         if self._in_backward:  # a loss.backward() that raised before its end
+            self._backward_raised(None, "loss.backward()")
             self._abandon_backward()
         # Saved-tensor hooks that a direct call raising past its post-forward hook left entered.
         self._hooks.leave_saved_tensor_hooks()
@@ -580,10 +582,14 @@ class PatrickStarEngine(nn.Module):
     def _run_backward(self, tensors, grads, retain_graph: bool = False) -> None:
         self._keep_grad_hooks_last()
         self._in_backward = True
+        self._stored_grads = 0
         self.dp.before_backward()
         try:
             if tensors:
                 torch.autograd.backward(tensors, grads, retain_graph=retain_graph)
+        except BaseException as error:
+            self._backward_raised(error, "model.backward()")
+            raise
         finally:
             self._in_backward = False
             # Modules whose inputs need no grad never see their post-backward hook.
@@ -637,6 +643,7 @@ class PatrickStarEngine(nn.Module):
         self._keep_grad_hooks_last()
         self._in_backward = True
         self._autograd_unchecked = True
+        self._stored_grads = 0
         self.dp.before_backward()
         torch.autograd.Variable._execution_engine.queue_callback(self._end_autograd_backward)
 
@@ -655,6 +662,14 @@ class PatrickStarEngine(nn.Module):
             self._abandon_backward()  # nothing stored: the engine is as before this backward
             raise
         self._autograd_unchecked = False
+
+    def _backward_raised(self, error: BaseException | None, what: str) -> None:
+        """A backward ended by an exception (Ctrl-C, an error in a backward hook) after it
+        stored gradients: they stay in the chunks, added to the step's, but the backward is not
+        counted (Note [Training call order] in guards.py)."""
+        if self._stored_grads:
+            self.guard.backward_failed(what, error, self._stored_grads)
+        self._stored_grads = 0
 
     def _abandon_backward(self) -> None:
         self._in_backward = self._autograd_unchecked = False
@@ -714,6 +729,7 @@ class PatrickStarEngine(nn.Module):
             if owner.dp.ends_param_access_at_grad:
                 owner._end_param_access(index)
             owner.dp.before_grad(index)
+            owner._stored_grads += 1  # counted before the store: it may add half a gradient
             owner._slots.store_grad(index, grad, has_grad[index])
             has_grad[index] = True
             owner.dp.on_grad(index)

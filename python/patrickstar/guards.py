@@ -35,6 +35,11 @@ After `model.destroy()` every call raises instead of touching freed chunk memory
 `optimizer.step()` that failed partway (an NVMe read or write-back error, Note [Optimizer sweep]
 in engine.py) every training call raises until `model.load_checkpoint()` restores a consistent
 state: the rows updated before the failure would otherwise mix two steps.
+A backward that raised after storing some gradients (Ctrl-C, an error in a backward hook; found
+probing a week-long run) is not counted, but what it stored stays in the gradient chunks, added
+to the step's: the next step would apply it on top of the next batch's gradients, silently. So
+the next backward and step raise, naming it, until `optimizer.zero_grad()` drops the gradients
+(and with them the step's accumulation so far; gradients cannot be told apart by backward).
 """
 from __future__ import annotations
 
@@ -59,6 +64,8 @@ class TrainingGuard:
         self.owner_pid = os.getpid()  # the process whose threads and files the engine uses
         # What stopped partway (an optimizer.step() or a load_checkpoint()) and what it left.
         self.failed_step: str | None = None
+        # A backward that raised after storing gradients (Note [Training call order]).
+        self.failed_backward: str | None = None
 
     def in_owner_process(self) -> bool:
         """False in a process forked from the one that built the engine."""
@@ -120,10 +127,22 @@ class TrainingGuard:
             return False
         return True
 
+    def backward_failed(self, what: str, error: BaseException | None, stored: int) -> None:
+        cause = "" if error is None else f" ({type(error).__name__}: {error})"
+        self.failed_backward = (
+            f"an earlier {what} raised partway{cause} after storing {stored} gradient(s), which "
+            f"are still in the gradient chunks and would be added to this step's: call "
+            f"optimizer.zero_grad() first (it drops this step's gradients so far too)")
+
+    def _check_no_failed_backward(self, what: str) -> None:
+        if self.failed_backward is not None:
+            raise RuntimeError(f"{what}: {self.failed_backward}")
+
     def check_backward_allowed(self, what: str) -> None:
         """The checks of every backward, also one the user started with `loss.backward()`
         (Note [loss.backward()] in engine.py), which has no loss to check."""
         self.check_alive(what)
+        self._check_no_failed_backward(what)
         if self.backwards >= self.accumulation:
             raise RuntimeError(
                 f"{what} called {self.backwards + 1} times since the last "
@@ -150,11 +169,13 @@ class TrainingGuard:
         """The gradients were dropped (`optimizer.zero_grad()`): the next backward is the first
         of a step. Returns how many backward calls were dropped."""
         dropped, self.backwards, self.skip_step = self.backwards, 0, False
+        self.failed_backward = None
         return dropped
 
     def before_step(self) -> bool:
         """False when the step must be skipped (a skipped non-finite loss in it)."""
         self.check_alive("optimizer.step()")
+        self._check_no_failed_backward("optimizer.step()")
         if self.backwards == 0:
             raise RuntimeError("optimizer.step() called before model.backward(loss) (or "
                                "loss.backward()): there are no gradients for this step")

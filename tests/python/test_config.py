@@ -126,6 +126,19 @@ def test_parse_bytes_rejects_nonsense():
             parse_bytes(bad, "budget")
 
 
+@pytest.mark.parametrize("value", ["1e400GiB", "1e30", 10**30, 2**63, "80%", "20 GiB of RAM"])
+def test_budgets_out_of_range_name_the_key_and_value(value):
+    """Before: "1e400GiB" raised a bare OverflowError, and a budget above int64 passed the
+    config and failed in initialize() as pybind11's "incompatible constructor arguments"."""
+    for key in ("device_budget", "host_budget"):
+        with pytest.raises(ValueError, match=f"memory.{key}") as info:
+            load_config({"memory": {key: value}})
+        assert repr(value) in str(info.value)
+    with pytest.raises(ValueError, match="memory.nvme.budget"):
+        load_config({"memory": {"nvme": {"path": "/tmp", "budget": value}}})
+    assert parse_bytes(2**63 - 1) == 2**63 - 1
+
+
 def test_dynamic_loss_scaler_follows_the_rules():
     scaler = DynamicLossScaler(scale=2.0**10, scale_window=3, hysteresis=2, min_scale=256)
     scaler.update(overflow=True)   # spends hysteresis, scale unchanged

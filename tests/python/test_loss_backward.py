@@ -175,6 +175,11 @@ def test_a_loss_backward_that_raised_leaves_the_engine_usable():
     with pytest.raises(ValueError, match="user hook failed"):
         model(x, y).backward()
     h.remove()
+    # That one stored the later layers' gradients before it raised: they would be added to the
+    # next step's (test_interrupts.py), so the next backward asks for zero_grad() first.
+    with pytest.raises(RuntimeError, match="zero_grad"):
+        model(x, y).backward()
+    optimizer.zero_grad()
     for x, y in data[1:]:
         model(x, y).backward()
         optimizer.step()

@@ -15,7 +15,8 @@ import secrets
 import shutil
 
 __all__ = ["fsync_dir", "exchange", "crash_point", "PartialDirectory", "remove_stale_partials",
-           "write_text_atomically", "write_bytes_durably", "file_sha256", "publish_directory"]
+           "write_text_atomically", "write_bytes_durably", "write_error",
+           "open_for_writing", "file_sha256", "publish_directory"]
 
 _READ_BLOCK = 8 << 20
 _PARTIAL = re.compile(r"^\.(?P<tag>.+)\.partial-(?P<pid>\d+)-(?P<token>[0-9a-f]+)$")
@@ -122,22 +123,70 @@ def remove_stale_partials(save_dir: str) -> list[str]:
     return removed
 
 
+def write_error(error: OSError, path: str, written: int, total: int) -> OSError:
+    """`error` (a write, flush or fsync of `path` that failed) as an OSError with the same errno
+    that names the file, how far the write got, and the free space of its filesystem. Python's
+    own error for a failed `handle.write` names no file ("[Errno 28] No space left on device"),
+    which leaves a user of a week-long run guessing which disk filled up."""
+    code = error.errno
+    try:
+        info = os.statvfs(os.path.dirname(path) or ".")
+        free = f"; {info.f_bavail * info.f_frsize} bytes free on its filesystem"
+    except OSError:
+        free = ""
+    reason = os.strerror(code) if code else str(error)
+    result = OSError(code, f"{reason} writing checkpoint file after {written} of {total} "
+                           f"bytes{free}", path)
+    result.__cause__ = error
+    return result
+
+
+@contextlib.contextmanager
+def open_for_writing(path: str):
+    """`open(path, "wb")` whose close does not replace the error that ended the block. After a
+    failed write the buffer still holds unwritten bytes, and closing the file flushes them, fails
+    again and raises a bare "[Errno 28] No space left on device" instead of the error naming the
+    file (write_error). The descriptor is closed either way."""
+    handle = open(path, "wb")
+    try:
+        yield handle
+    except BaseException:
+        with contextlib.suppress(OSError):
+            handle.close()
+        raise
+    handle.close()
+
+
 def write_text_atomically(path: str, text: str) -> None:
     temp = f"{path}.tmp-{os.getpid()}-{next(_counter)}"
-    with open(temp, "w", encoding="utf-8") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temp, path)
+    data = text.encode("utf-8")
+    try:
+        with open_for_writing(temp) as handle:
+            try:
+                handle.write(data)
+                handle.flush()
+                os.fsync(handle.fileno())
+            except OSError as error:
+                raise write_error(error, temp, 0, len(data)) from error
+        os.replace(temp, path)
+    except BaseException:
+        # A full disk must not leave `latest.tmp-*` files in the checkpoint directory (nothing
+        # else would ever remove them); the previous `path` is untouched.
+        with contextlib.suppress(OSError):
+            os.unlink(temp)
+        raise
     fsync_dir(os.path.dirname(path) or ".")
 
 
 def write_bytes_durably(path: str, data) -> None:
     """Writes `data` to `path` and fsyncs the file (the directory is fsync'd when published)."""
-    with open(path, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
+    with open_for_writing(path) as handle:
+        try:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        except OSError as error:
+            raise write_error(error, path, 0, len(data)) from error
 
 
 def publish_directory(partial: str, final: str) -> None:

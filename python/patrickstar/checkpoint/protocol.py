@@ -218,6 +218,12 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states: bool = Tr
                           load_lr_scheduler_states, load_rng_states)
         except Exception as failure:
             error = failure
+        except BaseException as failure:
+            # A KeyboardInterrupt (Ctrl-C) or SystemExit halfway through the restore: stop at
+            # once rather than exchange outcomes (other ranks see this rank leave), but the
+            # engine holds a mix of states as after any other failure here.
+            state.engine.guard.load_failed(failure)
+            raise
         try:
             _agree(state, what, error)
         except BaseException as failure:

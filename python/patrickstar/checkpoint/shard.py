@@ -2,6 +2,7 @@
 tensor by tensor, and reading a verified shard one tensor at a time."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -12,7 +13,7 @@ import struct
 import torch
 
 from .. import dtypes
-from .atomic_files import crash_point, file_sha256
+from .atomic_files import crash_point, file_sha256, open_for_writing, write_error
 from .errors import CheckpointError
 
 __all__ = ["Entry", "Shard", "write_shard", "shard_name", "extra_name", "tensor_bytes",
@@ -58,16 +59,29 @@ class Entry:
 
 
 class _HashingWriter:
-    def __init__(self, handle):
+    def __init__(self, handle, path: str, total: int):
         self.handle = handle
+        self.path = path
+        self.total = total
         self.hash = hashlib.sha256()
         self.position = 0
 
     def write(self, data) -> None:
         view = memoryview(data).cast("B")
         self.hash.update(view)
-        self.handle.write(view)
+        with self.naming_errors():
+            self.handle.write(view)
         self.position += len(view)
+
+    @contextlib.contextmanager
+    def naming_errors(self):
+        """A failed write, flush or fsync (a full disk: "[Errno 28] No space left on device",
+        which names no file) becomes an OSError naming the shard and its byte counts. Only the
+        file's own IO: an error reading the engine's state keeps its own message."""
+        try:
+            yield
+        except OSError as error:
+            raise write_error(error, self.path, self.position, self.total) from error
 
     def pad_to(self, offset: int) -> None:
         if offset < self.position:
@@ -95,8 +109,9 @@ def write_shard(path: str, header: dict, entries: list[Entry], read) -> tuple[in
         if start <= offset_guess:
             break
         offset_guess = start
-    with open(path, "wb") as handle:
-        writer = _HashingWriter(handle)
+    total = position + TRAILER_BYTES
+    with open_for_writing(path) as handle:
+        writer = _HashingWriter(handle, path, total)
         writer.write(_MAGIC + struct.pack("<Q", len(encoded)) + encoded)
         for index, entry in enumerate(entries):
             writer.pad_to(entry.offset)
@@ -106,12 +121,14 @@ def write_shard(path: str, header: dict, entries: list[Entry], read) -> tuple[in
                                      f"{tensor.dtype}, expected {entry.shape} {entry.dtype}")
             writer.write(tensor_bytes(tensor))
             if index == len(entries) // 2:
-                handle.flush()
+                with writer.naming_errors():
+                    handle.flush()
                 crash_point("shard_half_written")
         digest = writer.hash.digest()
-        handle.write(_TRAILER + digest)
-        handle.flush()
-        os.fsync(handle.fileno())
+        with writer.naming_errors():
+            handle.write(_TRAILER + digest)
+            handle.flush()
+            os.fsync(handle.fileno())
         size = writer.position + TRAILER_BYTES
     return size, digest.hex()
 
