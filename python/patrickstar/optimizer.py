@@ -553,11 +553,13 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         if len(groups) != len(self.param_groups):
             raise ValueError(f"optimizer state dict has {len(groups)} param groups, the "
                              f"optimizer {len(self.param_groups)}")
+        to_index = self._saved_numbering(groups)
+        self._check_saved_shapes(state_dict["state"], to_index)
         for saved, group in zip(groups, self.param_groups):
             group.update({k: v for k, v in saved.items() if k != "params"})
         manager = self.chunked.chunks.manager
-        for index, entry in state_dict["state"].items():
-            index = int(index)
+        for key, entry in state_dict["state"].items():
+            index = to_index[int(key)]
             momentum = self.chunked.ids[index].momentum
             if momentum is not None and not self.dp.owns(manager, momentum):
                 continue  # data parallel: its owner loads it
@@ -567,6 +569,46 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
                                           entry.get(moment_state.scale_key(key)))
         if "loss_scaler" in state_dict:
             self.loss_scaler.load_state_dict(state_dict["loss_scaler"])
+
+    # Note [Saved optimizer state is numbered by its groups]
+    # torch.optim numbers a state dict's parameters as they appear in its param_groups (decay
+    # weights first, in nanoGPT's configure_optimizers), and its load_state_dict maps each
+    # group's saved numbers onto the group's parameters in order; the numbers themselves mean
+    # nothing else. Ours are the engine's parameter indices, which torch's load maps the same
+    # way. Reading a torch-saved dict's numbers as our indices (as load_state_dict did) put a
+    # bias's moments into a weight, or, where shapes agreed, into the wrong parameter silently:
+    # so load maps through the groups as torch does, and checks every group and shape before
+    # it writes anything.
+    def _saved_numbering(self, saved_groups) -> dict[int, int]:
+        params = self.chunked
+        to_index = {}
+        for number, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
+            if len(saved["params"]) != len(group["params"]):
+                raise ValueError(
+                    f"optimizer state dict: param group {number} has {len(saved['params'])} "
+                    f"parameters, the optimizer's has {len(group['params'])} (the groups must "
+                    "be made the same way as when it was saved)")
+            for key, param in zip(saved["params"], group["params"]):
+                to_index[int(key)] = params.index_of(param)
+        return to_index
+
+    def _check_saved_shapes(self, state, to_index) -> None:
+        params = self.chunked
+        for key, entry in state.items():
+            if int(key) not in to_index:
+                raise ValueError(f"optimizer state dict: state {key!r} belongs to no param "
+                                 "group's 'params'")
+            index = to_index[int(key)]
+            for moment in moment_state.MOMENT_KEYS:
+                value = entry.get(moment)
+                if value is None:
+                    raise ValueError(f"optimizer state dict: state {key} ('{params.names[index]}')"
+                                     f" has no {moment!r}")
+                if value.dtype != torch.uint8 and tuple(value.shape) != params.shapes[index]:
+                    raise ValueError(
+                        f"optimizer state dict: state {key} maps to '{params.names[index]}' of "
+                        f"shape {params.shapes[index]}, but its {moment} has shape "
+                        f"{tuple(value.shape)} (parameters in another order than when saved?)")
 
 
 def _require_number(group: int, key: str, value, whole=None) -> None:

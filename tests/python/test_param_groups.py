@@ -106,3 +106,58 @@ def test_a_group_hyperparameter_that_is_not_a_number_is_named_and_changes_nothin
     state = model.state_dict()
     for name, tensor in reference.state_dict().items():
         torch.testing.assert_close(state[name], tensor, rtol=1e-5, atol=1e-6)
+
+
+def test_a_plain_pytorch_optimizer_state_dict_with_decay_groups_resumes_like_pytorch():
+    # nanoGPT's resume: ckpt.pt from a plain PyTorch run holds torch's optimizer.state_dict(),
+    # whose state is numbered in the order parameters appear in the groups (decay weights
+    # first). Loading it read those numbers as the engine's parameter indices: a bias's
+    # moments went to a weight ("output with shape [32] doesn't match [96, 32]") or, where the
+    # shapes agreed, to the wrong parameter silently.
+    config = gpt_config()
+    batches = list(synthetic_batches(config, batch=4, steps=6))
+    torch.manual_seed(0)
+    reference = GPT(config)
+    ref_opt = torch.optim.AdamW(decay_split(reference), lr=1e-3, foreach=False)
+    for tokens, targets in batches[:3]:
+        reference(tokens, targets).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    saved_model, saved_opt = reference.state_dict(), ref_opt.state_dict()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, opt = patrickstar.initialize(
+            lambda: GPT(config), param_groups=decay_split,
+            config={"default_chunk_size": 1 << 14,
+                    "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
+    model.load_state_dict(saved_model)
+    opt.load_state_dict(saved_opt)
+    for tokens, targets in batches[3:]:
+        loss = reference(tokens, targets)
+        loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ours = model(tokens, targets)
+        model.backward(ours)
+        opt.step()
+        opt.zero_grad()
+        assert abs(loss.item() - ours.item()) < 1e-5
+    # And ours goes back into torch's optimizer the same way.
+    ref_opt.load_state_dict(opt.state_dict())
+    for ref_group, group in zip(ref_opt.state_dict()["param_groups"], opt.param_groups):
+        assert ref_group["weight_decay"] == group["weight_decay"]
+
+
+def test_an_optimizer_state_dict_of_other_groups_is_refused_naming_them():
+    config = gpt_config()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, opt = patrickstar.initialize(
+            lambda: GPT(config), param_groups=decay_split,
+            config={"default_chunk_size": 1 << 14,
+                    "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
+    saved = opt.state_dict()
+    saved["param_groups"][0]["params"] = saved["param_groups"][0]["params"][:-1]
+    with pytest.raises(ValueError, match=r"param group 0 .* parameters"):
+        opt.load_state_dict(saved)
