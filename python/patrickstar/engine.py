@@ -226,7 +226,8 @@ class PatrickStarEngine(nn.Module):
         defaults = {"lr": config.optimizer.lr, "betas": config.optimizer.betas,
                     "eps": config.optimizer.eps, "weight_decay": config.optimizer.weight_decay}
         with self._real_shapes():  # a callable sees p.shape / p.dim() as the model has them
-            groups = build_param_groups(self.module, param_groups, defaults)
+            groups = build_param_groups(self.module, param_groups, defaults,
+                                        config.optimizer.decoupled_weight_decay)
         self.profiler = None
         self.optimizer = PatrickStarOptimizer(
             self.params, groups, config, self.dp, self.guard, self.loss_scaler, self.device,

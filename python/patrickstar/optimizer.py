@@ -41,8 +41,37 @@ S = _C.TensorState
 
 _GROUP_KEYS = {"params", "lr", "betas", "eps", "weight_decay", "name"}
 
+# Note [torch.optim's own group keys]
+# A torch optimizer's param_groups carry its constructor's options besides lr/betas/eps/
+# weight_decay, so `param_groups=torch_optimizer.param_groups` (nanoGPT's configure_optimizers
+# kept as it is, on the module before initialize()) listed them all as unknown. Some say only
+# how torch runs its update (foreach, fused, capturable, differentiable: the same values), and
+# are dropped; the variants amsgrad and maximize are taken when off and refused when on (ours
+# does neither); decoupled_weight_decay (AdamW's True, Adam's False) must be the config's
+# optimizer type, which is what decides it here.
+_TORCH_HOW_KEYS = {"foreach", "fused", "capturable", "differentiable"}
+_TORCH_OFF_KEYS = {"amsgrad", "maximize"}
 
-def build_param_groups(module: torch.nn.Module, groups, defaults: dict) -> list[dict]:
+
+def _without_torch_keys(index: int, group: dict, decoupled_weight_decay) -> dict:
+    for key in _TORCH_OFF_KEYS & set(group):
+        if group[key]:
+            raise ValueError(f"param_groups[{index}][{key!r}] is {group[key]!r}: the PatrickStar "
+                             f"optimizer has no {key} variant (give {key}=False or leave it out)")
+    if "decoupled_weight_decay" in group and decoupled_weight_decay is not None and \
+            bool(group["decoupled_weight_decay"]) != decoupled_weight_decay:
+        kind = "AdamW" if decoupled_weight_decay else "Adam"
+        raise ValueError(f"param_groups[{index}]['decoupled_weight_decay'] is "
+                         f"{group['decoupled_weight_decay']!r} but config optimizer type is "
+                         f"{kind!r}: set config 'optimizer': {{'type': "
+                         f"{'Adam' if decoupled_weight_decay else 'AdamW'!r}}} to match the "
+                         "torch optimizer the groups came from")
+    dropped = _TORCH_HOW_KEYS | _TORCH_OFF_KEYS | {"decoupled_weight_decay"}
+    return {k: v for k, v in group.items() if k not in dropped}
+
+
+def build_param_groups(module: torch.nn.Module, groups, defaults: dict,
+                       decoupled_weight_decay: bool | None = None) -> list[dict]:
     """Validates user param groups (torch's format: dicts with "params" and overrides) or, when
     `groups` is None, one group of every parameter. Every parameter of `module` must be in
     exactly one group; frozen parameters may be left out."""
@@ -59,6 +88,7 @@ def build_param_groups(module: torch.nn.Module, groups, defaults: dict) -> list[
     for index, group in enumerate(groups):
         if not isinstance(group, dict) or "params" not in group:
             raise ValueError(f"param_groups[{index}]: expected a dict with a 'params' key")
+        group = _without_torch_keys(index, group, decoupled_weight_decay)
         unknown = set(group) - _GROUP_KEYS
         if unknown:
             raise ValueError(f"param_groups[{index}]: unknown keys {sorted(unknown)} "
