@@ -161,6 +161,8 @@ class PatrickStarEngine(nn.Module):
         self._loop = DeepSpeedLoop(self.guard)
         self._in_backward = False  # Note [loss.backward()]
         self._stored_grads = 0  # gradients stored by the backward under way (guards.py)
+        self._in_forward = False  # within forward(): Note [Forwards of the module itself]
+        self._direct_forward = None  # an outermost direct call's "a backward follows", or None
         self._autograd_unchecked = False  # joined, no gradient stored yet
         self._warmup_done = False
         # Module -> accesses of forwards recomputed inside this backward that its backward has
@@ -231,7 +233,8 @@ class PatrickStarEngine(nn.Module):
         defaults = {"lr": config.optimizer.lr, "betas": config.optimizer.betas,
                     "eps": config.optimizer.eps, "weight_decay": config.optimizer.weight_decay}
         with self._real_shapes():  # a callable sees p.shape / p.dim() as the model has them
-            groups = build_param_groups(self.module, param_groups, defaults)
+            groups = build_param_groups(self.module, param_groups, defaults,
+                                        config.optimizer.decoupled_weight_decay)
         self.profiler = None
         self.optimizer = PatrickStarOptimizer(
             self.params, groups, config, self.dp, self.guard, self.loss_scaler, self.device,
@@ -460,11 +463,29 @@ class PatrickStarEngine(nn.Module):
     def _saved_tensor_hooks(self):
         return self._views.hooks()
 
+    # Note [Forwards of the module itself]
+    # `model.module(x)`, nanoGPT's `raw_model.generate()` and DeepSpeed's `model.generate()`
+    # (whose forwards call the module itself) bypass forward(). With one rank only the saved
+    # views needed handling (Note [Saved views of parameters]); under data parallelism
+    # forward() also agrees on the call between the ranks and runs the forward's gather
+    # schedule (dp.before_forward / after_forward), without which an owner read its own chunk
+    # without gathering while the other rank gathered: a hang, or "in use (COMPUTE) when its
+    # group's collective starts". So an outermost call of the module that did not come through
+    # forward() does what forward() does around it. A submodule called alone is not covered.
     def _enter_direct_call(self) -> None:
         self._views.enter_direct_call()
+        if not self._in_forward and self._direct_forward is None and self.dp.enabled:
+            backward_follows = torch.is_grad_enabled() and self.module.training
+            self.dp.before_forward(backward_follows)
+            self._direct_forward = backward_follows
 
     def _leave_direct_call(self) -> None:
         self._views.leave_direct_call()
+        if self._direct_forward is not None and not self._views.in_direct_call():
+            backward_follows, self._direct_forward = self._direct_forward, None
+            if not backward_follows:
+                self._release_all(S.HOLD_AFTER_FWD)
+            self.dp.after_forward()
 
     # Note [Moving the engine]
     # Parameters live in chunks of the compute dtype, placed by the chunk manager; buffers
@@ -545,6 +566,7 @@ class PatrickStarEngine(nn.Module):
         self._hooks.leave_saved_tensor_hooks()
         self._views.leave_direct_calls()
         self.dp.before_forward(torch.is_grad_enabled() and self.module.training)
+        self._in_forward = True
         try:
             with self._views.hooks():
                 output = self.module(*args, **kwargs)
@@ -554,6 +576,7 @@ class PatrickStarEngine(nn.Module):
                 error.add_note(hint)
             raise
         finally:
+            self._in_forward = False
             if not torch.is_grad_enabled() or not self.module.training:
                 # No backward follows: give everything back now.
                 self._release_all(S.HOLD_AFTER_FWD)

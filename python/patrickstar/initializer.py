@@ -97,7 +97,8 @@ def _checked_before_placement(built: nn.Module, param_groups, config):
     optimizer = config.optimizer
     build_param_groups(built, groups, {"lr": optimizer.lr, "betas": optimizer.betas,
                                        "eps": optimizer.eps,
-                                       "weight_decay": optimizer.weight_decay})
+                                       "weight_decay": optimizer.weight_decay},
+                       optimizer.decoupled_weight_decay)
     return groups
 
 

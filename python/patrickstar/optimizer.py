@@ -41,8 +41,37 @@ S = _C.TensorState
 
 _GROUP_KEYS = {"params", "lr", "betas", "eps", "weight_decay", "name"}
 
+# Note [torch.optim's own group keys]
+# A torch optimizer's param_groups carry its constructor's options besides lr/betas/eps/
+# weight_decay, so `param_groups=torch_optimizer.param_groups` (nanoGPT's configure_optimizers
+# kept as it is, on the module before initialize()) listed them all as unknown. Some say only
+# how torch runs its update (foreach, fused, capturable, differentiable: the same values), and
+# are dropped; the variants amsgrad and maximize are taken when off and refused when on (ours
+# does neither); decoupled_weight_decay (AdamW's True, Adam's False) must be the config's
+# optimizer type, which is what decides it here.
+_TORCH_HOW_KEYS = {"foreach", "fused", "capturable", "differentiable"}
+_TORCH_OFF_KEYS = {"amsgrad", "maximize"}
 
-def build_param_groups(module: torch.nn.Module, groups, defaults: dict) -> list[dict]:
+
+def _without_torch_keys(index: int, group: dict, decoupled_weight_decay) -> dict:
+    for key in _TORCH_OFF_KEYS & set(group):
+        if group[key]:
+            raise ValueError(f"param_groups[{index}][{key!r}] is {group[key]!r}: the PatrickStar "
+                             f"optimizer has no {key} variant (give {key}=False or leave it out)")
+    if "decoupled_weight_decay" in group and decoupled_weight_decay is not None and \
+            bool(group["decoupled_weight_decay"]) != decoupled_weight_decay:
+        kind = "AdamW" if decoupled_weight_decay else "Adam"
+        raise ValueError(f"param_groups[{index}]['decoupled_weight_decay'] is "
+                         f"{group['decoupled_weight_decay']!r} but config optimizer type is "
+                         f"{kind!r}: set config 'optimizer': {{'type': "
+                         f"{'Adam' if decoupled_weight_decay else 'AdamW'!r}}} to match the "
+                         "torch optimizer the groups came from")
+    dropped = _TORCH_HOW_KEYS | _TORCH_OFF_KEYS | {"decoupled_weight_decay"}
+    return {k: v for k, v in group.items() if k not in dropped}
+
+
+def build_param_groups(module: torch.nn.Module, groups, defaults: dict,
+                       decoupled_weight_decay: bool | None = None) -> list[dict]:
     """Validates user param groups (torch's format: dicts with "params" and overrides) or, when
     `groups` is None, one group of every parameter. Every parameter of `module` must be in
     exactly one group; frozen parameters may be left out."""
@@ -59,6 +88,7 @@ def build_param_groups(module: torch.nn.Module, groups, defaults: dict) -> list[
     for index, group in enumerate(groups):
         if not isinstance(group, dict) or "params" not in group:
             raise ValueError(f"param_groups[{index}]: expected a dict with a 'params' key")
+        group = _without_torch_keys(index, group, decoupled_weight_decay)
         unknown = set(group) - _GROUP_KEYS
         if unknown:
             raise ValueError(f"param_groups[{index}]: unknown keys {sorted(unknown)} "
@@ -553,11 +583,13 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         if len(groups) != len(self.param_groups):
             raise ValueError(f"optimizer state dict has {len(groups)} param groups, the "
                              f"optimizer {len(self.param_groups)}")
+        to_index = self._saved_numbering(groups)
+        self._check_saved_shapes(state_dict["state"], to_index)
         for saved, group in zip(groups, self.param_groups):
             group.update({k: v for k, v in saved.items() if k != "params"})
         manager = self.chunked.chunks.manager
-        for index, entry in state_dict["state"].items():
-            index = int(index)
+        for key, entry in state_dict["state"].items():
+            index = to_index[int(key)]
             momentum = self.chunked.ids[index].momentum
             if momentum is not None and not self.dp.owns(manager, momentum):
                 continue  # data parallel: its owner loads it
@@ -567,6 +599,46 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
                                           entry.get(moment_state.scale_key(key)))
         if "loss_scaler" in state_dict:
             self.loss_scaler.load_state_dict(state_dict["loss_scaler"])
+
+    # Note [Saved optimizer state is numbered by its groups]
+    # torch.optim numbers a state dict's parameters as they appear in its param_groups (decay
+    # weights first, in nanoGPT's configure_optimizers), and its load_state_dict maps each
+    # group's saved numbers onto the group's parameters in order; the numbers themselves mean
+    # nothing else. Ours are the engine's parameter indices, which torch's load maps the same
+    # way. Reading a torch-saved dict's numbers as our indices (as load_state_dict did) put a
+    # bias's moments into a weight, or, where shapes agreed, into the wrong parameter silently:
+    # so load maps through the groups as torch does, and checks every group and shape before
+    # it writes anything.
+    def _saved_numbering(self, saved_groups) -> dict[int, int]:
+        params = self.chunked
+        to_index = {}
+        for number, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
+            if len(saved["params"]) != len(group["params"]):
+                raise ValueError(
+                    f"optimizer state dict: param group {number} has {len(saved['params'])} "
+                    f"parameters, the optimizer's has {len(group['params'])} (the groups must "
+                    "be made the same way as when it was saved)")
+            for key, param in zip(saved["params"], group["params"]):
+                to_index[int(key)] = params.index_of(param)
+        return to_index
+
+    def _check_saved_shapes(self, state, to_index) -> None:
+        params = self.chunked
+        for key, entry in state.items():
+            if int(key) not in to_index:
+                raise ValueError(f"optimizer state dict: state {key!r} belongs to no param "
+                                 "group's 'params'")
+            index = to_index[int(key)]
+            for moment in moment_state.MOMENT_KEYS:
+                value = entry.get(moment)
+                if value is None:
+                    raise ValueError(f"optimizer state dict: state {key} ('{params.names[index]}')"
+                                     f" has no {moment!r}")
+                if value.dtype != torch.uint8 and tuple(value.shape) != params.shapes[index]:
+                    raise ValueError(
+                        f"optimizer state dict: state {key} maps to '{params.names[index]}' of "
+                        f"shape {params.shapes[index]}, but its {moment} has shape "
+                        f"{tuple(value.shape)} (parameters in another order than when saved?)")
 
 
 def _require_number(group: int, key: str, value, whole=None) -> None:

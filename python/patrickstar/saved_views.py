@@ -107,6 +107,10 @@ class SavedParameterViews:
         if hooks is not None:
             hooks.__exit__(None, None, None)
 
+    def in_direct_call(self) -> bool:
+        """Whether a direct call of the user's module is still running (an outer one)."""
+        return bool(self._direct_calls)
+
     def leave_direct_calls(self) -> None:
         """Hooks that direct calls raising past their post-forward hook left entered."""
         while self._direct_calls:

@@ -138,6 +138,8 @@ def main() -> None:
             results.update(discard_partial(rank, world, what[1]))
         elif what == ["--optimizer-resume"]:
             results.update(optimizer_resume(rank, world))
+        elif what == ["--direct-calls"]:
+            results.update(direct_calls(rank, world))
         elif what == ["--full-grad"]:
             results.update(full_gradients(rank, world))
         elif what == ["--ddp-wrap"]:  # nanoGPT's `model = DDP(model)` around the engine
@@ -298,6 +300,43 @@ def lonely_call(rank: int, what: str) -> dict:
     del model, optimizer, kept
     gc.collect()
     return {**(result or {}), "survived": True}
+
+
+def direct_calls(rank: int, world: int) -> dict:
+    """Forwards of `model.module` itself, not through the engine (nanoGPT's
+    `raw_model.generate()`, DeepSpeed's `model.generate()`, `model.module(x)`), on every rank:
+    evaluation under no_grad at several lengths, then a training step. The same run through
+    `model(...)` gives the reference losses."""
+    s = SCENARIOS["blocks"]
+    batches = list(s.batches(3))
+    losses = {}
+    for route in ("engine", "module"):
+        torch.manual_seed(0)
+        model, optimizer = patrickstar.initialize(s.model, config={
+            **s.config, "parallel": {"collective_timeout": 60}})
+        call = model if route == "engine" else model.module
+        x, y = batches[0]
+        model.backward(model(x, y))  # the first step through the engine: the trace
+        optimizer.step()
+        optimizer.zero_grad()
+        seen = []
+        model.eval()
+        with torch.no_grad():
+            for rows in (8, 4, 2):
+                seen.append(call(x[:rows], y[:rows]).item())
+        model.train()
+        for x, y in batches[1:]:
+            loss = call(x, y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            seen.append(loss.item())
+        with torch.no_grad():
+            seen.append(call(*batches[0]).item())
+        losses[route] = seen
+        model.destroy()
+        del model, optimizer, call
+    return losses
 
 
 def error_result(error) -> dict:

@@ -589,6 +589,16 @@ def test_ranks_seeded_apart_train_the_first_ranks_initial_weights_as_ddp(tmp_pat
     assert not torch.equal(results[0]["model_func_draw"], results[1]["model_func_draw"])
 
 
+def test_forwards_of_the_module_itself_run_on_every_rank_as_through_the_engine(tmp_path):
+    # nanoGPT's sampling (`raw_model.generate()`, whose forwards call the module itself) and
+    # DeepSpeed's `model.generate()` bypass engine.forward, which agrees on the call and runs
+    # the forward's gather schedule: a rank reading a tensor of its own chunk gathered nothing
+    # while the other gathered, and the first such forward hung until the peer left.
+    for rank, result in enumerate(launch(tmp_path, 2, "--direct-calls")):
+        assert "error" not in result, (rank, result.get("traceback"))
+        assert result["module"] == pytest.approx(result["engine"], rel=1e-6), rank
+
+
 def test_parallel_config_errors_name_the_key():
     import patrickstar
     from test_initialize import MLP

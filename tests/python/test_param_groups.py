@@ -106,3 +106,108 @@ def test_a_group_hyperparameter_that_is_not_a_number_is_named_and_changes_nothin
     state = model.state_dict()
     for name, tensor in reference.state_dict().items():
         torch.testing.assert_close(state[name], tensor, rtol=1e-5, atol=1e-6)
+
+
+def test_a_plain_pytorch_optimizer_state_dict_with_decay_groups_resumes_like_pytorch():
+    # nanoGPT's resume: ckpt.pt from a plain PyTorch run holds torch's optimizer.state_dict(),
+    # whose state is numbered in the order parameters appear in the groups (decay weights
+    # first). Loading it read those numbers as the engine's parameter indices: a bias's
+    # moments went to a weight ("output with shape [32] doesn't match [96, 32]") or, where the
+    # shapes agreed, to the wrong parameter silently.
+    config = gpt_config()
+    batches = list(synthetic_batches(config, batch=4, steps=6))
+    torch.manual_seed(0)
+    reference = GPT(config)
+    ref_opt = torch.optim.AdamW(decay_split(reference), lr=1e-3, foreach=False)
+    for tokens, targets in batches[:3]:
+        reference(tokens, targets).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    saved_model, saved_opt = reference.state_dict(), ref_opt.state_dict()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, opt = patrickstar.initialize(
+            lambda: GPT(config), param_groups=decay_split,
+            config={"default_chunk_size": 1 << 14,
+                    "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
+    model.load_state_dict(saved_model)
+    opt.load_state_dict(saved_opt)
+    for tokens, targets in batches[3:]:
+        loss = reference(tokens, targets)
+        loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ours = model(tokens, targets)
+        model.backward(ours)
+        opt.step()
+        opt.zero_grad()
+        assert abs(loss.item() - ours.item()) < 1e-5
+    # And ours goes back into torch's optimizer the same way.
+    ref_opt.load_state_dict(opt.state_dict())
+    for ref_group, group in zip(ref_opt.state_dict()["param_groups"], opt.param_groups):
+        assert ref_group["weight_decay"] == group["weight_decay"]
+
+
+def test_an_optimizer_state_dict_of_other_groups_is_refused_naming_them():
+    config = gpt_config()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, opt = patrickstar.initialize(
+            lambda: GPT(config), param_groups=decay_split,
+            config={"default_chunk_size": 1 << 14,
+                    "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
+    saved = opt.state_dict()
+    saved["param_groups"][0]["params"] = saved["param_groups"][0]["params"][:-1]
+    with pytest.raises(ValueError, match=r"param group 0 .* parameters"):
+        opt.load_state_dict(saved)
+
+
+def test_a_torch_optimizers_own_param_groups_are_taken_as_they_are():
+    # nanoGPT kept as it is: `optimizer = model.configure_optimizers(...)` builds a torch AdamW
+    # over the built module, whose groups carry torch's own keys (foreach, fused, amsgrad,
+    # maximize, capturable, differentiable, decoupled_weight_decay). Passing
+    # `param_groups=optimizer.param_groups` was refused with "unknown keys"; keys that say how
+    # torch runs its update, or that a variant is off, mean what ours does.
+    config = gpt_config()
+    torch.manual_seed(0)
+    reference = GPT(config)
+    ref_opt = torch.optim.AdamW(decay_split(reference), lr=1e-3, betas=(0.9, 0.95),
+                                foreach=False)
+    torch.manual_seed(0)
+    built = GPT(config)
+    torch_groups = torch.optim.AdamW(decay_split(built), lr=1e-3, betas=(0.9, 0.95)).param_groups
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, opt = patrickstar.initialize(
+            built, param_groups=torch_groups,
+            config={"default_chunk_size": 1 << 14,
+                    "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}})
+    assert [(g["weight_decay"], g["lr"], tuple(g["betas"])) for g in opt.param_groups] == \
+        [(0.1, 1e-3, (0.9, 0.95)), (0.0, 1e-3, (0.9, 0.95))]
+    for tokens, targets in synthetic_batches(config, batch=4, steps=4):
+        loss = reference(tokens, targets)
+        loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ours = model(tokens, targets)
+        model.backward(ours)
+        opt.step()
+        opt.zero_grad()
+        assert abs(loss.item() - ours.item()) < 1e-5
+
+
+@pytest.mark.parametrize("optimizer, options, message", [
+    ("AdamW", {"amsgrad": True}, r"param_groups\[0\]\['amsgrad'\] is True"),
+    ("AdamW", {"maximize": True}, r"param_groups\[0\]\['maximize'\] is True"),
+    ("Adam", {}, r"param_groups\[0\]\['decoupled_weight_decay'\] is True .*'Adam'"),
+])
+def test_torch_group_keys_that_change_the_update_are_refused_naming_them(optimizer, options,
+                                                                          message):
+    module = MLP()
+    groups = torch.optim.AdamW(module.parameters(), lr=1e-3, **options).param_groups
+    with pytest.raises(ValueError, match=message):
+        patrickstar.initialize(module, param_groups=groups,
+                               config={"optimizer": {"type": optimizer, "params": {"lr": 1e-3}}})
+    # Checked before placement: the module keeps its weights.
+    assert all(p.numel() > 0 for p in module.parameters())
