@@ -44,6 +44,31 @@ def build(model_func, budget):
     return reference, ref_optimizer, model, optimizer
 
 
+def build_hooked(add_hooks, when, budget):
+    """The reference and the engine's model with `add_hooks(net, log)` applied to each (in
+    model_func, or to model.module after initialize()); returns both, their optimizers and
+    their logs."""
+    ref_log, log = [], []
+
+    def hooked():
+        net = Net()
+        add_hooks(net, log)
+        return net
+
+    if when == "in_model_func":
+        torch.manual_seed(0)
+        reference = Net()
+        add_hooks(reference, ref_log)
+        ref_optimizer = torch.optim.Adam(reference.parameters(), lr=1e-2, foreach=False)
+        _, _, model, optimizer = build(hooked, budget)
+        log.clear()  # what the planning builds logged, if anything
+    else:
+        reference, ref_optimizer, model, optimizer = build(Net, budget)
+        add_hooks(reference, ref_log)
+        add_hooks(model.module, log)
+    return reference, ref_optimizer, model, optimizer, ref_log, log
+
+
 def train_both(reference, ref_optimizer, model, optimizer, steps=3):
     for x, y in batches(steps):
         for net, opt in ((reference, ref_optimizer), (model, optimizer)):
@@ -87,24 +112,8 @@ def test_forward_hooks_read_the_modules_weights_as_in_pytorch(when, budget):
     # Before: a forward hook registered after initialize() ran after the engine's release and
     # read the empty placeholder (shape (0,), sum 0.0); a pre-hook registered in model_func ran
     # before the engine's access, the same.
-    ref_log, log = [], []
-
-    def hooked():
-        net = Net()
-        hook(net, log)
-        return net
-
-    if when == "in_model_func":
-        torch.manual_seed(0)
-        reference = Net()
-        hook(reference, ref_log)
-        ref_optimizer = torch.optim.Adam(reference.parameters(), lr=1e-2, foreach=False)
-        _, _, model, optimizer = build(hooked, budget)
-        log.clear()  # what the planning builds logged, if anything
-    else:
-        reference, ref_optimizer, model, optimizer = build(Net, budget)
-        hook(reference, ref_log)
-        hook(model.module, log)
+    reference, ref_optimizer, model, optimizer, ref_log, log = build_hooked(hook, when,
+                                                                            budget)
     train_both(reference, ref_optimizer, model, optimizer)
     assert [entry[:2] for entry in log] == [entry[:2] for entry in ref_log]
     assert [entry[2] for entry in log] == pytest.approx([entry[2] for entry in ref_log],
@@ -118,8 +127,6 @@ def test_post_accumulate_grad_hooks_see_and_change_the_gradient_as_in_pytorch(wh
     # Before: a hook registered after initialize() ran after the engine's, which had moved the
     # gradient into its chunk and set p.grad to None: a gradient logger failed on None and a
     # hook scaling p.grad in place changed nothing.
-    ref_log, log = [], []
-
     def add_hooks(net, sink):
         for name, param in net.named_parameters():
             def scale_and_log(p, name=name):
@@ -127,21 +134,8 @@ def test_post_accumulate_grad_hooks_see_and_change_the_gradient_as_in_pytorch(wh
                 sink.append((name, p.grad.norm().item()))
             param.register_post_accumulate_grad_hook(scale_and_log)
 
-    def hooked():
-        net = Net()
-        add_hooks(net, log)
-        return net
-
-    if when == "in_model_func":
-        torch.manual_seed(0)
-        reference = Net()
-        add_hooks(reference, ref_log)
-        ref_optimizer = torch.optim.Adam(reference.parameters(), lr=1e-2, foreach=False)
-        _, _, model, optimizer = build(hooked, budget)
-    else:
-        reference, ref_optimizer, model, optimizer = build(Net, budget)
-        add_hooks(reference, ref_log)
-        add_hooks(model.module, log)
+    reference, ref_optimizer, model, optimizer, ref_log, log = build_hooked(add_hooks, when,
+                                                                            budget)
     train_both(reference, ref_optimizer, model, optimizer)
     assert [name for name, _ in log] == [name for name, _ in ref_log]
     assert [norm for _, norm in log] == pytest.approx([norm for _, norm in ref_log], rel=1e-5)
@@ -173,23 +167,8 @@ def test_full_backward_pre_hooks_read_the_weights_and_change_the_gradient_as_in_
         when, budget):
     # Before: torch ran the user's pre-hook before the engine's pre-backward access, so it read
     # the placeholder (shape (0,)) silently (Note [User full backward pre-hooks] in hooks.py).
-    ref_log, log = [], []
-
-    def hooked():
-        net = Net()
-        backward_pre_hook(net, log)
-        return net
-
-    if when == "in_model_func":
-        torch.manual_seed(0)
-        reference = Net()
-        backward_pre_hook(reference, ref_log)
-        ref_optimizer = torch.optim.Adam(reference.parameters(), lr=1e-2, foreach=False)
-        _, _, model, optimizer = build(hooked, budget)
-    else:
-        reference, ref_optimizer, model, optimizer = build(Net, budget)
-        backward_pre_hook(reference, ref_log)
-        backward_pre_hook(model.module, log)
+    reference, ref_optimizer, model, optimizer, ref_log, log = build_hooked(
+        backward_pre_hook, when, budget)
     train_both(reference, ref_optimizer, model, optimizer)
     assert [shape for shape, _ in log] == [(32, 32)] * 3
     assert [total for _, total in log] == pytest.approx([total for _, total in ref_log],
