@@ -557,6 +557,24 @@ class PatrickStarEngine(nn.Module):
         return ModuleConfigView(self.ps_config, getattr(module, "config", None))
 
     def forward(self, *args, **kwargs):
+        self._begin_forward()
+        try:
+            with self._views.hooks():
+                output = self.module(*args, **kwargs)
+        except RuntimeError as error:
+            hint = external_parameter_hint(error)
+            if hint is not None:
+                error.add_note(hint)
+            raise
+        finally:
+            self._leave_forward()
+        self._end_forward()
+        return output
+
+    # The engine's bookkeeping around the module's forward runs eagerly under torch.compile
+    # (Note [The engine's hooks under torch.compile] in hooks.py); the module's forward compiles.
+    @torch.compiler.disable
+    def _begin_forward(self) -> None:
         self.guard.check_alive("model(...)")
         _refuse_wrapping_data_parallel(self)
         if self._in_backward:  # a loss.backward() that raised before its end
@@ -567,21 +585,17 @@ class PatrickStarEngine(nn.Module):
         self._views.leave_direct_calls()
         self.dp.before_forward(torch.is_grad_enabled() and self.module.training)
         self._in_forward = True
-        try:
-            with self._views.hooks():
-                output = self.module(*args, **kwargs)
-        except RuntimeError as error:
-            hint = external_parameter_hint(error)
-            if hint is not None:
-                error.add_note(hint)
-            raise
-        finally:
-            self._in_forward = False
-            if not torch.is_grad_enabled() or not self.module.training:
-                # No backward follows: give everything back now.
-                self._release_all(S.HOLD_AFTER_FWD)
+
+    @torch.compiler.disable
+    def _leave_forward(self) -> None:
+        self._in_forward = False
+        if not torch.is_grad_enabled() or not self.module.training:
+            # No backward follows: give everything back now.
+            self._release_all(S.HOLD_AFTER_FWD)
+
+    @torch.compiler.disable
+    def _end_forward(self) -> None:
         self.dp.after_forward()
-        return output
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
         """`retain_graph` as torch's and DeepSpeed's: keep the graph for another backward

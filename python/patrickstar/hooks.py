@@ -61,6 +61,17 @@ def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     return value
 
 
+# Note [The engine's hooks under torch.compile]
+# `torch.compile(model)` traces the modules' forwards, and with them the hooks torch calls around
+# each module. The engine's hooks move chunks, count accesses and tick the tracer: work with side
+# effects on Python and C++ state that dynamo cannot capture, and whose guards (which module,
+# which dict entry) differ for every module, so it recompiled each hook per module until its
+# recompile limit (8) and then fell back to eager for the whole frame, with a page of warnings.
+# They run eagerly instead (a graph break at each hook); the modules' own forwards between them
+# are still compiled.
+_eager = torch.compiler.disable
+
+
 class _BackwardCall(torch.autograd.Function):
     """Identity in forward; in backward calls `callback(module)` before passing the grad on."""
 
@@ -167,6 +178,7 @@ class ModuleHooks(HookSet):
         elif next(iter(module._backward_pre_hooks)) != hook_id:
             module._backward_pre_hooks.move_to_end(hook_id, last=False)
 
+    @_eager
     def _early_pre_backward(self, module, grad_output):
         self.pre_backward(module)
         self._early[module] = self._early.get(module, 0) + 1
@@ -176,6 +188,7 @@ class ModuleHooks(HookSet):
         self._early.clear()
 
     # Forward ----------------------------------------------------------------------------------
+    @_eager
     def _pre_forward(self, module, inputs):
         _move_engine_hooks_last(module._forward_hooks)  # Note [User hooks around the engine's]
         self._tick("pre_forward")
@@ -194,6 +207,7 @@ class ModuleHooks(HookSet):
         while self._entered:
             self._entered.pop()[1].__exit__(None, None, None)
 
+    @_eager
     def _post_forward(self, module, inputs, output):
         if self._entered and self._entered[-1][0] is module:
             self._entered.pop()[1].__exit__(None, None, None)
@@ -242,6 +256,6 @@ class CallHooks(HookSet):
     def __init__(self, module, enter: Callable[[], None], leave: Callable[[], None]):
         super().__init__()
         self._add(module.register_forward_pre_hook(
-            lambda _module, _inputs: enter(), prepend=True))
+            _eager(lambda _module, _inputs: enter()), prepend=True))
         self._add(module.register_forward_hook(
-            lambda _module, _inputs, _output: leave(), always_call=True))
+            _eager(lambda _module, _inputs, _output: leave()), always_call=True))

@@ -168,6 +168,37 @@ def test_gpt_fp32_tied_embeddings_matches_pytorch(budget_fraction):
         assert device["evictions"] > 0 and device["prefetch_hits"] > 0
 
 
+@pytest.mark.parametrize("budget_fraction", [None, 0.5])
+def test_torch_compile_of_the_engine_trains_as_the_engine_without_recompiling_its_hooks(
+        budget_fraction, caplog):
+    # Note [The engine's hooks under torch.compile]: dynamo traced into the engine's hooks,
+    # recompiled them per module up to its limit (8) and fell back to eager with a page of
+    # warnings. The modules' forwards compile (aot_eager here: dynamo's part, without the
+    # C++ code generation), the hooks run eagerly, and training equals the eager engine's.
+    cfg = gpt_config()
+    config = {"default_chunk_size": 8192}
+    if budget_fraction:
+        config["memory"] = {"device_budget": int(2 * model_bytes(lambda: GPT(cfg))
+                                                 * budget_fraction)}
+    losses = {}
+    torch._dynamo.reset()
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model, opt = patrickstar.initialize(lambda: GPT(cfg), config=config)
+        run = torch.compile(model, backend="aot_eager") if compiled else model
+        losses[compiled] = []
+        for tokens, targets in synthetic_batches(cfg, batch=4, steps=12):
+            loss = run(tokens, targets)
+            model.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            losses[compiled].append(loss.item())
+        del run, model, opt
+    torch._dynamo.reset()
+    assert losses[True] == pytest.approx(losses[False], rel=1e-5)
+    assert not [r for r in caplog.records if "recompile" in r.getMessage()]
+
+
 class GPTWithLossMethod(GPT):
     def training_loss(self, tokens, targets):  # a method that calls the module itself
         return self(tokens, targets)
