@@ -50,6 +50,9 @@ def parse_bytes(value: Any, key: str = "size") -> int:
         if not math.isfinite(scaled):  # "1e400GiB": int() would raise a bare OverflowError
             raise ValueError(f"config key '{key}': {value!r} is too large")
         number = int(scaled)
+        if number == 0 and scaled > 0:  # "0.5": 0 bytes would read as a budget of 0 (no limit)
+            raise ValueError(f"config key '{key}': {value!r} is less than one byte; give a byte "
+                             f"count or a number with a unit such as 512MiB")
     else:
         raise ValueError(f"config key '{key}': expected a byte count or a string like '2GiB', "
                          f"got {type(value).__name__} {value!r}")

@@ -126,10 +126,12 @@ def test_parse_bytes_rejects_nonsense():
             parse_bytes(bad, "budget")
 
 
-@pytest.mark.parametrize("value", ["1e400GiB", "1e30", 10**30, 2**63, "80%", "20 GiB of RAM"])
+@pytest.mark.parametrize("value", ["1e400GiB", "1e30", 10**30, 2**63, "80%", "20 GiB of RAM",
+                                   "0.5", "0.9B"])
 def test_budgets_out_of_range_name_the_key_and_value(value):
     """Before: "1e400GiB" raised a bare OverflowError, and a budget above int64 passed the
-    config and failed in initialize() as pybind11's "incompatible constructor arguments"."""
+    config and failed in initialize() as pybind11's "incompatible constructor arguments"; "0.5"
+    became 0 bytes, which for the NVMe budget means all free space."""
     for key in ("device_budget", "host_budget"):
         with pytest.raises(ValueError, match=f"memory.{key}") as info:
             load_config({"memory": {key: value}})
