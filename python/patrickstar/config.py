@@ -83,6 +83,12 @@ class OptimizerConfig:
     def decoupled_weight_decay(self) -> bool:
         return self.type == "AdamW"
 
+    @property
+    def group_defaults(self) -> dict:
+        """What a parameter group does not set (torch.optim's defaults)."""
+        return {"lr": self.lr, "betas": self.betas, "eps": self.eps,
+                "weight_decay": self.weight_decay}
+
 
 @dataclasses.dataclass(frozen=True)
 class Fp16Config:
@@ -199,17 +205,22 @@ class Config:
 
     @property
     def precision(self) -> str:
-        if self.fp16.enabled:
-            return "fp16"
-        if self.bf16_enabled:
-            return "bf16"
-        return "fp32"
+        return _precision(self.fp16.enabled, self.bf16_enabled)
 
 
 # --- validation helpers ---------------------------------------------------------------------
 
 def _type_name(value: Any) -> str:
     return type(value).__name__
+
+
+def _precision(fp16_enabled: bool, bf16_enabled: bool) -> str:
+    """The training precision the fp16 / bf16 sections give (Config.precision)."""
+    if fp16_enabled:
+        return "fp16"
+    if bf16_enabled:
+        return "bf16"
+    return "fp32"
 
 
 def _refuse_auto(key: str, value: Any) -> None:
@@ -634,9 +645,9 @@ def load_config(config: Mapping[str, Any] | str | os.PathLike | None) -> Config:
         if name in raw:
             check(name, raw[name])
             ignored.append(name)
-    precision = "fp16" if fp16.enabled else "bf16" if bf16_enabled else "fp32"
     if "communication_data_type" in raw:
-        _check_communication_data_type(raw["communication_data_type"], precision)
+        _check_communication_data_type(raw["communication_data_type"],
+                                       _precision(fp16.enabled, bf16_enabled))
         ignored.append("communication_data_type")
     result = Config(
         default_chunk_size=chunk_size,

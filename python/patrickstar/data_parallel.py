@@ -392,14 +392,11 @@ class DataParallel:
         if not self.enabled:
             return
         self.calls += 1
-        values = torch.zeros(2 * self.world_size, dtype=torch.float32)
-        values[2 * self.rank] = self.calls % (1 << 23)  # exact in fp32; wraps on every rank
-        values[2 * self.rank + 1] = kind
-        # A forward's agreement precedes its first hook: profiles count it in the forward.
-        recorded_collectives.all_reduce(self.communicator, values, "sum",
-                                        "call count and kind", self.timeout,
-                                        phase="forward" if kind in (0, 1) else None)
-        rows = [(int(values[2 * r]), int(values[2 * r + 1])) for r in range(self.world_size)]
+        # The count is exact in fp32 and wraps on every rank alike. A forward's agreement
+        # precedes its first hook: profiles count it in the forward.
+        rows = [(int(count), int(what)) for count, what in self._every_ranks_row(
+            (self.calls % (1 << 23), kind), self.communicator, "call count and kind",
+            "forward" if kind in (0, 1) else None)]
         if all(row == rows[self.rank] for row in rows):
             return
         described = "; ".join(f"rank {r}: call {count}, {self._CALLS.get(what, what)}"
@@ -611,10 +608,16 @@ class DataParallel:
     def _every_ranks(self, value: float, communicator, label: str,
                      phase: str | None = None) -> list[float]:
         """Every rank's `value` in rank order (one small all-reduce on `communicator`)."""
-        values = torch.zeros(self.world_size, dtype=torch.float32)
-        values[self.rank] = value
+        return [row[0] for row in self._every_ranks_row((value,), communicator, label, phase)]
+
+    def _every_ranks_row(self, row: tuple[float, ...], communicator, label: str,
+                         phase: str | None = None) -> list[tuple[float, ...]]:
+        """Every rank's `row` (as fp32) in rank order, in one small all-reduce."""
+        width = len(row)
+        values = torch.zeros(self.world_size * width, dtype=torch.float32)
+        values[self.rank * width:(self.rank + 1) * width] = torch.tensor(row, dtype=torch.float32)
         recorded_collectives.all_reduce(communicator, values, "sum", label, self.timeout, phase)
-        return values.tolist()
+        return [tuple(r) for r in values.view(self.world_size, width).tolist()]
 
     def all_reduce_grad_stats(self, overflow: bool, squared: float) -> tuple[bool, float]:
         """Sums the squared norms of the owned gradients and ORs the overflow flags (over the

@@ -39,22 +39,24 @@ _REFUSED = {
 }
 
 
+def _one_of(ours: str, ours_value, theirs: str, theirs_value, whose: str):
+    """The value given under our name or under DeepSpeed's (`whose` says which name that is),
+    not both."""
+    if theirs_value is None:
+        return ours_value
+    if ours_value is not None:
+        raise TypeError(f"initialize(): {ours} and {theirs}= ({whose}) both given; pass one")
+    return theirs_value
+
+
 def take_deepspeed_arguments(model_func, config, param_groups, kwargs: dict):
     """(model_func, config, param_groups, lr_scheduler factory or None) from DeepSpeed's
     keyword arguments; raises TypeError naming any argument without a counterpart here."""
     kwargs = dict(kwargs)
-    model = kwargs.pop("model", None)
-    if model is not None:
-        if model_func is not None:
-            raise TypeError("initialize(): model_func and model= (DeepSpeed's name) both given; "
-                            "pass one")
-        model_func = model
-    config_params = kwargs.pop("config_params", None)
-    if config_params is not None:
-        if config is not None:
-            raise TypeError("initialize(): config and config_params= (DeepSpeed's older name) "
-                            "both given; pass one")
-        config = config_params
+    model_func = _one_of("model_func", model_func, "model", kwargs.pop("model", None),
+                         "DeepSpeed's name")
+    config = _one_of("config", config, "config_params", kwargs.pop("config_params", None),
+                     "DeepSpeed's older name")
     scheduler = kwargs.pop("lr_scheduler", None)
     if scheduler is not None and (not callable(scheduler) or hasattr(scheduler, "step")):
         raise TypeError(

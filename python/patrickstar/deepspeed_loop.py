@@ -57,14 +57,15 @@ class EngineLrScheduler:
         # optimizer.step() and whether that step was applied (None: no direct step yet).
         self._direct: tuple[int, bool] | None = None
 
-    def set(self, scheduler) -> None:
+    def set(self, scheduler, configured: bool = False) -> None:
+        """`configured`: built from the config's `scheduler` section."""
         if scheduler is not None and not callable(getattr(scheduler, "step", None)):
             raise TypeError(f"model.lr_scheduler must be a learning-rate scheduler with a step() "
                             f"method (a torch.optim.lr_scheduler scheduler built on the "
                             f"optimizer initialize() returned), not {type(scheduler).__name__}")
         self.scheduler = scheduler
         self._position = None
-        self.configured = False
+        self.configured = configured
         self._direct = None
 
     def forget_position(self) -> None:
@@ -155,14 +156,11 @@ class DeepSpeedLoop:
         self._backwards_at_model_step = guard.backwards
         if guard.backwards >= guard.accumulation:
             self.lr_schedule.check_not_stepped_elsewhere()
-            optimizer = self._optimizer()
-            skipped = optimizer.skipped_steps
             self._in_model_step = True
             try:
-                optimizer.step()
+                self._optimizer().step()  # sets _step_applied (after_optimizer_step)
             finally:
                 self._in_model_step = False
-            self._step_applied = optimizer.skipped_steps == skipped
             self._backwards_at_model_step = 0
             self.lr_schedule.after_optimizer_step(self._step_applied)
 
@@ -172,7 +170,10 @@ class DeepSpeedLoop:
             self.lr_schedule.before_direct_optimizer_step()
 
     def after_optimizer_step(self, applied: bool) -> None:
-        if not self._in_model_step:
+        """`applied`: False when the step was skipped (fp16 overflow)."""
+        if self._in_model_step:
+            self._step_applied = applied
+        else:
             self.lr_schedule.after_direct_optimizer_step(applied)
 
     def is_gradient_accumulation_boundary(self) -> bool:

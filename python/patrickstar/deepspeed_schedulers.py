@@ -27,6 +27,7 @@ type would silently change the curve.
 """
 from __future__ import annotations
 
+import inspect
 import math
 import warnings
 from typing import Any, Mapping
@@ -35,26 +36,7 @@ __all__ = ["SCHEDULER_TYPES", "parse_scheduler_params", "build_scheduler"]
 
 _REQUIRED = object()  # a parameter without a default
 
-# type -> {param: default}; per-group parameters (a number or one per param group) are listed in
-# _PER_GROUP. `last_batch_iteration` is every type's constructor argument in DeepSpeed.
-SCHEDULER_TYPES: dict[str, dict[str, Any]] = {
-    "WarmupLR": {"warmup_min_lr": 0.0, "warmup_max_lr": None, "warmup_num_steps": 1000,
-                 "warmup_type": "log", "last_batch_iteration": -1},
-    "WarmupDecayLR": {"total_num_steps": _REQUIRED, "warmup_min_lr": 0.0,
-                      "warmup_max_lr": 0.001, "warmup_num_steps": 1000, "warmup_type": "log",
-                      "last_batch_iteration": -1},
-    "WarmupCosineLR": {"total_num_steps": _REQUIRED, "warmup_min_ratio": 0.0,
-                       "warmup_num_steps": 1000, "cos_min_ratio": 0.0001, "warmup_type": "log",
-                       "last_batch_iteration": -1},
-    "OneCycle": {"cycle_min_lr": _REQUIRED, "cycle_max_lr": _REQUIRED, "decay_lr_rate": 0.0,
-                 "cycle_first_step_size": 2000, "cycle_second_step_size": None,
-                 "cycle_first_stair_count": 0, "cycle_second_stair_count": None,
-                 "decay_step_size": 0, "cycle_momentum": True, "cycle_min_mom": 0.8,
-                 "cycle_max_mom": 0.9, "decay_mom_rate": 0.0, "last_batch_iteration": -1},
-    "LRRangeTest": {"lr_range_test_min_lr": 1e-3, "lr_range_test_step_size": 2000,
-                    "lr_range_test_step_rate": 1.0, "lr_range_test_staircase": False,
-                    "last_batch_iteration": -1},
-}
+# Per-group parameters take a number or one per param group.
 _PER_GROUP = {"warmup_min_lr", "warmup_max_lr", "cycle_min_lr", "cycle_max_lr", "cycle_min_mom",
               "cycle_max_mom", "lr_range_test_min_lr"}
 _POSITIVE_INTS = {"warmup_num_steps", "total_num_steps", "cycle_first_step_size",
@@ -390,6 +372,14 @@ class LRRangeTest(_Schedule):
 
 _CLASSES = {"WarmupLR": WarmupLR, "WarmupDecayLR": WarmupDecayLR,
             "WarmupCosineLR": WarmupCosineLR, "OneCycle": OneCycle, "LRRangeTest": LRRangeTest}
+
+# type -> {param: default}, from the constructors (DeepSpeed's parameter names and defaults;
+# `last_batch_iteration` is every type's); _REQUIRED marks a parameter without a default.
+SCHEDULER_TYPES: dict[str, dict[str, Any]] = {
+    kind: {name: _REQUIRED if parameter.default is inspect.Parameter.empty else parameter.default
+           for name, parameter in inspect.signature(cls).parameters.items()
+           if name != "optimizer"}
+    for kind, cls in _CLASSES.items()}
 
 
 def build_scheduler(kind: str, params: Mapping[str, Any], optimizer):

@@ -81,7 +81,7 @@ from .optimizer import PatrickStarOptimizer, build_param_groups
 from .saved_views import SavedParameterViews
 from .profiling.recorder import optimizer_phase, profiler_from_config
 from .profiling.upstream import profiler as upstream_profiler
-from .utils import global_timer
+from .utils import get_rank, get_world_size, global_timer
 from .vocabulary import Tier as T
 
 __all__ = ["PatrickStarEngine"]
@@ -230,11 +230,8 @@ class PatrickStarEngine(nn.Module):
                                   _weakly(self._access_module), _weakly(self._release_module),
                                   _weakly(self._tick), _weakly(self._own_output),
                                   _weakly(self._saved_tensor_hooks))
-        defaults = {"lr": config.optimizer.lr, "betas": config.optimizer.betas,
-                    "eps": config.optimizer.eps, "weight_decay": config.optimizer.weight_decay}
-        with self._real_shapes():  # a callable sees p.shape / p.dim() as the model has them
-            groups = build_param_groups(self.module, param_groups, defaults,
-                                        config.optimizer.decoupled_weight_decay)
+        with self.real_shapes():  # a callable sees p.shape / p.dim() as the model has them
+            groups = build_param_groups(self.module, param_groups, config.optimizer)
         self.profiler = None
         self.optimizer = PatrickStarOptimizer(
             self.params, groups, config, self.dp, self.guard, self.loss_scaler, self.device,
@@ -243,9 +240,8 @@ class PatrickStarEngine(nn.Module):
             self._loop.after_optimizer_step)
         self._loop.attach(self.optimizer)
         if config.scheduler is not None:  # DeepSpeed's `scheduler` section
-            self._loop.lr_schedule.set(build_scheduler(config.scheduler.type,
-                                                       config.scheduler.params, self.optimizer))
-            self._loop.lr_schedule.configured = True
+            self._loop.lr_schedule.set(build_scheduler(
+                config.scheduler.type, config.scheduler.params, self.optimizer), configured=True)
         self.profiler = profiler_from_config(self)  # None unless config profile.enabled
         upstream_profiler.engine_built(self)  # `from patrickstar.profiler import profiler`
         self.created_ns = time.monotonic_ns()
@@ -360,7 +356,7 @@ class PatrickStarEngine(nn.Module):
         return torch.empty(0, dtype=self.compute_dtype, device=self.device)
 
     @contextlib.contextmanager
-    def _real_shapes(self):
+    def real_shapes(self):
         """Between uses parameters hold empty placeholders (Note [Parameter data swapping]);
         inside this block each holds a stand-in of its real shape and dtype instead (one
         element broadcast, no memory), for code that looks at shapes: a param_groups callable
@@ -879,18 +875,12 @@ class PatrickStarEngine(nn.Module):
     @property
     def world_size(self) -> int:
         """DeepSpeed's: the number of processes (torch.distributed's world; 1 without it)."""
-        distributed = torch.distributed
-        if distributed.is_available() and distributed.is_initialized():
-            return distributed.get_world_size()
-        return 1
+        return get_world_size()
 
     @property
     def global_rank(self) -> int:
         """DeepSpeed's: this process's rank in torch.distributed's world (0 without it)."""
-        distributed = torch.distributed
-        if distributed.is_available() and distributed.is_initialized():
-            return distributed.get_rank()
-        return 0
+        return get_rank()
 
     @property
     def dp_world_size(self) -> int:

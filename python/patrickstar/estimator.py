@@ -41,7 +41,7 @@ from . import _C
 from .config import Config, load_config
 from . import dtypes
 from .chunked_params import TensorIds, chunk_dtypes, register_chunk_tensors, scale_count
-from .init_context import plan_parameters
+from .init_context import BuiltModule, plan_parameters
 from .vocabulary import ChunkKind, chunk_kind
 
 __all__ = ["estimate_memory"]
@@ -139,11 +139,8 @@ def estimate_memory(model: Callable[[], nn.Module] | int, config: Any = None,
             raise ValueError(f"estimate_memory: the parameter count must be > 0, got {model}")
         params = trainable = model
     else:
-        if isinstance(model, nn.Module):  # as initialize() takes one (nothing is moved here)
-            built = model
-            specs, _ = plan_parameters(lambda: built)
-        else:
-            specs, _ = plan_parameters(model)
+        # A built module as initialize() takes one (nothing is moved here).
+        specs, _ = plan_parameters(BuiltModule(model) if isinstance(model, nn.Module) else model)
         if not specs:
             raise ValueError("estimate_memory: model_func built a module without parameters")
         params = sum(math.prod(spec.shape) for spec in specs)

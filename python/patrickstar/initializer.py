@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Callable
 
-import torch
 from torch import nn
 
 from .config import Config, load_config
@@ -86,20 +85,11 @@ def _checked_before_placement(built: nn.Module, param_groups, config):
     """A built module's parameters move into chunks as the engine is made, so a mistake found
     after that would leave the caller's module without its weights: torch.optim-style groups
     (from its own parameters, e.g. DeepSpeed's model_parameters) are checked first, as the
-    engine will check them, and returned with each "params" listed (a generator is consumed
-    by the check)."""
-    if param_groups is None or callable(param_groups) or isinstance(param_groups, dict):
-        return param_groups  # a callable sees the built engine's shapes; a dict fails there
-    groups = [{**group, "params": ([group["params"]] if isinstance(group["params"], torch.Tensor)
-                                   else list(group["params"]))}
-              if isinstance(group, dict) and "params" in group else group
-              for group in param_groups]
-    optimizer = config.optimizer
-    build_param_groups(built, groups, {"lr": optimizer.lr, "betas": optimizer.betas,
-                                       "eps": optimizer.eps,
-                                       "weight_decay": optimizer.weight_decay},
-                       optimizer.decoupled_weight_decay)
-    return groups
+    engine will check them; the checked groups (each "params" listed: a generator is consumed
+    by the check) go on to the engine."""
+    if param_groups is None or callable(param_groups):
+        return param_groups  # a callable sees the built engine's shapes
+    return build_param_groups(built, param_groups, config.optimizer)
 
 
 def initialize_engine(model_func: Callable[[], nn.Module], local_rank: int = 0, config=None,

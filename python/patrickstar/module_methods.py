@@ -19,7 +19,7 @@ The engine used to fix these only for calls through it (`model.num_parameters()`
 module of the tree whose class has such a method an instance attribute of that name (instance
 attributes shadow class functions), so the engine, `model.module` and any submodule answer
 alike: shape readers run while the parameters hold stand-ins of their real shapes
-(`engine._real_shapes()`), `tie_weights` runs with the parameters lent their values
+(`engine.real_shapes()`), `tie_weights` runs with the parameters lent their values
 (`summon_full_params`, so an equal re-padded bias is no change), and rebuilders raise, naming
 model_func. A tie that would put another Parameter in a module (the config asks for ties the
 model was not built with) is undone and refused: which parameters exist and are shared is
@@ -103,7 +103,7 @@ class ModuleMethods:
             return method(*args, **kwargs)
         self._reading_shapes = True
         try:
-            with self._live_engine(method.__name__)._real_shapes():
+            with self._live_engine(method.__name__).real_shapes():
                 return method(*args, **kwargs)
         finally:
             self._reading_shapes = False

@@ -70,11 +70,13 @@ def _without_torch_keys(index: int, group: dict, decoupled_weight_decay) -> dict
     return {k: v for k, v in group.items() if k not in dropped}
 
 
-def build_param_groups(module: torch.nn.Module, groups, defaults: dict,
-                       decoupled_weight_decay: bool | None = None) -> list[dict]:
+def build_param_groups(module: torch.nn.Module, groups, optimizer) -> list[dict]:
     """Validates user param groups (torch's format: dicts with "params" and overrides) or, when
-    `groups` is None, one group of every parameter. Every parameter of `module` must be in
-    exactly one group; frozen parameters may be left out."""
+    `groups` is None, one group of every parameter, with `optimizer`'s (the config's
+    OptimizerConfig) defaults filled in. Every parameter of `module` must be in exactly one
+    group; frozen parameters may be left out."""
+    defaults = optimizer.group_defaults
+    decoupled_weight_decay = optimizer.decoupled_weight_decay
     all_params = list(module.parameters())
     ids = {id(p) for p in all_params}
     if groups is None:

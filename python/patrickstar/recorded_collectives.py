@@ -229,42 +229,40 @@ class RecordedGroupCollectives:
 
 # ---- Collectives on tensors and objects ---------------------------------------------------------
 
+def _recorded(run: Callable[[], Any], name: str, nbytes: Callable[[], int], **args: Any) -> None:
+    """Runs `run` (a collective, waited for) and, while a profiler runs, records it as `name`
+    of `nbytes()` bytes (sized only then) with `args`."""
+    profiler = active_profiler()
+    if profiler is None:
+        run()
+        return
+    size = nbytes()
+    start = now_ns()
+    run()
+    profiler.record_collective(name, size, start, now_ns(), **args)
+
+
+def _tensor_bytes(tensor) -> Callable[[], int]:
+    return lambda: tensor.numel() * tensor.element_size()
+
+
 def all_reduce(communicator, tensor, op: str, label: str, timeout: float,
                phase: str | None = None) -> None:
     """`communicator.all_reduce(tensor)`, waited for, recorded (in `phase`, default the
     profiler's current one)."""
-    profiler = active_profiler()
-    if profiler is None:
-        communicator.all_reduce(tensor, op=op, label=label).wait(timeout)
-        return
-    start = now_ns()
-    communicator.all_reduce(tensor, op=op, label=label).wait(timeout)
-    profiler.record_collective("all_reduce", tensor.numel() * tensor.element_size(), start,
-                               now_ns(), phase=phase, label=label, op=op)
+    _recorded(lambda: communicator.all_reduce(tensor, op=op, label=label).wait(timeout),
+              "all_reduce", _tensor_bytes(tensor), phase=phase, label=label, op=op)
 
 
 def broadcast(communicator, tensor, root: int, label: str, timeout: float) -> None:
     """`communicator.broadcast(tensor, root)`, waited for, recorded."""
-    profiler = active_profiler()
-    if profiler is None:
-        communicator.broadcast(tensor, root=root, label=label).wait(timeout)
-        return
-    start = now_ns()
-    communicator.broadcast(tensor, root=root, label=label).wait(timeout)
-    profiler.record_collective("broadcast", tensor.numel() * tensor.element_size(), start,
-                               now_ns(), label=label, root=root)
+    _recorded(lambda: communicator.broadcast(tensor, root=root, label=label).wait(timeout),
+              "broadcast", _tensor_bytes(tensor), label=label, root=root)
 
 
 def all_gather_object(gathered: list, obj, group, label: str, phase: str | None = None) -> None:
     """`torch.distributed.all_gather_object(gathered, obj, group)`, recorded (pickling `obj`
     once more to size it, only while a profiler runs)."""
     import torch.distributed as dist
-    profiler = active_profiler()
-    if profiler is None:
-        dist.all_gather_object(gathered, obj, group=group)
-        return
-    nbytes = len(gathered) * len(pickle.dumps(obj))
-    start = now_ns()
-    dist.all_gather_object(gathered, obj, group=group)
-    profiler.record_collective("all_gather_object", nbytes, start, now_ns(), phase=phase,
-                               label=label)
+    _recorded(lambda: dist.all_gather_object(gathered, obj, group=group), "all_gather_object",
+              lambda: len(gathered) * len(pickle.dumps(obj)), phase=phase, label=label)

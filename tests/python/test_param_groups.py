@@ -27,11 +27,10 @@ def names_of(module: nn.Module, params) -> set[str]:
     return {name for name, p in module.named_parameters() if id(p) in ids}
 
 
-
-def train_gpt_alongside(reference, ref_opt, model, opt, config, tolerance):
-    """Four steps of the reference GPT and the engine's on the same batches; each loss within
+def train_gpt_alongside(reference, ref_opt, model, opt, batches, tolerance):
+    """A step of the reference GPT and of the engine's on each batch; each loss within
     `tolerance`."""
-    for tokens, targets in synthetic_batches(config, batch=4, steps=4):
+    for tokens, targets in batches:
         loss = reference(tokens, targets)
         loss.backward()
         ref_opt.step()
@@ -64,7 +63,8 @@ def test_decay_recipe_splits_like_the_plain_model_and_trains_like_it():
     # Outside the callable the parameters are placeholders again (nothing was left behind).
     assert all(p.numel() == 0 for p in model.module.parameters())
 
-    train_gpt_alongside(reference, ref_opt, model, opt, config, tolerance=1e-4)
+    train_gpt_alongside(reference, ref_opt, model, opt,
+                        synthetic_batches(config, batch=4, steps=4), tolerance=1e-4)
     state = model.state_dict()
     # The attention key bias gets a gradient of rounding noise only (softmax ignores it), which
     # Adam scales up to about lr per step either way: hence atol of a few lr-sized steps / 100.
@@ -140,16 +140,7 @@ def test_a_plain_pytorch_optimizer_state_dict_with_decay_groups_resumes_like_pyt
                     "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
     model.load_state_dict(saved_model)
     opt.load_state_dict(saved_opt)
-    for tokens, targets in batches[3:]:
-        loss = reference(tokens, targets)
-        loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        ours = model(tokens, targets)
-        model.backward(ours)
-        opt.step()
-        opt.zero_grad()
-        assert abs(loss.item() - ours.item()) < 1e-5
+    train_gpt_alongside(reference, ref_opt, model, opt, batches[3:], tolerance=1e-5)
     # And ours goes back into torch's optimizer the same way.
     ref_opt.load_state_dict(opt.state_dict())
     for ref_group, group in zip(ref_opt.state_dict()["param_groups"], opt.param_groups):
@@ -192,7 +183,8 @@ def test_a_torch_optimizers_own_param_groups_are_taken_as_they_are():
                     "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}})
     assert [(g["weight_decay"], g["lr"], tuple(g["betas"])) for g in opt.param_groups] == \
         [(0.1, 1e-3, (0.9, 0.95)), (0.0, 1e-3, (0.9, 0.95))]
-    train_gpt_alongside(reference, ref_opt, model, opt, config, tolerance=1e-5)
+    train_gpt_alongside(reference, ref_opt, model, opt,
+                        synthetic_batches(config, batch=4, steps=4), tolerance=1e-5)
 
 
 @pytest.mark.parametrize("optimizer, options, message", [

@@ -159,15 +159,8 @@ def open_for_writing(path: str):
 
 def write_text_atomically(path: str, text: str) -> None:
     temp = f"{path}.tmp-{os.getpid()}-{next(_counter)}"
-    data = text.encode("utf-8")
     try:
-        with open_for_writing(temp) as handle:
-            try:
-                handle.write(data)
-                handle.flush()
-                os.fsync(handle.fileno())
-            except OSError as error:
-                raise write_error(error, temp, 0, len(data)) from error
+        write_bytes_durably(temp, text.encode("utf-8"))
         os.replace(temp, path)
     except BaseException:
         # A full disk must not leave `latest.tmp-*` files in the checkpoint directory (nothing

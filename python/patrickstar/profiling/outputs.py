@@ -12,7 +12,7 @@ from .memory_csv import memory_rows
 from .summary import build_summary
 from .trace import build_trace
 
-__all__ = ["rank_directory", "write_outputs", "write_text"]
+__all__ = ["rank_directory", "write_bytes", "write_outputs", "write_text"]
 
 
 # Note [One profile directory per rank]
@@ -30,24 +30,31 @@ def rank_directory(directory: str | os.PathLike, run: dict) -> str:
     return directory
 
 
-def write_text(path: str, text: str) -> None:
+def write_bytes(path: str, data: bytes) -> None:
+    """`data` into `path` through a temporary file renamed over it (no half-written output)."""
     # The process id keeps writers of the same path (ranks given one directory by hand) from
     # renaming each other's temporary file.
     temporary = f"{path}.{os.getpid()}.tmp"
-    with open(temporary, "w", encoding="utf-8", newline="") as handle:
-        handle.write(text)
+    with open(temporary, "wb") as handle:
+        handle.write(data)
     os.replace(temporary, path)
 
 
-def write_outputs(directory: str | os.PathLike, raw: dict) -> dict:
+def write_text(path: str, text: str) -> None:
+    write_bytes(path, text.encode("utf-8"))
+
+
+def write_outputs(directory: str | os.PathLike, raw: dict,
+                  analysis: Analysis | None = None) -> dict:
     """Writes profile.json and the four outputs into `directory` (its rank<k>/ subdirectory
-    under data parallelism: Note [One profile directory per rank]); returns the summary."""
+    under data parallelism: Note [One profile directory per rank]); returns the summary.
+    `analysis` is `Analysis(raw)` when the caller has one already."""
     directory = rank_directory(directory, raw["run"])
     try:
         os.makedirs(directory, exist_ok=True)
     except OSError as error:
         raise ProfileError(f"cannot create profile directory '{directory}': {error}") from error
-    analysis = Analysis(raw)
+    analysis = Analysis(raw) if analysis is None else analysis
     summary = build_summary(raw, analysis)
     write_text(os.path.join(directory, RAW_FILE), json.dumps(raw))
     write_text(os.path.join(directory, "trace.json"), json.dumps(build_trace(raw, analysis)))

@@ -19,7 +19,7 @@ import time
 import weakref
 
 from ..utils.logging import logger
-from .analysis import ProfileError
+from .analysis import Analysis, ProfileError
 from .recorder import Profiler, active_profiler, now_ns
 from .upstream_format import upstream_state_dict
 
@@ -116,14 +116,16 @@ class UpstreamProfiler:
         if self._recorder is not None and self._recorder.running:
             self.end()
         raw = self._raw("save()")
-        from .outputs import rank_directory, write_outputs  # imported late: only writing needs it
+        # Imported late: only writing needs them.
+        from .outputs import rank_directory, write_outputs
         path = os.fspath(path)
         stem, extension = os.path.splitext(path)
         directory = stem if extension else f"{path}_profile"
-        write_outputs(directory, raw)
+        analysis = Analysis(raw)  # one replay of the events for both outputs
+        write_outputs(directory, raw, analysis)
         pickle_path = rank_pickle_path(path, raw["run"])
         _write_pickle(pickle_path, upstream_state_dict(raw, self._warmup_finish_ns,
-                                                       self._clock_offset_s))
+                                                       self._clock_offset_s, analysis))
         self.pickle_path = pickle_path
         directory = rank_directory(directory, raw["run"])
         logger.info("profile written to %s (upstream's format) and %s (trace.json, memory.csv, "
@@ -148,15 +150,12 @@ def rank_pickle_path(path: str | os.PathLike, run: dict) -> str:
 
 
 def _write_pickle(path: str, state: dict) -> None:
-    parent = os.path.dirname(path)
+    from .outputs import write_bytes  # imported late: only writing needs it
     try:
+        parent = os.path.dirname(path)
         if parent:
             os.makedirs(parent, exist_ok=True)
-        # The process id keeps two writers of one path from renaming each other's file.
-        temporary = f"{path}.{os.getpid()}.tmp"
-        with open(temporary, "wb") as handle:
-            pickle.dump(state, handle)
-        os.replace(temporary, path)
+        write_bytes(path, pickle.dumps(state))
     except OSError as error:
         raise ProfileError(f"profiler.save(): cannot write the profile pickle '{path}': "
                            f"{error}") from error

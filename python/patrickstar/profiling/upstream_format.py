@@ -64,10 +64,11 @@ _STAGE_OF_TICK = {"pre_forward": TrainingStage.FWD, "post_forward": TrainingStag
 
 
 def upstream_state_dict(raw: dict, warmup_finish_ns: int | None = None,
-                        clock_offset_s: float = 0.0) -> dict:
+                        clock_offset_s: float = 0.0, analysis: Analysis | None = None) -> dict:
     """Upstream's `Profiler.state_dict()` built from `raw` (Note [Upstream profile mapping]).
-    `warmup_finish_ns` is when warmup_finish() was called (profiler clock), if it was."""
-    analysis = Analysis(raw)
+    `warmup_finish_ns` is when warmup_finish() was called (profiler clock), if it was;
+    `analysis` is `Analysis(raw)` when the caller has one already."""
+    analysis = Analysis(raw) if analysis is None else analysis
 
     def seconds(ns: int) -> float:
         return ns / 1e9 + clock_offset_s
