@@ -64,6 +64,7 @@ from .chunked_params import ChunkedParams
 from .config import Config
 from .module_config_view import ModuleConfigView
 from .data_parallel import DataParallel, detect_world
+from .backward_pass import BackwardPass
 from .batch_sizes import resolve_batch_sizes
 from .deepspeed_loop import DeepSpeedLoop
 from .deepspeed_schedulers import build_scheduler
@@ -91,8 +92,8 @@ S = _C.TensorState
 
 
 def _weakly(method: Callable) -> Callable:
-    """`method` (bound to the engine), called only while the engine lives: Note [Engine
-    lifetime]."""
+    """`method` (bound to the engine or an object only it holds), called only while the engine
+    lives: Note [Engine lifetime]."""
     reference = weakref.WeakMethod(method)
 
     def call(*args):
@@ -159,11 +160,8 @@ class PatrickStarEngine(nn.Module):
         self.iteration = 0
         # DeepSpeed's loop (Note [model.step() steps model.lr_scheduler] in deepspeed_loop.py).
         self._loop = DeepSpeedLoop(self.guard)
-        self._in_backward = False  # Note [loss.backward()]
-        self._stored_grads = 0  # gradients stored by the backward under way (guards.py)
         self._in_forward = False  # within forward(): Note [Forwards of the module itself]
         self._direct_forward = None  # an outermost direct call's "a backward follows", or None
-        self._autograd_unchecked = False  # joined, no gradient stored yet
         self._warmup_done = False
         # Module -> accesses of forwards recomputed inside this backward that its backward has
         # not yet given back (Note [Recomputed forwards]).
@@ -218,14 +216,16 @@ class PatrickStarEngine(nn.Module):
         # Where the activations really are: GPU memory with CUDA; host memory on a CPU build,
         # whose device tier only emulates a GPU's budget for chunks.
         self._non_model_tier = T.DEVICE if self.device.type == "cuda" else T.HOST
-        self._grad_hooks: list[tuple[nn.Parameter, int]] = []  # Note [User gradient hooks]
+        # Note [loss.backward()] in backward_pass.py
+        self._backward = BackwardPass(self.guard, self.dp, self.precision,
+                                      _weakly(self._release_after_backward),
+                                      _weakly(self._count_micro_step))
         for index, param in enumerate(self.params.params):
             if param.requires_grad:
-                handle = param.register_post_accumulate_grad_hook(self._make_grad_hook(index))
-                self._grad_hooks.append((param, handle.id))
+                self._backward.register_grad_hook(param, self._make_grad_hook(index))
         self._views = SavedParameterViews(  # Note [Saved views of parameters]
             self._slots, self.params.params, self.activations,
-            _weakly(self._join_autograd_backward))
+            _weakly(self._backward.join_autograd_backward))
         self._hooks = ModuleHooks([m for m, owned in self._module_params.items() if owned],
                                   _weakly(self._access_module), _weakly(self._release_module),
                                   _weakly(self._tick), _weakly(self._own_output),
@@ -406,7 +406,7 @@ class PatrickStarEngine(nn.Module):
     def _access_module(self, module: nn.Module, phase: str) -> None:
         indices = self._module_params.get(module)
         if indices:
-            self._join_autograd_backward()
+            self._backward.join_autograd_backward()
             self._slots.access(indices)
             if phase == "fwd" and _recomputing():
                 self._recompute_holds[module] = self._recompute_holds.get(module, 0) + 1
@@ -573,9 +573,7 @@ class PatrickStarEngine(nn.Module):
     def _begin_forward(self) -> None:
         self.guard.check_alive("model(...)")
         _refuse_wrapping_data_parallel(self)
-        if self._in_backward:  # a loss.backward() that raised before its end
-            self._backward_raised(None, "loss.backward()")
-            self._abandon_backward()
+        self._backward.forget_raised_autograd_backward()
         # Saved-tensor hooks that a direct call raising past its post-forward hook left entered.
         self._hooks.leave_saved_tensor_hooks()
         self._views.leave_direct_calls()
@@ -602,7 +600,7 @@ class PatrickStarEngine(nn.Module):
         if not self.guard.before_backward(loss, self.precision, agree):
             return
         scale = self.loss_scaler.scale / self.ps_config.gradient_accumulation_steps
-        self._run_backward([loss.float() * scale], None, retain_graph)
+        self._backward.run([loss.float() * scale], None, retain_graph)
 
     def backward_from(self, tensors, grads) -> None:
         """Backward from non-scalar `tensors` given their gradients: a pipeline stage other
@@ -610,113 +608,13 @@ class PatrickStarEngine(nn.Module):
         and 1/gradient_accumulation_steps. Counts as one `backward()` call."""
         if not self.guard.before_backward(torch.zeros(()), self.precision):
             return
-        self._run_backward(tensors, grads)
+        self._backward.run(tensors, grads)
 
-    def _run_backward(self, tensors, grads, retain_graph: bool = False) -> None:
-        self._keep_grad_hooks_last()
-        self._in_backward = True
-        self._stored_grads = 0
-        self.dp.before_backward()
-        try:
-            if tensors:
-                torch.autograd.backward(tensors, grads, retain_graph=retain_graph)
-        except BaseException as error:
-            self._backward_raised(error, "model.backward()")
-            raise
-        finally:
-            self._in_backward = False
-            # Modules whose inputs need no grad never see their post-backward hook.
-            self._release_all(S.HOLD_AFTER_BWD)
-        self._end_backward()
+    def _release_after_backward(self) -> None:
+        self._release_all(S.HOLD_AFTER_BWD)
 
-    # Note [Autocast's cast cache]
-    # Inside `torch.autocast` torch caches each parameter's cast (bf16 weight.to(...)) until
-    # the outermost autocast region exits, so a loop written inside one region (forward,
-    # backward and optimizer.step all under it) reuses the casts of its first forward in
-    # later iterations. For a plain model those casts are stale after a step (autocast's
-    # documentation asks for the region around the forward only); here the reused cast also
-    # brings back the earlier graph's cast node, whose backward met the parameter holding its
-    # placeholder and failed with a shape error. Each backward's end therefore drops the cache:
-    # the next forward casts the current weights, exactly as with autocast entered per step.
-    # Casts that graphs still hold are theirs; dropping the cache changes no value, and the
-    # cache of other models in the region refills at their next cast.
-    def _forget_autocast_casts(self) -> None:
-        torch.clear_autocast_cache()
-
-    def _end_backward(self) -> None:
-        self._forget_autocast_casts()
-        self.dp.after_backward()  # reads guard.ends_accumulation: before the count moves on
-        self.guard.after_backward()
+    def _count_micro_step(self) -> None:
         self.micro_step += 1
-
-    # Note [loss.backward()]
-    # PyTorch users write `loss.backward()`; DeepSpeed's and upstream PatrickStar's users write
-    # `model.backward(loss)`. Both work. A backward the user started through autograd is noticed
-    # at the engine's first parameter access inside an autograd graph task (a module's
-    # pre-backward hook, the recomputation of a checkpointed block, or a saved parameter
-    # unpacked): that access runs what model.backward() runs before autograd (the call-order
-    # checks, the data-parallel backward schedule) and queues the end of model.backward()
-    # (release, count, the last reduce-scatters) as an autograd callback, which runs when the
-    # graph task finishes, still inside loss.backward(). What loss.backward() cannot do:
-    #  * scale the loss. fp16 needs the loss scale before autograd runs, so it raises, naming
-    #    model.backward(loss); with gradient_accumulation_steps the user divides the loss, as
-    #    in a PyTorch accumulation loop (model.backward divides by itself).
-    #  * check the loss for NaN/inf before the backward (config nonfinite_loss): there is no
-    #    loss to look at. Non-finite gradients are then the user's, as in PyTorch.
-    # A graph task that stores no gradient is not a training backward: torch.autograd.grad (a
-    # gradient penalty, input gradients) runs the same hooks but accumulates nothing. So the
-    # call-order checks run when the first gradient is about to be stored, and a graph task
-    # that stored none ends with the release only, uncounted.
-    # A loss.backward() that raised before its end leaves no callback; the next forward
-    # releases what it held.
-    def _join_autograd_backward(self) -> None:
-        if self._in_backward or torch._C._current_graph_task_id() == -1:
-            return
-        self.guard.check_alive("loss.backward()")
-        self._keep_grad_hooks_last()
-        self._in_backward = True
-        self._autograd_unchecked = True
-        self._stored_grads = 0
-        self.dp.before_backward()
-        torch.autograd.Variable._execution_engine.queue_callback(self._end_autograd_backward)
-
-    def _before_storing_grad(self) -> None:
-        self._join_autograd_backward()
-        if not self._autograd_unchecked:
-            return
-        try:
-            if self.precision == "fp16":
-                raise RuntimeError(
-                    "loss.backward() in fp16 training: call model.backward(loss) instead, which "
-                    "applies the dynamic loss scale (without it small fp16 gradients underflow "
-                    "to zero)")
-            self.guard.check_backward_allowed("loss.backward()")
-        except BaseException:
-            self._abandon_backward()  # nothing stored: the engine is as before this backward
-            raise
-        self._autograd_unchecked = False
-
-    def _backward_raised(self, error: BaseException | None, what: str) -> None:
-        """A backward ended by an exception (Ctrl-C, an error in a backward hook) after it
-        stored gradients: they stay in the chunks, added to the step's, but the backward is not
-        counted (Note [Training call order] in guards.py)."""
-        if self._stored_grads:
-            self.guard.backward_failed(what, error, self._stored_grads)
-        self._stored_grads = 0
-
-    def _abandon_backward(self) -> None:
-        self._in_backward = self._autograd_unchecked = False
-        self._forget_autocast_casts()
-        self._release_all(S.HOLD_AFTER_BWD)
-
-    def _end_autograd_backward(self) -> None:
-        self._in_backward = False
-        self._release_all(S.HOLD_AFTER_BWD)
-        if self._autograd_unchecked:  # no gradient stored: torch.autograd.grad
-            self._autograd_unchecked = False
-            self._forget_autocast_casts()
-            return
-        self._end_backward()
 
     def _end_param_access(self, index: int) -> None:
         """Ends every access of parameter `index` (its module's backward hook then finds none to
@@ -729,25 +627,6 @@ class PatrickStarEngine(nn.Module):
         if count > 0:
             self._slots.release([index] * count, S.HOLD_AFTER_BWD)
 
-    # Note [User gradient hooks]
-    # The engine takes each gradient out of `p.grad` into its chunk in a post-accumulate-grad
-    # hook and sets `p.grad` to None. torch runs a parameter's post-accumulate-grad hooks in
-    # registration order, so a user's registered after initialize() (a gradient logger, the
-    # optimizer-in-backward recipe, a per-parameter clip) ran after the engine's and found
-    # None, and one changing `p.grad` changed nothing. Each backward therefore starts by moving
-    # the engine's hook behind any the user added since (`p.register_hook` tensor hooks run
-    # before accumulation and need nothing). torch calls the hooks from a snapshot of the
-    # dict's values, so the move must come before the backward, not inside it: model.backward
-    # does it before autograd runs, loss.backward() at the engine's first event in the graph
-    # task (a module's pre-backward, before any of that module's gradients accumulate). What
-    # still differs from PyTorch: `p.grad` holds this backward's gradient only, not the sum of
-    # the accumulation's (the sum is in the chunk: model.full_gradient(p) after the backward).
-    def _keep_grad_hooks_last(self) -> None:
-        for param, hook_id in self._grad_hooks:
-            hooks = param._post_accumulate_grad_hooks
-            if len(hooks) > 1 and next(reversed(hooks)) != hook_id:
-                hooks[hook_id] = hooks.pop(hook_id)  # to the end of the dict's own order too
-
     def _make_grad_hook(self, index: int):
         engine = weakref.ref(self)  # C++ holds the parameter too: Note [Engine lifetime]
 
@@ -757,12 +636,12 @@ class PatrickStarEngine(nn.Module):
             owner = engine()
             if grad is None or owner is None:
                 return
-            owner._before_storing_grad()
+            owner._backward.before_storing_grad()
             has_grad = owner.optimizer.has_grad
             if owner.dp.ends_param_access_at_grad:
                 owner._end_param_access(index)
             owner.dp.before_grad(index)
-            owner._stored_grads += 1  # counted before the store: it may add half a gradient
+            owner._backward.count_stored_grad()
             owner._slots.store_grad(index, grad, has_grad[index])
             has_grad[index] = True
             owner.dp.on_grad(index)

@@ -2,7 +2,7 @@
 
 Note [Training call order]
 The engine expects, per optimizer step, exactly `gradient_accumulation_steps` calls of
-`model.backward(loss)` (or `loss.backward()`, Note [loss.backward()] in engine.py) followed by
+`model.backward(loss)` (or `loss.backward()`, Note [loss.backward()] in backward_pass.py) followed by
 one `optimizer.step()` (and `zero_grad()`), as a DeepSpeed user writes it. `TrainingGuard`
 counts backward calls since the last step:
   * `step()` with no backward since the last step is an error (there are no gradients; a
@@ -140,7 +140,7 @@ class TrainingGuard:
 
     def check_backward_allowed(self, what: str) -> None:
         """The checks of every backward, also one the user started with `loss.backward()`
-        (Note [loss.backward()] in engine.py), which has no loss to check."""
+        (Note [loss.backward()] in backward_pass.py), which has no loss to check."""
         self.check_alive(what)
         self._check_no_failed_backward(what)
         if self.backwards >= self.accumulation:

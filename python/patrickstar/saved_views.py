@@ -58,7 +58,7 @@ class SavedParameterViews:
     """Owns the saved-tensor hooks of the engine's parameters. Handed the parameter slots (which
     tell a chunk view's parameter and count accesses), the parameters, the activation store for
     every other saved tensor, and `join_backward` (the engine's: a re-access inside a backward
-    joins it, Note [loss.backward()] in engine.py)."""
+    joins it, Note [loss.backward()] in backward_pass.py)."""
 
     def __init__(self, slots, params: list[nn.Parameter], activations,
                  join_backward: Callable[[], None]):

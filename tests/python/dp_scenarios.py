@@ -128,7 +128,7 @@ class Scenario:
     atol: float = 1e-6
     state_dtype: str = "fp32"  # optimizer.params.state_dtype
     # The worker calls (loss / accumulation).backward(), as a PyTorch loop does, instead of
-    # model.backward(loss) (Note [loss.backward()] in engine.py).
+    # model.backward(loss) (Note [loss.backward()] in backward_pass.py).
     autograd_backward: bool = False
     # torch.nn.utils.clip_grad_norm_(model.parameters(), clip) before each step instead of the
     # config's gradient_clipping (Note [torch's clip_grad_norm_] in clip_grad.py).

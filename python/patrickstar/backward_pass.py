@@ -1,0 +1,173 @@
+"""The engine's bookkeeping of one backward: the one started by `model.backward(loss)` and the one
+autograd starts on `loss.backward()` (joined at the engine's first event inside it), how it ends,
+what a backward that raised leaves behind, and the order of the gradient hooks at its start.
+
+The engine owns the parameters, their chunks and the gradient hooks' stores; a BackwardPass owns
+only whether a backward is under way and what it has stored so far, and it is handed what it
+calls at the backward's start and end (the guard, the data-parallel side, the release of every
+access, the engine's micro-step counter).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+
+class BackwardPass:
+    """Whether a backward is under way, and the gradients it stored (guards.py counts them)."""
+
+    def __init__(self, guard, dp, precision: str, release_all: Callable[[], None],
+                 counted: Callable[[], None]):
+        self._guard = guard
+        self._dp = dp
+        self._precision = precision
+        self._release_all = release_all  # every access given back after a backward
+        self._counted = counted  # the engine's micro-step moves on
+        self.in_backward = False  # Note [loss.backward()]
+        self._stored_grads = 0  # gradients stored by the backward under way (guards.py)
+        self._autograd_unchecked = False  # joined, no gradient stored yet
+        self._grad_hooks: list[tuple[nn.Parameter, int]] = []  # Note [User gradient hooks]
+
+    def register_grad_hook(self, param: nn.Parameter, hook: Callable) -> None:
+        """The engine's post-accumulate-grad hook of `param`, kept behind the user's."""
+        handle = param.register_post_accumulate_grad_hook(hook)
+        self._grad_hooks.append((param, handle.id))
+
+    def run(self, tensors, grads, retain_graph: bool = False) -> None:
+        """`model.backward(loss)`: autograd from `tensors` (the scaled loss), then the end."""
+        self._keep_grad_hooks_last()
+        self.in_backward = True
+        self._stored_grads = 0
+        self._dp.before_backward()
+        try:
+            if tensors:
+                torch.autograd.backward(tensors, grads, retain_graph=retain_graph)
+        except BaseException as error:
+            self.raised(error, "model.backward()")
+            raise
+        finally:
+            self.in_backward = False
+            # Modules whose inputs need no grad never see their post-backward hook.
+            self._release_all()
+        self._end()
+
+    # Note [Autocast's cast cache]
+    # Inside `torch.autocast` torch caches each parameter's cast (bf16 weight.to(...)) until
+    # the outermost autocast region exits, so a loop written inside one region (forward,
+    # backward and optimizer.step all under it) reuses the casts of its first forward in
+    # later iterations. For a plain model those casts are stale after a step (autocast's
+    # documentation asks for the region around the forward only); here the reused cast also
+    # brings back the earlier graph's cast node, whose backward met the parameter holding its
+    # placeholder and failed with a shape error. Each backward's end therefore drops the cache:
+    # the next forward casts the current weights, exactly as with autocast entered per step.
+    # Casts that graphs still hold are theirs; dropping the cache changes no value, and the
+    # cache of other models in the region refills at their next cast.
+    @staticmethod
+    def _forget_autocast_casts() -> None:
+        torch.clear_autocast_cache()
+
+    def _end(self) -> None:
+        self._forget_autocast_casts()
+        self._dp.after_backward()  # reads guard.ends_accumulation: before the count moves on
+        self._guard.after_backward()
+        self._counted()
+
+    # Note [loss.backward()]
+    # PyTorch users write `loss.backward()`; DeepSpeed's and upstream PatrickStar's users write
+    # `model.backward(loss)`. Both work. A backward the user started through autograd is noticed
+    # at the engine's first parameter access inside an autograd graph task (a module's
+    # pre-backward hook, the recomputation of a checkpointed block, or a saved parameter
+    # unpacked): that access runs what model.backward() runs before autograd (the call-order
+    # checks, the data-parallel backward schedule) and queues the end of model.backward()
+    # (release, count, the last reduce-scatters) as an autograd callback, which runs when the
+    # graph task finishes, still inside loss.backward(). What loss.backward() cannot do:
+    #  * scale the loss. fp16 needs the loss scale before autograd runs, so it raises, naming
+    #    model.backward(loss); with gradient_accumulation_steps the user divides the loss, as
+    #    in a PyTorch accumulation loop (model.backward divides by itself).
+    #  * check the loss for NaN/inf before the backward (config nonfinite_loss): there is no
+    #    loss to look at. Non-finite gradients are then the user's, as in PyTorch.
+    # A graph task that stores no gradient is not a training backward: torch.autograd.grad (a
+    # gradient penalty, input gradients) runs the same hooks but accumulates nothing. So the
+    # call-order checks run when the first gradient is about to be stored, and a graph task
+    # that stored none ends with the release only, uncounted.
+    # A loss.backward() that raised before its end leaves no callback; the next forward
+    # releases what it held (forget_raised_autograd_backward).
+    def join_autograd_backward(self) -> None:
+        if self.in_backward or torch._C._current_graph_task_id() == -1:
+            return
+        self._guard.check_alive("loss.backward()")
+        self._keep_grad_hooks_last()
+        self.in_backward = True
+        self._autograd_unchecked = True
+        self._stored_grads = 0
+        self._dp.before_backward()
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_autograd_backward)
+
+    def before_storing_grad(self) -> None:
+        """A gradient hook has a gradient to store (joins a loss.backward(), checks it)."""
+        self.join_autograd_backward()
+        if self._autograd_unchecked:
+            try:
+                if self._precision == "fp16":
+                    raise RuntimeError(
+                        "loss.backward() in fp16 training: call model.backward(loss) instead, "
+                        "which applies the dynamic loss scale (without it small fp16 gradients "
+                        "underflow to zero)")
+                self._guard.check_backward_allowed("loss.backward()")
+            except BaseException:
+                self._abandon()  # nothing stored: the engine is as before this backward
+                raise
+            self._autograd_unchecked = False
+
+    def count_stored_grad(self) -> None:
+        """Right before a gradient's store: counted first, since the store may add half of it."""
+        self._stored_grads += 1
+
+    def forget_raised_autograd_backward(self) -> None:
+        """At a forward: a loss.backward() that raised before its end is given up."""
+        if self.in_backward:
+            self.raised(None, "loss.backward()")
+            self._abandon()
+
+    def raised(self, error: BaseException | None, what: str) -> None:
+        """A backward ended by an exception (Ctrl-C, an error in a backward hook) after it
+        stored gradients: they stay in the chunks, added to the step's, but the backward is not
+        counted (Note [Training call order] in guards.py)."""
+        if self._stored_grads:
+            self._guard.backward_failed(what, error, self._stored_grads)
+        self._stored_grads = 0
+
+    def _abandon(self) -> None:
+        self.in_backward = self._autograd_unchecked = False
+        self._forget_autocast_casts()
+        self._release_all()
+
+    def _end_autograd_backward(self) -> None:
+        self.in_backward = False
+        self._release_all()
+        if self._autograd_unchecked:  # no gradient stored: torch.autograd.grad
+            self._autograd_unchecked = False
+            self._forget_autocast_casts()
+            return
+        self._end()
+
+    # Note [User gradient hooks]
+    # The engine takes each gradient out of `p.grad` into its chunk in a post-accumulate-grad
+    # hook and sets `p.grad` to None. torch runs a parameter's post-accumulate-grad hooks in
+    # registration order, so a user's registered after initialize() (a gradient logger, the
+    # optimizer-in-backward recipe, a per-parameter clip) ran after the engine's and found
+    # None, and one changing `p.grad` changed nothing. Each backward therefore starts by moving
+    # the engine's hook behind any the user added since (`p.register_hook` tensor hooks run
+    # before accumulation and need nothing). torch calls the hooks from a snapshot of the
+    # dict's values, so the move must come before the backward, not inside it: model.backward
+    # does it before autograd runs, loss.backward() at the engine's first event in the graph
+    # task (a module's pre-backward, before any of that module's gradients accumulate). What
+    # still differs from PyTorch: `p.grad` holds this backward's gradient only, not the sum of
+    # the accumulation's (the sum is in the chunk: model.full_gradient(p) after the backward).
+    def _keep_grad_hooks_last(self) -> None:
+        for param, hook_id in self._grad_hooks:
+            hooks = param._post_accumulate_grad_hooks
+            if len(hooks) > 1 and next(reversed(hooks)) != hook_id:
+                hooks[hook_id] = hooks.pop(hook_id)  # to the end of the dict's own order too
