@@ -56,8 +56,9 @@ from typing import Callable
 import torch
 from torch import nn
 
-from . import (_C, backward_pre_hooks, checkpoint, clip_grad, convert_parameters, dtypes,
-               module_zero_grad, param_owners, parametrizations, torch_optimizers)
+from . import (_C, averaged_model, backward_pre_hooks, checkpoint, clip_grad,
+               convert_parameters, dtypes, module_zero_grad, param_owners, parametrizations,
+               torch_optimizers)
 from .activations import ActivationCounter
 from .chunk_runtime import ChunkRuntime
 from .chunked_params import ChunkedParams
@@ -251,6 +252,7 @@ class PatrickStarEngine(nn.Module):
         module_zero_grad.install()  # model.module.zero_grad() drops the chunked gradients
         backward_pre_hooks.install()  # a user's full backward pre-hook runs after the access
         convert_parameters.install()  # parameters_to_vector reads the chunks' values
+        averaged_model.install()  # AveragedModel.update_parameters(model) reads them too
         parametrizations.install()  # weight_norm(...) after initialize() names model_func
         hooked = [m for m, owned in self._module_params.items() if owned]
         # Note [The user's module's state dict]

@@ -232,11 +232,40 @@ def test_summon_full_params_serves_averaged_model_as_pytorch():
     for _ in range(3):
         train(model, opt, steps=1)
         train(reference, ref_opt, steps=1)
-        with model.summon_full_params(writeback=False):  # it read placeholders: a size error
+        with model.summon_full_params(writeback=False):  # not needed (averaged_model.py)
             emas[0].update_parameters(model)
         emas[1].update_parameters(reference)
     for ours, ref in zip(emas[0].module.parameters(), emas[1].module.parameters()):
         torch.testing.assert_close(ours, ref, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("source", ["engine", "module", "inside_summon"])
+def test_averaged_model_update_parameters_reads_the_chunks_as_written_for_pytorch(source):
+    """The EMA/SWA recipe as users write it, `ema.update_parameters(model)` with no
+    summon_full_params around it: it read the empty placeholders and failed with torch's
+    "size of tensor a (32) must match the size of tensor b (0)". Buffers too
+    (use_buffers=True), and still right inside summon_full_params (no second lending)."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+    model, opt = make()
+    torch.manual_seed(0)
+    reference = net()
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
+    given = model.module if source == "module" else model
+    emas = [AveragedModel(m, multi_avg_fn=get_ema_multi_avg_fn(0.9), use_buffers=True)
+            for m in (given, reference)]
+    for _ in range(3):
+        train(model, opt, steps=1)
+        train(reference, ref_opt, steps=1)
+        if source == "inside_summon":
+            with model.summon_full_params(writeback=False):
+                emas[0].update_parameters(given)
+        else:
+            emas[0].update_parameters(given)
+        emas[1].update_parameters(reference)
+    for ours, ref in zip(emas[0].module.parameters(), emas[1].module.parameters()):
+        torch.testing.assert_close(ours, ref, rtol=0, atol=1e-6)
+    assert int(emas[0].n_averaged) == int(emas[1].n_averaged) == 3
+    model(torch.randn(2, 16))  # placeholders back, nothing written into them
 
 
 @pytest.mark.parametrize("writeback", [True, False])
