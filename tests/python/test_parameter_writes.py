@@ -284,6 +284,32 @@ def test_summon_full_params_writes_back_only_when_asked(writeback):
     model(torch.randn(2, 16))  # placeholders back, no write reported
 
 
+def test_a_forward_inside_summon_full_params_is_refused_naming_it():
+    """Evaluating inside the block (EMA weights copied in, then a forward), or merging a
+    torch.nn.utils.parametrize LoRA there (remove_parametrizations runs the parametrization's
+    forward), failed with the chunk runtime's "tensor '0.weight': illegal state transition
+    COMPUTE -> COMPUTE". Refused before anything is accessed, naming the module and the block
+    (FSDP refuses a forward there too); the engine trains on after it."""
+    model, opt = make()
+    torch.manual_seed(0)
+    reference = net()
+    x = torch.randn(2, 16)
+    with pytest.raises(RuntimeError, match=r"forward of module '0' \(Linear\) inside "
+                                           r"model\.summon_full_params\(\)"):
+        with model.summon_full_params(writeback=False):
+            model(x)
+    with pytest.raises(RuntimeError, match=r"module '2' \(Linear\) inside"):
+        with model.summon_full_params(writeback=False):
+            model.module[2](torch.randn(2, 32))
+    torch.testing.assert_close(model(x), reference(x), rtol=0, atol=0)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
+    train(model, opt)
+    train(reference, ref_opt)
+    state = model.state_dict()
+    for name, tensor in reference.state_dict().items():
+        torch.testing.assert_close(state[name], tensor, rtol=0, atol=1e-6)
+
+
 def test_a_shape_change_is_refused_naming_it_and_the_other_changes_stay():
     model, _ = make()
     before = model.state_dict()
