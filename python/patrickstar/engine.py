@@ -56,8 +56,9 @@ from typing import Callable
 import torch
 from torch import nn
 
-from . import (_C, backward_pre_hooks, checkpoint, clip_grad, convert_parameters, dtypes,
-               module_zero_grad, param_owners, parametrizations, torch_optimizers)
+from . import (_C, averaged_model, backward_pre_hooks, checkpoint, clip_grad,
+               convert_parameters, dtypes, module_zero_grad, param_owners, parametrizations,
+               torch_optimizers)
 from .activations import ActivationCounter
 from .chunk_runtime import ChunkRuntime
 from .chunked_params import ChunkedParams
@@ -166,6 +167,7 @@ class PatrickStarEngine(nn.Module):
         # Module -> accesses of forwards recomputed inside this backward that its backward has
         # not yet given back (Note [Recomputed forwards]).
         self._recompute_holds: dict[nn.Module, int] = {}
+        self._summoned = 0  # open summon_full_params() blocks: Note [No forward while summoned]
 
         # Before the model is built: tensor-parallel layers size their slices by the groups.
         self.dp = DataParallel(config, *world)
@@ -251,6 +253,7 @@ class PatrickStarEngine(nn.Module):
         module_zero_grad.install()  # model.module.zero_grad() drops the chunked gradients
         backward_pre_hooks.install()  # a user's full backward pre-hook runs after the access
         convert_parameters.install()  # parameters_to_vector reads the chunks' values
+        averaged_model.install()  # AveragedModel.update_parameters(model) reads them too
         parametrizations.install()  # weight_norm(...) after initialize() names model_func
         hooked = [m for m, owned in self._module_params.items() if owned]
         # Note [The user's module's state dict]
@@ -406,6 +409,8 @@ class PatrickStarEngine(nn.Module):
     def _access_module(self, module: nn.Module, phase: str) -> None:
         indices = self._module_params.get(module)
         if indices:
+            if self._summoned:
+                self._refuse_forward_while_summoned(module)
             self._backward.join_autograd_backward()
             self._slots.access(indices)
             if phase == "fwd" and _recomputing():
@@ -956,8 +961,32 @@ class PatrickStarEngine(nn.Module):
                             f"False, not {type(writeback).__name__}; it gathers every parameter "
                             f"(DeepSpeed's GatheredParameters(params, modifier_rank=0) is "
                             f"summon_full_params(writeback=True))")
-        with ModuleApply(self, pending_until_end=self.dp.enabled).lent(self.module, writeback):
-            yield
+        self._summoned += 1
+        try:
+            with ModuleApply(self, pending_until_end=self.dp.enabled).lent(self.module, writeback):
+                yield
+        finally:
+            self._summoned -= 1
+
+    # Note [No forward while summoned]
+    # Inside summon_full_params() a parameter holds a lent copy of its values (or a deferred
+    # placeholder that lends one on first touch), not its chunk slot; a module's access then
+    # met a slot already taken by the lending and failed in the chunk runtime ("tensor
+    # '0.weight': illegal state transition COMPUTE -> COMPUTE"), naming neither the forward nor
+    # the block. Users reach it evaluating EMA weights copied in inside the block, or merging a
+    # torch.nn.utils.parametrize LoRA there (remove_parametrizations computes the weight with
+    # the parametrization's forward). FSDP refuses forwards in its summon_full_params too, so
+    # the access is refused before it touches anything, saying what to do instead.
+    def _refuse_forward_while_summoned(self, module: nn.Module) -> None:
+        name = next((n for n, m in self.module.named_modules() if m is module), None)
+        raise RuntimeError(
+            f"forward of module '{name}' ({type(module).__name__}) inside "
+            f"model.summon_full_params(): inside the block the parameters hold copies for "
+            f"reading or editing by hand, and a forward needs them in their chunks. Run the "
+            f"forward after the block (to evaluate other weights, load them with "
+            f"model.load_state_dict or edit them with writeback=True first); a "
+            f"torch.nn.utils.parametrize merge (remove_parametrizations) runs a forward too: "
+            f"merge on a plain copy, copy.deepcopy(model.module)")
 
     def parameter_in_use(self, index: int) -> bool:
         """Whether parameter `index` holds its chunk view now (inside its module's use)."""

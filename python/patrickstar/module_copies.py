@@ -15,22 +15,28 @@ returns its state with:
     as long as the copy operation holds it), so tied weights stay tied in the copy;
   * the engine's hooks and registrations left out, and no `__getstate__` of its own, nor the
     methods the engine shadows on it (Note [Methods of the user's modules]).
-The copy is therefore an ordinary PyTorch module, independent of the engine. The engine itself
+A module with a torch.nn.utils.parametrize parametrization (a LoRA delta in model_func) has a
+class of torch's making with a `__deepcopy__` that copies `__dict__` as it is, so its own
+parameters (the bias beside the parametrized weight) stayed placeholders in the copy; such a
+module gets an instance-level `__deepcopy__` too, which does what torch's does with the state
+above. The copy is therefore an ordinary PyTorch module, independent of the engine. The engine itself
 deep-copies to such a copy of its module (two engines would need two chunk runtimes) and refuses
 to be pickled, naming what to save instead.
 """
 from __future__ import annotations
 
+import copy
 import functools
 import weakref
 
 from torch import nn
+from torch.nn.utils import parametrize
 
 from .module_methods import Shadow
 
 __all__ = ["ModuleCopies"]
 
-_OWN_ATTRIBUTES = ("__getstate__", "_patrickstar_external_parameters")
+_OWN_ATTRIBUTES = ("__getstate__", "__deepcopy__", "_patrickstar_external_parameters")
 
 
 class ModuleCopies:
@@ -43,6 +49,18 @@ class ModuleCopies:
             weakref.WeakValueDictionary()
         for module in modules:
             module.__dict__["__getstate__"] = functools.partial(self._state_of, module)
+            if parametrize.is_parametrized(module):
+                module.__dict__["__deepcopy__"] = functools.partial(self._deepcopy_of, module)
+
+    def _deepcopy_of(self, module: nn.Module, memo: dict) -> nn.Module:
+        """torch's `__deepcopy__` of parametrized classes (parametrize.py), over the state
+        `_state_of` gives rather than `module.__dict__`."""
+        replica = memo.get(id(module))
+        if replica is None:
+            replica = module.__class__.__new__(module.__class__)
+            memo[id(module)] = replica
+            replica.__dict__ = copy.deepcopy(self._state_of(module), memo)
+        return replica
 
     def _state_of(self, module: nn.Module) -> dict:
         engine = self._engine()

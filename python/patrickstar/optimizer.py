@@ -113,10 +113,15 @@ def build_param_groups(module: torch.nn.Module, groups, optimizer) -> list[dict]
                              f"eps={merged['eps']}")
         merged["params"] = params
         result.append(merged)
-    missing = [p for p in all_params if p.requires_grad and id(p) not in seen]
-    if missing:
-        raise ValueError(f"param_groups: {len(missing)} trainable parameter(s) are in no group "
-                         f"(first has shape {tuple(missing[0].shape)})")
+    missing = [f"'{name}' {tuple(p.shape)}" for name, p in module.named_parameters()
+               if p.requires_grad and id(p) not in seen]
+    if missing:  # torch would leave them untrained; here the step covers every trainable one
+        raise ValueError(
+            f"param_groups: {len(missing)} trainable parameter(s) are in no group: "
+            f"{', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}; the optimizer "
+            f"steps every trainable parameter of the model, so freeze those it should not "
+            f"train with requires_grad_(False) in model_func (or on the module given) or put "
+            f"them in a group")
     return result
 
 

@@ -61,6 +61,57 @@ def test_tied_weights_stay_tied_in_the_copy():
                                    model(input_ids=tokens).logits, rtol=0, atol=0)
 
 
+class LowRank(nn.Module):
+    """A LoRA delta as a torch.nn.utils.parametrize parametrization (minLoRA's recipe)."""
+
+    def __init__(self, features: int, rank: int = 2):
+        super().__init__()
+        self.down = nn.Parameter(torch.randn(rank, features) * 0.1)
+        self.up = nn.Parameter(torch.randn(features, rank) * 0.1)
+
+    def forward(self, weight):
+        return weight + self.up @ self.down
+
+
+def parametrized_mlp() -> MLP:
+    built = MLP(sizes=(32, 32, 10))
+    built.requires_grad_(False)
+    nn.utils.parametrize.register_parametrization(built.layers[0], "weight", LowRank(32))
+    built.layers[1].requires_grad_(True)
+    return built
+
+
+def test_deepcopy_of_parametrized_modules_has_their_own_parameters_too():
+    """A LoRA merge on a plain copy (copy.deepcopy(model.module), then
+    remove_parametrizations): torch gives parametrized modules a class with its own
+    __deepcopy__, which copied their __dict__ as it is, so their own parameters (the bias
+    beside the parametrized weight) stayed empty placeholders of shape (0,) in the copy."""
+    torch.manual_seed(0)
+    reference = parametrized_mlp()
+    torch.manual_seed(0)
+    model, optimizer = patrickstar.initialize(parametrized_mlp, config={
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-2}}, "default_chunk_size": 4096})
+    x, y = torch.randn(4, 32), torch.randint(0, 10, (4,))
+    for trained_model, opt in ((model, optimizer), (reference, torch.optim.Adam(
+            [p for p in reference.parameters() if p.requires_grad], lr=1e-2))):
+        loss = trained_model(x, y)
+        if trained_model is model:
+            model.backward(loss)
+        else:
+            loss.backward()
+        opt.step()
+    plain = copy.deepcopy(model.module)
+    assert_same_weights(plain, model)
+    for name, tensor in reference.state_dict().items():
+        torch.testing.assert_close(plain.state_dict()[name], tensor, rtol=0, atol=1e-6)
+    torch.testing.assert_close(plain(x, y), reference(x, y), rtol=0, atol=1e-6)
+    for merged in (plain, reference):
+        nn.utils.parametrize.remove_parametrizations(merged.layers[0], "weight")
+    # (the merge removes the weight property from the class, which torch's copy shares with
+    # the original: the engine's module, like a plain original, cannot run after it)
+    torch.testing.assert_close(plain.state_dict(), reference.state_dict(), rtol=0, atol=1e-6)
+
+
 def test_torch_save_of_the_module_loads_as_a_plain_module():
     model, _ = trained()
     buffer = io.BytesIO()

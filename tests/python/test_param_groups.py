@@ -201,3 +201,18 @@ def test_torch_group_keys_that_change_the_update_are_refused_naming_them(optimiz
                                config={"optimizer": {"type": optimizer, "params": {"lr": 1e-3}}})
     # Checked before placement: the module keeps its weights.
     assert all(p.numel() > 0 for p in module.parameters())
+
+
+def test_trainable_parameters_left_out_of_the_groups_are_named_with_what_to_do():
+    """torch trains only what its optimizer was given (an optimizer over the head alone); here
+    the optimizer steps every trainable parameter, so groups leaving some out are refused. The
+    message named only the first one's shape ("first has shape (64, 32)"); it names them and
+    says to freeze them or give them a group."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(ValueError, match=r"4 trainable parameter\(s\) are in no group: "
+                                             r"'layers\.0\.weight' \(64, 32\), 'layers\.0\.bias' "
+                                             r"\(64,\), 'layers\.1\.weight' \(64, 64\), \.\.\.; .*"
+                                             r"requires_grad_\(False\)"):
+            patrickstar.initialize(MLP, config={"default_chunk_size": 4096},
+                                   param_groups=lambda m: [{"params": m.layers[2].parameters()}])

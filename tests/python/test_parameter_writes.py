@@ -232,11 +232,40 @@ def test_summon_full_params_serves_averaged_model_as_pytorch():
     for _ in range(3):
         train(model, opt, steps=1)
         train(reference, ref_opt, steps=1)
-        with model.summon_full_params(writeback=False):  # it read placeholders: a size error
+        with model.summon_full_params(writeback=False):  # not needed (averaged_model.py)
             emas[0].update_parameters(model)
         emas[1].update_parameters(reference)
     for ours, ref in zip(emas[0].module.parameters(), emas[1].module.parameters()):
         torch.testing.assert_close(ours, ref, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("source", ["engine", "module", "inside_summon"])
+def test_averaged_model_update_parameters_reads_the_chunks_as_written_for_pytorch(source):
+    """The EMA/SWA recipe as users write it, `ema.update_parameters(model)` with no
+    summon_full_params around it: it read the empty placeholders and failed with torch's
+    "size of tensor a (32) must match the size of tensor b (0)". Buffers too
+    (use_buffers=True), and still right inside summon_full_params (no second lending)."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+    model, opt = make()
+    torch.manual_seed(0)
+    reference = net()
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
+    given = model.module if source == "module" else model
+    emas = [AveragedModel(m, multi_avg_fn=get_ema_multi_avg_fn(0.9), use_buffers=True)
+            for m in (given, reference)]
+    for _ in range(3):
+        train(model, opt, steps=1)
+        train(reference, ref_opt, steps=1)
+        if source == "inside_summon":
+            with model.summon_full_params(writeback=False):
+                emas[0].update_parameters(given)
+        else:
+            emas[0].update_parameters(given)
+        emas[1].update_parameters(reference)
+    for ours, ref in zip(emas[0].module.parameters(), emas[1].module.parameters()):
+        torch.testing.assert_close(ours, ref, rtol=0, atol=1e-6)
+    assert int(emas[0].n_averaged) == int(emas[1].n_averaged) == 3
+    model(torch.randn(2, 16))  # placeholders back, nothing written into them
 
 
 @pytest.mark.parametrize("writeback", [True, False])
@@ -253,6 +282,32 @@ def test_summon_full_params_writes_back_only_when_asked(writeback):
     assert torch.equal(state["0.weight"], before["0.weight"] * factor)
     assert torch.equal(state["2.bias"], torch.full((4,), 3.0) if writeback else before["2.bias"])
     model(torch.randn(2, 16))  # placeholders back, no write reported
+
+
+def test_a_forward_inside_summon_full_params_is_refused_naming_it():
+    """Evaluating inside the block (EMA weights copied in, then a forward), or merging a
+    torch.nn.utils.parametrize LoRA there (remove_parametrizations runs the parametrization's
+    forward), failed with the chunk runtime's "tensor '0.weight': illegal state transition
+    COMPUTE -> COMPUTE". Refused before anything is accessed, naming the module and the block
+    (FSDP refuses a forward there too); the engine trains on after it."""
+    model, opt = make()
+    torch.manual_seed(0)
+    reference = net()
+    x = torch.randn(2, 16)
+    with pytest.raises(RuntimeError, match=r"forward of module '0' \(Linear\) inside "
+                                           r"model\.summon_full_params\(\)"):
+        with model.summon_full_params(writeback=False):
+            model(x)
+    with pytest.raises(RuntimeError, match=r"module '2' \(Linear\) inside"):
+        with model.summon_full_params(writeback=False):
+            model.module[2](torch.randn(2, 32))
+    torch.testing.assert_close(model(x), reference(x), rtol=0, atol=0)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
+    train(model, opt)
+    train(reference, ref_opt)
+    state = model.state_dict()
+    for name, tensor in reference.state_dict().items():
+        torch.testing.assert_close(state[name], tensor, rtol=0, atol=1e-6)
 
 
 def test_a_shape_change_is_refused_naming_it_and_the_other_changes_stay():
