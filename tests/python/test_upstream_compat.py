@@ -553,3 +553,39 @@ def test_hugging_face_parameter_rebuilds_name_what_to_do_instead():
         model.post_init()
     # The module's own methods that change nothing still pass through.
     assert model.get_input_embeddings() is model.module.transformer.wte
+
+
+@pytest.mark.parametrize("module,name,instead", [
+    ("patrickstar.checkpoint", "checkpoint", "torch.utils.checkpoint.checkpoint"),
+    ("patrickstar.checkpoint", "checkpoint_sequential", "torch.utils.checkpoint"),
+    ("patrickstar.profiler", "torch_profiler", "torch.profiler"),
+    ("patrickstar.utils.model_size_calculator", "estimate_bert_MAC", "get_ps_model_size")])
+def test_upstream_names_in_packages_named_alike_say_what_to_use(module, name, instead):
+    """Upstream's patrickstar.checkpoint was activation checkpointing (a copy of
+    torch.utils.checkpoint), here it is checkpoint files: `from patrickstar.checkpoint import
+    checkpoint` failed with a bare "cannot import name"; so did upstream's torch_profiler and
+    estimate_bert_MAC."""
+    with pytest.raises(ImportError, match=f"'{module}.{name}' is upstream") as error:
+        exec(f"from {module} import {name}")
+    assert instead in str(error.value)
+    assert not hasattr(__import__(module, fromlist=["x"]), "no_such_name")
+    with pytest.raises(ModuleNotFoundError, match="torch.utils.checkpoint"):
+        import patrickstar.checkpoint.torch_checkpoint  # noqa: F401
+
+
+def test_upstream_profiler_started_is_a_method(tmp_path):
+    """Upstream's `profiler.started()` (what its hooks and engine ask before recording) is a
+    method; here it was a bool attribute, so `profiler.started()` raised "'bool' object is not
+    callable"."""
+    from patrickstar.profiler import profiler
+    assert profiler.started() is False
+    profiler.start()
+    model, optimizer = patrickstar.initialize(lambda: torch.nn.Linear(4, 4),
+                                              config={"default_chunk_size": 1024})
+    assert profiler.started() is True
+    model.backward(model(torch.randn(2, 4)).sum())
+    optimizer.step()
+    profiler.end()
+    assert profiler.started() is False
+    profiler.save(str(tmp_path / "p.pkl"))
+    model.destroy()
