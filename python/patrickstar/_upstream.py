@@ -29,7 +29,11 @@ _RECOMPUTE = ("use torch.utils.checkpoint.checkpoint(function, *args, use_reentr
 # Upstream module -> what to use instead. A name covers its submodules.
 UPSTREAM_ONLY = {
     "patrickstar.core": "upstream's Python chunk client (PatrickStarClient, PSPreProcessCtx, "
-                        "chunk lists) does not exist in PatrickStar-C++; " + _BUILD,
+                        "chunk lists) does not exist in PatrickStar-C++; " + _BUILD + "; "
+                        "torch_scope (parameters kept out of chunks, e.g. MoE experts) has "
+                        "no counterpart: every parameter is chunked, so drop the `with "
+                        "torch_scope(...)` (under data parallelism their gradients are then "
+                        "averaged over the ranks like the others')",
     "patrickstar.manager": "the runtime memory tracer is C++ here; set budgets with config "
                            "memory.device_budget / memory.host_budget / memory.nvme",
     "patrickstar.ops": "the optimizer (fused CPU/GPU Adam and AdamW over chunks) comes back from "
