@@ -637,3 +637,19 @@ def test_upstream_torch_scope_says_what_to_do():
     (parameters kept out of chunks); the message named only PatrickStarClient."""
     with pytest.raises(ModuleNotFoundError, match="torch_scope.*every parameter"):
         exec("from patrickstar.core import torch_scope")
+
+
+def test_see_memory_usage_takes_upstreams_scale_name(caplog):
+    """Upstream's see_memory_usage(message, force=False, scale_name="MB"): the keyword raised
+    TypeError here."""
+    from patrickstar.utils import see_memory_usage
+    with caplog.at_level(logging.INFO, logger="patrickstar"):
+        see_memory_usage("in MB", force=True, scale_name="MB")
+        see_memory_usage("in bytes", force=True, scale_name="B")
+        see_memory_usage("not forced", scale_name="MB")
+    lines = [r.getMessage() for r in caplog.records]
+    assert any(line.startswith("in MB | RSS ") and line.endswith(" MB") for line in lines)
+    assert any(line.startswith("in bytes | RSS ") and line.endswith(" B") for line in lines)
+    assert not any("not forced" in line for line in lines)
+    with pytest.raises(ValueError, match="scale_name.*'GiB'.*'MB'"):
+        see_memory_usage("x", force=True, scale_name="GiB")
