@@ -19,10 +19,21 @@ _PROFILE = ("profile with `with patrickstar.profile(model, 'prof/'):` or config 
             "{'profile': {'enabled': true, 'output_dir': ...}}: trace.json has every phase's "
             "time, memory.csv every moment's memory")
 
+# Upstream's patrickstar.checkpoint was activation checkpointing (a copy of torch's); here that
+# package holds checkpoint files (model.save_checkpoint), so its names are answered one by one.
+_RECOMPUTE = ("use torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False) (or "
+              "torch.utils.checkpoint.checkpoint_sequential): it recomputes the engine's modules "
+              "as upstream's did (patrickstar.checkpoint here holds checkpoint files: "
+              "model.save_checkpoint(dir))")
+
 # Upstream module -> what to use instead. A name covers its submodules.
 UPSTREAM_ONLY = {
     "patrickstar.core": "upstream's Python chunk client (PatrickStarClient, PSPreProcessCtx, "
-                        "chunk lists) does not exist in PatrickStar-C++; " + _BUILD,
+                        "chunk lists) does not exist in PatrickStar-C++; " + _BUILD + "; "
+                        "torch_scope (parameters kept out of chunks, e.g. MoE experts) has "
+                        "no counterpart: every parameter is chunked, so drop the `with "
+                        "torch_scope(...)` (under data parallelism their gradients are then "
+                        "averaged over the ranks like the others')",
     "patrickstar.manager": "the runtime memory tracer is C++ here; set budgets with config "
                            "memory.device_budget / memory.host_budget / memory.nvme",
     "patrickstar.ops": "the optimizer (fused CPU/GPU Adam and AdamW over chunks) comes back from "
@@ -37,6 +48,7 @@ UPSTREAM_ONLY = {
     "patrickstar.runtime.init_context": _BUILD,
     "patrickstar.runtime.checkpoint": "use model.save_checkpoint(dir) / "
                                       "model.load_checkpoint(dir) (docs/reliability.md)",
+    "patrickstar.checkpoint.torch_checkpoint": _RECOMPUTE,
     "patrickstar.utils.timer": _PROFILE,
     "patrickstar.utils.metronome": _PROFILE,
     "patrickstar.utils.memory": "use `model.memory_stats()` (per tier: budget, bytes now and "
@@ -47,12 +59,21 @@ UPSTREAM_ONLY = {
 }
 
 
-# Names upstream's `patrickstar.utils` exported that have no counterpart here.
+# Names upstream's modules exported that have no counterpart here (each module answers them
+# from its `__getattr__`).
 UPSTREAM_NAMES = {
     "patrickstar.utils.getsizeof": "use `sys.getsizeof` or `tensor.nbytes`",
     "patrickstar.utils.get_memory_info": "use `model.memory_stats()` or "
                                          "`patrickstar.utils.get_sys_memory_used(device)`",
     "patrickstar.utils.SingletonMeta": "not needed: PatrickStar-C++ keeps no global singletons",
+    "patrickstar.utils.model_size_calculator.estimate_bert_MAC":
+        "it returned numel * batch_size * sequence_length * 8, with numel = "
+        "get_ps_model_size(model)[0]; compute that in the script",
+    "patrickstar.checkpoint.checkpoint": _RECOMPUTE,
+    "patrickstar.checkpoint.checkpoint_sequential": _RECOMPUTE,
+    "patrickstar.profiler.torch_profiler": "upstream filled it from "
+                                           "patrickstar.core.torch_profiler_hook for plain "
+                                           "PyTorch runs; profile those with torch.profiler",
 }
 
 

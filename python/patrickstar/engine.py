@@ -843,7 +843,8 @@ class PatrickStarEngine(nn.Module):
         unexpected = [name for name in state_dict if name not in own]
         if strict and (missing or unexpected):
             raise RuntimeError(f"load_state_dict: missing keys {missing}, unexpected keys "
-                               f"{unexpected}")
+                               f"{unexpected} (load_state_dict(state_dict, strict=False) loads "
+                               f"the keys the model has, as upstream PatrickStar's default did)")
         try:
             self._load_values(own, state_dict)
         finally:

@@ -2,6 +2,8 @@
 (for a `PipelineModule`) one pipeline stage's engine, with its optimizer."""
 from __future__ import annotations
 
+import warnings
+from collections.abc import Mapping
 from typing import Callable
 
 from torch import nn
@@ -102,5 +104,24 @@ def initialize_engine(model_func: Callable[[], nn.Module], local_rank: int = 0, 
                         "PatrickStarClient does not exist in PatrickStar-C++; the engine builds "
                         "its own chunk runtime from config (memory.*), so drop the argument and "
                         "build the model inside model_func")
+    if param_groups is None:  # (groups may give their own lr)
+        _warn_if_lr_defaults(config)
     return initialize(model_func, config=config, local_rank=local_rank,
                       param_groups=param_groups)
+
+
+def _warn_if_lr_defaults(config) -> None:
+    """Upstream's engine filled a missing optimizer lr with 0.01 (eps 1e-8); here the default is
+    torch's and DeepSpeed's 1e-3, so an upstream script that relied on it would train at a tenth
+    of its rate without a word. Only a dict (or no config) is looked at: a JSON path is
+    DeepSpeed's way, whose default is this one."""
+    if config is not None and not isinstance(config, Mapping):
+        return
+    optimizer = (config or {}).get("optimizer", {})
+    params = optimizer.get("params", {}) if isinstance(optimizer, Mapping) else None
+    if isinstance(params, Mapping) and not any(  # (load_config reports other types)
+            isinstance(key, str) and key.lower() == "lr" for key in params):
+        warnings.warn("initialize_engine: no optimizer.params.lr in the config, so the "
+                      "optimizer uses lr=1e-3 (torch's and DeepSpeed's default); upstream "
+                      "PatrickStar's engine used 0.01. Give the lr to silence this",
+                      UserWarning, stacklevel=3)

@@ -553,3 +553,103 @@ def test_hugging_face_parameter_rebuilds_name_what_to_do_instead():
         model.post_init()
     # The module's own methods that change nothing still pass through.
     assert model.get_input_embeddings() is model.module.transformer.wte
+
+
+@pytest.mark.parametrize("module,name,instead", [
+    ("patrickstar.checkpoint", "checkpoint", "torch.utils.checkpoint.checkpoint"),
+    ("patrickstar.checkpoint", "checkpoint_sequential", "torch.utils.checkpoint"),
+    ("patrickstar.profiler", "torch_profiler", "torch.profiler"),
+    ("patrickstar.utils.model_size_calculator", "estimate_bert_MAC", "get_ps_model_size")])
+def test_upstream_names_in_packages_named_alike_say_what_to_use(module, name, instead):
+    """Upstream's patrickstar.checkpoint was activation checkpointing (a copy of
+    torch.utils.checkpoint), here it is checkpoint files: `from patrickstar.checkpoint import
+    checkpoint` failed with a bare "cannot import name"; so did upstream's torch_profiler and
+    estimate_bert_MAC."""
+    with pytest.raises(ImportError, match=f"'{module}.{name}' is upstream") as error:
+        exec(f"from {module} import {name}")
+    assert instead in str(error.value)
+    assert not hasattr(__import__(module, fromlist=["x"]), "no_such_name")
+    with pytest.raises(ModuleNotFoundError, match="torch.utils.checkpoint"):
+        import patrickstar.checkpoint.torch_checkpoint  # noqa: F401
+
+
+def test_upstream_profiler_started_is_a_method(tmp_path):
+    """Upstream's `profiler.started()` (what its hooks and engine ask before recording) is a
+    method; here it was a bool attribute, so `profiler.started()` raised "'bool' object is not
+    callable"."""
+    from patrickstar.profiler import profiler
+    assert profiler.started() is False
+    profiler.start()
+    model, optimizer = patrickstar.initialize(lambda: torch.nn.Linear(4, 4),
+                                              config={"default_chunk_size": 1024})
+    assert profiler.started() is True
+    model.backward(model(torch.randn(2, 4)).sum())
+    optimizer.step()
+    profiler.end()
+    assert profiler.started() is False
+    profiler.save(str(tmp_path / "p.pkl"))
+    model.destroy()
+
+
+def test_partial_state_dict_load_says_strict_false_loads_the_rest():
+    """Upstream's engine.load_state_dict defaulted to strict=False (missing keys only logged);
+    here torch's strict=True refuses, and the error says how to load the keys given, which then
+    load as torch's load_state_dict(strict=False) loads them."""
+    torch.manual_seed(0)
+    model, _ = patrickstar.initialize(lambda: torch.nn.Sequential(
+        torch.nn.Linear(4, 8), torch.nn.Linear(8, 2)), config={"default_chunk_size": 1024})
+    torch.manual_seed(1)
+    reference = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    partial = {k: v for k, v in reference.state_dict().items() if k.startswith("0.")}
+    before = model.state_dict()
+    with pytest.raises(RuntimeError, match=r"missing keys \['1.weight', '1.bias'\].*"
+                                           r"strict=False"):
+        model.load_state_dict(partial)
+    result = model.load_state_dict(partial, strict=False)
+    expected = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    expected.load_state_dict(before)
+    assert result == expected.load_state_dict(partial, strict=False)
+    for name, tensor in expected.state_dict().items():
+        assert torch.equal(model.state_dict()[name], tensor), name
+    model.destroy()
+
+
+def test_initialize_engine_without_lr_names_upstreams_default():
+    """Upstream's engine filled a missing optimizer lr with 0.01; here it is torch's and
+    DeepSpeed's 1e-3, so an upstream script relying on the default trained 10x slower without
+    a word. initialize_engine (upstream's entry point) now says so."""
+    from patrickstar.runtime import initialize_engine
+    for config in (None, {"default_chunk_size": 1024},
+                   {"optimizer": {"type": "Adam", "params": {"eps": 1e-6}}}):
+        with pytest.warns(UserWarning, match=r"optimizer.params.lr.*1e-3.*0\.01"):
+            model, optimizer = initialize_engine(lambda: torch.nn.Linear(4, 4), 0, config)
+        assert optimizer.param_groups[0]["lr"] == 1e-3
+        model.destroy()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model, _ = initialize_engine(lambda: torch.nn.Linear(4, 4), 0,
+                                     {"optimizer": {"params": {"LR": 0.5}}})
+    model.destroy()
+
+
+def test_upstream_torch_scope_says_what_to_do():
+    """Upstream's MoE example wraps its experts in `with torch_scope(do_allreduce=False):`
+    (parameters kept out of chunks); the message named only PatrickStarClient."""
+    with pytest.raises(ModuleNotFoundError, match="torch_scope.*every parameter"):
+        exec("from patrickstar.core import torch_scope")
+
+
+def test_see_memory_usage_takes_upstreams_scale_name(caplog):
+    """Upstream's see_memory_usage(message, force=False, scale_name="MB"): the keyword raised
+    TypeError here."""
+    from patrickstar.utils import see_memory_usage
+    with caplog.at_level(logging.INFO, logger="patrickstar"):
+        see_memory_usage("in MB", force=True, scale_name="MB")
+        see_memory_usage("in bytes", force=True, scale_name="B")
+        see_memory_usage("not forced", scale_name="MB")
+    lines = [r.getMessage() for r in caplog.records]
+    assert any(line.startswith("in MB | RSS ") and line.endswith(" MB") for line in lines)
+    assert any(line.startswith("in bytes | RSS ") and line.endswith(" B") for line in lines)
+    assert not any("not forced" in line for line in lines)
+    with pytest.raises(ValueError, match="scale_name.*'GiB'.*'MB'"):
+        see_memory_usage("x", force=True, scale_name="GiB")

@@ -82,6 +82,7 @@ files; a rank with no counterpart in the checkpoint (loading N on M > N ranks) t
 from __future__ import annotations
 
 from . import shard
+from .. import _upstream
 from .atomic_files import remove_stale_partials
 from .engine_state import SAVED_KINDS, EngineState
 from .errors import CheckpointError
@@ -95,3 +96,9 @@ __all__ = ["CheckpointError", "CheckpointReader", "EngineState", "Entry", "FORMA
            "META", "SAVED_KINDS", "Shard", "VERSION", "extra_name", "load_checkpoint",
            "meta_checksum", "owned_tensor_names", "read_meta", "remove_stale_partials",
            "resolve_tag", "save_checkpoint", "shard", "shard_name", "write_shard"]
+
+
+def __getattr__(name: str):
+    # Upstream's patrickstar.checkpoint held activation checkpointing (checkpoint,
+    # checkpoint_sequential): those names say what to use instead (_upstream.py).
+    return _upstream.missing_name(__name__, name)

@@ -28,7 +28,7 @@ __all__ = ["UpstreamProfiler", "profiler"]
 
 class UpstreamProfiler:
     def __init__(self):
-        self.started = False
+        self._started = False
         self.warmup_finished = False
         self._recorder: Profiler | None = None
         self._engines: "weakref.WeakSet" = weakref.WeakSet()
@@ -42,7 +42,7 @@ class UpstreamProfiler:
     def engine_built(self, engine) -> None:
         """Called for every engine at construction (recorder.profiler_from_config)."""
         self._engines.add(engine)
-        if not self.started:
+        if not self._started:
             return
         if self._recorder is not None and self._recording_earlier:
             # The script's model, built after start(), replaces an older engine still alive
@@ -62,8 +62,13 @@ class UpstreamProfiler:
         # The recorder needs a directory; save(path) writes the outputs where the script says.
         self._recorder = Profiler(engine, tempfile.mkdtemp(prefix="patrickstar-profile-")).start()
 
+    def started(self) -> bool:
+        """Between start() and end(): upstream's method, which its hooks and engine asked
+        before recording."""
+        return self._started
+
     def start(self) -> None:
-        self.started = True
+        self._started = True
         self.warmup_finished = False
         self._warmup_finish_ns = None
         self._clock_offset_s = time.time() - now_ns() / 1e9
@@ -85,7 +90,7 @@ class UpstreamProfiler:
         self.warmup_finished = True
 
     def end(self) -> None:
-        self.started = False
+        self._started = False
         if self._recorder is not None and self._recorder.running:
             self._recorder.stop(write=False)
             self._stopped_raw = self._recorder.raw()

@@ -23,13 +23,26 @@ def get_sys_memory_used(device) -> int:
     return _rss_bytes()
 
 
-def see_memory_usage(message: str, force: bool = False) -> None:
+_SCALES = {"B": 1, "KB": 2**10, "MB": 2**20, "GB": 2**30}  # upstream's names, binary units
+
+
+def see_memory_usage(message: str, force: bool = False, scale_name: str | None = None) -> None:
     """Logs RSS (and CUDA allocated/reserved bytes) with `message`; only with `force=True`, as
-    upstream. The chunk tiers' own figures are `model.memory_stats()`."""
+    upstream. `scale_name` ("B", "KB", "MB", "GB"; upstream's keyword) picks the unit, GiB with
+    three decimals without it. The chunk tiers' own figures are `model.memory_stats()`."""
+    if scale_name is not None and scale_name not in _SCALES:
+        raise ValueError(f"see_memory_usage: scale_name {scale_name!r} is not one of "
+                         f"{sorted(_SCALES, key=_SCALES.get)}")
     if not force:
         return
-    parts = [f"RSS {_rss_bytes() / 2**30:.3f} GiB"]
+    if scale_name is None:
+        def show(n: int) -> str:
+            return f"{n / 2**30:.3f} GiB"
+    else:
+        def show(n: int) -> str:
+            return f"{round(n / _SCALES[scale_name], 2)} {scale_name}"
+    parts = [f"RSS {show(_rss_bytes())}"]
     if torch.cuda.is_available():
-        parts.append(f"CUDA allocated {torch.cuda.memory_allocated() / 2**30:.3f} GiB, "
-                     f"reserved {torch.cuda.memory_reserved() / 2**30:.3f} GiB")
+        parts.append(f"CUDA allocated {show(torch.cuda.memory_allocated())}, "
+                     f"reserved {show(torch.cuda.memory_reserved())}")
     logger.warning("%s | %s", message, ", ".join(parts))

@@ -5,6 +5,8 @@ import json
 
 from torch import nn
 
+from .. import _upstream
+
 __all__ = ["get_ps_model_size"]
 
 
@@ -22,3 +24,7 @@ def get_ps_model_size(model: nn.Module) -> tuple[int, int]:
         return sum(tensors.values()), len(tensors)
     params = {id(p): p.numel() for p in model.parameters()}
     return sum(params.values()), len(params)
+
+
+def __getattr__(name: str):
+    return _upstream.missing_name(__name__, name)  # upstream's estimate_bert_MAC
