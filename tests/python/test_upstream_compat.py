@@ -591,6 +591,19 @@ def test_upstream_profiler_started_is_a_method(tmp_path):
     model.destroy()
 
 
+def test_upstream_profiler_submodule_path_is_the_same_recorder():
+    """Upstream's patrickstar/profiler/ was a package: `from patrickstar.profiler.profiler import
+    profiler` failed here with "'patrickstar.profiler' is not a package". Either path gives the
+    one recorder, in either order (a submodule import must not rebind the package's name)."""
+    import sys
+    from patrickstar.profiler.profiler import profiler as by_submodule
+    import patrickstar.profiler.profiler  # noqa: F401
+    from patrickstar.profiler import profiler
+    assert by_submodule is profiler
+    assert sys.modules["patrickstar.profiler.profiler"].profiler is profiler
+    assert patrickstar.profiler.profiler is profiler and hasattr(profiler, "started")
+
+
 def test_partial_state_dict_load_says_strict_false_loads_the_rest():
     """Upstream's engine.load_state_dict defaulted to strict=False (missing keys only logged);
     here torch's strict=True refuses, and the error says how to load the keys given, which then
