@@ -39,8 +39,6 @@ __all__ = ["PatrickStarOptimizer", "build_param_groups", "clip_coefficient"]
 
 S = _C.TensorState
 
-MASTER_WEIGHTS = "master_weights"  # Note [Master weights in the optimizer state dict]
-
 _GROUP_KEYS = {"params", "lr", "betas", "eps", "weight_decay", "name"}
 
 # Note [torch.optim's own group keys]
@@ -574,68 +572,18 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
             entry = self.state_entry(index)
             if entry:
                 state[index] = entry
-        masters = self._owned_masters()
         if self.dp.enabled:
-            merged, merged_masters = {}, {}
-            for part, part_masters in self.dp.all_gather_object((state, masters),
-                                                                label="optimizer state"):
+            merged = {}
+            for part in self.dp.all_gather_object(state, label="optimizer state"):
                 merged.update(part)
-                merged_masters.update(part_masters)
             state = dict(sorted(merged.items()))
-            masters = dict(sorted(merged_masters.items()))
         groups = []
         for group in self.param_groups:
             saved = {k: v for k, v in group.items() if k != "params"}
             saved["params"] = [params.index_of(p) for p in group["params"]]
             groups.append(saved)
-        result = {"state": state, "param_groups": groups,
-                  "loss_scaler": self.loss_scaler.state_dict()}
-        if masters:
-            result[MASTER_WEIGHTS] = masters
-        return result
-
-    # Note [Master weights in the optimizer state dict]
-    # In fp16/bf16 the optimizer updates fp32 master copies and the model computes with their
-    # 16-bit roundings, which is all model.state_dict() holds. A torch-style resume
-    # (torch.save(model.state_dict()) and torch.save(optimizer.state_dict()), upstream's GUIDE)
-    # therefore brought the masters back as 16-bit values, and the resumed run drifted from the
-    # one that went on: every update smaller than half a 16-bit step was lost once. So the
-    # state dict also holds the masters under "master_weights" (numbered as "state"), as
-    # DeepSpeed's fp16 optimizer saves its fp32 weights, and load_state_dict writes them and
-    # the 16-bit copies made from them (DeepSpeed also updates the 16-bit weights), owners only.
-    # torch.optim ignores the extra key; a dict without it (fp32, or saved before) loads as before.
-    def _owned_masters(self) -> dict[int, torch.Tensor]:
-        params, manager = self.chunked, self.chunked.chunks.manager
-        masters = {}
-        for index in range(len(params)):
-            master = params.ids[index].master
-            if master is not None and self.dp.owns(manager, master):
-                masters[index] = params.read(index, _C.ChunkKind.MASTER_PARAM)
-        return masters
-
-    def _check_saved_masters(self, masters: dict, to_index: dict[int, int]) -> None:
-        params = self.chunked
-        for key, value in masters.items():
-            if int(key) not in to_index:
-                raise ValueError(f"optimizer state dict: {MASTER_WEIGHTS} {key!r} belongs to no "
-                                 "param group's 'params'")
-            index = to_index[int(key)]
-            if tuple(value.shape) != params.shapes[index]:
-                raise ValueError(f"optimizer state dict: {MASTER_WEIGHTS} {key} "
-                                 f"('{params.names[index]}') has shape {tuple(value.shape)}, the "
-                                 f"parameter {params.shapes[index]}")
-
-    def _load_masters(self, masters: dict, to_index: dict[int, int]) -> None:
-        params, manager = self.chunked, self.chunked.chunks.manager
-        for key, value in masters.items():
-            index = to_index[int(key)]
-            if params.ids[index].master is None:
-                continue  # trained here without a master (fp32): model.load_state_dict sets it
-            for kind in (_C.ChunkKind.MASTER_PARAM, _C.ChunkKind.COMPUTE_PARAM):
-                tensor_id = params.tensor_id(index, kind)
-                if tensor_id is not None and self.dp.owns(manager, tensor_id):
-                    params.write(index, kind, value)
-        self.dp.parameters_changed()  # gathered copies of the owners' weights are stale
+        return {"state": state, "param_groups": groups,
+                "loss_scaler": self.loss_scaler.state_dict()}
 
     def load_state_dict(self, state_dict):
         groups = state_dict["param_groups"]
@@ -644,7 +592,6 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
                              f"optimizer {len(self.param_groups)}")
         to_index = self._saved_numbering(groups)
         self._check_saved_shapes(state_dict["state"], to_index)
-        self._check_saved_masters(state_dict.get(MASTER_WEIGHTS) or {}, to_index)
         for saved, group in zip(groups, self.param_groups):
             group.update({k: v for k, v in saved.items() if k != "params"})
         manager = self.chunked.chunks.manager
@@ -659,8 +606,6 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
                                           entry.get(moment_state.scale_key(key)))
         if "loss_scaler" in state_dict:
             self.loss_scaler.load_state_dict(state_dict["loss_scaler"])
-        if state_dict.get(MASTER_WEIGHTS):
-            self._load_masters(state_dict[MASTER_WEIGHTS], to_index)
 
     # Note [Saved optimizer state is numbered by its groups]
     # torch.optim numbers a state dict's parameters as they appear in its param_groups (decay

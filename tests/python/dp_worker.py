@@ -138,8 +138,6 @@ def main() -> None:
             results.update(discard_partial(rank, world, what[1]))
         elif what == ["--optimizer-resume"]:
             results.update(optimizer_resume(rank, world))
-        elif what == ["--optimizer-resume-bf16"]:
-            results.update(optimizer_resume(rank, world, precision="bf16"))
         elif what == ["--direct-calls"]:
             results.update(direct_calls(rank, world))
         elif what == ["--full-grad"]:
@@ -187,20 +185,15 @@ def discard_partial(rank: int, world: int, mode: str) -> dict:
     return {"state": model.state_dict(), "reference": reference.state_dict()}
 
 
-def optimizer_resume(rank: int, world: int, precision: str = "fp32") -> dict:
+def optimizer_resume(rank: int, world: int) -> dict:
     """A PyTorch-style resume: every rank calls model.state_dict() and optimizer.state_dict(),
     rank 0's pair is "saved", a new engine on every rank loads it and trains on; against the
-    engine that went on training. In bf16 the fp32 masters come back from the optimizer's
-    state dict (Note [Master weights in the optimizer state dict])."""
+    engine that went on training."""
     import torch.distributed as dist
     from test_initialize import mlp_batches
     config = {"default_chunk_size": 4096,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}}}
     batches = [shard(batch, rank, world) for batch in mlp_batches(4)]
-    if precision == "bf16":  # updates below half a bf16 step: only the masters keep them
-        config["bf16"] = {"enabled": True}
-        config["optimizer"]["params"]["lr"] = 1e-4
-        batches = [(x.to(torch.bfloat16), y) for x, y in batches]
 
     def build():
         torch.manual_seed(0)
