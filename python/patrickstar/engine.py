@@ -982,11 +982,39 @@ class PatrickStarEngine(nn.Module):
                 else:
                     self.load_parameter(index, source)
 
+    # Note [Loading the weights the model has]
+    # In fp16/bf16 the optimizer keeps a finer copy of each weight than the 16-bit value
+    # `state_dict()` gives: the fp32 master, or the Kahan compensation without one. Loading
+    # 16-bit weights writes the master from them and zeroes the compensation, as new weights
+    # carry no rounding error of earlier updates. But 16-bit weights that are exactly the
+    # ones the model holds (the master rounds to them; without a master, the parameter is
+    # them) are not new: `model.load_state_dict(model.state_dict())` is a no-op in torch, and
+    # the resume idiom may load the optimizer's state dict, which restores the master and
+    # compensation (Note [Master weights in the optimizer's state dict] in optimizer.py),
+    # before the model's. So such weights leave both as they are; other values, or weights
+    # of another dtype (an fp32 state dict into a bf16 engine), replace them. Without a master
+    # that order still loses the compensation: the optimizer's load cannot know the weights
+    # the model's load will bring, so load the model's state dict first there.
+    def _holds_already(self, index: int, source: torch.Tensor) -> bool:
+        if source.dtype != self.compute_dtype or self.compute_dtype == torch.float32:
+            return False
+        for kind in (K.MASTER_PARAM, K.COMPUTE_PARAM):  # the finer copy where there is one
+            tensor_id = self.params.tensor_id(index, kind)
+            if tensor_id is not None:
+                if not self.dp.owns(self.chunks.manager, tensor_id):
+                    return False  # data parallel: the owner decides for what it loads
+                held = self.params.read(index, kind).to(self.compute_dtype)
+                return torch.equal(held, source.reshape(held.shape))
+        return False
+
     def load_parameter(self, index: int, source: torch.Tensor) -> None:
         """New weights for parameter `index` (its shape, any float dtype)."""
         self.guard.check_alive("load_state_dict()")
         with torch.no_grad():
-            for kind in (K.COMPUTE_PARAM, K.MASTER_PARAM, K.PARAM_COMPENSATION):
+            # Note [Loading the weights the model has]
+            kinds = (K.COMPUTE_PARAM,) if self._holds_already(index, source) else (
+                K.COMPUTE_PARAM, K.MASTER_PARAM, K.PARAM_COMPENSATION)
+            for kind in kinds:
                 tensor_id = self.params.tensor_id(index, kind)
                 if tensor_id is None or not self.dp.owns(self.chunks.manager, tensor_id):
                     continue  # data parallel: the owner loads it

@@ -106,3 +106,38 @@ def assert_same_state(ours: dict, expected: dict) -> None:
     for index, entry in expected["optimizer"]["state"].items():
         for key, value in entry.items():
             assert torch.equal(ours["optimizer"]["state"][index][key], value), (index, key)
+
+
+@pytest.mark.parametrize("name", ["fp16", "bf16", "bf16-int8-state"])
+def test_loading_the_optimizer_before_the_model_resumes_the_same(name):
+    # In torch the two loads are independent. model.load_state_dict wrote the masters from the
+    # 16-bit weights after the optimizer's load had restored them; weights equal to what the
+    # masters round to now leave them (Note [Loading the weights the model has]; without
+    # masters the model's state dict must come first).
+    model, optimizer = build(name)
+    train(model, optimizer, range(4))
+    checkpoint = saved(model, optimizer)
+    expected = train(model, optimizer, range(4, 12))
+    expected_final = torch.load(io.BytesIO(saved(model, optimizer)))
+    del model, optimizer
+    gc.collect()
+    losses, _, final = resumed(name, checkpoint, range(4, 12), optimizer_first=True)
+    assert losses == expected
+    assert_same_state(final, expected_final)
+
+
+def test_the_models_own_state_dict_loads_as_a_no_op():
+    # torch: model.load_state_dict(model.state_dict()) changes nothing. In bf16 it rounded the
+    # fp32 masters to the bf16 weights.
+    model, optimizer = build("bf16")
+    train(model, optimizer, range(3))
+    before = optimizer.state_dict()
+    model.load_state_dict(model.state_dict())
+    after = optimizer.state_dict()
+    for index, entry in before["state"].items():
+        assert torch.equal(after["state"][index]["master_param"], entry["master_param"]), index
+    # Other weights still replace the masters.
+    weights = {key: value + 1 for key, value in model.state_dict().items()}
+    model.load_state_dict(weights)
+    master = optimizer.state_dict()["state"][0]["master_param"]
+    assert torch.equal(master, weights["layers.0.weight"].float())
