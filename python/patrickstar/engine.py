@@ -957,14 +957,40 @@ class PatrickStarEngine(nn.Module):
         own = self.module.state_dict(keep_vars=True)
         missing = [name for name in own if name not in state_dict]
         unexpected = [name for name in state_dict if name not in own]
-        if strict and (missing or unexpected):
-            raise RuntimeError(f"load_state_dict: missing keys {missing}, unexpected keys "
-                               f"{unexpected}")
+        # torch's errors, in its words and order, all of them before anything is written.
+        errors = []
+        if strict and missing:
+            errors.append("Missing key(s) in state_dict: {}. ".format(
+                ", ".join(f'"{name}"' for name in missing)))
+        if strict and unexpected:
+            errors.append("Unexpected key(s) in state_dict: {}. ".format(
+                ", ".join(f'"{name}"' for name in unexpected)))
+        errors += self._size_mismatches(own, state_dict)
+        if errors:
+            raise RuntimeError("Error(s) in loading state_dict for {}:\n\t{}".format(
+                type(self.module).__name__, "\n\t".join(errors)))
         try:
             self._load_values(own, state_dict)
         finally:
             self.dp.parameters_changed()  # gathered copies of what the owners loaded are stale
         return nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+    def _shape_in_model(self, value) -> tuple:
+        index = self.params.index_of(value)
+        return tuple(self.params.shapes[index] if index is not None else value.shape)
+
+    def _size_mismatches(self, own: dict, state_dict) -> list[str]:
+        errors = []
+        for name, value in own.items():
+            source = state_dict.get(name)
+            if source is None:
+                continue
+            shape = self._shape_in_model(value)
+            if tuple(getattr(source, "shape", ())) != shape:
+                errors.append(f"size mismatch for {name}: copying a param with shape "
+                              f"{getattr(source, 'shape', None)} from checkpoint, the shape in "
+                              f"current model is {torch.Size(shape)}.")
+        return errors
 
     def _load_values(self, own: dict, state_dict) -> None:
         with torch.no_grad():
@@ -973,10 +999,6 @@ class PatrickStarEngine(nn.Module):
                     continue
                 source = state_dict[name]
                 index = self.params.index_of(value)
-                shape = self.params.shapes[index] if index is not None else tuple(value.shape)
-                if tuple(source.shape) != tuple(shape):
-                    raise ValueError(f"load_state_dict: '{name}' has shape {tuple(source.shape)} "
-                                     f"in the state dict but {tuple(shape)} in the model")
                 if index is None:
                     value.copy_(source)
                 else:

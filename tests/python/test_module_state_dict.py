@@ -131,3 +131,27 @@ def test_plain_modules_are_untouched():
     plain = nn.Linear(3, 2)
     trained(steps=0)
     assert plain.state_dict()["weight"].shape == (2, 3)
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_engine_load_state_dict_errors_are_torchs(strict):
+    # The engine's load_state_dict raised a ValueError naming the first shape mismatch only
+    # (after loading the parameters before it), where torch raises a RuntimeError naming every
+    # missing/unexpected key and size mismatch; code catching torch's RuntimeError missed it.
+    model, _ = trained()
+    before = model.state_dict()
+    torch.manual_seed(0)
+    plain = MLP()
+    bad = dict(plain.state_dict())
+    del bad["layers.2.bias"]
+    bad["extra"] = torch.zeros(1)
+    bad["layers.1.weight"] = torch.zeros(3, 3)
+    bad["layers.2.weight"] = torch.zeros(10)
+    with pytest.raises(RuntimeError) as theirs:
+        plain.load_state_dict(bad, strict=strict)
+    with pytest.raises(RuntimeError) as ours:
+        model.load_state_dict(bad, strict=strict)
+    assert str(ours.value) == str(theirs.value)
+    after = model.state_dict()  # nothing was loaded
+    for key, value in before.items():
+        assert torch.equal(after[key], value), key
