@@ -5,6 +5,7 @@ test_the_users_module_state_dict_is_the_gathered_model."""
 from __future__ import annotations
 
 import gc
+import io
 
 import pytest
 import torch
@@ -155,3 +156,38 @@ def test_engine_load_state_dict_errors_are_torchs(strict):
     after = model.state_dict()  # nothing was loaded
     for key, value in before.items():
         assert torch.equal(after[key], value), key
+
+
+class TiedLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.wte = nn.Embedding(50, 16)
+        self.proj = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 50, bias=False)
+        self.head.weight = self.wte.weight
+
+    def forward(self, idx):
+        return self.head(self.proj(self.wte(idx))).sum()
+
+
+def test_tied_weights_share_one_tensor_in_the_state_dict():
+    # As in torch: one storage under both names, so torch.save writes it once (it wrote the
+    # embedding twice: a larger file and twice the memory when loaded).
+    torch.manual_seed(0)
+    reference = TiedLM()
+    torch.manual_seed(0)
+    model, _ = patrickstar.initialize(TiedLM, config=CONFIG)
+    for state in (model.state_dict(), model.module.state_dict()):
+        assert list(state) == list(reference.state_dict())
+        assert state["wte.weight"].data_ptr() == state["head.weight"].data_ptr()
+        assert torch.equal(state["head.weight"], reference.head.weight)
+        ours, theirs = io.BytesIO(), io.BytesIO()
+        torch.save(state, ours)
+        torch.save(reference.state_dict(), theirs)
+        assert len(ours.getvalue()) == len(theirs.getvalue())
+    # Another call reads again: a later step's values, not the earlier tensor.
+    first = model.state_dict()
+    model.load_state_dict({k: v + 1 for k, v in first.items()})
+    second = model.state_dict()
+    assert torch.equal(second["head.weight"], first["head.weight"] + 1)
+    assert second["head.weight"].data_ptr() != first["head.weight"].data_ptr()
