@@ -189,12 +189,14 @@ def optimizer_resume(rank: int, world: int, precision: str = "fp32") -> dict:
     """A PyTorch-style resume: every rank calls model.state_dict() and optimizer.state_dict(),
     rank 0's pair is "saved", a new engine on every rank loads it and trains on; against the
     engine that went on training. `precision` "bf16": with fp32 masters, which the optimizer's
-    state dict carries (Note [Master weights in the optimizer's state dict])."""
+    state dict carries (Note [Master weights in the optimizer's state dict]); "bf16-no-master":
+    with the Kahan compensations it carries instead."""
     import torch.distributed as dist
     from test_initialize import mlp_batches
     config = {"default_chunk_size": 4096,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
-              "bf16": {"enabled": precision == "bf16"}}
+              "bf16": {"enabled": precision != "fp32",
+                       "master_weights": precision != "bf16-no-master"}}
     batches = [shard(batch, rank, world) for batch in mlp_batches(6)]
 
     def build():

@@ -324,7 +324,7 @@ def test_zero_grad_in_the_middle_of_an_accumulation_drops_it_on_every_rank(tmp_p
             torch.testing.assert_close(result["state"][name], tensor, rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "bf16-no-master"])
 def test_optimizer_state_dict_saved_by_one_rank_resumes_every_rank(tmp_path, precision):
     # optimizer.state_dict() held only the calling rank's shard: a file saved by rank 0 lacked
     # the others' Adam state, and loading it on rank 1 failed. In bf16 it lacked the fp32
