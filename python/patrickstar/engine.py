@@ -841,15 +841,44 @@ class PatrickStarEngine(nn.Module):
         own = self.module.state_dict(keep_vars=True)
         missing = [name for name in own if name not in state_dict]
         unexpected = [name for name in state_dict if name not in own]
-        if strict and (missing or unexpected):
-            raise RuntimeError(f"load_state_dict: missing keys {missing}, unexpected keys "
-                               f"{unexpected} (load_state_dict(state_dict, strict=False) loads "
-                               f"the keys the model has, as upstream PatrickStar's default did)")
+        # torch's errors, in its words and order, all of them before anything is written.
+        errors = []
+        if strict and missing:
+            errors.append("Missing key(s) in state_dict: {}. ".format(
+                ", ".join(f'"{name}"' for name in missing)))
+        if strict and unexpected:
+            errors.append("Unexpected key(s) in state_dict: {}. ".format(
+                ", ".join(f'"{name}"' for name in unexpected)))
+        errors += self._size_mismatches(own, state_dict)
+        if errors:
+            error = RuntimeError("Error(s) in loading state_dict for {}:\n\t{}".format(
+                type(self.module).__name__, "\n\t".join(errors)))
+            if strict and (missing or unexpected):
+                error.add_note("load_state_dict(state_dict, strict=False) loads the keys the "
+                               "model has, as upstream PatrickStar's default did")
+            raise error
         try:
             self._load_values(own, state_dict)
         finally:
             self.dp.parameters_changed()  # gathered copies of what the owners loaded are stale
         return nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+    def _shape_in_model(self, value) -> tuple:
+        index = self.params.index_of(value)
+        return tuple(self.params.shapes[index] if index is not None else value.shape)
+
+    def _size_mismatches(self, own: dict, state_dict) -> list[str]:
+        errors = []
+        for name, value in own.items():
+            source = state_dict.get(name)
+            if source is None:
+                continue
+            shape = self._shape_in_model(value)
+            if tuple(getattr(source, "shape", ())) != shape:
+                errors.append(f"size mismatch for {name}: copying a param with shape "
+                              f"{getattr(source, 'shape', None)} from checkpoint, the shape in "
+                              f"current model is {torch.Size(shape)}.")
+        return errors
 
     def _load_values(self, own: dict, state_dict) -> None:
         with torch.no_grad():
@@ -858,20 +887,44 @@ class PatrickStarEngine(nn.Module):
                     continue
                 source = state_dict[name]
                 index = self.params.index_of(value)
-                shape = self.params.shapes[index] if index is not None else tuple(value.shape)
-                if tuple(source.shape) != tuple(shape):
-                    raise ValueError(f"load_state_dict: '{name}' has shape {tuple(source.shape)} "
-                                     f"in the state dict but {tuple(shape)} in the model")
                 if index is None:
                     value.copy_(source)
                 else:
                     self.load_parameter(index, source)
 
+    # Note [Loading the weights the model has]
+    # In fp16/bf16 the optimizer keeps a finer copy of each weight than the 16-bit value
+    # `state_dict()` gives: the fp32 master, or the Kahan compensation without one. Loading
+    # 16-bit weights writes the master from them and zeroes the compensation, as new weights
+    # carry no rounding error of earlier updates. But 16-bit weights that are exactly the
+    # ones the model holds (the master rounds to them; without a master, the parameter is
+    # them) are not new: `model.load_state_dict(model.state_dict())` is a no-op in torch, and
+    # the resume idiom may load the optimizer's state dict, which restores the master and
+    # compensation (Note [Master weights in the optimizer's state dict] in optimizer.py),
+    # before the model's. So such weights leave both as they are; other values, or weights
+    # of another dtype (an fp32 state dict into a bf16 engine), replace them. Without a master
+    # that order still loses the compensation: the optimizer's load cannot know the weights
+    # the model's load will bring, so load the model's state dict first there.
+    def _holds_already(self, index: int, source: torch.Tensor) -> bool:
+        if source.dtype != self.compute_dtype or self.compute_dtype == torch.float32:
+            return False
+        for kind in (K.MASTER_PARAM, K.COMPUTE_PARAM):  # the finer copy where there is one
+            tensor_id = self.params.tensor_id(index, kind)
+            if tensor_id is not None:
+                if not self.dp.owns(self.chunks.manager, tensor_id):
+                    return False  # data parallel: the owner decides for what it loads
+                held = self.params.read(index, kind).to(self.compute_dtype)
+                return torch.equal(held, source.reshape(held.shape))
+        return False
+
     def load_parameter(self, index: int, source: torch.Tensor) -> None:
         """New weights for parameter `index` (its shape, any float dtype)."""
         self.guard.check_alive("load_state_dict()")
         with torch.no_grad():
-            for kind in (K.COMPUTE_PARAM, K.MASTER_PARAM, K.PARAM_COMPENSATION):
+            # Note [Loading the weights the model has]
+            kinds = (K.COMPUTE_PARAM,) if self._holds_already(index, source) else (
+                K.COMPUTE_PARAM, K.MASTER_PARAM, K.PARAM_COMPENSATION)
+            for kind in kinds:
                 tensor_id = self.params.tensor_id(index, kind)
                 if tensor_id is None or not self.dp.owns(self.chunks.manager, tensor_id):
                     continue  # data parallel: the owner loads it

@@ -45,6 +45,9 @@ class ModuleStateHooks(HookSet):
         module) gets the call agreement (`engine.agree_on_state_dict_read()`)."""
         super().__init__()
         self._engine = weakref.ref(engine)
+        # Note [Tied weights share one tensor in the state dict]: parameter index -> (id of
+        # the state dict, key, weak reference to the tensor read for it).
+        self._reads: dict[int, tuple] = {}
         # Partials, not bound methods: torch marks its hooks with an attribute.
         before_state_dict = functools.partial(ModuleStateHooks._before_state_dict, self)
         for module in tree.modules():
@@ -75,11 +78,30 @@ class ModuleStateHooks(HookSet):
         if prefix == "" and not keep_vars:
             self._live_engine().agree_on_state_dict_read()
 
+    # Note [Tied weights share one tensor in the state dict]
+    # torch's state dict holds a tied parameter (GPT-2's wte.weight and lm_head.weight) under
+    # each of its names as one storage, so torch.save writes it once. Reading it out of the
+    # chunks under each name made two copies: a file larger by the whole embedding, and twice
+    # its memory when loaded. The first read of a parameter within one state_dict() call (the
+    # post-hooks of one call fill the same dict) is kept here, weakly, and a later name of the
+    # same parameter in that dict takes the same tensor; a dict of another call (even at a
+    # reused id) does not hold that tensor under that key, so it reads again.
     def _after_state_dict(self, module, state_dict, prefix, local_metadata) -> None:
         engine = self._live_engine()
         for key, param, index in self._chunked(engine, module, prefix):
             if key in state_dict and state_dict[key] is not param:  # not keep_vars
-                state_dict[key] = engine.read_parameter(index)
+                value = self._read_in_this_call(state_dict, index)
+                if value is None:
+                    value = engine.read_parameter(index)
+                    self._reads[index] = (id(state_dict), key, weakref.ref(value))
+                state_dict[key] = value
+
+    def _read_in_this_call(self, state_dict, index: int):
+        dict_id, key, value = self._reads.get(index, (None, None, lambda: None))
+        value = value()
+        if dict_id == id(state_dict) and value is not None and state_dict.get(key) is value:
+            return value
+        return None
 
     def _before_load_state_dict(self, module, state_dict, prefix, local_metadata, strict,
                                 missing_keys, unexpected_keys, error_msgs) -> None:

@@ -571,6 +571,7 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         for index in range(len(params)):
             entry = self.state_entry(index)
             if entry:
+                entry.update(self._weight_entry(index))
                 state[index] = entry
         if self.dp.enabled:
             merged = {}
@@ -584,6 +585,38 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
             groups.append(saved)
         return {"state": state, "param_groups": groups,
                 "loss_scaler": self.loss_scaler.state_dict()}
+
+    # Note [Master weights in the optimizer's state dict]
+    # In fp16/bf16, `model.state_dict()` holds the 16-bit compute weights (as DeepSpeed's module
+    # state dict does), but the optimizer updates an fp32 master (or, with bf16.master_weights
+    # false, the bf16 weights plus a bf16 Kahan compensation): both are optimizer state, so a
+    # plain `torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()})`
+    # resumed from the rounded weights alone and drifted from an uninterrupted run from the
+    # first step on (as DeepSpeed's fp16 optimizer, ours carries its fp32 copy). Each entry with
+    # Adam state also holds "master_param" / "param_compensation", what the chunks keep.
+    # `model.load_state_dict` writes the master from the 16-bit weights and zeroes the
+    # compensation (new weights carry no rounding error); `optimizer.load_state_dict` then
+    # writes the saved ones. An engine without that kind ignores the key, and a dict without
+    # it (a torch optimizer's, an older file) leaves what the model load wrote, as before.
+    # `optimizer.state[p]` stays torch's (step and moments).
+    _WEIGHT_KINDS = {"master_param": _C.ChunkKind.MASTER_PARAM,
+                     "param_compensation": _C.ChunkKind.PARAM_COMPENSATION}
+
+    def _weight_entry(self, index: int) -> dict:
+        """Parameter `index`'s fp32 master and Kahan compensation, where it has them (Note
+        [Master weights in the optimizer's state dict])."""
+        return {key: self.chunked.read(index, kind) for key, kind in self._WEIGHT_KINDS.items()
+                if self._owned(index, kind)}
+
+    def _load_weight_entry(self, index: int, entry: dict) -> None:
+        for key, kind in self._WEIGHT_KINDS.items():
+            if key in entry and self._owned(index, kind):
+                self.chunked.write(index, kind, entry[key])
+
+    def _owned(self, index: int, kind) -> bool:
+        """Whether parameter `index` has a tensor of `kind` this rank keeps (all, on one rank)."""
+        tensor_id = self.chunked.tensor_id(index, kind)
+        return tensor_id is not None and self.dp.owns(self.chunked.chunks.manager, tensor_id)
 
     def load_state_dict(self, state_dict):
         groups = state_dict["param_groups"]
@@ -604,6 +637,7 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
             for key in moment_state.MOMENT_KEYS:
                 moment_state.write_moment(self.chunked, index, key, entry[key],
                                           entry.get(moment_state.scale_key(key)))
+            self._load_weight_entry(index, entry)
         if "loss_scaler" in state_dict:
             self.loss_scaler.load_state_dict(state_dict["loss_scaler"])
 
@@ -646,6 +680,13 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
                         f"optimizer state dict: state {key} maps to '{params.names[index]}' of "
                         f"shape {params.shapes[index]}, but its {moment} has shape "
                         f"{tuple(value.shape)} (parameters in another order than when saved?)")
+            for weight in self._WEIGHT_KINDS:
+                value = entry.get(weight)
+                if value is not None and tuple(value.shape) != params.shapes[index]:
+                    raise ValueError(
+                        f"optimizer state dict: state {key} maps to '{params.names[index]}' of "
+                        f"shape {params.shapes[index]}, but its {weight} has shape "
+                        f"{tuple(value.shape)}")
 
 
 def _require_number(group: int, key: str, value, whole=None) -> None:

@@ -136,8 +136,8 @@ def main() -> None:
             results.update(lonely_call(rank, "eval"))
         elif what[:1] == ["--discard-partial"]:
             results.update(discard_partial(rank, world, what[1]))
-        elif what == ["--optimizer-resume"]:
-            results.update(optimizer_resume(rank, world))
+        elif what[:1] == ["--optimizer-resume"]:
+            results.update(optimizer_resume(rank, world, *what[1:]))
         elif what == ["--direct-calls"]:
             results.update(direct_calls(rank, world))
         elif what == ["--full-grad"]:
@@ -185,15 +185,19 @@ def discard_partial(rank: int, world: int, mode: str) -> dict:
     return {"state": model.state_dict(), "reference": reference.state_dict()}
 
 
-def optimizer_resume(rank: int, world: int) -> dict:
+def optimizer_resume(rank: int, world: int, precision: str = "fp32") -> dict:
     """A PyTorch-style resume: every rank calls model.state_dict() and optimizer.state_dict(),
     rank 0's pair is "saved", a new engine on every rank loads it and trains on; against the
-    engine that went on training."""
+    engine that went on training. `precision` "bf16": with fp32 masters, which the optimizer's
+    state dict carries (Note [Master weights in the optimizer's state dict]); "bf16-no-master":
+    with the Kahan compensations it carries instead."""
     import torch.distributed as dist
     from test_initialize import mlp_batches
     config = {"default_chunk_size": 4096,
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}}}
-    batches = [shard(batch, rank, world) for batch in mlp_batches(4)]
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+              "bf16": {"enabled": precision != "fp32",
+                       "master_weights": precision != "bf16-no-master"}}
+    batches = [shard(batch, rank, world) for batch in mlp_batches(6)]
 
     def build():
         torch.manual_seed(0)
@@ -201,7 +205,7 @@ def optimizer_resume(rank: int, world: int) -> dict:
 
     def train(model, optimizer, data):
         for x, y in data:
-            model.backward(model(x, y))
+            model.backward(model(x.to(model.compute_dtype), y))
             optimizer.step()
             optimizer.zero_grad()
 
@@ -215,8 +219,12 @@ def optimizer_resume(rank: int, world: int) -> dict:
     resumed_optimizer.load_state_dict(on_rank0[0][1])
     train(model, optimizer, batches[2:])
     train(resumed, resumed_optimizer, batches[2:])
+    moments = {index: entry["exp_avg_sq"] for index, entry in optimizer.state_dict()["state"].items()}
+    resumed_moments = {index: entry["exp_avg_sq"]
+                       for index, entry in resumed_optimizer.state_dict()["state"].items()}
     return {"state_keys": sorted(saved[1]["state"]), "trainable": len(list(model.parameters())),
-            "state": model.state_dict(), "resumed": resumed.state_dict()}
+            "state": model.state_dict(), "resumed": resumed.state_dict(),
+            "moments": moments, "resumed_moments": resumed_moments}
 
 
 def full_gradients(rank: int, world: int) -> dict:

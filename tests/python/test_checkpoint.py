@@ -250,6 +250,20 @@ def test_mismatched_checkpoints_name_the_difference(tmp_path):
     assert_identical(full_state(original, original_opt), full_state(relaid, opt))
 
 
+def test_another_state_dtype_is_named_when_refused(tmp_path):
+    # The refusal named two layout hashes and the same chunk size twice ("(4096 elements per
+    # chunk) in the checkpoint, ... (4096 elements) in the model"), not what had changed.
+    _saved(tmp_path)
+    config = base_config("fp32")
+    config["optimizer"]["params"]["state_dtype"] = "bf16"
+    model, _ = make(config)
+    with pytest.raises(CheckpointError, match=r"optimizer.params.state_dtype 'fp32' in the "
+                                              r"checkpoint, 'bf16' in the model; momentum: "
+                                              r"float32 in the checkpoint, bfloat16 in the model"):
+        model.load_checkpoint(tmp_path)
+    model.load_checkpoint(tmp_path, allow_reshard=True)
+
+
 def test_save_refuses_pending_gradients_and_load_module_only(tmp_path):
     config = base_config("fp32", gradient_accumulation_steps=2)
     model, opt = make(config)

@@ -324,15 +324,19 @@ def test_zero_grad_in_the_middle_of_an_accumulation_drops_it_on_every_rank(tmp_p
             torch.testing.assert_close(result["state"][name], tensor, rtol=0, atol=1e-6)
 
 
-def test_optimizer_state_dict_saved_by_one_rank_resumes_every_rank(tmp_path):
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "bf16-no-master"])
+def test_optimizer_state_dict_saved_by_one_rank_resumes_every_rank(tmp_path, precision):
     # optimizer.state_dict() held only the calling rank's shard: a file saved by rank 0 lacked
-    # the others' Adam state, and loading it on rank 1 failed.
-    results = launch(tmp_path, 2, "--optimizer-resume")
+    # the others' Adam state, and loading it on rank 1 failed. In bf16 it lacked the fp32
+    # masters, so the resumed run drifted (Note [Master weights in the optimizer's state dict]).
+    results = launch(tmp_path, 2, "--optimizer-resume", precision)
     check_no_errors(results)
     for result in results:
         assert result["state_keys"] == list(range(result["trainable"]))
         for name, tensor in result["state"].items():
             torch.testing.assert_close(result["resumed"][name], tensor, rtol=0, atol=0)
+        for index, moment in result["moments"].items():
+            torch.testing.assert_close(result["resumed_moments"][index], moment, rtol=0, atol=0)
 
 
 def test_full_gradients_are_the_averaged_gradients_on_every_rank(tmp_path):

@@ -5,6 +5,7 @@ test_the_users_module_state_dict_is_the_gathered_model."""
 from __future__ import annotations
 
 import gc
+import io
 
 import pytest
 import torch
@@ -131,3 +132,62 @@ def test_plain_modules_are_untouched():
     plain = nn.Linear(3, 2)
     trained(steps=0)
     assert plain.state_dict()["weight"].shape == (2, 3)
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_engine_load_state_dict_errors_are_torchs(strict):
+    # The engine's load_state_dict raised a ValueError naming the first shape mismatch only
+    # (after loading the parameters before it), where torch raises a RuntimeError naming every
+    # missing/unexpected key and size mismatch; code catching torch's RuntimeError missed it.
+    model, _ = trained()
+    before = model.state_dict()
+    torch.manual_seed(0)
+    plain = MLP()
+    bad = dict(plain.state_dict())
+    del bad["layers.2.bias"]
+    bad["extra"] = torch.zeros(1)
+    bad["layers.1.weight"] = torch.zeros(3, 3)
+    bad["layers.2.weight"] = torch.zeros(10)
+    with pytest.raises(RuntimeError) as theirs:
+        plain.load_state_dict(bad, strict=strict)
+    with pytest.raises(RuntimeError) as ours:
+        model.load_state_dict(bad, strict=strict)
+    assert str(ours.value) == str(theirs.value)
+    after = model.state_dict()  # nothing was loaded
+    for key, value in before.items():
+        assert torch.equal(after[key], value), key
+
+
+class TiedLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.wte = nn.Embedding(50, 16)
+        self.proj = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 50, bias=False)
+        self.head.weight = self.wte.weight
+
+    def forward(self, idx):
+        return self.head(self.proj(self.wte(idx))).sum()
+
+
+def test_tied_weights_share_one_tensor_in_the_state_dict():
+    # As in torch: one storage under both names, so torch.save writes it once (it wrote the
+    # embedding twice: a larger file and twice the memory when loaded).
+    torch.manual_seed(0)
+    reference = TiedLM()
+    torch.manual_seed(0)
+    model, _ = patrickstar.initialize(TiedLM, config=CONFIG)
+    for state in (model.state_dict(), model.module.state_dict()):
+        assert list(state) == list(reference.state_dict())
+        assert state["wte.weight"].data_ptr() == state["head.weight"].data_ptr()
+        assert torch.equal(state["head.weight"], reference.head.weight)
+        ours, theirs = io.BytesIO(), io.BytesIO()
+        torch.save(state, ours)
+        torch.save(reference.state_dict(), theirs)
+        assert len(ours.getvalue()) == len(theirs.getvalue())
+    # Another call reads again: a later step's values, not the earlier tensor.
+    first = model.state_dict()
+    model.load_state_dict({k: v + 1 for k, v in first.items()})
+    second = model.state_dict()
+    assert torch.equal(second["head.weight"], first["head.weight"] + 1)
+    assert second["head.weight"].data_ptr() != first["head.weight"].data_ptr()

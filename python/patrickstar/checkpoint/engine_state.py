@@ -189,9 +189,28 @@ class EngineState:
                 problems.append(f"other layout: chunk layout hash {saved_layout['hash']} "
                                 f"({saved_layout['chunk_elements']} elements per chunk) in the "
                                 f"checkpoint, {layout['hash']} ({layout['chunk_elements']} "
-                                f"elements) in the model (pass allow_reshard=True to load by "
-                                f"tensor name)")
+                                f"elements) in the model{self._stored_differently(meta)} (pass "
+                                f"allow_reshard=True to load by tensor name)")
         return problems
+
+    def _stored_differently(self, meta: dict) -> str:
+        """What else than the chunk size makes the layouts differ: the config keys that choose
+        the chunk kinds and their dtypes, and the kinds stored otherwise ("" if none)."""
+        saved_config = meta.get("config", {})
+        ours = self.engine.ps_config
+        keys = [("optimizer.params.state_dtype",
+                 saved_config.get("optimizer", {}).get("state_dtype"), ours.optimizer.state_dtype),
+                ("bf16.master_weights", saved_config.get("bf16_master_weights"),
+                 ours.bf16_master_weights)]
+        notes = [f"{key} {saved!r} in the checkpoint, {our!r} in the model"
+                 for key, saved, our in keys if saved is not None and saved != our]
+        saved_kinds = _dtype_of_kinds(meta["layout"])
+        our_kinds = _dtype_of_kinds(self.layout())
+        for kind in dict.fromkeys([*saved_kinds, *our_kinds]):
+            saved, our = saved_kinds.get(kind, "none"), our_kinds.get(kind, "none")
+            if saved != our:
+                notes.append(f"{kind}: {saved} in the checkpoint, {our} in the model")
+        return "; " + "; ".join(notes) if notes else ""
 
     def restore(self, reader, extra: dict, scheduler, load_optimizer_states: bool,
                 load_lr_scheduler_states: bool, load_rng_states: bool) -> None:
@@ -273,6 +292,11 @@ def set_rng_states(states: dict) -> None:
         numpy.random.set_state(states["numpy"])
     if "cuda" in states and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(states["cuda"])
+
+
+def _dtype_of_kinds(layout: dict) -> dict[str, str]:
+    """Each chunk kind of a layout (layout_json's) and its dtype."""
+    return {chunk["kind"]: chunk["dtype"] for chunk in layout.get("chunks", [])}
 
 
 def config_json(config) -> dict:
