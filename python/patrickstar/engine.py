@@ -31,8 +31,13 @@ collector cannot follow them: by parameters that a C++ object (`_C.ParameterSlot
 by module hooks, by the data-parallel side whose `before_access` C++ calls. Each reaches the
 engine through a weak reference (`_weakly`, the gradient hooks, the back references of
 DataParallel, ModelParallelGradStats and the profiler), so only the user's references keep it
-alive; the engine <-> optimizer cycle is plain Python, which the collector frees. `__del__`
-then runs `destroy()`, which writes a running profile first and closes everything. At
+alive. The optimizer too holds the engine weakly (its `end_iteration` and profiler phase), so
+that no cycle runs through the engine: `del model, optimizer` frees it at once by reference
+counts, as a torch module and its optimizer go, not at the cycle collector's next full pass (a
+loop building the next engine after `del` held both engines' chunks until then). The engine
+holds its optimizer (DeepSpeed's `model.step()` needs it when the script kept only `model`);
+an optimizer whose engine was deleted refuses to step, naming that. `__del__` then runs
+`destroy()`, which writes a running profile first and closes everything. At
 interpreter exit (normal, or after an uncaught exception) `_destroy_live_engines` destroys the
 engines still alive, so swap files do not outlive the process. `destroy()` stays the explicit
 way; a second call does nothing. A process forked from the engine's (os.fork, multiprocessing,
@@ -99,6 +104,15 @@ def _weakly(method: Callable) -> Callable:
         bound = reference()
         return None if bound is None else bound(*args)
     return call
+
+
+def _profiler_phase(engine: "weakref.ref[PatrickStarEngine]") -> Callable:
+    """The optimizer's phase on the engine's profiler, holding the engine weakly (Note [Engine
+    lifetime]): once the engine is gone its guard refuses the step."""
+    def phase():
+        alive = engine()
+        return optimizer_phase(None if alive is None else alive.profiler)
+    return phase
 
 
 def _recomputing() -> bool:
@@ -235,7 +249,7 @@ class PatrickStarEngine(nn.Module):
         self.profiler = None
         self.optimizer = PatrickStarOptimizer(
             self.params, groups, config, self.dp, self.guard, self.loss_scaler, self.device,
-            self.runtime.has_nvme, self.end_iteration, lambda: optimizer_phase(self.profiler),
+            self.runtime.has_nvme, _weakly(self.end_iteration), _profiler_phase(weakref.ref(self)),
             self._slots.wait_for_gradient_stores, self._loop.before_optimizer_step,
             self._loop.after_optimizer_step)
         self._loop.attach(self.optimizer)

@@ -80,7 +80,8 @@ class TrainingGuard:
                 f"worker processes data rather than the model, or build an engine in the child "
                 f"with patrickstar.initialize()")
         if self.destroyed:
-            raise RuntimeError(f"{what}: this PatrickStar engine was destroyed (model.destroy()); "
+            raise RuntimeError(f"{what}: this PatrickStar engine was deleted or destroyed (`del "
+                               f"model` or model.destroy()); "
                                f"its chunks are freed. Build a new one with "
                                f"patrickstar.initialize()")
         if self.failed_step is not None:
