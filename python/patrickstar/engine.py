@@ -585,6 +585,14 @@ class PatrickStarEngine(nn.Module):
     # (Note [The engine's hooks under torch.compile] in hooks.py); the module's forward compiles.
     @torch.compiler.disable
     def _begin_forward(self) -> None:
+        self.guard.enter_call("model(...)")  # first: Note [One thread at a time]
+        try:
+            self._prepare_forward()
+        except BaseException:
+            self.guard.leave_call()
+            raise
+
+    def _prepare_forward(self) -> None:
         self.guard.check_alive("model(...)")
         _refuse_wrapping_data_parallel(self)
         if self._in_backward:  # a loss.backward() that raised before its end
@@ -598,10 +606,13 @@ class PatrickStarEngine(nn.Module):
 
     @torch.compiler.disable
     def _leave_forward(self) -> None:
-        self._in_forward = False
-        if not torch.is_grad_enabled() or not self.module.training:
-            # No backward follows: give everything back now.
-            self._release_all(S.HOLD_AFTER_FWD)
+        try:
+            self._in_forward = False
+            if not torch.is_grad_enabled() or not self.module.training:
+                # No backward follows: give everything back now.
+                self._release_all(S.HOLD_AFTER_FWD)
+        finally:
+            self.guard.leave_call()
 
     @torch.compiler.disable
     def _end_forward(self) -> None:
@@ -612,11 +623,12 @@ class PatrickStarEngine(nn.Module):
         through it (two losses of one forward, each its own backward call)."""
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError("backward(loss) expects a scalar loss tensor")
-        agree = self.dp.ranks_with if self.dp.enabled else None
-        if not self.guard.before_backward(loss, self.precision, agree):
-            return
-        scale = self.loss_scaler.scale / self.ps_config.gradient_accumulation_steps
-        self._run_backward([loss.float() * scale], None, retain_graph)
+        with self.guard.calling("model.backward()"):  # Note [One thread at a time]
+            agree = self.dp.ranks_with if self.dp.enabled else None
+            if not self.guard.before_backward(loss, self.precision, agree):
+                return
+            scale = self.loss_scaler.scale / self.ps_config.gradient_accumulation_steps
+            self._run_backward([loss.float() * scale], None, retain_graph)
 
     def backward_from(self, tensors, grads) -> None:
         """Backward from non-scalar `tensors` given their gradients: a pipeline stage other

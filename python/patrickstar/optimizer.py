@@ -237,16 +237,17 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
                 "live in chunks): for fp16 training set config fp16.enabled, whose dynamic loss "
                 "scale model.backward(loss) applies; with torch.autocast(dtype=torch.bfloat16) "
                 "no scaler is needed (GradScaler(enabled=False) is fine)")
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self._before_step()
-        with self._phase():
-            applied = self._step()
-        if not applied:
-            self.skipped_steps += 1
-        self._after_step(applied)
+        with self.guard.calling("optimizer.step()"):  # Note [One thread at a time]
+            loss = None
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
+            self._before_step()
+            with self._phase():
+                applied = self._step()
+            if not applied:
+                self.skipped_steps += 1
+            self._after_step(applied)
         return loss
 
     def _step(self) -> bool:
@@ -371,10 +372,11 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drops the gradients; between steps also the backward calls made so far (Note
         [Training call order] in guards.py)."""
-        self._requested_clip = None
-        self.drop_gradients(range(len(self.has_grad)))
-        if self.guard.discard_backwards():
-            self.dp.discard_accumulation()
+        with self.guard.calling("optimizer.zero_grad()"):  # Note [One thread at a time]
+            self._requested_clip = None
+            self.drop_gradients(range(len(self.has_grad)))
+            if self.guard.discard_backwards():
+                self.dp.discard_accumulation()
 
     def drop_gradients(self, indices: Iterable[int]) -> None:
         """Frees the gradients of these parameters (a module's zero_grad(): Note [Module
