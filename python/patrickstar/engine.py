@@ -143,6 +143,8 @@ _live_engines: "weakref.WeakSet[PatrickStarEngine]" = weakref.WeakSet()
 @atexit.register
 def _destroy_live_engines() -> None:
     for engine in list(_live_engines):
+        # A daemon thread may be training: Note [One thread at a time] in guards.py.
+        engine.guard.quiesce_for_exit()
         engine.destroy()
 
 

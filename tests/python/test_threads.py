@@ -4,6 +4,9 @@ optimizer step) raises naming both threads, instead of the two sharing the engin
 state (Note [One thread at a time] in guards.py)."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 import warnings
 
@@ -112,3 +115,45 @@ def test_a_call_while_another_thread_is_in_a_forward_names_both(call):
     optimizer.zero_grad()
     assert [step(model, optimizer) for _ in range(3)] == \
         [step(reference, reference_optimizer) for _ in range(3)]
+
+
+DAEMON_TRAINER = """
+import sys, threading
+import torch
+from torch import nn
+import patrickstar
+W = 256
+model, optimizer = patrickstar.initialize(
+    lambda: nn.Sequential(*[nn.Linear(W, W) for _ in range(4)]),
+    config={"default_chunk_size": W * W + W,
+            "memory": {"host_budget": 3 * (W * W + W) * 4, "nvme": {"path": sys.argv[1]}}})
+x = torch.randn(8, W)
+trained = threading.Event()
+def loop():
+    while True:
+        loss = model(x).square().mean()
+        model.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        trained.set()
+threading.Thread(target=loop, daemon=True).start()
+assert trained.wait(120)
+print("main ends", flush=True)
+"""
+
+
+def test_a_script_ending_while_a_daemon_thread_trains_exits_quietly(tmp_path):
+    """Before: the exit hook destroyed the engine under the daemon thread, whose next call
+    printed "Exception in thread ...: the chunk manager was closed (model.destroy())" at
+    every such exit; a plain torch script ends with its daemon threads silently."""
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    for _ in range(3):
+        result = subprocess.run([sys.executable, "-c", DAEMON_TRAINER, str(nvme)],
+                                capture_output=True, text=True, timeout=300,
+                                env=dict(os.environ, OMP_NUM_THREADS="1"))
+        assert result.returncode == 0, result.stderr
+        assert "main ends" in result.stdout
+        assert "Traceback" not in result.stderr and "Exception" not in result.stderr, \
+            result.stderr
+        assert os.listdir(nvme) == []
