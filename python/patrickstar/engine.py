@@ -536,12 +536,19 @@ class PatrickStarEngine(nn.Module):
         module]): a plain nn.Module, not a second engine."""
         return copy.deepcopy(self.module, memo)
 
+    @staticmethod
+    def _refuse_copy(call: str):
+        raise TypeError(f"a PatrickStarEngine cannot be pickled or shallow-copied ({call}): its "
+                        f"parameters and optimizer state live in chunks of its runtime. Save "
+                        f"model.state_dict(), torch.save(model.module) (the plain module with "
+                        f"its current weights), copy.deepcopy(model) (the same as a plain "
+                        f"module) or model.save_checkpoint(dir) (the whole training state)")
+
     def __reduce_ex__(self, protocol):
-        raise TypeError("a PatrickStarEngine cannot be pickled (torch.save(model)): its "
-                        "parameters and optimizer state live in chunks of its runtime. Save "
-                        "model.state_dict(), torch.save(model.module) (the plain module with "
-                        "its current weights) or model.save_checkpoint(dir) (the whole training "
-                        "state)")
+        self._refuse_copy("torch.save(model)")
+
+    def __copy__(self):
+        self._refuse_copy("copy.copy(model)")
 
     def __getattr__(self, name: str):
         """Attributes of the user's module (`model.generate(...)`, `model.get_input_embeddings()`)

@@ -529,11 +529,21 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
 
     # ---- State dict ----------------------------------------------------------------------------
 
+    @staticmethod
+    def _refuse_copy(call: str):
+        raise TypeError(f"the PatrickStar optimizer cannot be copied or pickled ({call}): its "
+                        f"state lives in chunks of the engine's runtime. Save "
+                        f"optimizer.state_dict() (loads with optimizer.load_state_dict) or "
+                        f"model.save_checkpoint(dir) (the whole training state)")
+
     def __reduce_ex__(self, protocol):
-        raise TypeError("the PatrickStar optimizer cannot be pickled (torch.save(optimizer)): "
-                        "its state lives in chunks of the engine's runtime. Save "
-                        "optimizer.state_dict() (loads with optimizer.load_state_dict) or "
-                        "model.save_checkpoint(dir) (the whole training state)")
+        self._refuse_copy("torch.save(optimizer)")
+
+    def __copy__(self):
+        self._refuse_copy("copy.copy(optimizer)")
+
+    def __deepcopy__(self, memo):
+        self._refuse_copy("copy.deepcopy(optimizer)")
 
     def add_param_group(self, param_group: dict) -> None:
         if getattr(self, "chunked", None) is None:  # torch.optim.Optimizer.__init__'s groups
