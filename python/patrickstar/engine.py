@@ -31,8 +31,13 @@ collector cannot follow them: by parameters that a C++ object (`_C.ParameterSlot
 by module hooks, by the data-parallel side whose `before_access` C++ calls. Each reaches the
 engine through a weak reference (`_weakly`, the gradient hooks, the back references of
 DataParallel, ModelParallelGradStats and the profiler), so only the user's references keep it
-alive; the engine <-> optimizer cycle is plain Python, which the collector frees. `__del__`
-then runs `destroy()`, which writes a running profile first and closes everything. At
+alive. The optimizer too holds the engine weakly (its `end_iteration` and profiler phase), so
+that no cycle runs through the engine: `del model, optimizer` frees it at once by reference
+counts, as a torch module and its optimizer go, not at the cycle collector's next full pass (a
+loop building the next engine after `del` held both engines' chunks until then). The engine
+holds its optimizer (DeepSpeed's `model.step()` needs it when the script kept only `model`);
+an optimizer whose engine was deleted refuses to step, naming that. `__del__` then runs
+`destroy()`, which writes a running profile first and closes everything. At
 interpreter exit (normal, or after an uncaught exception) `_destroy_live_engines` destroys the
 engines still alive, so swap files do not outlive the process. `destroy()` stays the explicit
 way; a second call does nothing. A process forked from the engine's (os.fork, multiprocessing,
@@ -103,6 +108,15 @@ def _weakly(method: Callable) -> Callable:
     return call
 
 
+def _profiler_phase(engine: "weakref.ref[PatrickStarEngine]") -> Callable:
+    """The optimizer's phase on the engine's profiler, holding the engine weakly (Note [Engine
+    lifetime]): once the engine is gone its guard refuses the step."""
+    def phase():
+        alive = engine()
+        return optimizer_phase(None if alive is None else alive.profiler)
+    return phase
+
+
 def _recomputing() -> bool:
     """A module's forward running inside an autograd backward: activation checkpointing's
     recomputation (Note [Recomputed forwards])."""
@@ -131,6 +145,8 @@ _live_engines: "weakref.WeakSet[PatrickStarEngine]" = weakref.WeakSet()
 @atexit.register
 def _destroy_live_engines() -> None:
     for engine in list(_live_engines):
+        # A daemon thread may be training: Note [One thread at a time] in guards.py.
+        engine.guard.quiesce_for_exit()
         engine.destroy()
 
 
@@ -237,7 +253,7 @@ class PatrickStarEngine(nn.Module):
         self.profiler = None
         self.optimizer = PatrickStarOptimizer(
             self.params, groups, config, self.dp, self.guard, self.loss_scaler, self.device,
-            self.runtime.has_nvme, self.end_iteration, lambda: optimizer_phase(self.profiler),
+            self.runtime.has_nvme, _weakly(self.end_iteration), _profiler_phase(weakref.ref(self)),
             self._slots.wait_for_gradient_stores, self._loop.before_optimizer_step,
             self._loop.after_optimizer_step)
         self._loop.attach(self.optimizer)
@@ -525,12 +541,19 @@ class PatrickStarEngine(nn.Module):
         module]): a plain nn.Module, not a second engine."""
         return copy.deepcopy(self.module, memo)
 
+    @staticmethod
+    def _refuse_copy(call: str):
+        raise TypeError(f"a PatrickStarEngine cannot be pickled or shallow-copied ({call}): its "
+                        f"parameters and optimizer state live in chunks of its runtime. Save "
+                        f"model.state_dict(), torch.save(model.module) (the plain module with "
+                        f"its current weights), copy.deepcopy(model) (the same as a plain "
+                        f"module) or model.save_checkpoint(dir) (the whole training state)")
+
     def __reduce_ex__(self, protocol):
-        raise TypeError("a PatrickStarEngine cannot be pickled (torch.save(model)): its "
-                        "parameters and optimizer state live in chunks of its runtime. Save "
-                        "model.state_dict(), torch.save(model.module) (the plain module with "
-                        "its current weights) or model.save_checkpoint(dir) (the whole training "
-                        "state)")
+        self._refuse_copy("torch.save(model)")
+
+    def __copy__(self):
+        self._refuse_copy("copy.copy(model)")
 
     def __getattr__(self, name: str):
         """Attributes of the user's module (`model.generate(...)`, `model.get_input_embeddings()`)
@@ -576,6 +599,14 @@ class PatrickStarEngine(nn.Module):
     # (Note [The engine's hooks under torch.compile] in hooks.py); the module's forward compiles.
     @torch.compiler.disable
     def _begin_forward(self) -> None:
+        self.guard.enter_call("model(...)")  # first: Note [One thread at a time]
+        try:
+            self._prepare_forward()
+        except BaseException:
+            self.guard.leave_call()
+            raise
+
+    def _prepare_forward(self) -> None:
         self.guard.check_alive("model(...)")
         _refuse_wrapping_data_parallel(self)
         self._backward.forget_raised_autograd_backward()
@@ -587,10 +618,13 @@ class PatrickStarEngine(nn.Module):
 
     @torch.compiler.disable
     def _leave_forward(self) -> None:
-        self._in_forward = False
-        if not torch.is_grad_enabled() or not self.module.training:
-            # No backward follows: give everything back now.
-            self._release_all(S.HOLD_AFTER_FWD)
+        try:
+            self._in_forward = False
+            if not torch.is_grad_enabled() or not self.module.training:
+                # No backward follows: give everything back now.
+                self._release_all(S.HOLD_AFTER_FWD)
+        finally:
+            self.guard.leave_call()
 
     @torch.compiler.disable
     def _end_forward(self) -> None:
@@ -601,11 +635,12 @@ class PatrickStarEngine(nn.Module):
         through it (two losses of one forward, each its own backward call)."""
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError("backward(loss) expects a scalar loss tensor")
-        agree = self.dp.ranks_with if self.dp.enabled else None
-        if not self.guard.before_backward(loss, self.precision, agree):
-            return
-        scale = self.loss_scaler.scale / self.ps_config.gradient_accumulation_steps
-        self._backward.run([loss.float() * scale], None, retain_graph)
+        with self.guard.calling("model.backward()"):  # Note [One thread at a time]
+            agree = self.dp.ranks_with if self.dp.enabled else None
+            if not self.guard.before_backward(loss, self.precision, agree):
+                return
+            scale = self.loss_scaler.scale / self.ps_config.gradient_accumulation_steps
+            self._backward.run([loss.float() * scale], None, retain_graph)
 
     def backward_from(self, tensors, grads) -> None:
         """Backward from non-scalar `tensors` given their gradients: a pipeline stage other

@@ -40,18 +40,44 @@ probing a week-long run) is not counted, but what it stored stays in the gradien
 to the step's: the next step would apply it on top of the next batch's gradients, silently. So
 the next backward and step raise, naming it, until `optimizer.zero_grad()` drops the gradients
 (and with them the step's accumulation so far; gradients cannot be told apart by backward).
+
+Note [One thread at a time]
+The engine keeps per-call state (which parameters a forward holds, whether a backward is under
+way, the step's count) for one caller at a time. Two Python threads calling it at once (an
+evaluation thread beside the training loop, two trainers on one engine) shared that state: one
+thread's module hooks released parameters the other's forward was using ("The size of tensor
+a (0) must match ..."), and a backward stored half its gradients. `TrainingGuard.calling` marks
+the thread inside a forward, `model.backward()`, `optimizer.step()` or `zero_grad()`; a call
+from another thread meanwhile raises at once, naming both threads and calls, before it changes
+anything (never a wait, so no deadlock). The same thread may nest calls (a forward inside a
+forward). So may autograd's own threads during a backward (on a GPU, backward runs on a device
+thread; a checkpointed block's recomputation calls the forward there): a call made inside an
+autograd graph task is part of the backward under way. Calls one after another from different
+threads are fine: a loop in a worker thread trains as in the main one.
+At interpreter exit only daemon threads are left (threading joins the others before the exit
+hooks run), and a script may end while one of them trains. The exit hook that destroys the
+engines (Note [Engine lifetime] in engine.py) first waits for the thread inside a call to
+leave it (`quiesce_for_exit`, at most EXIT_WAIT_S, in case that call never ends), and from
+then on every call from another thread parks forever instead of running on a destroyed engine:
+the interpreter then ends with the daemon thread as it ends plain torch's, silently. Before,
+the thread's next call printed "Exception in thread ...: the chunk manager was closed
+(model.destroy())" at every such exit.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from typing import Callable
+import threading
+from typing import Callable, Iterator
 
 import torch
 
 from . import _C
 
 __all__ = ["TrainingGuard", "check_budgets"]
+
+EXIT_WAIT_S = 30.0  # the longest the exit hook waits for another thread's call (a bound only)
 
 
 class TrainingGuard:
@@ -66,6 +92,63 @@ class TrainingGuard:
         self.failed_step: str | None = None
         # A backward that raised after storing gradients (Note [Training call order]).
         self.failed_backward: str | None = None
+        # The thread inside a call and how deep (Note [One thread at a time]).
+        self._caller_lock = threading.Lock()
+        self._caller_left = threading.Condition(self._caller_lock)
+        self._caller: tuple[int, str, str] | None = None
+        self._calls = 0
+        self._exiting: int | None = None  # the thread of the exit hook destroying the engine
+
+    # ---- Note [One thread at a time] -----------------------------------------------------
+
+    def enter_call(self, what: str) -> None:
+        """Marks this thread inside `what`; raises if another thread is inside a call."""
+        me = threading.current_thread()
+        with self._caller_lock:
+            caller = self._caller
+            # Another thread than the one inside a call (nested calls of that one pass), and
+            # not autograd's during a backward.
+            other = (caller is None or caller[0] != me.ident) and \
+                torch._C._current_graph_task_id() == -1
+            park = other and self._exiting not in (None, me.ident)
+            if not park and other and caller is not None:
+                raise RuntimeError(
+                    f"{what} from thread {me.name!r} while thread {caller[1]!r} is inside "
+                    f"{caller[2]}: a PatrickStar engine serves one call at a time (its forward, "
+                    f"backward and optimizer step share the engine's state). Call it from one "
+                    f"thread, or hold one lock around each forward, backward and step")
+            if not park:
+                if caller is None:
+                    self._caller = (me.ident, me.name, what)
+                self._calls += 1
+        if park:  # a daemon thread at interpreter exit: it ends with the interpreter
+            threading.Event().wait()
+
+    def leave_call(self) -> None:
+        with self._caller_lock:
+            self._calls -= 1
+            if self._calls == 0:
+                self._caller = None
+                self._caller_left.notify_all()
+
+    def quiesce_for_exit(self) -> None:
+        """At interpreter exit: waits for another thread's call under way to end; later calls
+        from other threads park (this thread's go on, and meet the destroyed engine's error)."""
+        if not self.in_owner_process():  # a forked child: the threads are the parent's
+            return
+        me = threading.get_ident()
+        with self._caller_left:
+            self._exiting = me
+            self._caller_left.wait_for(
+                lambda: self._caller is None or self._caller[0] == me, EXIT_WAIT_S)
+
+    @contextlib.contextmanager
+    def calling(self, what: str) -> Iterator[None]:
+        self.enter_call(what)
+        try:
+            yield
+        finally:
+            self.leave_call()
 
     def in_owner_process(self) -> bool:
         """False in a process forked from the one that built the engine."""
@@ -80,7 +163,8 @@ class TrainingGuard:
                 f"worker processes data rather than the model, or build an engine in the child "
                 f"with patrickstar.initialize()")
         if self.destroyed:
-            raise RuntimeError(f"{what}: this PatrickStar engine was destroyed (model.destroy()); "
+            raise RuntimeError(f"{what}: this PatrickStar engine was deleted or destroyed (`del "
+                               f"model` or model.destroy()); "
                                f"its chunks are freed. Build a new one with "
                                f"patrickstar.initialize()")
         if self.failed_step is not None:

@@ -242,16 +242,17 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
                 "live in chunks): for fp16 training set config fp16.enabled, whose dynamic loss "
                 "scale model.backward(loss) applies; with torch.autocast(dtype=torch.bfloat16) "
                 "no scaler is needed (GradScaler(enabled=False) is fine)")
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self._before_step()
-        with self._phase():
-            applied = self._step()
-        if not applied:
-            self.skipped_steps += 1
-        self._after_step(applied)
+        with self.guard.calling("optimizer.step()"):  # Note [One thread at a time]
+            loss = None
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
+            self._before_step()
+            with self._phase():
+                applied = self._step()
+            if not applied:
+                self.skipped_steps += 1
+            self._after_step(applied)
         return loss
 
     def _step(self) -> bool:
@@ -376,10 +377,11 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drops the gradients; between steps also the backward calls made so far (Note
         [Training call order] in guards.py)."""
-        self._requested_clip = None
-        self.drop_gradients(range(len(self.has_grad)))
-        if self.guard.discard_backwards():
-            self.dp.discard_accumulation()
+        with self.guard.calling("optimizer.zero_grad()"):  # Note [One thread at a time]
+            self._requested_clip = None
+            self.drop_gradients(range(len(self.has_grad)))
+            if self.guard.discard_backwards():
+                self.dp.discard_accumulation()
 
     def drop_gradients(self, indices: Iterable[int]) -> None:
         """Frees the gradients of these parameters (a module's zero_grad(): Note [Module
@@ -532,11 +534,21 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
 
     # ---- State dict ----------------------------------------------------------------------------
 
+    @staticmethod
+    def _refuse_copy(call: str):
+        raise TypeError(f"the PatrickStar optimizer cannot be copied or pickled ({call}): its "
+                        f"state lives in chunks of the engine's runtime. Save "
+                        f"optimizer.state_dict() (loads with optimizer.load_state_dict) or "
+                        f"model.save_checkpoint(dir) (the whole training state)")
+
     def __reduce_ex__(self, protocol):
-        raise TypeError("the PatrickStar optimizer cannot be pickled (torch.save(optimizer)): "
-                        "its state lives in chunks of the engine's runtime. Save "
-                        "optimizer.state_dict() (loads with optimizer.load_state_dict) or "
-                        "model.save_checkpoint(dir) (the whole training state)")
+        self._refuse_copy("torch.save(optimizer)")
+
+    def __copy__(self):
+        self._refuse_copy("copy.copy(optimizer)")
+
+    def __deepcopy__(self, memo):
+        self._refuse_copy("copy.deepcopy(optimizer)")
 
     def add_param_group(self, param_group: dict) -> None:
         if getattr(self, "chunked", None) is None:  # torch.optim.Optimizer.__init__'s groups

@@ -46,6 +46,46 @@ def test_del_frees_the_engine_and_its_swap_file(nvme_dir):
     assert os.listdir(nvme_dir) == []
 
 
+def _plain_or_engine(engine: bool, nvme_dir):
+    torch.manual_seed(0)
+    build = lambda: torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 2))
+    if not engine:
+        module = build()
+        return module, torch.optim.Adam(module.parameters())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return patrickstar.initialize(
+            build, config={"default_chunk_size": 4096,
+                           "memory": {"host_budget": 3 * 4096 * 4, "nvme": {"path": nvme_dir}}})
+
+
+@pytest.mark.parametrize("engine", [False, True])
+def test_del_frees_the_engine_without_the_cycle_collector(nvme_dir, engine):
+    """As a torch module and its optimizer go at `del model, optimizer` (reference counts
+    alone), so do the engine's chunks and swap file. Before, the optimizer held the engine
+    (its end_iteration and a lambda over self), so engine <-> optimizer was a cycle: a loop
+    that built the next engine after `del` without gc.collect() held both engines' memory."""
+    model, optimizer = _plain_or_engine(engine, nvme_dir)
+    model(torch.randn(2, 64)).sum().backward()
+    optimizer.step()
+    alive = weakref.ref(model)
+    gc.collect()
+    gc.disable()
+    try:
+        del model, optimizer
+        assert alive() is None, "the model outlived del (only the cycle collector frees it)"
+        assert os.listdir(nvme_dir) == []
+    finally:
+        gc.enable()
+
+
+def test_the_optimizer_of_a_deleted_engine_says_so(nvme_dir):
+    model, optimizer = _plain_or_engine(True, nvme_dir)
+    del model
+    with pytest.raises(RuntimeError, match="engine was deleted or destroyed"):
+        optimizer.step()
+
+
 @pytest.mark.parametrize("world", [1, 2])
 def test_twenty_cycles_keep_rss_flat_and_leave_no_file(tmp_path, world):
     nvme, profiles = tmp_path / "nvme", tmp_path / "profiles"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import gc
 import io
+import re
 
 import pytest
 import torch
@@ -126,6 +127,18 @@ def test_torch_save_of_the_engine_names_what_to_save():
     model, _ = trained(steps=0)
     with pytest.raises(TypeError, match=r"torch.save\(model.module\).*save_checkpoint"):
         torch.save(model, io.BytesIO())
+
+
+@pytest.mark.parametrize("how", ["copy.copy(model)", "copy.deepcopy(optimizer)",
+                                 "copy.copy(optimizer)"])
+def test_copying_the_engine_or_its_optimizer_names_the_call(how):
+    """A copy went through pickling's __reduce_ex__ and was refused as "cannot be pickled
+    (torch.save(...))", a call the user did not make."""
+    model, optimizer = trained(steps=0)
+    target = model if how.endswith("(model)") else optimizer
+    call = copy.copy if how.startswith("copy.copy") else copy.deepcopy
+    with pytest.raises(TypeError, match=re.escape(how)):
+        call(target)
 
 
 def test_copying_a_module_whose_engine_is_gone_says_so():

@@ -1,0 +1,159 @@
+"""The engine from Python threads. Training from a thread other than the main one works as in
+the main thread; a call made while another thread is inside one (a forward, backward or
+optimizer step) raises naming both threads, instead of the two sharing the engine's per-call
+state (Note [One thread at a time] in guards.py)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import patrickstar
+
+W = 32
+
+
+def build():
+    return nn.Sequential(nn.Linear(W, W), nn.Tanh(), nn.Linear(W, 4))
+
+
+def engine():
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return patrickstar.initialize(build, config={
+            "optimizer": {"type": "Adam", "params": {"lr": 1e-2}}, "default_chunk_size": 4096})
+
+
+def plain():
+    torch.manual_seed(0)
+    module = build()
+    return module, torch.optim.Adam(module.parameters(), lr=1e-2)
+
+
+X, Y = torch.randn(8, W), torch.randint(0, 4, (8,))
+
+
+def step(model, optimizer) -> float:
+    loss = nn.functional.cross_entropy(model(X), Y)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss.item()
+
+
+def in_thread(fn):
+    result = {}
+
+    def run():
+        try:
+            result["value"] = fn()
+        except BaseException as error:  # noqa: BLE001 (handed to the main thread)
+            result["error"] = error
+    thread = threading.Thread(target=run, name="trainer")
+    thread.start()
+    thread.join(timeout=120)
+    assert not thread.is_alive(), "the thread hung"
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
+
+
+def test_training_in_another_thread_is_training_in_the_main_one():
+    model, optimizer = plain()
+    expected = [step(model, optimizer) for _ in range(4)]
+    model, optimizer = engine()
+    got = in_thread(lambda: [step(model, optimizer) for _ in range(4)])
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=0)
+    ps_model, ps_optimizer = engine()  # the same engine trained in the main thread
+    assert got == [step(ps_model, ps_optimizer) for _ in range(4)]
+
+
+@pytest.mark.parametrize("call", ["forward", "backward", "step", "zero_grad"])
+def test_a_call_while_another_thread_is_in_a_forward_names_both(call):
+    """Before: the second thread's forward ran while the first thread's held its parameters,
+    and released them under it: the first failed with "The size of tensor a (0) must match
+    the size of tensor b (32)", and the stored half of a backward then refused every step."""
+    model, optimizer = engine()
+    reference, reference_optimizer = engine()
+    inside, go_on = threading.Event(), threading.Event()
+
+    def pause(module, inputs):
+        if threading.current_thread().name == "trainer":
+            inside.set()
+            assert go_on.wait(60)
+    handle = model.module[2].register_forward_pre_hook(pause)
+    if call in ("backward", "step", "zero_grad"):  # something to differentiate / step
+        loss = nn.functional.cross_entropy(model(X), Y)
+        if call != "backward":
+            model.backward(loss)
+    calls = {"forward": lambda: model(X), "backward": lambda: model.backward(loss),
+             "step": optimizer.step, "zero_grad": optimizer.zero_grad}
+
+    def first():
+        output = model(X)
+        return output
+    result = {}
+    thread = threading.Thread(target=lambda: result.setdefault("out", first()), name="trainer")
+    thread.start()
+    try:
+        assert inside.wait(60)
+        with pytest.raises(RuntimeError, match=r"thread 'trainer' is inside model\(\.\.\.\)"):
+            calls[call]()
+    finally:
+        go_on.set()
+        thread.join(timeout=60)
+    handle.remove()
+    assert "out" in result, "the first thread's forward failed"
+    # The refused call changed nothing: training goes on as an engine without it.
+    optimizer.zero_grad()
+    assert [step(model, optimizer) for _ in range(3)] == \
+        [step(reference, reference_optimizer) for _ in range(3)]
+
+
+DAEMON_TRAINER = """
+import sys, threading
+import torch
+from torch import nn
+import patrickstar
+W = 256
+model, optimizer = patrickstar.initialize(
+    lambda: nn.Sequential(*[nn.Linear(W, W) for _ in range(4)]),
+    config={"default_chunk_size": W * W + W,
+            "memory": {"host_budget": 3 * (W * W + W) * 4, "nvme": {"path": sys.argv[1]}}})
+x = torch.randn(8, W)
+trained = threading.Event()
+def loop():
+    while True:
+        loss = model(x).square().mean()
+        model.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        trained.set()
+threading.Thread(target=loop, daemon=True).start()
+assert trained.wait(120)
+print("main ends", flush=True)
+"""
+
+
+def test_a_script_ending_while_a_daemon_thread_trains_exits_quietly(tmp_path):
+    """Before: the exit hook destroyed the engine under the daemon thread, whose next call
+    printed "Exception in thread ...: the chunk manager was closed (model.destroy())" at
+    every such exit; a plain torch script ends with its daemon threads silently."""
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    for _ in range(3):
+        result = subprocess.run([sys.executable, "-c", DAEMON_TRAINER, str(nvme)],
+                                capture_output=True, text=True, timeout=300,
+                                env=dict(os.environ, OMP_NUM_THREADS="1"))
+        assert result.returncode == 0, result.stderr
+        assert "main ends" in result.stdout
+        assert "Traceback" not in result.stderr and "Exception" not in result.stderr, \
+            result.stderr
+        assert os.listdir(nvme) == []
