@@ -85,6 +85,7 @@ from .first_rank_init import first_rank_rng, take_first_rank_state
 from .init_context import BuiltModule, InitResidency, ParameterPlacer, plan_parameters
 from .loss_scaler import make_loss_scaler
 from .optimizer import PatrickStarOptimizer, build_param_groups
+from .parameter_values import ParameterValues
 from .saved_views import SavedParameterViews
 from .profiling.recorder import optimizer_phase, profiler_from_config
 from .profiling.upstream import profiler as upstream_profiler
@@ -93,7 +94,6 @@ from .vocabulary import Tier as T
 
 __all__ = ["PatrickStarEngine"]
 
-K = _C.ChunkKind
 S = _C.TensorState
 
 
@@ -231,6 +231,10 @@ class PatrickStarEngine(nn.Module):
             [ids.grad for ids in self.params.ids], self.compute_tier, self._placeholder(),
             [f"module.{name}" for name in self.params.names])
         self._slots.set_before_access(self.chunks.before_access)  # set by dp.after_init()
+        # Note [Loading the weights the model has] in parameter_values.py
+        self._parameter_values = ParameterValues(self.guard, self.params, self.dp,
+                                                 self.chunks.manager, self._slots,
+                                                 self.compute_dtype)
         # Where the activations really are: GPU memory with CUDA; host memory on a CPU build,
         # whose device tier only emulates a GPU's budget for chunks.
         self._non_model_tier = T.DEVICE if self.device.type == "cuda" else T.HOST
@@ -873,116 +877,15 @@ class PatrickStarEngine(nn.Module):
             raise RuntimeError("load_state_dict(assign=True) cannot replace the model's "
                                "parameters: their data lives in PatrickStar chunks; load without "
                                "assign, which copies the values into the chunks")
-        own = self.module.state_dict(keep_vars=True)
-        missing = [name for name in own if name not in state_dict]
-        unexpected = [name for name in state_dict if name not in own]
-        # torch's errors, in its words and order, all of them before anything is written.
-        errors = []
-        if strict and missing:
-            errors.append("Missing key(s) in state_dict: {}. ".format(
-                ", ".join(f'"{name}"' for name in missing)))
-        if strict and unexpected:
-            errors.append("Unexpected key(s) in state_dict: {}. ".format(
-                ", ".join(f'"{name}"' for name in unexpected)))
-        errors += self._size_mismatches(own, state_dict)
-        if errors:
-            error = RuntimeError("Error(s) in loading state_dict for {}:\n\t{}".format(
-                type(self.module).__name__, "\n\t".join(errors)))
-            if strict and (missing or unexpected):
-                error.add_note("load_state_dict(state_dict, strict=False) loads the keys the "
-                               "model has, as upstream PatrickStar's default did")
-            raise error
-        try:
-            self._load_values(own, state_dict)
-        finally:
-            self.dp.parameters_changed()  # gathered copies of what the owners loaded are stale
-        return nn.modules.module._IncompatibleKeys(missing, unexpected)
-
-    def _shape_in_model(self, value) -> tuple:
-        index = self.params.index_of(value)
-        return tuple(self.params.shapes[index] if index is not None else value.shape)
-
-    def _size_mismatches(self, own: dict, state_dict) -> list[str]:
-        errors = []
-        for name, value in own.items():
-            source = state_dict.get(name)
-            if source is None:
-                continue
-            shape = self._shape_in_model(value)
-            if tuple(getattr(source, "shape", ())) != shape:
-                errors.append(f"size mismatch for {name}: copying a param with shape "
-                              f"{getattr(source, 'shape', None)} from checkpoint, the shape in "
-                              f"current model is {torch.Size(shape)}.")
-        return errors
-
-    def _load_values(self, own: dict, state_dict) -> None:
-        with torch.no_grad():
-            for name, value in own.items():
-                if name not in state_dict:
-                    continue
-                source = state_dict[name]
-                index = self.params.index_of(value)
-                if index is None:
-                    value.copy_(source)
-                else:
-                    self.load_parameter(index, source)
-
-    # Note [Loading the weights the model has]
-    # In fp16/bf16 the optimizer keeps a finer copy of each weight than the 16-bit value
-    # `state_dict()` gives: the fp32 master, or the Kahan compensation without one. Loading
-    # 16-bit weights writes the master from them and zeroes the compensation, as new weights
-    # carry no rounding error of earlier updates. But 16-bit weights that are exactly the
-    # ones the model holds (the master rounds to them; without a master, the parameter is
-    # them) are not new: `model.load_state_dict(model.state_dict())` is a no-op in torch, and
-    # the resume idiom may load the optimizer's state dict, which restores the master and
-    # compensation (Note [Master weights in the optimizer's state dict] in optimizer.py),
-    # before the model's. So such weights leave both as they are; other values, or weights
-    # of another dtype (an fp32 state dict into a bf16 engine), replace them. Without a master
-    # that order still loses the compensation: the optimizer's load cannot know the weights
-    # the model's load will bring, so load the model's state dict first there.
-    def _holds_already(self, index: int, source: torch.Tensor) -> bool:
-        if source.dtype != self.compute_dtype or self.compute_dtype == torch.float32:
-            return False
-        for kind in (K.MASTER_PARAM, K.COMPUTE_PARAM):  # the finer copy where there is one
-            tensor_id = self.params.tensor_id(index, kind)
-            if tensor_id is not None:
-                if not self.dp.owns(self.chunks.manager, tensor_id):
-                    return False  # data parallel: the owner decides for what it loads
-                held = self.params.read(index, kind).to(self.compute_dtype)
-                return torch.equal(held, source.reshape(held.shape))
-        return False
+        return self._parameter_values.load_state_dict(self.module, state_dict, strict)
 
     def load_parameter(self, index: int, source: torch.Tensor) -> None:
         """New weights for parameter `index` (its shape, any float dtype)."""
-        self.guard.check_alive("load_state_dict()")
-        with torch.no_grad():
-            # Note [Loading the weights the model has]
-            kinds = (K.COMPUTE_PARAM,) if self._holds_already(index, source) else (
-                K.COMPUTE_PARAM, K.MASTER_PARAM, K.PARAM_COMPENSATION)
-            for kind in kinds:
-                tensor_id = self.params.tensor_id(index, kind)
-                if tensor_id is None or not self.dp.owns(self.chunks.manager, tensor_id):
-                    continue  # data parallel: the owner loads it
-                # New weights carry no rounding error of earlier updates.
-                self.params.write(index, kind, torch.zeros_like(source)
-                                  if kind == K.PARAM_COMPENSATION else source)
-
-    def _gather_for_state_dict(self) -> None:
-        try:
-            self.dp.gather_all()  # a collective: every rank calls state_dict()
-        except _C.ChunkRuntimeError as error:
-            error.add_note("state_dict() under data parallelism gathers every rank's shards, so "
-                           "every rank must call it: `sd = model.state_dict()` on all ranks, "
-                           "then `if rank == 0: torch.save(sd, path)`; or "
-                           "model.save_checkpoint(dir), which writes each rank's shards")
-            raise
+        self._parameter_values.load(index, source)
 
     def read_parameter(self, index: int) -> torch.Tensor:
         """Parameter `index` in the compute dtype (a collective under data parallelism)."""
-        self.guard.check_alive("state_dict()")
-        self._slots.check_unchanged([index])  # Note [Writes to a released parameter]
-        self._gather_for_state_dict()
-        return self.params.read(index, K.COMPUTE_PARAM)
+        return self._parameter_values.read(index)
 
     def full_gradient(self, param) -> torch.Tensor | None:
         """DeepSpeed's `safe_get_full_grad`: the gradient of `param` (one of this engine's

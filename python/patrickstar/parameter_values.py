@@ -1,0 +1,137 @@
+"""The values of the engine's parameters read out of their chunks and written into them: what
+`state_dict()`, `load_state_dict()` and every caller reading or loading whole weights (the
+module's own state dict hooks, `model.apply`, deepcopy, parameters_to_vector) go through.
+
+The engine owns the parameters and their chunks; a ParameterValues is handed the objects it
+reads and writes through (the guard, the chunked parameters, the data-parallel side, the chunk
+manager, the parameter slots) and owns only the rules of a load: torch's errors before anything
+is written, and which chunk kinds new weights replace (Note [Loading the weights the model
+has]).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from . import _C
+
+__all__ = ["ParameterValues"]
+
+K = _C.ChunkKind
+
+
+class ParameterValues:
+    def __init__(self, guard, params, dp, manager, slots, compute_dtype: torch.dtype):
+        self._guard = guard
+        self._params = params
+        self._dp = dp
+        self._manager = manager
+        self._slots = slots
+        self._compute_dtype = compute_dtype
+
+    def read(self, index: int) -> torch.Tensor:
+        """Parameter `index` in the compute dtype (a collective under data parallelism)."""
+        self._guard.check_alive("state_dict()")
+        self._slots.check_unchanged([index])  # Note [Writes to a released parameter]
+        self._gather_for_state_dict()
+        return self._params.read(index, K.COMPUTE_PARAM)
+
+    def _gather_for_state_dict(self) -> None:
+        try:
+            self._dp.gather_all()  # a collective: every rank calls state_dict()
+        except _C.ChunkRuntimeError as error:
+            error.add_note("state_dict() under data parallelism gathers every rank's shards, so "
+                           "every rank must call it: `sd = model.state_dict()` on all ranks, "
+                           "then `if rank == 0: torch.save(sd, path)`; or "
+                           "model.save_checkpoint(dir), which writes each rank's shards")
+            raise
+
+    def load_state_dict(self, module: nn.Module, state_dict, strict: bool):
+        """`module.load_state_dict(state_dict, strict)` for the engine's module: plain tensors
+        (any float dtype) for every parameter and buffer; torch's errors, in its words, all of
+        them before anything is written; torch's `_IncompatibleKeys`."""
+        own = module.state_dict(keep_vars=True)
+        missing = [name for name in own if name not in state_dict]
+        unexpected = [name for name in state_dict if name not in own]
+        errors = []
+        if strict and missing:
+            errors.append("Missing key(s) in state_dict: {}. ".format(
+                ", ".join(f'"{name}"' for name in missing)))
+        if strict and unexpected:
+            errors.append("Unexpected key(s) in state_dict: {}. ".format(
+                ", ".join(f'"{name}"' for name in unexpected)))
+        errors += self._size_mismatches(own, state_dict)
+        if errors:
+            error = RuntimeError("Error(s) in loading state_dict for {}:\n\t{}".format(
+                type(module).__name__, "\n\t".join(errors)))
+            if strict and (missing or unexpected):
+                error.add_note("load_state_dict(state_dict, strict=False) loads the keys the "
+                               "model has, as upstream PatrickStar's default did")
+            raise error
+        try:
+            with torch.no_grad():
+                for name, value in own.items():
+                    if name not in state_dict:
+                        continue
+                    index = self._params.index_of(value)
+                    if index is None:
+                        value.copy_(state_dict[name])
+                    else:
+                        self.load(index, state_dict[name])
+        finally:
+            self._dp.parameters_changed()  # gathered copies of what the owners loaded are stale
+        return nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+    def _size_mismatches(self, own: dict, state_dict) -> list[str]:
+        errors = []
+        for name, value in own.items():
+            source = state_dict.get(name)
+            if source is None:
+                continue
+            index = self._params.index_of(value)
+            shape = tuple(self._params.shapes[index] if index is not None else value.shape)
+            if tuple(getattr(source, "shape", ())) != shape:
+                errors.append(f"size mismatch for {name}: copying a param with shape "
+                              f"{getattr(source, 'shape', None)} from checkpoint, the shape in "
+                              f"current model is {torch.Size(shape)}.")
+        return errors
+
+    def load(self, index: int, source: torch.Tensor) -> None:
+        """New weights for parameter `index` (its shape, any float dtype)."""
+        self._guard.check_alive("load_state_dict()")
+        with torch.no_grad():
+            # Note [Loading the weights the model has]
+            kinds = (K.COMPUTE_PARAM,) if self._holds_already(index, source) else (
+                K.COMPUTE_PARAM, K.MASTER_PARAM, K.PARAM_COMPENSATION)
+            for kind in kinds:
+                tensor_id = self._params.tensor_id(index, kind)
+                if tensor_id is None or not self._dp.owns(self._manager, tensor_id):
+                    continue  # data parallel: the owner loads it
+                # New weights carry no rounding error of earlier updates.
+                self._params.write(index, kind, torch.zeros_like(source)
+                                   if kind == K.PARAM_COMPENSATION else source)
+
+    # Note [Loading the weights the model has]
+    # In fp16/bf16 the optimizer keeps a finer copy of each weight than the 16-bit value
+    # `state_dict()` gives: the fp32 master, or the Kahan compensation without one. Loading
+    # 16-bit weights writes the master from them and zeroes the compensation, as new weights
+    # carry no rounding error of earlier updates. But 16-bit weights that are exactly the
+    # ones the model holds (the master rounds to them; without a master, the parameter is
+    # them) are not new: `model.load_state_dict(model.state_dict())` is a no-op in torch, and
+    # the resume idiom may load the optimizer's state dict, which restores the master and
+    # compensation (Note [Master weights in the optimizer's state dict] in optimizer.py),
+    # before the model's. So such weights leave both as they are; other values, or weights
+    # of another dtype (an fp32 state dict into a bf16 engine), replace them. Without a master
+    # that order still loses the compensation: the optimizer's load cannot know the weights
+    # the model's load will bring, so load the model's state dict first there.
+    def _holds_already(self, index: int, source: torch.Tensor) -> bool:
+        if source.dtype != self._compute_dtype or self._compute_dtype == torch.float32:
+            return False
+        for kind in (K.MASTER_PARAM, K.COMPUTE_PARAM):  # the finer copy where there is one
+            tensor_id = self._params.tensor_id(index, kind)
+            if tensor_id is not None:
+                if not self._dp.owns(self._manager, tensor_id):
+                    return False  # data parallel: the owner decides for what it loads
+                held = self._params.read(index, kind).to(self._compute_dtype)
+                return torch.equal(held, source.reshape(held.shape))
+        return False
