@@ -457,6 +457,12 @@ class PatrickStarEngine(nn.Module):
             return int(torch.cuda.memory_allocated(self.device))
         return self.activations.bytes
 
+    @property
+    def non_model_tier(self) -> str:
+        """The kind of tier (`Tier.DEVICE` or `Tier.HOST`) whose memory non_model_bytes() is in
+        and whose budget the manager plans it against: host memory on a CPU build."""
+        return self._non_model_tier
+
     # ---- Forward / backward --------------------------------------------------------------------
 
     # The hooks reach these through weak references (Note [Engine lifetime]); the views object

@@ -143,8 +143,13 @@ def test_memory_csv_totals_equal_tier_statistics(profiled):
     budget = after[0]["budget_bytes"]
     assert all(int(r["device_model_bytes"]) <= budget for r in rows)
     assert all(int(r["device_budget_bytes"]) == budget for r in rows)
-    # Activations saved for backward are measured as device non-model data.
-    assert max(int(r["device_non_model_bytes"]) for r in rows) > 0
+    # Activations are non-model data of the memory holding them: the device's with CUDA, the
+    # host's where torch runs on the CPU (Note [Where measured non-model data lives]).
+    on_gpu = patrickstar._C.cuda_available() and not patrickstar._C.strict_device()
+    holder, other = ("device", "host") if on_gpu else ("host", "device")
+    assert max(int(r[f"{holder}_non_model_bytes"]) for r in rows) > 0
+    if not on_gpu:
+        assert max(int(r[f"{other}_non_model_bytes"]) for r in rows) == 0
 
 
 def test_summary_agrees_with_statistics(profiled):
@@ -184,6 +189,29 @@ def test_summary_agrees_with_statistics(profiled):
         assert it["move_wait_s"] > 0 and it["optimizer_s"] > 0
     assert summary["findings"]
     assert any(device in finding for finding in summary["findings"])
+
+
+def test_non_model_data_is_on_the_tier_the_engine_plans_it_on(tmp_path):
+    """Activations are counted once, on the tier whose memory holds them and whose budget the
+    manager plans them against (host memory on a CPU build): they were put on the (emulated)
+    device tier as well, so a CPU profile showed them on two tiers, the device's peak total
+    above its budget, and a finding that the manager had planned with 0 MiB on the device."""
+    model, optimizer = _model()
+    with patrickstar.profile(model, tmp_path):
+        _train(model, optimizer, 2, batch=8)
+    where = model.non_model_tier
+    kinds = {stats["name"]: stats["kind"] for stats in model.memory_stats()}
+    model.destroy()
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    for name, tier in summary["tiers"].items():
+        if kinds[name] == where:
+            assert tier["peak_non_model_bytes"] > 0, name
+        else:
+            assert tier["peak_non_model_bytes"] == 0, (name, tier)
+            assert tier["peak_total_bytes"] == tier["peak_model_bytes"], (name, tier)
+    assert summary["largest_non_model_moment"]["tier"] in [n for n, k in kinds.items()
+                                                          if k == where]
+    assert not any("planned with 0.0 MiB" in finding for finding in summary["findings"])
 
 
 def test_peaks_include_chunks_between_samples(tmp_path):
