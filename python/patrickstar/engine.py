@@ -218,6 +218,7 @@ class PatrickStarEngine(nn.Module):
         # Where the activations really are: GPU memory with CUDA; host memory on a CPU build,
         # whose device tier only emulates a GPU's budget for chunks.
         self._non_model_tier = T.DEVICE if self.device.type == "cuda" else T.HOST
+        self._warmup_forward_failed = False  # Note [A forward that raised during warm-up]
         # Note [loss.backward()] in backward_pass.py
         self._backward = BackwardPass(self.guard, self.dp, self.precision,
                                       _weakly(self._release_after_backward),
@@ -565,9 +566,11 @@ class PatrickStarEngine(nn.Module):
 
     def forward(self, *args, **kwargs):
         self._begin_forward()
+        completed = False
         try:
             with self._views.hooks():
                 output = self.module(*args, **kwargs)
+            completed = True
         except RuntimeError as error:
             hint = external_parameter_hint(error)
             if hint is not None:
@@ -575,8 +578,29 @@ class PatrickStarEngine(nn.Module):
             raise
         finally:
             self._leave_forward()
+            if not completed and self.chunks.warming_up and self.guard.backwards == 0:
+                self._warmup_forward_failed = True
         self._end_forward()
         return output
+
+    # Note [A forward that raised during warm-up]
+    # The warm-up iteration's moments are the trace every later iteration replays (Note
+    # [Moments and the warm-up trace] in chunk/memory_tracer.h), non-model peaks included. A
+    # first forward that raised partway (a batch too large for the host budget, a shape error)
+    # left its moments in that trace: the retry's moments came after them, and its step froze
+    # a trace whose moment 1 held the failed batch's activations, so the second iteration of
+    # a batch that fits raised "moment 1: ... non-model data 1.00 MiB" against a 512 KiB
+    # budget. The next forward starts the warm-up again instead, once the non-model data of now
+    # (the failed graph is gone unless its exception is still held) is what the manager knows.
+    # Only before the step's first backward: a later micro-step's failure keeps the earlier
+    # micro-steps' trace.
+    def _restart_warmup_after_failed_forward(self) -> None:
+        if not self._warmup_forward_failed:
+            return
+        self._warmup_forward_failed = False
+        if self.chunks.warming_up and self.guard.backwards == 0:
+            self.chunks.report_non_model_data(self._non_model_tier, self.non_model_bytes())
+            self.chunks.restart_warmup()
 
     # The engine's bookkeeping around the module's forward runs eagerly under torch.compile
     # (Note [The engine's hooks under torch.compile] in hooks.py); the module's forward compiles.
@@ -585,6 +609,7 @@ class PatrickStarEngine(nn.Module):
         self.guard.check_alive("model(...)")
         _refuse_wrapping_data_parallel(self)
         self._backward.forget_raised_autograd_backward()
+        self._restart_warmup_after_failed_forward()
         # Saved-tensor hooks that a direct call raising past its post-forward hook left entered.
         self._hooks.leave_saved_tensor_hooks()
         self._views.leave_direct_calls()

@@ -1,13 +1,16 @@
 """Activations autograd saves in the engine's forward (activations.py, the CPU measure of
 non-model data) live as long as their graph, as in plain PyTorch: a training-mode forward whose
-loss is dropped without a backward frees its saved tensors and its count (Note [Saved
-activations without their graph])."""
+loss is dropped without a backward, or one that raised partway (out of host budget), frees its
+saved tensors and its count (Note [Saved activations without their graph]), and the warm-up
+trace forgets a first forward that raised (Note [A forward that raised during warm-up] in
+engine.py), so the engine goes on training with a batch that fits."""
 from __future__ import annotations
 
 import gc
 import warnings
 import weakref
 
+import pytest
 import torch
 from torch import nn
 
@@ -55,3 +58,32 @@ def test_a_dropped_training_forward_frees_its_saved_tensors_as_in_pytorch():
     assert all(ref() is None for ref in model.module.outputs)
     model.destroy()
 
+
+def test_training_goes_on_after_a_forward_out_of_host_budget(nvme_dir):
+    # Chunks spill to NVMe, so the host budget bounds the activations (non-model data in host
+    # memory where torch runs on the CPU): a batch of 4096 rows does not fit, one of 8 does.
+    config = {"memory": {"host_budget": "512KiB", "nvme": {"path": nvme_dir}}}
+    reference, reference_opt = _engine()
+    model, optimizer = _engine(config)
+    if model.non_model_tier != "host":
+        model.destroy()
+        reference.destroy()
+        pytest.skip("activations are device memory here (CUDA), outside the host budget")
+    with pytest.raises(patrickstar.ChunkOutOfMemoryError, match="non-model data"):
+        model(torch.randn(4096, 64))
+    gc.collect()
+    assert model.non_model_bytes() == 0
+    torch.manual_seed(1)
+    batches = [torch.randn(8, 64) for _ in range(3)]
+    losses = {}
+    for name, (engine, opt) in {"budget": (model, optimizer),
+                                "reference": (reference, reference_opt)}.items():
+        losses[name] = []
+        for x in batches:
+            loss = engine(x)
+            engine.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            losses[name].append(loss.item())
+        engine.destroy()
+    assert losses["budget"] == losses["reference"]
