@@ -450,7 +450,23 @@ class PatrickStarEngine(nn.Module):
     def _tick(self, event: str) -> None:
         if self.profiler is not None:
             self.profiler.on_tick(event)
-        self.chunks.tick(self._non_model_tier, self.non_model_bytes())
+        non_model = self.non_model_bytes()
+        try:
+            self.chunks.tick(self._non_model_tier, non_model)
+        except _C.ChunkOutOfMemoryError as error:
+            # The manager names its tier, not the config key, and knows nothing of batches.
+            key = "memory.device_budget" if self._non_model_tier == T.DEVICE \
+                else "memory.host_budget"
+            budget = getattr(self.ps_config.memory, key.rpartition(".")[2])
+            nvme = "" if self.ps_config.memory.nvme.path is not None else \
+                ", or add an NVMe tier (memory.nvme.path) for chunks to leave to"
+            error.add_note(
+                f"At this moment ({event}) the engine had {non_model} bytes "
+                f"({non_model / 2**20:.2f} MiB) of non-model data (activations and temporaries) "
+                f"on the {self._non_model_tier} tier, which shares config key '{key}' "
+                f"(= {budget if budget is not None else 'unset'}) with chunks: raise it, use a "
+                f"smaller batch or activation checkpointing{nvme}.")
+            raise
 
     def non_model_bytes(self) -> int:
         """Non-model data now: Note [Measured non-model data] in activations.py."""

@@ -69,8 +69,13 @@ def test_training_goes_on_after_a_forward_out_of_host_budget(nvme_dir):
         model.destroy()
         reference.destroy()
         pytest.skip("activations are device memory here (CUDA), outside the host budget")
-    with pytest.raises(patrickstar.ChunkOutOfMemoryError, match="non-model data"):
+    with pytest.raises(patrickstar.ChunkOutOfMemoryError, match="non-model data") as info:
         model(torch.randn(4096, 64))
+    # The error names the config key the activations count against (the manager's message
+    # names only its tier).
+    note = " ".join(getattr(info.value, "__notes__", []))
+    assert "'memory.host_budget' (= 524288)" in note and "smaller batch" in note
+    del info
     gc.collect()
     assert model.non_model_bytes() == 0
     torch.manual_seed(1)
