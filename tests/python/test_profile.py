@@ -214,6 +214,28 @@ def test_non_model_data_is_on_the_tier_the_engine_plans_it_on(tmp_path):
     assert not any("planned with 0.0 MiB" in finding for finding in summary["findings"])
 
 
+def test_eviction_causes_are_told_apart(tmp_path, nvme_dir):
+    """Each row of the top eviction causes is one (phase, trigger, kind the room was for,
+    victim kind, direction): the optimizer's explicit moves for variance and for gradient
+    chunks read the same ("optimizer: an explicit move moved gradient chunks host->nvme"
+    twice in report.html)."""
+    gpt = GPTConfig(vocab_size=512, max_seq_len=32, hidden=128, layers=2, heads=4)
+    torch.manual_seed(0)
+    model, optimizer = patrickstar.initialize(lambda: GPT(gpt), config={
+        "default_chunk_size": 1 << 15, "memory": {"device_budget": "1MiB", "host_budget": "3MiB",
+                                                  "nvme": {"path": nvme_dir}}})
+    with patrickstar.profile(model, tmp_path):
+        for ids, targets in synthetic_batches(gpt, 2, 4):
+            model.backward(model(ids, targets))
+            optimizer.step()
+            optimizer.zero_grad()
+    model.destroy()
+    causes = json.loads((tmp_path / "summary.json").read_text())["evictions"]["top_causes"]
+    assert any(c["trigger"] == "explicit" for c in causes)
+    descriptions = [c["description"] for c in causes]
+    assert len(set(descriptions)) == len(descriptions), descriptions
+
+
 def test_peaks_include_chunks_between_samples(tmp_path):
     """Moments are sampled when they close, so gradient chunks written after the last tick of
     a backward and dropped by the optimizer were never sampled: summary.json reported a device
