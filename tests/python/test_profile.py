@@ -523,6 +523,18 @@ def test_cli_entry_point_is_installed(profiled):
     assert result.returncode == 2 and "give one profile directory" in result.stderr
 
 
+def test_cli_runs_as_a_module(profiled):
+    """`python -m patrickstar.report DIR`, the spelling for an environment without the console
+    script on PATH, printed nothing and exited 0."""
+    result = subprocess.run([sys.executable, "-m", "patrickstar.report", str(profiled[0])],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "findings:" in result.stdout
+    result = subprocess.run([sys.executable, "-m", "patrickstar.report"], capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 2 and "give one profile directory" in result.stderr
+
+
 # ---- report.html in headless Chromium ----------------------------------------------------------
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
