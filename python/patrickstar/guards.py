@@ -284,9 +284,9 @@ def check_budgets(config, manager_json: str, names: list[str], trainable: list[b
             f"config key 'memory.host_budget' = {_fmt(memory.host_budget)} is smaller than the "
             f"optimizer state this process keeps on the host once optimizer.step() has run: "
             f"{_fmt(state_need)} (Adam's momentum and variance chunks{extra}), and there is no "
-            f"NVMe tier (memory.nvme.path) to spill it to; raise memory.host_budget above it (non-model "
-            f"data placed on the host, such as activations on a CPU build, comes on top), add "
-            f"an NVMe tier, or keep the moments in fewer bytes (optimizer params "
+            f"NVMe tier (memory.nvme.path) to spill it to; raise memory.host_budget above it "
+            f"(non-model data placed on the host, such as activations on a CPU build, comes on "
+            f"top), add an NVMe tier, or keep the moments in fewer bytes (optimizer params "
             f"\"state_dtype\": \"bf16\" or \"int8\")")
     if memory.host_budget is not None and memory.host_budget < host_need:
         raise _C.ChunkOutOfMemoryError(
