@@ -454,7 +454,13 @@ class PatrickStarEngine(nn.Module):
         try:
             self.chunks.tick(self._non_model_tier, non_model)
         except _C.ChunkOutOfMemoryError as error:
-            # The manager names its tier, not the config key, and knows nothing of batches.
+            # The manager names its tier, not the config key, and knows nothing of batches. Only
+            # when the tier out of room is the one holding the non-model data: an NVMe tier
+            # without room for a chunk evicted from the host is not the activations' doing.
+            message = str(error)
+            if f"({self._non_model_tier}): budget" not in message and \
+                    f"({self._non_model_tier}) cannot take" not in message:
+                raise
             key = "memory.device_budget" if self._non_model_tier == T.DEVICE \
                 else "memory.host_budget"
             budget = getattr(self.ps_config.memory, key.rpartition(".")[2])

@@ -92,3 +92,23 @@ def test_training_goes_on_after_a_forward_out_of_host_budget(nvme_dir):
             losses[name].append(loss.item())
         engine.destroy()
     assert losses["budget"] == losses["reference"]
+
+
+def test_an_nvme_tier_out_of_room_is_not_blamed_on_the_activations(nvme_dir):
+    # bf16 GPT, host 2 MiB, NVMe 4 MiB: the chunks evicted from the host find no room on NVMe
+    # at a tick; the note about activations and memory.host_budget would point the wrong way.
+    from patrickstar.examples.gpt import GPT, GPTConfig, synthetic_batches
+    gpt = GPTConfig(vocab_size=512, max_seq_len=32, hidden=128, layers=2, heads=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, optimizer = patrickstar.initialize(lambda: GPT(gpt), config={
+            "default_chunk_size": 1 << 15, "bf16": {"enabled": True},
+            "memory": {"host_budget": "2MiB", "nvme": {"path": nvme_dir, "budget": "4MiB"}}})
+    with pytest.raises(patrickstar.ChunkOutOfMemoryError, match="tier 'nvme'") as info:
+        for ids, targets in synthetic_batches(gpt, 2, 2):
+            model.backward(model(ids, targets))
+            optimizer.step()
+            optimizer.zero_grad()
+    assert not any("memory.host_budget" in note for note in getattr(info.value, "__notes__", []))
+    del info
+    model.destroy()
