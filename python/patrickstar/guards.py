@@ -288,6 +288,16 @@ def check_budgets(config, manager_json: str, names: list[str], trainable: list[b
             f"(non-model data placed on the host, such as activations on a CPU build, comes on "
             f"top), add an NVMe tier, or keep the moments in fewer bytes (optimizer params "
             f"\"state_dtype\": \"bf16\" or \"int8\")")
+    # With an NVMe tier of a given size, the same state has the host and NVMe between them.
+    if memory.nvme.path is not None and memory.nvme.budget and memory.host_budget is not None \
+            and memory.host_budget + memory.nvme.budget < state_need:
+        raise _C.ChunkOutOfMemoryError(
+            f"config keys 'memory.host_budget' + 'memory.nvme.budget' = "
+            f"{_fmt(memory.host_budget + memory.nvme.budget)} cannot hold the optimizer state "
+            f"this process keeps in host memory or on NVMe once optimizer.step() has run: "
+            f"{_fmt(state_need)} (Adam's momentum and variance chunks{extra}); raise "
+            f"memory.nvme.budget (or leave it out: the filesystem's free space), or keep the "
+            f"moments in fewer bytes (optimizer params \"state_dtype\": \"bf16\" or \"int8\")")
     if memory.host_budget is not None and memory.host_budget < host_need:
         raise _C.ChunkOutOfMemoryError(
             f"config key 'memory.host_budget' = {_fmt(memory.host_budget)} is smaller than the "

@@ -147,6 +147,22 @@ def test_host_budget_below_the_optimizer_state_without_nvme_is_refused_at_initia
     assert train({"host_budget": 24576 + 65536}) == train({})
 
 
+def test_host_and_nvme_budgets_below_the_optimizer_state_are_refused_at_initialize(nvme_dir):
+    # The same 24 KiB of moments (9 x Linear(16, 16), 4 KiB chunks) with an NVMe tier: host
+    # 8 KiB + NVMe 8 KiB cannot hold them. It failed inside training, or inside initialize()
+    # as "access tensor ...: evicting from 'host' ... tier 'nvme' cannot take ...", naming no
+    # config key.
+    def deep():
+        return nn.Sequential(*(nn.Linear(16, 16) for _ in range(9)))
+
+    with pytest.raises(patrickstar.ChunkOutOfMemoryError) as info:
+        make({"default_chunk_size": 1024, "memory": {
+            "host_budget": 8192, "nvme": {"path": nvme_dir, "budget": 8192}}}, deep)
+    message = str(info.value)
+    assert "'memory.host_budget' + 'memory.nvme.budget' = 16384 bytes" in message
+    assert "24576 bytes" in message
+
+
 def test_nvme_path_missing_or_not_writable(tmp_path):
     missing = tmp_path / "no" / "such"
     with pytest.raises(FileNotFoundError, match=str(missing)):
