@@ -57,7 +57,16 @@ class ActivationCounter:
             self.bytes += storage.nbytes()
         else:
             entry[0] += 1
-        return _SavedActivation(tensor, key, self)
+        # Note [Saved activations without their graph]
+        # Autograd hands pack() a saved *output* with its grad_fn, the node that saves it: a
+        # packed object holding it makes the cycle node -> packed -> tensor -> node, through C++
+        # where Python's gc cannot see it. Backward frees the saved tensors and breaks it, but a
+        # graph dropped without one (a training-mode forward whose loss is not backpropagated,
+        # one that raised partway, e.g. out of budget) was never freed: 5 MiB of RAM and of the
+        # host's planned non-model data per forward of a small GPT, so every later forward
+        # failed the host budget. A detached tensor shares the storage and version counter, and
+        # autograd re-attaches the saved grad_fn when it unpacks (as torch's save_on_cpu does).
+        return _SavedActivation(tensor.detach(), key, self)
 
     @staticmethod
     def unpack(packed):

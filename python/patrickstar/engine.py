@@ -238,6 +238,7 @@ class PatrickStarEngine(nn.Module):
         # Where the activations really are: GPU memory with CUDA; host memory on a CPU build,
         # whose device tier only emulates a GPU's budget for chunks.
         self._non_model_tier = T.DEVICE if self.device.type == "cuda" else T.HOST
+        self._warmup_forward_failed = False  # Note [A forward that raised during warm-up]
         # Note [loss.backward()] in backward_pass.py
         self._backward = BackwardPass(self.guard, self.dp, self.precision,
                                       _weakly(self._release_after_backward),
@@ -469,13 +470,41 @@ class PatrickStarEngine(nn.Module):
     def _tick(self, event: str) -> None:
         if self.profiler is not None:
             self.profiler.on_tick(event)
-        self.chunks.tick(self._non_model_tier, self.non_model_bytes())
+        non_model = self.non_model_bytes()
+        try:
+            self.chunks.tick(self._non_model_tier, non_model)
+        except _C.ChunkOutOfMemoryError as error:
+            # The manager names its tier, not the config key, and knows nothing of batches. Only
+            # when the tier out of room is the one holding the non-model data: an NVMe tier
+            # without room for a chunk evicted from the host is not the activations' doing.
+            message = str(error)
+            if f"({self._non_model_tier}): budget" not in message and \
+                    f"({self._non_model_tier}) cannot take" not in message:
+                raise
+            key = "memory.device_budget" if self._non_model_tier == T.DEVICE \
+                else "memory.host_budget"
+            budget = getattr(self.ps_config.memory, key.rpartition(".")[2])
+            nvme = "" if self.ps_config.memory.nvme.path is not None else \
+                ", or add an NVMe tier (memory.nvme.path) for chunks to leave to"
+            error.add_note(
+                f"At this moment ({event}) the engine had {non_model} bytes "
+                f"({non_model / 2**20:.2f} MiB) of non-model data (activations and temporaries) "
+                f"on the {self._non_model_tier} tier, which shares config key '{key}' "
+                f"(= {budget if budget is not None else 'unset'}) with chunks: raise it, use a "
+                f"smaller batch or activation checkpointing{nvme}.")
+            raise
 
     def non_model_bytes(self) -> int:
         """Non-model data now: Note [Measured non-model data] in activations.py."""
         if self.device.type == "cuda":
             return int(torch.cuda.memory_allocated(self.device))
         return self.activations.bytes
+
+    @property
+    def non_model_tier(self) -> str:
+        """The kind of tier (`Tier.DEVICE` or `Tier.HOST`) whose memory non_model_bytes() is in
+        and whose budget the manager plans it against: host memory on a CPU build."""
+        return self._non_model_tier
 
     # ---- Forward / backward --------------------------------------------------------------------
 
@@ -586,9 +615,11 @@ class PatrickStarEngine(nn.Module):
 
     def forward(self, *args, **kwargs):
         self._begin_forward()
+        completed = False
         try:
             with self._views.hooks():
                 output = self.module(*args, **kwargs)
+            completed = True
         except RuntimeError as error:
             hint = external_parameter_hint(error)
             if hint is not None:
@@ -596,8 +627,29 @@ class PatrickStarEngine(nn.Module):
             raise
         finally:
             self._leave_forward()
+            if not completed and self.chunks.warming_up and self.guard.backwards == 0:
+                self._warmup_forward_failed = True
         self._end_forward()
         return output
+
+    # Note [A forward that raised during warm-up]
+    # The warm-up iteration's moments are the trace every later iteration replays (Note
+    # [Moments and the warm-up trace] in chunk/memory_tracer.h), non-model peaks included. A
+    # first forward that raised partway (a batch too large for the host budget, a shape error)
+    # left its moments in that trace: the retry's moments came after them, and its step froze
+    # a trace whose moment 1 held the failed batch's activations, so the second iteration of
+    # a batch that fits raised "moment 1: ... non-model data 1.00 MiB" against a 512 KiB
+    # budget. The next forward starts the warm-up again instead, once the non-model data of now
+    # (the failed graph is gone unless its exception is still held) is what the manager knows.
+    # Only before the step's first backward: a later micro-step's failure keeps the earlier
+    # micro-steps' trace.
+    def _restart_warmup_after_failed_forward(self) -> None:
+        if not self._warmup_forward_failed:
+            return
+        self._warmup_forward_failed = False
+        if self.chunks.warming_up and self.guard.backwards == 0:
+            self.chunks.report_non_model_data(self._non_model_tier, self.non_model_bytes())
+            self.chunks.restart_warmup()
 
     # The engine's bookkeeping around the module's forward runs eagerly under torch.compile
     # (Note [The engine's hooks under torch.compile] in hooks.py); the module's forward compiles.
@@ -614,6 +666,7 @@ class PatrickStarEngine(nn.Module):
         self.guard.check_alive("model(...)")
         _refuse_wrapping_data_parallel(self)
         self._backward.forget_raised_autograd_backward()
+        self._restart_warmup_after_failed_forward()
         # Saved-tensor hooks that a direct call raising past its post-forward hook left entered.
         self._hooks.leave_saved_tensor_hooks()
         self._views.leave_direct_calls()

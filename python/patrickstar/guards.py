@@ -343,6 +343,45 @@ def check_budgets(config, manager_json: str, names: list[str], trainable: list[b
             f"config key 'memory.host_budget' = {_fmt(memory.host_budget)} is smaller than the "
             f"fp32 parameter chunks initialization writes on the host: {_fmt(init_need)}, and "
             f"there is no NVMe tier (memory.nvme.path) to spill them to")
+    # Note [Optimizer state stays on the host]
+    # The optimizer makes its moments (and their 8-bit scales) on the host tier at the first
+    # step (Note [Optimizer sweep] in optimizer.py), and eviction only goes down the hierarchy,
+    # so without an NVMe tier every moment chunk this process owns lives on the host from then
+    # on; so do the masters and Kahan compensations where the device tier is host memory (a
+    # CPU build: nothing brings them to the device). A host budget between the initialization
+    # figure above and this one passed initialize() and failed at the first optimizer.step()
+    # ("... it is the last tier, with nowhere to evict to"): the figure
+    # estimate_memory() prints as "host: optimizer step" was knowable here.
+    state_kinds = {"momentum", "variance", "momentum_scale", "variance_scale"}
+    if device_is_host_memory:
+        state_kinds |= {"master_param", "param_compensation"}
+    state_chunks = [chunk for chunk in layout["chunks"] if chunk["kind"] in state_kinds
+                    and chunk.get("owner_rank", 0) == layout.get("rank", 0)]
+    state_need = sum(chunk["bytes"] for chunk in state_chunks)
+    present = {chunk["kind"] for chunk in state_chunks}
+    extra = "".join(label for kind, label in (("master_param", ", fp32 masters"),
+                                              ("param_compensation", ", Kahan compensations"))
+                    if kind in present)
+    if memory.nvme.path is None and memory.host_budget is not None \
+            and memory.host_budget < state_need:
+        raise _C.ChunkOutOfMemoryError(
+            f"config key 'memory.host_budget' = {_fmt(memory.host_budget)} is smaller than the "
+            f"optimizer state this process keeps on the host once optimizer.step() has run: "
+            f"{_fmt(state_need)} (Adam's momentum and variance chunks{extra}), and there is no "
+            f"NVMe tier (memory.nvme.path) to spill it to; raise memory.host_budget above it "
+            f"(non-model data placed on the host, such as activations on a CPU build, comes on "
+            f"top), add an NVMe tier, or keep the moments in fewer bytes (optimizer params "
+            f"\"state_dtype\": \"bf16\" or \"int8\")")
+    # With an NVMe tier of a given size, the same state has the host and NVMe between them.
+    if memory.nvme.path is not None and memory.nvme.budget and memory.host_budget is not None \
+            and memory.host_budget + memory.nvme.budget < state_need:
+        raise _C.ChunkOutOfMemoryError(
+            f"config keys 'memory.host_budget' + 'memory.nvme.budget' = "
+            f"{_fmt(memory.host_budget + memory.nvme.budget)} cannot hold the optimizer state "
+            f"this process keeps in host memory or on NVMe once optimizer.step() has run: "
+            f"{_fmt(state_need)} (Adam's momentum and variance chunks{extra}); raise "
+            f"memory.nvme.budget (or leave it out: the filesystem's free space), or keep the "
+            f"moments in fewer bytes (optimizer params \"state_dtype\": \"bf16\" or \"int8\")")
     if memory.host_budget is not None and memory.host_budget < host_need:
         raise _C.ChunkOutOfMemoryError(
             f"config key 'memory.host_budget' = {_fmt(memory.host_budget)} is smaller than the "

@@ -113,3 +113,16 @@ def test_estimate_refuses_bad_input():
         patrickstar.estimate_memory(1000, {"default_chunk_size": "auto"}, verbose=False)
     with pytest.raises(ValueError, match="default_chunk_size"):
         patrickstar.estimate_memory(1000, {"default_chunk_size": -1}, verbose=False)
+
+
+def test_estimate_under_data_parallelism_says_it_is_the_whole_model(capsys, monkeypatch):
+    """Under torchrun every rank printed whole-model figures as if they were its own (a small
+    GPT: 7.5 MiB estimated, 3.8 and 4.4 MiB peaks on two ranks): the table now says what they
+    are and where a rank's peak is measured."""
+    result = patrickstar.estimate_memory(10_000_000, {"default_chunk_size": 1 << 20})
+    assert result["world_size"] == 1 and "data parallelism" not in capsys.readouterr().out
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    result = patrickstar.estimate_memory(10_000_000, {"default_chunk_size": 1 << 20})
+    printed = capsys.readouterr().out
+    assert result["world_size"] == 4
+    assert "data parallelism over 4 ranks" in printed and "model.peak_model_bytes" in printed

@@ -115,6 +115,54 @@ def test_host_budget_below_one_adam_update_and_total_without_nvme(nvme_dir):
     make({"default_chunk_size": 1024, "memory": {**budgets, "nvme": {"path": nvme_dir}}}, deep)
 
 
+def test_host_budget_below_the_optimizer_state_without_nvme_is_refused_at_initialize():
+    # 9 x Linear(16, 16) in 1024-element (4 KiB) fp32 chunks: 3 compute chunks (12 KiB, what
+    # initialization writes on the host) and 3 + 3 moment chunks (24 KiB) that the first
+    # optimizer.step() makes on the host, where they stay without an NVMe tier. A host budget
+    # between the two passed initialize() and failed inside the first step ("it is the last
+    # tier, with nowhere to evict to"), after the forward and backward had run.
+    def deep():
+        return nn.Sequential(*(nn.Linear(16, 16) for _ in range(9)))
+
+    def train(memory):
+        model, opt = make({"default_chunk_size": 1024, "memory": memory}, deep)
+        torch.manual_seed(1)
+        losses = []
+        for _ in range(3):
+            loss = model(torch.randn(4, 16)).square().mean()
+            model.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        model.destroy()
+        return losses
+
+    with pytest.raises(patrickstar.ChunkOutOfMemoryError) as info:
+        make({"default_chunk_size": 1024, "memory": {"host_budget": 20480}}, deep)
+    message = str(info.value)
+    assert "'memory.host_budget' = 20480 bytes" in message and "24576 bytes" in message
+    assert "memory.nvme.path" in message and "state_dtype" in message
+    # Room for the state and this model's activations (non-model data on a CPU build) trains
+    # as with no budget at all.
+    assert train({"host_budget": 24576 + 65536}) == train({})
+
+
+def test_host_and_nvme_budgets_below_the_optimizer_state_are_refused_at_initialize(nvme_dir):
+    # The same 24 KiB of moments (9 x Linear(16, 16), 4 KiB chunks) with an NVMe tier: host
+    # 8 KiB + NVMe 8 KiB cannot hold them. It failed inside training, or inside initialize()
+    # as "access tensor ...: evicting from 'host' ... tier 'nvme' cannot take ...", naming no
+    # config key.
+    def deep():
+        return nn.Sequential(*(nn.Linear(16, 16) for _ in range(9)))
+
+    with pytest.raises(patrickstar.ChunkOutOfMemoryError) as info:
+        make({"default_chunk_size": 1024, "memory": {
+            "host_budget": 8192, "nvme": {"path": nvme_dir, "budget": 8192}}}, deep)
+    message = str(info.value)
+    assert "'memory.host_budget' + 'memory.nvme.budget' = 16384 bytes" in message
+    assert "24576 bytes" in message
+
+
 def test_nvme_path_missing_or_not_writable(tmp_path):
     missing = tmp_path / "no" / "such"
     with pytest.raises(FileNotFoundError, match=str(missing)):

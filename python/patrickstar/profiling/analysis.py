@@ -83,7 +83,9 @@ class Analysis:
         samples = self.raw["samples"]
         marks = self.raw["marks"]
         count = len(samples.get("time_ns", []))
-        device = self.raw.get("device_tier")
+        # Note [Where measured non-model data lives] in recorder.py; profiles written before
+        # it name the device tier ("device_tier").
+        device = self.raw.get("non_model_tier", self.raw.get("device_tier"))
         joined = len(marks) == count and all(
             (m["kind"] == "end") == bool(samples["end_of_iteration"][i])
             for i, m in enumerate(marks))

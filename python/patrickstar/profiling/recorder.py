@@ -16,8 +16,9 @@ whose Note [Recording collectives] says what a record means). The other modules 
 turn the raw record into the output files.
 
 Non-model data is measured as Note [Measured non-model data] in activations.py says; the
-profiler records the same measure, attributed to the device tier in its outputs; each moment's
-non-model bytes there are the larger of that measurement and what the manager was told.
+profiler records the same measure, attributed in its outputs to the tier the engine plans it on
+(Note [Where measured non-model data lives]); each moment's non-model bytes there are the larger
+of that measurement and what the manager was told.
 """
 from __future__ import annotations
 
@@ -28,10 +29,7 @@ import os
 import weakref
 from typing import Any, Iterator
 
-
 from .. import _C
-from ..vocabulary import Tier
-
 
 __all__ = ["Profiler", "profile", "active_profiler", "optimizer_phase", "profiler_from_config",
            "now_ns"]
@@ -67,8 +65,16 @@ class Profiler:
         self.capacity = capacity
         self.running = False
         self._manager = engine.chunks.manager
-        self._device_tier = next((i for i, t in enumerate(engine.memory_stats())
-                                  if t["kind"] == Tier.DEVICE), None)
+        # Note [Where measured non-model data lives]
+        # The engine measures non-model data (activations) where it really is and plans with it
+        # on that tier: the device with CUDA, host memory on a CPU build, whose device tier only
+        # emulates a GPU's budget for chunks (engine.non_model_tier). Put on the device tier
+        # regardless, a CPU profile counted the same activations on two tiers: the device's
+        # peak total went past its budget (2.1 MiB against 1 MiB on a small GPT) and a finding
+        # said the manager had planned with 0 MiB there, while it had planned with them on the
+        # host.
+        self._non_model_tier = next((i for i, t in enumerate(engine.memory_stats())
+                                     if t["kind"] == engine.non_model_tier), None)
         self._cuda = engine.device.type == "cuda"
         self._reset()
 
@@ -261,7 +267,7 @@ class Profiler:
             "run": self._run,
             "tiers": [{"name": t["name"], "kind": t["kind"], "budget_bytes": t["budget_bytes"]}
                       for t in self._start_stats],
-            "device_tier": self._device_tier,
+            "non_model_tier": self._non_model_tier,
             "non_model_measure": "torch.cuda.memory_allocated" if self._cuda
                                  else "bytes saved for backward",
             "stats_start": self._start_stats,

@@ -125,8 +125,8 @@ def _eviction_causes(a: Analysis) -> list[dict]:
             why = "keeping room for non-model data at a moment"
         elif trigger == "gather":
             why = f"gathering {for_kind} chunks"
-        elif trigger == "explicit":
-            why = "an explicit move"
+        elif trigger == "explicit":  # rows differ by the kind moved explicitly, so name it
+            why = f"an explicit move of {for_kind} chunks" if for_kind else "an explicit move"
         else:
             why = "making room"
         distance = (sum(g["distances"]) / len(g["distances"])) if g["distances"] else None

@@ -1,0 +1,114 @@
+"""Activations autograd saves in the engine's forward (activations.py, the CPU measure of
+non-model data) live as long as their graph, as in plain PyTorch: a training-mode forward whose
+loss is dropped without a backward, or one that raised partway (out of host budget), frees its
+saved tensors and its count (Note [Saved activations without their graph]), and the warm-up
+trace forgets a first forward that raised (Note [A forward that raised during warm-up] in
+engine.py), so the engine goes on training with a batch that fits."""
+from __future__ import annotations
+
+import gc
+import warnings
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+import patrickstar
+
+
+class SavesItsOutput(nn.Module):
+    """sigmoid and tanh save their outputs for backward: the case that made a cycle."""
+
+    def __init__(self, width: int = 64):
+        super().__init__()
+        self.a = nn.Linear(width, width)
+        self.b = nn.Linear(width, width)
+        self.outputs: list[weakref.ref] = []
+
+    def forward(self, x):
+        hidden = torch.sigmoid(self.a(x))
+        self.outputs.append(weakref.ref(hidden))
+        return torch.tanh(self.b(hidden)).square().mean()
+
+
+def _engine(config=None):
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return patrickstar.initialize(SavesItsOutput, config={"default_chunk_size": 8192,
+                                                              **(config or {})})
+
+
+def test_a_dropped_training_forward_frees_its_saved_tensors_as_in_pytorch():
+    torch.manual_seed(0)
+    plain = SavesItsOutput()
+    loss = plain(torch.randn(32, 64))
+    del loss
+    gc.collect()
+    assert plain.outputs[0]() is None  # PyTorch frees the graph with its last reference
+
+    model, _ = _engine()
+    for _ in range(3):
+        loss = model(torch.randn(32, 64))
+        assert model.non_model_bytes() > 0
+        del loss
+        gc.collect()
+        assert model.non_model_bytes() == 0
+    assert all(ref() is None for ref in model.module.outputs)
+    model.destroy()
+
+
+def test_training_goes_on_after_a_forward_out_of_host_budget(nvme_dir):
+    # Chunks spill to NVMe, so the host budget bounds the activations (non-model data in host
+    # memory where torch runs on the CPU): a batch of 4096 rows does not fit, one of 8 does.
+    config = {"memory": {"host_budget": "512KiB", "nvme": {"path": nvme_dir}}}
+    reference, reference_opt = _engine()
+    model, optimizer = _engine(config)
+    if model.non_model_tier != "host":
+        model.destroy()
+        reference.destroy()
+        pytest.skip("activations are device memory here (CUDA), outside the host budget")
+    with pytest.raises(patrickstar.ChunkOutOfMemoryError, match="non-model data") as info:
+        model(torch.randn(4096, 64))
+    # The error names the config key the activations count against (the manager's message
+    # names only its tier).
+    note = " ".join(getattr(info.value, "__notes__", []))
+    assert "'memory.host_budget' (= 524288)" in note and "smaller batch" in note
+    del info
+    gc.collect()
+    assert model.non_model_bytes() == 0
+    torch.manual_seed(1)
+    batches = [torch.randn(8, 64) for _ in range(3)]
+    losses = {}
+    for name, (engine, opt) in {"budget": (model, optimizer),
+                                "reference": (reference, reference_opt)}.items():
+        losses[name] = []
+        for x in batches:
+            loss = engine(x)
+            engine.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            losses[name].append(loss.item())
+        engine.destroy()
+    assert losses["budget"] == losses["reference"]
+
+
+def test_an_nvme_tier_out_of_room_is_not_blamed_on_the_activations(nvme_dir):
+    # bf16 GPT, host 2 MiB, NVMe 4 MiB: the chunks evicted from the host find no room on NVMe
+    # at a tick; the note about activations and memory.host_budget would point the wrong way.
+    from patrickstar.examples.gpt import GPT, GPTConfig, synthetic_batches
+    gpt = GPTConfig(vocab_size=512, max_seq_len=32, hidden=128, layers=2, heads=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, optimizer = patrickstar.initialize(lambda: GPT(gpt), config={
+            "default_chunk_size": 1 << 15, "bf16": {"enabled": True},
+            "memory": {"host_budget": "2MiB", "nvme": {"path": nvme_dir, "budget": "4MiB"}}})
+    with pytest.raises(patrickstar.ChunkOutOfMemoryError, match="tier 'nvme'") as info:
+        for ids, targets in synthetic_batches(gpt, 2, 2):
+            model.backward(model(ids, targets))
+            optimizer.step()
+            optimizer.zero_grad()
+    assert not any("memory.host_budget" in note for note in getattr(info.value, "__notes__", []))
+    del info
+    model.destroy()
