@@ -413,9 +413,10 @@ class DataParallel:
             f"{self._CALLS[kind]}: the ranks are not making the same call ({described}). Every "
             f"rank must run the same forwards and state-dict reads in the same order, since "
             f"parameters and optimizer state are sharded: run evaluation on every rank (each on "
-            f"its own batches; nanoGPT's estimate_loss() under `if master_process:` runs it on "
-            f"one), and call model.state_dict() / optimizer.state_dict() on every rank before "
-            f"saving from one (or model.save_checkpoint(dir) on every rank); the script's own "
+            f"its own batches, as many on every rank, as DistributedSampler's equal shards "
+            f"give; nanoGPT's estimate_loss() under `if master_process:` runs it on one), and "
+            f"call model.state_dict() / optimizer.state_dict() on every rank before saving "
+            f"from one (or model.save_checkpoint(dir) on every rank); the script's own "
             f"torch.distributed collectives count as calls too")
 
     def gather_all(self) -> None:
