@@ -88,7 +88,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from . import _C, recorded_collectives, topology
+from . import _C, recorded_collectives, script_collectives, topology
 from .gather_schedule import GatherSchedule
 from .recorded_collectives import RecordedGroupCollectives
 from .vocabulary import Tier
@@ -208,6 +208,7 @@ class DataParallel:
         group = dist.group.WORLD if self.group is None else self.group
         self.transport = self._choose_transport(parallel.transport, group)
         self.communicator = self._make_communicator(group, "steps")
+        script_collectives.register(self)  # Note [The script's own collectives]
         self.reshard = bool(parallel.reshard_after_forward)
         # Backward finishes reduce-scatters before new gradients land (before_grad) only with
         # resharding and without pipeline stages or tensor slices; only then may a pending one
@@ -379,13 +380,20 @@ class DataParallel:
     # all-reduce of 2 x world floats per call (microseconds over shared memory).
     _CALLS = {0: "a forward without backward (eval() or no_grad())",
               1: "a training forward (a backward follows)",
-              2: "model.state_dict()", 3: "optimizer.state_dict()"}
+              2: "model.state_dict()", 3: "optimizer.state_dict()",
+              **script_collectives.KINDS}
 
     def before_forward(self, backward_follows: bool = True) -> None:
         self._in_forward = self.enabled
         if self.enabled:
             self.agree_on_call(1 if backward_follows else 0)
             self.gathers.begin_forward()
+
+    def agree_on_script_collective(self, kind: int) -> None:
+        """A torch.distributed collective of the script itself, between the engine's calls
+        (Note [The script's own collectives] in script_collectives.py)."""
+        if self.enabled and self.communicator is not None and not self._in_forward:
+            self.agree_on_call(kind)
 
     def agree_on_call(self, kind: int) -> None:
         """Every rank is at the same collective call (a key of _CALLS); a no-op for one rank."""
@@ -405,9 +413,11 @@ class DataParallel:
             f"{self._CALLS[kind]}: the ranks are not making the same call ({described}). Every "
             f"rank must run the same forwards and state-dict reads in the same order, since "
             f"parameters and optimizer state are sharded: run evaluation on every rank (each on "
-            f"its own batches; nanoGPT's estimate_loss() under `if master_process:` runs it on "
-            f"one), and call model.state_dict() / optimizer.state_dict() on every rank before "
-            f"saving from one (or model.save_checkpoint(dir) on every rank)")
+            f"its own batches, as many on every rank, as DistributedSampler's equal shards "
+            f"give; nanoGPT's estimate_loss() under `if master_process:` runs it on one), and "
+            f"call model.state_dict() / optimizer.state_dict() on every rank before saving "
+            f"from one (or model.save_checkpoint(dir) on every rank); the script's own "
+            f"torch.distributed collectives count as calls too")
 
     def gather_all(self) -> None:
         """Gathers every group not gathered since the last step (the end of a forward, and

@@ -63,7 +63,7 @@ from torch import nn
 
 from . import (_C, averaged_model, backward_pre_hooks, checkpoint, clip_grad,
                convert_parameters, dtypes, module_zero_grad, param_owners, parametrizations,
-               torch_optimizers)
+               script_collectives, torch_optimizers)
 from .activations import ActivationCounter
 from .chunk_runtime import ChunkRuntime
 from .chunked_params import ChunkedParams
@@ -270,6 +270,7 @@ class PatrickStarEngine(nn.Module):
         self.created_ns = time.monotonic_ns()
         global_timer.watch(self)  # upstream's data_move_cnter reports this engine's traffic
         clip_grad.install()  # torch.nn.utils.clip_grad_norm_(model.parameters(), ...) works
+        script_collectives.install()  # Note [The script's own collectives]
         torch_optimizers.install()  # a torch optimizer over these parameters raises at step()
         module_zero_grad.install()  # model.module.zero_grad() drops the chunked gradients
         backward_pre_hooks.install()  # a user's full backward pre-hook runs after the access

@@ -233,7 +233,9 @@ class TrainingGuard:
                 f"optimizer.step(), but gradient_accumulation_steps is {self.accumulation}: "
                 f"call optimizer.step() and optimizer.zero_grad() after every "
                 f"{self.accumulation} backward() call(s) (optimizer.zero_grad() alone drops "
-                f"the gradients), or raise gradient_accumulation_steps")
+                f"the gradients), or raise the config key gradient_accumulation_steps (DDP's "
+                f"`with model.no_sync():` micro-steps need it too: the engine reduces at the "
+                f"backward that completes it, and model.no_sync() changes nothing)")
 
     def after_backward(self) -> None:
         self.backwards += 1
@@ -267,7 +269,11 @@ class TrainingGuard:
             raise RuntimeError(
                 f"optimizer.step() after {self.backwards} of {self.accumulation} backward() "
                 f"calls of this step (gradient_accumulation_steps = {self.accumulation}): "
-                f"call model.backward() {self.accumulation - self.backwards} more time(s) first")
+                f"call model.backward() {self.accumulation - self.backwards} more time(s) first. "
+                f"A shorter last accumulation (an epoch whose batch count is not a multiple of "
+                f"it, which DDP loops, Hugging Face's Trainer and accelerate step anyway) is not "
+                f"supported: drop it with optimizer.zero_grad(), or give every epoch a multiple "
+                f"of {self.accumulation} batches")
         return not self.skip_step
 
     def after_step(self) -> None:

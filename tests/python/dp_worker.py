@@ -9,6 +9,12 @@
     dp_worker.py OUT_DIR --lonely-state-dict      rank 0 alone calls state_dict(), then both
                                                   train; errors kept past model.destroy()
     dp_worker.py OUT_DIR --lonely-module-state-dict   the same with model.module.state_dict()
+    dp_worker.py OUT_DIR --lonely-save-barrier   rank 0 alone calls state_dict(), then both call
+                                                  torch.distributed.barrier()
+    dp_worker.py OUT_DIR --lonely-eval-broadcast rank 0 alone evaluates, then both call
+                                                  torch.distributed.broadcast (a stop flag)
+    dp_worker.py OUT_DIR --uneven-eval-all-reduce rank 0 evaluates 3 batches, rank 1 two, then
+                                                  both all_reduce the sum
     dp_worker.py OUT_DIR --seed-offset            ranks seeded apart (nanoGPT) build by model_func
                                                   and as a built module
     dp_worker.py OUT_DIR --checkpoint SCENARIO... checkpoint scenarios of dp_checkpoint_worker.py
@@ -130,6 +136,9 @@ def main() -> None:
             results.update(lonely_call(rank, "state_dict"))
         elif what == ["--lonely-module-state-dict"]:
             results.update(lonely_call(rank, "module_state_dict"))
+        elif what in (["--lonely-save-barrier"], ["--lonely-eval-broadcast"],
+                      ["--uneven-eval-all-reduce"]):
+            results.update(lonely_then_collective(rank, what[0]))
         elif what == ["--seed-offset"]:
             results.update(seed_offset(rank))
         elif what == ["--lonely-eval"]:
@@ -308,6 +317,54 @@ def lonely_call(rank: int, what: str) -> dict:
     del model, optimizer, kept
     gc.collect()
     return {**(result or {}), "survived": True}
+
+
+def lonely_then_collective(rank: int, what: str) -> dict:
+    """A DDP script's rank-0 work followed by its own collective: a training step whose loss is
+    logged with dist.all_reduce and a flag broadcast from rank 0 (every rank: fine), then rank 0
+    alone saves (`torch.save(model.state_dict())`) before `dist.barrier()`, or evaluates before
+    `dist.broadcast(stop, 0)`, or both evaluate, rank 0 one batch more (a split without
+    DistributedSampler's padding), before `dist.all_reduce`. The collective timeout is 20 s: Note [The script's own
+    collectives] makes it an error naming both calls at once."""
+    import torch.distributed as dist
+    s = SCENARIOS["blocks"]
+    model, optimizer = patrickstar.initialize(s.model, config={
+        **s.config, "parallel": {"collective_timeout": 20}})
+    result = {}
+    for x, y in s.batches(2):
+        loss = model(*shard((x, y), rank, 2))
+        model.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        logged = loss.detach().clone()
+        dist.all_reduce(logged)
+        stop = torch.tensor([float(rank == 0)])
+        dist.broadcast(stop, 0)
+        dist.barrier()
+        result.setdefault("logged", []).append(logged.item())
+        result.setdefault("stop", []).append(stop.item())
+    try:
+        stop = torch.zeros(1)
+        if rank == 0 and what == "--lonely-save-barrier":
+            torch.save(model.state_dict(), os.devnull)
+        elif rank == 0 and what == "--lonely-eval-broadcast":
+            model.eval()
+            with torch.no_grad():
+                stop[0] = float(model(x, y).item() > 0)
+        elif what == "--uneven-eval-all-reduce":  # rank 0's shard has one batch more
+            model.eval()
+            with torch.no_grad():
+                for _ in range(3 - rank):
+                    stop += model(x, y)
+        if what == "--lonely-save-barrier":
+            dist.barrier()
+        elif what == "--uneven-eval-all-reduce":
+            dist.all_reduce(stop)
+        else:
+            dist.broadcast(stop, 0)
+    except Exception as error:
+        result.update(error_result(error))
+    return result
 
 
 def direct_calls(rank: int, world: int) -> dict:

@@ -574,6 +574,30 @@ def test_an_evaluation_forward_on_one_rank_fails_naming_the_cause(tmp_path):
     assert time.monotonic() - start < 60
 
 
+@pytest.mark.parametrize("mode, call, rank0_call, collective", [
+    ("--lonely-save-barrier", 9, "model.state_dict()", "barrier"),
+    ("--lonely-eval-broadcast", 9, "a forward without backward (eval() or no_grad())",
+     "broadcast"),
+    ("--uneven-eval-all-reduce", 11, "a forward without backward (eval() or no_grad())",
+     "all_reduce")])
+def test_work_on_one_rank_before_the_scripts_own_collective_fails_naming_both(tmp_path, mode,
+                                                                             call, rank0_call,
+                                                                             collective):
+    # A DDP script's `if rank == 0: torch.save(model.state_dict(), p)` then `dist.barrier()`
+    # (or rank 0's evaluation before `dist.broadcast(stop, 0)`, or an evaluation split unevenly
+    # before the `dist.all_reduce` of its losses): rank 0 waited in the engine's
+    # agreement, rank 1 in torch's collective, until the collective timeout (20 s in the
+    # worker), then a TimeoutError guessing the cause. Note [The script's own collectives].
+    results = launch(tmp_path, 2, mode)
+    for rank, result in enumerate(results):
+        # The script's collectives on every rank, before, pass through with their values.
+        assert result["logged"] == results[0]["logged"] and result["stop"] == [1.0, 1.0], rank
+        assert result.get("error_type") == "RuntimeError", (rank, result)
+        assert (f"rank 0: call {call}, {rank0_call}; rank 1: call {call}, torch.distributed."
+                f"{collective}() of the script") in result["error"], (rank, result["error"])
+        assert "as many on every rank" in result["error"], rank
+
+
 def test_ranks_seeded_apart_train_the_first_ranks_initial_weights_as_ddp(tmp_path):
     # Note [The first rank's initial weights]: before, each parameter kept its owner's initial
     # values, a mix of the ranks' seeds (DDP and DeepSpeed broadcast rank 0's). A rank's own
