@@ -161,6 +161,7 @@ class DataParallel:
         self.gather_communicator = None  # backward's gathers' own group (resharding)
         self.transport = None  # "shm" or "process_group" (Note [Transport]), from attach
         self._in_forward = False  # between engine.forward's start and after_forward()
+        self._buffers_from_first_rank = True  # Note [Buffers follow the first rank]
         self.calls = 0  # forwards and state-dict reads (Note [Every rank runs the same forwards])
         # Pipeline stages / tensor slices: the norm and overflow flag span the model group too.
         self.model_parallel: topology.ModelParallelGradStats | None = None
@@ -383,11 +384,48 @@ class DataParallel:
               2: "model.state_dict()", 3: "optimizer.state_dict()",
               **script_collectives.KINDS}
 
-    def before_forward(self, backward_follows: bool = True) -> None:
+    def before_forward(self, backward_follows: bool = True, buffers=()) -> None:
+        """`buffers`: the module's buffers (an iterable, read only when they are synced),
+        which the forwards DDP syncs take from rank 0 (Note [Buffers follow the first rank])."""
         self._in_forward = self.enabled
         if self.enabled:
             self.agree_on_call(1 if backward_follows else 0)
+            if self._buffers_from_first_rank:
+                self._broadcast_buffers(list(buffers))
+            self._buffers_from_first_rank = backward_follows
             self.gathers.begin_forward()
+
+    # Note [Buffers follow the first rank]
+    # Buffers (BatchNorm's running statistics and batch count) are the module's own tensors on
+    # every rank, outside the chunks, and each rank's forward updates them from its own batch.
+    # Left alone they drifted apart: rank 1 evaluated and saved the statistics of its own shards
+    # only. Torch's DDP (broadcast_buffers=True, its default) broadcasts rank 0's buffers before
+    # a forward, and decides at the end of each forward whether the next one does: the first
+    # forward and every forward after a training forward do. So all ranks train from rank 0's
+    # statistics plus their own last batch, and the first evaluation forward after training
+    # makes every rank's buffers rank 0's (every rank then evaluates and saves alike); later
+    # evaluation forwards, and the training forward after them, broadcast nothing. The engine
+    # does the same, with "training forward" meaning one a backward follows, whose kind every
+    # rank agreed on just before (agree_on_call), so every rank decides the same. The buffers
+    # go as bytes packed into one float32 tensor (the communicators take float dtypes only; a
+    # broadcast copies bytes, so int64 counters and bools come through unchanged).
+    def _broadcast_buffers(self, buffers: list[torch.Tensor]) -> None:
+        if not buffers:
+            return
+        parts = [b.detach().reshape(-1).cpu().contiguous().view(torch.uint8) for b in buffers]
+        packed = torch.cat(parts)
+        packed = torch.cat([packed, packed.new_zeros(-packed.numel() % 4)])
+        values = packed.view(torch.float32)
+        recorded_collectives.broadcast(self.communicator, values, 0, "module buffers",
+                                       self.timeout)
+        if self.rank == 0:
+            return
+        offset = 0
+        with torch.no_grad():
+            for buffer, part in zip(buffers, parts):
+                data = packed[offset:offset + part.numel()].clone().view(buffer.dtype)
+                buffer.copy_(data.view(buffer.shape))
+                offset += part.numel()
 
     def agree_on_script_collective(self, kind: int) -> None:
         """A torch.distributed collective of the script itself, between the engine's calls

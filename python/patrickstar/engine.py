@@ -527,7 +527,7 @@ class PatrickStarEngine(nn.Module):
         self._views.enter_direct_call()
         if not self._in_forward and self._direct_forward is None and self.dp.enabled:
             backward_follows = torch.is_grad_enabled() and self.module.training
-            self.dp.before_forward(backward_follows)
+            self.dp.before_forward(backward_follows, self.module.buffers())
             self._direct_forward = backward_follows
 
     def _leave_direct_call(self) -> None:
@@ -671,7 +671,8 @@ class PatrickStarEngine(nn.Module):
         # Saved-tensor hooks that a direct call raising past its post-forward hook left entered.
         self._hooks.leave_saved_tensor_hooks()
         self._views.leave_direct_calls()
-        self.dp.before_forward(torch.is_grad_enabled() and self.module.training)
+        self.dp.before_forward(torch.is_grad_enabled() and self.module.training,
+                               self.module.buffers())
         self._in_forward = True
 
     @torch.compiler.disable
