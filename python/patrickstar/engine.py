@@ -87,6 +87,7 @@ from .loss_scaler import make_loss_scaler
 from .optimizer import PatrickStarOptimizer, build_param_groups
 from .parameter_values import ParameterValues
 from .saved_views import SavedParameterViews
+from .traced_calls import refuse_traced_call
 from .profiling.recorder import optimizer_phase, profiler_from_config
 from .profiling.upstream import profiler as upstream_profiler
 from .utils import get_rank, get_world_size, global_timer
@@ -524,6 +525,7 @@ class PatrickStarEngine(nn.Module):
     # group's collective starts". So an outermost call of the module that did not come through
     # forward() does what forward() does around it. A submodule called alone is not covered.
     def _enter_direct_call(self) -> None:
+        refuse_traced_call("model.module(...)")  # Note [Tracing the engine's module]
         self._views.enter_direct_call()
         if not self._in_forward and self._direct_forward is None and self.dp.enabled:
             backward_follows = torch.is_grad_enabled() and self.module.training
@@ -665,6 +667,7 @@ class PatrickStarEngine(nn.Module):
 
     def _prepare_forward(self) -> None:
         self.guard.check_alive("model(...)")
+        refuse_traced_call("model(...)")  # Note [Tracing the engine's module]
         _refuse_wrapping_data_parallel(self)
         self._backward.forget_raised_autograd_backward()
         self._restart_warmup_after_failed_forward()

@@ -1,0 +1,56 @@
+"""Forwards of the engine's module under torch's tracers and function transforms that cannot see
+chunked parameters: refused at once, naming the plain copy to use.
+
+Note [Tracing the engine's module]
+A parameter's `.data` is its chunk view only between its module's access and release; the rest of
+the time it is an empty placeholder (Note [Parameter data swapping] in docs/design.md), and every
+forward runs under the engine's saved-tensor hooks (Note [Saved views of parameters] in
+saved_views.py). Three of torch's tools cannot work on that:
+  * torch.jit.trace records the parameters as constants of its graph: the graph ran on the
+    placeholders and its sanity check failed with "The following operation failed in the
+    TorchScript interpreter" (or, unchecked, the traced module failed when called);
+  * torch.export (non-strict) runs the forward on fake parameters, which the engine's access
+    read as chunk memory: "Cannot access data pointer of Tensor (e.g. FakeTensor ...)", and the
+    failed access left the engine broken ("its data is not allocated yet" at the next training
+    forward);
+  * torch.func.grad (and vjp, jacrev, hessian, which run under the same transform) refuses any
+    saved-tensor hooks: "don't yet support saved tensor hooks. Please open an issue".
+None of them is needed on the engine itself: `copy.deepcopy(model.module)` is a plain module with
+the current weights (module_copies.py), which each of them takes. So a forward of the engine or
+of its module under one of them raises before the engine touches any parameter, saying so.
+torch.func.vmap, jvp and functional_call work (they run the forward eagerly, saving nothing
+through hooks they refuse) and are left alone; so is torch.compile, whose graphs break at the
+engine's hooks (Note [The engine's hooks under torch.compile] in hooks.py). A submodule called
+directly under a tracer (`torch.jit.trace(model.module.layer, x)`) is not checked: the check is
+at the two entries of a whole forward, not in every module's hook.
+"""
+from __future__ import annotations
+
+import torch
+
+__all__ = ["refuse_traced_call"]
+
+
+def _tracer() -> str | None:
+    """The tracer or transform running now that cannot take chunked parameters, if any."""
+    if torch.jit.is_tracing():
+        return "torch.jit.trace"
+    if torch.compiler.is_exporting():
+        return "torch.export"
+    interpreter = torch._C._functorch.peek_interpreter_stack()
+    if interpreter is not None and interpreter.key() == torch._C._functorch.TransformType.Grad:
+        return "torch.func.grad (or vjp, jacrev, hessian)"
+    return None
+
+
+def refuse_traced_call(call: str) -> None:
+    """Raises if `call` (the forward starting, "model(...)" or "model.module(...)") runs under
+    a tracer of Note [Tracing the engine's module]."""
+    tracer = _tracer()
+    if tracer is None:
+        return
+    raise RuntimeError(
+        f"{tracer} of {call}: the engine's parameters live in chunks and are swapped in only "
+        "around each module's forward, under saved-tensor hooks, which this cannot follow. "
+        "Use a plain copy with the current weights instead: copy.deepcopy(model.module) "
+        "(e.g. torch.jit.trace(copy.deepcopy(model.module), example_inputs))")
