@@ -72,6 +72,21 @@ def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
 _eager = torch.compiler.disable
 
 
+# Note [In-place changes of hooked tensors]
+# Torch forbids in-place changes of a custom Function's output that is a view (or an input
+# returned as-is), since the view's rebase would replace the Function's backward. `_BackwardCall`
+# returned `tensor.view_as(tensor)`, so every output of a module that owns parameters was such a
+# view, and `nn.Sequential(nn.Linear(...), nn.ReLU(inplace=True))`, torchvision's ResNet blocks
+# (`out += identity; relu(out)` with ReLU(inplace=True) after a BatchNorm) or `h.add_(1)` on a
+# module's output raised "Output 0 of _BackwardCall is a view and is being modified inplace",
+# where PyTorch trains them. It returns `tensor.detach()` instead, as DeepSpeed's
+# PreBackwardFunction does: the same memory (no copy) and the same version counter, so an
+# in-place change of it is seen by whatever saved the original exactly as in PyTorch (an op that
+# saved its output, such as exp, still raises on the modified tensor), but not a view autograd
+# tracks: the output is the Function's own, and the in-place op's backward runs before
+# `_BackwardCall`'s, as in PyTorch the in-place op's backward runs before the module's.
+
+
 class _BackwardCall(torch.autograd.Function):
     """Identity in forward; in backward calls `callback(module)` before passing the grad on."""
 
@@ -79,7 +94,7 @@ class _BackwardCall(torch.autograd.Function):
     def forward(ctx, callback, module, tensor):
         ctx.callback = callback
         ctx.module = module
-        return tensor.view_as(tensor)
+        return tensor.detach()  # Note [In-place changes of hooked tensors]
 
     @staticmethod
     def backward(ctx, grad):

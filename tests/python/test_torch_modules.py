@@ -88,6 +88,26 @@ def convolutional():
                          nn.Linear(8, 4))
 
 
+def in_place_activations():
+    """torchvision's ResNet blocks: ReLU(inplace=True) right after a BatchNorm or a Linear, and
+    in-place arithmetic on a module's output (they raised "Output 0 of _BackwardCall is a view
+    and is being modified inplace")."""
+    class Residual(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 3, 3, padding=1)
+            self.norm = nn.BatchNorm2d(3)
+            self.relu = nn.ReLU(inplace=True)
+
+        def forward(self, x):
+            out = self.norm(self.conv(x))
+            out += x
+            return self.relu(out)
+
+    return nn.Sequential(Residual(), nn.Flatten(), nn.Linear(48, 8), nn.ReLU(inplace=True),
+                         nn.Linear(8, 8), nn.LeakyReLU(inplace=True), nn.Linear(8, 4))
+
+
 class ParameterContainers(nn.Module):
     """nn.ParameterList / nn.ParameterDict (also inside an nn.ModuleList): no forward, their
     parameters read by the holder's (they met empty placeholders: "size mismatch ... vec (0)")."""
@@ -115,6 +135,7 @@ MODELS = {
     "stacked_copies": (StackedCopies, (3, 16)),
     "recurrent": (Recurrent, (2, 5, 8)),
     "convolutional": (convolutional, (2, 3, 12, 12)),
+    "in_place_activations": (in_place_activations, (2, 3, 4, 4)),
 }
 
 
