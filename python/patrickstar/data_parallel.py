@@ -392,7 +392,7 @@ class DataParallel:
             self.agree_on_call(1 if backward_follows else 0)
             if self._buffers_from_first_rank:
                 self._broadcast_buffers(list(buffers))
-            self._buffers_from_first_rank = backward_follows
+            self._buffers_from_first_rank = backward_follows and self._boundary()
             self.gathers.begin_forward()
 
     # Note [Buffers follow the first rank]
@@ -406,7 +406,11 @@ class DataParallel:
     # makes every rank's buffers rank 0's (every rank then evaluates and saves alike); later
     # evaluation forwards, and the training forward after them, broadcast nothing. The engine
     # does the same, with "training forward" meaning one a backward follows, whose kind every
-    # rank agreed on just before (agree_on_call), so every rank decides the same. The buffers
+    # rank agreed on just before (agree_on_call), so every rank decides the same. With
+    # gradient_accumulation_steps the micro-steps before the last are DDP's under no_sync(),
+    # whose forwards leave the next forward unsynced: only a training forward whose backward
+    # ends the accumulation makes the next forward broadcast (the first micro-step of each
+    # step, or the evaluation after the last), as DDP's. The buffers
     # go as bytes packed into one float32 tensor (the communicators take float dtypes only; a
     # broadcast copies bytes, so int64 counters and bools come through unchanged).
     def _broadcast_buffers(self, buffers: list[torch.Tensor]) -> None:

@@ -2,10 +2,11 @@
 through torch's DDP on this rank's half of each batch, and writes both runs' buffers and an
 evaluation output to OUT_DIR/rank<r>.pt.
 
-    buffers_worker.py OUT_DIR
+    buffers_worker.py OUT_DIR [ACCUMULATION]   micro-steps per step (DDP: no_sync on the first)
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import traceback
@@ -28,27 +29,31 @@ class Normalized(nn.Module):
         return self.head(torch.relu(self.norm(self.proj(x))))
 
 
-def run(rank: int) -> dict:
+def run(rank: int, accumulation: int) -> dict:
     torch.manual_seed(0)
     reference = Normalized()
     ddp = nn.parallel.DistributedDataParallel(reference)
     ref_optimizer = torch.optim.Adam(reference.parameters(), lr=1e-2)
     torch.manual_seed(0)
     model, optimizer = patrickstar.initialize(Normalized, config={
-        "optimizer": {"type": "Adam", "params": {"lr": 1e-2}}, "default_chunk_size": 256})
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-2}}, "default_chunk_size": 256,
+        "gradient_accumulation_steps": accumulation})
     data = torch.Generator().manual_seed(1)
     losses, ref_losses = [], []
-    for _ in range(4):
+    for micro_step in range(4 * accumulation):
         # Each rank's half differs in scale, so its own statistics differ from the other's.
         x = torch.randn(8, 8, generator=data)[rank * 4:(rank + 1) * 4] * (1 + 2 * rank)
         loss = model(x).pow(2).mean()
         model.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad()
-        ref_loss = ddp(x).pow(2).mean()
-        ref_loss.backward()
-        ref_optimizer.step()
-        ref_optimizer.zero_grad()
+        boundary = (micro_step + 1) % accumulation == 0
+        with contextlib.nullcontext() if boundary else ddp.no_sync():
+            ref_loss = ddp(x).pow(2).mean()
+            (ref_loss / accumulation).backward()
+        if boundary:
+            optimizer.step()
+            optimizer.zero_grad()
+            ref_optimizer.step()
+            ref_optimizer.zero_grad()
         losses.append(loss.item())
         ref_losses.append(ref_loss.item())
     trained = {k: v.clone() for k, v in model.module.named_buffers()}
@@ -70,7 +75,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     try:
-        result = run(rank)
+        result = run(rank, int(sys.argv[2]) if len(sys.argv) > 2 else 1)
     except Exception as error:  # noqa: BLE001 - reported to the test
         result = {"error": repr(error), "traceback": traceback.format_exc()}
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))

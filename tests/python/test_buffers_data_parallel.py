@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 from test_data_parallel import check_no_errors, launch
@@ -12,8 +13,10 @@ from test_data_parallel import check_no_errors, launch
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "buffers_worker.py")
 
 
-def test_batchnorm_statistics_follow_ddp_on_every_rank(tmp_path):
-    results = launch(tmp_path, 2, worker=WORKER)
+@pytest.mark.parametrize("accumulation", [1, 3])
+def test_batchnorm_statistics_follow_ddp_on_every_rank(tmp_path, accumulation):
+    # With gradient accumulation DDP runs the micro-steps before the last under no_sync().
+    results = launch(tmp_path, 2, str(accumulation), worker=WORKER)
     check_no_errors(results)
     for rank, result in enumerate(results):
         torch.testing.assert_close(result["losses"], result["ref_losses"], rtol=1e-5, atol=1e-6)
