@@ -5,7 +5,7 @@ Note [Tracing the engine's module]
 A parameter's `.data` is its chunk view only between its module's access and release; the rest of
 the time it is an empty placeholder (Note [Parameter data swapping] in docs/design.md), and every
 forward runs under the engine's saved-tensor hooks (Note [Saved views of parameters] in
-saved_views.py). Three of torch's tools cannot work on that:
+saved_views.py). Four of torch's tools cannot work on that:
   * torch.jit.trace records the parameters as constants of its graph: the graph ran on the
     placeholders and its sanity check failed with "The following operation failed in the
     TorchScript interpreter" (or, unchecked, the traced module failed when called);
@@ -14,15 +14,17 @@ saved_views.py). Three of torch's tools cannot work on that:
     failed access left the engine broken ("its data is not allocated yet" at the next training
     forward);
   * torch.func.grad (and vjp, jacrev, hessian, which run under the same transform) refuses any
-    saved-tensor hooks: "don't yet support saved tensor hooks. Please open an issue".
+    saved-tensor hooks: "don't yet support saved tensor hooks. Please open an issue";
+  * torch.func.jvp (and jacfwd) runs the forward on dual tensors, on which the engine's hooks
+    failed: "Attempted to access the data pointer on an invalid python storage".
 None of them is needed on the engine itself: `copy.deepcopy(model.module)` is a plain module with
 the current weights (module_copies.py), which each of them takes. So a forward of the engine or
 of its module under one of them raises before the engine touches any parameter, saying so.
-torch.func.vmap, jvp and functional_call work (they run the forward eagerly, saving nothing
-through hooks they refuse) and are left alone; so is torch.compile, whose graphs break at the
-engine's hooks (Note [The engine's hooks under torch.compile] in hooks.py). A submodule called
-directly under a tracer (`torch.jit.trace(model.module.layer, x)`) is not checked: the check is
-at the two entries of a whole forward, not in every module's hook.
+torch.func.vmap and functional_call work (tested as on a plain module) and are left alone; so is
+torch.compile, whose graphs break at the engine's hooks (Note [The engine's hooks under
+torch.compile] in hooks.py). A submodule called directly under a tracer
+(`torch.jit.trace(model.module.layer, x)`) is not checked: the check is at the two entries of a
+whole forward, not in every module's hook.
 """
 from __future__ import annotations
 
@@ -38,8 +40,12 @@ def _tracer() -> str | None:
     if torch.compiler.is_exporting():
         return "torch.export"
     interpreter = torch._C._functorch.peek_interpreter_stack()
-    if interpreter is not None and interpreter.key() == torch._C._functorch.TransformType.Grad:
-        return "torch.func.grad (or vjp, jacrev, hessian)"
+    if interpreter is not None:
+        kind = interpreter.key()
+        if kind == torch._C._functorch.TransformType.Grad:
+            return "torch.func.grad (or vjp, jacrev, hessian)"
+        if kind == torch._C._functorch.TransformType.Jvp:
+            return "torch.func.jvp (or jacfwd)"
     return None
 
 

@@ -1,7 +1,8 @@
 """torch's tracers and function transforms over the engine's module: torch.func.vmap and
-functional_call run as on a plain module; torch.jit.trace, torch.export and torch.func.grad (and
-vjp, jacrev, hessian) cannot work on chunked parameters and raise naming the plain copy to use
-(Note [Tracing the engine's module] in traced_calls.py), leaving the engine training as before."""
+functional_call run as on a plain module; torch.jit.trace, torch.export, torch.func.grad (and
+vjp, jacrev, hessian) and torch.func.jvp (and jacfwd) cannot work on chunked parameters and raise
+naming the plain copy to use (Note [Tracing the engine's module] in traced_calls.py), leaving the
+engine training as before."""
 from __future__ import annotations
 
 import copy
@@ -72,10 +73,20 @@ def jacrev(module):
     return torch.func.jacrev(module)(X)
 
 
+def jvp(module):
+    return torch.func.jvp(module, (X,), (torch.ones_like(X),))
+
+
+def jacfwd(module):
+    return torch.func.jacfwd(module)(X[0])
+
+
 @pytest.mark.parametrize("trace, what", [(jit_trace, "torch.jit.trace"),
                                          (export, "torch.export"),
                                          (func_grad, "torch.func.grad"),
-                                         (jacrev, "torch.func.grad")])
+                                         (jacrev, "torch.func.grad"),
+                                         (jvp, "torch.func.jvp"),
+                                         (jacfwd, "torch.func.jvp")])
 @pytest.mark.parametrize("through", ["module", "engine"])
 def test_tracers_raise_naming_the_plain_copy_and_training_goes_on(trace, what, through):
     model, optimizer, reference = build()
