@@ -68,7 +68,8 @@ def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
 # which dict entry) differ for every module, so it recompiled each hook per module until its
 # recompile limit (8) and then fell back to eager for the whole frame, with a page of warnings.
 # They run eagerly instead (a graph break at each hook); the modules' own forwards between them
-# are still compiled.
+# are still compiled. So do the saved-tensor hooks (SavedParameterViews.pack/unpack in
+# saved_views.py), which count activations in a dict whose length dynamo guarded on.
 _eager = torch.compiler.disable
 
 
