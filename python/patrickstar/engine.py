@@ -89,6 +89,7 @@ from .parameter_values import ParameterValues
 from .saved_views import SavedParameterViews
 from .profiling.recorder import optimizer_phase, profiler_from_config
 from .profiling.upstream import profiler as upstream_profiler
+from .synced_generate import synced_generate
 from .utils import get_rank, get_world_size, global_timer
 from .vocabulary import Tier as T
 
@@ -604,6 +605,8 @@ class PatrickStarEngine(nn.Module):
                 raise AttributeError(f"neither 'PatrickStarEngine' nor its module "
                                      f"'{type(module).__name__}' has an attribute '{name}'"
                                      ) from None
+            if name == "generate" and callable(value) and self.dp.enabled:
+                return synced_generate(value)  # Note [Generating on every rank]
             return value  # Note [Methods of the user's modules]: its own shadows
 
     @property

@@ -73,6 +73,17 @@ def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
 _eager = torch.compiler.disable
 
 
+# Note [Identity outputs the caller may change in place]
+# Models change module outputs and inputs in place: Falcon's decoder does `mlp_output +=
+# attention_output` on what its MLP returns, and a module may add to its input (`x += bias`).
+# Plain autograd allows both. `_BackwardCall` returned `tensor.view_as(tensor)`, and a view made
+# inside a custom Function may not be changed in place ("Output 0 of _BackwardCall is a view and
+# is being modified inplace"), so such models crashed at their first forward. It returns
+# `tensor.detach()` instead, as DeepSpeed's PreBackwardFunction does: autograd does not count a
+# detached tensor as a view, so it becomes an ordinary output of the Function; it shares the
+# storage and the version counter with `tensor`, so an in-place change is the same change to
+# the same memory as without the engine, and autograd still catches a change to a tensor some
+# backward saved.
 class _BackwardCall(torch.autograd.Function):
     """Identity in forward; in backward calls `callback(module)` before passing the grad on."""
 
@@ -80,7 +91,7 @@ class _BackwardCall(torch.autograd.Function):
     def forward(ctx, callback, module, tensor):
         ctx.callback = callback
         ctx.module = module
-        return tensor.view_as(tensor)
+        return tensor.detach()  # Note [Identity outputs the caller may change in place]
 
     @staticmethod
     def backward(ctx, grad):
