@@ -98,6 +98,8 @@ class Fp16Config:
     loss_scale_window: int = 1000
     hysteresis: int = 2
     min_loss_scale: float = 1.0
+    # DeepSpeed's: every step without overflow refills the hysteresis (not only a scale growth).
+    consecutive_hysteresis: bool = False
 
     @property
     def dynamic(self) -> bool:
@@ -463,6 +465,9 @@ def _parse_fp16(raw: Any) -> Fp16Config:
         min_loss_scale=float(_number("fp16.min_loss_scale",
                                      section.get("min_loss_scale", d.min_loss_scale),
                                      minimum=0.0, strict=True)),
+        consecutive_hysteresis=_bool("fp16.consecutive_hysteresis",
+                                     section.get("consecutive_hysteresis",
+                                                 d.consecutive_hysteresis)),
     )
 
 

@@ -818,8 +818,8 @@ class PatrickStarEngine(nn.Module):
         return self._loop.is_gradient_accumulation_boundary()
 
     def was_step_applied(self) -> bool:
-        """DeepSpeed's: whether the last optimizer step of `model.step()` changed the
-        parameters (False after an fp16 overflow skipped it)."""
+        """DeepSpeed's: whether the last optimizer step (of `model.step()` or a direct
+        `optimizer.step()`) changed the parameters (False after an fp16 overflow skipped it)."""
         return self._loop.was_step_applied()
 
     @property

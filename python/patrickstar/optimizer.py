@@ -33,6 +33,7 @@ import torch
 
 from . import _C, moment_state
 from .chunked_params import ChunkedParams
+from .loss_scaler import LossScaleAtMinimum
 from .vocabulary import Tier as T
 
 __all__ = ["PatrickStarOptimizer", "build_param_groups", "clip_coefficient"]
@@ -249,7 +250,12 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
                     loss = closure()
             self._before_step()
             with self._phase():
-                applied = self._step()
+                try:
+                    applied = self._step()
+                except LossScaleAtMinimum:  # the step was skipped before the scaler raised
+                    self.skipped_steps += 1
+                    self._after_step(False)
+                    raise
             if not applied:
                 self.skipped_steps += 1
             self._after_step(applied)
@@ -280,11 +286,14 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         # Only fp16 skips steps; elsewhere a non-finite gradient reaches the parameters as it
         # would in plain PyTorch.
         overflow = overflow and self.precision == "fp16"
-        self.loss_scaler.update(overflow)
         if overflow:
             self.zero_grad()
             self._end_iteration()
+            # Raises at the minimum scale (Note [Overflow at the minimum loss scale] in
+            # loss_scaler.py), after the skipped step is cleaned up like any other.
+            self.loss_scaler.update(overflow)
             return False
+        self.loss_scaler.update(overflow)
         coef = clip_coefficient(norm / grad_scale, clip) if clip > 0 else 1.0
         try:
             self._sweep(grad_scale, coef)

@@ -5,7 +5,8 @@ import warnings
 import pytest
 
 from patrickstar.config import load_config, parse_bytes
-from patrickstar.loss_scaler import DynamicLossScaler, StaticLossScaler, make_loss_scaler
+from patrickstar.loss_scaler import (DynamicLossScaler, LossScaleAtMinimum, StaticLossScaler,
+                                     make_loss_scaler)
 
 
 def test_defaults():
@@ -149,6 +150,10 @@ def test_dynamic_loss_scaler_follows_the_rules():
     assert scaler.scale == 2.0**9
     scaler.update(overflow=True)
     assert scaler.scale == 2.0**8
+    with pytest.raises(LossScaleAtMinimum, match=r"fp16.min_loss_scale = 256"):
+        scaler.update(overflow=True)   # already at min_scale: DeepSpeed raises here too
+    assert scaler.scale == 256 and scaler.overflows == 3
+    scaler.raise_error_at_min_scale = False
     scaler.update(overflow=True)   # clamped at min_scale
     assert scaler.scale == 256
     for _ in range(2):
