@@ -122,12 +122,19 @@ class DynamicLossScaler(LossScaler):
             self.scale *= self.scale_factor
             self.hysteresis_left = self.hysteresis
 
+    # The script's choice, not training state: a checkpoint neither saves nor restores it, so
+    # `raise_error_at_min_scale = False` set before load_checkpoint() stays.
+    _NOT_STATE = ("raise_error_at_min_scale",)
+
     def state_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        state = dataclasses.asdict(self)
+        for name in self._NOT_STATE:
+            del state[name]
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         for field in dataclasses.fields(self):
-            if field.name in state:
+            if field.name in state and field.name not in self._NOT_STATE:
                 setattr(self, field.name, type(getattr(self, field.name))(state[field.name]))
 
 

@@ -102,3 +102,14 @@ def test_raise_error_at_min_scale_false_keeps_skipping():
     for x, y in batches(3):
         train_step(model, opt, x, y, overflow=True)
     assert opt.loss_scale == 2 and model.skipped_steps == 3
+
+
+def test_raise_error_at_min_scale_is_kept_across_a_checkpoint_load(tmp_path):
+    model, opt = make()
+    train_step(model, opt, *batches(1)[0], overflow=False)
+    model.save_checkpoint(tmp_path, tag="t")
+    other, other_opt = make()
+    other_opt.loss_scaler.raise_error_at_min_scale = False
+    other.load_checkpoint(tmp_path, "t")
+    assert other_opt.loss_scaler.raise_error_at_min_scale is False
+    assert other_opt.loss_scaler.state_dict() == opt.loss_scaler.state_dict()
