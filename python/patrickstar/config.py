@@ -100,6 +100,8 @@ class Fp16Config:
     min_loss_scale: float = 1.0
     # DeepSpeed's: every step without overflow refills the hysteresis (not only a scale growth).
     consecutive_hysteresis: bool = False
+    # DeepSpeed's: the forward's floating-point inputs are cast to fp16 (Note [fp16 auto_cast]).
+    auto_cast: bool = False
 
     @property
     def dynamic(self) -> bool:
@@ -448,7 +450,14 @@ def _parse_optimizer(raw: Any) -> OptimizerConfig:
 def _parse_fp16(raw: Any) -> Fp16Config:
     section = _section("fp16", raw)
     known = {f.name for f in dataclasses.fields(Fp16Config)}
-    _check_keys("fp16", section, known)
+    _check_keys("fp16", section, known | {"fp16_master_weights_and_grads"})
+    # DeepSpeed's fp16 master weights (no fp32 copy): false is what is done here anyway.
+    if _bool("fp16.fp16_master_weights_and_grads",
+             section.get("fp16_master_weights_and_grads", False)):
+        raise ValueError("config key 'fp16.fp16_master_weights_and_grads': true (fp16 weights "
+                         "without an fp32 master copy) is not supported; fp16 keeps fp32 "
+                         "masters. For 16-bit weights without masters use 'bf16': {'enabled': "
+                         "true, 'master_weights': false}, or remove the key")
     d = Fp16Config()
     return Fp16Config(
         enabled=_bool("fp16.enabled", section.get("enabled", d.enabled)),
@@ -468,6 +477,7 @@ def _parse_fp16(raw: Any) -> Fp16Config:
         consecutive_hysteresis=_bool("fp16.consecutive_hysteresis",
                                      section.get("consecutive_hysteresis",
                                                  d.consecutive_hysteresis)),
+        auto_cast=_bool("fp16.auto_cast", section.get("auto_cast", d.auto_cast)),
     )
 
 

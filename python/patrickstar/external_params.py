@@ -98,7 +98,7 @@ def external_parameter_hint(error: BaseException) -> str | None:
         if "BFloat16" in message or "Half" in message:
             return ("PatrickStar: with bf16 or fp16 enabled the parameters are 16-bit; cast "
                     "floating-point inputs to the model's dtype (e.g. x.to(torch.bfloat16)), as "
-                    "with DeepSpeed.")
+                    "with DeepSpeed (or, in fp16, config fp16.auto_cast: true).")
         return None
     if not any(word in message for word in _SHAPE_ERROR_WORDS):
         return None

@@ -183,3 +183,21 @@ def test_adamw_default_weight_decay_is_torchs():
     assert load_config({"optimizer": {"type": "Adam"}}).optimizer.weight_decay == 0.0
     assert load_config({"optimizer": {"type": "AdamW",
                                       "params": {"weight_decay": 0}}}).optimizer.weight_decay == 0
+
+
+def test_deepspeed_documented_fp16_section_is_accepted():
+    """DeepSpeed's documented fp16 example carries auto_cast, consecutive_hysteresis and
+    fp16_master_weights_and_grads; copied as it is, it configures the same scaler."""
+    fp16 = load_config({"fp16": {
+        "enabled": True, "auto_cast": False, "loss_scale": 0, "initial_scale_power": 16,
+        "loss_scale_window": 1000, "hysteresis": 2, "consecutive_hysteresis": False,
+        "min_loss_scale": 1, "fp16_master_weights_and_grads": False}}).fp16
+    assert fp16.dynamic and not fp16.auto_cast and not fp16.consecutive_hysteresis
+    assert load_config({"fp16": {"enabled": True, "auto_cast": True}}).fp16.auto_cast
+    scaler = make_loss_scaler(load_config({"fp16": {"enabled": True,
+                                                    "consecutive_hysteresis": True}}))
+    assert scaler.consecutive_hysteresis
+    with pytest.raises(ValueError, match="'fp16.fp16_master_weights_and_grads'.*master_weights"):
+        load_config({"fp16": {"enabled": True, "fp16_master_weights_and_grads": True}})
+    with pytest.raises(ValueError, match="'fp16.auto_cast'"):
+        load_config({"fp16": {"enabled": True, "auto_cast": "yes"}})
