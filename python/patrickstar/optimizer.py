@@ -205,6 +205,9 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         self.device = device
         self.has_nvme = has_nvme
         self.skipped_steps = 0  # steps skipped for fp16 overflow
+        # DeepSpeed's ZeRO/fp16 optimizers' `overflow`: whether the last step found inf/NaN
+        # gradients in fp16 and was skipped (Accelerate's step_was_skipped reads it).
+        self.overflow = False
         self.step_counts = [0] * len(params)  # Adam's step count of each parameter
         self.has_grad = [False] * len(params)  # a gradient this step (set by the engine)
         self._end_iteration = end_iteration
@@ -263,6 +266,7 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
 
     def _step(self) -> bool:
         """Applies one Adam/AdamW step; returns False when it was skipped for overflow."""
+        self.overflow = False
         self._check_hyperparameters()
         self._check_no_unplaced_gradients()
         run = self.guard.before_step()
@@ -286,6 +290,7 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         # Only fp16 skips steps; elsewhere a non-finite gradient reaches the parameters as it
         # would in plain PyTorch.
         overflow = overflow and self.precision == "fp16"
+        self.overflow = overflow
         if overflow:
             self.zero_grad()
             self._end_iteration()

@@ -85,6 +85,7 @@ def test_scale_and_skips_follow_deepspeed_and_stop_at_the_minimum(consecutive):
         applied += not overflow
         assert opt.loss_scale == reference.scale, step
         assert model.was_step_applied() == (not overflow), step  # PatrickStar's own loop
+        assert opt.overflow == overflow, step  # DeepSpeed's optimizer attribute
         assert model.skipped_steps == step + 1 - applied
         # A skipped step does not advance Adam's step count (its bias correction).
         assert all(state["step"] == applied for state in opt.state.values()), step
