@@ -459,7 +459,7 @@ def _parse_fp16(raw: Any) -> Fp16Config:
                          "masters. For 16-bit weights without masters use 'bf16': {'enabled': "
                          "true, 'master_weights': false}, or remove the key")
     d = Fp16Config()
-    return Fp16Config(
+    fp16 = Fp16Config(
         enabled=_bool("fp16.enabled", section.get("enabled", d.enabled)),
         loss_scale=float(_number("fp16.loss_scale", section.get("loss_scale", d.loss_scale),
                                  minimum=0.0)),
@@ -479,6 +479,16 @@ def _parse_fp16(raw: Any) -> Fp16Config:
                                                  d.consecutive_hysteresis)),
         auto_cast=_bool("fp16.auto_cast", section.get("auto_cast", d.auto_cast)),
     )
+    # The scaler only halves down to min_loss_scale (and raises there: Note [Overflow at the
+    # minimum loss scale]); starting below it would raise at the first overflows it cannot
+    # absorb, naming a minimum the scale never reached. DeepSpeed's jumps up to it instead.
+    if fp16.dynamic and fp16.min_loss_scale > 2.0**fp16.initial_scale_power:
+        raise ValueError(f"config keys 'fp16.min_loss_scale' ({fp16.min_loss_scale:g}) and "
+                         f"'fp16.initial_scale_power' ({fp16.initial_scale_power}): the initial "
+                         f"loss scale 2**{fp16.initial_scale_power} = "
+                         f"{2.0**fp16.initial_scale_power:g} is below the minimum; raise "
+                         f"initial_scale_power or lower min_loss_scale")
+    return fp16
 
 
 def _parse_memory(raw: Any) -> MemoryConfig:

@@ -164,7 +164,8 @@ def test_dynamic_loss_scaler_follows_the_rules():
     assert scaler.overflows == 4
     restored = DynamicLossScaler()
     restored.load_state_dict(scaler.state_dict())
-    assert restored == scaler
+    assert restored.state_dict() == scaler.state_dict()
+    assert restored.raise_error_at_min_scale  # the script's setting is not training state
 
 
 def test_make_loss_scaler_from_config():
@@ -201,3 +202,11 @@ def test_deepspeed_documented_fp16_section_is_accepted():
         load_config({"fp16": {"enabled": True, "fp16_master_weights_and_grads": True}})
     with pytest.raises(ValueError, match="'fp16.auto_cast'"):
         load_config({"fp16": {"enabled": True, "auto_cast": "yes"}})
+
+
+def test_dynamic_loss_scale_starting_below_its_minimum_is_refused():
+    with pytest.raises(ValueError, match=r"'fp16.min_loss_scale' \(4\) and "
+                                         r"'fp16.initial_scale_power' \(1\)"):
+        load_config({"fp16": {"enabled": True, "initial_scale_power": 1, "min_loss_scale": 4}})
+    load_config({"fp16": {"enabled": True, "initial_scale_power": 2, "min_loss_scale": 4}})
+    load_config({"fp16": {"enabled": True, "loss_scale": 1, "min_loss_scale": 4}})  # static
