@@ -55,6 +55,7 @@ import copy
 import ctypes
 import sys
 import time
+import warnings
 import weakref
 from typing import Callable
 
@@ -82,7 +83,9 @@ from .module_copies import ModuleCopies
 from .module_methods import ModuleMethods
 from .module_state_hooks import ModuleStateHooks
 from .first_rank_init import first_rank_rng, take_first_rank_state
-from .init_context import BuiltModule, InitResidency, ParameterPlacer, plan_parameters
+from .init_context import (BuiltModule, InitResidency, ParameterPlacer, built_dtype_warning,
+                           plan_parameters)
+from .input_cast import cast_floating_inputs
 from .loss_scaler import make_loss_scaler
 from .optimizer import PatrickStarOptimizer, build_param_groups
 from .parameter_values import ParameterValues
@@ -195,6 +198,9 @@ class PatrickStarEngine(nn.Module):
             specs, survives = plan_parameters(model_func)
             if not specs:
                 raise ValueError("model_func built a module without parameters; nothing to train")
+            message = built_dtype_warning(specs, self.precision, self.compute_dtype)
+            if message is not None:
+                warnings.warn(message, stacklevel=3)
             self._build_runtime(specs)
 
             self._init_views: dict[int, int] = {}
@@ -618,6 +624,9 @@ class PatrickStarEngine(nn.Module):
         return ModuleConfigView(self.ps_config, getattr(module, "config", None))
 
     def forward(self, *args, **kwargs):
+        fp16 = self.ps_config.fp16
+        if fp16.enabled and fp16.auto_cast:  # Note [fp16 auto_cast] in input_cast.py
+            args, kwargs = cast_floating_inputs((args, kwargs), torch.float16)
         self._begin_forward()
         completed = False
         try:
@@ -625,7 +634,7 @@ class PatrickStarEngine(nn.Module):
                 output = self.module(*args, **kwargs)
             completed = True
         except RuntimeError as error:
-            hint = external_parameter_hint(error)
+            hint = external_parameter_hint(error, self.compute_dtype)
             if hint is not None:
                 error.add_note(hint)
             raise
@@ -821,8 +830,8 @@ class PatrickStarEngine(nn.Module):
         return self._loop.is_gradient_accumulation_boundary()
 
     def was_step_applied(self) -> bool:
-        """DeepSpeed's: whether the last optimizer step of `model.step()` changed the
-        parameters (False after an fp16 overflow skipped it)."""
+        """DeepSpeed's: whether the last optimizer step (of `model.step()` or a direct
+        `optimizer.step()`) changed the parameters (False after an fp16 overflow skipped it)."""
         return self._loop.was_step_applied()
 
     @property
