@@ -98,6 +98,10 @@ class Fp16Config:
     loss_scale_window: int = 1000
     hysteresis: int = 2
     min_loss_scale: float = 1.0
+    # DeepSpeed's: every step without overflow refills the hysteresis (not only a scale growth).
+    consecutive_hysteresis: bool = False
+    # DeepSpeed's: the forward's floating-point inputs are cast to fp16 (Note [fp16 auto_cast]).
+    auto_cast: bool = False
 
     @property
     def dynamic(self) -> bool:
@@ -446,9 +450,16 @@ def _parse_optimizer(raw: Any) -> OptimizerConfig:
 def _parse_fp16(raw: Any) -> Fp16Config:
     section = _section("fp16", raw)
     known = {f.name for f in dataclasses.fields(Fp16Config)}
-    _check_keys("fp16", section, known)
+    _check_keys("fp16", section, known | {"fp16_master_weights_and_grads"})
+    # DeepSpeed's fp16 master weights (no fp32 copy): false is what is done here anyway.
+    if _bool("fp16.fp16_master_weights_and_grads",
+             section.get("fp16_master_weights_and_grads", False)):
+        raise ValueError("config key 'fp16.fp16_master_weights_and_grads': true (fp16 weights "
+                         "without an fp32 master copy) is not supported; fp16 keeps fp32 "
+                         "masters. For 16-bit weights without masters use 'bf16': {'enabled': "
+                         "true, 'master_weights': false}, or remove the key")
     d = Fp16Config()
-    return Fp16Config(
+    fp16 = Fp16Config(
         enabled=_bool("fp16.enabled", section.get("enabled", d.enabled)),
         loss_scale=float(_number("fp16.loss_scale", section.get("loss_scale", d.loss_scale),
                                  minimum=0.0)),
@@ -463,7 +474,21 @@ def _parse_fp16(raw: Any) -> Fp16Config:
         min_loss_scale=float(_number("fp16.min_loss_scale",
                                      section.get("min_loss_scale", d.min_loss_scale),
                                      minimum=0.0, strict=True)),
+        consecutive_hysteresis=_bool("fp16.consecutive_hysteresis",
+                                     section.get("consecutive_hysteresis",
+                                                 d.consecutive_hysteresis)),
+        auto_cast=_bool("fp16.auto_cast", section.get("auto_cast", d.auto_cast)),
     )
+    # The scaler only halves down to min_loss_scale (and raises there: Note [Overflow at the
+    # minimum loss scale]); starting below it would raise at the first overflows it cannot
+    # absorb, naming a minimum the scale never reached. DeepSpeed's jumps up to it instead.
+    if fp16.dynamic and fp16.min_loss_scale > 2.0**fp16.initial_scale_power:
+        raise ValueError(f"config keys 'fp16.min_loss_scale' ({fp16.min_loss_scale:g}) and "
+                         f"'fp16.initial_scale_power' ({fp16.initial_scale_power}): the initial "
+                         f"loss scale 2**{fp16.initial_scale_power} = "
+                         f"{2.0**fp16.initial_scale_power:g} is below the minimum; raise "
+                         f"initial_scale_power or lower min_loss_scale")
+    return fp16
 
 
 def _parse_memory(raw: Any) -> MemoryConfig:

@@ -459,7 +459,9 @@ class DataParallel:
             f"give; nanoGPT's estimate_loss() under `if master_process:` runs it on one), and "
             f"call model.state_dict() / optimizer.state_dict() on every rank before saving "
             f"from one (or model.save_checkpoint(dir) on every rank); the script's own "
-            f"torch.distributed collectives count as calls too")
+            f"torch.distributed collectives count as calls too; Hugging Face's "
+            f"model.module.generate(...) needs synced_gpus=True (model.generate(...) passes "
+            f"it)")
 
     def gather_all(self) -> None:
         """Gathers every group not gathered since the last step (the end of a forward, and

@@ -171,9 +171,10 @@ class DeepSpeedLoop:
 
     def after_optimizer_step(self, applied: bool) -> None:
         """`applied`: False when the step was skipped (fp16 overflow)."""
-        if self._in_model_step:
-            self._step_applied = applied
-        else:
+        # Also in PatrickStar's loop: was_step_applied() answered False after every
+        # optimizer.step() called directly, applied or not.
+        self._step_applied = applied
+        if not self._in_model_step:
             self.lr_schedule.after_direct_optimizer_step(applied)
 
     def is_gradient_accumulation_boundary(self) -> bool:

@@ -55,6 +55,7 @@ import copy
 import ctypes
 import sys
 import time
+import warnings
 import weakref
 from typing import Callable
 
@@ -82,7 +83,9 @@ from .module_copies import ModuleCopies
 from .module_methods import ModuleMethods
 from .module_state_hooks import ModuleStateHooks
 from .first_rank_init import first_rank_rng, take_first_rank_state
-from .init_context import BuiltModule, InitResidency, ParameterPlacer, plan_parameters
+from .init_context import (BuiltModule, InitResidency, ParameterPlacer, built_dtype_warning,
+                           plan_parameters)
+from .input_cast import cast_floating_inputs
 from .loss_scaler import make_loss_scaler
 from .optimizer import PatrickStarOptimizer, build_param_groups
 from .parameter_values import ParameterValues
@@ -90,6 +93,7 @@ from .saved_views import SavedParameterViews
 from .traced_calls import refuse_traced_call
 from .profiling.recorder import optimizer_phase, profiler_from_config
 from .profiling.upstream import profiler as upstream_profiler
+from .synced_generate import synced_generate
 from .utils import get_rank, get_world_size, global_timer
 from .vocabulary import Tier as T
 
@@ -195,6 +199,9 @@ class PatrickStarEngine(nn.Module):
             specs, survives = plan_parameters(model_func)
             if not specs:
                 raise ValueError("model_func built a module without parameters; nothing to train")
+            message = built_dtype_warning(specs, self.precision, self.compute_dtype)
+            if message is not None:
+                warnings.warn(message, stacklevel=3)
             self._build_runtime(specs)
 
             self._init_views: dict[int, int] = {}
@@ -606,6 +613,8 @@ class PatrickStarEngine(nn.Module):
                 raise AttributeError(f"neither 'PatrickStarEngine' nor its module "
                                      f"'{type(module).__name__}' has an attribute '{name}'"
                                      ) from None
+            if name == "generate" and callable(value) and self.dp.enabled:
+                return synced_generate(value)  # Note [Generating on every rank]
             return value  # Note [Methods of the user's modules]: its own shadows
 
     @property
@@ -617,6 +626,9 @@ class PatrickStarEngine(nn.Module):
         return ModuleConfigView(self.ps_config, getattr(module, "config", None))
 
     def forward(self, *args, **kwargs):
+        fp16 = self.ps_config.fp16
+        if fp16.enabled and fp16.auto_cast:  # Note [fp16 auto_cast] in input_cast.py
+            args, kwargs = cast_floating_inputs((args, kwargs), torch.float16)
         self._begin_forward()
         completed = False
         try:
@@ -624,7 +636,7 @@ class PatrickStarEngine(nn.Module):
                 output = self.module(*args, **kwargs)
             completed = True
         except RuntimeError as error:
-            hint = external_parameter_hint(error)
+            hint = external_parameter_hint(error, self.compute_dtype)
             if hint is not None:
                 error.add_note(hint)
             raise
@@ -822,8 +834,8 @@ class PatrickStarEngine(nn.Module):
         return self._loop.is_gradient_accumulation_boundary()
 
     def was_step_applied(self) -> bool:
-        """DeepSpeed's: whether the last optimizer step of `model.step()` changed the
-        parameters (False after an fp16 overflow skipped it)."""
+        """DeepSpeed's: whether the last optimizer step (of `model.step()` or a direct
+        `optimizer.step()`) changed the parameters (False after an fp16 overflow skipped it)."""
         return self._loop.was_step_applied()
 
     @property

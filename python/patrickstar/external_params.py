@@ -87,18 +87,27 @@ def _in_parameter_containers(module: nn.Module) -> list[nn.Parameter]:
 _SHAPE_ERROR_WORDS = ("size", "shape", "dimension", "mat1", "mat2", "matri", "numel", "elements")
 
 
-def external_parameter_hint(error: BaseException) -> str | None:
+def external_parameter_hint(error: BaseException, compute_dtype=None) -> str | None:
     """A note for an error raised inside the model's forward that looks like an op meeting a
-    parameter's empty placeholder."""
+    parameter's empty placeholder, or 16-bit inputs meeting parameters of another dtype
+    (`compute_dtype`: the dtype the engine's parameters compute in)."""
     if not isinstance(error, RuntimeError):
         return None
     message = str(error)
     if "dtype" in message or "scalar type" in message:
         # Not a placeholder: fp32 inputs meeting 16-bit parameters.
         if "BFloat16" in message or "Half" in message:
+            if compute_dtype is not None and not compute_dtype.is_floating_point:
+                compute_dtype = None
+            if compute_dtype is not None and compute_dtype.itemsize == 4:
+                # Note [A model built in another 16-bit dtype] in init_context.py
+                return ("PatrickStar: the parameters compute in float32 (the config enables "
+                        "neither fp16 nor bf16, whatever dtype model_func built them in); cast "
+                        "floating-point inputs to float32, or set config 'fp16' or 'bf16': "
+                        "{'enabled': true} to train in 16 bits.")
             return ("PatrickStar: with bf16 or fp16 enabled the parameters are 16-bit; cast "
                     "floating-point inputs to the model's dtype (e.g. x.to(torch.bfloat16)), as "
-                    "with DeepSpeed.")
+                    "with DeepSpeed (or, in fp16, config fp16.auto_cast: true).")
         return None
     if not any(word in message for word in _SHAPE_ERROR_WORDS):
         return None

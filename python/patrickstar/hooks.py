@@ -68,25 +68,25 @@ def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
 # which dict entry) differ for every module, so it recompiled each hook per module until its
 # recompile limit (8) and then fell back to eager for the whole frame, with a page of warnings.
 # They run eagerly instead (a graph break at each hook); the modules' own forwards between them
-# are still compiled.
+# are still compiled. So do the saved-tensor hooks (SavedParameterViews.pack/unpack in
+# saved_views.py), which count activations in a dict whose length dynamo guarded on.
 _eager = torch.compiler.disable
 
 
-# Note [In-place changes of hooked tensors]
-# Torch forbids in-place changes of a custom Function's output that is a view (or an input
-# returned as-is), since the view's rebase would replace the Function's backward. `_BackwardCall`
-# returned `tensor.view_as(tensor)`, so every output of a module that owns parameters was such a
-# view, and `nn.Sequential(nn.Linear(...), nn.ReLU(inplace=True))`, torchvision's ResNet blocks
-# (`out += identity; relu(out)` with ReLU(inplace=True) after a BatchNorm) or `h.add_(1)` on a
-# module's output raised "Output 0 of _BackwardCall is a view and is being modified inplace",
-# where PyTorch trains them. It returns `tensor.detach()` instead, as DeepSpeed's
-# PreBackwardFunction does: the same memory (no copy) and the same version counter, so an
-# in-place change of it is seen by whatever saved the original exactly as in PyTorch (an op that
-# saved its output, such as exp, still raises on the modified tensor), but not a view autograd
-# tracks: the output is the Function's own, and the in-place op's backward runs before
-# `_BackwardCall`'s, as in PyTorch the in-place op's backward runs before the module's.
-
-
+# Note [Identity outputs the caller may change in place]
+# Models change module outputs and inputs in place: Falcon's decoder does `mlp_output +=
+# attention_output` on what its MLP returns, `nn.Sequential(nn.Linear(...), nn.ReLU(inplace=True))`
+# and torchvision's ResNet blocks (`out += identity; relu(out)` after a BatchNorm) change a
+# module's output, and a module may add to its input (`x += bias`). Plain autograd allows all of
+# them. `_BackwardCall` returned `tensor.view_as(tensor)`, and a view made inside a custom
+# Function may not be changed in place ("Output 0 of _BackwardCall is a view and is being
+# modified inplace"), so such models crashed at their first forward. It returns
+# `tensor.detach()` instead, as DeepSpeed's PreBackwardFunction does: autograd does not count a
+# detached tensor as a view, so it becomes an ordinary output of the Function (the in-place
+# op's backward runs before `_BackwardCall`'s, as in PyTorch before the module's); it shares
+# the storage and the version counter with `tensor`, so an in-place change is the same change
+# to the same memory as without the engine, and autograd still catches a change to a tensor
+# some backward saved (an op that saved its output, such as exp, still raises).
 class _BackwardCall(torch.autograd.Function):
     """Identity in forward; in backward calls `callback(module)` before passing the grad on."""
 
@@ -94,7 +94,7 @@ class _BackwardCall(torch.autograd.Function):
     def forward(ctx, callback, module, tensor):
         ctx.callback = callback
         ctx.module = module
-        return tensor.detach()  # Note [In-place changes of hooked tensors]
+        return tensor.detach()  # Note [Identity outputs the caller may change in place]
 
     @staticmethod
     def backward(ctx, grad):

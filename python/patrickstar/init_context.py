@@ -53,7 +53,8 @@ from torch import nn
 from .restore_on_use import defer, undefer
 from .utils.logging import logger as _log
 
-__all__ = ["BuiltModule", "ParamSpec", "plan_parameters", "ParameterPlacer", "InitResidency"]
+__all__ = ["BuiltModule", "ParamSpec", "plan_parameters", "ParameterPlacer", "InitResidency",
+           "built_dtype_warning"]
 
 
 @dataclasses.dataclass
@@ -62,6 +63,8 @@ class ParamSpec:
     name: str
     shape: tuple[int, ...]
     requires_grad: bool
+    dtype: torch.dtype = torch.float32  # as model_func built it
+
 
 
 @contextlib.contextmanager
@@ -165,11 +168,35 @@ def plan_parameters(model_func: Callable[[], nn.Module]) -> tuple[list[ParamSpec
     for param, alive in zip(registrations, survives):
         if alive:
             specs.append(ParamSpec(len(specs), names[id(param)], tuple(param.shape),
-                                   param.requires_grad))
+                                   param.requires_grad, param.dtype))
     for name, param in _unregistered(model, lambda p: id(p) in seen):  # Note [Parameters no...]
         _check_dtype(name, param.dtype)
-        specs.append(ParamSpec(len(specs), name, tuple(param.shape), param.requires_grad))
+        specs.append(ParamSpec(len(specs), name, tuple(param.shape), param.requires_grad,
+                               param.dtype))
     return specs, survives
+
+
+# Note [A model built in another 16-bit dtype]
+# The config, not the module, chooses the training precision: a model_func that builds
+# `MyModel().half()` trains in fp32 without an fp16/bf16 section (and in bf16 with bf16 enabled),
+# its values converted exactly into the chunks. A PyTorch user who wrote `.half()` expects fp16
+# training, and saw nothing until an fp16 input met the fp32 parameters. initialize() says so
+# once, naming a parameter, its dtype, the precision trained and the config key; fp32 models
+# under fp16/bf16 (the usual case) are not mentioned.
+def built_dtype_warning(specs: list[ParamSpec], precision: str,
+                        compute_dtype: torch.dtype) -> str | None:
+    """The warning for parameters model_func built in a 16-bit dtype other than the one the
+    config trains in (Note [A model built in another 16-bit dtype]); None when there are none."""
+    others = [spec for spec in specs
+              if spec.dtype in (torch.float16, torch.bfloat16) and spec.dtype != compute_dtype]
+    if not others:
+        return None
+    built = others[0].dtype
+    key = "fp16" if built == torch.float16 else "bf16"
+    return (f"patrickstar.initialize: model_func built {len(others)} of {len(specs)} parameters "
+            f"in {built} (e.g. '{others[0].name}'), but the config trains in {precision}, so "
+            f"they are converted to {compute_dtype} and the forward computes in it (cast the "
+            f"inputs to match). To train in {built}, set config '{key}': {{'enabled': true}}")
 
 
 # Note [Modules built before initialize()]

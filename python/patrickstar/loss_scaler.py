@@ -3,13 +3,37 @@
 Dynamic scaling: every step whose gradients hold an inf or NaN is skipped. Each overflow spends
 one unit of `hysteresis`; once only one is left, an overflow divides the scale by `scale_factor`
 (never below `min_scale`). After `scale_window` steps in a row without overflow the scale is
-multiplied by `scale_factor` and the hysteresis budget is refilled.
+multiplied by `scale_factor` and the hysteresis budget is refilled (with
+`consecutive_hysteresis`, DeepSpeed's key, every step without overflow refills it).
+
+Note [Overflow at the minimum loss scale]
+An overflow with the scale already at `min_scale` and no hysteresis left cannot be answered by
+a lower scale: the gradients are inf/NaN at any scale (a NaN in the data or the loss, a
+diverged model), and every later step would be skipped too, so training would go on without
+changing a weight. Before, the scaler stayed at `min_scale` and the loop skipped steps silently
+forever. DeepSpeed's DynamicLossScaler raises there ("Current loss scale already at minimum"),
+so this one does too, naming the config keys; `raise_error_at_min_scale = False` on the scaler
+(DeepSpeed's attribute, which Lightning scripts set) keeps skipping instead.
+
+Note [When the scale grows]
+The scale grows after `scale_window` clean steps since the start or the last overflow, as in
+upstream PatrickStar and torch.amp.GradScaler (growth_interval). DeepSpeed's scaler counts one
+step more the first time (`stable_interval = iter - last_overflow_iter - 1`): with
+`loss_scale_window: 1000` it grows after 1001 clean steps, then every 1000. The scales of a
+DeepSpeed run and this one therefore differ by one step around each growth; skipped steps and
+the minimum-scale error match.
 """
 from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["LossScaler", "StaticLossScaler", "DynamicLossScaler", "make_loss_scaler"]
+__all__ = ["LossScaler", "StaticLossScaler", "DynamicLossScaler", "LossScaleAtMinimum",
+           "make_loss_scaler"]
+
+
+class LossScaleAtMinimum(RuntimeError):
+    """fp16 gradients overflowed with the dynamic loss scale already at its minimum (Note
+    [Overflow at the minimum loss scale])."""
 
 
 class LossScaler:
@@ -56,10 +80,13 @@ class DynamicLossScaler(LossScaler):
     scale_window: int = 1000
     hysteresis: int = 2
     min_scale: float = 1.0
+    consecutive_hysteresis: bool = False
+    raise_error_at_min_scale: bool = True  # Note [Overflow at the minimum loss scale]
     # Progress counters.
     steps_since_overflow: int = 0
     hysteresis_left: int = dataclasses.field(default=-1)
     overflows: int = 0
+    overflows_in_a_row: int = 0
 
     def __post_init__(self):
         if self.hysteresis_left < 0:
@@ -67,24 +94,47 @@ class DynamicLossScaler(LossScaler):
 
     def update(self, overflow: bool) -> None:
         if overflow:
+            if (self.hysteresis_left <= 1 and self.scale <= self.min_scale
+                    and self.raise_error_at_min_scale):
+                raise LossScaleAtMinimum(
+                    f"fp16 gradients overflowed (inf/NaN) with the loss scale already at "
+                    f"config fp16.min_loss_scale = {self.min_scale:g} and no fp16.hysteresis "
+                    f"left ({self.overflows_in_a_row + 1} overflowing steps in a row): the scale "
+                    f"cannot go lower, so every step would be skipped. As DeepSpeed does, "
+                    f"training stops here; this step was skipped. The gradients are not finite "
+                    f"at any scale: look for a NaN/inf in the inputs or the loss, lower "
+                    f"fp16.min_loss_scale, or train in bf16 (bf16.enabled). To keep skipping "
+                    f"such steps instead, set optimizer.loss_scaler.raise_error_at_min_scale = "
+                    f"False")
             self.overflows += 1
+            self.overflows_in_a_row += 1
             self.steps_since_overflow = 0
             if self.hysteresis_left > 1:
                 self.hysteresis_left -= 1
             else:
                 self.scale = max(self.scale / self.scale_factor, self.min_scale)
             return
+        self.overflows_in_a_row = 0
+        if self.consecutive_hysteresis:
+            self.hysteresis_left = self.hysteresis
         self.steps_since_overflow += 1
-        if self.steps_since_overflow % self.scale_window == 0:
+        if self.steps_since_overflow % self.scale_window == 0:  # Note [When the scale grows]
             self.scale *= self.scale_factor
             self.hysteresis_left = self.hysteresis
 
+    # The script's choice, not training state: a checkpoint neither saves nor restores it, so
+    # `raise_error_at_min_scale = False` set before load_checkpoint() stays.
+    _NOT_STATE = ("raise_error_at_min_scale",)
+
     def state_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        state = dataclasses.asdict(self)
+        for name in self._NOT_STATE:
+            del state[name]
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         for field in dataclasses.fields(self):
-            if field.name in state:
+            if field.name in state and field.name not in self._NOT_STATE:
                 setattr(self, field.name, type(getattr(self, field.name))(state[field.name]))
 
 
@@ -97,4 +147,5 @@ def make_loss_scaler(config) -> LossScaler:
         return StaticLossScaler(fp16.loss_scale)
     return DynamicLossScaler(scale=2.0**fp16.initial_scale_power,
                              scale_window=fp16.loss_scale_window, hysteresis=fp16.hysteresis,
-                             min_scale=fp16.min_loss_scale)
+                             min_scale=fp16.min_loss_scale,
+                             consecutive_hysteresis=fp16.consecutive_hysteresis)

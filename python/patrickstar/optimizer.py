@@ -33,6 +33,7 @@ import torch
 
 from . import _C, moment_state
 from .chunked_params import ChunkedParams
+from .loss_scaler import LossScaleAtMinimum
 from .vocabulary import Tier as T
 
 __all__ = ["PatrickStarOptimizer", "build_param_groups", "clip_coefficient"]
@@ -204,6 +205,9 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         self.device = device
         self.has_nvme = has_nvme
         self.skipped_steps = 0  # steps skipped for fp16 overflow
+        # DeepSpeed's ZeRO/fp16 optimizers' `overflow`: whether the last step found inf/NaN
+        # gradients in fp16 and was skipped (Accelerate's step_was_skipped reads it).
+        self.overflow = False
         self.step_counts = [0] * len(params)  # Adam's step count of each parameter
         self.has_grad = [False] * len(params)  # a gradient this step (set by the engine)
         self._end_iteration = end_iteration
@@ -249,7 +253,12 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
                     loss = closure()
             self._before_step()
             with self._phase():
-                applied = self._step()
+                try:
+                    applied = self._step()
+                except LossScaleAtMinimum:  # the step was skipped before the scaler raised
+                    self.skipped_steps += 1
+                    self._after_step(False)
+                    raise
             if not applied:
                 self.skipped_steps += 1
             self._after_step(applied)
@@ -257,6 +266,7 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
 
     def _step(self) -> bool:
         """Applies one Adam/AdamW step; returns False when it was skipped for overflow."""
+        self.overflow = False
         self._check_hyperparameters()
         self._check_no_unplaced_gradients()
         run = self.guard.before_step()
@@ -280,11 +290,15 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         # Only fp16 skips steps; elsewhere a non-finite gradient reaches the parameters as it
         # would in plain PyTorch.
         overflow = overflow and self.precision == "fp16"
-        self.loss_scaler.update(overflow)
+        self.overflow = overflow
         if overflow:
             self.zero_grad()
             self._end_iteration()
+            # Raises at the minimum scale (Note [Overflow at the minimum loss scale] in
+            # loss_scaler.py), after the skipped step is cleaned up like any other.
+            self.loss_scaler.update(overflow)
             return False
+        self.loss_scaler.update(overflow)
         coef = clip_coefficient(norm / grad_scale, clip) if clip > 0 else 1.0
         try:
             self._sweep(grad_scale, coef)

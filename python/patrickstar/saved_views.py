@@ -72,12 +72,17 @@ class SavedParameterViews:
         """The engine was destroyed: drop the slots (they hold the chunk manager)."""
         self._slots = self._params = self._activations = None
 
+    # Eager under torch.compile, as the engine's module hooks (Note [The engine's hooks under
+    # torch.compile] in hooks.py): traced, the activation count's dict put a guard on its
+    # length (`len(self._refs) == 34`), so every forward recompiled until the limit.
+    @torch.compiler.disable
     def pack(self, tensor: torch.Tensor):
         index = self._slots.saved_index(tensor)
         if index < 0:
             return self._activations.pack(tensor)
         return _SavedParamView(index, tensor.storage_offset(), tensor.size(), tensor.stride())
 
+    @torch.compiler.disable
     def unpack(self, packed):
         if not isinstance(packed, _SavedParamView):
             return self._activations.unpack(packed)

@@ -19,6 +19,8 @@
                                                   and as a built module
     dp_worker.py OUT_DIR --checkpoint SCENARIO... checkpoint scenarios of dp_checkpoint_worker.py
     dp_worker.py OUT_DIR --ddp-wrap               the engine wrapped in torch's DDP
+    dp_worker.py OUT_DIR --generate-lengths       Hugging Face generate() of 2 + 2 * rank new
+                                                  tokens on each rank, then train a step
 
 Writes OUT_DIR/<what>-rank<r>.pt with losses, the gathered state dict, memory statistics or
 the error raised, then leaves with os._exit so a dead peer cannot hold up interpreter exit.
@@ -151,6 +153,8 @@ def main() -> None:
             results.update(direct_calls(rank, world))
         elif what == ["--full-grad"]:
             results.update(full_gradients(rank, world))
+        elif what == ["--generate-lengths"]:
+            results.update(generate_lengths(rank))
         elif what == ["--ddp-wrap"]:  # nanoGPT's `model = DDP(model)` around the engine
             model, _ = patrickstar.initialize(MLP, config={"default_chunk_size": 4096})
             wrapped = torch.nn.parallel.DistributedDataParallel(model)
@@ -266,6 +270,32 @@ def full_gradients(rank: int, world: int) -> dict:
                          for name, param in model.named_parameters()}
     result["reference_clamped"] = {name: param.grad for name, param in reference.named_parameters()}
     return result
+
+
+def generate_lengths(rank: int) -> dict:
+    """Each rank generates as many tokens as its prompt asks (an EOS reached early does the
+    same): model.generate(...) without synced_gpus, then one training step on every rank."""
+    import transformers
+
+    def build():
+        return transformers.MistralForCausalLM(transformers.MistralConfig(
+            vocab_size=61, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+            num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32))
+    torch.manual_seed(0)
+    reference = build().eval()
+    torch.manual_seed(0)
+    model, optimizer = patrickstar.initialize(build, config={"default_chunk_size": 4096})
+    model.eval()
+    prompt = torch.tensor([[5, 6, 7 + rank]])
+    with torch.no_grad():
+        tokens = model.generate(input_ids=prompt, max_new_tokens=2 + 2 * rank, do_sample=False)
+        expected = reference.generate(input_ids=prompt, max_new_tokens=2 + 2 * rank,
+                                      do_sample=False)
+    model.train()
+    loss = model(input_ids=prompt, labels=prompt).loss
+    model.backward(loss)
+    optimizer.step()
+    return {"tokens": tokens, "expected": expected, "loss": loss.item()}
 
 
 def seed_offset(rank: int) -> dict:

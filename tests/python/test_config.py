@@ -5,7 +5,8 @@ import warnings
 import pytest
 
 from patrickstar.config import load_config, parse_bytes
-from patrickstar.loss_scaler import DynamicLossScaler, StaticLossScaler, make_loss_scaler
+from patrickstar.loss_scaler import (DynamicLossScaler, LossScaleAtMinimum, StaticLossScaler,
+                                     make_loss_scaler)
 
 
 def test_defaults():
@@ -149,6 +150,10 @@ def test_dynamic_loss_scaler_follows_the_rules():
     assert scaler.scale == 2.0**9
     scaler.update(overflow=True)
     assert scaler.scale == 2.0**8
+    with pytest.raises(LossScaleAtMinimum, match=r"fp16.min_loss_scale = 256"):
+        scaler.update(overflow=True)   # already at min_scale: DeepSpeed raises here too
+    assert scaler.scale == 256 and scaler.overflows == 3
+    scaler.raise_error_at_min_scale = False
     scaler.update(overflow=True)   # clamped at min_scale
     assert scaler.scale == 256
     for _ in range(2):
@@ -159,7 +164,8 @@ def test_dynamic_loss_scaler_follows_the_rules():
     assert scaler.overflows == 4
     restored = DynamicLossScaler()
     restored.load_state_dict(scaler.state_dict())
-    assert restored == scaler
+    assert restored.state_dict() == scaler.state_dict()
+    assert restored.raise_error_at_min_scale  # the script's setting is not training state
 
 
 def test_make_loss_scaler_from_config():
@@ -178,3 +184,29 @@ def test_adamw_default_weight_decay_is_torchs():
     assert load_config({"optimizer": {"type": "Adam"}}).optimizer.weight_decay == 0.0
     assert load_config({"optimizer": {"type": "AdamW",
                                       "params": {"weight_decay": 0}}}).optimizer.weight_decay == 0
+
+
+def test_deepspeed_documented_fp16_section_is_accepted():
+    """DeepSpeed's documented fp16 example carries auto_cast, consecutive_hysteresis and
+    fp16_master_weights_and_grads; copied as it is, it configures the same scaler."""
+    fp16 = load_config({"fp16": {
+        "enabled": True, "auto_cast": False, "loss_scale": 0, "initial_scale_power": 16,
+        "loss_scale_window": 1000, "hysteresis": 2, "consecutive_hysteresis": False,
+        "min_loss_scale": 1, "fp16_master_weights_and_grads": False}}).fp16
+    assert fp16.dynamic and not fp16.auto_cast and not fp16.consecutive_hysteresis
+    assert load_config({"fp16": {"enabled": True, "auto_cast": True}}).fp16.auto_cast
+    scaler = make_loss_scaler(load_config({"fp16": {"enabled": True,
+                                                    "consecutive_hysteresis": True}}))
+    assert scaler.consecutive_hysteresis
+    with pytest.raises(ValueError, match="'fp16.fp16_master_weights_and_grads'.*master_weights"):
+        load_config({"fp16": {"enabled": True, "fp16_master_weights_and_grads": True}})
+    with pytest.raises(ValueError, match="'fp16.auto_cast'"):
+        load_config({"fp16": {"enabled": True, "auto_cast": "yes"}})
+
+
+def test_dynamic_loss_scale_starting_below_its_minimum_is_refused():
+    with pytest.raises(ValueError, match=r"'fp16.min_loss_scale' \(4\) and "
+                                         r"'fp16.initial_scale_power' \(1\)"):
+        load_config({"fp16": {"enabled": True, "initial_scale_power": 1, "min_loss_scale": 4}})
+    load_config({"fp16": {"enabled": True, "initial_scale_power": 2, "min_loss_scale": 4}})
+    load_config({"fp16": {"enabled": True, "loss_scale": 1, "min_loss_scale": 4}})  # static

@@ -598,6 +598,20 @@ def test_work_on_one_rank_before_the_scripts_own_collective_fails_naming_both(tm
         assert "as many on every rank" in result["error"], rank
 
 
+def test_generate_of_different_lengths_on_each_rank_runs_as_under_zero3(tmp_path):
+    # Ranks generating different numbers of tokens (their own prompts, an EOS reached early)
+    # ran different numbers of forwards, and the call agreement raised "the ranks are not making
+    # the same call". Hugging Face's generate() keeps every rank's forwards going until all are
+    # done (synced_gpus) by default under DeepSpeed ZeRO-3 and FSDP, whose parameters are also
+    # sharded: the engine's model.generate() does the same (Note [Generating on every rank]).
+    pytest.importorskip("transformers")
+    results = launch(tmp_path, 2, "--generate-lengths")
+    for rank, result in enumerate(results):
+        assert "error" not in result, (rank, result.get("error"))
+        assert result["tokens"].shape == (1, 5 + 2 * rank), rank
+        assert torch.equal(result["tokens"], result["expected"]), rank
+
+
 def test_ranks_seeded_apart_train_the_first_ranks_initial_weights_as_ddp(tmp_path):
     # Note [The first rank's initial weights]: before, each parameter kept its owner's initial
     # values, a mix of the ranks' seeds (DDP and DeepSpeed broadcast rank 0's). A rank's own

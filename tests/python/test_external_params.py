@@ -3,6 +3,8 @@ reads another module's parameter directly trains as in plain PyTorch, on one ran
 without the registration the error says what to do."""
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -51,6 +53,29 @@ def test_fp32_inputs_to_a_bf16_model_get_the_dtype_hint_not_the_placeholder_one(
     assert not any("register_external_parameter" in note for note in notes)
     assert model(torch.randn(2, 8).bfloat16()).dtype == torch.bfloat16
     model.destroy()
+
+
+def test_a_half_model_under_an_fp32_config_is_named_at_initialize_and_in_the_hint():
+    """A PyTorch user's `model.half()` in model_func without an fp16 section trains in fp32
+    (the config chooses the precision): initialize() says so, and fp16 inputs then get a hint
+    that names the fp32 parameters, not "with bf16 or fp16 enabled"."""
+    with pytest.warns(UserWarning, match=r"built 2 of 2 parameters in torch.float16 "
+                                         r"\(e.g. 'weight'\), but the config trains in fp32.*"
+                                         r"'fp16': \{'enabled': true\}"):
+        model, _ = patrickstar.initialize(lambda: nn.Linear(8, 4).half(), config=CONFIG)
+    with pytest.raises(RuntimeError) as caught:
+        model(torch.randn(2, 8).half())
+    notes = "".join(getattr(caught.value, "__notes__", []))
+    assert "compute in float32" in notes and "with bf16 or fp16 enabled" not in notes
+    assert model(torch.randn(2, 8)).dtype == torch.float32  # as torch's fp32 Linear
+    model.destroy()
+    with warnings.catch_warnings():  # the model's own dtype, or fp32 under 16 bits: no warning
+        warnings.simplefilter("error")
+        for build, precision in ((lambda: nn.Linear(8, 4).half(), "fp16"),
+                                 (lambda: nn.Linear(8, 4), "bf16")):
+            model, _ = patrickstar.initialize(build, config=dict(
+                CONFIG, **{precision: {"enabled": True}}))
+            model.destroy()
 
 
 def test_registering_something_that_is_not_a_model_parameter_is_a_clear_error():

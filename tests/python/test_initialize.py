@@ -569,6 +569,35 @@ def test_fp16_loss_scale_reacts_to_injected_overflow():
     assert opt.skipped_steps == 1
 
 
+def test_fp16_auto_cast_casts_float_inputs_as_deepspeed():
+    """DeepSpeed's fp16.auto_cast: fp32 inputs reach the fp16 model as fp16 (integer targets
+    stay integers); the losses are those of the inputs cast by hand."""
+    class Tagged(nn.Module):  # inputs nested in a dict, an int tensor among them
+        def __init__(self):
+            super().__init__()
+            self.mlp = MLP()
+
+        def forward(self, batch):
+            assert batch["y"].dtype == torch.int64
+            return self.mlp(batch["x"], batch["y"])
+
+    def run(auto_cast, cast):
+        torch.manual_seed(0)
+        model, opt = patrickstar.initialize(Tagged, config={
+            "fp16": {"enabled": True, "auto_cast": auto_cast}, "default_chunk_size": 8192})
+        losses = []
+        for x, y in mlp_batches(3):
+            loss = model({"x": x.half() if cast else x, "y": y})
+            model.backward(loss); opt.step(); opt.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    assert run(auto_cast=True, cast=False) == run(auto_cast=False, cast=True)
+    with pytest.raises(RuntimeError) as info:
+        run(auto_cast=False, cast=False)
+    assert "fp16.auto_cast" in "".join(getattr(info.value, "__notes__", []))
+
+
 def test_huggingface_gpt2_and_llama_train():
     transformers = pytest.importorskip("transformers")
     builders = {

@@ -73,9 +73,13 @@ def test_two_thousand_steps_under_tight_budgets_keep_memory_flat(tmp_path, nvme_
         for tier in ("device", "host", "nvme"):
             assert snapshots[b]["traffic"][tier] > snapshots[a]["traffic"][tier], (tier, b)
     # Process memory: the first window after warm-up may still settle allocator pools; beyond
-    # it growth would be a leak (a chunk-sized one per step would be 30 MiB by the end).
+    # it growth would be a leak (a chunk-sized one per step would be 25 MiB by the end). The
+    # allocators still step up once in a while: run alone, this test saw RSS flat but for one
+    # 3.7 MiB step after the third checkpoint save (and failed the old 4 MiB bound; after the
+    # rest of the suite it did not step); 8000 steps of the same loop in a script, a save every
+    # 500, stayed within 1.5 MiB of the first figure. So the bound is 8 MiB.
     growth = rss[STEPS] - rss[WARMUP + 200]
-    assert growth < 4 << 20, f"RSS grew by {growth / 2**20:.1f} MiB"
+    assert growth < 8 << 20, f"RSS grew by {growth / 2**20:.1f} MiB"
     assert sum(losses[-50:]) < 0.8 * sum(losses[:50])  # and it still learns
     path, _ = model.load_checkpoint(tmp_path)
     assert path.endswith("soak")

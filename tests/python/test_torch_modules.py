@@ -127,7 +127,37 @@ class ParameterContainers(nn.Module):
         return self.head(x)
 
 
+class InPlaceResidual(nn.Module):
+    """In-place changes of a hooked module's output outside it (Falcon's `mlp_output +=
+    attention_output` on what its MLP container returns) and of a hooked module's input inside
+    it: plain autograd allows both ("Output 0 of _BackwardCall is a view and is being modified
+    inplace" was raised)."""
+
+    class AddBias(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bias = nn.Parameter(torch.randn(8) * 0.1)
+
+        def forward(self, x):
+            x += self.bias
+            return x
+
+    def __init__(self):
+        super().__init__()
+        self.attn = nn.Linear(8, 8)
+        self.mlp = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+        self.add_bias = self.AddBias()
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        attn = self.attn(x)
+        mlp = self.mlp(x)
+        mlp += attn
+        return self.head(self.add_bias(mlp * 1.0))
+
+
 MODELS = {
+    "inplace_residual": (InPlaceResidual, (4, 8)),
     "parameter_containers": (ParameterContainers, (4, 8)),
     "vit_mha": (VisionTransformerish, (2, 4, 8)),
     "transformer_encoder": (encoder, (2, 5, 16)),

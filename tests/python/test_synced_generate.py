@@ -1,0 +1,35 @@
+"""synced_generate.py: the engine's model.generate under data parallelism (Note [Generating on
+every rank]). The two-rank run is test_data_parallel.py's
+test_generate_of_different_lengths_on_each_rank_runs_as_under_zero3; here, which generates the
+wrapper changes."""
+from __future__ import annotations
+
+import pytest
+
+from patrickstar.synced_generate import synced_generate
+
+
+def hugging_face_generate(inputs=None, generation_config=None, synced_gpus=None, **kwargs):
+    return {"synced_gpus": synced_gpus, **kwargs}
+
+
+def nanogpt_generate(idx, max_new_tokens, temperature=1.0, top_k=None):
+    """nanoGPT's GPT.generate: no synced_gpus, no **kwargs."""
+    return (idx, max_new_tokens, temperature, top_k)
+
+
+def test_hugging_face_generate_defaults_to_synced_gpus():
+    assert synced_generate(hugging_face_generate)([1], max_new_tokens=3) == {
+        "synced_gpus": True, "max_new_tokens": 3}
+
+
+def test_an_explicit_synced_gpus_is_kept():
+    assert synced_generate(hugging_face_generate)(synced_gpus=False)["synced_gpus"] is False
+
+
+def test_a_generate_without_synced_gpus_is_called_unchanged():
+    # nanoGPT's sampling under torchrun (every rank samples the same number of tokens) raised
+    # "unexpected keyword argument 'synced_gpus'" when the wrapper added it unconditionally.
+    assert synced_generate(nanogpt_generate)([1], 4, top_k=2) == ([1], 4, 1.0, 2)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'foo'"):
+        synced_generate(nanogpt_generate)([1], 4, foo=1)
