@@ -81,6 +81,16 @@ def _fill(path: str, reader: CheckpointReader, plan, dtype: torch.dtype) -> int:
     return total
 
 
+def _check_output(output: str) -> None:
+    """Fails before any shard is read: the rename at the end would fail only after the work."""
+    if os.path.isdir(output):
+        raise IsADirectoryError(f"output '{output}' is a directory; give the path of the file "
+                                f"to write, e.g. '{os.path.join(output, 'model.pt')}'")
+    parent = os.path.dirname(os.path.abspath(output))
+    if not os.path.isdir(parent):
+        raise FileNotFoundError(f"output directory '{parent}' does not exist (create it first)")
+
+
 def consolidate(checkpoint_dir, output, dtype: str = "fp32", tag: str | None = None,
                 verify: bool = True) -> dict:
     """Writes `output` (atomically: a temporary name, fsync, rename); returns a summary."""
@@ -89,6 +99,7 @@ def consolidate(checkpoint_dir, output, dtype: str = "fp32", tag: str | None = N
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     output = os.fspath(output)
+    _check_output(output)
     temp = f"{output}.tmp-{os.getpid()}"
     with CheckpointReader(os.fspath(checkpoint_dir), tag, verify=verify) as reader:
         keys = reader.meta["state_dict_keys"]

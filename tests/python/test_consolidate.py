@@ -175,3 +175,34 @@ def test_console_script_and_errors(tmp_path):
     assert main([str(tmp_path / "ckpt"), str(tmp_path / "bad.pt")]) == 1
     assert not (tmp_path / "bad.pt").exists()
     assert main([str(tmp_path / "nothing"), str(tmp_path / "bad.pt")]) == 1
+
+
+def test_bad_paths_are_named_before_any_work(tmp_path, capsys):
+    # A user's slips at the command line: each must exit 1 with one line naming the path, not
+    # a traceback from torch.save or os.replace after the shards were read.
+    cfg = gpt_config()
+    model, _ = trained(lambda: GPT(cfg), {"default_chunk_size": 8192}, gpt_batches, steps=1)
+    model.save_checkpoint(tmp_path / "ckpt", tag="t1")
+    (tmp_path / "outdir").mkdir()
+    (tmp_path / "file.txt").write_text("x")
+    cases = [
+        ([str(tmp_path / "ckpt"), str(tmp_path / "missing" / "o.pt")],
+         f"output directory '{tmp_path / 'missing'}' does not exist"),
+        ([str(tmp_path / "ckpt"), str(tmp_path / "outdir")],
+         f"output '{tmp_path / 'outdir'}' is a directory"),
+        ([str(tmp_path / "nothing"), str(tmp_path / "o.pt")],
+         f"checkpoint directory '{tmp_path / 'nothing'}' does not exist"),
+        ([str(tmp_path / "file.txt"), str(tmp_path / "o.pt")],
+         f"checkpoint directory '{tmp_path / 'file.txt'}' is not a directory"),
+        ([str(tmp_path / "ckpt" / "t1"), str(tmp_path / "o.pt")],
+         f"give its parent '{tmp_path / 'ckpt'}' and tag 't1'"),
+    ]
+    for argv, message in cases:
+        capsys.readouterr()
+        assert main(argv) == 1, argv
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, (argv, err)
+    assert sorted(os.listdir(tmp_path / "outdir")) == []
+    assert not (tmp_path / "o.pt").exists()
+    # The hint names what works: the parent and the tag.
+    assert main([str(tmp_path / "ckpt"), str(tmp_path / "o.pt"), "--tag", "t1"]) == 0

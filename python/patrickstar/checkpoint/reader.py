@@ -10,7 +10,7 @@ import torch
 from .atomic_files import file_sha256
 from .errors import CheckpointError
 from .extra_state import decode_extra
-from .meta import LATEST, read_meta, resolve_tag
+from .meta import LATEST, META, read_meta, resolve_tag
 from .shard import Entry, Shard
 
 __all__ = ["CheckpointReader", "verify_whole_file"]
@@ -21,9 +21,18 @@ class CheckpointReader:
 
     def __init__(self, load_dir: str, tag: str | None = None, verify: bool = True,
                  ranks: Iterable[int] | None = None):
+        if not os.path.isdir(load_dir):
+            raise CheckpointError(f"checkpoint directory '{load_dir}' "
+                                  + ("is not a directory" if os.path.exists(load_dir)
+                                     else "does not exist"))
         resolved = resolve_tag(load_dir, tag)
         if resolved is None:
-            raise CheckpointError(f"no '{LATEST}' file in '{load_dir}' and no tag given")
+            hint = ""
+            if os.path.isfile(os.path.join(load_dir, META)):
+                parent, name = os.path.split(os.path.normpath(load_dir))
+                hint = (f"; '{load_dir}' holds {META}, so it is one tag of a checkpoint: give "
+                        f"its parent '{parent or '.'}' and tag '{name}'")
+            raise CheckpointError(f"no '{LATEST}' file in '{load_dir}' and no tag given{hint}")
         self.tag = resolved
         self.directory = os.path.join(load_dir, resolved)
         if not os.path.isdir(self.directory):
