@@ -509,6 +509,23 @@ def test_cli_names_missing_and_incomplete_directories(tmp_path, capsys):
     assert "not valid JSON" in capsys.readouterr().err
 
 
+def test_cli_names_fields_of_the_wrong_type(profiled, tmp_path, capsys):
+    # A profile.json that parses but is not what the recorder writes (edited by hand, cut by
+    # another tool) is named key by key with exit code 2, never a TypeError traceback.
+    raw = json.loads((profiled[0] / "profile.json").read_text())
+    cases = [({**raw, "samples": None}, "samples is null (expected an object)"),
+             ({**raw, "events": "x"}, "events is a string (expected an object)"),
+             ({**raw, "run": [], "tiers": {}}, "run is a list (expected an object); tiers is "
+                                               "an object (expected a list)"),
+             (5, "holds a number, not a profile record")]
+    for record, message in cases:
+        (tmp_path / "profile.json").write_text(json.dumps(record))
+        assert report.main([str(tmp_path)]) == 2, message
+        err = capsys.readouterr().err
+        assert message in err and str(tmp_path / "profile.json") in err, err
+    assert not (tmp_path / "report.html").exists()
+
+
 def test_cli_entry_point_is_installed(profiled):
     scripts = metadata.entry_points(group="console_scripts", name="patrickstar-report")
     assert [entry.value for entry in scripts] == ["patrickstar.report:main"]

@@ -15,6 +15,12 @@ OUTPUT_FILES = ("trace.json", "memory.csv", "summary.json", "report.html")
 MiB = 1 << 20
 RAW_KEYS = ("start_ns", "stop_ns", "run", "tiers", "stats_start", "stats_end", "layout",
             "events", "samples", "marks", "phases", "collectives")
+# The JSON type the recorder writes for each key: a record edited by hand or by another tool
+# is refused by name here rather than by a TypeError deep in the analysis.
+_RAW_TYPES = {"start_ns": int, "stop_ns": int, "run": dict, "tiers": list, "stats_start": list,
+              "stats_end": list, "layout": dict, "events": dict, "samples": dict, "marks": list,
+              "phases": list, "collectives": list}
+_JSON_NAMES = {int: "a number", dict: "an object", list: "a list"}
 
 
 class ProfileError(ValueError):
@@ -34,10 +40,30 @@ def load_raw(directory: str | os.PathLike) -> dict:
             raw = json.load(handle)
     except json.JSONDecodeError as error:
         raise ProfileError(f"'{path}' is not valid JSON ({error}); the profile is incomplete")
+    if not isinstance(raw, dict):
+        raise ProfileError(f"'{path}' holds {_json_name(raw)}, not a profile record (an object "
+                           f"with {', '.join(RAW_KEYS)})")
     missing = [key for key in RAW_KEYS if key not in raw]
     if missing:
         raise ProfileError(f"'{path}' is incomplete: missing {', '.join(missing)}")
+    wrong = [f"{key} is {_json_name(raw[key])} (expected {_JSON_NAMES[kind]})"
+             for key, kind in _RAW_TYPES.items()
+             if not isinstance(raw[key], kind) or isinstance(raw[key], bool)]
+    if wrong:
+        raise ProfileError(f"'{path}' is not a profile record PatrickStar wrote: "
+                           + "; ".join(wrong))
     return raw
+
+
+def _json_name(value) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    names = {str: "a string", list: "a list", dict: "an object"}
+    return names.get(type(value), type(value).__name__)
 
 
 def _events(raw: dict) -> list[dict]:
