@@ -539,8 +539,12 @@ class PatrickStarEngine(nn.Module):
             self.dp.before_forward(backward_follows, self.module.buffers())
             self._direct_forward = backward_follows
 
-    def _leave_direct_call(self) -> None:
+    def _leave_direct_call(self, raised: bool = False) -> None:
         self._views.leave_direct_call()
+        if raised and not self._in_forward and not self._views.in_direct_call():
+            # Note [A forward that raised], for `model.module(x)`; forward() does it otherwise.
+            self._hooks.leave_saved_tensor_hooks()
+            self._slots.release_all(S.HOLD_AFTER_FWD)
         if self._direct_forward is not None and not self._views.in_direct_call():
             backward_follows, self._direct_forward = self._direct_forward, None
             if not backward_follows:
@@ -641,7 +645,7 @@ class PatrickStarEngine(nn.Module):
                 error.add_note(hint)
             raise
         finally:
-            self._leave_forward()
+            self._leave_forward(completed)
             if not completed and self.chunks.warming_up and self.guard.backwards == 0:
                 self._warmup_forward_failed = True
         self._end_forward()
@@ -690,11 +694,23 @@ class PatrickStarEngine(nn.Module):
                                self.module.buffers())
         self._in_forward = True
 
+    # Note [A forward that raised]
+    # The module whose forward raised (a shape error, a bad batch) never reached its
+    # post-forward hook, so its parameters stayed accessed, in COMPUTE. The next forward coped,
+    # but what came first did not: state_dict() and save_checkpoint() (the `except:` of a loop
+    # that saves before re-raising) failed with "illegal state transition COMPUTE -> COMPUTE",
+    # and after that the next training step with "HOLD -> HOLD_AFTER_BWD". A raised forward
+    # has no output, so no backward can follow it: its accesses are given back at once, as
+    # after a forward without grad (modules that finished their forward were released by their
+    # own hooks already and hold no access), and saved-tensor hooks it left entered are left.
     @torch.compiler.disable
-    def _leave_forward(self) -> None:
+    def _leave_forward(self, completed: bool = True) -> None:
         try:
             self._in_forward = False
-            if not torch.is_grad_enabled() or not self.module.training:
+            if not completed:  # Note [A forward that raised]
+                self._hooks.leave_saved_tensor_hooks()
+                self._slots.release_all(S.HOLD_AFTER_FWD)
+            elif not torch.is_grad_enabled() or not self.module.training:
                 # No backward follows: give everything back now.
                 self._release_all(S.HOLD_AFTER_FWD)
         finally:

@@ -86,6 +86,15 @@ def _in_parameter_containers(module: nn.Module) -> list[nn.Parameter]:
 # Errors that a placeholder (an empty tensor) typically causes inside torch ops.
 _SHAPE_ERROR_WORDS = ("size", "shape", "dimension", "mat1", "mat2", "matri", "numel", "elements")
 
+# Note [Stride errors are not placeholders]
+# `t.view(...)` of a non-contiguous tensor (nanoGPT-style `targets.view(-1)` on sliced tokens,
+# `batch[:, 1:]`) fails with "view size is not compatible with input tensor's size and stride",
+# which holds "size" but fails the same way in plain PyTorch. A placeholder cannot cause it: a
+# tensor of no elements has a valid view of any shape of no elements, and any other shape fails
+# with "shape '[...]' is invalid for input of size 0" instead. The placeholder note on it sent
+# users looking for an unregistered parameter, so it gets none.
+_NOT_PLACEHOLDER_ERRORS = ("view size is not compatible with input tensor's size and stride",)
+
 
 def external_parameter_hint(error: BaseException, compute_dtype=None) -> str | None:
     """A note for an error raised inside the model's forward that looks like an op meeting a
@@ -111,6 +120,8 @@ def external_parameter_hint(error: BaseException, compute_dtype=None) -> str | N
         return None
     if not any(word in message for word in _SHAPE_ERROR_WORDS):
         return None
+    if any(text in message for text in _NOT_PLACEHOLDER_ERRORS):
+        return None  # Note [Stride errors are not placeholders]
     return ("PatrickStar: outside its own module's forward a parameter holds an empty "
             "placeholder (its memory is in a chunk). If the forward reads another module's "
             "parameter directly (e.g. `x @ self.head.weight.t()`), register it on the module "

@@ -38,6 +38,7 @@ changes of its outputs.
 """
 from __future__ import annotations
 
+import sys
 from typing import Any, Callable, ContextManager
 
 import torch
@@ -264,13 +265,20 @@ def saved_tensor_hooks_active() -> bool:
 
 
 class CallHooks(HookSet):
-    """Calls `enter()` before `module` runs and `leave()` after it, also when it raises (the
+    """Calls `enter()` before `module` runs and `leave(raised)` after it, also when it raises (the
     engine's saved-tensor hooks around a forward that did not come through the engine: Note
     [Saved views of parameters] in saved_views.py)."""
 
-    def __init__(self, module, enter: Callable[[], None], leave: Callable[[], None]):
+    def __init__(self, module, enter: Callable[[], None], leave: Callable[[bool], None]):
         super().__init__()
         self._add(module.register_forward_pre_hook(
             _eager(lambda _module, _inputs: enter()), prepend=True))
         self._add(module.register_forward_hook(
-            _eager(lambda _module, _inputs, _output: leave()), always_call=True))
+            _eager(lambda _module, _inputs, output: leave(_raised(output))), always_call=True))
+
+
+def _raised(output) -> bool:
+    """Whether an always_call forward hook runs for a forward that raised: torch calls it from
+    its `except` clause with no output. (A module returning None inside the user's own `except`
+    clause looks the same; what the caller does then is harmless after a clean forward.)"""
+    return output is None and sys.exc_info()[1] is not None

@@ -280,8 +280,9 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         grad_scale = self.loss_scaler.scale
         overflow, norm = False, 0.0
         self.last_grad_norm = None
+        requested_coef = None
         if self._requested_clip is not None:  # clip_grad_norm_ read the gradients already
-            clip, overflow, norm = self._requested_clip
+            requested_coef, overflow, norm = self._requested_clip
             self._requested_clip = None
             self.last_grad_norm = norm / grad_scale
         elif clip > 0 or self.precision == "fp16":  # one read pass over the gradients
@@ -299,7 +300,10 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
             self.loss_scaler.update(overflow)
             return False
         self.loss_scaler.update(overflow)
-        coef = clip_coefficient(norm / grad_scale, clip) if clip > 0 else 1.0
+        if requested_coef is not None:
+            coef = requested_coef
+        else:
+            coef = clip_coefficient(norm / grad_scale, clip) if clip > 0 else 1.0
         try:
             self._sweep(grad_scale, coef)
         except BaseException as error:
@@ -351,11 +355,7 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
             return None
         grad = self.chunked.read(index, _C.ChunkKind.GRADIENT).float()
         scale = self.loss_scaler.scale
-        coef = 1.0
-        if self._requested_clip is not None:
-            max_norm, _, norm = self._requested_clip
-            coef = clip_coefficient(norm / scale, max_norm)
-        return grad.mul_(coef / scale)
+        return grad.mul_(self._pending_clip_coefficient() / scale)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """`torch.nn.utils.clip_grad_norm_` for gradients that live in chunks (which
@@ -368,9 +368,25 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         if not max_norm > 0:
             raise ValueError(f"clip_grad_norm_: max_norm must be positive, got {max_norm}")
         overflow, norm = self._gradient_statistics()
-        self._requested_clip = (float(max_norm), overflow, norm)
-        total = math.inf if overflow else norm / self.loss_scaler.scale
+        pending = self._pending_clip_coefficient()  # Note [A clip before the step]
+        total = math.inf if overflow else norm * pending / self.loss_scaler.scale
+        first_norm = norm if self._requested_clip is None else self._requested_clip[2]
+        self._requested_clip = (pending * clip_coefficient(total, float(max_norm)), overflow,
+                                first_norm)
         return torch.tensor(total)
+
+    # Note [A clip before the step]
+    # torch's clip_grad_norm_ scales p.grad at once; here the chunked gradients keep their values
+    # and the coefficient waits in _requested_clip (coefficient, overflow, the first call's norm)
+    # for step()'s sweep, which scales them anyway (one pass over the gradients, not two). What
+    # the user does between must see the gradients as torch would, clipped: gradient() scales
+    # what it reads, a later clip_grad_norm_ (a second clip, or `max_norm=inf` to log the
+    # clipped norm) measures norm * coefficient and multiplies its own coefficient in, and
+    # clip_grad_value_ clamps the unscaled values at value / coefficient, so that after the
+    # coming scaling they are clamped at value, as torch's clamp of the scaled p.grad. The first
+    # call's norm stays for get_global_grad_norm(), DeepSpeed's norm before clipping.
+    def _pending_clip_coefficient(self) -> float:
+        return 1.0 if self._requested_clip is None else self._requested_clip[0]
 
     def clip_grad_value_(self, clip_value: float, indices: Iterable[int]) -> None:
         """`torch.nn.utils.clip_grad_value_` on these parameters' gradients in their chunks
@@ -383,7 +399,8 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         indices = [index for index in indices if self.has_grad[index]]
         if self.precision == "fp16" and self._gradient_statistics()[0]:
             return
-        bound = value * self.loss_scaler.scale
+        # Note [A clip before the step]: the pending clip scales these values afterwards.
+        bound = value * self.loss_scaler.scale / self._pending_clip_coefficient()
         for index in indices:
             with self.chunked.view(index, _C.ChunkKind.GRADIENT, T.HOST) as grad:
                 grad.clamp_(-bound, bound)

@@ -122,3 +122,46 @@ def test_clip_grad_value_clamps_the_chunked_gradients_as_pytorch(subset):
     state = model.state_dict()
     for key, tensor in reference.state_dict().items():
         torch.testing.assert_close(state[key], tensor, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("after", ["measure_with_inf", "clip_again", "clip_value"])
+def test_calls_after_a_clip_see_the_clipped_gradients_as_in_pytorch(after):
+    """clip_grad_norm_ is applied by the coming step (Note [A clip before the step]); what comes
+    after it in the same step (a second clip_grad_norm_(params, inf) to log the clipped norm, a
+    tighter clip, a clip_grad_value_) must see and compose with the clipped gradients, as in
+    PyTorch, where the first call scaled p.grad at once."""
+    def then(params):
+        if after == "measure_with_inf":
+            return torch.nn.utils.clip_grad_norm_(params, float("inf")).item()
+        if after == "clip_again":
+            return torch.nn.utils.clip_grad_norm_(params, 0.2).item()
+        torch.nn.utils.clip_grad_value_(params, 0.01)
+        return 0.0
+
+    data = batches(3)
+    torch.manual_seed(0)
+    reference = MLP()
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
+    ref_out = []
+    for x, y in data:
+        reference(x, y).backward()
+        first = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5).item()
+        ref_out.append((first, then(reference.parameters())))
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+
+    torch.manual_seed(0)
+    model, optimizer = patrickstar.initialize(MLP, config=CONFIG)
+    out = []
+    for x, y in data:
+        model(x, y).backward()
+        first = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5).item()
+        out.append((first, then(model.parameters())))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    assert min(first for first, _ in ref_out) > 0.5  # every step clipped
+    torch.testing.assert_close(torch.tensor(out), torch.tensor(ref_out), rtol=1e-5, atol=0)
+    state = model.state_dict()
+    for key, tensor in reference.state_dict().items():
+        torch.testing.assert_close(state[key], tensor, rtol=1e-5, atol=1e-6)
+    model.destroy()

@@ -43,6 +43,33 @@ def test_without_registration_the_error_names_the_fix():
     assert any("register_external_parameter" in note for note in caught.value.__notes__)
 
 
+class _ViewsItsTargets(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(8, 5)
+
+    def forward(self, x, targets):
+        logits = self.head(x)
+        return nn.functional.cross_entropy(logits.view(-1, 5), targets.view(-1))
+
+
+def test_a_view_of_a_non_contiguous_input_gets_torchs_error_without_the_placeholder_note():
+    """`targets.view(-1)` on sliced tokens (`batch[:, 1:]`) fails in plain PyTorch too; the
+    error is the input's stride, not a placeholder, so no register_external_parameter note."""
+    x = torch.randn(2, 3, 8)
+    targets = torch.randint(0, 5, (2, 4))[:, 1:]
+    with pytest.raises(RuntimeError) as plain:
+        _ViewsItsTargets()(x, targets)
+    model, _ = patrickstar.initialize(_ViewsItsTargets, config=CONFIG)
+    with pytest.raises(RuntimeError) as caught:
+        model(x, targets)
+    assert str(caught.value) == str(plain.value)
+    assert not any("register_external_parameter" in note
+                   for note in getattr(caught.value, "__notes__", []))
+    assert model(x, targets.contiguous()).dim() == 0
+    model.destroy()
+
+
 def test_fp32_inputs_to_a_bf16_model_get_the_dtype_hint_not_the_placeholder_one():
     model, _ = patrickstar.initialize(lambda: nn.Linear(8, 4), config=dict(
         CONFIG, bf16={"enabled": True}))
