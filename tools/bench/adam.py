@@ -83,11 +83,22 @@ def lscpu_summary():
     return info
 
 
+# Issue 21's low-precision variants: (name, params, state, bf16 copy, bytes moved per param).
+LOWP_VARIANTS = [("ours int8 state", "fp32", "int8", False, 16),
+                 ("ours int8 state + bf16 copy", "fp32", "int8", True, 18),
+                 ("ours bf16 state", "fp32", "bf16", False, 20),
+                 ("ours bf16 param kahan", "kahan", "fp32", False, 26),
+                 ("ours bf16 param stochastic", "stochastic", "fp32", False, 22),
+                 ("ours bf16 param kahan + int8 state", "kahan", "int8", False, 14)]
+LOWP_VARIANT_NAMES = [variant[0] for variant in LOWP_VARIANTS]
+
+
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="small sizes, few repetitions")
-    parser.add_argument("--params", type=int, default=50 * M)
-    parser.add_argument("--reps", type=int, default=15)
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
+    parser.add_argument("--quick", action="store_true",
+                        help="small sizes, few repetitions (2M params, 3 reps, unless given)")
+    parser.add_argument("--params", type=int, default=None, help="default 50M (2M with --quick)")
+    parser.add_argument("--reps", type=int, default=None, help="default 15 (3 with --quick)")
     parser.add_argument("--threads", type=int, default=0, help="0: the cores we may use")
     parser.add_argument("--out", default="bench-results/adam.json")
     parser.add_argument("--only", default=None, metavar="SUBSTRING",
@@ -97,8 +108,13 @@ def main():
                         help="also time each low-precision variant on every SIMD path against "
                              "its bound on the same path")
     args = parser.parse_args()
-    n = 2 * M if args.quick else args.params
-    reps = 3 if args.quick else args.reps
+    n = args.params if args.params is not None else 2 * M if args.quick else 50 * M
+    reps = args.reps if args.reps is not None else 3 if args.quick else 15
+    if n < 1 or reps < 1:
+        parser.error(f"--params and --reps must be >= 1 (got {n} and {reps})")
+    if args.only is not None and not any(args.only in name for name in LOWP_VARIANT_NAMES):
+        parser.error(f"--only {args.only!r} matches no variant; the names are "
+                     f"{', '.join(repr(name) for name in LOWP_VARIANT_NAMES)}")
     chunk_sizes = [M, 4 * M] if args.quick else [M, 4 * M, 16 * M, 64 * M]
     chunk_total = max(chunk_sizes + [n])
 
@@ -223,12 +239,7 @@ def main():
             kw["param_copy"] = torch.empty(n, dtype=torch.bfloat16)
         return t, kw
 
-    lowp_variants = [("ours int8 state", "fp32", "int8", False, 16),
-                     ("ours int8 state + bf16 copy", "fp32", "int8", True, 18),
-                     ("ours bf16 state", "fp32", "bf16", False, 20),
-                     ("ours bf16 param kahan", "kahan", "fp32", False, 26),
-                     ("ours bf16 param stochastic", "stochastic", "fp32", False, 22),
-                     ("ours bf16 param kahan + int8 state", "kahan", "int8", False, 14)]
+    lowp_variants = list(LOWP_VARIANTS)
     if args.only is not None:
         lowp_variants = [v for v in lowp_variants if args.only in v[0]]
     results["lowp_simd_paths"] = {}
