@@ -345,6 +345,12 @@ class DataParallel:
         """Whether this rank keeps the chunk of `tensor_id` (always, for a world of one)."""
         return not self.enabled or manager.is_local(manager.tensor_info(tensor_id)["chunk"])
 
+    def keeps(self, chunked, index: int, kind) -> bool:
+        """Whether parameter `index` of `chunked` (ChunkedParams) has a tensor of `kind` whose
+        chunk this rank keeps."""
+        tensor_id = chunked.tensor_id(index, kind)
+        return tensor_id is not None and self.owns(chunked.chunks.manager, tensor_id)
+
     def after_init(self) -> None:
         """Every rank built the whole model; keep only the owned compute chunks (with
         `parallel.remake_compute`, not even those of them that their masters can make again)."""

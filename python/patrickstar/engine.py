@@ -240,8 +240,7 @@ class PatrickStarEngine(nn.Module):
             [f"module.{name}" for name in self.params.names])
         self._slots.set_before_access(self.chunks.before_access)  # set by dp.after_init()
         # Note [Loading the weights the model has] in parameter_values.py
-        self._parameter_values = ParameterValues(self.guard, self.params, self.dp,
-                                                 self.chunks.manager, self._slots,
+        self._parameter_values = ParameterValues(self.guard, self.params, self.dp, self._slots,
                                                  self.compute_dtype)
         # Where the activations really are: GPU memory with CUDA; host memory on a CPU build,
         # whose device tier only emulates a GPU's budget for chunks.

@@ -649,17 +649,12 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         """Parameter `index`'s fp32 master and Kahan compensation, where it has them (Note
         [Master weights in the optimizer's state dict])."""
         return {key: self.chunked.read(index, kind) for key, kind in self._WEIGHT_KINDS.items()
-                if self._owned(index, kind)}
+                if self.dp.keeps(self.chunked, index, kind)}
 
     def _load_weight_entry(self, index: int, entry: dict) -> None:
         for key, kind in self._WEIGHT_KINDS.items():
-            if key in entry and self._owned(index, kind):
+            if key in entry and self.dp.keeps(self.chunked, index, kind):
                 self.chunked.write(index, kind, entry[key])
-
-    def _owned(self, index: int, kind) -> bool:
-        """Whether parameter `index` has a tensor of `kind` this rank keeps (all, on one rank)."""
-        tensor_id = self.chunked.tensor_id(index, kind)
-        return tensor_id is not None and self.dp.owns(self.chunked.chunks.manager, tensor_id)
 
     def load_state_dict(self, state_dict):
         groups = state_dict["param_groups"]

@@ -3,8 +3,8 @@
 module's own state dict hooks, `model.apply`, deepcopy, parameters_to_vector) go through.
 
 The engine owns the parameters and their chunks; a ParameterValues is handed the objects it
-reads and writes through (the guard, the chunked parameters, the data-parallel side, the chunk
-manager, the parameter slots) and owns only the rules of a load: torch's errors before anything
+reads and writes through (the guard, the chunked parameters, the data-parallel side, the
+parameter slots) and owns only the rules of a load: torch's errors before anything
 is written, and which chunk kinds new weights replace (Note [Loading the weights the model
 has]).
 """
@@ -21,11 +21,10 @@ K = _C.ChunkKind
 
 
 class ParameterValues:
-    def __init__(self, guard, params, dp, manager, slots, compute_dtype: torch.dtype):
+    def __init__(self, guard, params, dp, slots, compute_dtype: torch.dtype):
         self._guard = guard
         self._params = params
         self._dp = dp
-        self._manager = manager
         self._slots = slots
         self._compute_dtype = compute_dtype
 
@@ -104,9 +103,8 @@ class ParameterValues:
             kinds = (K.COMPUTE_PARAM,) if self._holds_already(index, source) else (
                 K.COMPUTE_PARAM, K.MASTER_PARAM, K.PARAM_COMPENSATION)
             for kind in kinds:
-                tensor_id = self._params.tensor_id(index, kind)
-                if tensor_id is None or not self._dp.owns(self._manager, tensor_id):
-                    continue  # data parallel: the owner loads it
+                if not self._dp.keeps(self._params, index, kind):
+                    continue  # none of that kind, or data parallel: the owner loads it
                 # New weights carry no rounding error of earlier updates.
                 self._params.write(index, kind, torch.zeros_like(source)
                                    if kind == K.PARAM_COMPENSATION else source)
@@ -128,9 +126,8 @@ class ParameterValues:
         if source.dtype != self._compute_dtype or self._compute_dtype == torch.float32:
             return False
         for kind in (K.MASTER_PARAM, K.COMPUTE_PARAM):  # the finer copy where there is one
-            tensor_id = self._params.tensor_id(index, kind)
-            if tensor_id is not None:
-                if not self._dp.owns(self._manager, tensor_id):
+            if self._params.tensor_id(index, kind) is not None:
+                if not self._dp.keeps(self._params, index, kind):
                     return False  # data parallel: the owner decides for what it loads
                 held = self._params.read(index, kind).to(self._compute_dtype)
                 return torch.equal(held, source.reshape(held.shape))
