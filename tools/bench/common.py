@@ -29,6 +29,36 @@ def machine_description() -> dict:
     return info
 
 
+def at_least(minimum: int):
+    """An argparse type: an int >= minimum, refused naming the value (a negative size failed
+    deep in torch or the runtime, zero repeats divided by zero)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum} (got {value})")
+        return value
+    return parse
+
+
+def quick_defaults(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                   argv: list[str] | None = None, **values) -> None:
+    """--quick's values for the options in `values` that the command line did not give: an
+    explicit `--steps 7 --quick` keeps 7 (--quick used to replace it silently)."""
+    unset = object()
+    saved = {name: parser.get_default(name) for name in values}
+    parser.set_defaults(**{name: unset for name in values})
+    try:
+        given = parser.parse_args(argv)
+    finally:
+        parser.set_defaults(**saved)
+    for name, value in values.items():
+        if getattr(given, name) is unset:
+            setattr(args, name, value)
+
+
 def write_json(path: str, payload: dict) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as handle:

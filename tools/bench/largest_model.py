@@ -27,7 +27,7 @@ import time
 import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import machine_description, write_json  # noqa: E402
+from common import at_least, machine_description, quick_defaults, write_json  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -77,15 +77,15 @@ def main() -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nvme", default=tempfile.gettempdir(), help="NVMe directory")
     parser.add_argument("--model", choices=["gpt", "llama"], default="gpt")
-    parser.add_argument("--hidden", type=int, default=4096)
-    parser.add_argument("--layers", type=int, default=None, help="gpt: 22, llama: 32")
-    parser.add_argument("--vocab", type=int, default=None, help="gpt: 8192, llama: 32000")
-    parser.add_argument("--intermediate", type=int, default=11008, help="llama's MLP width")
+    parser.add_argument("--hidden", type=at_least(1), default=4096)
+    parser.add_argument("--layers", type=at_least(1), default=None, help="gpt: 22, llama: 32")
+    parser.add_argument("--vocab", type=at_least(1), default=None, help="gpt: 8192, llama: 32000")
+    parser.add_argument("--intermediate", type=at_least(1), default=11008, help="llama's MLP width")
     parser.add_argument("--state-dtype", choices=["fp32", "bf16", "int8"], default="fp32",
                         help="optimizer.params.state_dtype")
-    parser.add_argument("--seq", type=int, default=8)
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--seq", type=at_least(1), default=8)
+    parser.add_argument("--batch", type=at_least(1), default=1)
+    parser.add_argument("--steps", type=at_least(1), default=3)
     parser.add_argument("--device-budget", default="6GiB")
     parser.add_argument("--host-budget", default="8GiB")
     # Adam's first steps move every weight by about lr whatever its gradient, and on a repeated
@@ -101,14 +101,13 @@ def main() -> int:
     parser.add_argument("--json", default="bench-results/largest_model.json")
     args = parser.parse_args()
     llama = args.model == "llama"
+    if args.quick:
+        quick_defaults(parser, args, hidden=256, layers=2, vocab=512, steps=3, intermediate=688,
+                       device_budget="8MiB", host_budget="8MiB", lr=1e-3)
     if args.layers is None:
         args.layers = 32 if llama else 22
     if args.vocab is None:
         args.vocab = 32000 if llama else 8192
-    if args.quick:
-        args.hidden, args.layers, args.vocab, args.steps = 256, 2, 512, 3
-        args.intermediate = 688
-        args.device_budget, args.host_budget, args.lr = "8MiB", "8MiB", 1e-3
     gpt = GPTConfig(vocab_size=args.vocab, max_seq_len=args.seq, hidden=args.hidden,
                     layers=args.layers, heads=max(1, args.hidden // 128))
     if llama:

@@ -17,7 +17,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import machine_description, write_json  # noqa: E402
+from common import at_least, machine_description, quick_defaults, write_json  # noqa: E402
 
 import torch  # noqa: E402
 from patrickstar import _C  # noqa: E402
@@ -72,16 +72,16 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dir", default=tempfile.gettempdir(), help="directory to test")
-    parser.add_argument("--chunk-mib", type=int, default=64)
-    parser.add_argument("--total-mib", type=int, default=2048)
-    parser.add_argument("--block-kib", type=int, default=1024, help="IO block (fio --bs)")
-    parser.add_argument("--queue-depth", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--chunk-mib", type=at_least(1), default=64)
+    parser.add_argument("--total-mib", type=at_least(1), default=2048)
+    parser.add_argument("--block-kib", type=at_least(1), default=1024, help="IO block (fio --bs)")
+    parser.add_argument("--queue-depth", type=at_least(1), default=32)
+    parser.add_argument("--repeats", type=at_least(1), default=3)
     parser.add_argument("--quick", action="store_true", help="small sizes, one repeat")
     parser.add_argument("--json", default="bench-results/nvme.json")
     args = parser.parse_args()
     if args.quick:
-        args.total_mib, args.chunk_mib, args.repeats = 256, 16, 1
+        quick_defaults(parser, args, total_mib=256, chunk_mib=16, repeats=1)
     if shutil.which("fio") is None:
         parser.error("fio is not installed (tools/setup.sh installs it)")
     chunk_bytes = args.chunk_mib * MiB

@@ -16,7 +16,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import machine_description, write_json  # noqa: E402
+from common import at_least, machine_description, quick_defaults, write_json  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -59,15 +59,15 @@ def ours(gpt, chunk, budget):
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--steps", type=at_least(1), default=12)
+    parser.add_argument("--layers", type=at_least(1), default=4)
+    parser.add_argument("--hidden", type=at_least(1), default=256)
+    parser.add_argument("--batch", type=at_least(1), default=8)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json", default="bench-results/train_cpu.json")
     args = parser.parse_args()
     if args.quick:
-        args.steps, args.layers, args.hidden = 4, 2, 128
+        quick_defaults(parser, args, steps=4, layers=2, hidden=128)
     gpt = GPTConfig(vocab_size=2048, max_seq_len=64, hidden=args.hidden, layers=args.layers,
                     heads=max(1, args.hidden // 64))
     params = gpt.parameter_count()
