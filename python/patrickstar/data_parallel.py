@@ -162,6 +162,7 @@ class DataParallel:
         self.transport = None  # "shm" or "process_group" (Note [Transport]), from attach
         self._in_forward = False  # between engine.forward's start and after_forward()
         self._buffers_from_first_rank = True  # Note [Buffers follow the first rank]
+        self._closing = False  # close_accumulation's reduce-scatters are a boundary's
         self.calls = 0  # forwards and state-dict reads (Note [Every rank runs the same forwards])
         # Pipeline stages / tensor slices: the norm and overflow flag span the model group too.
         self.model_parallel: topology.ModelParallelGradStats | None = None
@@ -542,7 +543,7 @@ class DataParallel:
             self.gathers.begin_backward()
 
     def _boundary(self) -> bool:
-        return self._engine.guard.ends_accumulation
+        return self._closing or self._engine.guard.ends_accumulation
 
     def _reduces_now(self) -> bool:
         """Whether this micro-step reduce-scatters its gradients."""
@@ -633,15 +634,50 @@ class DataParallel:
                 self._start_reduce_scatter()
         finally:
             self.collectives.finish_reduce_scatters()
-        has_grad = self._engine.optimizer.has_grad
         if not self._boundary():
             # Sharded accumulation between micro-steps: an owned gradient chunk holds the sum so
             # far (every tensor of it), which the next micro-step's gradients add to; a remote
             # one was dropped, and the next gradient stored there starts it afresh.
+            has_grad = self._engine.optimizer.has_grad
             for index in self._grad_group_of:
                 has_grad[index] = self._owned[index]
             self._reset_backward()
             return
+        self._agree_on_gradients()
+
+    # Note [A short accumulation]
+    # optimizer.step() after fewer backward calls than gradient_accumulation_steps (an epoch's
+    # last, short accumulation: Note [Training call order] in guards.py), or a clip before it,
+    # needs the gradients a boundary would have left: averaged over the ranks, on their owners.
+    # With sharded accumulation every micro-step already reduce-scattered with "sum" into the
+    # owners' chunks, so the owners divide by the world size (the boundary's "avg" would have);
+    # with full accumulation nothing was reduced yet, so every group is reduce-scattered now,
+    # as the boundary's after_backward does (`_closing` makes them the boundary's "avg"). Then
+    # the ranks agree on which parameters have a gradient, as at a boundary. Every rank calls
+    # step() (and a clip) at the same point of its loop, so the collectives match.
+    def close_accumulation(self, what: str) -> None:
+        """Ends this step's accumulation before its last backward (Note [A short
+        accumulation]); nothing without data parallelism or outside an accumulation."""
+        guard = self._engine.guard
+        if not self.enabled or not guard.in_accumulation:
+            return
+        if self.sharded_accumulation:
+            self._engine.optimizer.scale_gradients(1.0 / self.world_size)
+        else:
+            self._closing = True
+            try:
+                while self._rs_cursor < len(self._grad_groups):
+                    self._start_reduce_scatter()
+            finally:
+                self._closing = False
+                self.collectives.finish_reduce_scatters()
+        self._agree_on_gradients()
+        guard.close_accumulation(what)
+
+    def _agree_on_gradients(self) -> None:
+        """At the end of an accumulation: afterwards the optimizer's `has_grad` says which
+        *owned* parameters have a gradient on some rank."""
+        has_grad = self._engine.optimizer.has_grad
         flags = torch.tensor([1.0 if index in self._had_grad else 0.0
                               for index in range(len(has_grad))])
         recorded_collectives.all_reduce(self.communicator, flags, "sum", "has-gradient flags",

@@ -786,11 +786,12 @@ class PatrickStarEngine(nn.Module):
 
     def clip_grad_value_(self, clip_value: float, parameters=None) -> None:
         """`torch.nn.utils.clip_grad_value_` for gradients in chunks (`parameters`: some of this
-        engine's, default all). Under data parallelism every rank calls it after the backward
-        that ends the accumulation, on the reduced gradients (as after DDP's all-reduce)."""
+        engine's, default all). Under data parallelism every rank calls it, on the reduced
+        gradients (as after DDP's all-reduce): before the step's last backward it closes the
+        accumulation (Note [A short accumulation] in data_parallel.py)."""
         params = list(self.params.params if parameters is None else parameters)
         indices = [self._parameter_index(param, "clip_grad_value_") for param in params]
-        self._check_gradients_reduced("clip_grad_value_()")
+        self.dp.close_accumulation("clip_grad_value_()")  # Note [A short accumulation]
         self.optimizer.clip_grad_value_(clip_value, indices)
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -6,10 +6,17 @@ The engine expects, per optimizer step, exactly `gradient_accumulation_steps` ca
 one `optimizer.step()` (and `zero_grad()`), as a DeepSpeed user writes it. `TrainingGuard`
 counts backward calls since the last step:
   * `step()` with no backward since the last step is an error (there are no gradients; a
-    silent no-op would hide a broken loop), and so is `step()` after fewer backward calls than
-    `gradient_accumulation_steps` (the loss was divided by that number, so the update would be
-    too small). DeepSpeed's `engine.step()` silently waits for the boundary instead; our step
-    is the user's `optimizer.step()`, called once per boundary, so a mismatch is a bug.
+    silent no-op would hide a broken loop).
+  * `step()` after fewer backward calls than `gradient_accumulation_steps` applies the gradients
+    accumulated so far, as PyTorch's `optimizer.step()` does: the epoch-end step of a PyTorch /
+    DDP loop, Hugging Face's Trainer and accelerate when an epoch's batch count is not a
+    multiple of the accumulation (each loss was divided by the full count, so that update is
+    the smaller one those loops make too). Under data parallelism the accumulation is closed
+    there first (`close_accumulation`: the ranks' gradients reduced, as at the backward that
+    ends a full one); a clip (`clip_grad_norm_`, `clip_grad_value_`) closes it too, since it
+    must see the reduced gradients, and a backward after that in the same step is an error
+    naming the call. (DeepSpeed's `engine.step()` silently waits for the boundary instead; its
+    loop, `model.step()` after every backward, keeps that: deepspeed_loop.py.)
   * more backward calls than `gradient_accumulation_steps` before a step is an error: without
     accumulation a second backward would add a second batch's gradients into the first's.
   * `optimizer.zero_grad()` between steps drops the gradients and the count with them (as in
@@ -85,6 +92,7 @@ class TrainingGuard:
         self.accumulation = config.gradient_accumulation_steps
         self.policy = config.nonfinite_loss
         self.backwards = 0
+        self.closed_by: str | None = None  # the call that closed a short accumulation
         self.skip_step = False
         self.destroyed = False
         self.owner_pid = os.getpid()  # the process whose threads and files the engine uses
@@ -227,6 +235,13 @@ class TrainingGuard:
         (Note [loss.backward()] in backward_pass.py), which has no loss to check."""
         self.check_alive(what)
         self._check_no_failed_backward(what)
+        if self.closed_by is not None:
+            raise RuntimeError(
+                f"{what} after {self.closed_by} in the same step: under data parallelism it "
+                f"closed the accumulation after {self.backwards} of {self.accumulation} "
+                f"backward() calls (the ranks' gradients were reduced for it), so no gradient "
+                f"can join this step any more; call optimizer.step() and optimizer.zero_grad() "
+                f"first, or call {self.closed_by} after the step's last backward")
         if self.backwards >= self.accumulation:
             raise RuntimeError(
                 f"{what} called {self.backwards + 1} times since the last "
@@ -242,8 +257,14 @@ class TrainingGuard:
 
     @property
     def in_accumulation(self) -> bool:
-        """Between the first and the last backward of a step's accumulation."""
-        return 0 < self.backwards < self.accumulation
+        """Between the first and the last backward of a step's accumulation (and not closed
+        early by `close_accumulation`)."""
+        return 0 < self.backwards < self.accumulation and self.closed_by is None
+
+    def close_accumulation(self, what: str) -> None:
+        """`what` (a step or a clip under data parallelism) ends this step's accumulation
+        before its last backward (Note [Training call order])."""
+        self.closed_by = what
 
     @property
     def ends_accumulation(self) -> bool:
@@ -255,6 +276,7 @@ class TrainingGuard:
         """The gradients were dropped (`optimizer.zero_grad()`): the next backward is the first
         of a step. Returns how many backward calls were dropped."""
         dropped, self.backwards, self.skip_step = self.backwards, 0, False
+        self.closed_by = None
         self.failed_backward = None
         return dropped
 
@@ -265,19 +287,11 @@ class TrainingGuard:
         if self.backwards == 0:
             raise RuntimeError("optimizer.step() called before model.backward(loss) (or "
                                "loss.backward()): there are no gradients for this step")
-        if self.backwards < self.accumulation:
-            raise RuntimeError(
-                f"optimizer.step() after {self.backwards} of {self.accumulation} backward() "
-                f"calls of this step (gradient_accumulation_steps = {self.accumulation}): "
-                f"call model.backward() {self.accumulation - self.backwards} more time(s) first. "
-                f"A shorter last accumulation (an epoch whose batch count is not a multiple of "
-                f"it, which DDP loops, Hugging Face's Trainer and accelerate step anyway) is not "
-                f"supported: drop it with optimizer.zero_grad(), or give every epoch a multiple "
-                f"of {self.accumulation} batches")
         return not self.skip_step
 
     def after_step(self) -> None:
         self.backwards = 0
+        self.closed_by = None
         self.skip_step = False
 
 

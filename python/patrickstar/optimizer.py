@@ -269,6 +269,7 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         self.overflow = False
         self._check_hyperparameters()
         self._check_no_unplaced_gradients()
+        self.dp.close_accumulation("optimizer.step()")  # Note [A short accumulation]
         run = self.guard.before_step()
         self.guard.after_step()
         if not run:  # a non-finite loss was skipped (config nonfinite_loss: "skip")
@@ -367,6 +368,7 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
                              f"PatrickStar-C++ clips by the L2 norm (norm_type=2.0)")
         if not max_norm > 0:
             raise ValueError(f"clip_grad_norm_: max_norm must be positive, got {max_norm}")
+        self.dp.close_accumulation("clip_grad_norm_()")  # Note [A short accumulation]
         overflow, norm = self._gradient_statistics()
         pending = self._pending_clip_coefficient()  # Note [A clip before the step]
         total = math.inf if overflow else norm * pending / self.loss_scaler.scale
@@ -404,6 +406,14 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         for index in indices:
             with self.chunked.view(index, _C.ChunkKind.GRADIENT, T.HOST) as grad:
                 grad.clamp_(-bound, bound)
+
+    def scale_gradients(self, factor: float) -> None:
+        """Multiplies every gradient this rank holds by `factor` in its chunk (Note [A short
+        accumulation] in data_parallel.py)."""
+        for index, has in enumerate(self.has_grad):
+            if has:
+                with self.chunked.view(index, _C.ChunkKind.GRADIENT, T.HOST) as grad:
+                    grad.mul_(factor)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drops the gradients; between steps also the backward calls made so far (Note

@@ -142,6 +142,15 @@ class Scenario:
     # "apply" model.apply(reinitialize); "load" model.load_state_dict(...) and "module_load"
     # model.module.load_state_dict(...) of a plain model it reinitialized.
     reinitialize: str = ""
+    # Micro-batches per epoch (0: no epochs): a step also ends each epoch, so with an epoch that
+    # is not a multiple of `accumulation` its last accumulation is short (Note [A short
+    # accumulation] in data_parallel.py). `steps * accumulation` micro-batches in all.
+    epoch: int = 0
+
+    def ends_step(self, micro: int) -> bool:
+        """Whether optimizer.step() follows micro-batch `micro` (counted from 0)."""
+        in_epoch = micro % self.epoch if self.epoch else micro
+        return (in_epoch + 1) % self.accumulation == 0 or in_epoch + 1 == self.epoch
 
     def step_applied(self, step: int) -> bool:
         """Whether optimizer step `step` updates the parameters (as opposed to being skipped
@@ -283,6 +292,16 @@ SCENARIOS = {
         steps=4, clip=0.5, accumulation=3, nan_loss=(3, 1)),
     # Step 1's gradients are computed and dropped by optimizer.zero_grad() (a GAN's
     # discriminator, which the generator's loss runs through): training goes on from there.
+    # An epoch of 5 micro-batches with 3 per step: every second step is short (2 of 3), with
+    # the config's clip, torch's clip_grad_norm_ before it, and full-size accumulation.
+    "mlp_accumulation_epoch": Scenario(MLP, mlp_batches, {"default_chunk_size": 4096},
+                                       steps=4, clip=0.5, accumulation=3, epoch=5),
+    "mlp_accumulation_epoch_torch_clip": Scenario(MLP, mlp_batches, {"default_chunk_size": 4096},
+                                                  steps=4, clip=0.5, accumulation=3, epoch=5,
+                                                  torch_clip=True),
+    "mlp_accumulation_full_epoch": Scenario(MLP, mlp_batches, {
+        "default_chunk_size": 4096, "parallel": {"gradient_accumulation": "full"}},
+        steps=4, clip=0.5, accumulation=3, epoch=5),
     "mlp_accumulation_discard": Scenario(MLP, mlp_batches, {"default_chunk_size": 4096},
                                          steps=4, clip=0.5, accumulation=3,
                                          discarded_steps=(1,)),
@@ -433,7 +452,7 @@ def reference(name: str, world: int):
         loss = sum(model(*shard(batch, r, world)) for r in range(world)) / world
         (loss / s.accumulation).backward()
         losses.append(loss.item())
-        if (step + 1) % s.accumulation == 0:
+        if s.ends_step(step):
             if s.step_applied(step // s.accumulation):
                 if s.clip:
                     nn.utils.clip_grad_norm_(model.parameters(), s.clip)

@@ -90,6 +90,8 @@ TWO_RANK_SCENARIOS = ["mlp", "mlp_process_group", "mlp_tight", "mlp_accumulation
                       "gpt_bf16_accumulation", "mlp_bf16_state", "mlp_int8_state", "mlp_bf16_no_master",
                       "mlp_frozen", "mlp_loss_backward", "mlp_accumulation_skip",
                       "mlp_accumulation_full_skip", "mlp_accumulation_discard", "mlp_discard",
+                      "mlp_accumulation_epoch", "mlp_accumulation_epoch_torch_clip",
+                      "mlp_accumulation_full_epoch",
                       "mlp_apply", "mlp_apply_keep", "mlp_load_keep", "mlp_module_load_keep"] + [
                           name + suffix for name in REMAKE_PAIRS for suffix in ("", "_kept")
                           if name + suffix not in ("gpt_bf16_accumulation",
@@ -306,6 +308,15 @@ def test_skipped_and_dropped_steps_keep_the_accumulation_boundaries(two_ranks, n
     check_matches_reference(two_ranks, name)
 
 
+@pytest.mark.parametrize("name", ["mlp_accumulation_epoch", "mlp_accumulation_epoch_torch_clip",
+                                  "mlp_accumulation_full_epoch"])
+def test_a_short_last_accumulation_steps_on_every_rank_as_in_pytorch(two_ranks, name):
+    # Note [A short accumulation]: the epoch-end step after 2 of 3 micro-batches (a DDP /
+    # Trainer / accelerate loop's) raised; it must average the ranks' gradients as a full
+    # accumulation's boundary does, also for a clip before it, in both accumulation modes.
+    check_matches_reference(two_ranks, name)
+
+
 @pytest.mark.parametrize("name", ["mlp_apply", "mlp_apply_keep", "mlp_load_keep",
                                   "mlp_module_load_keep"])
 def test_weights_changed_after_initialize_reach_every_rank(two_ranks, name):
@@ -322,6 +333,11 @@ def test_zero_grad_in_the_middle_of_an_accumulation_drops_it_on_every_rank(tmp_p
     for result in results:
         for name, tensor in result["reference"].items():
             torch.testing.assert_close(result["state"][name], tensor, rtol=0, atol=1e-6)
+        # Then a clip after 1 of 3 micro-steps, and a backward after it (Note [A short
+        # accumulation]): refused naming the clip; the step after it runs.
+        assert result["closed_error"] is not None and result["closed_error"].startswith(
+            "model.backward() after clip_grad_norm_() in the same step"), result["closed_error"]
+        assert "after 1 of 3 backward() calls" in result["closed_error"]
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "bf16-no-master"])

@@ -145,8 +145,6 @@ def test_call_order_errors_name_the_accumulation_steps():
                      "default_chunk_size": 4096, "gradient_accumulation_steps": 2})
     x, y = batches(1)[0]
     model(x, y).backward()
-    with pytest.raises(RuntimeError, match="1 of 2 backward"):
-        optimizer.step()
     model(x, y).backward()
     with pytest.raises(RuntimeError, match="gradient_accumulation_steps is 2"):
         model(x, y).backward()
