@@ -224,7 +224,8 @@ void InitRuntime(py::module_& module) {
   py::class_<NvmeTier, Tier, std::shared_ptr<NvmeTier>>(module, "NvmeTier")
       .def(py::init([](const std::string& path, int64_t budget, int queue_depth, int64_t block_size,
                        bool use_io_uring, bool use_direct_io, const std::string& name,
-                       int64_t slab_bytes, const std::optional<std::string>& fault_inject) {
+                       int64_t slab_bytes, const std::optional<std::string>& fault_inject,
+                       bool verify) {
              NvmeTierOptions options;
              options.tier = Tier::Options{name, budget, slab_bytes};
              options.directory = path;
@@ -232,6 +233,7 @@ void InitRuntime(py::module_& module) {
              options.io_block_bytes = block_size;
              options.use_io_uring = use_io_uring;
              options.use_direct_io = use_direct_io;
+             options.verify_checksums = verify;
              if (std::shared_ptr<FaultInjector> faults = FaultsFrom(fault_inject)) {
                options.fault_injector = NvmeFaultHook(std::move(faults));
              }
@@ -241,13 +243,16 @@ void InitRuntime(py::module_& module) {
            py::arg("block_size") = 1 << 20, py::arg("use_io_uring") = true,
            py::arg("use_direct_io") = true, py::arg("name") = "nvme",
            py::arg("slab_bytes") = 64ll << 20, py::arg("fault_inject") = py::none(),
+           py::arg("verify") = true,
            "fault_inject: tests only (Note [Fault injection]); None reads "
-           "PATRICKSTAR_FAULT_INJECT")
+           "PATRICKSTAR_FAULT_INJECT. verify: checksums of every write checked on its reads "
+           "(Note [NVMe checksums])")
       .def_property_readonly("path", [](const NvmeTier& t) { return t.path(); })
       .def_property_readonly("direct_io", &NvmeTier::direct_io)
       .def_property_readonly("uses_io_uring", &NvmeTier::uses_io_uring)
       .def_property_readonly("fallback_note", [](const NvmeTier& t) { return t.fallback_note(); })
-      .def_property_readonly("file_bytes", &NvmeTier::file_bytes);
+      .def_property_readonly("file_bytes", &NvmeTier::file_bytes)
+      .def_property_readonly("verified_reads", &NvmeTier::verified_reads);
 
   module.def(
       "DeviceTier",

@@ -20,6 +20,11 @@ else()
                         INTERFACE_INCLUDE_DIRECTORIES "${PS_LIBURING_INCLUDE_DIR}")
 endif()
 
+# xxHash, header-only (XXH_INLINE_ALL): the NVMe tier's checksums (Note [NVMe checksums]).
+find_path(PS_XXHASH_INCLUDE_DIR xxhash.h REQUIRED)
+add_library(ps::xxhash INTERFACE IMPORTED)
+set_target_properties(ps::xxhash PROPERTIES INTERFACE_INCLUDE_DIRECTORIES "${PS_XXHASH_INCLUDE_DIR}")
+
 if(PS_BUILD_TESTS)
   find_package(GTest REQUIRED)
 endif()

@@ -15,6 +15,10 @@
 #include <deque>
 #include <thread>
 
+// Header-only: no xxHash library to link or to carry to the GPU machine.
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
@@ -36,6 +40,7 @@ struct Request {
   IoOp op;
   std::string path;
   NvmeTier::IoCallback done;
+  std::shared_ptr<IoChecksums> checksums;  // null: not verified (Note [NVMe checksums])
   std::atomic<int64_t> pieces_left{0};
   absl::Mutex mutex;
   absl::Status status ABSL_GUARDED_BY(mutex);
@@ -47,6 +52,7 @@ struct Piece {
   int64_t offset = 0;  // file offset
   int64_t bytes = 0;
   int64_t done_bytes = 0;
+  uint64_t hash = 0;  // a write's, taken at submission (Note [NVMe checksums])
   const IoFaultInjector* injector = nullptr;  // tests only
   IoFault fault;  // from the injector, applied in place of the real result
 };
@@ -74,6 +80,15 @@ absl::Status ShortTransferError(const Piece& piece) {
 
 void FinishPiece(Piece* piece, absl::Status status) {
   std::shared_ptr<Request> request = std::move(piece->request);
+  if (status.ok() && request->checksums != nullptr) {  // Note [NVMe checksums]
+    if (request->op == IoOp::kWrite) {
+      request->checksums->Record(piece->offset, piece->bytes, piece->hash);
+    } else {
+      status = request->checksums->Verify(piece->offset, piece->bytes,
+                                          IoChecksums::Hash(piece->buffer, piece->bytes),
+                                          request->path);
+    }
+  }
   delete piece;
   if (!status.ok()) {
     absl::MutexLock lock(&request->mutex);
@@ -109,6 +124,40 @@ bool AccountResult(Piece* piece, int64_t result) {
 }
 
 }  // namespace
+
+uint64_t IoChecksums::Hash(const void* data, int64_t bytes) {
+  return XXH3_64bits(data, static_cast<size_t>(bytes));
+}
+
+void IoChecksums::Record(int64_t offset, int64_t bytes, uint64_t hash) {
+  absl::MutexLock lock(&mutex_);
+  written_[offset] = Written{bytes, hash};
+}
+
+absl::Status IoChecksums::Verify(int64_t offset, int64_t bytes, uint64_t hash,
+                                 absl::string_view path) const {
+  absl::MutexLock lock(&mutex_);
+  auto it = written_.find(offset);
+  if (it == written_.end() || it->second.bytes != bytes) return absl::OkStatus();
+  ++verified_;
+  if (it->second.hash == hash) return absl::OkStatus();
+  return absl::DataLossError(absl::StrCat(
+      "checksum mismatch: the ", bytes, " bytes read at offset ", offset, " in file ", path,
+      " are not the bytes written there (xxh3 ", absl::Hex(it->second.hash, absl::kZeroPad16),
+      " written, ", absl::Hex(hash, absl::kZeroPad16),
+      " read): the disk or filesystem changed them, or another process wrote to this swap "
+      "file (memory.nvme.verify)"));
+}
+
+void IoChecksums::Forget(int64_t base, int64_t bytes) {
+  absl::MutexLock lock(&mutex_);
+  written_.erase(written_.lower_bound(base), written_.lower_bound(base + bytes));
+}
+
+int64_t IoChecksums::verified() const {
+  absl::MutexLock lock(&mutex_);
+  return verified_;
+}
 
 class NvmeTier::IoBackend {
  public:
@@ -434,7 +483,8 @@ NvmeTier::NvmeTier(NvmeTierOptions options, int fd, std::string path, bool direc
       creator_pid_(getpid()),
       fd_(fd),
       path_(std::move(path)),
-      direct_io_(direct_io) {}
+      direct_io_(direct_io),
+      checksums_(nvme_options_.verify_checksums ? std::make_shared<IoChecksums>() : nullptr) {}
 
 bool NvmeTier::InCreatorProcess() const { return getpid() == creator_pid_; }
 
@@ -500,6 +550,7 @@ void NvmeTier::ReleaseRegion(uint64_t base, int64_t bytes) {
     fallocate(fd_, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, base, bytes);
   }
   released_ranges_.emplace_back(base, bytes);
+  if (checksums_ != nullptr) checksums_->Forget(static_cast<int64_t>(base), bytes);
 }
 
 absl::Status NvmeTier::CheckRange(const Block& block, const void* buffer, int64_t bytes,
@@ -533,6 +584,7 @@ void NvmeTier::Submit(IoOp op, const Block& block, void* buffer, int64_t bytes, 
   request->op = op;
   request->path = path_;
   request->done = std::move(done);
+  request->checksums = checksums_;
   const int64_t piece_bytes = nvme_options_.io_block_bytes;
   const int64_t count = (bytes + piece_bytes - 1) / piece_bytes;
   request->pieces_left.store(count);
@@ -545,6 +597,9 @@ void NvmeTier::Submit(IoOp op, const Block& block, void* buffer, int64_t bytes, 
     piece->offset = static_cast<int64_t>(block.address) + start;
     piece->bytes = std::min(piece_bytes, bytes - start);
     piece->injector = &nvme_options_.fault_injector;
+    if (checksums_ != nullptr && op == IoOp::kWrite) {
+      piece->hash = IoChecksums::Hash(piece->buffer, piece->bytes);
+    }
     pieces.push_back(piece);
   }
   backend_->Submit(std::move(pieces));

@@ -39,16 +39,33 @@
 // process other than the creator the destructor therefore only closes its descriptor: the IO
 // backend is left undestroyed (its ring and threads are the parent's; the child is a copy of
 // memory whose threads do not run) and regions are forgotten without punching holes.
+//
+// Note [NVMe checksums]
+// A week-long run reads its optimizer state back from the swap file thousands of times; a bit
+// the disk, the filesystem or a bug of ours flipped there would come back as silently wrong
+// weights. With verify_checksums (config memory.nvme.verify, on by default) every write piece
+// (io_block_bytes of a request) is hashed (XXH3-64, ~20-30 GB/s per core, so small next to the
+// disk's few GB/s) on the submitting thread before it is submitted, and the hash is recorded for
+// its file range when the piece completes in full. A read piece whose range (offset and length)
+// matches a recorded one is hashed on completion, and a different hash fails the read with
+// DataLoss naming the file, offset and bytes, so the chunk's access fails instead of training
+// on the bytes. A failed write records nothing, and a partly failed one leaves the block
+// invalid (Note [NVMe write validity]), so stale hashes are never compared with data that a
+// failed write left. Reads of another range (not the pieces of a whole-block write) are not
+// checked. Released regions forget their hashes.
 #pragma once
 
 #include <sys/types.h>
 
 #include <atomic>
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <string>
 
+#include "absl/container/btree_map.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "runtime/tier.h"
 
 namespace ps {
@@ -72,7 +89,30 @@ struct NvmeTierOptions {
   int64_t io_block_bytes = 1 << 20;  // requests are split into pieces of this size
   bool use_io_uring = true;
   bool use_direct_io = true;
+  bool verify_checksums = true;  // Note [NVMe checksums]
   IoFaultInjector fault_injector;  // tests only
+};
+
+// The hashes of the pieces written to one swap file, by file range (Note [NVMe checksums]).
+class IoChecksums {
+ public:
+  static uint64_t Hash(const void* data, int64_t bytes);
+  // A write of [offset, offset + bytes) completed with these bytes.
+  void Record(int64_t offset, int64_t bytes, uint64_t hash);
+  // A read of that range completed: DataLoss naming `path` if it was written with other bytes.
+  absl::Status Verify(int64_t offset, int64_t bytes, uint64_t hash, absl::string_view path) const;
+  // The ranges starting in [base, base + bytes) were released.
+  void Forget(int64_t base, int64_t bytes);
+  int64_t verified() const;  // reads checked so far
+
+ private:
+  struct Written {
+    int64_t bytes;
+    uint64_t hash;
+  };
+  mutable absl::Mutex mutex_;
+  absl::btree_map<int64_t, Written> written_ ABSL_GUARDED_BY(mutex_);
+  mutable int64_t verified_ ABSL_GUARDED_BY(mutex_) = 0;
 };
 
 class NvmeTier final : public Tier {
@@ -91,6 +131,8 @@ class NvmeTier final : public Tier {
   // Why a faster path (O_DIRECT, io_uring) is not in use; empty when both are.
   const std::string& fallback_note() const { return fallback_note_; }
   int64_t file_bytes() const;
+  // Read pieces whose checksum was verified (Note [NVMe checksums]); 0 with verification off.
+  int64_t verified_reads() const { return checksums_ == nullptr ? 0 : checksums_->verified(); }
 
   // Synchronous block IO that keeps pins and validity (Note [NVMe write validity]).
   absl::Status Write(const Block& block, const void* src, int64_t bytes);
@@ -125,6 +167,8 @@ class NvmeTier final : public Tier {
   bool direct_io_ = false;
   std::string fallback_note_;
   std::unique_ptr<IoBackend> backend_;
+  // Shared with requests in flight; null with verify_checksums off.
+  std::shared_ptr<IoChecksums> checksums_;
 
   absl::Mutex region_mutex_;
   int64_t file_end_ ABSL_GUARDED_BY(region_mutex_) = 0;

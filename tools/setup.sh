@@ -11,7 +11,7 @@ root=$PWD
 DEBIAN_PACKAGES=(
   build-essential cmake ninja-build pkg-config git
   libabsl-dev libmimalloc-dev libgtest-dev libgmock-dev libbenchmark-dev liburing-dev
-  nlohmann-json3-dev fio
+  nlohmann-json3-dev libxxhash-dev fio
   chromium  # renders report.html headless in tests/python/test_profile.py
 )
 

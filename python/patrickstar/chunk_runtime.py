@@ -112,7 +112,8 @@ class ChunkRuntime:
         if memory.nvme.path is not None:
             tiers.append(_C.NvmeTier(memory.nvme.path, budget=memory.nvme.budget,
                                      queue_depth=memory.nvme.queue_depth,
-                                     block_size=memory.nvme.block_size, name=Tier.NVME))
+                                     block_size=memory.nvme.block_size,
+                                     verify=memory.nvme.verify, name=Tier.NVME))
         self.tiers = tiers
         self.has_nvme = memory.nvme.path is not None
         warn_budgets_beyond_the_machine(memory)

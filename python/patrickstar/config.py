@@ -114,6 +114,8 @@ class NvmeConfig:
     budget: int = 0  # bytes; 0: the free space of the filesystem
     queue_depth: int = 32
     block_size: int = 1 << 20
+    # Hash every write and check it on the reads (Note [NVMe checksums] in runtime/nvme_tier.h).
+    verify: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -501,7 +503,8 @@ def _parse_memory(raw: Any) -> MemoryConfig:
         if budgets[name] == 0:
             raise ValueError(f"config key 'memory.{name}': must be > 0 (omit it for no limit)")
     nvme_raw = _section("memory.nvme", section.get("nvme", {}))
-    _check_keys("memory.nvme", nvme_raw, {"path", "budget", "queue_depth", "block_size"})
+    _check_keys("memory.nvme", nvme_raw, {"path", "budget", "queue_depth", "block_size",
+                                          "verify"})
     path = nvme_raw.get("path")
     if path is not None and (not isinstance(path, (str, os.PathLike)) or not str(path)):
         raise ValueError(f"config key 'memory.nvme.path': expected a directory path, got "
@@ -515,7 +518,7 @@ def _parse_memory(raw: Any) -> MemoryConfig:
         budget=parse_bytes(nvme_raw.get("budget", 0), "memory.nvme.budget"),
         queue_depth=_number("memory.nvme.queue_depth", nvme_raw.get("queue_depth", 32),
                             minimum=1, maximum=4096, integer=True),
-        block_size=block_size)
+        block_size=block_size, verify=_bool("memory.nvme.verify", nvme_raw.get("verify", True)))
     if path is None and set(nvme_raw) - {"path"}:
         raise ValueError("config key 'memory.nvme.path': required when other memory.nvme keys "
                          "are given")

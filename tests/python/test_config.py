@@ -61,6 +61,7 @@ def test_new_keys_parse():
     assert config.memory.device_budget == 2 * 2**30
     assert config.memory.nvme.budget == 10 * 10**9
     assert config.memory.nvme.block_size == 2**20
+    assert config.memory.nvme.verify  # Note [NVMe checksums]: on unless turned off
     assert config.default_chunk_size is None
     assert config.parallel.data == 2
 
@@ -90,6 +91,7 @@ def test_new_keys_parse():
     ({"memory": {"nvme": {"budget": "1GiB"}}}, "'memory.nvme.path': required"),
     ({"memory": {"nvme": {"path": "/tmp", "block_size": 1000}}}, "'memory.nvme.block_size'"),
     ({"memory": {"nvme": {"path": "/tmp", "queue_depth": 0}}}, "'memory.nvme.queue_depth'"),
+    ({"memory": {"nvme": {"path": "/tmp", "verify": "yes"}}}, "'memory.nvme.verify'"),
     ({"memory": {"gpu": 1}}, "'memory.gpu'"),
     ({"parallel": {"tensor": 0}}, "'parallel.tensor'"),
     ({"client": {"mem_tracer": {"bogus": 1}}}, "'client.mem_tracer.bogus'"),

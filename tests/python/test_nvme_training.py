@@ -251,6 +251,41 @@ def test_io_fault_in_the_sweep_is_clear_and_loses_nothing(tmp_path, nvme_dir, mo
     model.destroy()
 
 
+@pytest.mark.parametrize("verify", [True, False])
+def test_swap_bytes_changed_on_disk_are_caught_before_training_on_them(tmp_path, nvme_dir,
+                                                                         verify):
+    # Note [NVMe checksums]: the optimizer state read back from a swap file whose bytes changed
+    # (the disk, the filesystem, another process) failed nothing and trained on them silently.
+    data = batches(3)
+    budgets = {"host_budget": 3 * 4 * CHUNK, "nvme": {"path": nvme_dir, "verify": verify}}
+    model, opt = make(config(**budgets))
+    train(model, opt, data[:1])
+    model.save_checkpoint(tmp_path, tag="good")
+    expected = params(model)
+    (swap,) = [os.path.join(nvme_dir, name) for name in os.listdir(nvme_dir)
+               if name.endswith(".swap")]
+    with open(swap, "r+b") as handle:  # every byte of the file changed
+        contents = bytearray(handle.read())
+        handle.seek(0)
+        handle.write(bytes(byte ^ 0x5A for byte in contents))
+    if not verify:
+        train(model, opt, data[1:2])  # the changed bytes were taken as weights and state
+        model.destroy()
+        return
+    with pytest.raises(patrickstar.ChunkRuntimeError) as info:  # the forward's or the step's
+        train(model, opt, data[1:2])
+    message = str(info.value)
+    assert "checksum mismatch" in message and swap in message and "offset" in message, message
+    # The swap file's data is gone; a new engine (a new swap file) resumes from the checkpoint.
+    model.destroy()
+    model, opt = make(config(**budgets))
+    model.load_checkpoint(tmp_path, tag="good")
+    for name, value in params(model).items():
+        assert torch.equal(value, expected[name]), name
+    train(model, opt, data[1:])
+    model.destroy()
+
+
 def test_stale_swap_file_of_a_dead_run_is_removed_with_a_message(nvme_dir, capfd):
     stale = os.path.join(nvme_dir, "patrickstar-999999999-0.swap")
     with open(stale, "wb") as handle:

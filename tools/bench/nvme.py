@@ -39,11 +39,12 @@ def run_fio(directory: str, mode: str, size: int, block: int, depth: int) -> flo
 
 
 def run_tier(directory: str, chunks: int, chunk_bytes: int, block: int, depth: int,
-             use_io_uring: bool) -> tuple[float, float]:
-    """Our (write, read) throughput in bytes/s."""
+             use_io_uring: bool, verify: bool = True) -> tuple[float, float]:
+    """Our (write, read) throughput in bytes/s; `verify`: memory.nvme.verify's checksums."""
     host = _C.HostTier(name="bench-host")
     nvme = _C.NvmeTier(directory, budget=(chunks + 1) * chunk_bytes, queue_depth=depth,
-                       block_size=block, use_io_uring=use_io_uring, slab_bytes=chunk_bytes)
+                       block_size=block, use_io_uring=use_io_uring, slab_bytes=chunk_bytes,
+                       verify=verify)
     engine = _C.CopyEngine(host_threads=2)
     sources = [host.allocate(chunk_bytes) for _ in range(chunks)]
     for index, block_ in enumerate(sources):
@@ -89,16 +90,20 @@ def main() -> int:
     size = chunks * chunk_bytes
     block = args.block_kib * 1024
     workdir = tempfile.mkdtemp(prefix="ps-nvme-bench-", dir=args.dir)
-    rows = {"fio": {"write": [], "read": []}, "ours_io_uring": {"write": [], "read": []},
-            "ours_pread": {"write": [], "read": []}}
+    # ours_io_uring and ours_pread verify checksums (memory.nvme.verify, the default);
+    # ours_unverified is io_uring without them, the checksums' cost.
+    contenders = (("ours_io_uring", True, True), ("ours_pread", False, True),
+                  ("ours_unverified", True, False))
+    rows = {name: {"write": [], "read": []} for name in ["fio"] + [c[0] for c in contenders]}
     try:
         # Interleaved so drift on the shared disk hits every contender alike.
         for _ in range(args.repeats):
             rows["fio"]["write"].append(run_fio(workdir, "write", size, block, args.queue_depth))
             rows["fio"]["read"].append(run_fio(workdir, "read", size, block, args.queue_depth))
             os.unlink(os.path.join(workdir, "fio-bench.dat"))
-            for name, uring in (("ours_io_uring", True), ("ours_pread", False)):
-                write, read = run_tier(workdir, chunks, chunk_bytes, block, args.queue_depth, uring)
+            for name, uring, verify in contenders:
+                write, read = run_tier(workdir, chunks, chunk_bytes, block, args.queue_depth, uring,
+                                       verify)
                 rows[name]["write"].append(write)
                 rows[name]["read"].append(read)
     finally:
