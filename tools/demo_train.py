@@ -35,6 +35,9 @@ def main() -> int:
     args = parser.parse_args()
     if args.steps < 1 or args.batch < 1 or not 0 < args.device_budget_fraction:
         parser.error("--steps and --batch must be >= 1 and the budget fraction > 0")
+    if args.layers < 0 or args.hidden < 1:
+        parser.error(f"--layers must be >= 0 and --hidden >= 1 (got {args.layers} and "
+                     f"{args.hidden})")
 
     gpt = GPTConfig(vocab_size=2048, max_seq_len=64, hidden=args.hidden, layers=args.layers,
                     heads=max(1, args.hidden // 64))
@@ -43,7 +46,13 @@ def main() -> int:
     # Device-resident model data: compute params and their gradients.
     model_data = 2 * params * bytes_per_param
     chunk = 1 << 18
-    budget = max(int(model_data * args.device_budget_fraction), 4 * chunk * bytes_per_param)
+    # The floor: four of the largest chunks. The tied token embedding (vocab x hidden) outgrows
+    # the chunk at small depths and gets a chunk of its own; its backward holds it, its gradient
+    # chunk and the position embedding's chunk at once (with --layers 0 a floor of four
+    # ordinary chunks ran out of room mid-backward).
+    largest_chunk = max(chunk, gpt.vocab_size * gpt.hidden)
+    budget = max(int(model_data * args.device_budget_fraction),
+                 4 * largest_chunk * bytes_per_param)
     config = {"default_chunk_size": chunk,
               "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01}},
               "memory": {"device_budget": budget}}
