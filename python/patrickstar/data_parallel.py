@@ -658,9 +658,10 @@ class DataParallel:
     def close_accumulation(self, what: str) -> None:
         """Ends this step's accumulation before its last backward (Note [A short
         accumulation]); nothing without data parallelism or outside an accumulation."""
-        guard = self._engine.guard
-        if not self.enabled or not guard.in_accumulation:
+        engine = self._engine  # None once the engine is gone: the step's own check says so
+        if not self.enabled or engine is None or not engine.guard.in_accumulation:
             return
+        guard = engine.guard
         if self.sharded_accumulation:
             self._engine.optimizer.scale_gradients(1.0 / self.world_size)
         else:
