@@ -12,9 +12,18 @@ import torch
 from . import _C
 from .vocabulary import Tier
 
-__all__ = ["ChunkRuntime", "Chunks", "PREFETCH_MOMENTS", "warn_budgets_beyond_the_machine"]
+__all__ = ["ChunkRuntime", "Chunks", "PREFETCH_MOMENTS", "torch_computes_on_host",
+           "warn_budgets_beyond_the_machine"]
 
 PREFETCH_MOMENTS = 2
+
+
+def torch_computes_on_host() -> bool:
+    """Whether the engine's torch compute (and so its update placement, Note [Optimizer sweep]
+    in optimizer.py) runs on the host: a CPU build, or the strict emulated device
+    (PATRICKSTAR_STRICT_DEVICE=1, Note [Strict device] in runtime/strict_device.h), which takes
+    the CUDA tiers and copy routes while torch stays the CPU build."""
+    return not _C.cuda_available() or _C.strict_device()
 
 
 class Chunks:
@@ -96,12 +105,11 @@ class ChunkRuntime:
     def __init__(self, config, local_rank: int, world_size: int = 1, rank: int = 0):
         memory = config.memory
         tiers = []
-        # The strict device (PATRICKSTAR_STRICT_DEVICE=1, Note [Strict device] in
-        # runtime/strict_device.h) takes the CUDA tiers and copy routes; torch stays on the CPU,
-        # and with it the CPU build's update placement (Note [Optimizer sweep] in optimizer.py).
-        strict = _C.strict_device()
+        # The strict device takes the CUDA tiers and copy routes; torch stays on the CPU, and
+        # with it the CPU build's update placement (torch_computes_on_host).
         if _C.cuda_available():
-            self.device = torch.device("cpu") if strict else torch.device("cuda", local_rank)
+            self.device = torch.device("cpu") if torch_computes_on_host() \
+                else torch.device("cuda", local_rank)
             tiers.append(_C.DeviceTier(local_rank, budget=memory.device_budget or 0,
                                        name=f"cuda:{local_rank}"))
         else:

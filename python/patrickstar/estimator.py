@@ -10,8 +10,9 @@ What each tier needs follows from where the engine uses each kind (Note [Chunk k
 precision] in engine.py): forward and backward access compute parameters and write gradients on
 the device. The optimizer step (Note [Optimizer sweep]) keeps optimizer state (masters, momentum,
 variance) on the host; on a CPU build it updates parameters and gradients where they are (the
-device tier is host memory), with CUDA it brings them to the host too unless all of a
-parameter's chunks are on the GPU. So:
+device tier is host memory; so does the strict emulated device, whose torch computes on the
+host: chunk_runtime.torch_computes_on_host), with CUDA it brings them to the host too unless all
+of a parameter's chunks are on the GPU. So:
 
 * ``device_no_moves``: device bytes that keep every compute and gradient chunk resident through
   forward and backward (no chunk moves there after warm-up);
@@ -42,6 +43,7 @@ from torch import nn
 from . import _C
 from .config import Config, load_config
 from . import dtypes
+from .chunk_runtime import torch_computes_on_host
 from .chunked_params import TensorIds, chunk_dtypes, register_chunk_tensors, scale_count
 from .init_context import BuiltModule, plan_parameters
 from .vocabulary import ChunkKind, chunk_kind
@@ -167,7 +169,8 @@ def estimate_memory(model: Callable[[], nn.Module] | int, config: Any = None,
         by_kind = figures["by_kind"]
         total = sum(by_kind.values())
         on_host = [kind for kind in by_kind
-                   if _C.cuda_available() or kind in ("master", "momentum", "variance")]
+                   if not torch_computes_on_host()
+                   or kind in ("master", "momentum", "variance")]
         host_optimizer = sum(by_kind[kind] for kind in on_host)
         # The fp32 copy initialization writes (guards.check_budgets' rule); the "master" row of
         # bf16 without master is the Kahan compensation, and initialization writes the compute

@@ -2,6 +2,7 @@
 (for a `PipelineModule`) one pipeline stage's engine, with its optimizer."""
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Mapping
 from typing import Callable
@@ -20,7 +21,7 @@ __all__ = ["initialize", "initialize_engine"]
 
 
 def initialize(model_func: Callable[[], nn.Module] | nn.Module | None = None, config=None,
-               local_rank: int = 0, param_groups=None, **deepspeed_kwargs):
+               local_rank: int | None = None, param_groups=None, **deepspeed_kwargs):
     """Builds `model_func()` on the chunk runtime and returns `(model, optimizer)`.
 
     `model_func` may also be a module already built (as DeepSpeed and FSDP take one): its
@@ -33,6 +34,8 @@ def initialize(model_func: Callable[[], nn.Module] | nn.Module | None = None, co
     `config` is a dict or a path to a JSON file (see `patrickstar.config`); `param_groups`
     optionally splits the parameters into groups with their own `lr` / `weight_decay`, either as
     torch.optim's list of dicts or as a callable taking the built module and returning one.
+    `local_rank` chooses the GPU; by default torchrun's `LOCAL_RANK` (0 without it), as
+    DeepSpeed reads it (Note [The local rank from the environment]).
 
     DeepSpeed's keywords: `model=` and `config_params=` are `model_func` and `config`;
     `model_parameters=` (of a built module) is `param_groups`; `lr_scheduler=fn` sets
@@ -40,7 +43,7 @@ def initialize(model_func: Callable[[], nn.Module] | nn.Module | None = None, co
     [DeepSpeed's initialize() arguments])."""
     model_func, config, param_groups, make_scheduler = take_deepspeed_arguments(
         model_func, config, param_groups, deepspeed_kwargs)
-    model, optimizer = _initialize(model_func, config, local_rank, param_groups)
+    model, optimizer = _initialize(model_func, config, _local_rank(local_rank), param_groups)
     if make_scheduler is not None:
         if isinstance(model, PipelineEngine):
             raise TypeError("initialize(lr_scheduler=...) with a PipelineModule: train_batch() "
@@ -50,6 +53,25 @@ def initialize(model_func: Callable[[], nn.Module] | nn.Module | None = None, co
                             "both give a scheduler; keep one")
         model.lr_scheduler = make_scheduler(optimizer)
     return model, optimizer
+
+
+# Note [The local rank from the environment]
+# The README's recipe is `patrickstar.initialize(model_func, config)` under `torchrun
+# --nproc_per_node=N`, with no local_rank: the default was 0, so on a node with N GPUs every
+# rank put its device tier, copy streams and compute on GPU 0 (N ranks' chunks in one GPU's
+# memory). DeepSpeed and FSDP recipes never pass it either (DeepSpeed reads LOCAL_RANK). An
+# explicit local_rank (upstream PatrickStar's initialize_engine argument) still wins.
+def _local_rank(local_rank: int | None) -> int:
+    if local_rank is not None:
+        return local_rank
+    text = os.environ.get("LOCAL_RANK")
+    if text is None:
+        return 0
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"environment variable LOCAL_RANK must be a non-negative int (torchrun "
+                         f"sets it), got {text!r}; or pass initialize(local_rank=...)") from None
 
 
 def _initialize(model_func, config, local_rank: int, param_groups):
@@ -94,8 +116,8 @@ def _checked_before_placement(built: nn.Module, param_groups, config):
     return build_param_groups(built, param_groups, config.optimizer)
 
 
-def initialize_engine(model_func: Callable[[], nn.Module], local_rank: int = 0, config=None,
-                      client=None, param_groups=None):
+def initialize_engine(model_func: Callable[[], nn.Module], local_rank: int | None = None,
+                      config=None, client=None, param_groups=None):
     """`initialize()` under PatrickStar's name and argument order. Upstream's fourth argument,
     a prebuilt `PatrickStarClient`, has no counterpart: the engine builds its chunk runtime
     from `config`."""

@@ -917,3 +917,22 @@ def test_freezing_after_initialize_matches_pytorch_and_unfreezing_is_a_clear_err
     with pytest.raises(RuntimeError, match="'layers.0.weight' was frozen .* when "
                                            "patrickstar.initialize\\(\\) built the model"):
         opt.step()
+
+
+def test_the_local_rank_comes_from_torchruns_environment(monkeypatch):
+    # torchrun sets LOCAL_RANK; the README's `patrickstar.initialize(model_func, config)` passes
+    # no local_rank, so every rank of a node took device 0 (DeepSpeed reads LOCAL_RANK).
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    model, _ = patrickstar.initialize(lambda: nn.Linear(8, 8),
+                                      config={"default_chunk_size": 1024})
+    assert model.local_rank == 1
+    if patrickstar._C.cuda_available():  # a GPU, or the strict device's eight
+        assert model.tiers[0].name == "cuda:1"
+    model.destroy()
+    model, _ = patrickstar.initialize(lambda: nn.Linear(8, 8), local_rank=0,
+                                      config={"default_chunk_size": 1024})
+    assert model.local_rank == 0  # an explicit local_rank (upstream's argument) wins
+    model.destroy()
+    monkeypatch.setenv("LOCAL_RANK", "x")
+    with pytest.raises(ValueError, match="LOCAL_RANK.*'x'"):
+        patrickstar.initialize(lambda: nn.Linear(8, 8), config={"default_chunk_size": 1024})

@@ -167,3 +167,23 @@ def test_8bit_state_and_bf16_without_master_train_on_the_device_path_as_on_the_h
     on_host = json.loads(out.stdout.strip().splitlines()[-1])
     assert on_device == on_host
     assert on_device[-1] < on_device[0]
+
+
+def test_memory_estimate_follows_the_update_placement_the_engine_runs():
+    # torch computes on the host here, so the engine keeps the CPU build's update placement
+    # (Note [Optimizer sweep]): the optimizer step holds only the optimizer state on the host.
+    # estimate_memory() asked _C.cuda_available() and predicted all model data there (twice the
+    # measured host peak of this fp32 model).
+    def build():
+        return torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Tanh(),
+                                   torch.nn.Linear(32, 32))
+
+    config = {"default_chunk_size": CHUNK}
+    model, optimizer = patrickstar.initialize(build, config=config)
+    model.backward(model(torch.randn(4, 32)).square().mean())
+    optimizer.step()
+    device, host = model.memory_stats()
+    figures = patrickstar.estimate_memory(build, config, verbose=False)["modes"]["fp32"]
+    assert figures["device_no_moves"] == device["peak_chunk_bytes"]
+    assert figures["host_optimizer"] == host["peak_chunk_bytes"], figures
+    model.destroy()
