@@ -5,6 +5,9 @@
                                              sizes than stage 0
     parallel_worker.py OUT_DIR --kill        stage 1 dies after initialize()
     parallel_worker.py OUT_DIR --stall       stage 1 stays alive but sends nothing for 6 s
+    parallel_worker.py OUT_DIR --profile     the collectives a profile of tensor slicing and of
+                                             a tied pipeline recorded; a bad stride's error;
+                                             the warnings of sliced and unsliced models
 
 Writes OUT_DIR/rank<r>.pt with each scenario's losses and full state dict (or the errors), then
 leaves with os._exit so a dead peer cannot hold up interpreter exit.
@@ -14,6 +17,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+import warnings
 
 import torch
 from torch import nn
@@ -117,6 +121,48 @@ def peer_failure(rank: int, mode: str) -> dict:
         return dict(error_result(error), elapsed=time.monotonic() - start)
 
 
+def collectives_profiled(out: str) -> dict:
+    """The collective records of one profiled tensor-parallel step and one profiled pipeline
+    batch (Note [Recording collectives] in recorded_collectives.py)."""
+    results = {}
+    config = gpt_config()
+    batches = SCENARIOS["pp_1f1b"].micro_batches()
+    torch.manual_seed(0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model, optimizer = patrickstar.initialize(lambda: ParallelGPT(config), config={
+            "default_chunk_size": 8192, "parallel": {"tensor": 2}})
+    results["sliced_warnings"] = [str(w.message) for w in caught]
+    try:
+        tensor_parallel.ColumnParallelLinear(33, 99, stride=3)
+    except Exception as error:  # noqa: BLE001
+        results["stride"] = error_result(error)
+    with patrickstar.profile(model, os.path.join(out, "tp")) as profiler:
+        ids, targets = next(batches)
+        model.backward(model(ids, targets))
+        optimizer.step()
+        optimizer.zero_grad()
+        results["tp"] = profiler.snapshot()["collectives"]
+    results["tp_activation_shape"] = (ids.shape[0], ids.shape[1], config.hidden)
+    model.destroy()
+    engine, _ = patrickstar.initialize(gpt_pipeline(config, seed_layers=True), config={
+        "default_chunk_size": 8192, "gradient_accumulation_steps": 2,
+        "parallel": {"pipeline": 2}})
+    with patrickstar.profile(engine.engine, os.path.join(out, "pp")) as profiler:
+        engine.train_batch(batches)
+        results["pp"] = profiler.snapshot()["collectives"]
+    engine.destroy()
+    # An ordinary model (a Hugging Face one, say) is not sliced by parallel.tensor.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plain, _ = patrickstar.initialize(lambda: nn.Sequential(nn.Linear(8, 8)), config={
+            "default_chunk_size": 4096, "parallel": {"tensor": 2}})
+    results["unsliced_warnings"] = [(str(w.message), os.path.basename(w.filename))
+                                    for w in caught]
+    plain.destroy()
+    return results
+
+
 def main() -> None:
     out, what = sys.argv[1], sys.argv[2:]
     rank = int(os.environ["RANK"])
@@ -124,6 +170,8 @@ def main() -> None:
     try:
         if what == ["--mismatch"]:
             results = mismatch(rank)
+        elif what == ["--profile"]:
+            results = collectives_profiled(out)
         elif what in (["--kill"], ["--stall"]):
             results = peer_failure(rank, what[0])
         else:

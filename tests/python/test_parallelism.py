@@ -332,3 +332,52 @@ def test_a_stalled_stage_is_a_timeout_naming_it(tmp_path):
     assert survivor.get("error_type") == "TimeoutError", survivor
     assert "stage 1 (rank 1)" in survivor["error"] and "2 s" in survivor["error"]
     assert survivor["elapsed"] < 6
+
+
+@pytest.fixture(scope="module")
+def profiled(tmp_path_factory):
+    results = launch(tmp_path_factory.mktemp("profiled"), 2, "--profile", worker=WORKER)
+    check_no_errors(results)
+    return results
+
+
+def test_tensor_and_pipeline_collectives_are_in_the_profile_and_bad_strides_name_sizes(profiled):
+    # The tensor slicing's all-reduces and the pipeline's tied-gradient sum used to bypass the
+    # profiler: a profile of a tensor-parallel run showed no communication at all.
+    results = profiled
+    layers = gpt_config().layers
+    for rank, result in enumerate(results):
+        tp = [c for c in result["tp"] if c["name"] == "tensor_all_reduce"]
+        # Forward: g after the embedding, after each block's attention and MLP, and the cross
+        # entropy's max, target logit and sum; backward: f before each block's qkv and fc and
+        # before the tied head.
+        assert len(tp) == (1 + 2 * layers + 3) + (2 * layers + 1), (rank, len(tp))
+        batch, seq, hidden = result["tp_activation_shape"]
+        partial = [c for c in tp if c["args"]["label"] == "g forward: partial outputs"]
+        assert len(partial) == 1 + 2 * layers
+        assert all(c["bytes"] == batch * seq * hidden * 4 and c["phase"] == "forward"
+                   for c in partial), partial
+        assert {c["phase"] for c in tp if c["args"]["label"].startswith("f backward")} \
+            == {"backward"}
+        assert [c["args"]["op"] for c in tp if c["args"]["label"].endswith(": max")] == ["max"]
+        tied = [c for c in result["pp"] if c["name"] == "pipeline_all_reduce"]
+        # The tied embedding's gradient, summed over the two stages once per batch.
+        assert [c["args"]["label"] for c in tied] == ["tied gradient tied.embed.weight"]
+        assert tied[0]["bytes"] == (128 * 32 + 1) * 4
+        assert [c["name"] for c in result["pp"] if c["name"].startswith("pipeline")].count(
+            "pipeline_broadcast") == 1
+        stride = result["stride"]
+        assert stride["error_type"] == "ValueError"
+        assert "out_features = 99 is not divisible by stride 3 x the tensor-parallel size 2" \
+            in stride["error"], stride
+
+
+def test_parallel_tensor_over_an_unsliced_model_warns(profiled):
+    # parallel.tensor = 2 over a model without tensor_parallel layers (a Hugging Face model)
+    # trained silently with the whole model on both tensor ranks.
+    for result in profiled:
+        assert result["sliced_warnings"] == []
+        [(message, filename)] = [w for w in result["unsliced_warnings"]
+                                 if "no sliced parameters" in w[0]]
+        assert "'parallel.tensor' is 2" in message and "(Sequential)" in message
+        assert filename == "parallel_worker.py"  # points at the initialize() call

@@ -38,7 +38,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from .. import _C, topology
+from .. import _C, recorded_collectives, topology
 from ..batch_sizes import resolve_batch_sizes
 from ..config import load_config
 from ..engine import PatrickStarEngine
@@ -178,7 +178,9 @@ class PipelineEngine:
                                                      engine.params.tensor_id(index, kind)):
                     value.copy_(engine.params.read(index, kind))
                 value = value.to(topology.comm_device(entry["group"]))
-                dist.all_reduce(value, group=entry["group"])
+                recorded_collectives.group_all_reduce(value, entry["group"],
+                                                      "pipeline_all_reduce",
+                                                      f"tied weight {name}")
                 if not entry["first"]:
                     engine.load_state_dict({name: value.cpu()}, strict=False)
 
@@ -292,7 +294,7 @@ class PipelineEngine:
         manager = engine.chunks.manager
         params, has_grad = engine.params, engine.optimizer.has_grad
         for entry in self._tied:
-            for index in entry["indices"]:
+            for name, index in zip(entry["names"], entry["indices"]):
                 grad_id = params.ids[index].grad
                 if grad_id is None:
                     continue
@@ -303,7 +305,9 @@ class PipelineEngine:
                         buffer[:-1].copy_(view.view(-1))
                     buffer[-1] = 1.0
                 buffer = buffer.to(topology.comm_device(entry["group"]))
-                dist.all_reduce(buffer, group=entry["group"])
+                recorded_collectives.group_all_reduce(
+                    buffer, entry["group"], "pipeline_all_reduce",
+                    f"tied gradient {name}")
                 buffer = buffer.cpu()
                 if buffer[-1].item() == 0 or not engine.dp.owns(manager, grad_id):
                     continue
@@ -316,12 +320,14 @@ class PipelineEngine:
         total = torch.stack(losses).mean().cpu() if self.is_last else torch.zeros(())
         if self.is_last and groups.data_size > 1:
             total = total.to(topology.comm_device(groups.data_group))
-            dist.all_reduce(total, group=groups.data_group)
+            recorded_collectives.group_all_reduce(total, groups.data_group,
+                                                  "pipeline_all_reduce", "loss over replicas")
             total = total.cpu() / groups.data_size
         if self.num_stages > 1:
             total = total.to(topology.comm_device(groups.pipe_group))
-            dist.broadcast(total, src=groups.stage_rank(self.num_stages - 1),
-                           group=groups.pipe_group)
+            recorded_collectives.group_broadcast(total, groups.stage_rank(self.num_stages - 1),
+                                                 groups.pipe_group, "pipeline_broadcast",
+                                                 "loss from the last stage")
         return total.cpu()
 
     # ---- Pass-through --------------------------------------------------------------------------
