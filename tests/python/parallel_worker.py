@@ -8,6 +8,8 @@
     parallel_worker.py OUT_DIR --profile     the collectives a profile of tensor slicing and of
                                              a tied pipeline recorded; a bad stride's error;
                                              the warnings of sliced and unsliced models
+    parallel_worker.py OUT_DIR --checkpoint  tensor slices saved and loaded; loads under another
+                                             layout than the one that saved
 
 Writes OUT_DIR/rank<r>.pt with each scenario's losses and full state dict (or the errors), then
 leaves with os._exit so a dead peer cannot hold up interpreter exit.
@@ -163,6 +165,69 @@ def collectives_profiled(out: str) -> dict:
     return results
 
 
+def checkpoints(out: str, rank: int) -> dict:
+    """Note [One checkpoint per model slice] in checkpoint/slices.py."""
+    results = {}
+    config = gpt_config()
+    batches = SCENARIOS["pp_1f1b"].micro_batches()
+    sliced = os.path.join(out, "sliced")
+
+    def tensor_parallel_gpt(seed):
+        torch.manual_seed(seed)
+        return patrickstar.initialize(lambda: ParallelGPT(config), config={
+            "default_chunk_size": 8192, "parallel": {"tensor": 2},
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}})
+
+    model, optimizer = tensor_parallel_gpt(0)
+    for _ in range(2):
+        model.backward(model(*next(batches)))
+        optimizer.step()
+        optimizer.zero_grad()
+    model.save_checkpoint(sliced, tag="t")
+    saved = tensor_parallel.gather_full_state_dict(model.module, model.state_dict())
+    batch = next(batches)
+    model.backward(model(*batch))
+    optimizer.step()
+    results["next_state"] = tensor_parallel.gather_full_state_dict(model.module,
+                                                                   model.state_dict())
+    model.destroy()
+    model, optimizer = tensor_parallel_gpt(1)
+    model.load_checkpoint(sliced, tag="t")
+    loaded = tensor_parallel.gather_full_state_dict(model.module, model.state_dict())
+    results["differing_after_load"] = sorted(k for k in saved
+                                             if not torch.equal(saved[k], loaded[k]))
+    model.backward(model(*batch))
+    optimizer.step()
+    results["resumed_state"] = tensor_parallel.gather_full_state_dict(model.module,
+                                                                      model.state_dict())
+    model.destroy()
+    results["directories"] = sorted(os.listdir(sliced))
+    # The same ranks as two data-parallel replicas: not the layout that saved.
+    model, _ = patrickstar.initialize(lambda: ParallelGPT(config), config={
+        "default_chunk_size": 8192})
+    try:
+        model.load_checkpoint(sliced, tag="t")
+    except Exception as error:  # noqa: BLE001
+        results["as_data_parallel"] = error_result(error)
+    model.destroy()
+    # Two pipeline stages saved, loaded as two tensor slices.
+    staged = os.path.join(out, "staged")
+    engine, _ = patrickstar.initialize(gpt_pipeline(config, seed_layers=True), config={
+        "default_chunk_size": 8192, "gradient_accumulation_steps": 2,
+        "parallel": {"pipeline": 2}})
+    engine.train_batch(batches)
+    engine.save_checkpoint(staged, tag="t")
+    results["staged_state"] = engine.state_dict()
+    engine.destroy()
+    model, _ = tensor_parallel_gpt(0)
+    try:
+        model.load_checkpoint(staged, tag="t")
+    except Exception as error:  # noqa: BLE001
+        results["stages_as_slices"] = error_result(error)
+    model.destroy()
+    return results
+
+
 def main() -> None:
     out, what = sys.argv[1], sys.argv[2:]
     rank = int(os.environ["RANK"])
@@ -170,6 +235,8 @@ def main() -> None:
     try:
         if what == ["--mismatch"]:
             results = mismatch(rank)
+        elif what == ["--checkpoint"]:
+            results = checkpoints(out, rank)
         elif what == ["--profile"]:
             results = collectives_profiled(out)
         elif what in (["--kill"], ["--stall"]):

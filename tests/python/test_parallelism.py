@@ -15,6 +15,7 @@ from torch import nn
 
 import patrickstar
 from patrickstar import tensor_parallel
+from patrickstar.consolidate import consolidate
 from patrickstar.examples.gpt import synthetic_batches
 from patrickstar.examples.gpt_parallel import gpt_loss, gpt_pipeline
 from patrickstar.pipe import PipelineModule, partition_balanced
@@ -381,3 +382,30 @@ def test_parallel_tensor_over_an_unsliced_model_warns(profiled):
                                  if "no sliced parameters" in w[0]]
         assert "'parallel.tensor' is 2" in message and "(Sequential)" in message
         assert filename == "parallel_worker.py"  # points at the initialize() call
+
+
+def test_tensor_slices_checkpoint_apart_and_other_layouts_are_refused(tmp_path):
+    # Both tensor ranks wrote rank_00000.shard into the same directory: the checkpoint kept one
+    # slice, and loading gave rank 0 rank 1's slices (another model) without a word.
+    results = launch(tmp_path, 2, "--checkpoint", worker=WORKER)
+    check_no_errors(results)
+    for rank, result in enumerate(results):
+        assert result["directories"] == ["pipe_00-tensor_00", "pipe_00-tensor_01"]
+        assert result["differing_after_load"] == [], rank
+        for key, value in result["next_state"].items():  # optimizer state restored too
+            torch.testing.assert_close(result["resumed_state"][key], value, rtol=0, atol=0)
+        for what, saved in (("as_data_parallel", "parallel.pipeline = 1, parallel.tensor = 2"),
+                            ("stages_as_slices", "parallel.pipeline = 2, parallel.tensor = 1")):
+            error = result[what]
+            assert error["error_type"] == "CheckpointError", error
+            assert saved in error["error"], error
+    # patrickstar-consolidate of the pipeline's directory: the whole model (it said "no 'latest'
+    # file"), sequential()'s keys, each stage's values; tensor slices are refused, naming them.
+    merged = {**results[1]["staged_state"], **results[0]["staged_state"]}
+    consolidate(tmp_path / "staged", tmp_path / "whole.pt")
+    whole = torch.load(tmp_path / "whole.pt")
+    assert set(whole) == set(gpt_pipeline(gpt_config()).sequential().state_dict())
+    for key, value in merged.items():
+        torch.testing.assert_close(whole[key], value, rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"tensor slices \(pipe_SS-tensor_TT with tensor \[1\]"):
+        consolidate(tmp_path / "sliced", tmp_path / "sliced.pt")
