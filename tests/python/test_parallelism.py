@@ -187,6 +187,14 @@ def test_one_stage_pipeline_with_tied_head_and_checkpointing_matches_pytorch(one
     with torch.no_grad():
         ref_eval = sum(gpt_loss(model(i), t).item() for i, t in batches[:2]) / 2
     assert math.isclose(engine.eval_batch(iter(batches[:2])).item(), ref_eval, rel_tol=1e-5)
+    # DeepSpeed's eval_batch(return_logits=True) and stage queries (they raised TypeError /
+    # AttributeError).
+    loss, logits = engine.eval_batch(iter(batches[:2]), return_logits=True)
+    assert math.isclose(loss.item(), ref_eval, rel_tol=1e-5)
+    with torch.no_grad():
+        ref_logits = torch.cat([model(i) for i, _ in batches[:2]])
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
+    assert engine.is_first_stage() and engine.is_last_stage()
     assert_same_training(ref_losses, losses, model.state_dict(), engine.state_dict(),
                          atol=PARAM_ATOL)
     with pytest.raises(RuntimeError, match="train_batch"):

@@ -200,19 +200,37 @@ class PipelineEngine:
         self.global_steps += 1
         return self._aggregate(losses)
 
-    def eval_batch(self, data_iter=None) -> torch.Tensor:
+    def eval_batch(self, data_iter=None, return_logits: bool = False):
         """The forwards of gradient_accumulation_steps micro batches without gradients; returns
-        the mean loss (the same on every rank)."""
+        the mean loss (the same on every rank). `return_logits=True` (DeepSpeed's) returns
+        `(loss, outputs)`: the last stage's outputs of every micro batch (the model's output
+        before `loss_fn`) concatenated along the batch dimension, None on the other stages."""
         module = self.engine.module
         was_training = module.training
         module.eval()
+        outputs = [] if return_logits and self.is_last else None
         try:
             with torch.no_grad():
                 losses = self._run(inference(self.micro_batches, self.num_stages, self.stage),
-                                   data_iter, train=False)
+                                   data_iter, train=False, last_outputs=outputs)
         finally:
             module.train(was_training)
-        return self._aggregate(losses)
+        loss = self._aggregate(losses)
+        if not return_logits:
+            return loss
+        if outputs is None:
+            return loss, None
+        if all(isinstance(out, torch.Tensor) for out in outputs):
+            return loss, torch.cat(outputs)
+        return loss, tuple(torch.cat(parts) for parts in zip(*outputs))
+
+    def is_first_stage(self) -> bool:
+        """DeepSpeed's: whether this rank runs the first stage (it reads the inputs)."""
+        return self.is_first
+
+    def is_last_stage(self) -> bool:
+        """DeepSpeed's: whether this rank runs the last stage (it computes the loss)."""
+        return self.is_last
 
     def _next_batch(self, data_iter, micro: int):
         if data_iter is None:
@@ -244,7 +262,8 @@ class PipelineEngine:
                 f"activations [{describe(args)}] of micro batch {micro} received from "
                 f"{self.p2p.peer(self.stage - 1)}: {error}") from error
 
-    def _run(self, steps, data_iter, train: bool) -> list[torch.Tensor]:
+    def _run(self, steps, data_iter, train: bool, last_outputs: list | None = None
+             ) -> list[torch.Tensor]:
         engine, p2p = self.engine, self.p2p
         inputs, outputs, losses = {}, {}, {}
         for op, micro in steps:
@@ -264,6 +283,9 @@ class PipelineEngine:
                     loss = out if self.pipe_module.loss_fn is None else \
                         self.pipe_module.loss_fn(out, batch[1])
                     losses[micro] = loss
+                    if last_outputs is not None:  # eval_batch(return_logits=True)
+                        last_outputs.append(out.detach() if isinstance(out, torch.Tensor)
+                                            else tuple(t.detach() for t in out))
                 else:
                     out = _as_tuple(out)
                     p2p.send(out, self.stage + 1, ACTIVATION, micro)
