@@ -10,6 +10,8 @@
                                              the warnings of sliced and unsliced models
     parallel_worker.py OUT_DIR --checkpoint  tensor slices saved and loaded; loads under another
                                              layout than the one that saved
+    parallel_worker.py OUT_DIR --checkpoint-pp-dp   (4 ranks) 2 stages x 2 replicas saved, the
+                                             next batch trained, then loaded and trained again
 
 Writes OUT_DIR/rank<r>.pt with each scenario's losses and full state dict (or the errors), then
 leaves with os._exit so a dead peer cannot hold up interpreter exit.
@@ -228,6 +230,41 @@ def checkpoints(out: str, rank: int) -> dict:
     return results
 
 
+def pipeline_data_parallel_checkpoint(out: str) -> dict:
+    """Each stage's data-parallel ranks write their shards of its checkpoint."""
+    directory = os.path.join(out, "staged")
+    scenario = SCENARIOS["pp_1f1b"]
+    config = {"default_chunk_size": 8192, "gradient_accumulation_steps": 2,
+              "parallel": {"pipeline": 2, "data": 2},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
+
+    def micro_batches(engine):
+        data_rank = engine.groups.coord.data
+        return (shard(batch, data_rank, 2) for batch in scenario.micro_batches())
+
+    torch.manual_seed(0)
+    engine, _ = patrickstar.initialize(gpt_pipeline(gpt_config(), seed_layers=True), config)
+    batches = micro_batches(engine)
+    for _ in range(2):
+        engine.train_batch(batches)
+    engine.save_checkpoint(directory, tag="t")
+    results = {"saved": engine.state_dict(), "next_loss": engine.train_batch(batches).item(),
+               "next_state": engine.state_dict()}
+    engine.destroy()
+    torch.manual_seed(1)
+    engine, _ = patrickstar.initialize(gpt_pipeline(gpt_config()), config)
+    engine.load_checkpoint(directory, tag="t")
+    results["loaded"] = engine.state_dict()
+    batches = micro_batches(engine)
+    for _ in range(2 * 2):
+        next(batches)
+    results["resumed_loss"] = engine.train_batch(batches).item()
+    results["resumed_state"] = engine.state_dict()
+    results["files"] = sorted(os.listdir(os.path.join(directory, "pipe_01-tensor_00", "t")))
+    engine.destroy()
+    return results
+
+
 def main() -> None:
     out, what = sys.argv[1], sys.argv[2:]
     rank = int(os.environ["RANK"])
@@ -235,6 +272,8 @@ def main() -> None:
     try:
         if what == ["--mismatch"]:
             results = mismatch(rank)
+        elif what == ["--checkpoint-pp-dp"]:
+            results = pipeline_data_parallel_checkpoint(out)
         elif what == ["--checkpoint"]:
             results = checkpoints(out, rank)
         elif what == ["--profile"]:

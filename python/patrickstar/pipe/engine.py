@@ -367,21 +367,15 @@ class PipelineEngine:
     def memory_stats(self):
         return self.engine.memory_stats()
 
-    def _check_checkpointable(self) -> None:
-        if self.groups.data_size > 1:
-            raise NotImplementedError("pipeline checkpoints with data parallelism: the engine's "
-                                      "checkpoints are written by one rank (checkpoint/)")
-
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True):
         """Each stage (and tensor slice) writes its engine's checkpoint under
         SAVE_DIR/pipe_SS-tensor_TT (Note [One checkpoint per model slice] in
-        checkpoint/slices.py; call it on every rank, after train_batch)."""
-        self._check_checkpointable()
+        checkpoint/slices.py), its data-parallel ranks each their shard of it (Note
+        [Multi-rank checkpoints]); call it on every rank, after train_batch."""
         return self.engine.save_checkpoint(save_dir, tag, client_state, save_latest)
 
     def load_checkpoint(self, load_dir, tag=None, **kwargs):
         """Loads what save_checkpoint wrote for this stage; returns (path, client_state)."""
-        self._check_checkpointable()
         result = self.engine.load_checkpoint(load_dir, tag, **kwargs)
         self.global_steps = self.engine.iteration
         return result
