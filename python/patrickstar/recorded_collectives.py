@@ -1,5 +1,6 @@
 """The data-parallel layer's collectives, recorded on the running profiler (profiling/recorder.py);
-also the torch.distributed collectives of tensor slicing and of pipeline stages (`group_*`).
+also the torch.distributed collectives of tensor slicing and of pipeline stages (`group_*`) and
+the stages' point-to-point transfers (`transfer_started` / `transfer_finished`).
 
 Every collective a data-parallel rank issues goes through this file: the chunk groups' gathers
 and reduce-scatters (`RecordedGroupCollectives`, wrapping a `_C.GroupCollectives`), the small
@@ -53,7 +54,8 @@ from . import _C
 from .profiling.recorder import Profiler, active_profiler, now_ns
 
 __all__ = ["RecordedGroupCollectives", "all_reduce", "broadcast", "all_gather_object",
-           "group_all_reduce", "group_all_gather", "group_broadcast"]
+           "group_all_reduce", "group_all_gather", "group_broadcast", "transfer_started",
+           "transfer_finished"]
 
 
 class _Started:
@@ -296,3 +298,27 @@ def group_broadcast(tensor, src: int, group, name: str, label: str) -> None:
     import torch.distributed as dist
     _recorded(lambda: dist.broadcast(tensor, src=src, group=group), name, _tensor_bytes(tensor),
               label=label, root=src)
+
+
+# ---- Point-to-point transfers of pipeline stages -------------------------------------------------
+
+def transfer_started():
+    """What `transfer_finished` needs of a transfer issued now: (the running profiler, now, its
+    phase), or None without a profiler."""
+    profiler = active_profiler()
+    return None if profiler is None else (profiler, now_ns(), profiler.current_phase)
+
+
+def transfer_finished(started, name: str, nbytes: int, wait_start_ns: int | None = None,
+                      **args: Any) -> None:
+    """Records a transfer (pipe/p2p.py's isend / irecv) from its issue (`started`) to now, in
+    the phase it was issued in; this rank waited for it from `wait_start_ns` (default: the
+    whole span, a receive). Nothing when no profiler ran at the issue or it stopped since."""
+    if started is None:
+        return
+    profiler, start, phase = started
+    if profiler.running:
+        end = now_ns()
+        wait_start = start if wait_start_ns is None else min(max(wait_start_ns, start), end)
+        profiler.record_collective(name, nbytes, start, end, phase=phase,
+                                   wait_start_ns=wait_start, **args)

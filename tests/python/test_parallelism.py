@@ -375,6 +375,14 @@ def test_tensor_and_pipeline_collectives_are_in_the_profile_and_bad_strides_name
         assert tied[0]["bytes"] == (128 * 32 + 1) * 4
         assert [c["name"] for c in result["pp"] if c["name"].startswith("pipeline")].count(
             "pipeline_broadcast") == 1
+        # Two micro batches: stage 0 sends two activations and receives their two gradients,
+        # stage 1 the other way round; each the hidden states plus a 16-element int64 header.
+        sent, received = ("pipeline_send", "pipeline_recv")[::1 if rank == 0 else -1]
+        for name, kind in ((sent, "activation"), (received, "gradient")):
+            records = [c for c in result["pp"] if c["name"] == name]
+            assert [c["args"]["label"].split(" of ")[0] for c in records] == [f"the {kind}"] * 2
+            assert all(c["bytes"] == 2 * 16 * 32 * 4 + 16 * 8 for c in records), records
+            assert all(c["args"]["peer"] == 1 - rank for c in records)
         stride = result["stride"]
         assert stride["error_type"] == "ValueError"
         assert "out_features = 99 is not divisible by stride 3 x the tensor-parallel size 2" \
