@@ -17,6 +17,7 @@ for itself, come from rank 0, as DDP broadcasts rank 0's.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import zipfile
@@ -24,7 +25,8 @@ import zipfile
 import torch
 
 from . import dtypes
-from .checkpoint import CheckpointError, CheckpointReader
+from .checkpoint import LATEST, CheckpointError, CheckpointReader
+from .checkpoint.slices import saved_slices
 
 __all__ = ["consolidate", "main"]
 
@@ -49,15 +51,16 @@ def _record_offsets(path: str) -> list[tuple[int, int]]:
     return offsets
 
 
-def _fill(path: str, reader: CheckpointReader, plan, dtype: torch.dtype) -> int:
+def _fill(path: str, plan, dtype: torch.dtype) -> int:
     """Writes each tensor's bytes at its storage record (Note in the module docstring): torch
     numbers storages in the order the pickler meets them, i.e. state_dict order, tied keys once.
-    Each record's size is checked against the tensor before anything is written."""
-    sources = list(dict.fromkeys((name, kind) for _, name, kind in plan))
+    Each record's size is checked against the tensor before anything is written. `plan` is
+    (key, reader, name, kind) in state_dict order."""
+    sources = list(dict.fromkeys((reader, name, kind) for _, reader, name, kind in plan))
     offsets = _record_offsets(path)
     if len(offsets) != len(sources):
         raise AssertionError(f"{path}: {len(offsets)} storages for {len(sources)} tensors")
-    for (name, kind), (_, size) in zip(sources, offsets):
+    for (reader, name, kind), (_, size) in zip(sources, offsets):
         entry = reader.entry(name, kind)
         itemsize = dtype.itemsize if kind != "buffer" else dtypes.element_size(entry.dtype)
         if size != itemsize * entry.numel:
@@ -65,7 +68,7 @@ def _fill(path: str, reader: CheckpointReader, plan, dtype: torch.dtype) -> int:
     total = 0
     fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
     try:
-        for (name, kind), (offset, size) in zip(sources, offsets):
+        for (reader, name, kind), (offset, size) in zip(sources, offsets):
             tensor = reader.tensor(name, kind)
             if kind != "buffer":
                 tensor = tensor.to(dtype)
@@ -91,9 +94,33 @@ def _check_output(output: str) -> None:
         raise FileNotFoundError(f"output directory '{parent}' does not exist (create it first)")
 
 
+def _stage_directories(directory: str, tag: str | None) -> list[str]:
+    """The per-stage checkpoints of a pipeline's save_checkpoint (Note [One checkpoint per
+    model slice] in checkpoint/slices.py), in stage order; [directory] for any other."""
+    slices = saved_slices(directory)
+    if not slices or os.path.exists(os.path.join(directory, LATEST)) or (
+            tag is not None and os.path.isdir(os.path.join(directory, tag))):
+        return [directory]
+    sliced = sorted({t for _, t in slices} - {0})
+    if sliced:
+        raise ValueError(f"checkpoint '{directory}' holds tensor slices (pipe_SS-tensor_TT with "
+                         f"tensor {sliced}): their parameters are pieces of the full tensors, "
+                         "which a checkpoint does not say how to join; load it with the "
+                         "layout that saved it and write tensor_parallel.gather_full_state_dict("
+                         "model.module, model.state_dict()) on tensor rank 0 instead")
+    stages = [p for p, _ in slices]
+    if stages != list(range(len(stages))):
+        raise ValueError(f"checkpoint '{directory}' has the pipeline stages {stages}, not "
+                         f"0..{len(stages) - 1}: a stage's directory is missing")
+    return [os.path.join(directory, f"pipe_{p:02d}-tensor_00") for p in stages]
+
+
 def consolidate(checkpoint_dir, output, dtype: str = "fp32", tag: str | None = None,
                 verify: bool = True) -> dict:
-    """Writes `output` (atomically: a temporary name, fsync, rename); returns a summary."""
+    """Writes `output` (atomically: a temporary name, fsync, rename); returns a summary.
+    The directory of a pipeline's save_checkpoint (one pipe_SS-tensor_00 checkpoint per stage)
+    gives the whole model, the keys of `PipelineModule.sequential()`: a tied weight that
+    several stages hold comes from the lowest of them (the stages keep their copies equal)."""
     if dtype not in dtypes.PRECISIONS:
         raise ValueError(f"dtype must be one of {sorted(dtypes.PRECISIONS)}, got {dtype!r}")
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -101,38 +128,49 @@ def consolidate(checkpoint_dir, output, dtype: str = "fp32", tag: str | None = N
     output = os.fspath(output)
     _check_output(output)
     temp = f"{output}.tmp-{os.getpid()}"
-    with CheckpointReader(os.fspath(checkpoint_dir), tag, verify=verify) as reader:
-        keys = reader.meta["state_dict_keys"]
-        names = [t["name"] for t in reader.meta["tensors"]]
-        plan = []  # (key, name, kind) in state_dict order
-        for key, what, ref in keys:
-            if what == "param":
-                name = names[ref]
-                plan.append((key, name, _source_kind(reader, name, dtype)))
-            else:
-                plan.append((key, ref, "buffer"))
+    directories = _stage_directories(os.fspath(checkpoint_dir), tag)
+    with contextlib.ExitStack() as stack:
+        readers = [stack.enter_context(CheckpointReader(d, tag, verify=verify))
+                   for d in directories]
+        tags = {reader.tag for reader in readers}
+        if len(tags) > 1:
+            raise CheckpointError(f"the pipeline stages of '{checkpoint_dir}' have different "
+                                  f"latest tags ({sorted(tags)}); give --tag")
+        plan = []  # (key, reader, name, kind) in state_dict order
+        seen = set()
+        for reader in readers:
+            names = [t["name"] for t in reader.meta["tensors"]]
+            for key, what, ref in reader.meta["state_dict_keys"]:
+                if key in seen:  # a tied weight of an earlier stage
+                    continue
+                seen.add(key)
+                if what == "param":
+                    name = names[ref]
+                    plan.append((key, reader, name, _source_kind(reader, name, dtype)))
+                else:
+                    plan.append((key, reader, ref, "buffer"))
         # Fake tensors carry shape and dtype but no memory; tied keys share one fake tensor.
         with FakeTensorMode():
             fakes, by_source = {}, {}
-            for key, name, kind in plan:
-                if (name, kind) not in by_source:
+            for key, reader, name, kind in plan:
+                if (reader, name, kind) not in by_source:
                     entry = reader.entry(name, kind)
                     out_dtype = (dtypes.PRECISIONS[dtype] if kind != "buffer"
                                  else dtypes.dtype_of(entry.dtype))
-                    by_source[(name, kind)] = torch.empty(entry.shape, dtype=out_dtype)
-                fakes[key] = by_source[(name, kind)]
+                    by_source[(reader, name, kind)] = torch.empty(entry.shape, dtype=out_dtype)
+                fakes[key] = by_source[(reader, name, kind)]
         try:
             with torch.serialization.skip_data(materialize_fake_tensors=True):
                 torch.save(fakes, temp)
             del fakes, by_source
-            nbytes = _fill(temp, reader, plan, dtypes.PRECISIONS[dtype])
+            nbytes = _fill(temp, plan, dtypes.PRECISIONS[dtype])
             os.replace(temp, output)
         except BaseException:
             if os.path.exists(temp):
                 os.unlink(temp)
             raise
-        return {"tag": reader.tag, "tensors": len(plan), "bytes": nbytes, "dtype": dtype,
-                "output": output}
+        return {"tag": readers[0].tag, "tensors": len(plan), "bytes": nbytes, "dtype": dtype,
+                "output": output, "stages": len(readers)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -102,7 +102,29 @@ def _initialize(model_func, config, local_rank: int, param_groups):
                            "weights: build it again (or pass a model_func, which builds it "
                            "inside initialize())")
         raise
+    _warn_if_nothing_sliced(engine, config)
     return engine, engine.optimizer
+
+
+def _warn_if_nothing_sliced(engine, config: Config) -> None:
+    """`parallel.tensor` > 1 slices only the layers of patrickstar.tensor_parallel
+    (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding); PatrickStar does not
+    slice an ordinary model by itself (as DeepSpeed's AutoTP would), so a Hugging Face model
+    trained that way is copied whole onto every tensor rank, which then compute the same thing
+    and hold the same memory: say so rather than let the run look sliced."""
+    tensor = config.parallel.tensor
+    if tensor is None or tensor <= 1:
+        return
+    if any(getattr(param, "tensor_model_parallel", False) for param in engine.module.parameters()):
+        return
+    warnings.warn(f"config key 'parallel.tensor' is {tensor} but the model "
+                  f"({type(engine.module).__name__}) has no sliced parameters: PatrickStar does "
+                  "not slice a model by itself, only its patrickstar.tensor_parallel layers "
+                  "(ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding) are "
+                  f"sliced, so each of the {tensor} tensor ranks holds and computes the whole "
+                  "model. Build the model from those layers (see "
+                  "patrickstar.examples.gpt_parallel), or leave parallel.tensor at 1 and let "
+                  "the ranks be data-parallel", UserWarning, stacklevel=4)
 
 
 def _checked_before_placement(built: nn.Module, param_groups, config):

@@ -1,4 +1,6 @@
-"""The data-parallel layer's collectives, recorded on the running profiler (profiling/recorder.py).
+"""The data-parallel layer's collectives, recorded on the running profiler (profiling/recorder.py);
+also the torch.distributed collectives of tensor slicing and of pipeline stages (`group_*`) and
+the stages' point-to-point transfers (`transfer_started` / `transfer_finished`).
 
 Every collective a data-parallel rank issues goes through this file: the chunk groups' gathers
 and reduce-scatters (`RecordedGroupCollectives`, wrapping a `_C.GroupCollectives`), the small
@@ -51,7 +53,9 @@ from typing import Any, Callable
 from . import _C
 from .profiling.recorder import Profiler, active_profiler, now_ns
 
-__all__ = ["RecordedGroupCollectives", "all_reduce", "broadcast", "all_gather_object"]
+__all__ = ["RecordedGroupCollectives", "all_reduce", "broadcast", "all_gather_object",
+           "group_all_reduce", "group_all_gather", "group_broadcast", "transfer_started",
+           "transfer_finished"]
 
 
 class _Started:
@@ -266,3 +270,55 @@ def all_gather_object(gathered: list, obj, group, label: str, phase: str | None 
     import torch.distributed as dist
     _recorded(lambda: dist.all_gather_object(gathered, obj, group=group), "all_gather_object",
               lambda: len(gathered) * len(pickle.dumps(obj)), phase=phase, label=label)
+
+
+# ---- torch.distributed collectives of the tensor-parallel and pipeline layers -------------------
+
+def group_all_reduce(tensor, group, name: str, label: str, op=None) -> None:
+    """`torch.distributed.all_reduce(tensor, op, group)` (op default SUM), recorded as `name`
+    ("tensor_all_reduce", "pipeline_all_reduce": Note [Recording collectives]) with `label`:
+    the tensor slicing's and the pipeline's collectives appear in the profile beside the data
+    parallel ones, under names of their own."""
+    import torch.distributed as dist
+    op = dist.ReduceOp.SUM if op is None else op
+    _recorded(lambda: dist.all_reduce(tensor, op=op, group=group), name, _tensor_bytes(tensor),
+              label=label, op=str(op).rsplit(".", 1)[-1].lower())
+
+
+def group_all_gather(parts: list, tensor, group, name: str, label: str) -> None:
+    """`torch.distributed.all_gather(parts, tensor, group)`, recorded as `name` (its payload:
+    the parts it fills)."""
+    import torch.distributed as dist
+    _recorded(lambda: dist.all_gather(parts, tensor, group=group), name,
+              lambda: len(parts) * tensor.numel() * tensor.element_size(), label=label)
+
+
+def group_broadcast(tensor, src: int, group, name: str, label: str) -> None:
+    """`torch.distributed.broadcast(tensor, src, group)`, recorded as `name`."""
+    import torch.distributed as dist
+    _recorded(lambda: dist.broadcast(tensor, src=src, group=group), name, _tensor_bytes(tensor),
+              label=label, root=src)
+
+
+# ---- Point-to-point transfers of pipeline stages -------------------------------------------------
+
+def transfer_started():
+    """What `transfer_finished` needs of a transfer issued now: (the running profiler, now, its
+    phase), or None without a profiler."""
+    profiler = active_profiler()
+    return None if profiler is None else (profiler, now_ns(), profiler.current_phase)
+
+
+def transfer_finished(started, name: str, nbytes: int, wait_start_ns: int | None = None,
+                      **args: Any) -> None:
+    """Records a transfer (pipe/p2p.py's isend / irecv) from its issue (`started`) to now, in
+    the phase it was issued in; this rank waited for it from `wait_start_ns` (default: the
+    whole span, a receive). Nothing when no profiler ran at the issue or it stopped since."""
+    if started is None:
+        return
+    profiler, start, phase = started
+    if profiler.running:
+        end = now_ns()
+        wait_start = start if wait_start_ns is None else min(max(wait_start_ns, start), end)
+        profiler.record_collective(name, nbytes, start, end, phase=phase,
+                                   wait_start_ns=wait_start, **args)

@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from . import topology
+from . import recorded_collectives, topology
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
            "vocab_parallel_cross_entropy", "copy_to_tensor_parallel_region",
@@ -52,9 +52,9 @@ def _group_info(group):
 
 # ---- The conjugate collectives ------------------------------------------------------------------
 
-def _all_reduce(tensor, group):
+def _all_reduce(tensor, group, label: str):
     tensor = tensor.contiguous().clone()
-    dist.all_reduce(tensor, group=group)
+    recorded_collectives.group_all_reduce(tensor, group, "tensor_all_reduce", label)
     return tensor
 
 
@@ -62,9 +62,10 @@ def _split_last(tensor, size, rank):
     return tensor.chunk(size, dim=-1)[rank].contiguous()
 
 
-def _gather_last(tensor, group, size):
+def _gather_last(tensor, group, size, label: str):
     parts = [torch.empty_like(tensor) for _ in range(size)]
-    dist.all_gather(parts, tensor.contiguous(), group=group)
+    recorded_collectives.group_all_gather(parts, tensor.contiguous(), group,
+                                          "tensor_all_gather", label)
     return torch.cat(parts, dim=-1)
 
 
@@ -76,13 +77,13 @@ class _CopyToRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_reduce(grad, ctx.group), None
+        return _all_reduce(grad, ctx.group, "f backward: input gradient"), None
 
 
 class _ReduceFromRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, group):
-        return _all_reduce(tensor, group)
+        return _all_reduce(tensor, group, "g forward: partial outputs")
 
     @staticmethod
     def backward(ctx, grad):
@@ -97,14 +98,15 @@ class _ScatterToRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather_last(grad, ctx.group, ctx.size), None, None, None
+        return _gather_last(grad, ctx.group, ctx.size, "scatter backward: input gradient"), \
+            None, None, None
 
 
 class _GatherFromRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, group, size, rank):
         ctx.size, ctx.rank = size, rank
-        return _gather_last(tensor, group, size)
+        return _gather_last(tensor, group, size, "gather forward: output slices")
 
     @staticmethod
     def backward(ctx, grad):
@@ -195,8 +197,17 @@ class ColumnParallelLinear(nn.Module):
         self.group, self.world, self.rank = _group_info(group)
         self.in_features, self.out_features = in_features, out_features
         self.gather_output = gather_output
-        self.out_per_rank = _divide(out_features, self.world * stride,
-                                    "ColumnParallelLinear out_features / stride") * stride
+        if out_features % (self.world * stride):
+            # Note [Strided slices]: each of the `stride` blocks is split over the ranks.
+            raise ValueError(f"ColumnParallelLinear out_features = {out_features} is not "
+                             f"divisible by stride {stride} x the tensor-parallel size "
+                             f"{self.world} (config key 'parallel.tensor'): each of its "
+                             f"{stride} blocks of {out_features / stride:g} rows is split "
+                             f"over {self.world} ranks" if stride > 1 else
+                             f"ColumnParallelLinear out_features = {out_features} is not "
+                             f"divisible by the tensor-parallel size {self.world} (config key "
+                             "'parallel.tensor')")
+        self.out_per_rank = out_features // self.world
         weight, full_bias = _linear_init(out_features, in_features, bias, init_method)
         self.weight = _sliced_parameter(weight, 0, self.world, self.rank, stride)
         self.bias = None if full_bias is None else _sliced_parameter(
@@ -285,17 +296,20 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         vocab = logits.shape[-1]
         start = rank * vocab
         maximum = logits.max(dim=-1)[0]
-        dist.all_reduce(maximum, op=dist.ReduceOp.MAX, group=group)
+        recorded_collectives.group_all_reduce(maximum, group, "tensor_all_reduce",
+                                              "vocab cross entropy: max", op=dist.ReduceOp.MAX)
         logits = logits - maximum.unsqueeze(-1)
         outside = (target < start) | (target >= start + vocab)
         local = (target - start).masked_fill(outside, 0)
         flat = logits.view(-1, vocab)
         rows = torch.arange(flat.shape[0])
         predicted = flat[rows, local.view(-1)].view_as(target).masked_fill(outside, 0.0)
-        dist.all_reduce(predicted, group=group)
+        recorded_collectives.group_all_reduce(predicted, group, "tensor_all_reduce",
+                                              "vocab cross entropy: target logit")
         exp = logits.exp()
         total = exp.sum(dim=-1)
-        dist.all_reduce(total, group=group)
+        recorded_collectives.group_all_reduce(total, group, "tensor_all_reduce",
+                                              "vocab cross entropy: sum of exponentials")
         loss = total.log() - predicted
         softmax = exp.div_(total.unsqueeze(-1))
         ctx.save_for_backward(softmax, outside, local)
@@ -340,6 +354,7 @@ def gather_full_state_dict(module: nn.Module, state_dict: dict, group=None) -> d
             result[name] = value
             continue
         parts = [torch.empty_like(value) for _ in range(size)]
-        dist.all_gather(parts, value.contiguous(), group=group)
+        recorded_collectives.group_all_gather(parts, value.contiguous(), group,
+                                              "tensor_all_gather", f"full state dict: {name}")
         result[name] = _join(parts, param.partition_dim, param.partition_stride)
     return result

@@ -5,6 +5,13 @@
                                              sizes than stage 0
     parallel_worker.py OUT_DIR --kill        stage 1 dies after initialize()
     parallel_worker.py OUT_DIR --stall       stage 1 stays alive but sends nothing for 6 s
+    parallel_worker.py OUT_DIR --profile     the collectives a profile of tensor slicing and of
+                                             a tied pipeline recorded; a bad stride's error;
+                                             the warnings of sliced and unsliced models
+    parallel_worker.py OUT_DIR --checkpoint  tensor slices saved and loaded; loads under another
+                                             layout than the one that saved
+    parallel_worker.py OUT_DIR --checkpoint-pp-dp   (4 ranks) 2 stages x 2 replicas saved, the
+                                             next batch trained, then loaded and trained again
 
 Writes OUT_DIR/rank<r>.pt with each scenario's losses and full state dict (or the errors), then
 leaves with os._exit so a dead peer cannot hold up interpreter exit.
@@ -14,6 +21,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+import warnings
 
 import torch
 from torch import nn
@@ -117,6 +125,146 @@ def peer_failure(rank: int, mode: str) -> dict:
         return dict(error_result(error), elapsed=time.monotonic() - start)
 
 
+def collectives_profiled(out: str) -> dict:
+    """The collective records of one profiled tensor-parallel step and one profiled pipeline
+    batch (Note [Recording collectives] in recorded_collectives.py)."""
+    results = {}
+    config = gpt_config()
+    batches = SCENARIOS["pp_1f1b"].micro_batches()
+    torch.manual_seed(0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model, optimizer = patrickstar.initialize(lambda: ParallelGPT(config), config={
+            "default_chunk_size": 8192, "parallel": {"tensor": 2}})
+    results["sliced_warnings"] = [str(w.message) for w in caught]
+    try:
+        tensor_parallel.ColumnParallelLinear(33, 99, stride=3)
+    except Exception as error:  # noqa: BLE001
+        results["stride"] = error_result(error)
+    with patrickstar.profile(model, os.path.join(out, "tp")) as profiler:
+        ids, targets = next(batches)
+        model.backward(model(ids, targets))
+        optimizer.step()
+        optimizer.zero_grad()
+        results["tp"] = profiler.snapshot()["collectives"]
+    results["tp_activation_shape"] = (ids.shape[0], ids.shape[1], config.hidden)
+    model.destroy()
+    engine, _ = patrickstar.initialize(gpt_pipeline(config, seed_layers=True), config={
+        "default_chunk_size": 8192, "gradient_accumulation_steps": 2,
+        "parallel": {"pipeline": 2}})
+    with patrickstar.profile(engine.engine, os.path.join(out, "pp")) as profiler:
+        engine.train_batch(batches)
+        results["pp"] = profiler.snapshot()["collectives"]
+    engine.destroy()
+    # An ordinary model (a Hugging Face one, say) is not sliced by parallel.tensor.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plain, _ = patrickstar.initialize(lambda: nn.Sequential(nn.Linear(8, 8)), config={
+            "default_chunk_size": 4096, "parallel": {"tensor": 2}})
+    results["unsliced_warnings"] = [(str(w.message), os.path.basename(w.filename))
+                                    for w in caught]
+    plain.destroy()
+    return results
+
+
+def checkpoints(out: str, rank: int) -> dict:
+    """Note [One checkpoint per model slice] in checkpoint/slices.py."""
+    results = {}
+    config = gpt_config()
+    batches = SCENARIOS["pp_1f1b"].micro_batches()
+    sliced = os.path.join(out, "sliced")
+
+    def tensor_parallel_gpt(seed):
+        torch.manual_seed(seed)
+        return patrickstar.initialize(lambda: ParallelGPT(config), config={
+            "default_chunk_size": 8192, "parallel": {"tensor": 2},
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}})
+
+    model, optimizer = tensor_parallel_gpt(0)
+    for _ in range(2):
+        model.backward(model(*next(batches)))
+        optimizer.step()
+        optimizer.zero_grad()
+    model.save_checkpoint(sliced, tag="t")
+    saved = tensor_parallel.gather_full_state_dict(model.module, model.state_dict())
+    batch = next(batches)
+    model.backward(model(*batch))
+    optimizer.step()
+    results["next_state"] = tensor_parallel.gather_full_state_dict(model.module,
+                                                                   model.state_dict())
+    model.destroy()
+    model, optimizer = tensor_parallel_gpt(1)
+    model.load_checkpoint(sliced, tag="t")
+    loaded = tensor_parallel.gather_full_state_dict(model.module, model.state_dict())
+    results["differing_after_load"] = sorted(k for k in saved
+                                             if not torch.equal(saved[k], loaded[k]))
+    model.backward(model(*batch))
+    optimizer.step()
+    results["resumed_state"] = tensor_parallel.gather_full_state_dict(model.module,
+                                                                      model.state_dict())
+    model.destroy()
+    results["directories"] = sorted(os.listdir(sliced))
+    # The same ranks as two data-parallel replicas: not the layout that saved.
+    model, _ = patrickstar.initialize(lambda: ParallelGPT(config), config={
+        "default_chunk_size": 8192})
+    try:
+        model.load_checkpoint(sliced, tag="t")
+    except Exception as error:  # noqa: BLE001
+        results["as_data_parallel"] = error_result(error)
+    model.destroy()
+    # Two pipeline stages saved, loaded as two tensor slices.
+    staged = os.path.join(out, "staged")
+    engine, _ = patrickstar.initialize(gpt_pipeline(config, seed_layers=True), config={
+        "default_chunk_size": 8192, "gradient_accumulation_steps": 2,
+        "parallel": {"pipeline": 2}})
+    engine.train_batch(batches)
+    engine.save_checkpoint(staged, tag="t")
+    results["staged_state"] = engine.state_dict()
+    engine.destroy()
+    model, _ = tensor_parallel_gpt(0)
+    try:
+        model.load_checkpoint(staged, tag="t")
+    except Exception as error:  # noqa: BLE001
+        results["stages_as_slices"] = error_result(error)
+    model.destroy()
+    return results
+
+
+def pipeline_data_parallel_checkpoint(out: str) -> dict:
+    """Each stage's data-parallel ranks write their shards of its checkpoint."""
+    directory = os.path.join(out, "staged")
+    scenario = SCENARIOS["pp_1f1b"]
+    config = {"default_chunk_size": 8192, "gradient_accumulation_steps": 2,
+              "parallel": {"pipeline": 2, "data": 2},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
+
+    def micro_batches(engine):
+        data_rank = engine.groups.coord.data
+        return (shard(batch, data_rank, 2) for batch in scenario.micro_batches())
+
+    torch.manual_seed(0)
+    engine, _ = patrickstar.initialize(gpt_pipeline(gpt_config(), seed_layers=True), config)
+    batches = micro_batches(engine)
+    for _ in range(2):
+        engine.train_batch(batches)
+    engine.save_checkpoint(directory, tag="t")
+    results = {"saved": engine.state_dict(), "next_loss": engine.train_batch(batches).item(),
+               "next_state": engine.state_dict()}
+    engine.destroy()
+    torch.manual_seed(1)
+    engine, _ = patrickstar.initialize(gpt_pipeline(gpt_config()), config)
+    engine.load_checkpoint(directory, tag="t")
+    results["loaded"] = engine.state_dict()
+    batches = micro_batches(engine)
+    for _ in range(2 * 2):
+        next(batches)
+    results["resumed_loss"] = engine.train_batch(batches).item()
+    results["resumed_state"] = engine.state_dict()
+    results["files"] = sorted(os.listdir(os.path.join(directory, "pipe_01-tensor_00", "t")))
+    engine.destroy()
+    return results
+
+
 def main() -> None:
     out, what = sys.argv[1], sys.argv[2:]
     rank = int(os.environ["RANK"])
@@ -124,6 +272,12 @@ def main() -> None:
     try:
         if what == ["--mismatch"]:
             results = mismatch(rank)
+        elif what == ["--checkpoint-pp-dp"]:
+            results = pipeline_data_parallel_checkpoint(out)
+        elif what == ["--checkpoint"]:
+            results = checkpoints(out, rank)
+        elif what == ["--profile"]:
+            results = collectives_profiled(out)
         elif what in (["--kill"], ["--stall"]):
             results = peer_failure(rank, what[0])
         else:

@@ -15,6 +15,7 @@ from torch import nn
 
 import patrickstar
 from patrickstar import tensor_parallel
+from patrickstar.consolidate import consolidate
 from patrickstar.examples.gpt import synthetic_batches
 from patrickstar.examples.gpt_parallel import gpt_loss, gpt_pipeline
 from patrickstar.pipe import PipelineModule, partition_balanced
@@ -186,6 +187,14 @@ def test_one_stage_pipeline_with_tied_head_and_checkpointing_matches_pytorch(one
     with torch.no_grad():
         ref_eval = sum(gpt_loss(model(i), t).item() for i, t in batches[:2]) / 2
     assert math.isclose(engine.eval_batch(iter(batches[:2])).item(), ref_eval, rel_tol=1e-5)
+    # DeepSpeed's eval_batch(return_logits=True) and stage queries (they raised TypeError /
+    # AttributeError).
+    loss, logits = engine.eval_batch(iter(batches[:2]), return_logits=True)
+    assert math.isclose(loss.item(), ref_eval, rel_tol=1e-5)
+    with torch.no_grad():
+        ref_logits = torch.cat([model(i) for i, _ in batches[:2]])
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
+    assert engine.is_first_stage() and engine.is_last_stage()
     assert_same_training(ref_losses, losses, model.state_dict(), engine.state_dict(),
                          atol=PARAM_ATOL)
     with pytest.raises(RuntimeError, match="train_batch"):
@@ -332,3 +341,102 @@ def test_a_stalled_stage_is_a_timeout_naming_it(tmp_path):
     assert survivor.get("error_type") == "TimeoutError", survivor
     assert "stage 1 (rank 1)" in survivor["error"] and "2 s" in survivor["error"]
     assert survivor["elapsed"] < 6
+
+
+@pytest.fixture(scope="module")
+def profiled(tmp_path_factory):
+    results = launch(tmp_path_factory.mktemp("profiled"), 2, "--profile", worker=WORKER)
+    check_no_errors(results)
+    return results
+
+
+def test_tensor_and_pipeline_collectives_are_in_the_profile_and_bad_strides_name_sizes(profiled):
+    # The tensor slicing's all-reduces and the pipeline's tied-gradient sum used to bypass the
+    # profiler: a profile of a tensor-parallel run showed no communication at all.
+    results = profiled
+    layers = gpt_config().layers
+    for rank, result in enumerate(results):
+        tp = [c for c in result["tp"] if c["name"] == "tensor_all_reduce"]
+        # Forward: g after the embedding, after each block's attention and MLP, and the cross
+        # entropy's max, target logit and sum; backward: f before each block's qkv and fc and
+        # before the tied head.
+        assert len(tp) == (1 + 2 * layers + 3) + (2 * layers + 1), (rank, len(tp))
+        batch, seq, hidden = result["tp_activation_shape"]
+        partial = [c for c in tp if c["args"]["label"] == "g forward: partial outputs"]
+        assert len(partial) == 1 + 2 * layers
+        assert all(c["bytes"] == batch * seq * hidden * 4 and c["phase"] == "forward"
+                   for c in partial), partial
+        assert {c["phase"] for c in tp if c["args"]["label"].startswith("f backward")} \
+            == {"backward"}
+        assert [c["args"]["op"] for c in tp if c["args"]["label"].endswith(": max")] == ["max"]
+        tied = [c for c in result["pp"] if c["name"] == "pipeline_all_reduce"]
+        # The tied embedding's gradient, summed over the two stages once per batch.
+        assert [c["args"]["label"] for c in tied] == ["tied gradient tied.embed.weight"]
+        assert tied[0]["bytes"] == (128 * 32 + 1) * 4
+        assert [c["name"] for c in result["pp"] if c["name"].startswith("pipeline")].count(
+            "pipeline_broadcast") == 1
+        # Two micro batches: stage 0 sends two activations and receives their two gradients,
+        # stage 1 the other way round; each the hidden states plus a 16-element int64 header.
+        sent, received = ("pipeline_send", "pipeline_recv")[::1 if rank == 0 else -1]
+        for name, kind in ((sent, "activation"), (received, "gradient")):
+            records = [c for c in result["pp"] if c["name"] == name]
+            assert [c["args"]["label"].split(" of ")[0] for c in records] == [f"the {kind}"] * 2
+            assert all(c["bytes"] == 2 * 16 * 32 * 4 + 16 * 8 for c in records), records
+            assert all(c["args"]["peer"] == 1 - rank for c in records)
+        stride = result["stride"]
+        assert stride["error_type"] == "ValueError"
+        assert "out_features = 99 is not divisible by stride 3 x the tensor-parallel size 2" \
+            in stride["error"], stride
+
+
+def test_parallel_tensor_over_an_unsliced_model_warns(profiled):
+    # parallel.tensor = 2 over a model without tensor_parallel layers (a Hugging Face model)
+    # trained silently with the whole model on both tensor ranks.
+    for result in profiled:
+        assert result["sliced_warnings"] == []
+        [(message, filename)] = [w for w in result["unsliced_warnings"]
+                                 if "no sliced parameters" in w[0]]
+        assert "'parallel.tensor' is 2" in message and "(Sequential)" in message
+        assert filename == "parallel_worker.py"  # points at the initialize() call
+
+
+def test_tensor_slices_checkpoint_apart_and_other_layouts_are_refused(tmp_path):
+    # Both tensor ranks wrote rank_00000.shard into the same directory: the checkpoint kept one
+    # slice, and loading gave rank 0 rank 1's slices (another model) without a word.
+    results = launch(tmp_path, 2, "--checkpoint", worker=WORKER)
+    check_no_errors(results)
+    for rank, result in enumerate(results):
+        assert result["directories"] == ["pipe_00-tensor_00", "pipe_00-tensor_01"]
+        assert result["differing_after_load"] == [], rank
+        for key, value in result["next_state"].items():  # optimizer state restored too
+            torch.testing.assert_close(result["resumed_state"][key], value, rtol=0, atol=0)
+        for what, saved in (("as_data_parallel", "parallel.pipeline = 1, parallel.tensor = 2"),
+                            ("stages_as_slices", "parallel.pipeline = 2, parallel.tensor = 1")):
+            error = result[what]
+            assert error["error_type"] == "CheckpointError", error
+            assert saved in error["error"], error
+    # patrickstar-consolidate of the pipeline's directory: the whole model (it said "no 'latest'
+    # file"), sequential()'s keys, each stage's values; tensor slices are refused, naming them.
+    merged = {**results[1]["staged_state"], **results[0]["staged_state"]}
+    consolidate(tmp_path / "staged", tmp_path / "whole.pt")
+    whole = torch.load(tmp_path / "whole.pt")
+    assert set(whole) == set(gpt_pipeline(gpt_config()).sequential().state_dict())
+    for key, value in merged.items():
+        torch.testing.assert_close(whole[key], value, rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"tensor slices \(pipe_SS-tensor_TT with tensor \[1\]"):
+        consolidate(tmp_path / "sliced", tmp_path / "sliced.pt")
+
+
+def test_pipeline_stages_with_data_parallelism_checkpoint_and_resume(tmp_path):
+    # save_checkpoint of 2 stages x 2 replicas raised NotImplementedError ("the engine's
+    # checkpoints are written by one rank"), which engine checkpoints no longer are.
+    results = launch(tmp_path, 4, "--checkpoint-pp-dp", worker=WORKER)
+    check_no_errors(results)
+    for rank, result in enumerate(results):
+        assert result["files"] == ["meta.json", "rank_00000.shard", "rank_00000_extra.pt",
+                                   "rank_00001.shard", "rank_00001_extra.pt"]
+        for key, value in result["saved"].items():
+            torch.testing.assert_close(result["loaded"][key], value, rtol=0, atol=0)
+        assert result["resumed_loss"] == result["next_loss"], rank
+        for key, value in result["next_state"].items():  # optimizer state restored too
+            torch.testing.assert_close(result["resumed_state"][key], value, rtol=0, atol=0)

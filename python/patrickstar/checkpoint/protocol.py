@@ -18,6 +18,7 @@ from .errors import CheckpointError
 from .extra_state import encode_extra
 from .meta import LATEST, check_tag, read_meta, resolve_tag, write_latest, write_meta
 from .reader import CheckpointReader
+from .slices import load_directory, slice_directory
 
 __all__ = ["save_checkpoint", "load_checkpoint"]
 
@@ -50,13 +51,21 @@ def _agree(state: EngineState, what: str, error: BaseException | None, payload=N
 
 # ---- Save ----------------------------------------------------------------------------------------
 
+def _model_parallel_groups(state: EngineState):
+    """The topology's groups when the engine is one slice of a pipelined or tensor-sliced
+    model, else None."""
+    model_parallel = state.dp.model_parallel
+    return None if model_parallel is None else model_parallel.groups
+
+
 def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: bool = True,
                     lr_scheduler=None) -> bool:
     """Writes a checkpoint of `engine` (Note [Atomic checkpoints], Note [Multi-rank
     checkpoints]); returns True on every rank once the checkpoint is complete."""
     state = EngineState(engine)
     rank = state.rank
-    save_dir = os.fspath(save_dir)
+    # Note [One checkpoint per model slice] in slices.py.
+    save_dir = slice_directory(os.fspath(save_dir), _model_parallel_groups(state))
     tag = check_tag(f"global_step{engine.iteration}" if tag is None else tag)
     scheduler = lr_scheduler if lr_scheduler is not None else getattr(engine, "lr_scheduler",
                                                                        None)
@@ -181,8 +190,9 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states: bool = Tr
     """Restores a checkpoint into `engine`; returns (path, client_state), or (None, None) when
     `load_dir` has no `latest` file and no tag was given (as DeepSpeed does). With data
     parallelism every rank calls it (Note [Multi-rank checkpoints])."""
-    load_dir = os.fspath(load_dir)
     state = EngineState(engine)
+    # Note [One checkpoint per model slice] in slices.py.
+    load_dir = load_directory(os.fspath(load_dir), _model_parallel_groups(state))
     what = f"load_checkpoint('{load_dir}')"
     # Rank 0 reads `latest`, so every rank loads the same tag even if it changes meanwhile.
     error = resolved = None

@@ -33,12 +33,10 @@ the same update to its copy.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.distributed as dist
 
-from .. import _C, topology
+from .. import _C, recorded_collectives, topology
 from ..batch_sizes import resolve_batch_sizes
 from ..config import load_config
 from ..engine import PatrickStarEngine
@@ -178,7 +176,9 @@ class PipelineEngine:
                                                      engine.params.tensor_id(index, kind)):
                     value.copy_(engine.params.read(index, kind))
                 value = value.to(topology.comm_device(entry["group"]))
-                dist.all_reduce(value, group=entry["group"])
+                recorded_collectives.group_all_reduce(value, entry["group"],
+                                                      "pipeline_all_reduce",
+                                                      f"tied weight {name}")
                 if not entry["first"]:
                     engine.load_state_dict({name: value.cpu()}, strict=False)
 
@@ -200,19 +200,37 @@ class PipelineEngine:
         self.global_steps += 1
         return self._aggregate(losses)
 
-    def eval_batch(self, data_iter=None) -> torch.Tensor:
+    def eval_batch(self, data_iter=None, return_logits: bool = False):
         """The forwards of gradient_accumulation_steps micro batches without gradients; returns
-        the mean loss (the same on every rank)."""
+        the mean loss (the same on every rank). `return_logits=True` (DeepSpeed's) returns
+        `(loss, outputs)`: the last stage's outputs of every micro batch (the model's output
+        before `loss_fn`) concatenated along the batch dimension, None on the other stages."""
         module = self.engine.module
         was_training = module.training
         module.eval()
+        outputs = [] if return_logits and self.is_last else None
         try:
             with torch.no_grad():
                 losses = self._run(inference(self.micro_batches, self.num_stages, self.stage),
-                                   data_iter, train=False)
+                                   data_iter, train=False, last_outputs=outputs)
         finally:
             module.train(was_training)
-        return self._aggregate(losses)
+        loss = self._aggregate(losses)
+        if not return_logits:
+            return loss
+        if outputs is None:
+            return loss, None
+        if all(isinstance(out, torch.Tensor) for out in outputs):
+            return loss, torch.cat(outputs)
+        return loss, tuple(torch.cat(parts) for parts in zip(*outputs))
+
+    def is_first_stage(self) -> bool:
+        """DeepSpeed's: whether this rank runs the first stage (it reads the inputs)."""
+        return self.is_first
+
+    def is_last_stage(self) -> bool:
+        """DeepSpeed's: whether this rank runs the last stage (it computes the loss)."""
+        return self.is_last
 
     def _next_batch(self, data_iter, micro: int):
         if data_iter is None:
@@ -244,7 +262,8 @@ class PipelineEngine:
                 f"activations [{describe(args)}] of micro batch {micro} received from "
                 f"{self.p2p.peer(self.stage - 1)}: {error}") from error
 
-    def _run(self, steps, data_iter, train: bool) -> list[torch.Tensor]:
+    def _run(self, steps, data_iter, train: bool, last_outputs: list | None = None
+             ) -> list[torch.Tensor]:
         engine, p2p = self.engine, self.p2p
         inputs, outputs, losses = {}, {}, {}
         for op, micro in steps:
@@ -264,6 +283,9 @@ class PipelineEngine:
                     loss = out if self.pipe_module.loss_fn is None else \
                         self.pipe_module.loss_fn(out, batch[1])
                     losses[micro] = loss
+                    if last_outputs is not None:  # eval_batch(return_logits=True)
+                        last_outputs.append(out.detach() if isinstance(out, torch.Tensor)
+                                            else tuple(t.detach() for t in out))
                 else:
                     out = _as_tuple(out)
                     p2p.send(out, self.stage + 1, ACTIVATION, micro)
@@ -292,7 +314,7 @@ class PipelineEngine:
         manager = engine.chunks.manager
         params, has_grad = engine.params, engine.optimizer.has_grad
         for entry in self._tied:
-            for index in entry["indices"]:
+            for name, index in zip(entry["names"], entry["indices"]):
                 grad_id = params.ids[index].grad
                 if grad_id is None:
                     continue
@@ -303,7 +325,9 @@ class PipelineEngine:
                         buffer[:-1].copy_(view.view(-1))
                     buffer[-1] = 1.0
                 buffer = buffer.to(topology.comm_device(entry["group"]))
-                dist.all_reduce(buffer, group=entry["group"])
+                recorded_collectives.group_all_reduce(
+                    buffer, entry["group"], "pipeline_all_reduce",
+                    f"tied gradient {name}")
                 buffer = buffer.cpu()
                 if buffer[-1].item() == 0 or not engine.dp.owns(manager, grad_id):
                     continue
@@ -316,12 +340,14 @@ class PipelineEngine:
         total = torch.stack(losses).mean().cpu() if self.is_last else torch.zeros(())
         if self.is_last and groups.data_size > 1:
             total = total.to(topology.comm_device(groups.data_group))
-            dist.all_reduce(total, group=groups.data_group)
+            recorded_collectives.group_all_reduce(total, groups.data_group,
+                                                  "pipeline_all_reduce", "loss over replicas")
             total = total.cpu() / groups.data_size
         if self.num_stages > 1:
             total = total.to(topology.comm_device(groups.pipe_group))
-            dist.broadcast(total, src=groups.stage_rank(self.num_stages - 1),
-                           group=groups.pipe_group)
+            recorded_collectives.group_broadcast(total, groups.stage_rank(self.num_stages - 1),
+                                                 groups.pipe_group, "pipeline_broadcast",
+                                                 "loss from the last stage")
         return total.cpu()
 
     # ---- Pass-through --------------------------------------------------------------------------
@@ -341,23 +367,16 @@ class PipelineEngine:
     def memory_stats(self):
         return self.engine.memory_stats()
 
-    def _checkpoint_dir(self, directory) -> str:
-        if self.groups.data_size > 1:
-            raise NotImplementedError("pipeline checkpoints with data parallelism: the engine's "
-                                      "checkpoints are written by one rank (checkpoint/)")
-        coord = self.groups.coord
-        return os.path.join(os.fspath(directory),
-                            f"pipe_{coord.pipe:02d}-tensor_{coord.tensor:02d}")
-
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True):
         """Each stage (and tensor slice) writes its engine's checkpoint under
-        SAVE_DIR/pipe_SS-tensor_TT (call it on every rank, after train_batch)."""
-        return self.engine.save_checkpoint(self._checkpoint_dir(save_dir), tag, client_state,
-                                           save_latest)
+        SAVE_DIR/pipe_SS-tensor_TT (Note [One checkpoint per model slice] in
+        checkpoint/slices.py), its data-parallel ranks each their shard of it (Note
+        [Multi-rank checkpoints]); call it on every rank, after train_batch."""
+        return self.engine.save_checkpoint(save_dir, tag, client_state, save_latest)
 
     def load_checkpoint(self, load_dir, tag=None, **kwargs):
         """Loads what save_checkpoint wrote for this stage; returns (path, client_state)."""
-        result = self.engine.load_checkpoint(self._checkpoint_dir(load_dir), tag, **kwargs)
+        result = self.engine.load_checkpoint(load_dir, tag, **kwargs)
         self.global_steps = self.engine.iteration
         return result
 

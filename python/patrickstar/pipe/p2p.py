@@ -24,7 +24,8 @@ import datetime
 import torch
 import torch.distributed as dist
 
-from .. import dtypes, topology
+from .. import dtypes, recorded_collectives, topology
+from ..profiling.recorder import now_ns
 
 __all__ = ["ACTIVATION", "GRADIENT", "P2P", "PipelinePeerError", "check_gradients"]
 
@@ -66,7 +67,9 @@ class P2P:
         self.timeout = timeout
         self.wire = topology.comm_device()  # what the back end sends from and receives into
         self.device = torch.device("cpu") if device is None else device  # what recv returns
-        self._pending: list[tuple] = []  # (work, tensor kept alive, description)
+        # (work, tensor kept alive, description, its profile record's (started, bytes, peer)
+        # on a tensor's last part, else None)
+        self._pending: list[tuple] = []
 
     def peer(self, stage: int) -> str:
         return f"stage {stage} (rank {self.rank_of(stage)})"
@@ -87,14 +90,23 @@ class P2P:
             header[7:7 + tensor.dim()] = list(tensor.shape)
             header = torch.tensor(header, dtype=torch.int64, device=self.wire)
             payload = tensor.detach().to(self.wire).contiguous()
-            for part in (header, payload):
+            # The profile's record goes with the payload: finished once both parts are sent.
+            record = (recorded_collectives.transfer_started(),
+                      header.numel() * header.element_size()
+                      + payload.numel() * payload.element_size(), rank)
+            for part, part_record in ((header, None), (payload, record)):
                 self._pending.append((self._call(dist.isend, what, part, dst=rank, tag=kind),
-                                      part, what))
+                                      part, what, part_record))
 
     def wait_sends(self) -> None:
         pending, self._pending = self._pending, []
-        for work, _, what in pending:
+        wait_start = now_ns()
+        for work, _, what, record in pending:
             self._wait(work, f"sending {what}")
+            if record is not None:  # Note [Recording collectives] in recorded_collectives.py
+                started, nbytes, rank = record
+                recorded_collectives.transfer_finished(started, "pipeline_send", nbytes,
+                                                       wait_start, label=what, peer=rank)
 
     # ---- Receiving -----------------------------------------------------------------------------
 
@@ -103,6 +115,7 @@ class P2P:
         what = f"the {_KIND_NAMES[kind]} of micro batch {micro} from {self.peer(from_stage)}"
         tensors = []
         count = 1
+        started, nbytes = recorded_collectives.transfer_started(), 0
         while len(tensors) < count:
             header = torch.empty(HEADER, dtype=torch.int64, device=self.wire)
             self._wait(self._call(dist.irecv, what, header, src=rank, tag=kind),
@@ -122,6 +135,10 @@ class P2P:
             self._wait(self._call(dist.irecv, what, payload, src=rank, tag=kind),
                        f"receiving {what}")
             tensors.append(payload.to(self.device))
+            nbytes += header.numel() * header.element_size() + \
+                payload.numel() * payload.element_size()
+        recorded_collectives.transfer_finished(started, "pipeline_recv", nbytes, label=what,
+                                               peer=rank)
         return tuple(tensors)
 
     # ---- Errors --------------------------------------------------------------------------------

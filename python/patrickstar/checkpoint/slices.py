@@ -1,0 +1,89 @@
+"""Where a model-parallel engine's checkpoint goes: one directory per pipeline stage and tensor
+slice, `DIR/pipe_SS-tensor_TT`, and the check that a load finds the layout it saved.
+
+Note [One checkpoint per model slice]
+A checkpoint's shards are numbered by the data-parallel rank (Note [Multi-rank checkpoints]).
+Every tensor rank and every pipeline stage is data rank 0 of its own data group, so if they all
+wrote `DIR/TAG`, the slices would overwrite each other's `rank_00000.shard` and the checkpoint
+would keep whichever came last: every rank then loaded that one slice, a different model,
+without an error. So an engine that is one slice of the model (pipeline x tensor > 1) saves
+into and loads from `DIR/pipe_SS-tensor_TT`, each a complete checkpoint of that slice (its own
+`latest`), which `patrickstar-consolidate` also reads one at a time. A load checks that the
+saved slices are exactly this run's (pipeline x tensor), naming both layouts, because a slice
+of another layout would either miss parameters or, worse, have the same names and other values.
+"""
+from __future__ import annotations
+
+import os
+import re
+
+from .errors import CheckpointError
+
+__all__ = ["slice_directory", "saved_slices", "load_directory"]
+
+_SLICE = re.compile(r"pipe_(\d+)-tensor_(\d+)")
+
+
+def slice_directory(directory: str, groups) -> str:
+    """`directory` itself for an unsliced engine (`groups` None or pipeline x tensor == 1),
+    else its `pipe_SS-tensor_TT` subdirectory (Note [One checkpoint per model slice])."""
+    if groups is None or groups.pipe_size * groups.tensor_size == 1:
+        return directory
+    coord = groups.coord
+    return os.path.join(directory, f"pipe_{coord.pipe:02d}-tensor_{coord.tensor:02d}")
+
+
+def saved_slices(directory: str) -> list[tuple[int, int]]:
+    """The (pipe, tensor) slices saved under `directory`, sorted; [] when none."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    found = []
+    for name in names:
+        match = _SLICE.fullmatch(name)
+        if match and os.path.isdir(os.path.join(directory, name)):
+            found.append((int(match.group(1)), int(match.group(2))))
+    return sorted(found)
+
+
+def _layout(slices: list[tuple[int, int]]) -> str:
+    pipes = max(p for p, _ in slices) + 1
+    tensors = max(t for _, t in slices) + 1
+    return f"parallel.pipeline = {pipes}, parallel.tensor = {tensors}"
+
+
+def load_directory(directory: str, groups) -> str:
+    """The directory this engine loads from: its slice's (slice_directory). Raises when
+    `directory` holds slices of another pipeline x tensor layout than `groups`' (or slices while
+    this engine is unsliced, or none while it is sliced but `directory` is an unsliced
+    checkpoint)."""
+    saved = saved_slices(directory)
+    pipes = 1 if groups is None else groups.pipe_size
+    tensors = 1 if groups is None else groups.tensor_size
+    if pipes * tensors == 1:
+        if saved == [(0, 0)] and not os.path.exists(os.path.join(directory, "latest")):
+            # A one-stage PipelineEngine wrote its checkpoint there before slices.py.
+            return os.path.join(directory, "pipe_00-tensor_00")
+        if saved and not os.path.exists(os.path.join(directory, "latest")):
+            raise CheckpointError(
+                f"checkpoint '{directory}' holds one checkpoint per model slice "
+                f"({', '.join(f'pipe_{p:02d}-tensor_{t:02d}' for p, t in saved)}: saved with "
+                f"{_layout(saved)}) but this run has no pipeline stages or tensor slices; load "
+                "it with the layout that saved it (Note [One checkpoint per model slice] in "
+                "checkpoint/slices.py)")
+        return directory
+    expected = [(p, t) for p in range(pipes) for t in range(tensors)]
+    if not saved:
+        if os.path.exists(os.path.join(directory, "latest")):
+            raise CheckpointError(
+                f"checkpoint '{directory}' is a checkpoint of the whole model (no pipe_SS-"
+                f"tensor_TT directories) but this run has parallel.pipeline = {pipes}, "
+                f"parallel.tensor = {tensors}; load it with the layout that saved it")
+        return slice_directory(directory, groups)  # nothing saved: reported as for any
+    if saved != expected:
+        raise CheckpointError(
+            f"checkpoint '{directory}' was saved with {_layout(saved)} (slices {saved}) but "
+            f"this run has parallel.pipeline = {pipes}, parallel.tensor = {tensors}; a "
+            "checkpoint of model slices loads only under the layout that saved it")
+    return slice_directory(directory, groups)
