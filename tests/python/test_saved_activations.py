@@ -7,6 +7,8 @@ engine.py), so the engine goes on training with a batch that fits."""
 from __future__ import annotations
 
 import gc
+import signal
+import time
 import warnings
 import weakref
 
@@ -166,3 +168,45 @@ def test_the_optimizer_step_plans_against_the_activations_alive_at_it(nvme_dir):
         losses.append(loss.item())
     assert losses == pytest.approx(expected, rel=1e-5)
     model.destroy()
+
+
+class _Preempted(Exception):
+    pass
+
+
+def test_a_signal_handlers_exception_is_not_swallowed_when_activations_are_freed():
+    """A job scheduler's preemption (SIGTERM) handler that exits, `sys.exit()` in the handler,
+    arrived while a graph's saved activations were freed (a backward, `del loss`): Python ran the
+    handler inside the counter's `__del__`, where an exception is only printed ("Exception
+    ignored in ... __del__"). The exit was lost, the process trained on, and the count of the
+    activation being freed was never released: the host's non-model data stayed too high for
+    the rest of the run, and the next optimizer.step() failed with "cannot take 16384 bytes ...
+    non-model data 2048 bytes" (found by a SIGTERM probe of a run saving every step). Here a
+    timer's signal lands while a long graph is freed in C++ (its 100000 nodes after the saved
+    activations are freed first); wherever it lands, the handler's exception must reach this
+    frame and every count be released."""
+    from patrickstar.activations import ActivationCounter
+    counter = ActivationCounter()
+    x = torch.randn(64, 64, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
+        saved = torch.tanh(torch.sigmoid(x) * 2)
+    for _ in range(100_000):  # nodes that save nothing, freed before the saving ones
+        saved = saved + 1
+    graph = [saved]
+    del saved
+    assert counter.bytes > 0
+
+    def handler(signum, frame):
+        raise _Preempted
+
+    previous = signal.signal(signal.SIGALRM, handler)
+    try:
+        with pytest.raises(_Preempted):
+            signal.setitimer(signal.ITIMER_REAL, 0.002)
+            graph.clear()  # frees the graph
+            time.sleep(10)  # the handler runs here at the latest
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    graph.clear()
+    assert counter.bytes == 0
