@@ -13,6 +13,8 @@ measure (profiling/recorder.py).
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 __all__ = ["ActivationCounter"]
@@ -20,41 +22,62 @@ __all__ = ["ActivationCounter"]
 
 class _SavedActivation:
     """What autograd keeps for a saved tensor while the profiler counts it (Note [Measured
-    non-model data]); its lifetime is the saved tensor's."""
+    non-model data]); its lifetime is the saved tensor's. It has no `__del__`: Note [Counting
+    without Python code at release]."""
 
-    __slots__ = ("tensor", "key", "counter", "__weakref__")
+    __slots__ = ("tensor", "__weakref__")
 
-    def __init__(self, tensor: torch.Tensor, key: int, counter: "ActivationCounter"):
+    def __init__(self, tensor: torch.Tensor):
         self.tensor = tensor
-        self.key = key
-        self.counter = counter
-
-    def __del__(self):
-        # An instance made without __init__ (torch.compile's tracing copies objects it meets)
-        # counted nothing.
-        counter = getattr(self, "counter", None)
-        if counter is not None:
-            counter.release(self.key)
 
 
 class ActivationCounter:
     """Bytes of distinct storages saved for backward and still alive: the engine's CPU measure of
     non-model data (Note [Measured non-model data])."""
 
+    # Note [Counting without Python code at release]
+    # Python runs a signal handler at the next bytecode of the main thread, wherever that is. A
+    # `__del__` releasing the count ran bytecode at every saved activation freed (in a backward,
+    # at `del loss`), and an exception raised there is only printed ("Exception ignored in ...
+    # __del__"): a job scheduler's SIGTERM handler calling sys.exit() that landed in one was
+    # lost, the run trained on until its SIGKILL, and the count of that activation was never
+    # released, so the host's non-model data stayed too high for the rest of the run. So the
+    # release runs no Python code: each packed object has a weak reference whose callback is
+    # a builtin (`list.append` of the dead reference, C code), and the count is settled when
+    # read. A signal arriving during the release is then handled at the next bytecode of the
+    # code that freed the graph, as in plain PyTorch.
+
     def __init__(self):
-        self.bytes = 0
+        self._bytes = 0
         self._refs: dict[int, list[int]] = {}  # storage pointer -> [references, bytes]
+        self._keys: dict[int, tuple[weakref.ref, int]] = {}  # id(reference) -> (it, pointer)
+        self._dead: list[weakref.ref] = []  # appended by the references' callback
+
+    @property
+    def bytes(self) -> int:
+        self._settle()
+        return self._bytes
+
+    def _settle(self) -> None:
+        while self._dead:
+            _, key = self._keys.pop(id(self._dead.pop()))
+            entry = self._refs[key]
+            entry[0] -= 1
+            if entry[0] == 0:
+                self._bytes -= entry[1]
+                del self._refs[key]
 
     def pack(self, tensor: torch.Tensor):
         base = tensor if tensor._base is None else tensor._base
         if isinstance(base, torch.nn.Parameter) or tensor.device.type == "meta":
             return tensor  # model data (chunk views, or views of them such as weight.t())
+        self._settle()  # a storage freed uncounted may have left its pointer to this one
         storage = tensor.untyped_storage()
         key = storage.data_ptr()
         entry = self._refs.get(key)
         if entry is None:
             self._refs[key] = [1, storage.nbytes()]
-            self.bytes += storage.nbytes()
+            self._bytes += storage.nbytes()
         else:
             entry[0] += 1
         # Note [Saved activations without their graph]
@@ -66,17 +89,11 @@ class ActivationCounter:
         # host's planned non-model data per forward of a small GPT, so every later forward
         # failed the host budget. A detached tensor shares the storage and version counter, and
         # autograd re-attaches the saved grad_fn when it unpacks (as torch's save_on_cpu does).
-        return _SavedActivation(tensor.detach(), key, self)
+        packed = _SavedActivation(tensor.detach())
+        reference = weakref.ref(packed, self._dead.append)
+        self._keys[id(reference)] = (reference, key)
+        return packed
 
     @staticmethod
     def unpack(packed):
         return packed.tensor if isinstance(packed, _SavedActivation) else packed
-
-    def release(self, key: int) -> None:
-        entry = self._refs.get(key)
-        if entry is None:
-            return
-        entry[0] -= 1
-        if entry[0] == 0:
-            self.bytes -= entry[1]
-            del self._refs[key]

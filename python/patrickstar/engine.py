@@ -743,7 +743,22 @@ class PatrickStarEngine(nn.Module):
         self._release_all(S.HOLD_AFTER_BWD)
 
     def _count_micro_step(self) -> None:
+        """The end of a counted backward."""
         self.micro_step += 1
+        self._tick("post_backward")  # Note [A moment after the backward]
+
+    # Note [A moment after the backward]
+    # The engine reports non-model data at its module hooks' ticks, and a tick's figure stands
+    # until the next one (Note [Budgets and non-model data] in chunk_manager.h). A backward's
+    # last tick is a pre-backward of the first module (its input needs no grad, so no
+    # post-backward follows), taken while that module's saved input is still alive; autograd
+    # frees it right after. Without a tick here the optimizer step (and a save after it) ran
+    # in that moment, planning the host (on CUDA the device) against activations already gone:
+    # a host budget with room for the step's state failed with "cannot take ... non-model data
+    # N bytes" (N = the first layer's input), and after warm-up the traced peak of that moment
+    # kept the figure even if reported again. The tick after every counted backward starts a
+    # moment of its own, whose figure is the activations still alive (none, unless the graph
+    # was retained).
 
     def _end_param_access(self, index: int) -> None:
         """Ends every access of parameter `index` (its module's backward hook then finds none to

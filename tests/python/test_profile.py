@@ -239,8 +239,11 @@ def test_eviction_causes_are_told_apart(tmp_path, nvme_dir):
 def test_peaks_include_chunks_between_samples(tmp_path):
     """Moments are sampled when they close, so gradient chunks written after the last tick of
     a backward and dropped by the optimizer were never sampled: summary.json reported a device
-    peak below the manager's own (Note [Peaks between moments] in profiling/analysis.py). The
-    device tier is empty until the first forward, so its peak_chunk_bytes is the profile's."""
+    peak below the manager's own (Note [Peaks between moments] in profiling/analysis.py). A
+    backward now ends with a moment of its own (Note [A moment after the backward] in
+    engine.py), so those chunks are sampled too (before: sampled < peak), and summary.json
+    still gives the manager's peak. The device tier is empty until the first forward, so its
+    peak_chunk_bytes is the profile's."""
     model, optimizer = _model(_config(memory={}))  # no budget: nothing is evicted
     with patrickstar.profile(model, tmp_path):
         _train(model, optimizer, 2)
@@ -249,7 +252,7 @@ def test_peaks_include_chunks_between_samples(tmp_path):
     rows = _csv(tmp_path)
     sampled = max(int(r["device_model_bytes"]) for r in rows)
     peak = max(int(r["device_peak_model_bytes"]) for r in rows)
-    assert sampled < peak == device["peak_chunk_bytes"]
+    assert sampled == peak == device["peak_chunk_bytes"]
     assert summary["tiers"][device["name"]]["peak_model_bytes"] == device["peak_chunk_bytes"]
     assert all(int(r["device_peak_model_bytes"]) >= int(r["device_model_bytes"]) for r in rows)
 

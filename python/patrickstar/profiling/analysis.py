@@ -147,7 +147,9 @@ class Analysis:
     # iteration), so chunks that appear and go within one moment are never sampled: the last
     # gradient chunks of a backward, written after its last tick and dropped by the optimizer
     # before the end of the iteration, made every sampled device figure 12% below the manager's
-    # own peak_chunk_bytes on a 4-layer MLP (1.875 MiB reported, 2.125 MiB held). The events
+    # own peak_chunk_bytes on a 4-layer MLP (1.875 MiB reported, 2.125 MiB held); a backward now
+    # ends with a tick (Note [A moment after the backward] in engine.py), which samples those,
+    # but chunks can still come and go within any moment (a copy issued and settled). The events
     # carry every change of a tier's chunk bytes, with its time: a copy adds its bytes to the
     # destination when issued and takes them from the source when settled (from the destination
     # if it failed), a zero-fill adds them, a drop takes them (ChunkManager::AddChunkBytes's
