@@ -1,0 +1,92 @@
+"""What a user gets from `pip install .` / `pip wheel .` (not the editable dev install): what the
+build compiles, the version in its three places, the console scripts, and (slow) the wheel's
+files when built from a clean copy of the repository."""
+import importlib
+import os
+import re
+import subprocess
+import sys
+import tarfile
+import tomllib
+import zipfile
+
+import pytest
+
+import patrickstar
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PYPROJECT = os.path.join(ROOT, "pyproject.toml")
+
+
+def _pyproject():
+    with open(PYPROJECT, "rb") as f:
+        return tomllib.load(f)
+
+
+def _settings(state):
+    reader = pytest.importorskip("scikit_build_core.settings.skbuild_read_settings")
+    return reader.SettingsReader.from_file(PYPROJECT, state=state).settings
+
+
+def test_wheel_builds_only_the_extension_outside_the_dev_build_dir():
+    # Note [What pip builds] in pyproject.toml.
+    settings = _settings("wheel")
+    assert settings.cmake.define["PS_BUILD_PYTHON"] == "ON"
+    assert settings.cmake.define["PS_BUILD_TESTS"] == "OFF", settings.cmake.define
+    assert settings.cmake.define["PS_BUILD_BENCHMARKS"] == "OFF", settings.cmake.define
+    assert os.path.normpath(settings.build_dir) != "build", settings.build_dir
+
+
+def test_editable_install_still_builds_what_ctest_runs():
+    settings = _settings("editable")
+    assert settings.build_dir == "build"
+    assert settings.cmake.define == {"PS_BUILD_PYTHON": "ON", "PS_BUILD_TESTS": "ON",
+                                     "PS_BUILD_BENCHMARKS": "ON"}
+
+
+def test_version_agrees_in_pyproject_cmake_and_package():
+    with open(os.path.join(ROOT, "CMakeLists.txt")) as f:
+        cmake_version = re.search(r"project\(\w+ VERSION ([0-9.]+)", f.read()).group(1)
+    assert _pyproject()["project"]["version"] == cmake_version == patrickstar.__version__
+
+
+@pytest.mark.parametrize("name", sorted(_pyproject()["project"]["scripts"]))
+def test_console_script_entry_points_resolve_and_show_help(name, capsys):
+    module_name, _, attr = _pyproject()["project"]["scripts"][name].partition(":")
+    main = getattr(importlib.import_module(module_name), attr)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    assert name in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_wheel_built_from_the_sdist_holds_the_whole_package(tmp_path):
+    # A user's path: the sdist (what an index would serve), unpacked elsewhere, built into a
+    # wheel without the repository around it. Compiles the extension (minutes on 2 cores).
+    backend = ("import sys, scikit_build_core.build as b; "
+               "print(b.build_sdist(sys.argv[1]))")
+    sdist_name = subprocess.run([sys.executable, "-c", backend, str(tmp_path)], cwd=ROOT,
+                                check=True, capture_output=True, text=True).stdout.split()[-1]
+    with tarfile.open(tmp_path / sdist_name) as sdist:
+        sdist.extractall(tmp_path / "src", filter="data")
+    (source,) = (tmp_path / "src").iterdir()
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps",
+                    "-w", str(tmp_path / "dist"), str(source)], check=True,
+                   capture_output=True, text=True)
+    (wheel,) = (tmp_path / "dist").glob("patrickstar-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+
+    package = os.path.join(ROOT, "python", "patrickstar")
+    sources = {os.path.relpath(os.path.join(d, f), os.path.dirname(package))
+               for d, _, files in os.walk(package) for f in files if f.endswith(".py")}
+    assert not sources - names, sorted(sources - names)
+    assert any(re.fullmatch(r"patrickstar/_C\..*\.so", n) for n in names), sorted(names)
+    # Only the package and its metadata: no GoogleTest/benchmark binaries, no build files.
+    assert {n.split("/")[0] for n in names} == {
+        "patrickstar", f"patrickstar-{patrickstar.__version__}.dist-info"}, sorted(names)
+    entry_points = zipfile.ZipFile(wheel).read(
+        f"patrickstar-{patrickstar.__version__}.dist-info/entry_points.txt").decode()
+    for name, target in _pyproject()["project"]["scripts"].items():
+        assert f"{name} = {target}" in entry_points, entry_points
+    assert not (source / "build").exists()  # the wheel's build never touched a dev build/
