@@ -1,6 +1,7 @@
 """What a user gets from `pip install .` / `pip wheel .` (not the editable dev install): what the
 build compiles, the version in its three places, the console scripts, and (slow) the wheel's
 files when built from a clean copy of the repository."""
+import ast
 import importlib
 import os
 import re
@@ -48,6 +49,31 @@ def test_version_agrees_in_pyproject_cmake_and_package():
     with open(os.path.join(ROOT, "CMakeLists.txt")) as f:
         cmake_version = re.search(r"project\(\w+ VERSION ([0-9.]+)", f.read()).group(1)
     assert _pyproject()["project"]["version"] == cmake_version == patrickstar.__version__
+
+
+def _third_party_imports():
+    """Top-level names of the non-stdlib modules the package's sources import."""
+    names = set()
+    for directory, _, files in os.walk(os.path.join(ROOT, "python", "patrickstar")):
+        for file in (f for f in files if f.endswith(".py")):
+            with open(os.path.join(directory, file)) as f:
+                tree = ast.parse(f.read())
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Import):
+                    names.update(alias.name.split(".")[0] for alias in node.names)
+                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    names.add(node.module.split(".")[0])
+    return names - set(sys.stdlib_module_names) - {"patrickstar"}
+
+
+def test_declared_dependencies_are_what_the_package_imports():
+    # torch is imported but not declared, on purpose (pyproject.toml): the build and the
+    # extension need the torch already installed. Every other import must be declared, and
+    # nothing the package never imports (tqdm, used only by tools/ scripts, was installed
+    # into every user's environment).
+    declared = {re.split(r"[<>=!~ ;\[]", requirement)[0].lower()
+                for requirement in _pyproject()["project"]["dependencies"]}
+    assert declared == _third_party_imports() - {"torch"}
 
 
 @pytest.mark.parametrize("name", sorted(_pyproject()["project"]["scripts"]))
