@@ -12,6 +12,7 @@ import tomllib
 import zipfile
 
 import pytest
+import torch
 
 import patrickstar
 
@@ -116,3 +117,14 @@ def test_wheel_built_from_the_sdist_holds_the_whole_package(tmp_path):
     for name, target in _pyproject()["project"]["scripts"].items():
         assert f"{name} = {target}" in entry_points, entry_points
     assert not (source / "build").exists()  # the wheel's build never touched a dev build/
+    build_info = zipfile.ZipFile(wheel).read("patrickstar/_build_info.py").decode()
+    assert f'TORCH_VERSION = "{torch.__version__}"' in build_info, build_info
+
+
+def test_torch_of_another_minor_release_is_refused_naming_both_versions():
+    # Note [The torch _C was built with]: the dynamic loader's "undefined symbol" named neither.
+    from patrickstar.torch_abi import check_built_torch
+    with pytest.raises(ImportError, match=r"built against torch 2\.12\.1\+cpu, but torch "
+                                          r"2\.13\.0\+cu128 is installed.*torch==2\.12\.1"):
+        check_built_torch("2.13.0+cu128", built="2.12.1+cpu")
+    check_built_torch("2.13.1", built="2.13.0+cpu")  # patch releases keep the symbols
