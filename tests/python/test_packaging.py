@@ -5,6 +5,7 @@ import ast
 import importlib
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -128,3 +129,22 @@ def test_torch_of_another_minor_release_is_refused_naming_both_versions():
                                           r"2\.13\.0\+cu128 is installed.*torch==2\.12\.1"):
         check_built_torch("2.13.0+cu128", built="2.12.1+cpu")
     check_built_torch("2.13.1", built="2.13.0+cpu")  # patch releases keep the symbols
+
+
+def test_configure_without_torch_points_at_no_build_isolation(tmp_path):
+    # What `pip install .` (build isolation on, pip's default) showed: "import torch failed ...
+    # install requirements.txt first", while torch was installed, only hidden from the build.
+    cmake = shutil.which("cmake")
+    if cmake is None:
+        pytest.skip("no cmake on PATH")
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "venv")],
+                   check=True)
+    python = tmp_path / "venv" / "bin" / "python"  # the base interpreter, without torch
+    assert subprocess.run([python, "-c", "import torch"], capture_output=True).returncode != 0
+    result = subprocess.run(
+        [cmake, "-S", ROOT, "-B", str(tmp_path / "build"), "-DPS_BUILD_TESTS=OFF",
+         "-DPS_BUILD_BENCHMARKS=OFF", "-DPS_WITH_CUDA=OFF", f"-DPython_EXECUTABLE={python}"],
+        capture_output=True, text=True)
+    assert result.returncode != 0
+    message = " ".join(result.stderr.split())
+    assert "pip install --no-build-isolation ." in message, result.stderr
