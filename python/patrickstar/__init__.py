@@ -5,17 +5,22 @@ optimizer state in chunks that move between GPU memory, host memory and NVMe.
     loss = model(*batch); model.backward(loss); optimizer.step(); optimizer.zero_grad()
 """
 
-import torch  # noqa: F401  (must precede _C, which links against LibTorch)
+import torch  # must precede _C, which links against LibTorch
 
-from . import _C, _upstream
-from ._C import ChunkOutOfMemoryError, ChunkRuntimeError
-from .config import Config, load_config
-from .engine import PatrickStarEngine
-from .estimator import estimate_memory
-from .external_params import register_external_parameter, unregister_external_parameter
-from .full_grad import safe_get_full_grad
-from .initializer import initialize, initialize_engine
-from .profiling.recorder import Profiler, profile
+from .torch_abi import check_built_torch
+
+check_built_torch(torch.__version__)  # before _C loads: Note [The torch _C was built with]
+
+from . import _C, _upstream  # noqa: E402
+from ._C import ChunkOutOfMemoryError, ChunkRuntimeError  # noqa: E402
+from .config import Config, load_config  # noqa: E402
+from .engine import PatrickStarEngine  # noqa: E402
+from .estimator import estimate_memory  # noqa: E402
+from .external_params import (register_external_parameter,  # noqa: E402
+                              unregister_external_parameter)
+from .full_grad import safe_get_full_grad  # noqa: E402
+from .initializer import initialize, initialize_engine  # noqa: E402
+from .profiling.recorder import Profiler, profile  # noqa: E402
 
 __version__ = "0.1.0"
 
