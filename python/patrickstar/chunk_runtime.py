@@ -110,6 +110,12 @@ class ChunkRuntime:
         if _C.cuda_available():
             self.device = torch.device("cpu") if torch_computes_on_host() \
                 else torch.device("cuda", local_rank)
+            if self.device.type == "cuda":
+                # Note [The current device is the local rank's]: torch's own allocations
+                # without a device (NCCL buffers of the pipeline's and tensor slices' collectives,
+                # the script's torch.cuda calls) go to the current device, GPU 0 by default on
+                # every rank; DeepSpeed's init_distributed sets it to the local rank's too.
+                torch.cuda.set_device(self.device)
             tiers.append(_C.DeviceTier(local_rank, budget=memory.device_budget or 0,
                                        name=f"cuda:{local_rank}"))
         else:

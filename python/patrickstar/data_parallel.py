@@ -68,7 +68,8 @@ Note [Transport]
 (every rank decides from the same all-gathered facts). "auto" takes the shared-memory
 communicator (runtime/shm_communicator.h) when every rank of the data group is on this host --
 same boot id and the same /dev/shm file system, compared by all-gathering them over the group --
-and the group is gloo (NCCL keeps its device buffers); else the process group. Over gloo each
+and the group is gloo (under an NCCL default group the data group is a gloo one anyway: Note
+[Host groups for the chunk collectives] in topology.py); else the process group. Over gloo each
 collective goes through TCP loopback, several copies through the kernel on the cores that also
 compute: backward's re-gathers under resharding cost ~12 ms per few-MiB group that way
 (docs/benchmarks.md). Each communicator gets its own segment, named by data rank 0 and
@@ -128,13 +129,15 @@ def _host_identity() -> tuple[str, str, int]:
 def detect_world(config) -> tuple[int, int, object]:
     """(size, rank, group) of this rank's data-parallel group: (1, 0, None) without
     torch.distributed. The group is the ranks with the same pipeline and tensor coordinates
-    (topology.py), the whole world without pipeline or tensor parallelism; the default process
-    group is initialized from torchrun's environment when the script did not."""
+    (topology.py), the whole world without pipeline or tensor parallelism, a gloo group of
+    them where the default group is NCCL; the default process group is initialized from
+    torchrun's environment when the script did not."""
     parallel = config.parallel
     groups = topology.initialize_parallel(parallel)
     if groups.data_size == 1:
         return 1, 0, None
-    return groups.data_size, groups.coord.data, groups.data_group
+    # Note [Host groups for the chunk collectives] in topology.py.
+    return groups.data_size, groups.coord.data, groups.host_data_group()
 
 
 class DataParallel:

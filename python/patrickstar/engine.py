@@ -85,7 +85,7 @@ from .module_state_hooks import ModuleStateHooks
 from .first_rank_init import first_rank_rng, take_first_rank_state
 from .init_context import (BuiltModule, InitResidency, ParameterPlacer, built_dtype_warning,
                            plan_parameters)
-from .input_cast import cast_floating_inputs
+from .input_cast import cast_floating_inputs, inputs_to_device
 from .loss_scaler import make_loss_scaler
 from .optimizer import PatrickStarOptimizer, build_param_groups
 from .parameter_values import ParameterValues
@@ -629,6 +629,8 @@ class PatrickStarEngine(nn.Module):
         return ModuleConfigView(self.ps_config, getattr(module, "config", None))
 
     def forward(self, *args, **kwargs):
+        if self.device.type != "cpu":  # Note [Inputs to the engine's device] in input_cast.py
+            args, kwargs = inputs_to_device((args, kwargs), self.device)
         fp16 = self.ps_config.fp16
         if fp16.enabled and fp16.auto_cast:  # Note [fp16 auto_cast] in input_cast.py
             args, kwargs = cast_floating_inputs((args, kwargs), torch.float16)

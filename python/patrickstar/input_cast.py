@@ -1,4 +1,14 @@
-"""DeepSpeed's `fp16.auto_cast`: the forward's floating-point inputs cast to fp16.
+"""The forward's inputs: moved to the engine's device, and with DeepSpeed's `fp16.auto_cast`
+the floating-point ones cast to fp16.
+
+Note [Inputs to the engine's device]
+The engine's parameters live on its device (the GPU of its local rank), so a batch the script
+left on the CPU fails in the first op ("Expected all tensors to be on the same device"). FSDP
+moves the root forward's tensor inputs to its device first, DeepSpeed's engine does not; a
+script written for either works when the engine moves them, so it does (tensors in nested lists,
+tuples and dicts, positional and keyword; a tensor already there is passed as it is). On a
+CPU build (and on the strict emulated device, where torch computes on the host) the device is
+the CPU and nothing moves.
 
 Note [fp16 auto_cast]
 With fp16 enabled the parameters are fp16, so an fp32 input fails in the first matmul ("mat1
@@ -12,19 +22,29 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["cast_floating_inputs"]
+__all__ = ["cast_floating_inputs", "inputs_to_device"]
 
 
-def cast_floating_inputs(value, dtype: torch.dtype):
-    """`value` with every floating-point tensor in it (nested lists, tuples, dicts) cast to
-    `dtype`; everything else as it is."""
+def _map_tensors(value, fn):
+    """`value` with `fn` applied to every tensor in it (nested lists, tuples, dicts)."""
     if isinstance(value, torch.Tensor):
-        return value.to(dtype) if value.is_floating_point() else value
+        return fn(value)
     if isinstance(value, dict):
-        return type(value)((key, cast_floating_inputs(item, dtype)) for key, item in value.items())
+        return type(value)((key, _map_tensors(item, fn)) for key, item in value.items())
     if isinstance(value, (list, tuple)):
-        items = [cast_floating_inputs(item, dtype) for item in value]
+        items = [_map_tensors(item, fn) for item in value]
         if hasattr(value, "_fields"):  # a namedtuple
             return type(value)(*items)
         return type(value)(items)
     return value
+
+
+def cast_floating_inputs(value, dtype: torch.dtype):
+    """`value` with every floating-point tensor in it cast to `dtype`; everything else as it
+    is (Note [fp16 auto_cast])."""
+    return _map_tensors(value, lambda t: t.to(dtype) if t.is_floating_point() else t)
+
+
+def inputs_to_device(value, device: torch.device):
+    """`value` with every tensor in it on `device` (Note [Inputs to the engine's device])."""
+    return _map_tensors(value, lambda t: t if t.device == device else t.to(device))

@@ -155,26 +155,57 @@ class ParallelGroups:
         coord = self.coord
         return self.topology.get_rank(pipe=stage, data=coord.data, tensor=coord.tensor)
 
-    def new_groups(self, rank_lists, purpose: str = "") -> object:
+    def new_groups(self, rank_lists, purpose: str = "", backend: str | None = None) -> object:
         """Builds one group per list (a world collective: every rank passes the same lists in
         the same order) and returns this rank's, None if it is in none. Cached by the lists
-        and `purpose` (a second set of groups over the same ranks needs its own)."""
+        and `purpose` (a second set of groups over the same ranks needs its own); `backend`:
+        the default group's when None."""
         key = (purpose,) + tuple(tuple(ranks) for ranks in rank_lists)
         if key not in self._extra:
             mine = None
             for ranks in key[1:]:
-                group = dist.new_group(list(ranks)) if dist.is_initialized() else None
+                group = dist.new_group(list(ranks), backend=backend) \
+                    if dist.is_initialized() else None
                 if self.rank in ranks:
                     mine = group
             self._extra[key] = mine
         return self._extra[key]
 
+    # Note [Host groups for the chunk collectives]
+    # Data parallelism's chunk collectives run on host memory (GroupCollectives on the host
+    # tier, over the shared-memory communicator or a process group's), and so do its small
+    # agreements. Under torchrun on GPUs the default group is NCCL (topology._world makes it so,
+    # and so do DeepSpeed's and most scripts' init_process_group("nccl")), which takes only
+    # device tensors: initialize() then failed ("the nccl communicator needs device memory").
+    # Where the data group's backend cannot take host tensors, data parallelism runs over gloo
+    # groups of the same ranks instead, built on every rank in the same order like every group
+    # (the decision depends only on the default group's backend, the same everywhere). Pipeline
+    # and tensor-parallel collectives keep the default group: they move device tensors.
+    def host_data_group(self) -> object:
+        """This rank's data-parallel group if it takes host tensors, else a gloo group of the
+        same ranks (Note [Host groups for the chunk collectives])."""
+        if self.data_group is None or takes_host_tensors(self.data_group):
+            return self.data_group
+        return self.new_groups(self.topology.get_axis_comm_lists("data"), purpose="host data",
+                               backend="gloo")
 
     def twin_data_group(self) -> object:
         """A second process group over this rank's data-parallel ranks: backward's gathers run
         on it, apart from the reduce-scatters (gather_schedule.py, Note [Resharding after
-        forward]). Built once per process, on every rank."""
-        return self.new_groups(self.topology.get_axis_comm_lists("data"), purpose="gathers")
+        forward]). Built once per process, on every rank; gloo where host_data_group is."""
+        backend = None if self.data_group is None or takes_host_tensors(self.data_group) \
+            else "gloo"
+        return self.new_groups(self.topology.get_axis_comm_lists("data"), purpose="gathers",
+                               backend=backend)
+
+
+def takes_host_tensors(group) -> bool:
+    """Whether collectives of `group` take CPU tensors: gloo or MPI, or a per-device backend
+    map with a CPU entry ("cpu:gloo,cuda:nccl"); not NCCL alone."""
+    backend = str(dist.get_backend(group)).lower()
+    if ":" in backend:
+        return any(part.strip().startswith("cpu:") for part in backend.split(","))
+    return backend in ("gloo", "mpi")
 
 
 _CURRENT: ParallelGroups | None = None
@@ -209,6 +240,10 @@ def _world(timeout: float) -> tuple[int, int]:
         return 1, 0
     if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            # Note [The current device is the local rank's] in chunk_runtime.py: before NCCL
+            # starts, or every rank's communicator starts on GPU 0.
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
     if not dist.is_initialized():
         return 1, 0

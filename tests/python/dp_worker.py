@@ -159,6 +159,8 @@ def main() -> None:
             model, _ = patrickstar.initialize(MLP, config={"default_chunk_size": 4096})
             wrapped = torch.nn.parallel.DistributedDataParallel(model)
             wrapped(torch.randn(8, 32), torch.randint(0, 10, (8,))).backward()
+        elif what[:1] == ["--nccl-world"]:
+            results.update(nccl_world(what[1:], rank, world))
         elif what[:1] == ["--checkpoint"]:
             from dp_checkpoint_worker import run
             results.update(run(out, what[1:], rank, world))
@@ -168,6 +170,30 @@ def main() -> None:
     except Exception as error:  # the test inspects it
         results.update(error_result(error))
     save_and_exit(out, rank, results)
+
+
+def nccl_world(names, rank: int, world: int) -> dict:
+    """The scenarios `names` with a default group that reports NCCL (as under torchrun on
+    GPUs): every group made without an explicit backend says "nccl", which takes no host
+    tensors, so data parallelism must run over gloo groups it makes itself (Note [Host groups
+    for the chunk collectives] in topology.py)."""
+    import torch.distributed as dist
+    explicit_gloo = []
+    real_new_group, real_get_backend = dist.new_group, dist.get_backend
+
+    def new_group(ranks=None, *args, backend=None, **kwargs):
+        group = real_new_group(ranks, *args, backend=backend, **kwargs)
+        if backend == "gloo":
+            explicit_gloo.append(group)
+        return group
+
+    def get_backend(group=None):
+        return real_get_backend(group) if any(group is g for g in explicit_gloo) else "nccl"
+
+    dist.new_group, dist.get_backend = new_group, get_backend
+    results = {name: train(name, rank, world) for name in names}
+    results["gloo_groups_made"] = len(explicit_gloo)
+    return results
 
 
 def discard_partial(rank: int, world: int, mode: str) -> dict:

@@ -326,6 +326,19 @@ def test_weights_changed_after_initialize_reach_every_rank(two_ranks, name):
     check_matches_reference(two_ranks, name)
 
 
+def test_a_default_group_that_takes_no_host_tensors_trains_over_gloo_groups(tmp_path):
+    # Note [Host groups for the chunk collectives]: under torchrun on GPUs the default group is
+    # NCCL, and initialize() failed ("the nccl communicator needs device memory"). The worker's
+    # default group reports NCCL; with and without resharding (its twin group for backward's
+    # gathers) the ranks must train as plain PyTorch does, over gloo groups of their own.
+    names = ["mlp", "gpt_tight"]
+    results = launch(tmp_path, 2, "--nccl-world", *names)
+    check_no_errors(results)
+    for name in names:
+        check_matches_reference(results, name)
+    assert all(result["gloo_groups_made"] == 2 for result in results)  # data group + twin
+
+
 @pytest.mark.parametrize("mode", ["sharded", "full"])
 def test_zero_grad_in_the_middle_of_an_accumulation_drops_it_on_every_rank(tmp_path, mode):
     results = launch(tmp_path, 2, "--discard-partial", mode)
