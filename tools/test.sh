@@ -76,7 +76,9 @@ if ((run_main)); then
   # Note [Strict device] (runtime/strict_device.h): the CUDA tiers, copy routes and stream
   # orderings on an emulated device where the host touching device memory crashes and device
   # work runs late. The C++ suite, and the engine's Python tests (initialize, budgets, prefetch,
-  # NVMe, data parallel, checkpoints, profile) plus the binding tests the engine stands on.
+  # NVMe, data parallel, checkpoints, profile, memory estimate, full gradients, fp16 scaling,
+  # bf16 without master, bf16/int8 state) plus the binding tests the engine stands on. Every
+  # other tests/python file passed there too (the sweep of 2026-11-26), about 30 minutes more.
   log "C++ tests on the strict emulated device (PATRICKSTAR_STRICT_DEVICE=1)"
   PATRICKSTAR_STRICT_DEVICE=1 run_ctest build
   log "Python engine tests on the strict emulated device (PATRICKSTAR_STRICT_DEVICE=1)"
@@ -87,7 +89,10 @@ if ((run_main)); then
     tests/python/test_dp_checkpoint.py tests/python/test_checkpoint.py \
     tests/python/test_profile.py tests/python/test_reliability.py \
     tests/python/test_parameter_slots.py tests/python/test_chunk_bindings.py \
-    tests/python/test_runtime.py tests/python/test_parameter_writes.py
+    tests/python/test_runtime.py tests/python/test_parameter_writes.py \
+    tests/python/test_estimator.py tests/python/test_full_grad.py \
+    tests/python/test_loss_scaling.py tests/python/test_bf16_no_master.py \
+    tests/python/test_state_dtype.py
   status=$?
   set -e
   if [ "$status" -eq 5 ]; then echo "[test] pytest collected no tests" >&2; exit 1; fi
