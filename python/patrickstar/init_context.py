@@ -44,6 +44,7 @@ import collections
 import contextlib
 import dataclasses
 import random
+import warnings
 import weakref
 from typing import Callable
 
@@ -142,7 +143,13 @@ def plan_parameters(model_func: Callable[[], nn.Module]) -> tuple[list[ParamSpec
             registrations.append(param)
 
     try:
-        with _preserved_rng(), _registration_hook(record), torch.device("meta"):
+        with _preserved_rng(), _registration_hook(record), torch.device("meta"), \
+                warnings.catch_warnings():
+            # A model_func that loads weights (load_state_dict) made torch warn once per
+            # parameter that copying into a meta parameter is a no-op: true of this planning
+            # pass only, whose weights are thrown away; the build into chunks loads them.
+            warnings.filterwarnings("ignore", message=".*copying from a non-meta parameter",
+                                    category=UserWarning)
             model = _call_model_func(model_func)
     except (RuntimeError, NotImplementedError, ValueError) as error:
         if "meta" not in str(error):

@@ -234,3 +234,25 @@ def test_hugging_face_resize_token_embeddings_inside_model_func():
     model.backward(loss)
     opt.step()
     model.destroy()
+
+
+def test_weights_loaded_inside_model_func_arrive_without_meta_warnings():
+    # The planning pass runs model_func on the meta device, where torch's load_state_dict warned
+    # once per parameter that "copying from a non-meta parameter ... is a no-op": 28 alarming
+    # warnings for a small Llama, though the engine's weights were the loaded ones.
+    torch.manual_seed(0)
+    source = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+    weights = source.state_dict()
+
+    def model_func():
+        model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+        model.load_state_dict(weights)
+        return model
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model, _ = patrickstar.initialize(
+            model_func, config={"optimizer": {"type": "Adam", "params": {"lr": 1e-3}}})
+    assert not [w for w in caught if "meta parameter" in str(w.message)]
+    for name, tensor in weights.items():
+        assert torch.equal(model.state_dict()[name], tensor), name
