@@ -239,6 +239,63 @@ def _refuse_auto(key: str, value: Any) -> None:
                          f"config as written, so give the value")
 
 
+# Note [Every key to change, in one error]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A config copied from Hugging Face's examples carries a dozen "auto" placeholders and a
+# zero_optimization section. Refusing them one at a time, as each parser meets them, took 14
+# edit-and-rerun rounds to port ds_config_zero3.json. Before parsing, the whole config is walked
+# once: every refused DeepSpeed section and every "auto" (outside refused sections, which go
+# as a whole) is named in one error. PatrickStar's own "auto" options are not placeholders.
+_OWN_AUTO_KEYS = {"default_chunk_size", "chunk_size", "parallel.remake_compute",
+                  "parallel.transport"}
+_AUTO_MESSAGE = ("\"auto\" is filled in by Hugging Face's Trainer before the config reaches "
+                 "DeepSpeed; PatrickStar-C++ reads the config as written, so give the value")
+
+
+def _auto_keys(value: Any, path: str) -> list[str]:
+    if isinstance(value, str) and value == "auto" and path not in _OWN_AUTO_KEYS:
+        return [path]
+    if isinstance(value, Mapping):
+        return [key for name, item in value.items()
+                for key in _auto_keys(item, f"{path}.{name}" if path else str(name))]
+    return []
+
+
+def _refuse_ported_keys(raw: Mapping[str, Any]) -> None:
+    """Raises one ValueError naming every refused DeepSpeed section and every "auto"
+    placeholder (Note [Every key to change, in one error])."""
+    problems = [f"config key '{name}' (DeepSpeed's) is not used by PatrickStar-C++: "
+                f"{_deepspeed_key_advice(name, raw[name])}; remove it"
+                for name in raw if name in _DEEPSPEED_KEYS]
+    autos = [key for name, value in raw.items() if name not in _DEEPSPEED_KEYS
+             for key in _auto_keys(value, str(name))]
+    if len(autos) == 1:
+        problems.append(f"config key '{autos[0]}': {_AUTO_MESSAGE}")
+    elif autos:
+        problems.append(f"config keys {', '.join(repr(key) for key in autos)}: "
+                        f"{_AUTO_MESSAGE} of each")
+    if problems:
+        raise ValueError("\n".join(problems))
+
+
+def _deepspeed_key_advice(name: str, value: Any) -> str:
+    """What to use instead of a refused DeepSpeed key; for zero_optimization's NVMe offload,
+    the memory.nvme.path its nvme_path becomes."""
+    advice = _DEEPSPEED_KEYS[name]
+    if name == "zero_optimization" and isinstance(value, Mapping):
+        paths = sorted({str(section.get("nvme_path")) for key in ("offload_param",
+                                                                  "offload_optimizer")
+                        for section in [value.get(key)]
+                        if isinstance(section, Mapping) and section.get("device") == "nvme"
+                        and section.get("nvme_path") is not None})
+        if paths:
+            advice += (f" (its NVMe offload is 'memory': {{'nvme': {{'path': {paths[0]!r}}}}}; "
+                       f"the stage and bucket settings have no counterpart)")
+        else:
+            advice += " (the stage, offload and bucket settings have no counterpart)"
+    return advice
+
+
 def _bool(key: str, value: Any) -> bool:
     _refuse_auto(key, value)
     if not isinstance(value, bool):
@@ -626,10 +683,7 @@ def load_config(config: Mapping[str, Any] | str | os.PathLike | None) -> Config:
         except json.JSONDecodeError as error:
             raise ValueError(f"config file '{path}' is not valid JSON: {error}") from None
     raw = _section("<config>", config)
-    for name in raw:
-        if name in _DEEPSPEED_KEYS:
-            raise ValueError(f"config key '{name}' (DeepSpeed's) is not used by PatrickStar-C++: "
-                             f"{_DEEPSPEED_KEYS[name]}; remove it")
+    _refuse_ported_keys(raw)
     _check_keys("", raw, set(_TOP_LEVEL))
 
     # Upstream's GUIDE calls default_chunk_size "chunk_size".

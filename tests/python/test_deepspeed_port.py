@@ -3,6 +3,8 @@ would: the engine's loop methods, its lr scheduler, its config's batch keys and 
 arguments (each compared with plain PyTorch, or refused naming what to use)."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from torch import nn
@@ -350,3 +352,59 @@ def test_deepspeed_engine_attributes_scripts_read():
     model, _ = patrickstar.initialize(MLP, config())
     assert model.train_batch_size() is None and model.global_samples is None
     model.destroy()
+
+
+# Hugging Face's examples/deepspeed ds_config_zero3.json, as users copy it.
+HF_ZERO3 = {
+    "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000,
+             "initial_scale_power": 16, "hysteresis": 2, "min_loss_scale": 1},
+    "bf16": {"enabled": "auto"},
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                             "weight_decay": "auto"}},
+    "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto",
+                                                "warmup_max_lr": "auto",
+                                                "warmup_num_steps": "auto"}},
+    "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+                          "offload_param": {"device": "cpu", "pin_memory": True},
+                          "overlap_comm": True, "contiguous_gradients": True,
+                          "sub_group_size": 1e9, "reduce_bucket_size": "auto",
+                          "stage3_prefetch_bucket_size": "auto",
+                          "stage3_param_persistence_threshold": "auto",
+                          "stage3_max_live_parameters": 1e9, "stage3_max_reuse_distance": 1e9,
+                          "stage3_gather_16bit_weights_on_model_save": True},
+    "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "steps_per_print": 2000,
+    "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+    "wall_clock_breakdown": False,
+}
+HF_ZERO3_AUTO_KEYS = [
+    "fp16.enabled", "bf16.enabled", "optimizer.params.lr", "optimizer.params.betas",
+    "optimizer.params.eps", "optimizer.params.weight_decay", "scheduler.params.warmup_min_lr",
+    "scheduler.params.warmup_max_lr", "scheduler.params.warmup_num_steps",
+    "gradient_accumulation_steps", "gradient_clipping", "train_batch_size",
+    "train_micro_batch_size_per_gpu"]
+
+
+def test_hugging_face_config_names_every_key_to_change_in_one_error(tmp_path):
+    """Hugging Face's ds_config_zero3.json took 14 runs to port: each run refused one key
+    (zero_optimization, then each "auto" in turn). One error now names them all, as a dict
+    and as a JSON file; "auto" inside the refused zero_optimization is not listed again."""
+    path = tmp_path / "ds_config_zero3.json"
+    path.write_text(json.dumps(HF_ZERO3))
+    for given in (HF_ZERO3, str(path)):
+        with pytest.raises(ValueError) as error:
+            patrickstar.load_config(given)
+        message = str(error.value)
+        assert "'zero_optimization' (DeepSpeed's)" in message
+        assert "Hugging Face's Trainer" in message
+        for key in HF_ZERO3_AUTO_KEYS:
+            assert f"'{key}'" in message, (key, message)
+        assert "reduce_bucket_size" not in message
+    # PatrickStar's own "auto" options are not Trainer placeholders.
+    assert patrickstar.load_config({"default_chunk_size": "auto", "parallel": {
+        "remake_compute": "auto", "transport": "auto"}}).default_chunk_size is None
+    # deepspeed.ai's ZeRO-Infinity config: its nvme_path is translated, aio named too.
+    infinity = {"zero_optimization": {"stage": 3, "offload_param": {
+        "device": "nvme", "nvme_path": "/local_nvme", "pin_memory": True}},
+        "aio": {"block_size": 262144, "queue_depth": 32}}
+    with pytest.raises(ValueError, match="(?s)'memory': {'nvme': {'path': '/local_nvme'}}.*'aio'"):
+        patrickstar.load_config(infinity)
