@@ -448,6 +448,50 @@ def _parse_scheduler(raw: Any) -> SchedulerConfig:
     return SchedulerConfig(type=kind, params=params)
 
 
+# Note [DeepSpeed's Adam decouples its weight decay]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# DeepSpeed's engine builds "type": "Adam" as AdamW unless `adam_w_mode` is false ("Optimizer
+# name of Adam forces AdamW logic unless adam_w_mode is explicitly set", its default is true),
+# while torch.optim.Adam and upstream PatrickStar's FP16Adam add the decay to the gradient
+# (L2). Both kinds of config say "Adam", so the key decides: adam_w_mode true trains AdamW,
+# false Adam, and without it "Adam" stays L2 (upstream scripts keep their numbers) with a
+# warning when there is a decay for the difference to act on. "AdamW" with adam_w_mode false
+# is decoupled in DeepSpeed regardless; it is refused rather than guessed. `torch_adam` picks
+# DeepSpeed's implementation (torch's or its fused/CPU kernels) and changes no formula, only
+# AdamW's default weight_decay: torch's 1e-2 (kept here) against DeepSpeed's kernels' 0, so an
+# AdamW config without the key warns unless torch_adam is true.
+def _adam_kind(kind: str, params: Mapping[str, Any]) -> str:
+    if "torch_adam" in params:
+        _bool("optimizer.params.torch_adam", params["torch_adam"])
+    if "adam_w_mode" not in params:
+        return kind
+    decoupled = _bool("optimizer.params.adam_w_mode", params["adam_w_mode"])
+    if kind.lower() == "adamw" and not decoupled:
+        raise ValueError("config keys 'optimizer.type' ('AdamW') and "
+                         "'optimizer.params.adam_w_mode' (false) disagree: DeepSpeed trains "
+                         "AdamW (decoupled weight decay) regardless; for L2 weight decay set "
+                         "'type': 'Adam', else remove adam_w_mode")
+    return "AdamW" if decoupled else "Adam"
+
+
+def _warn_undecided_adam_decay(kind: str, params: Mapping[str, Any], weight_decay: float):
+    """Note [DeepSpeed's Adam decouples its weight decay]."""
+    if kind.lower() == "adamw" and "weight_decay" not in params and \
+            params.get("torch_adam") is not True:
+        warnings.warn(
+            f"patrickstar: config 'optimizer': 'AdamW' without 'weight_decay' decays by "
+            f"{weight_decay:g}, torch.optim.AdamW's default; DeepSpeed's own Adam kernels (used "
+            f"unless 'torch_adam' is true) default to 0. Give 'optimizer.params.weight_decay' "
+            f"to choose and silence this", UserWarning, stacklevel=4)
+    if kind.lower() == "adam" and weight_decay > 0 and "adam_w_mode" not in params:
+        warnings.warn(
+            f"patrickstar: config 'optimizer': 'Adam' with weight_decay {weight_decay:g} adds the "
+            f"decay to the gradient (L2), as torch.optim.Adam and upstream PatrickStar do; "
+            f"DeepSpeed decouples it (AdamW) unless 'optimizer.params.adam_w_mode' is false. "
+            f"Set 'optimizer.params.adam_w_mode' (true: DeepSpeed's AdamW, false: L2) to choose "
+            f"and silence this", UserWarning, stacklevel=4)
+
+
 def _parse_optimizer(raw: Any) -> OptimizerConfig:
     section = _section("optimizer", raw)
     _check_keys("optimizer", section, {"type", "params"})
@@ -465,9 +509,14 @@ def _parse_optimizer(raw: Any) -> OptimizerConfig:
                              f"letter cases")
         lowered[key] = value
     params = lowered
+    if "max_grad_norm" in params:  # DeepSpeed refuses it too, naming the same key
+        raise ValueError("config key 'optimizer.params.max_grad_norm': clipping is the "
+                         "top-level 'gradient_clipping' (the global norm, as DeepSpeed's); move "
+                         "the value there")
     _check_keys("optimizer.params", params,
                 {"lr", "betas", "eps", "weight_decay", "use_hybrid_adam", "amsgrad",
-                 "bias_correction", "state_dtype"})
+                 "bias_correction", "state_dtype", "adam_w_mode", "torch_adam"})
+    written_kind, kind = kind, _adam_kind(kind, params)
     defaults = OptimizerConfig()
     betas = params.get("betas", defaults.betas)
     _refuse_auto("optimizer.params.betas", betas)
@@ -489,17 +538,19 @@ def _parse_optimizer(raw: Any) -> OptimizerConfig:
     if params.get("bias_correction", True) is not True:
         raise ValueError("config key 'optimizer.params.bias_correction': only true is "
                          "supported (as torch.optim.Adam)")
+    # torch.optim.AdamW defaults to weight_decay=1e-2 (Adam to 0); DeepSpeed's kernels to 0
+    # (Note [DeepSpeed's Adam decouples its weight decay]: a warning says so).
+    weight_decay = _number("optimizer.params.weight_decay",
+                           params.get("weight_decay", 1e-2 if written_kind.lower() == "adamw"
+                                      else defaults.weight_decay), minimum=0.0)
+    _warn_undecided_adam_decay(written_kind, params, weight_decay)
     return OptimizerConfig(
         type=kinds[kind.lower()],
         lr=_number("optimizer.params.lr", params.get("lr", defaults.lr), minimum=0.0),
         betas=betas,
         eps=_number("optimizer.params.eps", params.get("eps", defaults.eps), minimum=0.0,
                     strict=True),
-        # torch.optim.AdamW defaults to weight_decay=1e-2 (Adam to 0), and DeepSpeed builds the
-        # torch optimizer from these params, so an AdamW config without the key means 1e-2.
-        weight_decay=_number("optimizer.params.weight_decay",
-                             params.get("weight_decay", 1e-2 if kind.lower() == "adamw"
-                                        else defaults.weight_decay), minimum=0.0),
+        weight_decay=weight_decay,
         use_hybrid_adam=_bool("optimizer.params.use_hybrid_adam",
                               params.get("use_hybrid_adam", defaults.use_hybrid_adam)),
         state_dtype=state_dtype,

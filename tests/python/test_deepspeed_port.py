@@ -4,6 +4,7 @@ arguments (each compared with plain PyTorch, or refused naming what to use)."""
 from __future__ import annotations
 
 import json
+import warnings
 
 import pytest
 import torch
@@ -408,3 +409,70 @@ def test_hugging_face_config_names_every_key_to_change_in_one_error(tmp_path):
         "aio": {"block_size": 262144, "queue_depth": 32}}
     with pytest.raises(ValueError, match="(?s)'memory': {'nvme': {'path': '/local_nvme'}}.*'aio'"):
         patrickstar.load_config(infinity)
+
+
+def _adam_losses(opt_class, data):
+    torch.manual_seed(0)
+    model = MLP()
+    opt = opt_class(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+    losses = []
+    for x, y in data:
+        loss = model(x, y)
+        losses.append(loss.item())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
+@pytest.mark.parametrize("adam_w_mode,reference", [(True, torch.optim.AdamW),
+                                                    (False, torch.optim.Adam)])
+def test_deepspeed_adam_w_mode_chooses_the_weight_decay(adam_w_mode, reference):
+    """DeepSpeed's "Adam" takes adam_w_mode (default true: decoupled weight decay, as AdamW)
+    and torch_adam; both were unknown keys here, so DeepSpeed-Chat's and Megatron-DeepSpeed's
+    configs were refused. adam_w_mode now chooses the decay; torch_adam (which implementation)
+    changes nothing."""
+    data = batches(4)
+    torch.manual_seed(0)
+    cfg = {"optimizer": {"type": "Adam", "params": {
+        "lr": 1e-2, "weight_decay": 0.1, "adam_w_mode": adam_w_mode, "torch_adam": True}}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the choice is explicit: no warning
+        model, _ = patrickstar.initialize(MLP, cfg)
+    assert_close(deepspeed_steps(model, data), _adam_losses(reference, data))
+    model.destroy()
+
+
+def test_deepspeed_adam_with_weight_decay_warns_that_deepspeed_would_decouple_it():
+    """A DeepSpeed config's "Adam" with weight_decay trains as AdamW under DeepSpeed
+    (adam_w_mode defaults to true) but as torch.optim.Adam (L2) here and in upstream
+    PatrickStar: the run trained differently without a word. It still trains as L2 (upstream
+    scripts keep their numbers) and the warning names adam_w_mode."""
+    cfg = {"optimizer": {"type": "Adam", "params": {"lr": 1e-2, "weight_decay": 0.1}}}
+    with pytest.warns(UserWarning, match="optimizer.params.adam_w_mode"):
+        loaded = patrickstar.load_config(cfg)
+    assert not loaded.optimizer.decoupled_weight_decay
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no decay, nothing to choose
+        patrickstar.load_config({"optimizer": {"type": "Adam", "params": {"lr": 1e-2}}})
+    with pytest.raises(ValueError, match="'optimizer.params.adam_w_mode': expected true or fa"):
+        patrickstar.load_config({"optimizer": {"params": {"adam_w_mode": "yes"}}})
+    with pytest.raises(ValueError, match="'optimizer.params.adam_w_mode'.*disagree"):
+        patrickstar.load_config({"optimizer": {"type": "AdamW", "params": {
+            "adam_w_mode": False}}})
+    with pytest.raises(ValueError, match="'optimizer.params.max_grad_norm'.*'gradient_clipping'"):
+        patrickstar.load_config({"optimizer": {"params": {"max_grad_norm": 1.0}}})
+
+
+def test_deepspeed_adamw_without_weight_decay_warns_that_deepspeed_defaults_to_zero():
+    """DeepSpeed's "AdamW" runs its fused/CPU kernels, whose weight_decay defaults to 0;
+    torch.optim.AdamW's (kept here) is 1e-2, so a ported config decayed without a word."""
+    with pytest.warns(UserWarning, match="'optimizer.params.weight_decay'"):
+        assert patrickstar.load_config({"optimizer": {"type": "AdamW"}}).optimizer.weight_decay \
+            == 1e-2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch's AdamW asked for, or the decay given
+        patrickstar.load_config({"optimizer": {"type": "AdamW", "params": {"torch_adam": True}}})
+        patrickstar.load_config({"optimizer": {"type": "AdamW", "params": {"weight_decay": 0}}})
+        assert patrickstar.load_config({"optimizer": {"type": "Adam", "params": {
+            "adam_w_mode": True}}}).optimizer.weight_decay == 0
