@@ -214,7 +214,7 @@ def test_deepspeed_initialize_keywords_work_or_name_what_to_use():
     for name, value, says in [("model_parameters", [], "param_groups="),
                               ("training_data", [], "DataLoader"),
                               ("optimizer", None, "config 'optimizer'"),
-                              ("args", None, "config="), ("mpu", None, "parallel"),
+                              ("mpu", None, "parallel"),
                               ("collate_fn", None, "DataLoader"),
                               ("dist_init_required", True, "torchrun")]:
         with pytest.raises(TypeError, match=f"initialize\\({name}=...\\) is DeepSpeed's.*{says}"):
@@ -476,3 +476,29 @@ def test_deepspeed_adamw_without_weight_decay_warns_that_deepspeed_defaults_to_z
         patrickstar.load_config({"optimizer": {"type": "AdamW", "params": {"weight_decay": 0}}})
         assert patrickstar.load_config({"optimizer": {"type": "Adam", "params": {
             "adam_w_mode": True}}}).optimizer.weight_decay == 0
+
+
+def test_deepspeed_command_line_config_is_read_from_args(tmp_path):
+    """DeepSpeed's scripts parse `--deepspeed --deepspeed_config ds_config.json` with
+    `deepspeed.add_config_arguments(parser)` and call `initialize(args=args, ...)`; both failed
+    here (no add_config_arguments; args refused even when it carries the config). Now
+    `patrickstar.add_config_arguments` adds the flags and args.deepspeed_config is the config,
+    which trains as the same config passed directly."""
+    import argparse
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(config()))
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--local_rank", type=int, default=-1)
+    parser = patrickstar.add_config_arguments(parser)
+    args = parser.parse_args(["--deepspeed", "--deepspeed_config", str(path)])
+    data = batches(4)
+    ref_losses, _, _ = torch_run(data, 2, 0.5)
+    torch.manual_seed(0)
+    model, _ = patrickstar.initialize(args=args, model=MLP())
+    assert_close(deepspeed_steps(model, data), ref_losses)
+    model.destroy()
+    with pytest.raises(TypeError, match="config= and args.deepspeed_config.*both"):
+        patrickstar.initialize(MLP, config(), args=args)
+    without = parser.parse_args([])
+    with pytest.raises(TypeError, match="initialize\\(args=...\\).*no deepspeed_config"):
+        patrickstar.initialize(MLP, args=without)
