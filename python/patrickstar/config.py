@@ -375,7 +375,23 @@ _DEEPSPEED_KEYS = {
     "aio": "memory.nvme: {path, queue_depth, block_size}",
     "activation_checkpointing": "use torch.utils.checkpoint inside the model",
     "amp": "bf16: {enabled: true} or fp16: {enabled: true}",
+    "data_types": "PatrickStar-C++ has no setting for the dtype gradients are accumulated in",
+    "elasticity": "give train_batch_size and train_micro_batch_size_per_gpu for the world "
+                  "size you launch with torchrun",
+    "curriculum_learning": "order or shorten the samples in your own data loader",
+    "data_efficiency": "sample and route the data in your own data loader",
+    "compression_training": "PatrickStar-C++ has no quantization- or pruning-aware training",
+    "pipeline": "config 'parallel': {pipeline, schedule} with a patrickstar.pipe.PipelineModule "
+                "(docs/parallelism.md)",
 }
+
+
+def _disabled(key: str, value: Any) -> None:
+    """A DeepSpeed section that is accepted only switched off (`enabled: false`)."""
+    section = _section(key, value)
+    if _bool(f"{key}.enabled", section.get("enabled", False)):
+        raise ValueError(f"config key '{key}.enabled': DeepSpeed's {key} has no counterpart in "
+                         f"PatrickStar-C++; set it to false or remove the section")
 
 
 # Note [DeepSpeed keys without an effect here]
@@ -417,6 +433,12 @@ _DEEPSPEED_NO_EFFECT: dict[str, Callable[[str, Any], None]] = {
     "gradient_predivide_factor": _positive_number,
     # Sparse embedding gradients are summed to the same dense values.
     "sparse_gradients": _bool,
+    # Logging and tooling sections (DeepSpeed's communication logger, its autotuner launcher,
+    # its own checkpoint files' options), and DeepSpeed-Chat's generation engine switched off.
+    "comms_logger": _object,
+    "autotuning": _object,
+    "checkpoint": _object,
+    "hybrid_engine": _disabled,
 }
 _PRECISION_NAMES = {"fp32": ("fp32", "float32", "float"), "fp16": ("fp16", "float16", "half"),
                     "bf16": ("bf16", "bfloat16")}

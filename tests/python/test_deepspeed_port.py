@@ -502,3 +502,41 @@ def test_deepspeed_command_line_config_is_read_from_args(tmp_path):
     without = parser.parse_args([])
     with pytest.raises(TypeError, match="initialize\\(args=...\\).*no deepspeed_config"):
         patrickstar.initialize(MLP, args=without)
+
+
+@pytest.mark.parametrize("key,value,says", [
+    ("data_types", {"grad_accum_dtype": "fp32"}, "no setting for the dtype gradients"),
+    ("elasticity", {"enabled": True, "max_train_batch_size": 64}, "train_batch_size"),
+    ("curriculum_learning", {"enabled": True}, "data loader"),
+    ("data_efficiency", {"enabled": True}, "data loader"),
+    ("compression_training", {"weight_quantization": {}}, "no quantization"),
+    ("pipeline", {"pipe_partitioned": True}, "'parallel': {pipeline, schedule}"),
+    ("hybrid_engine", {"enabled": True}, ".enabled': DeepSpeed's hybrid_engine.*set it to false"),
+])
+def test_other_deepspeed_sections_are_refused_saying_what_to_do(key, value, says):
+    """These sections of real ds_configs (DeepSpeed-Chat's hybrid_engine, Megatron-DeepSpeed's
+    data_efficiency, grad_accum_dtype) failed as "unknown config key" with a list of ours,
+    saying nothing about what to do."""
+    with pytest.raises(ValueError, match=f"'{key}.*{says}"):
+        patrickstar.load_config({key: value})
+
+
+def test_deepspeed_chat_config_loads_with_its_tooling_sections_named_as_without_effect():
+    """DeepSpeed-Chat's training config (zero_optimization removed) carries hybrid_engine
+    switched off, tensorboard, and DeepSpeed's comms_logger / checkpoint options: accepted,
+    named in the one warning."""
+    chat = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "steps_per_print": 10,
+            "bf16": {"enabled": True}, "gradient_clipping": 1.0, "prescale_gradients": False,
+            "wall_clock_breakdown": False,
+            "hybrid_engine": {"enabled": False, "max_out_tokens": 512, "inference_tp_size": 1,
+                              "release_inference_cache": False, "pin_parameters": True,
+                              "tp_gather_partition_size": 8},
+            "tensorboard": {"enabled": False, "output_path": "logs/", "job_name": "step1"},
+            "comms_logger": {"enabled": True, "verbose": False, "prof_all": True},
+            "checkpoint": {"tag_validation": "Warn"}, "autotuning": {"enabled": False}}
+    with pytest.warns(UserWarning, match="no effect") as record:
+        loaded = patrickstar.load_config(chat)
+    warned = next(str(w.message) for w in record if "no effect" in str(w.message))
+    for key in ("hybrid_engine", "comms_logger", "checkpoint", "autotuning", "tensorboard"):
+        assert key in warned
+    assert loaded.bf16_enabled and loaded.train_batch_size == 8
