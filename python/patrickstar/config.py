@@ -742,6 +742,20 @@ def _optional_positive_int(raw: Mapping[str, Any], key: str) -> int | None:
     return _number(key, raw[key], minimum=1, integer=True)
 
 
+class _DuplicateKey(Exception):
+    pass
+
+
+def _without_duplicates(pairs: list[tuple[str, Any]]) -> dict:
+    """json's object hook: a key given twice in one object raises (json keeps the last)."""
+    result = {}
+    for key, value in pairs:
+        if key in result:
+            raise _DuplicateKey(key)
+        result[key] = value
+    return result
+
+
 def load_config(config: Mapping[str, Any] | str | os.PathLike | None) -> Config:
     """Parses and validates `config` (a dict, a JSON file path, or None for the defaults)."""
     if config is None:
@@ -750,11 +764,15 @@ def load_config(config: Mapping[str, Any] | str | os.PathLike | None) -> Config:
         path = os.fspath(config)
         try:
             with open(path, encoding="utf-8") as handle:
-                config = json.load(handle)
+                config = json.load(handle, object_pairs_hook=_without_duplicates)
         except FileNotFoundError:
             raise FileNotFoundError(f"config file '{path}' does not exist") from None
         except json.JSONDecodeError as error:
             raise ValueError(f"config file '{path}' is not valid JSON: {error}") from None
+        except _DuplicateKey as error:
+            raise ValueError(f"config file '{path}': duplicate key {error.args[0]!r} (json "
+                             f"would keep the last value silently; DeepSpeed refuses it too); "
+                             f"keep one") from None
     raw = _section("<config>", config)
     _refuse_ported_keys(raw)
     _check_keys("", raw, set(_TOP_LEVEL))
