@@ -101,8 +101,11 @@ def add_config_arguments(parser):
 
 def _config_from_args(args, config):
     """The config a DeepSpeed script gives as `initialize(args=args)`: its deepspeed_config
-    (add_config_arguments's flag). DeepSpeed refuses it alongside config= too."""
+    (add_config_arguments's flag), or config= when args has none. DeepSpeed refuses both
+    together too."""
     path = getattr(args, "deepspeed_config", None)
+    if path is None and config is not None:
+        return config  # DeepSpeed-Chat's call: the rest of args does not reach training
     if path is None:
         raise TypeError("initialize(args=...) is DeepSpeed's: args has no deepspeed_config (the "
                         "--deepspeed_config flag of patrickstar.add_config_arguments(parser)); "

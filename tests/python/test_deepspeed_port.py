@@ -502,6 +502,12 @@ def test_deepspeed_command_line_config_is_read_from_args(tmp_path):
     without = parser.parse_args([])
     with pytest.raises(TypeError, match="initialize\\(args=...\\).*no deepspeed_config"):
         patrickstar.initialize(MLP, args=without)
+    # DeepSpeed-Chat's call: args parsed with add_config_arguments but no --deepspeed_config,
+    # the config passed as config=; DeepSpeed reads the config and nothing else from args.
+    torch.manual_seed(0)
+    model, _ = patrickstar.initialize(model=MLP(), args=without, config=config())
+    assert_close(deepspeed_steps(model, data), ref_losses)
+    model.destroy()
 
 
 @pytest.mark.parametrize("key,value,says", [
