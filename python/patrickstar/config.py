@@ -245,7 +245,8 @@ def _refuse_auto(key: str, value: Any) -> None:
 # zero_optimization section. Refusing them one at a time, as each parser meets them, took 14
 # edit-and-rerun rounds to port ds_config_zero3.json. Before parsing, the whole config is walked
 # once: every refused DeepSpeed section and every "auto" (outside refused sections, which go
-# as a whole) is named in one error. PatrickStar's own "auto" options are not placeholders.
+# as a whole) is named in one error, with the unknown top-level keys. PatrickStar's own "auto"
+# options are not placeholders, nor is "auto" inside a section we do not read.
 _OWN_AUTO_KEYS = {"default_chunk_size", "chunk_size", "parallel.remake_compute",
                   "parallel.transport"}
 _AUTO_MESSAGE = ("\"auto\" is filled in by Hugging Face's Trainer before the config reaches "
@@ -267,7 +268,12 @@ def _refuse_ported_keys(raw: Mapping[str, Any]) -> None:
     problems = [f"config key '{name}' (DeepSpeed's) is not used by PatrickStar-C++: "
                 f"{_deepspeed_key_advice(name, raw[name])}; remove it"
                 for name in raw if name in _DEEPSPEED_KEYS]
-    autos = [key for name, value in raw.items() if name not in _DEEPSPEED_KEYS
+    unknown = [name for name in raw if name not in _DEEPSPEED_KEYS and name not in _TOP_LEVEL]
+    if unknown:
+        problems.append(_unknown_keys_message("", unknown, set(_TOP_LEVEL)))
+    # Only sections read here: another framework's "auto" (ColossalAI's placement policy) is
+    # no Trainer placeholder.
+    autos = [key for name, value in raw.items() if name in _TOP_LEVEL
              for key in _auto_keys(value, str(name))]
     if len(autos) == 1:
         problems.append(f"config key '{autos[0]}': {_AUTO_MESSAGE}")
@@ -341,14 +347,22 @@ def _section(key: str, value: Any) -> Mapping[str, Any]:
     return value
 
 
+def _unknown_keys_message(key: str, names: list[str], known: set[str]) -> str:
+    """'unknown config key(s) ...' naming each of `names` (with a close match if any)."""
+    named = []
+    for name in names:
+        close = difflib.get_close_matches(str(name), sorted(known), n=1, cutoff=0.6)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        named.append(f"'{key}.{name}'{hint}" if key else f"'{name}'{hint}")
+    plural = "s" if len(named) > 1 else ""
+    return (f"unknown config key{plural} {', '.join(named)} (known keys here: "
+            f"{', '.join(sorted(known))})")
+
+
 def _check_keys(key: str, section: Mapping[str, Any], known: set[str]) -> None:
-    for name in section:
-        if name not in known:
-            path = f"{key}.{name}" if key else name
-            choices = ", ".join(sorted(known))
-            close = difflib.get_close_matches(str(name), sorted(known), n=1, cutoff=0.6)
-            hint = f"; did you mean '{close[0]}'?" if close else ""
-            raise ValueError(f"unknown config key '{path}'{hint} (known keys here: {choices})")
+    unknown = [name for name in section if name not in known]
+    if unknown:
+        raise ValueError(_unknown_keys_message(key, unknown, known))
 
 
 # Keys of PatrickStar's config that are accepted for compatibility but change nothing here.

@@ -546,3 +546,23 @@ def test_deepspeed_chat_config_loads_with_its_tooling_sections_named_as_without_
     for key in ("hybrid_engine", "comms_logger", "checkpoint", "autotuning", "tensorboard"):
         assert key in warned
     assert loaded.bf16_enabled and loaded.train_batch_size == 8
+
+
+def test_a_foreign_config_names_all_its_unknown_keys_and_no_trainer_placeholder():
+    """A ColossalAI-style dict: its zero section's tensor_placement_policy "auto" (ColossalAI's
+    own option) was reported as a Hugging Face Trainer placeholder, then each unknown key took
+    one more run. Unknown top-level keys are now named together (with close matches), and
+    "auto" only counts inside sections we read."""
+    colossal = {"BATCH_SIZE": 8, "fp16": {"enabled": True},
+                "zero": {"model_config": {"tensor_placement_policy": "auto"}},
+                "gradient_accumulation": 4, "clip_grad_norm": 1.0}
+    with pytest.raises(ValueError) as error:
+        patrickstar.load_config(colossal)
+    message = str(error.value)
+    assert "Hugging Face" not in message
+    for key in ("'BATCH_SIZE'", "'zero'", "'clip_grad_norm'",
+                "'gradient_accumulation'; did you mean 'gradient_accumulation_steps'?"):
+        assert key in message, (key, message)
+    # With HF placeholders elsewhere, both are named in the same error.
+    with pytest.raises(ValueError, match="(?s)'zero'.*'gradient_clipping': \"auto\""):
+        patrickstar.load_config({"zero": {}, "gradient_clipping": "auto"})
