@@ -512,7 +512,7 @@ def test_deepspeed_command_line_config_is_read_from_args(tmp_path):
 
 @pytest.mark.parametrize("key,value,says", [
     ("data_types", {"grad_accum_dtype": "fp32"}, "no setting for the dtype gradients"),
-    ("elasticity", {"enabled": True, "max_train_batch_size": 64}, "train_batch_size"),
+    ("elasticity", {"enabled": True, "max_train_batch_size": 64}, "for the world size you"),
     ("curriculum_learning", {"enabled": True}, "data loader"),
     ("data_efficiency", {"enabled": True}, "data loader"),
     ("compression_training", {"weight_quantization": {}}, "no quantization"),
