@@ -19,6 +19,7 @@ from .estimator import estimate_memory  # noqa: E402
 from .external_params import (register_external_parameter,  # noqa: E402
                               unregister_external_parameter)
 from .full_grad import safe_get_full_grad  # noqa: E402
+from .deepspeed_arguments import add_config_arguments  # noqa: E402
 from .initializer import initialize, initialize_engine  # noqa: E402
 from .profiling.recorder import Profiler, profile  # noqa: E402
 
@@ -27,6 +28,6 @@ __version__ = "0.1.0"
 _upstream.install()  # upstream-only module names fail with what to use instead
 
 __all__ = ["ChunkOutOfMemoryError", "ChunkRuntimeError", "Config", "PatrickStarEngine",
-           "Profiler", "estimate_memory", "initialize", "initialize_engine", "load_config",
-           "profile", "register_external_parameter", "safe_get_full_grad",
-           "unregister_external_parameter", "__version__"]
+           "Profiler", "add_config_arguments", "estimate_memory", "initialize",
+           "initialize_engine", "load_config", "profile", "register_external_parameter",
+           "safe_get_full_grad", "unregister_external_parameter", "__version__"]

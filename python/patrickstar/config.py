@@ -239,6 +239,69 @@ def _refuse_auto(key: str, value: Any) -> None:
                          f"config as written, so give the value")
 
 
+# Note [Every key to change, in one error]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A config copied from Hugging Face's examples carries a dozen "auto" placeholders and a
+# zero_optimization section. Refusing them one at a time, as each parser meets them, took 14
+# edit-and-rerun rounds to port ds_config_zero3.json. Before parsing, the whole config is walked
+# once: every refused DeepSpeed section and every "auto" (outside refused sections, which go
+# as a whole) is named in one error, with the unknown top-level keys. PatrickStar's own "auto"
+# options are not placeholders, nor is "auto" inside a section we do not read.
+_OWN_AUTO_KEYS = {"default_chunk_size", "chunk_size", "parallel.remake_compute",
+                  "parallel.transport"}
+_AUTO_MESSAGE = ("\"auto\" is filled in by Hugging Face's Trainer before the config reaches "
+                 "DeepSpeed; PatrickStar-C++ reads the config as written, so give the value")
+
+
+def _auto_keys(value: Any, path: str) -> list[str]:
+    if isinstance(value, str) and value == "auto" and path not in _OWN_AUTO_KEYS:
+        return [path]
+    if isinstance(value, Mapping):
+        return [key for name, item in value.items()
+                for key in _auto_keys(item, f"{path}.{name}" if path else str(name))]
+    return []
+
+
+def _refuse_ported_keys(raw: Mapping[str, Any]) -> None:
+    """Raises one ValueError naming every refused DeepSpeed section and every "auto"
+    placeholder (Note [Every key to change, in one error])."""
+    problems = [f"config key '{name}' (DeepSpeed's) is not used by PatrickStar-C++: "
+                f"{_deepspeed_key_advice(name, raw[name])}; remove it"
+                for name in raw if name in _DEEPSPEED_KEYS]
+    unknown = [name for name in raw if name not in _DEEPSPEED_KEYS and name not in _TOP_LEVEL]
+    if unknown:
+        problems.append(_unknown_keys_message("", unknown, set(_TOP_LEVEL)))
+    # Only sections read here: another framework's "auto" (ColossalAI's placement policy) is
+    # no Trainer placeholder.
+    autos = [key for name, value in raw.items() if name in _TOP_LEVEL
+             for key in _auto_keys(value, str(name))]
+    if len(autos) == 1:
+        problems.append(f"config key '{autos[0]}': {_AUTO_MESSAGE}")
+    elif autos:
+        problems.append(f"config keys {', '.join(repr(key) for key in autos)}: "
+                        f"{_AUTO_MESSAGE} of each")
+    if problems:
+        raise ValueError("\n".join(problems))
+
+
+def _deepspeed_key_advice(name: str, value: Any) -> str:
+    """What to use instead of a refused DeepSpeed key; for zero_optimization's NVMe offload,
+    the memory.nvme.path its nvme_path becomes."""
+    advice = _DEEPSPEED_KEYS[name]
+    if name == "zero_optimization" and isinstance(value, Mapping):
+        paths = sorted({str(section.get("nvme_path")) for key in ("offload_param",
+                                                                  "offload_optimizer")
+                        for section in [value.get(key)]
+                        if isinstance(section, Mapping) and section.get("device") == "nvme"
+                        and section.get("nvme_path") is not None})
+        if paths:
+            advice += (f" (its NVMe offload is 'memory': {{'nvme': {{'path': {paths[0]!r}}}}}; "
+                       f"the stage and bucket settings have no counterpart)")
+        else:
+            advice += " (the stage, offload and bucket settings have no counterpart)"
+    return advice
+
+
 def _bool(key: str, value: Any) -> bool:
     _refuse_auto(key, value)
     if not isinstance(value, bool):
@@ -284,14 +347,22 @@ def _section(key: str, value: Any) -> Mapping[str, Any]:
     return value
 
 
+def _unknown_keys_message(key: str, names: list[str], known: set[str]) -> str:
+    """'unknown config key(s) ...' naming each of `names` (with a close match if any)."""
+    named = []
+    for name in names:
+        close = difflib.get_close_matches(str(name), sorted(known), n=1, cutoff=0.6)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        named.append(f"'{key}.{name}'{hint}" if key else f"'{name}'{hint}")
+    plural = "s" if len(named) > 1 else ""
+    return (f"unknown config key{plural} {', '.join(named)} (known keys here: "
+            f"{', '.join(sorted(known))})")
+
+
 def _check_keys(key: str, section: Mapping[str, Any], known: set[str]) -> None:
-    for name in section:
-        if name not in known:
-            path = f"{key}.{name}" if key else name
-            choices = ", ".join(sorted(known))
-            close = difflib.get_close_matches(str(name), sorted(known), n=1, cutoff=0.6)
-            hint = f"; did you mean '{close[0]}'?" if close else ""
-            raise ValueError(f"unknown config key '{path}'{hint} (known keys here: {choices})")
+    unknown = [name for name in section if name not in known]
+    if unknown:
+        raise ValueError(_unknown_keys_message(key, unknown, known))
 
 
 # Keys of PatrickStar's config that are accepted for compatibility but change nothing here.
@@ -318,7 +389,23 @@ _DEEPSPEED_KEYS = {
     "aio": "memory.nvme: {path, queue_depth, block_size}",
     "activation_checkpointing": "use torch.utils.checkpoint inside the model",
     "amp": "bf16: {enabled: true} or fp16: {enabled: true}",
+    "data_types": "PatrickStar-C++ has no setting for the dtype gradients are accumulated in",
+    "elasticity": "give train_batch_size and train_micro_batch_size_per_gpu for the world "
+                  "size you launch with torchrun",
+    "curriculum_learning": "order or shorten the samples in your own data loader",
+    "data_efficiency": "sample and route the data in your own data loader",
+    "compression_training": "PatrickStar-C++ has no quantization- or pruning-aware training",
+    "pipeline": "config 'parallel': {pipeline, schedule} with a patrickstar.pipe.PipelineModule "
+                "(docs/parallelism.md)",
 }
+
+
+def _disabled(key: str, value: Any) -> None:
+    """A DeepSpeed section that is accepted only switched off (`enabled: false`)."""
+    section = _section(key, value)
+    if _bool(f"{key}.enabled", section.get("enabled", False)):
+        raise ValueError(f"config key '{key}.enabled': DeepSpeed's {key} has no counterpart in "
+                         f"PatrickStar-C++; set it to false or remove the section")
 
 
 # Note [DeepSpeed keys without an effect here]
@@ -360,6 +447,12 @@ _DEEPSPEED_NO_EFFECT: dict[str, Callable[[str, Any], None]] = {
     "gradient_predivide_factor": _positive_number,
     # Sparse embedding gradients are summed to the same dense values.
     "sparse_gradients": _bool,
+    # Logging and tooling sections (DeepSpeed's communication logger, its autotuner launcher,
+    # its own checkpoint files' options), and DeepSpeed-Chat's generation engine switched off.
+    "comms_logger": _object,
+    "autotuning": _object,
+    "checkpoint": _object,
+    "hybrid_engine": _disabled,
 }
 _PRECISION_NAMES = {"fp32": ("fp32", "float32", "float"), "fp16": ("fp16", "float16", "half"),
                     "bf16": ("bf16", "bfloat16")}
@@ -391,6 +484,50 @@ def _parse_scheduler(raw: Any) -> SchedulerConfig:
     return SchedulerConfig(type=kind, params=params)
 
 
+# Note [DeepSpeed's Adam decouples its weight decay]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# DeepSpeed's engine builds "type": "Adam" as AdamW unless `adam_w_mode` is false ("Optimizer
+# name of Adam forces AdamW logic unless adam_w_mode is explicitly set", its default is true),
+# while torch.optim.Adam and upstream PatrickStar's FP16Adam add the decay to the gradient
+# (L2). Both kinds of config say "Adam", so the key decides: adam_w_mode true trains AdamW,
+# false Adam, and without it "Adam" stays L2 (upstream scripts keep their numbers) with a
+# warning when there is a decay for the difference to act on. "AdamW" with adam_w_mode false
+# is decoupled in DeepSpeed regardless; it is refused rather than guessed. `torch_adam` picks
+# DeepSpeed's implementation (torch's or its fused/CPU kernels) and changes no formula, only
+# AdamW's default weight_decay: torch's 1e-2 (kept here) against DeepSpeed's kernels' 0, so an
+# AdamW config without the key warns unless torch_adam is true.
+def _adam_kind(kind: str, params: Mapping[str, Any]) -> str:
+    if "torch_adam" in params:
+        _bool("optimizer.params.torch_adam", params["torch_adam"])
+    if "adam_w_mode" not in params:
+        return kind
+    decoupled = _bool("optimizer.params.adam_w_mode", params["adam_w_mode"])
+    if kind.lower() == "adamw" and not decoupled:
+        raise ValueError("config keys 'optimizer.type' ('AdamW') and "
+                         "'optimizer.params.adam_w_mode' (false) disagree: DeepSpeed trains "
+                         "AdamW (decoupled weight decay) regardless; for L2 weight decay set "
+                         "'type': 'Adam', else remove adam_w_mode")
+    return "AdamW" if decoupled else "Adam"
+
+
+def _warn_undecided_adam_decay(kind: str, params: Mapping[str, Any], weight_decay: float):
+    """Note [DeepSpeed's Adam decouples its weight decay]."""
+    if kind.lower() == "adamw" and "weight_decay" not in params and \
+            params.get("torch_adam") is not True:
+        warnings.warn(
+            f"patrickstar: config 'optimizer': 'AdamW' without 'weight_decay' decays by "
+            f"{weight_decay:g}, torch.optim.AdamW's default; DeepSpeed's own Adam kernels (used "
+            f"unless 'torch_adam' is true) default to 0. Give 'optimizer.params.weight_decay' "
+            f"to choose and silence this", UserWarning, stacklevel=4)
+    if kind.lower() == "adam" and weight_decay > 0 and "adam_w_mode" not in params:
+        warnings.warn(
+            f"patrickstar: config 'optimizer': 'Adam' with weight_decay {weight_decay:g} adds the "
+            f"decay to the gradient (L2), as torch.optim.Adam and upstream PatrickStar do; "
+            f"DeepSpeed decouples it (AdamW) unless 'optimizer.params.adam_w_mode' is false. "
+            f"Set 'optimizer.params.adam_w_mode' (true: DeepSpeed's AdamW, false: L2) to choose "
+            f"and silence this", UserWarning, stacklevel=4)
+
+
 def _parse_optimizer(raw: Any) -> OptimizerConfig:
     section = _section("optimizer", raw)
     _check_keys("optimizer", section, {"type", "params"})
@@ -408,9 +545,14 @@ def _parse_optimizer(raw: Any) -> OptimizerConfig:
                              f"letter cases")
         lowered[key] = value
     params = lowered
+    if "max_grad_norm" in params:  # DeepSpeed refuses it too, naming the same key
+        raise ValueError("config key 'optimizer.params.max_grad_norm': clipping is the "
+                         "top-level 'gradient_clipping' (the global norm, as DeepSpeed's); move "
+                         "the value there")
     _check_keys("optimizer.params", params,
                 {"lr", "betas", "eps", "weight_decay", "use_hybrid_adam", "amsgrad",
-                 "bias_correction", "state_dtype"})
+                 "bias_correction", "state_dtype", "adam_w_mode", "torch_adam"})
+    written_kind, kind = kind, _adam_kind(kind, params)
     defaults = OptimizerConfig()
     betas = params.get("betas", defaults.betas)
     _refuse_auto("optimizer.params.betas", betas)
@@ -432,17 +574,19 @@ def _parse_optimizer(raw: Any) -> OptimizerConfig:
     if params.get("bias_correction", True) is not True:
         raise ValueError("config key 'optimizer.params.bias_correction': only true is "
                          "supported (as torch.optim.Adam)")
+    # torch.optim.AdamW defaults to weight_decay=1e-2 (Adam to 0); DeepSpeed's kernels to 0
+    # (Note [DeepSpeed's Adam decouples its weight decay]: a warning says so).
+    weight_decay = _number("optimizer.params.weight_decay",
+                           params.get("weight_decay", 1e-2 if written_kind.lower() == "adamw"
+                                      else defaults.weight_decay), minimum=0.0)
+    _warn_undecided_adam_decay(written_kind, params, weight_decay)
     return OptimizerConfig(
         type=kinds[kind.lower()],
         lr=_number("optimizer.params.lr", params.get("lr", defaults.lr), minimum=0.0),
         betas=betas,
         eps=_number("optimizer.params.eps", params.get("eps", defaults.eps), minimum=0.0,
                     strict=True),
-        # torch.optim.AdamW defaults to weight_decay=1e-2 (Adam to 0), and DeepSpeed builds the
-        # torch optimizer from these params, so an AdamW config without the key means 1e-2.
-        weight_decay=_number("optimizer.params.weight_decay",
-                             params.get("weight_decay", 1e-2 if kind.lower() == "adamw"
-                                        else defaults.weight_decay), minimum=0.0),
+        weight_decay=weight_decay,
         use_hybrid_adam=_bool("optimizer.params.use_hybrid_adam",
                               params.get("use_hybrid_adam", defaults.use_hybrid_adam)),
         state_dtype=state_dtype,
@@ -612,6 +756,20 @@ def _optional_positive_int(raw: Mapping[str, Any], key: str) -> int | None:
     return _number(key, raw[key], minimum=1, integer=True)
 
 
+class _DuplicateKey(Exception):
+    pass
+
+
+def _without_duplicates(pairs: list[tuple[str, Any]]) -> dict:
+    """json's object hook: a key given twice in one object raises (json keeps the last)."""
+    result = {}
+    for key, value in pairs:
+        if key in result:
+            raise _DuplicateKey(key)
+        result[key] = value
+    return result
+
+
 def load_config(config: Mapping[str, Any] | str | os.PathLike | None) -> Config:
     """Parses and validates `config` (a dict, a JSON file path, or None for the defaults)."""
     if config is None:
@@ -620,16 +778,17 @@ def load_config(config: Mapping[str, Any] | str | os.PathLike | None) -> Config:
         path = os.fspath(config)
         try:
             with open(path, encoding="utf-8") as handle:
-                config = json.load(handle)
+                config = json.load(handle, object_pairs_hook=_without_duplicates)
         except FileNotFoundError:
             raise FileNotFoundError(f"config file '{path}' does not exist") from None
         except json.JSONDecodeError as error:
             raise ValueError(f"config file '{path}' is not valid JSON: {error}") from None
+        except _DuplicateKey as error:
+            raise ValueError(f"config file '{path}': duplicate key {error.args[0]!r} (json "
+                             f"would keep the last value silently; DeepSpeed refuses it too); "
+                             f"keep one") from None
     raw = _section("<config>", config)
-    for name in raw:
-        if name in _DEEPSPEED_KEYS:
-            raise ValueError(f"config key '{name}' (DeepSpeed's) is not used by PatrickStar-C++: "
-                             f"{_DEEPSPEED_KEYS[name]}; remove it")
+    _refuse_ported_keys(raw)
     _check_keys("", raw, set(_TOP_LEVEL))
 
     # Upstream's GUIDE calls default_chunk_size "chunk_size".

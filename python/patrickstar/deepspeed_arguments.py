@@ -5,7 +5,8 @@ Note [DeepSpeed's initialize() arguments]
 A ported script calls `patrickstar.initialize(model=net, model_parameters=net.parameters(),
 config=ds_config, ...)`. Python's "unexpected keyword argument 'model_parameters'" says nothing
 about what to do; here each of DeepSpeed's arguments is taken when it means the same thing here
-(`model`, `config_params`, an `lr_scheduler` callable) and otherwise refused naming what to use.
+(`model`, `config_params`, an `lr_scheduler` callable, an `args` carrying `deepspeed_config`
+from `add_config_arguments`'s flag) and otherwise refused naming what to use.
 `model_parameters` (DeepSpeed's usual `model.parameters()`, or a list of param-group dicts) is
 taken as `param_groups` when the model is a built module, whose Parameter objects those are:
 build_param_groups then checks that every trainable parameter is in exactly one group, so a
@@ -30,8 +31,6 @@ _REFUSED = {
     "training_data": "build a torch.utils.data.DataLoader yourself; initialize() returns "
                      "(model, optimizer), not DeepSpeed's (engine, optimizer, loader, scheduler)",
     "collate_fn": "build a torch.utils.data.DataLoader yourself with it",
-    "args": "pass the DeepSpeed config as config= (a dict or a JSON path); command-line "
-            "arguments are not read",
     "mpu": "config 'parallel': {pipeline, tensor} (docs/parallelism.md)",
     "dist_init_required": "torch.distributed is initialized from torchrun's environment when "
                           "the script did not; drop the argument",
@@ -72,6 +71,8 @@ def take_deepspeed_arguments(model_func, config, param_groups, kwargs: dict):
         if not isinstance(model_func, torch.nn.Module):
             raise TypeError(_MODEL_PARAMETERS_NEED_A_MODULE)
         param_groups = _as_param_groups(model_parameters)
+    if "args" in kwargs:
+        config = _config_from_args(kwargs.pop("args"), config)
     for name in kwargs:
         if name in _REFUSED:
             raise TypeError(f"initialize({name}=...) is DeepSpeed's and has no counterpart in "
@@ -84,6 +85,35 @@ def take_deepspeed_arguments(model_func, config, param_groups, kwargs: dict):
         raise TypeError("initialize(): missing the model: pass model_func (a callable building "
                         "the module, or a built module)")
     return model_func, config, param_groups, scheduler
+
+
+def add_config_arguments(parser):
+    """DeepSpeed's `deepspeed.add_config_arguments(parser)`: adds `--deepspeed` (accepted, no
+    effect: the engine is always on) and `--deepspeed_config PATH`, which
+    `initialize(args=args)` reads as its config. Returns the parser."""
+    group = parser.add_argument_group("DeepSpeed", "DeepSpeed configurations")
+    group.add_argument("--deepspeed", default=False, action="store_true",
+                       help="accepted for DeepSpeed's scripts; PatrickStar-C++ is always on")
+    group.add_argument("--deepspeed_config", default=None, type=str,
+                       help="DeepSpeed / PatrickStar json configuration file")
+    return parser
+
+
+def _config_from_args(args, config):
+    """The config a DeepSpeed script gives as `initialize(args=args)`: its deepspeed_config
+    (add_config_arguments's flag), or config= when args has none. DeepSpeed refuses both
+    together too."""
+    path = getattr(args, "deepspeed_config", None)
+    if path is None and config is not None:
+        return config  # DeepSpeed-Chat's call: the rest of args does not reach training
+    if path is None:
+        raise TypeError("initialize(args=...) is DeepSpeed's: args has no deepspeed_config (the "
+                        "--deepspeed_config flag of patrickstar.add_config_arguments(parser)); "
+                        "pass the config as config= (a dict or a JSON path)")
+    if config is not None:
+        raise TypeError(f"initialize(): config= and args.deepspeed_config ({path!r}) both give "
+                        f"the config; pass one")
+    return path
 
 
 def _as_param_groups(model_parameters) -> list:

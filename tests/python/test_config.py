@@ -181,8 +181,10 @@ def test_make_loss_scaler_from_config():
 
 
 def test_adamw_default_weight_decay_is_torchs():
-    # torch.optim.AdamW (and DeepSpeed, which builds it from these params) default to 1e-2.
-    assert load_config({"optimizer": {"type": "AdamW"}}).optimizer.weight_decay == 1e-2
+    # torch.optim.AdamW defaults to 1e-2 (DeepSpeed's own kernels to 0: a warning says so,
+    # test_deepspeed_port.py).
+    with pytest.warns(UserWarning, match="weight_decay"):
+        assert load_config({"optimizer": {"type": "AdamW"}}).optimizer.weight_decay == 1e-2
     assert load_config({"optimizer": {"type": "Adam"}}).optimizer.weight_decay == 0.0
     assert load_config({"optimizer": {"type": "AdamW",
                                       "params": {"weight_decay": 0}}}).optimizer.weight_decay == 0
@@ -212,3 +214,14 @@ def test_dynamic_loss_scale_starting_below_its_minimum_is_refused():
         load_config({"fp16": {"enabled": True, "initial_scale_power": 1, "min_loss_scale": 4}})
     load_config({"fp16": {"enabled": True, "initial_scale_power": 2, "min_loss_scale": 4}})
     load_config({"fp16": {"enabled": True, "loss_scale": 1, "min_loss_scale": 4}})  # static
+
+
+def test_duplicate_keys_in_a_json_config_are_refused_naming_them(tmp_path):
+    """json.load keeps the last of two equal keys, so a config file with "lr" twice (a merge
+    left both) trained with whichever came last without a word; DeepSpeed's loader refuses
+    duplicates, and so does ours, naming the key."""
+    path = tmp_path / "ds_config.json"
+    path.write_text('{"optimizer": {"type": "Adam", "params": {"lr": 0.1, "eps": 1e-8, '
+                    '"lr": 0.001}}, "gradient_clipping": 1.0}')
+    with pytest.raises(ValueError, match=r"ds_config.json.*duplicate key 'lr'"):
+        load_config(str(path))

@@ -3,6 +3,9 @@ would: the engine's loop methods, its lr scheduler, its config's batch keys and 
 arguments (each compared with plain PyTorch, or refused naming what to use)."""
 from __future__ import annotations
 
+import json
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -211,7 +214,7 @@ def test_deepspeed_initialize_keywords_work_or_name_what_to_use():
     for name, value, says in [("model_parameters", [], "param_groups="),
                               ("training_data", [], "DataLoader"),
                               ("optimizer", None, "config 'optimizer'"),
-                              ("args", None, "config="), ("mpu", None, "parallel"),
+                              ("mpu", None, "parallel"),
                               ("collate_fn", None, "DataLoader"),
                               ("dist_init_required", True, "torchrun")]:
         with pytest.raises(TypeError, match=f"initialize\\({name}=...\\) is DeepSpeed's.*{says}"):
@@ -350,3 +353,216 @@ def test_deepspeed_engine_attributes_scripts_read():
     model, _ = patrickstar.initialize(MLP, config())
     assert model.train_batch_size() is None and model.global_samples is None
     model.destroy()
+
+
+# Hugging Face's examples/deepspeed ds_config_zero3.json, as users copy it.
+HF_ZERO3 = {
+    "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000,
+             "initial_scale_power": 16, "hysteresis": 2, "min_loss_scale": 1},
+    "bf16": {"enabled": "auto"},
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                             "weight_decay": "auto"}},
+    "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto",
+                                                "warmup_max_lr": "auto",
+                                                "warmup_num_steps": "auto"}},
+    "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+                          "offload_param": {"device": "cpu", "pin_memory": True},
+                          "overlap_comm": True, "contiguous_gradients": True,
+                          "sub_group_size": 1e9, "reduce_bucket_size": "auto",
+                          "stage3_prefetch_bucket_size": "auto",
+                          "stage3_param_persistence_threshold": "auto",
+                          "stage3_max_live_parameters": 1e9, "stage3_max_reuse_distance": 1e9,
+                          "stage3_gather_16bit_weights_on_model_save": True},
+    "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "steps_per_print": 2000,
+    "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+    "wall_clock_breakdown": False,
+}
+HF_ZERO3_AUTO_KEYS = [
+    "fp16.enabled", "bf16.enabled", "optimizer.params.lr", "optimizer.params.betas",
+    "optimizer.params.eps", "optimizer.params.weight_decay", "scheduler.params.warmup_min_lr",
+    "scheduler.params.warmup_max_lr", "scheduler.params.warmup_num_steps",
+    "gradient_accumulation_steps", "gradient_clipping", "train_batch_size",
+    "train_micro_batch_size_per_gpu"]
+
+
+def test_hugging_face_config_names_every_key_to_change_in_one_error(tmp_path):
+    """Hugging Face's ds_config_zero3.json took 14 runs to port: each run refused one key
+    (zero_optimization, then each "auto" in turn). One error now names them all, as a dict
+    and as a JSON file; "auto" inside the refused zero_optimization is not listed again."""
+    path = tmp_path / "ds_config_zero3.json"
+    path.write_text(json.dumps(HF_ZERO3))
+    for given in (HF_ZERO3, str(path)):
+        with pytest.raises(ValueError) as error:
+            patrickstar.load_config(given)
+        message = str(error.value)
+        assert "'zero_optimization' (DeepSpeed's)" in message
+        assert "Hugging Face's Trainer" in message
+        for key in HF_ZERO3_AUTO_KEYS:
+            assert f"'{key}'" in message, (key, message)
+        assert "reduce_bucket_size" not in message
+    # PatrickStar's own "auto" options are not Trainer placeholders.
+    assert patrickstar.load_config({"default_chunk_size": "auto", "parallel": {
+        "remake_compute": "auto", "transport": "auto"}}).default_chunk_size is None
+    # deepspeed.ai's ZeRO-Infinity config: its nvme_path is translated, aio named too.
+    infinity = {"zero_optimization": {"stage": 3, "offload_param": {
+        "device": "nvme", "nvme_path": "/local_nvme", "pin_memory": True}},
+        "aio": {"block_size": 262144, "queue_depth": 32}}
+    with pytest.raises(ValueError, match="(?s)'memory': {'nvme': {'path': '/local_nvme'}}.*'aio'"):
+        patrickstar.load_config(infinity)
+
+
+def _adam_losses(opt_class, data):
+    torch.manual_seed(0)
+    model = MLP()
+    opt = opt_class(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+    losses = []
+    for x, y in data:
+        loss = model(x, y)
+        losses.append(loss.item())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
+@pytest.mark.parametrize("adam_w_mode,reference", [(True, torch.optim.AdamW),
+                                                    (False, torch.optim.Adam)])
+def test_deepspeed_adam_w_mode_chooses_the_weight_decay(adam_w_mode, reference):
+    """DeepSpeed's "Adam" takes adam_w_mode (default true: decoupled weight decay, as AdamW)
+    and torch_adam; both were unknown keys here, so DeepSpeed-Chat's and Megatron-DeepSpeed's
+    configs were refused. adam_w_mode now chooses the decay; torch_adam (which implementation)
+    changes nothing."""
+    data = batches(4)
+    torch.manual_seed(0)
+    cfg = {"optimizer": {"type": "Adam", "params": {
+        "lr": 1e-2, "weight_decay": 0.1, "adam_w_mode": adam_w_mode, "torch_adam": True}}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the choice is explicit: no warning
+        model, _ = patrickstar.initialize(MLP, cfg)
+    assert_close(deepspeed_steps(model, data), _adam_losses(reference, data))
+    model.destroy()
+
+
+def test_deepspeed_adam_with_weight_decay_warns_that_deepspeed_would_decouple_it():
+    """A DeepSpeed config's "Adam" with weight_decay trains as AdamW under DeepSpeed
+    (adam_w_mode defaults to true) but as torch.optim.Adam (L2) here and in upstream
+    PatrickStar: the run trained differently without a word. It still trains as L2 (upstream
+    scripts keep their numbers) and the warning names adam_w_mode."""
+    cfg = {"optimizer": {"type": "Adam", "params": {"lr": 1e-2, "weight_decay": 0.1}}}
+    with pytest.warns(UserWarning, match="optimizer.params.adam_w_mode"):
+        loaded = patrickstar.load_config(cfg)
+    assert not loaded.optimizer.decoupled_weight_decay
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no decay, nothing to choose
+        patrickstar.load_config({"optimizer": {"type": "Adam", "params": {"lr": 1e-2}}})
+    with pytest.raises(ValueError, match="'optimizer.params.adam_w_mode': expected true or fa"):
+        patrickstar.load_config({"optimizer": {"params": {"adam_w_mode": "yes"}}})
+    with pytest.raises(ValueError, match="'optimizer.params.adam_w_mode'.*disagree"):
+        patrickstar.load_config({"optimizer": {"type": "AdamW", "params": {
+            "adam_w_mode": False}}})
+    with pytest.raises(ValueError, match="'optimizer.params.max_grad_norm'.*'gradient_clipping'"):
+        patrickstar.load_config({"optimizer": {"params": {"max_grad_norm": 1.0}}})
+
+
+def test_deepspeed_adamw_without_weight_decay_warns_that_deepspeed_defaults_to_zero():
+    """DeepSpeed's "AdamW" runs its fused/CPU kernels, whose weight_decay defaults to 0;
+    torch.optim.AdamW's (kept here) is 1e-2, so a ported config decayed without a word."""
+    with pytest.warns(UserWarning, match="'optimizer.params.weight_decay'"):
+        assert patrickstar.load_config({"optimizer": {"type": "AdamW"}}).optimizer.weight_decay \
+            == 1e-2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch's AdamW asked for, or the decay given
+        patrickstar.load_config({"optimizer": {"type": "AdamW", "params": {"torch_adam": True}}})
+        patrickstar.load_config({"optimizer": {"type": "AdamW", "params": {"weight_decay": 0}}})
+        assert patrickstar.load_config({"optimizer": {"type": "Adam", "params": {
+            "adam_w_mode": True}}}).optimizer.weight_decay == 0
+
+
+def test_deepspeed_command_line_config_is_read_from_args(tmp_path):
+    """DeepSpeed's scripts parse `--deepspeed --deepspeed_config ds_config.json` with
+    `deepspeed.add_config_arguments(parser)` and call `initialize(args=args, ...)`; both failed
+    here (no add_config_arguments; args refused even when it carries the config). Now
+    `patrickstar.add_config_arguments` adds the flags and args.deepspeed_config is the config,
+    which trains as the same config passed directly."""
+    import argparse
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(config()))
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--local_rank", type=int, default=-1)
+    parser = patrickstar.add_config_arguments(parser)
+    args = parser.parse_args(["--deepspeed", "--deepspeed_config", str(path)])
+    data = batches(4)
+    ref_losses, _, _ = torch_run(data, 2, 0.5)
+    torch.manual_seed(0)
+    model, _ = patrickstar.initialize(args=args, model=MLP())
+    assert_close(deepspeed_steps(model, data), ref_losses)
+    model.destroy()
+    with pytest.raises(TypeError, match="config= and args.deepspeed_config.*both"):
+        patrickstar.initialize(MLP, config(), args=args)
+    without = parser.parse_args([])
+    with pytest.raises(TypeError, match="initialize\\(args=...\\).*no deepspeed_config"):
+        patrickstar.initialize(MLP, args=without)
+    # DeepSpeed-Chat's call: args parsed with add_config_arguments but no --deepspeed_config,
+    # the config passed as config=; DeepSpeed reads the config and nothing else from args.
+    torch.manual_seed(0)
+    model, _ = patrickstar.initialize(model=MLP(), args=without, config=config())
+    assert_close(deepspeed_steps(model, data), ref_losses)
+    model.destroy()
+
+
+@pytest.mark.parametrize("key,value,says", [
+    ("data_types", {"grad_accum_dtype": "fp32"}, "no setting for the dtype gradients"),
+    ("elasticity", {"enabled": True, "max_train_batch_size": 64}, "for the world size you"),
+    ("curriculum_learning", {"enabled": True}, "data loader"),
+    ("data_efficiency", {"enabled": True}, "data loader"),
+    ("compression_training", {"weight_quantization": {}}, "no quantization"),
+    ("pipeline", {"pipe_partitioned": True}, "'parallel': {pipeline, schedule}"),
+    ("hybrid_engine", {"enabled": True}, ".enabled': DeepSpeed's hybrid_engine.*set it to false"),
+])
+def test_other_deepspeed_sections_are_refused_saying_what_to_do(key, value, says):
+    """These sections of real ds_configs (DeepSpeed-Chat's hybrid_engine, Megatron-DeepSpeed's
+    data_efficiency, grad_accum_dtype) failed as "unknown config key" with a list of ours,
+    saying nothing about what to do."""
+    with pytest.raises(ValueError, match=f"'{key}.*{says}"):
+        patrickstar.load_config({key: value})
+
+
+def test_deepspeed_chat_config_loads_with_its_tooling_sections_named_as_without_effect():
+    """DeepSpeed-Chat's training config (zero_optimization removed) carries hybrid_engine
+    switched off, tensorboard, and DeepSpeed's comms_logger / checkpoint options: accepted,
+    named in the one warning."""
+    chat = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "steps_per_print": 10,
+            "bf16": {"enabled": True}, "gradient_clipping": 1.0, "prescale_gradients": False,
+            "wall_clock_breakdown": False,
+            "hybrid_engine": {"enabled": False, "max_out_tokens": 512, "inference_tp_size": 1,
+                              "release_inference_cache": False, "pin_parameters": True,
+                              "tp_gather_partition_size": 8},
+            "tensorboard": {"enabled": False, "output_path": "logs/", "job_name": "step1"},
+            "comms_logger": {"enabled": True, "verbose": False, "prof_all": True},
+            "checkpoint": {"tag_validation": "Warn"}, "autotuning": {"enabled": False}}
+    with pytest.warns(UserWarning, match="no effect") as record:
+        loaded = patrickstar.load_config(chat)
+    warned = next(str(w.message) for w in record if "no effect" in str(w.message))
+    for key in ("hybrid_engine", "comms_logger", "checkpoint", "autotuning", "tensorboard"):
+        assert key in warned
+    assert loaded.bf16_enabled and loaded.train_batch_size == 8
+
+
+def test_a_foreign_config_names_all_its_unknown_keys_and_no_trainer_placeholder():
+    """A ColossalAI-style dict: its zero section's tensor_placement_policy "auto" (ColossalAI's
+    own option) was reported as a Hugging Face Trainer placeholder, then each unknown key took
+    one more run. Unknown top-level keys are now named together (with close matches), and
+    "auto" only counts inside sections we read."""
+    colossal = {"BATCH_SIZE": 8, "fp16": {"enabled": True},
+                "zero": {"model_config": {"tensor_placement_policy": "auto"}},
+                "gradient_accumulation": 4, "clip_grad_norm": 1.0}
+    with pytest.raises(ValueError) as error:
+        patrickstar.load_config(colossal)
+    message = str(error.value)
+    assert "Hugging Face" not in message
+    for key in ("'BATCH_SIZE'", "'zero'", "'clip_grad_norm'",
+                "'gradient_accumulation'; did you mean 'gradient_accumulation_steps'?"):
+        assert key in message, (key, message)
+    # With HF placeholders elsewhere, both are named in the same error.
+    with pytest.raises(ValueError, match="(?s)'zero'.*'gradient_clipping': \"auto\""):
+        patrickstar.load_config({"zero": {}, "gradient_clipping": "auto"})

@@ -14,7 +14,8 @@ from dp_scenarios import ExternalUse
 from test_data_parallel import check_matches_reference, check_no_errors, launch
 from test_initialize import assert_same_training, mlp_batches
 
-CONFIG = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "default_chunk_size": 1024}
+CONFIG = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 1e-2}},
+          "default_chunk_size": 1024}
 
 
 @pytest.mark.parametrize("budget", [None, 6 * 1024 * 4])

@@ -122,7 +122,7 @@ def step_figures(gpt: GPTConfig, batch: int, steps: int) -> list[dict]:
     rows = []
     for label, fraction in (("no budget", None), ("50% device budget", 0.5)):
         config = {"default_chunk_size": 1 << 20,
-                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 1e-2}}}
         if fraction is not None:
             # compute params + gradients, fp32: 8 bytes per parameter
             config["memory"] = {"device_budget": int(8 * gpt.parameter_count() * fraction)}

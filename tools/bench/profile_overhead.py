@@ -38,7 +38,7 @@ def main() -> int:
     params = gpt.parameter_count()
     chunk = 1 << 18
     config = {"default_chunk_size": chunk, "memory": {"device_budget": params * 4},
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 1e-2}}}
     torch.manual_seed(0)
     model, optimizer = patrickstar.initialize(lambda: GPT(gpt), config=config)
     batches = list(synthetic_batches(gpt, args.batch, args.steps))

@@ -40,7 +40,7 @@ def plain(gpt, **adam):
 
 def ours(gpt, chunk, budget):
     config = {"default_chunk_size": chunk,
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 1e-2}}}
     if budget:
         config["memory"] = {"device_budget": budget}
     torch.manual_seed(0)
