@@ -494,8 +494,9 @@ def _parse_scheduler(raw: Any) -> SchedulerConfig:
 # warning when there is a decay for the difference to act on. "AdamW" with adam_w_mode false
 # is decoupled in DeepSpeed regardless; it is refused rather than guessed. `torch_adam` picks
 # DeepSpeed's implementation (torch's or its fused/CPU kernels) and changes no formula, only
-# AdamW's default weight_decay: torch's 1e-2 (kept here) against DeepSpeed's kernels' 0, so an
-# AdamW config without the key warns unless torch_adam is true.
+# AdamW's default weight_decay: torch's 1e-2 (kept here) against DeepSpeed's kernels' 0. That
+# one is documented (README), not warned about: every torch-style config without the key
+# (most of them) would warn, for the default its author expects.
 def _adam_kind(kind: str, params: Mapping[str, Any]) -> str:
     if "torch_adam" in params:
         _bool("optimizer.params.torch_adam", params["torch_adam"])
@@ -512,13 +513,6 @@ def _adam_kind(kind: str, params: Mapping[str, Any]) -> str:
 
 def _warn_undecided_adam_decay(kind: str, params: Mapping[str, Any], weight_decay: float):
     """Note [DeepSpeed's Adam decouples its weight decay]."""
-    if kind.lower() == "adamw" and "weight_decay" not in params and \
-            params.get("torch_adam") is not True:
-        warnings.warn(
-            f"patrickstar: config 'optimizer': 'AdamW' without 'weight_decay' decays by "
-            f"{weight_decay:g}, torch.optim.AdamW's default; DeepSpeed's own Adam kernels (used "
-            f"unless 'torch_adam' is true) default to 0. Give 'optimizer.params.weight_decay' "
-            f"to choose and silence this", UserWarning, stacklevel=4)
     if kind.lower() == "adam" and weight_decay > 0 and "adam_w_mode" not in params:
         warnings.warn(
             f"patrickstar: config 'optimizer': 'Adam' with weight_decay {weight_decay:g} adds the "
