@@ -26,7 +26,7 @@ import torch
 
 from . import dtypes
 from .checkpoint import LATEST, CheckpointError, CheckpointReader
-from .checkpoint.slices import saved_slices
+from .checkpoint.slices import saved_slices, slice_name
 
 __all__ = ["consolidate", "main"]
 
@@ -112,7 +112,7 @@ def _stage_directories(directory: str, tag: str | None) -> list[str]:
     if stages != list(range(len(stages))):
         raise ValueError(f"checkpoint '{directory}' has the pipeline stages {stages}, not "
                          f"0..{len(stages) - 1}: a stage's directory is missing")
-    return [os.path.join(directory, f"pipe_{p:02d}-tensor_00") for p in stages]
+    return [os.path.join(directory, slice_name(p, 0)) for p in stages]
 
 
 def consolidate(checkpoint_dir, output, dtype: str = "fp32", tag: str | None = None,

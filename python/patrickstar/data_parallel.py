@@ -664,9 +664,8 @@ class DataParallel:
         engine = self._engine  # None once the engine is gone: the step's own check says so
         if not self.enabled or engine is None or not engine.guard.in_accumulation:
             return
-        guard = engine.guard
         if self.sharded_accumulation:
-            self._engine.optimizer.scale_gradients(1.0 / self.world_size)
+            engine.optimizer.scale_gradients(1.0 / self.world_size)
         else:
             self._closing = True
             try:
@@ -676,7 +675,7 @@ class DataParallel:
                 self._closing = False
                 self.collectives.finish_reduce_scatters()
         self._agree_on_gradients()
-        guard.close_accumulation(what)
+        engine.guard.close_accumulation(what)
 
     def _agree_on_gradients(self) -> None:
         """At the end of an accumulation: afterwards the optimizer's `has_grad` says which

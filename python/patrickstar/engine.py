@@ -541,9 +541,7 @@ class PatrickStarEngine(nn.Module):
     def _leave_direct_call(self, raised: bool = False) -> None:
         self._views.leave_direct_call()
         if raised and not self._in_forward and not self._views.in_direct_call():
-            # Note [A forward that raised], for `model.module(x)`; forward() does it otherwise.
-            self._hooks.leave_saved_tensor_hooks()
-            self._slots.release_all(S.HOLD_AFTER_FWD)
+            self._release_raised_forward()  # for `model.module(x)`; forward() does it otherwise
         if self._direct_forward is not None and not self._views.in_direct_call():
             backward_follows, self._direct_forward = self._direct_forward, None
             if not backward_follows:
@@ -704,13 +702,17 @@ class PatrickStarEngine(nn.Module):
     # has no output, so no backward can follow it: its accesses are given back at once, as
     # after a forward without grad (modules that finished their forward were released by their
     # own hooks already and hold no access), and saved-tensor hooks it left entered are left.
+    def _release_raised_forward(self) -> None:
+        """Note [A forward that raised]."""
+        self._hooks.leave_saved_tensor_hooks()
+        self._slots.release_all(S.HOLD_AFTER_FWD)
+
     @torch.compiler.disable
     def _leave_forward(self, completed: bool = True) -> None:
         try:
             self._in_forward = False
-            if not completed:  # Note [A forward that raised]
-                self._hooks.leave_saved_tensor_hooks()
-                self._slots.release_all(S.HOLD_AFTER_FWD)
+            if not completed:
+                self._release_raised_forward()
             elif not torch.is_grad_enabled() or not self.module.training:
                 # No backward follows: give everything back now.
                 self._release_all(S.HOLD_AFTER_FWD)

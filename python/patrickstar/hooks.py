@@ -39,27 +39,13 @@ changes of its outputs.
 from __future__ import annotations
 
 import sys
-from typing import Any, Callable, ContextManager
+from typing import Callable, ContextManager
 
 import torch
 
+from .tensor_tree import map_tensors
+
 __all__ = ["CallHooks", "ModuleHooks", "saved_tensor_hooks_active"]
-
-
-def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    if isinstance(value, torch.Tensor):
-        return fn(value)
-    if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
-        return type(value)(*(_map_tensors(v, fn) for v in value))
-    if isinstance(value, (list, tuple)):
-        return type(value)(_map_tensors(v, fn) for v in value)
-    if isinstance(value, dict):
-        return type(value)((k, _map_tensors(v, fn)) for k, v in value.items())
-    if hasattr(value, "to_tuple") and hasattr(value, "keys"):  # transformers ModelOutput
-        for key in list(value.keys()):
-            value[key] = _map_tensors(value[key], fn)
-        return value
-    return value
 
 
 # Note [The engine's hooks under torch.compile]
@@ -214,7 +200,7 @@ class ModuleHooks(HookSet):
                 context = self._saved_tensor_hooks()
                 context.__enter__()
                 self._entered.append((module, context))
-            return _map_tensors(inputs, lambda t: _BackwardCall.apply(self.post_backward, module, t)
+            return map_tensors(inputs, lambda t: _BackwardCall.apply(self.post_backward, module, t)
                                 if t.requires_grad else t)
         return None
 
@@ -236,11 +222,11 @@ class ModuleHooks(HookSet):
             copies.append(copy)
             return copy
 
-        output = _map_tensors(output, own)
+        output = map_tensors(output, own)
         self._release(module, "fwd")
         self._tick("post_forward")
         if torch.is_grad_enabled():
-            return _map_tensors(output, lambda t: _BackwardCall.apply(self.pre_backward, module, t)
+            return map_tensors(output, lambda t: _BackwardCall.apply(self.pre_backward, module, t)
                                 if t.requires_grad else t)
         return output if copies else None
 

@@ -22,29 +22,17 @@ from __future__ import annotations
 
 import torch
 
+from .tensor_tree import map_tensors
+
 __all__ = ["cast_floating_inputs", "inputs_to_device"]
-
-
-def _map_tensors(value, fn):
-    """`value` with `fn` applied to every tensor in it (nested lists, tuples, dicts)."""
-    if isinstance(value, torch.Tensor):
-        return fn(value)
-    if isinstance(value, dict):
-        return type(value)((key, _map_tensors(item, fn)) for key, item in value.items())
-    if isinstance(value, (list, tuple)):
-        items = [_map_tensors(item, fn) for item in value]
-        if hasattr(value, "_fields"):  # a namedtuple
-            return type(value)(*items)
-        return type(value)(items)
-    return value
 
 
 def cast_floating_inputs(value, dtype: torch.dtype):
     """`value` with every floating-point tensor in it cast to `dtype`; everything else as it
     is (Note [fp16 auto_cast])."""
-    return _map_tensors(value, lambda t: t.to(dtype) if t.is_floating_point() else t)
+    return map_tensors(value, lambda t: t.to(dtype) if t.is_floating_point() else t)
 
 
 def inputs_to_device(value, device: torch.device):
     """`value` with every tensor in it on `device` (Note [Inputs to the engine's device])."""
-    return _map_tensors(value, lambda t: t if t.device == device else t.to(device))
+    return map_tensors(value, lambda t: t if t.device == device else t.to(device))

@@ -181,10 +181,18 @@ class ParallelGroups:
     # groups of the same ranks instead, built on every rank in the same order like every group
     # (the decision depends only on the default group's backend, the same everywhere). Pipeline
     # and tensor-parallel collectives keep the default group: they move device tensors.
+    def _host_backend(self) -> str | None:
+        """The backend data parallelism's own groups need: None (the default group's) where the
+        data group takes host tensors, else "gloo" (Note [Host groups for the chunk
+        collectives])."""
+        if self.data_group is None or takes_host_tensors(self.data_group):
+            return None
+        return "gloo"
+
     def host_data_group(self) -> object:
         """This rank's data-parallel group if it takes host tensors, else a gloo group of the
         same ranks (Note [Host groups for the chunk collectives])."""
-        if self.data_group is None or takes_host_tensors(self.data_group):
+        if self._host_backend() is None:
             return self.data_group
         return self.new_groups(self.topology.get_axis_comm_lists("data"), purpose="host data",
                                backend="gloo")
@@ -193,10 +201,8 @@ class ParallelGroups:
         """A second process group over this rank's data-parallel ranks: backward's gathers run
         on it, apart from the reduce-scatters (gather_schedule.py, Note [Resharding after
         forward]). Built once per process, on every rank; gloo where host_data_group is."""
-        backend = None if self.data_group is None or takes_host_tensors(self.data_group) \
-            else "gloo"
         return self.new_groups(self.topology.get_axis_comm_lists("data"), purpose="gathers",
-                               backend=backend)
+                               backend=self._host_backend())
 
 
 def takes_host_tensors(group) -> bool:

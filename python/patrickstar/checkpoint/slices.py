@@ -18,10 +18,16 @@ import os
 import re
 
 from .errors import CheckpointError
+from .meta import LATEST
 
-__all__ = ["slice_directory", "saved_slices", "load_directory"]
+__all__ = ["slice_name", "slice_directory", "saved_slices", "load_directory"]
 
 _SLICE = re.compile(r"pipe_(\d+)-tensor_(\d+)")
+
+
+def slice_name(pipe: int, tensor: int) -> str:
+    """The directory name of one slice's checkpoint (what _SLICE matches)."""
+    return f"pipe_{pipe:02d}-tensor_{tensor:02d}"
 
 
 def slice_directory(directory: str, groups) -> str:
@@ -30,7 +36,7 @@ def slice_directory(directory: str, groups) -> str:
     if groups is None or groups.pipe_size * groups.tensor_size == 1:
         return directory
     coord = groups.coord
-    return os.path.join(directory, f"pipe_{coord.pipe:02d}-tensor_{coord.tensor:02d}")
+    return os.path.join(directory, slice_name(coord.pipe, coord.tensor))
 
 
 def saved_slices(directory: str) -> list[tuple[int, int]]:
@@ -61,21 +67,22 @@ def load_directory(directory: str, groups) -> str:
     saved = saved_slices(directory)
     pipes = 1 if groups is None else groups.pipe_size
     tensors = 1 if groups is None else groups.tensor_size
+    whole = os.path.exists(os.path.join(directory, LATEST))  # an unsliced checkpoint's
     if pipes * tensors == 1:
-        if saved == [(0, 0)] and not os.path.exists(os.path.join(directory, "latest")):
+        if saved == [(0, 0)] and not whole:
             # A one-stage PipelineEngine wrote its checkpoint there before slices.py.
-            return os.path.join(directory, "pipe_00-tensor_00")
-        if saved and not os.path.exists(os.path.join(directory, "latest")):
+            return os.path.join(directory, slice_name(0, 0))
+        if saved and not whole:
             raise CheckpointError(
                 f"checkpoint '{directory}' holds one checkpoint per model slice "
-                f"({', '.join(f'pipe_{p:02d}-tensor_{t:02d}' for p, t in saved)}: saved with "
+                f"({', '.join(slice_name(p, t) for p, t in saved)}: saved with "
                 f"{_layout(saved)}) but this run has no pipeline stages or tensor slices; load "
                 "it with the layout that saved it (Note [One checkpoint per model slice] in "
                 "checkpoint/slices.py)")
         return directory
     expected = [(p, t) for p in range(pipes) for t in range(tensors)]
     if not saved:
-        if os.path.exists(os.path.join(directory, "latest")):
+        if whole:
             raise CheckpointError(
                 f"checkpoint '{directory}' is a checkpoint of the whole model (no pipe_SS-"
                 f"tensor_TT directories) but this run has parallel.pipeline = {pipes}, "
