@@ -1,0 +1,107 @@
+"""Hugging Face's training loops around the engine, against the same loops around the plain
+model: accelerate's custom loop (the `run_clm_no_trainer.py` recipe) and the `Trainer` with the
+two settings the README names (`remove_unused_columns=False`, `label_names=["labels"]`),
+including its checkpoint save and resume."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import patrickstar
+
+transformers = pytest.importorskip("transformers")
+accelerate = pytest.importorskip("accelerate")
+
+VOCAB = 96
+
+
+def _llama(tie: bool):
+    config = transformers.LlamaConfig(
+        num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=32,
+        tie_word_embeddings=tie, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config)
+
+
+class _Tokens(torch.utils.data.Dataset):
+    def __len__(self):
+        return 32
+
+    def __getitem__(self, index):
+        ids = torch.randint(0, VOCAB, (12,), generator=torch.Generator().manual_seed(index))
+        return {"input_ids": ids, "labels": ids}
+
+
+def _engine(module, lr=1e-2):
+    config = {"optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.0}}}
+    return patrickstar.initialize(lambda: copy.deepcopy(module), config=config)
+
+
+def _accelerate_losses(model, optimizer):
+    accelerator = accelerate.Accelerator(cpu=True)
+    loader = torch.utils.data.DataLoader(_Tokens(), batch_size=8)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    losses = []
+    for batch in loader:
+        with accelerator.accumulate(model):
+            loss = model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+            accelerator.backward(loss)
+            accelerator.clip_grad_norm_(model.parameters(), 0.5)
+            optimizer.step()
+            optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, accelerator
+
+
+def test_accelerate_loop_matches_the_plain_model():
+    module = _llama(tie=True)  # GPT-2-style tied embedding and head
+    reference = copy.deepcopy(module)
+    expected, _ = _accelerate_losses(
+        reference, torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.0))
+    model, optimizer = _engine(module)
+    got, accelerator = _accelerate_losses(model, optimizer)
+    assert got == pytest.approx(expected, rel=1e-4)
+    assert got[-1] < got[0]
+    weights = accelerator.get_state_dict(model)  # real values, as the plain model's
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(weights[name], value, rtol=1e-4, atol=1e-5)
+
+
+def _trainer(model, optimizer, out_dir, max_steps, save_steps=None):
+    args = transformers.TrainingArguments(
+        output_dir=str(out_dir), per_device_train_batch_size=8, max_steps=max_steps,
+        report_to=[], use_cpu=True, max_grad_norm=0.5, logging_steps=1, seed=0,
+        save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
+        remove_unused_columns=False, label_names=["labels"])
+    return transformers.Trainer(model=model, args=args, train_dataset=_Tokens(),
+                                eval_dataset=_Tokens(), optimizers=(optimizer, None))
+
+
+def _train_losses(trainer):
+    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+
+def test_trainer_trains_evaluates_saves_and_resumes_as_the_plain_model(tmp_path):
+    module = _llama(tie=False)  # Trainer writes a plain module's state dict by safetensors,
+    # which refuses tied tensors (README): an untied Llama, as Llama-2's.
+    reference = copy.deepcopy(module)
+    plain = _trainer(reference, torch.optim.AdamW(reference.parameters(), lr=1e-2,
+                                                  weight_decay=0.0), tmp_path / "plain", 4)
+    plain.train()
+    model, optimizer = _engine(module)
+    ours = _trainer(model, optimizer, tmp_path / "ours", 4, save_steps=2)
+    ours.train()
+    assert _train_losses(ours) == pytest.approx(_train_losses(plain), rel=1e-4)
+    assert ours.evaluate()["eval_loss"] == pytest.approx(plain.evaluate()["eval_loss"], rel=1e-4)
+
+    # A new engine resumed from the step-2 checkpoint ends where the uninterrupted run did.
+    resumed_model, resumed_optimizer = _engine(_llama(tie=False))
+    resumed = _trainer(resumed_model, resumed_optimizer, tmp_path / "ours", 4)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "ours" / "checkpoint-2"))
+    assert _train_losses(resumed)[-2:] == pytest.approx(_train_losses(ours)[-2:], rel=1e-5)
+    finished = model.state_dict()
+    for name, value in resumed_model.state_dict().items():
+        torch.testing.assert_close(value, finished[name], rtol=1e-5, atol=1e-6)
