@@ -140,7 +140,10 @@ def _refuse_wrapping_data_parallel(engine: nn.Module) -> None:
             "already trains data-parallel over the torchrun ranks (each rank keeps 1/N of the "
             "model and the gradients are reduce-scattered in its chunks). Use the engine "
             "directly: drop the DDP(model) wrapper and call model(...), model.backward(loss) "
-            "(or loss.backward()) and optimizer.step()")
+            "(or loss.backward()) and optimizer.step(). Hugging Face accelerate's "
+            "prepare() wraps the model it is given under a multi-process launch: give it the "
+            "optimizer and data loaders only (optimizer, loader = "
+            "accelerator.prepare(optimizer, loader))")
 
 
 # Engines not yet destroyed: destroyed at interpreter exit (Note [Engine lifetime]).

@@ -21,6 +21,8 @@
     dp_worker.py OUT_DIR --ddp-wrap               the engine wrapped in torch's DDP
     dp_worker.py OUT_DIR --generate-lengths       Hugging Face generate() of 2 + 2 * rank new
                                                   tokens on each rank, then train a step
+    dp_worker.py OUT_DIR --accelerate             accelerate's loop (optimizer and loader
+                                                  prepared), then prepare(model), which wraps it
 
 Writes OUT_DIR/<what>-rank<r>.pt with losses, the gathered state dict, memory statistics or
 the error raised, then leaves with os._exit so a dead peer cannot hold up interpreter exit.
@@ -155,6 +157,8 @@ def main() -> None:
             results.update(full_gradients(rank, world))
         elif what == ["--generate-lengths"]:
             results.update(generate_lengths(rank))
+        elif what == ["--accelerate"]:
+            results.update(accelerate_loop())
         elif what == ["--ddp-wrap"]:  # nanoGPT's `model = DDP(model)` around the engine
             model, _ = patrickstar.initialize(MLP, config={"default_chunk_size": 4096})
             wrapped = torch.nn.parallel.DistributedDataParallel(model)
@@ -335,6 +339,36 @@ def generate_lengths(rank: int) -> dict:
     model.backward(loss)
     optimizer.step()
     return {"tokens": tokens, "expected": expected, "loss": loss.item()}
+
+
+def accelerate_loop() -> dict:
+    """Hugging Face accelerate's custom loop around the engine on every rank: the optimizer and
+    a data loader prepared (accelerate shards the batches over the ranks), then what
+    `accelerator.prepare(model)` does to the engine (it wraps a model in DDP under torchrun)."""
+    import accelerate
+    torch.manual_seed(0)
+    model, optimizer = patrickstar.initialize(MLP, config={
+        "default_chunk_size": 4096, "optimizer": {"type": "Adam", "params": {"lr": 1e-2}}})
+    accelerator = accelerate.Accelerator(cpu=True)
+    generator = torch.Generator().manual_seed(1)
+    data = torch.utils.data.TensorDataset(torch.randn(32, 32, generator=generator),
+                                          torch.randint(0, 10, (32,), generator=generator))
+    optimizer, loader = accelerator.prepare(
+        optimizer, torch.utils.data.DataLoader(data, batch_size=4))
+    losses = []
+    for x, y in loader:
+        loss = model(x, y)
+        accelerator.backward(loss)
+        accelerator.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    results = {"losses": losses, "state": accelerator.get_state_dict(model)}
+    try:
+        accelerator.prepare(model)(x, y)
+    except RuntimeError as error:
+        results["wrap_error"] = str(error)
+    return results
 
 
 def seed_offset(rank: int) -> dict:

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from dp_scenarios import BOUNDARY_CHUNKS, REMAKE_PAIRS, SCENARIOS, reference
-from test_initialize import assert_same_training
+from test_initialize import MLP, assert_same_training
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "dp_worker.py")
@@ -388,6 +388,30 @@ def test_wrapping_the_engine_in_torch_ddp_says_the_engine_is_data_parallel(tmp_p
         assert result.get("error_type") == "RuntimeError", result.get("traceback")
         assert "wrapped in torch DistributedDataParallel" in result["error"]
         assert "drop the DDP(model) wrapper" in result["error"]
+
+
+def test_accelerate_loop_trains_as_torch_on_the_global_batch(tmp_path):
+    # Hugging Face accelerate with the optimizer and loader prepared: each rank takes every
+    # second batch of 4, so a step is torch's on the 8 rows of both ranks' batches.
+    torch.manual_seed(0)
+    reference = MLP()
+    optimizer = torch.optim.Adam(reference.parameters(), lr=1e-2)
+    generator = torch.Generator().manual_seed(1)
+    xs, ys = torch.randn(32, 32, generator=generator), torch.randint(0, 10, (32,),
+                                                                     generator=generator)
+    for step in range(4):
+        reference(xs[8 * step:8 * step + 8], ys[8 * step:8 * step + 8]).backward()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+    results = launch(tmp_path, 2, "--accelerate")
+    for rank, result in enumerate(results):
+        assert "error" not in result, result.get("traceback")
+        assert len(result["losses"]) == 4
+        for name, value in reference.state_dict().items():
+            torch.testing.assert_close(result["state"][name], value, rtol=1e-4, atol=1e-6)
+        # prepare(model) wraps it in DDP: the error says to prepare the rest only.
+        assert "accelerate" in result["wrap_error"], result["wrap_error"]
 
 
 @pytest.mark.parametrize("name", ["branch_unused", "branch_accumulation"])
