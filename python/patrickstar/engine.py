@@ -140,10 +140,7 @@ def _refuse_wrapping_data_parallel(engine: nn.Module) -> None:
             "already trains data-parallel over the torchrun ranks (each rank keeps 1/N of the "
             "model and the gradients are reduce-scattered in its chunks). Use the engine "
             "directly: drop the DDP(model) wrapper and call model(...), model.backward(loss) "
-            "(or loss.backward()) and optimizer.step(). Hugging Face accelerate's "
-            "prepare() wraps the model it is given under a multi-process launch: give it the "
-            "optimizer and data loaders only (optimizer, loader = "
-            "accelerator.prepare(optimizer, loader))")
+            "(or loss.backward()) and optimizer.step()")
 
 
 # Engines not yet destroyed: destroyed at interpreter exit (Note [Engine lifetime]).
@@ -192,6 +189,14 @@ class PatrickStarEngine(nn.Module):
         # not yet given back (Note [Recomputed forwards]).
         self._recompute_holds: dict[nn.Module, int] = {}
         self._summoned = 0  # open summon_full_params() blocks: Note [No forward while summoned]
+        # Note [The engine is prepared for accelerate]
+        # Hugging Face accelerate's prepare(model) (its loops, and the Trainer's) places a model
+        # on the device, wraps it in DDP under a multi-process launch and wraps its forward in
+        # autocast for `mixed_precision`. The engine is already all that, as DeepSpeed's and
+        # FSDP's engines are to it: DDP around it is refused (_refuse_wrapping_data_parallel)
+        # and its precision is the config's. accelerate returns a model that says it was
+        # prepared as it is ("Ensure we can't double wrap a model").
+        self._is_accelerate_prepared = True
 
         # Before the model is built: tensor-parallel layers size their slices by the groups.
         self.dp = DataParallel(config, *world)

@@ -21,8 +21,8 @@
     dp_worker.py OUT_DIR --ddp-wrap               the engine wrapped in torch's DDP
     dp_worker.py OUT_DIR --generate-lengths       Hugging Face generate() of 2 + 2 * rank new
                                                   tokens on each rank, then train a step
-    dp_worker.py OUT_DIR --accelerate             accelerate's loop (optimizer and loader
-                                                  prepared), then prepare(model), which wraps it
+    dp_worker.py OUT_DIR --accelerate             accelerate's loop (model, optimizer and
+                                                  loader prepared, as Hugging Face's recipes do)
 
 Writes OUT_DIR/<what>-rank<r>.pt with losses, the gathered state dict, memory statistics or
 the error raised, then leaves with os._exit so a dead peer cannot hold up interpreter exit.
@@ -342,9 +342,9 @@ def generate_lengths(rank: int) -> dict:
 
 
 def accelerate_loop() -> dict:
-    """Hugging Face accelerate's custom loop around the engine on every rank: the optimizer and
-    a data loader prepared (accelerate shards the batches over the ranks), then what
-    `accelerator.prepare(model)` does to the engine (it wraps a model in DDP under torchrun)."""
+    """Hugging Face accelerate's custom loop around the engine on every rank, everything
+    prepared as `run_clm_no_trainer.py` does (accelerate shards the batches over the ranks and
+    leaves the engine as it is: Note [The engine is prepared for accelerate])."""
     import accelerate
     torch.manual_seed(0)
     model, optimizer = patrickstar.initialize(MLP, config={
@@ -353,22 +353,18 @@ def accelerate_loop() -> dict:
     generator = torch.Generator().manual_seed(1)
     data = torch.utils.data.TensorDataset(torch.randn(32, 32, generator=generator),
                                           torch.randint(0, 10, (32,), generator=generator))
-    optimizer, loader = accelerator.prepare(
-        optimizer, torch.utils.data.DataLoader(data, batch_size=4))
+    prepared, optimizer, loader = accelerator.prepare(
+        model, optimizer, torch.utils.data.DataLoader(data, batch_size=4))
     losses = []
     for x, y in loader:
-        loss = model(x, y)
+        loss = prepared(x, y)
         accelerator.backward(loss)
         accelerator.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    results = {"losses": losses, "state": accelerator.get_state_dict(model)}
-    try:
-        accelerator.prepare(model)(x, y)
-    except RuntimeError as error:
-        results["wrap_error"] = str(error)
-    return results
+    return {"losses": losses, "state": accelerator.get_state_dict(model),
+            "prepared_is_engine": prepared is model}
 
 
 def seed_offset(rank: int) -> dict:
