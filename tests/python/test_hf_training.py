@@ -35,8 +35,9 @@ class _Tokens(torch.utils.data.Dataset):
         return {"input_ids": ids, "labels": ids}
 
 
-def _engine(module, lr=1e-2):
-    config = {"optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.0}}}
+def _engine(module, lr=1e-2, accumulation=1):
+    config = {"optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.0}},
+              "gradient_accumulation_steps": accumulation}
     return patrickstar.initialize(lambda: copy.deepcopy(module), config=config)
 
 
@@ -70,9 +71,10 @@ def test_accelerate_loop_matches_the_plain_model():
         torch.testing.assert_close(weights[name], value, rtol=1e-4, atol=1e-5)
 
 
-def _trainer(model, optimizer, out_dir, max_steps, save_steps=None):
+def _trainer(model, optimizer, out_dir, max_steps, save_steps=None, accumulation=1):
     args = transformers.TrainingArguments(
-        output_dir=str(out_dir), per_device_train_batch_size=8, max_steps=max_steps,
+        output_dir=str(out_dir), per_device_train_batch_size=8 // accumulation,
+        gradient_accumulation_steps=accumulation, max_steps=max_steps,
         report_to=[], use_cpu=True, max_grad_norm=0.5, logging_steps=1, seed=0,
         save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
         remove_unused_columns=False, label_names=["labels"])
@@ -105,3 +107,16 @@ def test_trainer_trains_evaluates_saves_and_resumes_as_the_plain_model(tmp_path)
     finished = model.state_dict()
     for name, value in resumed_model.state_dict().items():
         torch.testing.assert_close(value, finished[name], rtol=1e-5, atol=1e-6)
+
+
+def test_trainer_accumulates_as_the_plain_model_with_the_key_in_the_config(tmp_path):
+    module = _llama(tie=False)
+    reference = copy.deepcopy(module)
+    plain = _trainer(reference, torch.optim.AdamW(reference.parameters(), lr=1e-2,
+                                                  weight_decay=0.0), tmp_path / "plain", 3,
+                     accumulation=2)
+    plain.train()
+    model, optimizer = _engine(module, accumulation=2)
+    ours = _trainer(model, optimizer, tmp_path / "ours", 3, accumulation=2)
+    ours.train()
+    assert _train_losses(ours) == pytest.approx(_train_losses(plain), rel=1e-4)
