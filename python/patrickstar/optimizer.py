@@ -251,6 +251,9 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
             if closure is not None:
                 with torch.enable_grad():
                     loss = closure()
+            if self._is_state_initializing_step():
+                self._initialize_state()
+                return loss
             self._before_step()
             with self._phase():
                 try:
@@ -263,6 +266,38 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
                 self.skipped_steps += 1
             self._after_step(applied)
         return loss
+
+    # Note [The state-initializing step of torch.distributed.checkpoint]
+    # get_state_dict(model, optimizer) (FSDP2's checkpoint recipe with dcp.save / dcp.load /
+    # set_state_dict) makes a torch optimizer's lazily made state exist before its first step,
+    # so that dcp.load has tensors to fill: where optimizer.state is empty and no p.grad is set,
+    # it sets every trainable p.grad to zeros_like(p), steps with every lr 0, then sets the
+    # gradients to None. Our step refused to run without a backward, so the recipe failed on a
+    # new engine (a resume) naming a backward the user never skipped. The step is known by its
+    # marks: no backward since the last step, no gradient in chunks, every group's lr 0 and
+    # every trainable parameter's p.grad set to a tensor of its placeholder's size (a gradient
+    # of ours is never there). It counts as torch's step with zero gradients at lr 0 counts:
+    # the weights and the (zero) moments stay, each step count becomes 1 and the state shows
+    # in state_dict() for dcp.load to fill (only Adam with L2 weight decay would differ, its
+    # first moment there being (1 - beta1) * wd * p, and dcp.load overwrites it).
+    def _is_state_initializing_step(self) -> bool:
+        if self.guard.backwards or any(self.has_grad) or len(self.state):
+            return False
+        if any(group["lr"] != 0 for group in self.param_groups):
+            return False
+        trainable = [p for group in self.param_groups for p in group["params"]
+                     if p.requires_grad]
+        return bool(trainable) and all(p.grad is not None and p.grad.numel() == p.numel()
+                                       for p in trainable)
+
+    def _initialize_state(self) -> None:
+        manager = self.chunked.chunks.manager
+        for index, ids in enumerate(self.chunked.ids):
+            if ids.momentum is not None and self.dp.owns(manager, ids.momentum):
+                self.step_counts[index] = 1
+        for group in self.param_groups:
+            for param in group["params"]:
+                param.grad = None
 
     def _step(self) -> bool:
         """Applies one Adam/AdamW step; returns False when it was skipped for overflow."""
@@ -677,7 +712,7 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
             group.update({k: v for k, v in saved.items() if k != "params"})
         manager = self.chunked.chunks.manager
         for key, entry in state_dict["state"].items():
-            index = to_index[int(key)]
+            index = to_index[_saved_key(key)]
             momentum = self.chunked.ids[index].momentum
             if momentum is not None and not self.dp.owns(manager, momentum):
                 continue  # data parallel: its owner loads it
@@ -708,16 +743,16 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
                     f"parameters, the optimizer's has {len(group['params'])} (the groups must "
                     "be made the same way as when it was saved)")
             for key, param in zip(saved["params"], group["params"]):
-                to_index[int(key)] = params.index_of(param)
+                to_index[_saved_key(key)] = params.index_of(param)
         return to_index
 
     def _check_saved_shapes(self, state, to_index) -> None:
         params = self.chunked
         for key, entry in state.items():
-            if int(key) not in to_index:
+            if _saved_key(key) not in to_index:
                 raise ValueError(f"optimizer state dict: state {key!r} belongs to no param "
                                  "group's 'params'")
-            index = to_index[int(key)]
+            index = to_index[_saved_key(key)]
             for moment in moment_state.MOMENT_KEYS:
                 value = entry.get(moment)
                 if value is None:
@@ -735,6 +770,14 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
                         f"optimizer state dict: state {key} maps to '{params.names[index]}' of "
                         f"shape {params.shapes[index]}, but its {weight} has shape "
                         f"{tuple(value.shape)}")
+
+
+def _saved_key(key):
+    """A saved state dict's name for a parameter: torch's numbers (as strings after a JSON round
+    trip), or the names torch.distributed.checkpoint's get_state_dict gives (fully qualified
+    parameter names); either only pairs the state with the groups' 'params' (Note [Saved
+    optimizer state is numbered by its groups])."""
+    return int(key) if isinstance(key, str) and key.isdigit() else key
 
 
 def _require_number(group: int, key: str, value, whole=None) -> None:

@@ -141,3 +141,32 @@ def test_the_models_own_state_dict_loads_as_a_no_op():
     model.load_state_dict(weights)
     master = optimizer.state_dict()["state"][0]["master_param"]
     assert torch.equal(master, weights["layers.0.weight"].float())
+
+
+@pytest.mark.parametrize("name", ["fp32", "bf16-no-master-int8-state"])
+def test_torch_distributed_checkpoint_resumes_bit_for_bit(name, tmp_path):
+    # FSDP2's idiom: get_state_dict(model, optimizer) names the optimizer's parameters by their
+    # fully qualified names; dcp.save / dcp.load; set_state_dict. Our load read the names as
+    # numbers ("invalid literal for int() ... 'module.layers.0.weight'"), and on a new engine
+    # get_state_dict failed ("optimizer.step() called before model.backward(loss)").
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model, optimizer = build(name)
+    train(model, optimizer, range(4))
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    assert "module.layers.0.weight" in optimizer_state["state"]
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=tmp_path)
+    expected = train(model, optimizer, range(4, 8))
+    del model, optimizer, model_state, optimizer_state
+    gc.collect()
+
+    model, optimizer = build(name)  # a new engine: get_state_dict steps it to make its state
+    # (Note [The state-initializing step of torch.distributed.checkpoint] in optimizer.py)
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    assert all(param.grad is None for param in model.parameters())
+    state = {"model": model_state, "optimizer": optimizer_state}
+    dcp.load(state, checkpoint_id=tmp_path)
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optimizer"])
+    assert train(model, optimizer, range(4, 8)) == expected
