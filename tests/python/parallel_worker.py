@@ -34,7 +34,7 @@ from dp_worker import error_result, save_and_exit
 from parallel_scenarios import SCENARIOS, PipeMLP, gpt_config, shard
 
 
-def train(name: str) -> dict:
+def train(name: str, out: str) -> dict:
     s = SCENARIOS[name]
     torch.manual_seed(0)
     if s.kind == "pipe":
@@ -74,6 +74,9 @@ def train(name: str) -> dict:
     state = model.state_dict()
     result["local_elements"] = sum(t.numel() for t in state.values())
     result["state"] = tensor_parallel.gather_full_state_dict(model.module, state)
+    if s.checkpoint:
+        result["checkpoint"] = os.path.join(out, name)
+        engine.save_checkpoint(result["checkpoint"], tag="t")
     model.destroy()
     return result
 
@@ -187,6 +190,7 @@ def checkpoints(out: str, rank: int) -> dict:
         optimizer.zero_grad()
     model.save_checkpoint(sliced, tag="t")
     saved = tensor_parallel.gather_full_state_dict(model.module, model.state_dict())
+    results["saved_state"] = saved  # what patrickstar-consolidate must write
     batch = next(batches)
     model.backward(model(*batch))
     optimizer.step()
@@ -282,7 +286,7 @@ def main() -> None:
             results = peer_failure(rank, what[0])
         else:
             for name in what:
-                results[name] = train(name)
+                results[name] = train(name, out)
     except Exception as error:  # noqa: BLE001
         results.update(error_result(error))
     save_and_exit(out, rank, results)

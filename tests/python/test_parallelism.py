@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 
 import pytest
 import torch
@@ -15,9 +16,10 @@ from torch import nn
 
 import patrickstar
 from patrickstar import tensor_parallel
+from patrickstar.checkpoint.meta import read_meta, write_meta
 from patrickstar.consolidate import consolidate
 from patrickstar.examples.gpt import synthetic_batches
-from patrickstar.examples.gpt_parallel import gpt_loss, gpt_pipeline
+from patrickstar.examples.gpt_parallel import ParallelGPT, gpt_loss, gpt_pipeline
 from patrickstar.pipe import PipelineModule, partition_balanced
 from patrickstar.pipe.p2p import check_gradients
 from patrickstar.pipe.schedule import SCHEDULES
@@ -135,7 +137,7 @@ def test_strided_slices_join_back_to_the_full_tensor():
     full = torch.arange(24.0).view(12, 2)  # [q; k; v], 4 rows each
     parts = [tensor_parallel.split_tensor(full, 0, 2, r, stride=3) for r in range(2)]
     assert parts[0][:, 0].tolist() == [0, 2, 8, 10, 16, 18]  # first half of q, of k, of v
-    torch.testing.assert_close(tensor_parallel._join(parts, 0, 3), full)
+    torch.testing.assert_close(tensor_parallel.join_slices(parts, 0, 3), full)
     with pytest.raises(ValueError, match="out_features = 6 is not divisible by the "
                                          "tensor-parallel size 4"):
         tensor_parallel._divide(6, 4, "out_features")
@@ -297,6 +299,23 @@ def test_four_ranks_match_one_process(four_ranks, name):
             assert device["peak_chunk_bytes"] <= device["budget_bytes"], rank
 
 
+def test_pipeline_and_tensor_slices_consolidate_to_the_full_model(four_ranks, tmp_path):
+    # 2 stages x 2 tensor slices: patrickstar-consolidate refused any tensor slices.
+    name = "pp_tp_clipped"
+    consolidate(four_ranks[0][name]["checkpoint"], tmp_path / "full.pt")
+    full = torch.load(tmp_path / "full.pt")
+    merged = {}
+    for result in four_ranks:
+        merged.update(result[name]["state"])
+    ref_state = reference(name)[1]
+    assert set(full) == set(merged) == set(ref_state)
+    for key, value in merged.items():
+        torch.testing.assert_close(full[key], value, rtol=0, atol=0, msg=key)
+    plain = gpt_pipeline(gpt_config()).sequential()
+    plain.load_state_dict(full)
+    assert_same_training([], [], ref_state, plain.state_dict(), atol=PARAM_ATOL)
+
+
 @pytest.mark.slow
 def test_pipeline_data_and_tensor_parallel_at_once_match_one_process(tmp_path):
     name = "pp_dp_tp_tight_clipped"
@@ -423,7 +442,29 @@ def test_tensor_slices_checkpoint_apart_and_other_layouts_are_refused(tmp_path):
     assert set(whole) == set(gpt_pipeline(gpt_config()).sequential().state_dict())
     for key, value in merged.items():
         torch.testing.assert_close(whole[key], value, rtol=0, atol=0)
-    with pytest.raises(ValueError, match=r"tensor slices \(pipe_SS-tensor_TT with tensor \[1\]"):
+    # Tensor slices join into the full model (patrickstar-consolidate refused them: nothing
+    # recorded how): what the engine gathered, loadable into the plain model.
+    consolidate(tmp_path / "sliced", tmp_path / "full.pt")
+    full = torch.load(tmp_path / "full.pt")
+    saved = results[0]["saved_state"]
+    assert set(full) == set(saved)
+    for key, value in saved.items():
+        torch.testing.assert_close(full[key], value, rtol=0, atol=0, msg=key)
+    plain = ParallelGPT(gpt_config())  # no topology here: the plain PyTorch layers
+    plain.load_state_dict(full)
+    for key, value in plain.state_dict().items():
+        torch.testing.assert_close(value, saved[key], rtol=0, atol=0, msg=key)
+    # A checkpoint saved before the slicing was recorded: refused as before, naming why.
+    meta_dir = tmp_path / "sliced" / "pipe_00-tensor_01" / "t"
+    body = read_meta(meta_dir)
+    del body["model_parallel"]
+    write_meta(meta_dir, body)
+    with pytest.raises(ValueError, match="saved before PatrickStar recorded how tensor slices "
+                                         "join"):
+        consolidate(tmp_path / "sliced", tmp_path / "sliced.pt")
+    shutil.rmtree(tmp_path / "sliced" / "pipe_00-tensor_01")
+    os.mkdir(tmp_path / "sliced" / "pipe_00-tensor_02")
+    with pytest.raises(ValueError, match=r"lacks the slice directories \['pipe_00-tensor_01'\]"):
         consolidate(tmp_path / "sliced", tmp_path / "sliced.pt")
 
 

@@ -18,7 +18,7 @@ from .errors import CheckpointError
 from .extra_state import encode_extra
 from .meta import LATEST, check_tag, read_meta, resolve_tag, write_latest, write_meta
 from .reader import CheckpointReader
-from .slices import load_directory, slice_directory
+from .slices import load_directory, model_parallel_record, slice_directory
 
 __all__ = ["save_checkpoint", "load_checkpoint"]
 
@@ -168,6 +168,7 @@ def _publish(state: EngineState, engine, save_dir: str, tag: str, partial: str,
         "layout": state.layout(), "tensors": state.tensor_table(),
         "state_dict_keys": state.state_dict_keys(), "engine": counters,
         "has_lr_scheduler": scheduler is not None,
+        "model_parallel": model_parallel_record(_model_parallel_groups(state)),
         "shards": [record["shard"] for record in records],
         "extras": [record["extra"] for record in records],
         "torch_version": torch.__version__,

@@ -11,6 +11,18 @@ into and loads from `DIR/pipe_SS-tensor_TT`, each a complete checkpoint of that 
 `latest`), which `patrickstar-consolidate` also reads one at a time. A load checks that the
 saved slices are exactly this run's (pipeline x tensor), naming both layouts, because a slice
 of another layout would either miss parameters or, worse, have the same names and other values.
+
+Note [Recorded tensor slices]
+A tensor slice's parameters are pieces of the full tensors, and how the pieces join (the
+dimension, column- or row-parallel, and the stride of a fused weight, Note [Strided slices] in
+tensor_parallel.py) is known only to the model's layers. So meta.json records it: the tensor
+table gives a sliced parameter `"partition": {"dim", "stride"}` (a parameter without it is whole
+and the same on every tensor rank: a row-parallel bias, a norm, a buffer), and the body's
+`model_parallel` gives the slice's place, `{"pipeline", "stage", "tensor", "tensor_rank"}`
+(sizes and this slice's coordinates; 1, 0, 1, 0 for an unsliced engine). With these,
+`patrickstar-consolidate` joins the slices into the full tensors. A checkpoint written before
+they were recorded has no `model_parallel`: its pipeline stages still consolidate (they hold
+whole tensors), its tensor slices are refused, since nothing says how they join.
 """
 from __future__ import annotations
 
@@ -20,7 +32,8 @@ import re
 from .errors import CheckpointError
 from .meta import LATEST
 
-__all__ = ["slice_name", "slice_directory", "saved_slices", "load_directory"]
+__all__ = ["slice_name", "slice_directory", "saved_slices", "load_directory",
+           "model_parallel_record"]
 
 _SLICE = re.compile(r"pipe_(\d+)-tensor_(\d+)")
 
@@ -37,6 +50,14 @@ def slice_directory(directory: str, groups) -> str:
         return directory
     coord = groups.coord
     return os.path.join(directory, slice_name(coord.pipe, coord.tensor))
+
+
+def model_parallel_record(groups) -> dict:
+    """meta.json's `model_parallel` (Note [Recorded tensor slices])."""
+    if groups is None:
+        return {"pipeline": 1, "stage": 0, "tensor": 1, "tensor_rank": 0}
+    return {"pipeline": groups.pipe_size, "stage": groups.coord.pipe,
+            "tensor": groups.tensor_size, "tensor_rank": groups.coord.tensor}
 
 
 def saved_slices(directory: str) -> list[tuple[int, int]]:
