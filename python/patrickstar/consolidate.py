@@ -35,7 +35,7 @@ import torch
 from . import dtypes
 from .tensor_parallel import join_slices
 from .checkpoint import LATEST, CheckpointError, CheckpointReader
-from .checkpoint.slices import saved_slices, slice_name
+from .checkpoint.slices import recorded_partitions, saved_slices, slice_name
 
 __all__ = ["consolidate", "main"]
 
@@ -154,37 +154,6 @@ def _slice_directories(directory: str, tag: str | None) -> list[list[str]]:
             for p in range(pipes)]
 
 
-def _partitions(row: list[CheckpointReader]) -> dict[str, tuple[int, int]]:
-    """(dim, stride) of each sliced parameter of one stage's tensor slices (Note [Recorded
-    tensor slices] in checkpoint/slices.py); {} for a stage of one slice."""
-    if len(row) == 1:
-        return {}
-    partitions = None
-    for rank, reader in enumerate(row):
-        record = reader.meta.get("model_parallel")
-        if record is None:
-            raise ValueError(
-                f"checkpoint '{reader.directory}' is one of {len(row)} tensor slices but was "
-                "saved before PatrickStar recorded how tensor slices join (its meta.json has "
-                "no 'model_parallel'): their parameters are pieces of the full tensors, which "
-                "this checkpoint does not say how to join; load it with the layout that saved "
-                "it and write tensor_parallel.gather_full_state_dict(model.module, "
-                "model.state_dict()) on tensor rank 0 instead")
-        if record["tensor"] != len(row) or record["tensor_rank"] != rank:
-            raise ValueError(f"checkpoint '{reader.directory}' records tensor slice "
-                             f"{record['tensor_rank']} of {record['tensor']}, but its directory "
-                             f"is slice {rank} of {len(row)}")
-        ours = {t["name"]: (t["partition"]["dim"], t["partition"]["stride"])
-                for t in reader.meta["tensors"] if "partition" in t}
-        if partitions is None:
-            partitions = ours
-        elif ours != partitions:
-            raise ValueError(f"checkpoint '{reader.directory}' slices other parameters (or "
-                             f"along other dimensions) than '{row[0].directory}': "
-                             f"{sorted(set(ours.items()) ^ set(partitions.items()))[:5]}")
-    return partitions
-
-
 def consolidate(checkpoint_dir, output, dtype: str = "fp32", tag: str | None = None,
                 verify: bool = True) -> dict:
     """Writes `output` (atomically: a temporary name, fsync, rename); returns a summary.
@@ -211,7 +180,7 @@ def consolidate(checkpoint_dir, output, dtype: str = "fp32", tag: str | None = N
         seen = set()
         for row in rows:
             reader = row[0]
-            partitions = _partitions(row)
+            partitions = recorded_partitions(row)
             names = [t["name"] for t in reader.meta["tensors"]]
             for key, what, ref in reader.meta["state_dict_keys"]:
                 if key in seen:  # a tied weight of an earlier stage

@@ -208,13 +208,37 @@ def checkpoints(out: str, rank: int) -> dict:
                                                                       model.state_dict())
     model.destroy()
     results["directories"] = sorted(os.listdir(sliced))
-    # The same ranks as two data-parallel replicas: not the layout that saved.
-    model, _ = patrickstar.initialize(lambda: ParallelGPT(config), config={
-        "default_chunk_size": 8192})
+    # The same ranks as two data-parallel replicas: not the layout that saved, refused unless
+    # allow_reshard=True, which converts the tensor slices (Note [Converting tensor slices at
+    # load]). Both replicas train on the whole batch: the averaged gradient is the batch's.
+    torch.manual_seed(1)
+    model, optimizer = patrickstar.initialize(lambda: ParallelGPT(config), config={
+        "default_chunk_size": 8192, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}})
     try:
         model.load_checkpoint(sliced, tag="t")
     except Exception as error:  # noqa: BLE001
         results["as_data_parallel"] = error_result(error)
+    model.load_checkpoint(sliced, tag="t", allow_reshard=True)
+    results["unsliced_loaded"] = model.state_dict()
+    whole = os.path.join(out, "whole")
+    model.save_checkpoint(whole, tag="w")
+    model.backward(model(*batch))
+    optimizer.step()
+    results["unsliced_next_state"] = model.state_dict()
+    model.destroy()
+    # The reverse: the unsliced checkpoint into two tensor slices.
+    model, optimizer = tensor_parallel_gpt(1)
+    try:
+        model.load_checkpoint(whole, tag="w")
+    except Exception as error:  # noqa: BLE001
+        results["whole_as_slices"] = error_result(error)
+    model.load_checkpoint(whole, tag="w", allow_reshard=True)
+    results["sliced_again"] = tensor_parallel.gather_full_state_dict(model.module,
+                                                                     model.state_dict())
+    model.backward(model(*batch))
+    optimizer.step()
+    results["sliced_again_next_state"] = tensor_parallel.gather_full_state_dict(
+        model.module, model.state_dict())
     model.destroy()
     # Two pipeline stages saved, loaded as two tensor slices.
     staged = os.path.join(out, "staged")

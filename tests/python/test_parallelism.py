@@ -16,6 +16,7 @@ from torch import nn
 
 import patrickstar
 from patrickstar import tensor_parallel
+from patrickstar.checkpoint import CheckpointError
 from patrickstar.checkpoint.meta import read_meta, write_meta
 from patrickstar.consolidate import consolidate
 from patrickstar.examples.gpt import synthetic_batches
@@ -430,10 +431,24 @@ def test_tensor_slices_checkpoint_apart_and_other_layouts_are_refused(tmp_path):
         for key, value in result["next_state"].items():  # optimizer state restored too
             torch.testing.assert_close(result["resumed_state"][key], value, rtol=0, atol=0)
         for what, saved in (("as_data_parallel", "parallel.pipeline = 1, parallel.tensor = 2"),
-                            ("stages_as_slices", "parallel.pipeline = 2, parallel.tensor = 1")):
+                            ("stages_as_slices", "parallel.pipeline = 2, parallel.tensor = 1"),
+                            ("whole_as_slices", "whole model")):
             error = result[what]
             assert error["error_type"] == "CheckpointError", error
             assert saved in error["error"], error
+        assert "allow_reshard=True" in result["as_data_parallel"]["error"]
+        assert "allow_reshard" not in result["stages_as_slices"]["error"]  # pipelines never
+        # allow_reshard=True converts 2 tensor slices to none and back (a loading run refused
+        # both): the saved weights exactly, then a step as the unconverted run's (to rounding,
+        # the sliced and unsliced matmuls sum in other orders).
+        saved = results[0]["saved_state"]
+        for key, value in saved.items():
+            torch.testing.assert_close(result["unsliced_loaded"][key], value, rtol=0, atol=0)
+            torch.testing.assert_close(result["sliced_again"][key], value, rtol=0, atol=0)
+        assert_same_training([], [], result["next_state"], result["unsliced_next_state"],
+                             atol=PARAM_ATOL)
+        assert_same_training([], [], result["next_state"], result["sliced_again_next_state"],
+                             atol=PARAM_ATOL)
     # patrickstar-consolidate of the pipeline's directory: the whole model (it said "no 'latest'
     # file"), sequential()'s keys, each stage's values; tensor slices are refused, naming them.
     merged = {**results[1]["staged_state"], **results[0]["staged_state"]}
@@ -459,8 +474,8 @@ def test_tensor_slices_checkpoint_apart_and_other_layouts_are_refused(tmp_path):
     body = read_meta(meta_dir)
     del body["model_parallel"]
     write_meta(meta_dir, body)
-    with pytest.raises(ValueError, match="saved before PatrickStar recorded how tensor slices "
-                                         "join"):
+    with pytest.raises(CheckpointError, match="saved before PatrickStar recorded how tensor "
+                                              "slices join"):
         consolidate(tmp_path / "sliced", tmp_path / "sliced.pt")
     shutil.rmtree(tmp_path / "sliced" / "pipe_00-tensor_01")
     os.mkdir(tmp_path / "sliced" / "pipe_00-tensor_02")

@@ -144,6 +144,15 @@ class EngineState:
             table.append(row)
         return table
 
+    def tensor_partitions(self) -> dict[str, tuple[int, int]]:
+        """(dim, stride) of each parameter this engine holds a tensor slice of."""
+        result = {}
+        for name, param in zip(self.names, self.params.params):
+            partition = tensor_partition(param)
+            if partition is not None:
+                result[name] = (partition["dim"], partition["stride"])
+        return result
+
     def layout(self) -> dict:
         layout = json.loads(self.chunks.layout_json())
         layout["chunk_elements"] = self.params.layout["chunk_elements"]
