@@ -12,6 +12,8 @@
                                              layout than the one that saved
     parallel_worker.py OUT_DIR --checkpoint-pp-dp   (4 ranks) 2 stages x 2 replicas saved, the
                                              next batch trained, then loaded and trained again
+    parallel_worker.py OUT_DIR --convert-pp-tp DIR  (4 ranks) DIR's 2 stages x 2 tensor slices
+                                             loaded as 2 stages x 2 replicas
 
 Writes OUT_DIR/rank<r>.pt with each scenario's losses and full state dict (or the errors), then
 leaves with os._exit so a dead peer cannot hold up interpreter exit.
@@ -293,6 +295,23 @@ def pipeline_data_parallel_checkpoint(out: str) -> dict:
     return results
 
 
+def convert_pipeline_slices(directory: str) -> dict:
+    """(4 ranks) pp_tp_clipped's checkpoint (2 stages x 2 tensor slices) loaded as 2 stages x 2
+    data-parallel replicas: the tensor slices converted (allow_reshard=True)."""
+    torch.manual_seed(1)
+    engine, _ = patrickstar.initialize(gpt_pipeline(gpt_config()), config={
+        "default_chunk_size": 8192, "parallel": {"pipeline": 2, "data": 2}})
+    results = {}
+    try:
+        engine.load_checkpoint(directory, tag="t")
+    except Exception as error:  # noqa: BLE001
+        results["refused"] = error_result(error)
+    engine.load_checkpoint(directory, tag="t", allow_reshard=True)
+    results["state"] = engine.state_dict()
+    engine.destroy()
+    return results
+
+
 def main() -> None:
     out, what = sys.argv[1], sys.argv[2:]
     rank = int(os.environ["RANK"])
@@ -302,6 +321,8 @@ def main() -> None:
             results = mismatch(rank)
         elif what == ["--checkpoint-pp-dp"]:
             results = pipeline_data_parallel_checkpoint(out)
+        elif what[:1] == ["--convert-pp-tp"]:
+            results = convert_pipeline_slices(what[1])
         elif what == ["--checkpoint"]:
             results = checkpoints(out, rank)
         elif what == ["--profile"]:

@@ -315,6 +315,17 @@ def test_pipeline_and_tensor_slices_consolidate_to_the_full_model(four_ranks, tm
     plain = gpt_pipeline(gpt_config()).sequential()
     plain.load_state_dict(full)
     assert_same_training([], [], ref_state, plain.state_dict(), atol=PARAM_ATOL)
+    # The same checkpoint loaded by 2 stages x 2 data-parallel replicas: refused, then with
+    # allow_reshard=True converted to unsliced stages holding exactly the consolidated values.
+    (tmp_path / "converted").mkdir()
+    converted = launch(tmp_path / "converted", 4, "--convert-pp-tp",
+                       four_ranks[0][name]["checkpoint"], worker=WORKER)
+    check_no_errors(converted)
+    for rank, result in enumerate(converted):
+        assert "allow_reshard=True" in result["refused"]["error"], rank
+        assert result["state"], rank
+        for key, value in result["state"].items():
+            torch.testing.assert_close(value, full[key], rtol=0, atol=0, msg=key)
 
 
 @pytest.mark.slow
