@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import math
 import os
 import sys
 import zipfile
@@ -97,7 +98,7 @@ def _fill(path: str, plan, dtype: torch.dtype) -> int:
     for source, (_, size) in zip(sources, offsets):
         itemsize = (dtype.itemsize if source.kind != "buffer"
                     else dtypes.element_size(source.saved_dtype()))
-        if size != itemsize * _numel(source.shape()):
+        if size != itemsize * math.prod(source.shape()):
             raise AssertionError(f"{path}: storage of {source.name} has {size} bytes")
     total = 0
     fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
@@ -116,13 +117,6 @@ def _fill(path: str, plan, dtype: torch.dtype) -> int:
     finally:
         os.close(fd)
     return total
-
-
-def _numel(shape) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count
 
 
 def _check_output(output: str) -> None:
