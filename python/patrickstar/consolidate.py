@@ -13,11 +13,20 @@ when `--dtype` is the run's own 16-bit compute dtype, the exact 16-bit weights t
 with. Buffers keep their saved dtype. A checkpoint of N data-parallel ranks reads every rank's
 shard (each holds the tensors of the chunks that rank owned); buffers, which every rank saves
 for itself, come from rank 0, as DDP broadcasts rank 0's.
+
+The directory of a model-parallel save (one pipe_SS-tensor_TT checkpoint per pipeline stage and
+tensor slice, Note [One checkpoint per model slice] in checkpoint/slices.py) gives the whole,
+unsliced model: each stage's keys, a sliced parameter joined from its tensor slices as its
+meta.json records (Note [Recorded tensor slices]), whole parameters and buffers from tensor
+slice 0. A joined tensor is held whole while it is written (with its slices: about twice the
+largest sliced tensor).
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
+import math
 import os
 import sys
 import zipfile
@@ -25,10 +34,36 @@ import zipfile
 import torch
 
 from . import dtypes
+from .tensor_parallel import join_slices
 from .checkpoint import LATEST, CheckpointError, CheckpointReader
-from .checkpoint.slices import saved_slices, slice_name
+from .checkpoint.slices import recorded_partitions, saved_slices, slice_name
 
 __all__ = ["consolidate", "main"]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Source:
+    """One tensor of the output: `name`'s `kind` from `readers[0]`, or, with a `partition`,
+    joined from the same tensor of every tensor slice (`readers` in tensor-rank order)."""
+    readers: tuple
+    name: str
+    kind: str
+    partition: tuple[int, int] | None = None  # (dim, stride)
+
+    def shape(self) -> tuple[int, ...]:
+        shape = list(self.readers[0].entry(self.name, self.kind).shape)
+        if self.partition is not None:
+            shape[self.partition[0]] *= len(self.readers)
+        return tuple(shape)
+
+    def saved_dtype(self) -> str:
+        return self.readers[0].entry(self.name, self.kind).dtype
+
+    def tensor(self) -> torch.Tensor:
+        if self.partition is None:
+            return self.readers[0].tensor(self.name, self.kind)
+        dim, stride = self.partition
+        return join_slices([r.tensor(self.name, self.kind) for r in self.readers], dim, stride)
 
 
 def _source_kind(reader: CheckpointReader, name: str, dtype: str) -> str:
@@ -55,22 +90,22 @@ def _fill(path: str, plan, dtype: torch.dtype) -> int:
     """Writes each tensor's bytes at its storage record (Note in the module docstring): torch
     numbers storages in the order the pickler meets them, i.e. state_dict order, tied keys once.
     Each record's size is checked against the tensor before anything is written. `plan` is
-    (key, reader, name, kind) in state_dict order."""
-    sources = list(dict.fromkeys((reader, name, kind) for _, reader, name, kind in plan))
+    (key, _Source) in state_dict order."""
+    sources = list(dict.fromkeys(source for _, source in plan))
     offsets = _record_offsets(path)
     if len(offsets) != len(sources):
         raise AssertionError(f"{path}: {len(offsets)} storages for {len(sources)} tensors")
-    for (reader, name, kind), (_, size) in zip(sources, offsets):
-        entry = reader.entry(name, kind)
-        itemsize = dtype.itemsize if kind != "buffer" else dtypes.element_size(entry.dtype)
-        if size != itemsize * entry.numel:
-            raise AssertionError(f"{path}: storage of {name} has {size} bytes")
+    for source, (_, size) in zip(sources, offsets):
+        itemsize = (dtype.itemsize if source.kind != "buffer"
+                    else dtypes.element_size(source.saved_dtype()))
+        if size != itemsize * math.prod(source.shape()):
+            raise AssertionError(f"{path}: storage of {source.name} has {size} bytes")
     total = 0
     fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
     try:
-        for (reader, name, kind), (offset, size) in zip(sources, offsets):
-            tensor = reader.tensor(name, kind)
-            if kind != "buffer":
+        for source, (offset, size) in zip(sources, offsets):
+            tensor = source.tensor()
+            if source.kind != "buffer":
                 tensor = tensor.to(dtype)
             data = memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())
             written = 0
@@ -94,33 +129,32 @@ def _check_output(output: str) -> None:
         raise FileNotFoundError(f"output directory '{parent}' does not exist (create it first)")
 
 
-def _stage_directories(directory: str, tag: str | None) -> list[str]:
-    """The per-stage checkpoints of a pipeline's save_checkpoint (Note [One checkpoint per
-    model slice] in checkpoint/slices.py), in stage order; [directory] for any other."""
+def _slice_directories(directory: str, tag: str | None) -> list[list[str]]:
+    """The per-slice checkpoints of a model-parallel save (Note [One checkpoint per model
+    slice] in checkpoint/slices.py), one row per pipeline stage, each row in tensor-rank order;
+    [[directory]] for any other."""
     slices = saved_slices(directory)
     if not slices or os.path.exists(os.path.join(directory, LATEST)) or (
             tag is not None and os.path.isdir(os.path.join(directory, tag))):
-        return [directory]
-    sliced = sorted({t for _, t in slices} - {0})
-    if sliced:
-        raise ValueError(f"checkpoint '{directory}' holds tensor slices (pipe_SS-tensor_TT with "
-                         f"tensor {sliced}): their parameters are pieces of the full tensors, "
-                         "which a checkpoint does not say how to join; load it with the "
-                         "layout that saved it and write tensor_parallel.gather_full_state_dict("
-                         "model.module, model.state_dict()) on tensor rank 0 instead")
-    stages = [p for p, _ in slices]
-    if stages != list(range(len(stages))):
-        raise ValueError(f"checkpoint '{directory}' has the pipeline stages {stages}, not "
-                         f"0..{len(stages) - 1}: a stage's directory is missing")
-    return [os.path.join(directory, slice_name(p, 0)) for p in stages]
+        return [[directory]]
+    pipes = max(p for p, _ in slices) + 1
+    tensors = max(t for _, t in slices) + 1
+    expected = [(p, t) for p in range(pipes) for t in range(tensors)]
+    if slices != expected:
+        missing = [slice_name(p, t) for p, t in expected if (p, t) not in slices]
+        raise ValueError(f"checkpoint '{directory}' lacks the slice directories {missing} of "
+                         f"its {pipes} pipeline stage(s) x {tensors} tensor slice(s)")
+    return [[os.path.join(directory, slice_name(p, t)) for t in range(tensors)]
+            for p in range(pipes)]
 
 
 def consolidate(checkpoint_dir, output, dtype: str = "fp32", tag: str | None = None,
                 verify: bool = True) -> dict:
     """Writes `output` (atomically: a temporary name, fsync, rename); returns a summary.
-    The directory of a pipeline's save_checkpoint (one pipe_SS-tensor_00 checkpoint per stage)
-    gives the whole model, the keys of `PipelineModule.sequential()`: a tied weight that
-    several stages hold comes from the lowest of them (the stages keep their copies equal)."""
+    The directory of a model-parallel save (one pipe_SS-tensor_TT checkpoint per stage and
+    tensor slice) gives the whole, unsliced model; of a pipeline, the keys of
+    `PipelineModule.sequential()`: a tied weight that several stages hold comes from the lowest
+    of them (the stages keep their copies equal)."""
     if dtype not in dtypes.PRECISIONS:
         raise ValueError(f"dtype must be one of {sorted(dtypes.PRECISIONS)}, got {dtype!r}")
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -128,37 +162,41 @@ def consolidate(checkpoint_dir, output, dtype: str = "fp32", tag: str | None = N
     output = os.fspath(output)
     _check_output(output)
     temp = f"{output}.tmp-{os.getpid()}"
-    directories = _stage_directories(os.fspath(checkpoint_dir), tag)
+    directories = _slice_directories(os.fspath(checkpoint_dir), tag)
     with contextlib.ExitStack() as stack:
-        readers = [stack.enter_context(CheckpointReader(d, tag, verify=verify))
-                   for d in directories]
-        tags = {reader.tag for reader in readers}
+        rows = [[stack.enter_context(CheckpointReader(d, tag, verify=verify)) for d in row]
+                for row in directories]
+        tags = {reader.tag for row in rows for reader in row}
         if len(tags) > 1:
-            raise CheckpointError(f"the pipeline stages of '{checkpoint_dir}' have different "
-                                  f"latest tags ({sorted(tags)}); give --tag")
-        plan = []  # (key, reader, name, kind) in state_dict order
+            raise CheckpointError(f"the slices of '{checkpoint_dir}' have different latest "
+                                  f"tags ({sorted(tags)}); give --tag")
+        plan = []  # (key, _Source) in state_dict order
         seen = set()
-        for reader in readers:
+        for row in rows:
+            reader = row[0]
+            partitions = recorded_partitions(row)
             names = [t["name"] for t in reader.meta["tensors"]]
             for key, what, ref in reader.meta["state_dict_keys"]:
                 if key in seen:  # a tied weight of an earlier stage
                     continue
                 seen.add(key)
-                if what == "param":
-                    name = names[ref]
-                    plan.append((key, reader, name, _source_kind(reader, name, dtype)))
-                else:
-                    plan.append((key, reader, ref, "buffer"))
+                if what != "param":
+                    plan.append((key, _Source((reader,), ref, "buffer")))
+                    continue
+                name = names[ref]
+                kind = _source_kind(reader, name, dtype)
+                partition = partitions.get(name)
+                plan.append((key, _Source(tuple(row) if partition else (reader,), name, kind,
+                                          partition)))
         # Fake tensors carry shape and dtype but no memory; tied keys share one fake tensor.
         with FakeTensorMode():
             fakes, by_source = {}, {}
-            for key, reader, name, kind in plan:
-                if (reader, name, kind) not in by_source:
-                    entry = reader.entry(name, kind)
-                    out_dtype = (dtypes.PRECISIONS[dtype] if kind != "buffer"
-                                 else dtypes.dtype_of(entry.dtype))
-                    by_source[(reader, name, kind)] = torch.empty(entry.shape, dtype=out_dtype)
-                fakes[key] = by_source[(reader, name, kind)]
+            for key, source in plan:
+                if source not in by_source:
+                    out_dtype = (dtypes.PRECISIONS[dtype] if source.kind != "buffer"
+                                 else dtypes.dtype_of(source.saved_dtype()))
+                    by_source[source] = torch.empty(source.shape(), dtype=out_dtype)
+                fakes[key] = by_source[source]
         try:
             with torch.serialization.skip_data(materialize_fake_tensors=True):
                 torch.save(fakes, temp)
@@ -169,8 +207,8 @@ def consolidate(checkpoint_dir, output, dtype: str = "fp32", tag: str | None = N
             if os.path.exists(temp):
                 os.unlink(temp)
             raise
-        return {"tag": readers[0].tag, "tensors": len(plan), "bytes": nbytes, "dtype": dtype,
-                "output": output, "stages": len(readers)}
+        return {"tag": rows[0][0].tag, "tensors": len(plan), "bytes": nbytes, "dtype": dtype,
+                "output": output, "stages": len(rows), "tensor_slices": len(rows[0])}
 
 
 def main(argv: list[str] | None = None) -> int:

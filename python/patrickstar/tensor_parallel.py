@@ -40,7 +40,8 @@ from . import recorded_collectives, topology
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
            "vocab_parallel_cross_entropy", "copy_to_tensor_parallel_region",
            "reduce_from_tensor_parallel_region", "scatter_to_tensor_parallel_region",
-           "gather_from_tensor_parallel_region", "gather_full_state_dict", "split_tensor"]
+           "gather_from_tensor_parallel_region", "gather_full_state_dict", "split_tensor",
+           "join_slices"]
 
 
 def _group_info(group):
@@ -154,8 +155,8 @@ def split_tensor(full: torch.Tensor, dim: int, size: int, rank: int, stride: int
     return torch.cat([block.chunk(size, dim=dim)[rank] for block in blocks], dim=dim)
 
 
-def _join(parts, dim: int, stride: int) -> torch.Tensor:
-    """Inverse of split_tensor over all ranks' parts."""
+def join_slices(parts, dim: int, stride: int = 1) -> torch.Tensor:
+    """Inverse of split_tensor over all ranks' parts, in rank order."""
     if stride == 1:
         return torch.cat(parts, dim=dim)
     pieces = [part.chunk(stride, dim=dim) for part in parts]
@@ -356,5 +357,5 @@ def gather_full_state_dict(module: nn.Module, state_dict: dict, group=None) -> d
         parts = [torch.empty_like(value) for _ in range(size)]
         recorded_collectives.group_all_gather(parts, value.contiguous(), group,
                                               "tensor_all_gather", f"full state dict: {name}")
-        result[name] = _join(parts, param.partition_dim, param.partition_stride)
+        result[name] = join_slices(parts, param.partition_dim, param.partition_stride)
     return result

@@ -31,6 +31,7 @@ class Scenario:
     weight_decay: float = 0.1
     clip: float = 0.0
     fp16: bool = False
+    checkpoint: bool = False  # save_checkpoint after training (for patrickstar-consolidate)
 
     @property
     def data(self) -> int:
@@ -74,7 +75,7 @@ SCENARIOS = {
     "pp_dp_tight": Scenario("pipe", {"pipeline": 2, "data": 2}, device_budget=TIGHT),
     "tp_dp_tight": Scenario("tensor", {"tensor": 2, "data": 2}, accumulation=2,
                             device_budget=TIGHT),
-    "pp_tp_clipped": Scenario("pipe", {"pipeline": 2, "tensor": 2}, clip=CLIP),
+    "pp_tp_clipped": Scenario("pipe", {"pipeline": 2, "tensor": 2}, clip=CLIP, checkpoint=True),
     # All three at once: 8 processes (a slow test).
     "pp_dp_tp_tight_clipped": Scenario("pipe", {"pipeline": 2, "data": 2, "tensor": 2},
                                        steps=5, clip=CLIP, device_budget=TIGHT),

@@ -12,6 +12,8 @@
                                              layout than the one that saved
     parallel_worker.py OUT_DIR --checkpoint-pp-dp   (4 ranks) 2 stages x 2 replicas saved, the
                                              next batch trained, then loaded and trained again
+    parallel_worker.py OUT_DIR --convert-pp-tp DIR  (4 ranks) DIR's 2 stages x 2 tensor slices
+                                             loaded as 2 stages x 2 replicas
 
 Writes OUT_DIR/rank<r>.pt with each scenario's losses and full state dict (or the errors), then
 leaves with os._exit so a dead peer cannot hold up interpreter exit.
@@ -34,7 +36,7 @@ from dp_worker import error_result, save_and_exit
 from parallel_scenarios import SCENARIOS, PipeMLP, gpt_config, shard
 
 
-def train(name: str) -> dict:
+def train(name: str, out: str) -> dict:
     s = SCENARIOS[name]
     torch.manual_seed(0)
     if s.kind == "pipe":
@@ -74,6 +76,9 @@ def train(name: str) -> dict:
     state = model.state_dict()
     result["local_elements"] = sum(t.numel() for t in state.values())
     result["state"] = tensor_parallel.gather_full_state_dict(model.module, state)
+    if s.checkpoint:
+        result["checkpoint"] = os.path.join(out, name)
+        engine.save_checkpoint(result["checkpoint"], tag="t")
     model.destroy()
     return result
 
@@ -187,6 +192,7 @@ def checkpoints(out: str, rank: int) -> dict:
         optimizer.zero_grad()
     model.save_checkpoint(sliced, tag="t")
     saved = tensor_parallel.gather_full_state_dict(model.module, model.state_dict())
+    results["saved_state"] = saved  # what patrickstar-consolidate must write
     batch = next(batches)
     model.backward(model(*batch))
     optimizer.step()
@@ -204,13 +210,37 @@ def checkpoints(out: str, rank: int) -> dict:
                                                                       model.state_dict())
     model.destroy()
     results["directories"] = sorted(os.listdir(sliced))
-    # The same ranks as two data-parallel replicas: not the layout that saved.
-    model, _ = patrickstar.initialize(lambda: ParallelGPT(config), config={
-        "default_chunk_size": 8192})
+    # The same ranks as two data-parallel replicas: not the layout that saved, refused unless
+    # allow_reshard=True, which converts the tensor slices (Note [Converting tensor slices at
+    # load]). Both replicas train on the whole batch: the averaged gradient is the batch's.
+    torch.manual_seed(1)
+    model, optimizer = patrickstar.initialize(lambda: ParallelGPT(config), config={
+        "default_chunk_size": 8192, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}})
     try:
         model.load_checkpoint(sliced, tag="t")
     except Exception as error:  # noqa: BLE001
         results["as_data_parallel"] = error_result(error)
+    model.load_checkpoint(sliced, tag="t", allow_reshard=True)
+    results["unsliced_loaded"] = model.state_dict()
+    whole = os.path.join(out, "whole")
+    model.save_checkpoint(whole, tag="w")
+    model.backward(model(*batch))
+    optimizer.step()
+    results["unsliced_next_state"] = model.state_dict()
+    model.destroy()
+    # The reverse: the unsliced checkpoint into two tensor slices.
+    model, optimizer = tensor_parallel_gpt(1)
+    try:
+        model.load_checkpoint(whole, tag="w")
+    except Exception as error:  # noqa: BLE001
+        results["whole_as_slices"] = error_result(error)
+    model.load_checkpoint(whole, tag="w", allow_reshard=True)
+    results["sliced_again"] = tensor_parallel.gather_full_state_dict(model.module,
+                                                                     model.state_dict())
+    model.backward(model(*batch))
+    optimizer.step()
+    results["sliced_again_next_state"] = tensor_parallel.gather_full_state_dict(
+        model.module, model.state_dict())
     model.destroy()
     # Two pipeline stages saved, loaded as two tensor slices.
     staged = os.path.join(out, "staged")
@@ -265,6 +295,23 @@ def pipeline_data_parallel_checkpoint(out: str) -> dict:
     return results
 
 
+def convert_pipeline_slices(directory: str) -> dict:
+    """(4 ranks) pp_tp_clipped's checkpoint (2 stages x 2 tensor slices) loaded as 2 stages x 2
+    data-parallel replicas: the tensor slices converted (allow_reshard=True)."""
+    torch.manual_seed(1)
+    engine, _ = patrickstar.initialize(gpt_pipeline(gpt_config()), config={
+        "default_chunk_size": 8192, "parallel": {"pipeline": 2, "data": 2}})
+    results = {}
+    try:
+        engine.load_checkpoint(directory, tag="t")
+    except Exception as error:  # noqa: BLE001
+        results["refused"] = error_result(error)
+    engine.load_checkpoint(directory, tag="t", allow_reshard=True)
+    results["state"] = engine.state_dict()
+    engine.destroy()
+    return results
+
+
 def main() -> None:
     out, what = sys.argv[1], sys.argv[2:]
     rank = int(os.environ["RANK"])
@@ -274,6 +321,8 @@ def main() -> None:
             results = mismatch(rank)
         elif what == ["--checkpoint-pp-dp"]:
             results = pipeline_data_parallel_checkpoint(out)
+        elif what[:1] == ["--convert-pp-tp"]:
+            results = convert_pipeline_slices(what[1])
         elif what == ["--checkpoint"]:
             results = checkpoints(out, rank)
         elif what == ["--profile"]:
@@ -282,7 +331,7 @@ def main() -> None:
             results = peer_failure(rank, what[0])
         else:
             for name in what:
-                results[name] = train(name)
+                results[name] = train(name, out)
     except Exception as error:  # noqa: BLE001
         results.update(error_result(error))
     save_and_exit(out, rank, results)

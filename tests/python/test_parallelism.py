@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 
 import pytest
 import torch
@@ -15,9 +16,11 @@ from torch import nn
 
 import patrickstar
 from patrickstar import tensor_parallel
+from patrickstar.checkpoint import CheckpointError
+from patrickstar.checkpoint.meta import read_meta, write_meta
 from patrickstar.consolidate import consolidate
 from patrickstar.examples.gpt import synthetic_batches
-from patrickstar.examples.gpt_parallel import gpt_loss, gpt_pipeline
+from patrickstar.examples.gpt_parallel import ParallelGPT, gpt_loss, gpt_pipeline
 from patrickstar.pipe import PipelineModule, partition_balanced
 from patrickstar.pipe.p2p import check_gradients
 from patrickstar.pipe.schedule import SCHEDULES
@@ -135,7 +138,7 @@ def test_strided_slices_join_back_to_the_full_tensor():
     full = torch.arange(24.0).view(12, 2)  # [q; k; v], 4 rows each
     parts = [tensor_parallel.split_tensor(full, 0, 2, r, stride=3) for r in range(2)]
     assert parts[0][:, 0].tolist() == [0, 2, 8, 10, 16, 18]  # first half of q, of k, of v
-    torch.testing.assert_close(tensor_parallel._join(parts, 0, 3), full)
+    torch.testing.assert_close(tensor_parallel.join_slices(parts, 0, 3), full)
     with pytest.raises(ValueError, match="out_features = 6 is not divisible by the "
                                          "tensor-parallel size 4"):
         tensor_parallel._divide(6, 4, "out_features")
@@ -297,6 +300,34 @@ def test_four_ranks_match_one_process(four_ranks, name):
             assert device["peak_chunk_bytes"] <= device["budget_bytes"], rank
 
 
+def test_pipeline_and_tensor_slices_consolidate_to_the_full_model(four_ranks, tmp_path):
+    # 2 stages x 2 tensor slices: patrickstar-consolidate refused any tensor slices.
+    name = "pp_tp_clipped"
+    consolidate(four_ranks[0][name]["checkpoint"], tmp_path / "full.pt")
+    full = torch.load(tmp_path / "full.pt")
+    merged = {}
+    for result in four_ranks:
+        merged.update(result[name]["state"])
+    ref_state = reference(name)[1]
+    assert set(full) == set(merged) == set(ref_state)
+    for key, value in merged.items():
+        torch.testing.assert_close(full[key], value, rtol=0, atol=0, msg=key)
+    plain = gpt_pipeline(gpt_config()).sequential()
+    plain.load_state_dict(full)
+    assert_same_training([], [], ref_state, plain.state_dict(), atol=PARAM_ATOL)
+    # The same checkpoint loaded by 2 stages x 2 data-parallel replicas: refused, then with
+    # allow_reshard=True converted to unsliced stages holding exactly the consolidated values.
+    (tmp_path / "converted").mkdir()
+    converted = launch(tmp_path / "converted", 4, "--convert-pp-tp",
+                       four_ranks[0][name]["checkpoint"], worker=WORKER)
+    check_no_errors(converted)
+    for rank, result in enumerate(converted):
+        assert "allow_reshard=True" in result["refused"]["error"], rank
+        assert result["state"], rank
+        for key, value in result["state"].items():
+            torch.testing.assert_close(value, full[key], rtol=0, atol=0, msg=key)
+
+
 @pytest.mark.slow
 def test_pipeline_data_and_tensor_parallel_at_once_match_one_process(tmp_path):
     name = "pp_dp_tp_tight_clipped"
@@ -411,10 +442,24 @@ def test_tensor_slices_checkpoint_apart_and_other_layouts_are_refused(tmp_path):
         for key, value in result["next_state"].items():  # optimizer state restored too
             torch.testing.assert_close(result["resumed_state"][key], value, rtol=0, atol=0)
         for what, saved in (("as_data_parallel", "parallel.pipeline = 1, parallel.tensor = 2"),
-                            ("stages_as_slices", "parallel.pipeline = 2, parallel.tensor = 1")):
+                            ("stages_as_slices", "parallel.pipeline = 2, parallel.tensor = 1"),
+                            ("whole_as_slices", "whole model")):
             error = result[what]
             assert error["error_type"] == "CheckpointError", error
             assert saved in error["error"], error
+        assert "allow_reshard=True" in result["as_data_parallel"]["error"]
+        assert "allow_reshard" not in result["stages_as_slices"]["error"]  # pipelines never
+        # allow_reshard=True converts 2 tensor slices to none and back (a loading run refused
+        # both): the saved weights exactly, then a step as the unconverted run's (to rounding,
+        # the sliced and unsliced matmuls sum in other orders).
+        saved = results[0]["saved_state"]
+        for key, value in saved.items():
+            torch.testing.assert_close(result["unsliced_loaded"][key], value, rtol=0, atol=0)
+            torch.testing.assert_close(result["sliced_again"][key], value, rtol=0, atol=0)
+        assert_same_training([], [], result["next_state"], result["unsliced_next_state"],
+                             atol=PARAM_ATOL)
+        assert_same_training([], [], result["next_state"], result["sliced_again_next_state"],
+                             atol=PARAM_ATOL)
     # patrickstar-consolidate of the pipeline's directory: the whole model (it said "no 'latest'
     # file"), sequential()'s keys, each stage's values; tensor slices are refused, naming them.
     merged = {**results[1]["staged_state"], **results[0]["staged_state"]}
@@ -423,7 +468,29 @@ def test_tensor_slices_checkpoint_apart_and_other_layouts_are_refused(tmp_path):
     assert set(whole) == set(gpt_pipeline(gpt_config()).sequential().state_dict())
     for key, value in merged.items():
         torch.testing.assert_close(whole[key], value, rtol=0, atol=0)
-    with pytest.raises(ValueError, match=r"tensor slices \(pipe_SS-tensor_TT with tensor \[1\]"):
+    # Tensor slices join into the full model (patrickstar-consolidate refused them: nothing
+    # recorded how): what the engine gathered, loadable into the plain model.
+    consolidate(tmp_path / "sliced", tmp_path / "full.pt")
+    full = torch.load(tmp_path / "full.pt")
+    saved = results[0]["saved_state"]
+    assert set(full) == set(saved)
+    for key, value in saved.items():
+        torch.testing.assert_close(full[key], value, rtol=0, atol=0, msg=key)
+    plain = ParallelGPT(gpt_config())  # no topology here: the plain PyTorch layers
+    plain.load_state_dict(full)
+    for key, value in plain.state_dict().items():
+        torch.testing.assert_close(value, saved[key], rtol=0, atol=0, msg=key)
+    # A checkpoint saved before the slicing was recorded: refused as before, naming why.
+    meta_dir = tmp_path / "sliced" / "pipe_00-tensor_01" / "t"
+    body = read_meta(meta_dir)
+    del body["model_parallel"]
+    write_meta(meta_dir, body)
+    with pytest.raises(CheckpointError, match="saved before PatrickStar recorded how tensor "
+                                              "slices join"):
+        consolidate(tmp_path / "sliced", tmp_path / "sliced.pt")
+    shutil.rmtree(tmp_path / "sliced" / "pipe_00-tensor_01")
+    os.mkdir(tmp_path / "sliced" / "pipe_00-tensor_02")
+    with pytest.raises(ValueError, match=r"lacks the slice directories \['pipe_00-tensor_01'\]"):
         consolidate(tmp_path / "sliced", tmp_path / "sliced.pt")
 
 

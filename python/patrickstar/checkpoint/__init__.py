@@ -11,6 +11,11 @@ One concept per module:
                       data])
     protocol.py       save_checkpoint / load_checkpoint on every rank (Note [Multi-rank
                       checkpoints])
+    slices.py         one checkpoint per pipeline stage and tensor slice, and what it records
+                      of the slicing (Note [One checkpoint per model slice], Note [Recorded
+                      tensor slices])
+    tensor_conversion.py  another tensor-parallel size's slices read as this engine's (Note
+                      [Converting tensor slices at load])
 
 On disk (one directory per tag, DeepSpeed's layout of a `latest` file beside tag directories):
 

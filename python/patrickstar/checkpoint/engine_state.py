@@ -14,7 +14,7 @@ from .. import _C, dtypes, moment_state
 from .shard import Entry
 
 __all__ = ["EngineState", "SAVED_KINDS", "source_kind", "rng_states", "set_rng_states",
-           "config_json"]
+           "config_json", "tensor_partition"]
 
 K = _C.ChunkKind
 # The kind names a checkpoint stores (Note [Shard format]) and the chunk kind of each.
@@ -131,8 +131,27 @@ class EngineState:
         return keys
 
     def tensor_table(self) -> list[dict]:
-        return [{"name": n, "shape": list(s), "requires_grad": r}
-                for n, s, r in zip(self.names, self.shapes, self.params.requires_grad)]
+        """Each parameter's name, shape, requires_grad and, for a tensor slice, how the slices
+        join (Note [Recorded tensor slices] in checkpoint/slices.py)."""
+        table = []
+        for name, shape, requires_grad, param in zip(self.names, self.shapes,
+                                                     self.params.requires_grad,
+                                                     self.params.params):
+            row = {"name": name, "shape": list(shape), "requires_grad": requires_grad}
+            partition = tensor_partition(param)
+            if partition is not None:
+                row["partition"] = partition
+            table.append(row)
+        return table
+
+    def tensor_partitions(self) -> dict[str, tuple[int, int]]:
+        """(dim, stride) of each parameter this engine holds a tensor slice of."""
+        result = {}
+        for name, param in zip(self.names, self.params.params):
+            partition = tensor_partition(param)
+            if partition is not None:
+                result[name] = (partition["dim"], partition["stride"])
+        return result
 
     def layout(self) -> dict:
         layout = json.loads(self.chunks.layout_json())
@@ -263,6 +282,14 @@ class EngineState:
             scheduler.load_state_dict(extra["lr_scheduler"])
         if load_rng_states:
             set_rng_states(extra["rng"])
+
+
+def tensor_partition(param) -> dict | None:
+    """{"dim", "stride"} of a Megatron tensor slice (tensor_parallel's `tensor_model_parallel`,
+    `partition_dim`, `partition_stride` attributes), None for a whole parameter."""
+    if not getattr(param, "tensor_model_parallel", False):
+        return None
+    return {"dim": int(param.partition_dim), "stride": int(getattr(param, "partition_stride", 1))}
 
 
 def source_kind(reader, name: str, kind: str) -> str:

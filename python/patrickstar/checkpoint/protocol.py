@@ -18,7 +18,8 @@ from .errors import CheckpointError
 from .extra_state import encode_extra
 from .meta import LATEST, check_tag, read_meta, resolve_tag, write_latest, write_meta
 from .reader import CheckpointReader
-from .slices import load_directory, slice_directory
+from .slices import load_directories, model_parallel_record, slice_directory
+from .tensor_conversion import ConvertedSlices
 
 __all__ = ["save_checkpoint", "load_checkpoint"]
 
@@ -168,6 +169,7 @@ def _publish(state: EngineState, engine, save_dir: str, tag: str, partial: str,
         "layout": state.layout(), "tensors": state.tensor_table(),
         "state_dict_keys": state.state_dict_keys(), "engine": counters,
         "has_lr_scheduler": scheduler is not None,
+        "model_parallel": model_parallel_record(_model_parallel_groups(state)),
         "shards": [record["shard"] for record in records],
         "extras": [record["extra"] for record in records],
         "torch_version": torch.__version__,
@@ -191,8 +193,11 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states: bool = Tr
     `load_dir` has no `latest` file and no tag was given (as DeepSpeed does). With data
     parallelism every rank calls it (Note [Multi-rank checkpoints])."""
     state = EngineState(engine)
-    # Note [One checkpoint per model slice] in slices.py.
-    load_dir = load_directory(os.fspath(load_dir), _model_parallel_groups(state))
+    # Note [One checkpoint per model slice] in slices.py; with allow_reshard the saved tensor
+    # slices may be another tensor size's (Note [Converting tensor slices at load]).
+    directories, convert = load_directories(os.fspath(load_dir), _model_parallel_groups(state),
+                                            allow_reshard)
+    load_dir = directories[0]
     what = f"load_checkpoint('{load_dir}')"
     # Rank 0 reads `latest`, so every rank loads the same tag even if it changes meanwhile.
     error = resolved = None
@@ -215,8 +220,9 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states: bool = Tr
         # Verify everything on every rank before any rank changes anything.
         error = reader = extra = None
         try:
-            reader = stack.enter_context(_open_reader(state, load_dir, resolved,
-                                                      allow_reshard))
+            reader = stack.enter_context(
+                _open_converted(state, directories, resolved) if convert else
+                _open_reader(state, load_dir, resolved, allow_reshard))
             extra = _verify_loadable(state, reader, scheduler, load_optimizer_states,
                                      load_lr_scheduler_states, allow_reshard)
         except Exception as failure:
@@ -256,6 +262,22 @@ def _open_reader(state: EngineState, load_dir: str, tag: str,
                 layout.get("hash") == state.layout()["hash"]:
             ranks = [state.rank]
     return CheckpointReader(load_dir, tag, ranks=ranks)
+
+
+def _open_converted(state: EngineState, directories: list[str], tag: str) -> ConvertedSlices:
+    """Every saved tensor slice of this engine's stage, converted to its own slice (Note
+    [Converting tensor slices at load] in tensor_conversion.py)."""
+    groups = _model_parallel_groups(state)
+    size, rank = (1, 0) if groups is None else (groups.tensor_size, groups.coord.tensor)
+    readers = []
+    try:
+        for directory in directories:
+            readers.append(CheckpointReader(directory, tag))
+        return ConvertedSlices(readers, state.tensor_partitions(), size, rank)
+    except BaseException:
+        for reader in readers:
+            reader.close()
+        raise
 
 
 def _verify_loadable(state: EngineState, reader: CheckpointReader, scheduler,
