@@ -286,7 +286,8 @@ class ParameterPlacer:
         self._place = place
         self._event = 0
         self._placed = 0
-        self._resized: list[tuple[int, nn.Parameter]] = []  # Note [Parameters resized while...]
+        # Note [Parameters resized while building]: (index, parameter, name).
+        self._resized: list[tuple[int, nn.Parameter, str]] = []
         # Registered parameters by id, held weakly: a parameter replaced by a tied one dies at
         # once, and its id may then be reused by the next parameter created, which a plain set
         # of ids would take for one already seen (and the placement would shift by one).
@@ -305,18 +306,26 @@ class ParameterPlacer:
         alive = self._survives[self._event]
         self._event += 1
         if alive:
-            self._place_next(param)
+            self._place_next(param, f"{type(module).__name__}.{name}")
         return None
 
-    def _place_next(self, param: nn.Parameter) -> None:
+    def _place_next(self, param: nn.Parameter, name: str) -> None:
         index = self._placed
         self._placed += 1
         if tuple(param.shape) != self._shapes[index]:
-            self._resized.append((index, param))
+            self._resized.append((index, param, name))
         else:
-            self._place_at(index, param)
+            self._place_at(index, param, name)
 
-    def _place_at(self, index: int, param: nn.Parameter) -> None:
+    def _place_at(self, index: int, param: nn.Parameter, name: str) -> None:
+        if param.is_meta:
+            raise RuntimeError(
+                f"parameter {index} ('{name}', shape {tuple(param.shape)}) is on the meta "
+                f"device, which holds no values to put in chunks. Build the model on "
+                f"the CPU inside model_func: initialize() already builds it chunk by chunk, so "
+                f"host memory stays near the chunks' size without torch.device('meta') or "
+                f"accelerate's init_empty_weights(); for a meta-built model, give it weights "
+                f"first (model.to_empty(device='cpu') and load_state_dict or init)")
         with torch.no_grad():
             view = self._place(index, param)
             view.copy_(param.data)
@@ -333,14 +342,14 @@ class ParameterPlacer:
         if self._event != len(self._survives):
             raise RuntimeError("model_func registered fewer parameters than on its first run; "
                                + _SAME_MODEL_EVERY_TIME)
-        for _, param in _unregistered(model, self._was_registered):  # Note [Parameters no...]
-            self._place_next(param)
-        for index, param in self._resized:
+        for name, param in _unregistered(model, self._was_registered):  # Note [Parameters no...]
+            self._place_next(param, name)
+        for index, param, name in self._resized:
             if tuple(param.shape) != self._shapes[index]:
                 raise RuntimeError(
                     f"model_func built parameter {index} with shape {tuple(param.shape)} but "
                     f"{self._shapes[index]} on its first run; " + _SAME_MODEL_EVERY_TIME)
-            self._place_at(index, param)
+            self._place_at(index, param, name)
         return model
 
 

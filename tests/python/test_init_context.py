@@ -256,3 +256,16 @@ def test_weights_loaded_inside_model_func_arrive_without_meta_warnings():
     assert not [w for w in caught if "meta parameter" in str(w.message)]
     for name, tensor in weights.items():
         assert torch.equal(model.state_dict()[name], tensor), name
+
+
+@pytest.mark.parametrize("how", ["model_func", "built"])
+def test_a_meta_device_model_is_refused_naming_the_parameter(how):
+    # It failed with torch's "Cannot copy out of meta tensor; no data!" from deep inside the
+    # placement (FSDP2's build-on-meta recipe, accelerate's init_empty_weights()).
+    def build():
+        with torch.device("meta"):
+            return nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+
+    with pytest.raises(RuntimeError, match=r"parameter 0 \('.*weight', shape \(8, 4\)\) is on "
+                                           r"the meta device.*Build the model on the CPU"):
+        patrickstar.initialize(build if how == "model_func" else build(), config={})
