@@ -51,6 +51,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from .backward_pins import BackwardPins, backward_pins
 from .restore_on_use import defer, undefer
 from .utils.logging import logger as _log
 
@@ -131,9 +132,11 @@ def _check_sparse_gradients(model: nn.Module) -> None:
                 f"sparse update (torch.optim.Adam refuses them too). Build it with sparse=False")
 
 
-def plan_parameters(model_func: Callable[[], nn.Module]) -> tuple[list[ParamSpec], list[bool]]:
-    """Pass 1 of Note [Two-pass initialization]. Returns the specs of the surviving parameters
-    and, per registration event, whether it is the first registration of a surviving one."""
+def plan_parameters(model_func: Callable[[], nn.Module]
+                    ) -> tuple[list[ParamSpec], list[bool], BackwardPins]:
+    """Pass 1 of Note [Two-pass initialization]. Returns the specs of the surviving parameters,
+    per registration event whether it is the first registration of a surviving one, and what
+    the model's backward pins at once (Note [What backward pins] in backward_pins.py)."""
     registrations: list[nn.Parameter] = []
     seen: set[int] = set()
 
@@ -180,7 +183,7 @@ def plan_parameters(model_func: Callable[[], nn.Module]) -> tuple[list[ParamSpec
         _check_dtype(name, param.dtype)
         specs.append(ParamSpec(len(specs), name, tuple(param.shape), param.requires_grad,
                                param.dtype))
-    return specs, survives
+    return specs, survives, backward_pins(model)
 
 
 # Note [A model built in another 16-bit dtype]
