@@ -71,6 +71,7 @@ from .chunked_params import ChunkedParams
 from .config import Config
 from .module_config_view import ModuleConfigView
 from .data_parallel import DataParallel, detect_world
+from .backward_pins import backward_pins
 from .backward_pass import BackwardPass
 from .batch_sizes import resolve_batch_sizes
 from .deepspeed_loop import DeepSpeedLoop
@@ -196,7 +197,7 @@ class PatrickStarEngine(nn.Module):
         if self.dp.enabled and isinstance(model_func, BuiltModule):
             take_first_rank_state(model_func.module, self.dp.group)
         with first_rank_rng(self.dp.enabled, self.dp.group):
-            specs, survives, pins = plan_parameters(model_func)
+            specs, survives, pins = plan_parameters(model_func, backward_pins)
             if not specs:
                 raise ValueError("model_func built a module without parameters; nothing to train")
             message = built_dtype_warning(specs, self.precision, self.compute_dtype)
