@@ -11,17 +11,21 @@ call, so while a module's backward stores a gradient the device holds, pinned:
   * those of every module whose inputs took no gradient and whose backward already ran: such a
     module never gets a post-backward call (Note [Backward hooks through autograd functions]),
     so its chunks stay pinned until backward ends. An embedding's input is always integer
-    indices, so every nn.Embedding / nn.EmbeddingBag is one of them, and their backwards come
-    last (they are a model's first layers): the token and position embeddings of a GPT, the
-    word, position and token-type ones of BERT are all pinned together at the end, with the
-    gradient chunk of the last of them to be stored.
+    indices, so every nn.Embedding / nn.EmbeddingBag is one of them. Embeddings are a model's
+    first layers, whose backwards come last, in the reverse of their calls: the token and
+    position embeddings of a GPT, the word, position and token-type ones of BERT are all
+    pinned together when the gradient of the first one called (taken as the first
+    registered) is stored.
+The check refuses budgets that cannot work, so the figure must not exceed what backward
+really needs: what the module tree cannot tell is left out rather than guessed. Not counted,
+since they show only in a forward: other modules fed tensors that take no gradient (a first
+Linear reading the batch beside embedding tables, as in a recommender, is pinned with them at
+the end), and a module called in two places whose calls' backwards overlap. Those still fail
+at the gradient store, naming the tier and its pinned bytes.
 Counting only a module's own chunks (as the check did first) passed budgets that ran out of
 room at the end of the first backward: a GPT whose tied token embedding has a 2 MiB chunk of
 its own, beside a 1 MiB chunk with the position embedding, passed a 4 MiB device budget
 (2 MiB compute + 2 MiB gradient) and needed 5 MiB at the token embedding's gradient store.
-Not counted, since they show only in a forward: other modules whose inputs take no gradient
-(a first Linear fed raw data, besides embeddings), and a module called in two places whose
-calls' backwards overlap. Those still fail at the store, naming the tier and its pinned bytes.
 """
 from __future__ import annotations
 
@@ -87,5 +91,5 @@ def backward_pins(model: nn.Module) -> BackwardPins:
         moments.append(PinMoment(
             f"the embeddings {listed}, whose integer inputs take no gradient, so their "
             f"parameters stay pinned together until backward ends",
-            frozenset(held_to_the_end), tuple(n for path in embeddings for n in own[path])))
+            frozenset(held_to_the_end), tuple(own[embeddings[0]])))
     return BackwardPins(tuple(moments))
