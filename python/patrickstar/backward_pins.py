@@ -15,7 +15,8 @@ call, so while a module's backward stores a gradient the device holds, pinned:
     first layers, whose backwards come last, in the reverse of their calls: the token and
     position embeddings of a GPT, the word, position and token-type ones of BERT are all
     pinned together when the gradient of the first one called (taken as the first
-    registered) is stored.
+    registered) is stored. A frozen embedding's output takes no gradient, so it has no
+    backward call and pins nothing.
 The check refuses budgets that cannot work, so the figure must not exceed what backward
 really needs: what the module tree cannot tell is left out rather than guessed. Not counted,
 since they show only in a forward: other modules fed tensors that take no gradient (a first
@@ -72,7 +73,9 @@ def backward_pins(model: nn.Module) -> BackwardPins:
             if name is not None and name not in used:
                 used.append(name)
         own[path] = used
-        if used and isinstance(module, _INTEGER_INPUT):
+        # A frozen embedding's output takes no gradient: no backward call, nothing pinned.
+        if used and isinstance(module, _INTEGER_INPUT) and any(
+                p.requires_grad for p in module.parameters(recurse=False)):
             embeddings.append(path)
     moments = []
     held_to_the_end: set[str] = set()

@@ -48,6 +48,12 @@ def gpt_config():
     return GPTConfig(vocab_size=2048, max_seq_len=32, hidden=128, layers=0, heads=2)
 
 
+def gpt_frozen_positions():
+    model = GPT(gpt_config())
+    model.positions.weight.requires_grad_(False)
+    return model
+
+
 def gpt_batches(steps):
     return list(synthetic_batches(gpt_config(), 2, steps))
 
@@ -63,6 +69,10 @@ CASES = {
     # tokens' chunk + positions' chunk + tokens' gradient chunk, at the embeddings' end.
     "embeddings": (lambda: GPT(gpt_config()), gpt_batches,
                    2 * 2048 * 128 * 4 + CHUNK * 4, "the embeddings 'tokens', 'positions'"),
+    # A frozen embedding has no backward call and pins nothing: the token embedding's chunk
+    # and its gradient chunk.
+    "frozen embedding": (gpt_frozen_positions, gpt_batches, 2 * 2048 * 128 * 4,
+                         "module 'tokens'"),
     # gate.scale's own chunk (oversize), held while gate.a's backward stores its gradient: + the
     # ordinary chunk gate.a shares with the other Linears + its gradient chunk.
     "ancestor": (Gated, gated_batches, (3 * CHUNK // 2) * 4 + 2 * CHUNK * 4, "module 'gate.a'"),
