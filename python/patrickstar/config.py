@@ -201,6 +201,9 @@ class Config:
     train_batch_size: int | None = None
     train_micro_batch_size_per_gpu: int | None = None
     accumulation_given: bool = False  # gradient_accumulation_steps was in the config
+    # An 'optimizer' section was in the config (Note [A config without an optimizer] in
+    # initializer.py).
+    optimizer_given: bool = False
     memory: MemoryConfig = dataclasses.field(default_factory=MemoryConfig)
     profile: ProfileConfig = dataclasses.field(default_factory=ProfileConfig)
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
@@ -846,6 +849,7 @@ def load_config(config: Mapping[str, Any] | str | os.PathLike | None) -> Config:
         train_micro_batch_size_per_gpu=_optional_positive_int(raw,
                                                               "train_micro_batch_size_per_gpu"),
         accumulation_given="gradient_accumulation_steps" in raw,
+        optimizer_given="optimizer" in raw,
         memory=_parse_memory(raw.get("memory", {})),
         profile=_parse_profile(raw.get("profile", {})),
         parallel=_parse_parallel(raw.get("parallel", {})),

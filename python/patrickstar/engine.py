@@ -71,6 +71,7 @@ from .chunked_params import ChunkedParams
 from .config import Config
 from .module_config_view import ModuleConfigView
 from .data_parallel import DataParallel, detect_world
+from .backward_pins import backward_pins
 from .backward_pass import BackwardPass
 from .batch_sizes import resolve_batch_sizes
 from .deepspeed_loop import DeepSpeedLoop
@@ -204,13 +205,13 @@ class PatrickStarEngine(nn.Module):
         if self.dp.enabled and isinstance(model_func, BuiltModule):
             take_first_rank_state(model_func.module, self.dp.group)
         with first_rank_rng(self.dp.enabled, self.dp.group):
-            specs, survives = plan_parameters(model_func)
+            specs, survives, pins = plan_parameters(model_func, backward_pins)
             if not specs:
                 raise ValueError("model_func built a module without parameters; nothing to train")
             message = built_dtype_warning(specs, self.precision, self.compute_dtype)
             if message is not None:
                 warnings.warn(message, stacklevel=3)
-            self._build_runtime(specs)
+            self._build_runtime(specs, pins)
 
             self._init_views: dict[int, int] = {}
             self._init_residency = InitResidency(
@@ -308,7 +309,7 @@ class PatrickStarEngine(nn.Module):
 
     # ---- Construction --------------------------------------------------------------------------
 
-    def _build_runtime(self, specs) -> None:
+    def _build_runtime(self, specs, pins) -> None:
         config = self.ps_config
         self.runtime = ChunkRuntime(config, self.local_rank, self.dp.world_size, self.dp.rank)
         self.device = self.runtime.device
@@ -323,7 +324,7 @@ class PatrickStarEngine(nn.Module):
         self.grad_dtype = self.params.grad_dtype
         self.layout = self.params.layout
         check_budgets(config, self.chunks.layout_json(), [spec.name for spec in specs],
-                      [spec.requires_grad for spec in specs],
+                      [spec.requires_grad for spec in specs], pins,
                       device_is_host_memory=self.device.type == "cpu")
 
     def _init_storage_ids(self, index: int) -> int | None:

@@ -144,7 +144,7 @@ def estimate_memory(model: Callable[[], nn.Module] | int, config: Any = None,
         params = trainable = model
     else:
         # A built module as initialize() takes one (nothing is moved here).
-        specs, _ = plan_parameters(BuiltModule(model) if isinstance(model, nn.Module) else model)
+        specs, _, _ = plan_parameters(BuiltModule(model) if isinstance(model, nn.Module) else model)
         if not specs:
             raise ValueError("estimate_memory: model_func built a module without parameters")
         params = sum(math.prod(spec.shape) for spec in specs)

@@ -311,28 +311,35 @@ def _fmt(nbytes: int) -> str:
 
 
 def check_budgets(config, manager_json: str, names: list[str], trainable: list[bool],
-                  device_is_host_memory: bool = False) -> None:
+                  pins, device_is_host_memory: bool = False) -> None:
     """Refuses, before any chunk is allocated, budgets that no placement can satisfy: the
-    device must hold a module's compute chunks and a gradient chunk at once (its backward),
-    the host the chunks one Adam update touches at once, and without an NVMe tier device plus
-    host must hold every chunk that always has a payload."""
+    device must hold what backward pins at once and a gradient chunk (`pins`, a
+    backward_pins.BackwardPins: Note [What backward pins]), the host the chunks one Adam update
+    touches at once, and without an NVMe tier device plus host must hold every chunk that
+    always has a payload."""
     memory = config.memory
     layout = json.loads(manager_json)
     chunk_of, chunk_bytes, per_kind = _chunks_per_tensor(layout)
-    # A module's backward holds the compute chunks of all its own parameters while each
-    # gradient chunk is accessed in turn (the post-accumulate-grad hook).
-    modules: dict[str, list[str]] = {}
+    has_grad = {name for name, train in zip(names, trainable) if train}
+    # Parameters no module walk reaches (Note [Parameters no hook saw] in init_context.py)
+    # count with the others of their name's module.
+    moments = [(m.what, m.pinned, m.stored) for m in pins.moments]
+    reached = set().union(*(m.pinned for m in pins.moments))
+    unreached: dict[str, list[str]] = {}
     for name in names:
-        modules.setdefault(name.rpartition(".")[0], []).append(name)
+        if name not in reached:
+            unreached.setdefault(name.rpartition(".")[0], []).append(name)
+    moments += [(f"module '{module or '<root>'}'", members, members)
+                for module, members in unreached.items()]
     device_need = host_need = 0
     device_who = host_who = ""
-    for module, members in modules.items():
-        compute = {chunk_of[name] for name in members}
-        grads = [chunk_bytes[chunk_of[f"{n}#grad"]] for n, t in zip(names, trainable)
-                 if t and n in members]
+    for what, pinned, stored in moments:
+        compute = {chunk_of[name] for name in pinned if name in chunk_of}
+        grads = [chunk_bytes[chunk_of[f"{n}#grad"]] for n in stored
+                 if n in has_grad and f"{n}#grad" in chunk_of]
         need = sum(chunk_bytes[c] for c in compute) + max(grads, default=0)
         if need > device_need:
-            device_need, device_who = need, module or "<root>"
+            device_need, device_who = need, what
     for name, train in zip(names, trainable):
         if train:
             # Note [Optimizer sweep] in optimizer.py: where the device tier is host memory the
@@ -350,9 +357,9 @@ def check_budgets(config, manager_json: str, names: list[str], trainable: list[b
     if memory.device_budget is not None and memory.device_budget < device_need:
         raise _C.ChunkOutOfMemoryError(
             f"config key 'memory.device_budget' = {_fmt(memory.device_budget)} is smaller than "
-            f"the chunks module '{device_who}' needs on the device at once in its backward "
-            f"(the compute chunks of its parameters and one gradient chunk): "
-            f"{_fmt(device_need)} {where}")
+            f"the chunks backward holds on the device at once at {device_who} (the compute "
+            f"chunks pinned then, its ancestors' with parameters of their own included, and "
+            f"one gradient chunk; Note [What backward pins]): {_fmt(device_need)} {where}")
     # Initialization writes every parameter's fp32 copy (master, or compute in fp32) on the host;
     # without an NVMe tier to spill them to, they must all fit there (Note [Initialization under
     # a host budget] in init_context.py).

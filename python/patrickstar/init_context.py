@@ -46,7 +46,7 @@ import dataclasses
 import random
 import warnings
 import weakref
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -131,9 +131,13 @@ def _check_sparse_gradients(model: nn.Module) -> None:
                 f"sparse update (torch.optim.Adam refuses them too). Build it with sparse=False")
 
 
-def plan_parameters(model_func: Callable[[], nn.Module]) -> tuple[list[ParamSpec], list[bool]]:
-    """Pass 1 of Note [Two-pass initialization]. Returns the specs of the surviving parameters
-    and, per registration event, whether it is the first registration of a surviving one."""
+def plan_parameters(model_func: Callable[[], nn.Module],
+                    inspect: Callable[[nn.Module], Any] | None = None
+                    ) -> tuple[list[ParamSpec], list[bool], Any]:
+    """Pass 1 of Note [Two-pass initialization]. Returns the specs of the surviving parameters,
+    per registration event whether it is the first registration of a surviving one, and
+    `inspect(model)` of the planning build (None without `inspect`): the engine reads what its
+    backward pins there (Note [What backward pins] in backward_pins.py)."""
     registrations: list[nn.Parameter] = []
     seen: set[int] = set()
 
@@ -180,7 +184,7 @@ def plan_parameters(model_func: Callable[[], nn.Module]) -> tuple[list[ParamSpec
         _check_dtype(name, param.dtype)
         specs.append(ParamSpec(len(specs), name, tuple(param.shape), param.requires_grad,
                                param.dtype))
-    return specs, survives
+    return specs, survives, (inspect(model) if inspect is not None else None)
 
 
 # Note [A model built in another 16-bit dtype]

@@ -2,6 +2,7 @@
 (for a `PipelineModule`) one pipeline stage's engine, with its optimizer."""
 from __future__ import annotations
 
+import logging
 import os
 import warnings
 from collections.abc import Mapping
@@ -16,6 +17,7 @@ from .init_context import BuiltModule
 from .optimizer import build_param_groups
 from .pipe.engine import PipelineEngine
 from .pipe.module import PipelineModule
+from .utils.logging import log_dist
 
 __all__ = ["initialize", "initialize_engine"]
 
@@ -77,6 +79,7 @@ def _local_rank(local_rank: int | None) -> int:
 def _initialize(model_func, config, local_rank: int, param_groups):
     if isinstance(model_func, PipelineModule):  # one engine per stage (pipe/engine.py)
         engine = PipelineEngine(model_func, config, local_rank, param_groups)
+        _log_if_default_optimizer(engine.config)
         return engine, engine.optimizer
     built = None
     if isinstance(model_func, nn.Module):  # Note [Modules built before initialize()]
@@ -103,7 +106,31 @@ def _initialize(model_func, config, local_rank: int, param_groups):
                            "inside initialize())")
         raise
     _warn_if_nothing_sliced(engine, config)
+    _log_if_default_optimizer(config)
     return engine, engine.optimizer
+
+
+# Note [A config without an optimizer]
+# The engine always trains with its own chunked Adam (it has no other optimizer, and takes no
+# client one: DeepSpeed's `optimizer=` argument is refused). A config without an 'optimizer'
+# section got torch.optim.Adam's defaults (lr 1e-3, betas (0.9, 0.999), eps 1e-8, no weight
+# decay) without a word. Neither reference does that silently the same way: DeepSpeed's
+# initialize() with no optimizer in the config and none passed returns no optimizer (None; under
+# ZeRO a wrapper whose step updates nothing), and upstream PatrickStar's engine filled in Adam
+# at lr 0.01. Returning None here would break every `model, optimizer = initialize(...)` loop
+# that relied on the default, so the default stays (upstream's behaviour, torch's and
+# DeepSpeed's Adam defaults) and initialize() says so on rank 0, naming what trains and the
+# section that chooses it.
+def _log_if_default_optimizer(config: Config) -> None:
+    if config.optimizer_given:
+        return
+    opt = config.optimizer
+    log_dist(f"config has no 'optimizer' section: training {opt.type} with lr {opt.lr:g}, "
+             f"betas {opt.betas}, eps {opt.eps:g}, weight_decay {opt.weight_decay:g} "
+             f"(torch.optim.Adam's defaults). DeepSpeed would return no optimizer for this "
+             f"config and upstream PatrickStar used Adam at lr 0.01; add an 'optimizer' section "
+             f"(e.g. {{\"type\": \"AdamW\", \"params\": {{\"lr\": 1e-4}}}}) to choose, which "
+             f"also silences this", level=logging.WARNING)
 
 
 def _warn_if_nothing_sliced(engine, config: Config) -> None:

@@ -16,12 +16,14 @@ so this one does too, naming the config keys; `raise_error_at_min_scale = False`
 (DeepSpeed's attribute, which Lightning scripts set) keeps skipping instead.
 
 Note [When the scale grows]
-The scale grows after `scale_window` clean steps since the start or the last overflow, as in
-upstream PatrickStar and torch.amp.GradScaler (growth_interval). DeepSpeed's scaler counts one
-step more the first time (`stable_interval = iter - last_overflow_iter - 1`): with
-`loss_scale_window: 1000` it grows after 1001 clean steps, then every 1000. The scales of a
-DeepSpeed run and this one therefore differ by one step around each growth; skipped steps and
-the minimum-scale error match.
+The scale grows after `scale_window` clean steps since the start or the last overflow, then
+every `scale_window` clean steps: the schedule of DeepSpeed's DynamicLossScaler (the scaler of
+its ZeRO stages and the only one with hysteresis), whose `(cur_iter - last_overflow_iter) %
+scale_window == 0` counts the same steps as `steps_since_overflow` here, and of upstream
+PatrickStar and torch.amp.GradScaler (growth_interval). DeepSpeed's ZeRO-0 FP16_Optimizer has
+its own older rule (`stable_interval = iter - last_overflow_iter - 1`, no hysteresis): it grows
+one step later, after 1001 clean steps for a window of 1000; that is not the scaler matched
+here. test_loss_scaling.py compares the scale sequence with DeepSpeed's rule step by step.
 """
 from __future__ import annotations
 

@@ -1,12 +1,14 @@
 """fp16 dynamic loss scaling in training, against DeepSpeed's DynamicLossScaler rules."""
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 from torch import nn
 
 import patrickstar
-from patrickstar.loss_scaler import LossScaleAtMinimum
+from patrickstar.loss_scaler import DynamicLossScaler, LossScaleAtMinimum
 
 
 class MLP(nn.Module):
@@ -20,25 +22,34 @@ class MLP(nn.Module):
 
 
 class DeepSpeedScaler:
-    """DeepSpeed's DynamicLossScaler.update_scale, for the hysteresis and minimum rules (its
-    growth comes one step later than ours: Note [When the scale grows]; the windows here are
-    long enough that no growth happens)."""
+    """The schedule of DeepSpeed's DynamicLossScaler.update_scale (the scaler of its ZeRO
+    stages), counters named as there: growth when `(cur_iter - last_overflow_iter) %
+    scale_window == 0`, hysteresis spent per overflow, refilled on growth (or every clean step
+    with consecutive_hysteresis), an error at the minimum scale."""
 
-    def __init__(self, scale, min_scale, hysteresis, consecutive):
-        self.scale, self.min_scale = scale, min_scale
+    def __init__(self, scale, min_scale, hysteresis, consecutive, window=10**9, factor=2.0):
+        self.scale, self.min_scale, self.window, self.factor = scale, min_scale, window, factor
         self.delayed_shift = self.hysteresis = hysteresis
         self.consecutive = consecutive
+        self.cur_iter, self.last_overflow_iter = 0, -1
 
     def update(self, overflow):
         if overflow:
             if self.delayed_shift == 1 or self.hysteresis == 1:
                 if self.scale == self.min_scale:
                     raise RuntimeError("Current loss scale already at minimum")
-                self.scale = max(self.scale / 2, self.min_scale)
+                self.scale = max(self.scale / self.factor, self.min_scale)
             else:
                 self.hysteresis -= 1
-        elif self.consecutive:
-            self.hysteresis = self.delayed_shift
+            self.last_overflow_iter = self.cur_iter
+        else:
+            if self.consecutive:
+                self.hysteresis = self.delayed_shift
+            if (self.cur_iter - self.last_overflow_iter) % self.window == 0:
+                if not self.consecutive:
+                    self.hysteresis = self.delayed_shift
+                self.scale *= self.factor
+        self.cur_iter += 1
 
 
 def batches(steps, seed=0):
@@ -114,3 +125,45 @@ def test_raise_error_at_min_scale_is_kept_across_a_checkpoint_load(tmp_path):
     other.load_checkpoint(tmp_path, "t")
     assert other_opt.loss_scaler.raise_error_at_min_scale is False
     assert other_opt.loss_scaler.state_dict() == opt.loss_scaler.state_dict()
+
+
+def test_scaler_schedule_is_deepspeeds():
+    """Growth, backoff, hysteresis and the minimum on random overflow patterns: the scale after
+    every step equals DeepSpeed's (Note [When the scale grows])."""
+    for seed in range(300):
+        compare_with_deepspeed(random.Random(seed))
+
+
+def compare_with_deepspeed(rng):
+    window, hysteresis = rng.choice([1, 2, 3, 5]), rng.choice([1, 2, 3])
+    consecutive, p_overflow = rng.random() < 0.5, rng.choice([0.05, 0.2, 0.5, 0.8])
+    min_scale, scale = rng.choice([1.0, 4.0]), 2.0 ** rng.randint(2, 8)
+    ours = DynamicLossScaler(scale=scale, scale_window=window, hysteresis=hysteresis,
+                             min_scale=min_scale, consecutive_hysteresis=consecutive)
+    reference = DeepSpeedScaler(scale, min_scale, hysteresis, consecutive, window)
+    for step in range(60):
+        overflow = rng.random() < p_overflow
+        try:
+            reference.update(overflow)
+        except RuntimeError:
+            with pytest.raises(LossScaleAtMinimum):
+                ours.update(overflow)
+            return
+        ours.update(overflow)
+        assert ours.scale == reference.scale, (step, overflow)
+
+
+def test_growth_in_training_is_deepspeeds():
+    """The engine updates the scale once per optimizer step: with loss_scale_window 3 the scale
+    of each step equals DeepSpeed's, growth included (the first growth after 3 clean steps)."""
+    model, opt = make(loss_scale_window=3, hysteresis=1, min_loss_scale=1)
+    reference = DeepSpeedScaler(16.0, 1.0, 1, False, window=3)
+    pattern = [False, False, False, False, True, False, False, False, False, False, False, True,
+               True, False, False, False]
+    scales = []
+    for (x, y), overflow in zip(batches(len(pattern)), pattern):
+        train_step(model, opt, x, y, overflow)
+        reference.update(overflow)
+        scales.append((opt.loss_scale, reference.scale))
+    assert [a for a, _ in scales] == [b for _, b in scales]
+    assert scales[2][0] == 32.0  # grown after the third clean step, as DeepSpeed
