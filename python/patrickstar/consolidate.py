@@ -34,7 +34,7 @@ import zipfile
 import torch
 
 from . import dtypes
-from .tensor_parallel import join_slices
+from .tensor_slices import join_slices
 from .checkpoint import LATEST, CheckpointError, CheckpointReader
 from .checkpoint.slices import recorded_partitions, saved_slices, slice_name
 

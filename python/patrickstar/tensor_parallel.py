@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import recorded_collectives, topology
+from .tensor_slices import join_slices, split_tensor
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
            "vocab_parallel_cross_entropy", "copy_to_tensor_parallel_region",
@@ -145,22 +146,6 @@ def _divide(total: int, size: int, what: str) -> int:
         raise ValueError(f"{what} = {total} is not divisible by the tensor-parallel size "
                          f"{size} (config key 'parallel.tensor')")
     return total // size
-
-
-def split_tensor(full: torch.Tensor, dim: int, size: int, rank: int, stride: int = 1):
-    """Rank `rank`'s slice of `full` along `dim` (Note [Strided slices])."""
-    if size == 1:
-        return full
-    blocks = full.chunk(stride, dim=dim)
-    return torch.cat([block.chunk(size, dim=dim)[rank] for block in blocks], dim=dim)
-
-
-def join_slices(parts, dim: int, stride: int = 1) -> torch.Tensor:
-    """Inverse of split_tensor over all ranks' parts, in rank order."""
-    if stride == 1:
-        return torch.cat(parts, dim=dim)
-    pieces = [part.chunk(stride, dim=dim) for part in parts]
-    return torch.cat([pieces[r][b] for b in range(stride) for r in range(len(parts))], dim=dim)
 
 
 def _sliced_parameter(full: torch.Tensor, dim: int, size: int, rank: int, stride: int = 1):

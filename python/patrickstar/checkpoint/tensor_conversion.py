@@ -23,7 +23,7 @@ import copy
 import torch
 
 from .. import moment_state
-from ..tensor_parallel import join_slices, split_tensor
+from ..tensor_slices import join_slices, split_tensor
 from .errors import CheckpointError
 from .slices import recorded_partitions
 
