@@ -90,7 +90,7 @@ from .loss_scaler import make_loss_scaler
 from .optimizer import PatrickStarOptimizer, build_param_groups
 from .parameter_values import ParameterValues
 from .saved_views import SavedParameterViews
-from .traced_calls import refuse_traced_call
+from .traced_calls import refuse_script_call, refuse_scripting, refuse_traced_call
 from .profiling.recorder import optimizer_phase, profiler_from_config
 from .profiling.upstream import profiler as upstream_profiler
 from .synced_generate import synced_generate
@@ -284,6 +284,7 @@ class PatrickStarEngine(nn.Module):
         convert_parameters.install()  # parameters_to_vector reads the chunks' values
         averaged_model.install()  # AveragedModel.update_parameters(model) reads them too
         parametrizations.install()  # weight_norm(...) after initialize() names model_func
+        refuse_scripting(self.module)  # Note [Scripting the engine's module]
         hooked = [m for m, owned in self._module_params.items() if owned]
         # Note [The user's module's state dict]
         self._state_hooks = ModuleStateHooks(hooked, self, self.module)
@@ -584,6 +585,9 @@ class PatrickStarEngine(nn.Module):
         """A copy of the user's module with the current weights (Note [Copies of the user's
         module]): a plain nn.Module, not a second engine."""
         return copy.deepcopy(self.module, memo)
+
+    def __prepare_scriptable__(self):
+        refuse_script_call("model")  # Note [Scripting the engine's module] in traced_calls.py
 
     @staticmethod
     def _refuse_copy(call: str):
