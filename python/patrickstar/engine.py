@@ -76,6 +76,7 @@ from .batch_sizes import resolve_batch_sizes
 from .deepspeed_loop import DeepSpeedLoop
 from .deepspeed_schedulers import build_scheduler
 from .guards import TrainingGuard, check_budgets
+from .embedding_renorm import refuse_lost_renorms
 from .external_params import external_parameter_hint, external_parameters
 from .hooks import CallHooks, ModuleHooks
 from .module_apply import ModuleApply
@@ -212,6 +213,9 @@ class PatrickStarEngine(nn.Module):
             placer = ParameterPlacer(survives, [spec.shape for spec in specs],
                                      self._place_at_init)
             module = placer.build(model_func)
+        # Note [Renormalizing embeddings]
+        refuse_lost_renorms(module, self.precision, config.bf16_master_weights,
+                            self.dp.world_size)
         self._take_replaced_data(placer.parameters)
         self.add_module("module", module)
         self._move_buffers(lambda buffer: buffer.to(self.device))
