@@ -28,6 +28,7 @@ class BackwardPass:
         self.in_backward = False  # Note [loss.backward()]
         self._stored_grads = 0  # gradients stored by the backward under way (guards.py)
         self._autograd_unchecked = False  # joined, no gradient stored yet
+        self._joined = False  # a loss.backward() is under way (not model.backward())
         self._grad_hooks: list[tuple[nn.Parameter, int]] = []  # Note [User gradient hooks]
 
     def register_grad_hook(self, param: nn.Parameter, hook: Callable) -> None:
@@ -98,9 +99,11 @@ class BackwardPass:
         if self.in_backward or torch._C._current_graph_task_id() == -1:
             return
         self._guard.check_alive("loss.backward()")
+        # Before any access: Note [One thread at a time] in guards.py
+        self._guard.check_no_other_caller("loss.backward()")
         self._keep_grad_hooks_last()
         self.in_backward = True
-        self._autograd_unchecked = True
+        self._autograd_unchecked = self._joined = True
         self._stored_grads = 0
         self._dp.before_backward()
         torch.autograd.Variable._execution_engine.queue_callback(self._end_autograd_backward)
@@ -120,6 +123,8 @@ class BackwardPass:
                 self._abandon()  # nothing stored: the engine is as before this backward
                 raise
             self._autograd_unchecked = False
+        elif self._joined:  # a call another thread began during this backward
+            self._guard.check_no_other_caller("loss.backward()")
 
     def count_stored_grad(self) -> None:
         """Right before a gradient's store: counted first, since the store may add half of it."""
@@ -140,12 +145,12 @@ class BackwardPass:
         self._stored_grads = 0
 
     def _abandon(self) -> None:
-        self.in_backward = self._autograd_unchecked = False
+        self.in_backward = self._autograd_unchecked = self._joined = False
         self._forget_autocast_casts()
         self._release_all()
 
     def _end_autograd_backward(self) -> None:
-        self.in_backward = False
+        self.in_backward = self._joined = False
         self._release_all()
         if self._autograd_unchecked:  # no gradient stored: torch.autograd.grad
             self._autograd_unchecked = False

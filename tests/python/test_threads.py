@@ -75,7 +75,7 @@ def test_training_in_another_thread_is_training_in_the_main_one():
     assert got == [step(ps_model, ps_optimizer) for _ in range(4)]
 
 
-@pytest.mark.parametrize("call", ["forward", "backward", "step", "zero_grad"])
+@pytest.mark.parametrize("call", ["forward", "backward", "loss_backward", "step", "zero_grad"])
 def test_a_call_while_another_thread_is_in_a_forward_names_both(call):
     """Before: the second thread's forward ran while the first thread's held its parameters,
     and released them under it: the first failed with "The size of tensor a (0) must match
@@ -89,11 +89,14 @@ def test_a_call_while_another_thread_is_in_a_forward_names_both(call):
             inside.set()
             assert go_on.wait(60)
     handle = model.module[2].register_forward_pre_hook(pause)
-    if call in ("backward", "step", "zero_grad"):  # something to differentiate / step
+    if call != "forward":  # something to differentiate / step
         loss = nn.functional.cross_entropy(model(X), Y)
-        if call != "backward":
+        if call not in ("backward", "loss_backward"):
             model.backward(loss)
+    # loss.backward(): before, it ran beside the other thread's forward without a word, and its
+    # end released that forward's parameters.
     calls = {"forward": lambda: model(X), "backward": lambda: model.backward(loss),
+             "loss_backward": lambda: loss.backward(),
              "step": optimizer.step, "zero_grad": optimizer.zero_grad}
 
     def first():
