@@ -79,6 +79,7 @@ from .guards import TrainingGuard, check_budgets
 from .embedding_renorm import refuse_lost_renorms
 from .external_params import external_parameter_hint, external_parameters
 from .hooks import CallHooks, ModuleHooks
+from .memory_formats import format_name, memory_format_warning
 from .module_apply import ModuleApply
 from .module_copies import ModuleCopies
 from .module_methods import ModuleMethods
@@ -216,7 +217,12 @@ class PatrickStarEngine(nn.Module):
         # Note [Renormalizing embeddings]
         refuse_lost_renorms(module, self.precision, config.bf16_master_weights,
                             self.dp.world_size)
-        self._take_replaced_data(placer.parameters)
+        formats = placer.formats
+        formats.update(self._take_replaced_data(placer.parameters))
+        message = memory_format_warning({specs[i].name: kind for i, kind in formats.items()},
+                                        len(specs))
+        if message is not None:
+            warnings.warn(message, stacklevel=3)
         self.add_module("module", module)
         self._move_buffers(lambda buffer: buffer.to(self.device))
         self.params.bind(placer.parameters)
@@ -339,9 +345,12 @@ class PatrickStarEngine(nn.Module):
         self._init_views[index] = tensor_id
         return self._init_residency.place(index, param)
 
-    def _take_replaced_data(self, params: list[nn.Parameter]) -> None:
+    def _take_replaced_data(self, params: list[nn.Parameter]) -> dict[int, str]:
         """A parameter whose `.data` model_func replaced after its placement (Note [Parameters
-        resized while building]) has its final data copied into its slot."""
+        resized while building]) has its final data copied into its slot. Returns the memory
+        formats other than the contiguous one such data had (index -> name: Note [Memory
+        formats of parameters])."""
+        formats = {}
         with torch.no_grad():
             for index, param in enumerate(params):
                 given = self._init_views[index]
@@ -350,8 +359,12 @@ class PatrickStarEngine(nn.Module):
                 if given is None:  # deferred: its .data is the residency's placeholder
                     continue
                 if param.data_ptr() != given.data_ptr() or param.shape != given.shape:
+                    kind = format_name(param.data)
+                    if kind is not None:
+                        formats[index] = kind
                     given.copy_(param.data)
                     param.data = given
+        return formats
 
     def _finish_init(self) -> None:
         self._init_residency.finish()
