@@ -225,6 +225,8 @@ class PatrickStarEngine(nn.Module):
             warnings.warn(message, stacklevel=3)
         self.add_module("module", module)
         self._move_buffers(lambda buffer: buffer.to(self.device))
+        if self.mixed:
+            self._buffers_to_compute_dtype()  # Note [Buffers of 16-bit modules]
         self.params.bind(placer.parameters)
         self.dp.attach(self)
         self._finish_init()
@@ -578,6 +580,25 @@ class PatrickStarEngine(nn.Module):
             for name, buffer in module._buffers.items():
                 if buffer is not None:
                     module._buffers[name] = convert(buffer)
+
+    # Note [Buffers of 16-bit modules]
+    # In fp16/bf16 a module's parameters compute in 16 bits, but its buffers were left as
+    # model_func built them, fp32: a BatchNorm then met bf16 weights beside fp32 running
+    # statistics, which torch's batch_norm refuses ("expected scalar type BFloat16 but found
+    # Float", with the engine's hint to cast inputs that were cast already), so a ResNet could
+    # not train in bf16 at all. DeepSpeed converts the whole module (`module.bfloat16()`,
+    # buffers included), as a plain PyTorch 16-bit model has it; here the floating-point
+    # buffers of each module that owns parameters are converted the same way. Buffers of
+    # modules without parameters keep their dtype (a BatchNorm with affine=False, which torch
+    # runs in fp32 statistics on 16-bit inputs; rotary embeddings' fp32 inv_freq), and so do
+    # integer ones (num_batches_tracked, position ids).
+    def _buffers_to_compute_dtype(self) -> None:
+        for module in self.module.modules():
+            if not any(p is not None for p in module._parameters.values()):
+                continue
+            for name, buffer in module._buffers.items():
+                if buffer is not None and buffer.is_floating_point():
+                    module._buffers[name] = buffer.to(self.compute_dtype)
 
     def _apply(self, fn, recurse=True):
         if "module" not in self._modules:  # nn.Module.__init__ and the hooks of a partial build
