@@ -9,6 +9,7 @@ access, the engine's micro-step counter).
 """
 from __future__ import annotations
 
+import threading
 from typing import Callable
 
 import torch
@@ -29,6 +30,7 @@ class BackwardPass:
         self._stored_grads = 0  # gradients stored by the backward under way (guards.py)
         self._autograd_unchecked = False  # joined, no gradient stored yet
         self._joined = False  # a loss.backward() is under way (not model.backward())
+        self._joined_thread: threading.Thread | None = None  # where, if a Python thread
         self._grad_hooks: list[tuple[nn.Parameter, int]] = []  # Note [User gradient hooks]
 
     def register_grad_hook(self, param: nn.Parameter, hook: Callable) -> None:
@@ -104,6 +106,9 @@ class BackwardPass:
         self._keep_grad_hooks_last()
         self.in_backward = True
         self._autograd_unchecked = self._joined = True
+        # autograd's own device threads are no Python thread the user started (_DummyThread)
+        here = threading.current_thread()
+        self._joined_thread = None if isinstance(here, threading._DummyThread) else here
         self._stored_grads = 0
         self._dp.before_backward()
         torch.autograd.Variable._execution_engine.queue_callback(self._end_autograd_backward)
@@ -133,7 +138,14 @@ class BackwardPass:
     def forget_raised_autograd_backward(self) -> None:
         """At a forward: a loss.backward() that raised before its end is given up."""
         if self.in_backward:
-            self.raised(None, "loss.backward()")
+            what = "loss.backward()"
+            other = self._joined_thread
+            if other is not None and other is not threading.current_thread():
+                # Perhaps not raised but still running there: Note [One thread at a time]
+                what = (f"loss.backward() in thread {other.name!r} (or was it still running "
+                        f"when thread {threading.current_thread().name!r} began model(...)? "
+                        f"one thread at a time)")
+            self.raised(None, what)
             self._abandon()
 
     def raised(self, error: BaseException | None, what: str) -> None:

@@ -69,6 +69,11 @@ engine first meets it, before it accesses anything, and again at each gradient s
 call another thread began meanwhile (the backward then counts as raised partway, Note
 [Training call order]). PyTorch itself lets a backward run beside a forward in another thread;
 here the two would share the engine's accesses, so it is refused like two engine calls.
+A forward another thread begins in the middle of a loss.backward() is not refused at its start
+(the backward holds no call, and the same start is how a forward gives up a loss.backward()
+that raised, which on a GPU ran on autograd's device thread, not the user's): it gives the
+backward up as raised, naming the backward's thread, so that backward raises at its next store
+and the step refuses the gradients it stored until `optimizer.zero_grad()`.
 At interpreter exit only daemon threads are left (threading joins the others before the exit
 hooks run), and a script may end while one of them trains. The exit hook that destroys the
 engines (Note [Engine lifetime] in engine.py) first waits for the thread inside a call to
