@@ -76,7 +76,7 @@ from .batch_sizes import resolve_batch_sizes
 from .deepspeed_loop import DeepSpeedLoop
 from .deepspeed_schedulers import build_scheduler
 from .guards import TrainingGuard, check_budgets
-from .embedding_renorm import refuse_lost_renorms
+from .embedding_renorm import RenormAcrossRanks, refuse_lost_renorms
 from .external_params import external_parameter_hint, external_parameters
 from .hooks import CallHooks, ModuleHooks
 from .memory_formats import format_name, memory_format_warning
@@ -304,6 +304,9 @@ class PatrickStarEngine(nn.Module):
         self._call_hooks = CallHooks(self.module, _weakly(self._enter_direct_call),
                                      _weakly(self._leave_direct_call))
         hooks = (self._hooks, self._state_hooks, self._call_hooks)
+        if self.dp.enabled:  # Note [Renormalizing embeddings]
+            self._renorms = RenormAcrossRanks(self.module, self.dp.group)
+            hooks += (self._renorms,)
         self._methods = ModuleMethods(self.module, self)  # Note [Methods of the user's modules]
         # Every module: each carries at least the state dict's call agreement hook.
         self._copies = ModuleCopies(  # Note [Copies of the user's module]
