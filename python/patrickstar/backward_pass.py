@@ -9,6 +9,7 @@ access, the engine's micro-step counter).
 """
 from __future__ import annotations
 
+import threading
 from typing import Callable
 
 import torch
@@ -28,6 +29,8 @@ class BackwardPass:
         self.in_backward = False  # Note [loss.backward()]
         self._stored_grads = 0  # gradients stored by the backward under way (guards.py)
         self._autograd_unchecked = False  # joined, no gradient stored yet
+        self._joined = False  # a loss.backward() is under way (not model.backward())
+        self._joined_thread: threading.Thread | None = None  # where, if a Python thread
         self._grad_hooks: list[tuple[nn.Parameter, int]] = []  # Note [User gradient hooks]
 
     def register_grad_hook(self, param: nn.Parameter, hook: Callable) -> None:
@@ -98,9 +101,14 @@ class BackwardPass:
         if self.in_backward or torch._C._current_graph_task_id() == -1:
             return
         self._guard.check_alive("loss.backward()")
+        # Before any access: Note [One thread at a time] in guards.py
+        self._guard.check_no_other_caller("loss.backward()")
         self._keep_grad_hooks_last()
         self.in_backward = True
-        self._autograd_unchecked = True
+        self._autograd_unchecked = self._joined = True
+        # autograd's own device threads are no Python thread the user started (_DummyThread)
+        here = threading.current_thread()
+        self._joined_thread = None if isinstance(here, threading._DummyThread) else here
         self._stored_grads = 0
         self._dp.before_backward()
         torch.autograd.Variable._execution_engine.queue_callback(self._end_autograd_backward)
@@ -120,6 +128,8 @@ class BackwardPass:
                 self._abandon()  # nothing stored: the engine is as before this backward
                 raise
             self._autograd_unchecked = False
+        elif self._joined:  # a call another thread began during this backward
+            self._guard.check_no_other_caller("loss.backward()")
 
     def count_stored_grad(self) -> None:
         """Right before a gradient's store: counted first, since the store may add half of it."""
@@ -128,7 +138,14 @@ class BackwardPass:
     def forget_raised_autograd_backward(self) -> None:
         """At a forward: a loss.backward() that raised before its end is given up."""
         if self.in_backward:
-            self.raised(None, "loss.backward()")
+            what = "loss.backward()"
+            other = self._joined_thread
+            if other is not None and other is not threading.current_thread():
+                # Perhaps not raised but still running there: Note [One thread at a time]
+                what = (f"loss.backward() in thread {other.name!r} (or was it still running "
+                        f"when thread {threading.current_thread().name!r} began model(...)? "
+                        f"one thread at a time)")
+            self.raised(None, what)
             self._abandon()
 
     def raised(self, error: BaseException | None, what: str) -> None:
@@ -140,12 +157,12 @@ class BackwardPass:
         self._stored_grads = 0
 
     def _abandon(self) -> None:
-        self.in_backward = self._autograd_unchecked = False
+        self.in_backward = self._autograd_unchecked = self._joined = False
         self._forget_autocast_casts()
         self._release_all()
 
     def _end_autograd_backward(self) -> None:
-        self.in_backward = False
+        self.in_backward = self._joined = False
         self._release_all()
         if self._autograd_unchecked:  # no gradient stored: torch.autograd.grad
             self._autograd_unchecked = False

@@ -77,8 +77,10 @@ from .batch_sizes import resolve_batch_sizes
 from .deepspeed_loop import DeepSpeedLoop
 from .deepspeed_schedulers import build_scheduler
 from .guards import TrainingGuard, check_budgets
+from .embedding_renorm import RenormAcrossRanks, refuse_lost_renorms
 from .external_params import external_parameter_hint, external_parameters
 from .hooks import CallHooks, ModuleHooks
+from .memory_formats import format_name, memory_format_warning
 from .module_apply import ModuleApply
 from .module_copies import ModuleCopies
 from .module_methods import ModuleMethods
@@ -91,7 +93,7 @@ from .loss_scaler import make_loss_scaler
 from .optimizer import PatrickStarOptimizer, build_param_groups
 from .parameter_values import ParameterValues
 from .saved_views import SavedParameterViews
-from .traced_calls import refuse_traced_call
+from .traced_calls import refuse_script_call, refuse_scripting, refuse_traced_call
 from .profiling.recorder import optimizer_phase, profiler_from_config
 from .profiling.upstream import profiler as upstream_profiler
 from .synced_generate import synced_generate
@@ -221,9 +223,19 @@ class PatrickStarEngine(nn.Module):
             placer = ParameterPlacer(survives, [spec.shape for spec in specs],
                                      self._place_at_init)
             module = placer.build(model_func)
-        self._take_replaced_data(placer.parameters)
+        # Note [Renormalizing embeddings]
+        refuse_lost_renorms(module, self.precision, config.bf16_master_weights,
+                            self.dp.world_size)
+        formats = placer.formats
+        formats.update(self._take_replaced_data(placer.parameters))
+        message = memory_format_warning({specs[i].name: kind for i, kind in formats.items()},
+                                        len(specs))
+        if message is not None:
+            warnings.warn(message, stacklevel=3)
         self.add_module("module", module)
         self._move_buffers(lambda buffer: buffer.to(self.device))
+        if self.mixed:
+            self._buffers_to_compute_dtype()  # Note [Buffers of 16-bit modules]
         self.params.bind(placer.parameters)
         self.dp.attach(self)
         self._finish_init()
@@ -293,6 +305,7 @@ class PatrickStarEngine(nn.Module):
         convert_parameters.install()  # parameters_to_vector reads the chunks' values
         averaged_model.install()  # AveragedModel.update_parameters(model) reads them too
         parametrizations.install()  # weight_norm(...) after initialize() names model_func
+        refuse_scripting(self.module)  # Note [Scripting the engine's module]
         hooked = [m for m, owned in self._module_params.items() if owned]
         # Note [The user's module's state dict]
         self._state_hooks = ModuleStateHooks(hooked, self, self.module)
@@ -300,6 +313,9 @@ class PatrickStarEngine(nn.Module):
         self._call_hooks = CallHooks(self.module, _weakly(self._enter_direct_call),
                                      _weakly(self._leave_direct_call))
         hooks = (self._hooks, self._state_hooks, self._call_hooks)
+        if self.dp.enabled:  # Note [Renormalizing embeddings]
+            self._renorms = RenormAcrossRanks(self.module, self.dp.group)
+            hooks += (self._renorms,)
         self._methods = ModuleMethods(self.module, self)  # Note [Methods of the user's modules]
         # Every module: each carries at least the state dict's call agreement hook.
         self._copies = ModuleCopies(  # Note [Copies of the user's module]
@@ -343,9 +359,12 @@ class PatrickStarEngine(nn.Module):
         self._init_views[index] = tensor_id
         return self._init_residency.place(index, param)
 
-    def _take_replaced_data(self, params: list[nn.Parameter]) -> None:
+    def _take_replaced_data(self, params: list[nn.Parameter]) -> dict[int, str]:
         """A parameter whose `.data` model_func replaced after its placement (Note [Parameters
-        resized while building]) has its final data copied into its slot."""
+        resized while building]) has its final data copied into its slot. Returns the memory
+        formats other than the contiguous one such data had (index -> name: Note [Memory
+        formats of parameters])."""
+        formats = {}
         with torch.no_grad():
             for index, param in enumerate(params):
                 given = self._init_views[index]
@@ -354,8 +373,12 @@ class PatrickStarEngine(nn.Module):
                 if given is None:  # deferred: its .data is the residency's placeholder
                     continue
                 if param.data_ptr() != given.data_ptr() or param.shape != given.shape:
+                    kind = format_name(param.data)
+                    if kind is not None:
+                        formats[index] = kind
                     given.copy_(param.data)
                     param.data = given
+        return formats
 
     def _finish_init(self) -> None:
         self._init_residency.finish()
@@ -570,6 +593,25 @@ class PatrickStarEngine(nn.Module):
                 if buffer is not None:
                     module._buffers[name] = convert(buffer)
 
+    # Note [Buffers of 16-bit modules]
+    # In fp16/bf16 a module's parameters compute in 16 bits, but its buffers were left as
+    # model_func built them, fp32: a BatchNorm then met bf16 weights beside fp32 running
+    # statistics, which torch's batch_norm refuses ("expected scalar type BFloat16 but found
+    # Float", with the engine's hint to cast inputs that were cast already), so a ResNet could
+    # not train in bf16 at all. DeepSpeed converts the whole module (`module.bfloat16()`,
+    # buffers included), as a plain PyTorch 16-bit model has it; here the floating-point
+    # buffers of each module that owns parameters are converted the same way. Buffers of
+    # modules without parameters keep their dtype (a BatchNorm with affine=False, which torch
+    # runs in fp32 statistics on 16-bit inputs; rotary embeddings' fp32 inv_freq), and so do
+    # integer ones (num_batches_tracked, position ids).
+    def _buffers_to_compute_dtype(self) -> None:
+        for module in self.module.modules():
+            if not any(p is not None for p in module._parameters.values()):
+                continue
+            for name, buffer in module._buffers.items():
+                if buffer is not None and buffer.is_floating_point():
+                    module._buffers[name] = buffer.to(self.compute_dtype)
+
     def _apply(self, fn, recurse=True):
         if "module" not in self._modules:  # nn.Module.__init__ and the hooks of a partial build
             return super()._apply(fn, recurse)
@@ -593,6 +635,9 @@ class PatrickStarEngine(nn.Module):
         """A copy of the user's module with the current weights (Note [Copies of the user's
         module]): a plain nn.Module, not a second engine."""
         return copy.deepcopy(self.module, memo)
+
+    def __prepare_scriptable__(self):
+        refuse_script_call("model")  # Note [Scripting the engine's module] in traced_calls.py
 
     @staticmethod
     def _refuse_copy(call: str):

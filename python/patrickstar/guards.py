@@ -61,6 +61,19 @@ forward). So may autograd's own threads during a backward (on a GPU, backward ru
 thread; a checkpointed block's recomputation calls the forward there): a call made inside an
 autograd graph task is part of the backward under way. Calls one after another from different
 threads are fine: a loop in a worker thread trains as in the main one.
+`loss.backward()` is autograd's call, not the engine's, so it enters no call; a loss.backward()
+in one thread while another ran a forward or an optimizer step went on beside that call (its
+accesses, gradient stores and end, which releases every access, mixed with the other thread's).
+So the backward checks that no other thread is inside a call (`check_no_other_caller`) when the
+engine first meets it, before it accesses anything, and again at each gradient store, for a
+call another thread began meanwhile (the backward then counts as raised partway, Note
+[Training call order]). PyTorch itself lets a backward run beside a forward in another thread;
+here the two would share the engine's accesses, so it is refused like two engine calls.
+A forward another thread begins in the middle of a loss.backward() is not refused at its start
+(the backward holds no call, and the same start is how a forward gives up a loss.backward()
+that raised, which on a GPU ran on autograd's device thread, not the user's): it gives the
+backward up as raised, naming the backward's thread, so that backward raises at its next store
+and the step refuses the gradients it stored until `optimizer.zero_grad()`.
 At interpreter exit only daemon threads are left (threading joins the others before the exit
 hooks run), and a script may end while one of them trains. The exit hook that destroys the
 engines (Note [Engine lifetime] in engine.py) first waits for the thread inside a call to
@@ -131,6 +144,18 @@ class TrainingGuard:
                 self._calls += 1
         if park:  # a daemon thread at interpreter exit: it ends with the interpreter
             threading.Event().wait()
+
+    def check_no_other_caller(self, what: str) -> None:
+        """Raises if another thread is inside a call: for a backward autograd started
+        (`loss.backward()`), which enters no call of its own (Note [One thread at a time])."""
+        caller = self._caller  # one read of a tuple: no lock needed to look
+        if caller is not None and caller[0] != threading.get_ident():
+            me = threading.current_thread()
+            raise RuntimeError(
+                f"{what} in thread {me.name!r} while thread {caller[1]!r} is inside {caller[2]}: "
+                f"a PatrickStar engine serves one call at a time (its forward, backward and "
+                f"optimizer step share the engine's state). Call it from one thread, or hold one "
+                f"lock around each forward, backward and step")
 
     def leave_call(self) -> None:
         with self._caller_lock:

@@ -51,6 +51,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from .memory_formats import format_name
 from .restore_on_use import defer, undefer
 from .utils.logging import logger as _log
 
@@ -297,6 +298,9 @@ class ParameterPlacer:
         # of ids would take for one already seen (and the placement would shift by one).
         self._seen: dict[int, weakref.ref] = {}
         self.parameters: list[nn.Parameter | None] = [None] * len(shapes)
+        # index -> the memory format a parameter was placed from (Note [Memory formats of
+        # parameters] in memory_formats.py)
+        self.formats: dict[int, str] = {}
 
     def _hook(self, module, name, param):
         if param is None:
@@ -330,6 +334,9 @@ class ParameterPlacer:
                 f"host memory stays near the chunks' size without torch.device('meta') or "
                 f"accelerate's init_empty_weights(); for a meta-built model, give it weights "
                 f"first (model.to_empty(device='cpu') and load_state_dict or init)")
+        kind = format_name(param.data)
+        if kind is not None:
+            self.formats[index] = kind
         with torch.no_grad():
             view = self._place(index, param)
             view.copy_(param.data)

@@ -25,12 +25,26 @@ torch.compile, whose graphs break at the engine's hooks (Note [The engine's hook
 torch.compile] in hooks.py). A submodule called directly under a tracer
 (`torch.jit.trace(model.module.layer, x)`) is not checked: the check is at the two entries of a
 whole forward, not in every module's hook.
+
+Note [Scripting the engine's module]
+torch.jit.script compiles a module's forward and turns its parameters into attributes of the
+script module: here the empty placeholders, with the engine's hooks left behind. On the engine
+it failed on the engine's own forward ("Compiled functions can't take variable number of
+arguments", pointing into engine.py), on `model.module` with "SyntaxError: unmatched ')'"
+from a hook's source; neither said what to do. torch.jit.script asks every module of the tree
+for `__prepare_scriptable__()` before it compiles anything, so the engine has one and each of
+the user's modules that holds chunked parameters gets one as an instance attribute (a `Shadow`,
+which copies leave out: Note [Copies of the user's module] in module_copies.py), which raises,
+naming the ways that work: eager, torch.compile, or scripting `copy.deepcopy(model.module)`.
 """
 from __future__ import annotations
 
 import torch
+from torch import nn
 
-__all__ = ["refuse_traced_call"]
+from .module_methods import Shadow
+
+__all__ = ["refuse_scripting", "refuse_script_call", "refuse_traced_call"]
 
 
 def _tracer() -> str | None:
@@ -60,3 +74,23 @@ def refuse_traced_call(call: str) -> None:
         "around each module's forward, under saved-tensor hooks, which this cannot follow. "
         "Use a plain copy with the current weights instead: copy.deepcopy(model.module) "
         "(e.g. torch.jit.trace(copy.deepcopy(model.module), example_inputs))")
+
+
+def refuse_script_call(what: str) -> None:
+    """torch.jit.script of `what` (the engine or one of the user's modules holding chunked
+    parameters): Note [Scripting the engine's module]."""
+    raise RuntimeError(
+        f"torch.jit.script({what}): TorchScript cannot compile a module whose parameters live in "
+        "PatrickStar chunks (they are swapped in only around each module's forward by the "
+        "engine's hooks, which TorchScript cannot run). Train the engine eagerly, or use "
+        "torch.compile(model), which works on it; to script or export the trained model, script "
+        "a plain copy with the current weights: torch.jit.script(copy.deepcopy(model.module))")
+
+
+def refuse_scripting(root: nn.Module) -> None:
+    """Gives every module under `root` that holds parameters a `__prepare_scriptable__` that
+    raises (Note [Scripting the engine's module])."""
+    for name, module in root.named_modules():
+        if next(module.parameters(), None) is not None:
+            what = "model.module" + (f".{name}" if name else "")
+            module.__dict__["__prepare_scriptable__"] = Shadow(refuse_script_call, what)

@@ -2,7 +2,7 @@
 functional_call run as on a plain module; torch.jit.trace, torch.export, torch.func.grad (and
 vjp, jacrev, hessian) and torch.func.jvp (and jacfwd) cannot work on chunked parameters and raise
 naming the plain copy to use (Note [Tracing the engine's module] in traced_calls.py), leaving the
-engine training as before."""
+engine training as before; so does torch.jit.script (Note [Scripting the engine's module])."""
 from __future__ import annotations
 
 import copy
@@ -93,6 +93,20 @@ def test_tracers_raise_naming_the_plain_copy_and_training_goes_on(trace, what, t
     with pytest.raises(RuntimeError, match=rf"{what}.*copy\.deepcopy\(model\.module\)"):
         trace(model.module if through == "module" else model)
     assert_trains_as_pytorch(model, optimizer, reference)
+
+
+@pytest.mark.parametrize("target", ["engine", "module", "submodule"])
+def test_jit_script_raises_naming_the_alternatives_and_the_copy_scripts(target):
+    # Note [Scripting the engine's module]: before, the engine failed inside its own forward's
+    # signature and model.module with "SyntaxError: unmatched ')'".
+    model, optimizer, reference = build()
+    scripted = {"engine": model, "module": model.module, "submodule": model.module.proj}[target]
+    with pytest.raises(RuntimeError, match=r"torch\.jit\.script\(model.*torch\.compile.*"
+                                           r"copy\.deepcopy\(model\.module\)"):
+        torch.jit.script(scripted)
+    assert_trains_as_pytorch(model, optimizer, reference)
+    plain = copy.deepcopy(model.module)
+    torch.testing.assert_close(torch.jit.script(plain)(X), plain(X))
 
 
 def test_the_plain_copy_traces_and_transforms_as_pytorch():

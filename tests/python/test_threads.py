@@ -75,7 +75,7 @@ def test_training_in_another_thread_is_training_in_the_main_one():
     assert got == [step(ps_model, ps_optimizer) for _ in range(4)]
 
 
-@pytest.mark.parametrize("call", ["forward", "backward", "step", "zero_grad"])
+@pytest.mark.parametrize("call", ["forward", "backward", "loss_backward", "step", "zero_grad"])
 def test_a_call_while_another_thread_is_in_a_forward_names_both(call):
     """Before: the second thread's forward ran while the first thread's held its parameters,
     and released them under it: the first failed with "The size of tensor a (0) must match
@@ -89,11 +89,14 @@ def test_a_call_while_another_thread_is_in_a_forward_names_both(call):
             inside.set()
             assert go_on.wait(60)
     handle = model.module[2].register_forward_pre_hook(pause)
-    if call in ("backward", "step", "zero_grad"):  # something to differentiate / step
+    if call != "forward":  # something to differentiate / step
         loss = nn.functional.cross_entropy(model(X), Y)
-        if call != "backward":
+        if call not in ("backward", "loss_backward"):
             model.backward(loss)
+    # loss.backward(): before, it ran beside the other thread's forward without a word, and its
+    # end released that forward's parameters.
     calls = {"forward": lambda: model(X), "backward": lambda: model.backward(loss),
+             "loss_backward": lambda: loss.backward(),
              "step": optimizer.step, "zero_grad": optimizer.zero_grad}
 
     def first():
@@ -157,3 +160,49 @@ def test_a_script_ending_while_a_daemon_thread_trains_exits_quietly(tmp_path):
         assert "Traceback" not in result.stderr and "Exception" not in result.stderr, \
             result.stderr
         assert os.listdir(nvme) == []
+
+
+def test_a_forward_during_another_threads_loss_backward_leaves_no_silent_gradients():
+    """A forward from the main thread while thread 'trainer' is in the middle of loss.backward()
+    (after some gradients were stored): the backward raises at its next store, naming that
+    thread, and the step refuses those gradients until zero_grad(), instead of training on a
+    mix (Note [One thread at a time])."""
+    model, optimizer = engine()
+    reference, reference_optimizer = engine()
+    inside, go_on = threading.Event(), threading.Event()
+
+    def pause(grad):
+        inside.set()
+        assert go_on.wait(60)
+        return grad
+    armed = [True]
+
+    def arm(module, inputs, output):  # between the last layer's gradient stores and the first's
+        if armed[0]:
+            armed[0] = False
+            output.register_hook(pause)
+    handle = model.module[1].register_forward_hook(arm)
+    loss = nn.functional.cross_entropy(model(X), Y)
+    result = {}
+
+    def backward():
+        try:
+            loss.backward()
+        except RuntimeError as error:
+            result["error"] = str(error)
+    thread = threading.Thread(target=backward, name="trainer")
+    thread.start()
+    try:
+        assert inside.wait(60)
+        with torch.no_grad():
+            model(X)
+    finally:
+        go_on.set()
+        thread.join(timeout=60)
+    handle.remove()
+    assert "loss.backward() in thread 'trainer' (or was it still running" in result["error"]
+    with pytest.raises(RuntimeError, match="raised partway after storing"):
+        optimizer.step()
+    optimizer.zero_grad()
+    assert [step(model, optimizer) for _ in range(3)] == \
+        [step(reference, reference_optimizer) for _ in range(3)]

@@ -303,3 +303,55 @@ def test_a_parametrization_after_initialize_raises_naming_model_func(apply):
         apply(model.module[0])
     plain = nn.Linear(4, 4)
     apply(plain)  # other modules: torch's own
+
+
+def channels_last_convnet():
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                          nn.Conv2d(8, 4, 3), nn.Flatten(), nn.Linear(4 * 6 * 6, 2))
+    return model.to(memory_format=torch.channels_last)
+
+
+@pytest.mark.parametrize("built", ["model_func", "module"])
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_channels_last_models_train_as_pytorch_and_warn_about_the_layout(built, layout):
+    # Note [Memory formats of parameters]: the values and gradients are PyTorch's, the
+    # weights are stored contiguous (said at initialize()), and a channels_last input keeps
+    # channels_last activations as in PyTorch.
+    x = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(0))
+    if layout == "channels_last":
+        x = x.to(memory_format=torch.channels_last)
+    torch.manual_seed(0)
+    reference = channels_last_convnet()
+    ref_optimizer = torch.optim.Adam(reference.parameters(), lr=1e-3)
+    torch.manual_seed(0)
+    given = channels_last_convnet if built == "model_func" else channels_last_convnet()
+    with pytest.warns(UserWarning, match=r"2 of 8 parameters in a memory format other than the "
+                                         r"contiguous one \(e\.g\. '0\.weight': channels_last\)"):
+        model, optimizer = patrickstar.initialize(given, config={
+            "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}, "default_chunk_size": 4096})
+    model.eval()  # no running statistics updated
+    reference.eval()
+    with torch.no_grad():
+        out, ref_out = model.module[:4](x), reference[:4](x)
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-6)
+    assert ref_out.is_contiguous(memory_format=torch.channels_last)  # PyTorch's either way
+    assert out.is_contiguous(memory_format=torch.channels_last) == (layout == "channels_last")
+    model.train()
+    reference.train()
+    for step in range(3):
+        loss = model(x).pow(2).mean()
+        ref_loss = reference(x).pow(2).mean()
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+        loss.backward()
+        ref_loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
+        ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1e9)
+        torch.testing.assert_close(norm, ref_norm, rtol=1e-5, atol=0)
+        optimizer.step()
+        optimizer.zero_grad()
+        ref_optimizer.step()
+        ref_optimizer.zero_grad()
+        if step == 0:  # Adam turns float noise into whole steps later (the conv bias before
+            state = model.state_dict()  # BatchNorm): one step moves each element by lr at most
+            for key, tensor in reference.state_dict().items():
+                torch.testing.assert_close(state[key], tensor, rtol=0, atol=1e-3 * 1.01)
