@@ -113,5 +113,6 @@ def test_the_budget_backward_needs_trains_like_pytorch(case):
         opt.step()
         opt.zero_grad()
         torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-5)
-    device = next(t for t in model.memory_stats() if t["name"] == "device")
+    # The device tier: "device" here, "cuda:0" on a GPU or the strict emulated device.
+    device = next(t for t in model.memory_stats() if t["name"] not in ("host", "nvme"))
     assert device["peak_chunk_bytes"] == need  # the check's figure is backward's real peak
