@@ -40,6 +40,20 @@ namespace {
 
 #include "kernels/internal/quantization_maps.inc"
 
+// Note [The second moment never rounds to zero]
+// Adam divides by sqrt(v): a second moment stored as the unsigned map's code 0 while its first
+// moment kept a nonzero code made the update m / eps, about 10^8 * m. Blockwise, that is common:
+// an element whose gradients are small next to its block's largest (g / G below ~4e-4, as the
+// inputs of a ReLU unit that rarely fires, or rows a batch barely touches) has v / absmax(v)
+// below the first threshold (1.6e-7) while m / absmax(m) is still above the signed map's
+// first; a step where its gradient is 0 (the unit is off) then moved the weight by lr * 10^3 or
+// more (a 63x17 ReLU layer: a weight at -6.5 after two steps, where torch's Adam keeps 0.3).
+// So the unsigned map (the second moment's) rounds everything below code 1 up to code 1, the
+// smallest positive value: v never reads as 0, and m / sqrt(v) stays about 1 there, as Adam's
+// (an element with m at 0 only sees its v floored at 3.3e-7 of the block's scale, which moves
+// nothing). The map and every other rounding are the paper's; dequantizing code 0 (from older
+// checkpoints) still gives 0. bitsandbytes avoids the case differently, keeping tensors below
+// 4096 elements in 32-bit state (its min_8bit_size), which chunked state cannot do per tensor.
 // Note [Nearest code by bucket]
 // The nearest code of x >= 0 is the number of thresholds below x (thresholds ascending), which a
 // binary search would find in 8 dependent table reads. Instead the float's exponent and top 7
@@ -73,7 +87,8 @@ namespace {
 //           scale 0 (z does not depend on y there). Signed: min(|x|, above_top), sign cleared,
 //           is one vrangeps that keeps a NaN, and max(2^-31, y) keeps it too (NaN -> window);
 //           unsigned: two integer clamps of the bits, negative (and negative NaN) -> 2^-31, code
-//           0, positive NaN -> above_top, code 255, the bucket search's codes for them.
+//           1 (region 0 takes code 1: Note [The second moment never rounds to zero]), positive
+//           NaN -> above_top, code 255, the bucket search's codes for them.
 //   top, 8 lanes  the AVX2 tables hold 8 entries (one 256-bit permute), so that path has no
 //           region 8: y > top is replaced by `above_top`, whose z in region 7 is 255 (region 7's
 //           last is 255; in the nine-region search its y <= top keeps z below 255), and it reads
@@ -130,6 +145,10 @@ internal::FastQuantization BuildFast(const internal::QuantizationTables& t, bool
     f.scale[r] = static_cast<float>(a * kOne);
     f.offset[r] = static_cast<float>((lo + 0.5 - static_cast<double>(t.code[lo]) * a) * kOne +
                                      kFastWindow / 2);
+  }
+  if (!is_signed) {  // region 0 takes code 1: Note [The second moment never rounds to zero]
+    f.last[0] = 1;
+    f.offset[0] = static_cast<float>(1.5 * kOne);
   }
   for (int r = 0; r < 8; ++r) f.upper8[r] = r == kDecade6 ? inf : f.upper[r];
   f.top = t.threshold[254];
@@ -220,6 +239,11 @@ internal::QuantizationTables BuildTables(const float* codes) {
     t.bucket[j] = static_cast<uint32_t>(q) | (key << 16);
   }
   const bool is_signed = codes[127] == 0.0f;
+  if (!is_signed) {  // Note [The second moment never rounds to zero]: code 0 is never chosen
+    for (int32_t j = 0; j < internal::kBuckets && (t.bucket[j] & 0xff) == 0; ++j) {
+      t.bucket[j] = 1u | (0xffffu << 16);
+    }
+  }
   if (is_signed) {  // check the symmetry negative values rely on
     for (int k = 0; k < 127; ++k) PS_CHECK(codes[k] == -codes[254 - k], "code ", k);
     for (int k = 0; k < 127; ++k) PS_CHECK(t.threshold[k] == -t.threshold[253 - k], "t ", k);

@@ -34,7 +34,9 @@ absl::Span<const float> QuantizationCodes(QuantizationMap map);
 
 // The code byte nearest to `normalized` (a value divided by its block's scale, nominally in
 // [-1, 1]); a value exactly halfway between two codes takes the one nearer zero. Beyond the
-// map's range it takes the end code (negative values take code 0 = 0.0 in the unsigned map).
+// map's range it takes the end code. The unsigned map never gives code 0: what is below code 1
+// (zero and negative values included) takes code 1 (Note [The second moment never rounds to
+// zero] in quantization.cc).
 uint8_t QuantizeNormalized(QuantizationMap map, float normalized);
 
 // The scale of a block holding `values`: max(absmax, FLT_MIN), so that an all-zero block has a
@@ -115,7 +117,8 @@ inline uint8_t QuantizeWithTables(const QuantizationTables& t, bool is_signed, i
     sign = bits >> 31;  // 0 or -1 (arithmetic shift)
     bits &= 0x7fffffff;
   } else if (bits < 0) {
-    bits = 0;  // negative (and negative NaN) -> +0.0, whose nearest unsigned code is 0
+    bits = 0;  // negative (and negative NaN) -> +0.0, which takes code 1 (Note [The second
+               // moment never rounds to zero] in quantization.cc)
   }
   const uint32_t entry = t.bucket[BucketOf(bits)];
   int32_t q = static_cast<int32_t>(entry & 0xff) +

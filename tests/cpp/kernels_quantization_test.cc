@@ -19,7 +19,8 @@ namespace ps::kernels {
 namespace {
 
 // The specification: the number of float midpoints of neighbouring codes below x, where a
-// midpoint equal to x counts as below when x < 0 (halfway goes toward zero).
+// midpoint equal to x counts as below when x < 0 (halfway goes toward zero); at least 1 in the
+// unsigned map (Note [The second moment never rounds to zero]).
 uint8_t ScanQuantize(QuantizationMap map, float x) {
   absl::Span<const float> codes = QuantizationCodes(map);
   int q = 0;
@@ -27,6 +28,7 @@ uint8_t ScanQuantize(QuantizationMap map, float x) {
     const float t = static_cast<float>((double{codes[k]} + double{codes[k + 1]}) / 2);
     if (x > t || (x < 0 && x == t)) q = k + 1;
   }
+  if (map == QuantizationMap::kUnsigned && q == 0) q = 1;
   return static_cast<uint8_t>(q);
 }
 
@@ -74,11 +76,17 @@ TEST(QuantizationTest, NearestCodeEqualsTheThresholdScanEverywhere) {
     for (float x : values) {
       const uint8_t q = QuantizeNormalized(map, x);
       ASSERT_EQ(q, ScanQuantize(map, x)) << "x = " << x;
-      // Nearest: no other code is closer, up to the rounding of the midpoint to float.
+      // Nearest: no other code is closer, up to the rounding of the midpoint to float (but for
+      // the unsigned map's code 0, never given).
       const double d = std::fabs(double{x} - codes[q]);
       const double slack = 4e-7 * std::fabs(double{x}) + 1e-40;
-      if (q > 0) ASSERT_LE(d, std::fabs(double{x} - codes[q - 1]) + slack) << x;
-      if (q < 255) ASSERT_LE(d, std::fabs(double{x} - codes[q + 1]) + slack) << x;
+      if (map == QuantizationMap::kUnsigned && q == 1 && x <= codes[1]) continue;
+      if (q > 0) {
+        ASSERT_LE(d, std::fabs(double{x} - codes[q - 1]) + slack) << x;
+      }
+      if (q < 255) {
+        ASSERT_LE(d, std::fabs(double{x} - codes[q + 1]) + slack) << x;
+      }
     }
   }
 }
@@ -151,10 +159,31 @@ TEST(QuantizationTest, BlockwiseRoundTripIsWithinHalfACodeGapOfTheBlockScale) {
       const int q = codes[i];
       const double gap = std::max(q > 0 ? table[q] - table[q - 1] : 0.0,
                                   q < 255 ? table[q + 1] - table[q] : 0.0);
-      ASSERT_LE(std::fabs(double{out[i]} - input[i]), 0.5 * gap * scale * (1 + 1e-5) + 1e-30)
-          << i;
+      // Below code 1 the unsigned map rounds up to it (Note [The second moment never rounds to
+      // zero]): off by at most code 1 itself.
+      const double bound = map == QuantizationMap::kUnsigned && q == 1 ? table[1] : 0.5 * gap;
+      ASSERT_LE(std::fabs(double{out[i]} - input[i]), bound * scale * (1 + 1e-5) + 1e-30) << i;
     }
   }
+}
+
+// Note [The second moment never rounds to zero]: a second moment far below its block's largest
+// reads back as code 1 (3.25e-7 of the block scale), never 0, on every path.
+TEST(QuantizationTest, TheUnsignedMapNeverGivesCodeZero) {
+  const std::vector<float> values = {0.0f, -0.0f, -1.0f, 1e-30f, 1e-8f, 1.6e-7f, 1e-3f, 1.0f};
+  const std::vector<uint8_t> expected = {1, 1, 1, 1, 1, 1, 0, 255};
+  for (SimdLevel level : SupportedSimdLevels()) {
+    std::vector<uint8_t> got(values.size());
+    internal::GetCpuPath(level).quantize_normalized(QuantizationMap::kUnsigned, values.data(),
+                                                    static_cast<int64_t>(values.size()),
+                                                    got.data());
+    for (size_t i = 0; i + 2 < values.size(); ++i) {
+      EXPECT_EQ(got[i], expected[i]) << SimdLevelName(level) << " x = " << values[i];
+    }
+    EXPECT_GT(got[6], 1);
+    EXPECT_EQ(got[7], 255);
+  }
+  EXPECT_EQ(QuantizeNormalized(QuantizationMap::kSigned, 1e-30f), 127);  // the signed map's zero
 }
 
 TEST(QuantizationTest, BlocksAreFixedRelativeToTheTensorStart) {
@@ -189,7 +218,7 @@ TEST(QuantizationTest, ZeroBlocksNaNAndArguments) {
   for (uint8_t q : codes) EXPECT_EQ(q, 127);
   ASSERT_TRUE(
       QuantizeBlockwise(zeros.data(), 10, QuantizationMap::kUnsigned, codes.data(), &scale).ok());
-  for (uint8_t q : codes) EXPECT_EQ(q, 0);
+  for (uint8_t q : codes) EXPECT_EQ(q, 1);  // Note [The second moment never rounds to zero]
   zeros[3] = std::numeric_limits<float>::quiet_NaN();
   ASSERT_TRUE(
       QuantizeBlockwise(zeros.data(), 10, QuantizationMap::kSigned, codes.data(), &scale).ok());

@@ -45,7 +45,9 @@ def create_dynamic_map(signed=True, max_exponent_bits=7, total_bits=8):
 
 
 def ref_quantize(values, signed):
-    """Blockwise: scale = max(absmax, FLT_MIN); code = nearest (halfway: the lower one)."""
+    """Blockwise: scale = max(absmax, FLT_MIN); code = nearest (halfway: the lower one), and in
+    the unsigned map at least 1 (Note [The second moment never rounds to zero] in
+    kernels/quantization.cc)."""
     codes_map = create_dynamic_map(signed)
     thresholds = ((codes_map[:-1].double() + codes_map[1:].double()) / 2).float()
     n = values.numel()
@@ -55,8 +57,10 @@ def ref_quantize(values, signed):
     scales = padded.view(blocks, BLOCK).abs().amax(dim=1).clamp_min(FLT_MIN)
     inverse = 1.0 / scales
     x = (padded.view(blocks, BLOCK) * inverse[:, None]).reshape(-1)[:n]
-    codes = torch.searchsorted(thresholds, x, right=False).to(torch.uint8)
-    return codes, scales
+    codes = torch.searchsorted(thresholds, x, right=False)
+    if not signed:
+        codes = codes.clamp_min(1)
+    return codes.to(torch.uint8), scales
 
 
 def ref_dequantize(codes, scales, signed):
