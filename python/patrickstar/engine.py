@@ -63,7 +63,7 @@ import torch
 from torch import nn
 
 from . import (_C, averaged_model, backward_pre_hooks, checkpoint, clip_grad,
-               convert_parameters, dtypes, module_zero_grad, param_owners, parametrizations,
+               convert_parameters, dtypes, hooks, module_zero_grad, param_owners, parametrizations,
                script_collectives, torch_optimizers)
 from .activations import ActivationCounter
 from .chunk_runtime import ChunkRuntime
@@ -281,6 +281,7 @@ class PatrickStarEngine(nn.Module):
         torch_optimizers.install()  # a torch optimizer over these parameters raises at step()
         module_zero_grad.install()  # model.module.zero_grad() drops the chunked gradients
         backward_pre_hooks.install()  # a user's full backward pre-hook runs after the access
+        hooks.install()  # so does a user's global forward pre-hook (Note [Global module hooks])
         convert_parameters.install()  # parameters_to_vector reads the chunks' values
         averaged_model.install()  # AveragedModel.update_parameters(model) reads them too
         parametrizations.install()  # weight_norm(...) after initialize() names model_func
@@ -290,11 +291,11 @@ class PatrickStarEngine(nn.Module):
         # Note [Saved views of parameters]: forwards that bypass model(...).
         self._call_hooks = CallHooks(self.module, _weakly(self._enter_direct_call),
                                      _weakly(self._leave_direct_call))
-        hooks = (self._hooks, self._state_hooks, self._call_hooks)
+        hook_sets = (self._hooks, self._state_hooks, self._call_hooks)
         self._methods = ModuleMethods(self.module, self)  # Note [Methods of the user's modules]
         # Every module: each carries at least the state dict's call agreement hook.
         self._copies = ModuleCopies(  # Note [Copies of the user's module]
-            list(self.module.modules()), self, lambda: set().union(*(h.hook_ids for h in hooks)))
+            list(self.module.modules()), self, lambda: set().union(*(h.hook_ids for h in hook_sets)))
         param_owners.register_engine(self, self.params.params)
         _live_engines.add(self)
 
