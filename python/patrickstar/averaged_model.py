@@ -41,7 +41,7 @@ def _holding_placeholders(model) -> list:
         index = engine.params.index_of(param)
         if index is None or engine.parameter_in_use(index):
             continue
-        if tuple(param.shape) != tuple(engine.params.shapes[index]):  # not lent by a summon
+        if tuple(param.data.shape) != tuple(engine.params.shapes[index]):  # not lent by a summon
             engines[id(engine)] = engine
     return list(engines.values())
 
