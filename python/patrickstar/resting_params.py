@@ -20,6 +20,10 @@ backward follows, after apply() or summon_full_params()) each parameter whose cl
   * refuses an in-place change (`p.mul_()`, `nn.init.normal_(p)`, `p[0] = 1`, `out=p`),
     naming the parameter and the ways to change weights (model.apply(fn), summon_full_params
     (writeback=True), load_state_dict): the change would reach only the placeholder;
+  * gives for `p.data` and `p.detach()`, which alias the weight in PyTorch, the value as a
+    `ReadValue`, which refuses in-place changes the same way (`p.data.copy_(w)` loading a
+    weight by hand, `p.detach().zero_()`) and is a plain tensor for everything else
+    (`ema.mul_(d).add_(p.data, alpha=1 - d)`, `p.data.clone()`);
   * runs anything else on the parameter's current value read out of its chunks
     (`read_parameter`: the compute dtype; a collective under data parallelism, as
     state_dict(), so every rank must make the same reads). The value is a plain tensor
@@ -49,7 +53,7 @@ __all__ = ["ParameterAtRest", "install", "rest", "wake"]
 _T = torch.Tensor
 # The object, not its values.
 _PASS = {
-    _T.data.__get__, _T.data.__set__, _T.grad.__get__, _T.grad.__set__, _T.grad.__delete__,
+    _T.data.__set__, _T.grad.__get__, _T.grad.__set__, _T.grad.__delete__,
     _T._grad.__get__, _T._grad.__set__, _T.requires_grad.__get__, _T.requires_grad.__set__,
     _T.requires_grad_, _T.device.__get__, _T.dtype.__get__, _T.layout.__get__,
     _T.is_leaf.__get__, _T.grad_fn.__get__, _T._version.__get__, _T.is_cuda.__get__,
@@ -117,6 +121,9 @@ class ParameterAtRest(nn.Parameter):
             for i, (engine, index) in owners.items():
                 if any(leaves[i] is target for target in written):
                     _refuse_write(func, engine.params.names[index])
+        if func in _ALIASES:
+            engine, index = owners[0]
+            return ReadValue.of(engine.read_parameter(index), engine.params.names[index])
         for i, (engine, index) in owners.items():
             leaves[i] = engine.read_parameter(index)
         args, kwargs = tree_unflatten(leaves, spec)
@@ -138,6 +145,40 @@ class ParameterAtRest(nn.Parameter):
         if owner is None:
             return nn.Parameter.__reduce_ex__(self, protocol)
         return copy.deepcopy(self).__reduce_ex__(protocol)
+
+
+_ALIASES = {_T.data.__get__, _T.detach}
+
+
+class ReadValue(torch.Tensor):
+    """What `p.data` and `p.detach()` of a parameter at rest give: its value, read out of the
+    chunks, refusing in-place changes (which would not reach the parameter) by its name."""
+
+    @staticmethod
+    def of(value: torch.Tensor, name: str) -> "ReadValue":
+        value = value.as_subclass(ReadValue)
+        value._ps_name = name
+        return value
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        first = (args[0] if args else next(iter(kwargs.values()), None)) if _is_inplace(
+            func) else None
+        for target in tree_flatten((first, kwargs.get("out")))[0]:
+            if type(target) is ReadValue:
+                _refuse_write(func, target._ps_name)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+    def __repr__(self, *args, **kwargs):
+        return self.as_subclass(torch.Tensor).__repr__(*args, **kwargs)
+
+    def __deepcopy__(self, memo):
+        return self.as_subclass(torch.Tensor).clone()
+
+    def __reduce_ex__(self, protocol):
+        return self.as_subclass(torch.Tensor).clone().__reduce_ex__(protocol)
 
 
 def _refuse_write(func, name: str) -> None:

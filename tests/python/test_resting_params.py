@@ -105,6 +105,7 @@ def test_a_hand_written_ema_follows_pytorchs(budget):
     # Before: `[p.clone() ...]` copied the empty placeholders and every update changed nothing.
     reference, ref_opt, model, opt = build(budget)
     ema = [p.clone().detach() for p in model.parameters()]
+    data_ema = [p.data.clone() for p in model.parameters()]
     ref_ema = [p.clone().detach() for p in reference.parameters()]
     copied = copy.deepcopy(list(model.parameters()))  # also a copy of real values
     assert all(type(p) is nn.Parameter for p in copied)
@@ -116,9 +117,12 @@ def test_a_hand_written_ema_follows_pytorchs(budget):
         with torch.no_grad():
             for e, p in zip(ema, model.parameters()):
                 e.mul_(0.9).add_(p, alpha=0.1)
+            for e, p in zip(data_ema, model.parameters()):  # the older `.data` spelling
+                e.data.mul_(0.9).add_(p.data, alpha=0.1)
             torch._foreach_lerp_(ref_ema, [p.detach() for p in reference.parameters()], 0.1)
-    for e, ref_e in zip(ema, ref_ema):
+    for e, data_e, ref_e in zip(ema, data_ema, ref_ema):
         torch.testing.assert_close(e, ref_e, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(data_e, ref_e, rtol=1e-5, atol=1e-6)
 
 
 def test_averaged_model_is_usable_as_torchs():
@@ -138,6 +142,8 @@ def test_averaged_model_is_usable_as_torchs():
 @pytest.mark.parametrize("write", [
     lambda p: p.mul_(2), lambda p: nn.init.normal_(p), lambda p: p.__setitem__(0, 0.0),
     lambda p: torch._foreach_mul_([p], 2.0),
+    lambda p: p.data.copy_(torch.zeros(16, 16)),  # loading a weight by hand
+    lambda p: p.detach().zero_(),  # an alias of the weight in PyTorch
 ])
 def test_an_in_place_change_outside_the_forward_is_refused_naming_the_parameter(write):
     reference, ref_opt, model, opt = build()
