@@ -178,3 +178,31 @@ def test_the_forward_and_its_hooks_see_plain_parameters_and_precision_is_kept():
     with torch.no_grad():
         model(batches(1)[0])  # a forward no backward follows leaves the engine at rest
     assert all(type(p) is ParameterAtRest for p in model.parameters())
+
+
+def test_reads_outside_the_forward_under_data_parallelism_on_every_rank(tmp_path):
+    # Each read is a collective (as state_dict()): every rank reads the whole value.
+    import os
+
+    from test_data_parallel import launch
+    from test_initialize import MLP, mlp_batches
+    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "resting_worker.py")
+    results = launch(tmp_path, 2, worker=worker)
+    for rank, result in enumerate(results):
+        assert "error" not in result, f"rank {rank}: {result.get('traceback')}"
+    torch.manual_seed(0)
+    reference = MLP()
+    ref_opt = torch.optim.Adam(reference.parameters(), lr=1e-3, foreach=False)
+    ema = [p.detach().clone() for p in reference.parameters()]
+    for x, y in mlp_batches(2):
+        reference(x, y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        for e, p in zip(ema, reference.parameters()):
+            e.mul_(0.5).add_(p.detach(), alpha=0.5)
+    for result in results:
+        assert result["numel"] == sum(p.numel() for p in reference.parameters())
+        assert result["norms"] == pytest.approx(
+            [p.norm().item() for p in reference.parameters()], rel=1e-4)
+        for mine, theirs in zip(result["ema"], ema):
+            torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-5)
