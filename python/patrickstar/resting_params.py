@@ -83,10 +83,19 @@ _SHAPES = {
 }
 
 
+_INPLACE_OPERATORS = {f"__i{op}__" for op in ("add", "sub", "mul", "matmul", "truediv",
+                                                "floordiv", "mod", "pow", "and", "or", "xor",
+                                                "lshift", "rshift")} | {"__setitem__"}
+
+
 def _is_inplace(func) -> bool:
     name = getattr(func, "__name__", "")
-    return name == "__setitem__" or (name.startswith("__i") and name.endswith("__")) or (
-        name.endswith("_") and not name.endswith("__"))
+    return name in _INPLACE_OPERATORS or (name.endswith("_") and not name.endswith("__"))
+
+
+def _value(engine, index: int) -> torch.Tensor:
+    """Parameter `index`'s value, on the engine's device as its placeholder is."""
+    return engine.read_parameter(index).to(engine.device)
 
 
 def _owner(param):
@@ -123,9 +132,9 @@ class ParameterAtRest(nn.Parameter):
                     _refuse_write(func, engine.params.names[index])
         if func in _ALIASES:
             engine, index = owners[0]
-            return ReadValue.of(engine.read_parameter(index), engine.params.names[index])
+            return ReadValue.of(_value(engine, index), engine.params.names[index])
         for i, (engine, index) in owners.items():
-            leaves[i] = engine.read_parameter(index)
+            leaves[i] = _value(engine, index)
         args, kwargs = tree_unflatten(leaves, spec)
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
@@ -136,8 +145,7 @@ class ParameterAtRest(nn.Parameter):
             return nn.Parameter.__deepcopy__(self, memo)
         if id(self) not in memo:
             engine, index = owner
-            memo[id(self)] = nn.Parameter(engine.read_parameter(index).clone(),
-                                          self.requires_grad)
+            memo[id(self)] = nn.Parameter(_value(engine, index), self.requires_grad)
         return memo[id(self)]
 
     def __reduce_ex__(self, protocol):

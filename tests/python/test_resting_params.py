@@ -206,3 +206,11 @@ def test_reads_outside_the_forward_under_data_parallelism_on_every_rank(tmp_path
             [p.norm().item() for p in reference.parameters()], rel=1e-4)
         for mine, theirs in zip(result["ema"], ema):
             torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-5)
+
+
+def test_python_conversions_of_a_parameter_read_its_value():
+    reference, ref_opt, model, opt = build()
+    bias = model.module.h.bias
+    assert float(bias[0]) == float(reference.h.bias.detach()[0])
+    assert [float(v) for v in bias] == [float(v) for v in reference.h.bias.detach()]
+    assert bool((bias == reference.h.bias).all())
