@@ -63,8 +63,8 @@ import torch
 from torch import nn
 
 from . import (_C, averaged_model, backward_pre_hooks, checkpoint, clip_grad,
-               convert_parameters, dtypes, hooks, module_zero_grad, param_owners, parametrizations,
-               resting_params, script_collectives, torch_optimizers)
+               convert_parameters, dtypes, hooks, module_zero_grad, param_owners,
+               parametrizations, resting_params, script_collectives, torch_optimizers)
 from .activations import ActivationCounter
 from .chunk_runtime import ChunkRuntime
 from .chunked_params import ChunkedParams
@@ -297,10 +297,11 @@ class PatrickStarEngine(nn.Module):
         self._methods = ModuleMethods(self.module, self)  # Note [Methods of the user's modules]
         # Every module: each carries at least the state dict's call agreement hook.
         self._copies = ModuleCopies(  # Note [Copies of the user's module]
-            list(self.module.modules()), self, lambda: set().union(*(h.hook_ids for h in hook_sets)))
+            list(self.module.modules()), self,
+            lambda: set().union(*(h.hook_ids for h in hook_sets)))
         param_owners.register_engine(self, self.params.params)
         _live_engines.add(self)
-        self.rest()  # Note [Parameters at rest] in resting_params.py
+        self.rest_parameters()  # Note [Parameters at rest] in resting_params.py
 
     # ---- Construction --------------------------------------------------------------------------
 
@@ -444,7 +445,7 @@ class PatrickStarEngine(nn.Module):
         indices = self._module_params.get(module)
         if indices:
             if self._resting:
-                self.wake()
+                self.wake_parameters()
             if self._summoned:
                 self._refuse_forward_while_summoned(module)
             self._backward.join_autograd_backward()
@@ -481,15 +482,15 @@ class PatrickStarEngine(nn.Module):
         self._recompute_holds.clear()
         self._hooks.end_backward()
         self._slots.release_all(state)
-        self.rest()
+        self.rest_parameters()
 
     # Note [Parameters at rest] in resting_params.py
     @property
-    def at_rest(self) -> bool:
+    def parameters_at_rest(self) -> bool:
         """Whether the parameters not in use have the class ParameterAtRest now."""
         return self._resting
 
-    def rest(self) -> None:
+    def rest_parameters(self) -> None:
         """Parameters not in use answer user code with their chunks' values."""
         if not self._resting:
             resting_params.rest(self.params.params[index]
@@ -497,7 +498,7 @@ class PatrickStarEngine(nn.Module):
                                 if self._slots.access_count(index) == 0)
             self._resting = True
 
-    def wake(self) -> None:
+    def wake_parameters(self) -> None:
         """The parameters' own class back, before an access or a lending."""
         if self._resting:
             resting_params.wake(self.params.params)
@@ -506,12 +507,12 @@ class PatrickStarEngine(nn.Module):
     @contextlib.contextmanager
     def _awake(self):
         resting = self._resting
-        self.wake()
+        self.wake_parameters()
         try:
             yield
         finally:
             if resting:
-                self.rest()
+                self.rest_parameters()
 
     def _tick(self, event: str) -> None:
         if self.profiler is not None:
@@ -570,7 +571,7 @@ class PatrickStarEngine(nn.Module):
     # forward() does what forward() does around it. A submodule called alone is not covered.
     def _enter_direct_call(self) -> None:
         refuse_traced_call("model.module(...)")  # Note [Tracing the engine's module]
-        self.wake()
+        self.wake_parameters()
         self._views.enter_direct_call()
         if not self._in_forward and self._direct_forward is None and self.dp.enabled:
             backward_follows = torch.is_grad_enabled() and self.module.training
@@ -730,7 +731,7 @@ class PatrickStarEngine(nn.Module):
         self._views.leave_direct_calls()
         self.dp.before_forward(torch.is_grad_enabled() and self.module.training,
                                self.module.buffers())
-        self.wake()  # before the module's (maybe compiled) forward looks at its parameters
+        self.wake_parameters()  # before the module's (maybe compiled) forward looks at them
         self._in_forward = True
 
     # Note [A forward that raised]
@@ -746,7 +747,7 @@ class PatrickStarEngine(nn.Module):
         """Note [A forward that raised]."""
         self._hooks.leave_saved_tensor_hooks()
         self._slots.release_all(S.HOLD_AFTER_FWD)
-        self.rest()
+        self.rest_parameters()
 
     @torch.compiler.disable
     def _leave_forward(self, completed: bool = True) -> None:

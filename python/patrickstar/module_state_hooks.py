@@ -86,11 +86,11 @@ class ModuleStateHooks(HookSet):
     # torch does that, and rest again after.
     def _wake_own(self, module) -> None:
         engine = self._engine()
-        if engine is not None and engine.at_rest:
+        if engine is not None and engine.parameters_at_rest:
             resting_params.wake(module.parameters(recurse=False))
 
     def _rest_own(self, engine, module) -> None:
-        if engine.at_rest:
+        if engine.parameters_at_rest:
             resting_params.rest(param for param in module.parameters(recurse=False)
                                 if engine.params.index_of(param) is not None)
 

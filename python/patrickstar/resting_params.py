@@ -32,10 +32,10 @@ backward follows, after apply() or summon_full_params()) each parameter whose cl
 torch's own save, load and conversion of a module (`state_dict()`, `load_state_dict()`,
 `module.half()`) see the plain parameters (module_state_hooks.py, `install()`), and so do
 apply() and summon_full_params(), which lend values (module_apply.py).
-The engine's first access (a forward or a backward, engine.wake()) puts `nn.Parameter` back,
-so a module's forward sees no `__torch_function__`: the cost on the hot path is one class
-assignment per parameter per rest. Between a forward and its backward the parameters keep
-their plain class and their placeholders (as DeepSpeed's do).
+The engine's first access (a forward or a backward: engine.wake_parameters()) puts
+`nn.Parameter` back, so a module's forward sees no `__torch_function__`: the cost on the hot
+path is one class assignment per parameter per rest. Between a forward and its backward the
+parameters keep their plain class and their placeholders (as DeepSpeed's do).
 """
 from __future__ import annotations
 
