@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 
+import torch
 from torch.optim.swa_utils import AveragedModel
 
 from .param_owners import engine_of
@@ -41,7 +42,9 @@ def _holding_placeholders(model) -> list:
         index = engine.params.index_of(param)
         if index is None or engine.parameter_in_use(index):
             continue
-        if tuple(param.shape) != tuple(engine.params.shapes[index]):  # not lent by a summon
+        with torch._C.DisableTorchFunctionSubclass():  # its data, not what it answers at rest
+            held = tuple(param.data.shape)
+        if held != tuple(engine.params.shapes[index]):  # not lent by a summon
             engines[id(engine)] = engine
     return list(engines.values())
 

@@ -63,8 +63,8 @@ import torch
 from torch import nn
 
 from . import (_C, averaged_model, backward_pre_hooks, checkpoint, clip_grad,
-               convert_parameters, dtypes, module_zero_grad, param_owners, parametrizations,
-               script_collectives, torch_optimizers)
+               convert_parameters, dtypes, hooks, module_zero_grad, param_owners,
+               parametrizations, resting_params, script_collectives, torch_optimizers)
 from .activations import ActivationCounter
 from .chunk_runtime import ChunkRuntime
 from .chunked_params import ChunkedParams
@@ -191,6 +191,7 @@ class PatrickStarEngine(nn.Module):
         # Module -> accesses of forwards recomputed inside this backward that its backward has
         # not yet given back (Note [Recomputed forwards]).
         self._recompute_holds: dict[nn.Module, int] = {}
+        self._resting = False  # Note [Parameters at rest] in resting_params.py
         self._summoned = 0  # open summon_full_params() blocks: Note [No forward while summoned]
         # Note [The engine is prepared for accelerate]
         # Hugging Face accelerate's prepare(model) (its loops, and the Trainer's) places a model
@@ -302,6 +303,8 @@ class PatrickStarEngine(nn.Module):
         torch_optimizers.install()  # a torch optimizer over these parameters raises at step()
         module_zero_grad.install()  # model.module.zero_grad() drops the chunked gradients
         backward_pre_hooks.install()  # a user's full backward pre-hook runs after the access
+        hooks.install()  # so does a user's global forward pre-hook (Note [Global module hooks])
+        resting_params.install()  # module.half() on a submodule is named at the next use
         convert_parameters.install()  # parameters_to_vector reads the chunks' values
         averaged_model.install()  # AveragedModel.update_parameters(model) reads them too
         parametrizations.install()  # weight_norm(...) after initialize() names model_func
@@ -312,16 +315,18 @@ class PatrickStarEngine(nn.Module):
         # Note [Saved views of parameters]: forwards that bypass model(...).
         self._call_hooks = CallHooks(self.module, _weakly(self._enter_direct_call),
                                      _weakly(self._leave_direct_call))
-        hooks = (self._hooks, self._state_hooks, self._call_hooks)
+        hook_sets = (self._hooks, self._state_hooks, self._call_hooks)
         if self.dp.enabled:  # Note [Renormalizing embeddings]
             self._renorms = RenormAcrossRanks(self.module, self.dp.group)
-            hooks += (self._renorms,)
+            hook_sets += (self._renorms,)
         self._methods = ModuleMethods(self.module, self)  # Note [Methods of the user's modules]
         # Every module: each carries at least the state dict's call agreement hook.
         self._copies = ModuleCopies(  # Note [Copies of the user's module]
-            list(self.module.modules()), self, lambda: set().union(*(h.hook_ids for h in hooks)))
+            list(self.module.modules()), self,
+            lambda: set().union(*(h.hook_ids for h in hook_sets)))
         param_owners.register_engine(self, self.params.params)
         _live_engines.add(self)
+        self.rest_parameters()  # Note [Parameters at rest] in resting_params.py
 
     # ---- Construction --------------------------------------------------------------------------
 
@@ -427,14 +432,15 @@ class PatrickStarEngine(nn.Module):
         (nanoGPT's `p.dim() >= 2` decay rule)."""
         released = [index for index in range(len(self.params.params))
                     if self._slots.access_count(index) == 0]  # in use: the real data already
-        try:
-            for index in released:
-                self.params.params[index].data = torch.zeros(
-                    (), dtype=self.compute_dtype, device=self.device).expand(
-                        self.params.shapes[index])
-            yield
-        finally:
-            self.restore_placeholders(released)
+        with self._awake():
+            try:
+                for index in released:
+                    self.params.params[index].data = torch.zeros(
+                        (), dtype=self.compute_dtype, device=self.device).expand(
+                            self.params.shapes[index])
+                yield
+            finally:
+                self.restore_placeholders(released)
 
     # ---- Access and release --------------------------------------------------------------------
 
@@ -470,6 +476,8 @@ class PatrickStarEngine(nn.Module):
     def _access_module(self, module: nn.Module, phase: str) -> None:
         indices = self._module_params.get(module)
         if indices:
+            if self._resting:
+                self.wake_parameters()
             if self._summoned:
                 self._refuse_forward_while_summoned(module)
             self._backward.join_autograd_backward()
@@ -506,6 +514,37 @@ class PatrickStarEngine(nn.Module):
         self._recompute_holds.clear()
         self._hooks.end_backward()
         self._slots.release_all(state)
+        self.rest_parameters()
+
+    # Note [Parameters at rest] in resting_params.py
+    @property
+    def parameters_at_rest(self) -> bool:
+        """Whether the parameters not in use have the class ParameterAtRest now."""
+        return self._resting
+
+    def rest_parameters(self) -> None:
+        """Parameters not in use answer user code with their chunks' values."""
+        if not self._resting:
+            resting_params.rest(self.params.params[index]
+                                for index in range(len(self.params.params))
+                                if self._slots.access_count(index) == 0)
+            self._resting = True
+
+    def wake_parameters(self) -> None:
+        """The parameters' own class back, before an access or a lending."""
+        if self._resting:
+            resting_params.wake(self.params.params)
+            self._resting = False
+
+    @contextlib.contextmanager
+    def _awake(self):
+        resting = self._resting
+        self.wake_parameters()
+        try:
+            yield
+        finally:
+            if resting:
+                self.rest_parameters()
 
     def _tick(self, event: str) -> None:
         if self.profiler is not None:
@@ -564,6 +603,7 @@ class PatrickStarEngine(nn.Module):
     # forward() does what forward() does around it. A submodule called alone is not covered.
     def _enter_direct_call(self) -> None:
         refuse_traced_call("model.module(...)")  # Note [Tracing the engine's module]
+        self.wake_parameters()
         self._views.enter_direct_call()
         if not self._in_forward and self._direct_forward is None and self.dp.enabled:
             backward_follows = torch.is_grad_enabled() and self.module.training
@@ -745,6 +785,7 @@ class PatrickStarEngine(nn.Module):
         self._views.leave_direct_calls()
         self.dp.before_forward(torch.is_grad_enabled() and self.module.training,
                                self.module.buffers())
+        self.wake_parameters()  # before the module's (maybe compiled) forward looks at them
         self._in_forward = True
 
     # Note [A forward that raised]
@@ -760,6 +801,7 @@ class PatrickStarEngine(nn.Module):
         """Note [A forward that raised]."""
         self._hooks.leave_saved_tensor_hooks()
         self._slots.release_all(S.HOLD_AFTER_FWD)
+        self.rest_parameters()
 
     @torch.compiler.disable
     def _leave_forward(self, completed: bool = True) -> None:
@@ -1094,9 +1136,10 @@ class PatrickStarEngine(nn.Module):
         [Applying a function to the modules] in module_apply.py). Under data parallelism every
         rank calls it with the same `fn`."""
         self.guard.check_alive("model.apply()")
-        applying = ModuleApply(self, pending_until_end=self.dp.enabled)
-        applying.run(self.module, fn)
-        applying.call(self, fn)
+        with self._awake():  # what fn touches is lent its values (module_apply.py)
+            applying = ModuleApply(self, pending_until_end=self.dp.enabled)
+            applying.run(self.module, fn)
+            applying.call(self, fn)
         applying.raise_refused()
         return self
 
@@ -1114,7 +1157,8 @@ class PatrickStarEngine(nn.Module):
                             f"summon_full_params(writeback=True))")
         self._summoned += 1
         try:
-            with ModuleApply(self, pending_until_end=self.dp.enabled).lent(self.module, writeback):
+            with self._awake(), ModuleApply(self, pending_until_end=self.dp.enabled).lent(
+                    self.module, writeback):
                 yield
         finally:
             self._summoned -= 1

@@ -21,8 +21,21 @@ registered first (`prepend=True`: hooks from model_func already exist), and each
 moves the engine's forward hooks behind any hook registered after them (a cheap walk of a
 module's few hooks), so a user's hook runs between the access and the release, whenever it was
 registered. torch reads the forward hooks only after the forward, so the move takes effect for
-the call under way. Left out: global module hooks (`register_module_forward_pre_hook`, run
-before any module's own); they still see the placeholder.
+the call under way. Global module hooks: Note [Global module hooks].
+
+Note [Global module hooks]
+torch runs the global forward pre-hooks (`torch.nn.modules.module.register_module_forward_pre_hook`:
+a weight logger or activation statistics for every module) before any module's own pre-hooks,
+the engine's access among them, so they read the empty placeholder: shape (0,), norms of 0,
+silently. (Global forward hooks run before a module's own forward hooks, the engine's release
+among them, so they see the values already.) When a global pre-hook exists, the engines put
+one global pre-hook of their own first among them (`order_global_pre_hooks`, at registration
+through the wrapper `install()` puts on torch's function, at initialize(), and at each engine
+module's pre-forward for hooks added past the wrapper): it makes the engine module's whole
+pre-forward there (access, tick, the inputs threaded through `_BackwardCall`), and the module's
+own pre-forward hook, which torch calls next, skips it (`_early_forward`). Without global
+pre-hooks nothing is registered, so a module call pays only the engine's own hooks; once the
+user's are all removed, the engines' leaves too.
 
 Note [User full backward pre-hooks]
 torch wraps a module's outputs for its full backward hooks after every forward hook, the
@@ -38,14 +51,18 @@ changes of its outputs.
 """
 from __future__ import annotations
 
+import functools
 import sys
+import weakref
 from typing import Callable, ContextManager
 
 import torch
+from torch.nn.modules import module as torch_module
 
 from .tensor_tree import map_tensors
 
-__all__ = ["CallHooks", "ModuleHooks", "saved_tensor_hooks_active"]
+__all__ = ["CallHooks", "ModuleHooks", "install", "order_global_pre_hooks",
+           "saved_tensor_hooks_active"]
 
 
 # Note [The engine's hooks under torch.compile]
@@ -131,6 +148,54 @@ class HookSet:
         self._handles.clear()
 
 
+# Note [Global module hooks]: each engine module's ModuleHooks, weakly (an engine's modules
+# leave with its hooks), and the engines' one global pre-hook while the user has some.
+_OWNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_TORCH_REGISTER_GLOBAL_PRE = torch_module.register_module_forward_pre_hook
+_global_pre_handle = None
+
+
+@_eager
+def _global_pre_forward(module, inputs):
+    if len(torch_module._global_forward_pre_hooks) == 1:  # the user's are gone
+        order_global_pre_hooks()  # removes this hook (torch runs a copy of the dict's hooks)
+    owner = _OWNERS.get(module)
+    hooks = owner() if owner is not None else None
+    return None if hooks is None else hooks.early_pre_forward(module, inputs)
+
+
+def order_global_pre_hooks() -> None:
+    """Puts the engines' global pre-hook first among torch's global forward pre-hooks when the
+    user has any and an engine lives; removes it when it is alone (Note [Global module
+    hooks])."""
+    global _global_pre_handle
+    hooks = torch_module._global_forward_pre_hooks
+    ours = _global_pre_handle.id if _global_pre_handle is not None else None
+    if ours is not None and ours in hooks:
+        if len(hooks) == 1 or not _OWNERS:
+            _global_pre_handle.remove()
+            _global_pre_handle = None
+        elif next(iter(hooks)) != ours:
+            hooks.move_to_end(ours, last=False)
+        return
+    if hooks and _OWNERS:
+        _global_pre_handle = _TORCH_REGISTER_GLOBAL_PRE(_global_pre_forward)
+        hooks.move_to_end(_global_pre_handle.id, last=False)
+
+
+@functools.wraps(_TORCH_REGISTER_GLOBAL_PRE)
+def register_module_forward_pre_hook(hook):
+    handle = _TORCH_REGISTER_GLOBAL_PRE(hook)
+    order_global_pre_hooks()
+    return handle
+
+
+def install() -> None:
+    """Puts the wrapper where `torch.nn.modules.module.register_module_forward_pre_hook` is
+    looked up (idempotent)."""
+    torch_module.register_module_forward_pre_hook = register_module_forward_pre_hook
+
+
 class ModuleHooks(HookSet):
     """Installs forward hooks on `modules`; calls `access(module)` before a module runs (forward
     and backward) and `release(module, phase)` after, with phase "fwd" or "bwd"; `tick(event)`
@@ -160,11 +225,23 @@ class ModuleHooks(HookSet):
         self._modules = set(modules)
         self._early_hooks: dict[torch.nn.Module, int] = {}  # Note [User full backward pre-hooks]
         self._early: dict[torch.nn.Module, int] = {}
+        self._early_forward: set = set()  # Note [Global module hooks]
         for module in modules:  # Note [User hooks around the engine's]
             self._add(module.register_forward_pre_hook(self._pre_forward, prepend=True))
             self._add(module.register_forward_hook(self._post_forward))
             if module._backward_pre_hooks:  # added in model_func
                 self.put_first_in_backward(module)
+        owner = weakref.ref(self)
+        for module in modules:
+            _OWNERS[module] = owner
+        order_global_pre_hooks()
+
+    def remove(self) -> None:
+        for module in self._modules:
+            if _OWNERS.get(module) is not None and _OWNERS[module]() is self:
+                del _OWNERS[module]
+        super().remove()
+        order_global_pre_hooks()
 
     def put_first_in_backward(self, module) -> None:
         """Note [User full backward pre-hooks]: the engine's access runs before the user's full
@@ -193,6 +270,22 @@ class ModuleHooks(HookSet):
     @_eager
     def _pre_forward(self, module, inputs):
         _move_engine_hooks_last(module._forward_hooks)  # Note [User hooks around the engine's]
+        if torch_module._global_forward_pre_hooks:  # Note [Global module hooks]
+            if module in self._early_forward:
+                self._early_forward.discard(module)
+                return None  # made by the global pre-hook, which torch ran first
+            order_global_pre_hooks()  # for hooks registered past the wrapper
+        return self._enter(module, inputs)
+
+    @_eager
+    def early_pre_forward(self, module, inputs):
+        """The pre-forward of `module` from the engines' global pre-hook, ahead of the user's
+        global ones (Note [Global module hooks])."""
+        result = self._enter(module, inputs)
+        self._early_forward.add(module)
+        return result
+
+    def _enter(self, module, inputs):
         self._tick("pre_forward")
         self._access(module, "fwd")
         if torch.is_grad_enabled():
@@ -206,6 +299,7 @@ class ModuleHooks(HookSet):
 
     def leave_saved_tensor_hooks(self) -> None:
         """Leaves the hooks entered by forwards that raised before their post-forward hook."""
+        self._early_forward.clear()
         while self._entered:
             self._entered.pop()[1].__exit__(None, None, None)
 

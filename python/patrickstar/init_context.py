@@ -237,10 +237,12 @@ class BuiltModule:
 def _check_not_taken(model: nn.Module) -> None:
     for name, param in model.named_parameters():
         shape = getattr(param, "ds_shape", None)
-        if shape is not None and param.numel() != shape.numel():
+        with torch._C.DisableTorchFunctionSubclass():  # its data, not what it answers at rest
+            data = param.data
+        if shape is not None and data.numel() != shape.numel():
             raise RuntimeError(
                 f"parameter '{name}' already belongs to a PatrickStar engine (its data moved into "
-                f"that engine's chunks; here it is a placeholder of shape {tuple(param.shape)}, "
+                f"that engine's chunks; here it is a placeholder of shape {tuple(data.shape)}, "
                 f"its real shape is {tuple(shape)}): a module can be initialized once. Build a "
                 f"new one (initialize(lambda: MyModel(cfg))), or copy the trained weights out "
                 f"with model.state_dict() first")

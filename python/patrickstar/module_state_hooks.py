@@ -32,6 +32,7 @@ import weakref
 import torch
 from torch import nn
 
+from . import resting_params
 from .hooks import HookSet
 
 __all__ = ["ModuleStateHooks"]
@@ -77,6 +78,21 @@ class ModuleStateHooks(HookSet):
     def _before_state_dict(self, module, prefix, keep_vars) -> None:
         if prefix == "" and not keep_vars:
             self._live_engine().agree_on_state_dict_read()
+        self._wake_own(module)
+
+    # Note [Parameters at rest] in resting_params.py: torch's own save and load of a module
+    # look at its parameters' data (a detach, a shape check, a copy into the placeholder) and
+    # the hooks here put the real values in; so the module's own parameters are plain while
+    # torch does that, and rest again after.
+    def _wake_own(self, module) -> None:
+        engine = self._engine()
+        if engine is not None and engine.parameters_at_rest:
+            resting_params.wake(module.parameters(recurse=False))
+
+    def _rest_own(self, engine, module) -> None:
+        if engine.parameters_at_rest:
+            resting_params.rest(param for param in module.parameters(recurse=False)
+                                if engine.params.index_of(param) is not None)
 
     # Note [Tied weights share one tensor in the state dict]
     # torch's state dict holds a tied parameter (GPT-2's wte.weight and lm_head.weight) under
@@ -88,6 +104,7 @@ class ModuleStateHooks(HookSet):
     # reused id) does not hold that tensor under that key, so it reads again.
     def _after_state_dict(self, module, state_dict, prefix, local_metadata) -> None:
         engine = self._live_engine()
+        self._rest_own(engine, module)
         for key, param, index in self._chunked(engine, module, prefix):
             if key in state_dict and state_dict[key] is not param:  # not keep_vars
                 value = self._read_in_this_call(state_dict, index)
@@ -106,6 +123,7 @@ class ModuleStateHooks(HookSet):
     def _before_load_state_dict(self, module, state_dict, prefix, local_metadata, strict,
                                 missing_keys, unexpected_keys, error_msgs) -> None:
         engine = self._live_engine()
+        self._wake_own(module)
         for key, param, index in self._chunked(engine, module, prefix):
             if key not in state_dict:
                 continue
@@ -128,3 +146,4 @@ class ModuleStateHooks(HookSet):
     def _after_load_state_dict(self, module, incompatible_keys) -> None:
         engine = self._live_engine()
         engine.after_module_load([index for _, _, index in self._chunked(engine, module, "")])
+        self._rest_own(engine, module)

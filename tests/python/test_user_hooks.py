@@ -174,3 +174,80 @@ def test_full_backward_pre_hooks_read_the_weights_and_change_the_gradient_as_in_
     assert [total for _, total in log] == pytest.approx([total for _, total in ref_log],
                                                         rel=1e-5, abs=1e-6)
     assert_same_weights(reference, model)
+
+
+def global_weight_readers(log):
+    """Global module hooks (every module's calls) that read the module's weight, as a
+    library-wide activation/weight logger does; one of them changes the input."""
+    def pre(module, inputs):
+        if isinstance(module, nn.Linear):
+            log.append(("pre", tuple(module.weight.shape), module.weight.sum().item()))
+            return (inputs[0] * 1.5,)
+        return None
+
+    def post(module, inputs, output):
+        if isinstance(module, nn.Linear):
+            log.append(("post", tuple(module.weight.shape), module.weight.norm().item()))
+
+    return pre, post
+
+
+@pytest.mark.parametrize("budget", BUDGETS)
+@pytest.mark.parametrize("when", ["before_initialize", "after_initialize"])
+def test_global_module_hooks_read_the_weights_and_change_inputs_as_in_pytorch(when, budget):
+    # Before: torch runs global pre-hooks before any module's own, so before the engine's
+    # access: they read the placeholder (shape (0,), sum 0.0) silently (Note [Global module
+    # hooks] in hooks.py). Global forward hooks saw the values already.
+    from torch.nn.modules.module import (register_module_forward_hook as global_post,
+                                         register_module_forward_pre_hook as global_pre)
+    log = []
+    pre, post = global_weight_readers(log)
+    handles = []
+    try:
+        if when == "before_initialize":
+            handles = [global_pre(pre), global_post(post)]
+        reference, ref_optimizer, model, optimizer = build(Net, budget)
+        log.clear()  # what the planning builds logged
+        if when == "after_initialize":
+            # Through the attribute, as scripts call it: the wrapper puts the engine's first.
+            handles = [torch.nn.modules.module.register_module_forward_pre_hook(pre),
+                       torch.nn.modules.module.register_module_forward_hook(post)]
+        ref_log = []
+        for x, y in batches(3):
+            for net, opt, sink in ((reference, ref_optimizer, ref_log),
+                                   (model, optimizer, log)):
+                entries = len(log)
+                nn.functional.cross_entropy(net(x), y).backward()
+                if sink is ref_log:  # the global hooks logged into `log`; move them over
+                    ref_log.extend(log[entries:])
+                    del log[entries:]
+                opt.step()
+                opt.zero_grad()
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert len(log) == 3 * 8
+    assert [entry[:2] for entry in log] == [entry[:2] for entry in ref_log]
+    assert [entry[2] for entry in log] == pytest.approx([entry[2] for entry in ref_log],
+                                                        rel=1e-5, abs=1e-6)
+    assert_same_weights(reference, model)
+    # With the user's global hooks gone, the engines' goes too: no cost per module call.
+    model(batches(1)[0][0])
+    assert not torch.nn.modules.module._global_forward_pre_hooks
+
+
+def test_a_global_pre_hook_that_raises_leaves_the_next_step_as_in_pytorch():
+    reference, ref_optimizer, model, optimizer = build(Net, None)
+
+    def failing(module, inputs):
+        if isinstance(module, nn.Linear):
+            raise ValueError("hook failed")
+
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(failing)
+    try:
+        with pytest.raises(ValueError, match="hook failed"):
+            model(batches(1)[0][0])
+    finally:
+        handle.remove()
+    train_both(reference, ref_optimizer, model, optimizer)
+    assert_same_weights(reference, model)

@@ -1,0 +1,233 @@
+"""What user code sees of an engine's parameter between its uses.
+
+Note [Parameters at rest]
+Between uses a parameter's `.data` is the empty placeholder (Note [Parameter data swapping] in
+engine.py), and user code outside the engine's forward and backward read it as if it were the
+weight: `sum(p.numel() for p in model.parameters())` gave 0, `p.norm()` and `p.sum()` 0,
+`print(p)` an empty tensor, an EMA kept as `[p.clone() for p in model.parameters()]` and
+updated with `e.mul_(d).add_(p, alpha=1 - d)` stayed empty, all silently, and
+`model.module.lm_head.weight @ x` or `torch.allclose(p, ref)` failed with torch's bare size
+error. FSDP2's parameters answer all of these with their real values (DTensors); DeepSpeed
+ZeRO-3's give the placeholder (users count with `ds_numel` and read in GatheredParameters).
+
+So while the engine is at rest (after initialize(), after the backward, after a forward no
+backward follows, after apply() or summon_full_params()) each parameter whose class is
+`nn.Parameter` has the class `ParameterAtRest`, whose `__torch_function__`:
+  * answers the shape queries (`shape`, `size()`, `dim()`, `numel()`, `len()`) with the real
+    shape (`ds_shape`), reading nothing;
+  * passes the parameter itself on for what concerns the object, not its values (`.data`,
+    `.grad`, `requires_grad`, `device`, `dtype`, hooks, hashing, storage queries);
+  * refuses an in-place change (`p.mul_()`, `nn.init.normal_(p)`, `p[0] = 1`, `out=p`),
+    naming the parameter and the ways to change weights (model.apply(fn), summon_full_params
+    (writeback=True), load_state_dict): the change would reach only the placeholder;
+  * gives for `p.data` and `p.detach()`, which alias the weight in PyTorch, the value as a
+    `ReadValue`, which refuses in-place changes the same way (`p.data.copy_(w)` loading a
+    weight by hand, `p.detach().zero_()`) and is a plain tensor for everything else
+    (`ema.mul_(d).add_(p.data, alpha=1 - d)`, `p.data.clone()`);
+  * runs anything else on the parameter's current value read out of its chunks
+    (`read_parameter`: the compute dtype; a collective under data parallelism, as
+    state_dict(), so every rank must make the same reads). The value is a plain tensor
+    outside autograd: a result carries no gradient back to the parameter (as under
+    summon_full_params; the weight is trained by the engine's optimizer).
+torch's own save, load and conversion of a module (`state_dict()`, `load_state_dict()`,
+`module.half()`) see the plain parameters (module_state_hooks.py, `install()`), and so do
+apply() and summon_full_params(), which lend values (module_apply.py).
+The engine's first access (a forward or a backward: engine.wake_parameters()) puts
+`nn.Parameter` back, so a module's forward sees no `__torch_function__`: the cost on the hot
+path is one class assignment per parameter per rest. Between a forward and its backward the
+parameters keep their plain class and their placeholders (as DeepSpeed's do).
+"""
+from __future__ import annotations
+
+import copy
+import functools
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .param_owners import engine_of
+
+__all__ = ["ParameterAtRest", "install", "rest", "wake"]
+
+_T = torch.Tensor
+# The object, not its values.
+_PASS = {
+    _T.data.__set__, _T.grad.__get__, _T.grad.__set__, _T.grad.__delete__,
+    _T._grad.__get__, _T._grad.__set__, _T.requires_grad.__get__, _T.requires_grad.__set__,
+    _T.requires_grad_, _T.device.__get__, _T.dtype.__get__, _T.layout.__get__,
+    _T.is_leaf.__get__, _T.grad_fn.__get__, _T._version.__get__, _T.is_cuda.__get__,
+    _T.is_cpu.__get__, _T.is_meta.__get__, _T.is_sparse.__get__, _T.is_quantized.__get__,
+    _T.is_floating_point, _T.is_complex, _T.element_size, _T.get_device, _T.__hash__,
+    _T.register_hook, _T.register_post_accumulate_grad_hook, _T.retain_grad,
+    _T.retains_grad.__get__, _T._backward_hooks.__get__, _T._backward_hooks.__set__,
+    _T.untyped_storage, _T.data_ptr, _T.is_shared, _T.__dlpack_device__,
+    _T.name.__get__, _T._post_accumulate_grad_hooks.__get__,
+    _T._post_accumulate_grad_hooks.__set__,
+}
+
+
+def _shape(param) -> torch.Size:
+    return torch.Size(param.ds_shape)
+
+
+_SHAPES = {
+    _T.shape.__get__: lambda p: _shape(p),
+    _T.size: lambda p, dim=None: _shape(p) if dim is None else _shape(p)[dim],
+    _T.dim: lambda p: len(_shape(p)),
+    _T.ndimension: lambda p: len(_shape(p)),
+    _T.ndim.__get__: lambda p: len(_shape(p)),
+    _T.numel: lambda p: _shape(p).numel(),
+    _T.nelement: lambda p: _shape(p).numel(),
+    _T.__len__: lambda p: _shape(p)[0],
+}
+
+
+_INPLACE_OPERATORS = {f"__i{op}__" for op in ("add", "sub", "mul", "matmul", "truediv",
+                                                "floordiv", "mod", "pow", "and", "or", "xor",
+                                                "lshift", "rshift")} | {"__setitem__"}
+
+
+def _is_inplace(func) -> bool:
+    name = getattr(func, "__name__", "")
+    return name in _INPLACE_OPERATORS or (name.endswith("_") and not name.endswith("__"))
+
+
+def _value(engine, index: int) -> torch.Tensor:
+    """Parameter `index`'s value, on the engine's device as its placeholder is."""
+    return engine.read_parameter(index).to(engine.device)
+
+
+def _owner(param):
+    engine = engine_of(param)
+    index = engine.params.index_of(param) if engine is not None else None
+    return (engine, index) if index is not None else None
+
+
+class ParameterAtRest(nn.Parameter):
+    """The class of an engine's parameter at rest: Note [Parameters at rest]."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _PASS:
+            return torch._C._disabled_torch_function_impl(func, types, args, kwargs)
+        shape = _SHAPES.get(func)
+        if shape is not None and type(args[0]) is ParameterAtRest and _owner(args[0]):
+            return shape(*args, **kwargs)
+        leaves, spec = tree_flatten((args, kwargs))
+        owners = {i: _owner(leaf) for i, leaf in enumerate(leaves)
+                  if type(leaf) is ParameterAtRest}
+        owners = {i: owner for i, owner in owners.items() if owner is not None}
+        if not owners:  # a copy that left its engine: an ordinary parameter
+            return torch._C._disabled_torch_function_impl(func, types, args, kwargs)
+        # The tensor changed: an in-place function's first argument (`nn.init.normal_` passes
+        # it by keyword to its torch-function override), or `out=`.
+        first = (args[0] if args else next(iter(kwargs.values()), None)) if _is_inplace(
+            func) else None
+        written = tree_flatten((first, kwargs.get("out")))[0]
+        if written:
+            for i, (engine, index) in owners.items():
+                if any(leaves[i] is target for target in written):
+                    _refuse_write(func, engine.params.names[index])
+        if func in _ALIASES:
+            engine, index = owners[0]
+            return ReadValue.of(_value(engine, index), engine.params.names[index])
+        for i, (engine, index) in owners.items():
+            leaves[i] = _value(engine, index)
+        args, kwargs = tree_unflatten(leaves, spec)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+    def __deepcopy__(self, memo):
+        owner = _owner(self)
+        if owner is None:
+            return nn.Parameter.__deepcopy__(self, memo)
+        if id(self) not in memo:
+            engine, index = owner
+            memo[id(self)] = nn.Parameter(_value(engine, index), self.requires_grad)
+        return memo[id(self)]
+
+    def __reduce_ex__(self, protocol):
+        owner = _owner(self)
+        if owner is None:
+            return nn.Parameter.__reduce_ex__(self, protocol)
+        return copy.deepcopy(self).__reduce_ex__(protocol)
+
+
+_ALIASES = {_T.data.__get__, _T.detach}
+
+
+class ReadValue(torch.Tensor):
+    """What `p.data` and `p.detach()` of a parameter at rest give: its value, read out of the
+    chunks, refusing in-place changes (which would not reach the parameter) by its name."""
+
+    @staticmethod
+    def of(value: torch.Tensor, name: str) -> "ReadValue":
+        value = value.as_subclass(ReadValue)
+        value._ps_name = name
+        return value
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        first = (args[0] if args else next(iter(kwargs.values()), None)) if _is_inplace(
+            func) else None
+        for target in tree_flatten((first, kwargs.get("out")))[0]:
+            if type(target) is ReadValue:
+                _refuse_write(func, target._ps_name)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+    def __repr__(self, *args, **kwargs):
+        return self.as_subclass(torch.Tensor).__repr__(*args, **kwargs)
+
+    def __deepcopy__(self, memo):
+        return self.as_subclass(torch.Tensor).clone()
+
+    def __reduce_ex__(self, protocol):
+        return self.as_subclass(torch.Tensor).clone().__reduce_ex__(protocol)
+
+
+def _refuse_write(func, name: str) -> None:
+    raise RuntimeError(
+        f"{getattr(func, '__name__', func)}() on PatrickStar parameter 'module.{name}' "
+        f"between its uses: its values live in chunks, so the change would reach only an empty "
+        f"placeholder. Change weights with model.apply(fn), inside `with "
+        f"model.summon_full_params(writeback=True):`, or with model.load_state_dict()")
+
+
+def rest(params) -> None:
+    """Gives each plain parameter of `params` the class ParameterAtRest."""
+    for param in params:
+        if type(param) is nn.Parameter:
+            param.__class__ = ParameterAtRest
+
+
+def wake(params) -> None:
+    """Gives each parameter at rest its class `nn.Parameter` back."""
+    for param in params:
+        if type(param) is ParameterAtRest:
+            param.__class__ = nn.Parameter
+
+
+# A module's own conversion (`model.module[0].half()`, `.to(device)`) reaches only the
+# placeholders, and the next use names the conversion and the config key (Note [Writes to a
+# released parameter] in bindings/parameter_slots.cc); it must see the placeholders to say so,
+# so `Module._apply` runs with the module's parameters plain, as in the engine's forward.
+_TORCH_APPLY = nn.Module._apply
+
+
+@functools.wraps(_TORCH_APPLY)
+def _apply(self, fn, *args, **kwargs):
+    resting = [param for param in self._parameters.values() if type(param) is ParameterAtRest]
+    wake(resting)
+    try:
+        return _TORCH_APPLY(self, fn, *args, **kwargs)
+    finally:
+        rest(resting)
+
+
+def install() -> None:
+    """Puts the wrapper on torch's class (idempotent)."""
+    nn.Module._apply = _apply
