@@ -275,8 +275,8 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
     # gradients to None. Our step refused to run without a backward, so the recipe failed on a
     # new engine (a resume) naming a backward the user never skipped. The step is known by its
     # marks: no backward since the last step, no gradient in chunks, every group's lr 0 and
-    # every trainable parameter's p.grad set to a tensor of its placeholder's size (a gradient
-    # of ours is never there). It counts as torch's step with zero gradients at lr 0 counts:
+    # every trainable parameter's p.grad set to an empty tensor (a gradient of ours is never
+    # there; zeros set at rest become one). It counts as torch's step with zero gradients at lr 0 counts:
     # the weights and the (zero) moments stay, each step count becomes 1 and the state shows
     # in state_dict() for dcp.load to fill (only Adam with L2 weight decay would differ, its
     # first moment there being (1 - beta1) * wd * p, and dcp.load overwrites it).
@@ -287,7 +287,9 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
             return False
         trainable = [p for group in self.param_groups for p in group["params"]
                      if p.requires_grad]
-        return bool(trainable) and all(p.grad is not None and p.grad.numel() == p.numel()
+        # Zeros become an empty gradient on the placeholder (Note [Gradients set by hand at
+        # rest] in resting_params.py).
+        return bool(trainable) and all(p.grad is not None and p.grad.numel() == 0
                                        for p in trainable)
 
     def _initialize_state(self) -> None:

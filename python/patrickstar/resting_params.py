@@ -110,6 +110,8 @@ class ParameterAtRest(nn.Parameter):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func == _T.grad.__set__ and type(args[0]) is ParameterAtRest and _owner(args[0]):
+            args = (args[0], _hand_set_gradient(args[0], args[1]))
         if func in _PASS:
             return torch._C._disabled_torch_function_impl(func, types, args, kwargs)
         shape = _SHAPES.get(func)
@@ -187,6 +189,27 @@ class ReadValue(torch.Tensor):
 
     def __reduce_ex__(self, protocol):
         return self.as_subclass(torch.Tensor).clone().__reduce_ex__(protocol)
+
+
+# Note [Gradients set by hand at rest]
+# `p.grad = g` of the weight's shape cannot be kept on the placeholder (torch checks the sizes)
+# and the engine's gradients live in chunks, filled by backward. torch.distributed.checkpoint's
+# get_state_dict sets every p.grad to zeros_like(p) for its state-initializing step (Note [The
+# state-initializing step of torch.distributed.checkpoint] in optimizer.py): zeros become an
+# empty gradient on the placeholder, which that step recognises and clears. Any other gradient
+# set by hand would be lost, so it raises naming the parameter.
+def _hand_set_gradient(param, grad):
+    if grad is None or tuple(grad.shape) != tuple(param.ds_shape):
+        return grad
+    name = _owner(param)[0].params.names[_owner(param)[1]]
+    with torch._C.DisableTorchFunctionSubclass():
+        if bool(grad.count_nonzero()):
+            raise RuntimeError(
+                f"p.grad = <gradient> on PatrickStar parameter 'module.{name}': its gradients "
+                f"live in chunks, where backward puts them, so a gradient set by hand would not "
+                f"be applied. Compute it through the model's forward and backward (or train "
+                f"this tensor with a torch optimizer of its own outside the engine)")
+        return grad.new_zeros(torch.Tensor.size(param))
 
 
 def _refuse_write(func, name: str) -> None:

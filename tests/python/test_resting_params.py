@@ -214,3 +214,17 @@ def test_python_conversions_of_a_parameter_read_its_value():
     assert float(bias[0]) == float(reference.h.bias.detach()[0])
     assert [float(v) for v in bias] == [float(v) for v in reference.h.bias.detach()]
     assert bool((bias == reference.h.bias).all())
+
+
+def test_a_gradient_set_by_hand_at_rest_is_refused_unless_zero():
+    # Note [Gradients set by hand at rest]: torch checked it against the placeholder ("a
+    # gradient of size [16, 8] to a tensor of size [0]"); zeros (torch.distributed.checkpoint's
+    # get_state_dict) become an empty gradient that its state-initializing step clears.
+    _, _, model, _ = build()
+    weight = model.module.h.weight
+    with pytest.raises(RuntimeError, match=r"p.grad = <gradient> on PatrickStar parameter "
+                                           r"'module\..*weight'.*would not be applied"):
+        weight.grad = torch.ones(weight.shape)
+    weight.grad = torch.zeros(weight.shape)
+    assert weight.grad.numel() == 0
+    weight.grad = None
