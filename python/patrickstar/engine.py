@@ -191,7 +191,9 @@ class PatrickStarEngine(nn.Module):
         # Module -> accesses of forwards recomputed inside this backward that its backward has
         # not yet given back (Note [Recomputed forwards]).
         self._recompute_holds: dict[nn.Module, int] = {}
-        self._resting = False  # Note [Parameters at rest] in resting_params.py
+        # The class parameters not in use have (ParameterAtRest, or ParameterInFlight between
+        # a forward and its backward), None while awake: Note [Parameters at rest].
+        self._resting: type | None = None
         self._summoned = 0  # open summon_full_params() blocks: Note [No forward while summoned]
         # Note [The engine is prepared for accelerate]
         # Hugging Face accelerate's prepare(model) (its loops, and the Trainer's) places a model
@@ -519,22 +521,23 @@ class PatrickStarEngine(nn.Module):
     # Note [Parameters at rest] in resting_params.py
     @property
     def parameters_at_rest(self) -> bool:
-        """Whether the parameters not in use have the class ParameterAtRest now."""
-        return self._resting
+        """Whether the parameters not in use have a resting class now (ParameterAtRest, or
+        ParameterInFlight between a forward and its backward)."""
+        return self._resting is not None
 
-    def rest_parameters(self) -> None:
+    def rest_parameters(self, kind: type = resting_params.ParameterAtRest) -> None:
         """Parameters not in use answer user code with their chunks' values."""
-        if not self._resting:
-            resting_params.rest(self.params.params[index]
-                                for index in range(len(self.params.params))
-                                if self._slots.access_count(index) == 0)
-            self._resting = True
+        if self._resting is not kind:
+            resting_params.rest((self.params.params[index]
+                                 for index in range(len(self.params.params))
+                                 if self._slots.access_count(index) == 0), kind)
+            self._resting = kind
 
     def wake_parameters(self) -> None:
         """The parameters' own class back, before an access or a lending."""
-        if self._resting:
+        if self._resting is not None:
             resting_params.wake(self.params.params)
-            self._resting = False
+            self._resting = None
 
     @contextlib.contextmanager
     def _awake(self):
@@ -543,8 +546,8 @@ class PatrickStarEngine(nn.Module):
         try:
             yield
         finally:
-            if resting:
-                self.rest_parameters()
+            if resting is not None:
+                self.rest_parameters(resting)
 
     def _tick(self, event: str) -> None:
         if self.profiler is not None:
@@ -812,6 +815,8 @@ class PatrickStarEngine(nn.Module):
             elif not torch.is_grad_enabled() or not self.module.training:
                 # No backward follows: give everything back now.
                 self._release_all(S.HOLD_AFTER_FWD)
+            else:  # Note [Parameters between a forward and its backward] in resting_params.py
+                self.rest_parameters(resting_params.ParameterInFlight)
         finally:
             self.guard.leave_call()
 

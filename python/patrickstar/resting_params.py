@@ -48,7 +48,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .param_owners import engine_of
 
-__all__ = ["ParameterAtRest", "install", "rest", "wake"]
+__all__ = ["ParameterAtRest", "ParameterInFlight", "install", "rest", "wake"]
 
 _T = torch.Tensor
 # The object, not its values.
@@ -110,16 +110,15 @@ class ParameterAtRest(nn.Parameter):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func == _T.grad.__set__ and type(args[0]) is ParameterAtRest and _owner(args[0]):
+        if func == _T.grad.__set__ and _resting(args[0]) and _owner(args[0]):
             args = (args[0], _hand_set_gradient(args[0], args[1]))
         if func in _PASS:
             return torch._C._disabled_torch_function_impl(func, types, args, kwargs)
         shape = _SHAPES.get(func)
-        if shape is not None and type(args[0]) is ParameterAtRest and _owner(args[0]):
+        if shape is not None and _resting(args[0]) and _owner(args[0]):
             return shape(*args, **kwargs)
         leaves, spec = tree_flatten((args, kwargs))
-        owners = {i: _owner(leaf) for i, leaf in enumerate(leaves)
-                  if type(leaf) is ParameterAtRest}
+        owners = {i: _owner(leaf) for i, leaf in enumerate(leaves) if _resting(leaf)}
         owners = {i: owner for i, owner in owners.items() if owner is not None}
         if not owners:  # a copy that left its engine: an ordinary parameter
             return torch._C._disabled_torch_function_impl(func, types, args, kwargs)
@@ -133,13 +132,19 @@ class ParameterAtRest(nn.Parameter):
                 if any(leaves[i] is target for target in written):
                     _refuse_write(func, engine.params.names[index])
         if func in _ALIASES:
-            engine, index = owners[0]
+            engine, index = next(iter(owners.values()))
             return ReadValue.of(_value(engine, index), engine.params.names[index])
+        cls._before_read(func, owners, leaves)
         for i, (engine, index) in owners.items():
             leaves[i] = _value(engine, index)
         args, kwargs = tree_unflatten(leaves, spec)
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
+
+    @classmethod
+    def _before_read(cls, func, owners, leaves) -> None:
+        """Whether a read of these parameters' values may go on (ParameterInFlight refuses
+        some)."""
 
     def __deepcopy__(self, memo):
         owner = _owner(self)
@@ -155,6 +160,44 @@ class ParameterAtRest(nn.Parameter):
         if owner is None:
             return nn.Parameter.__reduce_ex__(self, protocol)
         return copy.deepcopy(self).__reduce_ex__(protocol)
+
+
+# Note [Parameters between a forward and its backward]
+# After a forward that a backward follows, the parameters hold their placeholders until the
+# backward gives each module its weights again, and a loss term computed from them there, such
+# as the L2 penalty of PyTorch tutorials (`loss = loss + lam * sum(p.pow(2).sum() for p in
+# model.parameters())`), was 0, then failed in backward with autograd's "PowBackward0 returned
+# an invalid gradient ... got [0] but expected shape compatible with [10]". A read of the value
+# cannot join the graph (the weight's gradient is the engine's, made in its modules' backward),
+# so in that window the parameters have the class ParameterInFlight: reads as at rest (shape,
+# values; logging under torch.no_grad()), but a read under autograd of a parameter that
+# requires grad, whose result would enter the loss and train nothing, raises naming the
+# parameter and the remedies. The backward's first access wakes them, as a forward's does.
+class ParameterInFlight(ParameterAtRest):
+    """The class of an engine's parameter between a forward and its backward: Note
+    [Parameters between a forward and its backward]."""
+
+    @classmethod
+    def _before_read(cls, func, owners, leaves) -> None:
+        if not torch.is_grad_enabled():
+            return
+        for i, (engine, index) in owners.items():
+            if leaves[i].requires_grad:
+                raise RuntimeError(
+                    f"{getattr(func, '__name__', func)}() of PatrickStar parameter "
+                    f"'module.{engine.params.names[index]}' between the forward and its "
+                    f"backward, with autograd on: its weights are back in chunks until the "
+                    f"backward, and a term computed from it here (an L2 or L1 penalty over "
+                    f"model.parameters()) would carry no gradient to it. Use the optimizer's "
+                    f"weight_decay, or compute the term inside the module's forward; to read "
+                    f"the value (logging), read it under torch.no_grad()")
+
+
+_RESTING_CLASSES = (ParameterAtRest, ParameterInFlight)
+
+
+def _resting(tensor) -> bool:
+    return type(tensor) in _RESTING_CLASSES
 
 
 _ALIASES = {_T.data.__get__, _T.detach}
@@ -220,17 +263,18 @@ def _refuse_write(func, name: str) -> None:
         f"model.summon_full_params(writeback=True):`, or with model.load_state_dict()")
 
 
-def rest(params) -> None:
-    """Gives each plain parameter of `params` the class ParameterAtRest."""
+def rest(params, kind: type = ParameterAtRest) -> None:
+    """Gives each parameter of `params` (plain, or resting another way) the class `kind`,
+    ParameterAtRest or ParameterInFlight."""
     for param in params:
-        if type(param) is nn.Parameter:
-            param.__class__ = ParameterAtRest
+        if type(param) is nn.Parameter or _resting(param):
+            param.__class__ = kind
 
 
 def wake(params) -> None:
-    """Gives each parameter at rest its class `nn.Parameter` back."""
+    """Gives each resting parameter its class `nn.Parameter` back."""
     for param in params:
-        if type(param) is ParameterAtRest:
+        if _resting(param):
             param.__class__ = nn.Parameter
 
 
@@ -243,12 +287,14 @@ _TORCH_APPLY = nn.Module._apply
 
 @functools.wraps(_TORCH_APPLY)
 def _apply(self, fn, *args, **kwargs):
-    resting = [param for param in self._parameters.values() if type(param) is ParameterAtRest]
+    resting = [param for param in self._parameters.values() if _resting(param)]
+    kinds = [type(param) for param in resting]
     wake(resting)
     try:
         return _TORCH_APPLY(self, fn, *args, **kwargs)
     finally:
-        rest(resting)
+        for param, kind in zip(resting, kinds):
+            rest((param,), kind)
 
 
 def install() -> None:

@@ -228,3 +228,25 @@ def test_a_gradient_set_by_hand_at_rest_is_refused_unless_zero():
     weight.grad = torch.zeros(weight.shape)
     assert weight.grad.numel() == 0
     weight.grad = None
+
+
+def test_a_penalty_between_the_forward_and_its_backward_is_refused_and_logging_reads_values():
+    # Note [Parameters between a forward and its backward]: the tutorials' L2 penalty after the
+    # forward was 0 there, then backward failed with autograd's "PowBackward0 returned an
+    # invalid gradient ... got [0]".
+    reference, _, model, opt = build()
+    x = batches(1)[0]
+    loss = model(x).float().logsumexp(-1).mean()
+    with pytest.raises(RuntimeError, match=r"pow\(\) of PatrickStar parameter 'module\..*' "
+                                           r"between the forward and its backward.*weight_decay"):
+        sum(p.pow(2).sum() for p in model.parameters())
+    with torch.no_grad():  # a logging read gives the value, as in PyTorch
+        norms = [p.norm() for p in model.module.parameters()]
+    expected = [p.norm() for p in reference.parameters()]
+    torch.testing.assert_close(norms, expected)
+    assert model.module.h.weight.shape == reference.h.weight.shape
+    model.backward(loss)  # the backward is unaffected
+    opt.step()
+    opt.zero_grad()
+    with torch.no_grad():
+        sum(p.pow(2).sum() for p in model.parameters())  # at rest again
