@@ -169,6 +169,30 @@ MODELS = {
 }
 
 
+def train_alongside(model, optimizer, reference, ref_optimizer, x, steps, rtol):
+    """`steps` steps of the engine and the plain model on `x` (loss.backward(), torch's
+    clip_grad_norm_, Adam at lr 1e-3): losses and norms equal within `rtol`, and after the
+    first step every weight within lr of torch's (Adam turns float noise into whole steps
+    later, e.g. a conv bias before BatchNorm: one step moves each element by lr at most)."""
+    for step in range(steps):
+        loss = model(x).pow(2).mean()
+        ref_loss = reference(x).pow(2).mean()
+        torch.testing.assert_close(loss, ref_loss, rtol=rtol, atol=1e-6)
+        loss.backward()
+        ref_loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
+        ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1e9)
+        torch.testing.assert_close(norm, ref_norm, rtol=rtol, atol=0)
+        optimizer.step()
+        optimizer.zero_grad()
+        ref_optimizer.step()
+        ref_optimizer.zero_grad()
+        if step == 0:
+            state = model.state_dict()
+            for key, tensor in reference.state_dict().items():
+                torch.testing.assert_close(state[key], tensor, rtol=0, atol=1e-3 * 1.01)
+
+
 @pytest.mark.parametrize("name", MODELS)
 def test_trains_as_pytorch(name):
     model_func, shape = MODELS[name]
@@ -179,23 +203,7 @@ def test_trains_as_pytorch(name):
     torch.manual_seed(0)
     model, optimizer = patrickstar.initialize(model_func, config={
         "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}, "default_chunk_size": 4096})
-    for step in range(4):
-        loss = model(x).pow(2).mean()
-        ref_loss = reference(x).pow(2).mean()
-        torch.testing.assert_close(loss, ref_loss, rtol=1e-3, atol=1e-6)
-        loss.backward()
-        ref_loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
-        ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1e9)
-        torch.testing.assert_close(norm, ref_norm, rtol=1e-3, atol=0)
-        optimizer.step()
-        optimizer.zero_grad()
-        ref_optimizer.step()
-        ref_optimizer.zero_grad()
-        if step == 0:  # one Adam step from equal gradients moves each element by lr at most
-            state = model.state_dict()
-            for key, tensor in reference.state_dict().items():
-                torch.testing.assert_close(state[key], tensor, rtol=0, atol=1e-3 * 1.01)
+    train_alongside(model, optimizer, reference, ref_optimizer, x, steps=4, rtol=1e-3)
 
 
 @pytest.mark.parametrize("name", ["transformer_encoder", "transformer_decoder", "vit_mha"])
@@ -338,20 +346,4 @@ def test_channels_last_models_train_as_pytorch_and_warn_about_the_layout(built, 
     assert out.is_contiguous(memory_format=torch.channels_last) == (layout == "channels_last")
     model.train()
     reference.train()
-    for step in range(3):
-        loss = model(x).pow(2).mean()
-        ref_loss = reference(x).pow(2).mean()
-        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
-        loss.backward()
-        ref_loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
-        ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1e9)
-        torch.testing.assert_close(norm, ref_norm, rtol=1e-5, atol=0)
-        optimizer.step()
-        optimizer.zero_grad()
-        ref_optimizer.step()
-        ref_optimizer.zero_grad()
-        if step == 0:  # Adam turns float noise into whole steps later (the conv bias before
-            state = model.state_dict()  # BatchNorm): one step moves each element by lr at most
-            for key, tensor in reference.state_dict().items():
-                torch.testing.assert_close(state[key], tensor, rtol=0, atol=1e-3 * 1.01)
+    train_alongside(model, optimizer, reference, ref_optimizer, x, steps=3, rtol=1e-5)
