@@ -7,15 +7,14 @@ evaluation output to OUT_DIR/rank<r>.pt.
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
-import traceback
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 import patrickstar
+from dp_worker import error_result, save_and_exit
 
 
 class Normalized(nn.Module):
@@ -77,10 +76,8 @@ def main() -> None:
     try:
         result = run(rank, int(sys.argv[2]) if len(sys.argv) > 2 else 1)
     except Exception as error:  # noqa: BLE001 - reported to the test
-        result = {"error": repr(error), "traceback": traceback.format_exc()}
-    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-    sys.stdout.flush()
-    os._exit(0)
+        result = error_result(error)
+    save_and_exit(out_dir, rank, result)
 
 
 if __name__ == "__main__":

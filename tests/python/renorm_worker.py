@@ -7,14 +7,13 @@ OUT_DIR/rank<r>.pt.
 """
 from __future__ import annotations
 
-import os
 import sys
-import traceback
 
 import torch
 import torch.distributed as dist
 
 import patrickstar
+from dp_worker import error_result, save_and_exit
 from test_embedding_renorm import EVAL_IDX, IDX, Lookup, config
 
 
@@ -42,10 +41,8 @@ def main() -> None:
     try:
         result = run(rank)
     except Exception as error:  # noqa: BLE001 - reported to the test
-        result = {"error": repr(error), "traceback": traceback.format_exc()}
-    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-    sys.stdout.flush()
-    os._exit(0)
+        result = error_result(error)
+    save_and_exit(out_dir, rank, result)
 
 
 if __name__ == "__main__":
