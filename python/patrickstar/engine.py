@@ -615,13 +615,22 @@ class PatrickStarEngine(nn.Module):
 
     def _leave_direct_call(self, raised: bool = False) -> None:
         self._views.leave_direct_call()
-        if raised and not self._in_forward and not self._views.in_direct_call():
+        outermost = not self._in_forward and not self._views.in_direct_call()
+        if raised and outermost:
             self._release_raised_forward()  # for `model.module(x)`; forward() does it otherwise
         if self._direct_forward is not None and not self._views.in_direct_call():
             backward_follows, self._direct_forward = self._direct_forward, None
             if not backward_follows:
                 self._release_all(S.HOLD_AFTER_FWD)
             self.dp.after_forward()
+        if outermost and not raised:
+            # The parameters rest again as after forward() (Note [Parameters at rest] in
+            # resting_params.py): left plain, a read after `model.module(x)` or a generate()
+            # (numel(), norm(), the detach() recipe of torch.func) saw the empty placeholders.
+            self.rest_parameters(
+                resting_params.ParameterInFlight
+                if torch.is_grad_enabled() and self.module.training
+                else resting_params.ParameterAtRest)
 
     # Note [Moving the engine]
     # Parameters live in chunks of the compute dtype, placed by the chunk manager; buffers
