@@ -208,6 +208,20 @@ def test_reads_outside_the_forward_under_data_parallelism_on_every_rank(tmp_path
             torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-5)
 
 
+def test_a_value_read_on_one_rank_only_fails_naming_the_read(tmp_path):
+    # A read is a collective: on rank 0 alone it waits for the other ranks until the collective
+    # timeout, whose error named only an allgather; it now names the read and the parameter.
+    import os
+
+    from test_data_parallel import launch
+    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "resting_worker.py")
+    results = launch(tmp_path, 2, "rank0", worker=worker)
+    assert all(result.get("error_type") == "TimeoutError" for result in results), results
+    assert "It was norm() of PatrickStar parameter 'module.layers.0.weight' outside the " \
+           "forward" in results[0]["traceback"]
+    assert "every rank must make the same reads" in results[0]["traceback"]
+
+
 def test_python_conversions_of_a_parameter_read_its_value():
     reference, ref_opt, model, opt = build()
     bias = model.module.h.bias
