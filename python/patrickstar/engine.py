@@ -494,6 +494,11 @@ class PatrickStarEngine(nn.Module):
         if phase == "fwd":
             if not _recomputing():  # else held until the module's backward: Note [Recomputed...]
                 self._slots.release(indices, S.HOLD_AFTER_FWD)
+                if not self._in_forward and not self._views.in_direct_call() and \
+                        not self._backward.in_backward:
+                    # A submodule called alone (`model.module.wte(ids)`): its access woke every
+                    # parameter, and nothing else would rest them (Note [Parameters at rest]).
+                    self._rest_after_forward(module.training)
             return
         holds = self._recompute_holds.get(module, 0)
         if holds:
@@ -627,10 +632,13 @@ class PatrickStarEngine(nn.Module):
             # The parameters rest again as after forward() (Note [Parameters at rest] in
             # resting_params.py): left plain, a read after `model.module(x)` or a generate()
             # (numel(), norm(), the detach() recipe of torch.func) saw the empty placeholders.
-            self.rest_parameters(
-                resting_params.ParameterInFlight
-                if torch.is_grad_enabled() and self.module.training
-                else resting_params.ParameterAtRest)
+            self._rest_after_forward(self.module.training)
+
+    def _rest_after_forward(self, training: bool) -> None:
+        """After a forward that did not come through forward(): as _leave_forward rests them."""
+        self.rest_parameters(resting_params.ParameterInFlight
+                             if torch.is_grad_enabled() and training
+                             else resting_params.ParameterAtRest)
 
     # Note [Moving the engine]
     # Parameters live in chunks of the compute dtype, placed by the chunk manager; buffers

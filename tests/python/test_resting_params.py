@@ -266,12 +266,12 @@ def test_a_penalty_between_the_forward_and_its_backward_is_refused_and_logging_r
         sum(p.pow(2).sum() for p in model.parameters())  # at rest again
 
 
-@pytest.mark.parametrize("call", ["no_grad", "functional_call", "with_backward"])
+@pytest.mark.parametrize("call", ["no_grad", "functional_call", "with_backward", "submodule"])
 def test_reads_after_a_forward_of_the_module_itself_give_pytorchs_values(call):
     # `model.module(x)` (nanoGPT's raw_model.generate(), Hugging Face's generate(),
-    # torch.func.functional_call) bypasses forward() and left the parameters plain: numel() 0,
-    # norm() 0 and torch.func's `{k: v.detach() ...}` the empty placeholders ("'weight' must be
-    # 2-D") until the next step.
+    # torch.func.functional_call) or a submodule alone (`model.module.wte(ids)`) bypasses
+    # forward() and left the parameters plain: numel() 0, norm() 0 and torch.func's
+    # `{k: v.detach() ...}` the empty placeholders ("'weight' must be 2-D") until the next step.
     reference, ref_opt, model, opt = build()
     for x in batches(2):
         step(reference, ref_opt, x)
@@ -280,6 +280,9 @@ def test_reads_after_a_forward_of_the_module_itself_give_pytorchs_values(call):
     if call == "no_grad":
         with torch.no_grad():
             model.module(x)
+    elif call == "submodule":
+        with torch.no_grad():
+            torch.testing.assert_close(model.module.wte(x), reference.wte(x))
     elif call == "functional_call":
         torch.func.functional_call(model.module, dict(model.module.named_parameters()), (x,))
         with pytest.raises(RuntimeError, match="between the forward and its backward"):
