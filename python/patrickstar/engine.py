@@ -64,7 +64,8 @@ from torch import nn
 
 from . import (_C, averaged_model, backward_pre_hooks, checkpoint, clip_grad,
                convert_parameters, dtypes, hooks, module_zero_grad, param_owners,
-               parametrizations, resting_params, script_collectives, torch_optimizers)
+               parametrizations, replaced_params, resting_params, script_collectives,
+               torch_optimizers)
 from .activations import ActivationCounter
 from .chunk_runtime import ChunkRuntime
 from .chunked_params import ChunkedParams
@@ -310,6 +311,7 @@ class PatrickStarEngine(nn.Module):
         convert_parameters.install()  # parameters_to_vector reads the chunks' values
         averaged_model.install()  # AveragedModel.update_parameters(model) reads them too
         parametrizations.install()  # weight_norm(...) after initialize() names model_func
+        replaced_params.install()  # Note [Replacing a parameter after initialize()]
         refuse_scripting(self.module)  # Note [Scripting the engine's module]
         hooked = [m for m, owned in self._module_params.items() if owned]
         # Note [The user's module's state dict]
