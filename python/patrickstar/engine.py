@@ -64,7 +64,8 @@ from torch import nn
 
 from . import (_C, averaged_model, backward_pre_hooks, checkpoint, clip_grad,
                convert_parameters, dtypes, hooks, module_zero_grad, param_owners,
-               parametrizations, resting_params, script_collectives, torch_optimizers)
+               parametrizations, replaced_params, resting_params, script_collectives,
+               torch_optimizers)
 from .activations import ActivationCounter
 from .chunk_runtime import ChunkRuntime
 from .chunked_params import ChunkedParams
@@ -310,6 +311,7 @@ class PatrickStarEngine(nn.Module):
         convert_parameters.install()  # parameters_to_vector reads the chunks' values
         averaged_model.install()  # AveragedModel.update_parameters(model) reads them too
         parametrizations.install()  # weight_norm(...) after initialize() names model_func
+        replaced_params.install()  # Note [Replacing a parameter after initialize()]
         refuse_scripting(self.module)  # Note [Scripting the engine's module]
         hooked = [m for m, owned in self._module_params.items() if owned]
         # Note [The user's module's state dict]
@@ -494,6 +496,11 @@ class PatrickStarEngine(nn.Module):
         if phase == "fwd":
             if not _recomputing():  # else held until the module's backward: Note [Recomputed...]
                 self._slots.release(indices, S.HOLD_AFTER_FWD)
+                if not self._in_forward and not self._views.in_direct_call() and \
+                        not self._backward.in_backward:
+                    # A submodule called alone (`model.module.wte(ids)`): its access woke every
+                    # parameter, and nothing else would rest them (Note [Parameters at rest]).
+                    self._rest_after_forward(module.training)
             return
         holds = self._recompute_holds.get(module, 0)
         if holds:
@@ -615,13 +622,25 @@ class PatrickStarEngine(nn.Module):
 
     def _leave_direct_call(self, raised: bool = False) -> None:
         self._views.leave_direct_call()
-        if raised and not self._in_forward and not self._views.in_direct_call():
+        outermost = not self._in_forward and not self._views.in_direct_call()
+        if raised and outermost:
             self._release_raised_forward()  # for `model.module(x)`; forward() does it otherwise
         if self._direct_forward is not None and not self._views.in_direct_call():
             backward_follows, self._direct_forward = self._direct_forward, None
             if not backward_follows:
                 self._release_all(S.HOLD_AFTER_FWD)
             self.dp.after_forward()
+        if outermost and not raised:
+            # The parameters rest again as after forward() (Note [Parameters at rest] in
+            # resting_params.py): left plain, a read after `model.module(x)` or a generate()
+            # (numel(), norm(), the detach() recipe of torch.func) saw the empty placeholders.
+            self._rest_after_forward(self.module.training)
+
+    def _rest_after_forward(self, training: bool) -> None:
+        """After a forward that did not come through forward(): as _leave_forward rests them."""
+        self.rest_parameters(resting_params.ParameterInFlight
+                             if torch.is_grad_enabled() and training
+                             else resting_params.ParameterAtRest)
 
     # Note [Moving the engine]
     # Parameters live in chunks of the compute dtype, placed by the chunk manager; buffers

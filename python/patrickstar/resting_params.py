@@ -93,9 +93,21 @@ def _is_inplace(func) -> bool:
     return name in _INPLACE_OPERATORS or (name.endswith("_") and not name.endswith("__"))
 
 
-def _value(engine, index: int) -> torch.Tensor:
+def _value(engine, index: int, func) -> torch.Tensor:
     """Parameter `index`'s value, on the engine's device as its placeholder is."""
-    return engine.read_parameter(index).to(engine.device)
+    try:
+        return engine.read_parameter(index).to(engine.device)
+    except TimeoutError as error:
+        # A logging read on one rank only (`if rank == 0: log(p.norm())`) waits for the others
+        # until the collective's timeout, whose message names only the collective.
+        if engine.dp.enabled:
+            error.add_note(
+                f"It was {getattr(func, '__name__', func)}() of PatrickStar parameter "
+                f"'module.{engine.params.names[index]}' outside the forward: under data "
+                f"parallelism reading a parameter's value is a collective (as state_dict()), so "
+                f"every rank must make the same reads; under `if rank == 0` read only shapes "
+                f"(p.shape, p.numel()), or compute the value on every rank and log it on one")
+        raise
 
 
 def _owner(param):
@@ -133,10 +145,10 @@ class ParameterAtRest(nn.Parameter):
                     _refuse_write(func, engine.params.names[index])
         if func in _ALIASES:
             engine, index = next(iter(owners.values()))
-            return ReadValue.of(_value(engine, index), engine.params.names[index])
+            return ReadValue.of(_value(engine, index, func), engine.params.names[index])
         cls._before_read(func, owners, leaves)
         for i, (engine, index) in owners.items():
-            leaves[i] = _value(engine, index)
+            leaves[i] = _value(engine, index, func)
         args, kwargs = tree_unflatten(leaves, spec)
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
@@ -152,7 +164,8 @@ class ParameterAtRest(nn.Parameter):
             return nn.Parameter.__deepcopy__(self, memo)
         if id(self) not in memo:
             engine, index = owner
-            memo[id(self)] = nn.Parameter(_value(engine, index), self.requires_grad)
+            memo[id(self)] = nn.Parameter(_value(engine, index, copy.deepcopy),
+                                           self.requires_grad)
         return memo[id(self)]
 
     def __reduce_ex__(self, protocol):

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import patrickstar
+from patrickstar.param_owners import engine_of
 
 ADAMW = {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}}
 
@@ -480,3 +481,39 @@ def _saved(module):
     torch.save(module, buffer)
     buffer.seek(0)
     return buffer
+
+
+@pytest.mark.parametrize("where", ["outside", "apply", "summon"])
+def test_replacing_a_parameter_after_initialize_is_refused_naming_it(where):
+    # Note [Replacing a parameter after initialize()]: nanoGPT's crop_block_size by hand
+    # (`wpe.weight = nn.Parameter(wpe.weight[:n])`) put a plain parameter in the module that
+    # the engine never trained (the loss left PyTorch's at the second step), without a word.
+    model, opt = make()
+    torch.manual_seed(0)
+    reference = net()
+    before = model.state_dict()
+
+    def replace(module):
+        if isinstance(module, nn.Linear) and module.out_features == 32:
+            module.bias = nn.Parameter(torch.full_like(module.bias, 0.5))
+
+    with pytest.raises(ValueError, match=r"Linear.bias = <new parameter> replaces PatrickStar "
+                                         r"parameter 'module.0.bias' \(shape \(32,\)\).*"
+                                         r"model_func"):
+        if where == "outside":
+            replace(model.module[0])
+        elif where == "apply":
+            model.apply(replace)
+        else:
+            with model.summon_full_params(writeback=True):
+                replace(model.module[0])
+    assert engine_of(model.module[0].bias) is model  # the chunks' parameter is kept
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, before[name]), name
+    # Training goes on as PyTorch's.
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
+    train(model, opt)
+    train(reference, ref_opt)
+    state = model.state_dict()
+    for name, tensor in reference.state_dict().items():
+        torch.testing.assert_close(state[name], tensor, rtol=0, atol=1e-6)

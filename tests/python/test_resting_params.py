@@ -208,6 +208,20 @@ def test_reads_outside_the_forward_under_data_parallelism_on_every_rank(tmp_path
             torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-5)
 
 
+def test_a_value_read_on_one_rank_only_fails_naming_the_read(tmp_path):
+    # A read is a collective: on rank 0 alone it waits for the other ranks until the collective
+    # timeout, whose error named only an allgather; it now names the read and the parameter.
+    import os
+
+    from test_data_parallel import launch
+    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "resting_worker.py")
+    results = launch(tmp_path, 2, "rank0", worker=worker)
+    assert all(result.get("error_type") == "TimeoutError" for result in results), results
+    assert "It was norm() of PatrickStar parameter 'module.layers.0.weight' outside the " \
+           "forward" in results[0]["traceback"]
+    assert "every rank must make the same reads" in results[0]["traceback"]
+
+
 def test_python_conversions_of_a_parameter_read_its_value():
     reference, ref_opt, model, opt = build()
     bias = model.module.h.bias
@@ -250,3 +264,40 @@ def test_a_penalty_between_the_forward_and_its_backward_is_refused_and_logging_r
     opt.zero_grad()
     with torch.no_grad():
         sum(p.pow(2).sum() for p in model.parameters())  # at rest again
+
+
+@pytest.mark.parametrize("call", ["no_grad", "functional_call", "with_backward", "submodule"])
+def test_reads_after_a_forward_of_the_module_itself_give_pytorchs_values(call):
+    # `model.module(x)` (nanoGPT's raw_model.generate(), Hugging Face's generate(),
+    # torch.func.functional_call) or a submodule alone (`model.module.wte(ids)`) bypasses
+    # forward() and left the parameters plain: numel() 0, norm() 0 and torch.func's
+    # `{k: v.detach() ...}` the empty placeholders ("'weight' must be 2-D") until the next step.
+    reference, ref_opt, model, opt = build()
+    for x in batches(2):
+        step(reference, ref_opt, x)
+        step(model, opt, x)
+    x = batches(3)[2]
+    if call == "no_grad":
+        with torch.no_grad():
+            model.module(x)
+    elif call == "submodule":
+        with torch.no_grad():
+            torch.testing.assert_close(model.module.wte(x), reference.wte(x))
+    elif call == "functional_call":
+        torch.func.functional_call(model.module, dict(model.module.named_parameters()), (x,))
+        with pytest.raises(RuntimeError, match="between the forward and its backward"):
+            model.module.h.weight.sum()  # as after model(x): Note [Parameters between ...]
+    else:
+        loss = model.module(x).float().logsumexp(-1).mean()
+        model.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        step(reference, ref_opt, x)
+    with torch.no_grad():
+        assert sum(p.numel() for p in model.parameters()) == \
+            sum(p.numel() for p in reference.parameters())
+        for name, ref_param in reference.named_parameters():
+            torch.testing.assert_close(model.module.get_parameter(name).norm(), ref_param.norm())
+    weights = {k: v.detach() for k, v in model.module.named_parameters()}
+    torch.testing.assert_close(torch.func.functional_call(model.module, weights, (x,)),
+                               reference(x), rtol=1e-4, atol=1e-5)
