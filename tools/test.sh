@@ -94,7 +94,7 @@ if ((run_main)); then
     tests/python/test_loss_scaling.py tests/python/test_bf16_no_master.py \
     tests/python/test_state_dtype.py tests/python/test_backward_budget.py \
     tests/python/test_torch_save_resume.py tests/python/test_hf_training.py \
-    tests/python/test_vision_recipe.py
+    tests/python/test_vision_recipe.py tests/python/test_resting_params.py
   status=$?
   set -e
   if [ "$status" -eq 5 ]; then echo "[test] pytest collected no tests" >&2; exit 1; fi
