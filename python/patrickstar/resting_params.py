@@ -41,6 +41,9 @@ from __future__ import annotations
 
 import copy
 import functools
+import os
+import sys
+import warnings
 
 import torch
 from torch import nn
@@ -155,8 +158,25 @@ class ParameterAtRest(nn.Parameter):
 
     @classmethod
     def _before_read(cls, func, owners, leaves) -> None:
-        """Whether a read of these parameters' values may go on (ParameterInFlight refuses
-        some)."""
+        """Before a read of these parameters' values (ParameterInFlight refuses some). At rest
+        a read with autograd on gives a value that carries no gradient (Note [Parameters at
+        rest]): a loss term built from it before the forward (an L2 penalty) would train
+        nothing, silently, so the first such read of the process says so."""
+        global _warned_no_gradient
+        if _warned_no_gradient or not torch.is_grad_enabled():
+            return
+        for i, (engine, index) in owners.items():
+            if leaves[i].requires_grad:
+                _warned_no_gradient = True
+                warnings.warn(
+                    f"{getattr(func, '__name__', func)}() of PatrickStar parameter "
+                    f"'module.{engine.params.names[index]}' outside the forward, with autograd "
+                    f"on: the value is read out of its chunks and carries no gradient, so a "
+                    f"loss term computed from it (an L2 or L1 penalty over model.parameters()) "
+                    f"trains nothing. Use the optimizer's weight_decay or compute the term "
+                    f"inside the module's forward; read values under torch.no_grad() (logging) "
+                    f"to silence this. Said once per process", stacklevel=_user_stacklevel())
+                return
 
     def __deepcopy__(self, memo):
         owner = _owner(self)
@@ -214,6 +234,17 @@ def _resting(tensor) -> bool:
 
 
 _ALIASES = {_T.data.__get__, _T.detach}
+_warned_no_gradient = False  # ParameterAtRest._before_read's warning, once per process
+_LIBRARY_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)))
+
+
+def _user_stacklevel() -> int:
+    """warnings.warn's stacklevel of the first frame outside torch and patrickstar (a read
+    reaches __torch_function__ through a varying number of torch's frames)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 class ReadValue(torch.Tensor):

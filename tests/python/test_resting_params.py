@@ -301,3 +301,20 @@ def test_reads_after_a_forward_of_the_module_itself_give_pytorchs_values(call):
     weights = {k: v.detach() for k, v in model.module.named_parameters()}
     torch.testing.assert_close(torch.func.functional_call(model.module, weights, (x,)),
                                reference(x), rtol=1e-4, atol=1e-5)
+
+
+def test_a_read_with_autograd_on_says_once_that_the_value_carries_no_gradient(monkeypatch):
+    # An L2 term built at rest before the forward trained nothing, silently.
+    from patrickstar import resting_params
+    monkeypatch.setattr(resting_params, "_warned_no_gradient", False)
+    _, _, model, _ = build()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.no_grad():
+            model.module.h.weight.norm()  # logging under no_grad: nothing said
+    with pytest.warns(UserWarning, match=r"pow\(\) of PatrickStar parameter 'module\..*' outside "
+                                         r"the forward, with autograd on.*trains nothing") as seen:
+        penalty = sum(p.pow(2).sum() for p in model.parameters())
+    assert not penalty.requires_grad
+    assert len([w for w in seen if "trains nothing" in str(w.message)]) == 1  # once
+    assert seen[0].filename == __file__  # points at the user's line
