@@ -23,6 +23,8 @@
                                                   tokens on each rank, then train a step
     dp_worker.py OUT_DIR --accelerate             accelerate's loop (model, optimizer and
                                                   loader prepared, as Hugging Face's recipes do)
+    dp_worker.py OUT_DIR --dcp                    torch.distributed.checkpoint save, then a new
+                                                  engine resumes from it
 
 Writes OUT_DIR/<what>-rank<r>.pt with losses, the gathered state dict, memory statistics or
 the error raised, then leaves with os._exit so a dead peer cannot hold up interpreter exit.
@@ -159,6 +161,8 @@ def main() -> None:
             results.update(generate_lengths(rank))
         elif what == ["--accelerate"]:
             results.update(accelerate_loop())
+        elif what == ["--dcp"]:
+            results.update(dcp_resume(out, rank))
         elif what == ["--ddp-wrap"]:  # nanoGPT's `model = DDP(model)` around the engine
             model, _ = patrickstar.initialize(MLP, config={"default_chunk_size": 4096})
             wrapped = torch.nn.parallel.DistributedDataParallel(model)
@@ -365,6 +369,45 @@ def accelerate_loop() -> dict:
         losses.append(loss.item())
     return {"losses": losses, "state": accelerator.get_state_dict(model),
             "prepared_is_engine": prepared is model}
+
+
+def dcp_resume(out: str, rank: int) -> dict:
+    """FSDP2's checkpoint recipe on every rank: get_state_dict / dcp.save after 3 steps, 3 more
+    steps (expected); a new engine, get_state_dict, dcp.load, set_state_dict, the same 3 steps."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    def build():
+        torch.manual_seed(0)
+        return patrickstar.initialize(MLP, config={
+            "default_chunk_size": 4096, "optimizer": {"type": "Adam", "params": {"lr": 1e-2}}})
+
+    def train(model, optimizer, steps):
+        losses = []
+        for step in steps:
+            generator = torch.Generator().manual_seed(10 * step + rank)
+            loss = model(torch.randn(8, 32, generator=generator),
+                         torch.randint(0, 10, (8,), generator=generator))
+            model.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    path = os.path.join(out, "dcp")
+    model, optimizer = build()
+    train(model, optimizer, range(3))
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=path)
+    expected = train(model, optimizer, range(3, 6))
+    model.destroy()
+    model, optimizer = build()
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optimizer": optimizer_state}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optimizer"])
+    return {"expected": expected, "got": train(model, optimizer, range(3, 6))}
 
 
 def seed_offset(rank: int) -> dict:

@@ -414,6 +414,15 @@ def test_accelerate_loop_trains_as_torch_on_the_global_batch(tmp_path):
         assert result["prepared_is_engine"]
 
 
+def test_torch_distributed_checkpoint_resumes_every_rank_bit_for_bit(tmp_path):
+    # FSDP2's recipe (get_state_dict / dcp.save / dcp.load / set_state_dict) on 2 ranks, the
+    # load into a new engine (Note [The state-initializing step of
+    # torch.distributed.checkpoint] in optimizer.py).
+    for rank, result in enumerate(launch(tmp_path, 2, "--dcp")):
+        assert "error" not in result, result.get("traceback")
+        assert result["got"] == result["expected"], rank
+
+
 @pytest.mark.parametrize("name", ["branch_unused", "branch_accumulation"])
 def test_a_gradient_only_another_rank_made_is_not_mixed_with_stale_bytes(two_ranks, name):
     # Note [FREE tensors in a reduced chunk]: the branch's owner never takes it; its gradient
