@@ -96,6 +96,22 @@ def _is_inplace(func) -> bool:
     return name in _INPLACE_OPERATORS or (name.endswith("_") and not name.endswith("__"))
 
 
+def _written(func, args, kwargs) -> list:
+    """The tensors `func` changes: an in-place function's first argument (`nn.init.normal_`
+    passes it by keyword to its torch-function override), and `out=`."""
+    first = (args[0] if args else next(iter(kwargs.values()), None)) if _is_inplace(
+        func) else None
+    return tree_flatten((first, kwargs.get("out")))[0]
+
+
+def _call(func) -> str:
+    return f"{getattr(func, '__name__', func)}()"
+
+
+def _label(engine, index: int) -> str:
+    return f"PatrickStar parameter 'module.{engine.params.names[index]}'"
+
+
 def _value(engine, index: int, func) -> torch.Tensor:
     """Parameter `index`'s value, on the engine's device as its placeholder is."""
     try:
@@ -105,8 +121,7 @@ def _value(engine, index: int, func) -> torch.Tensor:
         # until the collective's timeout, whose message names only the collective.
         if engine.dp.enabled:
             error.add_note(
-                f"It was {getattr(func, '__name__', func)}() of PatrickStar parameter "
-                f"'module.{engine.params.names[index]}' outside the forward: under data "
+                f"It was {_call(func)} of {_label(engine, index)} outside the forward: under data "
                 f"parallelism reading a parameter's value is a collective (as state_dict()), so "
                 f"every rank must make the same reads; under `if rank == 0` read only shapes "
                 f"(p.shape, p.numel()), or compute the value on every rank and log it on one")
@@ -125,8 +140,10 @@ class ParameterAtRest(nn.Parameter):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func == _T.grad.__set__ and _resting(args[0]) and _owner(args[0]):
-            args = (args[0], _hand_set_gradient(args[0], args[1]))
+        if func == _T.grad.__set__ and _resting(args[0]):
+            owner = _owner(args[0])
+            if owner is not None:
+                args = (args[0], _hand_set_gradient(args[0], args[1], owner))
         if func in _PASS:
             return torch._C._disabled_torch_function_impl(func, types, args, kwargs)
         shape = _SHAPES.get(func)
@@ -137,19 +154,18 @@ class ParameterAtRest(nn.Parameter):
         owners = {i: owner for i, owner in owners.items() if owner is not None}
         if not owners:  # a copy that left its engine: an ordinary parameter
             return torch._C._disabled_torch_function_impl(func, types, args, kwargs)
-        # The tensor changed: an in-place function's first argument (`nn.init.normal_` passes
-        # it by keyword to its torch-function override), or `out=`.
-        first = (args[0] if args else next(iter(kwargs.values()), None)) if _is_inplace(
-            func) else None
-        written = tree_flatten((first, kwargs.get("out")))[0]
-        if written:
-            for i, (engine, index) in owners.items():
-                if any(leaves[i] is target for target in written):
-                    _refuse_write(func, engine.params.names[index])
+        written = _written(func, args, kwargs)
+        for i, (engine, index) in owners.items():
+            if any(leaves[i] is target for target in written):
+                _refuse_write(func, _label(engine, index))
         if func in _ALIASES:
             engine, index = next(iter(owners.values()))
-            return ReadValue.of(_value(engine, index, func), engine.params.names[index])
-        cls._before_read(func, owners, leaves)
+            return ReadValue.of(_value(engine, index, func), _label(engine, index))
+        if torch.is_grad_enabled():
+            tracked = next(((engine, index) for i, (engine, index) in owners.items()
+                            if leaves[i].requires_grad), None)
+            if tracked is not None:
+                cls._read_with_autograd(func, *tracked)
         for i, (engine, index) in owners.items():
             leaves[i] = _value(engine, index, func)
         args, kwargs = tree_unflatten(leaves, spec)
@@ -157,26 +173,22 @@ class ParameterAtRest(nn.Parameter):
             return func(*args, **kwargs)
 
     @classmethod
-    def _before_read(cls, func, owners, leaves) -> None:
-        """Before a read of these parameters' values (ParameterInFlight refuses some). At rest
-        a read with autograd on gives a value that carries no gradient (Note [Parameters at
-        rest]): a loss term built from it before the forward (an L2 penalty) would train
-        nothing, silently, so the first such read of the process says so."""
+    def _read_with_autograd(cls, func, engine, index: int) -> None:
+        """A read with autograd on of parameter `index`, which requires grad (ParameterInFlight
+        refuses it). At rest the value carries no gradient (Note [Parameters at rest]): a loss
+        term built from it before the forward (an L2 penalty) would train nothing, silently, so
+        the first such read of the process says so."""
         global _warned_no_gradient
-        if _warned_no_gradient or not torch.is_grad_enabled():
+        if _warned_no_gradient:
             return
-        for i, (engine, index) in owners.items():
-            if leaves[i].requires_grad:
-                _warned_no_gradient = True
-                warnings.warn(
-                    f"{getattr(func, '__name__', func)}() of PatrickStar parameter "
-                    f"'module.{engine.params.names[index]}' outside the forward, with autograd "
-                    f"on: the value is read out of its chunks and carries no gradient, so a "
-                    f"loss term computed from it (an L2 or L1 penalty over model.parameters()) "
-                    f"trains nothing. Use the optimizer's weight_decay or compute the term "
-                    f"inside the module's forward; read values under torch.no_grad() (logging) "
-                    f"to silence this. Said once per process", stacklevel=_user_stacklevel())
-                return
+        _warned_no_gradient = True
+        warnings.warn(
+            f"{_call(func)} of {_label(engine, index)} outside the forward, with autograd on: the "
+            f"value is read out of its chunks and carries no gradient, so a loss term computed "
+            f"from it (an L2 or L1 penalty over model.parameters()) trains nothing. Use the "
+            f"optimizer's weight_decay or compute the term inside the module's forward; read "
+            f"values under torch.no_grad() (logging) to silence this. Said once per process",
+            stacklevel=_user_stacklevel())
 
     def __deepcopy__(self, memo):
         owner = _owner(self)
@@ -211,19 +223,13 @@ class ParameterInFlight(ParameterAtRest):
     [Parameters between a forward and its backward]."""
 
     @classmethod
-    def _before_read(cls, func, owners, leaves) -> None:
-        if not torch.is_grad_enabled():
-            return
-        for i, (engine, index) in owners.items():
-            if leaves[i].requires_grad:
-                raise RuntimeError(
-                    f"{getattr(func, '__name__', func)}() of PatrickStar parameter "
-                    f"'module.{engine.params.names[index]}' between the forward and its "
-                    f"backward, with autograd on: its weights are back in chunks until the "
-                    f"backward, and a term computed from it here (an L2 or L1 penalty over "
-                    f"model.parameters()) would carry no gradient to it. Use the optimizer's "
-                    f"weight_decay, or compute the term inside the module's forward; to read "
-                    f"the value (logging), read it under torch.no_grad()")
+    def _read_with_autograd(cls, func, engine, index: int) -> None:
+        raise RuntimeError(
+            f"{_call(func)} of {_label(engine, index)} between the forward and its backward, "
+            f"with autograd on: its weights are back in chunks until the backward, and a term "
+            f"computed from it here (an L2 or L1 penalty over model.parameters()) would carry no "
+            f"gradient to it. Use the optimizer's weight_decay, or compute the term inside the "
+            f"module's forward; to read the value (logging), read it under torch.no_grad()")
 
 
 _RESTING_CLASSES = (ParameterAtRest, ParameterInFlight)
@@ -234,7 +240,7 @@ def _resting(tensor) -> bool:
 
 
 _ALIASES = {_T.data.__get__, _T.detach}
-_warned_no_gradient = False  # ParameterAtRest._before_read's warning, once per process
+_warned_no_gradient = False  # ParameterAtRest._read_with_autograd's warning, once per process
 _LIBRARY_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -252,19 +258,17 @@ class ReadValue(torch.Tensor):
     chunks, refusing in-place changes (which would not reach the parameter) by its name."""
 
     @staticmethod
-    def of(value: torch.Tensor, name: str) -> "ReadValue":
+    def of(value: torch.Tensor, label: str) -> "ReadValue":
         value = value.as_subclass(ReadValue)
-        value._ps_name = name
+        value._ps_label = label
         return value
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        first = (args[0] if args else next(iter(kwargs.values()), None)) if _is_inplace(
-            func) else None
-        for target in tree_flatten((first, kwargs.get("out")))[0]:
+        for target in _written(func, args, kwargs):
             if type(target) is ReadValue:
-                _refuse_write(func, target._ps_name)
+                _refuse_write(func, target._ps_label)
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
@@ -285,26 +289,24 @@ class ReadValue(torch.Tensor):
 # state-initializing step of torch.distributed.checkpoint] in optimizer.py): zeros become an
 # empty gradient on the placeholder, which that step recognises and clears. Any other gradient
 # set by hand would be lost, so it raises naming the parameter.
-def _hand_set_gradient(param, grad):
+def _hand_set_gradient(param, grad, owner):
     if grad is None or tuple(grad.shape) != tuple(param.ds_shape):
         return grad
-    name = _owner(param)[0].params.names[_owner(param)[1]]
     with torch._C.DisableTorchFunctionSubclass():
         if bool(grad.count_nonzero()):
             raise RuntimeError(
-                f"p.grad = <gradient> on PatrickStar parameter 'module.{name}': its gradients "
+                f"p.grad = <gradient> on {_label(*owner)}: its gradients "
                 f"live in chunks, where backward puts them, so a gradient set by hand would not "
                 f"be applied. Compute it through the model's forward and backward (or train "
                 f"this tensor with a torch optimizer of its own outside the engine)")
         return grad.new_zeros(torch.Tensor.size(param))
 
 
-def _refuse_write(func, name: str) -> None:
+def _refuse_write(func, label: str) -> None:
     raise RuntimeError(
-        f"{getattr(func, '__name__', func)}() on PatrickStar parameter 'module.{name}' "
-        f"between its uses: its values live in chunks, so the change would reach only an empty "
-        f"placeholder. Change weights with model.apply(fn), inside `with "
-        f"model.summon_full_params(writeback=True):`, or with model.load_state_dict()")
+        f"{_call(func)} on {label} between its uses: its values live in chunks, so the change "
+        f"would reach only an empty placeholder. Change weights with model.apply(fn), inside "
+        f"`with model.summon_full_params(writeback=True):`, or with model.load_state_dict()")
 
 
 def rest(params, kind: type = ParameterAtRest) -> None:
