@@ -276,9 +276,9 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
     # new engine (a resume) naming a backward the user never skipped. The step is known by its
     # marks: no backward since the last step, no gradient in chunks, every group's lr 0 and
     # every trainable parameter's p.grad set to an empty tensor (a gradient of ours is never
-    # there; zeros set at rest become one). It counts as torch's step with zero gradients at lr 0 counts:
-    # the weights and the (zero) moments stay, each step count becomes 1 and the state shows
-    # in state_dict() for dcp.load to fill (only Adam with L2 weight decay would differ, its
+    # there; zeros set at rest become one). It counts as torch's step with zero gradients at
+    # lr 0 counts: the weights and the (zero) moments stay, each step count becomes 1 and the
+    # state shows in state_dict() for dcp.load to fill (only Adam with L2 weight decay would differ, its
     # first moment there being (1 - beta1) * wd * p, and dcp.load overwrites it).
     def _is_state_initializing_step(self) -> bool:
         if self.guard.backwards or any(self.has_grad) or len(self.state):
@@ -709,12 +709,15 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
             raise ValueError(f"optimizer state dict has {len(groups)} param groups, the "
                              f"optimizer {len(self.param_groups)}")
         to_index = self._saved_numbering(groups)
-        self._check_saved_shapes(state_dict["state"], to_index)
+        # Saved names as the groups' 'params' give them (Note [Saved optimizer state is
+        # numbered by its groups]): numbers, or fully qualified names.
+        state = {_saved_key(key): entry for key, entry in state_dict["state"].items()}
+        self._check_saved_shapes(state, to_index)
         for saved, group in zip(groups, self.param_groups):
             group.update({k: v for k, v in saved.items() if k != "params"})
         manager = self.chunked.chunks.manager
-        for key, entry in state_dict["state"].items():
-            index = to_index[_saved_key(key)]
+        for key, entry in state.items():
+            index = to_index[key]
             momentum = self.chunked.ids[index].momentum
             if momentum is not None and not self.dp.owns(manager, momentum):
                 continue  # data parallel: its owner loads it
@@ -751,10 +754,10 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
     def _check_saved_shapes(self, state, to_index) -> None:
         params = self.chunked
         for key, entry in state.items():
-            if _saved_key(key) not in to_index:
+            if key not in to_index:
                 raise ValueError(f"optimizer state dict: state {key!r} belongs to no param "
                                  "group's 'params'")
-            index = to_index[_saved_key(key)]
+            index = to_index[key]
             for moment in moment_state.MOMENT_KEYS:
                 value = entry.get(moment)
                 if value is None:
