@@ -34,9 +34,8 @@ import zipfile
 import torch
 
 from . import dtypes
-from .tensor_slices import join_slices
 from .checkpoint import LATEST, CheckpointError, CheckpointReader
-from .checkpoint.slices import recorded_partitions, saved_slices, slice_name
+from .checkpoint.slices import joined_tensor, recorded_partitions, saved_slices, slice_name
 
 __all__ = ["consolidate", "main"]
 
@@ -62,8 +61,7 @@ class _Source:
     def tensor(self) -> torch.Tensor:
         if self.partition is None:
             return self.readers[0].tensor(self.name, self.kind)
-        dim, stride = self.partition
-        return join_slices([r.tensor(self.name, self.kind) for r in self.readers], dim, stride)
+        return joined_tensor(self.readers, self.name, self.kind, self.partition)
 
 
 def _source_kind(reader: CheckpointReader, name: str, dtype: str) -> str:

@@ -31,11 +31,12 @@ from __future__ import annotations
 import os
 import re
 
+from ..tensor_slices import join_slices
 from .errors import CheckpointError
 from .meta import LATEST
 
 __all__ = ["slice_name", "slice_directory", "saved_slices", "load_directories",
-           "model_parallel_record", "recorded_partitions"]
+           "model_parallel_record", "recorded_partitions", "joined_tensor"]
 
 _SLICE = re.compile(r"pipe_(\d+)-tensor_(\d+)")
 
@@ -117,6 +118,13 @@ def recorded_partitions(readers) -> dict[str, tuple[int, int]]:
                 f"dimensions) than '{readers[0].directory}': "
                 f"{sorted(set(ours.items()) ^ set(partitions.items()))[:5]}")
     return partitions
+
+
+def joined_tensor(readers, name: str, kind: str, partition: tuple[int, int]):
+    """`name`'s `kind` of one pipeline stage's tensor slices (`readers` in tensor-rank order),
+    joined along its recorded (dim, stride) `partition` into the whole tensor."""
+    dim, stride = partition
+    return join_slices([reader.tensor(name, kind) for reader in readers], dim, stride)
 
 
 def load_directories(directory: str, groups, allow_reshard: bool = False

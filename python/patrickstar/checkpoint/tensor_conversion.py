@@ -23,9 +23,9 @@ import copy
 import torch
 
 from .. import moment_state
-from ..tensor_slices import join_slices, split_tensor
+from ..tensor_slices import split_tensor
 from .errors import CheckpointError
-from .slices import recorded_partitions
+from .slices import joined_tensor, recorded_partitions
 
 __all__ = ["ConvertedSlices"]
 
@@ -81,8 +81,7 @@ class ConvertedSlices:
         if kind == "buffer" or (name not in self.saved and name not in self.targets):
             return self.readers[0].tensor(name, kind, rank)
         if name in self.saved:
-            dim, stride = self.saved[name]
-            full = join_slices([r.tensor(name, kind) for r in self.readers], dim, stride)
+            full = joined_tensor(self.readers, name, kind, self.saved[name])
         else:
             full = self.readers[0].tensor(name, kind)
         if name in self.targets:
