@@ -45,6 +45,16 @@ def train(model, opt, steps=3, dtype=torch.float32):
         opt.zero_grad()
 
 
+def assert_trains_as(model, opt, reference) -> None:
+    """Three steps of the engine and of `reference` under torch's AdamW: the same weights."""
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
+    train(model, opt)
+    train(reference, ref_opt)
+    state = model.state_dict()
+    for name, tensor in reference.state_dict().items():
+        torch.testing.assert_close(state[name], tensor, rtol=0, atol=1e-6)
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_engine_apply_writes_back_what_fn_changes_and_trains_as_pytorch(precision):
     model, opt = make(precision)
@@ -321,12 +331,7 @@ def test_a_forward_inside_summon_full_params_is_refused_naming_it():
         with model.summon_full_params(writeback=False):
             model.module[2](torch.randn(2, 32))
     torch.testing.assert_close(model(x), reference(x), rtol=0, atol=0)
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
-    train(model, opt)
-    train(reference, ref_opt)
-    state = model.state_dict()
-    for name, tensor in reference.state_dict().items():
-        torch.testing.assert_close(state[name], tensor, rtol=0, atol=1e-6)
+    assert_trains_as(model, opt, reference)
 
 
 def test_a_shape_change_is_refused_naming_it_and_the_other_changes_stay():
@@ -511,9 +516,4 @@ def test_replacing_a_parameter_after_initialize_is_refused_naming_it(where):
     for name, tensor in model.state_dict().items():
         assert torch.equal(tensor, before[name]), name
     # Training goes on as PyTorch's.
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
-    train(model, opt)
-    train(reference, ref_opt)
-    state = model.state_dict()
-    for name, tensor in reference.state_dict().items():
-        torch.testing.assert_close(state[name], tensor, rtol=0, atol=1e-6)
+    assert_trains_as(model, opt, reference)
