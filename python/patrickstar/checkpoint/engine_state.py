@@ -12,6 +12,7 @@ import torch
 
 from .. import _C, dtypes, moment_state
 from .shard import Entry
+from .slices import table_partitions
 
 __all__ = ["EngineState", "SAVED_KINDS", "source_kind", "rng_states", "set_rng_states",
            "config_json", "tensor_partition"]
@@ -146,12 +147,7 @@ class EngineState:
 
     def tensor_partitions(self) -> dict[str, tuple[int, int]]:
         """(dim, stride) of each parameter this engine holds a tensor slice of."""
-        result = {}
-        for name, param in zip(self.names, self.params.params):
-            partition = tensor_partition(param)
-            if partition is not None:
-                result[name] = (partition["dim"], partition["stride"])
-        return result
+        return table_partitions(self.tensor_table())
 
     def layout(self) -> dict:
         layout = json.loads(self.chunks.layout_json())

@@ -36,7 +36,7 @@ from .errors import CheckpointError
 from .meta import LATEST
 
 __all__ = ["slice_name", "slice_directory", "saved_slices", "load_directories",
-           "model_parallel_record", "recorded_partitions", "joined_tensor"]
+           "model_parallel_record", "recorded_partitions", "joined_tensor", "table_partitions"]
 
 _SLICE = re.compile(r"pipe_(\d+)-tensor_(\d+)")
 
@@ -86,6 +86,13 @@ def _sizes(slices: list[tuple[int, int]]) -> tuple[int, int]:
     return max(p for p, _ in slices) + 1, max(t for _, t in slices) + 1
 
 
+def table_partitions(table: list[dict]) -> dict[str, tuple[int, int]]:
+    """(dim, stride) of each sliced parameter of a checkpoint's tensor table (meta.json's
+    "tensors", EngineState.tensor_table)."""
+    return {row["name"]: (row["partition"]["dim"], row["partition"]["stride"])
+            for row in table if "partition" in row}
+
+
 def recorded_partitions(readers) -> dict[str, tuple[int, int]]:
     """(dim, stride) of each sliced parameter of one pipeline stage's tensor slices
     (`readers`, CheckpointReaders in tensor-rank order; Note [Recorded tensor slices]); {} for
@@ -108,8 +115,7 @@ def recorded_partitions(readers) -> dict[str, tuple[int, int]]:
             raise CheckpointError(f"checkpoint '{reader.directory}' records tensor slice "
                                   f"{record['tensor_rank']} of {record['tensor']}, but its "
                                   f"directory is slice {rank} of {len(readers)}")
-        ours = {t["name"]: (t["partition"]["dim"], t["partition"]["stride"])
-                for t in reader.meta["tensors"] if "partition" in t}
+        ours = table_partitions(reader.meta["tensors"])
         if partitions is None:
             partitions = ours
         elif ours != partitions:
