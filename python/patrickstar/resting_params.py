@@ -28,7 +28,10 @@ backward follows, after apply() or summon_full_params()) each parameter whose cl
     (`read_parameter`: the compute dtype; a collective under data parallelism, as
     state_dict(), so every rank must make the same reads). The value is a plain tensor
     outside autograd: a result carries no gradient back to the parameter (as under
-    summon_full_params; the weight is trained by the engine's optimizer).
+    summon_full_params; the weight is trained by the engine's optimizer). With autograd on, a
+    read whose result could enter a loss (a floating tensor) warns once at rest and raises in
+    flight (below); logging reads (`print(p)`, `p.tolist()`, `torch.equal`, comparisons) give
+    strings, numbers or bool tensors and read quietly, `print` with torch's requires_grad=True.
 torch's own save, load and conversion of a module (`state_dict()`, `load_state_dict()`,
 `module.half()`) see the plain parameters (module_state_hooks.py, `install()`), and so do
 apply() and summon_full_params(), which lend values (module_apply.py).
@@ -128,6 +131,15 @@ def _value(engine, index: int, func) -> torch.Tensor:
         raise
 
 
+def _could_enter_a_loss(result) -> bool:
+    """Whether a read's result holds a tensor that would carry a gradient were the parameter's
+    value in the graph: a floating one. `print(p)`, `p.item()`, `p.tolist()`, `torch.equal`,
+    `p.isfinite().all()` and other such logging reads give strings, numbers or bool tensors,
+    which no loss takes in, so they neither warn nor raise (Note [Parameters at rest])."""
+    return any(isinstance(leaf, torch.Tensor) and (leaf.is_floating_point() or leaf.is_complex())
+               for leaf in tree_flatten(result)[0])
+
+
 def _owner(param):
     engine = engine_of(param)
     index = engine.params.index_of(param) if engine is not None else None
@@ -161,16 +173,19 @@ class ParameterAtRest(nn.Parameter):
         if func in _ALIASES:
             engine, index = next(iter(owners.values()))
             return ReadValue.of(_value(engine, index, func), _label(engine, index))
-        if torch.is_grad_enabled():
-            tracked = next(((engine, index) for i, (engine, index) in owners.items()
-                            if leaves[i].requires_grad), None)
-            if tracked is not None:
-                cls._read_with_autograd(func, *tracked)
+        tracked = next(((engine, index) for i, (engine, index) in owners.items()
+                        if leaves[i].requires_grad), None)
         for i, (engine, index) in owners.items():
-            leaves[i] = _value(engine, index, func)
+            value = _value(engine, index, func)
+            if func is _T.__repr__ and value.is_floating_point():
+                value.requires_grad_(leaves[i].requires_grad)  # torch's "requires_grad=True"
+            leaves[i] = value
         args, kwargs = tree_unflatten(leaves, spec)
         with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
+            result = func(*args, **kwargs)
+        if tracked is not None and torch.is_grad_enabled() and _could_enter_a_loss(result):
+            cls._read_with_autograd(func, *tracked)
+        return result
 
     @classmethod
     def _read_with_autograd(cls, func, engine, index: int) -> None:

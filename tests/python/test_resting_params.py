@@ -318,3 +318,36 @@ def test_a_read_with_autograd_on_says_once_that_the_value_carries_no_gradient(mo
     assert not penalty.requires_grad
     assert len([w for w in seen if "trains nothing" in str(w.message)]) == 1  # once
     assert seen[0].filename == __file__  # points at the user's line
+
+
+@pytest.mark.parametrize("window", ["at_rest", "between_forward_and_backward"])
+def test_logging_reads_with_autograd_on_print_and_compare_as_pytorch_without_a_word(
+        window, monkeypatch):
+    # `print(p)`, `p.tolist()` and comparisons give strings, numbers and bool tensors, which no
+    # loss takes in: they warned at rest ("trains nothing") and raised between a forward and
+    # its backward. They now read quietly, and print shows torch's "requires_grad=True".
+    from patrickstar import resting_params
+    monkeypatch.setattr(resting_params, "_warned_no_gradient", False)
+    reference, _, model, opt = build()
+    x = batches(1)[0]
+    if window == "between_forward_and_backward":
+        loss = model(x).float().logsumexp(-1).mean()
+    param, ref_param = model.module.h.bias, reference.h.bias
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert repr(param) == repr(ref_param)
+        assert str(param) == str(ref_param)
+        assert param.tolist() == ref_param.tolist()
+        assert torch.equal(param, ref_param)
+        assert bool(param.isfinite().all())
+        assert torch.allclose(param, ref_param)
+        assert (param == ref_param).all()
+    # A read whose result could enter a loss still warns (at rest) or raises (in flight).
+    if window == "at_rest":
+        with pytest.warns(UserWarning, match="trains nothing"):
+            param.sum()
+    else:
+        with pytest.raises(RuntimeError, match="between the forward and its backward"):
+            param.sum()
+        model.backward(loss)
+        opt.step()
