@@ -393,6 +393,10 @@ class DataParallel:
               1: "a training forward (a backward follows)",
               2: "model.state_dict()", 3: "optimizer.state_dict()",
               **script_collectives.KINDS}
+    # A read of a parameter's value by user code at rest (Note [Parameter reads agree] below).
+    PARAMETER_READ = 99
+    _CALLS[PARAMETER_READ] = ("a read of a parameter's value outside the forward (p.norm(), "
+                              "print(p), p.detach(), copy.deepcopy(model.module))")
 
     def before_forward(self, backward_follows: bool = True, buffers=()) -> None:
         """`buffers`: the module's buffers (an iterable, read only when they are synced),
@@ -468,15 +472,29 @@ class DataParallel:
             f"its own batches, as many on every rank, as DistributedSampler's equal shards "
             f"give; nanoGPT's estimate_loss() under `if master_process:` runs it on one), and "
             f"call model.state_dict() / optimizer.state_dict() on every rank before saving "
-            f"from one (or model.save_checkpoint(dir) on every rank); the script's own "
+            f"from one (or model.save_checkpoint(dir) on every rank); read parameter values "
+            f"(p.norm(), print(p)) on every rank too, or only shapes (p.shape, p.numel()) under "
+            f"`if rank == 0:`; the script's own "
             f"torch.distributed collectives count as calls too; Hugging Face's "
             f"model.module.generate(...) needs synced_gpus=True (model.generate(...) passes "
             f"it)")
 
-    def gather_all(self) -> None:
+    # Note [Parameter reads agree]
+    # User code reads a parameter's value at rest (`p.norm()`, `print(p)`: Note [Parameters at
+    # rest] in resting_params.py) through gather_all(), a collective when some group is not
+    # gathered since the last step. A DDP script's logging under `if rank == 0:` made rank 0
+    # wait in that gather while rank 1 went on to its next forward's agreement, on another
+    # communicator: both waited for the collective timeout (300 s by default). Such a read
+    # therefore joins the call agreement first, when it is about to gather (only then: a read
+    # that needs no collective, every group gathered by an earlier state_dict() on every rank,
+    # stays a local read), and the ranks raise at once, naming what each is running.
+    def gather_all(self, agree_as: int | None = None) -> None:
         """Gathers every group not gathered since the last step (the end of a forward, and
-        state_dict(): every rank calls these at the same point)."""
+        state_dict(): every rank calls these at the same point). `agree_as`: the call kind
+        every rank agrees on first when this gathers (Note [Parameter reads agree])."""
         if self.enabled:
+            if agree_as is not None and not self.gathers.all_gathered:
+                self.agree_on_call(agree_as)
             self.gathers.gather_all()
 
     def after_forward(self) -> None:

@@ -1108,9 +1108,11 @@ class PatrickStarEngine(nn.Module):
         """New weights for parameter `index` (its shape, any float dtype)."""
         self._parameter_values.load(index, source)
 
-    def read_parameter(self, index: int) -> torch.Tensor:
-        """Parameter `index` in the compute dtype (a collective under data parallelism)."""
-        return self._parameter_values.read(index)
+    def read_parameter(self, index: int, by_user: bool = False) -> torch.Tensor:
+        """Parameter `index` in the compute dtype (a collective under data parallelism).
+        `by_user`: a read of user code at rest, which the ranks agree on first when it gathers
+        (Note [Parameter reads agree] in data_parallel.py)."""
+        return self._parameter_values.read(index, self.dp.PARAMETER_READ if by_user else None)
 
     def full_gradient(self, param) -> torch.Tensor | None:
         """DeepSpeed's `safe_get_full_grad`: the gradient of `param` (one of this engine's

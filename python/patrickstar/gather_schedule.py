@@ -269,6 +269,11 @@ class GatherSchedule:
         state_dict(): every rank calls these at the same point)."""
         self.gather_through(len(self.groups) - 1)
 
+    @property
+    def all_gathered(self) -> bool:
+        """Whether gather_all() would issue no collective."""
+        return self._next >= len(self.groups)
+
     def release_all(self) -> None:
         """Every rank drops its gathered copies (finishing a gather still in flight first)."""
         try:

@@ -28,16 +28,17 @@ class ParameterValues:
         self._slots = slots
         self._compute_dtype = compute_dtype
 
-    def read(self, index: int) -> torch.Tensor:
-        """Parameter `index` in the compute dtype (a collective under data parallelism)."""
+    def read(self, index: int, agree_as: int | None = None) -> torch.Tensor:
+        """Parameter `index` in the compute dtype (a collective under data parallelism;
+        `agree_as`: DataParallel.gather_all's)."""
         self._guard.check_alive("state_dict()")
         self._slots.check_unchanged([index])  # Note [Writes to a released parameter]
-        self._gather_for_state_dict()
+        self._gather_for_state_dict(agree_as)
         return self._params.read(index, K.COMPUTE_PARAM)
 
-    def _gather_for_state_dict(self) -> None:
+    def _gather_for_state_dict(self, agree_as: int | None = None) -> None:
         try:
-            self._dp.gather_all()  # a collective: every rank calls state_dict()
+            self._dp.gather_all(agree_as)  # a collective: every rank calls state_dict()
         except _C.ChunkRuntimeError as error:
             error.add_note("state_dict() under data parallelism gathers every rank's shards, so "
                            "every rank must call it: `sd = model.state_dict()` on all ranks, "

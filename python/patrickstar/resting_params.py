@@ -118,7 +118,7 @@ def _label(engine, index: int) -> str:
 def _value(engine, index: int, func) -> torch.Tensor:
     """Parameter `index`'s value, on the engine's device as its placeholder is."""
     try:
-        return engine.read_parameter(index).to(engine.device)
+        return engine.read_parameter(index, by_user=True).to(engine.device)
     except TimeoutError as error:
         # A logging read on one rank only (`if rank == 0: log(p.norm())`) waits for the others
         # until the collective's timeout, whose message names only the collective.

@@ -27,7 +27,7 @@ def main() -> None:
         torch.manual_seed(0)
         model, opt = patrickstar.initialize(MLP, config={
             "default_chunk_size": 4096,
-            "parallel": {"collective_timeout": 2 if rank0_only else 20},
+            "parallel": {"collective_timeout": 60 if rank0_only else 20},
             "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}})
         ema = [p.clone() for p in model.parameters()]
         for x, y in mlp_batches(2):
