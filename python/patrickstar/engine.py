@@ -88,7 +88,7 @@ from .module_methods import ModuleMethods
 from .module_state_hooks import ModuleStateHooks
 from .first_rank_init import first_rank_rng, take_first_rank_state
 from .init_context import (BuiltModule, InitResidency, ParameterPlacer, built_dtype_warning,
-                           plan_parameters)
+                           plan_parameters, sparse_gradient_error)
 from .input_cast import cast_floating_inputs, inputs_to_device
 from .loss_scaler import make_loss_scaler
 from .optimizer import PatrickStarOptimizer, build_param_groups
@@ -905,6 +905,8 @@ class PatrickStarEngine(nn.Module):
             if grad is None or owner is None:
                 return
             owner._backward.before_storing_grad()
+            if grad.layout != torch.strided:  # where a store's shape error is raised too
+                raise sparse_gradient_error(owner.params.names[index], grad)
             has_grad = owner.optimizer.has_grad
             if owner.dp.ends_param_access_at_grad:
                 owner._end_param_access(index)
