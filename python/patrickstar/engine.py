@@ -936,15 +936,15 @@ class PatrickStarEngine(nn.Module):
         self.optimizer.clip_grad_value_(clip_value, indices)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad()
+        self.optimizer.zero_grad(set_to_none)
 
-    def drop_gradients(self, params) -> None:
+    def drop_gradients(self, params, set_to_none: bool = True) -> None:
         """torch's `module.zero_grad()` of a module holding `params` (Note [Module zero_grad]
         in module_zero_grad.py): all of this engine's parameters is optimizer.zero_grad(); a
         part drops that part's chunked gradients."""
         indices = {self._parameter_index(param, "zero_grad") for param in params}
         if len(indices) == len(self.params.params):
-            self.optimizer.zero_grad()
+            self.optimizer.zero_grad(set_to_none)
             return
         if self.dp.enabled:
             names = [f"module.{self.params.names[i]}" for i in sorted(indices)[:3]]
@@ -954,7 +954,7 @@ class PatrickStarEngine(nn.Module):
                 f"each rank's gradient chunks hold reduced shards of every parameter, so a part "
                 f"of them cannot be dropped. Drop all of them with optimizer.zero_grad(), or "
                 f"leave the part out of the loss (torch.no_grad() or detach())")
-        self.optimizer.drop_gradients(sorted(indices))
+        self.optimizer.drop_gradients(sorted(indices), set_to_none)
 
     @contextlib.contextmanager
     def no_sync(self):

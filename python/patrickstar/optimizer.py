@@ -210,6 +210,10 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         self.overflow = False
         self.step_counts = [0] * len(params)  # Adam's step count of each parameter
         self.has_grad = [False] * len(params)  # a gradient this step (set by the engine)
+        # Note [Gradients zeroed, not dropped]: the parameters whose p.grad torch would hold as
+        # zeros now, and those the last step had gradients for.
+        self._zeroed: set[int] = set()
+        self._stepped: set[int] = set()
         self._end_iteration = end_iteration
         self._phase = phase
         self._wait_for_gradient_stores = wait_for_gradient_stores
@@ -307,10 +311,11 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         self._check_hyperparameters()
         self._check_no_unplaced_gradients()
         self.dp.close_accumulation("optimizer.step()")  # Note [A short accumulation]
+        self._stepped = {index for index, has in enumerate(self.has_grad) if has}
         run = self.guard.before_step()
         self.guard.after_step()
         if not run:  # a non-finite loss was skipped (config nonfinite_loss: "skip")
-            self.zero_grad()
+            self._drop_step_gradients()
             self._end_iteration()
             return False
         clip = self.config.gradient_clipping
@@ -331,7 +336,7 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         overflow = overflow and self.precision == "fp16"
         self.overflow = overflow
         if overflow:
-            self.zero_grad()
+            self._drop_step_gradients()
             self._end_iteration()
             # Raises at the minimum scale (Note [Overflow at the minimum loss scale] in
             # loss_scaler.py), after the skipped step is cleaned up like any other.
@@ -343,11 +348,12 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         else:
             coef = clip_coefficient(norm / grad_scale, clip) if clip > 0 else 1.0
         try:
+            self._fill_zeroed_gradients()
             self._sweep(grad_scale, coef)
         except BaseException as error:
             self.guard.step_failed(error)
             raise
-        self.zero_grad()
+        self._drop_step_gradients()
         self._end_iteration()
         return True
 
@@ -454,17 +460,60 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drops the gradients; between steps also the backward calls made so far (Note
-        [Training call order] in guards.py)."""
+        [Training call order] in guards.py). `set_to_none=False`: Note [Gradients zeroed, not
+        dropped]."""
         with self.guard.calling("optimizer.zero_grad()"):  # Note [One thread at a time]
-            self._requested_clip = None
-            self.drop_gradients(range(len(self.has_grad)))
-            if self.guard.discard_backwards():
-                self.dp.discard_accumulation()
+            self._note_zeroing(range(len(self.has_grad)), set_to_none)
+            self._drop_step_gradients()
 
-    def drop_gradients(self, indices: Iterable[int]) -> None:
+    def _drop_step_gradients(self) -> None:
+        """zero_grad() without its set_to_none: also the step's own drop of the gradients it
+        applied, which a user's zero_grad(set_to_none=False) then follows."""
+        self._requested_clip = None
+        self._free_gradients(range(len(self.has_grad)))
+        if self.guard.discard_backwards():
+            self.dp.discard_accumulation()
+
+    # Note [Gradients zeroed, not dropped]
+    # torch's zero_grad(set_to_none=False) (the default before torch 2.0, and model.zero_grad's)
+    # leaves every existing p.grad a tensor of zeros, and torch's Adam updates every parameter
+    # whose p.grad is not None: one unused in a later step (a branch not taken, a frozen part)
+    # still moves there, by its decaying first moment (and AdamW's decay). Gradients here live
+    # in chunks and every step drops them (DeepSpeed's engine does too), so such a parameter
+    # was skipped: 0.002 off PyTorch after four steps of a branch taken once. The optimizer
+    # therefore remembers the parameters torch would keep zeros for: those with a gradient (or
+    # the last step's) when zero_grad(set_to_none=False) is called, until a zero_grad with
+    # set_to_none=True forgets them; a step gives each of them without a gradient of its own
+    # a zero gradient, so it is updated as torch's Adam updates it. Loops that never call
+    # zero_grad, or call it with set_to_none=True, are as before.
+    def _note_zeroing(self, indices: Iterable[int], set_to_none: bool) -> None:
+        indices = set(indices)
+        if set_to_none:
+            self._zeroed -= indices
+            self._stepped -= indices
+        else:
+            self._zeroed |= indices & (self._stepped | {
+                index for index, has in enumerate(self.has_grad) if has})
+
+    def _fill_zeroed_gradients(self) -> None:
+        """Zero gradients for this rank's zeroed parameters without one of their own (Note
+        [Gradients zeroed, not dropped])."""
+        for row in self._update_rows():
+            for index in row.indices:
+                if index in self._zeroed and not self.has_grad[index]:
+                    with self.chunked.view(index, _C.ChunkKind.GRADIENT, T.HOST) as grad:
+                        grad.zero_()
+                    self.has_grad[index] = True
+
+    def drop_gradients(self, indices: Iterable[int], set_to_none: bool = True) -> None:
         """Frees the gradients of these parameters (a module's zero_grad(): Note [Module
         zero_grad] in module_zero_grad.py); the backward calls of the step stay counted. A clip
         asked for before stays: torch would already have scaled the remaining gradients."""
+        indices = list(indices)
+        self._note_zeroing(indices, set_to_none)
+        self._free_gradients(indices)
+
+    def _free_gradients(self, indices: Iterable[int]) -> None:
         indices = [index for index in indices if self.has_grad[index]]
         if indices:  # a store still queued on the GPU may use a block being freed
             self._wait_for_gradient_stores()
