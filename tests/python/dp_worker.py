@@ -80,7 +80,7 @@ def train(name: str, rank: int, world: int) -> dict:
             if s.torch_clip:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), s.clip)
             optimizer.step()
-            optimizer.zero_grad()
+            optimizer.zero_grad(set_to_none=s.set_to_none)
     stats = model.memory_stats()  # after the step: gathered copies and remote grads dropped
     manager = model.chunks.manager
     # This rank's compute chunks holding a payload after the step, and those it may re-make
