@@ -406,13 +406,21 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         `model.parameters()` cannot show): returns the total norm over every rank's gradients
         (unscaled: what PyTorch would report) and clips the coming `step()` to `max_norm`, for
         this step only (config `gradient_clipping` clips every step)."""
-        if norm_type != 2.0:
+        if not (norm_type == math.inf or norm_type > 0):
             raise ValueError(f"clip_grad_norm_: norm_type {norm_type} is not supported; "
-                             f"PatrickStar-C++ clips by the L2 norm (norm_type=2.0)")
+                             f"PatrickStar-C++ clips by a norm of order p > 0 or inf (torch's "
+                             f"default: 2.0)")
+        if norm_type != 2.0 and self.dp.model_parallel is not None:
+            raise ValueError(f"clip_grad_norm_: norm_type {norm_type} with pipeline stages or "
+                             f"tensor slices is not supported; clip by the L2 norm "
+                             f"(norm_type=2.0)")
         if not max_norm > 0:
             raise ValueError(f"clip_grad_norm_: max_norm must be positive, got {max_norm}")
         self.dp.close_accumulation("clip_grad_norm_()")  # Note [A short accumulation]
-        overflow, norm = self._gradient_statistics()
+        if norm_type == 2.0:
+            overflow, norm = self._gradient_statistics()
+        else:
+            overflow, norm = self._gradient_norm(norm_type)
         pending = self._pending_clip_coefficient()  # Note [A clip before the step]
         total = math.inf if overflow else norm * pending / self.loss_scaler.scale
         first_norm = norm if self._requested_clip is None else self._requested_clip[2]
@@ -547,6 +555,18 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
             squared += grad_squared
         overflow, squared = self.dp.all_reduce_grad_stats(overflow, squared)
         return overflow, math.sqrt(squared)
+
+    def _gradient_norm(self, norm_type: float) -> tuple[bool, float]:
+        """_gradient_statistics for torch's other norm orders (clip_grad_norm_'s norm_type):
+        the norm of the tensors' norms, as torch takes it, and whether one is inf/NaN."""
+        overflow, total = False, 0.0
+        for _, grad in self._grad_views():
+            norm = float(torch.linalg.vector_norm(grad, norm_type, dtype=torch.float32))
+            overflow |= not math.isfinite(norm)
+            total = max(total, norm) if norm_type == math.inf else total + norm ** norm_type
+        overflow, total = self.dp.all_reduce_grad_powers(overflow, total,
+                                                         maximum=norm_type == math.inf)
+        return overflow, total if norm_type == math.inf else total ** (1.0 / norm_type)
 
     # ---- The sweep -----------------------------------------------------------------------------
 

@@ -143,6 +143,7 @@ class Scenario:
     # torch.nn.utils.clip_grad_norm_(model.parameters(), clip) before each step instead of the
     # config's gradient_clipping (Note [torch's clip_grad_norm_] in clip_grad.py).
     torch_clip: bool = False
+    clip_norm_type: float = 2.0  # its norm_type
     # (micro-step, rank) whose loss the worker makes NaN before backward (config nonfinite_loss
     # "skip": every rank skips that backward and the step it belongs to).
     nan_loss: tuple[int, int] | None = None
@@ -210,6 +211,9 @@ SCENARIOS = {
                           steps=10),
     "mlp_accumulation_clipping": Scenario(MLP, mlp_batches, {"default_chunk_size": 4096},
                                           steps=4, clip=0.5, accumulation=3),
+    # torch.nn.utils.clip_grad_norm_ by the largest gradient element, over every rank's shard.
+    "mlp_clip_inf": Scenario(MLP, mlp_batches, {"default_chunk_size": 4096}, steps=4, clip=0.01,
+                             torch_clip=True, clip_norm_type=float("inf")),
     "mlp_accumulation_keep": Scenario(MLP, mlp_batches, {
         "default_chunk_size": 4096,
         "parallel": {"reshard_after_forward": False, "gradient_accumulation": "full"}},
@@ -471,7 +475,7 @@ def reference(name: str, world: int):
         if s.ends_step(step):
             if s.step_applied(step // s.accumulation):
                 if s.clip:
-                    nn.utils.clip_grad_norm_(model.parameters(), s.clip)
+                    nn.utils.clip_grad_norm_(model.parameters(), s.clip, s.clip_norm_type)
                 optimizer.step()
             optimizer.zero_grad(set_to_none=s.set_to_none)
     return losses, model.state_dict()

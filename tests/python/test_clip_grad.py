@@ -49,6 +49,35 @@ def test_nanogpt_loop_clips_as_pytorch_does():
         torch.testing.assert_close(state[key], tensor, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("norm_type", [float("inf"), 1.0, 3.0])
+def test_other_norm_orders_clip_as_pytorch_does(norm_type):
+    # They were refused ("PatrickStar-C++ clips by the L2 norm"). The two-rank run is
+    # test_data_parallel.py's mlp_clip_inf.
+    data = batches(4)
+    norms = {}
+    for kind in ("torch", "engine"):
+        torch.manual_seed(0)
+        if kind == "torch":
+            model = MLP()
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+        else:
+            model, optimizer = patrickstar.initialize(MLP, config=CONFIG)
+        norms[kind] = []
+        for x, y in data:
+            model(x, y).backward()
+            norms[kind].append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1,
+                                                              norm_type=norm_type))
+            optimizer.step()
+            optimizer.zero_grad()
+        norms[kind + " state"] = model.state_dict()
+    assert min(norms["torch"]) > 0.1  # every step clipped
+    torch.testing.assert_close(norms["engine"], norms["torch"], rtol=1e-5, atol=0)
+    for key, tensor in norms["torch state"].items():
+        torch.testing.assert_close(norms["engine state"][key], tensor, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="norm_type 0.0 is not supported"):
+        model.clip_grad_norm_(1.0, 0.0)
+
+
 def test_imported_name_and_model_module_parameters_work_too():
     model, optimizer = patrickstar.initialize(MLP, config=CONFIG)
     from torch.nn.utils import clip_grad_norm_  # looked up after initialize()
@@ -70,8 +99,8 @@ def test_a_subset_or_foreign_gradients_raise_naming_the_engine_call():
     other(torch.randn(2, 3)).sum().backward()
     with pytest.raises(ValueError, match=r"outside the PatrickStar engine \(shapes \[\(3, 3\)"):
         torch.nn.utils.clip_grad_norm_([*model.parameters(), *other.parameters()], 1.0)
-    with pytest.raises(ValueError, match="norm_type 1.0 is not supported"):
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, norm_type=1.0)
+    with pytest.raises(ValueError, match="norm_type -inf is not supported"):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, norm_type=-float("inf"))
     # Modules outside any engine keep torch's own function.
     plain = torch.nn.utils.clip_grad_norm_(other.parameters(), 1e9)
     expected = torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in other.parameters()]))
