@@ -925,6 +925,11 @@ class PatrickStarEngine(nn.Module):
         `backward()` and `optimizer.step()`; returns the total gradient norm."""
         return self.optimizer.clip_grad_norm_(max_norm, norm_type)
 
+    def clip_grads_with_norm_(self, max_norm: float, total_norm: float) -> None:
+        """`torch.nn.utils.clip_grads_with_norm_` for gradients in chunks: clips the coming
+        step by `total_norm`, the caller's norm of them."""
+        self.optimizer.clip_grads_with_norm_(max_norm, total_norm)
+
     def clip_grad_value_(self, clip_value: float, parameters=None) -> None:
         """`torch.nn.utils.clip_grad_value_` for gradients in chunks (`parameters`: some of this
         engine's, default all). Under data parallelism every rank calls it, on the reduced

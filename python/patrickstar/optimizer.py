@@ -428,6 +428,29 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
                                 first_norm)
         return torch.tensor(total)
 
+    def clip_grads_with_norm_(self, max_norm: float, total_norm: float) -> None:
+        """`torch.nn.utils.clip_grads_with_norm_`: clips the coming `step()` by max_norm /
+        (total_norm + 1e-6), capped at 1, `total_norm` being the caller's. torch's
+        `get_total_norm([p.grad ...])` before it finds no gradient here and gives 0, which
+        would clip nothing: a zero for gradients that are not all zero is refused."""
+        if not max_norm > 0:
+            raise ValueError(f"clip_grads_with_norm_: max_norm must be positive, got {max_norm}")
+        self.dp.close_accumulation("clip_grads_with_norm_()")  # Note [A short accumulation]
+        overflow, norm = self._gradient_statistics()
+        if total_norm == 0 and (overflow or norm > 0):
+            actual = math.inf if overflow else norm * self._pending_clip_coefficient() / (
+                self.loss_scaler.scale)
+            raise ValueError(
+                f"torch.nn.utils.clip_grads_with_norm_: total_norm is 0 but the PatrickStar "
+                f"engine's gradients have norm {actual:.6g}: they live in chunks (p.grad is "
+                f"None), so torch.nn.utils.get_total_norm over p.grad found none. Call "
+                f"torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm), which returns "
+                f"the total norm and clips, or model.clip_grad_norm_(max_norm)")
+        pending = self._pending_clip_coefficient()  # Note [A clip before the step]
+        first_norm = norm if self._requested_clip is None else self._requested_clip[2]
+        self._requested_clip = (pending * clip_coefficient(total_norm, float(max_norm)),
+                                overflow, first_norm)
+
     # Note [A clip before the step]
     # torch's clip_grad_norm_ scales p.grad at once; here the chunked gradients keep their values
     # and the coefficient waits in _requested_clip (coefficient, overflow, the first call's norm)

@@ -78,6 +78,39 @@ def test_other_norm_orders_clip_as_pytorch_does(norm_type):
         model.clip_grad_norm_(1.0, 0.0)
 
 
+def test_clip_grads_with_norm_clips_by_the_norm_given_and_refuses_an_empty_total():
+    # torch's two halves (torchtitan's recipe): get_total_norm over p.grad finds no gradient
+    # of an engine (it is 0), and clip_grads_with_norm_ clipped nothing, silently. A norm
+    # the engine measured clips as torch's does.
+    data = batches(4)
+    torch.manual_seed(0)
+    reference = MLP()
+    ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
+    torch.manual_seed(0)
+    model, optimizer = patrickstar.initialize(MLP, config=CONFIG)
+    for x, y in data:
+        reference(x, y).backward()
+        ref_norm = torch.nn.utils.get_total_norm([p.grad for p in reference.parameters()])
+        torch.nn.utils.clip_grads_with_norm_(reference.parameters(), 0.5, ref_norm)
+        ref_optimizer.step()
+        ref_optimizer.zero_grad()
+        model(x, y).backward()
+        empty = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()
+                                               if p.grad is not None])
+        with pytest.raises(ValueError, match=r"total_norm is 0 but the PatrickStar engine's "
+                                             r"gradients have norm [0-9.]+: .*clip_grad_norm_"):
+            torch.nn.utils.clip_grads_with_norm_(model.parameters(), 0.5, empty)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
+        torch.nn.utils.clip_grads_with_norm_(model.parameters(), 0.5, norm)
+        optimizer.step()
+        optimizer.zero_grad()
+        torch.testing.assert_close(norm, ref_norm, rtol=1e-5, atol=0)
+        assert ref_norm > 0.5  # clipped
+    state = model.state_dict()
+    for key, tensor in reference.state_dict().items():
+        torch.testing.assert_close(state[key], tensor, rtol=1e-5, atol=1e-6)
+
+
 def test_imported_name_and_model_module_parameters_work_too():
     model, optimizer = patrickstar.initialize(MLP, config=CONFIG)
     from torch.nn.utils import clip_grad_norm_  # looked up after initialize()
