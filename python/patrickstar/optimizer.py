@@ -396,7 +396,8 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         This rank's chunk: under data parallelism only the owner has it after the
         accumulation boundary (PatrickStarEngine.full_gradient gathers it)."""
         if not self.has_grad[index]:
-            return None
+            # Zeros kept by zero_grad(set_to_none=False): Note [Gradients zeroed, not dropped].
+            return torch.zeros(self.chunked.shapes[index]) if index in self._zeroed else None
         grad = self.chunked.read(index, _C.ChunkKind.GRADIENT).float()
         scale = self.loss_scaler.scale
         return grad.mul_(self._pending_clip_coefficient() / scale)
@@ -522,8 +523,9 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         if set_to_none:
             self._zeroed -= indices
             self._stepped -= indices
-        else:
-            self._zeroed |= indices & (self._stepped | {
+        else:  # this rank's parameters only: their owner updates them
+            owned = {index for row in self._update_rows() for index in row.indices}
+            self._zeroed |= indices & owned & (self._stepped | {
                 index for index, has in enumerate(self.has_grad) if has})
 
     def _fill_zeroed_gradients(self) -> None:
