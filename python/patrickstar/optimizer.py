@@ -224,7 +224,7 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         for group_index, group in enumerate(self.param_groups):
             for param in group["params"]:
                 self._group_of[params.index_of(param)] = group_index
-        self._rows: list[_UpdateRow] | None = None  # built at the first step
+        self._rows: list[_UpdateRow] | None = None  # built at first use
         self._tensor_chunk: dict[int, int] = {}
         self._remade_chunks: dict[int, bool] = {}  # compute chunk -> re-made from its master
         # clip_grad_norm_() before this step: (max_norm, overflow, scaled norm).
@@ -531,6 +531,8 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
     def _fill_zeroed_gradients(self) -> None:
         """Zero gradients for this rank's zeroed parameters without one of their own (Note
         [Gradients zeroed, not dropped])."""
+        if not self._zeroed:
+            return
         for row in self._update_rows():
             for index in row.indices:
                 if index in self._zeroed and not self.has_grad[index]:
