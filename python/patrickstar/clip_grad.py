@@ -12,7 +12,9 @@ the coming `optimizer.step()`), provided they are all of that engine's trainable
 instead of clipping a different set than asked. Parameters of no engine go to torch's function
 untouched (param_owners.py says which engine a parameter belongs to). Likewise
 `torch.nn.utils.clip_grad_value_`, which did nothing either: an engine's gradients are clamped
-in their chunks, other parameters' by torch.
+in their chunks, other parameters' by torch; and `torch.nn.utils.clip_grads_with_norm_` (the
+second half of torch's clip, after `get_total_norm`), which clips the engine's coming step by
+the norm given.
 """
 from __future__ import annotations
 
@@ -28,21 +30,21 @@ __all__ = ["install"]
 _TORCH_CLIP = torch.nn.utils.clip_grad_norm_
 
 
-@functools.wraps(_TORCH_CLIP)
-def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
-    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+def _engine_of_all(params: list, call: str):
+    """The engine whose trainable parameters are all of `params`, or None when none of them
+    is an engine's; raises for a subset, several engines or gradients outside the engine."""
     engines = {id(e): e for e in (engine_of(p) for p in params) if e is not None}
     if not engines:
-        return _TORCH_CLIP(params, max_norm, norm_type, error_if_nonfinite, foreach)
+        return None
     if len(engines) > 1:
-        raise ValueError("torch.nn.utils.clip_grad_norm_: the parameters belong to "
-                         f"{len(engines)} PatrickStar engines; clip each model on its own "
-                         "(model.clip_grad_norm_(max_norm))")
+        raise ValueError(f"torch.nn.utils.{call}: the parameters belong to {len(engines)} "
+                         f"PatrickStar engines; clip each model on its own "
+                         f"(model.clip_grad_norm_(max_norm))")
     engine = next(iter(engines.values()))
     foreign = [p for p in params if engine_of(p) is None and p.grad is not None]
     if foreign:
         raise ValueError(
-            f"torch.nn.utils.clip_grad_norm_: {len(foreign)} of the parameters given have "
+            f"torch.nn.utils.{call}: {len(foreign)} of the parameters given have "
             f"gradients outside the PatrickStar engine (shapes "
             f"{[tuple(p.shape) for p in foreign[:3]]}); their norm cannot be combined with the "
             f"engine's chunked gradients. Clip the engine with model.clip_grad_norm_(max_norm) "
@@ -52,10 +54,19 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
                if p.requires_grad and id(p) not in given]
     if missing:
         raise ValueError(
-            f"torch.nn.utils.clip_grad_norm_: {len(missing)} trainable parameters of the "
+            f"torch.nn.utils.{call}: {len(missing)} trainable parameters of the "
             f"PatrickStar engine are not among those given (e.g. {missing[:3]}); the engine "
             f"clips by the norm of all its gradients: pass model.parameters() or call "
             f"model.clip_grad_norm_(max_norm)")
+    return engine
+
+
+@functools.wraps(_TORCH_CLIP)
+def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    engine = _engine_of_all(params, "clip_grad_norm_")
+    if engine is None:
+        return _TORCH_CLIP(params, max_norm, norm_type, error_if_nonfinite, foreach)
     norm = engine.clip_grad_norm_(float(max_norm), float(norm_type))
     if error_if_nonfinite and not math.isfinite(float(norm)):
         raise RuntimeError(f"The total norm of order {float(norm_type)} for gradients from "
@@ -63,6 +74,21 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
                            "error and scale the gradients by the non-finite norm anyway, set "
                            "`error_if_nonfinite=False`")
     return norm
+
+
+_TORCH_CLIP_WITH_NORM = torch.nn.utils.clip_grads_with_norm_
+
+
+@functools.wraps(_TORCH_CLIP_WITH_NORM)
+def clip_grads_with_norm_(parameters, max_norm, total_norm, foreach=None):
+    """The second half of torch's clip_grad_norm_ (torchtitan's recipe: `get_total_norm` of
+    the p.grad, then this): an engine clips its coming step by `total_norm`
+    (PatrickStarOptimizer.clip_grads_with_norm_); other parameters go to torch's function."""
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    engine = _engine_of_all(params, "clip_grads_with_norm_")
+    if engine is None:
+        return _TORCH_CLIP_WITH_NORM(params, max_norm, total_norm, foreach)
+    return engine.clip_grads_with_norm_(float(max_norm), float(total_norm))
 
 
 _TORCH_CLIP_VALUE = torch.nn.utils.clip_grad_value_
@@ -93,4 +119,5 @@ def install() -> None:
     torch.nn.utils.clip_grad_norm_ = clip_grad_norm_
     torch.nn.utils.clip_grad.clip_grad_norm_ = clip_grad_norm_
     torch.nn.utils.clip_grad_value_ = clip_grad_value_
+    torch.nn.utils.clip_grads_with_norm_ = clip_grads_with_norm_
     torch.nn.utils.clip_grad.clip_grad_value_ = clip_grad_value_

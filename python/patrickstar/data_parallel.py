@@ -736,6 +736,19 @@ class DataParallel:
         recorded_collectives.all_reduce(communicator, values, "sum", label, self.timeout, phase)
         return [tuple(r) for r in values.view(self.world_size, width).tolist()]
 
+    def all_reduce_grad_powers(self, overflow: bool, value: float,
+                               maximum: bool) -> tuple[bool, float]:
+        """all_reduce_grad_stats for torch's other norm orders: sums the owned gradients'
+        `value` (their sum of |g|^p), or takes the largest (`maximum`: the inf norm), and ORs
+        the overflow flags. Not with pipeline stages or tensor slices (the optimizer refuses
+        other orders than 2 there)."""
+        if not self.enabled:
+            return overflow, value
+        rows = self._every_ranks_row((value, 1.0 if overflow else 0.0), self.communicator,
+                                     "gradient norm and overflow")
+        values = [row[0] for row in rows]
+        return any(row[1] > 0 for row in rows), max(values) if maximum else sum(values)
+
     def all_reduce_grad_stats(self, overflow: bool, squared: float) -> tuple[bool, float]:
         """Sums the squared norms of the owned gradients and ORs the overflow flags (over the
         model group too with pipeline stages or tensor slices: topology.py's Note [Gradient

@@ -88,7 +88,7 @@ from .module_methods import ModuleMethods
 from .module_state_hooks import ModuleStateHooks
 from .first_rank_init import first_rank_rng, take_first_rank_state
 from .init_context import (BuiltModule, InitResidency, ParameterPlacer, built_dtype_warning,
-                           plan_parameters)
+                           plan_parameters, sparse_gradient_error)
 from .input_cast import cast_floating_inputs, inputs_to_device
 from .loss_scaler import make_loss_scaler
 from .optimizer import PatrickStarOptimizer, build_param_groups
@@ -905,6 +905,8 @@ class PatrickStarEngine(nn.Module):
             if grad is None or owner is None:
                 return
             owner._backward.before_storing_grad()
+            if grad.layout != torch.strided:  # where a store's shape error is raised too
+                raise sparse_gradient_error(owner.params.names[index], grad)
             has_grad = owner.optimizer.has_grad
             if owner.dp.ends_param_access_at_grad:
                 owner._end_param_access(index)
@@ -923,6 +925,11 @@ class PatrickStarEngine(nn.Module):
         `backward()` and `optimizer.step()`; returns the total gradient norm."""
         return self.optimizer.clip_grad_norm_(max_norm, norm_type)
 
+    def clip_grads_with_norm_(self, max_norm: float, total_norm: float) -> None:
+        """`torch.nn.utils.clip_grads_with_norm_` for gradients in chunks: clips the coming
+        step by `total_norm`, the caller's norm of them."""
+        self.optimizer.clip_grads_with_norm_(max_norm, total_norm)
+
     def clip_grad_value_(self, clip_value: float, parameters=None) -> None:
         """`torch.nn.utils.clip_grad_value_` for gradients in chunks (`parameters`: some of this
         engine's, default all). Under data parallelism every rank calls it, on the reduced
@@ -934,15 +941,15 @@ class PatrickStarEngine(nn.Module):
         self.optimizer.clip_grad_value_(clip_value, indices)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad()
+        self.optimizer.zero_grad(set_to_none)
 
-    def drop_gradients(self, params) -> None:
+    def drop_gradients(self, params, set_to_none: bool = True) -> None:
         """torch's `module.zero_grad()` of a module holding `params` (Note [Module zero_grad]
         in module_zero_grad.py): all of this engine's parameters is optimizer.zero_grad(); a
         part drops that part's chunked gradients."""
         indices = {self._parameter_index(param, "zero_grad") for param in params}
         if len(indices) == len(self.params.params):
-            self.optimizer.zero_grad()
+            self.optimizer.zero_grad(set_to_none)
             return
         if self.dp.enabled:
             names = [f"module.{self.params.names[i]}" for i in sorted(indices)[:3]]
@@ -952,7 +959,7 @@ class PatrickStarEngine(nn.Module):
                 f"each rank's gradient chunks hold reduced shards of every parameter, so a part "
                 f"of them cannot be dropped. Drop all of them with optimizer.zero_grad(), or "
                 f"leave the part out of the loss (torch.no_grad() or detach())")
-        self.optimizer.drop_gradients(sorted(indices))
+        self.optimizer.drop_gradients(sorted(indices), set_to_none)
 
     @contextlib.contextmanager
     def no_sync(self):

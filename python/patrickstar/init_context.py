@@ -56,7 +56,7 @@ from .restore_on_use import defer, undefer
 from .utils.logging import logger as _log
 
 __all__ = ["BuiltModule", "ParamSpec", "plan_parameters", "ParameterPlacer", "InitResidency",
-           "built_dtype_warning"]
+           "built_dtype_warning", "sparse_gradient_error"]
 
 
 @dataclasses.dataclass
@@ -130,6 +130,18 @@ def _check_sparse_gradients(model: nn.Module) -> None:
                 f"{type(module).__name__} '{name}' was built with sparse=True: its sparse "
                 f"gradients cannot be stored in PatrickStar's gradient chunks, and Adam has no "
                 f"sparse update (torch.optim.Adam refuses them too). Build it with sparse=False")
+
+
+def sparse_gradient_error(name: str, grad: torch.Tensor) -> ValueError:
+    """The error for a sparse gradient that reaches a parameter's gradient hook anyway: from
+    `F.embedding(..., sparse=True)` in a forward, or `sparse` set on a module after
+    `initialize()`, which the check above cannot see (the store failed in torch with "copy_()
+    between dense and sparse Tensors is not implemented", naming no parameter)."""
+    return ValueError(
+        f"parameter '{name}' got a {grad.layout} gradient (F.embedding / F.embedding_bag with "
+        f"sparse=True, or an Embedding's sparse set after patrickstar.initialize()): sparse "
+        f"gradients cannot be stored in PatrickStar's gradient chunks, and Adam has no sparse "
+        f"update (torch.optim.Adam refuses them too). Use sparse=False")
 
 
 def plan_parameters(model_func: Callable[[], nn.Module],

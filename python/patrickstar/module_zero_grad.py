@@ -37,7 +37,7 @@ def zero_grad(self: nn.Module, set_to_none: bool = True) -> None:
         if engine is not None:
             by_engine.setdefault(id(engine), (engine, []))[1].append(param)
     for engine, params in by_engine.values():
-        engine.drop_gradients(params)
+        engine.drop_gradients(params, set_to_none)
 
 
 def install() -> None:

@@ -210,6 +210,10 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         self.overflow = False
         self.step_counts = [0] * len(params)  # Adam's step count of each parameter
         self.has_grad = [False] * len(params)  # a gradient this step (set by the engine)
+        # Note [Gradients zeroed, not dropped]: the parameters whose p.grad torch would hold as
+        # zeros now, and those the last step had gradients for.
+        self._zeroed: set[int] = set()
+        self._stepped: set[int] = set()
         self._end_iteration = end_iteration
         self._phase = phase
         self._wait_for_gradient_stores = wait_for_gradient_stores
@@ -220,7 +224,7 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         for group_index, group in enumerate(self.param_groups):
             for param in group["params"]:
                 self._group_of[params.index_of(param)] = group_index
-        self._rows: list[_UpdateRow] | None = None  # built at the first step
+        self._rows: list[_UpdateRow] | None = None  # built at first use
         self._tensor_chunk: dict[int, int] = {}
         self._remade_chunks: dict[int, bool] = {}  # compute chunk -> re-made from its master
         # clip_grad_norm_() before this step: (max_norm, overflow, scaled norm).
@@ -307,10 +311,11 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         self._check_hyperparameters()
         self._check_no_unplaced_gradients()
         self.dp.close_accumulation("optimizer.step()")  # Note [A short accumulation]
+        self._stepped = {index for index, has in enumerate(self.has_grad) if has}
         run = self.guard.before_step()
         self.guard.after_step()
         if not run:  # a non-finite loss was skipped (config nonfinite_loss: "skip")
-            self.zero_grad()
+            self._drop_step_gradients()
             self._end_iteration()
             return False
         clip = self.config.gradient_clipping
@@ -331,7 +336,7 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         overflow = overflow and self.precision == "fp16"
         self.overflow = overflow
         if overflow:
-            self.zero_grad()
+            self._drop_step_gradients()
             self._end_iteration()
             # Raises at the minimum scale (Note [Overflow at the minimum loss scale] in
             # loss_scaler.py), after the skipped step is cleaned up like any other.
@@ -343,11 +348,12 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         else:
             coef = clip_coefficient(norm / grad_scale, clip) if clip > 0 else 1.0
         try:
+            self._fill_zeroed_gradients()
             self._sweep(grad_scale, coef)
         except BaseException as error:
             self.guard.step_failed(error)
             raise
-        self.zero_grad()
+        self._drop_step_gradients()
         self._end_iteration()
         return True
 
@@ -390,7 +396,8 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         This rank's chunk: under data parallelism only the owner has it after the
         accumulation boundary (PatrickStarEngine.full_gradient gathers it)."""
         if not self.has_grad[index]:
-            return None
+            # Zeros kept by zero_grad(set_to_none=False): Note [Gradients zeroed, not dropped].
+            return torch.zeros(self.chunked.shapes[index]) if index in self._zeroed else None
         grad = self.chunked.read(index, _C.ChunkKind.GRADIENT).float()
         scale = self.loss_scaler.scale
         return grad.mul_(self._pending_clip_coefficient() / scale)
@@ -400,19 +407,50 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         `model.parameters()` cannot show): returns the total norm over every rank's gradients
         (unscaled: what PyTorch would report) and clips the coming `step()` to `max_norm`, for
         this step only (config `gradient_clipping` clips every step)."""
-        if norm_type != 2.0:
+        if not (norm_type == math.inf or norm_type > 0):
             raise ValueError(f"clip_grad_norm_: norm_type {norm_type} is not supported; "
-                             f"PatrickStar-C++ clips by the L2 norm (norm_type=2.0)")
+                             f"PatrickStar-C++ clips by a norm of order p > 0 or inf (torch's "
+                             f"default: 2.0)")
+        if norm_type != 2.0 and self.dp.model_parallel is not None:
+            raise ValueError(f"clip_grad_norm_: norm_type {norm_type} with pipeline stages or "
+                             f"tensor slices is not supported; clip by the L2 norm "
+                             f"(norm_type=2.0)")
         if not max_norm > 0:
             raise ValueError(f"clip_grad_norm_: max_norm must be positive, got {max_norm}")
         self.dp.close_accumulation("clip_grad_norm_()")  # Note [A short accumulation]
-        overflow, norm = self._gradient_statistics()
+        if norm_type == 2.0:
+            overflow, norm = self._gradient_statistics()
+        else:
+            overflow, norm = self._gradient_norm(norm_type)
         pending = self._pending_clip_coefficient()  # Note [A clip before the step]
         total = math.inf if overflow else norm * pending / self.loss_scaler.scale
         first_norm = norm if self._requested_clip is None else self._requested_clip[2]
         self._requested_clip = (pending * clip_coefficient(total, float(max_norm)), overflow,
                                 first_norm)
         return torch.tensor(total)
+
+    def clip_grads_with_norm_(self, max_norm: float, total_norm: float) -> None:
+        """`torch.nn.utils.clip_grads_with_norm_`: clips the coming `step()` by max_norm /
+        (total_norm + 1e-6), capped at 1, `total_norm` being the caller's. torch's
+        `get_total_norm([p.grad ...])` before it finds no gradient here and gives 0, which
+        would clip nothing: a zero for gradients that are not all zero is refused."""
+        if not max_norm > 0:
+            raise ValueError(f"clip_grads_with_norm_: max_norm must be positive, got {max_norm}")
+        self.dp.close_accumulation("clip_grads_with_norm_()")  # Note [A short accumulation]
+        overflow, norm = self._gradient_statistics()
+        if total_norm == 0 and (overflow or norm > 0):
+            actual = math.inf if overflow else norm * self._pending_clip_coefficient() / (
+                self.loss_scaler.scale)
+            raise ValueError(
+                f"torch.nn.utils.clip_grads_with_norm_: total_norm is 0 but the PatrickStar "
+                f"engine's gradients have norm {actual:.6g}: they live in chunks (p.grad is "
+                f"None), so torch.nn.utils.get_total_norm over p.grad found none. Call "
+                f"torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm), which returns "
+                f"the total norm and clips, or model.clip_grad_norm_(max_norm)")
+        pending = self._pending_clip_coefficient()  # Note [A clip before the step]
+        first_norm = norm if self._requested_clip is None else self._requested_clip[2]
+        self._requested_clip = (pending * clip_coefficient(total_norm, float(max_norm)),
+                                overflow, first_norm)
 
     # Note [A clip before the step]
     # torch's clip_grad_norm_ scales p.grad at once; here the chunked gradients keep their values
@@ -454,17 +492,63 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drops the gradients; between steps also the backward calls made so far (Note
-        [Training call order] in guards.py)."""
+        [Training call order] in guards.py). `set_to_none=False`: Note [Gradients zeroed, not
+        dropped]."""
         with self.guard.calling("optimizer.zero_grad()"):  # Note [One thread at a time]
-            self._requested_clip = None
-            self.drop_gradients(range(len(self.has_grad)))
-            if self.guard.discard_backwards():
-                self.dp.discard_accumulation()
+            self._note_zeroing(range(len(self.has_grad)), set_to_none)
+            self._drop_step_gradients()
 
-    def drop_gradients(self, indices: Iterable[int]) -> None:
+    def _drop_step_gradients(self) -> None:
+        """zero_grad() without its set_to_none: also the step's own drop of the gradients it
+        applied, which a user's zero_grad(set_to_none=False) then follows."""
+        self._requested_clip = None
+        self._free_gradients(range(len(self.has_grad)))
+        if self.guard.discard_backwards():
+            self.dp.discard_accumulation()
+
+    # Note [Gradients zeroed, not dropped]
+    # torch's zero_grad(set_to_none=False) (the default before torch 2.0, and model.zero_grad's)
+    # leaves every existing p.grad a tensor of zeros, and torch's Adam updates every parameter
+    # whose p.grad is not None: one unused in a later step (a branch not taken, a frozen part)
+    # still moves there, by its decaying first moment (and AdamW's decay). Gradients here live
+    # in chunks and every step drops them (DeepSpeed's engine does too), so such a parameter
+    # was skipped: 0.002 off PyTorch after four steps of a branch taken once. The optimizer
+    # therefore remembers the parameters torch would keep zeros for: those with a gradient (or
+    # the last step's) when zero_grad(set_to_none=False) is called, until a zero_grad with
+    # set_to_none=True forgets them; a step gives each of them without a gradient of its own
+    # a zero gradient, so it is updated as torch's Adam updates it. Loops that never call
+    # zero_grad, or call it with set_to_none=True, are as before.
+    def _note_zeroing(self, indices: Iterable[int], set_to_none: bool) -> None:
+        indices = set(indices)
+        if set_to_none:
+            self._zeroed -= indices
+            self._stepped -= indices
+        else:  # this rank's parameters only: their owner updates them
+            owned = {index for row in self._update_rows() for index in row.indices}
+            self._zeroed |= indices & owned & (self._stepped | {
+                index for index, has in enumerate(self.has_grad) if has})
+
+    def _fill_zeroed_gradients(self) -> None:
+        """Zero gradients for this rank's zeroed parameters without one of their own (Note
+        [Gradients zeroed, not dropped])."""
+        if not self._zeroed:
+            return
+        for row in self._update_rows():
+            for index in row.indices:
+                if index in self._zeroed and not self.has_grad[index]:
+                    with self.chunked.view(index, _C.ChunkKind.GRADIENT, T.HOST) as grad:
+                        grad.zero_()
+                    self.has_grad[index] = True
+
+    def drop_gradients(self, indices: Iterable[int], set_to_none: bool = True) -> None:
         """Frees the gradients of these parameters (a module's zero_grad(): Note [Module
         zero_grad] in module_zero_grad.py); the backward calls of the step stay counted. A clip
         asked for before stays: torch would already have scaled the remaining gradients."""
+        indices = list(indices)
+        self._note_zeroing(indices, set_to_none)
+        self._free_gradients(indices)
+
+    def _free_gradients(self, indices: Iterable[int]) -> None:
         indices = [index for index in indices if self.has_grad[index]]
         if indices:  # a store still queued on the GPU may use a block being freed
             self._wait_for_gradient_stores()
@@ -498,6 +582,18 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
             squared += grad_squared
         overflow, squared = self.dp.all_reduce_grad_stats(overflow, squared)
         return overflow, math.sqrt(squared)
+
+    def _gradient_norm(self, norm_type: float) -> tuple[bool, float]:
+        """_gradient_statistics for torch's other norm orders (clip_grad_norm_'s norm_type):
+        the norm of the tensors' norms, as torch takes it, and whether one is inf/NaN."""
+        overflow, total = False, 0.0
+        for _, grad in self._grad_views():
+            norm = float(torch.linalg.vector_norm(grad, norm_type, dtype=torch.float32))
+            overflow |= not math.isfinite(norm)
+            total = max(total, norm) if norm_type == math.inf else total + norm ** norm_type
+        overflow, total = self.dp.all_reduce_grad_powers(overflow, total,
+                                                         maximum=norm_type == math.inf)
+        return overflow, total if norm_type == math.inf else total ** (1.0 / norm_type)
 
     # ---- The sweep -----------------------------------------------------------------------------
 

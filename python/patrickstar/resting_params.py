@@ -108,7 +108,12 @@ def _written(func, args, kwargs) -> list:
 
 
 def _call(func) -> str:
-    return f"{getattr(func, '__name__', func)}()"
+    """How the error names `func`: an attribute read (`weight.T`, `.mT`, `.real`) reaches
+    __torch_function__ as its descriptor's `__get__`, shown as the attribute."""
+    name = getattr(func, "__name__", func)
+    if name == "__get__":
+        return f".{getattr(getattr(func, '__self__', None), '__name__', '?')}"
+    return f"{name}()"
 
 
 def _label(engine, index: int) -> str:

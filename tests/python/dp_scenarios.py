@@ -49,6 +49,16 @@ def branch_batches(steps, batch=16, seed=0):
         yield x, y
 
 
+def rare_branch_batches(steps, batch=16, seed=0):
+    """branch_batches in the first step (one rank takes the branch), then no rank takes it
+    but in the fourth step (both take it)."""
+    for step, (x, y) in enumerate(mlp_batches(steps, batch, seed)):
+        x[:, 0] = x[:, 0].abs() + 0.1 if step == 3 else -x[:, 0].abs() - 0.1
+        if step == 0:
+            x[:batch // 2, 0] = -x[:batch // 2, 0]
+        yield x, y
+
+
 def half_mlp_batches(steps, batch=16, seed=0):
     """fp16 inputs for fp16 parameters (the fp32 reference casts them back)."""
     for x, y in mlp_batches(steps, batch, seed):
@@ -133,11 +143,14 @@ class Scenario:
     # torch.nn.utils.clip_grad_norm_(model.parameters(), clip) before each step instead of the
     # config's gradient_clipping (Note [torch's clip_grad_norm_] in clip_grad.py).
     torch_clip: bool = False
+    clip_norm_type: float = 2.0  # its norm_type
     # (micro-step, rank) whose loss the worker makes NaN before backward (config nonfinite_loss
     # "skip": every rank skips that backward and the step it belongs to).
     nan_loss: tuple[int, int] | None = None
     # Optimizer steps the worker replaces by optimizer.zero_grad() (the gradients dropped).
     discarded_steps: tuple[int, ...] = ()
+    # optimizer.zero_grad(set_to_none=...) after each step, in the worker and the reference.
+    set_to_none: bool = True
     # New weights after initialize(), before training (`reinitialize` on the model):
     # "apply" model.apply(reinitialize); "load" model.load_state_dict(...) and "module_load"
     # model.module.load_state_dict(...) of a plain model it reinitialized.
@@ -198,6 +211,9 @@ SCENARIOS = {
                           steps=10),
     "mlp_accumulation_clipping": Scenario(MLP, mlp_batches, {"default_chunk_size": 4096},
                                           steps=4, clip=0.5, accumulation=3),
+    # torch.nn.utils.clip_grad_norm_ by the largest gradient element, over every rank's shard.
+    "mlp_clip_inf": Scenario(MLP, mlp_batches, {"default_chunk_size": 4096}, steps=4, clip=0.01,
+                             torch_clip=True, clip_norm_type=float("inf")),
     "mlp_accumulation_keep": Scenario(MLP, mlp_batches, {
         "default_chunk_size": 4096,
         "parallel": {"reshard_after_forward": False, "gradient_accumulation": "full"}},
@@ -271,6 +287,10 @@ SCENARIOS = {
         steps=2, accumulation=2, optimizer="Adam", weight_decay=0.0, atol=1e-5),
     "branch": Scenario(RankDependentBranch, branch_batches, {"default_chunk_size": 2048},
                        steps=6),
+    # zero_grad(set_to_none=False): the branch's parameters keep zero gradients in the steps
+    # no rank takes it, and Adam moves them (Note [Gradients zeroed, not dropped]).
+    "branch_zeroed": Scenario(RankDependentBranch, rare_branch_batches,
+                              {"default_chunk_size": 2048}, steps=5, set_to_none=False),
     "branch_unused": Scenario(BranchWithUnused, branch_batches, {"default_chunk_size": 2048},
                               steps=4),
     # Sharded accumulation (parallel.gradient_accumulation "sharded", the default): the branch's
@@ -455,9 +475,9 @@ def reference(name: str, world: int):
         if s.ends_step(step):
             if s.step_applied(step // s.accumulation):
                 if s.clip:
-                    nn.utils.clip_grad_norm_(model.parameters(), s.clip)
+                    nn.utils.clip_grad_norm_(model.parameters(), s.clip, s.clip_norm_type)
                 optimizer.step()
-            optimizer.zero_grad()
+            optimizer.zero_grad(set_to_none=s.set_to_none)
     return losses, model.state_dict()
 
 

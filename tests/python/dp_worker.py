@@ -78,9 +78,9 @@ def train(name: str, rank: int, world: int) -> dict:
                 optimizer.zero_grad()  # gradients computed and dropped: no update
                 continue
             if s.torch_clip:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), s.clip)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), s.clip, s.clip_norm_type)
             optimizer.step()
-            optimizer.zero_grad()
+            optimizer.zero_grad(set_to_none=s.set_to_none)
     stats = model.memory_stats()  # after the step: gathered copies and remote grads dropped
     manager = model.chunks.manager
     # This rank's compute chunks holding a payload after the step, and those it may re-make

@@ -49,6 +49,68 @@ def test_nanogpt_loop_clips_as_pytorch_does():
         torch.testing.assert_close(state[key], tensor, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("norm_type", [float("inf"), 1.0, 3.0])
+def test_other_norm_orders_clip_as_pytorch_does(norm_type):
+    # They were refused ("PatrickStar-C++ clips by the L2 norm"). The two-rank run is
+    # test_data_parallel.py's mlp_clip_inf.
+    data = batches(4)
+    norms = {}
+    for kind in ("torch", "engine"):
+        torch.manual_seed(0)
+        if kind == "torch":
+            model = MLP()
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+        else:
+            model, optimizer = patrickstar.initialize(MLP, config=CONFIG)
+        norms[kind] = []
+        for x, y in data:
+            model(x, y).backward()
+            norms[kind].append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1,
+                                                              norm_type=norm_type))
+            optimizer.step()
+            optimizer.zero_grad()
+        norms[kind + " state"] = model.state_dict()
+    assert min(norms["torch"]) > 0.1  # every step clipped
+    torch.testing.assert_close(norms["engine"], norms["torch"], rtol=1e-5, atol=0)
+    for key, tensor in norms["torch state"].items():
+        torch.testing.assert_close(norms["engine state"][key], tensor, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="norm_type 0.0 is not supported"):
+        model.clip_grad_norm_(1.0, 0.0)
+
+
+def test_clip_grads_with_norm_clips_by_the_norm_given_and_refuses_an_empty_total():
+    # torch's two halves (torchtitan's recipe): get_total_norm over p.grad finds no gradient
+    # of an engine (it is 0), and clip_grads_with_norm_ clipped nothing, silently. A norm
+    # the engine measured clips as torch's does.
+    data = batches(4)
+    torch.manual_seed(0)
+    reference = MLP()
+    ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
+    torch.manual_seed(0)
+    model, optimizer = patrickstar.initialize(MLP, config=CONFIG)
+    for x, y in data:
+        reference(x, y).backward()
+        ref_norm = torch.nn.utils.get_total_norm([p.grad for p in reference.parameters()])
+        torch.nn.utils.clip_grads_with_norm_(reference.parameters(), 0.5, ref_norm)
+        ref_optimizer.step()
+        ref_optimizer.zero_grad()
+        model(x, y).backward()
+        empty = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()
+                                               if p.grad is not None])
+        with pytest.raises(ValueError, match=r"total_norm is 0 but the PatrickStar engine's "
+                                             r"gradients have norm [0-9.]+: .*clip_grad_norm_"):
+            torch.nn.utils.clip_grads_with_norm_(model.parameters(), 0.5, empty)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
+        torch.nn.utils.clip_grads_with_norm_(model.parameters(), 0.5, norm)
+        optimizer.step()
+        optimizer.zero_grad()
+        torch.testing.assert_close(norm, ref_norm, rtol=1e-5, atol=0)
+        assert ref_norm > 0.5  # clipped
+    state = model.state_dict()
+    for key, tensor in reference.state_dict().items():
+        torch.testing.assert_close(state[key], tensor, rtol=1e-5, atol=1e-6)
+
+
 def test_imported_name_and_model_module_parameters_work_too():
     model, optimizer = patrickstar.initialize(MLP, config=CONFIG)
     from torch.nn.utils import clip_grad_norm_  # looked up after initialize()
@@ -70,8 +132,8 @@ def test_a_subset_or_foreign_gradients_raise_naming_the_engine_call():
     other(torch.randn(2, 3)).sum().backward()
     with pytest.raises(ValueError, match=r"outside the PatrickStar engine \(shapes \[\(3, 3\)"):
         torch.nn.utils.clip_grad_norm_([*model.parameters(), *other.parameters()], 1.0)
-    with pytest.raises(ValueError, match="norm_type 1.0 is not supported"):
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, norm_type=1.0)
+    with pytest.raises(ValueError, match="norm_type -inf is not supported"):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, norm_type=-float("inf"))
     # Modules outside any engine keep torch's own function.
     plain = torch.nn.utils.clip_grad_norm_(other.parameters(), 1e9)
     expected = torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in other.parameters()]))

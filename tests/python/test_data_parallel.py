@@ -85,7 +85,8 @@ TWO_RANK_SCENARIOS = ["mlp", "mlp_process_group", "mlp_tight", "mlp_accumulation
                       "mlp_accumulation_keep",
                       "mlp_accumulation_full", "mlp_memory_saving", "gpt", "gpt_tight",
                       "gpt_tight_no_ahead", "gpt_keep", "blocks", "blocks_auto", "blocks_accumulation",
-                      "blocks_accumulation_full", "branch", "branch_unused",
+                      "blocks_accumulation_full", "branch", "branch_unused", "branch_zeroed",
+                      "mlp_clip_inf",
                       "branch_accumulation", "gpt_bf16", "mlp_fp16", "mlp_fp16_accumulation",
                       "gpt_bf16_accumulation", "mlp_bf16_state", "mlp_int8_state", "mlp_bf16_no_master",
                       "mlp_frozen", "mlp_loss_backward", "mlp_accumulation_skip",
@@ -488,6 +489,17 @@ def test_frozen_parameters_match_pytorch(two_ranks):
 def test_rank_dependent_control_flow_neither_deadlocks_nor_diverges(two_ranks):
     # Rank 0's shards take the branch, rank 1's never do.
     check_matches_reference(two_ranks, "branch")
+
+
+def test_torch_clip_by_the_inf_norm_takes_every_ranks_gradients(two_ranks):
+    # norm_type inf was refused ("PatrickStar-C++ clips by the L2 norm").
+    check_matches_reference(two_ranks, "mlp_clip_inf")
+
+
+def test_zero_grad_keeping_zeros_updates_a_branch_no_rank_took_as_pytorch(two_ranks):
+    # Note [Gradients zeroed, not dropped]: each owner gives its zeroed parameters a zero
+    # gradient in the steps no rank took the branch.
+    check_matches_reference(two_ranks, "branch_zeroed")
 
 
 BOUNDARY_SCENARIOS = [f"boundary_{chunk}" for chunk in BOUNDARY_CHUNKS] + ["boundary_65536"]

@@ -163,6 +163,49 @@ def test_sparse_embeddings_are_refused_naming_the_module():
         patrickstar.initialize(Sparse, config={"default_chunk_size": 4096})
 
 
+class FunctionalSparse(nn.Module):
+    """A table looked up with F.embedding(sparse=...) in the forward, which the check at
+    initialize() cannot see."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(20, 4))
+        self.head = nn.Linear(4, 1)
+        self.sparse = False
+
+    def forward(self, tokens):
+        return self.head(nn.functional.embedding(tokens, self.table, sparse=self.sparse)).sum()
+
+
+def test_a_sparse_gradient_in_the_backward_is_refused_naming_the_parameter():
+    # It failed in torch's copy_ ("copy_() between dense and sparse Tensors is not
+    # implemented"), naming no parameter. After the error the engine trains on as torch does.
+    tokens = torch.tensor([[1, 2, 3, 2]])
+    torch.manual_seed(0)
+    reference = FunctionalSparse()
+    ref_optimizer = torch.optim.Adam(reference.parameters(), lr=1e-2)
+    torch.manual_seed(0)
+    model, optimizer = patrickstar.initialize(FunctionalSparse, config={
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-2}}, "default_chunk_size": 4096})
+    model.module.sparse = True
+    with pytest.raises(ValueError, match="parameter 'table' got a torch.sparse_coo gradient"):
+        model.backward(model(tokens))
+    optimizer.zero_grad()  # the head's gradient was stored before the error, as in torch
+    model.module.sparse = False
+    for _ in range(2):
+        loss = model(tokens)
+        model.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        ref_loss = reference(tokens)
+        ref_loss.backward()
+        ref_optimizer.step()
+        ref_optimizer.zero_grad()
+        torch.testing.assert_close(loss, ref_loss)
+    for key, tensor in reference.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[key], tensor)
+
+
 class Regrown(nn.Module):
     """A weight given new data of another shape after its registration (as Hugging Face's
     resize_token_embeddings does), and one given new data of its own shape."""

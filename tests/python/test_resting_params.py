@@ -261,6 +261,9 @@ def test_a_penalty_between_the_forward_and_its_backward_is_refused_and_logging_r
     with pytest.raises(RuntimeError, match=r"pow\(\) of PatrickStar parameter 'module\..*' "
                                            r"between the forward and its backward.*weight_decay"):
         sum(p.pow(2).sum() for p in model.parameters())
+    with pytest.raises(RuntimeError, match=r"^\.T of PatrickStar parameter 'module\.h\.weight' "
+                                           r"between the forward"):  # it said "__get__()"
+        model.module.h.weight.T
     with torch.no_grad():  # a logging read gives the value, as in PyTorch
         norms = [p.norm() for p in model.module.parameters()]
     expected = [p.norm() for p in reference.parameters()]
