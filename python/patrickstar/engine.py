@@ -79,7 +79,8 @@ from .deepspeed_loop import DeepSpeedLoop
 from .deepspeed_schedulers import build_scheduler
 from .guards import TrainingGuard, check_budgets
 from .embedding_renorm import RenormAcrossRanks, refuse_lost_renorms
-from .external_params import external_parameter_hint, external_parameters
+from .external_params import (external_parameter_hint, external_parameters,
+                              unregistered_read_note)
 from .hooks import CallHooks, ModuleHooks
 from .memory_formats import format_name, memory_format_warning
 from .module_apply import ModuleApply
@@ -754,8 +755,9 @@ class PatrickStarEngine(nn.Module):
             with self._views.hooks():
                 output = self.module(*args, **kwargs)
             completed = True
-        except RuntimeError as error:
-            hint = external_parameter_hint(error, self.compute_dtype)
+        except Exception as error:  # Note [Naming an unregistered read] in external_params.py
+            hint = (unregistered_read_note(error, self.module, self._holds_placeholder)
+                    or external_parameter_hint(error, self.compute_dtype))
             if hint is not None:
                 error.add_note(hint)
             raise
@@ -1206,6 +1208,11 @@ class PatrickStarEngine(nn.Module):
             f"model.load_state_dict or edit them with writeback=True first); a "
             f"torch.nn.utils.parametrize merge (remove_parametrizations) runs a forward too: "
             f"merge on a plain copy, copy.deepcopy(model.module)")
+
+    def _holds_placeholder(self, param: nn.Parameter) -> bool:
+        """Whether `param` is one of ours between its uses (Note [Parameter data swapping])."""
+        index = self.params.index_of(param)
+        return index is not None and not self.parameter_in_use(index)
 
     def parameter_in_use(self, index: int) -> bool:
         """Whether parameter `index` holds its chunk view now (inside its module's use)."""
