@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import dis
 import functools
+import os
 import types
 from typing import Callable
 
+import torch
 from torch import nn
 
 __all__ = ["register_external_parameter", "unregister_external_parameter",
@@ -146,6 +148,7 @@ def external_parameter_hint(error: BaseException, compute_dtype=None) -> str | N
 # that holds its placeholder at the error. That names the parameter, the module reading it and
 # the registration to add, for any exception type. A chain through an index (`self.layers[0]
 # .weight`) is not followed: such reads get the message-based hint only.
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _SELF_LOADS = ("LOAD_FAST", "LOAD_FAST_CHECK", "LOAD_DEREF", "LOAD_CLOSURE")
 _ATTRIBUTE_LOADS = ("LOAD_ATTR", "LOAD_METHOD")
 
@@ -221,6 +224,8 @@ def unregistered_read_note(error: BaseException, model: nn.Module,
     while traceback is not None:
         frame, traceback = traceback.tb_frame, traceback.tb_next
         code = frame.f_code
+        if code.co_filename.startswith(_TORCH_DIR):  # Module.__call__'s frames: not a read
+            continue
         owner = frame.f_locals.get(code.co_varnames[0]) if code.co_argcount else None
         if not isinstance(owner, nn.Module) or id(owner) not in names:
             continue

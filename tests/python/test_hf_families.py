@@ -212,10 +212,19 @@ def mamba():
                                             num_hidden_layers=2, intermediate_size=64))
 
 
+def mobilebert_mlm():  # the head multiplies by its decoder's and dense layer's weights
+    return T.MobileBertForMaskedLM(T.MobileBertConfig(
+        vocab_size=VOCAB, hidden_size=32, embedding_size=16, num_hidden_layers=1,
+        num_attention_heads=2, intermediate_size=32, intra_bottleneck_size=16,
+        max_position_embeddings=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+
+
 READS = {  # the class reading directly, the attributes it reads, the error torch or HF raises
     deberta_v2: ("DebertaV2Encoder", ["rel_embeddings.weight"], IndexError),
     clip: ("CLIPTextEmbeddings", ["position_embedding.weight"], ValueError),
     mamba: ("MambaMixer", ["conv1d.weight", "conv1d.bias", "dt_proj.weight"], IndexError),
+    mobilebert_mlm: ("MobileBertLMPredictionHead", ["decoder.weight", "dense.weight"],
+                     RuntimeError),
 }
 
 
@@ -238,6 +247,8 @@ def test_a_direct_read_of_a_submodules_parameter_names_the_registration(family):
         model(**_reads_batches(family)[0])
     notes = "\n".join(getattr(caught.value, "__notes__", []))
     assert f"if type(m).__name__ == {cls!r}:" in notes, notes
+    assert f"{cls}.forward" in notes or f"{cls}.get_rel_embedding" in notes, notes
+    assert "_call_impl" not in notes, notes  # torch's Module.__call__ frames read nothing
     for attribute in attributes:
         assert f"patrickstar.register_external_parameter(m, m.{attribute})" in notes, notes
     model.destroy()
