@@ -21,6 +21,8 @@
     dp_worker.py OUT_DIR --ddp-wrap               the engine wrapped in torch's DDP
     dp_worker.py OUT_DIR --generate-lengths       Hugging Face generate() of 2 + 2 * rank new
                                                   tokens on each rank, then train a step
+    dp_worker.py OUT_DIR --module-generate-lengths   model.module.generate() of 2 + 6 * rank new
+                                                  tokens, no synced_gpus; rank 0 then leaves
     dp_worker.py OUT_DIR --accelerate             accelerate's loop (model, optimizer and
                                                   loader prepared, as Hugging Face's recipes do)
     dp_worker.py OUT_DIR --dcp                    torch.distributed.checkpoint save, then a new
@@ -159,6 +161,8 @@ def main() -> None:
             results.update(full_gradients(rank, world))
         elif what == ["--generate-lengths"]:
             results.update(generate_lengths(rank))
+        elif what == ["--module-generate-lengths"]:
+            results.update(module_generate_lengths(rank))
         elif what == ["--accelerate"]:
             results.update(accelerate_loop())
         elif what == ["--dcp"]:
@@ -343,6 +347,22 @@ def generate_lengths(rank: int) -> dict:
     model.backward(loss)
     optimizer.step()
     return {"tokens": tokens, "expected": expected, "loss": loss.item()}
+
+
+def module_generate_lengths(rank: int) -> dict:
+    """model.module.generate(...) (the module's own method: no synced_gpus added) of 2 + 6 *
+    rank new tokens; rank 0, done first, then leaves as a script ending there does."""
+    import transformers
+    model, _ = patrickstar.initialize(lambda: transformers.MistralForCausalLM(
+        transformers.MistralConfig(vocab_size=61, hidden_size=16, intermediate_size=24,
+                                   num_hidden_layers=1, num_attention_heads=2,
+                                   num_key_value_heads=1, max_position_embeddings=32)),
+        config={"default_chunk_size": 4096, "parallel": {"collective_timeout": 10}})
+    model.eval()
+    with torch.no_grad():
+        tokens = model.module.generate(input_ids=torch.tensor([[5, 6, 7]]),
+                                       max_new_tokens=2 + 6 * rank, do_sample=False)
+    return {"tokens": tokens}
 
 
 def accelerate_loop() -> dict:

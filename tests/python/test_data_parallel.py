@@ -674,6 +674,17 @@ def test_generate_of_different_lengths_on_each_rank_runs_as_under_zero3(tmp_path
         assert torch.equal(result["tokens"], result["expected"]), rank
 
 
+def test_module_generate_without_synced_gpus_names_it_when_the_peer_has_left(tmp_path):
+    # Note [A peer gone before a forward]: model.module.generate(...) passes no synced_gpus;
+    # rank 0, done first, left, and rank 1's next forward failed with the transport's words only.
+    pytest.importorskip("transformers")
+    results = launch(tmp_path, 2, "--module-generate-lengths")
+    assert "error" not in results[0], results[0].get("traceback")
+    assert "error" in results[1], results[1]
+    assert "synced_gpus=True" in results[1]["traceback"], results[1]["traceback"]
+    assert "a forward without backward" in results[1]["traceback"]
+
+
 def test_ranks_seeded_apart_train_the_first_ranks_initial_weights_as_ddp(tmp_path):
     # Note [The first rank's initial weights]: before, each parameter kept its owner's initial
     # values, a mix of the ranks' seeds (DDP and DeepSpeed broadcast rank 0's). A rank's own
