@@ -98,7 +98,7 @@ from .saved_views import SavedParameterViews
 from .traced_calls import refuse_script_call, refuse_scripting, refuse_traced_call
 from .profiling.recorder import optimizer_phase, profiler_from_config
 from .profiling.upstream import profiler as upstream_profiler
-from .synced_generate import synced_generate
+from .synced_generate import modules_called_alone, synced_generate
 from .utils import get_rank, get_world_size, global_timer
 from .vocabulary import Tier as T
 
@@ -317,8 +317,10 @@ class PatrickStarEngine(nn.Module):
         hooked = [m for m, owned in self._module_params.items() if owned]
         # Note [The user's module's state dict]
         self._state_hooks = ModuleStateHooks(hooked, self, self.module)
-        # Note [Saved views of parameters]: forwards that bypass model(...).
-        self._call_hooks = CallHooks(self.module, _weakly(self._enter_direct_call),
+        # Note [Saved views of parameters]: forwards that bypass model(...); an encoder that
+        # generate() calls alone too (Note [An encoder called alone] in synced_generate.py).
+        self._call_hooks = CallHooks(modules_called_alone(self.module),
+                                     _weakly(self._enter_direct_call),
                                      _weakly(self._leave_direct_call))
         hook_sets = (self._hooks, self._state_hooks, self._call_hooks)
         if self.dp.enabled:  # Note [Renormalizing embeddings]
@@ -611,7 +613,9 @@ class PatrickStarEngine(nn.Module):
     # schedule (dp.before_forward / after_forward), without which an owner read its own chunk
     # without gathering while the other rank gathered: a hang, or "in use (COMPUTE) when its
     # group's collective starts". So an outermost call of the module that did not come through
-    # forward() does what forward() does around it. A submodule called alone is not covered.
+    # forward() does what forward() does around it. A submodule called alone is not covered,
+    # but for the encoder generate() calls (Note [An encoder called alone] in
+    # synced_generate.py).
     def _enter_direct_call(self) -> None:
         refuse_traced_call("model.module(...)")  # Note [Tracing the engine's module]
         self.wake_parameters()

@@ -674,6 +674,19 @@ def test_generate_of_different_lengths_on_each_rank_runs_as_under_zero3(tmp_path
         assert torch.equal(result["tokens"], result["expected"]), rank
 
 
+def test_an_encoder_decoder_generates_on_every_rank_also_when_told_not_to_sync(tmp_path):
+    # Note [An encoder called alone]: T5's generate() calls its encoder on its own, which one
+    # rank gathered for and the other did not (a hang until the timeout); Seq2SeqTrainer's
+    # synced_gpus=False then left the ranks making different numbers of forwards.
+    pytest.importorskip("transformers")
+    results = launch(tmp_path, 2, "--encoder-decoder-generate")
+    for rank, result in enumerate(results):
+        assert "error" not in result, (rank, result.get("traceback"))
+        assert result["expected"].shape == (1, 3 + 2 * rank), rank
+        assert torch.equal(result["tokens_None"], result["expected"]), rank
+        assert torch.equal(result["tokens_False"], result["expected"]), rank
+
+
 def test_module_generate_without_synced_gpus_names_it_when_the_peer_has_left(tmp_path):
     # Note [A peer gone before a forward]: model.module.generate(...) passes no synced_gpus;
     # rank 0, done first, left, and rank 1's next forward failed with the transport's words only.
