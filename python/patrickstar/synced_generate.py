@@ -15,10 +15,11 @@ so over an explicit `synced_gpus=False` too: Hugging Face's Seq2SeqTrainer (pred
 passes `synced_gpus=False` whenever it sees neither ZeRO-3 nor FSDP, and its evaluation then hung
 (or timed out in a gather) as soon as one rank's batch reached EOS before the other's. With
 sharded parameters False is never needed: when every rank makes the same number of forwards,
-True generates the same tokens, at the cost of one flag all-reduce per token. `model.module.generate(...)` is the module's own method and is
-left alone: it needs `synced_gpus=True` by hand, as the call-agreement error says. A `generate`
-without a `synced_gpus` parameter (nanoGPT's `GPT.generate(idx, max_new_tokens)`, sampling the
-same number of tokens on every rank) is called unchanged: passing it there raised TypeError."""
+True generates the same tokens, at the cost of one flag all-reduce per token.
+`model.module.generate(...)` is the module's own method and is left alone: it needs
+`synced_gpus=True` by hand, as the call-agreement error says. A `generate` without a
+`synced_gpus` parameter (nanoGPT's `GPT.generate(idx, max_new_tokens)`, sampling the same number
+of tokens on every rank) is called unchanged: passing it there raised TypeError."""
 from __future__ import annotations
 
 import functools
