@@ -62,10 +62,9 @@ from typing import Callable
 import torch
 from torch import nn
 
-from . import (_C, averaged_model, backward_pre_hooks, checkpoint, clip_grad,
-               convert_parameters, dtypes, hooks, module_zero_grad, param_owners,
-               parametrizations, replaced_params, resting_params, script_collectives,
-               torch_optimizers)
+from . import (_C, accelerate_precision, averaged_model, backward_pre_hooks, checkpoint, clip_grad,
+               convert_parameters, dtypes, hooks, module_zero_grad, param_owners, parametrizations,
+               replaced_params, resting_params, script_collectives, torch_optimizers)
 from .activations import ActivationCounter
 from .chunk_runtime import ChunkRuntime
 from .chunked_params import ChunkedParams
@@ -203,8 +202,9 @@ class PatrickStarEngine(nn.Module):
         # autocast for `mixed_precision`. The engine is already all that, as DeepSpeed's and
         # FSDP's engines are to it: DDP around it is refused (_refuse_wrapping_data_parallel)
         # and its precision is the config's. accelerate returns a model that says it was
-        # prepared as it is ("Ensure we can't double wrap a model").
-        self._is_accelerate_prepared = True
+        # prepared as it is ("Ensure we can't double wrap a model"): the property
+        # _is_accelerate_prepared (Note [accelerate's mixed precision on the engine]).
+        self._accelerate_precision_checked = False
 
         # Before the model is built: tensor-parallel layers size their slices by the groups.
         self.dp = DataParallel(config, *world)
@@ -738,6 +738,20 @@ class PatrickStarEngine(nn.Module):
             if name == "generate" and callable(value) and self.dp.enabled:
                 return synced_generate(value)  # Note [Generating on every rank]
             return value  # Note [Methods of the user's modules]: its own shadows
+
+    @property
+    def _is_accelerate_prepared(self) -> bool:
+        """True: Note [The engine is prepared for accelerate]. accelerate's prepare_model reads
+        it first, which compares its mixed_precision with the engine's once (Note
+        [accelerate's mixed precision on the engine] in accelerate_precision.py)."""
+        if not self.__dict__.get("_accelerate_precision_checked", True):
+            self._accelerate_precision_checked = accelerate_precision.warn(
+                sys._getframe(1), self.precision)
+        return True
+
+    @_is_accelerate_prepared.setter
+    def _is_accelerate_prepared(self, value) -> None:
+        pass  # accelerate marks what prepare() returns; the engine always is prepared
 
     @property
     def config(self) -> ModuleConfigView:
