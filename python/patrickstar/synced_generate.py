@@ -12,8 +12,8 @@ default when it sees DeepSpeed ZeRO-3 or an FSDP module; it cannot see the engin
 engine's `generate`, reached through its attribute forwarding, passes `synced_gpus=True`, and
 only when the data-parallel world has more than one rank (with one rank nothing changes). It does
 so over an explicit `synced_gpus=False` too: Hugging Face's Seq2SeqTrainer (predict_with_generate)
-passes `synced_gpus=False` whenever it sees neither ZeRO-3 nor FSDP, and its evaluation then hung
-(or timed out in a gather) as soon as one rank's batch reached EOS before the other's. With
+passes `synced_gpus=False` whenever it sees neither ZeRO-3 nor FSDP, and its evaluation then failed
+as soon as one rank's batch reached EOS before the other's (the ranks' forwards differed). With
 sharded parameters False is never needed: when every rank makes the same number of forwards,
 True generates the same tokens, at the cost of one flag all-reduce per token.
 `model.module.generate(...)` is the module's own method and is left alone: it needs
