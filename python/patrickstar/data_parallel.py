@@ -451,6 +451,13 @@ class DataParallel:
         if self.enabled and self.communicator is not None and not self._in_forward:
             self.agree_on_call(kind)
 
+    # Note [A peer gone before a forward]
+    # `model.module.generate(...)` without synced_gpus (Note [Generating on every rank] in
+    # synced_generate.py) on ranks generating different numbers of tokens: the rank done first
+    # went on to the script's end and left, and the other's next forward failed in this
+    # agreement with only the transport's words ("rank 0 closed its communicator before it
+    # could publish step ..."), never reaching the mismatch message below that names the
+    # remedy. A forward's agreement failing so says what the usual cause is.
     def agree_on_call(self, kind: int) -> None:
         """Every rank is at the same collective call (a key of _CALLS); a no-op for one rank."""
         if not self.enabled:
@@ -458,9 +465,20 @@ class DataParallel:
         self.calls += 1
         # The count is exact in fp32 and wraps on every rank alike. A forward's agreement
         # precedes its first hook: profiles count it in the forward.
-        rows = [(int(count), int(what)) for count, what in self._every_ranks_row(
-            (self.calls % (1 << 23), kind), self.communicator, "call count and kind",
-            "forward" if kind in (0, 1) else None)]
+        try:
+            rows = [(int(count), int(what)) for count, what in self._every_ranks_row(
+                (self.calls % (1 << 23), kind), self.communicator, "call count and kind",
+                "forward" if kind in (0, 1) else None)]
+        except Exception as error:
+            if kind in (0, 1):  # Note [A peer gone before a forward]
+                error.add_note(
+                    f"PatrickStar: this rank was starting {self._CALLS[kind]} (call "
+                    f"{self.calls}) when another rank failed or left. If that rank finished "
+                    f"its work normally, it made fewer forwards than this one: every rank must "
+                    f"run the same forwards, since parameters are sharded. Hugging Face's "
+                    f"model.module.generate(...) needs synced_gpus=True for that when the ranks "
+                    f"generate different numbers of tokens (model.generate(...) passes it)")
+            raise
         if all(row == rows[self.rank] for row in rows):
             return
         described = "; ".join(f"rank {r}: call {count}, {self._CALLS.get(what, what)}"

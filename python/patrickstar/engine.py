@@ -62,10 +62,9 @@ from typing import Callable
 import torch
 from torch import nn
 
-from . import (_C, averaged_model, backward_pre_hooks, checkpoint, clip_grad,
-               convert_parameters, dtypes, hooks, module_zero_grad, param_owners,
-               parametrizations, replaced_params, resting_params, script_collectives,
-               torch_optimizers)
+from . import (_C, accelerate_precision, averaged_model, backward_pre_hooks, checkpoint, clip_grad,
+               convert_parameters, dtypes, hooks, module_zero_grad, param_owners, parametrizations,
+               replaced_params, resting_params, script_collectives, torch_optimizers)
 from .activations import ActivationCounter
 from .chunk_runtime import ChunkRuntime
 from .chunked_params import ChunkedParams
@@ -79,7 +78,8 @@ from .deepspeed_loop import DeepSpeedLoop
 from .deepspeed_schedulers import build_scheduler
 from .guards import TrainingGuard, check_budgets
 from .embedding_renorm import RenormAcrossRanks, refuse_lost_renorms
-from .external_params import external_parameter_hint, external_parameters
+from .external_params import (external_parameter_hint, external_parameters,
+                              unregistered_read_note)
 from .hooks import CallHooks, ModuleHooks
 from .memory_formats import format_name, memory_format_warning
 from .module_apply import ModuleApply
@@ -97,7 +97,7 @@ from .saved_views import SavedParameterViews
 from .traced_calls import refuse_script_call, refuse_scripting, refuse_traced_call
 from .profiling.recorder import optimizer_phase, profiler_from_config
 from .profiling.upstream import profiler as upstream_profiler
-from .synced_generate import synced_generate
+from .synced_generate import modules_called_alone, synced_generate
 from .utils import get_rank, get_world_size, global_timer
 from .vocabulary import Tier as T
 
@@ -202,8 +202,9 @@ class PatrickStarEngine(nn.Module):
         # autocast for `mixed_precision`. The engine is already all that, as DeepSpeed's and
         # FSDP's engines are to it: DDP around it is refused (_refuse_wrapping_data_parallel)
         # and its precision is the config's. accelerate returns a model that says it was
-        # prepared as it is ("Ensure we can't double wrap a model").
-        self._is_accelerate_prepared = True
+        # prepared as it is ("Ensure we can't double wrap a model"): the property
+        # _is_accelerate_prepared (Note [accelerate's mixed precision on the engine]).
+        self._accelerate_precision_checked = False
 
         # Before the model is built: tensor-parallel layers size their slices by the groups.
         self.dp = DataParallel(config, *world)
@@ -316,8 +317,10 @@ class PatrickStarEngine(nn.Module):
         hooked = [m for m, owned in self._module_params.items() if owned]
         # Note [The user's module's state dict]
         self._state_hooks = ModuleStateHooks(hooked, self, self.module)
-        # Note [Saved views of parameters]: forwards that bypass model(...).
-        self._call_hooks = CallHooks(self.module, _weakly(self._enter_direct_call),
+        # Note [Saved views of parameters]: forwards that bypass model(...); an encoder that
+        # generate() calls alone too (Note [An encoder called alone] in synced_generate.py).
+        self._call_hooks = CallHooks(modules_called_alone(self.module),
+                                     _weakly(self._enter_direct_call),
                                      _weakly(self._leave_direct_call))
         hook_sets = (self._hooks, self._state_hooks, self._call_hooks)
         if self.dp.enabled:  # Note [Renormalizing embeddings]
@@ -610,7 +613,9 @@ class PatrickStarEngine(nn.Module):
     # schedule (dp.before_forward / after_forward), without which an owner read its own chunk
     # without gathering while the other rank gathered: a hang, or "in use (COMPUTE) when its
     # group's collective starts". So an outermost call of the module that did not come through
-    # forward() does what forward() does around it. A submodule called alone is not covered.
+    # forward() does what forward() does around it. A submodule called alone is not covered,
+    # but for the encoder generate() calls (Note [An encoder called alone] in
+    # synced_generate.py).
     def _enter_direct_call(self) -> None:
         refuse_traced_call("model.module(...)")  # Note [Tracing the engine's module]
         self.wake_parameters()
@@ -735,6 +740,20 @@ class PatrickStarEngine(nn.Module):
             return value  # Note [Methods of the user's modules]: its own shadows
 
     @property
+    def _is_accelerate_prepared(self) -> bool:
+        """True: Note [The engine is prepared for accelerate]. accelerate's prepare_model reads
+        it first, which compares its mixed_precision with the engine's once (Note
+        [accelerate's mixed precision on the engine] in accelerate_precision.py)."""
+        if not self.__dict__.get("_accelerate_precision_checked", True):
+            self._accelerate_precision_checked = accelerate_precision.warn(
+                sys._getframe(1), self.precision)
+        return True
+
+    @_is_accelerate_prepared.setter
+    def _is_accelerate_prepared(self, value) -> None:
+        pass  # accelerate marks what prepare() returns; the engine always is prepared
+
+    @property
     def config(self) -> ModuleConfigView:
         """PatrickStar's config, then the user's module's `config` (Hugging Face's): reads and
         writes of `model.config.use_cache` or `.vocab_size` reach the module's, as they would
@@ -754,8 +773,9 @@ class PatrickStarEngine(nn.Module):
             with self._views.hooks():
                 output = self.module(*args, **kwargs)
             completed = True
-        except RuntimeError as error:
-            hint = external_parameter_hint(error, self.compute_dtype)
+        except Exception as error:  # Note [Naming an unregistered read] in external_params.py
+            hint = (unregistered_read_note(error, self.module, self._holds_placeholder)
+                    or external_parameter_hint(error, self.compute_dtype))
             if hint is not None:
                 error.add_note(hint)
             raise
@@ -1215,6 +1235,11 @@ class PatrickStarEngine(nn.Module):
             f"model.load_state_dict or edit them with writeback=True first); a "
             f"torch.nn.utils.parametrize merge (remove_parametrizations) runs a forward too: "
             f"merge on a plain copy, copy.deepcopy(model.module)")
+
+    def _holds_placeholder(self, param: nn.Parameter) -> bool:
+        """Whether `param` is one of ours between its uses (Note [Parameter data swapping])."""
+        index = self.params.index_of(param)
+        return index is not None and not self.parameter_in_use(index)
 
     def parameter_in_use(self, index: int) -> bool:
         """Whether parameter `index` holds its chunk view now (inside its module's use)."""

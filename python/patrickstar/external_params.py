@@ -16,10 +16,17 @@ when it installs its hooks.
 """
 from __future__ import annotations
 
+import dis
+import functools
+import os
+import types
+from typing import Callable
+
+import torch
 from torch import nn
 
 __all__ = ["register_external_parameter", "unregister_external_parameter",
-           "external_parameters", "external_parameter_hint"]
+           "external_parameters", "external_parameter_hint", "unregistered_read_note"]
 
 _ATTRIBUTE = "_patrickstar_external_parameters"
 
@@ -127,3 +134,123 @@ def external_parameter_hint(error: BaseException, compute_dtype=None) -> str | N
             "parameter directly (e.g. `x @ self.head.weight.t()`), register it on the module "
             "that reads it: patrickstar.register_external_parameter(module, parameter), as with "
             "DeepSpeed ZeRO-3.")
+
+
+# Note [Naming an unregistered read]
+# Hugging Face models read submodules' parameters in a parent's forward: DeBERTa-v2's encoder
+# `self.rel_embeddings.weight`, Mamba's mixer `self.conv1d.weight.squeeze(1)`, CLIP's text
+# embeddings `self.position_embedding.weight.shape[0]`. Unregistered, the read meets the
+# placeholder, and torch or the model raises whatever its next use makes of an empty tensor:
+# IndexError ("too many indices for tensor of dimension 1"), or a ValueError of the model's own
+# ("max_position_embeddings: 0"), which the message-based hint above (RuntimeErrors naming sizes)
+# never saw, so nothing said what to do. The read is visible in the failing frames: a module's
+# function whose code loads `self.<child>...<name>` where <name> is a parameter of a descendant
+# that holds its placeholder at the error. That names the parameter, the module reading it and
+# the registration to add, for any exception type. A chain through an index (`self.layers[0]
+# .weight`) is not followed: such reads get the message-based hint only.
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_SELF_LOADS = ("LOAD_FAST", "LOAD_FAST_CHECK", "LOAD_DEREF", "LOAD_CLOSURE")
+_ATTRIBUTE_LOADS = ("LOAD_ATTR", "LOAD_METHOD")
+
+
+def _attribute_chains(code: types.CodeType) -> tuple[tuple[str, ...], ...]:
+    """The runs of two or more attribute loads on the code's first argument (`self.a.b.weight`
+    gives ("a", "b", "weight"))."""
+    return tuple(chain for chain in _first_loads(code) if len(chain) > 1)
+
+
+@functools.lru_cache(maxsize=512)
+def _first_loads(code: types.CodeType) -> tuple[tuple[str, ...], ...]:
+    """The runs of attribute loads on the code's first argument, one name long too."""
+    if code.co_argcount == 0:
+        return ()
+    self_name = code.co_varnames[0]
+    chains, chain, on_self = [], [], False
+    for instruction in dis.get_instructions(code):
+        if on_self and instruction.opname in _ATTRIBUTE_LOADS:
+            chain.append(instruction.argval)
+            continue
+        if chain:
+            chains.append(tuple(chain))
+        chain = []
+        on_self = instruction.opname in _SELF_LOADS and instruction.argval == self_name
+    if chain:
+        chains.append(tuple(chain))
+    return tuple(dict.fromkeys(chains))
+
+
+def _chains_through_methods(module: nn.Module, code: types.CodeType, depth: int = 2):
+    """`code`'s attribute chains on self, and those of the module's own methods it calls on
+    self (DeBERTa-v2's encoder forward reads `self.rel_embeddings.weight` in
+    `self.get_rel_embedding()`, a frame gone from the traceback by the time the value fails),
+    `depth` calls deep."""
+    chains = list(_attribute_chains(code))
+    for name in ({chain[0] for chain in _first_loads(code)} if depth > 0 else ()):
+        method = getattr(type(module), name, None)
+        if isinstance(method, types.FunctionType):
+            chains.extend(_chains_through_methods(module, method.__code__, depth - 1))
+    return chains
+
+
+# What a placeholder answers as the weight would: `self.lm_head.weight.dtype` reads nothing.
+_METADATA = frozenset({"dtype", "device", "requires_grad", "is_cuda", "is_meta", "layout"})
+
+
+def _read_parameter(module: nn.Module, chain: tuple[str, ...]):
+    """(path, parameter) of the descendant's parameter whose values `chain` reads from
+    `module`."""
+    current = module
+    for depth, name in enumerate(chain):
+        if depth > 0:
+            parameter = dict(current.named_parameters(recurse=False)).get(name)
+            if parameter is not None:
+                if chain[depth + 1:depth + 2] and chain[depth + 1] in _METADATA:
+                    return None
+                return ".".join(chain[:depth + 1]), parameter
+        current = dict(current.named_children()).get(name)
+        if current is None:
+            return None
+    return None
+
+
+def unregistered_read_note(error: BaseException, model: nn.Module,
+                           holds_placeholder: Callable[[nn.Parameter], bool]) -> str | None:
+    """A note naming the descendants' parameters that the failing frames of `model`'s modules
+    read directly while they held their placeholders, with the registration that fixes it
+    (Note [Naming an unregistered read])."""
+    names = {id(module): name for name, module in model.named_modules()}
+    reads = {}  # (class, function, module path) -> attribute paths read
+    traceback = error.__traceback__
+    while traceback is not None:
+        frame, traceback = traceback.tb_frame, traceback.tb_next
+        code = frame.f_code
+        if code.co_filename.startswith(_TORCH_DIR):  # Module.__call__'s frames: not a read
+            continue
+        owner = frame.f_locals.get(code.co_varnames[0]) if code.co_argcount else None
+        if not isinstance(owner, nn.Module) or id(owner) not in names:
+            continue
+        for chain in _chains_through_methods(owner, code):
+            found = _read_parameter(owner, chain)
+            if found is not None and holds_placeholder(found[1]):
+                key = (type(owner).__name__, code.co_name, names[id(owner)] or "<the model>")
+                if found[0] not in reads.setdefault(key, []):
+                    reads[key].append(found[0])
+    if not reads:
+        return None
+    described = "; ".join(f"{cls}.{function} (module {path}) reads "
+                          + ", ".join(f"self.{attribute}" for attribute in attributes)
+                          for (cls, function, path), attributes in reads.items())
+    by_class = {}  # one loop per class in the example, each attribute once
+    for (cls, _, _), attributes in reads.items():
+        listed = by_class.setdefault(cls, [])
+        listed.extend(attribute for attribute in attributes if attribute not in listed)
+    example = "\n".join(
+        f"    for m in model.modules():\n        if type(m).__name__ == {cls!r}:\n"
+        + "\n".join(f"            patrickstar.register_external_parameter(m, m.{attribute})"
+                    for attribute in attributes)
+        for cls, attributes in by_class.items())
+    return (f"PatrickStar: {described}: a parameter of a submodule read directly, not through "
+            f"that submodule's forward, holds an empty placeholder there (its values live in "
+            f"chunks). Register it on the module that reads it (DeepSpeed ZeRO-3's "
+            f"register_external_parameter), inside model_func once the model is built:\n"
+            f"{example}")

@@ -345,16 +345,18 @@ def saved_tensor_hooks_active() -> bool:
 
 
 class CallHooks(HookSet):
-    """Calls `enter()` before `module` runs and `leave(raised)` after it, also when it raises (the
-    engine's saved-tensor hooks around a forward that did not come through the engine: Note
-    [Saved views of parameters] in saved_views.py)."""
+    """Calls `enter()` before each of `modules` runs and `leave(raised)` after it, also when it
+    raises (the engine's saved-tensor hooks around a forward that did not come through the
+    engine: Note [Saved views of parameters] in saved_views.py)."""
 
-    def __init__(self, module, enter: Callable[[], None], leave: Callable[[bool], None]):
+    def __init__(self, modules, enter: Callable[[], None], leave: Callable[[bool], None]):
         super().__init__()
-        self._add(module.register_forward_pre_hook(
-            _eager(lambda _module, _inputs: enter()), prepend=True))
-        self._add(module.register_forward_hook(
-            _eager(lambda _module, _inputs, output: leave(_raised(output))), always_call=True))
+        for module in modules:
+            self._add(module.register_forward_pre_hook(
+                _eager(lambda _module, _inputs: enter()), prepend=True))
+            self._add(module.register_forward_hook(
+                _eager(lambda _module, _inputs, output: leave(_raised(output))),
+                always_call=True))
 
 
 def _raised(output) -> bool:

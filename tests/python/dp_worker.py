@@ -21,6 +21,11 @@
     dp_worker.py OUT_DIR --ddp-wrap               the engine wrapped in torch's DDP
     dp_worker.py OUT_DIR --generate-lengths       Hugging Face generate() of 2 + 2 * rank new
                                                   tokens on each rank, then train a step
+    dp_worker.py OUT_DIR --encoder-decoder-generate  T5's generate() (its encoder called alone)
+                                                  of 2 + 2 * rank tokens, untrained, also with
+                                                  synced_gpus=False (Seq2SeqTrainer passes it)
+    dp_worker.py OUT_DIR --module-generate-lengths   model.module.generate() of 2 + 6 * rank new
+                                                  tokens, no synced_gpus; rank 0 then leaves
     dp_worker.py OUT_DIR --accelerate             accelerate's loop (model, optimizer and
                                                   loader prepared, as Hugging Face's recipes do)
     dp_worker.py OUT_DIR --dcp                    torch.distributed.checkpoint save, then a new
@@ -159,6 +164,10 @@ def main() -> None:
             results.update(full_gradients(rank, world))
         elif what == ["--generate-lengths"]:
             results.update(generate_lengths(rank))
+        elif what == ["--encoder-decoder-generate"]:
+            results.update(encoder_decoder_generate(rank))
+        elif what == ["--module-generate-lengths"]:
+            results.update(module_generate_lengths(rank))
         elif what == ["--accelerate"]:
             results.update(accelerate_loop())
         elif what == ["--dcp"]:
@@ -343,6 +352,52 @@ def generate_lengths(rank: int) -> dict:
     model.backward(loss)
     optimizer.step()
     return {"tokens": tokens, "expected": expected, "loss": loss.item()}
+
+
+def encoder_decoder_generate(rank: int) -> dict:
+    """An encoder-decoder's generate() calls its encoder alone, first thing (Note [An encoder
+    called alone] in synced_generate.py): each rank its own prompt and length, before any
+    training; then as Seq2SeqTrainer calls it, with synced_gpus=False."""
+    import transformers
+
+    def build():
+        return transformers.T5ForConditionalGeneration(transformers.T5Config(
+            vocab_size=61, d_model=16, d_kv=8, d_ff=24, num_layers=1, num_decoder_layers=1,
+            num_heads=2, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0,
+            eos_token_id=1))
+    torch.manual_seed(0)
+    reference = build().eval()
+    torch.manual_seed(0)
+    model, _ = patrickstar.initialize(build, config={
+        "default_chunk_size": 4096, "parallel": {"collective_timeout": 20}})
+    model.eval()
+    prompt = torch.tensor([[5, 6, 7 + rank, 9]])
+    results = {}
+    with torch.no_grad():
+        for synced in (None, False):
+            kwargs = dict(max_new_tokens=2 + 2 * rank, do_sample=False)
+            if synced is not None:
+                kwargs["synced_gpus"] = synced
+            results[f"tokens_{synced}"] = model.generate(input_ids=prompt, **kwargs)
+        results["expected"] = reference.generate(input_ids=prompt, max_new_tokens=2 + 2 * rank,
+                                                 do_sample=False)
+    return results
+
+
+def module_generate_lengths(rank: int) -> dict:
+    """model.module.generate(...) (the module's own method: no synced_gpus added) of 2 + 6 *
+    rank new tokens; rank 0, done first, then leaves as a script ending there does."""
+    import transformers
+    model, _ = patrickstar.initialize(lambda: transformers.MistralForCausalLM(
+        transformers.MistralConfig(vocab_size=61, hidden_size=16, intermediate_size=24,
+                                   num_hidden_layers=1, num_attention_heads=2,
+                                   num_key_value_heads=1, max_position_embeddings=32)),
+        config={"default_chunk_size": 4096, "parallel": {"collective_timeout": 10}})
+    model.eval()
+    with torch.no_grad():
+        tokens = model.module.generate(input_ids=torch.tensor([[5, 6, 7]]),
+                                       max_new_tokens=2 + 6 * rank, do_sample=False)
+    return {"tokens": tokens}
 
 
 def accelerate_loop() -> dict:

@@ -686,6 +686,30 @@ def test_generate_of_different_lengths_on_each_rank_runs_as_under_zero3(tmp_path
         assert torch.equal(result["tokens"], result["expected"]), rank
 
 
+def test_an_encoder_decoder_generates_on_every_rank_also_when_told_not_to_sync(tmp_path):
+    # Note [An encoder called alone]: T5's generate() calls its encoder on its own, which one
+    # rank gathered for and the other did not (a hang until the timeout); Seq2SeqTrainer's
+    # synced_gpus=False then left the ranks making different numbers of forwards.
+    pytest.importorskip("transformers")
+    results = launch(tmp_path, 2, "--encoder-decoder-generate")
+    for rank, result in enumerate(results):
+        assert "error" not in result, (rank, result.get("traceback"))
+        assert result["expected"].shape == (1, 3 + 2 * rank), rank
+        assert torch.equal(result["tokens_None"], result["expected"]), rank
+        assert torch.equal(result["tokens_False"], result["expected"]), rank
+
+
+def test_module_generate_without_synced_gpus_names_it_when_the_peer_has_left(tmp_path):
+    # Note [A peer gone before a forward]: model.module.generate(...) passes no synced_gpus;
+    # rank 0, done first, left, and rank 1's next forward failed with the transport's words only.
+    pytest.importorskip("transformers")
+    results = launch(tmp_path, 2, "--module-generate-lengths")
+    assert "error" not in results[0], results[0].get("traceback")
+    assert "error" in results[1], results[1]
+    assert "synced_gpus=True" in results[1]["traceback"], results[1]["traceback"]
+    assert "a forward without backward" in results[1]["traceback"]
+
+
 def test_ranks_seeded_apart_train_the_first_ranks_initial_weights_as_ddp(tmp_path):
     # Note [The first rank's initial weights]: before, each parameter kept its owner's initial
     # values, a mix of the ranks' seeds (DDP and DeepSpeed broadcast rank 0's). A rank's own

@@ -120,3 +120,31 @@ def test_trainer_accumulates_as_the_plain_model_with_the_key_in_the_config(tmp_p
     ours = _trainer(model, optimizer, tmp_path / "ours", 3, accumulation=2)
     ours.train()
     assert _train_losses(ours) == pytest.approx(_train_losses(plain), rel=1e-4)
+
+
+@pytest.mark.parametrize("config_bf16", [False, True])
+def test_accelerates_mixed_precision_unlike_the_configs_is_named_once(config_bf16):
+    """Note [accelerate's mixed precision on the engine]: accelerate's autocast does not apply
+    to the engine, so `mixed_precision="bf16"` (TrainingArguments(bf16=True)) with an fp32
+    config trained in fp32 silently."""
+    import warnings
+    config = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    if config_bf16:
+        config["bf16"] = {"enabled": True}
+    model, optimizer = patrickstar.initialize(lambda: torch.nn.Linear(4, 4), config=config)
+    accelerate.state.AcceleratorState._reset_state(True)
+    try:
+        accelerator = accelerate.Accelerator(cpu=True, mixed_precision="bf16")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            prepared, _ = accelerator.prepare(model, optimizer)
+            accelerator.prepare(model)  # again: said once
+    finally:
+        accelerate.state.AcceleratorState._reset_state(True)
+    assert prepared is model
+    named = [str(w.message) for w in caught if "mixed_precision='bf16'" in str(w.message)]
+    if config_bf16:
+        assert named == []
+    else:
+        assert len(named) == 1 and "'bf16': {'enabled': true}" in named[0], named
+    model.destroy()
