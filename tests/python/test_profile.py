@@ -20,6 +20,7 @@ import torch
 
 import patrickstar
 from patrickstar import report
+from patrickstar.report import ProfileError
 from patrickstar.examples.gpt import GPT, GPTConfig, synthetic_batches
 from patrickstar.profiler import active_profiler, now_ns
 
@@ -630,6 +631,25 @@ def test_config_profile_section_is_validated(tmp_path):
         patrickstar.load_config({"profile": {"dir": "x"}})
     config = patrickstar.load_config({"profile": {"enabled": True, "output_dir": tmp_path}})
     assert config.profile.enabled and config.profile.output_dir == str(tmp_path)
+
+
+def test_a_profile_directory_that_cannot_be_made_fails_before_the_run(tmp_path):
+    """A profile directory under a file (or without permission) failed only when the profile
+    was written, at the end of the run or in the engine's destructor: the run was done and its
+    profile lost. Profiling now starts by making the directory."""
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(ProfileError, match=f"'profile.output_dir': cannot create profile "
+                                           f"directory '{blocker / 'sub'}'"):
+        _model(_config(profile={"enabled": True, "output_dir": str(blocker / "sub")}))
+    model, optimizer = _model()  # the failed initialize() left nothing behind
+    with pytest.raises(ProfileError, match=f"cannot create profile directory '{blocker / 'p'}'"):
+        with patrickstar.profile(model, blocker / "p"):
+            pass
+    assert model.profiler is None
+    with patrickstar.profile(model, tmp_path / "ok"):
+        _train(model, optimizer, 1)
+    assert (tmp_path / "ok" / "summary.json").is_file()
 
 
 def test_empty_profile_still_writes_every_output(tmp_path):

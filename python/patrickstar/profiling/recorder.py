@@ -30,6 +30,7 @@ import weakref
 from typing import Any, Iterator
 
 from .. import _C
+from .analysis import ProfileError
 
 __all__ = ["Profiler", "profile", "active_profiler", "optimizer_phase", "profiler_from_config",
            "now_ns"]
@@ -117,6 +118,8 @@ class Profiler:
                      "world_size": dump["world_size"], "rank": dump["rank"],
                      "prefetch_moments": dump["prefetch_moments"],
                      "eviction_policy": dump["eviction_policy"]}
+        from .outputs import make_directory  # imported late, as in _stop
+        make_directory(self.output_dir, self._run)
         self._manager.clear_events()
         self._manager.enable_events(True, self.capacity)
         self._set_phase("other")
@@ -311,7 +314,10 @@ def profiler_from_config(engine) -> Profiler | None:
     """The engine's profiler when the config enables one (written at stop() or at exit)."""
     if not engine.ps_config.profile.enabled:
         return None
-    profiler = Profiler(engine, engine.ps_config.profile.output_dir).start()
+    try:
+        profiler = Profiler(engine, engine.ps_config.profile.output_dir).start()
+    except ProfileError as error:
+        raise ProfileError(f"config key 'profile.output_dir': {error}") from None
     reference = weakref.ref(profiler)
 
     def write_at_exit() -> None:
