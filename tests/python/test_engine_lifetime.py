@@ -3,6 +3,7 @@ chunk, tier, thread and swap file; so do a normal exit and an exception that end
 `model.destroy()` writes a running profile first."""
 from __future__ import annotations
 
+import copy
 import gc
 import os
 import subprocess
@@ -84,6 +85,41 @@ def test_the_optimizer_of_a_deleted_engine_says_so(nvme_dir):
     del model
     with pytest.raises(RuntimeError, match="engine was deleted or destroyed"):
         optimizer.step()
+
+
+@pytest.mark.parametrize("how", ["del", "destroy"])
+def test_a_loss_kept_past_the_engine_says_so_at_backward(nvme_dir, how):
+    """Before: `loss.backward()` of a forward whose engine was deleted since raised autograd's
+    AttributeError "'NoneType' object has no attribute 'unpack'"."""
+    model, optimizer = _plain_or_engine(True, nvme_dir)
+    loss = model(torch.randn(2, 64)).sum()
+    if how == "destroy":
+        model.destroy()
+    del model, optimizer
+    gc.collect()
+    with pytest.raises(RuntimeError, match="forward of a PatrickStar engine that was deleted or "
+                                           "destroyed since"):
+        loss.backward()
+
+
+def test_parameters_and_modules_kept_past_the_engine_refuse_reads_of_their_freed_values(
+        nvme_dir):
+    """Note [Parameters of a collected engine]. Before: a parameter kept past `del model`
+    read as an empty tensor (p.shape (0,), p.sum() 0, a deepcopy empty) and a kept module's
+    forward failed with torch's bare "mat2 must be a matrix"."""
+    model, optimizer = _plain_or_engine(True, nvme_dir)
+    inner = model.module
+    weight = inner[0].weight
+    del model, optimizer
+    gc.collect()
+    gone = "whose PatrickStar engine is gone"
+    assert weight.shape == (64, 64) and weight.numel() == 64 * 64
+    assert [p.shape for p in inner.parameters()] == [(64, 64), (64,), (2, 64), (2,)]
+    for read in (lambda: weight.sum(), lambda: weight.data, lambda: weight + 1,
+                 lambda: copy.deepcopy(weight), lambda: inner(torch.randn(2, 64))):
+        with pytest.raises(RuntimeError, match=gone):
+            read()
+    assert "freed with their PatrickStar engine; shape (64, 64)" in repr(weight)
 
 
 @pytest.mark.parametrize("world", [1, 2])
