@@ -95,7 +95,8 @@ from .optimizer import PatrickStarOptimizer, build_param_groups
 from .parameter_values import ParameterValues
 from .saved_views import SavedParameterViews
 from .traced_calls import refuse_script_call, refuse_scripting, refuse_traced_call
-from .profiling.recorder import optimizer_phase, profiler_from_config
+from .profiling.recorder import (make_config_profile_directory, optimizer_phase,
+                                 profiler_from_config)
 from .profiling.upstream import profiler as upstream_profiler
 from .synced_generate import synced_generate
 from .utils import get_rank, get_world_size, global_timer
@@ -207,6 +208,7 @@ class PatrickStarEngine(nn.Module):
 
         # Before the model is built: tensor-parallel layers size their slices by the groups.
         self.dp = DataParallel(config, *world)
+        make_config_profile_directory(config)  # before a built module's weights move
         # Note [The first rank's initial weights] in first_rank_init.py.
         if self.dp.enabled and isinstance(model_func, BuiltModule):
             take_first_rank_state(model_func.module, self.dp.group)

@@ -642,6 +642,12 @@ def test_a_profile_directory_that_cannot_be_made_fails_before_the_run(tmp_path):
     with pytest.raises(ProfileError, match=f"'profile.output_dir': cannot create profile "
                                            f"directory '{blocker / 'sub'}'"):
         _model(_config(profile={"enabled": True, "output_dir": str(blocker / "sub")}))
+    built = torch.nn.Linear(4, 4)  # a module passed in built keeps its weights
+    weights = {key: value.clone() for key, value in built.state_dict().items()}
+    with pytest.raises(ProfileError, match="'profile.output_dir'"):
+        patrickstar.initialize(built, config=_config(
+            profile={"enabled": True, "output_dir": str(blocker / "sub")}))
+    assert all(torch.equal(built.state_dict()[key], value) for key, value in weights.items())
     model, optimizer = _model()  # the failed initialize() left nothing behind
     with pytest.raises(ProfileError, match=f"cannot create profile directory '{blocker / 'p'}'"):
         with patrickstar.profile(model, blocker / "p"):

@@ -32,8 +32,8 @@ from typing import Any, Iterator
 from .. import _C
 from .analysis import ProfileError
 
-__all__ = ["Profiler", "profile", "active_profiler", "optimizer_phase", "profiler_from_config",
-           "now_ns"]
+__all__ = ["Profiler", "profile", "active_profiler", "make_config_profile_directory",
+           "optimizer_phase", "profiler_from_config", "now_ns"]
 
 _PHASE_OF_TICK = {"pre_forward": "forward", "post_forward": "forward",
                   "pre_backward": "backward", "post_backward": "backward"}
@@ -308,6 +308,19 @@ def profile(model, output_dir: str | os.PathLike | None = None,
         yield profiler
     finally:
         profiler.stop()
+
+
+def make_config_profile_directory(config) -> None:
+    """Makes the config's profile.output_dir if profiling is enabled. The engine calls it
+    before the model is built, when a module passed in built still holds its weights: a
+    directory that cannot be made then fails initialize() with the module untouched."""
+    if not config.profile.enabled:
+        return
+    from .outputs import make_directory  # imported late, as in _stop
+    try:
+        make_directory(config.profile.output_dir, {})
+    except ProfileError as error:
+        raise ProfileError(f"config key 'profile.output_dir': {error}") from None
 
 
 def profiler_from_config(engine) -> Profiler | None:
