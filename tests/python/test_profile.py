@@ -6,6 +6,7 @@ Chromium without console errors."""
 from __future__ import annotations
 
 import csv
+import gc
 import io
 import json
 import os
@@ -293,6 +294,28 @@ def test_config_enables_profiling(tmp_path):
     for name in OUTPUTS:
         assert (tmp_path / name).is_file()
     assert json.loads((tmp_path / "summary.json").read_text())["run"]["iterations"] == 2
+
+
+def test_a_second_engines_config_profile_names_the_engine_still_profiling(tmp_path):
+    """One profiler runs at a time. An engine kept alive past its loop (here by a caught
+    exception's traceback) still profiles, and the next engine's config profile said only
+    "a profiler is already running ...; stop it first"."""
+    def failing_step():
+        model, _ = _model(_config(profile={"enabled": True, "output_dir": str(tmp_path / "a")}))
+        model(torch.zeros(1, 3, dtype=torch.long), torch.zeros(1, 2, dtype=torch.long))
+
+    try:
+        failing_step()
+    except Exception as error:  # noqa: BLE001
+        kept = error  # its traceback holds the first engine
+    with pytest.raises(RuntimeError, match="config key 'profile.enabled': a profiler is already "
+                                           "running .* of another engine that is still alive"):
+        _model(_config(profile={"enabled": True, "output_dir": str(tmp_path / "b")}))
+    del kept
+    gc.collect()  # the first engine goes and writes its profile
+    assert (tmp_path / "a" / "summary.json").is_file()
+    model, _ = _model(_config(profile={"enabled": True, "output_dir": str(tmp_path / "b")}))
+    assert model.profiler.running
 
 
 def test_collectives_are_recorded(tmp_path):

@@ -108,8 +108,13 @@ class Profiler:
                                f"profiler first")
         running = active_profiler()
         if running is not None and running is not self:
+            # Often another engine's config profile, that engine kept alive by a reference the
+            # user may not see (a caught exception's traceback, an earlier loop's variable).
             raise RuntimeError(f"a profiler is already running (writing to "
-                               f"'{running.output_dir}'); stop it first")
+                               f"'{running.output_dir}'), of another engine that is still "
+                               f"alive; one profiler runs at a time: stop it first (that "
+                               f"engine's model.profiler.stop(), or model.destroy(), which "
+                               f"writes its profile), or profile one engine only")
         self._reset()
         self._start_stats = self.engine.memory_stats()
         dump = json.loads(self._manager.dump_json(0))
@@ -331,6 +336,8 @@ def profiler_from_config(engine) -> Profiler | None:
         profiler = Profiler(engine, engine.ps_config.profile.output_dir).start()
     except ProfileError as error:
         raise ProfileError(f"config key 'profile.output_dir': {error}") from None
+    except RuntimeError as error:
+        raise RuntimeError(f"config key 'profile.enabled': {error}") from None
     reference = weakref.ref(profiler)
 
     def write_at_exit() -> None:
