@@ -810,6 +810,39 @@ def test_bad_config_and_too_small_budget_errors():
     assert "4096" in str(info.value)
 
 
+def test_initialize_under_inference_mode_evaluates_and_trains_as_pytorch():
+    """Note [initialize() under torch.inference_mode()]. Before: c10's "Inference tensors do not
+    track version counter" with a page of C++ frames."""
+    torch.manual_seed(0)
+    reference = MLP()
+    batches = list(mlp_batches(3))
+    config = {"default_chunk_size": 8192, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}}
+    with torch.inference_mode():
+        model, optimizer = patrickstar.initialize(lambda: copy.deepcopy(reference), config=config)
+        assert torch.equal(model(*batches[0]), reference(*batches[0]))
+    ref_opt = torch.optim.Adam(reference.parameters(), lr=1e-3)
+    ref_losses, losses = [], []
+    for x, y in batches:  # the engine built under inference mode trains as PyTorch's outside
+        loss = reference(x, y)
+        loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ours = model(x, y)
+        model.backward(ours)
+        optimizer.step()
+        optimizer.zero_grad()
+        ref_losses.append(loss.item())
+        losses.append(ours.item())
+    assert_same_training(ref_losses, losses, reference.state_dict(), model.state_dict())
+    with torch.inference_mode():
+        built = MLP()
+    with pytest.raises(TypeError, match="parameter 'layers.0.weight' of the module passed to "
+                                        "initialize.. is an inference tensor"):
+        patrickstar.initialize(built, config=config)
+    with torch.no_grad():
+        assert built(*batches[0]).isfinite()  # refused before anything moved
+
+
 def test_initialize_engine_alias_uses_patrickstar_argument_order():
     torch.manual_seed(0)
     model, opt = patrickstar.initialize_engine(model_func=MLP, local_rank=0,
