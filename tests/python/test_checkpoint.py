@@ -196,6 +196,8 @@ def test_missing_latest_returns_none_like_deepspeed(tmp_path):
     model, _ = make(base_config("fp32"))
     with pytest.warns(UserWarning, match="no 'latest' file"):
         assert model.load_checkpoint(tmp_path) == (None, None)
+    with pytest.warns(UserWarning, match=f"'{tmp_path / 'typo'}' does not exist; nothing loaded"):
+        assert model.load_checkpoint(tmp_path / "typo") == (None, None)
     with pytest.raises(CheckpointError, match="does not exist"):
         model.load_checkpoint(tmp_path, tag="nope")
     with pytest.raises(ValueError, match="tag"):

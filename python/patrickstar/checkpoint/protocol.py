@@ -208,8 +208,12 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states: bool = Tr
             error = failure
     resolved = _agree(state, what, error, resolved)[0]
     if resolved is None:
-        warnings.warn(f"load_checkpoint: no '{LATEST}' file in '{load_dir}'; nothing loaded "
-                      f"(pass tag= to load a specific checkpoint)", UserWarning, stacklevel=3)
+        # As DeepSpeed: a warning, not an error (a first run resumes from nothing); a directory
+        # that does not exist at all is said so, as it is more likely a mistyped path.
+        where = (f"no '{LATEST}' file in '{load_dir}'" if os.path.isdir(load_dir) else
+                 f"'{load_dir}' does not exist")
+        warnings.warn(f"load_checkpoint: {where}; nothing loaded (pass tag= to load a specific "
+                      f"checkpoint)", UserWarning, stacklevel=3)
         return None, None
     if load_module_only:
         load_optimizer_states = load_lr_scheduler_states = load_rng_states = False
