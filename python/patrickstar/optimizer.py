@@ -26,6 +26,7 @@ from __future__ import annotations
 import collections.abc
 import contextlib
 import math
+import numbers
 import weakref
 from typing import Callable, ContextManager, Iterable
 
@@ -71,6 +72,26 @@ def _without_torch_keys(index: int, group: dict, decoupled_weight_decay) -> dict
     return {k: v for k, v in group.items() if k not in dropped}
 
 
+def _is_number(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _check_group_numbers(index: int, group: dict) -> None:
+    """A group's hyperparameters are numbers (a string "1e-3" failed in the range check below
+    with "'<' not supported between instances of 'str' and 'int'", a beta of 1.5 trained)."""
+    for key in ("lr", "weight_decay", "eps"):
+        if not _is_number(group[key]):
+            raise TypeError(f"param_groups[{index}][{key!r}]: expected a number, got "
+                            f"{type(group[key]).__name__} {group[key]!r}")
+    betas = group["betas"]
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2 and
+            all(_is_number(beta) for beta in betas)):
+        raise TypeError(f"param_groups[{index}]['betas']: expected two numbers, got {betas!r}")
+    if not all(0 <= beta < 1 for beta in betas):
+        raise ValueError(f"param_groups[{index}]['betas']: each must be in [0, 1), got "
+                         f"{tuple(betas)}")
+
+
 def build_param_groups(module: torch.nn.Module, groups, optimizer) -> list[dict]:
     """Validates user param groups (torch's format: dicts with "params" and overrides) or, when
     `groups` is None, one group of every parameter, with `optimizer`'s (the config's
@@ -84,9 +105,14 @@ def build_param_groups(module: torch.nn.Module, groups, optimizer) -> list[dict]
         groups = [{"params": all_params}]
     if callable(groups):
         groups = groups(module)
+    if isinstance(groups, torch.Tensor):
+        groups = [groups]
     if isinstance(groups, dict) or not isinstance(groups, Iterable):
         raise ValueError("param_groups: expected a list of dicts like torch.optim's, "
                          f"got {type(groups).__name__}")
+    groups = list(groups)
+    if groups and not isinstance(groups[0], dict):  # torch.optim's: parameters, one group
+        groups = [{"params": groups}]
     result, seen = [], set()
     for index, group in enumerate(groups):
         if not isinstance(group, dict) or "params" not in group:
@@ -98,6 +124,9 @@ def build_param_groups(module: torch.nn.Module, groups, optimizer) -> list[dict]
                              f"(known: {sorted(_GROUP_KEYS)})")
         params = group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
+        # torch.optim's named parameters (`model.named_parameters()`): (name, parameter) pairs.
+        params = [item[1] if isinstance(item, tuple) and len(item) == 2 and
+                  isinstance(item[0], str) else item for item in params]
         for param in params:
             if id(param) not in ids:
                 raise ValueError(f"param_groups[{index}]: a parameter of shape "
@@ -108,6 +137,7 @@ def build_param_groups(module: torch.nn.Module, groups, optimizer) -> list[dict]
             seen.add(id(param))
         merged = dict(defaults)
         merged.update({k: v for k, v in group.items() if k != "params"})
+        _check_group_numbers(index, merged)
         if merged["lr"] < 0 or merged["weight_decay"] < 0 or merged["eps"] <= 0:
             raise ValueError(f"param_groups[{index}]: lr and weight_decay must be >= 0 and eps "
                              f"> 0, got lr={merged['lr']}, weight_decay={merged['weight_decay']}, "
