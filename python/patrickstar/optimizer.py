@@ -743,6 +743,7 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         # numbered by its groups]): numbers, or fully qualified names.
         state = {_saved_key(key): entry for key, entry in state_dict["state"].items()}
         self._check_saved_shapes(state, to_index)
+        groups = [self._checked_saved_group(number, saved) for number, saved in enumerate(groups)]
         for saved, group in zip(groups, self.param_groups):
             group.update({k: v for k, v in saved.items() if k != "params"})
         manager = self.chunked.chunks.manager
@@ -758,6 +759,28 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
             self._load_weight_entry(index, entry)
         if "loss_scaler" in state_dict:
             self.loss_scaler.load_state_dict(state_dict["loss_scaler"])
+
+    # Note [Saved groups of another optimizer]
+    # A saved group's hyperparameters replace the group's, as in torch. The group of another
+    # torch optimizer (SGD's lr 0.5 and momentum) was taken as it was: Adam then trained at
+    # SGD's lr without a word (torch's Adam fails at its step, "KeyError: 'betas'"), and an
+    # AdamW state dict (decoupled_weight_decay True) loaded into an Adam config, or one with
+    # amsgrad on, was trained with the config's update instead of the saved one. The saved
+    # groups are checked as initialize() checks torch groups (Note [torch.optim's own group
+    # keys]): Adam's keys present and numbers, the update's variant the config's. Keys torch's
+    # schedulers add (initial_lr, max_lr, ...) are kept.
+    def _checked_saved_group(self, number: int, saved: dict) -> dict:
+        if "betas" not in saved:
+            raise ValueError(
+                f"optimizer state dict: param group {number} has no 'betas' (its keys: "
+                f"{sorted(key for key in saved if key != 'params')}): it is not the state "
+                f"dict of an Adam or AdamW optimizer, which the PatrickStar optimizer is")
+        try:
+            saved = _without_torch_keys(number, saved, self.decoupled_weight_decay)
+            _check_group_numbers(number, {**self.config.optimizer.group_defaults, **saved})
+        except (TypeError, ValueError) as error:
+            raise type(error)(f"optimizer state dict: {error}") from None
+        return saved
 
     # Note [Saved optimizer state is numbered by its groups]
     # torch.optim numbers a state dict's parameters as they appear in its param_groups (decay

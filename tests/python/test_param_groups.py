@@ -164,6 +164,38 @@ def test_an_optimizer_state_dict_of_other_groups_is_refused_naming_them():
         opt.load_state_dict(saved)
 
 
+@pytest.mark.parametrize("other, shown", [
+    (lambda params: torch.optim.SGD(params, lr=0.5, momentum=0.9),
+     r"param group 0 has no 'betas' .*'momentum'.*: it is not the state dict of an Adam"),
+    (lambda params: torch.optim.AdamW(params, lr=0.5),
+     r"\['decoupled_weight_decay'\] is True but config optimizer type is 'Adam'"),
+    (lambda params: torch.optim.Adam(params, lr=0.5, amsgrad=True),
+     r"\['amsgrad'\] is True: the PatrickStar optimizer has no amsgrad variant"),
+])
+def test_another_optimizers_state_dict_is_refused_and_changes_nothing(other, shown):
+    """Note [Saved groups of another optimizer]. Before: SGD's state dict loaded into the
+    Adam, which then trained at SGD's lr 0.5; AdamW's into an Adam config trained Adam's L2
+    decay; amsgrad was dropped."""
+    torch.manual_seed(0)
+    reference = MLP()
+    ref_opt = torch.optim.Adam(reference.parameters(), lr=1e-3)
+    torch.manual_seed(0)
+    model, opt = patrickstar.initialize(MLP, config={
+        "default_chunk_size": 4096, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}})
+    with pytest.raises(ValueError, match=r"optimizer state dict: .*" + shown):
+        opt.load_state_dict(other(MLP().parameters()).state_dict())
+    assert opt.param_groups[0]["lr"] == 1e-3
+    generator = torch.Generator().manual_seed(0)
+    x, y = torch.randn(8, 32, generator=generator), torch.randint(0, 10, (8,), generator=generator)
+    reference(x, y).backward()
+    ref_opt.step()
+    model.backward(model(x, y))
+    opt.step()
+    state = model.state_dict()
+    for name, tensor in reference.state_dict().items():
+        torch.testing.assert_close(state[name], tensor, rtol=1e-5, atol=1e-6)
+
+
 def test_a_torch_optimizers_own_param_groups_are_taken_as_they_are():
     # nanoGPT kept as it is: `optimizer = model.configure_optimizers(...)` builds a torch AdamW
     # over the built module, whose groups carry torch's own keys (foreach, fused, amsgrad,
