@@ -124,10 +124,15 @@ class ChunkRuntime:
         tiers.append(_C.HostTier(budget=memory.host_budget or 0, name=Tier.HOST,
                                  pinned=_C.cuda_available()))
         if memory.nvme.path is not None:
-            tiers.append(_C.NvmeTier(memory.nvme.path, budget=memory.nvme.budget,
-                                     queue_depth=memory.nvme.queue_depth,
-                                     block_size=memory.nvme.block_size,
-                                     verify=memory.nvme.verify, name=Tier.NVME))
+            try:
+                tiers.append(_C.NvmeTier(memory.nvme.path, budget=memory.nvme.budget,
+                                         queue_depth=memory.nvme.queue_depth,
+                                         block_size=memory.nvme.block_size,
+                                         verify=memory.nvme.verify, name=Tier.NVME))
+            except OSError as error:  # the path, not the key: say which key gave it
+                error.add_note(f"config key 'memory.nvme.path' = {memory.nvme.path!r}: an "
+                               f"existing directory the swap file is made in")
+                raise
         self.tiers = tiers
         self.has_nvme = memory.nvme.path is not None
         warn_budgets_beyond_the_machine(memory)

@@ -224,3 +224,19 @@ def test_duplicate_keys_in_a_json_config_are_refused_naming_them(tmp_path):
                     '"lr": 0.001}}, "gradient_clipping": 1.0}')
     with pytest.raises(ValueError, match=r"ds_config.json.*duplicate key 'lr'"):
         load_config(str(path))
+
+
+@pytest.mark.parametrize("where", ["file", "missing"])
+def test_an_unusable_nvme_path_names_the_config_key(tmp_path, where):
+    """The tier's error named the path only ("nvme tier: '...': Not a directory"), not the
+    key it came from."""
+    import torch
+
+    import patrickstar
+    path = tmp_path / "swap"
+    if where == "file":
+        path.write_text("x")
+    with pytest.raises(OSError) as error:
+        patrickstar.initialize(lambda: torch.nn.Linear(2, 2),
+                               config={"memory": {"nvme": {"path": str(path)}}})
+    assert f"config key 'memory.nvme.path' = '{path}'" in "\n".join(error.value.__notes__)
