@@ -127,6 +127,9 @@ def test_parse_bytes_rejects_nonsense():
     for bad in ("1 parsec", "", "GiB", True, [1], -1, 1.5):
         with pytest.raises(ValueError, match="budget"):
             parse_bytes(bad, "budget")
+    for negative in ("-5GiB", "-0.5", " -1 MB"):  # was "cannot read '-5GiB' as a size"
+        with pytest.raises(ValueError, match=f"'budget': must be >= 0 bytes, got '{negative}'"):
+            parse_bytes(negative, "budget")
 
 
 @pytest.mark.parametrize("value", ["1e400GiB", "1e30", 10**30, 2**63, "80%", "20 GiB of RAM",
