@@ -1110,9 +1110,10 @@ class PatrickStarEngine(nn.Module):
         """New weights for parameter `index` (its shape, any float dtype)."""
         self._parameter_values.load(index, source)
 
-    def read_parameter(self, index: int) -> torch.Tensor:
-        """Parameter `index` in the compute dtype (a collective under data parallelism)."""
-        return self._parameter_values.read(index)
+    def read_parameter(self, index: int, what: str = "state_dict()") -> torch.Tensor:
+        """Parameter `index` in the compute dtype (a collective under data parallelism);
+        `what` is the call an error names."""
+        return self._parameter_values.read(index, what)
 
     def full_gradient(self, param) -> torch.Tensor | None:
         """DeepSpeed's `safe_get_full_grad`: the gradient of `param` (one of this engine's

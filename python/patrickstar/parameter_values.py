@@ -52,9 +52,10 @@ class ParameterValues:
         self._slots = slots
         self._compute_dtype = compute_dtype
 
-    def read(self, index: int) -> torch.Tensor:
-        """Parameter `index` in the compute dtype (a collective under data parallelism)."""
-        self._guard.check_alive("state_dict()")
+    def read(self, index: int, what: str = "state_dict()") -> torch.Tensor:
+        """Parameter `index` in the compute dtype (a collective under data parallelism);
+        `what` is the call an error names."""
+        self._guard.check_alive(what)
         self._slots.check_unchanged([index])  # Note [Writes to a released parameter]
         self._gather_for_state_dict()
         return self._params.read(index, K.COMPUTE_PARAM)

@@ -122,7 +122,8 @@ def _label(engine, index: int) -> str:
 def _value(engine, index: int, func) -> torch.Tensor:
     """Parameter `index`'s value, on the engine's device as its placeholder is."""
     try:
-        return engine.read_parameter(index).to(engine.device)
+        return engine.read_parameter(index, f"{_call(func)} of {_label(engine, index)}").to(
+            engine.device)
     except TimeoutError as error:
         # A logging read on one rank only (`if rank == 0: log(p.norm())`) waits for the others
         # until the collective's timeout, whose message names only the collective.
@@ -204,7 +205,12 @@ class ParameterAtRest(nn.Parameter):
         tracked = next(((engine, index) for i, (engine, index) in owners.items()
                         if leaves[i].requires_grad), None)
         for i, (engine, index) in owners.items():
-            value = _value(engine, index, func)
+            try:
+                value = _value(engine, index, func)
+            except RuntimeError as error:
+                if func is _T.__repr__:  # print(p), a debugger's view: say why, do not raise
+                    return f"<values not readable: {error}>"
+                raise
             if func is _T.__repr__ and value.is_floating_point():
                 value.requires_grad_(leaves[i].requires_grad)  # torch's "requires_grad=True"
             leaves[i] = value

@@ -122,6 +122,18 @@ def test_parameters_and_modules_kept_past_the_engine_refuse_reads_of_their_freed
     assert "freed with their PatrickStar engine; shape (64, 64)" in repr(weight)
 
 
+def test_parameters_of_a_destroyed_engine_name_the_call_and_the_parameter(nvme_dir):
+    """model.destroy() keeps the engine object: a parameter's read said "state_dict(): this
+    PatrickStar engine was deleted or destroyed" for `p.sum()`, and print(p) raised it."""
+    model, optimizer = _plain_or_engine(True, nvme_dir)
+    weight = model.module[0].weight
+    model.destroy()
+    with pytest.raises(RuntimeError, match=r"^sum\(\) of PatrickStar parameter 'module.0.weight': "
+                                           r"this PatrickStar engine was deleted or destroyed"):
+        weight.sum()
+    assert "values not readable: __repr__() of PatrickStar parameter" in repr(weight)
+
+
 @pytest.mark.parametrize("world", [1, 2])
 def test_twenty_cycles_keep_rss_flat_and_leave_no_file(tmp_path, world):
     nvme, profiles = tmp_path / "nvme", tmp_path / "profiles"
