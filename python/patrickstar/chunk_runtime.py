@@ -140,7 +140,7 @@ class ChunkRuntime:
         self.chunks = Chunks(tiers, self.copy_engine, world_size, rank)
 
 
-def _host_memory_limit() -> tuple[int, str] | None:
+def host_memory_limit() -> tuple[int, str] | None:
     """The memory this process may use: the machine's, or its cgroup's limit when lower."""
     try:
         limit = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
@@ -164,7 +164,7 @@ def warn_budgets_beyond_the_machine(memory) -> None:
     there passes initialize() and fails only when the run grows into it, possibly days later:
     a host budget past the machine's memory ends in the OOM killer's SIGKILL (no Python error,
     no message), an NVMe budget past the disk's free space in ENOSPC. Say so at the start."""
-    limit = _host_memory_limit()
+    limit = host_memory_limit()
     if memory.host_budget is not None and limit is not None and memory.host_budget > limit[0]:
         warnings.warn(
             f"config key 'memory.host_budget' = {memory.host_budget} bytes is more than "

@@ -843,6 +843,24 @@ def test_initialize_under_inference_mode_evaluates_and_trains_as_pytorch():
         assert built(*batches[0]).isfinite()  # refused before anything moved
 
 
+def test_chunks_larger_than_the_machine_are_refused_before_allocation(monkeypatch):
+    """Note [Chunks larger than the machine]. Before: default_chunk_size=10**12 for a small model
+    allocated terabytes until the OOM killer ended the process without a message. Here the
+    machine's memory is made 1 MiB so that a 4 MiB chunk stands for it."""
+    import patrickstar.guards
+    monkeypatch.setattr(patrickstar.guards, "host_memory_limit",
+                        lambda: (1 << 20, "this machine's memory"))
+    with pytest.raises(patrickstar.ChunkOutOfMemoryError,
+                       match=r"initialization writes on the host, 4194304 bytes .* more than "
+                             r"this machine's memory, 1048576 bytes .* "
+                             r"default_chunk_size=1048576 elements each \(the model has 6922 "
+                             r"parameters here\); lower default_chunk_size"):
+        patrickstar.initialize(MLP, config={"default_chunk_size": 1 << 20})
+    # A host budget or an NVMe tier bounds the host instead, as before.
+    patrickstar.initialize(MLP, config={"default_chunk_size": 1 << 20,
+                                        "memory": {"host_budget": "64MiB"}})
+
+
 def test_initialize_engine_alias_uses_patrickstar_argument_order():
     torch.manual_seed(0)
     model, opt = patrickstar.initialize_engine(model_func=MLP, local_rank=0,
