@@ -65,9 +65,12 @@ def initialize(model_func: Callable[[], nn.Module] | nn.Module | None = None, co
 # --nproc_per_node=N`, with no local_rank: the default was 0, so on a node with N GPUs every
 # rank put its device tier, copy streams and compute on GPU 0 (N ranks' chunks in one GPU's
 # memory). DeepSpeed and FSDP recipes never pass it either (DeepSpeed reads LOCAL_RANK). An
-# explicit local_rank (upstream PatrickStar's initialize_engine argument) still wins.
+# explicit local_rank (upstream PatrickStar's initialize_engine argument) still wins, except
+# -1: the `--local_rank` default of upstream's and Hugging Face's scripts (and
+# TrainingArguments.local_rank) when no launcher passed one, "not distributed" in torch's
+# convention, which was refused as "must be a non-negative int"; it reads the environment too.
 def _local_rank(local_rank: int | None) -> int:
-    if local_rank is not None:
+    if local_rank is not None and not (local_rank == -1 and not isinstance(local_rank, bool)):
         return local_rank
     text = os.environ.get("LOCAL_RANK")
     if text is None:

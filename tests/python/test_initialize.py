@@ -984,6 +984,19 @@ def test_the_local_rank_comes_from_torchruns_environment(monkeypatch):
                                       config={"default_chunk_size": 1024})
     assert model.local_rank == 0  # an explicit local_rank (upstream's argument) wins
     model.destroy()
+    # -1, a script's `--local_rank` default when no launcher passed one, reads the environment.
+    model, _ = patrickstar.initialize(lambda: nn.Linear(8, 8), local_rank=-1,
+                                      config={"default_chunk_size": 1024})
+    assert model.local_rank == 1
+    model.destroy()
+    monkeypatch.delenv("LOCAL_RANK")
+    model, _ = patrickstar.initialize_engine(lambda: nn.Linear(8, 8), local_rank=-1,
+                                             config={"default_chunk_size": 1024})
+    assert model.local_rank == 0
+    model.destroy()
+    with pytest.raises(ValueError, match="local_rank must be a non-negative int, got -2"):
+        patrickstar.initialize(lambda: nn.Linear(8, 8), local_rank=-2,
+                               config={"default_chunk_size": 1024})
     monkeypatch.setenv("LOCAL_RANK", "x")
     with pytest.raises(ValueError, match="LOCAL_RANK.*'x'"):
         patrickstar.initialize(lambda: nn.Linear(8, 8), config={"default_chunk_size": 1024})
