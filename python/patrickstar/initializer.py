@@ -37,8 +37,8 @@ def initialize(model_func: Callable[[], nn.Module] | nn.Module | None = None, co
     `config` is a dict or a path to a JSON file (see `patrickstar.config`); `param_groups`
     optionally splits the parameters into groups with their own `lr` / `weight_decay`, either as
     torch.optim's list of dicts or as a callable taking the built module and returning one.
-    `local_rank` chooses the GPU; by default torchrun's `LOCAL_RANK` (0 without it), as
-    DeepSpeed reads it (Note [The local rank from the environment]).
+    `local_rank` chooses the GPU; by default (or -1) torchrun's `LOCAL_RANK` (0 without it),
+    as DeepSpeed reads it (Note [The local rank from the environment]).
 
     DeepSpeed's keywords: `model=` and `config_params=` are `model_func` and `config`;
     `model_parameters=` (of a built module) is `param_groups`; `lr_scheduler=fn` sets
