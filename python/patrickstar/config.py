@@ -780,6 +780,9 @@ def load_config(config: Mapping[str, Any] | str | os.PathLike | None) -> Config:
                 config = json.load(handle, object_pairs_hook=_without_duplicates)
         except FileNotFoundError:
             raise FileNotFoundError(f"config file '{path}' does not exist") from None
+        except IsADirectoryError:
+            raise IsADirectoryError(f"config file '{path}' is a directory; give the path of "
+                                    f"the JSON file in it") from None
         except json.JSONDecodeError as error:
             raise ValueError(f"config file '{path}' is not valid JSON: {error}") from None
         except _DuplicateKey as error:

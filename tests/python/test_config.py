@@ -106,6 +106,12 @@ def test_bad_configs_name_the_key(config, key):
     assert key in str(info.value)
 
 
+def test_a_config_path_that_is_a_directory_says_so(tmp_path):
+    # It was Python's bare "[Errno 21] Is a directory: '...'".
+    with pytest.raises(IsADirectoryError, match=f"config file '{tmp_path}' is a directory"):
+        load_config(str(tmp_path))
+
+
 def test_config_file_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="missing.json"):
         load_config(str(tmp_path / "missing.json"))
