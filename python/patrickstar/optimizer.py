@@ -738,10 +738,12 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         if len(groups) != len(self.param_groups):
             raise ValueError(f"optimizer state dict has {len(groups)} param groups, the "
                              f"optimizer {len(self.param_groups)}")
-        to_index = self._saved_numbering(groups)
         # Saved names as the groups' 'params' give them (Note [Saved optimizer state is
         # numbered by its groups]): numbers, or fully qualified names.
         state = {_saved_key(key): entry for key, entry in state_dict["state"].items()}
+        empty = _empty_entries(state)  # Note [Saved state of parameters without elements]
+        state = {key: entry for key, entry in state.items() if key not in empty}
+        to_index = self._saved_numbering(groups, empty)
         self._check_saved_shapes(state, to_index)
         groups = [self._checked_saved_group(number, saved) for number, saved in enumerate(groups)]
         for saved, group in zip(groups, self.param_groups):
@@ -791,18 +793,29 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
     # bias's moments into a weight, or, where shapes agreed, into the wrong parameter silently:
     # so load maps through the groups as torch does, and checks every group and shape before
     # it writes anything.
-    def _saved_numbering(self, saved_groups) -> dict[int, int]:
+    def _saved_numbering(self, saved_groups, empty: set = frozenset()) -> dict[int, int]:
         params = self.chunked
         to_index = {}
         for number, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
-            if len(saved["params"]) != len(group["params"]):
+            keys = [_saved_key(key) for key in saved["params"]]
+            if len(keys) != len(group["params"]):
+                keys = [key for key in keys if key not in empty]
+            if len(keys) != len(group["params"]):
                 raise ValueError(
                     f"optimizer state dict: param group {number} has {len(saved['params'])} "
                     f"parameters, the optimizer's has {len(group['params'])} (the groups must "
                     "be made the same way as when it was saved)")
-            for key, param in zip(saved["params"], group["params"]):
-                to_index[_saved_key(key)] = params.index_of(param)
+            for key, param in zip(keys, group["params"]):
+                to_index[key] = params.index_of(param)
         return to_index
+
+    # Note [Saved state of parameters without elements]
+    # A parameter without elements stays outside the chunks and the optimizer's groups
+    # (init_context.plan_parameters), while a torch optimizer over `model.parameters()` lists it
+    # and, once it has stepped, keeps its (empty) moments: loading that state dict failed with
+    # "param group 0 has 5 parameters, the optimizer's has 4". Entries whose moments have no
+    # elements are such parameters': a group that lists more parameters than ours loses them
+    # before it is paired with ours, and their state is dropped (there is nothing to load).
 
     def _check_saved_shapes(self, state, to_index) -> None:
         params = self.chunked
@@ -828,6 +841,15 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
                         f"optimizer state dict: state {key} maps to '{params.names[index]}' of "
                         f"shape {params.shapes[index]}, but its {weight} has shape "
                         f"{tuple(value.shape)}")
+
+
+def _empty_entries(state: dict) -> set:
+    """The keys of saved state entries whose moments hold no elements (Note [Saved state of
+    parameters without elements])."""
+    return {key for key, entry in state.items()
+            if isinstance(entry, dict) and all(
+                isinstance(entry.get(moment), torch.Tensor) and entry[moment].numel() == 0
+                for moment in moment_state.MOMENT_KEYS)}
 
 
 def _saved_key(key):

@@ -298,3 +298,42 @@ def test_group_hyperparameters_given_at_initialize_are_checked_naming_them(group
         patrickstar.initialize(built, config={"default_chunk_size": 4096},
                                param_groups=[{"params": built.parameters(), **group}])
     assert all(p.numel() > 0 for p in built.parameters())  # refused before placement
+
+
+class WithAnEmptyParameter(MLP):
+    def __init__(self):
+        super().__init__()
+        self.empty = nn.Parameter(torch.zeros(0, 3))  # kept outside the chunks
+
+    def forward(self, x, y):
+        return super().forward(x, y) + self.empty.sum()
+
+
+def test_a_pytorch_state_dict_listing_a_parameter_without_elements_resumes_like_pytorch():
+    """Note [Saved state of parameters without elements]. Before: "param group 0 has 7
+    parameters, the optimizer's has 6"."""
+    generator = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(8, 32, generator=generator),
+                torch.randint(0, 10, (8,), generator=generator)) for _ in range(4)]
+    torch.manual_seed(0)
+    reference = WithAnEmptyParameter()
+    ref_opt = torch.optim.Adam(reference.parameters(), lr=1e-3, foreach=False)
+    for x, y in batches[:2]:
+        reference(x, y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    saved_model, saved_opt = reference.state_dict(), ref_opt.state_dict()
+    model, opt = patrickstar.initialize(WithAnEmptyParameter, config={
+        "default_chunk_size": 4096, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}})
+    model.load_state_dict(saved_model)
+    opt.load_state_dict(saved_opt)
+    for x, y in batches[2:]:
+        reference(x, y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        model.backward(model(x, y))
+        opt.step()
+        opt.zero_grad()
+    state = model.state_dict()
+    for name, tensor in reference.state_dict().items():
+        torch.testing.assert_close(state[name], tensor, rtol=1e-5, atol=1e-6)
