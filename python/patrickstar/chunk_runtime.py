@@ -124,10 +124,15 @@ class ChunkRuntime:
         tiers.append(_C.HostTier(budget=memory.host_budget or 0, name=Tier.HOST,
                                  pinned=_C.cuda_available()))
         if memory.nvme.path is not None:
-            tiers.append(_C.NvmeTier(memory.nvme.path, budget=memory.nvme.budget,
-                                     queue_depth=memory.nvme.queue_depth,
-                                     block_size=memory.nvme.block_size,
-                                     verify=memory.nvme.verify, name=Tier.NVME))
+            try:
+                tiers.append(_C.NvmeTier(memory.nvme.path, budget=memory.nvme.budget,
+                                         queue_depth=memory.nvme.queue_depth,
+                                         block_size=memory.nvme.block_size,
+                                         verify=memory.nvme.verify, name=Tier.NVME))
+            except OSError as error:  # the path, not the key: say which key gave it
+                error.add_note(f"config key 'memory.nvme.path' = {memory.nvme.path!r}: an "
+                               f"existing directory the swap file is made in")
+                raise
         self.tiers = tiers
         self.has_nvme = memory.nvme.path is not None
         warn_budgets_beyond_the_machine(memory)
@@ -135,7 +140,7 @@ class ChunkRuntime:
         self.chunks = Chunks(tiers, self.copy_engine, world_size, rank)
 
 
-def _host_memory_limit() -> tuple[int, str] | None:
+def host_memory_limit() -> tuple[int, str] | None:
     """The memory this process may use: the machine's, or its cgroup's limit when lower."""
     try:
         limit = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
@@ -159,7 +164,7 @@ def warn_budgets_beyond_the_machine(memory) -> None:
     there passes initialize() and fails only when the run grows into it, possibly days later:
     a host budget past the machine's memory ends in the OOM killer's SIGKILL (no Python error,
     no message), an NVMe budget past the disk's free space in ENOSPC. Say so at the start."""
-    limit = _host_memory_limit()
+    limit = host_memory_limit()
     if memory.host_budget is not None and limit is not None and memory.host_budget > limit[0]:
         warnings.warn(
             f"config key 'memory.host_budget' = {memory.host_budget} bytes is more than "

@@ -41,7 +41,11 @@ def _engine_of_all(params: list, call: str):
                          f"PatrickStar engines; clip each model on its own "
                          f"(model.clip_grad_norm_(max_norm))")
     engine = next(iter(engines.values()))
-    foreign = [p for p in params if engine_of(p) is None and p.grad is not None]
+    # A parameter without elements stays outside the chunks (init_context.plan_parameters), so
+    # `model.parameters()` of such a model holds one; its empty gradient adds nothing to any
+    # norm and clipping it changes nothing.
+    foreign = [p for p in params if engine_of(p) is None and p.grad is not None
+               and p.grad.numel() > 0]
     if foreign:
         raise ValueError(
             f"torch.nn.utils.{call}: {len(foreign)} of the parameters given have "

@@ -28,7 +28,7 @@ _SIZE_UNITS = {
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 }
 _MAX_BYTES = 2**63 - 1
-_SIZE_PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+_SIZE_PATTERN = re.compile(r"^\s*([+-]?[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 
 def parse_bytes(value: Any, key: str = "size") -> int:
@@ -47,6 +47,8 @@ def parse_bytes(value: Any, key: str = "size") -> int:
                 f"config key '{key}': cannot read {value!r} as a size; use bytes or a number with "
                 f"a unit such as 512MiB, 2GiB, 1.5GB")
         scaled = float(match.group(1)) * _SIZE_UNITS[unit]
+        if scaled < 0:  # "-5GiB": said as for -5, not "cannot read"
+            raise ValueError(f"config key '{key}': must be >= 0 bytes, got {value!r}")
         if not math.isfinite(scaled):  # "1e400GiB": int() would raise a bare OverflowError
             raise ValueError(f"config key '{key}': {value!r} is too large")
         number = int(scaled)
@@ -778,6 +780,9 @@ def load_config(config: Mapping[str, Any] | str | os.PathLike | None) -> Config:
                 config = json.load(handle, object_pairs_hook=_without_duplicates)
         except FileNotFoundError:
             raise FileNotFoundError(f"config file '{path}' does not exist") from None
+        except IsADirectoryError:
+            raise IsADirectoryError(f"config file '{path}' is a directory; give the path of "
+                                    f"the JSON file in it") from None
         except json.JSONDecodeError as error:
             raise ValueError(f"config file '{path}' is not valid JSON: {error}") from None
         except _DuplicateKey as error:

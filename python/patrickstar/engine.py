@@ -95,7 +95,8 @@ from .optimizer import PatrickStarOptimizer, build_param_groups
 from .parameter_values import ParameterValues
 from .saved_views import SavedParameterViews
 from .traced_calls import refuse_script_call, refuse_scripting, refuse_traced_call
-from .profiling.recorder import optimizer_phase, profiler_from_config
+from .profiling.recorder import (make_config_profile_directory, optimizer_phase,
+                                 profiler_from_config)
 from .profiling.upstream import profiler as upstream_profiler
 from .synced_generate import modules_called_alone, synced_generate
 from .utils import get_rank, get_world_size, global_timer
@@ -208,6 +209,7 @@ class PatrickStarEngine(nn.Module):
 
         # Before the model is built: tensor-parallel layers size their slices by the groups.
         self.dp = DataParallel(config, *world)
+        make_config_profile_directory(config)  # before a built module's weights move
         # Note [The first rank's initial weights] in first_rank_init.py.
         if self.dp.enabled and isinstance(model_func, BuiltModule):
             take_first_rank_state(model_func.module, self.dp.group)
@@ -1135,11 +1137,13 @@ class PatrickStarEngine(nn.Module):
         """New weights for parameter `index` (its shape, any float dtype)."""
         self._parameter_values.load(index, source)
 
-    def read_parameter(self, index: int, by_user: bool = False) -> torch.Tensor:
-        """Parameter `index` in the compute dtype (a collective under data parallelism).
-        `by_user`: a read of user code at rest, which the ranks agree on first when it gathers
-        (Note [Parameter reads agree] in data_parallel.py)."""
-        return self._parameter_values.read(index, self.dp.PARAMETER_READ if by_user else None)
+    def read_parameter(self, index: int, what: str = "state_dict()",
+                       by_user: bool = False) -> torch.Tensor:
+        """Parameter `index` in the compute dtype (a collective under data parallelism); `what`
+        is the call an error names. `by_user`: a read of user code at rest, which the ranks
+        agree on first when it gathers (Note [Parameter reads agree] in data_parallel.py)."""
+        return self._parameter_values.read(index, what,
+                                           self.dp.PARAMETER_READ if by_user else None)
 
     def full_gradient(self, param) -> torch.Tensor | None:
         """DeepSpeed's `safe_get_full_grad`: the gradient of `param` (one of this engine's

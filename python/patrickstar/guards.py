@@ -94,6 +94,7 @@ from typing import Callable, Iterator
 import torch
 
 from . import _C
+from .chunk_runtime import host_memory_limit
 
 __all__ = ["TrainingGuard", "check_budgets"]
 
@@ -395,6 +396,25 @@ def check_budgets(config, manager_json: str, names: list[str], trainable: list[b
             f"config key 'memory.host_budget' = {_fmt(memory.host_budget)} is smaller than the "
             f"fp32 parameter chunks initialization writes on the host: {_fmt(init_need)}, and "
             f"there is no NVMe tier (memory.nvme.path) to spill them to")
+    # Note [Chunks larger than the machine]
+    # Chunks are allocated whole, so the host holds default_chunk_size elements per chunk at
+    # initialization however small the model: a chunk size typed with a few zeros too many
+    # (10**12) for a 72-parameter model made initialize() allocate terabytes, and without a host
+    # budget nothing stopped it before the kernel's OOM killer ended the process (and, on a
+    # shared machine, possibly others) with no message. Without a host budget or an NVMe tier
+    # the host's memory is the bound: what initialization must write beyond it is refused.
+    limit = host_memory_limit()
+    if memory.nvme.path is None and memory.host_budget is None and limit is not None \
+            and init_need > limit[0]:
+        parameters = sum(tensor["numel"] for chunk in layout["chunks"]
+                         if chunk["kind"] == "compute_param" for tensor in chunk["tensors"])
+        raise _C.ChunkOutOfMemoryError(
+            f"the fp32 parameter chunks initialization writes on the host, {_fmt(init_need)}, "
+            f"are more than {limit[1]}, {_fmt(limit[0])}, and there is no NVMe tier "
+            f"(memory.nvme.path) to spill them to: chunks are allocated whole, "
+            f"default_chunk_size={config.default_chunk_size} elements each (the model has "
+            f"{parameters} parameters here); lower default_chunk_size, or add an NVMe tier and "
+            f"a memory.host_budget")
     # Note [Optimizer state stays on the host]
     # The optimizer makes its moments (and their 8-bit scales) on the host tier at the first
     # step (Note [Optimizer sweep] in optimizer.py), and eviction only goes down the hierarchy,

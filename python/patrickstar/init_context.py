@@ -109,11 +109,16 @@ def _check_dtype(name: str, dtype: torch.dtype) -> None:
     if dtype in (torch.float32, torch.float16, torch.bfloat16):
         return
     if dtype.is_floating_point or dtype.is_complex:
+        # A script that set torch's default dtype to float64 builds every parameter so: the
+        # remedy is the default, not one .float() per module.
+        default = (f" (torch's default dtype is {dtype}: torch.set_default_dtype(torch.float32) "
+                   f"before initialize() builds the model in float32)"
+                   if dtype == torch.get_default_dtype() else "")
         raise TypeError(
             f"parameter '{name}' is {dtype}: PatrickStar-C++ keeps parameters in float32 chunks "
             f"(fp16/bf16 compute copies with the fp32 config), which would round it silently. "
             f"Create it as float32 in model_func (e.g. .float()), or register it as a buffer "
-            f"(module.register_buffer) if it is not trained")
+            f"(module.register_buffer) if it is not trained{default}")
     raise TypeError(
         f"parameter '{name}' is {dtype}: an integer parameter cannot be trained (PyTorch gives "
         f"it no gradient) and chunks hold floating-point values only. Register it as a buffer "

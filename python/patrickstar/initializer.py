@@ -8,6 +8,7 @@ import warnings
 from collections.abc import Mapping
 from typing import Callable
 
+import torch
 from torch import nn
 
 from .config import Config, load_config
@@ -36,8 +37,8 @@ def initialize(model_func: Callable[[], nn.Module] | nn.Module | None = None, co
     `config` is a dict or a path to a JSON file (see `patrickstar.config`); `param_groups`
     optionally splits the parameters into groups with their own `lr` / `weight_decay`, either as
     torch.optim's list of dicts or as a callable taking the built module and returning one.
-    `local_rank` chooses the GPU; by default torchrun's `LOCAL_RANK` (0 without it), as
-    DeepSpeed reads it (Note [The local rank from the environment]).
+    `local_rank` chooses the GPU; by default (or -1) torchrun's `LOCAL_RANK` (0 without it),
+    as DeepSpeed reads it (Note [The local rank from the environment]).
 
     DeepSpeed's keywords: `model=` and `config_params=` are `model_func` and `config`;
     `model_parameters=` (of a built module) is `param_groups`; `lr_scheduler=fn` sets
@@ -45,7 +46,9 @@ def initialize(model_func: Callable[[], nn.Module] | nn.Module | None = None, co
     [DeepSpeed's initialize() arguments])."""
     model_func, config, param_groups, make_scheduler = take_deepspeed_arguments(
         model_func, config, param_groups, deepspeed_kwargs)
-    model, optimizer = _initialize(model_func, config, _local_rank(local_rank), param_groups)
+    with torch.inference_mode(False):  # Note [initialize() under torch.inference_mode()]
+        model, optimizer = _initialize(model_func, config, _local_rank(local_rank),
+                                       param_groups)
     if make_scheduler is not None:
         if isinstance(model, PipelineEngine):
             raise TypeError("initialize(lr_scheduler=...) with a PipelineModule: train_batch() "
@@ -62,9 +65,12 @@ def initialize(model_func: Callable[[], nn.Module] | nn.Module | None = None, co
 # --nproc_per_node=N`, with no local_rank: the default was 0, so on a node with N GPUs every
 # rank put its device tier, copy streams and compute on GPU 0 (N ranks' chunks in one GPU's
 # memory). DeepSpeed and FSDP recipes never pass it either (DeepSpeed reads LOCAL_RANK). An
-# explicit local_rank (upstream PatrickStar's initialize_engine argument) still wins.
+# explicit local_rank (upstream PatrickStar's initialize_engine argument) still wins, except
+# -1: the `--local_rank` default of upstream's and Hugging Face's scripts (and
+# TrainingArguments.local_rank) when no launcher passed one, "not distributed" in torch's
+# convention, which was refused as "must be a non-negative int"; it reads the environment too.
 def _local_rank(local_rank: int | None) -> int:
-    if local_rank is not None:
+    if local_rank is not None and not (local_rank == -1 and not isinstance(local_rank, bool)):
         return local_rank
     text = os.environ.get("LOCAL_RANK")
     if text is None:
@@ -154,12 +160,29 @@ def _warn_if_nothing_sliced(engine, config: Config) -> None:
                   "the ranks be data-parallel", UserWarning, stacklevel=4)
 
 
+# Note [initialize() under torch.inference_mode()]
+# A script that loads a model for evaluation inside `with torch.inference_mode():` built the
+# engine there, and initialize() failed in the parameter slots with c10's "Inference tensors do
+# not track version counter" and a page of C++ frames. The engine's parameters are its own
+# placeholders over chunk memory, never the user's tensors, so initialize() builds everything
+# with inference mode off: the engine then runs forwards in and out of inference mode, and
+# trains (PyTorch's module built there evaluates but fails at its first training step). A module
+# passed in built under inference mode holds inference tensors, which cannot become parameters
+# autograd tracks: refused, naming one, before anything moves.
 def _checked_before_placement(built: nn.Module, param_groups, config):
     """A built module's parameters move into chunks as the engine is made, so a mistake found
-    after that would leave the caller's module without its weights: torch.optim-style groups
+    after that would leave the caller's module without its weights: inference tensors (Note
+    [initialize() under torch.inference_mode()]) are refused, and torch.optim-style groups
     (from its own parameters, e.g. DeepSpeed's model_parameters) are checked first, as the
     engine will check them; the checked groups (each "params" listed: a generator is consumed
     by the check) go on to the engine."""
+    inference = next((name for name, param in built.named_parameters() if param.is_inference()),
+                     None)
+    if inference is not None:
+        raise TypeError(f"parameter '{inference}' of the module passed to initialize() is an "
+                        f"inference tensor (the module was built under torch.inference_mode()), "
+                        f"which autograd cannot track: build the module outside inference mode, "
+                        f"or pass a model_func (initialize() builds it with inference mode off)")
     if param_groups is None or callable(param_groups):
         return param_groups  # a callable sees the built engine's shapes
     return build_param_groups(built, param_groups, config.optimizer)

@@ -34,6 +34,7 @@ from torch import nn
 
 from . import resting_params
 from .hooks import HookSet
+from .parameter_values import checked_value
 
 __all__ = ["ModuleStateHooks"]
 
@@ -49,6 +50,10 @@ class ModuleStateHooks(HookSet):
         # Note [Tied weights share one tensor in the state dict]: parameter index -> (id of
         # the state dict, key, weak reference to the tensor read for it).
         self._reads: dict[int, tuple] = {}
+        # Keys refused under assign=True, taken out of the state dict so torch does not put a
+        # new Parameter in the engine's place; the post-hook takes them out of the missing keys
+        # torch then counts (they were given, only not assignable).
+        self._refused_assign: set[str] = set()
         # Partials, not bound methods: torch marks its hooks with an attribute.
         before_state_dict = functools.partial(ModuleStateHooks._before_state_dict, self)
         for module in tree.modules():
@@ -133,17 +138,21 @@ class ModuleStateHooks(HookSet):
                 error_msgs.append(f"load_state_dict(assign=True) cannot replace '{key}': its "
                                   f"data lives in PatrickStar chunks; load without assign")
                 del state_dict[key]  # torch would put a new Parameter in the engine's place
+                self._refused_assign.add(key)
                 continue
-            if not isinstance(source, torch.Tensor) or tuple(source.shape) != shape:
-                error_msgs.append(
-                    f"size mismatch for {key}: copying a param with shape "
-                    f"{tuple(getattr(source, 'shape', ()))} from checkpoint, the shape in "
-                    f"current model is {torch.Size(shape)}.")
+            # Note [A state dict's values, checked as torch checks them] in parameter_values.py
+            source, error = checked_value(key, source, shape)
+            if error is not None:
+                error_msgs.append(error)
             else:
                 engine.load_parameter(index, source)
             state_dict[key] = torch.empty(0, dtype=param.dtype)
 
     def _after_load_state_dict(self, module, incompatible_keys) -> None:
+        if self._refused_assign:
+            incompatible_keys.missing_keys[:] = [key for key in incompatible_keys.missing_keys
+                                                 if key not in self._refused_assign]
+            self._refused_assign.clear()
         engine = self._live_engine()
         engine.after_module_load([index for _, _, index in self._chunked(engine, module, "")])
         self._rest_own(engine, module)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import collections.abc
 import contextlib
 import math
+import numbers
 import weakref
 from typing import Callable, ContextManager, Iterable
 
@@ -71,6 +72,26 @@ def _without_torch_keys(index: int, group: dict, decoupled_weight_decay) -> dict
     return {k: v for k, v in group.items() if k not in dropped}
 
 
+def _is_number(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _check_group_numbers(index: int, group: dict) -> None:
+    """A group's hyperparameters are numbers (a string "1e-3" failed in the range check below
+    with "'<' not supported between instances of 'str' and 'int'", a beta of 1.5 trained)."""
+    for key in ("lr", "weight_decay", "eps"):
+        if not _is_number(group[key]):
+            raise TypeError(f"param_groups[{index}][{key!r}]: expected a number, got "
+                            f"{type(group[key]).__name__} {group[key]!r}")
+    betas = group["betas"]
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2 and
+            all(_is_number(beta) for beta in betas)):
+        raise TypeError(f"param_groups[{index}]['betas']: expected two numbers, got {betas!r}")
+    if not all(0 <= beta < 1 for beta in betas):
+        raise ValueError(f"param_groups[{index}]['betas']: each must be in [0, 1), got "
+                         f"{tuple(betas)}")
+
+
 def build_param_groups(module: torch.nn.Module, groups, optimizer) -> list[dict]:
     """Validates user param groups (torch's format: dicts with "params" and overrides) or, when
     `groups` is None, one group of every parameter, with `optimizer`'s (the config's
@@ -84,9 +105,14 @@ def build_param_groups(module: torch.nn.Module, groups, optimizer) -> list[dict]
         groups = [{"params": all_params}]
     if callable(groups):
         groups = groups(module)
+    if isinstance(groups, torch.Tensor):
+        groups = [groups]
     if isinstance(groups, dict) or not isinstance(groups, Iterable):
         raise ValueError("param_groups: expected a list of dicts like torch.optim's, "
                          f"got {type(groups).__name__}")
+    groups = list(groups)
+    if groups and not isinstance(groups[0], dict):  # torch.optim's: parameters, one group
+        groups = [{"params": groups}]
     result, seen = [], set()
     for index, group in enumerate(groups):
         if not isinstance(group, dict) or "params" not in group:
@@ -98,6 +124,9 @@ def build_param_groups(module: torch.nn.Module, groups, optimizer) -> list[dict]
                              f"(known: {sorted(_GROUP_KEYS)})")
         params = group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
+        # torch.optim's named parameters (`model.named_parameters()`): (name, parameter) pairs.
+        params = [item[1] if isinstance(item, tuple) and len(item) == 2 and
+                  isinstance(item[0], str) else item for item in params]
         for param in params:
             if id(param) not in ids:
                 raise ValueError(f"param_groups[{index}]: a parameter of shape "
@@ -108,6 +137,7 @@ def build_param_groups(module: torch.nn.Module, groups, optimizer) -> list[dict]
             seen.add(id(param))
         merged = dict(defaults)
         merged.update({k: v for k, v in group.items() if k != "params"})
+        _check_group_numbers(index, merged)
         if merged["lr"] < 0 or merged["weight_decay"] < 0 or merged["eps"] <= 0:
             raise ValueError(f"param_groups[{index}]: lr and weight_decay must be >= 0 and eps "
                              f"> 0, got lr={merged['lr']}, weight_decay={merged['weight_decay']}, "
@@ -804,11 +834,14 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         if len(groups) != len(self.param_groups):
             raise ValueError(f"optimizer state dict has {len(groups)} param groups, the "
                              f"optimizer {len(self.param_groups)}")
-        to_index = self._saved_numbering(groups)
         # Saved names as the groups' 'params' give them (Note [Saved optimizer state is
         # numbered by its groups]): numbers, or fully qualified names.
         state = {_saved_key(key): entry for key, entry in state_dict["state"].items()}
+        empty = _empty_entries(state)  # Note [Saved state of parameters without elements]
+        state = {key: entry for key, entry in state.items() if key not in empty}
+        to_index = self._saved_numbering(groups, empty)
         self._check_saved_shapes(state, to_index)
+        groups = [self._checked_saved_group(number, saved) for number, saved in enumerate(groups)]
         for saved, group in zip(groups, self.param_groups):
             group.update({k: v for k, v in saved.items() if k != "params"})
         manager = self.chunked.chunks.manager
@@ -825,6 +858,28 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         if "loss_scaler" in state_dict:
             self.loss_scaler.load_state_dict(state_dict["loss_scaler"])
 
+    # Note [Saved groups of another optimizer]
+    # A saved group's hyperparameters replace the group's, as in torch. The group of another
+    # torch optimizer (SGD's lr 0.5 and momentum) was taken as it was: Adam then trained at
+    # SGD's lr without a word (torch's Adam fails at its step, "KeyError: 'betas'"), and an
+    # AdamW state dict (decoupled_weight_decay True) loaded into an Adam config, or one with
+    # amsgrad on, was trained with the config's update instead of the saved one. The saved
+    # groups are checked as initialize() checks torch groups (Note [torch.optim's own group
+    # keys]): Adam's keys present and numbers, the update's variant the config's. Keys torch's
+    # schedulers add (initial_lr, max_lr, ...) are kept.
+    def _checked_saved_group(self, number: int, saved: dict) -> dict:
+        if "betas" not in saved:
+            raise ValueError(
+                f"optimizer state dict: param group {number} has no 'betas' (its keys: "
+                f"{sorted(key for key in saved if key != 'params')}): it is not the state "
+                f"dict of an Adam or AdamW optimizer, which the PatrickStar optimizer is")
+        try:
+            saved = _without_torch_keys(number, saved, self.decoupled_weight_decay)
+            _check_group_numbers(number, {**self.config.optimizer.group_defaults, **saved})
+        except (TypeError, ValueError) as error:
+            raise type(error)(f"optimizer state dict: {error}") from None
+        return saved
+
     # Note [Saved optimizer state is numbered by its groups]
     # torch.optim numbers a state dict's parameters as they appear in its param_groups (decay
     # weights first, in nanoGPT's configure_optimizers), and its load_state_dict maps each
@@ -834,18 +889,29 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
     # bias's moments into a weight, or, where shapes agreed, into the wrong parameter silently:
     # so load maps through the groups as torch does, and checks every group and shape before
     # it writes anything.
-    def _saved_numbering(self, saved_groups) -> dict[int, int]:
+    def _saved_numbering(self, saved_groups, empty: set = frozenset()) -> dict[int, int]:
         params = self.chunked
         to_index = {}
         for number, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
-            if len(saved["params"]) != len(group["params"]):
+            keys = [_saved_key(key) for key in saved["params"]]
+            if len(keys) != len(group["params"]):
+                keys = [key for key in keys if key not in empty]
+            if len(keys) != len(group["params"]):
                 raise ValueError(
                     f"optimizer state dict: param group {number} has {len(saved['params'])} "
                     f"parameters, the optimizer's has {len(group['params'])} (the groups must "
                     "be made the same way as when it was saved)")
-            for key, param in zip(saved["params"], group["params"]):
-                to_index[_saved_key(key)] = params.index_of(param)
+            for key, param in zip(keys, group["params"]):
+                to_index[key] = params.index_of(param)
         return to_index
+
+    # Note [Saved state of parameters without elements]
+    # A parameter without elements stays outside the chunks and the optimizer's groups
+    # (init_context.plan_parameters), while a torch optimizer over `model.parameters()` lists it
+    # and, once it has stepped, keeps its (empty) moments: loading that state dict failed with
+    # "param group 0 has 5 parameters, the optimizer's has 4". Entries whose moments have no
+    # elements are such parameters': a group that lists more parameters than ours loses them
+    # before it is paired with ours, and their state is dropped (there is nothing to load).
 
     def _check_saved_shapes(self, state, to_index) -> None:
         params = self.chunked
@@ -871,6 +937,15 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
                         f"optimizer state dict: state {key} maps to '{params.names[index]}' of "
                         f"shape {params.shapes[index]}, but its {weight} has shape "
                         f"{tuple(value.shape)}")
+
+
+def _empty_entries(state: dict) -> set:
+    """The keys of saved state entries whose moments hold no elements (Note [Saved state of
+    parameters without elements])."""
+    return {key for key, entry in state.items()
+            if isinstance(entry, dict) and all(
+                isinstance(entry.get(moment), torch.Tensor) and entry[moment].numel() == 0
+                for moment in moment_state.MOMENT_KEYS)}
 
 
 def _saved_key(key):

@@ -9,7 +9,7 @@ from typing import Iterable
 
 import torch
 
-__all__ = ["register_engine", "engine_of"]
+__all__ = ["register_engine", "engine_of", "engine_gone"]
 
 # id(param) -> (weak param, weak engine). Not a WeakKeyDictionary: tensors compare by value.
 _OWNER: dict[int, tuple[weakref.ref, weakref.ref]] = {}
@@ -32,3 +32,10 @@ def engine_of(param):
     if entry is None or entry[0]() is not param:
         return None
     return entry[1]()
+
+
+def engine_gone(param) -> bool:
+    """Whether `param` belonged to an engine that has been collected (its values were freed
+    with the engine's chunks)."""
+    entry = _OWNER.get(id(param))
+    return entry is not None and entry[0]() is param and entry[1]() is None

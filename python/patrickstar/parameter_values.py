@@ -10,6 +10,8 @@ has]).
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from torch import nn
 
@@ -20,6 +22,28 @@ __all__ = ["ParameterValues"]
 K = _C.ChunkKind
 
 
+# Note [A state dict's values, checked as torch checks them]
+# torch's `_load_from_state_dict` names a value that is not a tensor ("While copying the
+# parameter named ..., expected torch.Tensor or Tensor-like object from checkpoint but received
+# <class 'NoneType'>"), and loads a one-element 1-dim tensor into a 0-dim parameter (its
+# "backward compatibility" with checkpoints of torch 0.3). The engine's own loads (its
+# load_state_dict and the hooks of the module's) check values here, in torch's words: a None
+# was taken for a missing key and then failed with "'NoneType' object has no attribute
+# 'dtype'", a list was "a param with shape None", and a 0-dim scale saved as shape (1,) loaded
+# in PyTorch but was a size mismatch here.
+def checked_value(key: str, source, shape: tuple) -> tuple[torch.Tensor | None, str | None]:
+    """(the value to load for parameter `key` of `shape`, None) or (None, torch's error)."""
+    if not torch.overrides.is_tensor_like(source):
+        return None, (f'While copying the parameter named "{key}", expected torch.Tensor or '
+                      f'Tensor-like object from checkpoint but received {type(source)}')
+    if len(shape) == 0 and tuple(source.shape) == (1,):
+        source = source[0]
+    if tuple(source.shape) != tuple(shape):
+        return None, (f"size mismatch for {key}: copying a param with shape {source.shape} "
+                      f"from checkpoint, the shape in current model is {torch.Size(shape)}.")
+    return source, None
+
+
 class ParameterValues:
     def __init__(self, guard, params, dp, slots, compute_dtype: torch.dtype):
         self._guard = guard
@@ -28,10 +52,11 @@ class ParameterValues:
         self._slots = slots
         self._compute_dtype = compute_dtype
 
-    def read(self, index: int, agree_as: int | None = None) -> torch.Tensor:
-        """Parameter `index` in the compute dtype (a collective under data parallelism;
-        `agree_as`: DataParallel.gather_all's)."""
-        self._guard.check_alive("state_dict()")
+    def read(self, index: int, what: str = "state_dict()",
+             agree_as: int | None = None) -> torch.Tensor:
+        """Parameter `index` in the compute dtype (a collective under data parallelism); `what`
+        is the call an error names; `agree_as`: DataParallel.gather_all's."""
+        self._guard.check_alive(what)
         self._slots.check_unchanged([index])  # Note [Writes to a released parameter]
         self._gather_for_state_dict(agree_as)
         return self._params.read(index, K.COMPUTE_PARAM)
@@ -50,6 +75,8 @@ class ParameterValues:
         """`module.load_state_dict(state_dict, strict)` for the engine's module: plain tensors
         (any float dtype) for every parameter and buffer; torch's errors, in its words, all of
         them before anything is written; torch's `_IncompatibleKeys`."""
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(f"Expected state_dict to be dict-like, got {type(state_dict)}.")
         own = module.state_dict(keep_vars=True)
         missing = [name for name in own if name not in state_dict]
         unexpected = [name for name in state_dict if name not in own]
@@ -60,7 +87,14 @@ class ParameterValues:
         if strict and unexpected:
             errors.append("Unexpected key(s) in state_dict: {}. ".format(
                 ", ".join(f'"{name}"' for name in unexpected)))
-        errors += self._size_mismatches(own, state_dict)
+        values = {}
+        for name, value in own.items():
+            if name in state_dict:
+                index = self._params.index_of(value)
+                shape = self._params.shapes[index] if index is not None else value.shape
+                values[name], error = checked_value(name, state_dict[name], tuple(shape))
+                if error is not None:
+                    errors.append(error)
         if errors:
             error = RuntimeError("Error(s) in loading state_dict for {}:\n\t{}".format(
                 type(module).__name__, "\n\t".join(errors)))
@@ -70,31 +104,15 @@ class ParameterValues:
             raise error
         try:
             with torch.no_grad():
-                for name, value in own.items():
-                    if name not in state_dict:
-                        continue
-                    index = self._params.index_of(value)
+                for name, source in values.items():
+                    index = self._params.index_of(own[name])
                     if index is None:
-                        value.copy_(state_dict[name])
+                        own[name].copy_(source)
                     else:
-                        self.load(index, state_dict[name])
+                        self.load(index, source)
         finally:
             self._dp.parameters_changed()  # gathered copies of what the owners loaded are stale
         return nn.modules.module._IncompatibleKeys(missing, unexpected)
-
-    def _size_mismatches(self, own: dict, state_dict) -> list[str]:
-        errors = []
-        for name, value in own.items():
-            source = state_dict.get(name)
-            if source is None:
-                continue
-            index = self._params.index_of(value)
-            shape = tuple(self._params.shapes[index] if index is not None else value.shape)
-            if tuple(getattr(source, "shape", ())) != shape:
-                errors.append(f"size mismatch for {name}: copying a param with shape "
-                              f"{getattr(source, 'shape', None)} from checkpoint, the shape in "
-                              f"current model is {torch.Size(shape)}.")
-        return errors
 
     def load(self, index: int, source: torch.Tensor) -> None:
         """New weights for parameter `index` (its shape, any float dtype)."""

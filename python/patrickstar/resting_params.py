@@ -52,7 +52,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .param_owners import engine_of
+from .param_owners import engine_gone, engine_of
 
 __all__ = ["ParameterAtRest", "ParameterInFlight", "install", "rest", "wake"]
 
@@ -64,7 +64,8 @@ _PASS = {
     _T.requires_grad_, _T.device.__get__, _T.dtype.__get__, _T.layout.__get__,
     _T.is_leaf.__get__, _T.grad_fn.__get__, _T._version.__get__, _T.is_cuda.__get__,
     _T.is_cpu.__get__, _T.is_meta.__get__, _T.is_sparse.__get__, _T.is_quantized.__get__,
-    _T.is_floating_point, _T.is_complex, _T.element_size, _T.get_device, _T.__hash__,
+    _T.is_floating_point, _T.is_complex, _T.is_inference, _T.element_size, _T.get_device,
+    _T.__hash__,
     _T.register_hook, _T.register_post_accumulate_grad_hook, _T.retain_grad,
     _T.retains_grad.__get__, _T._backward_hooks.__get__, _T._backward_hooks.__set__,
     _T.untyped_storage, _T.data_ptr, _T.is_shared, _T.__dlpack_device__,
@@ -108,11 +109,11 @@ def _written(func, args, kwargs) -> list:
 
 
 def _call(func) -> str:
-    """How the error names `func`: an attribute read (`weight.T`, `.mT`, `.real`) reaches
-    __torch_function__ as its descriptor's `__get__`, shown as the attribute."""
+    """How the error names `func`: an attribute read (`weight.T`, `.mT`, `.real`, `p.data`)
+    reaches __torch_function__ as its descriptor's `__get__`, shown as the attribute."""
     name = getattr(func, "__name__", func)
-    if name == "__get__":
-        return f".{getattr(getattr(func, '__self__', None), '__name__', '?')}"
+    if name == "__get__" and hasattr(getattr(func, "__self__", None), "__name__"):
+        return f".{func.__self__.__name__}"
     return f"{name}()"
 
 
@@ -123,7 +124,8 @@ def _label(engine, index: int) -> str:
 def _value(engine, index: int, func) -> torch.Tensor:
     """Parameter `index`'s value, on the engine's device as its placeholder is."""
     try:
-        return engine.read_parameter(index, by_user=True).to(engine.device)
+        return engine.read_parameter(index, f"{_call(func)} of {_label(engine, index)}",
+                                     by_user=True).to(engine.device)
     except TimeoutError as error:
         # A logging read on one rank only (`if rank == 0: log(p.norm())`) waits for the others
         # until the collective's timeout, whose message names only the collective.
@@ -151,6 +153,22 @@ def _owner(param):
     return (engine, index) if index is not None else None
 
 
+# Note [Parameters of a collected engine]
+# A parameter (or the module holding it: `inner = model.module`) can outlive its engine: `del
+# model, optimizer` frees the chunks its values lived in, and the parameter keeps only its empty
+# placeholder. Read as an ordinary parameter, `p.sum()` gave 0, `p.shape` (0,), a forward of the
+# kept module torch's bare "mat2 must be a matrix" and `copy.deepcopy(p)` an empty parameter,
+# silently. Such a parameter (registered to an engine no longer alive: param_owners.engine_gone)
+# answers shape queries with its real shape and refuses everything that would read its values,
+# as the module's state_dict() and deepcopy do (module_state_hooks.py, module_copies.py).
+def _refuse_gone(func, param) -> None:
+    raise RuntimeError(
+        f"{_call(func)} of a parameter of shape {tuple(param.ds_shape)} whose PatrickStar engine "
+        f"is gone (`del model` or the engine's collection): its values lived in the engine's "
+        f"chunks, which were freed with it. Copy what you need while the engine lives "
+        f"(model.state_dict(), copy.deepcopy(model.module)), or keep the engine")
+
+
 class ParameterAtRest(nn.Parameter):
     """The class of an engine's parameter at rest: Note [Parameters at rest]."""
 
@@ -164,12 +182,20 @@ class ParameterAtRest(nn.Parameter):
         if func in _PASS:
             return torch._C._disabled_torch_function_impl(func, types, args, kwargs)
         shape = _SHAPES.get(func)
-        if shape is not None and _resting(args[0]) and _owner(args[0]):
+        if shape is not None and _resting(args[0]) and (_owner(args[0])
+                                                         or engine_gone(args[0])):
             return shape(*args, **kwargs)
         leaves, spec = tree_flatten((args, kwargs))
         owners = {i: _owner(leaf) for i, leaf in enumerate(leaves) if _resting(leaf)}
         owners = {i: owner for i, owner in owners.items() if owner is not None}
-        if not owners:  # a copy that left its engine: an ordinary parameter
+        if not owners:
+            gone = next((leaf for leaf in leaves if _resting(leaf) and engine_gone(leaf)), None)
+            if gone is not None:  # Note [Parameters of a collected engine]
+                if func is _T.__repr__:  # print(p), a debugger's view: say so, do not raise
+                    return (f"<values freed with their PatrickStar engine; shape "
+                            f"{tuple(gone.ds_shape)}>")
+                _refuse_gone(func, gone)
+            # a copy that left its engine: an ordinary parameter
             return torch._C._disabled_torch_function_impl(func, types, args, kwargs)
         written = _written(func, args, kwargs)
         for i, (engine, index) in owners.items():
@@ -181,7 +207,12 @@ class ParameterAtRest(nn.Parameter):
         tracked = next(((engine, index) for i, (engine, index) in owners.items()
                         if leaves[i].requires_grad), None)
         for i, (engine, index) in owners.items():
-            value = _value(engine, index, func)
+            try:
+                value = _value(engine, index, func)
+            except RuntimeError as error:
+                if func is _T.__repr__:  # print(p), a debugger's view: say why, do not raise
+                    return f"<values not readable: {error}>"
+                raise
             if func is _T.__repr__ and value.is_floating_point():
                 value.requires_grad_(leaves[i].requires_grad)  # torch's "requires_grad=True"
             leaves[i] = value
@@ -213,6 +244,8 @@ class ParameterAtRest(nn.Parameter):
     def __deepcopy__(self, memo):
         owner = _owner(self)
         if owner is None:
+            if engine_gone(self):
+                _refuse_gone(copy.deepcopy, self)
             return nn.Parameter.__deepcopy__(self, memo)
         if id(self) not in memo:
             engine, index = owner
@@ -223,6 +256,8 @@ class ParameterAtRest(nn.Parameter):
     def __reduce_ex__(self, protocol):
         owner = _owner(self)
         if owner is None:
+            if engine_gone(self):
+                _refuse_gone(self.__reduce_ex__, self)
             return nn.Parameter.__reduce_ex__(self, protocol)
         return copy.deepcopy(self).__reduce_ex__(protocol)
 

@@ -84,6 +84,12 @@ class SavedParameterViews:
 
     @torch.compiler.disable
     def unpack(self, packed):
+        if self._activations is None:  # close(): a loss kept past `del model`
+            raise RuntimeError(
+                "backward through a forward of a PatrickStar engine that was deleted or "
+                "destroyed since (`del model` or model.destroy()): its chunks and the tensors "
+                "the forward saved for backward were freed with it. Run the backward before "
+                "deleting the engine, or run the forward again on a live engine")
         if not isinstance(packed, _SavedParamView):
             return self._activations.unpack(packed)
         if self._slots.access_count(packed.index) == 0:

@@ -29,6 +29,13 @@ import patrickstar
 WIDTH = 512  # 2 x 512 x 512 weights: 2 M parameters, 8 MiB fp32 (32 MiB with grads and Adam)
 
 
+def open_files_and_threads() -> tuple[int, int]:
+    """This process's open file descriptors and threads (/proc/self)."""
+    with open("/proc/self/status", encoding="ascii") as handle:
+        threads = next(int(line.split()[1]) for line in handle if line.startswith("Threads:"))
+    return len(os.listdir("/proc/self/fd")), threads
+
+
 def rss() -> int:
     with open("/proc/self/statm", encoding="ascii") as handle:
         return int(handle.read().split()[1]) * resource.getpagesize()
@@ -59,7 +66,7 @@ def train(model, optimizer, steps=2) -> None:
 
 def cycles(out, nvme_dir, profile_dir) -> None:
     rank = int(os.environ.get("RANK", "0"))
-    result = {"rss": [], "left": [], "alive": []}
+    result = {"rss": [], "left": [], "alive": [], "files_threads": []}
     for cycle in range(20):
         model, optimizer = patrickstar.initialize(
             model_func, config=config(os.path.join(nvme_dir, str(rank)),
@@ -71,6 +78,7 @@ def cycles(out, nvme_dir, profile_dir) -> None:
         result["alive"].append(engine() is not None)
         result["left"].append(sorted(os.listdir(os.path.join(nvme_dir, str(rank)))))
         result["rss"].append(rss())
+        result["files_threads"].append(open_files_and_threads())
     torch.save(result, os.path.join(out, f"rank{rank}.pt"))
 
 

@@ -196,10 +196,30 @@ def test_missing_latest_returns_none_like_deepspeed(tmp_path):
     model, _ = make(base_config("fp32"))
     with pytest.warns(UserWarning, match="no 'latest' file"):
         assert model.load_checkpoint(tmp_path) == (None, None)
+    with pytest.warns(UserWarning, match=f"'{tmp_path / 'typo'}' does not exist; nothing loaded"):
+        assert model.load_checkpoint(tmp_path / "typo") == (None, None)
     with pytest.raises(CheckpointError, match="does not exist"):
         model.load_checkpoint(tmp_path, tag="nope")
     with pytest.raises(ValueError, match="tag"):
         model.save_checkpoint(tmp_path, tag="../escape")
+
+
+def test_a_file_at_the_tags_path_or_a_directory_at_latest_is_refused_before_writing(tmp_path):
+    """A file named like the tag was swapped out of the way under a hidden name and left there
+    (".t1.partial-..."); a directory at 'latest' failed after the checkpoint was published."""
+    model, _ = make(base_config("fp32"))
+    (tmp_path / "t1").write_text("mine")
+    with pytest.raises(CheckpointError, match=f"'{tmp_path / 't1'}' exists and is not a "
+                                              f"checkpoint directory"):
+        model.save_checkpoint(tmp_path, tag="t1")
+    assert sorted(os.listdir(tmp_path)) == ["t1"] and (tmp_path / "t1").read_text() == "mine"
+    (tmp_path / "latest").mkdir()
+    with pytest.raises(CheckpointError, match=f"'{tmp_path / 'latest'}' exists and is not the "
+                                              f"file naming the latest checkpoint"):
+        model.save_checkpoint(tmp_path, tag="t2")
+    assert sorted(os.listdir(tmp_path)) == ["latest", "t1"]
+    assert model.save_checkpoint(tmp_path, tag="t2", save_latest=False)
+    assert model.load_checkpoint(tmp_path, tag="t2")[0] == str(tmp_path / "t2")
 
 
 def _saved(tmp_path, precision="fp32", **config_extra):

@@ -103,9 +103,15 @@ def test_extra_state_round_trips_without_pickle(tmp_path):
 def test_client_state_that_only_pickle_could_load_is_refused_at_save(tmp_path):
     model, opt = make(CONFIG)
     train(model, opt, batches(1))
-    with pytest.raises(CheckpointError, match="client_state holds an object.*io.open"):
+    with pytest.raises(CheckpointError, match=r"client_state\['x'\] holds an object.*io.open"):
         model.save_checkpoint(tmp_path, tag="t", client_state={"x": _Payload("never")})
     assert not (tmp_path / "t").exists() and not (tmp_path / "latest").exists()
+    # The entry is named among many (it was "the client_state holds an object ...").
+    import numpy
+    with pytest.raises(CheckpointError, match=r"the client_state\['stats'\]\[1\] holds an "
+                                              r"object .*numpy"):
+        model.save_checkpoint(tmp_path, tag="t", client_state={
+            "epoch": 3, "w": torch.ones(2), "stats": [1.5, numpy.arange(3)]})
     model.destroy()
 
 

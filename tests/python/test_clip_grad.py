@@ -111,6 +111,42 @@ def test_clip_grads_with_norm_clips_by_the_norm_given_and_refuses_an_empty_total
         torch.testing.assert_close(state[key], tensor, rtol=1e-5, atol=1e-6)
 
 
+class WithAnEmptyParameter(MLP):
+    """A parameter without elements (an nn.Linear(0, n)-like slot of a configurable model)
+    stays outside the chunks, a plain parameter in model.parameters()."""
+
+    def __init__(self):
+        super().__init__()
+        self.empty = nn.Parameter(torch.zeros(0, 3))
+
+    def forward(self, x, y):
+        return super().forward(x, y) + self.empty.sum()
+
+
+def test_nanogpt_clipping_of_a_model_with_an_empty_parameter_is_pytorchs():
+    """Before: its empty gradient counted as "gradients outside the PatrickStar engine" and
+    torch.nn.utils.clip_grad_norm_(model.parameters(), m) raised."""
+    data = batches(3)
+    torch.manual_seed(0)
+    reference = WithAnEmptyParameter()
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
+    torch.manual_seed(0)
+    model, optimizer = patrickstar.initialize(WithAnEmptyParameter, config=CONFIG)
+    for x, y in data:
+        reference(x, y).backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        model.backward(model(x, y))
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        optimizer.step()
+        optimizer.zero_grad()
+        torch.testing.assert_close(norm, ref_norm, rtol=1e-5, atol=0)
+    state = model.state_dict()
+    for name, tensor in reference.state_dict().items():
+        torch.testing.assert_close(state[name], tensor, rtol=1e-5, atol=1e-6)
+
+
 def test_imported_name_and_model_module_parameters_work_too():
     model, optimizer = patrickstar.initialize(MLP, config=CONFIG)
     from torch.nn.utils import clip_grad_norm_  # looked up after initialize()

@@ -106,6 +106,12 @@ def test_bad_configs_name_the_key(config, key):
     assert key in str(info.value)
 
 
+def test_a_config_path_that_is_a_directory_says_so(tmp_path):
+    # It was Python's bare "[Errno 21] Is a directory: '...'".
+    with pytest.raises(IsADirectoryError, match=f"config file '{tmp_path}' is a directory"):
+        load_config(str(tmp_path))
+
+
 def test_config_file_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="missing.json"):
         load_config(str(tmp_path / "missing.json"))
@@ -127,6 +133,9 @@ def test_parse_bytes_rejects_nonsense():
     for bad in ("1 parsec", "", "GiB", True, [1], -1, 1.5):
         with pytest.raises(ValueError, match="budget"):
             parse_bytes(bad, "budget")
+    for negative in ("-5GiB", "-0.5", " -1 MB"):  # was "cannot read '-5GiB' as a size"
+        with pytest.raises(ValueError, match=f"'budget': must be >= 0 bytes, got '{negative}'"):
+            parse_bytes(negative, "budget")
 
 
 @pytest.mark.parametrize("value", ["1e400GiB", "1e30", 10**30, 2**63, "80%", "20 GiB of RAM",
@@ -224,3 +233,19 @@ def test_duplicate_keys_in_a_json_config_are_refused_naming_them(tmp_path):
                     '"lr": 0.001}}, "gradient_clipping": 1.0}')
     with pytest.raises(ValueError, match=r"ds_config.json.*duplicate key 'lr'"):
         load_config(str(path))
+
+
+@pytest.mark.parametrize("where", ["file", "missing"])
+def test_an_unusable_nvme_path_names_the_config_key(tmp_path, where):
+    """The tier's error named the path only ("nvme tier: '...': Not a directory"), not the
+    key it came from."""
+    import torch
+
+    import patrickstar
+    path = tmp_path / "swap"
+    if where == "file":
+        path.write_text("x")
+    with pytest.raises(OSError) as error:
+        patrickstar.initialize(lambda: torch.nn.Linear(2, 2),
+                               config={"memory": {"nvme": {"path": str(path)}}})
+    assert f"config key 'memory.nvme.path' = '{path}'" in "\n".join(error.value.__notes__)

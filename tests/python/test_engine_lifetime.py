@@ -3,6 +3,7 @@ chunk, tier, thread and swap file; so do a normal exit and an exception that end
 `model.destroy()` writes a running profile first."""
 from __future__ import annotations
 
+import copy
 import gc
 import os
 import subprocess
@@ -86,6 +87,53 @@ def test_the_optimizer_of_a_deleted_engine_says_so(nvme_dir):
         optimizer.step()
 
 
+@pytest.mark.parametrize("how", ["del", "destroy"])
+def test_a_loss_kept_past_the_engine_says_so_at_backward(nvme_dir, how):
+    """Before: `loss.backward()` of a forward whose engine was deleted since raised autograd's
+    AttributeError "'NoneType' object has no attribute 'unpack'"."""
+    model, optimizer = _plain_or_engine(True, nvme_dir)
+    loss = model(torch.randn(2, 64)).sum()
+    if how == "destroy":
+        model.destroy()
+    del model, optimizer
+    gc.collect()
+    with pytest.raises(RuntimeError, match="forward of a PatrickStar engine that was deleted or "
+                                           "destroyed since"):
+        loss.backward()
+
+
+def test_parameters_and_modules_kept_past_the_engine_refuse_reads_of_their_freed_values(
+        nvme_dir):
+    """Note [Parameters of a collected engine]. Before: a parameter kept past `del model`
+    read as an empty tensor (p.shape (0,), p.sum() 0, a deepcopy empty) and a kept module's
+    forward failed with torch's bare "mat2 must be a matrix"."""
+    model, optimizer = _plain_or_engine(True, nvme_dir)
+    inner = model.module
+    weight = inner[0].weight
+    del model, optimizer
+    gc.collect()
+    gone = "whose PatrickStar engine is gone"
+    assert weight.shape == (64, 64) and weight.numel() == 64 * 64
+    assert [p.shape for p in inner.parameters()] == [(64, 64), (64,), (2, 64), (2,)]
+    for read in (lambda: weight.sum(), lambda: weight.data, lambda: weight + 1,
+                 lambda: copy.deepcopy(weight), lambda: inner(torch.randn(2, 64))):
+        with pytest.raises(RuntimeError, match=gone):
+            read()
+    assert "freed with their PatrickStar engine; shape (64, 64)" in repr(weight)
+
+
+def test_parameters_of_a_destroyed_engine_name_the_call_and_the_parameter(nvme_dir):
+    """model.destroy() keeps the engine object: a parameter's read said "state_dict(): this
+    PatrickStar engine was deleted or destroyed" for `p.sum()`, and print(p) raised it."""
+    model, optimizer = _plain_or_engine(True, nvme_dir)
+    weight = model.module[0].weight
+    model.destroy()
+    with pytest.raises(RuntimeError, match=r"^sum\(\) of PatrickStar parameter 'module.0.weight': "
+                                           r"this PatrickStar engine was deleted or destroyed"):
+        weight.sum()
+    assert "values not readable: __repr__() of PatrickStar parameter" in repr(weight)
+
+
 @pytest.mark.parametrize("world", [1, 2])
 def test_twenty_cycles_keep_rss_flat_and_leave_no_file(tmp_path, world):
     nvme, profiles = tmp_path / "nvme", tmp_path / "profiles"
@@ -102,6 +150,9 @@ def test_twenty_cycles_keep_rss_flat_and_leave_no_file(tmp_path, world):
         # After warm-up (allocator pools, lazily imported modules) RSS stays within 10%.
         warm, last = result["rss"][4], result["rss"][-1]
         assert last <= warm * 1.10, f"rank {rank}: RSS {warm / 2**20:.0f} -> {last / 2**20:.0f} MiB"
+        # Each engine's swap file, copy threads and communicators go with it.
+        counts = result["files_threads"]
+        assert counts[-1] == counts[1], f"rank {rank}: (open files, threads) per cycle {counts}"
     # Every cycle's profile was written when its engine went (under data parallelism into the
     # rank's own directory: Note [One profile directory per rank]).
     for rank in range(world):

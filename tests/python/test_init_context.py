@@ -68,6 +68,20 @@ def test_integer_and_float64_parameters_are_refused_naming_them(dtype, message):
                                config={"default_chunk_size": 1024})
 
 
+def test_a_float64_default_dtype_is_named_with_its_remedy():
+    """Every parameter of a script under torch.set_default_dtype(torch.float64) is float64; the
+    error named the first and said `.float()`, not the default that made them so."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        with pytest.raises(TypeError, match=r"parameter 'weight' is torch.float64: .*\(torch's "
+                                            r"default dtype is torch.float64: torch."
+                                            r"set_default_dtype\(torch.float32\) before"):
+            patrickstar.initialize(lambda: nn.Linear(4, 4), config={"default_chunk_size": 1024})
+    finally:
+        torch.set_default_dtype(previous)
+
+
 def test_integer_buffers_keep_their_dtype_and_values():
     class Counting(nn.Module):
         def __init__(self):

@@ -810,6 +810,57 @@ def test_bad_config_and_too_small_budget_errors():
     assert "4096" in str(info.value)
 
 
+def test_initialize_under_inference_mode_evaluates_and_trains_as_pytorch():
+    """Note [initialize() under torch.inference_mode()]. Before: c10's "Inference tensors do not
+    track version counter" with a page of C++ frames."""
+    torch.manual_seed(0)
+    reference = MLP()
+    batches = list(mlp_batches(3))
+    config = {"default_chunk_size": 8192, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}}
+    with torch.inference_mode():
+        model, optimizer = patrickstar.initialize(lambda: copy.deepcopy(reference), config=config)
+        assert torch.equal(model(*batches[0]), reference(*batches[0]))
+    ref_opt = torch.optim.Adam(reference.parameters(), lr=1e-3)
+    ref_losses, losses = [], []
+    for x, y in batches:  # the engine built under inference mode trains as PyTorch's outside
+        loss = reference(x, y)
+        loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ours = model(x, y)
+        model.backward(ours)
+        optimizer.step()
+        optimizer.zero_grad()
+        ref_losses.append(loss.item())
+        losses.append(ours.item())
+    assert_same_training(ref_losses, losses, reference.state_dict(), model.state_dict())
+    with torch.inference_mode():
+        built = MLP()
+    with pytest.raises(TypeError, match="parameter 'layers.0.weight' of the module passed to "
+                                        "initialize.. is an inference tensor"):
+        patrickstar.initialize(built, config=config)
+    with torch.no_grad():
+        assert built(*batches[0]).isfinite()  # refused before anything moved
+
+
+def test_chunks_larger_than_the_machine_are_refused_before_allocation(monkeypatch):
+    """Note [Chunks larger than the machine]. Before: default_chunk_size=10**12 for a small model
+    allocated terabytes until the OOM killer ended the process without a message. Here the
+    machine's memory is made 1 MiB so that a 4 MiB chunk stands for it."""
+    import patrickstar.guards
+    monkeypatch.setattr(patrickstar.guards, "host_memory_limit",
+                        lambda: (1 << 20, "this machine's memory"))
+    with pytest.raises(patrickstar.ChunkOutOfMemoryError,
+                       match=r"initialization writes on the host, 4194304 bytes .* more than "
+                             r"this machine's memory, 1048576 bytes .* "
+                             r"default_chunk_size=1048576 elements each \(the model has 6922 "
+                             r"parameters here\); lower default_chunk_size"):
+        patrickstar.initialize(MLP, config={"default_chunk_size": 1 << 20})
+    # A host budget or an NVMe tier bounds the host instead, as before.
+    patrickstar.initialize(MLP, config={"default_chunk_size": 1 << 20,
+                                        "memory": {"host_budget": "64MiB"}})
+
+
 def test_initialize_engine_alias_uses_patrickstar_argument_order():
     torch.manual_seed(0)
     model, opt = patrickstar.initialize_engine(model_func=MLP, local_rank=0,
@@ -933,6 +984,19 @@ def test_the_local_rank_comes_from_torchruns_environment(monkeypatch):
                                       config={"default_chunk_size": 1024})
     assert model.local_rank == 0  # an explicit local_rank (upstream's argument) wins
     model.destroy()
+    # -1, a script's `--local_rank` default when no launcher passed one, reads the environment.
+    model, _ = patrickstar.initialize(lambda: nn.Linear(8, 8), local_rank=-1,
+                                      config={"default_chunk_size": 1024})
+    assert model.local_rank == 1
+    model.destroy()
+    monkeypatch.delenv("LOCAL_RANK")
+    model, _ = patrickstar.initialize_engine(lambda: nn.Linear(8, 8), local_rank=-1,
+                                             config={"default_chunk_size": 1024})
+    assert model.local_rank == 0
+    model.destroy()
+    with pytest.raises(ValueError, match="local_rank must be a non-negative int, got -2"):
+        patrickstar.initialize(lambda: nn.Linear(8, 8), local_rank=-2,
+                               config={"default_chunk_size": 1024})
     monkeypatch.setenv("LOCAL_RANK", "x")
     with pytest.raises(ValueError, match="LOCAL_RANK.*'x'"):
         patrickstar.initialize(lambda: nn.Linear(8, 8), config={"default_chunk_size": 1024})

@@ -79,12 +79,15 @@ def test_module_load_state_dict_errors_speak_torch_with_real_shapes():
         model.module.load_state_dict(weights)
     weights["layers.2.bias"] = torch.zeros(11)
     with pytest.raises(RuntimeError, match=r"size mismatch for layers.2.bias: copying a param "
-                                           r"with shape \(11,\) from checkpoint, the shape in "
-                                           r"current model is torch.Size\(\[10\]\)"):
+                                           r"with shape torch.Size\(\[11\]\) from checkpoint, "
+                                           r"the shape in current model is "
+                                           r"torch.Size\(\[10\]\)"):
         model.module.load_state_dict(weights)
     weights["layers.2.bias"] = before["layers.2.bias"]
-    with pytest.raises(RuntimeError, match=r"assign=True\) cannot replace 'layers.0.weight'"):
+    with pytest.raises(RuntimeError, match=r"assign=True\) cannot replace 'layers.0.weight'") \
+            as refused:
         model.module.load_state_dict(weights, assign=True)
+    assert "Missing key" not in str(refused.value)  # they were given, only not assignable
     # On the engine too (it was "got an unexpected keyword argument 'assign'").
     with pytest.raises(RuntimeError, match=r"assign=True\) cannot replace the model's "
                                            r"parameters.*load without assign"):
@@ -156,6 +159,45 @@ def test_engine_load_state_dict_errors_are_torchs(strict):
     after = model.state_dict()  # nothing was loaded
     for key, value in before.items():
         assert torch.equal(after[key], value), key
+
+
+class Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.scale = nn.Parameter(torch.tensor(2.0))  # 0-dim
+
+    def forward(self, x):
+        return (self.linear(x) * self.scale).sum()
+
+
+@pytest.mark.parametrize("target", ["engine", "module"])
+def test_state_dict_values_are_checked_as_torch_checks_them(target):
+    """Note [A state dict's values, checked as torch checks them]. Before: a None value raised
+    "'NoneType' object has no attribute 'dtype'" (engine) or named "shape ()" (module), a list
+    "shape None", a list for the whole state dict "'list' object has no attribute 'get'", and a
+    one-element 1-dim value for a 0-dim parameter, which torch loads, a size mismatch."""
+    torch.manual_seed(0)
+    plain = Scaled()
+    model, _ = patrickstar.initialize(lambda: Scaled(), config=CONFIG)
+    load = model.load_state_dict if target == "engine" else model.module.load_state_dict
+    good = {key: value.clone() for key, value in plain.state_dict().items()}
+    for bad in ({**good, "linear.weight": None}, {**good, "linear.bias": [0.0] * 4}):
+        with pytest.raises(RuntimeError) as theirs:
+            plain.load_state_dict(bad)
+        with pytest.raises(RuntimeError) as ours:
+            load(bad)
+        assert str(ours.value) == str(theirs.value)
+    with pytest.raises(TypeError) as theirs:
+        plain.load_state_dict(list(good.items()))
+    with pytest.raises(TypeError) as ours:
+        load(list(good.items()))
+    assert str(ours.value) == str(theirs.value)
+    legacy = {**good, "scale": torch.tensor([3.0])}  # a 0-dim parameter saved as shape (1,)
+    assert str(load(legacy)) == str(plain.load_state_dict(legacy))
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, plain.state_dict()[key]), key
+    assert plain.scale.shape == () and plain.scale.item() == 3.0
 
 
 class TiedLM(nn.Module):

@@ -164,6 +164,38 @@ def test_an_optimizer_state_dict_of_other_groups_is_refused_naming_them():
         opt.load_state_dict(saved)
 
 
+@pytest.mark.parametrize("other, shown", [
+    (lambda params: torch.optim.SGD(params, lr=0.5, momentum=0.9),
+     r"param group 0 has no 'betas' .*'momentum'.*: it is not the state dict of an Adam"),
+    (lambda params: torch.optim.AdamW(params, lr=0.5),
+     r"\['decoupled_weight_decay'\] is True but config optimizer type is 'Adam'"),
+    (lambda params: torch.optim.Adam(params, lr=0.5, amsgrad=True),
+     r"\['amsgrad'\] is True: the PatrickStar optimizer has no amsgrad variant"),
+])
+def test_another_optimizers_state_dict_is_refused_and_changes_nothing(other, shown):
+    """Note [Saved groups of another optimizer]. Before: SGD's state dict loaded into the
+    Adam, which then trained at SGD's lr 0.5; AdamW's into an Adam config trained Adam's L2
+    decay; amsgrad was dropped."""
+    torch.manual_seed(0)
+    reference = MLP()
+    ref_opt = torch.optim.Adam(reference.parameters(), lr=1e-3)
+    torch.manual_seed(0)
+    model, opt = patrickstar.initialize(MLP, config={
+        "default_chunk_size": 4096, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}})
+    with pytest.raises(ValueError, match=r"optimizer state dict: .*" + shown):
+        opt.load_state_dict(other(MLP().parameters()).state_dict())
+    assert opt.param_groups[0]["lr"] == 1e-3
+    generator = torch.Generator().manual_seed(0)
+    x, y = torch.randn(8, 32, generator=generator), torch.randint(0, 10, (8,), generator=generator)
+    reference(x, y).backward()
+    ref_opt.step()
+    model.backward(model(x, y))
+    opt.step()
+    state = model.state_dict()
+    for name, tensor in reference.state_dict().items():
+        torch.testing.assert_close(state[name], tensor, rtol=1e-5, atol=1e-6)
+
+
 def test_a_torch_optimizers_own_param_groups_are_taken_as_they_are():
     # nanoGPT kept as it is: `optimizer = model.configure_optimizers(...)` builds a torch AdamW
     # over the built module, whose groups carry torch's own keys (foreach, fused, amsgrad,
@@ -219,3 +251,89 @@ def test_trainable_parameters_left_out_of_the_groups_are_named_with_what_to_do()
                                              r"requires_grad_\(False\)"):
             patrickstar.initialize(MLP, config={"default_chunk_size": 4096},
                                    param_groups=lambda m: [{"params": m.layers[2].parameters()}])
+
+
+@pytest.mark.parametrize("form", ["parameters", "named_parameters", "callable"])
+def test_torch_optims_parameter_forms_are_one_group_and_train_as_pytorch(form):
+    """torch.optim takes an iterable of parameters (or, since torch 2.5, named parameters) as
+    one group; param_groups refused both ("expected a dict with a 'params' key"), while
+    DeepSpeed's model_parameters= took the first."""
+    torch.manual_seed(0)
+    reference = MLP()
+    ref_opt = torch.optim.Adam(reference.parameters(), lr=1e-3)
+    torch.manual_seed(0)
+    built = MLP()
+    groups = {"parameters": built.parameters(), "named_parameters": built.named_parameters(),
+              "callable": lambda module: module.parameters()}[form]
+    model, opt = patrickstar.initialize(built, config={
+        "default_chunk_size": 4096, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}},
+        param_groups=groups)
+    assert len(opt.param_groups) == 1
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        x, y = torch.randn(8, 32, generator=generator), torch.randint(0, 10, (8,),
+                                                                      generator=generator)
+        reference(x, y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        model.backward(model(x, y))
+        opt.step()
+        opt.zero_grad()
+    state = model.state_dict()
+    for name, tensor in reference.state_dict().items():
+        torch.testing.assert_close(state[name], tensor, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("group, error, shown", [
+    ({"lr": "1e-3"}, TypeError, r"\['lr'\]: expected a number, got str '1e-3'"),
+    ({"weight_decay": None}, TypeError, r"\['weight_decay'\]: expected a number, got NoneType"),
+    ({"betas": "0.9"}, TypeError, r"\['betas'\]: expected two numbers, got '0.9'"),
+    ({"betas": (0.9, 1.5)}, ValueError, r"\['betas'\]: each must be in \[0, 1\), got \(0.9, 1.5\)"),
+])
+def test_group_hyperparameters_given_at_initialize_are_checked_naming_them(group, error, shown):
+    """A string lr failed with "'<' not supported between instances of 'str' and 'int'"; a beta
+    of 1.5 (which the config's optimizer.params.betas refuses) was taken."""
+    built = MLP()
+    with pytest.raises(error, match=r"param_groups\[0\]" + shown):
+        patrickstar.initialize(built, config={"default_chunk_size": 4096},
+                               param_groups=[{"params": built.parameters(), **group}])
+    assert all(p.numel() > 0 for p in built.parameters())  # refused before placement
+
+
+class WithAnEmptyParameter(MLP):
+    def __init__(self):
+        super().__init__()
+        self.empty = nn.Parameter(torch.zeros(0, 3))  # kept outside the chunks
+
+    def forward(self, x, y):
+        return super().forward(x, y) + self.empty.sum()
+
+
+def test_a_pytorch_state_dict_listing_a_parameter_without_elements_resumes_like_pytorch():
+    """Note [Saved state of parameters without elements]. Before: "param group 0 has 7
+    parameters, the optimizer's has 6"."""
+    generator = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(8, 32, generator=generator),
+                torch.randint(0, 10, (8,), generator=generator)) for _ in range(4)]
+    torch.manual_seed(0)
+    reference = WithAnEmptyParameter()
+    ref_opt = torch.optim.Adam(reference.parameters(), lr=1e-3, foreach=False)
+    for x, y in batches[:2]:
+        reference(x, y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    saved_model, saved_opt = reference.state_dict(), ref_opt.state_dict()
+    model, opt = patrickstar.initialize(WithAnEmptyParameter, config={
+        "default_chunk_size": 4096, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}})
+    model.load_state_dict(saved_model)
+    opt.load_state_dict(saved_opt)
+    for x, y in batches[2:]:
+        reference(x, y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        model.backward(model(x, y))
+        opt.step()
+        opt.zero_grad()
+    state = model.state_dict()
+    for name, tensor in reference.state_dict().items():
+        torch.testing.assert_close(state[name], tensor, rtol=1e-5, atol=1e-6)

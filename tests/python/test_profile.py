@@ -6,6 +6,7 @@ Chromium without console errors."""
 from __future__ import annotations
 
 import csv
+import gc
 import io
 import json
 import os
@@ -20,6 +21,7 @@ import torch
 
 import patrickstar
 from patrickstar import report
+from patrickstar.report import ProfileError
 from patrickstar.examples.gpt import GPT, GPTConfig, synthetic_batches
 from patrickstar.profiler import active_profiler, now_ns
 
@@ -292,6 +294,28 @@ def test_config_enables_profiling(tmp_path):
     for name in OUTPUTS:
         assert (tmp_path / name).is_file()
     assert json.loads((tmp_path / "summary.json").read_text())["run"]["iterations"] == 2
+
+
+def test_a_second_engines_config_profile_names_the_engine_still_profiling(tmp_path):
+    """One profiler runs at a time. An engine kept alive past its loop (here by a caught
+    exception's traceback) still profiles, and the next engine's config profile said only
+    "a profiler is already running ...; stop it first"."""
+    def failing_step():
+        model, _ = _model(_config(profile={"enabled": True, "output_dir": str(tmp_path / "a")}))
+        model(torch.zeros(1, 3, dtype=torch.long), torch.zeros(1, 2, dtype=torch.long))
+
+    try:
+        failing_step()
+    except Exception as error:  # noqa: BLE001
+        kept = error  # its traceback holds the first engine
+    with pytest.raises(RuntimeError, match="config key 'profile.enabled': a profiler is already "
+                                           "running .* of another engine that is still alive"):
+        _model(_config(profile={"enabled": True, "output_dir": str(tmp_path / "b")}))
+    del kept
+    gc.collect()  # the first engine goes and writes its profile
+    assert (tmp_path / "a" / "summary.json").is_file()
+    model, _ = _model(_config(profile={"enabled": True, "output_dir": str(tmp_path / "b")}))
+    assert model.profiler.running
 
 
 def test_collectives_are_recorded(tmp_path):
@@ -630,6 +654,31 @@ def test_config_profile_section_is_validated(tmp_path):
         patrickstar.load_config({"profile": {"dir": "x"}})
     config = patrickstar.load_config({"profile": {"enabled": True, "output_dir": tmp_path}})
     assert config.profile.enabled and config.profile.output_dir == str(tmp_path)
+
+
+def test_a_profile_directory_that_cannot_be_made_fails_before_the_run(tmp_path):
+    """A profile directory under a file (or without permission) failed only when the profile
+    was written, at the end of the run or in the engine's destructor: the run was done and its
+    profile lost. Profiling now starts by making the directory."""
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(ProfileError, match=f"'profile.output_dir': cannot create profile "
+                                           f"directory '{blocker / 'sub'}'"):
+        _model(_config(profile={"enabled": True, "output_dir": str(blocker / "sub")}))
+    built = torch.nn.Linear(4, 4)  # a module passed in built keeps its weights
+    weights = {key: value.clone() for key, value in built.state_dict().items()}
+    with pytest.raises(ProfileError, match="'profile.output_dir'"):
+        patrickstar.initialize(built, config=_config(
+            profile={"enabled": True, "output_dir": str(blocker / "sub")}))
+    assert all(torch.equal(built.state_dict()[key], value) for key, value in weights.items())
+    model, optimizer = _model()  # the failed initialize() left nothing behind
+    with pytest.raises(ProfileError, match=f"cannot create profile directory '{blocker / 'p'}'"):
+        with patrickstar.profile(model, blocker / "p"):
+            pass
+    assert model.profiler is None
+    with patrickstar.profile(model, tmp_path / "ok"):
+        _train(model, optimizer, 1)
+    assert (tmp_path / "ok" / "summary.json").is_file()
 
 
 def test_empty_profile_still_writes_every_output(tmp_path):

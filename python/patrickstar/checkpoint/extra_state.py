@@ -83,11 +83,28 @@ def encode_extra(rng: dict, client_state, scheduler_state) -> bytes:
         part = "client_state"
         if scheduler_state is not None and _loads_back(client_state):
             part = "lr scheduler state"
+        else:  # name the entry of a client_state of many (a numpy array among tensors)
+            part = _refused_entry(client_state, "client_state") or part
         raise CheckpointError(
             f"save_checkpoint: the {part} holds an object a checkpoint cannot load back without "
             f"running code ({_why(error)}); keep to tensors, numbers, strings, None, lists, "
             f"tuples and dicts (Note [Checkpoints are data])") from None
     return data
+
+
+def _refused_entry(value, path: str) -> str | None:
+    """The path (`client_state['stats'][2]`) of the first entry of `value` that would not load
+    back, searched through dicts, lists and tuples; None if no single entry is to blame."""
+    if isinstance(value, dict):
+        items = ((f"{path}[{key!r}]", item) for key, item in value.items())
+    elif isinstance(value, (list, tuple)):
+        items = ((f"{path}[{index}]", item) for index, item in enumerate(value))
+    else:
+        return None
+    for where, item in items:
+        if not _loads_back(item):
+            return _refused_entry(item, where) or where
+    return None
 
 
 def _loads_back(value) -> bool:

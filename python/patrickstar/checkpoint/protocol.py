@@ -87,6 +87,7 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
                                    "optimizer.step()")
             if rank == 0:
                 os.makedirs(save_dir, exist_ok=True)
+                _refuse_non_checkpoint_paths(save_dir, tag, save_latest)
                 remove_stale_partials(save_dir)
                 partial = PartialDirectory(save_dir, tag)
         except Exception as failure:  # shared with every rank by _agree
@@ -119,6 +120,21 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
         if partial is not None:
             partial.close()
     return True
+
+
+def _refuse_non_checkpoint_paths(save_dir: str, tag: str, save_latest: bool) -> None:
+    """The tag's directory is exchanged with the new checkpoint, and `latest` replaced: a file
+    at the tag's path (or a directory at `latest`) is no earlier checkpoint of ours. It was
+    swapped out under a hidden name and left there (the tag), or failed only after the
+    checkpoint was published (`latest`); refuse both before anything is written."""
+    final = os.path.join(save_dir, tag)
+    if os.path.lexists(final) and not os.path.isdir(final):
+        raise CheckpointError(f"save_checkpoint: '{final}' exists and is not a checkpoint "
+                              f"directory; remove it or save under another tag")
+    latest = os.path.join(save_dir, LATEST)
+    if save_latest and os.path.lexists(latest) and not os.path.isfile(latest):
+        raise CheckpointError(f"save_checkpoint: '{latest}' exists and is not the file naming "
+                              f"the latest checkpoint; remove it, or pass save_latest=False")
 
 
 def _write_rank_files(state: EngineState, directory: str, client_state, scheduler) -> dict:
@@ -208,8 +224,12 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states: bool = Tr
             error = failure
     resolved = _agree(state, what, error, resolved)[0]
     if resolved is None:
-        warnings.warn(f"load_checkpoint: no '{LATEST}' file in '{load_dir}'; nothing loaded "
-                      f"(pass tag= to load a specific checkpoint)", UserWarning, stacklevel=3)
+        # As DeepSpeed: a warning, not an error (a first run resumes from nothing); a directory
+        # that does not exist at all is said so, as it is more likely a mistyped path.
+        where = (f"no '{LATEST}' file in '{load_dir}'" if os.path.isdir(load_dir) else
+                 f"'{load_dir}' does not exist")
+        warnings.warn(f"load_checkpoint: {where}; nothing loaded (pass tag= to load a specific "
+                      f"checkpoint)", UserWarning, stacklevel=3)
         return None, None
     if load_module_only:
         load_optimizer_states = load_lr_scheduler_states = load_rng_states = False

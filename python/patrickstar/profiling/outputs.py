@@ -12,7 +12,7 @@ from .memory_csv import memory_rows
 from .summary import build_summary
 from .trace import build_trace
 
-__all__ = ["rank_directory", "write_bytes", "write_outputs", "write_text"]
+__all__ = ["make_directory", "rank_directory", "write_bytes", "write_outputs", "write_text"]
 
 
 # Note [One profile directory per rank]
@@ -27,6 +27,18 @@ def rank_directory(directory: str | os.PathLike, run: dict) -> str:
     directory = os.fspath(directory)
     if run.get("world_size", 1) > 1:
         return os.path.join(directory, f"rank{run.get('rank', 0)}")
+    return directory
+
+
+def make_directory(directory: str | os.PathLike, run: dict) -> str:
+    """Creates the directory a profile of `run` is written into (rank_directory) and returns it.
+    Profiler.start() calls it too, so a directory that cannot be made (a path under a file, no
+    permission) fails before the run is profiled rather than when its profile is written."""
+    directory = rank_directory(directory, run)
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as error:
+        raise ProfileError(f"cannot create profile directory '{directory}': {error}") from error
     return directory
 
 
@@ -49,11 +61,7 @@ def write_outputs(directory: str | os.PathLike, raw: dict,
     """Writes profile.json and the four outputs into `directory` (its rank<k>/ subdirectory
     under data parallelism: Note [One profile directory per rank]); returns the summary.
     `analysis` is `Analysis(raw)` when the caller has one already."""
-    directory = rank_directory(directory, raw["run"])
-    try:
-        os.makedirs(directory, exist_ok=True)
-    except OSError as error:
-        raise ProfileError(f"cannot create profile directory '{directory}': {error}") from error
+    directory = make_directory(directory, raw["run"])
     analysis = Analysis(raw) if analysis is None else analysis
     summary = build_summary(raw, analysis)
     write_text(os.path.join(directory, RAW_FILE), json.dumps(raw))

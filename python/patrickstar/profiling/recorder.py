@@ -30,9 +30,10 @@ import weakref
 from typing import Any, Iterator
 
 from .. import _C
+from .analysis import ProfileError
 
-__all__ = ["Profiler", "profile", "active_profiler", "optimizer_phase", "profiler_from_config",
-           "now_ns"]
+__all__ = ["Profiler", "profile", "active_profiler", "make_config_profile_directory",
+           "optimizer_phase", "profiler_from_config", "now_ns"]
 
 _PHASE_OF_TICK = {"pre_forward": "forward", "post_forward": "forward",
                   "pre_backward": "backward", "post_backward": "backward"}
@@ -107,8 +108,13 @@ class Profiler:
                                f"profiler first")
         running = active_profiler()
         if running is not None and running is not self:
+            # Often another engine's config profile, that engine kept alive by a reference the
+            # user may not see (a caught exception's traceback, an earlier loop's variable).
             raise RuntimeError(f"a profiler is already running (writing to "
-                               f"'{running.output_dir}'); stop it first")
+                               f"'{running.output_dir}'), of another engine that is still "
+                               f"alive; one profiler runs at a time: stop it first (that "
+                               f"engine's model.profiler.stop(), or model.destroy(), which "
+                               f"writes its profile), or profile one engine only")
         self._reset()
         self._start_stats = self.engine.memory_stats()
         dump = json.loads(self._manager.dump_json(0))
@@ -117,6 +123,8 @@ class Profiler:
                      "world_size": dump["world_size"], "rank": dump["rank"],
                      "prefetch_moments": dump["prefetch_moments"],
                      "eviction_policy": dump["eviction_policy"]}
+        from .outputs import make_directory  # imported late, as in _stop
+        make_directory(self.output_dir, self._run)
         self._manager.clear_events()
         self._manager.enable_events(True, self.capacity)
         self._set_phase("other")
@@ -307,11 +315,29 @@ def profile(model, output_dir: str | os.PathLike | None = None,
         profiler.stop()
 
 
+def make_config_profile_directory(config) -> None:
+    """Makes the config's profile.output_dir if profiling is enabled. The engine calls it
+    before the model is built, when a module passed in built still holds its weights: a
+    directory that cannot be made then fails initialize() with the module untouched."""
+    if not config.profile.enabled:
+        return
+    from .outputs import make_directory  # imported late, as in _stop
+    try:
+        make_directory(config.profile.output_dir, {})
+    except ProfileError as error:
+        raise ProfileError(f"config key 'profile.output_dir': {error}") from None
+
+
 def profiler_from_config(engine) -> Profiler | None:
     """The engine's profiler when the config enables one (written at stop() or at exit)."""
     if not engine.ps_config.profile.enabled:
         return None
-    profiler = Profiler(engine, engine.ps_config.profile.output_dir).start()
+    try:
+        profiler = Profiler(engine, engine.ps_config.profile.output_dir).start()
+    except ProfileError as error:
+        raise ProfileError(f"config key 'profile.output_dir': {error}") from None
+    except RuntimeError as error:
+        raise RuntimeError(f"config key 'profile.enabled': {error}") from None
     reference = weakref.ref(profiler)
 
     def write_at_exit() -> None:
