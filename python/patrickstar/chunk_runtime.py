@@ -10,6 +10,7 @@ import warnings
 import torch
 
 from . import _C
+from .utils.host_memory import host_memory_limit
 from .vocabulary import Tier
 
 __all__ = ["ChunkRuntime", "Chunks", "PREFETCH_MOMENTS", "torch_computes_on_host",
@@ -138,25 +139,6 @@ class ChunkRuntime:
         warn_budgets_beyond_the_machine(memory)
         self.copy_engine = _C.CopyEngine(host_threads=2, device=local_rank)
         self.chunks = Chunks(tiers, self.copy_engine, world_size, rank)
-
-
-def host_memory_limit() -> tuple[int, str] | None:
-    """The memory this process may use: the machine's, or its cgroup's limit when lower."""
-    try:
-        limit = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        what = "this machine's memory"
-    except (ValueError, OSError):
-        return None
-    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
-        try:
-            with open(path, encoding="ascii") as handle:
-                text = handle.read().strip()
-        except OSError:
-            continue
-        if text.isdigit() and int(text) < limit:
-            limit, what = int(text), f"the cgroup limit ({path})"
-        break
-    return limit, what
 
 
 def warn_budgets_beyond_the_machine(memory) -> None:

@@ -94,7 +94,7 @@ from typing import Callable, Iterator
 import torch
 
 from . import _C
-from .chunk_runtime import host_memory_limit
+from .utils.host_memory import host_memory_limit
 
 __all__ = ["TrainingGuard", "check_budgets"]
 
