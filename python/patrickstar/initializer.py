@@ -126,10 +126,13 @@ def _initialize(model_func, config, local_rank: int, param_groups):
 # at lr 0.01. Returning None here would break every `model, optimizer = initialize(...)` loop
 # that relied on the default, so the default stays (upstream's behaviour, torch's and
 # DeepSpeed's Adam defaults) and initialize() says so on rank 0, naming what trains and the
-# section that chooses it.
+# section that chooses it. Said once per process: a script building engines in a loop (a sweep,
+# a test suite) heard the same paragraph at every initialize().
 def _log_if_default_optimizer(config: Config) -> None:
-    if config.optimizer_given:
+    global _logged_default_optimizer
+    if config.optimizer_given or _logged_default_optimizer:
         return
+    _logged_default_optimizer = True
     opt = config.optimizer
     log_dist(f"config has no 'optimizer' section: training {opt.type} with lr {opt.lr:g}, "
              f"betas {opt.betas}, eps {opt.eps:g}, weight_decay {opt.weight_decay:g} "
@@ -137,6 +140,9 @@ def _log_if_default_optimizer(config: Config) -> None:
              f"config and upstream PatrickStar used Adam at lr 0.01; add an 'optimizer' section "
              f"(e.g. {{\"type\": \"AdamW\", \"params\": {{\"lr\": 1e-4}}}}) to choose, which "
              f"also silences this", level=logging.WARNING)
+
+
+_logged_default_optimizer = False  # _log_if_default_optimizer's message, once per process
 
 
 def _warn_if_nothing_sliced(engine, config: Config) -> None:

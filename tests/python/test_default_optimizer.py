@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 import patrickstar
+from patrickstar import initializer
 
 
 class MLP(nn.Module):
@@ -19,7 +20,8 @@ class MLP(nn.Module):
         return self.b(torch.relu(self.a(x)))
 
 
-def test_no_optimizer_section_trains_torch_adam_defaults_and_says_so(capfd):
+def test_no_optimizer_section_trains_torch_adam_defaults_and_says_so(capfd, monkeypatch):
+    monkeypatch.setattr(initializer, "_logged_default_optimizer", False)  # once per process
     torch.manual_seed(0)
     reference = MLP()
     torch_opt = torch.optim.Adam(reference.parameters())
@@ -48,3 +50,13 @@ def test_an_optimizer_section_is_not_remarked(capfd):
     patrickstar.initialize(MLP, config={"default_chunk_size": 1024,
                                         "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}})
     assert "'optimizer' section" not in capfd.readouterr().err
+
+
+def test_the_default_optimizer_is_remarked_once_per_process(capfd, monkeypatch):
+    """A loop building engines (a sweep, a test suite) heard the paragraph at every
+    initialize(): 20 engines, 20 warnings."""
+    monkeypatch.setattr(initializer, "_logged_default_optimizer", False)
+    for _ in range(3):
+        model, _ = patrickstar.initialize(MLP, config={"default_chunk_size": 1024})
+        model.destroy()
+    assert capfd.readouterr().err.count("config has no 'optimizer' section") == 1
