@@ -13,10 +13,19 @@ build_param_groups then checks that every trainable parameter is in exactly one 
 filtered subset (which DeepSpeed would train alone) raises naming what is missing rather than
 training the others too. With a model_func the parameters do not exist yet, so it is refused
 naming param_groups.
+
+`dist_init_required` is taken as DeepSpeed takes it: True or None (its default) set up
+torch.distributed when the script has not, which initialize() does anyway from torchrun's
+environment; False says the script already did, so a multi-process launch (WORLD_SIZE > 1)
+whose default group does not exist yet raises naming the argument, as DeepSpeed's engine asserts,
+rather than initialize() quietly making the group the caller said it had made.
 """
 from __future__ import annotations
 
+import os
+
 import torch
+import torch.distributed as dist
 
 _MODEL_PARAMETERS_NEED_A_MODULE = (
     "initialize(model_parameters=...) is DeepSpeed's: it names parameters of a module already "
@@ -32,8 +41,6 @@ _REFUSED = {
                      "(model, optimizer), not DeepSpeed's (engine, optimizer, loader, scheduler)",
     "collate_fn": "build a torch.utils.data.DataLoader yourself with it",
     "mpu": "config 'parallel': {pipeline, tensor} (docs/parallelism.md)",
-    "dist_init_required": "torch.distributed is initialized from torchrun's environment when "
-                          "the script did not; drop the argument",
     "distributed_port": "torchrun's --master_port",
 }
 
@@ -73,18 +80,38 @@ def take_deepspeed_arguments(model_func, config, param_groups, kwargs: dict):
         param_groups = _as_param_groups(model_parameters)
     if "args" in kwargs:
         config = _config_from_args(kwargs.pop("args"), config)
+    if "dist_init_required" in kwargs:
+        _check_dist_init_required(kwargs.pop("dist_init_required"))
     for name in kwargs:
         if name in _REFUSED:
             raise TypeError(f"initialize({name}=...) is DeepSpeed's and has no counterpart in "
                             f"PatrickStar-C++: {_REFUSED[name]}")
     if kwargs:
         raise TypeError(f"initialize() got unexpected keyword argument(s) {sorted(kwargs)}; it "
-                        f"takes model_func (or model=), config, local_rank, param_groups and "
-                        f"lr_scheduler")
+                        f"takes model_func (or model=), config, local_rank, param_groups, "
+                        f"lr_scheduler and dist_init_required")
     if model_func is None:
         raise TypeError("initialize(): missing the model: pass model_func (a callable building "
                         "the module, or a built module)")
     return model_func, config, param_groups, scheduler
+
+
+def _check_dist_init_required(value) -> None:
+    """DeepSpeed's `dist_init_required` (Note [DeepSpeed's initialize() arguments]): True and
+    None need nothing here (initialize() makes the default group from torchrun's environment
+    when there is none); False promises the caller made it."""
+    if value is not None and not isinstance(value, bool):
+        raise TypeError(f"initialize(dist_init_required=...) must be True, False or None "
+                        f"(DeepSpeed's), got {value!r}")
+    if value is not False:
+        return
+    world = os.environ.get("WORLD_SIZE", "1")
+    if world.isdigit() and int(world) > 1 and not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(f"initialize(dist_init_required=False) says torch.distributed is "
+                           f"already initialized, but it is not (WORLD_SIZE is {world}): call "
+                           f"torch.distributed.init_process_group() before initialize(), or "
+                           f"pass dist_init_required=True (or leave it out) to have initialize() "
+                           f"set it up from torchrun's environment")
 
 
 def add_config_arguments(parser):

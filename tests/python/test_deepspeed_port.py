@@ -215,8 +215,7 @@ def test_deepspeed_initialize_keywords_work_or_name_what_to_use():
                               ("training_data", [], "DataLoader"),
                               ("optimizer", None, "config 'optimizer'"),
                               ("mpu", None, "parallel"),
-                              ("collate_fn", None, "DataLoader"),
-                              ("dist_init_required", True, "torchrun")]:
+                              ("collate_fn", None, "DataLoader")]:
         with pytest.raises(TypeError, match=f"initialize\\({name}=...\\) is DeepSpeed's.*{says}"):
             patrickstar.initialize(MLP, config(), **{name: value})
     with pytest.raises(TypeError, match="callable taking the optimizer"):
@@ -566,3 +565,32 @@ def test_a_foreign_config_names_all_its_unknown_keys_and_no_trainer_placeholder(
     # With HF placeholders elsewhere, both are named in the same error.
     with pytest.raises(ValueError, match="(?s)'zero'.*'gradient_clipping': \"auto\""):
         patrickstar.load_config({"zero": {}, "gradient_clipping": "auto"})
+
+
+def test_deepspeed_dist_init_required_is_taken_as_deepspeed_takes_it(monkeypatch):
+    """Scripts ported from deepspeed.initialize pass dist_init_required; it was refused as
+    DeepSpeed-only. True/None: initialize() sets torch.distributed up from torchrun's
+    environment when needed (here a single process: nothing to set up), and the run trains as
+    PyTorch; False promises the caller did, so a multi-process launch without a default group
+    raises naming the argument."""
+    data = batches(4)
+    ref_losses, _, _ = torch_run(data, 2, 0.5)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    for value in (True, None, False):
+        torch.manual_seed(0)
+        model, _ = patrickstar.initialize(MLP, config(), dist_init_required=value)
+        losses = []
+        for x, y in data:
+            loss = model(x, y)
+            losses.append(loss.item())
+            model.backward(loss)
+            model.step()
+        assert_close(losses, ref_losses)
+        model.destroy()
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert not torch.distributed.is_initialized()
+    with pytest.raises(RuntimeError, match=r"dist_init_required=False.*not.*WORLD_SIZE is 2.*"
+                                           r"init_process_group"):
+        patrickstar.initialize(MLP, config(), dist_init_required=False)
+    with pytest.raises(TypeError, match="dist_init_required.*True, False or None"):
+        patrickstar.initialize(MLP, config(), dist_init_required="yes")
