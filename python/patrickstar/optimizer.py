@@ -27,10 +27,12 @@ import collections.abc
 import contextlib
 import math
 import numbers
+import sys
 import weakref
 from typing import Callable, ContextManager, Iterable
 
 import torch
+from torch.amp.grad_scaler import GradScaler
 
 from . import _C, moment_state
 from .chunked_params import ChunkedParams
@@ -40,6 +42,27 @@ from .vocabulary import Tier as T
 __all__ = ["PatrickStarOptimizer", "build_param_groups", "clip_coefficient"]
 
 S = _C.TensorState
+
+# Note [torch.amp.GradScaler over the chunked optimizer]
+# A torch AMP loop, `scaler.scale(loss).backward(); scaler.unscale_(optimizer);
+# clip_grad_norm_(model.parameters(), c); scaler.step(optimizer)`, cannot work here: the
+# gradients live in chunks (no p.grad for the scaler to divide), and fp16's loss scale is the
+# engine's own (config fp16.enabled). The error came only at scaler.step (which hands the
+# scaler to step(), _step_supports_amp_scaling), after unscale_ had found no p.grad and returned
+# as if it had unscaled, so the clip between them had already returned the still-scaled norm
+# (790 where torch says 0.77) and clipped by it. unscale_ reaches the optimizer only through
+# GradScaler._unscale_grads_, which reads `optimizer.param_groups` (its per-optimizer state is
+# keyed by id(optimizer), which cannot be hooked), so param_groups is a property that raises the
+# same error when that function is its reader: the first point the engine can see a scaler. A
+# disabled scaler (GradScaler(enabled=False), nanoGPT's loop under bf16) returns from unscale_
+# before reading anything, and every other reader (schedulers, torch.optim's own methods, ours)
+# gets the list as before, stored where torch.optim's __setstate__ puts it (the instance dict).
+_UNSCALES_GRADIENTS = GradScaler._unscale_grads_.__code__
+_GRAD_SCALER_UNSUPPORTED = (
+    "torch.amp.GradScaler cannot scale the PatrickStar optimizer's gradients (they live in "
+    "chunks): for fp16 training set config fp16.enabled, whose dynamic loss scale "
+    "model.backward(loss) applies; with torch.autocast(dtype=torch.bfloat16) no scaler is "
+    "needed (GradScaler(enabled=False) is fine)")
 
 _GROUP_KEYS = {"params", "lr", "betas", "eps", "weight_decay", "name"}
 
@@ -267,19 +290,26 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
     def loss_scale(self) -> float:
         return self.loss_scaler.scale
 
+    @property
+    def param_groups(self) -> list[dict]:
+        # Note [torch.amp.GradScaler over the chunked optimizer]: scaler.unscale_ reads them.
+        if sys._getframe(1).f_code is _UNSCALES_GRADIENTS:
+            raise TypeError(_GRAD_SCALER_UNSUPPORTED)
+        return self.__dict__["param_groups"]
+
+    @param_groups.setter
+    def param_groups(self, groups: list[dict]) -> None:
+        self.__dict__["param_groups"] = groups
+
     # torch.amp.GradScaler hands such an optimizer to step() instead of looking for p.grad
-    # (which chunked gradients never fill), so its use gets a clear error rather than its
-    # "No inf checks were recorded for this optimizer".
+    # (which chunked gradients never fill), so a scaler.step without unscale_ gets the clear
+    # error too rather than its "No inf checks were recorded for this optimizer".
     _step_supports_amp_scaling = True
 
     @torch.no_grad()
     def step(self, closure=None, grad_scaler=None):
         if grad_scaler is not None:
-            raise TypeError(
-                "torch.amp.GradScaler cannot scale the PatrickStar optimizer's gradients (they "
-                "live in chunks): for fp16 training set config fp16.enabled, whose dynamic loss "
-                "scale model.backward(loss) applies; with torch.autocast(dtype=torch.bfloat16) "
-                "no scaler is needed (GradScaler(enabled=False) is fine)")
+            raise TypeError(_GRAD_SCALER_UNSUPPORTED)
         with self.guard.calling("optimizer.step()"):  # Note [One thread at a time]
             loss = None
             if closure is not None:

@@ -210,6 +210,44 @@ def test_a_disabled_grad_scaler_steps_and_an_enabled_one_names_the_config():
         scaler.step(optimizer)
 
 
+def test_an_enabled_grad_scaler_is_refused_at_unscale_before_a_clip_reads_scaled_gradients():
+    """torch's AMP recipe scaler.scale(loss).backward(); scaler.unscale_(optimizer);
+    clip_grad_norm_(...); scaler.step(optimizer): the error came only at scaler.step, after
+    unscale_ had found no p.grad and returned, so the clip between them returned the scaled norm
+    (thousands, torch's unscaled one below 1) and clipped by it. Now unscale_ raises (Note
+    [torch.amp.GradScaler over the chunked optimizer]); a disabled scaler's unscale_ + clip
+    still matches torch's norms and weights."""
+    data = batches(3)
+    torch.manual_seed(0)
+    reference = MLP()
+    ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01,
+                                      foreach=False)
+    torch.manual_seed(0)
+    model, optimizer = patrickstar.initialize(MLP, config={
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+        "default_chunk_size": 4096})
+    for x, y in data:
+        for module, opt in ((reference, ref_optimizer), (model, optimizer)):
+            scaler = torch.amp.GradScaler("cpu", enabled=False)
+            scaler.scale(module(x, y)).backward()
+            scaler.unscale_(opt)
+            norm = torch.nn.utils.clip_grad_norm_(module.parameters(), 0.1)
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+            if module is reference:
+                ref_norm = norm
+        torch.testing.assert_close(norm, ref_norm, rtol=1e-5, atol=0)
+    for key, tensor in reference.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[key], tensor, rtol=1e-5, atol=1e-6)
+    scaler = torch.amp.GradScaler("cpu", enabled=True)
+    scaler.scale(model(*data[0])).backward()
+    with pytest.raises(TypeError, match="GradScaler cannot scale.*fp16.enabled.*bfloat16"):
+        scaler.unscale_(optimizer)
+    optimizer.zero_grad(set_to_none=True)
+    assert len(optimizer.param_groups) == 1  # every other reader sees the groups
+
+
 def _train_alongside(model_func, lr, config, inputs, loss_of, autograd):
     """Builds model_func as a plain model (torch Adam) and as an engine (its Adam, `config` added
     to the optimizer's), trains both on the same inputs (loss_of(module, x)), the engine by
