@@ -32,11 +32,21 @@ class BackwardPass:
         self._joined = False  # a loss.backward() is under way (not model.backward())
         self._joined_thread: threading.Thread | None = None  # where, if a Python thread
         self._grad_hooks: list[tuple[nn.Parameter, int]] = []  # Note [User gradient hooks]
+        self._grad_hook_handles: list = []
 
     def register_grad_hook(self, param: nn.Parameter, hook: Callable) -> None:
         """The engine's post-accumulate-grad hook of `param`, kept behind the user's."""
         handle = param.register_post_accumulate_grad_hook(hook)
         self._grad_hooks.append((param, handle.id))
+        self._grad_hook_handles.append(handle)
+
+    def remove_grad_hooks(self) -> None:
+        """The engine's gradient hooks off its parameters (which drop every p.grad once the
+        engine is gone): Note [A built module given back when initialize() fails]."""
+        for handle in self._grad_hook_handles:
+            handle.remove()
+        self._grad_hook_handles.clear()
+        self._grad_hooks.clear()
 
     def run(self, tensors, grads, retain_graph: bool = False) -> None:
         """`model.backward(loss)`: autograd from `tensors` (the scaled loss), then the end."""

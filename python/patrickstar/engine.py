@@ -274,32 +274,37 @@ class PatrickStarEngine(nn.Module):
         # whose device tier only emulates a GPU's budget for chunks.
         self._non_model_tier = T.DEVICE if self.device.type == "cuda" else T.HOST
         self._warmup_forward_failed = False  # Note [A forward that raised during warm-up]
-        # Note [loss.backward()] in backward_pass.py
-        self._backward = BackwardPass(self.guard, self.dp, self.precision,
-                                      _weakly(self._release_after_backward),
-                                      _weakly(self._count_micro_step))
-        for index, param in enumerate(self.params.params):
-            if param.requires_grad:
-                self._backward.register_grad_hook(param, self._make_grad_hook(index))
-        self._views = SavedParameterViews(  # Note [Saved views of parameters]
-            self._slots, self.params.params, self.activations,
-            _weakly(self._backward.join_autograd_backward))
-        self._hooks = ModuleHooks([m for m, owned in self._module_params.items() if owned],
-                                  _weakly(self._access_module), _weakly(self._release_module),
-                                  _weakly(self._tick), _weakly(self._own_output),
-                                  _weakly(self._saved_tensor_hooks))
-        with self.real_shapes():  # a callable sees p.shape / p.dim() as the model has them
-            groups = build_param_groups(self.module, param_groups, config.optimizer)
-        self.profiler = None
-        self.optimizer = PatrickStarOptimizer(
-            self.params, groups, config, self.dp, self.guard, self.loss_scaler, self.device,
-            self.runtime.has_nvme, _weakly(self.end_iteration), _profiler_phase(weakref.ref(self)),
-            self._slots.wait_for_gradient_stores, self._loop.before_optimizer_step,
-            self._loop.after_optimizer_step)
-        self._loop.attach(self.optimizer)
-        if config.scheduler is not None:  # DeepSpeed's `scheduler` section
-            self._loop.lr_schedule.set(build_scheduler(
-                config.scheduler.type, config.scheduler.params, self.optimizer), configured=True)
+        # A failure from here on gives a built module its weights back (Note [A built module
+        # given back when initialize() fails] in init_context.py).
+        with self._giving_back_on_failure(model_func):
+            # Note [loss.backward()] in backward_pass.py
+            self._backward = BackwardPass(self.guard, self.dp, self.precision,
+                                          _weakly(self._release_after_backward),
+                                          _weakly(self._count_micro_step))
+            for index, param in enumerate(self.params.params):
+                if param.requires_grad:
+                    self._backward.register_grad_hook(param, self._make_grad_hook(index))
+            self._views = SavedParameterViews(  # Note [Saved views of parameters]
+                self._slots, self.params.params, self.activations,
+                _weakly(self._backward.join_autograd_backward))
+            self._hooks = ModuleHooks([m for m, owned in self._module_params.items() if owned],
+                                      _weakly(self._access_module), _weakly(self._release_module),
+                                      _weakly(self._tick), _weakly(self._own_output),
+                                      _weakly(self._saved_tensor_hooks))
+            with self.real_shapes():  # a callable sees p.shape / p.dim() as the model has them
+                groups = build_param_groups(self.module, param_groups, config.optimizer)
+            self.profiler = None
+            self.optimizer = PatrickStarOptimizer(
+                self.params, groups, config, self.dp, self.guard, self.loss_scaler, self.device,
+                self.runtime.has_nvme, _weakly(self.end_iteration),
+                _profiler_phase(weakref.ref(self)),
+                self._slots.wait_for_gradient_stores, self._loop.before_optimizer_step,
+                self._loop.after_optimizer_step)
+            self._loop.attach(self.optimizer)
+            if config.scheduler is not None:  # DeepSpeed's `scheduler` section
+                self._loop.lr_schedule.set(build_scheduler(
+                    config.scheduler.type, config.scheduler.params, self.optimizer),
+                    configured=True)
         self.profiler = profiler_from_config(self)  # None unless config profile.enabled
         upstream_profiler.engine_built(self)  # `from patrickstar.profiler import profiler`
         self.created_ns = time.monotonic_ns()
@@ -338,6 +343,31 @@ class PatrickStarEngine(nn.Module):
         self.rest_parameters()  # Note [Parameters at rest] in resting_params.py
 
     # ---- Construction --------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _giving_back_on_failure(self, model_func):
+        """Note [A built module given back when initialize() fails] in init_context.py: every
+        weight is in the chunks here, so a failure reads them back into a built module's
+        parameters (single process only: under data parallelism each rank holds a shard) and
+        destroys the engine before the error goes on."""
+        try:
+            yield
+        except BaseException:
+            if isinstance(model_func, BuiltModule) and not self.dp.enabled:
+                try:
+                    values = [(param, self.params.read(index, _C.ChunkKind.MASTER_PARAM
+                                                       if ids.master is not None
+                                                       else _C.ChunkKind.COMPUTE_PARAM))
+                              for index, (param, ids) in enumerate(zip(self.params.params,
+                                                                       self.params.ids))]
+                    if "_backward" in self.__dict__:
+                        self._backward.remove_grad_hooks()
+                    self.destroy()
+                except Exception:  # noqa: BLE001 (the first error is the one to see)
+                    pass  # the module keeps its placeholders; initialize() notes so
+                else:
+                    model_func.give_back(values)
+            raise
 
     def _build_runtime(self, specs, pins) -> None:
         config = self.ps_config

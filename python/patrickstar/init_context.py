@@ -240,15 +240,46 @@ def built_dtype_warning(specs: list[ParamSpec], precision: str,
 # engine's `module`. A module whose parameters an engine already took holds placeholders
 # (empty, their real shape in `ds_shape`): planning from those would drop every parameter as
 # element-free, so _check_not_taken refuses it.
+# Note [A built module given back when initialize() fails]
+# A module passed in built has its parameters moved into chunks as the engine is made, and each
+# becomes a shape-(0,) placeholder. When initialize() then failed (a param_groups callable that
+# raised is the usual case), the error said so in a note, but the module was left with the
+# placeholders: a plain forward on it afterwards failed deep in torch ("mat2 must be a matrix").
+# Where the failure comes once the chunks hold every weight (the engine's late steps: its
+# hooks, param groups, optimizer), the engine reads each weight back out of its chunks (the
+# master copy where there is one), destroys itself (its module hooks go, and its gradient
+# hooks, which would drop every p.grad of the plain module) and hands the values here: each
+# Parameter object gets its value back in its own dtype and device, the buffers their original
+# tensors (the engine moves them to its device and, in fp16/bf16, casts them), and the DeepSpeed
+# attributes ds_shape/ds_numel go. The module is then as it was passed in, and can be trained
+# plainly or initialized again. Earlier failures (while placing) and data parallelism (each
+# rank holds a shard of the chunks: reading them back is a collective) keep the note instead.
 class BuiltModule:
     """The model_func of a module built before initialize() (the engine tells it apart:
-    Note [The first rank's initial weights] in first_rank_init.py)."""
+    Note [The first rank's initial weights] in first_rank_init.py). It remembers what the
+    engine changes of the module besides the parameters' values, to give it back (Note [A built
+    module given back when initialize() fails])."""
 
     def __init__(self, module: nn.Module):
         self.module = module
+        self._buffers = [(owner, name, buffer) for owner in module.modules()
+                         for name, buffer in owner.named_buffers(recurse=False)]
+        self._kinds = {id(param): (param.dtype, param.device) for param in module.parameters()}
 
     def __call__(self) -> nn.Module:
         return self.module
+
+    def give_back(self, values: list[tuple[nn.Parameter, torch.Tensor]]) -> None:
+        """Each parameter's value (as read from the chunks) back as its data, and the buffers
+        as they were passed in."""
+        with torch.no_grad():
+            for param, value in values:
+                dtype, device = self._kinds.get(id(param), (value.dtype, value.device))
+                param.data = value.to(dtype=dtype, device=device)
+                for attribute in ("ds_shape", "ds_numel"):
+                    param.__dict__.pop(attribute, None)
+        for owner, name, buffer in self._buffers:
+            setattr(owner, name, buffer)
 
 
 def _check_not_taken(model: nn.Module) -> None:
