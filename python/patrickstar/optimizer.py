@@ -243,9 +243,8 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
                  after_step: Callable[[bool], None] = lambda applied: None):
         defaults = {k: v for k, v in groups[0].items() if k != "params"}
         # Parameters without elements stay outside the chunks (init_context.plan_parameters):
-        # nothing to update.
-        groups = [dict(group, params=[p for p in group["params"] if params.index_of(p) is not None])
-                  for group in groups]
+        # nothing to update, but the groups list them as torch's do (Note [Saved state of
+        # parameters without elements]).
         super().__init__(groups, defaults)
         self.chunked = params
         self.state = ChunkedStateView(self)  # torch's dict of per-parameter state, read-only
@@ -276,7 +275,9 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         self._group_of = {}
         for group_index, group in enumerate(self.param_groups):
             for param in group["params"]:
-                self._group_of[params.index_of(param)] = group_index
+                index = params.index_of(param)
+                if index is not None:
+                    self._group_of[index] = group_index
         self._rows: list[_UpdateRow] | None = None  # built at first use
         self._tensor_chunk: dict[int, int] = {}
         self._remade_chunks: dict[int, bool] = {}  # compute chunk -> re-made from its master
@@ -557,6 +558,11 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         with self.guard.calling("optimizer.zero_grad()"):  # Note [One thread at a time]
             self._note_zeroing(range(len(self.has_grad)), set_to_none)
             self._drop_step_gradients()
+            if set_to_none:  # as torch's, the groups' parameters without elements too
+                for group in self.param_groups:
+                    for param in group["params"]:
+                        if self.chunked.index_of(param) is None:
+                            param.grad = None
 
     def _drop_step_gradients(self) -> None:
         """zero_grad() without its set_to_none: also the step's own drop of the gradients it
@@ -824,11 +830,29 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
             for part in self.dp.all_gather_object(state, label="optimizer state"):
                 merged.update(part)
             state = dict(sorted(merged.items()))
-        groups = []
+        # torch's numbering: each parameter's place in the groups (Note [Saved optimizer state
+        # is numbered by its groups]), which torch.distributed.checkpoint reads as such.
+        groups, number_of, outside = [], {}, {}
         for group in self.param_groups:
             saved = {k: v for k, v in group.items() if k != "params"}
-            saved["params"] = [params.index_of(p) for p in group["params"]]
+            saved["params"] = []
+            for param in group["params"]:
+                number = len(number_of) + len(outside)
+                if params.index_of(param) is None:
+                    outside[number] = param
+                else:
+                    number_of[params.index_of(param)] = number
+                saved["params"].append(number)
             groups.append(saved)
+        state = {number_of[index]: entry for index, entry in state.items()}
+        if state:  # Note [Saved state of parameters without elements]
+            step = torch.tensor(float(max(self.step_counts)))
+            state.update({number: {"step": step.clone(),
+                                   **{key: torch.zeros_like(param, memory_format=torch.
+                                                            contiguous_format)
+                                      for key in moment_state.MOMENT_KEYS}}
+                          for number, param in outside.items() if param.requires_grad})
+            state = dict(sorted(state.items()))
         return {"state": state, "param_groups": groups,
                 "loss_scaler": self.loss_scaler.state_dict()}
 
@@ -914,8 +938,9 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
     # torch.optim numbers a state dict's parameters as they appear in its param_groups (decay
     # weights first, in nanoGPT's configure_optimizers), and its load_state_dict maps each
     # group's saved numbers onto the group's parameters in order; the numbers themselves mean
-    # nothing else. Ours are the engine's parameter indices, which torch's load maps the same
-    # way. Reading a torch-saved dict's numbers as our indices (as load_state_dict did) put a
+    # nothing else, except to torch.distributed.checkpoint, which names them through
+    # param_groups. Ours were the engine's parameter indices (the same numbers in one group in
+    # the model's order); they are torch's numbers now. Reading a torch-saved dict's numbers as our indices (as load_state_dict did) put a
     # bias's moments into a weight, or, where shapes agreed, into the wrong parameter silently:
     # so load maps through the groups as torch does, and checks every group and shape before
     # it writes anything.
@@ -924,15 +949,18 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         to_index = {}
         for number, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
             keys = [_saved_key(key) for key in saved["params"]]
-            if len(keys) != len(group["params"]):
+            members = group["params"]
+            if len(keys) != len(members):  # Note [Saved state of parameters without elements]
                 keys = [key for key in keys if key not in empty]
-            if len(keys) != len(group["params"]):
+                members = [p for p in members if params.index_of(p) is not None]
+            if len(keys) != len(members):
                 raise ValueError(
                     f"optimizer state dict: param group {number} has {len(saved['params'])} "
                     f"parameters, the optimizer's has {len(group['params'])} (the groups must "
                     "be made the same way as when it was saved)")
-            for key, param in zip(keys, group["params"]):
-                to_index[key] = params.index_of(param)
+            for key, param in zip(keys, members):
+                if params.index_of(param) is not None:
+                    to_index[key] = params.index_of(param)
         return to_index
 
     # Note [Saved state of parameters without elements]
@@ -940,8 +968,17 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
     # (init_context.plan_parameters), while a torch optimizer over `model.parameters()` lists it
     # and, once it has stepped, keeps its (empty) moments: loading that state dict failed with
     # "param group 0 has 5 parameters, the optimizer's has 4". Entries whose moments have no
-    # elements are such parameters': a group that lists more parameters than ours loses them
-    # before it is paired with ours, and their state is dropped (there is nothing to load).
+    # elements are such parameters': their state is dropped (there is nothing to load). The
+    # optimizer's groups list them too, as torch's do (the step skips them: they have no
+    # chunks), so its state_dict lists them where torch lists them, numbered as torch numbers
+    # (each parameter's place in the groups) and, once the optimizer has state, with the empty
+    # moments a stepped torch optimizer keeps for them (their step count is the largest of the
+    # others': nothing reads it): torch.optim.Adam over `model.parameters()` of the plain model
+    # loads it ("a group size mismatch" while they were left out), and
+    # torch.distributed.checkpoint, which maps those numbers through param_groups and wants
+    # state for every trainable parameter, pairs them with the right names. A saved state dict that leaves them out
+    # (the engine's before) is paired with the chunked parameters once its empty entries are
+    # dropped.
 
     def _check_saved_shapes(self, state, to_index) -> None:
         params = self.chunked

@@ -337,3 +337,61 @@ def test_a_pytorch_state_dict_listing_a_parameter_without_elements_resumes_like_
     state = model.state_dict()
     for name, tensor in reference.state_dict().items():
         torch.testing.assert_close(state[name], tensor, rtol=1e-5, atol=1e-6)
+
+
+def test_the_engines_optimizer_state_dict_lists_a_parameter_without_elements_as_pytorch():
+    """Note [Saved state of parameters without elements]: the engine's saved groups left that
+    parameter out, so torch.optim.Adam(model.parameters()) of the plain model refused them
+    ("a group size mismatch"); now they list it (without state) and torch resumes from the
+    engine's state as from its own, and the engine from its own saved state."""
+    generator = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(8, 32, generator=generator),
+                torch.randint(0, 10, (8,), generator=generator)) for _ in range(4)]
+    config = {"default_chunk_size": 4096, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}}
+    torch.manual_seed(0)
+    model, opt = patrickstar.initialize(WithAnEmptyParameter, config=config)
+    for x, y in batches[:2]:
+        model.backward(model(x, y))
+        opt.step()
+        opt.zero_grad()
+    saved_model, saved_opt = model.state_dict(), opt.state_dict()
+    assert [len(group["params"]) for group in saved_opt["param_groups"]] == [7]
+    reference = WithAnEmptyParameter()
+    reference.load_state_dict(saved_model)
+    ref_opt = torch.optim.Adam(reference.parameters(), lr=1e-3, foreach=False)
+    ref_opt.load_state_dict(saved_opt)
+    again, again_opt = patrickstar.initialize(WithAnEmptyParameter, config=config)
+    again.load_state_dict(saved_model)
+    again_opt.load_state_dict(saved_opt)
+    for x, y in batches[2:]:
+        reference(x, y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        for engine, optimizer in ((model, opt), (again, again_opt)):
+            engine.backward(engine(x, y))
+            optimizer.step()
+            optimizer.zero_grad()
+    for engine in (model, again):
+        state = engine.state_dict()
+        for name, tensor in reference.state_dict().items():
+            torch.testing.assert_close(state[name], tensor, rtol=1e-5, atol=1e-6)
+    # Numbered and laid out as torch's own (its groups list the parameter too), moments equal.
+    ours, theirs = opt.state_dict(), ref_opt.state_dict()
+    assert len(opt.param_groups[0]["params"]) == len(ref_opt.param_groups[0]["params"])
+    assert ours["param_groups"][0]["params"] == theirs["param_groups"][0]["params"]
+    assert ours["state"].keys() == theirs["state"].keys()
+    for number, entry in theirs["state"].items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert ours["state"][number][key].shape == entry[key].shape
+            torch.testing.assert_close(ours["state"][number][key], entry[key], rtol=1e-4,
+                                       atol=1e-7)
+    # And torch's own state dict of this model (the empty parameter's state included) loads.
+    again_opt.load_state_dict(ref_opt.state_dict())
+    # torch.distributed.checkpoint names the saved numbers through param_groups.
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    model_state, optim_state = get_state_dict(again, again_opt)
+    assert optim_state["param_groups"][0]["params"] == [
+        "module." + name for name, _ in reference.named_parameters()]
+    set_state_dict(again, again_opt, model_state_dict=model_state, optim_state_dict=optim_state)
+    model.destroy()
+    again.destroy()

@@ -161,7 +161,8 @@ class EngineState:
         for group in optimizer.param_groups:
             saved = {k: (list(v) if isinstance(v, tuple) else v)
                      for k, v in group.items() if k != "params"}
-            saved["params"] = [self.names[self.params.index_of(p)] for p in group["params"]]
+            saved["params"] = [self.names[self.params.index_of(p)] for p in group["params"]
+                               if self.params.index_of(p) is not None]  # none without elements
             groups.append(saved)
         return {"iteration": engine.iteration, "micro_step": engine.micro_step,
                 "step_counts": dict(zip(self.names, optimizer.step_counts)),
