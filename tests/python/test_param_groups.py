@@ -269,19 +269,7 @@ def test_torch_optims_parameter_forms_are_one_group_and_train_as_pytorch(form):
         "default_chunk_size": 4096, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}},
         param_groups=groups)
     assert len(opt.param_groups) == 1
-    generator = torch.Generator().manual_seed(0)
-    for _ in range(2):
-        x, y = torch.randn(8, 32, generator=generator), torch.randint(0, 10, (8,),
-                                                                      generator=generator)
-        reference(x, y).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        model.backward(model(x, y))
-        opt.step()
-        opt.zero_grad()
-    state = model.state_dict()
-    for name, tensor in reference.state_dict().items():
-        torch.testing.assert_close(state[name], tensor, rtol=1e-5, atol=1e-6)
+    train_alongside(reference, ref_opt, [(model, opt)], mlp_batches(2))
 
 
 @pytest.mark.parametrize("group, error, shown", [
@@ -309,12 +297,33 @@ class WithAnEmptyParameter(MLP):
         return super().forward(x, y) + self.empty.sum()
 
 
+def mlp_batches(count):
+    generator = torch.Generator().manual_seed(0)
+    return [(torch.randn(8, 32, generator=generator),
+             torch.randint(0, 10, (8,), generator=generator)) for _ in range(count)]
+
+
+def train_alongside(reference, ref_opt, engines, batches):
+    """Steps the plain model and each (engine, optimizer) on every batch, then checks every
+    engine's weights against the plain model's."""
+    for x, y in batches:
+        reference(x, y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        for engine, optimizer in engines:
+            engine.backward(engine(x, y))
+            optimizer.step()
+            optimizer.zero_grad()
+    for engine, _ in engines:
+        state = engine.state_dict()
+        for name, tensor in reference.state_dict().items():
+            torch.testing.assert_close(state[name], tensor, rtol=1e-5, atol=1e-6)
+
+
 def test_a_pytorch_state_dict_listing_a_parameter_without_elements_resumes_like_pytorch():
     """Note [Saved state of parameters without elements]. Before: "param group 0 has 7
     parameters, the optimizer's has 6"."""
-    generator = torch.Generator().manual_seed(0)
-    batches = [(torch.randn(8, 32, generator=generator),
-                torch.randint(0, 10, (8,), generator=generator)) for _ in range(4)]
+    batches = mlp_batches(4)
     torch.manual_seed(0)
     reference = WithAnEmptyParameter()
     ref_opt = torch.optim.Adam(reference.parameters(), lr=1e-3, foreach=False)
@@ -327,16 +336,7 @@ def test_a_pytorch_state_dict_listing_a_parameter_without_elements_resumes_like_
         "default_chunk_size": 4096, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}})
     model.load_state_dict(saved_model)
     opt.load_state_dict(saved_opt)
-    for x, y in batches[2:]:
-        reference(x, y).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        model.backward(model(x, y))
-        opt.step()
-        opt.zero_grad()
-    state = model.state_dict()
-    for name, tensor in reference.state_dict().items():
-        torch.testing.assert_close(state[name], tensor, rtol=1e-5, atol=1e-6)
+    train_alongside(reference, ref_opt, [(model, opt)], batches[2:])
 
 
 def test_the_engines_optimizer_state_dict_lists_a_parameter_without_elements_as_pytorch():
@@ -344,9 +344,7 @@ def test_the_engines_optimizer_state_dict_lists_a_parameter_without_elements_as_
     parameter out, so torch.optim.Adam(model.parameters()) of the plain model refused them
     ("a group size mismatch"); now they list it (without state) and torch resumes from the
     engine's state as from its own, and the engine from its own saved state."""
-    generator = torch.Generator().manual_seed(0)
-    batches = [(torch.randn(8, 32, generator=generator),
-                torch.randint(0, 10, (8,), generator=generator)) for _ in range(4)]
+    batches = mlp_batches(4)
     config = {"default_chunk_size": 4096, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}}
     torch.manual_seed(0)
     model, opt = patrickstar.initialize(WithAnEmptyParameter, config=config)
@@ -363,18 +361,7 @@ def test_the_engines_optimizer_state_dict_lists_a_parameter_without_elements_as_
     again, again_opt = patrickstar.initialize(WithAnEmptyParameter, config=config)
     again.load_state_dict(saved_model)
     again_opt.load_state_dict(saved_opt)
-    for x, y in batches[2:]:
-        reference(x, y).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        for engine, optimizer in ((model, opt), (again, again_opt)):
-            engine.backward(engine(x, y))
-            optimizer.step()
-            optimizer.zero_grad()
-    for engine in (model, again):
-        state = engine.state_dict()
-        for name, tensor in reference.state_dict().items():
-            torch.testing.assert_close(state[name], tensor, rtol=1e-5, atol=1e-6)
+    train_alongside(reference, ref_opt, [(model, opt), (again, again_opt)], batches[2:])
     # Numbered and laid out as torch's own (its groups list the parameter too), moments equal.
     ours, theirs = opt.state_dict(), ref_opt.state_dict()
     assert len(opt.param_groups[0]["params"]) == len(ref_opt.param_groups[0]["params"])
