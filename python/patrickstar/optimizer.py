@@ -483,11 +483,8 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
             overflow, norm = self._gradient_statistics()
         else:
             overflow, norm = self._gradient_norm(norm_type)
-        pending = self._pending_clip_coefficient()  # Note [A clip before the step]
-        total = math.inf if overflow else norm * pending / self.loss_scaler.scale
-        first_norm = norm if self._requested_clip is None else self._requested_clip[2]
-        self._requested_clip = (pending * clip_coefficient(total, float(max_norm)), overflow,
-                                first_norm)
+        total = self._measured_norm(overflow, norm)
+        self._request_clip(clip_coefficient(total, float(max_norm)), overflow, norm)
         return torch.tensor(total)
 
     def clip_grads_with_norm_(self, max_norm: float, total_norm: float) -> None:
@@ -500,18 +497,28 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         self.dp.close_accumulation("clip_grads_with_norm_()")  # Note [A short accumulation]
         overflow, norm = self._gradient_statistics()
         if total_norm == 0 and (overflow or norm > 0):
-            actual = math.inf if overflow else norm * self._pending_clip_coefficient() / (
-                self.loss_scaler.scale)
             raise ValueError(
                 f"torch.nn.utils.clip_grads_with_norm_: total_norm is 0 but the PatrickStar "
-                f"engine's gradients have norm {actual:.6g}: they live in chunks (p.grad is "
+                f"engine's gradients have norm {self._measured_norm(overflow, norm):.6g}: they "
+                f"live in chunks (p.grad is "
                 f"None), so torch.nn.utils.get_total_norm over p.grad found none. Call "
                 f"torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm), which returns "
                 f"the total norm and clips, or model.clip_grad_norm_(max_norm)")
-        pending = self._pending_clip_coefficient()  # Note [A clip before the step]
+        self._request_clip(clip_coefficient(total_norm, float(max_norm)), overflow, norm)
+
+    def _measured_norm(self, overflow: bool, norm: float) -> float:
+        """The norm torch would measure of the gradients now: `norm` (of the chunked, scaled
+        gradients) unscaled and with the clip asked for before applied (Note [A clip before the
+        step])."""
+        return math.inf if overflow else norm * self._pending_clip_coefficient() / (
+            self.loss_scaler.scale)
+
+    def _request_clip(self, coefficient: float, overflow: bool, norm: float) -> None:
+        """Multiplies `coefficient` into the clip the coming step applies (Note [A clip before
+        the step]); the first request's `norm` stays for get_global_grad_norm()."""
         first_norm = norm if self._requested_clip is None else self._requested_clip[2]
-        self._requested_clip = (pending * clip_coefficient(total_norm, float(max_norm)),
-                                overflow, first_norm)
+        self._requested_clip = (self._pending_clip_coefficient() * coefficient, overflow,
+                                first_norm)
 
     # Note [A clip before the step]
     # torch's clip_grad_norm_ scales p.grad at once; here the chunked gradients keep their values
