@@ -15,7 +15,7 @@ from __future__ import annotations
 import types
 import warnings
 
-__all__ = ["precision_mismatch"]
+__all__ = ["precision_mismatch", "warn"]
 
 _ACCELERATE = {"bf16": "bf16", "fp16": "fp16", "no": "fp32"}
 
