@@ -182,7 +182,7 @@ class PatrickStarEngine(nn.Module):
         self.compute_dtype = dtypes.precision_dtype(self.precision)
         self.mixed = self.precision != "fp32"
         self.loss_scaler = make_loss_scaler(config)
-        self.guard = TrainingGuard(config)  # Note [Training call order] in guards.py
+        self.guard = TrainingGuard(config, world[0])  # Note [Training call order] in guards.py
         self.micro_step = 0
         self.iteration = 0
         # DeepSpeed's loop (Note [model.step() steps model.lr_scheduler] in deepspeed_loop.py).

@@ -17,8 +17,12 @@ counts backward calls since the last step:
     must see the reduced gradients, and a backward after that in the same step is an error
     naming the call. (DeepSpeed's `engine.step()` silently waits for the boundary instead; its
     loop, `model.step()` after every backward, keeps that: deepspeed_loop.py.)
-  * more backward calls than `gradient_accumulation_steps` before a step is an error: without
-    accumulation a second backward would add a second batch's gradients into the first's.
+  * more backward calls than `gradient_accumulation_steps` before a step is an error when the
+    config gives the key (DeepSpeed's contract: that many, then a step) or under data
+    parallelism (every backward at the count ends an accumulation: its reduce-scatter has run).
+    Without the key on one rank, further backward calls add their gradients into the step's, as
+    PyTorch's accumulation loop does (nanoGPT's `for micro_step ...: loss.backward()`, the loss
+    divided by the user): Note [PyTorch's accumulation without the key].
   * `optimizer.zero_grad()` between steps drops the gradients and the count with them (as in
     PyTorch, where it starts a fresh accumulation): a GAN's discriminator, whose gradients from
     the generator's loss are computed and dropped, and a loop that abandons a partial
@@ -89,6 +93,7 @@ import contextlib
 import json
 import os
 import threading
+import warnings
 from typing import Callable, Iterator
 
 import torch
@@ -101,9 +106,22 @@ __all__ = ["TrainingGuard", "check_budgets"]
 EXIT_WAIT_S = 30.0  # the longest the exit hook waits for another thread's call (a bound only)
 
 
+# Note [PyTorch's accumulation without the key]
+# A PyTorch loop accumulates by calling backward() several times before optimizer.step(); the
+# gradients add up in p.grad. Here they add up in the gradient chunks the same way (a store adds
+# to what the chunk holds until zero_grad() or a step clears it), so on one rank nothing but this
+# guard stood in the way. With a data-parallel world the count decides which backward
+# reduce-scatters (`ends_accumulation`), so there the key is needed and its absence stays an
+# error naming it. Where the gradient chunks hold the compute dtype (fp16/bf16 without the key:
+# Note [Chunk kinds per precision] in chunked_params.py) the sum is taken in that dtype, as a
+# half-precision PyTorch model's p.grad would be; the first such backward warns once, naming the
+# key that makes them fp32 accumulators.
 class TrainingGuard:
-    def __init__(self, config):
+    def __init__(self, config, data_parallel_size: int = 1):
         self.accumulation = config.gradient_accumulation_steps
+        # Note [PyTorch's accumulation without the key]
+        self.open_accumulation = not config.accumulation_given and data_parallel_size == 1
+        self.low_precision_sum = config.precision != "fp32" and self.open_accumulation
         self.policy = config.nonfinite_loss
         self.backwards = 0
         self.closed_by: str | None = None  # the call that closed a short accumulation
@@ -268,7 +286,9 @@ class TrainingGuard:
                 f"backward() calls (the ranks' gradients were reduced for it), so no gradient "
                 f"can join this step any more; call optimizer.step() and optimizer.zero_grad() "
                 f"first, or call {self.closed_by} after the step's last backward")
-        if self.backwards >= self.accumulation:
+        if self.backwards >= self.accumulation and self.open_accumulation:
+            self._warn_low_precision_sum(what)
+        elif self.backwards >= self.accumulation:
             raise RuntimeError(
                 f"{what} called {self.backwards + 1} times since the last "
                 f"optimizer.step(), but gradient_accumulation_steps is {self.accumulation}: "
@@ -277,6 +297,17 @@ class TrainingGuard:
                 f"the gradients), or raise the config key gradient_accumulation_steps (DDP's "
                 f"`with model.no_sync():` micro-steps need it too: the engine reduces at the "
                 f"backward that completes it, and model.no_sync() changes nothing)")
+
+    def _warn_low_precision_sum(self, what: str) -> None:
+        if not self.low_precision_sum:
+            return
+        self.low_precision_sum = False  # once per engine
+        warnings.warn(
+            f"{what} called {self.backwards + 1} times since the last optimizer.step(): the "
+            f"gradients are summed in the compute dtype's gradient chunks (as a half-precision "
+            f"PyTorch model's p.grad). Give the config key gradient_accumulation_steps (the "
+            f"number of backward() calls per step) for fp32 accumulation",
+            stacklevel=3)
 
     def after_backward(self) -> None:
         self.backwards += 1

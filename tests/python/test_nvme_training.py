@@ -328,3 +328,30 @@ def test_swap_file_locked_by_a_process_of_another_pid_namespace_is_kept(nvme_dir
         assert os.path.exists(other)
         model.destroy()
     os.unlink(other)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_pytorch_accumulation_without_the_key_streams_gradients_through_nvme(nvme_dir,
+                                                                           precision):
+    # Note [PyTorch's accumulation without the key] in guards.py: three loss.backward() calls
+    # per step add into gradient chunks that may have gone to NVMe between them; the result is
+    # the in-memory run's, bit for bit.
+    data = batches(9)
+
+    def accumulate(model, opt):
+        for step in range(3):
+            for x, y in data[3 * step:3 * step + 3]:
+                (model(x, y) / 3).backward()
+            opt.step(), opt.zero_grad()
+        return params(model)
+
+    expected = accumulate(*make(config(precision)))
+    got = accumulate(*make(config(precision, host_budget=4 * 4 * CHUNK,
+                                  nvme={"path": nvme_dir})))
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, rtol=0, atol=0, msg=name)
+    if precision == "bf16":  # summed in bf16 chunks: near the fp32 accumulators' result
+        keyed = accumulate(*make({**config(precision), "gradient_accumulation_steps": 3}))
+        for name, value in keyed.items():
+            torch.testing.assert_close(got[name].float(), value.float(), rtol=0.05, atol=0.02,
+                                       msg=name)

@@ -282,3 +282,71 @@ def test_lr_schedulers_and_their_resume_follow_pytorch(name):
     assert steps(new_model, new_optimizer, scheduler, 3) == pytest.approx(
         steps(new_reference, new_ref_optimizer, ref_scheduler, 3), rel=1e-6)
     assert_same_weights(new_model, new_reference)
+
+
+class TinyLM(nn.Module):
+    """nanoGPT's shape in miniature: embedding, a block, a head, the loss inside forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(50, 16)
+        self.block = nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 64), nn.GELU(),
+                                   nn.Linear(64, 16))
+        self.head = nn.Linear(16, 50)
+
+    def forward(self, idx, targets):
+        h = self.embed(idx)
+        h = h + self.block(h)
+        return nn.functional.cross_entropy(self.head(h).flatten(0, 1), targets.flatten())
+
+
+def token_batches(count, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return [(torch.randint(0, 50, (4, 8), generator=generator),
+             torch.randint(0, 50, (4, 8), generator=generator)) for _ in range(count)]
+
+
+@pytest.mark.parametrize("call", ["loss.backward", "model.backward"])
+def test_pytorch_accumulation_loop_without_the_config_key_matches_pytorch(call):
+    # nanoGPT's train.py: several backward() calls per step, each loss divided by their number,
+    # no gradient_accumulation_steps in the config (Note [PyTorch's accumulation without the
+    # key] in guards.py). It raised "called 2 times since the last optimizer.step()" before.
+    model, ours, reference, ref_optimizer = initialize_alongside(TinyLM)
+    micro_steps = 3
+    data = token_batches(3 * micro_steps)
+    for step in range(3):
+        for x, y in data[step * micro_steps:(step + 1) * micro_steps]:
+            loss = model(x, y) / micro_steps
+            loss.backward() if call == "loss.backward" else model.backward(loss)
+            (reference(x, y) / micro_steps).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
+        ours.step(), ref_optimizer.step()
+        ours.zero_grad(set_to_none=True), ref_optimizer.zero_grad(set_to_none=True)
+    assert_same_weights(model, reference)
+
+
+def test_pytorch_accumulation_in_bf16_warns_once_naming_the_key():
+    torch.manual_seed(0)
+    model, ours = patrickstar.initialize(TinyLM, config={
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "default_chunk_size": 4096,
+        "bf16": {"enabled": True}})
+    data = token_batches(6)
+    with pytest.warns(UserWarning, match="gradient_accumulation_steps") as record:
+        for step in range(2):
+            for x, y in data[3 * step:3 * step + 3]:
+                (model(x, y) / 3).backward()
+            ours.step(), ours.zero_grad()
+    assert sum("summed in the compute dtype" in str(w.message) for w in record) == 1
+
+
+def test_more_backward_calls_than_a_given_key_still_raise():
+    # The key given is DeepSpeed's contract (that many backward calls, then a step).
+    torch.manual_seed(0)
+    model, ours = patrickstar.initialize(TinyLM, config={
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "default_chunk_size": 4096,
+        "gradient_accumulation_steps": 1})
+    (x, y), (x2, y2) = token_batches(2)
+    model(x, y).backward()
+    with pytest.raises(RuntimeError, match="gradient_accumulation_steps is 1"):
+        model(x2, y2).backward()

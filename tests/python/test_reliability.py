@@ -194,7 +194,8 @@ def test_step_before_backward_changes_nothing():
 
 
 def test_backward_twice_needs_gradient_accumulation():
-    model, opt = make({"default_chunk_size": 4096})
+    # With the key given (without it, one rank sums as PyTorch does: test_recipes_classic.py).
+    model, opt = make({"default_chunk_size": 4096, "gradient_accumulation_steps": 1})
     (x, y), (x2, y2) = batches(2)
     model.backward(model(x, y))
     # A DDP loop's `with model.no_sync(): loss.backward()` needs the config key: say so.
