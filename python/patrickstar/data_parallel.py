@@ -167,6 +167,7 @@ class DataParallel:
         self._buffers_from_first_rank = True  # Note [Buffers follow the first rank]
         self._closing = False  # close_accumulation's reduce-scatters are a boundary's
         self.calls = 0  # forwards and state-dict reads (Note [Every rank runs the same forwards])
+        self._serving = False  # inside another rank's read: Note [Reads on one rank are served]
         # Pipeline stages / tensor slices: the norm and overflow flag span the model group too.
         self.model_parallel: topology.ModelParallelGradStats | None = None
         self._group_labels: dict[int, str] | None = None  # made for the first profile
@@ -458,10 +459,66 @@ class DataParallel:
     # agreement with only the transport's words ("rank 0 closed its communicator before it
     # could publish step ..."), never reaching the mismatch message below that names the
     # remedy. A forward's agreement failing so says what the usual cause is.
+    # Note [Reads on one rank are served]
+    # A DDP script saves under `if rank == 0:` (nanoGPT's `checkpoint = {'model':
+    # raw_model.state_dict(), 'optimizer': optimizer.state_dict()}`, Hugging Face's Trainer,
+    # whose checkpoints and save_model() read both state dicts on the main process only), and
+    # logs `p.norm()` there. With DDP every rank holds everything; here those reads gather the
+    # other ranks' shards. They are reads: their collectives (gather_all, and the optimizer
+    # state's all_gather_object) change nothing on the ranks that join them and need nothing
+    # but the state every rank shares between calls. So when the call agreement finds some
+    # ranks at one read kind (_SERVED) and every other rank at one other call, the readers go
+    # on with their read and the others serve it first, making the read's collectives in the
+    # same order (their own agreements skipped: the readers agreed once for the whole read),
+    # then agree again on their own call; a reader that reads again (optimizer.state_dict()
+    # after model.state_dict()) is served again, until every rank reaches the same call. Two
+    # different reads, or calls that are not reads (an evaluation forward on one rank), still
+    # raise on every rank at once, naming each rank's call. A serving rank's own call may be
+    # a forward's start (it is not inside the forward yet for the read's gathers). A rank that
+    # has ended its script serves nothing (an agreement at exit, or in the engine's destroy(),
+    # would make a healthy rank wait for a failed one, and the collector, not the script, times
+    # a `del`): a save on the main process at the script's end needs the script's barrier
+    # after it (its agreement serves the read), which the reader's error then names.
+    _SERVED = (2, 3, PARAMETER_READ)
+
+    def _served_kind(self, rows: list[tuple[int, int]]) -> int | None:
+        """The read kind the other ranks serve (Note [Reads on one rank are served]), or None
+        when the ranks' calls differ otherwise."""
+        if len({count for count, _ in rows}) != 1:
+            return None
+        kinds = {kind for _, kind in rows}
+        reads = [kind for kind in kinds if kind in self._SERVED]
+        return reads[0] if len(kinds) == 2 and len(reads) == 1 else None
+
+    def _serve(self, kind: int) -> None:
+        """Makes the collectives of another rank's read `kind`, as that read makes them."""
+        engine = self._engine
+        in_forward, self._in_forward, self._serving = self._in_forward, False, True
+        try:
+            if kind == 3:
+                engine.optimizer.state_dict()
+            else:  # model.state_dict() and parameter reads: one gather of every group
+                self.gathers.gather_all()
+        finally:
+            self._in_forward, self._serving = in_forward, False
+
     def agree_on_call(self, kind: int) -> None:
-        """Every rank is at the same collective call (a key of _CALLS); a no-op for one rank."""
-        if not self.enabled:
+        """Every rank is at the same collective call (a key of _CALLS), or serves another
+        rank's read first (Note [Reads on one rank are served]); a no-op for one rank."""
+        if not self.enabled or self._serving:
             return
+        while True:
+            rows = self._agree_once(kind)
+            if all(row == rows[self.rank] for row in rows):
+                return
+            served = self._served_kind(rows)
+            if served is None:
+                self._raise_calls_differ(kind, rows)
+            if served == kind:
+                return  # this rank reads; the others serve it
+            self._serve(served)
+
+    def _agree_once(self, kind: int) -> list[tuple[int, int]]:
         self.calls += 1
         # The count is exact in fp32 and wraps on every rank alike. A forward's agreement
         # precedes its first hook: profiles count it in the forward.
@@ -470,6 +527,16 @@ class DataParallel:
                 (self.calls % (1 << 23), kind), self.communicator, "call count and kind",
                 "forward" if kind in (0, 1) else None)]
         except Exception as error:
+            if kind in self._SERVED:  # Note [Reads on one rank are served]
+                error.add_note(
+                    f"PatrickStar: this rank was starting {self._CALLS[kind]} (call "
+                    f"{self.calls}) when another rank failed or left. A read on one rank is "
+                    f"served by the other ranks' next call, and a rank that has ended its script "
+                    f"cannot serve: after a save on the main process at the script's end "
+                    f"(Hugging Face's trainer.save_model(), nanoGPT's last checkpoint) call "
+                    f"torch.distributed.barrier() (or accelerator.wait_for_everyone()) on every "
+                    f"rank, or read on every rank; model.save_checkpoint(dir) on every rank "
+                    f"writes each rank's shards")
             if kind in (0, 1):  # Note [A peer gone before a forward]
                 error.add_note(
                     f"PatrickStar: this rank was starting {self._CALLS[kind]} (call "
@@ -479,20 +546,19 @@ class DataParallel:
                     f"model.module.generate(...) needs synced_gpus=True for that when the ranks "
                     f"generate different numbers of tokens (model.generate(...) passes it)")
             raise
-        if all(row == rows[self.rank] for row in rows):
-            return
+        return rows
+
+    def _raise_calls_differ(self, kind: int, rows: list[tuple[int, int]]) -> None:
         described = "; ".join(f"rank {r}: call {count}, {self._CALLS.get(what, what)}"
                               for r, (count, what) in enumerate(rows))
         raise RuntimeError(
             f"{self._CALLS[kind]}: the ranks are not making the same call ({described}). Every "
-            f"rank must run the same forwards and state-dict reads in the same order, since "
-            f"parameters and optimizer state are sharded: run evaluation on every rank (each on "
-            f"its own batches, as many on every rank, as DistributedSampler's equal shards "
-            f"give; nanoGPT's estimate_loss() under `if master_process:` runs it on one), and "
-            f"call model.state_dict() / optimizer.state_dict() on every rank before saving "
-            f"from one (or model.save_checkpoint(dir) on every rank); read parameter values "
-            f"(p.norm(), print(p)) on every rank too, or only shapes (p.shape, p.numel()) under "
-            f"`if rank == 0:`; the script's own "
+            f"rank must run the same forwards in the same order, since parameters are sharded: "
+            f"run evaluation on every rank (each on its own batches, as many on every rank, as "
+            f"DistributedSampler's equal shards give; nanoGPT's estimate_loss() under `if "
+            f"master_process:` runs it on one). Reads on one rank (state dicts, p.norm()) are "
+            f"served by the others' next call, one kind of read at a time: two ranks reading "
+            f"different things at once must read on every rank instead; the script's own "
             f"torch.distributed collectives count as calls too; Hugging Face's "
             f"model.module.generate(...) needs synced_gpus=True (model.generate(...) passes "
             f"it)")
@@ -505,7 +571,8 @@ class DataParallel:
     # communicator: both waited for the collective timeout (300 s by default). Such a read
     # therefore joins the call agreement first, when it is about to gather (only then: a read
     # that needs no collective, every group gathered by an earlier state_dict() on every rank,
-    # stays a local read), and the ranks raise at once, naming what each is running.
+    # stays a local read), and the ranks raise at once, naming what each is running. (Since Note
+    # [Reads on one rank are served] the other ranks serve such a read instead.)
     def gather_all(self, agree_as: int | None = None) -> None:
         """Gathers every group not gathered since the last step (the end of a forward, and
         state_dict(): every rank calls these at the same point). `agree_as`: the call kind

@@ -65,10 +65,11 @@ class ParameterValues:
         try:
             self._dp.gather_all(agree_as)  # a collective: every rank calls state_dict()
         except _C.ChunkRuntimeError as error:
-            error.add_note("state_dict() under data parallelism gathers every rank's shards, so "
-                           "every rank must call it: `sd = model.state_dict()` on all ranks, "
-                           "then `if rank == 0: torch.save(sd, path)`; or "
-                           "model.save_checkpoint(dir), which writes each rank's shards")
+            error.add_note("state_dict() under data parallelism gathers every rank's shards: "
+                           "the other ranks serve a read on one rank at their next forward or "
+                           "state-dict read, so they must make one (a rank that has left cannot "
+                           "serve); or call model.save_checkpoint(dir) on every rank, which "
+                           "writes each rank's shards")
             raise
 
     def load_state_dict(self, module: nn.Module, state_dict, strict: bool):

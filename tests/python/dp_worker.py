@@ -6,9 +6,10 @@
     dp_worker.py OUT_DIR --stall                  rank 1 stops issuing collectives (sleeps)
     dp_worker.py OUT_DIR --lonely-eval            rank 0 alone runs an evaluation forward, then
                                                   both train
-    dp_worker.py OUT_DIR --lonely-state-dict      rank 0 alone calls state_dict(), then both
-                                                  train; errors kept past model.destroy()
-    dp_worker.py OUT_DIR --lonely-module-state-dict   the same with model.module.state_dict()
+    dp_worker.py OUT_DIR --reads WHO WHAT         after a step, rank 0 alone (WHO = lonely) or
+                                                  every rank (every) reads WHAT (state_dict,
+                                                  module_state_dict, optimizer_state_dict, save,
+                                                  parameter_read), then both train a step
     dp_worker.py OUT_DIR --lonely-save-barrier   rank 0 alone calls state_dict(), then both call
                                                   torch.distributed.barrier()
     dp_worker.py OUT_DIR --lonely-eval-broadcast rank 0 alone evaluates, then both call
@@ -143,10 +144,8 @@ def main() -> None:
                 model.backward(model(x, y))
             finally:
                 results["elapsed"] = time.monotonic() - start
-        elif what == ["--lonely-state-dict"]:
-            results.update(lonely_call(rank, "state_dict"))
-        elif what == ["--lonely-module-state-dict"]:
-            results.update(lonely_call(rank, "module_state_dict"))
+        elif what[:1] == ["--reads"]:
+            results.update(reads_after_a_step(rank, *what[1:]))
         elif what in (["--lonely-save-barrier"], ["--lonely-eval-broadcast"],
                       ["--uneven-eval-all-reduce"]):
             results.update(lonely_then_collective(rank, what[0]))
@@ -479,12 +478,45 @@ def seed_offset(rank: int) -> dict:
     return results
 
 
+def reads_after_a_step(rank: int, who: str, what: str) -> dict:
+    """A training step, then `what` read on rank 0 alone (`who` = "lonely": a DDP script's
+    `if rank == 0:` save or log, Note [Reads on one rank are served]) or on every rank, then a
+    second step (rank 1's forward serves a lonely read) and the final states, read on every
+    rank."""
+    s = SCENARIOS["blocks"]
+    model, optimizer = patrickstar.initialize(s.model, config={
+        **s.config, "parallel": {"collective_timeout": 120}})
+    batches = list(s.batches(2))
+
+    def train_step(batch):
+        model.backward(model(*shard(batch, rank, 2)))
+        optimizer.step()
+        optimizer.zero_grad()
+
+    train_step(batches[0])
+    read = None
+    if who == "every" or rank == 0:
+        if what == "state_dict":
+            read = model.state_dict()
+        elif what == "module_state_dict":  # DDP's habit; save_pretrained's call
+            read = model.module.state_dict()
+        elif what == "optimizer_state_dict":
+            read = optimizer.state_dict()["state"]
+        elif what == "save":  # nanoGPT's checkpoint under `if master_process:`
+            read = {"model": model.state_dict(), "optimizer": optimizer.state_dict()["state"]}
+        elif what == "parameter_read":  # logging under `if rank == 0:`
+            read = {name: p.norm() for name, p in model.named_parameters()}
+    train_step(batches[1])
+    return {"read": read, "final": model.state_dict(),
+            "final_optimizer": optimizer.state_dict()["state"]}
+
+
 def lonely_call(rank: int, what: str) -> dict:
-    """Rank 0 alone calls state_dict() (a collective) or runs an evaluation forward (nanoGPT's
-    estimate_loss() under `if master_process`), then both ranks train: both see the ranks'
-    calls differ. Each keeps its error's traceback, which holds the collectives, past
-    model.destroy(), and frees it once the peer has left: that crashed (Note [Closing the
-    collectives before the manager] in bindings/init_comm.cc)."""
+    """Rank 0 alone runs an evaluation forward (nanoGPT's estimate_loss() under `if
+    master_process`), then both ranks train: both see the ranks' calls differ. Each keeps its
+    error's traceback, which holds the collectives, past model.destroy(), and frees it once
+    the peer has left: that crashed (Note [Closing the collectives before the manager] in
+    bindings/init_comm.cc)."""
     import gc
     s = SCENARIOS["blocks"]
     model, optimizer = patrickstar.initialize(s.model, config={
@@ -495,11 +527,7 @@ def lonely_call(rank: int, what: str) -> dict:
     optimizer.zero_grad()
     kept = result = None
     try:
-        if rank == 0 and what == "state_dict":
-            model.state_dict()
-        elif rank == 0 and what == "module_state_dict":  # DDP's habit; save_pretrained's call
-            model.module.state_dict()
-        elif rank == 0:
+        if rank == 0:
             model.eval()
             with torch.no_grad():
                 model(x, y)
@@ -542,8 +570,8 @@ def lonely_then_collective(rank: int, what: str) -> dict:
         result.setdefault("stop", []).append(stop.item())
     try:
         stop = torch.zeros(1)
-        if rank == 0 and what == "--lonely-save-barrier":
-            torch.save(model.state_dict(), os.devnull)
+        if rank == 0 and what == "--lonely-save-barrier":  # served at rank 1's barrier
+            result["saved"] = model.state_dict()
         elif rank == 0 and what == "--lonely-eval-broadcast":
             model.eval()
             with torch.no_grad():
@@ -555,6 +583,7 @@ def lonely_then_collective(rank: int, what: str) -> dict:
                     stop += model(x, y)
         if what == "--lonely-save-barrier":
             dist.barrier()
+            result["every"] = model.state_dict()
         elif what == "--uneven-eval-all-reduce":
             dist.all_reduce(stop)
         else:

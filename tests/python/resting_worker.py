@@ -1,6 +1,7 @@
 """One rank of test_resting_params.py's data-parallel test: reads of parameters outside the
 forward on every rank (Note [Parameters at rest]), after two steps; with `rank0`, a value read
-on rank 0 only after a step (a logging read under `if rank == 0`) instead.
+on rank 0 only after a step (a logging read under `if rank == 0`, served by the other rank)
+instead.
 
     resting_worker.py OUT_DIR [rank0]
 """
@@ -41,9 +42,11 @@ def main() -> None:
             x, y = next(iter(mlp_batches(1)))
             model.backward(model(x.chunk(2)[rank], y.chunk(2)[rank]))
             opt.step()
-            if rank == 0:
-                model.module.layers[0].weight.norm()
+            if rank == 0:  # served by rank 1's forward (Note [Reads on one rank are served])
+                result["lonely_norm"] = model.module.layers[0].weight.norm()
             model(x.chunk(2)[rank], y.chunk(2)[rank])  # rank 1 went on training
+            with torch.no_grad():  # between that forward and its backward: logging
+                result["every_norm"] = model.module.layers[0].weight.norm()  # on every rank
             save_and_exit(out, rank, result)
         result["numel"] = sum(p.numel() for p in model.parameters())
         result["norms"] = [p.norm().item() for p in model.parameters()]

@@ -148,3 +148,45 @@ def test_accelerates_mixed_precision_unlike_the_configs_is_named_once(config_bf1
     else:
         assert len(named) == 1 and "'bf16': {'enabled': true}" in named[0], named
     model.destroy()
+
+
+def test_trainer_under_data_parallelism_saves_checkpoints_and_the_final_model(tmp_path):
+    # The Trainer saves checkpoints (model.state_dict(), optimizer.state_dict()) and the final
+    # model (trainer.save_model()) on the main process only: with the parameters sharded these
+    # raised "the ranks are not making the same call". Note [Reads on one rank are served]:
+    # rank 1's next forward serves a checkpoint, the barrier after save_model() the final save.
+    import os
+
+    import safetensors.torch
+
+    from test_data_parallel import launch
+    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "trainer_dp_worker.py")
+    results = launch(tmp_path, 2, worker=worker)
+    assert (tmp_path / "saved").exists(), "rank 0's final save_model() did not finish"
+    assert results[0]["losses"] == results[1]["losses"] and len(results[0]["losses"]) == 4
+    every = results[0]["every"]
+    for rank in range(2):
+        for name, value in results[rank]["every"].items():
+            torch.testing.assert_close(value, every[name], rtol=0, atol=0)
+    for saved in ("final", "run/checkpoint-4"):
+        weights = safetensors.torch.load_file(tmp_path / saved / "model.safetensors")
+        assert weights.keys() == every.keys(), saved
+        for name, value in every.items():
+            torch.testing.assert_close(weights[name], value, rtol=0, atol=0, msg=name)
+    state = torch.load(tmp_path / "run/checkpoint-2/optimizer.pt", weights_only=False)
+    trainable = sum(1 for _ in _llama(tie=False).parameters())
+    assert len(state["state"]) == trainable
+    assert all(entry["exp_avg"].abs().sum() > 0 for entry in state["state"].values())
+
+
+def test_a_final_save_on_one_rank_without_a_barrier_names_the_barrier(tmp_path):
+    # Rank 1 ends its script right after train(): nobody is left to serve rank 0's
+    # trainer.save_model(). The error says what to add.
+    import os
+
+    from test_data_parallel import launch
+    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "trainer_dp_worker.py")
+    launch(tmp_path, 2, "no-barrier", worker=worker)
+    assert not (tmp_path / "error1").exists()
+    error = (tmp_path / "error0").read_text()
+    assert "model.state_dict()" in error and "torch.distributed.barrier()" in error, error
