@@ -168,6 +168,9 @@ class DataParallel:
         self._closing = False  # close_accumulation's reduce-scatters are a boundary's
         self.calls = 0  # forwards and state-dict reads (Note [Every rank runs the same forwards])
         self._serving = False  # inside another rank's read: Note [Reads on one rank are served]
+        self._served_forward = False  # this rank's evaluation forward, served by the others
+        # The module's forwards issue collectives of their own (embedding renorms): not served.
+        self.forwards_have_collectives = False
         # Pipeline stages / tensor slices: the norm and overflow flag span the model group too.
         self.model_parallel: topology.ModelParallelGradStats | None = None
         self._group_labels: dict[int, str] | None = None  # made for the first profile
@@ -403,12 +406,18 @@ class DataParallel:
         """`buffers`: the module's buffers (an iterable, read only when they are synced),
         which the forwards DDP syncs take from rank 0 (Note [Buffers follow the first rank])."""
         self._in_forward = self.enabled
+        self._served_forward = False  # (an earlier served forward that raised left it set)
         if self.enabled:
-            self.agree_on_call(1 if backward_follows else 0)
+            served = self.agree_on_call(1 if backward_follows else 0)
             if self._buffers_from_first_rank:
                 self._broadcast_buffers(list(buffers))
             self._buffers_from_first_rank = backward_follows and self._boundary()
-            self.gathers.begin_forward()
+            if served:  # Note [Reads on one rank are served]: every group, then no collective
+                self.gathers.gather_all()
+                self._in_forward = False
+                self._served_forward = True
+            else:
+                self.gathers.begin_forward()
 
     # Note [Buffers follow the first rank]
     # Buffers (BatchNorm's running statistics and batch count) are the module's own tensors on
@@ -462,12 +471,19 @@ class DataParallel:
     # Note [Reads on one rank are served]
     # A DDP script saves under `if rank == 0:` (nanoGPT's `checkpoint = {'model':
     # raw_model.state_dict(), 'optimizer': optimizer.state_dict()}`, Hugging Face's Trainer,
-    # whose checkpoints and save_model() read both state dicts on the main process only), and
-    # logs `p.norm()` there. With DDP every rank holds everything; here those reads gather the
-    # other ranks' shards. They are reads: their collectives (gather_all, and the optimizer
-    # state's all_gather_object) change nothing on the ranks that join them and need nothing
-    # but the state every rank shares between calls. So when the call agreement finds some
-    # ranks at one read kind (_SERVED) and every other rank at one other call, the readers go
+    # whose checkpoints and save_model() read both state dicts on the main process only), logs
+    # `p.norm()` there, and evaluates there (nanoGPT's estimate_loss() under `if
+    # master_process:`). With DDP every rank holds everything; here those reads gather the
+    # other ranks' shards. They are reads: their collectives (gather_all, the optimizer state's
+    # all_gather_object) change nothing on the ranks that join them and need nothing but the
+    # state every rank shares between calls. A forward without backward is made one too: a
+    # served one gathers every group first (with the buffers' broadcast of before_forward) and
+    # then runs with no collective at all (no gather schedule, no resharding, no first-forward
+    # comparison; the groups stay gathered, as after a state_dict(), until the next training
+    # forward or step), so its collectives do not depend on what the module does with the
+    # weights. So when the call agreement finds some ranks at one read kind (_SERVED, and a
+    # forward without backward where _forwards_served) and every other rank at one other
+    # call, the readers go
     # on with their read and the others serve it first, making the read's collectives in the
     # same order (their own agreements skipped: the readers agreed once for the whole read),
     # then agree again on their own call; a reader that reads again (optimizer.state_dict()
@@ -483,12 +499,20 @@ class DataParallel:
 
     def _served_kind(self, rows: list[tuple[int, int]]) -> int | None:
         """The read kind the other ranks serve (Note [Reads on one rank are served]), or None
-        when the ranks' calls differ otherwise."""
+        when the ranks' calls differ otherwise. Decided from what every rank shares (the rows,
+        the gather trace, the model), so every rank decides the same."""
         if len({count for count, _ in rows}) != 1:
             return None
         kinds = {kind for _, kind in rows}
-        reads = [kind for kind in kinds if kind in self._SERVED]
+        served = self._SERVED + ((0,) if self._forwards_served() else ())
+        reads = [kind for kind in kinds if kind in served]
         return reads[0] if len(kinds) == 2 and len(reads) == 1 else None
+
+    def _forwards_served(self) -> bool:
+        """An evaluation forward on one rank is served unless the module's forward has
+        collectives of its own (embedding renorms) or model parallelism spans the forward."""
+        return (self.model_parallel is None and not self.forwards_have_collectives
+                and self.gathers is not None)
 
     def _serve(self, kind: int) -> None:
         """Makes the collectives of another rank's read `kind`, as that read makes them."""
@@ -497,25 +521,31 @@ class DataParallel:
         try:
             if kind == 3:
                 engine.optimizer.state_dict()
+            elif kind == 0:  # the served forward's collectives (before_forward), no module
+                if self._buffers_from_first_rank:
+                    self._broadcast_buffers(list(engine.module.buffers()))
+                self._buffers_from_first_rank = False
+                self.gathers.gather_all()
             else:  # model.state_dict() and parameter reads: one gather of every group
                 self.gathers.gather_all()
         finally:
             self._in_forward, self._serving = in_forward, False
 
-    def agree_on_call(self, kind: int) -> None:
+    def agree_on_call(self, kind: int) -> bool:
         """Every rank is at the same collective call (a key of _CALLS), or serves another
-        rank's read first (Note [Reads on one rank are served]); a no-op for one rank."""
+        rank's read first (Note [Reads on one rank are served]); a no-op for one rank. True
+        when the other ranks serve this rank's call."""
         if not self.enabled or self._serving:
-            return
+            return False
         while True:
             rows = self._agree_once(kind)
             if all(row == rows[self.rank] for row in rows):
-                return
+                return False
             served = self._served_kind(rows)
             if served is None:
                 self._raise_calls_differ(kind, rows)
             if served == kind:
-                return  # this rank reads; the others serve it
+                return True  # this rank reads; the others serve it
             self._serve(served)
 
     def _agree_once(self, kind: int) -> list[tuple[int, int]]:
@@ -553,12 +583,13 @@ class DataParallel:
                               for r, (count, what) in enumerate(rows))
         raise RuntimeError(
             f"{self._CALLS[kind]}: the ranks are not making the same call ({described}). Every "
-            f"rank must run the same forwards in the same order, since parameters are sharded: "
-            f"run evaluation on every rank (each on its own batches, as many on every rank, as "
-            f"DistributedSampler's equal shards give; nanoGPT's estimate_loss() under `if "
-            f"master_process:` runs it on one). Reads on one rank (state dicts, p.norm()) are "
-            f"served by the others' next call, one kind of read at a time: two ranks reading "
-            f"different things at once must read on every rank instead; the script's own "
+            f"rank must run the same training forwards in the same order, since parameters are "
+            f"sharded. Work on one rank alone (an evaluation forward, as nanoGPT's "
+            f"estimate_loss() under `if master_process:`, state-dict reads, p.norm()) is served "
+            f"by the other ranks' next call, one kind at a time, but not with embeddings that "
+            f"renormalize (max_norm) or pipeline/tensor parallelism: there run evaluation on "
+            f"every rank (each on its own batches, as many on every rank, as "
+            f"DistributedSampler's equal shards give) and read on every rank; the script's own "
             f"torch.distributed collectives count as calls too; Hugging Face's "
             f"model.module.generate(...) needs synced_gpus=True (model.generate(...) passes "
             f"it)")
@@ -584,7 +615,9 @@ class DataParallel:
 
     def after_forward(self) -> None:
         self._in_forward = False
-        if self.enabled:
+        if self._served_forward:
+            self._served_forward = False
+        elif self.enabled:
             self.gathers.end_forward()
 
     @property

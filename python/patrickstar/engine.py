@@ -333,6 +333,7 @@ class PatrickStarEngine(nn.Module):
         if self.dp.enabled:  # Note [Renormalizing embeddings]
             self._renorms = RenormAcrossRanks(self.module, self.dp.group)
             hook_sets += (self._renorms,)
+            self.dp.forwards_have_collectives = bool(self._renorms.hook_ids)
         self._methods = ModuleMethods(self.module, self)  # Note [Methods of the user's modules]
         # Every module: each carries at least the state dict's call agreement hook.
         self._copies = ModuleCopies(  # Note [Copies of the user's module]

@@ -4,8 +4,8 @@
     dp_worker.py OUT_DIR --mismatch               rank 1 builds a different model
     dp_worker.py OUT_DIR --kill                   rank 1 dies after initialize()
     dp_worker.py OUT_DIR --stall                  rank 1 stops issuing collectives (sleeps)
-    dp_worker.py OUT_DIR --lonely-eval            rank 0 alone runs an evaluation forward, then
-                                                  both train
+    dp_worker.py OUT_DIR --lonely-eval            rank 0 alone evaluates a module with a
+                                                  max_norm embedding, then both train
     dp_worker.py OUT_DIR --reads WHO WHAT         after a step, rank 0 alone (WHO = lonely) or
                                                   every rank (every) reads WHAT (state_dict,
                                                   module_state_dict, optimizer_state_dict, save,
@@ -45,6 +45,7 @@ import time
 import traceback
 
 import torch
+from torch import nn
 
 import patrickstar
 from dp_scenarios import SCENARIOS, reinitialize, reinitialized_state, shard
@@ -493,7 +494,10 @@ def reads_after_a_step(rank: int, who: str, what: str) -> dict:
         optimizer.step()
         optimizer.zero_grad()
 
-    train_step(batches[0])
+    first = what.startswith("first_")  # the read is the run's first call
+    what = what.removeprefix("first_")
+    if not first:
+        train_step(batches[0])
     read = None
     if who == "every" or rank == 0:
         if what == "state_dict":
@@ -506,25 +510,44 @@ def reads_after_a_step(rank: int, who: str, what: str) -> dict:
             read = {"model": model.state_dict(), "optimizer": optimizer.state_dict()["state"]}
         elif what == "parameter_read":  # logging under `if rank == 0:`
             read = {name: p.norm() for name, p in model.named_parameters()}
+        elif what == "eval":  # nanoGPT's estimate_loss() under `if master_process:`
+            model.eval()
+            with torch.no_grad():
+                read = torch.stack([model(x, y) for x, y in s.batches(3)])
+            model.train()
+    if first:
+        train_step(batches[0])
     train_step(batches[1])
     return {"read": read, "final": model.state_dict(),
             "final_optimizer": optimizer.state_dict()["state"]}
 
 
+class RenormedEmbedding(nn.Module):
+    """An embedding with max_norm: its forward renormalizes rows across the ranks, a
+    collective of the forward itself (Note [Renormalizing embeddings])."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(100, 16, max_norm=1.0)
+        self.head = nn.Linear(16, 10)
+
+    def forward(self, x, y):
+        return nn.functional.cross_entropy(self.head(self.embed(x).mean(1)), y)
+
+
 def lonely_call(rank: int, what: str) -> dict:
     """Rank 0 alone runs an evaluation forward (nanoGPT's estimate_loss() under `if
-    master_process`), then both ranks train: both see the ranks' calls differ. Each keeps its
-    error's traceback, which holds the collectives, past model.destroy(), and frees it once
-    the peer has left: that crashed (Note [Closing the collectives before the manager] in
-    bindings/init_comm.cc)."""
+    master_process`) of a module whose forward has collectives of its own (an embedding with
+    max_norm), which cannot be served, then both ranks train: both see the ranks' calls differ.
+    Each keeps its error's traceback, which holds the collectives, past model.destroy(), and
+    frees it once the peer has left: that crashed (Note [Closing the collectives before the
+    manager] in bindings/init_comm.cc)."""
     import gc
-    s = SCENARIOS["blocks"]
-    model, optimizer = patrickstar.initialize(s.model, config={
-        **s.config, "parallel": {"collective_timeout": 120}})
-    x, y = next(s.batches(1))
-    model.backward(model(x, y))
-    optimizer.step()
-    optimizer.zero_grad()
+    torch.manual_seed(0)
+    model, optimizer = patrickstar.initialize(RenormedEmbedding, config={
+        "default_chunk_size": 4096, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+        "parallel": {"collective_timeout": 120}})
+    x, y = torch.randint(0, 100, (8, 4)), torch.randint(0, 10, (8,))
     kept = result = None
     try:
         if rank == 0:
@@ -549,8 +572,8 @@ def lonely_then_collective(rank: int, what: str) -> dict:
     logged with dist.all_reduce and a flag broadcast from rank 0 (every rank: fine), then rank 0
     alone saves (`torch.save(model.state_dict())`) before `dist.barrier()`, or evaluates before
     `dist.broadcast(stop, 0)`, or both evaluate, rank 0 one batch more (a split without
-    DistributedSampler's padding), before `dist.all_reduce`. The collective timeout is 20 s: Note [The script's own
-    collectives] makes it an error naming both calls at once."""
+    DistributedSampler's padding), before `dist.all_reduce`: rank 1's collective serves rank 0's
+    reads (Note [Reads on one rank are served]); then an evaluation on every rank."""
     import torch.distributed as dist
     s = SCENARIOS["blocks"]
     model, optimizer = patrickstar.initialize(s.model, config={
@@ -588,6 +611,10 @@ def lonely_then_collective(rank: int, what: str) -> dict:
             dist.all_reduce(stop)
         else:
             dist.broadcast(stop, 0)
+        result["final_stop"] = stop.item()
+        model.eval()
+        with torch.no_grad():
+            result["eval_loss"] = model(x, y).item()  # on every rank
     except Exception as error:
         result.update(error_result(error))
     return result
