@@ -781,3 +781,28 @@ def test_parallel_config_errors_name_the_key():
     # No torch.distributed world here: asking for two data-parallel ranks is an error.
     with pytest.raises(ValueError, match="'parallel.data': 2 data-parallel ranks"):
         patrickstar.initialize(MLP, config={"parallel": {"data": 2}})
+
+
+def test_nanogpts_ddp_flow_with_evaluation_and_checkpoints_on_the_master_process(tmp_path):
+    # nanoGPT's train.py under torchrun: estimate_loss() and the checkpoint under
+    # `if master_process:` (the first of them before any training) are served by the other rank
+    # (Note [Reads on one rank are served]). The checkpoint, loaded into a single-process engine,
+    # evaluates to the loss the master process measured just before saving it.
+    import nanogpt_ddp_worker as worker
+
+    import patrickstar
+    results = launch(tmp_path, 2, torchrun=True,
+                     worker=os.path.join(HERE, "nanogpt_ddp_worker.py"))
+    evaluations = results[0]["eval"]
+    assert sorted(evaluations) == [0, 4, 8] and results[1]["eval"] == {}
+    assert evaluations[8] < evaluations[0]
+    checkpoint = torch.load(tmp_path / "ckpt.pt", weights_only=False)
+    assert checkpoint["iter_num"] == 8
+    model, _ = patrickstar.initialize(lambda: worker.GPT(worker.CONFIG), config={
+        "default_chunk_size": 1 << 16, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
+    model.load_state_dict(checkpoint["model"])
+    model.eval()
+    with torch.no_grad():
+        loss = torch.tensor([model(x, y).item() for x, y in worker.eval_batches()]).mean()
+    assert loss.item() == pytest.approx(evaluations[8], rel=1e-6)
+    assert len(checkpoint["optimizer"]["state"]) == sum(1 for _ in model.parameters())
