@@ -10,6 +10,7 @@ import gc
 import io
 import json
 import os
+import pathlib
 import shutil
 import subprocess
 import sys
@@ -24,6 +25,7 @@ from patrickstar import report
 from patrickstar.report import ProfileError
 from patrickstar.examples.gpt import GPT, GPTConfig, synthetic_batches
 from patrickstar.profiler import active_profiler, now_ns
+from patrickstar.profiling.outputs import write_text
 
 GPT_CONFIG = GPTConfig(vocab_size=256, max_seq_len=16, hidden=64, layers=2, heads=2)
 CHUNK = 1 << 13
@@ -679,6 +681,38 @@ def test_a_profile_directory_that_cannot_be_made_fails_before_the_run(tmp_path):
     with patrickstar.profile(model, tmp_path / "ok"):
         _train(model, optimizer, 1)
     assert (tmp_path / "ok" / "summary.json").is_file()
+
+
+def _unwritable_directory(tmp_path):
+    """An existing directory no file can be made in: read-only by mode, or, for root (whom
+    modes do not stop), /proc/self."""
+    directory = tmp_path / "read-only"
+    directory.mkdir()
+    directory.chmod(0o500)
+    if not os.access(directory, os.W_OK):
+        return directory
+    if os.path.isdir("/proc/self"):
+        return pathlib.Path("/proc/self")
+    pytest.skip("no directory this user cannot write into")
+
+
+def test_an_existing_directory_that_cannot_be_written_fails_before_the_run(tmp_path):
+    """A directory that exists passed makedirs at start(); the run was profiled to its end and
+    its profile lost to a bare PermissionError at stop(). start() now makes a file there."""
+    directory = _unwritable_directory(tmp_path)
+    model, optimizer = _model()
+    with pytest.raises(ProfileError, match=f"cannot write into profile directory "
+                                           f"'{directory}'"):
+        with patrickstar.profile(model, directory):
+            pytest.fail("the block ran")
+    assert model.profiler is None and active_profiler() is None
+    with pytest.raises(ProfileError, match="'profile.output_dir': cannot write into profile "
+                                           "directory"):
+        _model(_config(profile={"enabled": True, "output_dir": str(directory)}))
+    # Writing an output into it (the CLI's report.html) names the file.
+    with pytest.raises(ProfileError, match=f"cannot write profile output "
+                                           f"'{directory / 'report.html'}'"):
+        write_text(str(directory / "report.html"), "x")
 
 
 def test_empty_profile_still_writes_every_output(tmp_path):

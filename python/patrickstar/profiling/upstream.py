@@ -161,7 +161,8 @@ def _write_pickle(path: str, state: dict) -> None:
         if parent:
             os.makedirs(parent, exist_ok=True)
         write_bytes(path, pickle.dumps(state))
-    except OSError as error:
+    except (OSError, ProfileError) as error:  # (write_bytes raises ProfileError)
+        error = error.__cause__ if isinstance(error.__cause__, OSError) else error
         raise ProfileError(f"profiler.save(): cannot write the profile pickle '{path}': "
                            f"{error}") from error
 
