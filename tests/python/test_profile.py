@@ -715,6 +715,63 @@ def test_an_existing_directory_that_cannot_be_written_fails_before_the_run(tmp_p
         write_text(str(directory / "report.html"), "x")
 
 
+def test_the_report_of_a_failed_run_says_it_failed(tmp_path, capsys):
+    """A profile() block left by an exception wrote a report that read like a finished run's
+    (Note [Profiles of failed runs]); the record now keeps the failure and the first finding
+    says the figures stop there."""
+    model, optimizer = _model()
+    with pytest.raises(RuntimeError, match="data loader broke"):
+        with patrickstar.profile(model, tmp_path / "failed"):
+            _train(model, optimizer, 1)
+            raise RuntimeError("data loader broke\nsecond line")
+    summary = json.loads((tmp_path / "failed" / "summary.json").read_text())
+    assert summary["run"]["failure"] == "RuntimeError: data loader broke\nsecond line"
+    assert summary["findings"][0] == ("the profiled run failed: RuntimeError: data loader "
+                                      "broke (these figures stop at the failure).")
+    assert summary["run"]["iterations"] == 1  # what ran before the failure is kept
+    assert report.main([str(tmp_path / "failed")]) == 0
+    assert "the profiled run failed: RuntimeError: data loader broke" in capsys.readouterr().out
+    assert "the profiled run failed" in (tmp_path / "failed" / "report.html").read_text()
+    with patrickstar.profile(model, tmp_path / "ok"):  # a run that ends normally
+        _train(model, optimizer, 1)
+    summary = json.loads((tmp_path / "ok" / "summary.json").read_text())
+    assert summary["run"]["failure"] is None
+    assert not any("failed" in finding for finding in summary["findings"])
+
+
+_DIES_WITH_A_CONFIG_PROFILE = """
+import sys, torch, patrickstar
+from patrickstar.examples.gpt import GPT, GPTConfig, synthetic_batches
+gpt = GPTConfig(vocab_size=64, max_seq_len=8, hidden=32, layers=1, heads=2)
+model, optimizer = patrickstar.initialize(lambda: GPT(gpt), config={
+    "default_chunk_size": 4096, "profile": {"enabled": True, "output_dir": sys.argv[1]}})
+for ids, targets in synthetic_batches(gpt, 2, 2):
+    model.backward(model(ids, targets))
+    optimizer.step()
+    optimizer.zero_grad()
+if sys.argv[2] == "fail":
+    raise ValueError("bad batch")
+"""
+
+
+@pytest.mark.parametrize("end", ["fail", "ok"])
+def test_a_config_profile_written_at_exit_says_whether_the_script_failed(tmp_path, end):
+    """A config profile is written at exit, after the traceback of the exception that ended the
+    script: its report says so (sys.last_value; Note [Profiles of failed runs])."""
+    script = tmp_path / "train.py"
+    script.write_text(_DIES_WITH_A_CONFIG_PROFILE)
+    result = subprocess.run([sys.executable, str(script), str(tmp_path / "prof"), end],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == (1 if end == "fail" else 0), result.stderr[-2000:]
+    summary = json.loads((tmp_path / "prof" / "summary.json").read_text())
+    assert summary["run"]["iterations"] == 2
+    if end == "fail":
+        assert summary["run"]["failure"] == "ValueError: bad batch"
+        assert summary["findings"][0].startswith("the profiled run failed: ValueError: bad batch")
+    else:
+        assert summary["run"]["failure"] is None
+
+
 def test_empty_profile_still_writes_every_output(tmp_path):
     model, _ = _model()
     with patrickstar.profile(model, tmp_path):

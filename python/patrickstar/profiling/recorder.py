@@ -26,6 +26,7 @@ import atexit
 import contextlib
 import json
 import os
+import sys
 import weakref
 from typing import Any, Iterator
 
@@ -40,6 +41,35 @@ _PHASE_OF_TICK = {"pre_forward": "forward", "post_forward": "forward",
 # The running profiler, held weakly: a profiler holds its engine, and a global must not keep
 # an engine alive (Note [Engine lifetime] in engine.py).
 _active: "weakref.ref[Profiler] | None" = None
+_exit_hook_registered = False
+
+
+# Note [Profiles of failed runs]
+# A profile is written however its run ends: patrickstar.profile()'s block is left by the
+# exception, a config profile (or a Profiler never stopped) is written at interpreter exit,
+# after the traceback. Its report then read like a finished run's ("no complete iteration
+# was recorded", peaks of the moments before the failure) with no word of the failure. So the
+# record keeps `failure`: the exception that left the profile() block, or at exit the one that
+# ended the script (sys.last_value, which the interpreter sets before atexit runs; one already
+# there at start() is an earlier, unrelated error of an interactive session). The summary
+# carries it and the first finding says the figures stop at the failure.
+def describe_failure(error: BaseException | None) -> str | None:
+    """What the record says of the exception that ended a profiled run (None: it did not
+    fail; a SystemExit with status 0 is a normal end)."""
+    if error is None or (isinstance(error, SystemExit) and error.code in (None, 0)):
+        return None
+    text = str(error)
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+def _stop_running_at_exit() -> None:
+    """Writes the running profile at interpreter exit, with the exception that ended the
+    script (Note [Profiles of failed runs]). Registered at the first start(), after the
+    engine's own exit hook, so it runs first: the engine's destroy() would write it too, but
+    without the failure."""
+    running = active_profiler()
+    if running is not None and running.running:
+        running.stop(failure=running.uncaught_exception())
 
 
 def now_ns() -> int:
@@ -65,6 +95,8 @@ class Profiler:
         self.output_dir = os.fspath(output_dir)
         self.capacity = capacity
         self.running = False
+        self.failure: str | None = None  # Note [Profiles of failed runs]
+        self._last_value_at_start = None
         self._manager = engine.chunks.manager
         # Note [Where measured non-model data lives]
         # The engine measures non-model data (activations) where it really is and plans with it
@@ -98,7 +130,7 @@ class Profiler:
     # ---- Life cycle --------------------------------------------------------------------------
 
     def start(self) -> "Profiler":
-        global _active
+        global _active, _exit_hook_registered
         if self.running:
             return self
         current = getattr(self.engine, "profiler", None)
@@ -129,21 +161,36 @@ class Profiler:
         self._manager.enable_events(True, self.capacity)
         self._set_phase("other")
         self.start_ns = now_ns()
+        self.failure = None
+        self._last_value_at_start = getattr(sys, "last_value", None)
         self.running = True
         _active = weakref.ref(self)
+        if not _exit_hook_registered:
+            atexit.register(_stop_running_at_exit)
+            _exit_hook_registered = True
         self.engine.profiler = self  # the engine's hooks call on_tick / on_end_iteration
         return self
 
-    def stop(self, write: bool = True, engine=None) -> str | None:
+    def stop(self, write: bool = True, engine=None,
+             failure: BaseException | None = None) -> str | None:
         """Stops recording; writes the outputs (unless `write` is False) and returns their
         directory (output_dir, or its rank<k>/ under data parallelism: Note [One profile
         directory per rank] in outputs.py). The engine's destroy() passes itself as `engine`:
-        when the collector finalizes an engine, weak references to it are already cleared."""
+        when the collector finalizes an engine, weak references to it are already cleared.
+        `failure` is the exception that ended the profiled run, if one did (Note [Profiles of
+        failed runs])."""
+        if self.running:
+            self.failure = describe_failure(failure)
         self._holding = engine
         try:
             return self._stop(write)
         finally:
             self._holding = None
+
+    def uncaught_exception(self) -> BaseException | None:
+        """At interpreter exit: the exception that ended the script since start(), if any."""
+        value = getattr(sys, "last_value", None)
+        return None if value is self._last_value_at_start else value
 
     def _stop(self, write: bool) -> str | None:
         global _active
@@ -287,6 +334,7 @@ class Profiler:
             "phases": self._phases,
             "collectives": self._collectives,
             "dropped": self._manager.events_dropped,
+            "failure": self.failure,
         }
 
 
@@ -311,8 +359,10 @@ def profile(model, output_dir: str | os.PathLike | None = None,
     profiler = Profiler(model, directory, capacity).start()
     try:
         yield profiler
-    finally:
-        profiler.stop()
+    except BaseException as error:
+        profiler.stop(failure=error)  # Note [Profiles of failed runs]
+        raise
+    profiler.stop()
 
 
 def make_config_profile_directory(config) -> None:
@@ -343,7 +393,7 @@ def profiler_from_config(engine) -> Profiler | None:
     def write_at_exit() -> None:
         alive = reference()
         if alive is not None and alive.running:
-            alive.stop()
+            alive.stop(failure=alive.uncaught_exception())
     atexit.register(write_at_exit)
     return profiler
 

@@ -64,7 +64,8 @@ def build_summary(raw: dict, analysis: Analysis | None = None) -> dict:
         "version": 1,
         "run": dict(raw["run"], iterations=len(a.iterations), moments=len(a.rows),
                     duration_s=(raw["stop_ns"] - raw["start_ns"]) / 1e9,
-                    non_model_measure=raw.get("non_model_measure", "")),
+                    non_model_measure=raw.get("non_model_measure", ""),
+                    failure=raw.get("failure")),
         "tiers": tiers,
         "moves": {"count": len(a.copies), "bytes": sum(e["bytes"] for e in a.copies),
                   "wait_s": sum(e["wait_ns"] for e in a.copies) / 1e9,
@@ -165,6 +166,11 @@ def _tier_need(a: Analysis, tier: int) -> int | None:
 
 def _findings(a: Analysis, summary: dict) -> list[str]:
     findings = []
+    failure = summary["run"].get("failure")
+    if failure:  # Note [Profiles of failed runs] in recorder.py
+        first_line = failure.strip().splitlines()[0] if failure.strip() else failure
+        findings.append(f"the profiled run failed: {first_line} (these figures stop at the "
+                        f"failure).")
     mean = summary["time"]["steady_state_mean"]
     total = mean.get("total_s", 0.0)
     steady = a.steady_iterations()
@@ -241,6 +247,6 @@ def _findings(a: Analysis, summary: dict) -> list[str]:
                         "inside the profile for time splits and bottlenecks.")
     if not any("bottleneck" in f for f in findings) and total > 0:
         compute = mean.get("compute_s", 0.0) / total
-        findings.insert(0, f"no memory bottleneck: compute is {compute:.0%} of step time, "
+        findings.insert(1 if failure else 0, f"no memory bottleneck: compute is {compute:.0%} of step time, "
                            f"waiting for copies {mean.get('move_wait_s', 0.0) / total:.0%}.")
     return findings
