@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import gc
+import html
 import io
 import json
 import os
@@ -629,6 +630,39 @@ def test_console_check_catches_a_broken_page(tmp_path):
     page.write_text("<html><body><p>x</p><script>undefinedFunction();</script></body></html>")
     _, problems, _ = _render(page, tmp_path)
     assert any("undefinedFunction" in line for line in problems)
+
+
+_CLIPPED_TEXT_CHECK = """<script>
+var clipped=[];
+document.querySelectorAll('svg.chart text').forEach(function(t){
+  var box=t.getBBox(),width=t.ownerSVGElement.viewBox.baseVal.width;
+  if(box.x<0||box.x+box.width>width+0.5){clipped.push(t.textContent);}});
+document.body.setAttribute('data-clipped',JSON.stringify(clipped));
+</script></body>"""
+
+
+@needs_chromium
+def test_report_text_fits_its_charts_and_axis_labels_differ(tmp_path):
+    """The chunk heat map's labels were cut at the chart's left edge for the longer kinds of
+    int8 state ('hunk 32 momentum_scale'), and a panel whose peak is below a few MiB labelled
+    its axis '0 MiB', '0 MiB', '0 MiB'."""
+    model, optimizer = _model(_config(optimizer={"type": "Adam",
+                                                 "params": {"state_dtype": "int8"}}))
+    with patrickstar.profile(model, tmp_path / "prof"):
+        _train(model, optimizer, 1)
+    page = (tmp_path / "prof" / "report.html").read_text()
+    assert "momentum_scale" in page
+    checked = tmp_path / "checked.html"
+    checked.write_text(page.replace("</body>", _CLIPPED_TEXT_CHECK))
+    _, problems, dom = _render(checked, tmp_path)
+    assert problems == []
+    clipped = json.loads(html.unescape(dom.split('data-clipped="')[1].split('"')[0]))
+    assert clipped == []
+    # Each panel's three axis labels (0, half and all of its peak) are three numbers.
+    panels = page.split('<svg class="chart"')[1:3]
+    for panel in panels:
+        values = [label.split("<")[0] for label in panel.split('class="small axis">')[1:]]
+        assert len(values) == 3 and len(set(values)) == 3, values
 
 
 def test_demo_writes_a_profile(tmp_path):

@@ -58,7 +58,7 @@ def _svg_memory_panels(a: Analysis, width: int = 1100) -> str:
         for frac in (0, 0.5, 1):
             value = peak * frac
             parts.append(f'<text x="{left - 6}" y="{y(value) + 4:.1f}" text-anchor="end" '
-                         f'class="small">{value / MiB:.0f} MiB</text>')
+                         f'class="small axis">{_axis_mib(value, peak)}</text>')
         for i, r in enumerate(rows):
             if r["end_of_iteration"]:
                 parts.append(f'<line x1="{x(i):.1f}" x2="{x(i):.1f}" y1="{top}" '
@@ -75,6 +75,19 @@ def _svg_memory_panels(a: Analysis, width: int = 1100) -> str:
     return legend + "\n".join(panels)
 
 
+def _axis_mib(value: float, peak: float) -> str:
+    """An axis label in MiB with as many decimals as a peak of that size needs (a panel of a
+    0.4 MiB peak read '0 MiB' three times in whole MiB)."""
+    decimals = 0 if peak >= 8 * MiB else 1 if peak >= MiB else 2
+    return f"{value / MiB:.{decimals}f} MiB"
+
+
+# Pixels per character of the heat map's 11px labels, generous for system-ui's widest digits
+# and lower-case letters, so the left margin holds the longest label ('chunk 47 variance_scale'
+# was cut at a fixed 150 px).
+_LABEL_CHAR_PX = 6.5
+
+
 def _svg_heatmap(a: Analysis, max_columns: int = 400, max_chunks: int = 256,
                  width: int = 1100) -> str:
     rows = a.rows[-max_columns:]
@@ -82,7 +95,9 @@ def _svg_heatmap(a: Analysis, max_columns: int = 400, max_chunks: int = 256,
         return "<p>No chunk locations to show.</p>"
     locations = a.locations(rows)
     chunk_ids = sorted(a.chunks)[:max_chunks]
-    left, top = 150, 10
+    labels = {cid: f"chunk {cid} {a.chunks[cid].get('kind', '')}" for cid in chunk_ids}
+    longest = max(len(label) for label in labels.values())
+    left, top = max(150, int(longest * _LABEL_CHAR_PX) + 8), 10
     cell_h = max(3, min(14, 600 // max(1, len(chunk_ids))))
     plot_w = width - left - 10
     cell_w = plot_w / len(rows)
@@ -90,9 +105,8 @@ def _svg_heatmap(a: Analysis, max_columns: int = 400, max_chunks: int = 256,
     parts = [f'<svg id="heatmap" class="chart" width="{width}" height="{height}" '
              f'viewBox="0 0 {width} {height}">']
     for row_index, cid in enumerate(chunk_ids):
-        info = a.chunks[cid]
         y = top + row_index * cell_h
-        label = f"chunk {cid} {info.get('kind', '')}"
+        label = labels[cid]
         if cell_h >= 8:
             parts.append(f'<text x="{left - 4}" y="{y + cell_h - 2}" text-anchor="end" '
                          f'class="small">{html.escape(label)}</text>')
