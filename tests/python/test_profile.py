@@ -239,6 +239,15 @@ def test_eviction_causes_are_told_apart(tmp_path, nvme_dir):
     assert any(c["trigger"] == "explicit" for c in causes)
     descriptions = [c["description"] for c in causes]
     assert len(set(descriptions)) == len(descriptions), descriptions
+    # The NVMe panel of report.html is scaled to the chunks it held, not to its default budget
+    # (the disk's free space), which drew them as a flat line at 0.
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    nvme = summary["tiers"]["nvme"]
+    assert 0 < nvme["peak_total_bytes"] and nvme["budget_bytes"] > 4 * nvme["peak_total_bytes"]
+    panel = (tmp_path / "report.html").read_text().split('<svg class="chart"')[3]
+    assert "nvme (nvme)" in panel and "(above the chart)" in panel
+    top_label = panel.split('class="small axis">')[3].split(" MiB<")[0]
+    assert float(top_label) * MiB <= 1.01 * nvme["peak_total_bytes"]
 
 
 def test_peaks_include_chunks_between_samples(tmp_path):

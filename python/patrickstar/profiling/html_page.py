@@ -30,7 +30,12 @@ def _svg_memory_panels(a: Analysis, width: int = 1100) -> str:
         model = [r["model"][t] for r in rows]
         non_model = [r["non_model"][t] for r in rows]
         budget = a.tiers[t]["budget_bytes"]
-        peak = max([m + nm for m, nm in zip(model, non_model)] + [budget, 1])
+        held = max(m + nm for m, nm in zip(model, non_model))
+        # A budget far above what the tier held (the NVMe tier's default budget is the free
+        # space of its disk, tens of GiB against MiB of chunks) scaled the data to a flat line
+        # at 0: the panel is then scaled to the data and says where the budget is.
+        off_chart = held > 0 and budget > 4 * held
+        peak = max(held, 1) if off_chart else max(held, budget, 1)
         scale = (height - top - bottom) / peak
 
         def y(v: float) -> float:
@@ -49,7 +54,10 @@ def _svg_memory_panels(a: Analysis, width: int = 1100) -> str:
                  f'fill-opacity="0.75"><title>model data</title></polygon>',
                  f'<polygon points="{upper} {lower}" fill="#ff7f0e" fill-opacity="0.6">'
                  f'<title>non-model data</title></polygon>']
-        if budget:
+        if off_chart:
+            parts.append(f'<text x="{left + plot_w - 4}" y="{top - 6}" text-anchor="end" '
+                         f'class="small">budget {mib(budget)} (above the chart)</text>')
+        elif budget:
             parts.append(f'<line x1="{left}" x2="{left + plot_w}" y1="{y(budget):.1f}" '
                          f'y2="{y(budget):.1f}" stroke="black" stroke-dasharray="6,4">'
                          f'<title>budget {mib(budget)}</title></line>'
