@@ -275,6 +275,59 @@ _PLACEMENT_KEYS = ("bytes_in", "bytes_out", "chunks_in", "chunks_out", "eviction
                    "prefetch_issued", "prefetch_hits", "prefetch_misses")
 
 
+@pytest.mark.parametrize("precision", ["int8 state", "bf16 without master"])
+def test_model_data_by_kind_names_the_state_dtypes_and_agrees_with_the_estimate(tmp_path,
+                                                                                 precision):
+    """summary.json gave the model data only as one total and report.html's run table only the
+    precision ('fp32' for int8 Adam state): whether the moments were int8, and what the scales
+    or the Kahan compensation cost, could not be read off the report nor set against
+    estimate_memory()'s kinds. chunks.by_kind gives each kind's chunks, element type and
+    bytes; the CLI and report.html list them."""
+    if precision == "int8 state":
+        extra = {"optimizer": {"type": "Adam", "params": {"state_dtype": "int8"}}}
+        mode, expected = "fp32", {"compute_param": ("float32", 4), "gradient": ("float32", 4),
+                                  "momentum": ("uint8", 1), "variance": ("uint8", 1)}
+        folded = {"momentum": ("momentum", "momentum_scale"),
+                  "variance": ("variance", "variance_scale"), "master": ()}
+    else:
+        extra = {"bf16": {"enabled": True, "master_weights": False}}
+        mode, expected = "bf16, no master", {"compute_param": ("bfloat16", 2),
+                                             "gradient": ("bfloat16", 2),
+                                             "param_compensation": ("bfloat16", 2),
+                                             "momentum": ("float32", 4),
+                                             "variance": ("float32", 4)}
+        folded = {"momentum": ("momentum",), "variance": ("variance",),
+                  "master": ("param_compensation",)}
+    config = _config(**extra)
+    estimate = patrickstar.estimate_memory(lambda: GPT(GPT_CONFIG), config, verbose=False)
+    model, optimizer = _model(config)
+    with patrickstar.profile(model, tmp_path):
+        _train(model, optimizer, 1)
+    chunks = json.loads((tmp_path / "summary.json").read_text())["chunks"]
+    by_kind = chunks["by_kind"]
+    layout = json.loads((tmp_path / "profile.json").read_text())["layout"]["chunks"]
+    for kind, (dtype, itemsize) in expected.items():
+        elements = sum(c["capacity_elements"] for c in layout if c["kind"] == kind)
+        assert by_kind[kind]["dtype"] == dtype, kind
+        assert by_kind[kind]["bytes"] == elements * itemsize, kind
+        assert by_kind[kind]["chunks"] == sum(1 for c in layout if c["kind"] == kind)
+    if precision == "int8 state":  # one float32 scale per block of the uint8 moments
+        for kind in ("momentum_scale", "variance_scale"):
+            assert by_kind[kind]["dtype"] == "float32"
+            assert 0 < by_kind[kind]["bytes"] < by_kind["momentum"]["bytes"]
+    assert set(by_kind) == set(expected) | {k for kinds in folded.values() for k in kinds}
+    assert sum(k["bytes"] for k in by_kind.values()) == chunks["model_data_bytes"]
+    predicted = estimate["modes"][mode]
+    assert chunks["model_data_bytes"] == predicted["total"]
+    for estimated_kind, kinds in folded.items():
+        assert predicted["by_kind"][estimated_kind] == sum(by_kind[k]["bytes"] for k in kinds)
+    page = (tmp_path / "report.html").read_text()
+    assert f"momentum {expected['momentum'][0]}" in page
+    out = io.StringIO()
+    assert report.main([str(tmp_path)], out=out) == 0
+    assert f"momentum ({expected['momentum'][0]})" in out.getvalue()
+
+
 def test_profiling_does_not_change_placement(profiled):
     """The same run unprofiled makes the same chunk moves (placement never depends on the
     profiler), and trains to nearly the same losses. Not bit-identical ones: the engine itself

@@ -313,4 +313,8 @@ def stat_delta(raw: dict, tier: int, key: str) -> int:
 
 
 def mib(nbytes: float) -> str:
+    """`nbytes` for people: MiB with one decimal, or KiB when that would read 0.0 MiB for bytes
+    that are there (int8 Adam state's scale chunks, a small model's activations)."""
+    if 0 < abs(nbytes) < MiB / 20:
+        return f"{nbytes / 1024:.1f} KiB"
     return f"{nbytes / MiB:.1f} MiB"

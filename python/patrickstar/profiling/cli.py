@@ -35,6 +35,8 @@ def _summary_lines(summary: dict) -> list[tuple[str, str]]:
               ("prefetch hit rate", "n/a" if hit is None else f"{hit:.0%}"),
               ("chunk size (elements)", str(summary["chunks"]["chunk_elements"])),
               ("wasted bytes", mib(summary["chunks"]["wasted_bytes"]))]
+    lines += [(f"  {kind} ({k['dtype']})", mib(k["bytes"]))
+              for kind, k in summary["chunks"].get("by_kind", {}).items()]
     largest = summary["largest_non_model_moment"]
     if largest:
         lines.append(("largest non-model moment", f"{mib(largest['bytes'])} on "

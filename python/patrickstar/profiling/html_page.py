@@ -256,6 +256,9 @@ def render_html(raw: dict, summary: dict, analysis: Analysis | None = None) -> s
         ["chunk size", f"{chunks['chunk_elements']} elements, {chunks['num_chunks']} chunks, "
                        f"{mib(chunks['model_data_bytes'])} model data, "
                        f"{mib(chunks['wasted_bytes'])} wasted"],
+        ["model data by kind", ", ".join(
+            f"{kind} {k['dtype']} {mib(k['bytes'])}"
+            for kind, k in chunks.get("by_kind", {}).items()) or "-"],
         ["non-model data measured as", run.get("non_model_measure", "")],
     ])
     collectives = summary.get("collectives", {})

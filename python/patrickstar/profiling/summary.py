@@ -79,7 +79,8 @@ def build_summary(raw: dict, analysis: Analysis | None = None) -> dict:
                    "num_chunks": len(layout.get("chunks", [])),
                    "model_data_bytes": chunk_bytes_total,
                    "wasted_bytes": layout.get("wasted_bytes", 0),
-                   "oversize_tensors": layout.get("oversize_tensors", [])},
+                   "oversize_tensors": layout.get("oversize_tensors", []),
+                   "by_kind": _chunks_by_kind(layout)},
         "evictions": {"count": len(a.evictions), "bytes": sum(e["bytes"] for e in a.evictions),
                       "top_causes": _eviction_causes(a)[:10]},
         "collectives": _collectives(raw["collectives"]),
@@ -88,6 +89,21 @@ def build_summary(raw: dict, analysis: Analysis | None = None) -> dict:
     }
     summary["findings"] = _findings(a, summary)
     return summary
+
+
+def _chunks_by_kind(layout: dict) -> dict:
+    """Chunks, bytes and element type per chunk kind, in layout order: what the model data is
+    made of (int8 Adam state is uint8 moments plus float32 scales; bf16 without a master keeps
+    a bf16 param_compensation), comparable with estimate_memory()'s kinds."""
+    kinds: dict[str, dict] = {}
+    for chunk in layout.get("chunks", []):
+        entry = kinds.setdefault(chunk["kind"], {"dtype": chunk.get("dtype", "?"), "chunks": 0,
+                                                 "bytes": 0})
+        entry["chunks"] += 1
+        entry["bytes"] += chunk.get("bytes", 0)
+        if entry["dtype"] != chunk.get("dtype", "?"):
+            entry["dtype"] = "mixed"
+    return kinds
 
 
 def _collectives(records: list[dict]) -> dict:
