@@ -32,16 +32,19 @@ def _summary_lines(summary: dict) -> list[tuple[str, str]]:
                                               f"{mib(tier['bytes_out'])}"),
                   (f"{name}: evictions", str(tier["evictions"]))]
     lines += [("bytes moved", mib(summary["moves"]["bytes"])),
-              ("prefetch hit rate", "n/a" if hit is None else f"{hit:.0%}"),
-              ("chunk size (elements)", str(summary["chunks"]["chunk_elements"])),
-              ("wasted bytes", mib(summary["chunks"]["wasted_bytes"]))]
-    lines += [(f"  {kind} ({k['dtype']})", mib(k["bytes"]))
-              for kind, k in summary["chunks"].get("by_kind", {}).items()]
+              ("prefetch hit rate", "n/a" if hit is None else f"{hit:.0%}")]
     largest = summary["largest_non_model_moment"]
     if largest:
         lines.append(("largest non-model moment", f"{mib(largest['bytes'])} on "
                       f"{largest['tier']}, iteration {largest['iteration']} moment "
                       f"{largest['moment']}"))
+    lines += [("chunk size (elements)", str(summary["chunks"]["chunk_elements"])),
+              ("wasted bytes", mib(summary["chunks"]["wasted_bytes"])),
+              ("model data", mib(summary["chunks"]["model_data_bytes"]))]
+    # One line per kind, its element type in the value, so --compare lines up an fp32 run's
+    # momentum with an int8 run's (kinds of one run only follow at the end).
+    lines += [(f"  {kind}", f"{mib(k['bytes'])} {k['dtype']}")
+              for kind, k in summary["chunks"].get("by_kind", {}).items()]
     return lines
 
 
