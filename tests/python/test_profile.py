@@ -869,6 +869,31 @@ def test_a_config_profile_written_at_exit_says_whether_the_script_failed(tmp_pat
         assert summary["run"]["failure"] is None
 
 
+def test_upstream_profiler_with_a_config_profile_says_why_nothing_was_recorded(tmp_path):
+    """Upstream's `profiler.start()` before initialize() of a config with profile.enabled: the
+    config's profiler records the engine, and save() said "nothing was recorded; call
+    profiler.start() before patrickstar.initialize()", which the script had done. It now
+    names the profiler that ran instead and where its profile is."""
+    from patrickstar.profiling.upstream import UpstreamProfiler
+    fresh = UpstreamProfiler()
+    fresh.start()
+    model, optimizer = _model(_config(profile={"enabled": True,
+                                               "output_dir": str(tmp_path / "config")}))
+    fresh.engine_built(model)  # (what patrickstar.initialize() tells the global profiler)
+    _train(model, optimizer, 1)
+    fresh.end()
+    with pytest.raises(RuntimeError, match=f"profiler.save\\(\\): nothing was recorded: another "
+                                           f"profiler was running .*'{tmp_path / 'config'}'.*"
+                                           f"remove the config's 'profile' section"):
+        fresh.save(str(tmp_path / "x.pkl"))
+    assert model.profiler.stop() == str(tmp_path / "config")
+    fresh.start()  # with the config's profiler stopped, a new recording takes the engine
+    fresh.end()
+    fresh.save(str(tmp_path / "y.pkl"))
+    assert (tmp_path / "y.pkl").is_file()
+    model.destroy()
+
+
 def test_empty_profile_still_writes_every_output(tmp_path):
     model, _ = _model()
     with patrickstar.profile(model, tmp_path):
