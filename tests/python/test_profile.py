@@ -602,6 +602,24 @@ def test_cli_names_missing_and_incomplete_directories(tmp_path, capsys):
     assert "not valid JSON" in capsys.readouterr().err
 
 
+def test_cli_on_a_data_parallel_profile_directory_names_the_rank_directories(profiled, tmp_path,
+                                                                             capsys):
+    """`patrickstar-report prof/` (README) of a data-parallel run, whose ranks write prof/rank<k>/
+    (Note [One profile directory per rank]), said prof/ 'is not a complete profile'; it now
+    names the rank directories to give. An empty directory says when a profile is written."""
+    for rank in (0, 1, 10):
+        shutil.copytree(profiled[0], tmp_path / "prof" / f"rank{rank}")
+    assert report.main([str(tmp_path / "prof")]) == 2
+    assert (f"'{tmp_path / 'prof'}' holds the profiles of 3 data-parallel ranks (rank0/, "
+            f"rank1/, rank10/), one directory each: give one of them, e.g. "
+            f"'{tmp_path / 'prof' / 'rank0'}'") in capsys.readouterr().err
+    assert report.main([str(tmp_path / "prof" / "rank1")]) == 0
+    capsys.readouterr()
+    (tmp_path / "running").mkdir()
+    assert report.main([str(tmp_path / "running")]) == 2
+    assert "written with the other outputs when profiling stops" in capsys.readouterr().err
+
+
 def test_cli_names_fields_of_the_wrong_type(profiled, tmp_path, capsys):
     # A profile.json that parses but is not what the recorder writes (edited by hand, cut by
     # another tool) is named key by key with exit code 2, never a TypeError traceback.

@@ -33,8 +33,17 @@ def load_raw(directory: str | os.PathLike) -> dict:
         raise ProfileError(f"profile directory '{directory}' does not exist")
     path = os.path.join(directory, RAW_FILE)
     if not os.path.isfile(path):
-        raise ProfileError(f"'{path}' is missing: '{directory}' is not a complete profile "
-                           f"(patrickstar.profile() writes it with the other outputs)")
+        ranks = _rank_directories(directory)
+        if ranks:  # Note [One profile directory per rank] in outputs.py
+            raise ProfileError(f"'{directory}' holds the profiles of {len(ranks)} data-parallel "
+                               f"ranks ({', '.join(r + '/' for r in ranks)}), one directory "
+                               f"each: give one of them, e.g. "
+                               f"'{os.path.join(directory, ranks[0])}'")
+        raise ProfileError(f"'{path}' is missing: '{directory}' is not a complete profile. "
+                           f"The profile is written with the other outputs when profiling "
+                           f"stops (the end of the patrickstar.profile() block, "
+                           f"model.profiler.stop(), model.destroy() or interpreter exit): a "
+                           f"run still going, or killed before that, has written none")
     try:
         with open(path, encoding="utf-8") as handle:
             raw = json.load(handle)
@@ -53,6 +62,14 @@ def load_raw(directory: str | os.PathLike) -> dict:
         raise ProfileError(f"'{path}' is not a profile record PatrickStar wrote: "
                            + "; ".join(wrong))
     return raw
+
+
+def _rank_directories(directory: str) -> list[str]:
+    """The rank<k>/ subdirectories of `directory` holding a raw record, in rank order."""
+    names = [name for name in os.listdir(directory)
+             if name.startswith("rank") and name[4:].isdigit()
+             and os.path.isfile(os.path.join(directory, name, RAW_FILE))]
+    return sorted(names, key=lambda name: int(name[4:]))
 
 
 def _json_name(value) -> str:
