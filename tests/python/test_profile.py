@@ -912,6 +912,20 @@ def test_upstream_profiler_with_a_config_profile_says_why_nothing_was_recorded(t
     model.destroy()
 
 
+def test_dropped_events_finding_says_how_to_raise_the_capacity(tmp_path):
+    """The finding said "raise the profiler's capacity" without saying where it is set or
+    what it was."""
+    model, optimizer = _model()
+    with patrickstar.profile(model, tmp_path, capacity=16):
+        _train(model, optimizer, 1)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["dropped_events"] > 0
+    assert any(f.endswith("raise the profiler's capacity (now 16 events), the events it holds "
+                          "between two ends of iteration: "
+                          "patrickstar.profile(model, dir, capacity=N).")
+               for f in summary["findings"]), summary["findings"]
+
+
 def test_empty_profile_still_writes_every_output(tmp_path):
     model, _ = _model()
     with patrickstar.profile(model, tmp_path):

@@ -334,6 +334,7 @@ class Profiler:
             "phases": self._phases,
             "collectives": self._collectives,
             "dropped": self._manager.events_dropped,
+            "capacity": self.capacity,
             "failure": self.failure,
         }
 

@@ -256,8 +256,12 @@ def _findings(a: Analysis, summary: dict) -> list[str]:
                         f"{mib(summary['evictions']['bytes'])}; most often "
                         f"{top[0]['description']} ({top[0]['count']} times).")
     if summary["dropped_events"]:
+        capacity = a.raw.get("capacity")
+        now = f" (now {capacity} events)" if capacity else ""
         findings.append(f"{summary['dropped_events']} events were dropped (the log was full): "
-                        f"totals from events undercount; raise the profiler's capacity.")
+                        f"totals from events undercount; raise the profiler's capacity{now}, "
+                        f"the events it holds between two ends of iteration: "
+                        f"patrickstar.profile(model, dir, capacity=N).")
     if not a.iterations:
         findings.append("no complete iteration was recorded: run at least one optimizer.step() "
                         "inside the profile for time splits and bottlenecks.")
