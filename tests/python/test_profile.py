@@ -935,6 +935,13 @@ def test_empty_profile_still_writes_every_output(tmp_path):
     assert any("no complete iteration" in finding for finding in summary["findings"])
     for name in OUTPUTS:
         assert (tmp_path / name).is_file()
+    # No iteration, no step time: the CLI and the page said 0.00 ms.
+    out = io.StringIO()
+    assert report.main([str(tmp_path)], out=out) == 0
+    assert re.search(r"\nstep time \(ms, after warm-up\) +n/a\n", out.getvalue())
+    assert re.search(r"\n  optimizer \(ms\) +n/a\n", out.getvalue())
+    assert ("<td>mean step time after warm-up</td><td>n/a (no complete iteration was "
+            "recorded)</td>") in (tmp_path / "report.html").read_text()
 
 
 # ---- Findings from a hand-made record ----------------------------------------------------------

@@ -17,12 +17,15 @@ __all__ = ["main"]
 def _summary_lines(summary: dict) -> list[tuple[str, str]]:
     mean = summary["time"]["steady_state_mean"]
     hit = summary["prefetch"]["hit_rate"]
+    def ms(key: str) -> str:  # no complete iteration: no time split, not 0.00 ms
+        return f"{mean[key] * 1e3:.2f}" if key in mean else "n/a"
+
     lines = [("iterations", str(summary["run"]["iterations"])),
-             ("step time (ms, after warm-up)", f"{mean.get('total_s', 0) * 1e3:.2f}"),
-             ("  compute (ms)", f"{mean.get('compute_s', 0) * 1e3:.2f}"),
-             ("  waiting for moves (ms)", f"{mean.get('move_wait_s', 0) * 1e3:.2f}"),
-             ("  waiting for collectives (ms)", f"{mean.get('collective_s', 0) * 1e3:.2f}"),
-             ("  optimizer (ms)", f"{mean.get('optimizer_s', 0) * 1e3:.2f}")]
+             ("step time (ms, after warm-up)", ms("total_s")),
+             ("  compute (ms)", ms("compute_s")),
+             ("  waiting for moves (ms)", ms("move_wait_s")),
+             ("  waiting for collectives (ms)", ms("collective_s")),
+             ("  optimizer (ms)", ms("optimizer_s"))]
     for name, tier in summary["tiers"].items():
         budget = mib(tier["budget_bytes"]) if tier["budget_bytes"] else "unlimited"
         lines += [(f"{name}: budget", budget),

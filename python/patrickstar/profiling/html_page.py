@@ -249,7 +249,9 @@ def render_html(raw: dict, summary: dict, analysis: Analysis | None = None) -> s
     facts = _table(["", ""], [
         ["precision / device", f"{run.get('precision')} / {run.get('device')}"],
         ["iterations (complete) / moments", f"{run['iterations']} / {run['moments']}"],
-        ["mean step time after warm-up", f"{mean.get('total_s', 0) * 1e3:.1f} ms ({split})"],
+        ["mean step time after warm-up", f"{mean['total_s'] * 1e3:.1f} ms ({split})"
+                                         if "total_s" in mean
+                                         else "n/a (no complete iteration was recorded)"],
         ["bytes moved", f"{mib(summary['moves']['bytes'])} in {summary['moves']['count']} "
                         f"copies, {summary['moves']['wait_s'] * 1e3:.1f} ms waited"],
         ["prefetch hit rate", "n/a" if hit is None else f"{hit:.0%}"],
