@@ -27,6 +27,7 @@ from patrickstar import report
 from patrickstar.report import ProfileError
 from patrickstar.examples.gpt import GPT, GPTConfig, synthetic_batches
 from patrickstar.profiler import active_profiler, now_ns
+from patrickstar.profiling.analysis import mib as report_mib
 from patrickstar.profiling.outputs import write_text
 
 GPT_CONFIG = GPTConfig(vocab_size=256, max_seq_len=16, hidden=64, layers=2, heads=2)
@@ -439,6 +440,7 @@ def test_data_parallel_ranks_write_their_own_profiles(tmp_path):
                               stderr=subprocess.PIPE, text=True) for r in range(2)]
     codes = finish(procs)
     assert codes == [0, 0], [proc.stderr.read()[-2000:] for proc in procs]
+    owned = []
     for rank in range(2):
         directory = tmp_path / f"rank{rank}"
         for name in OUTPUTS:
@@ -446,6 +448,17 @@ def test_data_parallel_ranks_write_their_own_profiles(tmp_path):
         summary = json.loads((directory / "summary.json").read_text())
         assert summary["run"]["rank"] == rank and summary["run"]["world_size"] == 2
         assert summary["run"]["iterations"] == 2
+        # The layout lists the whole model's chunks on every rank; each rank keeps its own
+        # (Note [Model data of a data-parallel rank]): the model data read the whole model's.
+        chunks = summary["chunks"]
+        owned.append(chunks["owned_bytes"])
+        total = chunks["model_data_bytes"]
+        assert 0 < chunks["owned_bytes"] < total
+        assert sum(k["owned_bytes"] for k in chunks["by_kind"].values()) == chunks["owned_bytes"]
+        out = io.StringIO()
+        assert report.main([str(directory)], out=out) == 0
+        assert f"this rank owns {report_mib(chunks['owned_bytes'])}" in out.getvalue()
+    assert sum(owned) == total  # every chunk is owned by one of the two ranks
     assert not [p.name for p in tmp_path.iterdir() if p.is_file()]
 
 

@@ -17,6 +17,7 @@ __all__ = ["main"]
 def _summary_lines(summary: dict) -> list[tuple[str, str]]:
     mean = summary["time"]["steady_state_mean"]
     hit = summary["prefetch"]["hit_rate"]
+    ranks = summary["run"].get("world_size", 1)
     def ms(key: str) -> str:  # no complete iteration: no time split, not 0.00 ms
         return f"{mean[key] * 1e3:.2f}" if key in mean else "n/a"
 
@@ -43,12 +44,21 @@ def _summary_lines(summary: dict) -> list[tuple[str, str]]:
                       f"{largest['moment']}"))
     lines += [("chunk size (elements)", str(summary["chunks"]["chunk_elements"])),
               ("wasted bytes", mib(summary["chunks"]["wasted_bytes"])),
-              ("model data", mib(summary["chunks"]["model_data_bytes"]))]
+              ("model data", mib(summary["chunks"]["model_data_bytes"])
+                             + _owned(summary["chunks"], ranks))]
     # One line per kind, its element type in the value, so --compare lines up an fp32 run's
     # momentum with an int8 run's (kinds of one run only follow at the end).
-    lines += [(f"  {kind}", f"{mib(k['bytes'])} {k['dtype']}")
+    lines += [(f"  {kind}", f"{mib(k['bytes'])} {k['dtype']}{_owned(k, ranks)}")
               for kind, k in summary["chunks"].get("by_kind", {}).items()]
     return lines
+
+
+def _owned(entry: dict, ranks: int) -> str:
+    """Under data parallelism, what this rank keeps of the whole model's bytes the line gives
+    (Note [Model data of a data-parallel rank] in summary.py)."""
+    if ranks > 1 and "owned_bytes" in entry:
+        return f", this rank owns {mib(entry['owned_bytes'])}"
+    return ""
 
 
 def _print_table(rows: list[list[str]], out) -> None:

@@ -246,6 +246,11 @@ def render_html(raw: dict, summary: dict, analysis: Analysis | None = None) -> s
                                          ("optimizer_s", "optimizer")))
     hit = summary["prefetch"]["hit_rate"]
     chunks = summary["chunks"]
+
+    def owned(nbytes) -> str:  # Note [Model data of a data-parallel rank] in summary.py
+        if run.get("world_size", 1) > 1 and nbytes is not None:
+            return f" (this rank owns {mib(nbytes)})"
+        return ""
     facts = _table(["", ""], [
         ["precision / device", f"{run.get('precision')} / {run.get('device')}"],
         ["iterations (complete) / moments", f"{run['iterations']} / {run['moments']}"],
@@ -256,10 +261,11 @@ def render_html(raw: dict, summary: dict, analysis: Analysis | None = None) -> s
                         f"copies, {summary['moves']['wait_s'] * 1e3:.1f} ms waited"],
         ["prefetch hit rate", "n/a" if hit is None else f"{hit:.0%}"],
         ["chunk size", f"{chunks['chunk_elements']} elements, {chunks['num_chunks']} chunks, "
-                       f"{mib(chunks['model_data_bytes'])} model data, "
+                       f"{mib(chunks['model_data_bytes'])} model data"
+                       f"{owned(chunks.get('owned_bytes'))}, "
                        f"{mib(chunks['wasted_bytes'])} wasted"],
         ["model data by kind", ", ".join(
-            f"{kind} {k['dtype']} {mib(k['bytes'])}"
+            f"{kind} {k['dtype']} {mib(k['bytes'])}{owned(k.get('owned_bytes'))}"
             for kind, k in chunks.get("by_kind", {}).items()) or "-"],
         ["non-model data measured as", run.get("non_model_measure", "")],
     ])

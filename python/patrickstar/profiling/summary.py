@@ -80,7 +80,8 @@ def build_summary(raw: dict, analysis: Analysis | None = None) -> dict:
                    "model_data_bytes": chunk_bytes_total,
                    "wasted_bytes": layout.get("wasted_bytes", 0),
                    "oversize_tensors": layout.get("oversize_tensors", []),
-                   "by_kind": _chunks_by_kind(layout)},
+                   "owned_bytes": _owned_bytes(layout.get("chunks", []), raw["run"]),
+                   "by_kind": _chunks_by_kind(layout, raw["run"])},
         "evictions": {"count": len(a.evictions), "bytes": sum(e["bytes"] for e in a.evictions),
                       "top_causes": _eviction_causes(a)[:10]},
         "collectives": _collectives(raw["collectives"]),
@@ -91,18 +92,31 @@ def build_summary(raw: dict, analysis: Analysis | None = None) -> dict:
     return summary
 
 
-def _chunks_by_kind(layout: dict) -> dict:
-    """Chunks, bytes and element type per chunk kind, in layout order: what the model data is
-    made of (int8 Adam state is uint8 moments plus float32 scales; bf16 without a master keeps
-    a bf16 param_compensation), comparable with estimate_memory()'s kinds."""
-    kinds: dict[str, dict] = {}
+# Note [Model data of a data-parallel rank]
+# The layout lists the chunks of the whole model on every rank, each with the rank that owns
+# it; a rank keeps its own chunks (its parameter shards, and their gradients and optimizer
+# state) and only gathers the others for a while. model_data_bytes and by_kind's bytes are the
+# whole model's (estimate_memory()'s figures); owned_bytes is what this rank keeps, about 1/N
+# of it (all of it on one process).
+def _owned_bytes(chunks: list[dict], run: dict) -> int:
+    rank = run.get("rank", 0)
+    return sum(c.get("bytes", 0) for c in chunks if c.get("owner_rank", rank) == rank)
+
+
+def _chunks_by_kind(layout: dict, run: dict) -> dict:
+    """Chunks, bytes (the whole model's, and this rank's own: Note [Model data of a
+    data-parallel rank]) and element type per chunk kind, in layout order: what the model data
+    is made of (int8 Adam state is uint8 moments plus float32 scales; bf16 without a master
+    keeps a bf16 param_compensation), comparable with estimate_memory()'s kinds."""
+    groups: dict[str, list[dict]] = {}
     for chunk in layout.get("chunks", []):
-        entry = kinds.setdefault(chunk["kind"], {"dtype": chunk.get("dtype", "?"), "chunks": 0,
-                                                 "bytes": 0})
-        entry["chunks"] += 1
-        entry["bytes"] += chunk.get("bytes", 0)
-        if entry["dtype"] != chunk.get("dtype", "?"):
-            entry["dtype"] = "mixed"
+        groups.setdefault(chunk["kind"], []).append(chunk)
+    kinds = {}
+    for kind, chunks in groups.items():
+        dtypes = {c.get("dtype", "?") for c in chunks}
+        kinds[kind] = {"dtype": dtypes.pop() if len(dtypes) == 1 else "mixed",
+                       "chunks": len(chunks), "bytes": sum(c.get("bytes", 0) for c in chunks),
+                       "owned_bytes": _owned_bytes(chunks, run)}
     return kinds
 
 
