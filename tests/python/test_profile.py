@@ -865,6 +865,15 @@ def test_the_report_of_a_failed_run_says_it_failed(tmp_path, capsys):
     summary = json.loads((tmp_path / "ok" / "summary.json").read_text())
     assert summary["run"]["failure"] is None
     assert not any("failed" in finding for finding in summary["findings"])
+    # A profile() context entered and dropped without being left is closed with GeneratorExit
+    # when collected: not a failure of the run.
+    context = patrickstar.profile(model, tmp_path / "dropped")
+    context.__enter__()
+    _train(model, optimizer, 1)
+    del context
+    gc.collect()
+    summary = json.loads((tmp_path / "dropped" / "summary.json").read_text())
+    assert summary["run"]["failure"] is None and summary["run"]["iterations"] == 1
 
 
 _DIES_WITH_A_CONFIG_PROFILE = """

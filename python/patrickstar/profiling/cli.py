@@ -18,6 +18,7 @@ def _summary_lines(summary: dict) -> list[tuple[str, str]]:
     mean = summary["time"]["steady_state_mean"]
     hit = summary["prefetch"]["hit_rate"]
     ranks = summary["run"].get("world_size", 1)
+
     def ms(key: str) -> str:  # no complete iteration: no time split, not 0.00 ms
         return f"{mean[key] * 1e3:.2f}" if key in mean else "n/a"
 

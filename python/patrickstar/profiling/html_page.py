@@ -251,6 +251,7 @@ def render_html(raw: dict, summary: dict, analysis: Analysis | None = None) -> s
         if run.get("world_size", 1) > 1 and nbytes is not None:
             return f" (this rank owns {mib(nbytes)})"
         return ""
+
     facts = _table(["", ""], [
         ["precision / device", f"{run.get('precision')} / {run.get('device')}"],
         ["iterations (complete) / moments", f"{run['iterations']} / {run['moments']}"],

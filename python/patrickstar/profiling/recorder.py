@@ -55,8 +55,10 @@ _exit_hook_registered = False
 # carries it and the first finding says the figures stop at the failure.
 def describe_failure(error: BaseException | None) -> str | None:
     """What the record says of the exception that ended a profiled run (None: it did not
-    fail; a SystemExit with status 0 is a normal end)."""
-    if error is None or (isinstance(error, SystemExit) and error.code in (None, 0)):
+    fail; a SystemExit with status 0 is a normal end, and GeneratorExit is a profile() context
+    collected without being left, not the run's failure)."""
+    if error is None or isinstance(error, GeneratorExit) or (
+            isinstance(error, SystemExit) and error.code in (None, 0)):
         return None
     text = str(error)
     return f"{type(error).__name__}: {text}" if text else type(error).__name__

@@ -281,6 +281,8 @@ def _findings(a: Analysis, summary: dict) -> list[str]:
                         "inside the profile for time splits and bottlenecks.")
     if not any("bottleneck" in f for f in findings) and total > 0:
         compute = mean.get("compute_s", 0.0) / total
-        findings.insert(1 if failure else 0, f"no memory bottleneck: compute is {compute:.0%} of step time, "
-                           f"waiting for copies {mean.get('move_wait_s', 0.0) / total:.0%}.")
+        # (after the failure, which comes first)
+        findings.insert(1 if failure else 0,
+                        f"no memory bottleneck: compute is {compute:.0%} of step time, "
+                        f"waiting for copies {mean.get('move_wait_s', 0.0) / total:.0%}.")
     return findings
