@@ -43,7 +43,8 @@ def load_raw(directory: str | os.PathLike) -> dict:
                            f"The profile is written with the other outputs when profiling "
                            f"stops (the end of the patrickstar.profile() block, "
                            f"model.profiler.stop(), model.destroy() or interpreter exit): a "
-                           f"run still going, or killed before that, has written none")
+                           f"run still going, killed before that, or whose initialize() "
+                           f"failed has written none")
     try:
         with open(path, encoding="utf-8") as handle:
             raw = json.load(handle)
