@@ -948,6 +948,17 @@ def test_dropped_events_finding_says_how_to_raise_the_capacity(tmp_path):
                for f in summary["findings"]), summary["findings"]
 
 
+def test_profiling_a_destroyed_engine_says_so(tmp_path):
+    """It failed with AttributeError: 'NoneType' object has no attribute 'manager'."""
+    model, _ = _model()
+    model.destroy()
+    with pytest.raises(RuntimeError, match="cannot profile into .*: this PatrickStar engine was "
+                                           "deleted or destroyed"):
+        with patrickstar.profile(model, tmp_path):
+            pytest.fail("the block ran")
+    assert active_profiler() is None
+
+
 def test_empty_profile_still_writes_every_output(tmp_path):
     model, _ = _model()
     with patrickstar.profile(model, tmp_path):

@@ -99,6 +99,11 @@ class Profiler:
         self.running = False
         self.failure: str | None = None  # Note [Profiles of failed runs]
         self._last_value_at_start = None
+        if engine.chunks is None:  # (what destroy() leaves)
+            raise RuntimeError(f"cannot profile into '{self.output_dir}': this PatrickStar "
+                               f"engine was deleted or destroyed (`del model` or "
+                               f"model.destroy()); its chunks are freed. Profile an engine "
+                               f"that is alive")
         self._manager = engine.chunks.manager
         # Note [Where measured non-model data lives]
         # The engine measures non-model data (activations) where it really is and plans with it
