@@ -946,6 +946,12 @@ def test_dropped_events_finding_says_how_to_raise_the_capacity(tmp_path):
                           "between two ends of iteration: "
                           "patrickstar.profile(model, dir, capacity=N).")
                for f in summary["findings"]), summary["findings"]
+    for capacity in (0, -1, 2.5, "big", True):
+        with pytest.raises(ValueError, match=f"profiler capacity: expected a positive whole "
+                                             f"number of events .*got {capacity!r}"):
+            with patrickstar.profile(model, tmp_path / "bad", capacity=capacity):
+                pytest.fail("the block ran")
+    assert not (tmp_path / "bad").exists() and active_profiler() is None
 
 
 def test_profiling_a_destroyed_engine_says_so(tmp_path):

@@ -92,6 +92,11 @@ class Profiler:
 
     def __init__(self, engine, output_dir: str | os.PathLike,
                  capacity: int = 1 << 20):
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+            # (the manager's binding refused 'big' or 2.5 with a pybind11 signature dump, and
+            # only once the directory was made)
+            raise ValueError(f"profiler capacity: expected a positive whole number of events "
+                             f"(held between two ends of iteration), got {capacity!r}")
         self._engine = weakref.ref(engine)  # the engine holds its profiler
         self._holding = None  # the engine, strongly, while its destroy() stops us
         self.output_dir = os.fspath(output_dir)
