@@ -25,6 +25,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import json
+import numbers
 import os
 import sys
 import weakref
@@ -92,7 +93,8 @@ class Profiler:
 
     def __init__(self, engine, output_dir: str | os.PathLike,
                  capacity: int = 1 << 20):
-        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+        if (isinstance(capacity, bool) or not isinstance(capacity, numbers.Integral)
+                or capacity < 1):
             # (the manager's binding refused 'big' or 2.5 with a pybind11 signature dump, and
             # only once the directory was made)
             raise ValueError(f"profiler capacity: expected a positive whole number of events "
@@ -100,7 +102,7 @@ class Profiler:
         self._engine = weakref.ref(engine)  # the engine holds its profiler
         self._holding = None  # the engine, strongly, while its destroy() stops us
         self.output_dir = os.fspath(output_dir)
-        self.capacity = capacity
+        self.capacity = int(capacity)
         self.running = False
         self.failure: str | None = None  # Note [Profiles of failed runs]
         self._last_value_at_start = None
