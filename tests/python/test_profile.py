@@ -876,6 +876,24 @@ def test_the_report_of_a_failed_run_says_it_failed(tmp_path, capsys):
     assert summary["run"]["failure"] is None and summary["run"]["iterations"] == 1
 
 
+def test_a_failed_run_whose_profile_cannot_be_written_raises_the_runs_error(tmp_path,
+                                                                            monkeypatch):
+    """A profile() block left by the run's error, whose profile then could not be written,
+    raised the writing error in its place."""
+    from patrickstar.profiling import outputs
+
+    def disk_full(*args, **kwargs):
+        raise ProfileError("cannot write profile output 'x': [Errno 28] No space left on device")
+    model, optimizer = _model()
+    with pytest.raises(RuntimeError, match="data loader broke") as caught:
+        with patrickstar.profile(model, tmp_path):
+            monkeypatch.setattr(outputs, "write_outputs", disk_full)
+            raise RuntimeError("data loader broke")
+    assert any("its profile could not be written into" in note and "No space left" in note
+               for note in caught.value.__notes__)
+    assert active_profiler() is None and model.profiler is None
+
+
 _DIES_WITH_A_CONFIG_PROFILE = """
 import sys, torch, patrickstar
 from patrickstar.examples.gpt import GPT, GPTConfig, synthetic_batches

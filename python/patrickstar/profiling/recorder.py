@@ -375,7 +375,15 @@ def profile(model, output_dir: str | os.PathLike | None = None,
     try:
         yield profiler
     except BaseException as error:
-        profiler.stop(failure=error)  # Note [Profiles of failed runs]
+        try:
+            profiler.stop(failure=error)  # Note [Profiles of failed runs]
+        except Exception as write_error:
+            # The run's own error is what the user must see: a profile that cannot be written
+            # (a full disk) took its place, with the run's error only as the "During handling"
+            # context of the traceback.
+            error.add_note(f"(and its profile could not be written into "
+                           f"'{profiler.output_dir}': {type(write_error).__name__}: "
+                           f"{write_error})")
         raise
     profiler.stop()
 
