@@ -321,6 +321,14 @@ def test_model_data_by_kind_names_the_state_dtypes_and_agrees_with_the_estimate(
     assert sum(k["bytes"] for k in by_kind.values()) == chunks["model_data_bytes"]
     predicted = estimate["modes"][mode]
     assert chunks["model_data_bytes"] == predicted["total"]
+    # The estimate's table names which chunks its folded columns hold ("bf16, no master" read
+    # as having a master).
+    from patrickstar.estimator import format_estimate
+    table = format_estimate(estimate)
+    for estimated_kind, kinds in folded.items():
+        for kind in kinds:
+            if kind != estimated_kind:
+                assert kind in table, (kind, table)
     for estimated_kind, kinds in folded.items():
         assert predicted["by_kind"][estimated_kind] == sum(by_kind[k]["bytes"] for k in kinds)
     page = (tmp_path / "report.html").read_text()
