@@ -859,7 +859,18 @@ def test_the_report_of_a_failed_run_says_it_failed(tmp_path, capsys):
     with pytest.raises(RuntimeError, match="data loader broke"):
         with patrickstar.profile(model, tmp_path / "failed"):
             _train(model, optimizer, 1)
+            ids, targets = next(synthetic_batches(GPT_CONFIG, 2, 1))
+            model(ids, targets)  # the next iteration's forward, then the failure
             raise RuntimeError("data loader broke\nsecond line")
+    # The trace shows the iteration that failed and its forward, where it showed nothing after
+    # the last complete iteration.
+    trace = json.loads((tmp_path / "failed" / "trace.json").read_text())["traceEvents"]
+    slices = [e for e in trace if e.get("ph") == "X" and e.get("cat") in ("iteration", "phase")]
+    complete = next(e for e in slices if e["name"] == "iteration 0")
+    incomplete = next(e for e in slices if e["name"] == "iteration 1 (incomplete)")
+    assert incomplete["ts"] >= complete["ts"] + complete["dur"] - 1e-3
+    assert any(e["name"] == "forward" and e["ts"] >= incomplete["ts"] and e["dur"] > 0
+               for e in slices)
     summary = json.loads((tmp_path / "failed" / "summary.json").read_text())
     assert summary["run"]["failure"] == "RuntimeError: data loader broke\nsecond line"
     assert summary["findings"][0] == ("the profiled run failed: RuntimeError: data loader "

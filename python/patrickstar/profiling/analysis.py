@@ -268,6 +268,35 @@ class Analysis:
                 "optimizer_ns": optimizer, "spans": spans,
                 "move_bytes": sum(e["bytes"] for e in waits)})
             begin = end
+        self._trailing(begin)
+
+    def _trailing(self, begin: int) -> None:
+        """What was recorded after the last complete iteration: `trailing_spans`, its
+        forward/backward runs of ticks and optimizer spans (the tail of the last step's
+        optimizer phase, which goes on past its end of iteration, or the phases of an
+        iteration the profile stopped inside), and `incomplete`, that iteration if the next one
+        had begun ({"iteration", "start_ns", "end_ns"}, else None). Without them a failed
+        run's trace showed no phase of the iteration that failed. The last run of ticks lasts
+        until the profile stopped (or the optimizer step after it began): the phase the run
+        was in."""
+        marks = [m for m in self.raw["marks"] if m["time_ns"] > begin]
+        stop = self.raw["stop_ns"]
+        runs = [[phase, start, end] for phase, start, end
+                in _phase_runs([m for m in marks if m["kind"] == "tick"])]
+        optimizer = [(p["start_ns"], p["end_ns"]) for p in self.raw["phases"]
+                     if p["name"] == "optimizer" and p["end_ns"] > begin]
+        if runs:
+            after = [start for start, _ in optimizer if start >= runs[-1][2]]
+            runs[-1][2] = min(after + [stop])
+        spans = [tuple(run) for run in runs]
+        spans += [("optimizer", max(begin, start), end) for start, end in optimizer]
+        self.trailing_spans = sorted(spans, key=lambda span: span[1])
+        rows = [r for r in self.rows if r["time_ns"] > begin]
+        self.incomplete = None
+        if marks or rows:
+            number = rows[0]["iteration"] if rows else (
+                self.iterations[-1]["iteration"] + 1 if self.iterations else 0)
+            self.incomplete = {"iteration": number, "start_ns": begin, "end_ns": stop}
 
     def steady_iterations(self) -> list[dict]:
         """Iterations after warm-up (iteration 0) when there are others."""
