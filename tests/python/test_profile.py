@@ -917,8 +917,11 @@ _DIES_WITH_A_CONFIG_PROFILE = """
 import sys, torch, patrickstar
 from patrickstar.examples.gpt import GPT, GPTConfig, synthetic_batches
 gpt = GPTConfig(vocab_size=64, max_seq_len=8, hidden=32, layers=1, heads=2)
+manual = sys.argv[3] == "Profiler"
 model, optimizer = patrickstar.initialize(lambda: GPT(gpt), config={
-    "default_chunk_size": 4096, "profile": {"enabled": True, "output_dir": sys.argv[1]}})
+    "default_chunk_size": 4096, "profile": {"enabled": not manual, "output_dir": sys.argv[1]}})
+if manual:  # tools/demo_train.py's way, never stopped here
+    patrickstar.Profiler(model, sys.argv[1]).start()
 for ids, targets in synthetic_batches(gpt, 2, 2):
     model.backward(model(ids, targets))
     optimizer.step()
@@ -929,12 +932,14 @@ if sys.argv[2] == "fail":
 
 
 @pytest.mark.parametrize("end", ["fail", "ok"])
-def test_a_config_profile_written_at_exit_says_whether_the_script_failed(tmp_path, end):
-    """A config profile is written at exit, after the traceback of the exception that ended the
-    script: its report says so (sys.last_value; Note [Profiles of failed runs])."""
+@pytest.mark.parametrize("how", ["config", "Profiler"])
+def test_a_config_profile_written_at_exit_says_whether_the_script_failed(tmp_path, end, how):
+    """A config profile (or a Profiler never stopped) is written at exit, after the traceback
+    of the exception that ended the script: its report says so (sys.last_value; Note
+    [Profiles of failed runs])."""
     script = tmp_path / "train.py"
     script.write_text(_DIES_WITH_A_CONFIG_PROFILE)
-    result = subprocess.run([sys.executable, str(script), str(tmp_path / "prof"), end],
+    result = subprocess.run([sys.executable, str(script), str(tmp_path / "prof"), end, how],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == (1 if end == "fail" else 0), result.stderr[-2000:]
     summary = json.loads((tmp_path / "prof" / "summary.json").read_text())

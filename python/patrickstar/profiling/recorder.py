@@ -65,14 +65,14 @@ def describe_failure(error: BaseException | None) -> str | None:
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
-def _stop_running_at_exit() -> None:
-    """Writes the running profile at interpreter exit, with the exception that ended the
-    script (Note [Profiles of failed runs]). Registered at the first start(), after the
-    engine's own exit hook, so it runs first: the engine's destroy() would write it too, but
-    without the failure."""
+def _note_failure_at_exit() -> None:
+    """At interpreter exit, tells the running profiler the exception that ended the script
+    (Note [Profiles of failed runs]). Registered at the first start(), after the engine's own
+    exit hook, so it runs first; that hook's destroy() then writes the profile, once it has
+    waited for a daemon thread still training (writing here would race it)."""
     running = active_profiler()
     if running is not None and running.running:
-        running.stop(failure=running.uncaught_exception())
+        running.note_exit()
 
 
 def now_ns() -> int:
@@ -106,6 +106,7 @@ class Profiler:
         self.running = False
         self.failure: str | None = None  # Note [Profiles of failed runs]
         self._last_value_at_start = None
+        self._failure_at_exit: str | None = None
         if engine.chunks is None:  # (what destroy() leaves)
             raise RuntimeError(f"cannot profile into '{self.output_dir}': this PatrickStar "
                                f"engine was deleted or destroyed (`del model` or "
@@ -175,12 +176,12 @@ class Profiler:
         self._manager.enable_events(True, self.capacity)
         self._set_phase("other")
         self.start_ns = now_ns()
-        self.failure = None
+        self.failure = self._failure_at_exit = None
         self._last_value_at_start = getattr(sys, "last_value", None)
         self.running = True
         _active = weakref.ref(self)
         if not _exit_hook_registered:
-            atexit.register(_stop_running_at_exit)
+            atexit.register(_note_failure_at_exit)
             _exit_hook_registered = True
         self.engine.profiler = self  # the engine's hooks call on_tick / on_end_iteration
         return self
@@ -194,7 +195,7 @@ class Profiler:
         `failure` is the exception that ended the profiled run, if one did (Note [Profiles of
         failed runs])."""
         if self.running:
-            self.failure = describe_failure(failure)
+            self.failure = describe_failure(failure) or self._failure_at_exit
         self._holding = engine
         try:
             return self._stop(write)
@@ -205,6 +206,11 @@ class Profiler:
         """At interpreter exit: the exception that ended the script since start(), if any."""
         value = getattr(sys, "last_value", None)
         return None if value is self._last_value_at_start else value
+
+    def note_exit(self) -> None:
+        """At interpreter exit, before the engine's destroy() stops this profiler: the
+        exception that ended the script is the run's failure."""
+        self._failure_at_exit = describe_failure(self.uncaught_exception())
 
     def _stop(self, write: bool) -> str | None:
         global _active
