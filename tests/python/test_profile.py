@@ -641,6 +641,22 @@ def test_cli_on_a_data_parallel_profile_directory_names_the_rank_directories(pro
     assert "written with the other outputs when profiling stops" in capsys.readouterr().err
 
 
+def test_cli_piped_into_head_regenerates_the_page_without_a_traceback(profiled, tmp_path):
+    """`patrickstar-report DIR | head -3` ended in a BrokenPipeError traceback, before
+    report.html was regenerated."""
+    directory = tmp_path / "prof"
+    shutil.copytree(profiled[0], directory)
+    (directory / "report.html").unlink()
+    for argv in ([str(directory)], ["--compare", str(directory), str(directory)]):
+        process = subprocess.Popen([sys.executable, "-m", "patrickstar.report", *argv],
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert process.stdout.readline()  # one line, as head -1, and the reader leaves
+        process.stdout.close()
+        _, err = process.communicate(timeout=120)
+        assert process.returncode == 0 and "Traceback" not in err, err
+    assert (directory / "report.html").is_file()
+
+
 def test_cli_names_fields_of_the_wrong_type(profiled, tmp_path, capsys):
     # A profile.json that parses but is not what the recorder writes (edited by hand, cut by
     # another tool) is named key by key with exit code 2, never a TypeError traceback.

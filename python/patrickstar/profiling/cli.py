@@ -95,21 +95,45 @@ def main(argv: list[str] | None = None, out=None) -> int:
                 print(f"\nfindings {label}:", file=out)
                 for finding in summary["findings"]:
                     print(f"  - {finding}", file=out)
+            out.flush()  # (into a pipe: a reader gone raises here, not at exit)
             return 0
         raw = load_raw(args.directory)
         analysis = Analysis(raw)
         summary = build_summary(raw, analysis)
-        _print_table([["", args.directory]] + [[k, v] for k, v in _summary_lines(summary)], out)
-        print("\nfindings:", file=out)
-        for finding in summary["findings"]:
-            print(f"  - {finding}", file=out)
+        reader_left = False
+        try:
+            _print_table([["", args.directory]]
+                         + [[k, v] for k, v in _summary_lines(summary)], out)
+            print("\nfindings:", file=out)
+            for finding in summary["findings"]:
+                print(f"  - {finding}", file=out)
+            out.flush()
+        except BrokenPipeError:  # the page is regenerated all the same
+            reader_left = _reader_left(out)
         path = os.path.join(args.directory, "report.html")
         write_text(path, render_html(raw, summary, analysis))
-        print(f"\nwrote {path}", file=out)
+        if not reader_left:
+            print(f"\nwrote {path}", file=out)
+            out.flush()
+        return 0
+    except BrokenPipeError:
+        _reader_left(out)
         return 0
     except ProfileError as error:
         print(f"patrickstar-report: {error}", file=sys.stderr)
         return 2
+
+
+def _reader_left(out) -> bool:
+    """The reader of the output went away (`patrickstar-report DIR | head`): what is left to
+    print goes nowhere, and the interpreter's flush at exit does not raise again (Python's
+    advice for SIGPIPE: point stdout at devnull). That used to end in a BrokenPipeError
+    traceback, before report.html was regenerated."""
+    if out is sys.stdout:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    return True
 
 
 if __name__ == "__main__":  # pragma: no cover
