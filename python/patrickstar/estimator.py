@@ -186,7 +186,7 @@ def estimate_memory(model: Callable[[], nn.Module] | int, config: Any = None,
             "host_min_with_nvme": sum(figures["largest_chunk"].get(kind, 0) for kind in on_host)}
     result = {"parameters": params, "trainable": trainable,
               "gradient_accumulation_steps": cfg.gradient_accumulation_steps, "modes": modes,
-              "world_size": _world_size()}
+              "world_size": _world_size(), "state_dtype": state_dtype}
     if verbose:
         print(format_estimate(result))
     return result
@@ -232,4 +232,13 @@ def format_estimate(result: dict) -> str:
     widths = [max(len(row[c]) for row in rows) for c in range(len(header))]
     for row in rows:
         lines.append("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+    # What the columns hold where a kind stands in for another, named as a profile's report
+    # names the chunks (summary.json chunks.by_kind): without these lines "bf16, no master"
+    # read as having a 1 MiB master.
+    if "bf16, no master" in result["modes"]:
+        lines.append("  (bf16, no master: its master column is the bf16 Kahan compensation, the "
+                     "param_compensation chunks)")
+    if result.get("state_dtype") == "int8":
+        lines.append("  (int8 optimizer state: momentum and variance include their float32 "
+                     "scales, the momentum_scale and variance_scale chunks)")
     return "\n".join(lines)

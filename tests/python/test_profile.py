@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import csv
 import gc
+import html
 import io
 import json
 import os
+import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -24,6 +27,8 @@ from patrickstar import report
 from patrickstar.report import ProfileError
 from patrickstar.examples.gpt import GPT, GPTConfig, synthetic_batches
 from patrickstar.profiler import active_profiler, now_ns
+from patrickstar.profiling.analysis import mib as report_mib
+from patrickstar.profiling.outputs import write_text
 
 GPT_CONFIG = GPTConfig(vocab_size=256, max_seq_len=16, hidden=64, layers=2, heads=2)
 CHUNK = 1 << 13
@@ -236,6 +241,15 @@ def test_eviction_causes_are_told_apart(tmp_path, nvme_dir):
     assert any(c["trigger"] == "explicit" for c in causes)
     descriptions = [c["description"] for c in causes]
     assert len(set(descriptions)) == len(descriptions), descriptions
+    # The NVMe panel of report.html is scaled to the chunks it held, not to its default budget
+    # (the disk's free space), which drew them as a flat line at 0.
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    nvme = summary["tiers"]["nvme"]
+    assert 0 < nvme["peak_total_bytes"] and nvme["budget_bytes"] > 4 * nvme["peak_total_bytes"]
+    panel = (tmp_path / "report.html").read_text().split('<svg class="chart"')[3]
+    assert "nvme (nvme)" in panel and "(above the chart)" in panel
+    top_label = panel.split('class="small axis">')[3].split(" MiB<")[0]
+    assert float(top_label) * MiB <= 1.01 * nvme["peak_total_bytes"]
 
 
 def test_peaks_include_chunks_between_samples(tmp_path):
@@ -261,6 +275,67 @@ def test_peaks_include_chunks_between_samples(tmp_path):
 
 _PLACEMENT_KEYS = ("bytes_in", "bytes_out", "chunks_in", "chunks_out", "evictions", "zero_fills",
                    "prefetch_issued", "prefetch_hits", "prefetch_misses")
+
+
+@pytest.mark.parametrize("precision", ["int8 state", "bf16 without master"])
+def test_model_data_by_kind_names_the_state_dtypes_and_agrees_with_the_estimate(tmp_path,
+                                                                                 precision):
+    """summary.json gave the model data only as one total and report.html's run table only the
+    precision ('fp32' for int8 Adam state): whether the moments were int8, and what the scales
+    or the Kahan compensation cost, could not be read off the report nor set against
+    estimate_memory()'s kinds. chunks.by_kind gives each kind's chunks, element type and
+    bytes; the CLI and report.html list them."""
+    if precision == "int8 state":
+        extra = {"optimizer": {"type": "Adam", "params": {"state_dtype": "int8"}}}
+        mode, expected = "fp32", {"compute_param": ("float32", 4), "gradient": ("float32", 4),
+                                  "momentum": ("uint8", 1), "variance": ("uint8", 1)}
+        folded = {"momentum": ("momentum", "momentum_scale"),
+                  "variance": ("variance", "variance_scale"), "master": ()}
+    else:
+        extra = {"bf16": {"enabled": True, "master_weights": False}}
+        mode, expected = "bf16, no master", {"compute_param": ("bfloat16", 2),
+                                             "gradient": ("bfloat16", 2),
+                                             "param_compensation": ("bfloat16", 2),
+                                             "momentum": ("float32", 4),
+                                             "variance": ("float32", 4)}
+        folded = {"momentum": ("momentum",), "variance": ("variance",),
+                  "master": ("param_compensation",)}
+    config = _config(**extra)
+    estimate = patrickstar.estimate_memory(lambda: GPT(GPT_CONFIG), config, verbose=False)
+    model, optimizer = _model(config)
+    with patrickstar.profile(model, tmp_path):
+        _train(model, optimizer, 1)
+    chunks = json.loads((tmp_path / "summary.json").read_text())["chunks"]
+    by_kind = chunks["by_kind"]
+    layout = json.loads((tmp_path / "profile.json").read_text())["layout"]["chunks"]
+    for kind, (dtype, itemsize) in expected.items():
+        elements = sum(c["capacity_elements"] for c in layout if c["kind"] == kind)
+        assert by_kind[kind]["dtype"] == dtype, kind
+        assert by_kind[kind]["bytes"] == elements * itemsize, kind
+        assert by_kind[kind]["chunks"] == sum(1 for c in layout if c["kind"] == kind)
+    if precision == "int8 state":  # one float32 scale per block of the uint8 moments
+        for kind in ("momentum_scale", "variance_scale"):
+            assert by_kind[kind]["dtype"] == "float32"
+            assert 0 < by_kind[kind]["bytes"] < by_kind["momentum"]["bytes"]
+    assert set(by_kind) == set(expected) | {k for kinds in folded.values() for k in kinds}
+    assert sum(k["bytes"] for k in by_kind.values()) == chunks["model_data_bytes"]
+    predicted = estimate["modes"][mode]
+    assert chunks["model_data_bytes"] == predicted["total"]
+    # The estimate's table names which chunks its folded columns hold ("bf16, no master" read
+    # as having a master).
+    from patrickstar.estimator import format_estimate
+    table = format_estimate(estimate)
+    for estimated_kind, kinds in folded.items():
+        for kind in kinds:
+            if kind != estimated_kind:
+                assert kind in table, (kind, table)
+    for estimated_kind, kinds in folded.items():
+        assert predicted["by_kind"][estimated_kind] == sum(by_kind[k]["bytes"] for k in kinds)
+    page = (tmp_path / "report.html").read_text()
+    assert f"momentum {expected['momentum'][0]}" in page
+    out = io.StringIO()
+    assert report.main([str(tmp_path)], out=out) == 0
+    assert re.search(rf"\n  momentum +[0-9.]+ [KM]iB {expected['momentum'][0]}\n", out.getvalue())
 
 
 def test_profiling_does_not_change_placement(profiled):
@@ -373,6 +448,7 @@ def test_data_parallel_ranks_write_their_own_profiles(tmp_path):
                               stderr=subprocess.PIPE, text=True) for r in range(2)]
     codes = finish(procs)
     assert codes == [0, 0], [proc.stderr.read()[-2000:] for proc in procs]
+    owned = []
     for rank in range(2):
         directory = tmp_path / f"rank{rank}"
         for name in OUTPUTS:
@@ -380,6 +456,17 @@ def test_data_parallel_ranks_write_their_own_profiles(tmp_path):
         summary = json.loads((directory / "summary.json").read_text())
         assert summary["run"]["rank"] == rank and summary["run"]["world_size"] == 2
         assert summary["run"]["iterations"] == 2
+        # The layout lists the whole model's chunks on every rank; each rank keeps its own
+        # (Note [Model data of a data-parallel rank]): the model data read the whole model's.
+        chunks = summary["chunks"]
+        owned.append(chunks["owned_bytes"])
+        total = chunks["model_data_bytes"]
+        assert 0 < chunks["owned_bytes"] < total
+        assert sum(k["owned_bytes"] for k in chunks["by_kind"].values()) == chunks["owned_bytes"]
+        out = io.StringIO()
+        assert report.main([str(directory)], out=out) == 0
+        assert f"this rank owns {report_mib(chunks['owned_bytes'])}" in out.getvalue()
+    assert sum(owned) == total  # every chunk is owned by one of the two ranks
     assert not [p.name for p in tmp_path.iterdir() if p.is_file()]
 
 
@@ -536,6 +623,40 @@ def test_cli_names_missing_and_incomplete_directories(tmp_path, capsys):
     assert "not valid JSON" in capsys.readouterr().err
 
 
+def test_cli_on_a_data_parallel_profile_directory_names_the_rank_directories(profiled, tmp_path,
+                                                                             capsys):
+    """`patrickstar-report prof/` (README) of a data-parallel run, whose ranks write prof/rank<k>/
+    (Note [One profile directory per rank]), said prof/ 'is not a complete profile'; it now
+    names the rank directories to give. An empty directory says when a profile is written."""
+    for rank in (0, 1, 10):
+        shutil.copytree(profiled[0], tmp_path / "prof" / f"rank{rank}")
+    assert report.main([str(tmp_path / "prof")]) == 2
+    assert (f"'{tmp_path / 'prof'}' holds the profiles of 3 data-parallel ranks (rank0/, "
+            f"rank1/, rank10/), one directory each: give one of them, e.g. "
+            f"'{tmp_path / 'prof' / 'rank0'}'") in capsys.readouterr().err
+    assert report.main([str(tmp_path / "prof" / "rank1")]) == 0
+    capsys.readouterr()
+    (tmp_path / "running").mkdir()
+    assert report.main([str(tmp_path / "running")]) == 2
+    assert "written with the other outputs when profiling stops" in capsys.readouterr().err
+
+
+def test_cli_piped_into_head_regenerates_the_page_without_a_traceback(profiled, tmp_path):
+    """`patrickstar-report DIR | head -3` ended in a BrokenPipeError traceback, before
+    report.html was regenerated."""
+    directory = tmp_path / "prof"
+    shutil.copytree(profiled[0], directory)
+    (directory / "report.html").unlink()
+    for argv in ([str(directory)], ["--compare", str(directory), str(directory)]):
+        process = subprocess.Popen([sys.executable, "-m", "patrickstar.report", *argv],
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert process.stdout.readline()  # one line, as head -1, and the reader leaves
+        process.stdout.close()
+        _, err = process.communicate(timeout=120)
+        assert process.returncode == 0 and "Traceback" not in err, err
+    assert (directory / "report.html").is_file()
+
+
 def test_cli_names_fields_of_the_wrong_type(profiled, tmp_path, capsys):
     # A profile.json that parses but is not what the recorder writes (edited by hand, cut by
     # another tool) is named key by key with exit code 2, never a TypeError traceback.
@@ -629,6 +750,39 @@ def test_console_check_catches_a_broken_page(tmp_path):
     assert any("undefinedFunction" in line for line in problems)
 
 
+_CLIPPED_TEXT_CHECK = """<script>
+var clipped=[];
+document.querySelectorAll('svg.chart text').forEach(function(t){
+  var box=t.getBBox(),width=t.ownerSVGElement.viewBox.baseVal.width;
+  if(box.x<0||box.x+box.width>width+0.5){clipped.push(t.textContent);}});
+document.body.setAttribute('data-clipped',JSON.stringify(clipped));
+</script></body>"""
+
+
+@needs_chromium
+def test_report_text_fits_its_charts_and_axis_labels_differ(tmp_path):
+    """The chunk heat map's labels were cut at the chart's left edge for the longer kinds of
+    int8 state ('hunk 32 momentum_scale'), and a panel whose peak is below a few MiB labelled
+    its axis '0 MiB', '0 MiB', '0 MiB'."""
+    model, optimizer = _model(_config(optimizer={"type": "Adam",
+                                                 "params": {"state_dtype": "int8"}}))
+    with patrickstar.profile(model, tmp_path / "prof"):
+        _train(model, optimizer, 1)
+    page = (tmp_path / "prof" / "report.html").read_text()
+    assert "momentum_scale" in page
+    checked = tmp_path / "checked.html"
+    checked.write_text(page.replace("</body>", _CLIPPED_TEXT_CHECK))
+    _, problems, dom = _render(checked, tmp_path)
+    assert problems == []
+    clipped = json.loads(html.unescape(dom.split('data-clipped="')[1].split('"')[0]))
+    assert clipped == []
+    # Each panel's three axis labels (0, half and all of its peak) are three numbers.
+    panels = page.split('<svg class="chart"')[1:3]
+    for panel in panels:
+        values = [label.split("<")[0] for label in panel.split('class="small axis">')[1:]]
+        assert len(values) == 3 and len(set(values)) == 3, values
+
+
 def test_demo_writes_a_profile(tmp_path):
     """tools/demo_train.py --profile DIR: the demo's run produces all four outputs."""
     demo = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "demo_train.py")
@@ -681,6 +835,194 @@ def test_a_profile_directory_that_cannot_be_made_fails_before_the_run(tmp_path):
     assert (tmp_path / "ok" / "summary.json").is_file()
 
 
+def _unwritable_directory(tmp_path):
+    """An existing directory no file can be made in: read-only by mode, or, for root (whom
+    modes do not stop), /proc/self."""
+    directory = tmp_path / "read-only"
+    directory.mkdir()
+    directory.chmod(0o500)
+    if not os.access(directory, os.W_OK):
+        return directory
+    if os.path.isdir("/proc/self"):
+        return pathlib.Path("/proc/self")
+    pytest.skip("no directory this user cannot write into")
+
+
+def test_an_existing_directory_that_cannot_be_written_fails_before_the_run(tmp_path):
+    """A directory that exists passed makedirs at start(); the run was profiled to its end and
+    its profile lost to a bare PermissionError at stop(). start() now makes a file there."""
+    directory = _unwritable_directory(tmp_path)
+    model, optimizer = _model()
+    with pytest.raises(ProfileError, match=f"cannot write into profile directory "
+                                           f"'{directory}'"):
+        with patrickstar.profile(model, directory):
+            pytest.fail("the block ran")
+    assert model.profiler is None and active_profiler() is None
+    with pytest.raises(ProfileError, match="'profile.output_dir': cannot write into profile "
+                                           "directory"):
+        _model(_config(profile={"enabled": True, "output_dir": str(directory)}))
+    # Writing an output into it (the CLI's report.html) names the file.
+    with pytest.raises(ProfileError, match=f"cannot write profile output "
+                                           f"'{directory / 'report.html'}'"):
+        write_text(str(directory / "report.html"), "x")
+
+
+def test_the_report_of_a_failed_run_says_it_failed(tmp_path, capsys):
+    """A profile() block left by an exception wrote a report that read like a finished run's
+    (Note [Profiles of failed runs]); the record now keeps the failure and the first finding
+    says the figures stop there."""
+    model, optimizer = _model()
+    with pytest.raises(RuntimeError, match="data loader broke"):
+        with patrickstar.profile(model, tmp_path / "failed"):
+            _train(model, optimizer, 1)
+            ids, targets = next(synthetic_batches(GPT_CONFIG, 2, 1))
+            model(ids, targets)  # the next iteration's forward, then the failure
+            raise RuntimeError("data loader broke\nsecond line")
+    # The trace shows the iteration that failed and its forward, where it showed nothing after
+    # the last complete iteration.
+    trace = json.loads((tmp_path / "failed" / "trace.json").read_text())["traceEvents"]
+    slices = [e for e in trace if e.get("ph") == "X" and e.get("cat") in ("iteration", "phase")]
+    complete = next(e for e in slices if e["name"] == "iteration 0")
+    incomplete = next(e for e in slices if e["name"] == "iteration 1 (incomplete)")
+    assert incomplete["ts"] >= complete["ts"] + complete["dur"] - 1e-3
+    assert any(e["name"] == "forward" and e["ts"] >= incomplete["ts"] and e["dur"] > 0
+               for e in slices)
+    summary = json.loads((tmp_path / "failed" / "summary.json").read_text())
+    assert summary["run"]["failure"] == "RuntimeError: data loader broke\nsecond line"
+    assert summary["findings"][0] == ("the profiled run failed: RuntimeError: data loader "
+                                      "broke (these figures stop at the failure).")
+    assert summary["run"]["iterations"] == 1  # what ran before the failure is kept
+    assert report.main([str(tmp_path / "failed")]) == 0
+    assert "the profiled run failed: RuntimeError: data loader broke" in capsys.readouterr().out
+    assert "the profiled run failed" in (tmp_path / "failed" / "report.html").read_text()
+    with patrickstar.profile(model, tmp_path / "ok"):  # a run that ends normally
+        _train(model, optimizer, 1)
+    summary = json.loads((tmp_path / "ok" / "summary.json").read_text())
+    assert summary["run"]["failure"] is None
+    assert not any("failed" in finding for finding in summary["findings"])
+    # A profile() context entered and dropped without being left is closed with GeneratorExit
+    # when collected: not a failure of the run.
+    context = patrickstar.profile(model, tmp_path / "dropped")
+    context.__enter__()
+    _train(model, optimizer, 1)
+    del context
+    gc.collect()
+    summary = json.loads((tmp_path / "dropped" / "summary.json").read_text())
+    assert summary["run"]["failure"] is None and summary["run"]["iterations"] == 1
+
+
+def test_a_failed_run_whose_profile_cannot_be_written_raises_the_runs_error(tmp_path,
+                                                                            monkeypatch):
+    """A profile() block left by the run's error, whose profile then could not be written,
+    raised the writing error in its place."""
+    from patrickstar.profiling import outputs
+
+    def disk_full(*args, **kwargs):
+        raise ProfileError("cannot write profile output 'x': [Errno 28] No space left on device")
+    model, optimizer = _model()
+    with pytest.raises(RuntimeError, match="data loader broke") as caught:
+        with patrickstar.profile(model, tmp_path):
+            monkeypatch.setattr(outputs, "write_outputs", disk_full)
+            raise RuntimeError("data loader broke")
+    assert any("its profile could not be written into" in note and "No space left" in note
+               for note in caught.value.__notes__)
+    assert active_profiler() is None and model.profiler is None
+
+
+_DIES_WITH_A_CONFIG_PROFILE = """
+import sys, torch, patrickstar
+from patrickstar.examples.gpt import GPT, GPTConfig, synthetic_batches
+gpt = GPTConfig(vocab_size=64, max_seq_len=8, hidden=32, layers=1, heads=2)
+manual = sys.argv[3] == "Profiler"
+model, optimizer = patrickstar.initialize(lambda: GPT(gpt), config={
+    "default_chunk_size": 4096, "profile": {"enabled": not manual, "output_dir": sys.argv[1]}})
+if manual:  # tools/demo_train.py's way, never stopped here
+    patrickstar.Profiler(model, sys.argv[1]).start()
+for ids, targets in synthetic_batches(gpt, 2, 2):
+    model.backward(model(ids, targets))
+    optimizer.step()
+    optimizer.zero_grad()
+if sys.argv[2] == "fail":
+    raise ValueError("bad batch")
+"""
+
+
+@pytest.mark.parametrize("end", ["fail", "ok"])
+@pytest.mark.parametrize("how", ["config", "Profiler"])
+def test_a_config_profile_written_at_exit_says_whether_the_script_failed(tmp_path, end, how):
+    """A config profile (or a Profiler never stopped) is written at exit, after the traceback
+    of the exception that ended the script: its report says so (sys.last_value; Note
+    [Profiles of failed runs])."""
+    script = tmp_path / "train.py"
+    script.write_text(_DIES_WITH_A_CONFIG_PROFILE)
+    result = subprocess.run([sys.executable, str(script), str(tmp_path / "prof"), end, how],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == (1 if end == "fail" else 0), result.stderr[-2000:]
+    summary = json.loads((tmp_path / "prof" / "summary.json").read_text())
+    assert summary["run"]["iterations"] == 2
+    if end == "fail":
+        assert summary["run"]["failure"] == "ValueError: bad batch"
+        assert summary["findings"][0].startswith("the profiled run failed: ValueError: bad batch")
+    else:
+        assert summary["run"]["failure"] is None
+
+
+def test_upstream_profiler_with_a_config_profile_says_why_nothing_was_recorded(tmp_path):
+    """Upstream's `profiler.start()` before initialize() of a config with profile.enabled: the
+    config's profiler records the engine, and save() said "nothing was recorded; call
+    profiler.start() before patrickstar.initialize()", which the script had done. It now
+    names the profiler that ran instead and where its profile is."""
+    from patrickstar.profiling.upstream import UpstreamProfiler
+    fresh = UpstreamProfiler()
+    fresh.start()
+    model, optimizer = _model(_config(profile={"enabled": True,
+                                               "output_dir": str(tmp_path / "config")}))
+    fresh.engine_built(model)  # (what patrickstar.initialize() tells the global profiler)
+    _train(model, optimizer, 1)
+    fresh.end()
+    with pytest.raises(RuntimeError, match=f"profiler.save\\(\\): nothing was recorded: another "
+                                           f"profiler was running .*'{tmp_path / 'config'}'.*"
+                                           f"remove the config's 'profile' section"):
+        fresh.save(str(tmp_path / "x.pkl"))
+    assert model.profiler.stop() == str(tmp_path / "config")
+    fresh.start()  # with the config's profiler stopped, a new recording takes the engine
+    fresh.end()
+    fresh.save(str(tmp_path / "y.pkl"))
+    assert (tmp_path / "y.pkl").is_file()
+    model.destroy()
+
+
+def test_dropped_events_finding_says_how_to_raise_the_capacity(tmp_path):
+    """The finding said "raise the profiler's capacity" without saying where it is set or
+    what it was."""
+    model, optimizer = _model()
+    with patrickstar.profile(model, tmp_path, capacity=16):
+        _train(model, optimizer, 1)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["dropped_events"] > 0
+    assert any(f.endswith("raise the profiler's capacity (now 16 events), the events it holds "
+                          "between two ends of iteration: "
+                          "patrickstar.profile(model, dir, capacity=N).")
+               for f in summary["findings"]), summary["findings"]
+    for capacity in (0, -1, 2.5, "big", True):
+        with pytest.raises(ValueError, match=f"profiler capacity: expected a positive whole "
+                                             f"number of events .*got {capacity!r}"):
+            with patrickstar.profile(model, tmp_path / "bad", capacity=capacity):
+                pytest.fail("the block ran")
+    assert not (tmp_path / "bad").exists() and active_profiler() is None
+
+
+def test_profiling_a_destroyed_engine_says_so(tmp_path):
+    """It failed with AttributeError: 'NoneType' object has no attribute 'manager'."""
+    model, _ = _model()
+    model.destroy()
+    with pytest.raises(RuntimeError, match="cannot profile into .*: this PatrickStar engine was "
+                                           "deleted or destroyed"):
+        with patrickstar.profile(model, tmp_path):
+            pytest.fail("the block ran")
+    assert active_profiler() is None
+
+
 def test_empty_profile_still_writes_every_output(tmp_path):
     model, _ = _model()
     with patrickstar.profile(model, tmp_path):
@@ -690,6 +1032,13 @@ def test_empty_profile_still_writes_every_output(tmp_path):
     assert any("no complete iteration" in finding for finding in summary["findings"])
     for name in OUTPUTS:
         assert (tmp_path / name).is_file()
+    # No iteration, no step time: the CLI and the page said 0.00 ms.
+    out = io.StringIO()
+    assert report.main([str(tmp_path)], out=out) == 0
+    assert re.search(r"\nstep time \(ms, after warm-up\) +n/a\n", out.getvalue())
+    assert re.search(r"\n  optimizer \(ms\) +n/a\n", out.getvalue())
+    assert ("<td>mean step time after warm-up</td><td>n/a (no complete iteration was "
+            "recorded)</td>") in (tmp_path / "report.html").read_text()
 
 
 # ---- Findings from a hand-made record ----------------------------------------------------------

@@ -33,8 +33,18 @@ def load_raw(directory: str | os.PathLike) -> dict:
         raise ProfileError(f"profile directory '{directory}' does not exist")
     path = os.path.join(directory, RAW_FILE)
     if not os.path.isfile(path):
-        raise ProfileError(f"'{path}' is missing: '{directory}' is not a complete profile "
-                           f"(patrickstar.profile() writes it with the other outputs)")
+        ranks = _rank_directories(directory)
+        if ranks:  # Note [One profile directory per rank] in outputs.py
+            raise ProfileError(f"'{directory}' holds the profiles of {len(ranks)} data-parallel "
+                               f"ranks ({', '.join(r + '/' for r in ranks)}), one directory "
+                               f"each: give one of them, e.g. "
+                               f"'{os.path.join(directory, ranks[0])}'")
+        raise ProfileError(f"'{path}' is missing: '{directory}' is not a complete profile. "
+                           f"The profile is written with the other outputs when profiling "
+                           f"stops (the end of the patrickstar.profile() block, "
+                           f"model.profiler.stop(), model.destroy() or interpreter exit): a "
+                           f"run still going, killed before that, or whose initialize() "
+                           f"failed has written none")
     try:
         with open(path, encoding="utf-8") as handle:
             raw = json.load(handle)
@@ -53,6 +63,14 @@ def load_raw(directory: str | os.PathLike) -> dict:
         raise ProfileError(f"'{path}' is not a profile record PatrickStar wrote: "
                            + "; ".join(wrong))
     return raw
+
+
+def _rank_directories(directory: str) -> list[str]:
+    """The rank<k>/ subdirectories of `directory` holding a raw record, in rank order."""
+    names = [name for name in os.listdir(directory)
+             if name.startswith("rank") and name[4:].isdigit()
+             and os.path.isfile(os.path.join(directory, name, RAW_FILE))]
+    return sorted(names, key=lambda name: int(name[4:]))
 
 
 def _json_name(value) -> str:
@@ -250,6 +268,35 @@ class Analysis:
                 "optimizer_ns": optimizer, "spans": spans,
                 "move_bytes": sum(e["bytes"] for e in waits)})
             begin = end
+        self._trailing(begin)
+
+    def _trailing(self, begin: int) -> None:
+        """What was recorded after the last complete iteration: `trailing_spans`, its
+        forward/backward runs of ticks and optimizer spans (the tail of the last step's
+        optimizer phase, which goes on past its end of iteration, or the phases of an
+        iteration the profile stopped inside), and `incomplete`, that iteration if the next one
+        had begun ({"iteration", "start_ns", "end_ns"}, else None). Without them a failed
+        run's trace showed no phase of the iteration that failed. The last run of ticks lasts
+        until the profile stopped (or the optimizer step after it began): the phase the run
+        was in."""
+        marks = [m for m in self.raw["marks"] if m["time_ns"] > begin]
+        stop = self.raw["stop_ns"]
+        runs = [[phase, start, end] for phase, start, end
+                in _phase_runs([m for m in marks if m["kind"] == "tick"])]
+        optimizer = [(p["start_ns"], p["end_ns"]) for p in self.raw["phases"]
+                     if p["name"] == "optimizer" and p["end_ns"] > begin]
+        if runs:
+            after = [start for start, _ in optimizer if start >= runs[-1][2]]
+            runs[-1][2] = min(after + [stop])
+        spans = [tuple(run) for run in runs]
+        spans += [("optimizer", max(begin, start), end) for start, end in optimizer]
+        self.trailing_spans = sorted(spans, key=lambda span: span[1])
+        rows = [r for r in self.rows if r["time_ns"] > begin]
+        self.incomplete = None
+        if marks or rows:
+            number = rows[0]["iteration"] if rows else (
+                self.iterations[-1]["iteration"] + 1 if self.iterations else 0)
+            self.incomplete = {"iteration": number, "start_ns": begin, "end_ns": stop}
 
     def steady_iterations(self) -> list[dict]:
         """Iterations after warm-up (iteration 0) when there are others."""
@@ -313,4 +360,8 @@ def stat_delta(raw: dict, tier: int, key: str) -> int:
 
 
 def mib(nbytes: float) -> str:
+    """`nbytes` for people: MiB with one decimal, or KiB when that would read 0.0 MiB for bytes
+    that are there (int8 Adam state's scale chunks, a small model's activations)."""
+    if 0 < abs(nbytes) < MiB / 20:
+        return f"{nbytes / 1024:.1f} KiB"
     return f"{nbytes / MiB:.1f} MiB"

@@ -17,12 +17,17 @@ __all__ = ["main"]
 def _summary_lines(summary: dict) -> list[tuple[str, str]]:
     mean = summary["time"]["steady_state_mean"]
     hit = summary["prefetch"]["hit_rate"]
+    ranks = summary["run"].get("world_size", 1)
+
+    def ms(key: str) -> str:  # no complete iteration: no time split, not 0.00 ms
+        return f"{mean[key] * 1e3:.2f}" if key in mean else "n/a"
+
     lines = [("iterations", str(summary["run"]["iterations"])),
-             ("step time (ms, after warm-up)", f"{mean.get('total_s', 0) * 1e3:.2f}"),
-             ("  compute (ms)", f"{mean.get('compute_s', 0) * 1e3:.2f}"),
-             ("  waiting for moves (ms)", f"{mean.get('move_wait_s', 0) * 1e3:.2f}"),
-             ("  waiting for collectives (ms)", f"{mean.get('collective_s', 0) * 1e3:.2f}"),
-             ("  optimizer (ms)", f"{mean.get('optimizer_s', 0) * 1e3:.2f}")]
+             ("step time (ms, after warm-up)", ms("total_s")),
+             ("  compute (ms)", ms("compute_s")),
+             ("  waiting for moves (ms)", ms("move_wait_s")),
+             ("  waiting for collectives (ms)", ms("collective_s")),
+             ("  optimizer (ms)", ms("optimizer_s"))]
     for name, tier in summary["tiers"].items():
         budget = mib(tier["budget_bytes"]) if tier["budget_bytes"] else "unlimited"
         lines += [(f"{name}: budget", budget),
@@ -32,15 +37,29 @@ def _summary_lines(summary: dict) -> list[tuple[str, str]]:
                                               f"{mib(tier['bytes_out'])}"),
                   (f"{name}: evictions", str(tier["evictions"]))]
     lines += [("bytes moved", mib(summary["moves"]["bytes"])),
-              ("prefetch hit rate", "n/a" if hit is None else f"{hit:.0%}"),
-              ("chunk size (elements)", str(summary["chunks"]["chunk_elements"])),
-              ("wasted bytes", mib(summary["chunks"]["wasted_bytes"]))]
+              ("prefetch hit rate", "n/a" if hit is None else f"{hit:.0%}")]
     largest = summary["largest_non_model_moment"]
     if largest:
         lines.append(("largest non-model moment", f"{mib(largest['bytes'])} on "
                       f"{largest['tier']}, iteration {largest['iteration']} moment "
                       f"{largest['moment']}"))
+    lines += [("chunk size (elements)", str(summary["chunks"]["chunk_elements"])),
+              ("wasted bytes", mib(summary["chunks"]["wasted_bytes"])),
+              ("model data", mib(summary["chunks"]["model_data_bytes"])
+                             + _owned(summary["chunks"], ranks))]
+    # One line per kind, its element type in the value, so --compare lines up an fp32 run's
+    # momentum with an int8 run's (kinds of one run only follow at the end).
+    lines += [(f"  {kind}", f"{mib(k['bytes'])} {k['dtype']}{_owned(k, ranks)}")
+              for kind, k in summary["chunks"].get("by_kind", {}).items()]
     return lines
+
+
+def _owned(entry: dict, ranks: int) -> str:
+    """Under data parallelism, what this rank keeps of the whole model's bytes the line gives
+    (Note [Model data of a data-parallel rank] in summary.py)."""
+    if ranks > 1 and "owned_bytes" in entry:
+        return f", this rank owns {mib(entry['owned_bytes'])}"
+    return ""
 
 
 def _print_table(rows: list[list[str]], out) -> None:
@@ -76,21 +95,45 @@ def main(argv: list[str] | None = None, out=None) -> int:
                 print(f"\nfindings {label}:", file=out)
                 for finding in summary["findings"]:
                     print(f"  - {finding}", file=out)
+            out.flush()  # (into a pipe: a reader gone raises here, not at exit)
             return 0
         raw = load_raw(args.directory)
         analysis = Analysis(raw)
         summary = build_summary(raw, analysis)
-        _print_table([["", args.directory]] + [[k, v] for k, v in _summary_lines(summary)], out)
-        print("\nfindings:", file=out)
-        for finding in summary["findings"]:
-            print(f"  - {finding}", file=out)
+        reader_left = False
+        try:
+            _print_table([["", args.directory]]
+                         + [[k, v] for k, v in _summary_lines(summary)], out)
+            print("\nfindings:", file=out)
+            for finding in summary["findings"]:
+                print(f"  - {finding}", file=out)
+            out.flush()
+        except BrokenPipeError:  # the page is regenerated all the same
+            reader_left = _reader_left(out)
         path = os.path.join(args.directory, "report.html")
         write_text(path, render_html(raw, summary, analysis))
-        print(f"\nwrote {path}", file=out)
+        if not reader_left:
+            print(f"\nwrote {path}", file=out)
+            out.flush()
+        return 0
+    except BrokenPipeError:
+        _reader_left(out)
         return 0
     except ProfileError as error:
         print(f"patrickstar-report: {error}", file=sys.stderr)
         return 2
+
+
+def _reader_left(out) -> bool:
+    """The reader of the output went away (`patrickstar-report DIR | head`): what is left to
+    print goes nowhere, and the interpreter's flush at exit does not raise again (Python's
+    advice for SIGPIPE: point stdout at devnull). That used to end in a BrokenPipeError
+    traceback, before report.html was regenerated."""
+    if out is sys.stdout:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    return True
 
 
 if __name__ == "__main__":  # pragma: no cover

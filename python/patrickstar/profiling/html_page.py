@@ -30,7 +30,12 @@ def _svg_memory_panels(a: Analysis, width: int = 1100) -> str:
         model = [r["model"][t] for r in rows]
         non_model = [r["non_model"][t] for r in rows]
         budget = a.tiers[t]["budget_bytes"]
-        peak = max([m + nm for m, nm in zip(model, non_model)] + [budget, 1])
+        held = max(m + nm for m, nm in zip(model, non_model))
+        # A budget far above what the tier held (the NVMe tier's default budget is the free
+        # space of its disk, tens of GiB against MiB of chunks) scaled the data to a flat line
+        # at 0: the panel is then scaled to the data and says where the budget is.
+        off_chart = held > 0 and budget > 4 * held
+        peak = max(held, 1) if off_chart else max(held, budget, 1)
         scale = (height - top - bottom) / peak
 
         def y(v: float) -> float:
@@ -49,7 +54,10 @@ def _svg_memory_panels(a: Analysis, width: int = 1100) -> str:
                  f'fill-opacity="0.75"><title>model data</title></polygon>',
                  f'<polygon points="{upper} {lower}" fill="#ff7f0e" fill-opacity="0.6">'
                  f'<title>non-model data</title></polygon>']
-        if budget:
+        if off_chart:
+            parts.append(f'<text x="{left + plot_w - 4}" y="{top - 6}" text-anchor="end" '
+                         f'class="small">budget {mib(budget)} (above the chart)</text>')
+        elif budget:
             parts.append(f'<line x1="{left}" x2="{left + plot_w}" y1="{y(budget):.1f}" '
                          f'y2="{y(budget):.1f}" stroke="black" stroke-dasharray="6,4">'
                          f'<title>budget {mib(budget)}</title></line>'
@@ -58,7 +66,7 @@ def _svg_memory_panels(a: Analysis, width: int = 1100) -> str:
         for frac in (0, 0.5, 1):
             value = peak * frac
             parts.append(f'<text x="{left - 6}" y="{y(value) + 4:.1f}" text-anchor="end" '
-                         f'class="small">{value / MiB:.0f} MiB</text>')
+                         f'class="small axis">{_axis_mib(value, peak)}</text>')
         for i, r in enumerate(rows):
             if r["end_of_iteration"]:
                 parts.append(f'<line x1="{x(i):.1f}" x2="{x(i):.1f}" y1="{top}" '
@@ -75,6 +83,19 @@ def _svg_memory_panels(a: Analysis, width: int = 1100) -> str:
     return legend + "\n".join(panels)
 
 
+def _axis_mib(value: float, peak: float) -> str:
+    """An axis label in MiB with as many decimals as a peak of that size needs (a panel of a
+    0.4 MiB peak read '0 MiB' three times in whole MiB)."""
+    decimals = 0 if peak >= 8 * MiB else 1 if peak >= MiB else 2
+    return f"{value / MiB:.{decimals}f} MiB"
+
+
+# Pixels per character of the heat map's 11px labels, generous for system-ui's widest digits
+# and lower-case letters, so the left margin holds the longest label ('chunk 47 variance_scale'
+# was cut at a fixed 150 px).
+_LABEL_CHAR_PX = 6.5
+
+
 def _svg_heatmap(a: Analysis, max_columns: int = 400, max_chunks: int = 256,
                  width: int = 1100) -> str:
     rows = a.rows[-max_columns:]
@@ -82,7 +103,9 @@ def _svg_heatmap(a: Analysis, max_columns: int = 400, max_chunks: int = 256,
         return "<p>No chunk locations to show.</p>"
     locations = a.locations(rows)
     chunk_ids = sorted(a.chunks)[:max_chunks]
-    left, top = 150, 10
+    labels = {cid: f"chunk {cid} {a.chunks[cid].get('kind', '')}" for cid in chunk_ids}
+    longest = max(len(label) for label in labels.values())
+    left, top = max(150, int(longest * _LABEL_CHAR_PX) + 8), 10
     cell_h = max(3, min(14, 600 // max(1, len(chunk_ids))))
     plot_w = width - left - 10
     cell_w = plot_w / len(rows)
@@ -90,9 +113,8 @@ def _svg_heatmap(a: Analysis, max_columns: int = 400, max_chunks: int = 256,
     parts = [f'<svg id="heatmap" class="chart" width="{width}" height="{height}" '
              f'viewBox="0 0 {width} {height}">']
     for row_index, cid in enumerate(chunk_ids):
-        info = a.chunks[cid]
         y = top + row_index * cell_h
-        label = f"chunk {cid} {info.get('kind', '')}"
+        label = labels[cid]
         if cell_h >= 8:
             parts.append(f'<text x="{left - 4}" y="{y + cell_h - 2}" text-anchor="end" '
                          f'class="small">{html.escape(label)}</text>')
@@ -224,16 +246,28 @@ def render_html(raw: dict, summary: dict, analysis: Analysis | None = None) -> s
                                          ("optimizer_s", "optimizer")))
     hit = summary["prefetch"]["hit_rate"]
     chunks = summary["chunks"]
+
+    def owned(nbytes) -> str:  # Note [Model data of a data-parallel rank] in summary.py
+        if run.get("world_size", 1) > 1 and nbytes is not None:
+            return f" (this rank owns {mib(nbytes)})"
+        return ""
+
     facts = _table(["", ""], [
         ["precision / device", f"{run.get('precision')} / {run.get('device')}"],
         ["iterations (complete) / moments", f"{run['iterations']} / {run['moments']}"],
-        ["mean step time after warm-up", f"{mean.get('total_s', 0) * 1e3:.1f} ms ({split})"],
+        ["mean step time after warm-up", f"{mean['total_s'] * 1e3:.1f} ms ({split})"
+                                         if "total_s" in mean
+                                         else "n/a (no complete iteration was recorded)"],
         ["bytes moved", f"{mib(summary['moves']['bytes'])} in {summary['moves']['count']} "
                         f"copies, {summary['moves']['wait_s'] * 1e3:.1f} ms waited"],
         ["prefetch hit rate", "n/a" if hit is None else f"{hit:.0%}"],
         ["chunk size", f"{chunks['chunk_elements']} elements, {chunks['num_chunks']} chunks, "
-                       f"{mib(chunks['model_data_bytes'])} model data, "
+                       f"{mib(chunks['model_data_bytes'])} model data"
+                       f"{owned(chunks.get('owned_bytes'))}, "
                        f"{mib(chunks['wasted_bytes'])} wasted"],
+        ["model data by kind", ", ".join(
+            f"{kind} {k['dtype']} {mib(k['bytes'])}{owned(k.get('owned_bytes'))}"
+            for kind, k in chunks.get("by_kind", {}).items()) or "-"],
         ["non-model data measured as", run.get("non_model_measure", "")],
     ])
     collectives = summary.get("collectives", {})

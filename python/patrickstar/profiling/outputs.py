@@ -1,10 +1,12 @@
 """Writes every output of a profile from its raw record."""
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
 import os
+import tempfile
 
 from .analysis import RAW_FILE, Analysis, ProfileError
 from .html_page import render_html
@@ -39,17 +41,32 @@ def make_directory(directory: str | os.PathLike, run: dict) -> str:
         os.makedirs(directory, exist_ok=True)
     except OSError as error:
         raise ProfileError(f"cannot create profile directory '{directory}': {error}") from error
+    # An existing directory passes makedirs whether or not files can be made in it (no write
+    # permission, a read-only mount): the run was profiled to the end and its profile lost to a
+    # bare PermissionError at stop(). Making (and removing) a file now fails before the run.
+    try:
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as error:
+        raise ProfileError(f"cannot write into profile directory '{directory}': "
+                           f"{error}") from error
     return directory
 
 
 def write_bytes(path: str, data: bytes) -> None:
-    """`data` into `path` through a temporary file renamed over it (no half-written output)."""
+    """`data` into `path` through a temporary file renamed over it (no half-written output).
+    An OSError (the directory became unwritable, a full disk) is a ProfileError naming `path`."""
     # The process id keeps writers of the same path (ranks given one directory by hand) from
     # renaming each other's temporary file.
     temporary = f"{path}.{os.getpid()}.tmp"
-    with open(temporary, "wb") as handle:
-        handle.write(data)
-    os.replace(temporary, path)
+    try:
+        with open(temporary, "wb") as handle:
+            handle.write(data)
+        os.replace(temporary, path)
+    except OSError as error:
+        with contextlib.suppress(OSError):
+            os.remove(temporary)
+        raise ProfileError(f"cannot write profile output '{path}': {error}") from error
 
 
 def write_text(path: str, text: str) -> None:

@@ -25,7 +25,9 @@ from __future__ import annotations
 import atexit
 import contextlib
 import json
+import numbers
 import os
+import sys
 import weakref
 from typing import Any, Iterator
 
@@ -40,6 +42,37 @@ _PHASE_OF_TICK = {"pre_forward": "forward", "post_forward": "forward",
 # The running profiler, held weakly: a profiler holds its engine, and a global must not keep
 # an engine alive (Note [Engine lifetime] in engine.py).
 _active: "weakref.ref[Profiler] | None" = None
+_exit_hook_registered = False
+
+
+# Note [Profiles of failed runs]
+# A profile is written however its run ends: patrickstar.profile()'s block is left by the
+# exception, a config profile (or a Profiler never stopped) is written at interpreter exit,
+# after the traceback. Its report then read like a finished run's ("no complete iteration
+# was recorded", peaks of the moments before the failure) with no word of the failure. So the
+# record keeps `failure`: the exception that left the profile() block, or at exit the one that
+# ended the script (sys.last_value, which the interpreter sets before atexit runs; one already
+# there at start() is an earlier, unrelated error of an interactive session). The summary
+# carries it and the first finding says the figures stop at the failure.
+def describe_failure(error: BaseException | None) -> str | None:
+    """What the record says of the exception that ended a profiled run (None: it did not
+    fail; a SystemExit with status 0 is a normal end, and GeneratorExit is a profile() context
+    collected without being left, not the run's failure)."""
+    if error is None or isinstance(error, GeneratorExit) or (
+            isinstance(error, SystemExit) and error.code in (None, 0)):
+        return None
+    text = str(error)
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+def _note_failure_at_exit() -> None:
+    """At interpreter exit, tells the running profiler the exception that ended the script
+    (Note [Profiles of failed runs]). Registered at the first start(), after the engine's own
+    exit hook, so it runs first; that hook's destroy() then writes the profile, once it has
+    waited for a daemon thread still training (writing here would race it)."""
+    running = active_profiler()
+    if running is not None and running.running:
+        running.note_exit()
 
 
 def now_ns() -> int:
@@ -60,11 +93,25 @@ class Profiler:
 
     def __init__(self, engine, output_dir: str | os.PathLike,
                  capacity: int = 1 << 20):
+        if (isinstance(capacity, bool) or not isinstance(capacity, numbers.Integral)
+                or capacity < 1):
+            # (the manager's binding refused 'big' or 2.5 with a pybind11 signature dump, and
+            # only once the directory was made)
+            raise ValueError(f"profiler capacity: expected a positive whole number of events "
+                             f"(held between two ends of iteration), got {capacity!r}")
         self._engine = weakref.ref(engine)  # the engine holds its profiler
         self._holding = None  # the engine, strongly, while its destroy() stops us
         self.output_dir = os.fspath(output_dir)
-        self.capacity = capacity
+        self.capacity = int(capacity)
         self.running = False
+        self.failure: str | None = None  # Note [Profiles of failed runs]
+        self._last_value_at_start = None
+        self._failure_at_exit: str | None = None
+        if engine.chunks is None:  # (what destroy() leaves)
+            raise RuntimeError(f"cannot profile into '{self.output_dir}': this PatrickStar "
+                               f"engine was deleted or destroyed (`del model` or "
+                               f"model.destroy()); its chunks are freed. Profile an engine "
+                               f"that is alive")
         self._manager = engine.chunks.manager
         # Note [Where measured non-model data lives]
         # The engine measures non-model data (activations) where it really is and plans with it
@@ -98,7 +145,7 @@ class Profiler:
     # ---- Life cycle --------------------------------------------------------------------------
 
     def start(self) -> "Profiler":
-        global _active
+        global _active, _exit_hook_registered
         if self.running:
             return self
         current = getattr(self.engine, "profiler", None)
@@ -129,21 +176,41 @@ class Profiler:
         self._manager.enable_events(True, self.capacity)
         self._set_phase("other")
         self.start_ns = now_ns()
+        self.failure = self._failure_at_exit = None
+        self._last_value_at_start = getattr(sys, "last_value", None)
         self.running = True
         _active = weakref.ref(self)
+        if not _exit_hook_registered:
+            atexit.register(_note_failure_at_exit)
+            _exit_hook_registered = True
         self.engine.profiler = self  # the engine's hooks call on_tick / on_end_iteration
         return self
 
-    def stop(self, write: bool = True, engine=None) -> str | None:
+    def stop(self, write: bool = True, engine=None,
+             failure: BaseException | None = None) -> str | None:
         """Stops recording; writes the outputs (unless `write` is False) and returns their
         directory (output_dir, or its rank<k>/ under data parallelism: Note [One profile
         directory per rank] in outputs.py). The engine's destroy() passes itself as `engine`:
-        when the collector finalizes an engine, weak references to it are already cleared."""
+        when the collector finalizes an engine, weak references to it are already cleared.
+        `failure` is the exception that ended the profiled run, if one did (Note [Profiles of
+        failed runs])."""
+        if self.running:
+            self.failure = describe_failure(failure) or self._failure_at_exit
         self._holding = engine
         try:
             return self._stop(write)
         finally:
             self._holding = None
+
+    def uncaught_exception(self) -> BaseException | None:
+        """At interpreter exit: the exception that ended the script since start(), if any."""
+        value = getattr(sys, "last_value", None)
+        return None if value is self._last_value_at_start else value
+
+    def note_exit(self) -> None:
+        """At interpreter exit, before the engine's destroy() stops this profiler: the
+        exception that ended the script is the run's failure."""
+        self._failure_at_exit = describe_failure(self.uncaught_exception())
 
     def _stop(self, write: bool) -> str | None:
         global _active
@@ -287,6 +354,8 @@ class Profiler:
             "phases": self._phases,
             "collectives": self._collectives,
             "dropped": self._manager.events_dropped,
+            "capacity": self.capacity,
+            "failure": self.failure,
         }
 
 
@@ -311,8 +380,18 @@ def profile(model, output_dir: str | os.PathLike | None = None,
     profiler = Profiler(model, directory, capacity).start()
     try:
         yield profiler
-    finally:
-        profiler.stop()
+    except BaseException as error:
+        try:
+            profiler.stop(failure=error)  # Note [Profiles of failed runs]
+        except Exception as write_error:
+            # The run's own error is what the user must see: a profile that cannot be written
+            # (a full disk) took its place, with the run's error only as the "During handling"
+            # context of the traceback.
+            error.add_note(f"(and its profile could not be written into "
+                           f"'{profiler.output_dir}': {type(write_error).__name__}: "
+                           f"{write_error})")
+        raise
+    profiler.stop()
 
 
 def make_config_profile_directory(config) -> None:
@@ -343,7 +422,7 @@ def profiler_from_config(engine) -> Profiler | None:
     def write_at_exit() -> None:
         alive = reference()
         if alive is not None and alive.running:
-            alive.stop()
+            alive.stop(failure=alive.uncaught_exception())
     atexit.register(write_at_exit)
     return profiler
 

@@ -64,7 +64,8 @@ def build_summary(raw: dict, analysis: Analysis | None = None) -> dict:
         "version": 1,
         "run": dict(raw["run"], iterations=len(a.iterations), moments=len(a.rows),
                     duration_s=(raw["stop_ns"] - raw["start_ns"]) / 1e9,
-                    non_model_measure=raw.get("non_model_measure", "")),
+                    non_model_measure=raw.get("non_model_measure", ""),
+                    failure=raw.get("failure")),
         "tiers": tiers,
         "moves": {"count": len(a.copies), "bytes": sum(e["bytes"] for e in a.copies),
                   "wait_s": sum(e["wait_ns"] for e in a.copies) / 1e9,
@@ -78,7 +79,9 @@ def build_summary(raw: dict, analysis: Analysis | None = None) -> dict:
                    "num_chunks": len(layout.get("chunks", [])),
                    "model_data_bytes": chunk_bytes_total,
                    "wasted_bytes": layout.get("wasted_bytes", 0),
-                   "oversize_tensors": layout.get("oversize_tensors", [])},
+                   "oversize_tensors": layout.get("oversize_tensors", []),
+                   "owned_bytes": _owned_bytes(layout.get("chunks", []), raw["run"]),
+                   "by_kind": _chunks_by_kind(layout, raw["run"])},
         "evictions": {"count": len(a.evictions), "bytes": sum(e["bytes"] for e in a.evictions),
                       "top_causes": _eviction_causes(a)[:10]},
         "collectives": _collectives(raw["collectives"]),
@@ -87,6 +90,34 @@ def build_summary(raw: dict, analysis: Analysis | None = None) -> dict:
     }
     summary["findings"] = _findings(a, summary)
     return summary
+
+
+# Note [Model data of a data-parallel rank]
+# The layout lists the chunks of the whole model on every rank, each with the rank that owns
+# it; a rank keeps its own chunks (its parameter shards, and their gradients and optimizer
+# state) and only gathers the others for a while. model_data_bytes and by_kind's bytes are the
+# whole model's (estimate_memory()'s figures); owned_bytes is what this rank keeps, about 1/N
+# of it (all of it on one process).
+def _owned_bytes(chunks: list[dict], run: dict) -> int:
+    rank = run.get("rank", 0)
+    return sum(c.get("bytes", 0) for c in chunks if c.get("owner_rank", rank) == rank)
+
+
+def _chunks_by_kind(layout: dict, run: dict) -> dict:
+    """Chunks, bytes (the whole model's, and this rank's own: Note [Model data of a
+    data-parallel rank]) and element type per chunk kind, in layout order: what the model data
+    is made of (int8 Adam state is uint8 moments plus float32 scales; bf16 without a master
+    keeps a bf16 param_compensation), comparable with estimate_memory()'s kinds."""
+    groups: dict[str, list[dict]] = {}
+    for chunk in layout.get("chunks", []):
+        groups.setdefault(chunk["kind"], []).append(chunk)
+    kinds = {}
+    for kind, chunks in groups.items():
+        dtypes = {c.get("dtype", "?") for c in chunks}
+        kinds[kind] = {"dtype": dtypes.pop() if len(dtypes) == 1 else "mixed",
+                       "chunks": len(chunks), "bytes": sum(c.get("bytes", 0) for c in chunks),
+                       "owned_bytes": _owned_bytes(chunks, run)}
+    return kinds
 
 
 def _collectives(records: list[dict]) -> dict:
@@ -165,6 +196,11 @@ def _tier_need(a: Analysis, tier: int) -> int | None:
 
 def _findings(a: Analysis, summary: dict) -> list[str]:
     findings = []
+    failure = summary["run"].get("failure")
+    if failure:  # Note [Profiles of failed runs] in recorder.py
+        first_line = failure.strip().splitlines()[0] if failure.strip() else failure
+        findings.append(f"the profiled run failed: {first_line} (these figures stop at the "
+                        f"failure).")
     mean = summary["time"]["steady_state_mean"]
     total = mean.get("total_s", 0.0)
     steady = a.steady_iterations()
@@ -234,13 +270,19 @@ def _findings(a: Analysis, summary: dict) -> list[str]:
                         f"{mib(summary['evictions']['bytes'])}; most often "
                         f"{top[0]['description']} ({top[0]['count']} times).")
     if summary["dropped_events"]:
+        capacity = a.raw.get("capacity")
+        now = f" (now {capacity} events)" if capacity else ""
         findings.append(f"{summary['dropped_events']} events were dropped (the log was full): "
-                        f"totals from events undercount; raise the profiler's capacity.")
+                        f"totals from events undercount; raise the profiler's capacity{now}, "
+                        f"the events it holds between two ends of iteration: "
+                        f"patrickstar.profile(model, dir, capacity=N).")
     if not a.iterations:
         findings.append("no complete iteration was recorded: run at least one optimizer.step() "
                         "inside the profile for time splits and bottlenecks.")
     if not any("bottleneck" in f for f in findings) and total > 0:
         compute = mean.get("compute_s", 0.0) / total
-        findings.insert(0, f"no memory bottleneck: compute is {compute:.0%} of step time, "
-                           f"waiting for copies {mean.get('move_wait_s', 0.0) / total:.0%}.")
+        # (after the failure, which comes first)
+        findings.insert(1 if failure else 0,
+                        f"no memory bottleneck: compute is {compute:.0%} of step time, "
+                        f"waiting for copies {mean.get('move_wait_s', 0.0) / total:.0%}.")
     return findings

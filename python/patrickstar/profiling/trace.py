@@ -57,10 +57,12 @@ def build_trace(raw: dict, analysis: Analysis | None = None) -> dict:
                                    "optimizer_ns")}, "iteration")
         for phase, start, end in it["spans"]:
             slice_(compute, phase, start, end, {}, "phase")
-    last_end = a.iterations[-1]["end_ns"] if a.iterations else a.start_ns
-    for p in raw["phases"]:  # the parts of phases after the last complete iteration
-        if p["end_ns"] > last_end:
-            slice_(compute, p["name"], max(p["start_ns"], last_end), p["end_ns"], {}, "phase")
+    if a.incomplete is not None:  # the iteration the profile stopped inside
+        it = a.incomplete
+        slice_(compute, f"iteration {it['iteration']} (incomplete)", it["start_ns"],
+               it["end_ns"], {}, "iteration")
+    for phase, start, end in a.trailing_spans:
+        slice_(compute, phase, start, end, {}, "phase")
     waits = "compute: waiting for copies"
     tid(waits)
     for e in a.copies:

@@ -33,6 +33,8 @@ class UpstreamProfiler:
         self._recorder: Profiler | None = None
         self._engines: "weakref.WeakSet" = weakref.WeakSet()
         self._stopped_raw: dict | None = None
+        # Why start() recorded no engine (another profiler ran), for save()'s error.
+        self._not_recorded: str | None = None
         self._recording_earlier = False  # the recorded engine was built before start()
         self._warmup_finish_ns: int | None = None
         self.pickle_path: str | None = None  # what the last save() wrote
@@ -55,10 +57,16 @@ class UpstreamProfiler:
             self._recording_earlier = False
 
     def _record(self, engine) -> None:
-        if active_profiler() is not None:
-            logger.warning("profiler.start(): another profiler is running; this engine is not "
-                           "recorded")
+        running = active_profiler()
+        if running is not None:
+            self._not_recorded = (f"another profiler was running when the engine was to be "
+                                  f"recorded (writing to '{running.output_dir}': config "
+                                  f"profile.enabled, or patrickstar.profile()), and one "
+                                  f"profiler runs at a time")
+            logger.warning("profiler.start(): %s; this engine is not recorded: its profile is "
+                           "the other profiler's", self._not_recorded)
             return
+        self._not_recorded = None
         # The recorder needs a directory; save(path) writes the outputs where the script says.
         self._recorder = Profiler(engine, tempfile.mkdtemp(prefix="patrickstar-profile-")).start()
 
@@ -73,6 +81,7 @@ class UpstreamProfiler:
         self._warmup_finish_ns = None
         self._clock_offset_s = time.time() - now_ns() / 1e9
         self._stopped_raw = None
+        self._not_recorded = None
         if self._recorder is not None and self._recorder.running:
             self._recorder.stop(write=False)
         self._recorder = None  # a new recording: start/end/save may repeat
@@ -96,6 +105,11 @@ class UpstreamProfiler:
             self._stopped_raw = self._recorder.raw()
 
     def _raw(self, caller: str) -> dict:
+        if self._recorder is None and self._not_recorded is not None:
+            raise RuntimeError(f"profiler.{caller}: nothing was recorded: "
+                               f"{self._not_recorded}; remove the config's 'profile' section "
+                               f"to record with profiler.start(), or read that profile "
+                               f"(patrickstar-report DIR)")
         if self._recorder is None:
             raise RuntimeError(f"profiler.{caller}: nothing was recorded; call profiler.start() "
                                f"before patrickstar.initialize() and profiler.end() after the "
@@ -161,7 +175,8 @@ def _write_pickle(path: str, state: dict) -> None:
         if parent:
             os.makedirs(parent, exist_ok=True)
         write_bytes(path, pickle.dumps(state))
-    except OSError as error:
+    except (OSError, ProfileError) as error:  # (write_bytes raises ProfileError)
+        error = error.__cause__ if isinstance(error.__cause__, OSError) else error
         raise ProfileError(f"profiler.save(): cannot write the profile pickle '{path}': "
                            f"{error}") from error
 
