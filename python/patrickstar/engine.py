@@ -244,6 +244,7 @@ class PatrickStarEngine(nn.Module):
         if self.mixed:
             self._buffers_to_compute_dtype()  # Note [Buffers of 16-bit modules]
         self.params.bind(placer.parameters)
+        self._empty_parameters_to_compute_dtype()
         self.dp.attach(self)
         self._finish_init()
         self.dp.after_init()
@@ -710,6 +711,25 @@ class PatrickStarEngine(nn.Module):
             for name, buffer in module._buffers.items():
                 if buffer is not None and buffer.is_floating_point():
                     module._buffers[name] = buffer.to(self.compute_dtype)
+
+    # Note [Parameters without elements follow the compute dtype]
+    # A parameter without elements stays a plain parameter of the module, outside the chunks
+    # (init_context.plan_parameters): it holds no memory and no optimizer state. It kept the
+    # dtype and device model_func gave it, so in fp16/bf16 it stayed fp32 beside 16-bit weights:
+    # a prefix of no virtual tokens (`torch.cat([prefix.expand(b, 0, d), embeddings], 1)`)
+    # promoted the activations to fp32 and the next Linear raised "mat1 and mat2 must have the
+    # same dtype", where `model.bfloat16()` in PyTorch (and DeepSpeed's, which converts the
+    # whole module) trains; `model.state_dict()` and a consolidated `--dtype bf16` file held it
+    # as the only fp32 weight. Like every chunked parameter it takes the compute dtype (a model
+    # built in another 16-bit dtype included: Note [A model built in another 16-bit dtype]) and
+    # the engine's device.
+    def _empty_parameters_to_compute_dtype(self) -> None:
+        with torch.no_grad():
+            for module in self.module.modules():
+                for param in module._parameters.values():
+                    if param is not None and self.params.index_of(param) is None and \
+                            param.numel() == 0 and param.is_floating_point():
+                        param.data = param.data.to(dtype=self.compute_dtype, device=self.device)
 
     def _apply(self, fn, recurse=True):
         if "module" not in self._modules:  # nn.Module.__init__ and the hooks of a partial build

@@ -1,0 +1,74 @@
+"""One rank of test_boundary_sizes.py's 2-rank runs.
+
+    boundary_worker.py OUT_DIR RUN [RUN...]     runs of test_boundary_sizes.TWO_RANK by run_id
+
+For each run: train STEPS on this rank's half of each batch; train RESUME_AT, save to
+OUT_DIR/two-RUN (kept for the test's 2 -> 1 load and consolidation), load into a new engine and
+train the rest; load the test's 1-rank checkpoint OUT_DIR/one-RUN. Results in OUT_DIR/rank<r>.pt
+as test_data_parallel.launch reads them; leaves with os._exit as dp_worker.py does.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import traceback
+
+import torch
+
+from dp_scenarios import shard
+from test_boundary_sizes import (RESUME_AT, TWO_RANK, batches, builder, cpu_state, initialize,
+                                 input_dtype, one_rank_source, run_config, run_id, train)
+
+
+def run(out: str, which: tuple, rank: int, world: int) -> dict:
+    case, _, weights, _ = which
+    build, dtype = builder(case), input_dtype(weights)
+    data = [shard(batch, rank, world) for batch in batches(case, batch=8)]
+    nvme = tempfile.mkdtemp(dir=out, prefix=f"nvme-rank{rank}-")
+    cfg = run_config(which, nvme_path=nvme)
+    accumulation = cfg.get("gradient_accumulation_steps", 1)
+    model, optimizer = initialize(build, cfg)
+    losses = train(model, optimizer, data, dtype, accumulation)
+    final = cpu_state(model)
+    nvme_bytes = sum(t["bytes_in"] for t in model.memory_stats() if t["kind"] == "nvme")
+    model.destroy()
+
+    path = os.path.join(out, f"two-{run_id(which)}")
+    model, optimizer = initialize(build, cfg)
+    first = train(model, optimizer, data[:RESUME_AT], dtype, accumulation)
+    model.save_checkpoint(path, tag="t")
+    at_save = cpu_state(model)
+    model.destroy()
+    model, optimizer = initialize(build, cfg)
+    model.load_checkpoint(path, "t")
+    second = train(model, optimizer, data[RESUME_AT:], dtype, accumulation)
+    resumed = cpu_state(model)
+    model.destroy()
+
+    model, optimizer = initialize(build, cfg)
+    model.load_checkpoint(one_rank_source(out, which), "t", allow_reshard=True)
+    from_one = cpu_state(model)
+    model.destroy()
+    return {"losses": losses, "final": final, "nvme_bytes": nvme_bytes, "at_save": at_save,
+            "resumed_losses": first + second, "resumed": resumed, "from_one": from_one}
+
+
+def main() -> None:
+    out, wanted = sys.argv[1], sys.argv[2:]
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    runs = {run_id(r): r for r in TWO_RANK}
+    results = {}
+    for name in wanted:
+        try:
+            results[name] = run(out, runs[name], rank, world)
+        except Exception as error:  # noqa: BLE001 (reported to the test, which fails on it)
+            results[name] = {"error": repr(error), "traceback": traceback.format_exc()}
+    torch.save(results, os.path.join(out, f"rank{rank}.pt"))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
