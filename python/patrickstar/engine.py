@@ -1201,6 +1201,9 @@ class PatrickStarEngine(nn.Module):
         hold it in PyTorch (`p.grad` itself stays None: gradients live in chunks). Under data
         parallelism a collective (every rank calls it) that gives the gradient averaged over
         the ranks, read after the backward that ends an accumulation."""
+        empty = self._parameter_without_elements(param)
+        if empty is not None:  # Note [Gradients of parameters without elements]
+            return empty.grad
         index = self._parameter_index(param, "full_gradient")
         if not self.dp.enabled:
             return self.optimizer.gradient(index)
@@ -1216,6 +1219,24 @@ class PatrickStarEngine(nn.Module):
                 f"{what} after {self.guard.backwards} of {self.guard.accumulation} backward() "
                 f"calls: under data parallelism the ranks' gradients are reduced by the "
                 f"backward that ends the accumulation; read them after it")
+
+    # Note [Gradients of parameters without elements]
+    # A parameter without elements stays outside the chunks (init_context.plan_parameters), so
+    # autograd writes its (empty) p.grad as torch does and zero_grad drops it. full_gradient,
+    # looping over named_parameters() to log gradient norms (the documented use), refused its
+    # name as "no parameter" and safe_get_full_grad refused it as not the engine's: both give
+    # that p.grad. Nothing is averaged under data parallelism (there are no elements), so no
+    # collective runs for it; every rank answers alike.
+    def _parameter_without_elements(self, param) -> nn.Parameter | None:
+        """The module's parameter without elements that `param` (a parameter or its name) is,
+        else None."""
+        if isinstance(param, str):
+            found = dict(self.module.named_parameters()).get(param.removeprefix("module."))
+        else:
+            found = next((p for p in self.module.parameters() if p is param), None)
+        if found is None or self.params.index_of(found) is not None or found.numel():
+            return None
+        return found
 
     def _parameter_index(self, param, what: str) -> int:
         if isinstance(param, str):

@@ -2,7 +2,8 @@
 
     boundary_worker.py OUT_DIR RUN [RUN...]     runs of test_boundary_sizes.TWO_RANK by run_id
 
-For each run: train STEPS on this rank's half of each batch; train RESUME_AT, save to
+For each run: the full gradients (model.full_gradient, a collective) after one backward; train
+STEPS on this rank's half of each batch; train RESUME_AT, save to
 OUT_DIR/two-RUN (kept for the test's 2 -> 1 load and consolidation), load into a new engine and
 train the rest; load the test's 1-rank checkpoint OUT_DIR/one-RUN. Results in OUT_DIR/rank<r>.pt
 as test_data_parallel.launch reads them; leaves with os._exit as dp_worker.py does.
@@ -18,7 +19,8 @@ import torch
 
 from dp_scenarios import shard
 from test_boundary_sizes import (RESUME_AT, TWO_RANK, batches, builder, cpu_state, initialize,
-                                 input_dtype, one_rank_source, run_config, run_id, train)
+                                 input_dtype, loss_of, one_rank_source, run_config, run_id,
+                                 train)
 
 
 def run(out: str, which: tuple, rank: int, world: int) -> dict:
@@ -28,6 +30,12 @@ def run(out: str, which: tuple, rank: int, world: int) -> dict:
     nvme = tempfile.mkdtemp(dir=out, prefix=f"nvme-rank{rank}-")
     cfg = run_config(which, nvme_path=nvme)
     accumulation = cfg.get("gradient_accumulation_steps", 1)
+    model, optimizer = initialize(build, cfg)
+    for xs, ys in zip(data[0][0].chunk(accumulation), data[0][1].chunk(accumulation)):
+        model.backward(loss_of(model, xs, ys, dtype))
+    gradients = {name: model.full_gradient(name) for name, _ in model.module.named_parameters()}
+    model.destroy()
+
     model, optimizer = initialize(build, cfg)
     losses = train(model, optimizer, data, dtype, accumulation)
     final = cpu_state(model)
@@ -50,7 +58,7 @@ def run(out: str, which: tuple, rank: int, world: int) -> dict:
     model.load_checkpoint(one_rank_source(out, which), "t", allow_reshard=True)
     from_one = cpu_state(model)
     model.destroy()
-    return {"losses": losses, "final": final, "nvme_bytes": nvme_bytes, "at_save": at_save,
+    return {"gradients": gradients, "losses": losses, "final": final, "nvme_bytes": nvme_bytes, "at_save": at_save,
             "resumed_losses": first + second, "resumed": resumed, "from_one": from_one}
 
 

@@ -358,6 +358,40 @@ def test_a_parameter_without_elements_takes_the_compute_dtype(tmp_path, master_w
     reference.load_state_dict(plain)  # loads into the plain bf16 model
 
 
+def reference_gradients(case: str, weights: str, x, y) -> dict[str, torch.Tensor]:
+    model = builder(case)()
+    if weights == "bf16_no_master":
+        model = model.bfloat16()
+    loss_of(model, x, y, input_dtype(weights)).backward()
+    return {name: param.grad for name, param in model.named_parameters()}
+
+
+def gradient_tolerance(weights: str) -> dict:
+    return dict(rtol=1e-5, atol=1e-7) if weights == "fp32" else dict(rtol=2e-2, atol=1e-3)
+
+
+@pytest.mark.parametrize("weights", WEIGHTS)
+def test_full_gradients_of_every_boundary_size_are_pytorchs(weights):
+    # Note [Gradients of parameters without elements] in engine.py: the logging loop over
+    # named_parameters() raised KeyError ("no parameter 'parts.2.weight'") at the first
+    # parameter without elements, and safe_get_full_grad called it no engine's parameter.
+    case = "mixed"
+    model, optimizer = initialize(builder(case), config("int8", weights))
+    x, y = batches(case)[0]
+    model.backward(loss_of(model, x, y, input_dtype(weights)))
+    expected = reference_gradients(case, weights, x, y)
+    for name, param in model.module.named_parameters():
+        for gradient in (model.full_gradient(name), patrickstar.safe_get_full_grad(param)):
+            # (fp32, as DeepSpeed's: an fp32 copy of the 16-bit gradients)
+            torch.testing.assert_close(gradient.float(), expected[name].float(),
+                                       **gradient_tolerance(weights),
+                                       msg=lambda m: f"{name}: {m}")
+    optimizer.step()
+    optimizer.zero_grad()
+    assert all(model.full_gradient(name) is None for name, _ in model.named_parameters())
+    model.destroy()
+
+
 def test_a_built_module_whose_initialize_fails_gets_its_fp32_empty_parameter_back():
     # Note [A built module given back when initialize() fails]: every parameter returns in the
     # dtype it was built in, the one without elements too.
@@ -452,6 +486,16 @@ def test_two_ranks_train_resume_and_reshard_at_every_boundary(two_ranks, run):
         assert_equal_states(result["from_one"], ones[run], f"rank {rank} 1 -> 2")
     if variant == "nvme":
         assert all(r["nvme_bytes"] > 0 for r in per_rank)
+    # The averaged gradients of the first batch, on every rank, as one process's p.grad (an
+    # accumulation's two halves: the mean of their gradients, as the whole batch's).
+    x, y = batches(case, batch=8)[0]
+    expected = reference_gradients(case, weights, x, y)
+    for rank, result in enumerate(per_rank):
+        assert result["gradients"].keys() == expected.keys()
+        for name, gradient in result["gradients"].items():
+            torch.testing.assert_close(gradient.float(), expected[name].float(),
+                                       **gradient_tolerance(weights),
+                                       msg=lambda m: f"rank {rank}, {name}: {m}")
     # Against the whole-batch reference: fp32 weights to the one-rank tolerance (the gradient
     # average's order aside); bf16 weights within two of their ulps (the ranks' bf16 gradients
     # are averaged in another order than one rank's backward sums them).
