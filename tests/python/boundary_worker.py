@@ -5,7 +5,8 @@
 For each run: the full gradients (model.full_gradient, a collective) after one backward; train
 STEPS on this rank's half of each batch; train RESUME_AT, save to
 OUT_DIR/two-RUN (kept for the test's 2 -> 1 load and consolidation), load into a new engine and
-train the rest; load the test's 1-rank checkpoint OUT_DIR/one-RUN. Results in OUT_DIR/rank<r>.pt
+train the rest; load the test's 1-rank checkpoint OUT_DIR/one-RUN; without masters, also
+resume through torch.distributed.checkpoint. Results in OUT_DIR/rank<r>.pt
 as test_data_parallel.launch reads them; leaves with os._exit as dp_worker.py does.
 """
 from __future__ import annotations
@@ -58,8 +59,34 @@ def run(out: str, which: tuple, rank: int, world: int) -> dict:
     model.load_checkpoint(one_rank_source(out, which), "t", allow_reshard=True)
     from_one = cpu_state(model)
     model.destroy()
-    return {"gradients": gradients, "losses": losses, "final": final, "nvme_bytes": nvme_bytes, "at_save": at_save,
+    result = {}
+    if weights == "bf16_no_master":
+        result.update(dcp_resume(os.path.join(out, f"dcp-{run_id(which)}"), build, cfg, data,
+                                 dtype, accumulation))
+    return {**result,"gradients": gradients, "losses": losses, "final": final, "nvme_bytes": nvme_bytes, "at_save": at_save,
             "resumed_losses": first + second, "resumed": resumed, "from_one": from_one}
+
+
+def dcp_resume(path: str, build, cfg: dict, data, dtype, accumulation: int) -> dict:
+    """FSDP2's recipe after RESUME_AT steps: get_state_dict, dcp.save; a new engine,
+    dcp.load, set_state_dict (which loads the optimizer before the model), the rest."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    model, optimizer = initialize(build, cfg)
+    train(model, optimizer, data[:RESUME_AT], dtype, accumulation)
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=path)
+    model.destroy()
+    model, optimizer = initialize(build, cfg)
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optimizer": optimizer_state}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optimizer"])
+    losses = train(model, optimizer, data[RESUME_AT:], dtype, accumulation)
+    final = cpu_state(model)
+    model.destroy()
+    return {"dcp_losses": losses, "dcp_final": final}
 
 
 def main() -> None:

@@ -484,6 +484,9 @@ def test_two_ranks_train_resume_and_reshard_at_every_boundary(two_ranks, run):
         assert_equal_states(result["resumed"], result["final"], f"rank {rank} resumed")
         # The 1-rank checkpoint split over 2 ranks: its values exactly.
         assert_equal_states(result["from_one"], ones[run], f"rank {rank} 1 -> 2")
+        if weights == "bf16_no_master":  # Note [The weights a compensation belongs to]
+            assert result["dcp_losses"] == result["losses"][-len(result["dcp_losses"]):], rank
+            assert_equal_states(result["dcp_final"], result["final"], f"rank {rank} dcp")
     if variant == "nvme":
         assert all(r["nvme_bytes"] > 0 for r in per_rank)
     # The averaged gradients of the first batch, on every rank, as one process's p.grad (an

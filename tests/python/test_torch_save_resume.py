@@ -108,12 +108,15 @@ def assert_same_state(ours: dict, expected: dict) -> None:
             assert torch.equal(ours["optimizer"]["state"][index][key], value), (index, key)
 
 
-@pytest.mark.parametrize("name", ["fp16", "bf16", "bf16-int8-state"])
+@pytest.mark.parametrize("name", ["fp16", "bf16", "bf16-int8-state", "bf16-no-master",
+                                  "bf16-no-master-int8-state"])
 def test_loading_the_optimizer_before_the_model_resumes_the_same(name):
     # In torch the two loads are independent. model.load_state_dict wrote the masters from the
     # 16-bit weights after the optimizer's load had restored them; weights equal to what the
-    # masters round to now leave them (Note [Loading the weights the model has]; without
-    # masters the model's state dict must come first).
+    # masters round to now leave them (Note [Loading the weights the model has]). Without
+    # masters the optimizer's entries carry the bf16 weights their compensations belong to
+    # (Note [The weights a compensation belongs to] in optimizer.py): the compensation was
+    # zeroed by the model's load that followed.
     model, optimizer = build(name)
     train(model, optimizer, range(4))
     checkpoint = saved(model, optimizer)
@@ -143,7 +146,7 @@ def test_the_models_own_state_dict_loads_as_a_no_op():
     assert torch.equal(master, weights["layers.0.weight"].float())
 
 
-@pytest.mark.parametrize("name", ["fp32", "bf16-no-master-int8-state"])
+@pytest.mark.parametrize("name", ["fp32", "bf16", "bf16-no-master", "bf16-no-master-int8-state"])
 def test_torch_distributed_checkpoint_resumes_bit_for_bit(name, tmp_path):
     # FSDP2's idiom: get_state_dict(model, optimizer) names the optimizer's parameters by their
     # fully qualified names; dcp.save / dcp.load; set_state_dict. Our load read the names as
@@ -158,6 +161,7 @@ def test_torch_distributed_checkpoint_resumes_bit_for_bit(name, tmp_path):
     assert "module.layers.0.weight" in optimizer_state["state"]
     dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=tmp_path)
     expected = train(model, optimizer, range(4, 8))
+    expected_final = torch.load(io.BytesIO(saved(model, optimizer)))
     del model, optimizer, model_state, optimizer_state
     gc.collect()
 
@@ -170,3 +174,7 @@ def test_torch_distributed_checkpoint_resumes_bit_for_bit(name, tmp_path):
     set_state_dict(model, optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optimizer"])
     assert train(model, optimizer, range(4, 8)) == expected
+    # The weights and Adam state too (set_state_dict loads the optimizer before the model:
+    # without masters the compensations were zeroed, Note [The weights a compensation belongs
+    # to] in optimizer.py, which the losses of 4 steps did not show).
+    assert_same_state(torch.load(io.BytesIO(saved(model, optimizer))), expected_final)
