@@ -106,6 +106,8 @@ def config(state_dtype: str, weights: str, **extra) -> dict:
                   "lr": LR, "weight_decay": WEIGHT_DECAY, "state_dtype": state_dtype}}}
     if weights == "bf16_no_master":
         result["bf16"] = {"enabled": True, "master_weights": False}
+    if weights == "bf16_master":
+        result["bf16"] = {"enabled": True}
     result.update(copy.deepcopy(extra))
     return result
 
@@ -296,15 +298,16 @@ def test_nvme_streams_every_boundary_size_bit_for_bit(nvme_dir, state_dtype, wei
     assert_equal_states(state, expected[1], "nvme")
 
 
-@pytest.mark.parametrize("weights", WEIGHTS)
+@pytest.mark.parametrize("weights", WEIGHTS + ["bf16_master"])
 @pytest.mark.parametrize("state_dtype", STATE_DTYPES)
-@pytest.mark.parametrize("chunk", [1, CHUNK, BLOCK])
+@pytest.mark.parametrize("chunk", [1, CHUNK, BLOCK, "auto"])
 def test_estimate_memory_equals_the_layout_at_every_boundary(chunk, state_dtype, weights):
     for accumulation in (1, 2):
         cfg = config(state_dtype, weights, default_chunk_size=chunk,
                      gradient_accumulation_steps=accumulation)
         estimate = patrickstar.estimate_memory(builder("mixed"), config=cfg, verbose=False)
-        mode = estimate["modes"]["bf16, no master" if weights == "bf16_no_master" else "fp32"]
+        mode = estimate["modes"][{"fp32": "fp32", "bf16_master": "fp16/bf16",
+                                  "bf16_no_master": "bf16, no master"}[weights]]
         model, _ = initialize(builder("mixed"), cfg)
         chunks = json.loads(model.chunks.layout_json())["chunks"]
         model.destroy()
