@@ -63,8 +63,9 @@ def run(out: str, which: tuple, rank: int, world: int) -> dict:
     if weights == "bf16_no_master":
         result.update(dcp_resume(os.path.join(out, f"dcp-{run_id(which)}"), build, cfg, data,
                                  dtype, accumulation))
-    return {**result,"gradients": gradients, "losses": losses, "final": final, "nvme_bytes": nvme_bytes, "at_save": at_save,
-            "resumed_losses": first + second, "resumed": resumed, "from_one": from_one}
+    return {**result, "gradients": gradients, "losses": losses, "final": final,
+            "nvme_bytes": nvme_bytes, "at_save": at_save, "resumed_losses": first + second,
+            "resumed": resumed, "from_one": from_one}
 
 
 def dcp_resume(path: str, build, cfg: dict, data, dtype, accumulation: int) -> dict:
