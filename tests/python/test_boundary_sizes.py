@@ -353,12 +353,17 @@ def test_a_parameter_without_elements_takes_the_compute_dtype(tmp_path, master_w
         {k: v.dtype for k, v in reference.state_dict().items()}
     model.save_checkpoint(str(tmp_path / "checkpoint"), tag="t")
     model.destroy()
-    consolidated = consolidate(str(tmp_path / "checkpoint"), str(tmp_path / "model.pt"),
-                               dtype="bf16")
-    assert consolidated["tensors"] == len(state)
-    plain = torch.load(tmp_path / "model.pt")
-    assert {k: v.dtype for k, v in plain.items()} == {k: torch.bfloat16 for k in state}
-    reference.load_state_dict(plain)  # loads into the plain bf16 model
+    # Consolidated, it converts to --dtype as every other weight (Note [Saved parameters
+    # without elements] in checkpoint/engine_state.py): it was kept as a buffer is, in its
+    # saved dtype.
+    for dtype, torch_dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16),
+                               ("fp16", torch.float16)):
+        consolidated = consolidate(str(tmp_path / "checkpoint"),
+                                   str(tmp_path / f"model-{dtype}.pt"), dtype=dtype)
+        assert consolidated["tensors"] == len(state)
+        plain = torch.load(tmp_path / f"model-{dtype}.pt")
+        assert {k: v.dtype for k, v in plain.items()} == {k: torch_dtype for k in state}, dtype
+    reference.load_state_dict(plain)  # loads into the plain model
 
 
 def reference_gradients(case: str, weights: str, x, y) -> dict[str, torch.Tensor]:
