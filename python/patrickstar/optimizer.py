@@ -935,6 +935,8 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
                 moment_state.write_moment(self.chunked, index, key, entry[key],
                                           entry.get(moment_state.scale_key(key)))
             self._load_weight_entry(index, entry)
+        self._forget_state(set(range(len(self.chunked.ids))) -
+                           {to_index[key] for key in state})
         if any(self._COMPENSATED in entry for entry in state.values()) and \
                 any(ids.compensation is not None for ids in self.chunked.ids):
             # The owners wrote bf16 weights: gathered copies are stale (every rank loads the
@@ -942,6 +944,29 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
             self.dp.parameters_changed()
         if "loss_scaler" in state_dict:
             self.loss_scaler.load_state_dict(state_dict["loss_scaler"])
+
+    # Note [Loading a state dict without a parameter's state]
+    # torch's load_state_dict replaces the optimizer's state: a parameter the saved dict has no
+    # state for (a state dict saved before the first step, the usual "initial checkpoint") has
+    # none afterwards, and its next step starts Adam afresh (step 1, zero moments). The loop
+    # above wrote only the saved entries, so such parameters kept the moments and step counts
+    # of the training before the load: restoring an initial optimizer state dict trained on
+    # with the old moments and bias correction (weights 0.03 away from torch's within two
+    # steps). Their state is reset as a new engine holds it (zero chunks: codes and scales of
+    # 8-bit state too, so the next step is a new engine's bit for bit).
+    def _forget_state(self, indices) -> None:
+        manager = self.chunked.chunks.manager
+        for index in sorted(indices):
+            momentum = self.chunked.ids[index].momentum
+            if momentum is None or not self.dp.owns(manager, momentum) or \
+                    not self.step_counts[index]:
+                continue
+            self.step_counts[index] = 0
+            for key in moment_state.MOMENT_KEYS:
+                stored = moment_state.read_moment(self.chunked, index, key)
+                scales = stored.get(moment_state.scale_key(key))
+                moment_state.write_moment(self.chunked, index, key, torch.zeros_like(stored[key]),
+                                          None if scales is None else torch.zeros_like(scales))
 
     # Note [Saved groups of another optimizer]
     # A saved group's hyperparameters replace the group's, as in torch. The group of another

@@ -6,6 +6,7 @@ run's bit for bit, in every precision: the optimizer's state dict carries what 1
 optimizer.py)."""
 from __future__ import annotations
 
+import copy
 import gc
 import io
 
@@ -178,3 +179,40 @@ def test_torch_distributed_checkpoint_resumes_bit_for_bit(name, tmp_path):
     # without masters the compensations were zeroed, Note [The weights a compensation belongs
     # to] in optimizer.py, which the losses of 4 steps did not show).
     assert_same_state(torch.load(io.BytesIO(saved(model, optimizer))), expected_final)
+
+
+@pytest.mark.parametrize("name", ["fp32", "bf16-no-master-int8-state"])
+def test_loading_a_state_dict_saved_before_the_first_step_starts_adam_afresh(name):
+    # Note [Loading a state dict without a parameter's state] in optimizer.py: torch's load
+    # replaces the state, so parameters the saved dict has no state for start Adam again (step
+    # 1, zero moments); ours kept the moments and step counts of the steps before the load.
+    model, optimizer = build(name)
+    initial = saved(model, optimizer)
+    train(model, optimizer, range(3))
+    state = torch.load(io.BytesIO(initial))
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    assert not optimizer.state_dict()["state"] and not optimizer.state
+    losses = train(model, optimizer, range(3, 6))
+    final = torch.load(io.BytesIO(saved(model, optimizer)))
+    fresh, fresh_optimizer = build(name)  # a new engine: the same steps, bit for bit
+    assert train(fresh, fresh_optimizer, range(3, 6)) == losses
+    assert_same_state(final, torch.load(io.BytesIO(saved(fresh, fresh_optimizer))))
+    if name == "fp32":  # and torch's AdamW doing the same
+        torch.manual_seed(0)
+        reference = MLP()
+        torch_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
+        initial_torch = (copy.deepcopy(reference.state_dict()),
+                         copy.deepcopy(torch_optimizer.state_dict()))
+
+        def torch_steps(steps):
+            for step in steps:
+                reference(*batch(step, torch.float32)).backward()
+                torch_optimizer.step()
+                torch_optimizer.zero_grad()
+        torch_steps(range(3))
+        reference.load_state_dict(initial_torch[0])
+        torch_optimizer.load_state_dict(initial_torch[1])
+        torch_steps(range(3, 6))
+        for key, value in reference.state_dict().items():
+            torch.testing.assert_close(final["model"][key], value, rtol=1e-5, atol=1e-6)
