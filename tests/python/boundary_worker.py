@@ -6,11 +6,13 @@ For each run: the full gradients (model.full_gradient, a collective) after one b
 STEPS on this rank's half of each batch; train RESUME_AT, save to
 OUT_DIR/two-RUN (kept for the test's 2 -> 1 load and consolidation), load into a new engine and
 train the rest; load the test's 1-rank checkpoint OUT_DIR/one-RUN; without masters, also
-resume through torch.distributed.checkpoint. Results in OUT_DIR/rank<r>.pt
+resume through torch.distributed.checkpoint; on the mixed case, restore state dicts saved
+before the first step. Results in OUT_DIR/rank<r>.pt
 as test_data_parallel.launch reads them; leaves with os._exit as dp_worker.py does.
 """
 from __future__ import annotations
 
+import copy
 import os
 import sys
 import tempfile
@@ -60,12 +62,33 @@ def run(out: str, which: tuple, rank: int, world: int) -> dict:
     from_one = cpu_state(model)
     model.destroy()
     result = {}
+    if which[0] == "mixed" and which[3] == "plain":
+        result.update(initial_restore(build, cfg, data, dtype))
     if weights == "bf16_no_master":
         result.update(dcp_resume(os.path.join(out, f"dcp-{run_id(which)}"), build, cfg, data,
                                  dtype, accumulation))
     return {**result, "gradients": gradients, "losses": losses, "final": final,
             "nvme_bytes": nvme_bytes, "at_save": at_save, "resumed_losses": first + second,
             "resumed": resumed, "from_one": from_one}
+
+
+def initial_restore(build, cfg: dict, data, dtype) -> dict:
+    """Both state dicts saved before the first step, RESUME_AT steps, both loaded back, the
+    rest (Note [Loading a state dict without a parameter's state] in optimizer.py)."""
+    model, optimizer = initialize(build, cfg)
+    initial = copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict())
+    train(model, optimizer, data[:RESUME_AT], dtype)
+    model.load_state_dict(initial[0])
+    optimizer.load_state_dict(initial[1])
+    losses = train(model, optimizer, data[RESUME_AT:], dtype)
+    final = cpu_state(model)
+    model.destroy()
+    model, optimizer = initialize(build, cfg)  # what it must equal: a new engine's steps
+    fresh_losses = train(model, optimizer, data[RESUME_AT:], dtype)
+    fresh_final = cpu_state(model)
+    model.destroy()
+    return {"initial_losses": losses, "initial_final": final, "fresh_losses": fresh_losses,
+            "fresh_final": fresh_final}
 
 
 def dcp_resume(path: str, build, cfg: dict, data, dtype, accumulation: int) -> dict:

@@ -492,6 +492,9 @@ def test_two_ranks_train_resume_and_reshard_at_every_boundary(two_ranks, run):
         assert_equal_states(result["resumed"], result["final"], f"rank {rank} resumed")
         # The 1-rank checkpoint split over 2 ranks: its values exactly.
         assert_equal_states(result["from_one"], ones[run], f"rank {rank} 1 -> 2")
+        if "initial_losses" in result:  # restored to the start: a new engine's steps
+            assert result["initial_losses"] == result["fresh_losses"], rank
+            assert_equal_states(result["initial_final"], result["fresh_final"], "initial")
         if weights == "bf16_no_master":  # Note [The weights a compensation belongs to]
             assert result["dcp_losses"] == result["losses"][-len(result["dcp_losses"]):], rank
             assert_equal_states(result["dcp_final"], result["final"], f"rank {rank} dcp")
