@@ -897,13 +897,17 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         belongs to), where it has them (Note [Master weights in the optimizer's state dict])."""
         entry = {key: self.chunked.read(index, kind) for key, kind in self._WEIGHT_KINDS.items()
                  if self.dp.keeps(self.chunked, index, kind)}
-        if "param_compensation" in entry:  # Note [The weights a compensation belongs to]
+        # Note [The weights a compensation belongs to] (the compute chunk's owner is the
+        # compensation's: both lists register the trainable parameters alike)
+        if "param_compensation" in entry and \
+                self.dp.keeps(self.chunked, index, _C.ChunkKind.COMPUTE_PARAM):
             entry[self._COMPENSATED] = self.chunked.read(index, _C.ChunkKind.COMPUTE_PARAM)
         return entry
 
     def _load_weight_entry(self, index: int, entry: dict) -> None:
         if self._COMPENSATED in entry and "param_compensation" in entry and \
-                self.dp.keeps(self.chunked, index, _C.ChunkKind.PARAM_COMPENSATION):
+                self.dp.keeps(self.chunked, index, _C.ChunkKind.PARAM_COMPENSATION) and \
+                self.dp.keeps(self.chunked, index, _C.ChunkKind.COMPUTE_PARAM):
             self.chunked.write(index, _C.ChunkKind.COMPUTE_PARAM, entry[self._COMPENSATED])
         for key, kind in self._WEIGHT_KINDS.items():
             if key in entry and self.dp.keeps(self.chunked, index, kind):

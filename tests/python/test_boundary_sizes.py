@@ -55,7 +55,12 @@ CASES = {
     "oversize": [(7, 3 * CHUNK + 5), (BLOCK + 1, 3), (1, CHUNK), (2 * BLOCK,)],
     "mixed": [(1,), (CHUNK - 1,), (0,), (CHUNK,), (CHUNK + 1,), (BLOCK - 1,), (BLOCK,),
               (BLOCK + 1,), (2 * CHUNK,), (3,), (0, 4)],
+    "frozen_first": [(CHUNK,), (CHUNK,), (CHUNK,), (1,)],
 }
+# Parameters built frozen (requires_grad False), by case: a frozen chunk first shifts the
+# trainable parameters' chunks (and, under data parallelism, their owners) against the
+# frozen-free lists of masters, compensations and moments.
+FROZEN = {"frozen_first": {0}}
 STATE_DTYPES = ["fp32", "bf16", "int8"]
 WEIGHTS = ["fp32", "bf16_no_master"]
 
@@ -89,7 +94,10 @@ class Bag(nn.Module):
 def builder(case: str):
     def build():
         torch.manual_seed(0)
-        return Bag(CASES[case])
+        model = Bag(CASES[case])
+        for index in FROZEN.get(case, ()):
+            model.parts[index].weight.requires_grad_(False)
+        return model
     return build
 
 
@@ -169,7 +177,7 @@ def reference(case: str, state_dtype: str, weights: str, data=None):
         loss_of(model, x, y, dtype).backward()
         with torch.no_grad():
             for param in model.parameters():
-                if param.numel() == 0:
+                if param.numel() == 0 or param.grad is None:  # no elements, or frozen
                     param.grad = None
                     continue
                 flat = param.detach().reshape(-1).float()
@@ -425,6 +433,8 @@ def test_a_built_module_whose_initialize_fails_gets_its_fp32_empty_parameter_bac
 TWO_RANK = [(case, state, weights, "plain") for case in ("mixed", "oversize")
             for state in STATE_DTYPES for weights in WEIGHTS] + [
     ("exact_chunk", "int8", "bf16_no_master", "plain"),
+    ("frozen_first", "int8", "bf16_no_master", "plain"),
+    ("frozen_first", "bf16", "fp32", "plain"),
     ("one", "int8", "fp32", "plain"),
     ("chunk+1", "int8", "bf16_no_master", "plain"),
     ("mixed", "int8", "bf16_no_master", "nvme"),
@@ -507,6 +517,9 @@ def test_two_ranks_train_resume_and_reshard_at_every_boundary(two_ranks, run):
     for rank, result in enumerate(per_rank):
         assert result["gradients"].keys() == expected.keys()
         for name, gradient in result["gradients"].items():
+            if expected[name] is None:  # frozen
+                assert gradient is None, (rank, name)
+                continue
             torch.testing.assert_close(gradient.float(), expected[name].float(),
                                        **gradient_tolerance(weights),
                                        msg=lambda m: f"rank {rank}, {name}: {m}")
