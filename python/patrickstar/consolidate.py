@@ -48,6 +48,12 @@ class _Source:
     name: str
     kind: str
     partition: tuple[int, int] | None = None  # (dim, stride)
+    # A "buffer" record holding a parameter without elements: converted to --dtype (Note
+    # [Saved parameters without elements] in checkpoint/engine_state.py).
+    empty_param: bool = False
+
+    def keeps_saved_dtype(self) -> bool:
+        return self.kind == "buffer" and not self.empty_param
 
     def shape(self) -> tuple[int, ...]:
         shape = list(self.readers[0].entry(self.name, self.kind).shape)
@@ -94,7 +100,7 @@ def _fill(path: str, plan, dtype: torch.dtype) -> int:
     if len(offsets) != len(sources):
         raise AssertionError(f"{path}: {len(offsets)} storages for {len(sources)} tensors")
     for source, (_, size) in zip(sources, offsets):
-        itemsize = (dtype.itemsize if source.kind != "buffer"
+        itemsize = (dtype.itemsize if not source.keeps_saved_dtype()
                     else dtypes.element_size(source.saved_dtype()))
         if size != itemsize * math.prod(source.shape()):
             raise AssertionError(f"{path}: storage of {source.name} has {size} bytes")
@@ -103,7 +109,7 @@ def _fill(path: str, plan, dtype: torch.dtype) -> int:
     try:
         for source, (offset, size) in zip(sources, offsets):
             tensor = source.tensor()
-            if source.kind != "buffer":
+            if not source.keeps_saved_dtype():
                 tensor = tensor.to(dtype)
             data = memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())
             written = 0
@@ -179,7 +185,8 @@ def consolidate(checkpoint_dir, output, dtype: str = "fp32", tag: str | None = N
                     continue
                 seen.add(key)
                 if what != "param":
-                    plan.append((key, _Source((reader,), ref, "buffer")))
+                    plan.append((key, _Source((reader,), ref, "buffer",
+                                              empty_param=what == "empty_param")))
                     continue
                 name = names[ref]
                 kind = _source_kind(reader, name, dtype)
@@ -191,7 +198,7 @@ def consolidate(checkpoint_dir, output, dtype: str = "fp32", tag: str | None = N
             fakes, by_source = {}, {}
             for key, source in plan:
                 if source not in by_source:
-                    out_dtype = (dtypes.PRECISIONS[dtype] if source.kind != "buffer"
+                    out_dtype = (dtypes.PRECISIONS[dtype] if not source.keeps_saved_dtype()
                                  else dtypes.dtype_of(source.saved_dtype()))
                     by_source[source] = torch.empty(source.shape(), dtype=out_dtype)
                 fakes[key] = by_source[source]

@@ -244,6 +244,7 @@ class PatrickStarEngine(nn.Module):
         if self.mixed:
             self._buffers_to_compute_dtype()  # Note [Buffers of 16-bit modules]
         self.params.bind(placer.parameters)
+        self._empty_parameters_to_compute_dtype()
         self.dp.attach(self)
         self._finish_init()
         self.dp.after_init()
@@ -711,6 +712,25 @@ class PatrickStarEngine(nn.Module):
             for name, buffer in module._buffers.items():
                 if buffer is not None and buffer.is_floating_point():
                     module._buffers[name] = buffer.to(self.compute_dtype)
+
+    # Note [Parameters without elements follow the compute dtype]
+    # A parameter without elements stays a plain parameter of the module, outside the chunks
+    # (init_context.plan_parameters): it holds no memory and no optimizer state. It kept the
+    # dtype and device model_func gave it, so in fp16/bf16 it stayed fp32 beside 16-bit weights:
+    # a prefix of no virtual tokens (`torch.cat([prefix.expand(b, 0, d), embeddings], 1)`)
+    # promoted the activations to fp32 and the next Linear raised "mat1 and mat2 must have the
+    # same dtype", where `model.bfloat16()` in PyTorch (and DeepSpeed's, which converts the
+    # whole module) trains; `model.state_dict()` and a consolidated `--dtype bf16` file held it
+    # as the only fp32 weight. Like every chunked parameter it takes the compute dtype (a model
+    # built in another 16-bit dtype included: Note [A model built in another 16-bit dtype]) and
+    # the engine's device.
+    def _empty_parameters_to_compute_dtype(self) -> None:
+        with torch.no_grad():
+            for module in self.module.modules():
+                for param in module._parameters.values():
+                    if param is not None and self.params.index_of(param) is None and \
+                            param.numel() == 0 and param.is_floating_point():
+                        param.data = param.data.to(dtype=self.compute_dtype, device=self.device)
 
     def _apply(self, fn, recurse=True):
         if "module" not in self._modules:  # nn.Module.__init__ and the hooks of a partial build
@@ -1182,6 +1202,9 @@ class PatrickStarEngine(nn.Module):
         hold it in PyTorch (`p.grad` itself stays None: gradients live in chunks). Under data
         parallelism a collective (every rank calls it) that gives the gradient averaged over
         the ranks, read after the backward that ends an accumulation."""
+        empty = self._parameter_without_elements(param)
+        if empty is not None:  # Note [Gradients of parameters without elements]
+            return empty.grad
         index = self._parameter_index(param, "full_gradient")
         if not self.dp.enabled:
             return self.optimizer.gradient(index)
@@ -1197,6 +1220,24 @@ class PatrickStarEngine(nn.Module):
                 f"{what} after {self.guard.backwards} of {self.guard.accumulation} backward() "
                 f"calls: under data parallelism the ranks' gradients are reduced by the "
                 f"backward that ends the accumulation; read them after it")
+
+    # Note [Gradients of parameters without elements]
+    # A parameter without elements stays outside the chunks (init_context.plan_parameters), so
+    # autograd writes its (empty) p.grad as torch does and zero_grad drops it. full_gradient,
+    # looping over named_parameters() to log gradient norms (the documented use), refused its
+    # name as "no parameter" and safe_get_full_grad refused it as not the engine's: both give
+    # that p.grad. Nothing is averaged under data parallelism (there are no elements), so no
+    # collective runs for it; every rank answers alike.
+    def _parameter_without_elements(self, param) -> nn.Parameter | None:
+        """The module's parameter without elements that `param` (a parameter or its name) is,
+        else None."""
+        if isinstance(param, str):
+            found = dict(self.module.named_parameters()).get(param.removeprefix("module."))
+        else:
+            found = next((p for p in self.module.parameters() if p is param), None)
+        if found is None or self.params.index_of(found) is not None or found.numel():
+            return None
+        return found
 
     def _parameter_index(self, param, what: str) -> int:
         if isinstance(param, str):

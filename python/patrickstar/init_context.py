@@ -278,6 +278,12 @@ class BuiltModule:
                 param.data = value.to(dtype=dtype, device=device)
                 for attribute in ("ds_shape", "ds_numel"):
                     param.__dict__.pop(attribute, None)
+            # Parameters without elements took the compute dtype (Note [Parameters without
+            # elements follow the compute dtype] in engine.py).
+            for param in self.module.parameters():
+                if param.numel() == 0 and id(param) in self._kinds:
+                    dtype, device = self._kinds[id(param)]
+                    param.data = param.data.to(dtype=dtype, device=device)
         for owner, name, buffer in self._buffers:
             setattr(owner, name, buffer)
 

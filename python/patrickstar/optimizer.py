@@ -878,14 +878,37 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
     # `optimizer.state[p]` stays torch's (step and moments).
     _WEIGHT_KINDS = {"master_param": _C.ChunkKind.MASTER_PARAM,
                      "param_compensation": _C.ChunkKind.PARAM_COMPENSATION}
+    # Note [The weights a compensation belongs to]
+    # A Kahan compensation is the rounding error of the bf16 weights it was carried with: the
+    # finer copy of a weight without a master is the pair. The optimizer's state dict carried
+    # the compensation alone, so loading it before the model's state dict (the order of
+    # torch.distributed.checkpoint's set_state_dict, FSDP2's recipe that the README promises
+    # resumes bit for bit) wrote it beside the new engine's initial weights, and the model's
+    # load then brought other weights and zeroed it (Note [Loading the weights the model has]
+    # in parameter_values.py): the resumed run drifted by a bf16 ulp within a few steps. Each
+    # entry with a compensation now also holds those bf16 weights ("compensated_param"), and
+    # the optimizer's load writes both, as it writes a master: the model's load of the same
+    # weights is then no change and keeps the compensation, in either order. An engine without
+    # compensation chunks ignores both keys (its weights come from the model's load).
+    _COMPENSATED = "compensated_param"
 
     def _weight_entry(self, index: int) -> dict:
-        """Parameter `index`'s fp32 master and Kahan compensation, where it has them (Note
-        [Master weights in the optimizer's state dict])."""
-        return {key: self.chunked.read(index, kind) for key, kind in self._WEIGHT_KINDS.items()
-                if self.dp.keeps(self.chunked, index, kind)}
+        """Parameter `index`'s fp32 master and Kahan compensation (with the bf16 weights it
+        belongs to), where it has them (Note [Master weights in the optimizer's state dict])."""
+        entry = {key: self.chunked.read(index, kind) for key, kind in self._WEIGHT_KINDS.items()
+                 if self.dp.keeps(self.chunked, index, kind)}
+        # Note [The weights a compensation belongs to] (the compute chunk's owner is the
+        # compensation's: both lists register the trainable parameters alike)
+        if "param_compensation" in entry and \
+                self.dp.keeps(self.chunked, index, _C.ChunkKind.COMPUTE_PARAM):
+            entry[self._COMPENSATED] = self.chunked.read(index, _C.ChunkKind.COMPUTE_PARAM)
+        return entry
 
     def _load_weight_entry(self, index: int, entry: dict) -> None:
+        if self._COMPENSATED in entry and "param_compensation" in entry and \
+                self.dp.keeps(self.chunked, index, _C.ChunkKind.PARAM_COMPENSATION) and \
+                self.dp.keeps(self.chunked, index, _C.ChunkKind.COMPUTE_PARAM):
+            self.chunked.write(index, _C.ChunkKind.COMPUTE_PARAM, entry[self._COMPENSATED])
         for key, kind in self._WEIGHT_KINDS.items():
             if key in entry and self.dp.keeps(self.chunked, index, kind):
                 self.chunked.write(index, kind, entry[key])
@@ -916,8 +939,38 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
                 moment_state.write_moment(self.chunked, index, key, entry[key],
                                           entry.get(moment_state.scale_key(key)))
             self._load_weight_entry(index, entry)
+        self._forget_state(set(range(len(self.chunked.ids))) -
+                           {to_index[key] for key in state})
+        if any(self._COMPENSATED in entry for entry in state.values()) and \
+                any(ids.compensation is not None for ids in self.chunked.ids):
+            # The owners wrote bf16 weights: gathered copies are stale (every rank loads the
+            # same dict, so every rank comes here).
+            self.dp.parameters_changed()
         if "loss_scaler" in state_dict:
             self.loss_scaler.load_state_dict(state_dict["loss_scaler"])
+
+    # Note [Loading a state dict without a parameter's state]
+    # torch's load_state_dict replaces the optimizer's state: a parameter the saved dict has no
+    # state for (a state dict saved before the first step, the usual "initial checkpoint") has
+    # none afterwards, and its next step starts Adam afresh (step 1, zero moments). The loop
+    # above wrote only the saved entries, so such parameters kept the moments and step counts
+    # of the training before the load: restoring an initial optimizer state dict trained on
+    # with the old moments and bias correction (weights 0.03 away from torch's within two
+    # steps). Their state is reset as a new engine holds it (zero chunks: codes and scales of
+    # 8-bit state too, so the next step is a new engine's bit for bit).
+    def _forget_state(self, indices) -> None:
+        manager = self.chunked.chunks.manager
+        for index in sorted(indices):
+            momentum = self.chunked.ids[index].momentum
+            if momentum is None or not self.dp.owns(manager, momentum) or \
+                    not self.step_counts[index]:
+                continue
+            self.step_counts[index] = 0
+            for key in moment_state.MOMENT_KEYS:
+                stored = moment_state.read_moment(self.chunked, index, key)
+                scales = stored.get(moment_state.scale_key(key))
+                moment_state.write_moment(self.chunked, index, key, torch.zeros_like(stored[key]),
+                                          None if scales is None else torch.zeros_like(scales))
 
     # Note [Saved groups of another optimizer]
     # A saved group's hyperparameters replace the group's, as in torch. The group of another
@@ -1004,7 +1057,7 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
                         f"optimizer state dict: state {key} maps to '{params.names[index]}' of "
                         f"shape {params.shapes[index]}, but its {moment} has shape "
                         f"{tuple(value.shape)} (parameters in another order than when saved?)")
-            for weight in self._WEIGHT_KINDS:
+            for weight in (*self._WEIGHT_KINDS, self._COMPENSATED):
                 value = entry.get(weight)
                 if value is not None and tuple(value.shape) != params.shapes[index]:
                     raise ValueError(

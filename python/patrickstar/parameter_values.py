@@ -140,8 +140,8 @@ class ParameterValues:
     # compensation (Note [Master weights in the optimizer's state dict] in optimizer.py),
     # before the model's. So such weights leave both as they are; other values, or weights
     # of another dtype (an fp32 state dict into a bf16 engine), replace them. Without a master
-    # that order still loses the compensation: the optimizer's load cannot know the weights
-    # the model's load will bring, so load the model's state dict first there.
+    # the optimizer's load writes the bf16 weights its compensations belong to as well (Note
+    # [The weights a compensation belongs to] in optimizer.py), so that order keeps them too.
     def _holds_already(self, index: int, source: torch.Tensor) -> bool:
         if source.dtype != self._compute_dtype or self._compute_dtype == torch.float32:
             return False

@@ -6,6 +6,7 @@ run's bit for bit, in every precision: the optimizer's state dict carries what 1
 optimizer.py)."""
 from __future__ import annotations
 
+import copy
 import gc
 import io
 
@@ -108,12 +109,15 @@ def assert_same_state(ours: dict, expected: dict) -> None:
             assert torch.equal(ours["optimizer"]["state"][index][key], value), (index, key)
 
 
-@pytest.mark.parametrize("name", ["fp16", "bf16", "bf16-int8-state"])
+@pytest.mark.parametrize("name", ["fp16", "bf16", "bf16-int8-state", "bf16-no-master",
+                                  "bf16-no-master-int8-state"])
 def test_loading_the_optimizer_before_the_model_resumes_the_same(name):
     # In torch the two loads are independent. model.load_state_dict wrote the masters from the
     # 16-bit weights after the optimizer's load had restored them; weights equal to what the
-    # masters round to now leave them (Note [Loading the weights the model has]; without
-    # masters the model's state dict must come first).
+    # masters round to now leave them (Note [Loading the weights the model has]). Without
+    # masters the optimizer's entries carry the bf16 weights their compensations belong to
+    # (Note [The weights a compensation belongs to] in optimizer.py): the compensation was
+    # zeroed by the model's load that followed.
     model, optimizer = build(name)
     train(model, optimizer, range(4))
     checkpoint = saved(model, optimizer)
@@ -143,7 +147,7 @@ def test_the_models_own_state_dict_loads_as_a_no_op():
     assert torch.equal(master, weights["layers.0.weight"].float())
 
 
-@pytest.mark.parametrize("name", ["fp32", "bf16-no-master-int8-state"])
+@pytest.mark.parametrize("name", ["fp32", "bf16", "bf16-no-master", "bf16-no-master-int8-state"])
 def test_torch_distributed_checkpoint_resumes_bit_for_bit(name, tmp_path):
     # FSDP2's idiom: get_state_dict(model, optimizer) names the optimizer's parameters by their
     # fully qualified names; dcp.save / dcp.load; set_state_dict. Our load read the names as
@@ -158,6 +162,7 @@ def test_torch_distributed_checkpoint_resumes_bit_for_bit(name, tmp_path):
     assert "module.layers.0.weight" in optimizer_state["state"]
     dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=tmp_path)
     expected = train(model, optimizer, range(4, 8))
+    expected_final = torch.load(io.BytesIO(saved(model, optimizer)))
     del model, optimizer, model_state, optimizer_state
     gc.collect()
 
@@ -170,3 +175,44 @@ def test_torch_distributed_checkpoint_resumes_bit_for_bit(name, tmp_path):
     set_state_dict(model, optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optimizer"])
     assert train(model, optimizer, range(4, 8)) == expected
+    # The weights and Adam state too (set_state_dict loads the optimizer before the model:
+    # without masters the compensations were zeroed, Note [The weights a compensation belongs
+    # to] in optimizer.py, which the losses of 4 steps did not show).
+    assert_same_state(torch.load(io.BytesIO(saved(model, optimizer))), expected_final)
+
+
+@pytest.mark.parametrize("name", ["fp32", "bf16-no-master-int8-state"])
+def test_loading_a_state_dict_saved_before_the_first_step_starts_adam_afresh(name):
+    # Note [Loading a state dict without a parameter's state] in optimizer.py: torch's load
+    # replaces the state, so parameters the saved dict has no state for start Adam again (step
+    # 1, zero moments); ours kept the moments and step counts of the steps before the load.
+    model, optimizer = build(name)
+    initial = saved(model, optimizer)
+    train(model, optimizer, range(3))
+    state = torch.load(io.BytesIO(initial))
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    assert not optimizer.state_dict()["state"] and not optimizer.state
+    losses = train(model, optimizer, range(3, 6))
+    final = torch.load(io.BytesIO(saved(model, optimizer)))
+    fresh, fresh_optimizer = build(name)  # a new engine: the same steps, bit for bit
+    assert train(fresh, fresh_optimizer, range(3, 6)) == losses
+    assert_same_state(final, torch.load(io.BytesIO(saved(fresh, fresh_optimizer))))
+    if name == "fp32":  # and torch's AdamW doing the same
+        torch.manual_seed(0)
+        reference = MLP()
+        torch_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
+        initial_torch = (copy.deepcopy(reference.state_dict()),
+                         copy.deepcopy(torch_optimizer.state_dict()))
+
+        def torch_steps(steps):
+            for step in steps:
+                reference(*batch(step, torch.float32)).backward()
+                torch_optimizer.step()
+                torch_optimizer.zero_grad()
+        torch_steps(range(3))
+        reference.load_state_dict(initial_torch[0])
+        torch_optimizer.load_state_dict(initial_torch[1])
+        torch_steps(range(3, 6))
+        for key, value in reference.state_dict().items():
+            torch.testing.assert_close(final["model"][key], value, rtol=1e-5, atol=1e-6)

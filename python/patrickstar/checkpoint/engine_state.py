@@ -123,12 +123,24 @@ class EngineState:
         return {name: counts[index] for index, name in enumerate(self.names)
                 if self.params.ids[index].momentum is not None and "exp_avg" in self.kinds(index)}
 
+    # Note [Saved parameters without elements]
+    # A parameter without elements stays outside the chunks, so its (empty) tensor is saved
+    # with the buffers; listed as a buffer, consolidation kept its saved dtype, and a bf16 run
+    # consolidated with --dtype fp32 gave it as the only bf16 weight (an fp32 run with --dtype
+    # bf16, the only fp32 one). It is listed as "empty_param": stored as a buffer is, converted
+    # to --dtype as the other parameters are. Checkpoints written before list it as a buffer.
     def state_dict_keys(self) -> list[list]:
-        """[key, "param", index] or [key, "buffer", key] for each key of module.state_dict()."""
+        """[key, "param", index], [key, "empty_param", key] (Note [Saved parameters without
+        elements]) or [key, "buffer", key] for each key of module.state_dict()."""
         keys = []
         for key, value in self.engine.module.state_dict(keep_vars=True).items():
             index = self.params.index_of(value)
-            keys.append([key, "param", index] if index is not None else [key, "buffer", key])
+            if index is not None:
+                keys.append([key, "param", index])
+            elif isinstance(value, torch.nn.Parameter) and value.is_floating_point():
+                keys.append([key, "empty_param", key])
+            else:
+                keys.append([key, "buffer", key])
         return keys
 
     def tensor_table(self) -> list[dict]:
