@@ -150,9 +150,12 @@ def test_twenty_cycles_keep_rss_flat_and_leave_no_file(tmp_path, world):
         # After warm-up (allocator pools, lazily imported modules) RSS stays within 10%.
         warm, last = result["rss"][4], result["rss"][-1]
         assert last <= warm * 1.10, f"rank {rank}: RSS {warm / 2**20:.0f} -> {last / 2**20:.0f} MiB"
-        # Each engine's swap file, copy threads and communicators go with it.
+        # Each engine's swap file, copy threads and communicators go with it: no growth. (Under
+        # data parallelism the last cycle sometimes counts a few files fewer, when the peer,
+        # done first, has closed what the two shared: fewer is not a leak.)
         counts = result["files_threads"]
-        assert counts[-1] == counts[1], f"rank {rank}: (open files, threads) per cycle {counts}"
+        assert all(a <= b for a, b in zip(counts[-1], counts[1])), \
+            f"rank {rank}: (open files, threads) per cycle {counts}"
     # Every cycle's profile was written when its engine went (under data parallelism into the
     # rank's own directory: Note [One profile directory per rank]).
     for rank in range(world):
