@@ -820,10 +820,29 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
             entry.update(moment_state.read_moment(params, index, key))
         return entry
 
+    # Note [Optimizer state-dict hooks]
+    # torch.optim.Optimizer.state_dict() and load_state_dict() run the hooks registered with
+    # register_state_dict_pre_hook / _post_hook and register_load_state_dict_pre_hook /
+    # _post_hook (a post-hook's or a load pre-hook's return value, when not None, replaces the
+    # dict, and load works on a shallow copy). Ours override both, so those hooks were
+    # registered on the optimizer and never ran: a script that adds its own entries to the
+    # saved dict (or strips them before a load) lost them silently. Both run them as torch does,
+    # around the optimizer's own layout.
     def state_dict(self):
         """torch's layout, every parameter's Adam state: under data parallelism a collective
         (every rank calls it, as `model.state_dict()`) that gathers each owner's entries, so a
-        file saved by one rank holds all of it and loads on any rank."""
+        file saved by one rank holds all of it and loads on any rank. Runs torch's state-dict
+        hooks (Note [Optimizer state-dict hooks])."""
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        state_dict = self._own_state_dict()
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            result = post_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        return state_dict
+
+    def _own_state_dict(self) -> dict:
         params = self.chunked
         self.dp.agree_on_call(3)  # Note [Every rank runs the same forwards] in data_parallel.py
         state = {}
@@ -891,6 +910,17 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
                 self.chunked.write(index, kind, entry[key])
 
     def load_state_dict(self, state_dict):
+        """Runs torch's load hooks (Note [Optimizer state-dict hooks]) around the load."""
+        state_dict = state_dict.copy()  # torch's shallow copy, which the pre-hooks may change
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        self._load_own_state_dict(state_dict)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    def _load_own_state_dict(self, state_dict) -> None:
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups):
             raise ValueError(f"optimizer state dict has {len(groups)} param groups, the "
