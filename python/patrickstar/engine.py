@@ -1128,21 +1128,27 @@ class PatrickStarEngine(nn.Module):
 
     # ---- State dicts ---------------------------------------------------------------------------
 
+    # Note [keep_vars gives the parameters themselves]
+    # torch's state_dict(keep_vars=True) holds the module's Parameter objects (requires_grad,
+    # isinstance nn.Parameter, the very objects). The engine's gave copies of their values,
+    # plain tensors with requires_grad False, so the usual "save the trainable weights" filter
+    # `{k: v for k, v in model.state_dict(keep_vars=True).items() if v.requires_grad}` (LoRA
+    # and fine-tuning scripts) saved nothing and an in-place write into an entry changed a copy
+    # silently. It is now the module's own (`model.module.state_dict(keep_vars=True)`): at rest
+    # the parameters read their values out of the chunks wherever a value is used (torch.save,
+    # another module's load_state_dict) and refuse in-place writes naming the parameter (Note
+    # [Parameters at rest] in resting_params.py); loading them into the engine itself, or into
+    # another engine, reads them first (checked_value in parameter_values.py).
     def state_dict(self, destination=None, prefix: str = "", keep_vars: bool = False):
         """The module's state dict with full parameters (compute dtype) read out of chunks: the
-        module's own state dict (Note [The user's module's state dict]); with keep_vars the
-        buffers are the module's tensors and the parameters still their values. Under data
-        parallelism a collective: every rank calls it (Note [Every rank runs the same forwards]
-        in data_parallel.py)."""
+        module's own state dict (Note [The user's module's state dict]). Under data parallelism
+        a collective: every rank calls it (Note [Every rank runs the same forwards] in
+        data_parallel.py). With keep_vars, as in torch, the entries are the module's own
+        parameters and buffers (Note [keep_vars gives the parameters themselves])."""
         self.guard.check_alive("state_dict()")
-        if prefix or keep_vars:  # else the module's own hook agrees (module_state_hooks.py)
+        if prefix and not keep_vars:  # else the module's own hook agrees, or nothing is read
             self.agree_on_state_dict_read()
         result = self.module.state_dict(prefix=prefix, keep_vars=keep_vars)
-        if keep_vars:  # the hooks leave Parameter objects, which hold placeholders
-            for name, value in result.items():
-                index = self.params.index_of(value)
-                if index is not None:
-                    result[name] = self.read_parameter(index)
         if destination is not None:
             destination.update(result)
             return destination

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from . import _C
+from .param_owners import engine_of
 
 __all__ = ["ParameterValues"]
 
@@ -36,6 +37,11 @@ def checked_value(key: str, source, shape: tuple) -> tuple[torch.Tensor | None, 
     if not torch.overrides.is_tensor_like(source):
         return None, (f'While copying the parameter named "{key}", expected torch.Tensor or '
                       f'Tensor-like object from checkpoint but received {type(source)}')
+    owner = engine_of(source)
+    if owner is not None:  # Note [keep_vars gives the parameters themselves] in engine.py
+        # An engine's parameter holds a placeholder: read its value before any chunk of the
+        # load is opened (the same chunk, when an engine loads its own parameters).
+        source = owner.read_parameter(owner.params.index_of(source), "load_state_dict()")
     if len(shape) == 0 and tuple(source.shape) == (1,):
         source = source[0]
     if tuple(source.shape) != tuple(shape):

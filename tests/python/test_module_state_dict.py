@@ -233,3 +233,59 @@ def test_tied_weights_share_one_tensor_in_the_state_dict():
     second = model.state_dict()
     assert torch.equal(second["head.weight"], first["head.weight"] + 1)
     assert second["head.weight"].data_ptr() != first["head.weight"].data_ptr()
+
+
+def frozen_first_layer():
+    module = MLP()
+    module.layers[0].requires_grad_(False)
+    return module
+
+
+def test_keep_vars_gives_the_parameters_themselves_as_pytorch():
+    """Note [keep_vars gives the parameters themselves] in engine.py: the trainable-weights
+    filter of fine-tuning scripts picks what it picks on the plain model, and the entries
+    hold the trained values."""
+    torch.manual_seed(0)
+    reference = frozen_first_layer()
+    torch.manual_seed(0)
+    model, optimizer = patrickstar.initialize(frozen_first_layer, config=CONFIG)
+    x, y = torch.randn(8, 32), torch.randint(0, 10, (8,))
+    model.backward(model(x, y))
+    optimizer.step()
+    values = model.state_dict()
+    for state in (model.state_dict(keep_vars=True), model.state_dict(keep_vars=True, prefix="m.")):
+        prefix = "m." if "m.layers.0.weight" in state else ""
+        expected = reference.state_dict(keep_vars=True, prefix=prefix)
+        assert list(state) == list(expected)
+        assert ({k for k, v in state.items() if v.requires_grad}
+                == {k for k, v in expected.items() if v.requires_grad}
+                == {prefix + k for k in ("layers.1.weight", "layers.1.bias", "layers.2.weight",
+                                         "layers.2.bias")})
+        own = dict(model.module.named_parameters(prefix=prefix.rstrip(".")))
+        for key, value in state.items():
+            assert isinstance(value, nn.Parameter) == isinstance(expected[key], nn.Parameter)
+            assert value is own[key]
+            assert torch.equal(value.detach(), values[key[len(prefix):]])
+    buffer = io.BytesIO()
+    torch.save(model.state_dict(keep_vars=True), buffer)
+    buffer.seek(0)
+    for key, value in torch.load(buffer, weights_only=True).items():
+        assert torch.equal(value, values[key]), key
+
+
+@pytest.mark.parametrize("into", ["itself", "its module", "another engine"])
+def test_an_engines_own_parameters_load_as_values(into):
+    """torch's `m.load_state_dict(m.state_dict(keep_vars=True))` (or another model's
+    parameters) copies their values; the engine's read placeholders in chunks it was
+    writing and failed with an illegal chunk state transition."""
+    source, _ = trained()
+    values = source.state_dict()
+    kept = source.module.state_dict(keep_vars=True)
+    if into == "another engine":
+        target, _ = patrickstar.initialize(MLP, config=CONFIG)
+    else:
+        target = source if into == "itself" else source.module
+    assert target.load_state_dict(kept) == nn.modules.module._IncompatibleKeys([], [])
+    loaded = (target if into != "its module" else source).state_dict()
+    for key, value in values.items():
+        assert torch.equal(loaded[key], value), key
