@@ -289,3 +289,48 @@ def test_an_engines_own_parameters_load_as_values(into):
     loaded = (target if into != "its module" else source).state_dict()
     for key, value in values.items():
         assert torch.equal(loaded[key], value), key
+
+
+class Normed(nn.Module):
+    """A BatchNorm (its `_load_from_state_dict` fills in `num_batches_tracked`) whose head
+    renames an older checkpoint's key in a load pre-hook, as Hugging Face models do."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.norm = nn.BatchNorm1d(4)
+        self.head = nn.Linear(4, 2)
+        self.head._register_load_state_dict_pre_hook(self._renamed)
+
+    @staticmethod
+    def _renamed(state_dict, prefix, *args):
+        if prefix + "kernel" in state_dict:
+            state_dict[prefix + "weight"] = state_dict.pop(prefix + "kernel")
+
+    def forward(self, x):
+        return self.head(self.norm(self.linear(x))).sum()
+
+
+def test_the_engines_load_runs_the_modules_own_loading_as_pytorch():
+    """Note [The engine's load_state_dict is torch's, all or nothing]: before, the engine's
+    load_state_dict skipped the modules' load hooks and `_load_from_state_dict`, and refused
+    both state dicts torch loads ("Missing key(s)")."""
+    torch.manual_seed(1)
+    source = Normed()
+    older = {key: value.clone() for key, value in source.state_dict().items()
+             if "num_batches_tracked" not in key}  # a dict without torch's version metadata
+    older["head.kernel"] = older.pop("head.weight")
+    torch.manual_seed(0)
+    plain = Normed()
+    model, _ = patrickstar.initialize(Normed, config=CONFIG)
+    log = {}
+    for name, target in (("torch", plain), ("engine", model)):
+        module = target if name == "torch" else model.module
+        entries = log[name] = []
+        module.norm.register_load_state_dict_post_hook(
+            lambda mod, keys, entries=entries: entries.append(list(keys.missing_keys)))
+        assert str(target.load_state_dict(dict(older))) == "<All keys matched successfully>"
+    assert log["engine"] == log["torch"] == [[]]
+    for key, value in plain.state_dict().items():
+        assert torch.equal(model.state_dict()[key], value), key
+    assert torch.equal(model.state_dict()["head.weight"], source.head.weight)
