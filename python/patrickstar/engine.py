@@ -1228,13 +1228,17 @@ class PatrickStarEngine(nn.Module):
         hold their values while it runs and what it changes goes back into the chunks (Note
         [Applying a function to the modules] in module_apply.py). Under data parallelism every
         rank calls it with the same `fn`."""
+        self.apply_to(self, fn)
+        return self
+
+    def apply_to(self, root: nn.Module, fn: Callable[[nn.Module], None]) -> None:
+        """`root.apply(fn)` for the engine or a module of its tree (`model.module.apply(fn)`,
+        a submodule's: Note [Methods of the user's modules] in module_methods.py), as apply."""
         self.guard.check_alive("model.apply()")
         with self._awake():  # what fn touches is lent its values (module_apply.py)
             applying = ModuleApply(self, pending_until_end=self.dp.enabled)
-            applying.run(self.module, fn)
-            applying.call(self, fn)
+            applying.run(root, fn)
         applying.raise_refused()
-        return self
 
     @contextlib.contextmanager
     def summon_full_params(self, writeback: bool = True):
