@@ -50,6 +50,7 @@ runtime/nvme_tier.h).
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
 import copy
 import ctypes
@@ -57,6 +58,7 @@ import sys
 import time
 import warnings
 import weakref
+from collections.abc import Mapping
 from typing import Callable
 
 import torch
@@ -1146,9 +1148,18 @@ class PatrickStarEngine(nn.Module):
         data_parallel.py). With keep_vars, as in torch, the entries are the module's own
         parameters and buffers (Note [keep_vars gives the parameters themselves])."""
         self.guard.check_alive("state_dict()")
+        for hook in self._state_dict_pre_hooks.values():  # Note [Hooks on the engine itself]
+            hook(self, prefix, keep_vars)
         if prefix and not keep_vars:  # else the module's own hook agrees, or nothing is read
             self.agree_on_state_dict_read()
         result = self.module.state_dict(prefix=prefix, keep_vars=keep_vars)
+        for hook in self._state_dict_hooks.values():
+            replaced = hook(self, result, prefix, {"version": self._version})
+            if getattr(hook, "_from_public_api", False):
+                if replaced is not None:
+                    raise RuntimeError("state_dict post-hook must return None")
+            elif replaced is not None:
+                result = replaced
         if destination is not None:
             destination.update(result)
             return destination
@@ -1167,7 +1178,41 @@ class PatrickStarEngine(nn.Module):
             raise RuntimeError("load_state_dict(assign=True) cannot replace the model's "
                                "parameters: their data lives in PatrickStar chunks; load without "
                                "assign, which copies the values into the chunks")
-        return self._parameter_values.load_state_dict(self.module, state_dict, strict)
+        state_dict = self._own_load_pre_hooks(state_dict, strict)
+        result = self._parameter_values.load_state_dict(self.module, state_dict, strict)
+        for hook in self._load_state_dict_post_hooks.values():
+            if hook(self, result) is not None:
+                raise AssertionError("Hooks registered with ``register_load_state_dict_post_"
+                                     "hook`` are not expected to return new values, if "
+                                     "incompatible_keys need to be modified, it should be "
+                                     "done inplace.")
+        return result
+
+    # Note [Hooks on the engine itself]
+    # The engine's state_dict() and load_state_dict() are its module's, under the module's keys
+    # (DeepSpeed's module_state_dict), so torch's own calls never ran the state-dict hooks
+    # registered on the engine (`model.register_state_dict_pre_hook`, `_post_hook`,
+    # `register_load_state_dict_pre_hook`, `_post_hook`): they were accepted and ignored. They
+    # run here as torch runs a module's own (prefix "" for the loads, the module's keys), around
+    # the module's hooks; a load post-hook sees the result of a load that succeeded (torch calls
+    # it before its strict check, so there one may also clear the keys that would fail it).
+    def _own_load_pre_hooks(self, state_dict, strict: bool):
+        if not self._load_state_dict_pre_hooks:
+            return state_dict
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(f"Expected state_dict to be dict-like, got {type(state_dict)}.")
+        metadata = getattr(state_dict, "_metadata", None)
+        state_dict = collections.OrderedDict(state_dict)  # torch's copy, which hooks may change
+        if metadata is not None:
+            state_dict._metadata = metadata
+        missing, unexpected, errors = [], [], []
+        for hook in self._load_state_dict_pre_hooks.values():
+            hook(state_dict, "", {} if metadata is None else metadata.get("", {}), strict,
+                 missing, unexpected, errors)
+        if errors:
+            raise RuntimeError("Error(s) in loading state_dict for {}:\n\t{}".format(
+                type(self.module).__name__, "\n\t".join(errors)))
+        return state_dict
 
     def load_parameter(self, index: int, source: torch.Tensor) -> None:
         """New weights for parameter `index` (its shape, any float dtype)."""

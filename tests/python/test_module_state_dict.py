@@ -334,3 +334,40 @@ def test_the_engines_load_runs_the_modules_own_loading_as_pytorch():
     for key, value in plain.state_dict().items():
         assert torch.equal(model.state_dict()[key], value), key
     assert torch.equal(model.state_dict()["head.weight"], source.head.weight)
+
+
+def test_state_dict_hooks_on_the_engine_itself_run_as_on_the_plain_model():
+    """Note [Hooks on the engine itself] in engine.py: registered on the engine they were
+    accepted and never ran."""
+    torch.manual_seed(0)
+    plain = MLP()
+    torch.manual_seed(0)
+    model, _ = patrickstar.initialize(MLP, config=CONFIG)
+    logs, saved = {}, {}
+    for name, target in (("torch", plain), ("engine", model)):
+        log = logs[name] = []
+        target.register_state_dict_pre_hook(
+            lambda module, prefix, keep_vars, log=log: log.append(("pre", prefix, keep_vars)))
+
+        def post(module, state_dict, prefix, local_metadata, log=log):
+            log.append(("post", prefix, len(state_dict)))
+            state_dict[prefix + "step"] = torch.tensor(5)
+        target.register_state_dict_post_hook(post)
+
+        def renamed(module, state_dict, prefix, local_metadata, strict, *lists, log=log):
+            log.append(("load pre", prefix, strict))
+            state_dict.pop(prefix + "step")
+            state_dict[prefix + "layers.0.bias"] = state_dict.pop(prefix + "old_bias")
+        target.register_load_state_dict_pre_hook(renamed)
+        target.register_load_state_dict_post_hook(
+            lambda module, keys, log=log: log.append(("load post", list(keys.missing_keys))))
+        saved[name] = target.state_dict()
+        assert list(target.state_dict(prefix="m.")) == ["m." + key for key in saved[name]]
+        older = {**saved[name], "old_bias": saved[name].pop("layers.0.bias") + 1}
+        assert str(target.load_state_dict(older)) == "<All keys matched successfully>"
+    assert logs["engine"] == logs["torch"]
+    assert [entry[0] for entry in logs["torch"]] == ["pre", "post", "pre", "post", "load pre",
+                                                     "load post"]
+    assert saved["engine"]["step"] == saved["torch"]["step"] == 5
+    for key, value in plain.state_dict().items():
+        assert torch.equal(model.state_dict()[key], value), key
