@@ -46,6 +46,7 @@ import copy
 import functools
 import os
 import sys
+import threading
 import warnings
 
 import torch
@@ -392,7 +393,7 @@ def wake(params) -> None:
 # next use, which needs the placeholders: `Module._apply` runs with the module's parameters
 # plain, as in the engine's forward.
 _TORCH_APPLY = nn.Module._apply
-_converting = False  # inside a module conversion's _apply (its children's calls)
+_conversion = threading.local()  # .inside: within a module conversion's _apply (its children)
 
 
 def _refuse_conversion(module: nn.Module, fn) -> None:
@@ -422,14 +423,13 @@ def _refuse_conversion(module: nn.Module, fn) -> None:
 
 @functools.wraps(_TORCH_APPLY)
 def _apply(self, fn, *args, **kwargs):
-    global _converting
-    if not _converting:  # Note [A module's own conversion]
+    if not getattr(_conversion, "inside", False):  # Note [A module's own conversion]
         _refuse_conversion(self, fn)
-        _converting = True
+        _conversion.inside = True
         try:
             return _apply(self, fn, *args, **kwargs)
         finally:
-            _converting = False
+            _conversion.inside = False
     resting = [param for param in self._parameters.values() if _resting(param)]
     kinds = [type(param) for param in resting]
     wake(resting)
