@@ -65,7 +65,10 @@ class ModuleStateHooks(HookSet):
         # load pre-hooks])
         self._load_handles = {}
         for module in modules:
-            self._handles.append(module.register_state_dict_post_hook(after_state_dict))
+            handle = module.register_state_dict_post_hook(after_state_dict)
+            # Note [The values are read before the user's state-dict post-hooks]
+            handle.hooks_dict_ref().move_to_end(handle.id, last=False)
+            self._handles.append(handle)
             self._register_before_load(module)
             self._handles.append(module.register_load_state_dict_post_hook(after_load))
         last = functools.partial(ModuleStateHooks._load_hooks_last, self)
@@ -76,6 +79,14 @@ class ModuleStateHooks(HookSet):
         handle = module.register_load_state_dict_pre_hook(self._before_load)
         self._handles.append(handle)
         self._load_handles[module] = handle
+
+    # Note [The values are read before the user's state-dict post-hooks]
+    # torch runs a module's state_dict post-hooks in the order they were registered, and a hook
+    # the model registered while it was built (inside model_func: one that casts, renames or
+    # counts the saved values) came before the one here, which puts each parameter's value read
+    # out of the chunks in place of the placeholder torch saved: it saw empty placeholders, and
+    # what it wrote for a parameter was then overwritten by the read. The one here goes first,
+    # so every user hook sees the values, as on the plain model.
 
     # Note [The chunk writes run after the user's load pre-hooks]
     # torch runs a module's load_state_dict pre-hooks in the order they were registered, and the

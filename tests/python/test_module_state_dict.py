@@ -394,3 +394,39 @@ def test_a_load_pre_hook_registered_after_initialize_renames_keys_as_in_pytorch(
         assert str(target.load_state_dict(dict(older))) == str(plain.load_state_dict(dict(older)))
     for key, value in plain.state_dict().items():
         assert torch.equal(model.state_dict()[key], value), key
+
+
+class SavesScaled(nn.Module):
+    """A model that registers state_dict post-hooks while it is built (inside model_func)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 2)
+
+        def doubled(module, state_dict, prefix, local_metadata):
+            for key in [key for key in state_dict if key.startswith(prefix)]:
+                state_dict[key] = state_dict[key] * 2
+
+        def counted(module, state_dict, prefix, local_metadata):
+            state_dict[prefix + "count"] = torch.tensor(state_dict[prefix + "weight"].numel())
+        self.head.register_state_dict_post_hook(doubled)
+        self.head._register_state_dict_hook(counted)
+
+    def forward(self, x):
+        return self.head(self.linear(x)).sum()
+
+
+def test_state_dict_post_hooks_of_the_model_see_the_values_as_in_pytorch():
+    """Note [The values are read before the user's state-dict post-hooks]: they saw empty
+    placeholders (a count of 0) and their changes were overwritten by the values read."""
+    torch.manual_seed(0)
+    plain = SavesScaled()
+    torch.manual_seed(0)
+    model, _ = patrickstar.initialize(SavesScaled, config=CONFIG)
+    expected = plain.state_dict()
+    assert expected["head.count"] == 8
+    for state in (model.state_dict(), model.module.state_dict()):
+        assert list(state) == list(expected)
+        for key, value in expected.items():
+            assert torch.equal(state[key], value), key
