@@ -70,7 +70,10 @@ class ModuleStateHooks(HookSet):
             handle.hooks_dict_ref().move_to_end(handle.id, last=False)
             self._handles.append(handle)
             self._register_before_load(module)
-            self._handles.append(module.register_load_state_dict_post_hook(after_load))
+            handle = module.register_load_state_dict_post_hook(after_load)
+            # Note [The values are read before the user's state-dict post-hooks]
+            handle.hooks_dict_ref().move_to_end(handle.id, last=False)
+            self._handles.append(handle)
         last = functools.partial(ModuleStateHooks._load_hooks_last, self)
         for module in tree.modules():
             self._handles.append(module.register_load_state_dict_pre_hook(last))
@@ -86,7 +89,10 @@ class ModuleStateHooks(HookSet):
     # counts the saved values) came before the one here, which puts each parameter's value read
     # out of the chunks in place of the placeholder torch saved: it saw empty placeholders, and
     # what it wrote for a parameter was then overwritten by the read. The one here goes first,
-    # so every user hook sees the values, as on the plain model.
+    # so every user hook sees the values, as on the plain model. Likewise the load post-hook
+    # here (which puts the parameters back at rest) goes first, so a user's load post-hook
+    # reads the loaded values rather than placeholders (Note [The engine's load_state_dict is
+    # torch's, all or nothing] in parameter_values.py serves those held for the chunks).
 
     # Note [The chunk writes run after the user's load pre-hooks]
     # torch runs a module's load_state_dict pre-hooks in the order they were registered, and the

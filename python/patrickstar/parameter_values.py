@@ -64,6 +64,8 @@ class ParameterValues:
         """Parameter `index` in the compute dtype (a collective under data parallelism); `what`
         is the call an error names; `agree_as`: DataParallel.gather_all's."""
         self._guard.check_alive(what)
+        if self._held is not None and index in self._held:  # read by a user's load post-hook
+            return self._held[index].detach().to(self._compute_dtype).clone()
         self._slots.check_unchanged([index])  # Note [Writes to a released parameter]
         self._gather_for_state_dict(agree_as)
         return self._params.read(index, K.COMPUTE_PARAM)
@@ -88,8 +90,9 @@ class ParameterValues:
     # `module.load_state_dict`, whose hooks (module_state_hooks.py) write the parameters into
     # the chunks, as for `model.module.load_state_dict`. What it keeps of its own: nothing of a
     # load that fails reaches the chunks (torch would have copied the parameters before the
-    # error; the writes are held here until torch returns), and a strict load refused for its
-    # keys names strict=False. Buffers are torch's copies, as in torch.
+    # error; the writes are held here until torch returns, and a read of such a parameter
+    # meanwhile, by a user's load post-hook, gives the held value), and a strict load refused for
+    # its keys names strict=False. Buffers are torch's copies, as in torch.
     def load_state_dict(self, module: nn.Module, state_dict, strict: bool):
         """`module.load_state_dict(state_dict, strict)` by torch, the parameters' writes held
         until it succeeds (Note [The engine's load_state_dict is torch's, all or nothing])."""

@@ -430,3 +430,40 @@ def test_state_dict_post_hooks_of_the_model_see_the_values_as_in_pytorch():
         assert list(state) == list(expected)
         for key, value in expected.items():
             assert torch.equal(state[key], value), key
+
+
+class ChecksLoads(nn.Module):
+    """A model whose load post-hook, registered while it is built, reads the loaded weight."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.seen = []
+        self.linear.register_load_state_dict_post_hook(
+            lambda module, keys: self.seen.append(("built", module.weight.detach().sum().item())))
+
+    def forward(self, x):
+        return self.linear(x).sum()
+
+
+@pytest.mark.parametrize("load", ["engine", "module"])
+def test_load_post_hooks_read_the_loaded_values_as_in_pytorch(load):
+    """Note [The values are read before the user's state-dict post-hooks]: a load post-hook of
+    the model read placeholders (0.0), and through the engine's load, whose writes wait for
+    the load to succeed, one registered later read the old values."""
+    torch.manual_seed(0)
+    plain = ChecksLoads()
+    torch.manual_seed(0)
+    model, _ = patrickstar.initialize(ChecksLoads, config=CONFIG)
+    for module in (plain, model.module):
+        module.linear.register_load_state_dict_post_hook(
+            lambda hooked, keys, module=module: module.seen.append(
+                ("later", hooked.weight.detach().sum().item())))
+    target = model if load == "engine" else model.module
+    for step in (1.0, 2.0):
+        weights = {key: value + step for key, value in ChecksLoads().state_dict().items()}
+        plain.load_state_dict(weights)
+        target.load_state_dict(weights)
+    assert [name for name, _ in model.module.seen] == ["built", "later"] * 2
+    assert [value for _, value in model.module.seen] == pytest.approx(
+        [value for _, value in plain.seen])
