@@ -1,5 +1,5 @@
-"""torch.optim.Optimizer's hooks registered on the engine's optimizer run as on a torch
-optimizer (Note [Optimizer state-dict hooks] in optimizer.py)."""
+"""torch.optim.Optimizer's API on the engine's optimizer, against torch's AdamW: its hooks
+(Note [Optimizer state-dict hooks] in optimizer.py) and step(closure)."""
 from __future__ import annotations
 
 import torch
@@ -93,3 +93,26 @@ def test_step_hooks_run_around_the_step_as_in_pytorch():
     assert [entry[:2] for entry in logs["torch"]] == [("pre", True), ("post", True)]
     for ours, theirs in zip(logs["engine"], logs["torch"]):  # the weights before and after
         assert abs(ours[4] - theirs[4]) < 1e-5
+
+
+def test_step_with_a_closure_trains_as_pytorch():
+    """torch's documented closure: it zeroes the gradients, re-evaluates the loss, calls
+    backward and returns the loss, which step() returns."""
+    reference, ref_optimizer, model, optimizer = pair()
+    generator = torch.Generator().manual_seed(2)
+    for _ in range(3):
+        x, y = torch.randn(8, 32, generator=generator), torch.randint(0, 10, (8,),
+                                                                    generator=generator)
+        losses = []
+        for run, opt, backward in ((reference, ref_optimizer, lambda loss: loss.backward()),
+                                   (model, optimizer, model.backward)):
+            def closure(run=run, opt=opt, backward=backward):
+                opt.zero_grad()
+                loss = run(x, y)
+                backward(loss)
+                return loss
+            losses.append(opt.step(closure))
+        torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
+    state = model.state_dict()
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6)
