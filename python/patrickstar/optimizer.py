@@ -74,8 +74,19 @@ _GROUP_KEYS = {"params", "lr", "betas", "eps", "weight_decay", "name"}
 # are dropped; the variants amsgrad and maximize are taken when off and refused when on (ours
 # does neither); decoupled_weight_decay (AdamW's True, Adam's False) must be the config's
 # optimizer type, which is what decides it here.
+# The groups (and defaults) of the optimizer show torch's keys with the values of what it does,
+# as torch.optim.AdamW's / Adam's do: code reading `param_groups[0]["maximize"]` or
+# `defaults["foreach"]` found no key, and a state dict lacked them. A step checks them as the
+# groups are checked here, so `group["maximize"] = True` set during training raises rather than
+# training without it.
 _TORCH_HOW_KEYS = {"foreach", "fused", "capturable", "differentiable"}
 _TORCH_OFF_KEYS = {"amsgrad", "maximize"}
+
+
+def _torch_keys(decoupled_weight_decay: bool) -> dict:
+    return {"amsgrad": False, "maximize": False, "foreach": None, "capturable": False,
+            "differentiable": False, "fused": None,
+            "decoupled_weight_decay": decoupled_weight_decay}
 
 
 def _without_torch_keys(index: int, group: dict, decoupled_weight_decay) -> dict:
@@ -242,6 +253,8 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
                  before_step: Callable[[], None] = lambda: None,
                  after_step: Callable[[bool], None] = lambda applied: None):
         defaults = {k: v for k, v in groups[0].items() if k != "params"}
+        # Note [torch.optim's own group keys] (the groups show them too)
+        defaults.update(_torch_keys(config.optimizer.decoupled_weight_decay))
         # Parameters without elements stay outside the chunks (init_context.plan_parameters):
         # nothing to update, but the groups list them as torch's do (Note [Saved state of
         # parameters without elements]).
@@ -428,6 +441,10 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         for index, group in enumerate(self.param_groups):
             for key in ("lr", "eps", "weight_decay"):
                 _require_number(index, key, group.get(key))
+            try:  # Note [torch.optim's own group keys]
+                _without_torch_keys(index, group, self.decoupled_weight_decay)
+            except ValueError as error:
+                raise ValueError(f"optimizer.{error}; nothing was updated") from None
             betas = group.get("betas")
             if not isinstance(betas, (tuple, list)) or len(betas) != 2:
                 raise TypeError(f"optimizer.param_groups[{index}]['betas'] is {betas!r}: "

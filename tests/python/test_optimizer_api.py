@@ -2,6 +2,7 @@
 (Note [Optimizer state-dict hooks] in optimizer.py) and step(closure)."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 import patrickstar
@@ -116,3 +117,30 @@ def test_step_with_a_closure_trains_as_pytorch():
     state = model.state_dict()
     for key, value in reference.state_dict().items():
         torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6)
+
+
+def test_groups_show_torchs_keys_and_refuse_a_variant_set_in_training():
+    """Note [torch.optim's own group keys] in optimizer.py: the groups lacked torch's AdamW keys
+    (`param_groups[0]["maximize"]` a KeyError), and `maximize` set during training was
+    ignored."""
+    reference, _, model, optimizer = pair()
+    plain = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
+    for ours, theirs in ((optimizer.defaults, plain.defaults),
+                         (optimizer.param_groups[0], plain.param_groups[0]),
+                         (optimizer.state_dict()["param_groups"][0],
+                          plain.state_dict()["param_groups"][0])):
+        assert set(ours) == set(theirs)
+        assert {k: v for k, v in ours.items() if k != "params"} == {
+            k: v for k, v in theirs.items() if k != "params"}
+    x, y = torch.randn(8, 32), torch.randint(0, 10, (8,))
+    model.backward(model(x, y))
+    before = model.state_dict()
+    optimizer.param_groups[0]["maximize"] = True
+    with pytest.raises(ValueError, match=r"optimizer.param_groups\[0\]\['maximize'\] is True.*"
+                                         r"no maximize variant.*nothing was updated"):
+        optimizer.step()
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key]), key
+    optimizer.param_groups[0]["maximize"] = False
+    optimizer.step()  # the step can be made once it is fixed
+    assert not torch.equal(model.state_dict()["layers.0.weight"], before["layers.0.weight"])
