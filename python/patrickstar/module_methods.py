@@ -91,8 +91,8 @@ class ModuleMethods:
             return Shadow(refuse_rebuild(type(module).__name__, name))
         if name in TIES_PARAMETERS:
             return Shadow(self._tie, module, name, method)
-        if name in APPLIES:
-            return Shadow(self._apply, module)
+        if name in APPLIES:  # every module has one: held weakly, so no module is in a cycle
+            return Shadow(self._apply, weakref.ref(module))
         return Shadow(self._read_shapes, method)
 
     def _live_engine(self, name: str):
@@ -115,7 +115,8 @@ class ModuleMethods:
         finally:
             self._reading_shapes = False
 
-    def _apply(self, module: nn.Module, fn: Callable[[nn.Module], None]) -> nn.Module:
+    def _apply(self, module: weakref.ref, fn: Callable[[nn.Module], None]) -> nn.Module:
+        module = module()
         self._live_engine("apply").apply_to(module, fn)
         return module
 
