@@ -467,3 +467,34 @@ def test_load_post_hooks_read_the_loaded_values_as_in_pytorch(load):
     assert [name for name, _ in model.module.seen] == ["built", "later"] * 2
     assert [value for _, value in model.module.seen] == pytest.approx(
         [value for _, value in plain.seen])
+
+
+class KeepsExtraState(nn.Module):
+    """A module with torch's extra state (get_extra_state / set_extra_state)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.note = {"calls": 0}
+
+    def get_extra_state(self):
+        return dict(self.note)
+
+    def set_extra_state(self, state):
+        self.note = dict(state)
+
+    def forward(self, x):
+        return self.linear(x).sum()
+
+
+def test_the_engines_load_sets_extra_state_as_pytorch():
+    """Note [The engine's load_state_dict is torch's, all or nothing]: the engine's own load
+    took the extra state for a tensor ("'dict' object has no attribute 'shape'")."""
+    torch.manual_seed(0)
+    plain = KeepsExtraState()
+    torch.manual_seed(0)
+    model, _ = patrickstar.initialize(KeepsExtraState, config=CONFIG)
+    state = {**plain.state_dict(), "_extra_state": {"calls": 7}}
+    assert str(model.load_state_dict(state)) == str(plain.load_state_dict(state))
+    assert model.module.note == plain.note == {"calls": 7}
+    assert model.state_dict()["_extra_state"] == {"calls": 7}
