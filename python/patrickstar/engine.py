@@ -50,6 +50,7 @@ runtime/nvme_tier.h).
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
 import copy
 import ctypes
@@ -57,6 +58,7 @@ import sys
 import time
 import warnings
 import weakref
+from collections.abc import Mapping
 from typing import Callable
 
 import torch
@@ -1149,21 +1151,36 @@ class PatrickStarEngine(nn.Module):
 
     # ---- State dicts ---------------------------------------------------------------------------
 
+    # Note [keep_vars gives the parameters themselves]
+    # torch's state_dict(keep_vars=True) holds the module's Parameter objects (requires_grad,
+    # isinstance nn.Parameter, the very objects). The engine's gave copies of their values,
+    # plain tensors with requires_grad False, so the usual "save the trainable weights" filter
+    # `{k: v for k, v in model.state_dict(keep_vars=True).items() if v.requires_grad}` (LoRA
+    # and fine-tuning scripts) saved nothing and an in-place write into an entry changed a copy
+    # silently. It is now the module's own (`model.module.state_dict(keep_vars=True)`): at rest
+    # the parameters read their values out of the chunks wherever a value is used (torch.save,
+    # another module's load_state_dict) and refuse in-place writes naming the parameter (Note
+    # [Parameters at rest] in resting_params.py); loading them into the engine itself, or into
+    # another engine, reads them first (checked_value in parameter_values.py).
     def state_dict(self, destination=None, prefix: str = "", keep_vars: bool = False):
         """The module's state dict with full parameters (compute dtype) read out of chunks: the
-        module's own state dict (Note [The user's module's state dict]); with keep_vars the
-        buffers are the module's tensors and the parameters still their values. Under data
-        parallelism a collective: every rank calls it (Note [Every rank runs the same forwards]
-        in data_parallel.py)."""
+        module's own state dict (Note [The user's module's state dict]). Under data parallelism
+        a collective: every rank calls it (Note [Every rank runs the same forwards] in
+        data_parallel.py). With keep_vars, as in torch, the entries are the module's own
+        parameters and buffers (Note [keep_vars gives the parameters themselves])."""
         self.guard.check_alive("state_dict()")
-        if prefix or keep_vars:  # else the module's own hook agrees (module_state_hooks.py)
+        for hook in self._state_dict_pre_hooks.values():  # Note [Hooks on the engine itself]
+            hook(self, prefix, keep_vars)
+        if prefix and not keep_vars:  # else the module's own hook agrees, or nothing is read
             self.agree_on_state_dict_read()
         result = self.module.state_dict(prefix=prefix, keep_vars=keep_vars)
-        if keep_vars:  # the hooks leave Parameter objects, which hold placeholders
-            for name, value in result.items():
-                index = self.params.index_of(value)
-                if index is not None:
-                    result[name] = self.read_parameter(index)
+        for hook in self._state_dict_hooks.values():
+            replaced = hook(self, result, prefix, {"version": self._version})
+            if getattr(hook, "_from_public_api", False):
+                if replaced is not None:
+                    raise RuntimeError("state_dict post-hook must return None")
+            elif replaced is not None:
+                result = replaced
         if destination is not None:
             destination.update(result)
             return destination
@@ -1182,7 +1199,41 @@ class PatrickStarEngine(nn.Module):
             raise RuntimeError("load_state_dict(assign=True) cannot replace the model's "
                                "parameters: their data lives in PatrickStar chunks; load without "
                                "assign, which copies the values into the chunks")
-        return self._parameter_values.load_state_dict(self.module, state_dict, strict)
+        state_dict = self._own_load_pre_hooks(state_dict, strict)
+        result = self._parameter_values.load_state_dict(self.module, state_dict, strict)
+        for hook in self._load_state_dict_post_hooks.values():
+            if hook(self, result) is not None:
+                raise AssertionError("Hooks registered with ``register_load_state_dict_post_"
+                                     "hook`` are not expected to return new values, if "
+                                     "incompatible_keys need to be modified, it should be "
+                                     "done inplace.")
+        return result
+
+    # Note [Hooks on the engine itself]
+    # The engine's state_dict() and load_state_dict() are its module's, under the module's keys
+    # (DeepSpeed's module_state_dict), so torch's own calls never ran the state-dict hooks
+    # registered on the engine (`model.register_state_dict_pre_hook`, `_post_hook`,
+    # `register_load_state_dict_pre_hook`, `_post_hook`): they were accepted and ignored. They
+    # run here as torch runs a module's own (prefix "" for the loads, the module's keys), around
+    # the module's hooks; a load post-hook sees the result of a load that succeeded (torch calls
+    # it before its strict check, so there one may also clear the keys that would fail it).
+    def _own_load_pre_hooks(self, state_dict, strict: bool):
+        if not self._load_state_dict_pre_hooks:
+            return state_dict
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(f"Expected state_dict to be dict-like, got {type(state_dict)}.")
+        metadata = getattr(state_dict, "_metadata", None)
+        state_dict = collections.OrderedDict(state_dict)  # torch's copy, which hooks may change
+        if metadata is not None:
+            state_dict._metadata = metadata
+        missing, unexpected, errors = [], [], []
+        for hook in self._load_state_dict_pre_hooks.values():
+            hook(state_dict, "", {} if metadata is None else metadata.get("", {}), strict,
+                 missing, unexpected, errors)
+        if errors:
+            raise RuntimeError("Error(s) in loading state_dict for {}:\n\t{}".format(
+                type(self.module).__name__, "\n\t".join(errors)))
+        return state_dict
 
     def load_parameter(self, index: int, source: torch.Tensor) -> None:
         """New weights for parameter `index` (its shape, any float dtype)."""
@@ -1264,13 +1315,17 @@ class PatrickStarEngine(nn.Module):
         hold their values while it runs and what it changes goes back into the chunks (Note
         [Applying a function to the modules] in module_apply.py). Under data parallelism every
         rank calls it with the same `fn`."""
+        self.apply_to(self, fn)
+        return self
+
+    def apply_to(self, root: nn.Module, fn: Callable[[nn.Module], None]) -> None:
+        """`root.apply(fn)` for the engine or a module of its tree (`model.module.apply(fn)`,
+        a submodule's: Note [Methods of the user's modules] in module_methods.py), as apply."""
         self.guard.check_alive("model.apply()")
         with self._awake():  # what fn touches is lent its values (module_apply.py)
             applying = ModuleApply(self, pending_until_end=self.dp.enabled)
-            applying.run(self.module, fn)
-            applying.call(self, fn)
+            applying.run(root, fn)
         applying.raise_refused()
-        return self
 
     @contextlib.contextmanager
     def summon_full_params(self, writeback: bool = True):

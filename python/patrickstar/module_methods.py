@@ -12,7 +12,10 @@ after initialize():
     pad(bias.data, ...)` (BERT, RoBERTa, DistilBERT): a new tensor assigned to a placeholder,
     which the next forward took for a lost write and raised on;
   * rebuilders (`resize_token_embeddings`, `init_weights`, nanoGPT's `crop_block_size`, ...)
-    replace parameters the chunks hold, or write into placeholders.
+    replace parameters the chunks hold, or write into placeholders;
+  * `nn.Module.apply(fn)` of `model.module` or a submodule (re-initializing a new head:
+    `model.module.head.apply(init)`) ran `fn` on placeholders, so `nn.init` refused to write
+    into them and pointed at `model.apply(fn)`, which lends the values.
 The engine used to fix these only for calls through it (`model.num_parameters()`), while
 `model.module.num_parameters()` (DeepSpeed users' spelling) and a submodule's
 (`model.module.bert.num_parameters()`) still counted placeholders. `ModuleMethods` gives every
@@ -20,7 +23,8 @@ module of the tree whose class has such a method an instance attribute of that n
 attributes shadow class functions), so the engine, `model.module` and any submodule answer
 alike: shape readers run while the parameters hold stand-ins of their real shapes
 (`engine.real_shapes()`), `tie_weights` runs with the parameters lent their values
-(`summon_full_params`, so an equal re-padded bias is no change), and rebuilders raise, naming
+(`summon_full_params`, so an equal re-padded bias is no change), `apply` is the engine's
+`model.apply(fn)` over that module's subtree (every module has it), and rebuilders raise, naming
 model_func. A tie that would put another Parameter in a module (the config asks for ties the
 model was not built with) is undone and refused: which parameters exist and are shared is
 fixed when initialize() lays out the chunks.
@@ -43,7 +47,8 @@ READS_PARAMETER_SHAPES = frozenset({"num_parameters", "get_memory_footprint",
 TIES_PARAMETERS = frozenset({"tie_weights"})
 REBUILDS_PARAMETERS = frozenset({"resize_token_embeddings", "resize_position_embeddings",
                                  "prune_heads", "init_weights", "post_init", "crop_block_size"})
-NAMES = READS_PARAMETER_SHAPES | TIES_PARAMETERS | REBUILDS_PARAMETERS
+APPLIES = frozenset({"apply"})
+NAMES = READS_PARAMETER_SHAPES | TIES_PARAMETERS | REBUILDS_PARAMETERS | APPLIES
 
 
 class Shadow(functools.partial):
@@ -86,6 +91,8 @@ class ModuleMethods:
             return Shadow(refuse_rebuild(type(module).__name__, name))
         if name in TIES_PARAMETERS:
             return Shadow(self._tie, module, name, method)
+        if name in APPLIES:  # every module has one: held weakly, so no module is in a cycle
+            return Shadow(self._apply, weakref.ref(module))
         return Shadow(self._read_shapes, method)
 
     def _live_engine(self, name: str):
@@ -107,6 +114,11 @@ class ModuleMethods:
                 return method(*args, **kwargs)
         finally:
             self._reading_shapes = False
+
+    def _apply(self, module: weakref.ref, fn: Callable[[nn.Module], None]) -> nn.Module:
+        module = module()
+        self._live_engine("apply").apply_to(module, fn)
+        return module
 
     def _tie(self, module: nn.Module, name: str, method: Callable, *args, **kwargs):
         engine = self._live_engine(name)

@@ -59,12 +59,62 @@ class ModuleStateHooks(HookSet):
         for module in tree.modules():
             self._handles.append(module.register_state_dict_pre_hook(before_state_dict))
         after_state_dict = functools.partial(ModuleStateHooks._after_state_dict, self)
-        before_load = functools.partial(ModuleStateHooks._before_load_state_dict, self)
+        self._before_load = functools.partial(ModuleStateHooks._before_load_state_dict, self)
         after_load = functools.partial(ModuleStateHooks._after_load_state_dict, self)
+        # module -> the handle of its _before_load (Note [The chunk writes run after the user's
+        # load pre-hooks])
+        self._load_handles = {}
         for module in modules:
-            self._handles.append(module.register_state_dict_post_hook(after_state_dict))
-            self._handles.append(module.register_load_state_dict_pre_hook(before_load))
-            self._handles.append(module.register_load_state_dict_post_hook(after_load))
+            handle = module.register_state_dict_post_hook(after_state_dict)
+            # Note [The values are read before the user's state-dict post-hooks]
+            handle.hooks_dict_ref().move_to_end(handle.id, last=False)
+            self._handles.append(handle)
+            self._register_before_load(module)
+            handle = module.register_load_state_dict_post_hook(after_load)
+            # Note [The values are read before the user's state-dict post-hooks]
+            handle.hooks_dict_ref().move_to_end(handle.id, last=False)
+            self._handles.append(handle)
+        last = functools.partial(ModuleStateHooks._load_hooks_last, self)
+        for module in tree.modules():
+            self._handles.append(module.register_load_state_dict_pre_hook(last))
+
+    def _register_before_load(self, module) -> None:
+        handle = module.register_load_state_dict_pre_hook(self._before_load)
+        self._handles.append(handle)
+        self._load_handles[module] = handle
+
+    # Note [The values are read before the user's state-dict post-hooks]
+    # torch runs a module's state_dict post-hooks in the order they were registered, and a hook
+    # the model registered while it was built (inside model_func: one that casts, renames or
+    # counts the saved values) came before the one here, which puts each parameter's value read
+    # out of the chunks in place of the placeholder torch saved: it saw empty placeholders, and
+    # what it wrote for a parameter was then overwritten by the read. The one here goes first,
+    # so every user hook sees the values, as on the plain model. Likewise the load post-hook
+    # here (which puts the parameters back at rest) goes first, so a user's load post-hook
+    # reads the loaded values rather than placeholders (Note [The engine's load_state_dict is
+    # torch's, all or nothing] in parameter_values.py serves those held for the chunks).
+
+    # Note [The chunk writes run after the user's load pre-hooks]
+    # torch runs a module's load_state_dict pre-hooks in the order they were registered, and the
+    # one here (which takes each parameter's value out of the state dict into the chunks) was
+    # registered at initialize(): a hook the user registered after it, renaming an older
+    # checkpoint's key to the parameter's ("head.kernel" -> "head.weight"), ran too late, and
+    # torch copied the renamed value into the placeholder ("size mismatch ... the shape in
+    # current model is torch.Size([0])"), where on the plain model it loads. At the start of a
+    # load (the module load_state_dict was called on: prefix "") this hook is registered anew
+    # on every module below it, so it comes after every hook there, as torch's copy does. (The
+    # module the load starts at is already running its hooks, so a hook registered later on
+    # that module itself still runs after the chunk writes.)
+    def _load_hooks_last(self, module, state_dict, prefix, *args) -> None:
+        if prefix:
+            return
+        for below in module.modules():
+            handle = self._load_handles.get(below)
+            if below is module or handle is None:
+                continue
+            self._handles.remove(handle)
+            handle.remove()
+            self._register_before_load(below)
 
     def _live_engine(self):
         engine = self._engine()

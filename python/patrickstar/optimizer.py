@@ -74,8 +74,19 @@ _GROUP_KEYS = {"params", "lr", "betas", "eps", "weight_decay", "name"}
 # are dropped; the variants amsgrad and maximize are taken when off and refused when on (ours
 # does neither); decoupled_weight_decay (AdamW's True, Adam's False) must be the config's
 # optimizer type, which is what decides it here.
+# The groups (and defaults) of the optimizer show torch's keys with the values of what it does,
+# as torch.optim.AdamW's / Adam's do: code reading `param_groups[0]["maximize"]` or
+# `defaults["foreach"]` found no key, and a state dict lacked them. A step checks them as the
+# groups are checked here, so `group["maximize"] = True` set during training raises rather than
+# training without it.
 _TORCH_HOW_KEYS = {"foreach", "fused", "capturable", "differentiable"}
 _TORCH_OFF_KEYS = {"amsgrad", "maximize"}
+
+
+def _torch_keys(decoupled_weight_decay: bool) -> dict:
+    return {"amsgrad": False, "maximize": False, "foreach": None, "capturable": False,
+            "differentiable": False, "fused": None,
+            "decoupled_weight_decay": decoupled_weight_decay}
 
 
 def _without_torch_keys(index: int, group: dict, decoupled_weight_decay) -> dict:
@@ -242,6 +253,8 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
                  before_step: Callable[[], None] = lambda: None,
                  after_step: Callable[[bool], None] = lambda applied: None):
         defaults = {k: v for k, v in groups[0].items() if k != "params"}
+        # Note [torch.optim's own group keys] (the groups show them too)
+        defaults.update(_torch_keys(config.optimizer.decoupled_weight_decay))
         # Parameters without elements stay outside the chunks (init_context.plan_parameters):
         # nothing to update, but the groups list them as torch's do (Note [Saved state of
         # parameters without elements]).
@@ -428,6 +441,10 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         for index, group in enumerate(self.param_groups):
             for key in ("lr", "eps", "weight_decay"):
                 _require_number(index, key, group.get(key))
+            try:  # Note [torch.optim's own group keys]
+                _without_torch_keys(index, group, self.decoupled_weight_decay)
+            except ValueError as error:
+                raise ValueError(f"optimizer.{error}; nothing was updated") from None
             betas = group.get("betas")
             if not isinstance(betas, (tuple, list)) or len(betas) != 2:
                 raise TypeError(f"optimizer.param_groups[{index}]['betas'] is {betas!r}: "
@@ -820,10 +837,29 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
             entry.update(moment_state.read_moment(params, index, key))
         return entry
 
+    # Note [Optimizer state-dict hooks]
+    # torch.optim.Optimizer.state_dict() and load_state_dict() run the hooks registered with
+    # register_state_dict_pre_hook / _post_hook and register_load_state_dict_pre_hook /
+    # _post_hook (a post-hook's or a load pre-hook's return value, when not None, replaces the
+    # dict, and load works on a shallow copy). Ours override both, so those hooks were
+    # registered on the optimizer and never ran: a script that adds its own entries to the
+    # saved dict (or strips them before a load) lost them silently. Both run them as torch does,
+    # around the optimizer's own layout.
     def state_dict(self):
         """torch's layout, every parameter's Adam state: under data parallelism a collective
         (every rank calls it, as `model.state_dict()`) that gathers each owner's entries, so a
-        file saved by one rank holds all of it and loads on any rank."""
+        file saved by one rank holds all of it and loads on any rank. Runs torch's state-dict
+        hooks (Note [Optimizer state-dict hooks])."""
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        state_dict = self._own_state_dict()
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            result = post_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        return state_dict
+
+    def _own_state_dict(self) -> dict:
         params = self.chunked
         self.dp.agree_on_call(3)  # Note [Every rank runs the same forwards] in data_parallel.py
         state = {}
@@ -914,6 +950,17 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
                 self.chunked.write(index, kind, entry[key])
 
     def load_state_dict(self, state_dict):
+        """Runs torch's load hooks (Note [Optimizer state-dict hooks]) around the load."""
+        state_dict = state_dict.copy()  # torch's shallow copy, which the pre-hooks may change
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        self._load_own_state_dict(state_dict)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    def _load_own_state_dict(self, state_dict) -> None:
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups):
             raise ValueError(f"optimizer state dict has {len(groups)} param groups, the "

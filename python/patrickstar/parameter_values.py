@@ -10,12 +10,11 @@ has]).
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 import torch
 from torch import nn
 
 from . import _C
+from .param_owners import engine_of
 
 __all__ = ["ParameterValues"]
 
@@ -36,6 +35,11 @@ def checked_value(key: str, source, shape: tuple) -> tuple[torch.Tensor | None, 
     if not torch.overrides.is_tensor_like(source):
         return None, (f'While copying the parameter named "{key}", expected torch.Tensor or '
                       f'Tensor-like object from checkpoint but received {type(source)}')
+    owner = engine_of(source)
+    if owner is not None:  # Note [keep_vars gives the parameters themselves] in engine.py
+        # An engine's parameter holds a placeholder: read its value before any chunk of the
+        # load is opened (the same chunk, when an engine loads its own parameters).
+        source = owner.read_parameter(owner.params.index_of(source), "load_state_dict()")
     if len(shape) == 0 and tuple(source.shape) == (1,):
         source = source[0]
     if tuple(source.shape) != tuple(shape):
@@ -51,12 +55,17 @@ class ParameterValues:
         self._dp = dp
         self._slots = slots
         self._compute_dtype = compute_dtype
+        # Parameter index -> value, while the engine's load_state_dict runs (Note [The engine's
+        # load_state_dict is torch's, all or nothing]); None otherwise.
+        self._held: dict[int, torch.Tensor] | None = None
 
     def read(self, index: int, what: str = "state_dict()",
              agree_as: int | None = None) -> torch.Tensor:
         """Parameter `index` in the compute dtype (a collective under data parallelism); `what`
         is the call an error names; `agree_as`: DataParallel.gather_all's."""
         self._guard.check_alive(what)
+        if self._held is not None and index in self._held:  # read by a user's load post-hook
+            return self._held[index].detach().to(self._compute_dtype).clone()
         self._slots.check_unchanged([index])  # Note [Writes to a released parameter]
         self._gather_for_state_dict(agree_as)
         return self._params.read(index, K.COMPUTE_PARAM)
@@ -72,52 +81,46 @@ class ParameterValues:
                            "writes each rank's shards")
             raise
 
+    # Note [The engine's load_state_dict is torch's, all or nothing]
+    # `model.load_state_dict(sd)` checked and copied the values itself, key by key against the
+    # module's own state dict. That skipped what torch's load runs on the way: the modules'
+    # load_state_dict pre- and post-hooks (key renames for older checkpoints, as Hugging Face
+    # registers; a user's) and `_load_from_state_dict` overrides (BatchNorm fills in a
+    # `num_batches_tracked` missing from a checkpoint without version metadata), so a state dict
+    # torch loads was refused ("Missing key(s)") or loaded otherwise. It is now torch's own
+    # `module.load_state_dict`, whose hooks (module_state_hooks.py) write the parameters into
+    # the chunks, as for `model.module.load_state_dict`. What it keeps of its own: nothing of a
+    # load that fails reaches the chunks (torch would have copied the parameters before the
+    # error; the writes are held here until torch returns, and a read of such a parameter
+    # meanwhile, by a user's load post-hook, gives the held value), and a strict load refused for
+    # its keys names strict=False. Buffers are torch's copies, as in torch.
     def load_state_dict(self, module: nn.Module, state_dict, strict: bool):
-        """`module.load_state_dict(state_dict, strict)` for the engine's module: plain tensors
-        (any float dtype) for every parameter and buffer; torch's errors, in its words, all of
-        them before anything is written; torch's `_IncompatibleKeys`."""
-        if not isinstance(state_dict, Mapping):
-            raise TypeError(f"Expected state_dict to be dict-like, got {type(state_dict)}.")
-        own = module.state_dict(keep_vars=True)
-        missing = [name for name in own if name not in state_dict]
-        unexpected = [name for name in state_dict if name not in own]
-        errors = []
-        if strict and missing:
-            errors.append("Missing key(s) in state_dict: {}. ".format(
-                ", ".join(f'"{name}"' for name in missing)))
-        if strict and unexpected:
-            errors.append("Unexpected key(s) in state_dict: {}. ".format(
-                ", ".join(f'"{name}"' for name in unexpected)))
-        values = {}
-        for name, value in own.items():
-            if name in state_dict:
-                index = self._params.index_of(value)
-                shape = self._params.shapes[index] if index is not None else value.shape
-                values[name], error = checked_value(name, state_dict[name], tuple(shape))
-                if error is not None:
-                    errors.append(error)
-        if errors:
-            error = RuntimeError("Error(s) in loading state_dict for {}:\n\t{}".format(
-                type(module).__name__, "\n\t".join(errors)))
-            if strict and (missing or unexpected):
+        """`module.load_state_dict(state_dict, strict)` by torch, the parameters' writes held
+        until it succeeds (Note [The engine's load_state_dict is torch's, all or nothing])."""
+        self._guard.check_alive("load_state_dict()")
+        self._held = {}
+        try:
+            result = module.load_state_dict(state_dict, strict)
+        except RuntimeError as error:
+            if strict and ("Missing key(s)" in str(error) or "Unexpected key(s)" in str(error)):
                 error.add_note("load_state_dict(state_dict, strict=False) loads the keys the "
                                "model has, as upstream PatrickStar's default did")
-            raise error
+            raise
+        finally:
+            held, self._held = self._held, None
         try:
-            with torch.no_grad():
-                for name, source in values.items():
-                    index = self._params.index_of(own[name])
-                    if index is None:
-                        own[name].copy_(source)
-                    else:
-                        self.load(index, source)
+            for index, source in held.items():
+                self.load(index, source)
         finally:
             self._dp.parameters_changed()  # gathered copies of what the owners loaded are stale
-        return nn.modules.module._IncompatibleKeys(missing, unexpected)
+        return result
 
     def load(self, index: int, source: torch.Tensor) -> None:
         """New weights for parameter `index` (its shape, any float dtype)."""
         self._guard.check_alive("load_state_dict()")
+        if self._held is not None:  # inside the engine's load_state_dict: written once it succeeds
+            self._held[index] = source
+            return
         with torch.no_grad():
             # Note [Loading the weights the model has]
             kinds = (K.COMPUTE_PARAM,) if self._holds_already(index, source) else (

@@ -46,6 +46,7 @@ import copy
 import functools
 import os
 import sys
+import threading
 import warnings
 
 import torch
@@ -379,15 +380,56 @@ def wake(params) -> None:
             param.__class__ = nn.Parameter
 
 
-# A module's own conversion (`model.module[0].half()`, `.to(device)`) reaches only the
-# placeholders, and the next use names the conversion and the config key (Note [Writes to a
-# released parameter] in bindings/parameter_slots.cc); it must see the placeholders to say so,
-# so `Module._apply` runs with the module's parameters plain, as in the engine's forward.
+# Note [A module's own conversion]
+# A module's own conversion (`model.module.half()`, `model.module[0].double()`,
+# `.to(device)`) would reach only the placeholders. It was named at the next use (Note [Writes
+# to a released parameter] in bindings/parameter_slots.cc), after torch had converted what it
+# could (the buffers, the placeholders), and the engine stayed unusable: converting back
+# (`.float()`) left parameters "assigned new data". Where the conversion would change the dtype
+# or device of a parameter at rest, the outermost `_apply` now refuses it before anything is
+# converted, as the engine's own `model.half()` does, naming the parameter and the config key;
+# one that changes neither (`.float()` of an fp32 model, `.cpu()` on the CPU) runs as before.
+# A conversion between a forward and its backward (parameters in flight) is still named at the
+# next use, which needs the placeholders: `Module._apply` runs with the module's parameters
+# plain, as in the engine's forward.
 _TORCH_APPLY = nn.Module._apply
+_conversion = threading.local()  # .inside: within a module conversion's _apply (its children)
+
+
+def _refuse_conversion(module: nn.Module, fn) -> None:
+    for param in module.parameters():
+        owner = _owner(param) if _resting(param) else None
+        if owner is None:
+            continue
+        engine, index = owner
+        probe = fn(torch.empty(0, dtype=param.dtype, device=param.device))
+        if probe.dtype != param.dtype:
+            change, instead = (f"converts its parameters to {probe.dtype}", "The training "
+                               "precision is the config's ('bf16': {'enabled': true} or "
+                               "'fp16': {...}; fp32 by default)")
+        elif probe.device != param.device:
+            change, instead = (f"moves its parameters to {probe.device}", "The engine places "
+                               "the chunks on its device itself (LOCAL_RANK / local_rank "
+                               "chooses the GPU)")
+        else:
+            return
+        raise ValueError(
+            f"a conversion of {type(module).__name__} (module.half() / .bfloat16() / .double() "
+            f"/ .to(...) / .cuda()) {change}, but parameter 'module.{engine.params.names[index]}' "
+            f"computes in {param.dtype} on {param.device} in PatrickStar chunks, which it "
+            f"cannot change: nothing was converted. {instead}; for a converted copy of the "
+            f"weights, convert model.state_dict() or a copy.deepcopy(model.module)")
 
 
 @functools.wraps(_TORCH_APPLY)
 def _apply(self, fn, *args, **kwargs):
+    if not getattr(_conversion, "inside", False):  # Note [A module's own conversion]
+        _refuse_conversion(self, fn)
+        _conversion.inside = True
+        try:
+            return _apply(self, fn, *args, **kwargs)
+        finally:
+            _conversion.inside = False
     resting = [param for param in self._parameters.values() if _resting(param)]
     kinds = [type(param) for param in resting]
     wake(resting)

@@ -824,12 +824,22 @@ def test_moving_or_converting_the_engine_converts_buffers_or_names_the_config_ke
         with pytest.raises(ValueError, match="precision 'fp32'.*'fp16.enabled' or 'bf16.enabled'"):
             convert(model)
     assert model.module[1].running_mean.dtype == torch.float32  # nothing half-converted
-    # The module's own conversion reaches only the placeholders: the next forward names it and
-    # the config keys (its message said "assigned new data" before).
-    model.module[0].half()
-    with pytest.raises(RuntimeError, match=r"'module.0.weight' was converted to Half on the "
-                                           r"module \(module.half\(\).*'bf16': \{'enabled'"):
-        model(torch.randn(4, 8))
+    # The module's own conversion (Note [A module's own conversion] in resting_params.py) is
+    # refused before anything converts, naming the parameter and the config key: it reached
+    # only the placeholders, the next forward raised, and converting back did not mend it.
+    for convert in (lambda m: m.module.half(), lambda m: m.module[0].double(),
+                    lambda m: m.module.to(torch.bfloat16)):
+        with pytest.raises(ValueError, match=r"'module.0.weight' computes in torch.float32 .* "
+                                             r"nothing was converted.*'bf16': \{'enabled'"):
+            convert(model)
+    assert model.module[1].running_mean.dtype == torch.float32
+    assert model.module.float() is model.module and model.module.cpu() is model.module
+    for x in torch.randn(2, 6, 8):  # still trains as PyTorch
+        ref = reference(x).pow(2).mean()
+        ref.backward(); ref_opt.step(); ref_opt.zero_grad()
+        loss = model(x).pow(2).mean()
+        model.backward(loss); opt.step(); opt.zero_grad()
+        assert math.isclose(loss.item(), ref.item(), rel_tol=1e-5)
 
 
 def test_bad_config_and_too_small_budget_errors():

@@ -233,3 +233,268 @@ def test_tied_weights_share_one_tensor_in_the_state_dict():
     second = model.state_dict()
     assert torch.equal(second["head.weight"], first["head.weight"] + 1)
     assert second["head.weight"].data_ptr() != first["head.weight"].data_ptr()
+
+
+def frozen_first_layer():
+    module = MLP()
+    module.layers[0].requires_grad_(False)
+    return module
+
+
+def test_keep_vars_gives_the_parameters_themselves_as_pytorch():
+    """Note [keep_vars gives the parameters themselves] in engine.py: the trainable-weights
+    filter of fine-tuning scripts picks what it picks on the plain model, and the entries
+    hold the trained values."""
+    torch.manual_seed(0)
+    reference = frozen_first_layer()
+    torch.manual_seed(0)
+    model, optimizer = patrickstar.initialize(frozen_first_layer, config=CONFIG)
+    x, y = torch.randn(8, 32), torch.randint(0, 10, (8,))
+    model.backward(model(x, y))
+    optimizer.step()
+    values = model.state_dict()
+    for state in (model.state_dict(keep_vars=True), model.state_dict(keep_vars=True, prefix="m.")):
+        prefix = "m." if "m.layers.0.weight" in state else ""
+        expected = reference.state_dict(keep_vars=True, prefix=prefix)
+        assert list(state) == list(expected)
+        assert ({k for k, v in state.items() if v.requires_grad}
+                == {k for k, v in expected.items() if v.requires_grad}
+                == {prefix + k for k in ("layers.1.weight", "layers.1.bias", "layers.2.weight",
+                                         "layers.2.bias")})
+        own = dict(model.module.named_parameters(prefix=prefix.rstrip(".")))
+        for key, value in state.items():
+            assert isinstance(value, nn.Parameter) == isinstance(expected[key], nn.Parameter)
+            assert value is own[key]
+            assert torch.equal(value.detach(), values[key[len(prefix):]])
+    buffer = io.BytesIO()
+    torch.save(model.state_dict(keep_vars=True), buffer)
+    buffer.seek(0)
+    for key, value in torch.load(buffer, weights_only=True).items():
+        assert torch.equal(value, values[key]), key
+
+
+@pytest.mark.parametrize("into", ["itself", "its module", "another engine"])
+def test_an_engines_own_parameters_load_as_values(into):
+    """torch's `m.load_state_dict(m.state_dict(keep_vars=True))` (or another model's
+    parameters) copies their values; the engine's read placeholders in chunks it was
+    writing and failed with an illegal chunk state transition."""
+    source, _ = trained()
+    values = source.state_dict()
+    kept = source.module.state_dict(keep_vars=True)
+    if into == "another engine":
+        target, _ = patrickstar.initialize(MLP, config=CONFIG)
+    else:
+        target = source if into == "itself" else source.module
+    assert target.load_state_dict(kept) == nn.modules.module._IncompatibleKeys([], [])
+    loaded = (target if into != "its module" else source).state_dict()
+    for key, value in values.items():
+        assert torch.equal(loaded[key], value), key
+
+
+class Normed(nn.Module):
+    """A BatchNorm (its `_load_from_state_dict` fills in `num_batches_tracked`) whose head
+    renames an older checkpoint's key in a load pre-hook, as Hugging Face models do."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.norm = nn.BatchNorm1d(4)
+        self.head = nn.Linear(4, 2)
+        self.head._register_load_state_dict_pre_hook(self._renamed)
+
+    @staticmethod
+    def _renamed(state_dict, prefix, *args):
+        if prefix + "kernel" in state_dict:
+            state_dict[prefix + "weight"] = state_dict.pop(prefix + "kernel")
+
+    def forward(self, x):
+        return self.head(self.norm(self.linear(x))).sum()
+
+
+def test_the_engines_load_runs_the_modules_own_loading_as_pytorch():
+    """Note [The engine's load_state_dict is torch's, all or nothing]: before, the engine's
+    load_state_dict skipped the modules' load hooks and `_load_from_state_dict`, and refused
+    both state dicts torch loads ("Missing key(s)")."""
+    torch.manual_seed(1)
+    source = Normed()
+    older = {key: value.clone() for key, value in source.state_dict().items()
+             if "num_batches_tracked" not in key}  # a dict without torch's version metadata
+    older["head.kernel"] = older.pop("head.weight")
+    torch.manual_seed(0)
+    plain = Normed()
+    model, _ = patrickstar.initialize(Normed, config=CONFIG)
+    log = {}
+    for name, target in (("torch", plain), ("engine", model)):
+        module = target if name == "torch" else model.module
+        entries = log[name] = []
+        module.norm.register_load_state_dict_post_hook(
+            lambda mod, keys, entries=entries: entries.append(list(keys.missing_keys)))
+        assert str(target.load_state_dict(dict(older))) == "<All keys matched successfully>"
+    assert log["engine"] == log["torch"] == [[]]
+    for key, value in plain.state_dict().items():
+        assert torch.equal(model.state_dict()[key], value), key
+    assert torch.equal(model.state_dict()["head.weight"], source.head.weight)
+
+
+def test_state_dict_hooks_on_the_engine_itself_run_as_on_the_plain_model():
+    """Note [Hooks on the engine itself] in engine.py: registered on the engine they were
+    accepted and never ran."""
+    torch.manual_seed(0)
+    plain = MLP()
+    torch.manual_seed(0)
+    model, _ = patrickstar.initialize(MLP, config=CONFIG)
+    logs, saved = {}, {}
+    for name, target in (("torch", plain), ("engine", model)):
+        log = logs[name] = []
+        target.register_state_dict_pre_hook(
+            lambda module, prefix, keep_vars, log=log: log.append(("pre", prefix, keep_vars)))
+
+        def post(module, state_dict, prefix, local_metadata, log=log):
+            log.append(("post", prefix, len(state_dict)))
+            state_dict[prefix + "step"] = torch.tensor(5)
+        target.register_state_dict_post_hook(post)
+
+        def renamed(module, state_dict, prefix, local_metadata, strict, *lists, log=log):
+            log.append(("load pre", prefix, strict))
+            state_dict.pop(prefix + "step")
+            state_dict[prefix + "layers.0.bias"] = state_dict.pop(prefix + "old_bias")
+        target.register_load_state_dict_pre_hook(renamed)
+        target.register_load_state_dict_post_hook(
+            lambda module, keys, log=log: log.append(("load post", list(keys.missing_keys))))
+        saved[name] = target.state_dict()
+        assert list(target.state_dict(prefix="m.")) == ["m." + key for key in saved[name]]
+        older = {**saved[name], "old_bias": saved[name].pop("layers.0.bias") + 1}
+        assert str(target.load_state_dict(older)) == "<All keys matched successfully>"
+    assert logs["engine"] == logs["torch"]
+    assert [entry[0] for entry in logs["torch"]] == ["pre", "post", "pre", "post", "load pre",
+                                                     "load post"]
+    assert saved["engine"]["step"] == saved["torch"]["step"] == 5
+    for key, value in plain.state_dict().items():
+        assert torch.equal(model.state_dict()[key], value), key
+
+
+@pytest.mark.parametrize("load", ["engine", "module"])
+def test_a_load_pre_hook_registered_after_initialize_renames_keys_as_in_pytorch(load):
+    """Note [The chunk writes run after the user's load pre-hooks] in module_state_hooks.py:
+    the rename ran after the engine's hook took the parameters' values, and torch copied the
+    renamed value into a placeholder ("size mismatch ... torch.Size([0])")."""
+    def renamed(module, state_dict, prefix, *args):
+        if prefix + "kernel" in state_dict:
+            state_dict[prefix + "weight"] = state_dict.pop(prefix + "kernel")
+
+    torch.manual_seed(0)
+    plain = MLP()
+    model, _ = patrickstar.initialize(MLP, config=CONFIG)
+    older = {key: value + 1 for key, value in plain.state_dict().items()}
+    older["layers.1.kernel"] = older.pop("layers.1.weight")
+    target = model if load == "engine" else model.module
+    for module in (plain, model.module):
+        module.layers[1].register_load_state_dict_pre_hook(renamed)
+    for _ in range(2):  # the order holds for later loads too
+        assert str(target.load_state_dict(dict(older))) == str(plain.load_state_dict(dict(older)))
+    for key, value in plain.state_dict().items():
+        assert torch.equal(model.state_dict()[key], value), key
+
+
+class SavesScaled(nn.Module):
+    """A model that registers state_dict post-hooks while it is built (inside model_func)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 2)
+
+        def doubled(module, state_dict, prefix, local_metadata):
+            for key in [key for key in state_dict if key.startswith(prefix)]:
+                state_dict[key] = state_dict[key] * 2
+
+        def counted(module, state_dict, prefix, local_metadata):
+            state_dict[prefix + "count"] = torch.tensor(state_dict[prefix + "weight"].numel())
+        self.head.register_state_dict_post_hook(doubled)
+        self.head._register_state_dict_hook(counted)
+
+    def forward(self, x):
+        return self.head(self.linear(x)).sum()
+
+
+def test_state_dict_post_hooks_of_the_model_see_the_values_as_in_pytorch():
+    """Note [The values are read before the user's state-dict post-hooks]: they saw empty
+    placeholders (a count of 0) and their changes were overwritten by the values read."""
+    torch.manual_seed(0)
+    plain = SavesScaled()
+    torch.manual_seed(0)
+    model, _ = patrickstar.initialize(SavesScaled, config=CONFIG)
+    expected = plain.state_dict()
+    assert expected["head.count"] == 8
+    for state in (model.state_dict(), model.module.state_dict()):
+        assert list(state) == list(expected)
+        for key, value in expected.items():
+            assert torch.equal(state[key], value), key
+
+
+class ChecksLoads(nn.Module):
+    """A model whose load post-hook, registered while it is built, reads the loaded weight."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.seen = []
+        self.linear.register_load_state_dict_post_hook(
+            lambda module, keys: self.seen.append(("built", module.weight.detach().sum().item())))
+
+    def forward(self, x):
+        return self.linear(x).sum()
+
+
+@pytest.mark.parametrize("load", ["engine", "module"])
+def test_load_post_hooks_read_the_loaded_values_as_in_pytorch(load):
+    """Note [The values are read before the user's state-dict post-hooks]: a load post-hook of
+    the model read placeholders (0.0), and through the engine's load, whose writes wait for
+    the load to succeed, one registered later read the old values."""
+    torch.manual_seed(0)
+    plain = ChecksLoads()
+    torch.manual_seed(0)
+    model, _ = patrickstar.initialize(ChecksLoads, config=CONFIG)
+    for module in (plain, model.module):
+        module.linear.register_load_state_dict_post_hook(
+            lambda hooked, keys, module=module: module.seen.append(
+                ("later", hooked.weight.detach().sum().item())))
+    target = model if load == "engine" else model.module
+    for step in (1.0, 2.0):
+        weights = {key: value + step for key, value in ChecksLoads().state_dict().items()}
+        plain.load_state_dict(weights)
+        target.load_state_dict(weights)
+    assert [name for name, _ in model.module.seen] == ["built", "later"] * 2
+    assert [value for _, value in model.module.seen] == pytest.approx(
+        [value for _, value in plain.seen])
+
+
+class KeepsExtraState(nn.Module):
+    """A module with torch's extra state (get_extra_state / set_extra_state)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.note = {"calls": 0}
+
+    def get_extra_state(self):
+        return dict(self.note)
+
+    def set_extra_state(self, state):
+        self.note = dict(state)
+
+    def forward(self, x):
+        return self.linear(x).sum()
+
+
+def test_the_engines_load_sets_extra_state_as_pytorch():
+    """Note [The engine's load_state_dict is torch's, all or nothing]: the engine's own load
+    took the extra state for a tensor ("'dict' object has no attribute 'shape'")."""
+    torch.manual_seed(0)
+    plain = KeepsExtraState()
+    torch.manual_seed(0)
+    model, _ = patrickstar.initialize(KeepsExtraState, config=CONFIG)
+    state = {**plain.state_dict(), "_extra_state": {"calls": 7}}
+    assert str(model.load_state_dict(state)) == str(plain.load_state_dict(state))
+    assert model.module.note == plain.note == {"calls": 7}
+    assert model.state_dict()["_extra_state"] == {"calls": 7}

@@ -78,6 +78,32 @@ def test_engine_apply_writes_back_what_fn_changes_and_trains_as_pytorch(precisio
                                    atol=tolerance)
 
 
+@pytest.mark.parametrize("where", ["module", "submodule"])
+def test_apply_of_the_module_or_a_submodule_writes_back_and_trains_as_pytorch(where):
+    """Note [Methods of the user's modules] in module_methods.py: `model.module.apply(fn)` and
+    `model.module[2].apply(fn)` (a new head re-initialized) raised on nn.init's write into a
+    placeholder; they are the engine's apply over that subtree."""
+    model, opt = make()
+    torch.manual_seed(0)
+    reference = net()
+    target, plain = (model.module, reference) if where == "module" else (model.module[2],
+                                                                         reference[2])
+    visited = {}
+    for name, module in (("engine", target), ("torch", plain)):
+        visited[name] = []
+        torch.manual_seed(5)
+
+        def fn(m, seen=visited[name]):
+            seen.append(type(m).__name__)
+            reinit(m)
+        assert module.apply(fn) is module
+    assert visited["engine"] == visited["torch"]
+    state = model.state_dict()
+    for name, tensor in reference.state_dict().items():
+        assert torch.equal(state[name], tensor), name
+    assert_trains_as(model, opt, reference)
+
+
 def test_apply_that_reads_only_changes_nothing():
     model, opt = make()
     before = model.state_dict()

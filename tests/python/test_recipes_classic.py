@@ -232,6 +232,10 @@ def schedulers():
             milestones=[2]),
         "lambda_warmup": lambda o: schedules.LambdaLR(o, lambda step: min(1.0, (step + 1) / 3)),
         "one_cycle": lambda o: schedules.OneCycleLR(o, max_lr=1e-2, total_steps=20),
+        "chained": lambda o: schedules.ChainedScheduler([
+            schedules.ConstantLR(o, factor=0.5, total_iters=2), schedules.ExponentialLR(o, 0.9)]),
+        # cycles Adam's beta1 as well (cycle_momentum)
+        "cyclic": lambda o: schedules.CyclicLR(o, 1e-4, 1e-2, step_size_up=2),
     }
 
 
