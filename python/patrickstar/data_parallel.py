@@ -84,6 +84,7 @@ import json
 import os
 import secrets
 import socket
+import sys
 import weakref
 
 import torch
@@ -92,6 +93,7 @@ import torch.distributed as dist
 from . import _C, recorded_collectives, script_collectives, topology
 from .gather_schedule import GatherSchedule
 from .recorded_collectives import RecordedGroupCollectives
+from .utils.logging import logger
 from .vocabulary import Tier
 
 __all__ = ["DataParallel", "detect_world"]
@@ -108,6 +110,9 @@ REDUCE_SCATTER_WAIT_S = 1.0
 def _close_at_exit(ref) -> None:
     data_parallel = ref()
     if data_parallel is not None:
+        # After an uncaught exception (printed, sys.last_value set) no read is left to serve.
+        if not hasattr(sys, "last_value"):
+            data_parallel.agree_at_end()  # Note [Reads on one rank are served]
         data_parallel.close()
 
 
@@ -140,6 +145,12 @@ def detect_world(config) -> tuple[int, int, object]:
     return groups.data_size, groups.coord.data, groups.host_data_group()
 
 
+# The longest a rank's end waits for each call of the other ranks (their reads to serve, then
+# their own end): a bound, so that a rank ending beside a failed or busy one is not held for the
+# collective timeout.
+END_WAIT_S = 10.0
+
+
 class DataParallel:
     """The engine's data-parallel side; every method is a no-op for a world of one."""
 
@@ -169,6 +180,7 @@ class DataParallel:
         self.calls = 0  # forwards and state-dict reads (Note [Every rank runs the same forwards])
         self._serving = False  # inside another rank's read: Note [Reads on one rank are served]
         self._served_forward = False  # this rank's evaluation forward, served by the others
+        self._attached_pid = None  # the process that attached the communicator
         # The module's forwards issue collectives of their own (embedding renorms): not served.
         self.forwards_have_collectives = False
         # Pipeline stages / tensor slices: the norm and overflow flag span the model group too.
@@ -239,6 +251,7 @@ class DataParallel:
         # goes in an order torch does not expect (a rank of a 2-rank benchmark aborted once at
         # exit, "terminate called without an active exception").
         atexit.register(_close_at_exit, weakref.ref(self))
+        self._attached_pid = os.getpid()  # a forked child's end agrees on nothing
         compute_groups = self.collectives.groups(K.COMPUTE_PARAM)
         position = {first: p for p, first in enumerate(compute_groups)}
         # Compute tensors -> position of their group in the gather order; whether remote.
@@ -490,12 +503,17 @@ class DataParallel:
     # after model.state_dict()) is served again, until every rank reaches the same call. Two
     # different reads, or calls that are not reads (an evaluation forward on one rank), still
     # raise on every rank at once, naming each rank's call. A serving rank's own call may be
-    # a forward's start (it is not inside the forward yet for the read's gathers). A rank that
-    # has ended its script serves nothing (an agreement at exit, or in the engine's destroy(),
-    # would make a healthy rank wait for a failed one, and the collector, not the script, times
-    # a `del`): a save on the main process at the script's end needs the script's barrier
-    # after it (its agreement serves the read), which the reader's error then names.
+    # a forward's start (it is not inside the forward yet for the read's gathers). The engine's
+    # end (destroy(), `del`, the exit hooks) agrees too (ENGINE_END, agree_at_end), so a rank
+    # whose script ends first still serves what the others read then (Hugging Face's
+    # `trainer.save_model()` after train(), on the main process only), but waits at most
+    # END_WAIT_S for each of their calls: the collector, not the script, times a `del`, and a
+    # rank ending beside a failed or busy one must not wait for the collective timeout. A read
+    # that comes later than that finds the rank gone; its error names the barrier to add.
     _SERVED = (2, 3, PARAMETER_READ)
+    # The engine's end on this rank (destroy(), `del`, interpreter exit): agree_at_end.
+    ENGINE_END = 98
+    _CALLS[ENGINE_END] = "the engine's end (model.destroy(), del, or the script's exit)"
 
     def _served_kind(self, rows: list[tuple[int, int]]) -> int | None:
         """The read kind the other ranks serve (Note [Reads on one rank are served]), or None
@@ -531,6 +549,22 @@ class DataParallel:
         finally:
             self._in_forward, self._serving = in_forward, False
 
+    def agree_at_end(self) -> None:
+        """The engine's end on this rank: serves the reads the other ranks still make (a
+        final `trainer.save_model()` on the main process while this rank's script ends) until
+        every rank reaches its end, waiting at most END_WAIT_S for each of their calls (Note
+        [Reads on one rank are served]). A peer gone, a peer that does not come in time or calls
+        that differ end it with a log line: the end goes on."""
+        if not self.enabled or self.communicator is None or os.getpid() != self._attached_pid:
+            return
+        timeout, self.timeout = self.timeout, min(self.timeout, END_WAIT_S)
+        try:
+            self.agree_on_call(self.ENGINE_END)
+        except Exception as error:  # noqa: BLE001 (the end goes on; the other ranks raise)
+            logger.info("the engine's end: the ranks' last agreement: %s", error)
+        finally:
+            self.timeout = timeout
+
     def agree_on_call(self, kind: int) -> bool:
         """Every rank is at the same collective call (a key of _CALLS), or serves another
         rank's read first (Note [Reads on one rank are served]); a no-op for one rank. True
@@ -561,12 +595,11 @@ class DataParallel:
                 error.add_note(
                     f"PatrickStar: this rank was starting {self._CALLS[kind]} (call "
                     f"{self.calls}) when another rank failed or left. A read on one rank is "
-                    f"served by the other ranks' next call, and a rank that has ended its script "
-                    f"cannot serve: after a save on the main process at the script's end "
-                    f"(Hugging Face's trainer.save_model(), nanoGPT's last checkpoint) call "
-                    f"torch.distributed.barrier() (or accelerator.wait_for_everyone()) on every "
-                    f"rank, or read on every rank; model.save_checkpoint(dir) on every rank "
-                    f"writes each rank's shards")
+                    f"served by the other ranks' next call, and a rank whose engine has ended "
+                    f"serves for END_WAIT_S ({END_WAIT_S:g}) seconds only: after a late save on "
+                    f"the main process at the script's end call torch.distributed.barrier() (or "
+                    f"accelerator.wait_for_everyone()) on every rank, or read on every rank; "
+                    f"model.save_checkpoint(dir) on every rank writes each rank's shards")
             if kind in (0, 1):  # Note [A peer gone before a forward]
                 error.add_note(
                     f"PatrickStar: this rank was starting {self._CALLS[kind]} (call "

@@ -1423,7 +1423,10 @@ class PatrickStarEngine(nn.Module):
             if profiler is not None and profiler.running:
                 profiler.stop(engine=self)  # while the chunk manager is still open
         finally:
-            self.dp.close()
+            try:
+                self.dp.agree_at_end()  # Note [Reads on one rank are served]
+            finally:
+                self.dp.close()
             for hooks in ("_hooks", "_call_hooks"):
                 if hooks in self.__dict__:
                     self.__dict__[hooks].remove()

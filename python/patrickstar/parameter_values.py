@@ -75,10 +75,13 @@ class ParameterValues:
             self._dp.gather_all(agree_as)  # a collective: every rank calls state_dict()
         except _C.ChunkRuntimeError as error:
             error.add_note("state_dict() under data parallelism gathers every rank's shards: "
-                           "the other ranks serve a read on one rank at their next forward or "
-                           "state-dict read, so they must make one (a rank that has left cannot "
-                           "serve); or call model.save_checkpoint(dir) on every rank, which "
-                           "writes each rank's shards")
+                           "the other ranks serve a read on one rank at their next call (a "
+                           "forward, a state-dict read, a torch.distributed collective, their "
+                           "engine's end), and a rank whose engine has ended serves for "
+                           "END_WAIT_S seconds only: after a late save on one rank call "
+                           "torch.distributed.barrier() on every rank, or call "
+                           "model.save_checkpoint(dir) on every rank, which writes each rank's "
+                           "shards")
             raise
 
     # Note [The engine's load_state_dict is torch's, all or nothing]
