@@ -401,6 +401,12 @@ class DataParallel:
     PARAMETER_READ = 99
     _CALLS[PARAMETER_READ] = ("a read of a parameter's value outside the forward (p.norm(), "
                               "print(p), p.detach(), copy.deepcopy(model.module))")
+    # The calls that change what a read reads, or whose collectives a read's would meet (Note
+    # [Calls between a read and its serving]).
+    BACKWARD, OPTIMIZER_STEP, GRADIENT_CLIP = 100, 101, 102
+    _CALLS[BACKWARD] = "a backward (model.backward(loss) or loss.backward())"
+    _CALLS[OPTIMIZER_STEP] = "optimizer.step()"
+    _CALLS[GRADIENT_CLIP] = "clip_grad_norm_()"
 
     def before_forward(self, backward_follows: bool = True, buffers=()) -> None:
         """`buffers`: the module's buffers (an iterable, read only when they are synced),
@@ -496,6 +502,23 @@ class DataParallel:
     # a `del`): a save on the main process at the script's end needs the script's barrier
     # after it (its agreement serves the read), which the reader's error then names.
     _SERVED = (2, 3, PARAMETER_READ)
+
+    # Note [Calls between a read and its serving]
+    # A read on one rank waits for the other ranks' next agreed call (Note [Reads on one rank
+    # are served]), and whatever those ranks run before it must leave the state the read
+    # gathers as it was, and issue no collective of its own. optimizer.step() and backward did
+    # neither: a DDP script logging or saving on rank 0 after backward and before the step got
+    # rank 1's shards *after* rank 1's step beside its own before it (the weights of two
+    # different steps, silently; optimizer.state_dict() mixed step counts), and a read between
+    # a forward and its backward met rank 1's backward (its non-finite loss check, or under
+    # fp16 its gathers on another communicator) and failed. So backward, the step and
+    # clip_grad_norm_ (its norm is a collective) join the agreement too, as kinds of their
+    # own, and serve a waiting read before they change or issue anything (one small
+    # all-reduce more per backward, step and clip); zero_grad() changes nothing a read reads.
+    def agree_on_training_call(self, kind: int) -> None:
+        """A backward, step or clip (Note [Calls between a read and its serving])."""
+        if self.enabled and self.communicator is not None:
+            self.agree_on_call(kind)
 
     def _served_kind(self, rows: list[tuple[int, int]]) -> int | None:
         """The read kind the other ranks serve (Note [Reads on one rank are served]), or None

@@ -923,6 +923,8 @@ class PatrickStarEngine(nn.Module):
             raise ValueError("backward(loss) expects a scalar loss tensor")
         with self.guard.calling("model.backward()"):  # Note [One thread at a time]
             agree = self.dp.ranks_with if self.dp.enabled else None
+            # Note [Calls between a read and its serving] in data_parallel.py
+            self.dp.agree_on_training_call(self.dp.BACKWARD)
             if not self.guard.before_backward(loss, self.precision, agree):
                 return
             scale = self.loss_scaler.scale / self.ps_config.gradient_accumulation_steps

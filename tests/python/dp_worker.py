@@ -9,7 +9,9 @@
     dp_worker.py OUT_DIR --reads WHO WHAT         after a step, rank 0 alone (WHO = lonely) or
                                                   every rank (every) reads WHAT (state_dict,
                                                   module_state_dict, optimizer_state_dict, save,
-                                                  parameter_read), then both train a step
+                                                  parameter_read, eval; first_WHAT before any
+                                                  step, before_backward_WHAT / before_step_WHAT
+                                                  inside the second step), then both train a step
     dp_worker.py OUT_DIR --lonely-save-barrier   rank 0 alone calls state_dict(), then both call
                                                   torch.distributed.barrier()
     dp_worker.py OUT_DIR --lonely-eval-broadcast rank 0 alone evaluates, then both call
@@ -489,35 +491,57 @@ def reads_after_a_step(rank: int, who: str, what: str) -> dict:
         **s.config, "parallel": {"collective_timeout": 120}})
     batches = list(s.batches(2))
 
-    def train_step(batch):
-        model.backward(model(*shard(batch, rank, 2)))
+    # Where the read goes: after a step (default), as the run's first call, between the second
+    # step's forward and its backward, or between its backward and its clip and step (Note
+    # [Calls between a read and its serving]).
+    where = next((w for w in ("first", "before_backward", "before_step")
+                  if what.startswith(w + "_")), "")
+    what = what.removeprefix(where + "_")
+
+    def train_step(batch, read_at=None):
+        loss = model(*shard(batch, rank, 2))
+        if read_at == "before_backward":
+            read_now()
+        model.backward(loss)
+        if read_at == "before_step":
+            read_now()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
         optimizer.step()
         optimizer.zero_grad()
 
-    first = what.startswith("first_")  # the read is the run's first call
-    what = what.removeprefix("first_")
-    if not first:
+    def read_now():
+        nonlocal read
+        if who == "every" or rank == 0:
+            read = read_one()
+
+    if where != "first":
         train_step(batches[0])
     read = None
-    if who == "every" or rank == 0:
+
+    def read_one():
         if what == "state_dict":
-            read = model.state_dict()
+            return model.state_dict()
         elif what == "module_state_dict":  # DDP's habit; save_pretrained's call
-            read = model.module.state_dict()
+            return model.module.state_dict()
         elif what == "optimizer_state_dict":
-            read = optimizer.state_dict()["state"]
+            return optimizer.state_dict()["state"]
         elif what == "save":  # nanoGPT's checkpoint under `if master_process:`
-            read = {"model": model.state_dict(), "optimizer": optimizer.state_dict()["state"]}
+            return {"model": model.state_dict(), "optimizer": optimizer.state_dict()["state"]}
         elif what == "parameter_read":  # logging under `if rank == 0:`
-            read = {name: p.norm() for name, p in model.named_parameters()}
+            return {name: p.norm() for name, p in model.named_parameters()}
         elif what == "eval":  # nanoGPT's estimate_loss() under `if master_process:`
             model.eval()
             with torch.no_grad():
-                read = torch.stack([model(x, y) for x, y in s.batches(3)])
+                losses = torch.stack([model(x, y) for x, y in s.batches(3)])
             model.train()
-    if first:
+            return losses
+        raise ValueError(what)
+
+    if where in ("", "first"):
+        read_now()
+    if where == "first":
         train_step(batches[0])
-    train_step(batches[1])
+    train_step(batches[1], where)
     return {"read": read, "final": model.state_dict(),
             "final_optimizer": optimizer.state_dict()["state"]}
 

@@ -617,12 +617,19 @@ def test_a_stalled_rank_is_a_timeout_naming_the_collective(tmp_path):
 
 @pytest.mark.parametrize("what", ["state_dict", "module_state_dict", "optimizer_state_dict",
                                   "save", "parameter_read", "eval", "first_eval",
-                                  "first_state_dict"])
+                                  "first_state_dict", "before_step_save",
+                                  "before_step_parameter_read", "before_backward_state_dict",
+                                  "before_backward_eval"])
 def test_reads_on_one_rank_are_served_by_the_others_as_with_ddp(tmp_path, what):
     # Note [Reads on one rank are served]: a DDP script's `if rank == 0:` save (nanoGPT's
     # checkpoint, Hugging Face's Trainer and save_model()) or log (p.norm()) raised "the ranks
     # are not making the same call" on both ranks. Rank 1's next forward now serves the read:
     # rank 0 gets what every rank reading together gets, and training goes on unchanged.
+    # "before_step_": the read between backward and clip + step, which rank 1's step (and
+    # clip_grad_norm_) used to run first, so rank 0 read rank 1's shards after the step beside
+    # its own before it, silently; "before_backward_": between a forward and its backward,
+    # which met rank 1's backward collectives and raised (Note [Calls between a read and its
+    # serving]).
     (tmp_path / "lonely").mkdir(), (tmp_path / "every").mkdir()
     lonely = launch(tmp_path / "lonely", 2, "--reads", "lonely", what)
     every = launch(tmp_path / "every", 2, "--reads", "every", what)
