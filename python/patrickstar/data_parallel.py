@@ -407,6 +407,9 @@ class DataParallel:
     _CALLS[BACKWARD] = "a backward (model.backward(loss) or loss.backward())"
     _CALLS[OPTIMIZER_STEP] = "optimizer.step()"
     _CALLS[GRADIENT_CLIP] = "clip_grad_norm_()"
+    # The profile phase an agreement counts in: issued before its call marks its phase.
+    _PHASE_OF = {0: "forward", 1: "forward", BACKWARD: "backward",
+                 OPTIMIZER_STEP: "optimizer", GRADIENT_CLIP: "optimizer"}
 
     def before_forward(self, backward_follows: bool = True, buffers=()) -> None:
         """`buffers`: the module's buffers (an iterable, read only when they are synced),
@@ -574,11 +577,12 @@ class DataParallel:
     def _agree_once(self, kind: int) -> list[tuple[int, int]]:
         self.calls += 1
         # The count is exact in fp32 and wraps on every rank alike. A forward's agreement
-        # precedes its first hook: profiles count it in the forward.
+        # precedes its first hook: profiles count it in the forward (a backward's and a
+        # step's in theirs).
         try:
             rows = [(int(count), int(what)) for count, what in self._every_ranks_row(
                 (self.calls % (1 << 23), kind), self.communicator, "call count and kind",
-                "forward" if kind in (0, 1) else None)]
+                self._PHASE_OF.get(kind))]
         except Exception as error:
             if kind in self._SERVED:  # Note [Reads on one rank are served]
                 error.add_note(
