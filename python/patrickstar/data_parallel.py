@@ -404,6 +404,8 @@ class DataParallel:
     # The calls that change what a read reads, or whose collectives a read's would meet (Note
     # [Calls between a read and its serving]).
     BACKWARD, OPTIMIZER_STEP, GRADIENT_CLIP = 100, 101, 102
+    GENERATE = 103  # Note [Generating on one rank] in synced_generate.py
+    _CALLS[GENERATE] = "model.generate(...)"
     _CALLS[BACKWARD] = "a backward (model.backward(loss) or loss.backward())"
     _CALLS[OPTIMIZER_STEP] = "optimizer.step()"
     _CALLS[GRADIENT_CLIP] = "clip_grad_norm_()"
@@ -518,6 +520,12 @@ class DataParallel:
     # clip_grad_norm_ (its norm is a collective) join the agreement too, as kinds of their
     # own, and serve a waiting read before they change or issue anything (one small
     # all-reduce more per backward, step and clip); zero_grad() changes nothing a read reads.
+    def generates_alone(self) -> bool:
+        """model.generate(...) starts: True when the other ranks serve it, this rank alone
+        generating (Note [Generating on one rank] in synced_generate.py)."""
+        return (self.enabled and self.communicator is not None
+                and self.agree_on_call(self.GENERATE))
+
     def agree_on_training_call(self, kind: int) -> None:
         """A backward, step or clip (Note [Calls between a read and its serving])."""
         if self.enabled and self.communicator is not None:
@@ -530,7 +538,7 @@ class DataParallel:
         if len({count for count, _ in rows}) != 1:
             return None
         kinds = {kind for _, kind in rows}
-        served = self._SERVED + ((0,) if self._forwards_served() else ())
+        served = self._SERVED + ((0, self.GENERATE) if self._forwards_served() else ())
         reads = [kind for kind in kinds if kind in served]
         return reads[0] if len(kinds) == 2 and len(reads) == 1 else None
 
@@ -545,7 +553,9 @@ class DataParallel:
         engine = self._engine
         in_forward, self._in_forward, self._serving = self._in_forward, False, True
         try:
-            if kind == 3:
+            if kind == self.GENERATE:
+                pass  # its forwards, each served as an evaluation forward, follow
+            elif kind == 3:
                 engine.optimizer.state_dict()
             elif kind == 0:  # the served forward's collectives (before_forward), no module
                 if self._buffers_from_first_rank:

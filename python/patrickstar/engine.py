@@ -789,7 +789,8 @@ class PatrickStarEngine(nn.Module):
                                      f"'{type(module).__name__}' has an attribute '{name}'"
                                      ) from None
             if name == "generate" and callable(value) and self.dp.enabled:
-                return synced_generate(value)  # Note [Generating on every rank]
+                # Note [Generating on every rank], Note [Generating on one rank]
+                return synced_generate(value, self.dp.generates_alone)
             return value  # Note [Methods of the user's modules]: its own shadows
 
     @property

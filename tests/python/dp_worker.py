@@ -24,6 +24,8 @@
     dp_worker.py OUT_DIR --ddp-wrap               the engine wrapped in torch's DDP
     dp_worker.py OUT_DIR --generate-lengths       Hugging Face generate() of 2 + 2 * rank new
                                                   tokens on each rank, then train a step
+    dp_worker.py OUT_DIR --lonely-generate        rank 0 alone calls model.generate(...) between
+                                                  training steps of both ranks
     dp_worker.py OUT_DIR --encoder-decoder-generate  T5's generate() (its encoder called alone)
                                                   of 2 + 2 * rank tokens, untrained, also with
                                                   synced_gpus=False (Seq2SeqTrainer passes it)
@@ -166,6 +168,8 @@ def main() -> None:
             results.update(full_gradients(rank, world))
         elif what == ["--generate-lengths"]:
             results.update(generate_lengths(rank))
+        elif what == ["--lonely-generate"]:
+            results.update(lonely_generate(rank))
         elif what == ["--encoder-decoder-generate"]:
             results.update(encoder_decoder_generate(rank))
         elif what == ["--module-generate-lengths"]:
@@ -354,6 +358,51 @@ def generate_lengths(rank: int) -> dict:
     model.backward(loss)
     optimizer.step()
     return {"tokens": tokens, "expected": expected, "loss": loss.item()}
+
+
+def lonely_generate(rank: int) -> dict:
+    """Rank 0 alone samples with model.generate(...) (Note [Generating on one rank]), before
+    and after a training step, then both train a step."""
+    import transformers
+
+    def build():
+        return transformers.MistralForCausalLM(transformers.MistralConfig(
+            vocab_size=61, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+            num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32))
+    torch.manual_seed(0)
+    reference = build()
+    torch.manual_seed(0)
+    model, optimizer = patrickstar.initialize(build, config={
+        "default_chunk_size": 4096, "parallel": {"collective_timeout": 60},
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-2}}})
+    reference_optimizer = torch.optim.Adam(reference.parameters(), lr=1e-2)
+    prompts = torch.tensor([[5, 6, 7], [8, 9, 10]])
+    result = {"tokens": [], "expected": [], "losses": []}
+
+    def sample():
+        if rank == 0:
+            model.eval(), reference.eval()
+            with torch.no_grad():
+                result["tokens"].append(model.generate(input_ids=prompts[:1], max_new_tokens=4,
+                                                       do_sample=False))
+                result["expected"].append(reference.generate(
+                    input_ids=prompts[:1], max_new_tokens=4, do_sample=False))
+            model.train(), reference.train()
+
+    for _ in range(2):
+        sample()
+        loss = model(input_ids=prompts[rank:rank + 1], labels=prompts[rank:rank + 1]).loss
+        model.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        result["losses"].append(loss.item())
+        # The plain model trains on both prompts (the mean of the ranks' losses).
+        reference(input_ids=prompts, labels=prompts).loss.backward()
+        reference_optimizer.step()
+        reference_optimizer.zero_grad()
+    sample()
+    torch.distributed.barrier()  # serves the last sampling: rank 1 has no call left
+    return result
 
 
 def encoder_decoder_generate(rank: int) -> dict:

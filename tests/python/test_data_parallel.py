@@ -701,6 +701,20 @@ def test_evaluation_on_one_rank_before_the_scripts_own_collective_is_served(tmp_
         assert [r["final_stop"] for r in results] == [float(loss > 0)] * 2
 
 
+def test_generate_on_one_rank_is_served_by_the_others(tmp_path):
+    # A DDP script's samples under `if rank == 0:`: model.generate(...) passed synced_gpus=True,
+    # whose flag all-reduce the other rank never makes, and both raised "the ranks are not
+    # making the same call", telling rank 0 to keep synced_gpus. Now the other rank serves it
+    # (Note [Generating on one rank]) and rank 0 samples what plain PyTorch samples.
+    pytest.importorskip("transformers")
+    results = launch(tmp_path, 2, "--lonely-generate")
+    for rank, result in enumerate(results):
+        assert "error" not in result, (rank, result.get("traceback"))
+    assert len(results[0]["tokens"]) == 3 and results[1]["tokens"] == []
+    for got, expected in zip(results[0]["tokens"], results[0]["expected"]):
+        assert torch.equal(got, expected)
+
+
 def test_generate_of_different_lengths_on_each_rank_runs_as_under_zero3(tmp_path):
     # Ranks generating different numbers of tokens (their own prompts, an EOS reached early)
     # ran different numbers of forwards, and the call agreement raised "the ranks are not making
