@@ -594,7 +594,8 @@ class DataParallel:
                 (self.calls % (1 << 23), kind), self.communicator, "call count and kind",
                 self._PHASE_OF.get(kind))]
         except Exception as error:
-            if kind in self._SERVED:  # Note [Reads on one rank are served]
+            # Note [Reads on one rank are served]; Note [Generating on one rank]
+            if kind in self._SERVED or kind == self.GENERATE:
                 error.add_note(
                     f"PatrickStar: this rank was starting {self._CALLS[kind]} (call "
                     f"{self.calls}) when another rank failed or left. A read on one rank is "

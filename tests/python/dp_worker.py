@@ -25,7 +25,8 @@
     dp_worker.py OUT_DIR --generate-lengths       Hugging Face generate() of 2 + 2 * rank new
                                                   tokens on each rank, then train a step
     dp_worker.py OUT_DIR --lonely-generate        rank 0 alone calls model.generate(...) between
-                                                  training steps of both ranks
+                                                  training steps of both ranks, then a barrier
+    dp_worker.py OUT_DIR --lonely-generate-at-exit   the same, rank 1 leaving instead
     dp_worker.py OUT_DIR --encoder-decoder-generate  T5's generate() (its encoder called alone)
                                                   of 2 + 2 * rank tokens, untrained, also with
                                                   synced_gpus=False (Seq2SeqTrainer passes it)
@@ -168,8 +169,8 @@ def main() -> None:
             results.update(full_gradients(rank, world))
         elif what == ["--generate-lengths"]:
             results.update(generate_lengths(rank))
-        elif what == ["--lonely-generate"]:
-            results.update(lonely_generate(rank))
+        elif what in (["--lonely-generate"], ["--lonely-generate-at-exit"]):
+            results.update(lonely_generate(rank, barrier=what == ["--lonely-generate"]))
         elif what == ["--encoder-decoder-generate"]:
             results.update(encoder_decoder_generate(rank))
         elif what == ["--module-generate-lengths"]:
@@ -360,9 +361,10 @@ def generate_lengths(rank: int) -> dict:
     return {"tokens": tokens, "expected": expected, "loss": loss.item()}
 
 
-def lonely_generate(rank: int) -> dict:
-    """Rank 0 alone samples with model.generate(...) (Note [Generating on one rank]), before
-    and after a training step, then both train a step."""
+def lonely_generate(rank: int, barrier: bool) -> dict:
+    """Rank 0 alone samples with model.generate(...) (Note [Generating on one rank]) before
+    each of two training steps of both ranks and after them, then both call barrier() (without
+    `barrier`, rank 1 leaves instead)."""
     import transformers
 
     def build():
@@ -400,8 +402,12 @@ def lonely_generate(rank: int) -> dict:
         reference(input_ids=prompts, labels=prompts).loss.backward()
         reference_optimizer.step()
         reference_optimizer.zero_grad()
-    sample()
-    torch.distributed.barrier()  # serves the last sampling: rank 1 has no call left
+    try:
+        sample()
+    except Exception as error:
+        result.update(error_result(error))
+    if barrier:
+        torch.distributed.barrier()  # serves the last sampling: rank 1 has no call left
     return result
 
 

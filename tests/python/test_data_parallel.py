@@ -713,6 +713,12 @@ def test_generate_on_one_rank_is_served_by_the_others(tmp_path):
     assert len(results[0]["tokens"]) == 3 and results[1]["tokens"] == []
     for got, expected in zip(results[0]["tokens"], results[0]["expected"]):
         assert torch.equal(got, expected)
+    # Without the barrier the last sampling finds rank 1 gone: the error names the remedy.
+    (tmp_path / "exit").mkdir()
+    results = launch(tmp_path / "exit", 2, "--lonely-generate-at-exit")
+    assert len(results[0]["tokens"]) == 2 and "error" not in results[1]
+    assert "model.generate(...)" in results[0]["traceback"]
+    assert "torch.distributed.barrier()" in results[0]["traceback"]
 
 
 def test_generate_of_different_lengths_on_each_rank_runs_as_under_zero3(tmp_path):
