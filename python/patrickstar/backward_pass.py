@@ -120,6 +120,8 @@ class BackwardPass:
         here = threading.current_thread()
         self._joined_thread = None if isinstance(here, threading._DummyThread) else here
         self._stored_grads = 0
+        # Note [Calls between a read and its serving] in data_parallel.py
+        self._dp.agree_on_training_call(self._dp.BACKWARD)
         self._dp.before_backward()
         torch.autograd.Variable._execution_engine.queue_callback(self._end_autograd_backward)
 

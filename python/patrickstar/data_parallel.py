@@ -414,6 +414,17 @@ class DataParallel:
     PARAMETER_READ = 99
     _CALLS[PARAMETER_READ] = ("a read of a parameter's value outside the forward (p.norm(), "
                               "print(p), p.detach(), copy.deepcopy(model.module))")
+    # The calls that change what a read reads, or whose collectives a read's would meet (Note
+    # [Calls between a read and its serving]).
+    BACKWARD, OPTIMIZER_STEP, GRADIENT_CLIP = 100, 101, 102
+    GENERATE = 103  # Note [Generating on one rank] in synced_generate.py
+    _CALLS[GENERATE] = "model.generate(...)"
+    _CALLS[BACKWARD] = "a backward (model.backward(loss) or loss.backward())"
+    _CALLS[OPTIMIZER_STEP] = "optimizer.step()"
+    _CALLS[GRADIENT_CLIP] = "clip_grad_norm_()"
+    # The profile phase an agreement counts in: issued before its call marks its phase.
+    _PHASE_OF = {0: "forward", 1: "forward", BACKWARD: "backward",
+                 OPTIMIZER_STEP: "optimizer", GRADIENT_CLIP: "optimizer"}
 
     def before_forward(self, backward_follows: bool = True, buffers=()) -> None:
         """`buffers`: the module's buffers (an iterable, read only when they are synced),
@@ -515,6 +526,29 @@ class DataParallel:
     ENGINE_END = 98
     _CALLS[ENGINE_END] = "the engine's end (model.destroy(), del, or the script's exit)"
 
+    # Note [Calls between a read and its serving]
+    # A read on one rank waits for the other ranks' next agreed call (Note [Reads on one rank
+    # are served]), and whatever those ranks run before it must leave the state the read
+    # gathers as it was, and issue no collective of its own. optimizer.step() and backward did
+    # neither: a DDP script logging or saving on rank 0 after backward and before the step got
+    # rank 1's shards *after* rank 1's step beside its own before it (the weights of two
+    # different steps, silently; optimizer.state_dict() mixed step counts), and a read between
+    # a forward and its backward met rank 1's backward (its non-finite loss check, or under
+    # fp16 its gathers on another communicator) and failed. So backward, the step and
+    # clip_grad_norm_ (its norm is a collective) join the agreement too, as kinds of their
+    # own, and serve a waiting read before they change or issue anything (one small
+    # all-reduce more per backward, step and clip); zero_grad() changes nothing a read reads.
+    def generates_alone(self) -> bool:
+        """model.generate(...) starts: True when the other ranks serve it, this rank alone
+        generating (Note [Generating on one rank] in synced_generate.py)."""
+        return (self.enabled and self.communicator is not None
+                and self.agree_on_call(self.GENERATE))
+
+    def agree_on_training_call(self, kind: int) -> None:
+        """A backward, step or clip (Note [Calls between a read and its serving])."""
+        if self.enabled and self.communicator is not None:
+            self.agree_on_call(kind)
+
     def _served_kind(self, rows: list[tuple[int, int]]) -> int | None:
         """The read kind the other ranks serve (Note [Reads on one rank are served]), or None
         when the ranks' calls differ otherwise. Decided from what every rank shares (the rows,
@@ -522,7 +556,7 @@ class DataParallel:
         if len({count for count, _ in rows}) != 1:
             return None
         kinds = {kind for _, kind in rows}
-        served = self._SERVED + ((0,) if self._forwards_served() else ())
+        served = self._SERVED + ((0, self.GENERATE) if self._forwards_served() else ())
         reads = [kind for kind in kinds if kind in served]
         return reads[0] if len(kinds) == 2 and len(reads) == 1 else None
 
@@ -537,7 +571,9 @@ class DataParallel:
         engine = self._engine
         in_forward, self._in_forward, self._serving = self._in_forward, False, True
         try:
-            if kind == 3:
+            if kind == self.GENERATE:
+                pass  # its forwards, each served as an evaluation forward, follow
+            elif kind == 3:
                 engine.optimizer.state_dict()
             elif kind == 0:  # the served forward's collectives (before_forward), no module
                 if self._buffers_from_first_rank:
@@ -585,13 +621,15 @@ class DataParallel:
     def _agree_once(self, kind: int) -> list[tuple[int, int]]:
         self.calls += 1
         # The count is exact in fp32 and wraps on every rank alike. A forward's agreement
-        # precedes its first hook: profiles count it in the forward.
+        # precedes its first hook: profiles count it in the forward (a backward's and a
+        # step's in theirs).
         try:
             rows = [(int(count), int(what)) for count, what in self._every_ranks_row(
                 (self.calls % (1 << 23), kind), self.communicator, "call count and kind",
-                "forward" if kind in (0, 1) else None)]
+                self._PHASE_OF.get(kind))]
         except Exception as error:
-            if kind in self._SERVED:  # Note [Reads on one rank are served]
+            # Note [Reads on one rank are served]; Note [Generating on one rank]
+            if kind in self._SERVED or kind == self.GENERATE:
                 error.add_note(
                     f"PatrickStar: this rank was starting {self._CALLS[kind]} (call "
                     f"{self.calls}) when another rank failed or left. A read on one rank is "

@@ -791,7 +791,8 @@ class PatrickStarEngine(nn.Module):
                                      f"'{type(module).__name__}' has an attribute '{name}'"
                                      ) from None
             if name == "generate" and callable(value) and self.dp.enabled:
-                return synced_generate(value)  # Note [Generating on every rank]
+                # Note [Generating on every rank], Note [Generating on one rank]
+                return synced_generate(value, self.dp.generates_alone)
             return value  # Note [Methods of the user's modules]: its own shadows
 
     @property
@@ -925,6 +926,8 @@ class PatrickStarEngine(nn.Module):
             raise ValueError("backward(loss) expects a scalar loss tensor")
         with self.guard.calling("model.backward()"):  # Note [One thread at a time]
             agree = self.dp.ranks_with if self.dp.enabled else None
+            # Note [Calls between a read and its serving] in data_parallel.py
+            self.dp.agree_on_training_call(self.dp.BACKWARD)
             if not self.guard.before_backward(loss, self.precision, agree):
                 return
             scale = self.loss_scaler.scale / self.ps_config.gradient_accumulation_steps

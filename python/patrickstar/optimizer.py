@@ -329,6 +329,8 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
             if closure is not None:
                 with torch.enable_grad():
                     loss = closure()
+            # Note [Calls between a read and its serving] in data_parallel.py
+            self.dp.agree_on_training_call(self.dp.OPTIMIZER_STEP)
             if self._is_state_initializing_step():
                 self._initialize_state()
                 return loss
@@ -495,6 +497,8 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
                              f"(norm_type=2.0)")
         if not max_norm > 0:
             raise ValueError(f"clip_grad_norm_: max_norm must be positive, got {max_norm}")
+        # Note [Calls between a read and its serving] in data_parallel.py
+        self.dp.agree_on_training_call(self.dp.GRADIENT_CLIP)
         self.dp.close_accumulation("clip_grad_norm_()")  # Note [A short accumulation]
         if norm_type == 2.0:
             overflow, norm = self._gradient_statistics()

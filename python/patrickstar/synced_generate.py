@@ -19,7 +19,19 @@ True generates the same tokens, at the cost of one flag all-reduce per token.
 `model.module.generate(...)` is the module's own method and is left alone: it needs
 `synced_gpus=True` by hand, as the call-agreement error says. A `generate` without a
 `synced_gpus` parameter (nanoGPT's `GPT.generate(idx, max_new_tokens)`, sampling the same number
-of tokens on every rank) is called unchanged: passing it there raised TypeError."""
+of tokens on every rank) is called unchanged: passing it there raised TypeError.
+
+Note [Generating on one rank]
+A DDP script samples on the main process only (`if rank == 0: model.generate(...)`, a callback
+logging samples). With synced_gpus=True Hugging Face's loop all-reduces a "finished" flag before
+every token, a collective of the script the other ranks never make: rank 0 raised "the ranks
+are not making the same call" at once, the message telling it to keep synced_gpus. So the
+engine's generate first joins the ranks' call agreement as a call of its own; when every rank
+is at it, every rank generates with synced_gpus=True as above. When one rank is there alone and
+the others at one other call, as for the reads of Note [Reads on one rank are served] in
+data_parallel.py (whose rules say when), the others serve it: the generating rank runs
+synced_gpus=False, and each of its forwards, an evaluation forward, is served by the other
+ranks' next call. The tokens are those of every rank generating together."""
 from __future__ import annotations
 
 import functools
@@ -31,9 +43,11 @@ from torch import nn
 __all__ = ["synced_generate", "modules_called_alone"]
 
 
-def synced_generate(generate: Callable) -> Callable:
+def synced_generate(generate: Callable, alone: Callable[[], bool]) -> Callable:
     """`generate` with `synced_gpus=True` (also over an explicit False: Note [Generating on
-    every rank]); `generate` itself when it has no `synced_gpus` parameter."""
+    every rank]), or False when `alone()` says this rank generates alone, the others serving it
+    (Note [Generating on one rank]); `generate` itself when it has no `synced_gpus`
+    parameter."""
     try:
         parameters = inspect.signature(generate).parameters
     except (TypeError, ValueError):  # no signature to read (a builtin): leave it alone
@@ -43,7 +57,7 @@ def synced_generate(generate: Callable) -> Callable:
 
     @functools.wraps(generate)
     def wrapper(*args, **kwargs):
-        kwargs["synced_gpus"] = True
+        kwargs["synced_gpus"] = not alone()
         return generate(*args, **kwargs)
 
     return wrapper

@@ -9,7 +9,9 @@
     dp_worker.py OUT_DIR --reads WHO WHAT         after a step, rank 0 alone (WHO = lonely) or
                                                   every rank (every) reads WHAT (state_dict,
                                                   module_state_dict, optimizer_state_dict, save,
-                                                  parameter_read), then both train a step
+                                                  parameter_read, eval; first_WHAT before any
+                                                  step, before_backward_WHAT / before_step_WHAT
+                                                  inside the second step), then both train a step
     dp_worker.py OUT_DIR --lonely-save-barrier   rank 0 alone calls state_dict(), then both call
                                                   torch.distributed.barrier()
     dp_worker.py OUT_DIR --lonely-eval-broadcast rank 0 alone evaluates, then both call
@@ -22,6 +24,9 @@
     dp_worker.py OUT_DIR --ddp-wrap               the engine wrapped in torch's DDP
     dp_worker.py OUT_DIR --generate-lengths       Hugging Face generate() of 2 + 2 * rank new
                                                   tokens on each rank, then train a step
+    dp_worker.py OUT_DIR --lonely-generate        rank 0 alone calls model.generate(...) between
+                                                  training steps of both ranks, then a barrier
+    dp_worker.py OUT_DIR --lonely-generate-at-exit   the same, rank 1 leaving instead
     dp_worker.py OUT_DIR --encoder-decoder-generate  T5's generate() (its encoder called alone)
                                                   of 2 + 2 * rank tokens, untrained, also with
                                                   synced_gpus=False (Seq2SeqTrainer passes it)
@@ -164,6 +169,8 @@ def main() -> None:
             results.update(full_gradients(rank, world))
         elif what == ["--generate-lengths"]:
             results.update(generate_lengths(rank))
+        elif what in (["--lonely-generate"], ["--lonely-generate-at-exit"]):
+            results.update(lonely_generate(rank, barrier=what == ["--lonely-generate"]))
         elif what == ["--encoder-decoder-generate"]:
             results.update(encoder_decoder_generate(rank))
         elif what == ["--module-generate-lengths"]:
@@ -354,6 +361,56 @@ def generate_lengths(rank: int) -> dict:
     return {"tokens": tokens, "expected": expected, "loss": loss.item()}
 
 
+def lonely_generate(rank: int, barrier: bool) -> dict:
+    """Rank 0 alone samples with model.generate(...) (Note [Generating on one rank]) before
+    each of two training steps of both ranks and after them, then both call barrier() (without
+    `barrier`, rank 1 leaves instead)."""
+    import transformers
+
+    def build():
+        return transformers.MistralForCausalLM(transformers.MistralConfig(
+            vocab_size=61, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+            num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32))
+    torch.manual_seed(0)
+    reference = build()
+    torch.manual_seed(0)
+    model, optimizer = patrickstar.initialize(build, config={
+        "default_chunk_size": 4096, "parallel": {"collective_timeout": 60},
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-2}}})
+    reference_optimizer = torch.optim.Adam(reference.parameters(), lr=1e-2)
+    prompts = torch.tensor([[5, 6, 7], [8, 9, 10]])
+    result = {"tokens": [], "expected": [], "losses": []}
+
+    def sample():
+        if rank == 0:
+            model.eval(), reference.eval()
+            with torch.no_grad():
+                result["tokens"].append(model.generate(input_ids=prompts[:1], max_new_tokens=4,
+                                                       do_sample=False))
+                result["expected"].append(reference.generate(
+                    input_ids=prompts[:1], max_new_tokens=4, do_sample=False))
+            model.train(), reference.train()
+
+    for _ in range(2):
+        sample()
+        loss = model(input_ids=prompts[rank:rank + 1], labels=prompts[rank:rank + 1]).loss
+        model.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        result["losses"].append(loss.item())
+        # The plain model trains on both prompts (the mean of the ranks' losses).
+        reference(input_ids=prompts, labels=prompts).loss.backward()
+        reference_optimizer.step()
+        reference_optimizer.zero_grad()
+    try:
+        sample()
+    except Exception as error:
+        result.update(error_result(error))
+    if barrier:
+        torch.distributed.barrier()  # serves the last sampling: rank 1 has no call left
+    return result
+
+
 def encoder_decoder_generate(rank: int) -> dict:
     """An encoder-decoder's generate() calls its encoder alone, first thing (Note [An encoder
     called alone] in synced_generate.py): each rank its own prompt and length, before any
@@ -489,35 +546,57 @@ def reads_after_a_step(rank: int, who: str, what: str) -> dict:
         **s.config, "parallel": {"collective_timeout": 120}})
     batches = list(s.batches(2))
 
-    def train_step(batch):
-        model.backward(model(*shard(batch, rank, 2)))
+    # Where the read goes: after a step (default), as the run's first call, between the second
+    # step's forward and its backward, or between its backward and its clip and step (Note
+    # [Calls between a read and its serving]).
+    where = next((w for w in ("first", "before_backward", "before_step")
+                  if what.startswith(w + "_")), "")
+    what = what.removeprefix(where + "_")
+
+    def train_step(batch, read_at=None):
+        loss = model(*shard(batch, rank, 2))
+        if read_at == "before_backward":
+            read_now()
+        model.backward(loss)
+        if read_at == "before_step":
+            read_now()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
         optimizer.step()
         optimizer.zero_grad()
 
-    first = what.startswith("first_")  # the read is the run's first call
-    what = what.removeprefix("first_")
-    if not first:
+    def read_now():
+        nonlocal read
+        if who == "every" or rank == 0:
+            read = read_one()
+
+    if where != "first":
         train_step(batches[0])
     read = None
-    if who == "every" or rank == 0:
+
+    def read_one():
         if what == "state_dict":
-            read = model.state_dict()
+            return model.state_dict()
         elif what == "module_state_dict":  # DDP's habit; save_pretrained's call
-            read = model.module.state_dict()
+            return model.module.state_dict()
         elif what == "optimizer_state_dict":
-            read = optimizer.state_dict()["state"]
+            return optimizer.state_dict()["state"]
         elif what == "save":  # nanoGPT's checkpoint under `if master_process:`
-            read = {"model": model.state_dict(), "optimizer": optimizer.state_dict()["state"]}
+            return {"model": model.state_dict(), "optimizer": optimizer.state_dict()["state"]}
         elif what == "parameter_read":  # logging under `if rank == 0:`
-            read = {name: p.norm() for name, p in model.named_parameters()}
+            return {name: p.norm() for name, p in model.named_parameters()}
         elif what == "eval":  # nanoGPT's estimate_loss() under `if master_process:`
             model.eval()
             with torch.no_grad():
-                read = torch.stack([model(x, y) for x, y in s.batches(3)])
+                losses = torch.stack([model(x, y) for x, y in s.batches(3)])
             model.train()
-    if first:
+            return losses
+        raise ValueError(what)
+
+    if where in ("", "first"):
+        read_now()
+    if where == "first":
         train_step(batches[0])
-    train_step(batches[1])
+    train_step(batches[1], where)
     return {"read": read, "final": model.state_dict(),
             "final_optimizer": optimizer.state_dict()["state"]}
 

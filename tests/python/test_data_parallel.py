@@ -617,12 +617,19 @@ def test_a_stalled_rank_is_a_timeout_naming_the_collective(tmp_path):
 
 @pytest.mark.parametrize("what", ["state_dict", "module_state_dict", "optimizer_state_dict",
                                   "save", "parameter_read", "eval", "first_eval",
-                                  "first_state_dict"])
+                                  "first_state_dict", "before_step_save",
+                                  "before_step_parameter_read", "before_backward_state_dict",
+                                  "before_backward_eval"])
 def test_reads_on_one_rank_are_served_by_the_others_as_with_ddp(tmp_path, what):
     # Note [Reads on one rank are served]: a DDP script's `if rank == 0:` save (nanoGPT's
     # checkpoint, Hugging Face's Trainer and save_model()) or log (p.norm()) raised "the ranks
     # are not making the same call" on both ranks. Rank 1's next forward now serves the read:
     # rank 0 gets what every rank reading together gets, and training goes on unchanged.
+    # "before_step_": the read between backward and clip + step, which rank 1's step (and
+    # clip_grad_norm_) used to run first, so rank 0 read rank 1's shards after the step beside
+    # its own before it, silently; "before_backward_": between a forward and its backward,
+    # which met rank 1's backward collectives and raised (Note [Calls between a read and its
+    # serving]).
     (tmp_path / "lonely").mkdir(), (tmp_path / "every").mkdir()
     lonely = launch(tmp_path / "lonely", 2, "--reads", "lonely", what)
     every = launch(tmp_path / "every", 2, "--reads", "every", what)
@@ -692,6 +699,26 @@ def test_evaluation_on_one_rank_before_the_scripts_own_collective_is_served(tmp_
             assert result["final_stop"] == pytest.approx(5 * loss, rel=1e-6)
     else:
         assert [r["final_stop"] for r in results] == [float(loss > 0)] * 2
+
+
+def test_generate_on_one_rank_is_served_by_the_others(tmp_path):
+    # A DDP script's samples under `if rank == 0:`: model.generate(...) passed synced_gpus=True,
+    # whose flag all-reduce the other rank never makes, and both raised "the ranks are not
+    # making the same call", telling rank 0 to keep synced_gpus. Now the other rank serves it
+    # (Note [Generating on one rank]) and rank 0 samples what plain PyTorch samples.
+    pytest.importorskip("transformers")
+    results = launch(tmp_path, 2, "--lonely-generate")
+    for rank, result in enumerate(results):
+        assert "error" not in result, (rank, result.get("traceback"))
+    assert len(results[0]["tokens"]) == 3 and results[1]["tokens"] == []
+    for got, expected in zip(results[0]["tokens"], results[0]["expected"]):
+        assert torch.equal(got, expected)
+    # Without the barrier the last sampling finds rank 1 gone: the error names the remedy.
+    (tmp_path / "exit").mkdir()
+    results = launch(tmp_path / "exit", 2, "--lonely-generate-at-exit")
+    assert len(results[0]["tokens"]) == 2 and "error" not in results[1]
+    assert "model.generate(...)" in results[0]["traceback"]
+    assert "torch.distributed.barrier()" in results[0]["traceback"]
 
 
 def test_generate_of_different_lengths_on_each_rank_runs_as_under_zero3(tmp_path):

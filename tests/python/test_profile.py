@@ -537,7 +537,8 @@ def test_data_parallel_profile_records_collectives(tmp_path):
             elif c["args"]["label"] == "has-gradient flags":
                 assert c["bytes"] == 4 * len(parameters)
         # Per iteration: every compute group gathered in forward, every gradient group
-        # reduce-scattered once in backward, one call agreement in forward.
+        # reduce-scattered once in backward, one call agreement in each of forward, backward
+        # and the step (Note [Calls between a read and its serving] in data_parallel.py).
         ends = [m["time_ns"] for m in raw["marks"] if m["kind"] == "end"]
         assert len(ends) == 3
         begin = raw["start_ns"]
@@ -551,7 +552,8 @@ def test_data_parallel_profile_records_collectives(tmp_path):
             assert not [c for c in inside if c["name"] == "reduce_scatter"
                         and c["phase"] != "backward"]
             assert [c["phase"] for c in inside
-                    if c["args"].get("label") == "call count and kind"] == ["forward"]
+                    if c["args"].get("label") == "call count and kind"] == [
+                        "forward", "backward", "optimizer"]
             begin = end
         # After the last step: optimizer.state_dict()'s agreement and gather of the state.
         last = [c for c in records if c["start_ns"] > ends[-1]]
