@@ -491,7 +491,11 @@ class DataParallel:
     # went on to the script's end and left, and the other's next forward failed in this
     # agreement with only the transport's words ("rank 0 closed its communicator before it
     # could publish step ..."), never reaching the mismatch message below that names the
-    # remedy. A forward's agreement failing so says what the usual cause is.
+    # remedy. A forward's agreement failing so says what the usual cause is. (Since the
+    # engine's end serves the other ranks' forwards, Note [Reads on one rank are served], that
+    # generate works; what is left is work on one rank coming after the others' END_WAIT_S,
+    # whose remedy is a barrier.)
+
     # Note [Reads on one rank are served]
     # A DDP script saves under `if rank == 0:` (nanoGPT's `checkpoint = {'model':
     # raw_model.state_dict(), 'optimizer': optimizer.state_dict()}`, Hugging Face's Trainer,
@@ -642,10 +646,11 @@ class DataParallel:
                 error.add_note(
                     f"PatrickStar: this rank was starting {self._CALLS[kind]} (call "
                     f"{self.calls}) when another rank failed or left. If that rank finished "
-                    f"its work normally, it made fewer forwards than this one: every rank must "
-                    f"run the same forwards, since parameters are sharded. Hugging Face's "
-                    f"model.module.generate(...) needs synced_gpus=True for that when the ranks "
-                    f"generate different numbers of tokens (model.generate(...) passes it)")
+                    f"its work normally, its engine's end served this rank's work for "
+                    f"END_WAIT_S ({END_WAIT_S:g}) seconds per call only (Note [Reads on one "
+                    f"rank are served]): work on one rank that comes later (sampling or "
+                    f"saving after the others are done) needs torch.distributed.barrier() on "
+                    f"every rank after it, before the ranks part")
             raise
         return rows
 

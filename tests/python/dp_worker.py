@@ -364,7 +364,7 @@ def generate_lengths(rank: int) -> dict:
 def lonely_generate(rank: int, barrier: bool) -> dict:
     """Rank 0 alone samples with model.generate(...) (Note [Generating on one rank]) before
     each of two training steps of both ranks and after them, then both call barrier() (without
-    `barrier`, rank 1 leaves instead)."""
+    `barrier`, rank 1's engine ends first and has stopped serving when rank 0 samples)."""
     import transformers
 
     def build():
@@ -402,6 +402,12 @@ def lonely_generate(rank: int, barrier: bool) -> dict:
         reference(input_ids=prompts, labels=prompts).loss.backward()
         reference_optimizer.step()
         reference_optimizer.zero_grad()
+    if not barrier:  # rank 1's engine ends and serves for 1 s; rank 0 samples after that
+        from patrickstar import data_parallel
+        data_parallel.END_WAIT_S = 1.0
+        if rank == 1:
+            model.destroy()
+        time.sleep(3)
     try:
         sample()
     except Exception as error:
@@ -443,7 +449,8 @@ def encoder_decoder_generate(rank: int) -> dict:
 
 def module_generate_lengths(rank: int) -> dict:
     """model.module.generate(...) (the module's own method: no synced_gpus added) of 2 + 6 *
-    rank new tokens; rank 0, done first, then leaves as a script ending there does."""
+    rank new tokens; rank 0, done first, then leaves as a script ending there does (its engine's
+    end serves rank 1's remaining forwards)."""
     import transformers
     model, _ = patrickstar.initialize(lambda: transformers.MistralForCausalLM(
         transformers.MistralConfig(vocab_size=61, hidden_size=16, intermediate_size=24,
