@@ -329,11 +329,14 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
             if closure is not None:
                 with torch.enable_grad():
                     loss = closure()
-            # Note [Calls between a read and its serving] in data_parallel.py
-            self.dp.agree_on_training_call(self.dp.OPTIMIZER_STEP)
+            # torch.distributed.checkpoint's state-initializing step (zero gradients, lr 0) is
+            # decided by this rank's own state (a rank owning no state makes it alone) and
+            # issues no collective: it agrees on nothing.
             if self._is_state_initializing_step():
                 self._initialize_state()
                 return loss
+            # Note [Calls between a read and its serving] in data_parallel.py
+            self.dp.agree_on_training_call(self.dp.OPTIMIZER_STEP)
             self._before_step()
             with self._phase():
                 try:

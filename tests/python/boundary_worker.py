@@ -8,7 +8,7 @@ OUT_DIR/two-RUN (kept for the test's 2 -> 1 load and consolidation), load into a
 train the rest; load the test's 1-rank checkpoint OUT_DIR/one-RUN; without masters, also
 resume through torch.distributed.checkpoint; on the mixed case, restore state dicts saved
 before the first step. Results in OUT_DIR/rank<r>.pt
-as test_data_parallel.launch reads them; leaves with os._exit as dp_worker.py does.
+as test_data_parallel.launch reads them; leaves with os._exit by dp_worker.save_and_exit.
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ import traceback
 import torch
 
 from dp_scenarios import shard
+from dp_worker import save_and_exit
 from test_boundary_sizes import (RESUME_AT, TWO_RANK, batches, builder, cpu_state, initialize,
                                  input_dtype, loss_of, one_rank_source, run_config, run_id,
                                  train)
@@ -123,10 +124,7 @@ def main() -> None:
             results[name] = run(out, runs[name], rank, world)
         except Exception as error:  # noqa: BLE001 (reported to the test, which fails on it)
             results[name] = {"error": repr(error), "traceback": traceback.format_exc()}
-    torch.save(results, os.path.join(out, f"rank{rank}.pt"))
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    save_and_exit(out, rank, results)
 
 
 if __name__ == "__main__":
