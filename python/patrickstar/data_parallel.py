@@ -510,14 +510,14 @@ class DataParallel:
     # comparison; the groups stay gathered, as after a state_dict(), until the next training
     # forward or step), so its collectives do not depend on what the module does with the
     # weights. So when the call agreement finds some ranks at one read kind (_SERVED, and a
-    # forward without backward where _forwards_served) and every other rank at one other
-    # call, the readers go
-    # on with their read and the others serve it first, making the read's collectives in the
-    # same order (their own agreements skipped: the readers agreed once for the whole read),
-    # then agree again on their own call; a reader that reads again (optimizer.state_dict()
-    # after model.state_dict()) is served again, until every rank reaches the same call. Two
-    # different reads, or calls that are not reads (an evaluation forward on one rank), still
-    # raise on every rank at once, naming each rank's call. A serving rank's own call may be
+    # forward without backward or a generate where _forwards_served) and every other rank at
+    # one other call, the readers go on with their read and the others serve it first, making
+    # the read's collectives in the same order (their own agreements skipped: the readers
+    # agreed once for the whole read), then agree again on their own call; a reader that reads
+    # again (optimizer.state_dict() after model.state_dict()) is served again, until every
+    # rank reaches the same call. Two different reads at once, or a forward that cannot be
+    # served (its module's own collectives, model parallelism), still raise on every rank at
+    # once, naming each rank's call. A serving rank's own call may be
     # a forward's start (it is not inside the forward yet for the read's gathers). The engine's
     # end (destroy(), `del`, the exit hooks) agrees too (ENGINE_END, agree_at_end), so a rank
     # whose script ends first still serves what the others read then (Hugging Face's
