@@ -575,17 +575,14 @@ class DataParallel:
         engine = self._engine
         in_forward, self._in_forward, self._serving = self._in_forward, False, True
         try:
-            if kind == self.GENERATE:
-                pass  # its forwards, each served as an evaluation forward, follow
-            elif kind == 3:
+            if kind == 3:
                 engine.optimizer.state_dict()
-            elif kind == 0:  # the served forward's collectives (before_forward), no module
-                if self._buffers_from_first_rank:
-                    self._broadcast_buffers(list(engine.module.buffers()))
-                self._buffers_from_first_rank = False
-                self.gathers.gather_all()
-            else:  # model.state_dict() and parameter reads: one gather of every group
-                self.gathers.gather_all()
+            elif kind != self.GENERATE:  # a generate's forwards, each served as one, follow
+                if kind == 0:  # a served forward's before_forward broadcasts the buffers
+                    if self._buffers_from_first_rank:
+                        self._broadcast_buffers(list(engine.module.buffers()))
+                    self._buffers_from_first_rank = False
+                self.gathers.gather_all()  # state dicts, parameter reads, served forwards
         finally:
             self._in_forward, self._serving = in_forward, False
 
@@ -632,25 +629,18 @@ class DataParallel:
                 (self.calls % (1 << 23), kind), self.communicator, "call count and kind",
                 self._PHASE_OF.get(kind))]
         except Exception as error:
-            # Note [Reads on one rank are served]; Note [Generating on one rank]
-            if kind in self._SERVED or kind == self.GENERATE:
-                error.add_note(
-                    f"PatrickStar: this rank was starting {self._CALLS[kind]} (call "
-                    f"{self.calls}) when another rank failed or left. A read on one rank is "
-                    f"served by the other ranks' next call, and a rank whose engine has ended "
-                    f"serves for END_WAIT_S ({END_WAIT_S:g}) seconds only: after a late save on "
-                    f"the main process at the script's end call torch.distributed.barrier() (or "
-                    f"accelerator.wait_for_everyone()) on every rank, or read on every rank; "
-                    f"model.save_checkpoint(dir) on every rank writes each rank's shards")
-            if kind in (0, 1):  # Note [A peer gone before a forward]
+            # Note [A peer gone before a forward], Note [Reads on one rank are served]
+            if kind in (0, 1, self.GENERATE) or kind in self._SERVED:
                 error.add_note(
                     f"PatrickStar: this rank was starting {self._CALLS[kind]} (call "
                     f"{self.calls}) when another rank failed or left. If that rank finished "
                     f"its work normally, its engine's end served this rank's work for "
-                    f"END_WAIT_S ({END_WAIT_S:g}) seconds per call only (Note [Reads on one "
-                    f"rank are served]): work on one rank that comes later (sampling or "
-                    f"saving after the others are done) needs torch.distributed.barrier() on "
-                    f"every rank after it, before the ranks part")
+                    f"END_WAIT_S ({END_WAIT_S:g}) seconds per call only: work on one rank that "
+                    f"comes later (sampling, evaluating or saving on the main process after "
+                    f"the others are done) needs torch.distributed.barrier() (or "
+                    f"accelerator.wait_for_everyone()) on every rank after it, before the "
+                    f"ranks part; model.save_checkpoint(dir) on every rank writes each rank's "
+                    f"shards")
             raise
         return rows
 

@@ -1256,10 +1256,13 @@ class PatrickStarEngine(nn.Module):
         hold it in PyTorch (`p.grad` itself stays None: gradients live in chunks). Under data
         parallelism a collective (every rank calls it) that gives the gradient averaged over
         the ranks, read after the backward that ends an accumulation."""
-        empty = self._parameter_without_elements(param)
-        if empty is not None:  # Note [Gradients of parameters without elements]
-            return empty.grad
-        index = self._parameter_index(param, "full_gradient")
+        try:
+            index = self._parameter_index(param, "full_gradient")
+        except (KeyError, ValueError):
+            empty = self._parameter_without_elements(param)
+            if empty is None:
+                raise
+            return empty.grad  # Note [Gradients of parameters without elements]
         if not self.dp.enabled:
             return self.optimizer.gradient(index)
         self._check_gradients_reduced("full_gradient()")
@@ -1283,15 +1286,13 @@ class PatrickStarEngine(nn.Module):
     # that p.grad. Nothing is averaged under data parallelism (there are no elements), so no
     # collective runs for it; every rank answers alike.
     def _parameter_without_elements(self, param) -> nn.Parameter | None:
-        """The module's parameter without elements that `param` (a parameter or its name) is,
-        else None."""
+        """The module's parameter without elements that `param` (a parameter or its name, not
+        one of the chunked parameters) is, else None."""
         if isinstance(param, str):
             found = dict(self.module.named_parameters()).get(param.removeprefix("module."))
         else:
             found = next((p for p in self.module.parameters() if p is param), None)
-        if found is None or self.params.index_of(found) is not None or found.numel():
-            return None
-        return found
+        return found if found is not None and found.numel() == 0 else None
 
     def _parameter_index(self, param, what: str) -> int:
         if isinstance(param, str):

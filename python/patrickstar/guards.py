@@ -286,9 +286,10 @@ class TrainingGuard:
                 f"backward() calls (the ranks' gradients were reduced for it), so no gradient "
                 f"can join this step any more; call optimizer.step() and optimizer.zero_grad() "
                 f"first, or call {self.closed_by} after the step's last backward")
-        if self.backwards >= self.accumulation and self.open_accumulation:
-            self._warn_low_precision_sum(what)
-        elif self.backwards >= self.accumulation:
+        if self.backwards >= self.accumulation:
+            if self.open_accumulation:  # Note [PyTorch's accumulation without the key]
+                self._warn_low_precision_sum(what)
+                return
             raise RuntimeError(
                 f"{what} called {self.backwards + 1} times since the last "
                 f"optimizer.step(), but gradient_accumulation_steps is {self.accumulation}: "

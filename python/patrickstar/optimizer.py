@@ -887,11 +887,11 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
             saved = {k: v for k, v in group.items() if k != "params"}
             saved["params"] = []
             for param in group["params"]:
-                number = len(number_of) + len(outside)
-                if params.index_of(param) is None:
+                number, index = len(number_of) + len(outside), params.index_of(param)
+                if index is None:
                     outside[number] = param
                 else:
-                    number_of[params.index_of(param)] = number
+                    number_of[index] = number
                 saved["params"].append(number)
             groups.append(saved)
         state = {number_of[index]: entry for index, entry in state.items()}
