@@ -20,10 +20,11 @@ class BackwardPass:
     """Whether a backward is under way, and the gradients it stored (guards.py counts them)."""
 
     def __init__(self, guard, dp, precision: str, release_all: Callable[[], None],
-                 counted: Callable[[], None]):
+                 counted: Callable[[], None], starting: Callable[[], None]):
         self._guard = guard
         self._dp = dp
         self._precision = precision
+        self._starting = starting  # what the gradients need before new ones add to them
         self._release_all = release_all  # every access given back after a backward
         self._counted = counted  # the engine's micro-step moves on
         self.in_backward = False  # Note [loss.backward()]
@@ -53,6 +54,7 @@ class BackwardPass:
         self._keep_grad_hooks_last()
         self.in_backward = True
         self._stored_grads = 0
+        self._starting()
         self._dp.before_backward()
         try:
             if tensors:
@@ -122,6 +124,7 @@ class BackwardPass:
         self._stored_grads = 0
         # Note [Calls between a read and its serving] in data_parallel.py
         self._dp.agree_on_training_call(self._dp.BACKWARD)
+        self._starting()
         self._dp.before_backward()
         torch.autograd.Variable._execution_engine.queue_callback(self._end_autograd_backward)
 

@@ -172,6 +172,14 @@ class DataParallel:
         self.sharded_accumulation = (
             config.gradient_accumulation_steps > 1
             and config.parallel.gradient_accumulation == "sharded")
+        # Note [Accumulation without the key under data parallelism]: whether it applies (set
+        # at attach, which knows the model-parallel groups), DDP's require_backward_grad_sync,
+        # what the owners' gradient chunks hold ("average", "sum" or None for nothing this
+        # step) and whether local gradients wait for a reduction.
+        self.open_accumulation = False
+        self.sync_gradients = True
+        self._owners_hold: str | None = None
+        self._unreduced = False
         self.gather_communicator = None  # backward's gathers' own group (resharding)
         self.transport = None  # "shm" or "process_group" (Note [Transport]), from attach
         self._in_forward = False  # between engine.forward's start and after_forward()
@@ -211,6 +219,7 @@ class DataParallel:
             self.model_parallel = topology.ModelParallelGradStats(engine, groups)
         if not self.enabled:
             return
+        self.open_accumulation = engine.guard.open_accumulation
         manager = engine.chunks.manager
         hashes = [None] * self.world_size
         dist.all_gather_object(hashes, (int(manager.layout_hash), engine.layout["num_chunks"]),
@@ -743,12 +752,48 @@ class DataParallel:
         return self._every_ranks(float(position), self.gather_communicator,
                                  f"first forward's next gather, here {mine}")
 
+    # Note [Accumulation without the key under data parallelism]
+    # A DDP loop accumulates without telling anyone how many backward calls a step has: each
+    # backward all-reduces (averages) and adds into p.grad, or `with model.no_sync():` (nanoGPT:
+    # `model.require_backward_grad_sync = False`) skips the reduction of all but the last, whose
+    # reduction then carries the sum. Without the config key gradient_accumulation_steps the
+    # engine does the same, keeping one rule for what the owners' gradient chunks hold:
+    #  * a backward with sync on is a boundary: its reduce-scatter averages what every rank's
+    #    chunks hold, and the owners then hold this step's average so far ("average");
+    #  * a backward under no_sync reduces nothing: its gradients add to the local chunks
+    #    (`_unreduced`), full-size on every rank as DDP's p.grad are;
+    #  * a backward that starts while the owners hold an average first multiplies their owned
+    #    gradients by the world size ("sum"): the next averaging reduce-scatter divides the
+    #    owner's part again, so the result is the old average plus the average of what came
+    #    since, as in DDP's p.grad. (Exact for a world of a power of two; fp16 gradients near
+    #    their range can overflow, which the loss scaler then handles as any overflow.)
+    #  * optimizer.step() and the clips close the step (close_accumulation): local gradients
+    #    still unreduced (a last backward under no_sync, which DDP would step with each rank's
+    #    own gradients) are reduced as at a boundary; owners holding a sum are divided back.
+    # With the key the engine keeps counting backward calls and no_sync changes nothing.
     def before_backward(self) -> None:
-        if self.enabled:
-            self.gathers.begin_backward()
+        if not self.enabled:
+            return
+        if self._owners_hold == "average":
+            optimizer = self._engine.optimizer
+            optimizer.scale_gradients(float(self.world_size))
+            # The boundary's agreement forgot them: every owner adds its own back.
+            self._had_grad.update(i for i, has in enumerate(optimizer.has_grad) if has)
+            self._owners_hold = "sum"
+        self.gathers.begin_backward()
+
+    @property
+    def gradients_unreduced(self) -> bool:
+        """Local gradients of backward calls under no_sync() wait for their reduction (Note
+        [Accumulation without the key under data parallelism])."""
+        return self._unreduced
 
     def _boundary(self) -> bool:
-        return self._closing or self._engine.guard.ends_accumulation
+        if self._closing:
+            return True
+        if self.open_accumulation:
+            return self.sync_gradients
+        return self._engine.guard.ends_accumulation
 
     def _reduces_now(self) -> bool:
         """Whether this micro-step reduce-scatters its gradients."""
@@ -833,6 +878,7 @@ class DataParallel:
             self.gathers.end_backward(int(max(issued)))
         if not self._reduces_now():
             self._seen.clear()
+            self._unreduced = True
             return
         try:
             while self._rs_cursor < len(self._grad_groups):
@@ -849,6 +895,7 @@ class DataParallel:
             self._reset_backward()
             return
         self._agree_on_gradients()
+        self._owners_hold, self._unreduced = "average", False
 
     # Note [A short accumulation]
     # optimizer.step() after fewer backward calls than gradient_accumulation_steps (an epoch's
@@ -864,20 +911,42 @@ class DataParallel:
         """Ends this step's accumulation before its last backward (Note [A short
         accumulation]); nothing without data parallelism or outside an accumulation."""
         engine = self._engine  # None once the engine is gone: the step's own check says so
-        if not self.enabled or engine is None or not engine.guard.in_accumulation:
+        if not self.enabled or engine is None:
+            return
+        if self.open_accumulation:
+            self._close_open_accumulation(engine)
+            return
+        if not engine.guard.in_accumulation:
             return
         if self.sharded_accumulation:
             engine.optimizer.scale_gradients(1.0 / self.world_size)
         else:
-            self._closing = True
-            try:
-                while self._rs_cursor < len(self._grad_groups):
-                    self._start_reduce_scatter()
-            finally:
-                self._closing = False
-                self.collectives.finish_reduce_scatters()
+            self._reduce_the_rest()
         self._agree_on_gradients()
         engine.guard.close_accumulation(what)
+
+    def _reduce_the_rest(self) -> None:
+        """Reduce-scatters, as a boundary's ("avg"), every group this backward has not."""
+        self._closing = True
+        try:
+            while self._rs_cursor < len(self._grad_groups):
+                self._start_reduce_scatter()
+        finally:
+            self._closing = False
+            self.collectives.finish_reduce_scatters()
+
+    def _close_open_accumulation(self, engine) -> None:
+        """Note [Accumulation without the key under data parallelism]: the owners end with
+        the step's average. Later backward calls of the same step may follow (as in PyTorch,
+        a backward after a clip adds to the clipped gradients)."""
+        if self._unreduced:
+            self._reduce_the_rest()
+        elif self._owners_hold == "sum":
+            engine.optimizer.scale_gradients(1.0 / self.world_size)
+        else:
+            return
+        self._agree_on_gradients()
+        self._owners_hold, self._unreduced = "average", False
 
     def _agree_on_gradients(self) -> None:
         """At the end of an accumulation: afterwards the optimizer's `has_grad` says which
@@ -891,11 +960,15 @@ class DataParallel:
             has_grad[index] = total > 0 and self._owned[index]
         self._reset_accumulation()
 
-    def discard_accumulation(self) -> None:
-        """optimizer.zero_grad() dropped the gradients between steps (every rank calls it):
-        the next backward starts a fresh accumulation."""
-        if self.enabled:
+    def gradients_dropped(self, backwards_dropped: bool) -> None:
+        """A step applied the gradients, or optimizer.zero_grad() dropped them (every rank
+        calls either); `backwards_dropped`: between steps, so the next backward starts a fresh
+        accumulation."""
+        if not self.enabled:
+            return
+        if backwards_dropped:
             self._reset_accumulation()
+        self._owners_hold, self._unreduced = None, False
 
     def ranks_with(self, flag: bool, label: str = "non-finite loss flags",
                    phase: str | None = "backward") -> list[int]:

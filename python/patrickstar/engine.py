@@ -66,7 +66,7 @@ from torch import nn
 
 from . import (_C, accelerate_precision, averaged_model, backward_pre_hooks, checkpoint, clip_grad,
                convert_parameters, dtypes, hooks, module_zero_grad, param_owners, parametrizations,
-               replaced_params, resting_params, script_collectives, torch_optimizers)
+               replaced_params, resting_params, script_collectives, topology, torch_optimizers)
 from .activations import ActivationCounter
 from .chunk_runtime import ChunkRuntime
 from .chunked_params import ChunkedParams
@@ -184,7 +184,10 @@ class PatrickStarEngine(nn.Module):
         self.compute_dtype = dtypes.precision_dtype(self.precision)
         self.mixed = self.precision != "fp32"
         self.loss_scaler = make_loss_scaler(config)
-        self.guard = TrainingGuard(config, world[0])  # Note [Training call order] in guards.py
+        groups = topology.current()
+        model_parallel = groups is not None and groups.pipe_size * groups.tensor_size > 1
+        # Note [Training call order] in guards.py
+        self.guard = TrainingGuard(config, world[0], model_parallel)
         self.micro_step = 0
         self.iteration = 0
         # DeepSpeed's loop (Note [model.step() steps model.lr_scheduler] in deepspeed_loop.py).
@@ -283,7 +286,8 @@ class PatrickStarEngine(nn.Module):
             # Note [loss.backward()] in backward_pass.py
             self._backward = BackwardPass(self.guard, self.dp, self.precision,
                                           _weakly(self._release_after_backward),
-                                          _weakly(self._count_micro_step))
+                                          _weakly(self._count_micro_step),
+                                          _weakly(self._before_new_gradients))
             for index, param in enumerate(self.params.params):
                 if param.requires_grad:
                     self._backward.register_grad_hook(param, self._make_grad_hook(index))
@@ -944,6 +948,11 @@ class PatrickStarEngine(nn.Module):
     def _release_after_backward(self) -> None:
         self._release_all(S.HOLD_AFTER_BWD)
 
+    def _before_new_gradients(self) -> None:
+        """A backward starts: a clip waiting for the step applies first (Note [A clip before
+        the step] in optimizer.py)."""
+        self.optimizer.apply_pending_clip()
+
     def _count_micro_step(self) -> None:
         """The end of a counted backward."""
         self.micro_step += 1
@@ -1042,10 +1051,28 @@ class PatrickStarEngine(nn.Module):
     @contextlib.contextmanager
     def no_sync(self):
         """DDP's accumulation idiom (`with model.no_sync(): loss.backward()` on all but the last
-        micro-step). Here the reduction follows config `gradient_accumulation_steps` (the
-        engine reduces at the right micro-step itself), so the block changes nothing; a loop
-        with more backward calls per step than that key raises at the extra one."""
-        yield
+        micro-step): without the config key `gradient_accumulation_steps` the backward calls in
+        the block reduce nothing, and the next one outside it (or the step) reduces their sum,
+        as DDP's (Note [Accumulation without the key under data parallelism] in
+        data_parallel.py). With the key the engine reduces at the micro-step that completes it
+        by itself, so the block changes nothing; a loop with more backward calls per step than
+        the key raises at the extra one."""
+        old = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = old
+
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        """DDP's flag (nanoGPT sets it False on all but a step's last micro-step), which
+        `no_sync()` clears for its block: whether a backward reduces the gradients."""
+        return self.dp.sync_gradients
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, value: bool) -> None:
+        self.dp.sync_gradients = bool(value)
 
     def step(self) -> None:
         """DeepSpeed's `engine.step()`, for loops written against it (`model.backward(loss)`
@@ -1277,6 +1304,11 @@ class PatrickStarEngine(nn.Module):
                 f"{what} after {self.guard.backwards} of {self.guard.accumulation} backward() "
                 f"calls: under data parallelism the ranks' gradients are reduced by the "
                 f"backward that ends the accumulation; read them after it")
+        if self.dp.gradients_unreduced:
+            raise RuntimeError(
+                f"{what} after a backward under model.no_sync() (or require_backward_grad_sync "
+                f"= False): under data parallelism its gradients are reduced over the ranks by "
+                f"the next backward outside it or by optimizer.step(); read them after that")
 
     # Note [Gradients of parameters without elements]
     # A parameter without elements stays outside the chunks (init_context.plan_parameters), so

@@ -110,17 +110,20 @@ EXIT_WAIT_S = 30.0  # the longest the exit hook waits for another thread's call 
 # A PyTorch loop accumulates by calling backward() several times before optimizer.step(); the
 # gradients add up in p.grad. Here they add up in the gradient chunks the same way (a store adds
 # to what the chunk holds until zero_grad() or a step clears it), so on one rank nothing but this
-# guard stood in the way. With a data-parallel world the count decides which backward
-# reduce-scatters (`ends_accumulation`), so there the key is needed and its absence stays an
-# error naming it. Where the gradient chunks hold the compute dtype (fp16/bf16 without the key:
+# guard stood in the way. With a data-parallel world the backward calls' reductions follow DDP's
+# (each backward averages, `no_sync()` skips: Note [Accumulation without the key under data
+# parallelism] in data_parallel.py); with pipeline stages or tensor slices as well the count
+# decides which backward reduce-scatters (`ends_accumulation`), so there the key is needed and
+# its absence stays an error naming it. Where the gradient chunks hold the compute dtype (fp16/bf16 without the key:
 # Note [Chunk kinds per precision] in chunked_params.py) the sum is taken in that dtype, as a
 # half-precision PyTorch model's p.grad would be; the first such backward warns once, naming the
 # key that makes them fp32 accumulators.
 class TrainingGuard:
-    def __init__(self, config, data_parallel_size: int = 1):
+    def __init__(self, config, data_parallel_size: int = 1, model_parallel: bool = False):
         self.accumulation = config.gradient_accumulation_steps
         # Note [PyTorch's accumulation without the key]
-        self.open_accumulation = not config.accumulation_given and data_parallel_size == 1
+        self.open_accumulation = not config.accumulation_given and (
+            data_parallel_size == 1 or not model_parallel)
         self.low_precision_sum = config.precision != "fp32" and self.open_accumulation
         self.policy = config.nonfinite_loss
         self.backwards = 0

@@ -553,9 +553,21 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
     # clipped norm) measures norm * coefficient and multiplies its own coefficient in, and
     # clip_grad_value_ clamps the unscaled values at value / coefficient, so that after the
     # coming scaling they are clamped at value, as torch's clamp of the scaled p.grad. The first
-    # call's norm stays for get_global_grad_norm(), DeepSpeed's norm before clipping.
+    # call's norm stays for get_global_grad_norm(), DeepSpeed's norm before clipping. A backward
+    # that follows the clip in the same step adds unclipped gradients to torch's clipped p.grad,
+    # so its start applies the waiting coefficient first (apply_pending_clip; the step then
+    # measures the sum afresh).
     def _pending_clip_coefficient(self) -> float:
         return 1.0 if self._requested_clip is None else self._requested_clip[0]
+
+    def apply_pending_clip(self) -> None:
+        """A backward starts: the clip waiting for the step scales the gradients now (Note [A
+        clip before the step])."""
+        if self._requested_clip is None:
+            return
+        coefficient, self._requested_clip = self._requested_clip[0], None
+        if coefficient != 1.0:
+            self.scale_gradients(coefficient)
 
     def clip_grad_value_(self, clip_value: float, indices: Iterable[int]) -> None:
         """`torch.nn.utils.clip_grad_value_` on these parameters' gradients in their chunks
@@ -600,8 +612,7 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         applied, which a user's zero_grad(set_to_none=False) then follows."""
         self._requested_clip = None
         self._free_gradients(range(len(self.has_grad)))
-        if self.guard.discard_backwards():
-            self.dp.discard_accumulation()
+        self.dp.gradients_dropped(self.guard.discard_backwards() > 0)
 
     # Note [Gradients zeroed, not dropped]
     # torch's zero_grad(set_to_none=False) (the default before torch 2.0, and model.zero_grad's)

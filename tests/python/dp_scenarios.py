@@ -159,6 +159,13 @@ class Scenario:
     # is not a multiple of `accumulation` its last accumulation is short (Note [A short
     # accumulation] in data_parallel.py). `steps * accumulation` micro-batches in all.
     epoch: int = 0
+    # Without the config key gradient_accumulation_steps (Note [Accumulation without the key
+    # under data parallelism] in data_parallel.py), the worker's loop as DDP scripts write it:
+    # "every" reduces at every backward, "no_sync" runs all but a step's last micro-step under
+    # `with model.no_sync():` (accelerate), "flag" sets `model.require_backward_grad_sync` to
+    # whether the micro-step is the last (nanoGPT), "never" runs every micro-step under
+    # no_sync (the step reduces).
+    open_sync: str = ""
 
     def ends_step(self, micro: int) -> bool:
         """Whether optimizer.step() follows micro-batch `micro` (counted from 0)."""
@@ -325,6 +332,22 @@ SCENARIOS = {
     "mlp_accumulation_discard": Scenario(MLP, mlp_batches, {"default_chunk_size": 4096},
                                          steps=4, clip=0.5, accumulation=3,
                                          discarded_steps=(1,)),
+    # Note [Accumulation without the key under data parallelism]: PyTorch/DDP accumulation
+    # loops with no gradient_accumulation_steps in the config; mixed with a short epoch, fp16's
+    # model.backward, clipping and a dropped step.
+    "open_every": Scenario(MLP, mlp_batches, {"default_chunk_size": 4096}, steps=4, clip=0.5,
+                           accumulation=3, autograd_backward=True, open_sync="every", epoch=5),
+    "open_no_sync": Scenario(MLP, mlp_batches, {"default_chunk_size": 4096}, steps=4, clip=0.5,
+                             accumulation=3, autograd_backward=True, open_sync="no_sync",
+                             discarded_steps=(1,)),
+    "open_flag": Scenario(_gpt, _gpt_batches, {"default_chunk_size": 8192}, steps=3,
+                          accumulation=2, autograd_backward=True, open_sync="flag",
+                          torch_clip=True, clip=1.0, atol=1e-5),
+    "open_never": Scenario(BranchWithUnused, branch_batches, {"default_chunk_size": 2048},
+                           steps=3, accumulation=2, autograd_backward=True, open_sync="never"),
+    "open_fp16": Scenario(MLP, half_mlp_batches, {"default_chunk_size": 4096, "fp16": {
+        "enabled": True, "initial_scale_power": 8}}, steps=3, accumulation=2,
+        open_sync="every", atol=2e-3),
     # model.apply(fn) on every rank after initialize(): the owners write, every rank trains on
     # the new weights (gathered copies dropped), with and without resharding.
     "mlp_apply": Scenario(MLP, mlp_batches, {"default_chunk_size": 4096}, steps=3,

@@ -42,6 +42,7 @@ the error raised, then leaves with os._exit so a dead peer cannot hold up interp
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -64,7 +65,8 @@ def train(name: str, rank: int, world: int) -> dict:
                            "params": {"lr": s.lr, "weight_decay": s.weight_decay,
                                       "state_dtype": s.state_dtype}}
     config["gradient_clipping"] = 0.0 if s.torch_clip else s.clip
-    config["gradient_accumulation_steps"] = s.accumulation
+    if not s.open_sync:
+        config["gradient_accumulation_steps"] = s.accumulation
     torch.manual_seed(0)
     model, optimizer = patrickstar.initialize(s.model, config=config)
     if s.reinitialize == "apply":
@@ -81,10 +83,11 @@ def train(name: str, rank: int, world: int) -> dict:
         losses.append(loss.item())
         if s.nan_loss == (step, rank):
             loss = loss * float("nan")
-        if s.autograd_backward:
-            (loss / s.accumulation).backward()
-        else:
-            model.backward(loss)
+        with sync_context(model, s.open_sync, s.ends_step(step)):
+            if s.autograd_backward:
+                (loss / s.accumulation).backward()
+            else:  # without the key model.backward divides by nothing: the user does
+                model.backward(loss / s.accumulation if s.open_sync else loss)
         if s.ends_step(step):
             if (step // s.accumulation) in s.discarded_steps:
                 optimizer.zero_grad()  # gradients computed and dropped: no update
@@ -128,6 +131,15 @@ def train(name: str, rank: int, world: int) -> dict:
     return result
 
 
+def sync_context(model, open_sync: str, last: bool):
+    """A DDP loop's reduction control around one micro-step's backward (Scenario.open_sync)."""
+    if open_sync == "flag":
+        model.require_backward_grad_sync = last
+    if open_sync == "never" or (open_sync == "no_sync" and not last):
+        return model.no_sync()
+    return contextlib.nullcontext()
+
+
 def main() -> None:
     out, what = sys.argv[1], sys.argv[2:]
     # initialize() sets up torch.distributed from torchrun's environment (RANK, WORLD_SIZE, ...).
@@ -165,6 +177,8 @@ def main() -> None:
             results.update(optimizer_resume(rank, world, *what[1:]))
         elif what == ["--direct-calls"]:
             results.update(direct_calls(rank, world))
+        elif what == ["--open-accumulation-edges"]:
+            results.update(open_accumulation_edges(rank, world))
         elif what == ["--full-grad"]:
             results.update(full_gradients(rank, world))
         elif what == ["--generate-lengths"]:
@@ -175,8 +189,8 @@ def main() -> None:
             results.update(encoder_decoder_generate(rank))
         elif what == ["--module-generate-lengths"]:
             results.update(module_generate_lengths(rank))
-        elif what == ["--accelerate"]:
-            results.update(accelerate_loop())
+        elif what[:1] == ["--accelerate"]:
+            results.update(accelerate_loop(*map(int, what[1:])))
         elif what == ["--dcp"]:
             results.update(dcp_resume(out, rank))
         elif what == ["--ddp-wrap"]:  # nanoGPT's `model = DDP(model)` around the engine
@@ -335,6 +349,48 @@ def full_gradients(rank: int, world: int) -> dict:
     return result
 
 
+def open_accumulation_edges(rank: int, world: int) -> dict:
+    """Note [Accumulation without the key under data parallelism], against PyTorch's p.grad on
+    the whole batch: a gradient read after a backward under no_sync() (an error) and after the
+    synced one that follows, then torch's clip_grad_norm_ between two backward calls of a step
+    (the second adds to the clipped gradients, as in PyTorch) and the step."""
+    from test_initialize import mlp_batches
+    result = {}
+    config = {"default_chunk_size": 4096, "parallel": {"collective_timeout": 20},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}}}
+    torch.manual_seed(0)
+    model, optimizer = patrickstar.initialize(MLP, config=config)
+    torch.manual_seed(0)
+    reference = MLP()
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.01)
+    batches = list(mlp_batches(3))
+
+    def backward(step: int, synced: bool) -> None:
+        x, y = batches[step]
+        with contextlib.nullcontext() if synced else model.no_sync():
+            (model(*shard((x, y), rank, world)) / 3).backward()
+        (sum(reference(*shard((x, y), r, world)) for r in range(world)) / world / 3).backward()
+
+    backward(0, synced=False)
+    try:
+        model.full_gradient(next(model.parameters()))
+    except RuntimeError as error:
+        result["unreduced_error"] = str(error)
+    backward(1, synced=True)
+    result["grads"] = {name.removeprefix("module."): model.full_gradient(param)
+                       for name, param in model.named_parameters()}
+    result["reference"] = {name: param.grad.clone()
+                           for name, param in reference.named_parameters()}
+    result["norm"] = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05))
+    result["reference_norm"] = float(torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05))
+    backward(2, synced=True)
+    optimizer.step()
+    reference_optimizer.step()
+    result["state"] = model.state_dict()
+    result["reference_state"] = reference.state_dict()
+    return result
+
+
 def generate_lengths(rank: int) -> dict:
     """Each rank generates as many tokens as its prompt asks (an EOS reached early does the
     same): model.generate(...) without synced_gpus, then one training step on every rank."""
@@ -464,27 +520,31 @@ def module_generate_lengths(rank: int) -> dict:
     return {"tokens": tokens}
 
 
-def accelerate_loop() -> dict:
+def accelerate_loop(accumulation: int = 1) -> dict:
     """Hugging Face accelerate's custom loop around the engine on every rank, everything
     prepared as `run_clm_no_trainer.py` does (accelerate shards the batches over the ranks and
-    leaves the engine as it is: Note [The engine is prepared for accelerate])."""
+    leaves the engine as it is: Note [The engine is prepared for accelerate]). With
+    `accumulation` > 1 the Accelerator accumulates (`accelerator.accumulate(model)`, which runs
+    all but a step's last micro-step under model.no_sync()), the config has no key."""
     import accelerate
     torch.manual_seed(0)
     model, optimizer = patrickstar.initialize(MLP, config={
         "default_chunk_size": 4096, "optimizer": {"type": "Adam", "params": {"lr": 1e-2}}})
-    accelerator = accelerate.Accelerator(cpu=True)
+    accelerator = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=accumulation)
     generator = torch.Generator().manual_seed(1)
     data = torch.utils.data.TensorDataset(torch.randn(32, 32, generator=generator),
                                           torch.randint(0, 10, (32,), generator=generator))
     prepared, optimizer, loader = accelerator.prepare(
-        model, optimizer, torch.utils.data.DataLoader(data, batch_size=4))
+        model, optimizer, torch.utils.data.DataLoader(data, batch_size=4 // accumulation))
     losses = []
     for x, y in loader:
-        loss = prepared(x, y)
-        accelerator.backward(loss)
-        accelerator.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad()
+        with accelerator.accumulate(prepared):
+            loss = prepared(x, y)
+            accelerator.backward(loss)
+            if accelerator.sync_gradients:
+                accelerator.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad()
         losses.append(loss.item())
     return {"losses": losses, "state": accelerator.get_state_dict(model),
             "prepared_is_engine": prepared is model}

@@ -26,7 +26,7 @@ def make_pass(precision: str = "fp32"):
     calls = []
     recorder = Recorder(calls)
     backward = BackwardPass(recorder, recorder, precision, lambda: calls.append("release"),
-                            lambda: calls.append("counted"))
+                            lambda: calls.append("counted"), lambda: calls.append("starting"))
     return backward, calls
 
 
@@ -35,8 +35,8 @@ def test_a_backward_runs_autograd_between_its_start_and_its_end():
     weight = nn.Parameter(torch.ones(3))
     backward.run([(weight * 2).sum()], None)
     assert torch.equal(weight.grad, torch.full((3,), 2.0))
-    assert calls == [("before_backward",), "release", ("after_backward",), ("after_backward",),
-                     "counted"]
+    assert calls == ["starting", ("before_backward",), "release", ("after_backward",),
+                     ("after_backward",), "counted"]
     assert not backward.in_backward
 
 
@@ -52,7 +52,7 @@ def test_a_backward_that_raised_after_storing_reports_the_stored_count():
     weight.register_post_accumulate_grad_hook(store_then_fail)
     with pytest.raises(KeyboardInterrupt):
         backward.run([weight.sum()], None)
-    assert ("backward_failed", "model.backward()") == calls[1][:2] and calls[1][3] == 1
+    assert ("backward_failed", "model.backward()") == calls[2][:2] and calls[2][3] == 1
     assert "counted" not in calls and calls[-1] == "release"
     calls.clear()
     backward.raised(None, "again")  # the count was reset: nothing more to report

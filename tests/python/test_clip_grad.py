@@ -263,3 +263,33 @@ def test_calls_after_a_clip_see_the_clipped_gradients_as_in_pytorch(after):
     for key, tensor in reference.state_dict().items():
         torch.testing.assert_close(state[key], tensor, rtol=1e-5, atol=1e-6)
     model.destroy()
+
+
+def test_a_backward_after_the_clip_adds_unclipped_gradients_as_in_pytorch():
+    # Note [A clip before the step] in optimizer.py: the clip waits for the step; a backward
+    # between them (a PyTorch accumulation loop without the config key) made the step clip the
+    # sum, where torch clipped only what p.grad held at the clip (0.01 off after one step).
+    data = batches(6)
+    results = {}
+    for kind in ("torch", "engine"):
+        torch.manual_seed(0)
+        if kind == "torch":
+            model = MLP()
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+        else:
+            model, optimizer = patrickstar.initialize(MLP, config=CONFIG)
+        norms = []
+        for step in range(3):
+            (x, y), (x2, y2) = data[2 * step:2 * step + 2]
+            model(x, y).backward()
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5).item())
+            model(x2, y2).backward()
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"),
+                                                        norm_type=2.0).item())
+            optimizer.step()
+            optimizer.zero_grad()
+        results[kind] = norms, {k: v.clone() for k, v in model.state_dict().items()}
+    torch.testing.assert_close(torch.tensor(results["engine"][0]),
+                               torch.tensor(results["torch"][0]), rtol=1e-5, atol=0)
+    for key, tensor in results["torch"][1].items():
+        torch.testing.assert_close(results["engine"][1][key], tensor, rtol=1e-5, atol=1e-6)

@@ -93,7 +93,8 @@ TWO_RANK_SCENARIOS = ["mlp", "mlp_process_group", "mlp_tight", "mlp_accumulation
                       "mlp_accumulation_full_skip", "mlp_accumulation_discard", "mlp_discard",
                       "mlp_accumulation_epoch", "mlp_accumulation_epoch_torch_clip",
                       "mlp_accumulation_full_epoch",
-                      "mlp_apply", "mlp_apply_keep", "mlp_load_keep", "mlp_module_load_keep"] + [
+                      "mlp_apply", "mlp_apply_keep", "mlp_load_keep", "mlp_module_load_keep",
+                      "open_every", "open_no_sync", "open_flag", "open_never", "open_fp16"] + [
                           name + suffix for name in REMAKE_PAIRS for suffix in ("", "_kept")
                           if name + suffix not in ("gpt_bf16_accumulation",
                                                    "mlp_fp16_accumulation")]
@@ -285,6 +286,39 @@ def test_gradient_accumulation_and_clipping_match_pytorch_in_both_modes(two_rank
     assert result["collectives"] == gathers + reductions * result["grad_groups"]
 
 
+@pytest.mark.parametrize("name", ["open_every", "open_no_sync", "open_flag", "open_never"])
+def test_ddp_accumulation_without_the_key_matches_pytorch(two_ranks, name):
+    # Note [Accumulation without the key under data parallelism]: several backward calls per
+    # step with no gradient_accumulation_steps in the config raised "called 2 times" under data
+    # parallelism. Now each synced backward averages (the owners' earlier average made a sum
+    # again first), no_sync / require_backward_grad_sync=False defer, the step reduces what is
+    # left: DDP's p.grad, so plain PyTorch on the whole batch.
+    check_matches_reference(two_ranks, name)
+    s = SCENARIOS[name]
+    result = two_ranks[0][name]
+    if name not in ("open_every", "open_no_sync"):
+        return
+    # Reduce-scatters per gradient group: every micro-step when each backward syncs, once per
+    # step (its last micro-step's) under no_sync. Gathers as for the keyed accumulation.
+    micro_steps = s.steps * s.accumulation
+    groups = result["compute_groups"]
+    gathers = micro_steps * (2 * groups - 1) + 1 + result["regathered"] + groups
+    reductions = micro_steps if s.open_sync == "every" else s.steps
+    assert result["collectives"] == gathers + reductions * result["grad_groups"]
+
+
+def test_ddp_accumulation_without_the_key_reads_clips_and_steps_as_pytorch(tmp_path):
+    results = launch(tmp_path, 2, "--open-accumulation-edges")
+    check_no_errors(results)
+    for rank, result in enumerate(results):
+        assert "model.no_sync()" in result["unreduced_error"], rank
+        for name, grad in result["reference"].items():
+            torch.testing.assert_close(result["grads"][name], grad, rtol=1e-5, atol=1e-7)
+        assert math.isclose(result["norm"], result["reference_norm"], rel_tol=1e-5)
+        for name, tensor in result["reference_state"].items():
+            torch.testing.assert_close(result["state"][name], tensor, rtol=1e-5, atol=1e-6)
+
+
 def test_sharded_accumulation_keeps_no_full_gradients_between_micro_steps(two_ranks):
     # Issue 18: with parallel.gradient_accumulation "sharded" a rank's gradients are 1/N
     # between micro-steps; with "full" every rank keeps the whole model's, until the boundary.
@@ -391,10 +425,13 @@ def test_wrapping_the_engine_in_torch_ddp_says_the_engine_is_data_parallel(tmp_p
         assert "drop the DDP(model) wrapper" in result["error"]
 
 
-def test_accelerate_loop_trains_as_torch_on_the_global_batch(tmp_path):
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_accelerate_loop_trains_as_torch_on_the_global_batch(tmp_path, accumulation):
     # Hugging Face accelerate's recipe (model, optimizer and loader prepared): each rank takes
     # every second batch of 4, so a step is torch's on the 8 rows of both ranks' batches. It
-    # wrapped the engine in DDP, which refused it.
+    # wrapped the engine in DDP, which refused it. With accumulation 2 (the Accelerator's, none
+    # in the config: Note [Accumulation without the key under data parallelism]) each rank's
+    # batches are 2 rows, and a step is the same 8 rows in two micro-steps.
     torch.manual_seed(0)
     reference = MLP()
     optimizer = torch.optim.Adam(reference.parameters(), lr=1e-2)
@@ -406,10 +443,10 @@ def test_accelerate_loop_trains_as_torch_on_the_global_batch(tmp_path):
         torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad()
-    results = launch(tmp_path, 2, "--accelerate")
+    results = launch(tmp_path, 2, "--accelerate", str(accumulation))
     for rank, result in enumerate(results):
         assert "error" not in result, result.get("traceback")
-        assert len(result["losses"]) == 4
+        assert len(result["losses"]) == 4 * accumulation
         for name, value in reference.state_dict().items():
             torch.testing.assert_close(result["state"][name], value, rtol=1e-4, atol=1e-6)
         assert result["prepared_is_engine"]
@@ -446,7 +483,8 @@ def test_memory_saving_mode_matches_with_broadcast_and_reduce(two_ranks):
 @pytest.mark.parametrize("name", ["gpt_bf16", "mlp_fp16", "mlp_fp16_accumulation",
                                   "gpt_bf16_accumulation", "mlp_bf16_state", "mlp_int8_state",
                                   "mlp_bf16_no_master", "mlp_frozen_bf16",
-                                  "gpt_bf16_no_reshard", "mlp_bf16_load_no_reshard"])
+                                  "gpt_bf16_no_reshard", "mlp_bf16_load_no_reshard",
+                                  "open_fp16"])
 def test_mixed_precision_tracks_fp32_pytorch(two_ranks, name):
     ref_losses, _ = reference(name, 2)
     losses = [sum(r[name]["losses"][i] for r in two_ranks) / 2 for i in range(len(ref_losses))]
