@@ -7,7 +7,8 @@ engine.py); the module hooks give a module's own parameters their chunk memory f
 its forward. A forward that reads another module's parameter directly (`x @ self.head.weight.t()`
 in the parent, a weight shared by reference rather than by module) would see the placeholder and
 fail with a shape error. Registering the parameter on the module that reads it makes that
-module's forward access and release it like its own. Backward needs nothing: a saved parameter
+module's forward access and release it like its own; reads by name in the module's code are
+found and count as registered (Note [Reads found in the module's code]). Backward needs nothing: a saved parameter
 is re-accessed on unpack (Note [Saved views of parameters] in saved_views.py).
 
 The registration lives on the module object (an attribute holding the parameters), so it can be
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import dis
 import functools
+import inspect
 import os
 import types
 from typing import Callable
@@ -53,11 +55,13 @@ def unregister_external_parameter(module: nn.Module, parameter: nn.Parameter) ->
 
 
 def external_parameters(module: nn.Module) -> list[nn.Parameter]:
-    """The registered ones, and those torch's own modules read (Note [torch's external
-    reads])."""
-    registered = list(module.__dict__.get(_ATTRIBUTE, []))
-    return registered + [p for p in _read_by_torch_module(module)
-                         if all(p is not q for q in registered)]
+    """The registered ones, those torch's own modules read (Note [torch's external reads]) and
+    those the module's code reads by name (Note [Reads found in the module's code])."""
+    found = list(module.__dict__.get(_ATTRIBUTE, []))
+    for param in [*_read_by_torch_module(module), *_read_by_own_code(module)]:
+        if all(param is not known for known in found):
+            found.append(param)
+    return found
 
 
 # Note [torch's external reads]
@@ -211,6 +215,29 @@ def _read_parameter(module: nn.Module, chain: tuple[str, ...]):
         if current is None:
             return None
     return None
+
+
+# Note [Reads found in the module's code]
+# What Note [Naming an unregistered read] finds in the failing frames can be found before any
+# forward runs: the attribute chains on self in the code of a module's forward (unwrapped from
+# decorators such as Hugging Face's, and through the module's own methods it calls, as above)
+# that end at a descendant's parameter and read its values. Those parameters are used by that
+# module's forward as if registered, so DeBERTa-v2, CLIP, Mamba, MobileBERT and a hand-written
+# `x @ self.head.weight.t()` train as in PyTorch without register_external_parameter (DeepSpeed
+# ZeRO-3 asks for it; FSDP2 needs none for a parent and child in one unit). A read in code not
+# taken in a call (a branch) costs that parameter's access for the forward, nothing else. Reads
+# this cannot see (through an index, `self.layers[0].weight`, a closure, a function of another
+# object) still fail and get the note.
+def _read_by_own_code(module: nn.Module) -> list[nn.Parameter]:
+    forward = inspect.unwrap(getattr(type(module), "forward", None) or (lambda self: None))
+    if not isinstance(forward, types.FunctionType):
+        return []
+    found = []
+    for chain in _chains_through_methods(module, forward.__code__):
+        read = _read_parameter(module, chain)
+        if read is not None and all(read[1] is not param for param in found):
+            found.append(read[1])
+    return found
 
 
 def unregistered_read_note(error: BaseException, model: nn.Module,

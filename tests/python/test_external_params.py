@@ -1,6 +1,7 @@
 """register_external_parameter (Note [External parameters] in external_params.py): a forward that
 reads another module's parameter directly trains as in plain PyTorch, on one rank and on two;
-without the registration the error says what to do."""
+reads by name need no registration (Note [Reads found in the module's code]); for the others the
+error says what to do."""
 from __future__ import annotations
 
 import warnings
@@ -36,12 +37,51 @@ def test_a_parameter_read_by_the_parent_trains_as_in_pytorch(budget):
     assert_same_training(ref_losses, losses, reference.state_dict(), model.state_dict())
 
 
-def test_without_registration_the_error_names_the_fix():
-    model, _ = patrickstar.initialize(lambda: ExternalUse(register=False), config=CONFIG)
+def test_without_registration_a_read_by_name_trains_as_in_pytorch():
+    # Note [Reads found in the module's code]: `self.head.weight` in the parent's forward is
+    # found before the first forward; it raised (with a note naming the registration) before.
+    torch.manual_seed(0)
+    reference = ExternalUse(register=False)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=1e-2)
+    torch.manual_seed(0)
+    model, opt = patrickstar.initialize(lambda: ExternalUse(register=False), config=CONFIG)
+    ref_losses, losses = [], []
+    for x, y in mlp_batches(4):
+        ref = reference(x, y)
+        ref.backward(), ref_opt.step(), ref_opt.zero_grad()
+        loss = model(x, y)
+        loss.backward(), opt.step(), opt.zero_grad()
+        ref_losses.append(ref.item()), losses.append(loss.item())
+    assert_same_training(ref_losses, losses, reference.state_dict(), model.state_dict())
+
+
+class _ReadsThroughAnIndex(nn.Module):
+    """Reads a child's weight through an index, which the code scan does not follow."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(32, 10)])
+
+    def forward(self, x, y):
+        return nn.functional.cross_entropy(x @ self.layers[0].weight.t(), y)
+
+
+def test_a_read_the_code_scan_cannot_see_gets_the_registration_hint():
+    model, _ = patrickstar.initialize(_ReadsThroughAnIndex, config=CONFIG)
     x, y = next(mlp_batches(1))
     with pytest.raises(RuntimeError) as caught:
         model(x, y)
     assert any("register_external_parameter" in note for note in caught.value.__notes__)
+    model.destroy()
+
+    def registered():
+        module = _ReadsThroughAnIndex()
+        patrickstar.register_external_parameter(module, module.layers[0].weight)
+        return module
+
+    model, _ = patrickstar.initialize(registered, config=CONFIG)
+    assert model(x, y).dim() == 0
+    model.destroy()
 
 
 class _ViewsItsTargets(nn.Module):
