@@ -1331,6 +1331,17 @@ class PatrickStarEngine(nn.Module):
             applying.run(root, fn)
         applying.raise_refused()
 
+    def call_lent(self, root: nn.Module, fn: Callable[[nn.Module], object]):
+        """`fn(root)` with the parameters of `root`'s subtree lent their values on first touch
+        and what it changes loaded back, as one call of apply's `fn` (a module's own `train()`
+        that merges LoRA weights: Note [A module's own train()] in module_methods.py)."""
+        self.guard.check_alive(f"{type(root).__name__}.{getattr(fn, '__name__', 'call')}()")
+        with self._awake():
+            applying = ModuleApply(self, pending_until_end=self.dp.enabled)
+            result = applying.run_once(root, fn)
+        applying.raise_refused()
+        return result
+
     @contextlib.contextmanager
     def summon_full_params(self, writeback: bool = True):
         """FSDP's `summon_full_params`: inside the block every parameter holds its values (lent

@@ -1,0 +1,96 @@
+"""Fine-tuning flows as a Hugging Face / PyTorch user writes them, each against the same flow
+on the plain model with torch.optim.AdamW."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import patrickstar
+
+CONFIG = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+          "default_chunk_size": 4096}
+
+
+def reference_adamw(params, lr=1e-2):
+    return torch.optim.AdamW(params, lr=lr, weight_decay=0.01, foreach=False)
+
+
+class LoraLinear(nn.Linear):
+    """loralib's `lora.Linear` (microsoft/LoRA, loralib/layers.py), as written there: with
+    `merge_weights` (its default) `eval()` adds the adapters into the frozen weight and
+    `train()` takes them out again."""
+
+    def __init__(self, in_features, out_features, r=4, lora_alpha=8, merge_weights=True):
+        nn.Linear.__init__(self, in_features, out_features)
+        self.r, self.scaling, self.merge_weights, self.merged = r, lora_alpha / r, merge_weights, False
+        self.lora_A = nn.Parameter(self.weight.new_zeros((r, in_features)))
+        self.lora_B = nn.Parameter(self.weight.new_zeros((out_features, r)))
+        self.weight.requires_grad = False
+        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
+
+    def train(self, mode: bool = True):
+        nn.Linear.train(self, mode)
+        if mode and self.merge_weights and self.merged:
+            self.weight.data -= (self.lora_B @ self.lora_A) * self.scaling
+            self.merged = False
+        elif not mode and self.merge_weights and not self.merged:
+            self.weight.data += (self.lora_B @ self.lora_A) * self.scaling
+            self.merged = True
+        return self
+
+    def forward(self, x):
+        result = F.linear(x, self.weight, bias=self.bias)
+        if not self.merged:
+            result = result + (x @ self.lora_A.t() @ self.lora_B.t()) * self.scaling
+        return result
+
+
+class LoraNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = LoraLinear(16, 32), LoraLinear(32, 4)
+        for name, p in self.named_parameters():  # loralib's mark_only_lora_as_trainable
+            if "lora_" not in name:
+                p.requires_grad_(False)
+
+    def forward(self, x, y):
+        return F.cross_entropy(self.fc2(torch.relu(self.fc1(x))), y)
+
+
+def test_loralib_merging_its_weights_on_eval_and_train_matches_pytorch():
+    """Note [A module's own train()]: `model.eval()` of a loralib model merged the adapters
+    into a weight that lives in chunks and raised ("add_() on PatrickStar parameter
+    'module.fc1.weight' between its uses")."""
+    torch.manual_seed(0)
+    reference = LoraNet()
+    ref_opt = reference_adamw([p for p in reference.parameters() if p.requires_grad])
+    torch.manual_seed(0)
+    model, opt = patrickstar.initialize(LoraNet, config=CONFIG)
+    g = torch.Generator().manual_seed(0)
+    for step in range(3):
+        x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+        reference.train()
+        model.train()
+        ref = reference(x, y)
+        ref.backward(); ref_opt.step(); ref_opt.zero_grad()
+        loss = model(x, y)
+        model.backward(loss); opt.step(); opt.zero_grad()
+        assert loss.item() == pytest.approx(ref.item(), rel=1e-6), step
+        reference.eval()
+        model.module.eval()  # the user's module as well as the engine
+        assert model.module.fc1.merged and not model.module.fc1.training
+        with torch.no_grad():
+            assert model(x, y).item() == pytest.approx(reference(x, y).item(), rel=1e-6), step
+        state = model.module.state_dict()  # merged weights, as torch's
+        for name, tensor in reference.state_dict().items():
+            torch.testing.assert_close(state[name], tensor, rtol=1e-5, atol=1e-6)
+    model.train()
+    state = model.state_dict()  # unmerged again
+    reference.train()
+    for name, tensor in reference.state_dict().items():
+        torch.testing.assert_close(state[name], tensor, rtol=1e-5, atol=1e-6)
+    model.destroy()
