@@ -94,3 +94,65 @@ def test_loralib_merging_its_weights_on_eval_and_train_matches_pytorch():
     for name, tensor in reference.state_dict().items():
         torch.testing.assert_close(state[name], tensor, rtol=1e-5, atol=1e-6)
     model.destroy()
+
+
+def _bert_classifier_dir(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    transformers.BertForSequenceClassification(transformers.BertConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=64, max_position_embeddings=16, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0)).save_pretrained(tmp_path)
+    return transformers.BertForSequenceClassification, tmp_path
+
+
+def trainer_groups(module):
+    """Hugging Face Trainer's groups (no decay on biases and LayerNorms, as its
+    get_decay_parameter_names), with the head at a higher lr than the backbone."""
+    from transformers.trainer_pt_utils import get_parameter_names
+    decay = set(get_parameter_names(module, [nn.LayerNorm], [r"bias", r"layernorm"]))
+    return [{"params": [p for n, p in module.named_parameters()
+                        if (n in decay) == decays and n.startswith("classifier") == head],
+             "weight_decay": 0.1 if decays else 0.0, "lr": 5e-3 if head else 1e-3}
+            for head in (False, True) for decays in (True, False)]
+
+
+@pytest.mark.parametrize("schedule", ["polynomial", "cosine", "one_cycle"])
+def test_trainers_param_groups_and_schedules_train_as_pytorch(tmp_path, schedule):
+    """`optimizer.defaults` showed the first group's lr (the backbone's), where torch shows the
+    constructor's (here the config's): Hugging Face's polynomial schedule decays from it, so the
+    learning rates left torch's."""
+    import transformers
+    cls, path = _bert_classifier_dir(tmp_path)
+
+    def scheduler(optimizer):
+        if schedule == "polynomial":
+            return transformers.get_polynomial_decay_schedule_with_warmup(
+                optimizer, 1, 6, lr_end=1e-5, power=2.0)
+        if schedule == "cosine":
+            return transformers.get_cosine_schedule_with_warmup(optimizer, 1, 6)
+        return torch.optim.lr_scheduler.OneCycleLR(
+            optimizer, max_lr=[1e-3, 1e-3, 5e-3, 5e-3], total_steps=6)
+
+    reference = cls.from_pretrained(path)
+    ref_opt = reference_adamw(trainer_groups(reference))
+    ref_sched = scheduler(ref_opt)
+    model, opt = patrickstar.initialize(lambda: cls.from_pretrained(path), config=CONFIG,
+                                        param_groups=trainer_groups)
+    assert opt.defaults == ref_opt.defaults | {"foreach": None}
+    sched = scheduler(opt)
+    labels = torch.tensor([0, 1])
+    g = torch.Generator().manual_seed(0)
+    for step in range(6):
+        ids = torch.randint(0, 64, (2, 8), generator=g)
+        ref = reference(input_ids=ids, labels=labels).loss
+        ref.backward(); ref_opt.step(); ref_opt.zero_grad(); ref_sched.step()
+        loss = model(input_ids=ids, labels=labels).loss
+        model.backward(loss); opt.step(); opt.zero_grad(); sched.step()
+        assert loss.item() == pytest.approx(ref.item(), rel=1e-5), step
+        assert [group["lr"] for group in opt.param_groups] == pytest.approx(
+            [group["lr"] for group in ref_opt.param_groups], rel=1e-12), step
+    state = model.state_dict()
+    for name, tensor in reference.state_dict().items():
+        torch.testing.assert_close(state[name], tensor, rtol=1e-5, atol=1e-6)
+    model.destroy()
