@@ -1047,15 +1047,16 @@ class PatrickStarEngine(nn.Module):
         with more backward calls per step than that key raises at the extra one."""
         yield
 
-    def step(self) -> None:
+    def step(self, lr_kwargs: dict | None = None) -> None:
         """DeepSpeed's `engine.step()`, for loops written against it (`model.backward(loss)`
         then `model.step()` every micro-step): at the backward that completes the step's
         `gradient_accumulation_steps` it runs `optimizer.step()` (which also drops the
         gradients) and then steps `model.lr_scheduler` unless the step was skipped for fp16
-        overflow (Note [model.step() steps model.lr_scheduler] in deepspeed_loop.py); before
+        overflow (Note [model.step() steps model.lr_scheduler] in deepspeed_loop.py), passing
+        it `lr_kwargs` as DeepSpeed does (a ReduceLROnPlateau's `{"metrics": loss}`); before
         that nothing. PatrickStar's own loop calls `optimizer.step()` instead; calling both in
         one step makes the second find no gradients, which raises."""
-        self._loop.step()
+        self._loop.step(lr_kwargs)
 
     @property
     def lr_scheduler(self):

@@ -156,3 +156,41 @@ def test_trainers_param_groups_and_schedules_train_as_pytorch(tmp_path, schedule
     for name, tensor in reference.state_dict().items():
         torch.testing.assert_close(state[name], tensor, rtol=1e-5, atol=1e-6)
     model.destroy()
+
+
+def test_deepspeed_loop_steps_a_plateau_schedule_with_lr_kwargs_as_pytorch(tmp_path):
+    """Note [model.step(lr_kwargs)]: DeepSpeed's `model.step(lr_kwargs={"metrics": loss})`
+    took no argument, so a ReduceLROnPlateau given as initialize(lr_scheduler=...) could not
+    be stepped by DeepSpeed's loop."""
+    import transformers
+    cls, path = _bert_classifier_dir(tmp_path)
+
+    def plateau(optimizer):
+        return transformers.get_scheduler("reduce_lr_on_plateau", optimizer,
+                                          scheduler_specific_kwargs={"patience": 0,
+                                                                     "factor": 0.5})
+
+    reference = cls.from_pretrained(path)
+    ref_opt = reference_adamw(reference.parameters())
+    ref_sched = plateau(ref_opt)
+    model, opt = patrickstar.initialize(cls.from_pretrained(path), config=CONFIG,
+                                        lr_scheduler=plateau)
+    labels = torch.tensor([0, 1])
+    g = torch.Generator().manual_seed(0)
+    for step in range(5):
+        ids = torch.randint(0, 64, (2, 8), generator=g)
+        ref = reference(input_ids=ids, labels=labels).loss
+        ref.backward(); ref_opt.step(); ref_opt.zero_grad(); ref_sched.step(ref.item())
+        loss = model(input_ids=ids, labels=labels).loss
+        model.backward(loss)
+        if step == 0:  # without the metric: refused before anything steps
+            before = model.state_dict()
+            with pytest.raises(TypeError, match=r"ReduceLROnPlateau.*lr_kwargs="):
+                model.step()
+            for name, tensor in before.items():
+                assert torch.equal(model.state_dict()[name], tensor), name
+        model.step(lr_kwargs={"metrics": loss.item()})
+        assert loss.item() == pytest.approx(ref.item(), rel=1e-5), step
+        assert opt.param_groups[0]["lr"] == ref_opt.param_groups[0]["lr"], step
+    assert ref_opt.param_groups[0]["lr"] < 1e-2  # the plateau lowered it
+    model.destroy()
