@@ -1332,6 +1332,14 @@ class PatrickStarEngine(nn.Module):
             applying.run(root, fn)
         applying.raise_refused()
 
+    @contextlib.contextmanager
+    def awake_parameters(self):
+        """Inside, the parameters hold their own class rather than answering reads at rest
+        (Note [Parameters at rest]), so lendings inside (`call_lent`, one per module of a
+        `model.train()` over many LoRA layers) skip waking and resting every parameter each."""
+        with self._awake():
+            yield
+
     def call_lent(self, root: nn.Module, fn: Callable[[nn.Module], object]):
         """`fn(root)` with the parameters of `root`'s subtree lent their values on first touch
         and what it changes loaded back, as one call of apply's `fn` (a module's own `train()`
