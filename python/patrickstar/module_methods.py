@@ -47,8 +47,8 @@ subtree are lent their values on first touch and what it changes goes back into 
 (master and compute copies), as `model.apply(fn)` does. A `train` called inside another's
 (`super().train(mode)` recursing into a child's override) runs as it is: the outer call
 already lends that subtree, and a second lending would read the chunks' values under the
-outer's pending change. With the engine gone, the class's `train` runs as it is (setting
-`training` needs no parameter). Each lending wakes and rests every parameter of the engine, so
+outer's pending change. With the engine gone or destroyed, the class's `train` runs as it is
+(setting `training` needs no parameter; a write into a freed weight raises as before). Each lending wakes and rests every parameter of the engine, so
 a `model.train()` over a LoRA model (one override per adapted Linear) cost that many passes over
 the parameters (87 ms for 96 adapters); the root module's `train` is therefore shadowed too and
 keeps the parameters awake for the whole traversal (`engine.awake_parameters()`).
@@ -162,7 +162,7 @@ class ModuleMethods:
         module = module()
         train = type(module).train
         engine = self._engine()
-        if self._training or engine is None:
+        if self._training or engine is None or engine.guard.destroyed:
             return train(module, mode)
         self._training = True
         try:
@@ -173,7 +173,7 @@ class ModuleMethods:
     def _train_awake(self, module: weakref.ref, mode: bool = True):
         module = module()
         engine = self._engine()
-        if self._training or engine is None:
+        if self._training or engine is None or engine.guard.destroyed:
             return type(module).train(module, mode)
         with engine.awake_parameters():
             return type(module).train(module, mode)

@@ -94,6 +94,10 @@ def test_loralib_merging_its_weights_on_eval_and_train_matches_pytorch():
     for name, tensor in reference.state_dict().items():
         torch.testing.assert_close(state[name], tensor, rtol=1e-5, atol=1e-6)
     model.destroy()
+    for layer in (model.module.fc1, model.module.fc2):
+        layer.merge_weights = False
+    model.module.eval()  # an override touching no weight needs no engine
+    assert not model.module.fc1.training
 
 
 def _bert_classifier_dir(tmp_path):
