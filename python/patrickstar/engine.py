@@ -1340,11 +1340,12 @@ class PatrickStarEngine(nn.Module):
         with self._awake():
             yield
 
-    def call_lent(self, root: nn.Module, fn: Callable[[nn.Module], object]):
+    def call_lent(self, root: nn.Module, fn: Callable[[nn.Module], object], what: str):
         """`fn(root)` with the parameters of `root`'s subtree lent their values on first touch
         and what it changes loaded back, as one call of apply's `fn` (a module's own `train()`
-        that merges LoRA weights: Note [A module's own train()] in module_methods.py)."""
-        self.guard.check_alive(f"{type(root).__name__}.{getattr(fn, '__name__', 'call')}()")
+        that merges LoRA weights: Note [A module's own train()] in module_methods.py); `what`
+        names the call in errors."""
+        self.guard.check_alive(what)
         with self._awake():
             applying = ModuleApply(self, pending_until_end=self.dp.enabled)
             result = applying.run_once(root, fn)

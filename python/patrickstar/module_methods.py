@@ -36,22 +36,23 @@ deepcopy or pickle of the module is a plain module with its class's methods agai
 
 Note [A module's own train()]
 `model.eval()` / `model.train()` (the engine's, `model.module`'s, the Trainer's each step) call
-`train(mode)` on every module. Hand-written modules may change weights there: loralib's
-`Linear` (the reference LoRA implementation, `merge_weights=True` by default) adds
-`lora_B @ lora_A * scaling` into its frozen `weight.data` on `eval()` and takes it out again on
-`train()`. Between uses that weight is a placeholder, so the in-place add was refused and
-`model.eval()` raised. A module whose class overrides `train` (other than torch's and
-transformers' own overrides, which re-apply kernels or drop a cache and touch no parameter) gets
-an instance `train` that runs the class's under `engine.call_lent`: the parameters of its
-subtree are lent their values on first touch and what it changes goes back into the chunks
-(master and compute copies), as `model.apply(fn)` does. A `train` called inside another's
-(`super().train(mode)` recursing into a child's override) runs as it is: the outer call
-already lends that subtree, and a second lending would read the chunks' values under the
-outer's pending change. With the engine gone or destroyed, the class's `train` runs as it is
-(setting `training` needs no parameter; a write into a freed weight raises as before). Each lending wakes and rests every parameter of the engine, so
-a `model.train()` over a LoRA model (one override per adapted Linear) cost that many passes over
-the parameters (87 ms for 96 adapters); the root module's `train` is therefore shadowed too and
-keeps the parameters awake for the whole traversal (`engine.awake_parameters()`).
+`train(mode)` on every module. Hand-written modules may change weights there: loralib's `Linear`
+(the reference LoRA implementation, `merge_weights=True` by default) adds `lora_B @ lora_A *
+scaling` into its frozen `weight.data` on `eval()` and takes it out again on `train()`. Between
+uses that weight is a placeholder, so the in-place add was refused and `model.eval()` raised. A
+module whose class overrides `train` (other than torch's and transformers' own overrides, which
+re-apply kernels or drop a cache and touch no parameter) gets an instance `train` that runs the
+class's under `engine.call_lent`: the parameters of its subtree are lent their values on first
+touch and what it changes goes back into the chunks (master and compute copies), as
+`model.apply(fn)` does. A `train` called inside another's (`super().train(mode)` recursing into
+a child's override) runs as it is: the outer call already lends that subtree, and a second
+lending would read the chunks' values under the outer's pending change. With the engine gone or
+destroyed, the class's `train` runs as it is (setting `training` needs no parameter; a write
+into a freed weight raises as before). Each lending wakes and rests every parameter of the
+engine, so a `model.train()` over a LoRA model (one override per adapted Linear) cost that many
+passes over the parameters (87 ms for 96 adapters); the root module's `train` is therefore
+shadowed too and keeps the parameters awake for the whole traversal
+(`engine.awake_parameters()`).
 """
 from __future__ import annotations
 
@@ -166,7 +167,8 @@ class ModuleMethods:
             return train(module, mode)
         self._training = True
         try:
-            return engine.call_lent(module, lambda m: train(m, mode))
+            return engine.call_lent(module, lambda m: train(m, mode),
+                                    f"{type(module).__name__}.train()")
         finally:
             self._training = False
 
