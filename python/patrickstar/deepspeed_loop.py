@@ -32,10 +32,21 @@ scheduler must have moved exactly one position since the previous one (zero is a
 after a step skipped for fp16 overflow, where DeepSpeed does not step it), else it raises
 before the optimizer steps, saying to call `model.lr_scheduler.step()` or to use
 `model.step()`. A scheduler the user assigned is theirs and is not checked this way.
+
+Note [model.step(lr_kwargs)]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+DeepSpeed's `engine.step(lr_kwargs=None)` passes `lr_kwargs` to the scheduler's `step()`: a
+ReduceLROnPlateau (torch's, or Hugging Face's `get_scheduler("reduce_lr_on_plateau", ...)`)
+given as `initialize(lr_scheduler=...)` steps by `model.step(lr_kwargs={"metrics": loss})`.
+Without the argument that loop could not train such a scheduler at all (`model.step()` took no
+argument), and a call without the metric failed in torch's `step()` after the optimizer had
+stepped. Such a call is now refused before the optimizer steps, naming the argument.
 """
 from __future__ import annotations
 
 import weakref
+
+import torch
 
 
 def _position(scheduler):
@@ -117,10 +128,22 @@ class EngineLrScheduler:
         if self.configured:
             self._direct = (_position(self.scheduler), applied)
 
-    def after_optimizer_step(self, applied: bool) -> None:
+    def check_step_arguments(self, lr_kwargs: dict | None) -> None:
+        """Before the optimizer steps (Note [model.step(lr_kwargs)])."""
+        if lr_kwargs is not None and not isinstance(lr_kwargs, dict):
+            raise TypeError(f"model.step(lr_kwargs=...): a dict of keyword arguments for "
+                            f"model.lr_scheduler.step(), not {type(lr_kwargs).__name__}")
+        plateau = isinstance(self.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+        if plateau and "metrics" not in (lr_kwargs or {}):
+            raise TypeError("model.step(): model.lr_scheduler is a ReduceLROnPlateau, whose "
+                            "step() needs the metric it watches: call model.step(lr_kwargs="
+                            "{'metrics': value}) at least at the accumulation boundary "
+                            "(DeepSpeed's argument); nothing was stepped")
+
+    def after_optimizer_step(self, applied: bool, lr_kwargs: dict | None = None) -> None:
         if self.scheduler is None or not applied:  # DeepSpeed skips it on fp16 overflow
             return
-        self.scheduler.step()
+        self.scheduler.step(**(lr_kwargs or {}))
         self._position = _position(self.scheduler)
         self._direct = None  # DeepSpeed's loop stepped it
 
@@ -145,7 +168,7 @@ class DeepSpeedLoop:
         # collector ran (Note [Engine lifetime] in engine.py).
         self._optimizer = weakref.ref(optimizer)
 
-    def step(self) -> None:
+    def step(self, lr_kwargs: dict | None = None) -> None:
         """The engine's `model.step()` (its docstring says what DeepSpeed's does)."""
         guard = self._guard
         guard.check_alive("model.step()")
@@ -155,6 +178,7 @@ class DeepSpeedLoop:
                                "(optimizer.step() already took them?)")
         self._backwards_at_model_step = guard.backwards
         if guard.backwards >= guard.accumulation:
+            self.lr_schedule.check_step_arguments(lr_kwargs)
             self.lr_schedule.check_not_stepped_elsewhere()
             self._in_model_step = True
             try:
@@ -162,7 +186,7 @@ class DeepSpeedLoop:
             finally:
                 self._in_model_step = False
             self._backwards_at_model_step = 0
-            self.lr_schedule.after_optimizer_step(self._step_applied)
+            self.lr_schedule.after_optimizer_step(self._step_applied, lr_kwargs)
 
     def before_optimizer_step(self) -> None:
         """Called by every optimizer.step(), model.step()'s or the user's."""

@@ -1074,15 +1074,16 @@ class PatrickStarEngine(nn.Module):
     def require_backward_grad_sync(self, value: bool) -> None:
         self.dp.sync_gradients = bool(value)
 
-    def step(self) -> None:
+    def step(self, lr_kwargs: dict | None = None) -> None:
         """DeepSpeed's `engine.step()`, for loops written against it (`model.backward(loss)`
         then `model.step()` every micro-step): at the backward that completes the step's
         `gradient_accumulation_steps` it runs `optimizer.step()` (which also drops the
         gradients) and then steps `model.lr_scheduler` unless the step was skipped for fp16
-        overflow (Note [model.step() steps model.lr_scheduler] in deepspeed_loop.py); before
+        overflow (Note [model.step() steps model.lr_scheduler] in deepspeed_loop.py), passing
+        it `lr_kwargs` as DeepSpeed does (a ReduceLROnPlateau's `{"metrics": loss}`); before
         that nothing. PatrickStar's own loop calls `optimizer.step()` instead; calling both in
         one step makes the second find no gradients, which raises."""
-        self._loop.step()
+        self._loop.step(lr_kwargs)
 
     @property
     def lr_scheduler(self):
@@ -1362,6 +1363,26 @@ class PatrickStarEngine(nn.Module):
             applying = ModuleApply(self, pending_until_end=self.dp.enabled)
             applying.run(root, fn)
         applying.raise_refused()
+
+    @contextlib.contextmanager
+    def awake_parameters(self):
+        """Inside, the parameters hold their own class rather than answering reads at rest
+        (Note [Parameters at rest]), so lendings inside (`call_lent`, one per module of a
+        `model.train()` over many LoRA layers) skip waking and resting every parameter each."""
+        with self._awake():
+            yield
+
+    def call_lent(self, root: nn.Module, fn: Callable[[nn.Module], object], what: str):
+        """`fn(root)` with the parameters of `root`'s subtree lent their values on first touch
+        and what it changes loaded back, as one call of apply's `fn` (a module's own `train()`
+        that merges LoRA weights: Note [A module's own train()] in module_methods.py); `what`
+        names the call in errors."""
+        self.guard.check_alive(what)
+        with self._awake():
+            applying = ModuleApply(self, pending_until_end=self.dp.enabled)
+            result = applying.run_once(root, fn)
+        applying.raise_refused()
+        return result
 
     @contextlib.contextmanager
     def summon_full_params(self, writeback: bool = True):

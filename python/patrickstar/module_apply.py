@@ -70,14 +70,23 @@ class ModuleApply:
             self._visit(child, fn)
         self.call(module, fn)
 
-    def call(self, module: nn.Module, fn: Callable[[nn.Module], None]) -> None:
-        """`fn(module)`, the parameters of `module`'s subtree lent on first touch."""
+    def call(self, module: nn.Module, fn: Callable[[nn.Module], object]):
+        """`fn(module)`, the parameters of `module`'s subtree lent on first touch; returns what
+        `fn` returns."""
         try:
             with self._lending(module):
-                fn(module)
+                return fn(module)
         finally:  # what fn changed before it raised is kept, as in PyTorch
             if not self._pending_until_end:
                 self._load_pending()
+
+    def run_once(self, module: nn.Module, fn: Callable[[nn.Module], object]):
+        """`fn(module)` alone (not on the children first), as `call`, with every change loaded
+        by the end; changes of another shape are refused by `raise_refused()`."""
+        try:
+            return self.call(module, fn)
+        finally:
+            self._load_pending()
 
     @contextlib.contextmanager
     def lent(self, module: nn.Module, writeback: bool):

@@ -28,9 +28,31 @@ alike: shape readers run while the parameters hold stand-ins of their real shape
 model_func. A tie that would put another Parameter in a module (the config asks for ties the
 model was not built with) is undone and refused: which parameters exist and are shared is
 fixed when initialize() lays out the chunks.
+A module whose class overrides `train()` outside torch and transformers gets one too (Note [A
+module's own train()]).
 The attributes hold the engine weakly (Note [Engine lifetime] in engine.py) and copies leave
 them out (they are `Shadow`s: Note [Copies of the user's module] in module_copies.py), so a
 deepcopy or pickle of the module is a plain module with its class's methods again.
+
+Note [A module's own train()]
+`model.eval()` / `model.train()` (the engine's, `model.module`'s, the Trainer's each step) call
+`train(mode)` on every module. Hand-written modules may change weights there: loralib's `Linear`
+(the reference LoRA implementation, `merge_weights=True` by default) adds `lora_B @ lora_A *
+scaling` into its frozen `weight.data` on `eval()` and takes it out again on `train()`. Between
+uses that weight is a placeholder, so the in-place add was refused and `model.eval()` raised. A
+module whose class overrides `train` (other than torch's and transformers' own overrides, which
+re-apply kernels or drop a cache and touch no parameter) gets an instance `train` that runs the
+class's under `engine.call_lent`: the parameters of its subtree are lent their values on first
+touch and what it changes goes back into the chunks (master and compute copies), as
+`model.apply(fn)` does. A `train` called inside another's (`super().train(mode)` recursing into
+a child's override) runs as it is: the outer call already lends that subtree, and a second
+lending would read the chunks' values under the outer's pending change. With the engine gone or
+destroyed, the class's `train` runs as it is (setting `training` needs no parameter; a write
+into a freed weight raises as before). Each lending wakes and rests every parameter of the
+engine, so a `model.train()` over a LoRA model (one override per adapted Linear) cost that many
+passes over the parameters (87 ms for 96 adapters); the root module's `train` is therefore
+shadowed too and keeps the parameters awake for the whole traversal
+(`engine.awake_parameters()`).
 """
 from __future__ import annotations
 
@@ -49,6 +71,15 @@ REBUILDS_PARAMETERS = frozenset({"resize_token_embeddings", "resize_position_emb
                                  "prune_heads", "init_weights", "post_init", "crop_block_size"})
 APPLIES = frozenset({"apply"})
 NAMES = READS_PARAMETER_SHAPES | TIES_PARAMETERS | REBUILDS_PARAMETERS | APPLIES
+# Packages whose train() overrides touch no parameter (Note [A module's own train()]).
+TRAIN_WITHOUT_WRITES = ("torch.", "transformers.", "patrickstar.")
+
+
+def overrides_train(cls: type) -> bool:
+    """Whether `cls.train` is an override that may change weights (Note [A module's own
+    train()])."""
+    owner = next(c for c in cls.__mro__ if "train" in vars(c))
+    return owner is not nn.Module and not f"{owner.__module__}.".startswith(TRAIN_WITHOUT_WRITES)
 
 
 class Shadow(functools.partial):
@@ -77,14 +108,22 @@ class ModuleMethods:
         `modules` lists those modules (their copies must leave the attributes out)."""
         self._engine = weakref.ref(engine)
         self._reading_shapes = False
+        self._training = False  # inside a lent train() (Note [A module's own train()])
         self.modules: list[nn.Module] = []
         for module in root.modules():
             names = [name for name in NAMES if callable(getattr(type(module), name, None))]
             for name in names:
                 method = getattr(type(module), name).__get__(module)
                 module.__dict__[name] = self._wrap(module, name, method)
+            if overrides_train(type(module)):  # held weakly, as apply
+                module.__dict__["train"] = Shadow(self._train, weakref.ref(module))
+                names.append("train")
             if names:
                 self.modules.append(module)
+        if "train" not in vars(root) and any("train" in vars(m) for m in self.modules):
+            root.__dict__["train"] = Shadow(self._train_awake, weakref.ref(root))
+            if root not in self.modules:
+                self.modules.append(root)
 
     def _wrap(self, module: nn.Module, name: str, method: Callable) -> Shadow:
         if name in REBUILDS_PARAMETERS:
@@ -119,6 +158,27 @@ class ModuleMethods:
         module = module()
         self._live_engine("apply").apply_to(module, fn)
         return module
+
+    def _train(self, module: weakref.ref, mode: bool = True):
+        module = module()
+        train = type(module).train
+        engine = self._engine()
+        if self._training or engine is None or engine.guard.destroyed:
+            return train(module, mode)
+        self._training = True
+        try:
+            return engine.call_lent(module, lambda m: train(m, mode),
+                                    f"{type(module).__name__}.train()")
+        finally:
+            self._training = False
+
+    def _train_awake(self, module: weakref.ref, mode: bool = True):
+        module = module()
+        engine = self._engine()
+        if self._training or engine is None or engine.guard.destroyed:
+            return type(module).train(module, mode)
+        with engine.awake_parameters():
+            return type(module).train(module, mode)
 
     def _tie(self, module: nn.Module, name: str, method: Callable, *args, **kwargs):
         engine = self._live_engine(name)

@@ -252,7 +252,11 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
                  wait_for_gradient_stores: Callable[[], None] = lambda: None,
                  before_step: Callable[[], None] = lambda: None,
                  after_step: Callable[[bool], None] = lambda applied: None):
-        defaults = {k: v for k, v in groups[0].items() if k != "params"}
+        # torch's `defaults` are the constructor's arguments, not a group's: here the config's
+        # optimizer params. Hugging Face's get_polynomial_decay_schedule_with_warmup decays from
+        # `defaults["lr"]`, which showed the first group's lr (a backbone's 1e-5 under a head's
+        # 1e-3) and so made another schedule than on torch.optim.AdamW(groups, lr=...).
+        defaults = dict(config.optimizer.group_defaults)
         # Note [torch.optim's own group keys] (the groups show them too)
         defaults.update(_torch_keys(config.optimizer.decoupled_weight_decay))
         # Parameters without elements stay outside the chunks (init_context.plan_parameters):
