@@ -65,8 +65,8 @@ import torch
 from torch import nn
 
 from . import (_C, accelerate_precision, averaged_model, backward_pre_hooks, checkpoint, clip_grad,
-               convert_parameters, dtypes, hooks, module_zero_grad, param_owners, parametrizations,
-               replaced_params, resting_params, script_collectives, torch_optimizers)
+               convert_parameters, ddp_methods, dtypes, hooks, module_zero_grad, param_owners,
+               parametrizations, replaced_params, resting_params, script_collectives, torch_optimizers)
 from .activations import ActivationCounter
 from .chunk_runtime import ChunkRuntime
 from .chunked_params import ChunkedParams
@@ -1046,6 +1046,24 @@ class PatrickStarEngine(nn.Module):
         engine reduces at the right micro-step itself), so the block changes nothing; a loop
         with more backward calls per step than that key raises at the extra one."""
         yield
+
+    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
+             throw_on_early_termination: bool = False):
+        """DDP's `with model.join():` around a training loop. Every rank must run as many
+        training steps in it: a rank whose inputs run out first raises on leaving the block
+        and the others at their next call, at once, as DDP's join(throw_on_early_termination=
+        True) (Note [DDP's join() for uneven inputs] in ddp_methods.py)."""
+        return ddp_methods.join(self.dp, enable)
+
+    def register_comm_hook(self, state, hook) -> None:
+        """DDP's gradient communication hook: DDP's default (`default_hooks.allreduce_hook`) is
+        what the engine does and is accepted; any other raises naming it (Note [DDP
+        communication hooks] in ddp_methods.py)."""
+        ddp_methods.register_comm_hook(state, hook)
+
+    def _set_static_graph(self) -> None:
+        """DDP's (the `static_graph=True` argument): the engine needs no such hint, its gather
+        schedule follows the previous iterations' trace by itself."""
 
     def step(self) -> None:
         """DeepSpeed's `engine.step()`, for loops written against it (`model.backward(loss)`

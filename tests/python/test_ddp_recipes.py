@@ -1,0 +1,111 @@
+"""PyTorch's DDP recipes with the engine in DDP's place, on two ranks over gloo, each against
+torch's DistributedDataParallel run beside it on the same rank's data (ddp_recipes_worker.py):
+the DDP tutorial's loop (DistributedSampler, uneven batches, the script's all_reduce and
+barriers, a checkpoint saved on rank 0 and loaded everywhere), a branch unused on one rank
+(find_unused_parameters), a BatchNorm CNN evaluated on rank 0 alone, join(), communication hooks
+and a rank whose data loader fails."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from test_data_parallel import launch
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ddp_recipes_worker.py")
+SCENARIOS = ["tutorial", "unused", "batchnorm", "join", "comm_hook"]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """One 2-rank run of every scenario (processes start once: torch's import dominates)."""
+    return launch(tmp_path_factory.mktemp("ddp_recipes"), 2, *SCENARIOS, worker=WORKER)
+
+
+def scenario(two_ranks, name: str) -> list[dict]:
+    results = [r[name] for r in two_ranks]
+    return results
+
+
+def no_errors(results) -> None:
+    for rank, result in enumerate(results):
+        assert "error" not in result, f"rank {rank}: {result.get('traceback')}"
+
+
+def assert_close(ours, ref, what: str) -> None:
+    if isinstance(ref, dict):
+        assert set(ours) == set(ref), what
+        for key, tensor in ref.items():
+            torch.testing.assert_close(ours[key], tensor, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, k=key: f"{what} {k}: {m}")
+    else:
+        torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6, msg=lambda m: f"{what}: {m}")
+
+
+def assert_like_ddp(results, *keys: str) -> None:
+    for rank, result in enumerate(results):
+        for key in keys:
+            assert_close(result[key], result["ref_" + key], f"rank {rank} {key}")
+
+
+@pytest.mark.parametrize("name", ["tutorial", "unused"])
+def test_ddp_loops_train_as_ddp(two_ranks, name):
+    # tutorial: DistributedSampler.set_epoch, drop_last=False, a batch one sample short on
+    # rank 1 only, the loss all_reduced and dist.barrier() between forward and backward or
+    # backward and step, a checkpoint saved on rank 0 and loaded by every rank with the
+    # tutorial's map_location. unused: a branch taken on one rank only (and once on none).
+    results = scenario(two_ranks, name)
+    no_errors(results)
+    assert_like_ddp(results, "losses", "state")
+    if name == "tutorial":
+        assert_like_ddp(results, "metrics")
+
+
+def test_batchnorm_statistics_after_an_evaluation_on_rank_0_follow_ddp(two_ranks):
+    # Rank 0 alone evaluates in train mode under no_grad (updating its statistics, as DDP's
+    # `ddp.module(x)` there) and in eval mode; DDP's next training forward then gives rank 1
+    # rank 0's statistics with that update. The engine's served evaluation had broadcast rank
+    # 0's buffers before it and cleared the next forward's broadcast: rank 1 trained its next
+    # step from its own statistics ("trained1" differed, num_batches_tracked by one).
+    results = scenario(two_ranks, "batchnorm")
+    no_errors(results)
+    assert_like_ddp(results, "losses", "trained", "after_eval", "trained1", "trained2",
+                    "final", "final_eval")
+    assert_close(results[0]["train_mode_eval"], results[0]["ref_train_mode_eval"],
+                 "train-mode evaluation")
+    assert_close(results[0]["eval_mode_eval"], results[0]["ref_eval_mode_eval"],
+                 "eval-mode evaluation")
+
+
+def test_join_trains_even_inputs_and_raises_on_every_rank_for_uneven_ones(two_ranks):
+    # DDP's model.join() was an AttributeError. Even inputs train as DDP; one batch more on
+    # rank 1 raises at once on both ranks (DDP's join(throw_on_early_termination=True)).
+    results = scenario(two_ranks, "join")
+    for rank, result in enumerate(results):
+        assert result["losses"][:3] == pytest.approx(result["ref_losses"], rel=1e-5, abs=1e-6)
+        assert len(result["losses"]) == 6  # rank 1's extra forward raised
+        assert result["error_type"] == "RuntimeError", result.get("traceback")
+        assert "the end of `with model.join():`" in result["error"]
+        assert "as many batches" in result["error"]
+
+
+def test_comm_hooks_accept_ddps_default_and_refuse_others_by_name(two_ranks):
+    # register_comm_hook and _set_static_graph were AttributeErrors.
+    for result in scenario(two_ranks, "comm_hook"):
+        assert result["allreduce_hook"] == "ok"
+        assert result["static_graph"] == "ok"
+        assert result["fp16_compress_hook"].startswith("NotImplementedError: register_comm_hook"
+                                                       "(state, fp16_compress_hook)")
+        assert '"fp16" or "bf16"' in result["fp16_compress_hook"]
+
+
+@pytest.mark.parametrize("where", ["loader", "loss"])
+def test_a_rank_failing_mid_epoch_fails_the_other_at_once(tmp_path, where):
+    # Rank 1's data loader (or loss) raises uncaught mid-epoch and its script ends; rank 0's
+    # next call (a forward, or its backward) raises naming rank 1, well within the 5 s
+    # parallel.collective_timeout (torch's DDP would wait in its all-reduce for gloo's 30 min).
+    results = launch(tmp_path, 2, "failing_" + where, worker=WORKER)
+    first = results[0]
+    assert "rank 1" in first.get("error", ""), first
+    assert first["elapsed"] < 60  # the launch's own bound, far above the timeout
