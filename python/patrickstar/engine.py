@@ -983,13 +983,14 @@ class PatrickStarEngine(nn.Module):
             if grad is None or owner is None:
                 return
             owner._backward.before_storing_grad()
+            owner._backward.refuse_second_grad(index, owner.params.names[index])
             if grad.layout != torch.strided:  # where a store's shape error is raised too
                 raise sparse_gradient_error(owner.params.names[index], grad)
             has_grad = owner.optimizer.has_grad
             if owner.dp.ends_param_access_at_grad:
                 owner._end_param_access(index)
             owner.dp.before_grad(index)
-            owner._backward.count_stored_grad()
+            owner._backward.count_stored_grad(index)
             owner._slots.store_grad(index, grad, has_grad[index])
             has_grad[index] = True
             owner.dp.on_grad(index)

@@ -269,25 +269,29 @@ def comm_hook(out: str, rank: int, world: int) -> dict:
 
 
 class Checkpointed(nn.Module):
-    REENTRANT = os.environ.get("REENTRANT", "1") == "1"
-    REUSE = os.environ.get("REUSE", "1") == "1"
+    """A reentrant checkpoint whose function's module is used outside it too (DDP needs
+    static_graph=True for it)."""
 
-    def __init__(self):
+    def __init__(self, reentrant: bool):
         super().__init__()
+        self.reentrant = reentrant
         self.a = nn.Linear(6, 6)
         self.b = nn.Linear(6, 3)
 
     def forward(self, x):
         h = torch.utils.checkpoint.checkpoint(lambda t: torch.relu(self.a(t)), x,
-                                              use_reentrant=self.REENTRANT)
-        return self.b(self.a(h) if self.REUSE else h)  # self.a used twice (DDP needs static_graph)
+                                              use_reentrant=self.reentrant)
+        return self.b(self.a(h))
 
 
-def static_graph(out: str, rank: int, world: int) -> dict:
-    model, optimizer, ddp, ref_optimizer = side_by_side(Checkpointed, dict(adam(), parallel={"reshard_after_forward": os.environ.get("RESHARD", "1") == "1"}), static_graph=True)
+def reentrant(out: str, rank: int, world: int) -> dict:
+    """Trains Checkpointed beside DDP(static_graph=True) with use_reentrant=False; with
+    use_reentrant=True (resharding or not) the engine's error."""
+    model, optimizer, ddp, ref_optimizer = side_by_side(lambda: Checkpointed(False),
+                                                        static_graph=True)
     g = torch.Generator().manual_seed(4)
     result = {"losses": [], "ref_losses": []}
-    for step in range(4):
+    for _ in range(3):
         x = torch.randn(4, 6, generator=g)[2 * rank:2 * rank + 2].requires_grad_()
         for engine, opt, losses in ((model, optimizer, result["losses"]),
                                     (ddp, ref_optimizer, result["ref_losses"])):
@@ -296,16 +300,34 @@ def static_graph(out: str, rank: int, world: int) -> dict:
             opt.step()
             opt.zero_grad()
             losses.append(loss.item())
-    result["state"] = model.state_dict()
-    result["ref_state"] = dict(ddp.module.state_dict())
+    for reshard in (True, False):
+        model, optimizer = patrickstar.initialize(lambda: Checkpointed(True), config=dict(
+            adam(), parallel={"reshard_after_forward": reshard, "collective_timeout": 20}))
+        try:
+            for _ in range(3):
+                model(torch.randn(2, 6, requires_grad=True)).sum().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+            result[f"reshard={reshard}"] = "ok"
+        except Exception as error:  # noqa: BLE001
+            result[f"reshard={reshard}"] = f"{type(error).__name__}: {error}"
+        model.destroy()
     return result
 
 
-def failing_loader(out: str, rank: int, world: int, where: str) -> dict:
-    """Rank 1's data loader raises mid-epoch (uncaught there, as in a script); rank 0's next
-    collective must fail within parallel.collective_timeout, naming what happened."""
+def failing_loader(out: str, rank: int, world: int, where: str,
+                   transport: str = "auto") -> dict:
+    """Rank 1's data loader raises mid-epoch (uncaught there, as in a script; or its loss, or a
+    backward hook); rank 0's next collective must fail within parallel.collective_timeout,
+    naming what happened."""
     model, optimizer = patrickstar.initialize(ToyModel, config=dict(
-        adam(), parallel={"collective_timeout": 5}))
+        adam(), parallel={"collective_timeout": 5, "transport": transport}))
+    if where == "backward":
+        def hook(module, grad_input, grad_output):
+            if rank == 1 and len(steps) == 4:
+                raise RuntimeError("rank 1's backward hook failed")
+        model.module.net1.register_full_backward_hook(hook)
+    steps = []
 
     def batches():
         for step in range(6):
@@ -319,6 +341,7 @@ def failing_loader(out: str, rank: int, world: int, where: str) -> dict:
             loss = model(x).pow(2).mean()
             if rank == 1 and step == 3 and where == "loss":
                 raise RuntimeError("rank 1's loss failed")
+            steps.append(step)
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
@@ -331,10 +354,13 @@ def failing_loader(out: str, rank: int, world: int, where: str) -> dict:
     return {"elapsed": time.monotonic() - start}
 
 
-SCENARIOS = {"tutorial": tutorial, "unused": unused, "join": join, "comm_hook": comm_hook,
-             "static_graph": static_graph,
+SCENARIOS = {"tutorial": tutorial, "unused": unused, "batchnorm": batchnorm,
+             "sync_batchnorm": sync_batchnorm, "join": join, "comm_hook": comm_hook,
+             "reentrant": reentrant,
              "failing_loader": lambda *a: failing_loader(*a, "loader"),
-             "failing_loss": lambda *a: failing_loader(*a, "loss"), "batchnorm": batchnorm, "sync_batchnorm": sync_batchnorm}
+             "failing_loss": lambda *a: failing_loader(*a, "loss"),
+             "failing_backward": lambda *a: failing_loader(*a, "backward"),
+             "failing_loader_gloo": lambda *a: failing_loader(*a, "loader", "process_group")}
 
 
 def main() -> None:

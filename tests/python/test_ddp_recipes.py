@@ -3,7 +3,7 @@ torch's DistributedDataParallel run beside it on the same rank's data (ddp_recip
 the DDP tutorial's loop (DistributedSampler, uneven batches, the script's all_reduce and
 barriers, a checkpoint saved on rank 0 and loaded everywhere), a branch unused on one rank
 (find_unused_parameters), a BatchNorm CNN evaluated on rank 0 alone, join(), communication hooks
-and a rank whose data loader fails."""
+reentrant checkpoints and a rank whose data loader fails."""
 from __future__ import annotations
 
 import os
@@ -14,7 +14,8 @@ import torch
 from test_data_parallel import launch
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ddp_recipes_worker.py")
-SCENARIOS = ["tutorial", "unused", "batchnorm", "join", "comm_hook"]
+SCENARIOS = ["tutorial", "unused", "batchnorm", "sync_batchnorm", "join", "comm_hook",
+             "reentrant"]
 
 
 @pytest.fixture(scope="module")
@@ -100,11 +101,36 @@ def test_comm_hooks_accept_ddps_default_and_refuse_others_by_name(two_ranks):
         assert '"fp16" or "bf16"' in result["fp16_compress_hook"]
 
 
-@pytest.mark.parametrize("where", ["loader", "loss"])
+def test_sync_batchnorm_on_the_cpu_raises_at_once_as_under_ddp(two_ranks):
+    # convert_sync_batchnorm before initialize: torch's SyncBatchNorm has no CPU kernels, and
+    # says so in the first training forward (DDP refuses it at construction); no rank hangs.
+    for result in scenario(two_ranks, "sync_batchnorm"):
+        assert result["ref"].startswith("ValueError: SyncBatchNorm"), result
+        assert result["ours"].startswith("ValueError: SyncBatchNorm"), result
+
+
+def test_reentrant_checkpoint_reusing_a_parameter_raises_naming_use_reentrant(two_ranks):
+    # use_reentrant=False trains as DDP(static_graph=True). With use_reentrant=True a parameter
+    # used inside and outside the checkpoint gets two gradients in one backward: without
+    # resharding the second failed inside the chunk store ("... cannot move"), and the
+    # resharding error's remedy (reshard_after_forward false) led there (Note [A second
+    # gradient in one backward] in backward_pass.py).
+    results = scenario(two_ranks, "reentrant")
+    no_errors(results)
+    assert_like_ddp(results, "losses")
+    for result in results:
+        for reshard in (True, False):
+            error = result[f"reshard={reshard}"]
+            assert "use_reentrant=False" in error, error
+        assert "'a.bias' got a second gradient" in result["reshard=False"]
+
+
+@pytest.mark.parametrize("where", ["loader", "backward"])
 def test_a_rank_failing_mid_epoch_fails_the_other_at_once(tmp_path, where):
-    # Rank 1's data loader (or loss) raises uncaught mid-epoch and its script ends; rank 0's
-    # next call (a forward, or its backward) raises naming rank 1, well within the 5 s
-    # parallel.collective_timeout (torch's DDP would wait in its all-reduce for gloo's 30 min).
+    # Rank 1's data loader (or a backward hook, mid-backward) raises uncaught mid-epoch and its
+    # script ends; rank 0's next collective (its forward's call agreement, or inside its
+    # backward) raises naming rank 1, well within the 5 s parallel.collective_timeout (torch's
+    # DDP would wait in its all-reduce for gloo's 30 min).
     results = launch(tmp_path, 2, "failing_" + where, worker=WORKER)
     first = results[0]
     assert "rank 1" in first.get("error", ""), first
