@@ -514,8 +514,8 @@ class DataParallel:
     # served one gathers every group first (broadcasting no buffers: Note [Buffers follow the
     # first rank]) and then runs with no collective at all (no gather schedule, no resharding,
     # no first-forward comparison; the groups stay gathered, as after a state_dict(), until the
-    # next training forward or step), so its collectives do not depend on what the module does with the
-    # weights. So when the call agreement finds some ranks at one read kind (_SERVED, and a
+    # next training forward or step), so its collectives do not depend on what the module does
+    # with the weights. So when the call agreement finds some ranks at one read kind (_SERVED, and a
     # forward without backward or a generate where _forwards_served) and every other rank at
     # one other call, the readers go on with their read and the others serve it first, making
     # the read's collectives in the same order (their own agreements skipped: the readers

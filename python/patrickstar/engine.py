@@ -66,7 +66,8 @@ from torch import nn
 
 from . import (_C, accelerate_precision, averaged_model, backward_pre_hooks, checkpoint, clip_grad,
                convert_parameters, ddp_methods, dtypes, hooks, module_zero_grad, param_owners,
-               parametrizations, replaced_params, resting_params, script_collectives, torch_optimizers)
+               parametrizations, replaced_params, resting_params, script_collectives,
+               torch_optimizers)
 from .activations import ActivationCounter
 from .chunk_runtime import ChunkRuntime
 from .chunked_params import ChunkedParams

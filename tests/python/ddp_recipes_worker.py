@@ -176,7 +176,8 @@ def sync_batchnorm(out: str, rank: int, world: int) -> dict:
         result["ref"] = "ok"
     except Exception as error:  # noqa: BLE001
         result["ref"] = f"{type(error).__name__}: {error}"
-    model, _ = patrickstar.initialize(build, config=dict(adam(), parallel={"collective_timeout": 20}))
+    model, _ = patrickstar.initialize(build, config=dict(adam(),
+                                                         parallel={"collective_timeout": 20}))
     start = time.monotonic()
     try:
         model.backward(model(x).sum())
@@ -354,8 +355,56 @@ def failing_loader(out: str, rank: int, world: int, where: str,
     return {"elapsed": time.monotonic() - start}
 
 
+def raw_module(out: str, rank: int, world: int) -> dict:
+    """The script's own collectives between forward and backward (all_reduce, reduce) and
+    between backward and step (all_gather_object), then DDP's `model.module(x)` on rank 0
+    alone, in train mode under no_grad and in eval mode, beside DDP's."""
+    model, optimizer, ddp, ref_optimizer = side_by_side(SmallCNN)
+    g = torch.Generator().manual_seed(1)
+    probe = torch.randn(4, 3, 6, 6, generator=torch.Generator().manual_seed(2))
+    result = {"losses": [], "ref_losses": []}
+    for step in range(3):
+        x = torch.randn(4, 3, 6, 6, generator=g)[2 * rank:2 * rank + 2] * (1 + rank)
+        for engine, opt, losses in ((model, optimizer, result["losses"]),
+                                    (ddp, ref_optimizer, result["ref_losses"])):
+            loss = engine(x).pow(2).mean()
+            metric = loss.detach().clone()
+            dist.all_reduce(metric, op=dist.ReduceOp.SUM)  # between forward and backward
+            dist.reduce(metric, 0)
+            loss.backward()
+            gathered = [None] * world
+            dist.all_gather_object(gathered, loss.item())  # between backward and step
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+    if rank == 0:  # DDP's idiom: the raw module on rank 0
+        with torch.no_grad():
+            result["raw_train"] = model.module(probe)
+            result["ref_raw_train"] = ddp.module(probe)
+        model.module.eval()
+        ddp.module.eval()
+        with torch.no_grad():
+            result["raw_eval"] = model.module(probe)
+            result["ref_raw_eval"] = ddp.module(probe)
+        model.module.train()
+        ddp.module.train()
+    dist.barrier()
+    for step in range(2):
+        x = torch.randn(4, 3, 6, 6, generator=g)[2 * rank:2 * rank + 2] * (1 + rank)
+        for engine, opt, losses in ((model, optimizer, result["losses"]),
+                                    (ddp, ref_optimizer, result["ref_losses"])):
+            loss = engine(x).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        result[f"b{step}"], result[f"ref_b{step}"] = snapshot(model.module), snapshot(ddp.module)
+    return result
+
+
 SCENARIOS = {"tutorial": tutorial, "unused": unused, "batchnorm": batchnorm,
-             "sync_batchnorm": sync_batchnorm, "join": join, "comm_hook": comm_hook,
+             "raw_module": raw_module, "sync_batchnorm": sync_batchnorm, "join": join,
+             "comm_hook": comm_hook,
              "reentrant": reentrant,
              "failing_loader": lambda *a: failing_loader(*a, "loader"),
              "failing_loss": lambda *a: failing_loader(*a, "loss"),

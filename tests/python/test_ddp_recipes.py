@@ -14,7 +14,7 @@ import torch
 from test_data_parallel import launch
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ddp_recipes_worker.py")
-SCENARIOS = ["tutorial", "unused", "batchnorm", "sync_batchnorm", "join", "comm_hook",
+SCENARIOS = ["tutorial", "unused", "batchnorm", "raw_module", "sync_batchnorm", "join", "comm_hook",
              "reentrant"]
 
 
@@ -99,6 +99,13 @@ def test_comm_hooks_accept_ddps_default_and_refuse_others_by_name(two_ranks):
         assert result["fp16_compress_hook"].startswith("NotImplementedError: register_comm_hook"
                                                        "(state, fp16_compress_hook)")
         assert '"fp16" or "bf16"' in result["fp16_compress_hook"]
+
+
+def test_script_collectives_mid_step_and_the_raw_module_on_rank_0_follow_ddp(two_ranks):
+    results = scenario(two_ranks, "raw_module")
+    no_errors(results)
+    assert_like_ddp(results, "losses", "b0", "b1")
+    assert_like_ddp(results[:1], "raw_train", "raw_eval")
 
 
 def test_sync_batchnorm_on_the_cpu_raises_at_once_as_under_ddp(two_ranks):
