@@ -426,13 +426,17 @@ class DataParallel:
     _PHASE_OF = {0: "forward", 1: "forward", BACKWARD: "backward",
                  OPTIMIZER_STEP: "optimizer", GRADIENT_CLIP: "optimizer"}
 
-    def before_forward(self, backward_follows: bool = True, buffers=()) -> None:
+    def before_forward(self, backward_follows: bool = True, buffers=(),
+                       syncs_norms: bool = False) -> None:
         """`buffers`: the module's buffers (an iterable, read only when they are synced),
-        which the forwards DDP syncs take from rank 0 (Note [Buffers follow the first rank])."""
+        which the forwards DDP syncs take from rank 0 (Note [Buffers follow the first rank]).
+        `syncs_norms`: a SyncBatchNorm of the module is in train mode (Note [SyncBatchNorm in
+        a forward on one rank] in ddp_methods.py)."""
         self._in_forward = self.enabled
         self._served_forward = False  # (an earlier served forward that raised left it set)
         if self.enabled:
-            served = self.agree_on_call(1 if backward_follows else 0)
+            kind = 1 if backward_follows else self.SYNCED_NORMS_FORWARD if syncs_norms else 0
+            served = self.agree_on_call(kind)
             if served:  # Note [Reads on one rank are served]: every group, then no collective
                 # (and the buffers left be: Note [Buffers follow the first rank])
                 self.gathers.gather_all()
@@ -535,6 +539,13 @@ class DataParallel:
     # The engine's end on this rank (destroy(), `del`, interpreter exit): agree_at_end.
     ENGINE_END = 98
     _CALLS[ENGINE_END] = "the engine's end (model.destroy(), del, or the script's exit)"
+    # Note [SyncBatchNorm in a forward on one rank] in ddp_methods.py: never served.
+    SYNCED_NORMS_FORWARD = 96
+    _CALLS[SYNCED_NORMS_FORWARD] = (
+        "a forward without backward with SyncBatchNorm layers in train mode (their own "
+        "collectives: it cannot be served by the other ranks; evaluate on every rank, or in "
+        "eval mode, whose running statistics make no collective)")
+    _PHASE_OF[SYNCED_NORMS_FORWARD] = "forward"
     # The end of `with model.join():` (Note [DDP's join() for uneven inputs] in ddp_methods.py).
     JOIN_END = 97
     _CALLS[JOIN_END] = ("the end of `with model.join():` (this rank's inputs ran out first: "

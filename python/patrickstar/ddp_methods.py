@@ -22,12 +22,32 @@ DDP reduces gradient buckets through a hook (`register_comm_hook`), the average 
 in the chunks' dtype, averaged over the data-parallel ranks: DDP's default hook describes exactly
 that and is accepted, changing nothing; any other (fp16/bf16 compression, PowerSGD, a hook of
 the script's own) would have changed what is reduced, so it raises naming the hook rather than
-training without it."""
+training without it.
+
+Note [SyncBatchNorm in a forward on one rank]
+`nn.SyncBatchNorm.convert_sync_batchnorm(model)` (DDP's companion) makes each BatchNorm of a
+module in train mode all-gather the batch statistics over the default group inside its forward:
+every rank must run that forward. A forward without backward on one rank alone is otherwise
+served by the others (Note [Reads on one rank are served] in data_parallel.py), who do not run
+it: the lone rank's all-gathers then met the others' next training forward's (the statistics of
+two different batches mixed, silently) and left them waiting for the rest, and the lone rank's
+next call waited for the collective timeout. (torch's SyncBatchNorm has no CPU kernels: there
+its forward raises at once on any rank.) So a forward without backward whose module holds a
+SyncBatchNorm in train mode is a call kind of its own, never served: on one rank alone it raises
+at once on every rank, naming it; on every rank it runs as any forward. In eval mode the layers
+use their running statistics, make no collective, and the forward is served as usual."""
 from __future__ import annotations
 
 import contextlib
 
-__all__ = ["join", "register_comm_hook"]
+from torch import nn
+
+__all__ = ["join", "register_comm_hook", "sync_batch_norms"]
+
+
+def sync_batch_norms(module: nn.Module) -> list[nn.SyncBatchNorm]:
+    """The SyncBatchNorm layers of `module` (Note [SyncBatchNorm in a forward on one rank])."""
+    return [m for m in module.modules() if isinstance(m, nn.SyncBatchNorm)]
 
 
 @contextlib.contextmanager

@@ -338,6 +338,7 @@ class PatrickStarEngine(nn.Module):
             self._renorms = RenormAcrossRanks(self.module, self.dp.group)
             hook_sets += (self._renorms,)
             self.dp.forwards_have_collectives = bool(self._renorms.hook_ids)
+        self._sync_norms = ddp_methods.sync_batch_norms(self.module)
         self._methods = ModuleMethods(self.module, self)  # Note [Methods of the user's modules]
         # Every module: each carries at least the state dict's call agreement hook.
         self._copies = ModuleCopies(  # Note [Copies of the user's module]
@@ -883,7 +884,8 @@ class PatrickStarEngine(nn.Module):
         self._hooks.leave_saved_tensor_hooks()
         self._views.leave_direct_calls()
         self.dp.before_forward(torch.is_grad_enabled() and self.module.training,
-                               self.module.buffers())
+                               self.module.buffers(),
+                               any(m.training for m in self._sync_norms))
         self.wake_parameters()  # before the module's (maybe compiled) forward looks at them
         self._in_forward = True
 

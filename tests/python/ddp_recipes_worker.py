@@ -188,6 +188,35 @@ def sync_batchnorm(out: str, rank: int, world: int) -> dict:
     return result
 
 
+def sync_batchnorm_lonely(out: str, rank: int, world: int) -> dict:
+    """SyncBatchNorm layers and a forward on rank 0 alone: in eval mode it is served (rank 1
+    at a barrier), in train mode under no_grad (rank 1 at a training forward) it raises at
+    once on both ranks (Note [SyncBatchNorm in a forward on one rank] in ddp_methods.py)."""
+    model, _ = patrickstar.initialize(
+        lambda: nn.SyncBatchNorm.convert_sync_batchnorm(SmallCNN()),
+        config=dict(adam(), parallel={"collective_timeout": 5}))
+    x = torch.randn(2, 3, 6, 6)
+    result = {}
+    if rank == 0:
+        model.eval()
+        with torch.no_grad():
+            result["eval"] = model(x)
+        model.train()
+    dist.barrier()
+    start = time.monotonic()
+    try:
+        if rank == 0:
+            with torch.no_grad():
+                model(x)
+        else:
+            model(x)
+        result["train_mode"] = "ok"
+    except Exception as error:  # noqa: BLE001
+        result["train_mode"] = f"{type(error).__name__}: {error}"
+    result["elapsed"] = time.monotonic() - start
+    return result
+
+
 class Branches(nn.Module):
     """A branch only some batches take (DDP's find_unused_parameters=True case)."""
 
@@ -403,7 +432,8 @@ def raw_module(out: str, rank: int, world: int) -> dict:
 
 
 SCENARIOS = {"tutorial": tutorial, "unused": unused, "batchnorm": batchnorm,
-             "raw_module": raw_module, "sync_batchnorm": sync_batchnorm, "join": join,
+             "raw_module": raw_module, "sync_batchnorm": sync_batchnorm,
+             "sync_batchnorm_lonely": sync_batchnorm_lonely, "join": join,
              "comm_hook": comm_hook,
              "reentrant": reentrant,
              "failing_loader": lambda *a: failing_loader(*a, "loader"),

@@ -14,8 +14,8 @@ import torch
 from test_data_parallel import launch
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ddp_recipes_worker.py")
-SCENARIOS = ["tutorial", "unused", "batchnorm", "raw_module", "sync_batchnorm", "join", "comm_hook",
-             "reentrant"]
+SCENARIOS = ["tutorial", "unused", "batchnorm", "raw_module", "sync_batchnorm",
+             "sync_batchnorm_lonely", "join", "comm_hook", "reentrant"]
 
 
 @pytest.fixture(scope="module")
@@ -114,6 +114,18 @@ def test_sync_batchnorm_on_the_cpu_raises_at_once_as_under_ddp(two_ranks):
     for result in scenario(two_ranks, "sync_batchnorm"):
         assert result["ref"].startswith("ValueError: SyncBatchNorm"), result
         assert result["ours"].startswith("ValueError: SyncBatchNorm"), result
+
+
+def test_sync_batchnorm_forward_on_one_rank_in_train_mode_raises_on_every_rank(two_ranks):
+    # Served, the lone rank's SyncBatchNorm all-gathers (on a GPU) met the other rank's next
+    # training forward's: statistics of two batches mixed, then a wait for the timeout. Now
+    # such a forward is never served and both ranks raise at once (Note [SyncBatchNorm in a
+    # forward on one rank]); in eval mode it is served as before.
+    results = scenario(two_ranks, "sync_batchnorm_lonely")
+    assert results[0]["eval"].shape == (2, 4)
+    for result in results:
+        assert result["train_mode"].startswith("RuntimeError"), result["train_mode"]
+        assert "SyncBatchNorm layers in train mode" in result["train_mode"]
 
 
 def test_reentrant_checkpoint_reusing_a_parameter_raises_naming_use_reentrant(two_ranks):
