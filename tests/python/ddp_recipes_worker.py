@@ -113,6 +113,54 @@ def tutorial(out: str, rank: int, world: int) -> dict:
     return result
 
 
+def resume(out: str, rank: int, world: int) -> dict:
+    """PyTorch's ImageNet example's checkpoint: rank 0 saves the epoch, model, optimizer and
+    scheduler state; every rank builds afresh (another seed) and loads it with map_location,
+    then trains on, beside DDP doing the same."""
+    g = torch.Generator().manual_seed(6)
+    batches = [(torch.randn(4, 10, generator=g)[2 * rank:2 * rank + 2],
+                torch.randn(4, 5, generator=g)[2 * rank:2 * rank + 2]) for _ in range(5)]
+    result = {"losses": [], "ref_losses": []}
+
+    def build():
+        model, optimizer, ddp, ref_optimizer = side_by_side(ToyModel)
+        schedulers = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5)
+                      for o in (optimizer, ref_optimizer)]
+        return (model, optimizer, schedulers[0]), (ddp, ref_optimizer, schedulers[1])
+
+    def train(runs, part):
+        for x, y in part:
+            for (engine, opt, scheduler), losses in zip(runs, (result["losses"],
+                                                               result["ref_losses"])):
+                loss = nn.functional.mse_loss(engine(x), y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                scheduler.step()
+                losses.append(loss.item())
+
+    runs = build()
+    train(runs, batches[:3])
+    paths = [os.path.join(out, f"resume-{i}.pt") for i in range(2)]
+    if rank == 0:
+        for (engine, opt, scheduler), path in zip(runs, paths):
+            torch.save({"epoch": 1, "state_dict": engine.state_dict(),
+                        "optimizer": opt.state_dict(), "scheduler": scheduler.state_dict()},
+                       path)
+    dist.barrier()
+    torch.manual_seed(100 + rank)
+    runs = build()
+    for (engine, opt, scheduler), path in zip(runs, paths):
+        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+        engine.load_state_dict(checkpoint["state_dict"])
+        opt.load_state_dict(checkpoint["optimizer"])
+        scheduler.load_state_dict(checkpoint["scheduler"])
+    train(runs, batches[3:])
+    result["state"] = runs[0][0].state_dict()
+    result["ref_state"] = dict(runs[1][0].module.state_dict())
+    return result
+
+
 def snapshot(module) -> dict:
     return {k: v.detach().clone() for k, v in module.named_buffers()}
 
@@ -431,7 +479,7 @@ def raw_module(out: str, rank: int, world: int) -> dict:
     return result
 
 
-SCENARIOS = {"tutorial": tutorial, "unused": unused, "batchnorm": batchnorm,
+SCENARIOS = {"tutorial": tutorial, "resume": resume, "unused": unused, "batchnorm": batchnorm,
              "raw_module": raw_module, "sync_batchnorm": sync_batchnorm,
              "sync_batchnorm_lonely": sync_batchnorm_lonely, "join": join,
              "comm_hook": comm_hook,

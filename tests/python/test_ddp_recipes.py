@@ -14,7 +14,7 @@ import torch
 from test_data_parallel import launch
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ddp_recipes_worker.py")
-SCENARIOS = ["tutorial", "unused", "batchnorm", "raw_module", "sync_batchnorm",
+SCENARIOS = ["tutorial", "resume", "unused", "batchnorm", "raw_module", "sync_batchnorm",
              "sync_batchnorm_lonely", "join", "comm_hook", "reentrant"]
 
 
@@ -50,12 +50,14 @@ def assert_like_ddp(results, *keys: str) -> None:
             assert_close(result[key], result["ref_" + key], f"rank {rank} {key}")
 
 
-@pytest.mark.parametrize("name", ["tutorial", "unused"])
+@pytest.mark.parametrize("name", ["tutorial", "resume", "unused"])
 def test_ddp_loops_train_as_ddp(two_ranks, name):
     # tutorial: DistributedSampler.set_epoch, drop_last=False, a batch one sample short on
     # rank 1 only, the loss all_reduced and dist.barrier() between forward and backward or
     # backward and step, a checkpoint saved on rank 0 and loaded by every rank with the
-    # tutorial's map_location. unused: a branch taken on one rank only (and once on none).
+    # tutorial's map_location. resume: PyTorch's ImageNet example's checkpoint (model,
+    # optimizer and StepLR saved by rank 0) resumed by fresh engines on every rank. unused: a
+    # branch taken on one rank only (and once on none).
     results = scenario(two_ranks, name)
     no_errors(results)
     assert_like_ddp(results, "losses", "state")
