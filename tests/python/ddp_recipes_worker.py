@@ -479,7 +479,37 @@ def raw_module(out: str, rank: int, world: int) -> dict:
     return result
 
 
-SCENARIOS = {"tutorial": tutorial, "resume": resume, "unused": unused, "batchnorm": batchnorm,
+def skip_bad_batch(out: str, rank: int, world: int) -> dict:
+    """Rank 1's forward raises halfway (a bad batch) and its script skips the batch."""
+    model, optimizer = patrickstar.initialize(SmallCNN, config=dict(
+        adam(), default_chunk_size=256, parallel={"collective_timeout": 5}))
+
+    def hook(module, args):
+        if rank == 1 and len(steps) == 3:
+            raise ValueError("bad batch")
+    model.module.conv2.register_forward_pre_hook(hook)  # halfway through the groups
+    steps = []
+    start = time.monotonic()
+    result = {}
+    try:
+        for step in range(6):
+            steps.append(step)
+            try:
+                loss = model(torch.randn(2, 3, 6, 6)).pow(2).mean()
+            except ValueError:
+                result["skipped"] = step
+                continue
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    except Exception as error:  # noqa: BLE001
+        result.update(error_result(error))
+    result["elapsed"] = time.monotonic() - start
+    result["groups"] = model.dp.compute_group_count
+    return result
+
+
+SCENARIOS = {"tutorial": tutorial, "resume": resume, "skip_bad_batch": skip_bad_batch, "unused": unused, "batchnorm": batchnorm,
              "raw_module": raw_module, "sync_batchnorm": sync_batchnorm,
              "sync_batchnorm_lonely": sync_batchnorm_lonely, "join": join,
              "comm_hook": comm_hook,
