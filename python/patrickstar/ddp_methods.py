@@ -29,10 +29,11 @@ Note [SyncBatchNorm in a forward on one rank]
 module in train mode all-gather the batch statistics over the default group inside its forward:
 every rank must run that forward. A forward without backward on one rank alone is otherwise
 served by the others (Note [Reads on one rank are served] in data_parallel.py), who do not run
-it: the lone rank's all-gathers then met the others' next training forward's (the statistics of
-two different batches mixed, silently) and left them waiting for the rest, and the lone rank's
-next call waited for the collective timeout. (torch's SyncBatchNorm has no CPU kernels: there
-its forward raises at once on any rank.) So a forward without backward whose module holds a
+it: the lone rank's all-gathers would meet the others' next training forward's (the statistics
+of two different batches mixed, silently) and leave them waiting for the rest, and the lone
+rank's next call would wait for the collective timeout. (torch's SyncBatchNorm has no CPU
+kernels: there its forward raises at once on any rank, so on the CPU only the agreement's error
+can be seen.) So a forward without backward whose module holds a
 SyncBatchNorm in train mode is a call kind of its own, never served: on one rank alone it raises
 at once on every rank, naming it; on every rank it runs as any forward. In eval mode the layers
 use their running statistics, make no collective, and the forward is served as usual."""
