@@ -11,6 +11,7 @@ import os
 import pytest
 import torch
 
+import patrickstar
 from test_data_parallel import launch
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ddp_recipes_worker.py")
@@ -169,3 +170,21 @@ def test_a_rank_failing_mid_epoch_fails_the_other_at_once(tmp_path, where):
     first = results[0]
     assert "rank 1" in first.get("error", ""), first
     assert first["elapsed"] < 5  # within parallel.collective_timeout (it takes milliseconds)
+
+
+def test_a_ddp_checkpoint_fails_to_load_naming_its_module_prefix():
+    # The DDP tutorial saves ddp_model.state_dict(), whose keys carry 'module.'; the engine's
+    # are its module's own, as torch's (and DeepSpeed's, FSDP's) load refuses them. The error
+    # said to pass strict=False, which would load none of them.
+    from ddp_recipes_worker import ToyModel, adam
+    torch.manual_seed(0)
+    saved = {"module." + k: v for k, v in ToyModel().state_dict().items()}
+    model, _ = patrickstar.initialize(ToyModel, config=adam())
+    with pytest.raises(RuntimeError, match="Unexpected key") as raised:
+        model.load_state_dict(saved)
+    notes = "\n".join(getattr(raised.value, "__notes__", []))
+    assert "consume_prefix_in_state_dict_if_present" in notes and "strict=False" not in notes
+    torch.nn.modules.utils.consume_prefix_in_state_dict_if_present(saved, "module.")
+    model.load_state_dict(saved)
+    for key, tensor in model.state_dict().items():
+        torch.testing.assert_close(tensor, saved[key])
