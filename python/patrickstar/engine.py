@@ -654,13 +654,18 @@ class PatrickStarEngine(nn.Module):
     # forward() does what forward() does around it. A submodule called alone is not covered,
     # but for the encoder generate() calls (Note [An encoder called alone] in
     # synced_generate.py).
+    def _syncs_norms(self) -> bool:
+        """Note [SyncBatchNorm in a forward on one rank] in ddp_methods.py."""
+        return any(m.training for m in self._sync_norms)
+
     def _enter_direct_call(self) -> None:
         refuse_traced_call("model.module(...)")  # Note [Tracing the engine's module]
         self.wake_parameters()
         self._views.enter_direct_call()
         if not self._in_forward and self._direct_forward is None and self.dp.enabled:
             backward_follows = torch.is_grad_enabled() and self.module.training
-            self.dp.before_forward(backward_follows, self.module.buffers())
+            self.dp.before_forward(backward_follows, self.module.buffers(),
+                                   self._syncs_norms())
             self._direct_forward = backward_follows
 
     def _leave_direct_call(self, raised: bool = False) -> None:
@@ -884,8 +889,7 @@ class PatrickStarEngine(nn.Module):
         self._hooks.leave_saved_tensor_hooks()
         self._views.leave_direct_calls()
         self.dp.before_forward(torch.is_grad_enabled() and self.module.training,
-                               self.module.buffers(),
-                               any(m.training for m in self._sync_norms))
+                               self.module.buffers(), self._syncs_norms())
         self.wake_parameters()  # before the module's (maybe compiled) forward looks at them
         self._in_forward = True
 
