@@ -29,6 +29,7 @@ class BackwardPass:
         self._counted = counted  # the engine's micro-step moves on
         self.in_backward = False  # Note [loss.backward()]
         self._stored_grads = 0  # gradients stored by the backward under way (guards.py)
+        self._stored_params: set[int] = set()  # and whose (Note [A second gradient in one ...])
         self._autograd_unchecked = False  # joined, no gradient stored yet
         self._joined = False  # a loss.backward() is under way (not model.backward())
         self._joined_thread: threading.Thread | None = None  # where, if a Python thread
@@ -54,6 +55,7 @@ class BackwardPass:
         self._keep_grad_hooks_last()
         self.in_backward = True
         self._stored_grads = 0
+        self._stored_params.clear()
         self._starting()
         self._dp.before_backward()
         try:
@@ -122,6 +124,7 @@ class BackwardPass:
         here = threading.current_thread()
         self._joined_thread = None if isinstance(here, threading._DummyThread) else here
         self._stored_grads = 0
+        self._stored_params.clear()
         # Note [Calls between a read and its serving] in data_parallel.py
         self._dp.agree_on_training_call(self._dp.BACKWARD)
         self._starting()
@@ -146,9 +149,37 @@ class BackwardPass:
         elif self._joined:  # a call another thread began during this backward
             self._guard.check_no_other_caller("loss.backward()")
 
-    def count_stored_grad(self) -> None:
+    # Note [A second gradient in one backward]
+    # Torch runs a parameter's post-accumulate-grad hook once per backward, when every use of it
+    # has been differentiated, and data parallelism builds on that: the engine ends the
+    # parameter's access there, and reduce-scatters its gradient group (releasing the group
+    # with resharding) once each of the group's parameters got its gradient. A reentrant
+    # `torch.utils.checkpoint(fn, ..., use_reentrant=True)` differentiates its recomputation in
+    # a backward of its own, so a parameter used both inside `fn` and outside it gets two
+    # gradients, each in its own graph task: the second came after its group was reduce-
+    # scattered, and failed inside the chunk store ("has 1 tensors in COMPUTE there and cannot
+    # move"; with resharding the recomputation already met the released group). torch's DDP
+    # raises too there unless given static_graph=True. So under data parallelism a second
+    # gradient of one parameter in one backward raises naming the parameter and
+    # use_reentrant=False (the recomputation then runs inside the same backward). On one process
+    # the store adds it to the first, as in PyTorch.
+    def refuse_second_grad(self, index: int, name: str) -> None:
+        """Before a gradient of parameter `index` (`name`) is stored: Note [A second gradient
+        in one backward]."""
+        if index in self._stored_params and self._dp.enabled:
+            raise RuntimeError(
+                f"data parallel: parameter '{name}' got a second gradient in one backward: a "
+                f"reentrant torch.utils.checkpoint(..., use_reentrant=True) (or "
+                f"checkpoint_sequential) differentiates its recomputation in a backward of its "
+                f"own, and the parameter is used both inside it and outside it (torch's DDP "
+                f"needs static_graph=True there). Each rank reduce-scatters a parameter's "
+                f"gradient once per backward, when every use is differentiated: pass "
+                f"use_reentrant=False, which recomputes inside the same backward")
+
+    def count_stored_grad(self, index: int) -> None:
         """Right before a gradient's store: counted first, since the store may add half of it."""
         self._stored_grads += 1
+        self._stored_params.add(index)
 
     def forget_raised_autograd_backward(self) -> None:
         """At a forward: a loss.backward() that raised before its end is given up."""

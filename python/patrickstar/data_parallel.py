@@ -435,21 +435,26 @@ class DataParallel:
     _PHASE_OF = {0: "forward", 1: "forward", BACKWARD: "backward",
                  OPTIMIZER_STEP: "optimizer", GRADIENT_CLIP: "optimizer"}
 
-    def before_forward(self, backward_follows: bool = True, buffers=()) -> None:
+    def before_forward(self, backward_follows: bool = True, buffers=(),
+                       syncs_norms: bool = False) -> None:
         """`buffers`: the module's buffers (an iterable, read only when they are synced),
-        which the forwards DDP syncs take from rank 0 (Note [Buffers follow the first rank])."""
+        which the forwards DDP syncs take from rank 0 (Note [Buffers follow the first rank]).
+        `syncs_norms`: a SyncBatchNorm of the module is in train mode (Note [SyncBatchNorm in
+        a forward on one rank] in ddp_methods.py)."""
         self._in_forward = self.enabled
         self._served_forward = False  # (an earlier served forward that raised left it set)
         if self.enabled:
-            served = self.agree_on_call(1 if backward_follows else 0)
-            if self._buffers_from_first_rank:
-                self._broadcast_buffers(list(buffers))
-            self._buffers_from_first_rank = backward_follows and self._boundary()
+            kind = 1 if backward_follows else self.SYNCED_NORMS_FORWARD if syncs_norms else 0
+            served = self.agree_on_call(kind)
             if served:  # Note [Reads on one rank are served]: every group, then no collective
+                # (and the buffers left be: Note [Buffers follow the first rank])
                 self.gathers.gather_all()
                 self._in_forward = False
                 self._served_forward = True
             else:
+                if self._buffers_from_first_rank:
+                    self._broadcast_buffers(list(buffers))
+                self._buffers_from_first_rank = backward_follows and self._boundary()
                 self.gathers.begin_forward()
 
     # Note [Buffers follow the first rank]
@@ -467,7 +472,12 @@ class DataParallel:
     # gradient_accumulation_steps the micro-steps before the last are DDP's under no_sync(),
     # whose forwards leave the next forward unsynced: only a training forward whose backward
     # ends the accumulation makes the next forward broadcast (the first micro-step of each
-    # step, or the evaluation after the last), as DDP's. The buffers
+    # step, or the evaluation after the last), as DDP's. A forward on one rank alone, served by
+    # the others (Note [Reads on one rank are served]), is a DDP script's `ddp.module(x)` under
+    # `if rank == 0:`, which DDP never sees: it broadcasts nothing and leaves the decision as it
+    # was, so the next training forward still gives every rank rank 0's buffers, with what an
+    # evaluation in train mode added to them there (it had broadcast them before that
+    # evaluation and cleared the decision: rank 1 then trained a step from its own). The buffers
     # go as bytes packed into one float32 tensor (the communicators take float dtypes only; a
     # broadcast copies bytes, so int64 counters and bools come through unchanged).
     def _broadcast_buffers(self, buffers: list[torch.Tensor]) -> None:
@@ -514,11 +524,11 @@ class DataParallel:
     # other ranks' shards. They are reads: their collectives (gather_all, the optimizer state's
     # all_gather_object) change nothing on the ranks that join them and need nothing but the
     # state every rank shares between calls. A forward without backward is made one too: a
-    # served one gathers every group first (with the buffers' broadcast of before_forward) and
-    # then runs with no collective at all (no gather schedule, no resharding, no first-forward
-    # comparison; the groups stay gathered, as after a state_dict(), until the next training
-    # forward or step), so its collectives do not depend on what the module does with the
-    # weights. So when the call agreement finds some ranks at one read kind (_SERVED, and a
+    # served one gathers every group first (broadcasting no buffers: Note [Buffers follow the
+    # first rank]) and then runs with no collective at all (no gather schedule, no resharding,
+    # no first-forward comparison; the groups stay gathered, as after a state_dict(), until the
+    # next training forward or step), so its collectives do not depend on what the module does
+    # with the weights. So when the call agreement finds some ranks at one read kind (_SERVED, and a
     # forward without backward or a generate where _forwards_served) and every other rank at
     # one other call, the readers go on with their read and the others serve it first, making
     # the read's collectives in the same order (their own agreements skipped: the readers
@@ -538,6 +548,18 @@ class DataParallel:
     # The engine's end on this rank (destroy(), `del`, interpreter exit): agree_at_end.
     ENGINE_END = 98
     _CALLS[ENGINE_END] = "the engine's end (model.destroy(), del, or the script's exit)"
+    # Note [SyncBatchNorm in a forward on one rank] in ddp_methods.py: never served.
+    SYNCED_NORMS_FORWARD = 96
+    _CALLS[SYNCED_NORMS_FORWARD] = (
+        "a forward without backward with SyncBatchNorm layers in train mode (their own "
+        "collectives: it cannot be served by the other ranks; evaluate on every rank, or in "
+        "eval mode, whose running statistics make no collective)")
+    _PHASE_OF[SYNCED_NORMS_FORWARD] = "forward"
+    # The end of `with model.join():` (Note [DDP's join() for uneven inputs] in ddp_methods.py).
+    JOIN_END = 97
+    _CALLS[JOIN_END] = ("the end of `with model.join():` (this rank's inputs ran out first: "
+                        "uneven inputs are not shadowed here, as DDP's join() does; give every "
+                        "rank as many batches, as DistributedSampler's equal shards do)")
 
     # Note [Calls between a read and its serving]
     # A read on one rank waits for the other ranks' next agreed call (Note [Reads on one rank
@@ -587,10 +609,6 @@ class DataParallel:
             if kind == 3:
                 engine.optimizer.state_dict()
             elif kind != self.GENERATE:  # a generate's forwards, each served as one, follow
-                if kind == 0:  # a served forward's before_forward broadcasts the buffers
-                    if self._buffers_from_first_rank:
-                        self._broadcast_buffers(list(engine.module.buffers()))
-                    self._buffers_from_first_rank = False
                 self.gathers.gather_all()  # state dicts, parameter reads, served forwards
         finally:
             self._in_forward, self._serving = in_forward, False

@@ -65,8 +65,9 @@ import torch
 from torch import nn
 
 from . import (_C, accelerate_precision, averaged_model, backward_pre_hooks, checkpoint, clip_grad,
-               convert_parameters, dtypes, hooks, module_zero_grad, param_owners, parametrizations,
-               replaced_params, resting_params, script_collectives, topology, torch_optimizers)
+               convert_parameters, ddp_methods, dtypes, hooks, module_zero_grad, param_owners,
+               parametrizations, replaced_params, resting_params, script_collectives, topology,
+               torch_optimizers)
 from .activations import ActivationCounter
 from .chunk_runtime import ChunkRuntime
 from .chunked_params import ChunkedParams
@@ -341,6 +342,7 @@ class PatrickStarEngine(nn.Module):
             self._renorms = RenormAcrossRanks(self.module, self.dp.group)
             hook_sets += (self._renorms,)
             self.dp.forwards_have_collectives = bool(self._renorms.hook_ids)
+        self._sync_norms = ddp_methods.sync_batch_norms(self.module)
         self._methods = ModuleMethods(self.module, self)  # Note [Methods of the user's modules]
         # Every module: each carries at least the state dict's call agreement hook.
         self._copies = ModuleCopies(  # Note [Copies of the user's module]
@@ -656,13 +658,18 @@ class PatrickStarEngine(nn.Module):
     # forward() does what forward() does around it. A submodule called alone is not covered,
     # but for the encoder generate() calls (Note [An encoder called alone] in
     # synced_generate.py).
+    def _syncs_norms(self) -> bool:
+        """Note [SyncBatchNorm in a forward on one rank] in ddp_methods.py."""
+        return any(m.training for m in self._sync_norms)
+
     def _enter_direct_call(self) -> None:
         refuse_traced_call("model.module(...)")  # Note [Tracing the engine's module]
         self.wake_parameters()
         self._views.enter_direct_call()
         if not self._in_forward and self._direct_forward is None and self.dp.enabled:
             backward_follows = torch.is_grad_enabled() and self.module.training
-            self.dp.before_forward(backward_follows, self.module.buffers())
+            self.dp.before_forward(backward_follows, self.module.buffers(),
+                                   self._syncs_norms())
             self._direct_forward = backward_follows
 
     def _leave_direct_call(self, raised: bool = False) -> None:
@@ -886,7 +893,7 @@ class PatrickStarEngine(nn.Module):
         self._hooks.leave_saved_tensor_hooks()
         self._views.leave_direct_calls()
         self.dp.before_forward(torch.is_grad_enabled() and self.module.training,
-                               self.module.buffers())
+                               self.module.buffers(), self._syncs_norms())
         self.wake_parameters()  # before the module's (maybe compiled) forward looks at them
         self._in_forward = True
 
@@ -992,13 +999,14 @@ class PatrickStarEngine(nn.Module):
             if grad is None or owner is None:
                 return
             owner._backward.before_storing_grad()
+            owner._backward.refuse_second_grad(index, owner.params.names[index])
             if grad.layout != torch.strided:  # where a store's shape error is raised too
                 raise sparse_gradient_error(owner.params.names[index], grad)
             has_grad = owner.optimizer.has_grad
             if owner.dp.ends_param_access_at_grad:
                 owner._end_param_access(index)
             owner.dp.before_grad(index)
-            owner._backward.count_stored_grad()
+            owner._backward.count_stored_grad(index)
             owner._slots.store_grad(index, grad, has_grad[index])
             has_grad[index] = True
             owner.dp.on_grad(index)
@@ -1073,6 +1081,24 @@ class PatrickStarEngine(nn.Module):
     @require_backward_grad_sync.setter
     def require_backward_grad_sync(self, value: bool) -> None:
         self.dp.sync_gradients = bool(value)
+
+    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
+             throw_on_early_termination: bool = False):
+        """DDP's `with model.join():` around a training loop. Every rank must run as many
+        training steps in it: a rank whose inputs run out first raises on leaving the block
+        and the others at their next call, at once, as DDP's join(throw_on_early_termination=
+        True) (Note [DDP's join() for uneven inputs] in ddp_methods.py)."""
+        return ddp_methods.join(self.dp, enable)
+
+    def register_comm_hook(self, state, hook) -> None:
+        """DDP's gradient communication hook: DDP's default (`default_hooks.allreduce_hook`) is
+        what the engine does and is accepted; any other raises naming it (Note [DDP
+        communication hooks] in ddp_methods.py)."""
+        ddp_methods.register_comm_hook(state, hook)
+
+    def _set_static_graph(self) -> None:
+        """DDP's (the `static_graph=True` argument): the engine needs no such hint, its gather
+        schedule follows the previous iterations' trace by itself."""
 
     def step(self, lr_kwargs: dict | None = None) -> None:
         """DeepSpeed's `engine.step()`, for loops written against it (`model.backward(loss)`

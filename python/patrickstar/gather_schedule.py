@@ -197,7 +197,11 @@ class GatherSchedule:
             f"group, following the previous iterations' trace (parallel.reshard_after_forward; "
             f"Note [Resharding after forward]); gathering it again here would be a collective "
             f"the other ranks do not issue. Set parallel.reshard_after_forward to false for a "
-            f"model whose {phase} reuses parameters in an order that changes between iterations")
+            f"model whose {phase} reuses parameters in an order that changes between iterations"
+            + ("; a reentrant torch.utils.checkpoint(..., use_reentrant=True) whose function "
+               "uses a parameter also used outside it does this too: pass use_reentrant=False "
+               "(Note [A second gradient in one backward] in backward_pass.py)"
+               if phase == "backward" else ""))
 
     def gather_through(self, index: int) -> None:
         """Gathers the groups of the current sequence up to `index` in order (in forward the

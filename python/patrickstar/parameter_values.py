@@ -48,6 +48,17 @@ def checked_value(key: str, source, shape: tuple) -> tuple[torch.Tensor | None, 
     return source, None
 
 
+def _saved_by_ddp(module: nn.Module, state_dict) -> bool:
+    """Whether `state_dict` is `module`'s under DDP's 'module.' prefix (and not its own)."""
+    keys = list(state_dict.keys()) if hasattr(state_dict, "keys") else []
+    if not keys or not all(isinstance(k, str) and k.startswith("module.") for k in keys):
+        return False
+    # Names only: a state_dict() here would read (under data parallelism, gather) the values.
+    own = {name for name, _ in module.named_parameters(remove_duplicate=False)}
+    own |= {name for name, _ in module.named_buffers(remove_duplicate=False)}
+    return not own & set(keys) and {k[len("module."):] for k in keys} <= own
+
+
 class ParameterValues:
     def __init__(self, guard, params, dp, slots, compute_dtype: torch.dtype):
         self._guard = guard
@@ -106,8 +117,17 @@ class ParameterValues:
             result = module.load_state_dict(state_dict, strict)
         except RuntimeError as error:
             if strict and ("Missing key(s)" in str(error) or "Unexpected key(s)" in str(error)):
-                error.add_note("load_state_dict(state_dict, strict=False) loads the keys the "
-                               "model has, as upstream PatrickStar's default did")
+                if _saved_by_ddp(module, state_dict):
+                    error.add_note(
+                        "every key starts with 'module.': the state dict of a model wrapped in "
+                        "torch's DistributedDataParallel (ddp_model.state_dict(), as PyTorch's "
+                        "DDP tutorial saves it), whose keys are its module's under 'module.'; "
+                        "the engine's are its module's own. Strip the prefix first: "
+                        "torch.nn.modules.utils.consume_prefix_in_state_dict_if_present("
+                        "state_dict, 'module.')")
+                else:
+                    error.add_note("load_state_dict(state_dict, strict=False) loads the keys "
+                                   "the model has, as upstream PatrickStar's default did")
             raise
         finally:
             held, self._held = self._held, None

@@ -46,7 +46,7 @@ def test_a_backward_that_raised_after_storing_reports_the_stored_count():
 
     def store_then_fail(param):
         backward.before_storing_grad()
-        backward.count_stored_grad()
+        backward.count_stored_grad(0)
         raise KeyboardInterrupt
 
     weight.register_post_accumulate_grad_hook(store_then_fail)
@@ -67,7 +67,7 @@ def test_loss_backward_is_joined_inside_the_graph_task_and_ended_by_its_callback
 
     def store(param):
         backward.before_storing_grad()
-        backward.count_stored_grad()
+        backward.count_stored_grad(0)
 
     weight.register_post_accumulate_grad_hook(store)
     (weight * 3).sum().backward()
@@ -107,3 +107,20 @@ def test_the_engines_gradient_hooks_run_after_the_users():
     weight.register_post_accumulate_grad_hook(lambda p: order.append("user"))
     backward.run([weight.sum()], None)
     assert order == ["user", "engine"]
+
+
+def test_a_second_gradient_of_a_parameter_in_one_backward_raises_under_data_parallelism():
+    # Note [A second gradient in one backward] (the Recorder's data-parallel side is enabled).
+    backward, _ = make_pass()
+    weight = nn.Parameter(torch.ones(3))
+
+    def store(grad):
+        backward.refuse_second_grad(0, "weight")
+        backward.count_stored_grad(0)
+
+    weight.register_post_accumulate_grad_hook(lambda p: store(p.grad))
+    backward.run([(weight * 2).sum()], None)  # one gradient: stored
+    with pytest.raises(RuntimeError, match="'weight' got a second gradient.*use_reentrant=False"):
+        backward.refuse_second_grad(0, "weight")  # as a reentrant checkpoint's would come
+    backward.refuse_second_grad(1, "other")
+    backward.run([(weight * 2).sum()], None)  # a new backward starts afresh
