@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import patrickstar
+from patrickstar.external_params import external_parameter_hint
 
 transformers = pytest.importorskip("transformers")
 T = transformers
@@ -95,7 +96,7 @@ def rank_batch(family, step: int, rank: int, world: int, config: dict) -> dict:
     return _batches(family, STEPS * world, dtype)[step * world + rank]
 
 
-FAMILIES = [mixtral, qwen2_moe, switch, wav2vec2, bloom, resnet]
+FAMILIES = [mixtral, wav2vec2, bloom, resnet]  # switch: on two ranks below
 
 
 @pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.__name__)
@@ -123,10 +124,21 @@ def test_family_trains_as_pytorch(family):
 
 
 
-@pytest.mark.parametrize("family", [wav2vec2, resnet], ids=lambda f: f.__name__)
-def test_bf16_takes_inputs_cast_to_bf16_and_says_so_at_a_convolution(family):
-    # Note [Convolutions name no dtype] in external_params.py: fp32 audio or pixels meet the
-    # first convolution's bf16 weights, as after `model.bfloat16()` in PyTorch.
+@pytest.mark.parametrize("message", [
+    "Input type (torch.FloatTensor) and weight type (CPUBFloat16Type) should be the same or "
+    "input should be a MKLDNN tensor and weight is a dense tensor",
+    "Input type (float) and bias type (c10::BFloat16) should be the same",
+    "Input type (torch.cuda.FloatTensor) and weight type (torch.cuda.BFloat16Tensor) should be "
+    "the same"])
+def test_a_convolutions_dtype_error_gets_the_16_bit_inputs_note(message):
+    # Note [Convolutions name no dtype] in external_params.py (the CPU's two, and CUDA's)
+    note = external_parameter_hint(RuntimeError(message), torch.bfloat16)
+    assert "cast floating-point inputs to the model's dtype" in note
+
+
+def test_bf16_takes_inputs_cast_to_bf16_and_says_so_at_a_convolution(family=wav2vec2):
+    # fp32 audio meets the first convolution's bf16 weights, as after `model.bfloat16()` in
+    # PyTorch: the note says what to do, and with the inputs cast the engine trains.
     torch.manual_seed(0)
     model, optimizer = patrickstar.initialize(family, config=engine_config(
         {"bf16": {"enabled": True}}))
@@ -155,8 +167,6 @@ TWO_RANK = {  # scenario: (family, config)
     "mixtral": (mixtral, {}),
     "qwen2_moe_bf16": (qwen2_moe, {"bf16": {"enabled": True}}),
     "switch": (switch, {"default_chunk_size": 4096}),
-    "switch_kept": (switch, {"default_chunk_size": 4096,
-                             "parallel": {"reshard_after_forward": False}}),
     "wav2vec2": (wav2vec2, {}),
 }
 
@@ -203,7 +213,7 @@ def test_two_ranks_routing_their_own_batches_match_pytorchs_averaged_gradients(t
         if not lowp:
             for key, grad in grads.items():  # summed in another order than PyTorch's
                 torch.testing.assert_close(result["grads"][key], grad, rtol=1e-5,
-                                           atol=1e-5 * grad.abs().max().item(), msg=key)
+                                           atol=1e-6 + 1e-5 * grad.abs().max().item(), msg=key)
             for key, value in state.items():
                 torch.testing.assert_close(result["state"][key], value, rtol=0, atol=3 * LR,
                                            msg=key)
