@@ -80,8 +80,9 @@ rank that routed a token to such an expert needs them in its backward. So the le
 at the end of a forward that a backward follows instead, where every rank stands at the same
 point of its collectives: backward reads only parameters its forward used (the engine's hooks
 access a module's parameters in backward only if it ran in the forward), so the largest
-position in the order of a group any rank's forward used bounds every rank's backward, and
-every rank gathers through it when its backward ends. The count of collectives is the same
+position in the order of a group any rank's forward used (any forward since the last
+backward: a backward may follow two forwards) bounds every rank's backward, and every rank
+gathers through it when its backward ends. The count of collectives is the same
 (the all-reduce moved); what costs more is a group every rank's forward used and no rank's
 backward needs past the last one needed (a frozen embedding, used first in forward, last in
 the order), now gathered at backward's end. A backward reaching past the agreed length (a
@@ -171,6 +172,8 @@ class GatherSchedule:
         # is the largest `n` of every rank; None when no forward's end agreed it.
         self._agree_extent = agree_extent
         self._extent = None
+        # Groups the forwards since the last backward used (a backward may follow several).
+        self._used_since_backward: set[int] = set()
 
     def close(self) -> None:
         """Closes its collectives (DataParallel.close(): before the chunk manager closes)."""
@@ -213,6 +216,7 @@ class GatherSchedule:
                 self._release_passed()
             self._pass_trace[position] = self._frontier
             self._last_access[position] = self._accesses
+            self._used_since_backward.add(position)
             self._accesses += 1
 
     def _depart(self, tensor_id: int, position: int, phase: str) -> None:
@@ -357,7 +361,7 @@ class GatherSchedule:
         self._traced = True
         self._enter_backward(0 if first else 1)
         if backward_follows and self._agree_extent is not None:
-            used = [self._index_in_order[p] + 1 for p in self._last_access]
+            used = [self._index_in_order[p] + 1 for p in self._used_since_backward]
             self._extent = max(int(self._agree_extent(max(used, default=0))), self._next)
 
     def _set_order(self, order) -> None:
@@ -478,3 +482,4 @@ class GatherSchedule:
             return
         self.gather_through((self._extent if issued is None else issued) - 1)
         self.release_all()
+        self._used_since_backward.clear()

@@ -56,12 +56,13 @@ class RecordingCollectives:
 GROUPS = 5
 
 
-def make_schedule(agree=None, gather_ahead=0, compare=None):
+def make_schedule(agree=None, gather_ahead=0, compare=None, agree_extent=None):
     # Tensor t is in group t // 2; every tensor is remote and trainable.
     position_of = {t: t // 2 for t in range(2 * GROUPS)}
     return GatherSchedule(RecordingCollectives(), list(range(GROUPS)), position_of,
                           remote=set(position_of), gather_ahead=gather_ahead, reshard=True,
-                          trainable=[2] * GROUPS, agree=agree, compare=compare)
+                          trainable=[2] * GROUPS, agree=agree, compare=compare,
+                          agree_extent=agree_extent)
 
 
 class Comparisons:
@@ -189,6 +190,20 @@ def test_a_backward_needing_a_group_only_another_ranks_forward_used_gathers_alik
     schedule.end_forward(backward_follows=True)
     with pytest.raises(ScheduleDepartureError, match="tensor 4.*no rank's forward used"):
         schedule.before_access(4, in_forward=False)
+
+
+def test_a_backward_after_two_forwards_may_gather_what_either_used():
+    # Note [How far backward gathers]: the extent covers every forward since the last backward
+    # (a contrastive loss over two forwards, the second using fewer groups).
+    schedule = make_schedule(agree_extent=lambda extent: extent)
+    for tensors in (range(2 * GROUPS), range(6, 2 * GROUPS)):
+        schedule.begin_forward()
+        for t in tensors:
+            schedule.before_access(t, in_forward=True)
+        schedule.end_forward(backward_follows=True)
+    schedule.before_access(0, in_forward=False)  # group 0: last in the order, the first's only
+    schedule.end_backward()
+    assert schedule.collectives.issued[-GROUPS + 1:] == [3, 2, 1, 0]
 
 def test_backward_releases_a_group_once_its_gradients_are_in_and_nothing_uses_it():
     schedule = make_schedule()
