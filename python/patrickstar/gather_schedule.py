@@ -66,6 +66,11 @@ group's remote payloads is local (Note [Releasing one group] in chunk/group_coll
     hook) then finds a remote group released: ScheduleDepartureError names it, and
     reshard_after_forward: false is the way out. Backward's end makes every rank issue the
     same gathers: Note [How far backward gathers].
+  * the gathers of backward run on their own process group (data_parallel.py creates it):
+    reduce-scatters start as soon as a rank's own gradients of a group are in, which depends
+    on its control flow, so on one communicator gloo could pair one rank's allgather with
+    another's reduce-scatter. Backward's remaining gathers go before its reduce-scatters are
+    awaited, or a rank waiting for a reduce-scatter and one waiting in a gather deadlock.
 
 Note [How far backward gathers]
 Each rank's backward gathers a prefix of the agreed order, as far as its own accesses need; at
@@ -89,11 +94,6 @@ the order), now gathered at backward's end. A backward reaching past the agreed 
 parameter read in backward that the forward did not use) raises ScheduleDepartureError naming
 it. A backward that no forward's end prepared (pipeline stages, a forward with the module in
 eval mode) agrees at its end as before.
-  * the gathers of backward run on their own process group (data_parallel.py creates it):
-    reduce-scatters start as soon as a rank's own gradients of a group are in, which depends
-    on its control flow, so on one communicator gloo could pair one rank's allgather with
-    another's reduce-scatter. Backward's remaining gathers go before its reduce-scatters are
-    awaited, or a rank waiting for a reduce-scatter and one waiting in a gather deadlock.
 """
 from __future__ import annotations
 
