@@ -4,7 +4,9 @@ experts (Mixtral's and Qwen2-MoE's experts in one 3-D tensor, Switch Transformer
 separate modules, which a step that routes no token to them leaves without a gradient),
 Wav2Vec2's positional convolution under `parametrizations.weight_norm` (`original0/original1`),
 BLOOM's alibi, ResNet's BatchNorm; on one process and on two ranks, where each rank routes its
-own batch to its own experts and the engine must match PyTorch's averaged gradients."""
+own batch to its own experts and the engine must match PyTorch's averaged gradients. Also what
+these families do in bf16 that others do not: fp32 audio or pixels meeting a convolution, and a
+router converting itself to float32 in its forward."""
 from __future__ import annotations
 
 import os
@@ -124,7 +126,6 @@ def test_family_trains_as_pytorch(family):
     model.destroy()
 
 
-
 @pytest.mark.parametrize("message", [
     "Input type (torch.FloatTensor) and weight type (CPUBFloat16Type) should be the same or "
     "input should be a MKLDNN tensor and weight is a dense tensor",
@@ -137,9 +138,10 @@ def test_a_convolutions_dtype_error_gets_the_16_bit_inputs_note(message):
     assert "cast floating-point inputs to the model's dtype" in note
 
 
-def test_bf16_takes_inputs_cast_to_bf16_and_says_so_at_a_convolution(family=wav2vec2):
+def test_bf16_takes_inputs_cast_to_bf16_and_says_so_at_a_convolution():
     # fp32 audio meets the first convolution's bf16 weights, as after `model.bfloat16()` in
     # PyTorch: the note says what to do, and with the inputs cast the engine trains.
+    family = wav2vec2
     torch.manual_seed(0)
     model, optimizer = patrickstar.initialize(family, config=engine_config(
         {"bf16": {"enabled": True}}))
