@@ -188,6 +188,7 @@ class DataParallel:
         self.calls = 0  # forwards and state-dict reads (Note [Every rank runs the same forwards])
         self._serving = False  # inside another rank's read: Note [Reads on one rank are served]
         self._served_forward = False  # this rank's evaluation forward, served by the others
+        self._backward_follows = False  # the forward's, agreed (before_forward)
         self._attached_pid = None  # the process that attached the communicator
         # The module's forwards issue collectives of their own (embedding renorms): not served.
         self.forwards_have_collectives = False
@@ -299,7 +300,8 @@ class DataParallel:
                                       name_of=lambda tensor_id: names.get(tensor_id, tensor_id),
                                       agree=self._agree_on_rank_zeros,
                                       compare=self._compare_next_gathers,
-                                      before_backward_gather=self._finish_reduce_scatters)
+                                      before_backward_gather=self._finish_reduce_scatters,
+                                      agree_extent=self._agree_backward_extent)
         # Gradient groups in reduce-scatter order, and which parameters each one waits for.
         self._grad_groups = list(reversed(self.collectives.groups(K.GRADIENT)))
         grad_position = {first: p for p, first in enumerate(self._grad_groups)}
@@ -442,6 +444,7 @@ class DataParallel:
         `syncs_norms`: a SyncBatchNorm of the module is in train mode (Note [SyncBatchNorm in
         a forward on one rank] in ddp_methods.py)."""
         self._in_forward = self.enabled
+        self._backward_follows = backward_follows  # agreed: the same on every rank
         self._served_forward = False  # (an earlier served forward that raised left it set)
         if self.enabled:
             kind = 1 if backward_follows else self.SYNCED_NORMS_FORWARD if syncs_norms else 0
@@ -711,7 +714,7 @@ class DataParallel:
         if self._served_forward:
             self._served_forward = False
         elif self.enabled:
-            self.gathers.end_forward()
+            self.gathers.end_forward(self._backward_follows)
 
     @property
     def gathers_ahead(self) -> int:
@@ -763,6 +766,12 @@ class DataParallel:
         recorded_collectives.broadcast(self.gather_communicator, values, 0,
                                        "backward gather order", self.timeout)
         return [int(v) for v in values.tolist()]
+
+    def _agree_backward_extent(self, extent: int) -> int:
+        """The most groups of backward's order any rank's backward may gather (Note [How far
+        backward gathers] in gather_schedule.py)."""
+        return int(max(self._every_ranks(float(extent), self.gather_communicator,
+                                         "compute groups backward may gather", "forward")))
 
     def _compare_next_gathers(self, position: int) -> list[float]:
         """Every rank's next gather of the first forward (Note [Resharding after forward])."""
@@ -889,11 +898,15 @@ class DataParallel:
             return
         if self.reshard:
             # Backward's gathers first (Note [Resharding after forward]): a rank still gathering
-            # must not wait for another that waits for its reduce-scatters.
-            issued = self._every_ranks(self.gathers.backward_gathers_issued,
-                                       self.gather_communicator,
-                                       "compute groups gathered in backward")
-            self.gathers.end_backward(int(max(issued)))
+            # must not wait for another that waits for its reduce-scatters. How far: Note [How
+            # far backward gathers] in gather_schedule.py.
+            if self.gathers.backward_extent_agreed:
+                self.gathers.end_backward()
+            else:
+                issued = self._every_ranks(self.gathers.backward_gathers_issued,
+                                           self.gather_communicator,
+                                           "compute groups gathered in backward")
+                self.gathers.end_backward(int(max(issued)))
         if not self._reduces_now():
             self._seen.clear()
             self._unreduced = True

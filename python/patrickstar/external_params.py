@@ -21,6 +21,7 @@ import dis
 import functools
 import inspect
 import os
+import re
 import types
 from typing import Callable
 
@@ -106,6 +107,16 @@ _SHAPE_ERROR_WORDS = ("size", "shape", "dimension", "mat1", "mat2", "matri", "nu
 # users looking for an unregistered parameter, so it gets none.
 _NOT_PLACEHOLDER_ERRORS = ("view size is not compatible with input tensor's size and stride",)
 
+# Note [Convolutions name no dtype]
+# torch's dtype checks say "dtype" or "scalar type" ("mat1 and mat2 must have the same dtype"),
+# but a convolution's say neither: "Input type (torch.FloatTensor) and weight type
+# (CPUBFloat16Type) should be the same or input should be a MKLDNN tensor ..." on the CPU,
+# "Input type (float) and bias type (c10::BFloat16) should be the same" where the bias is
+# checked first (on CUDA: torch.cuda.FloatTensor, torch.cuda.BFloat16Tensor). So a bf16 engine
+# fed fp32 pixels (ViT, ResNet, ConvNeXt, Swin) or audio (Wav2Vec2, HuBERT, Whisper) raised
+# torch's bare message, without the note that every other 16-bit model's first matmul gets.
+_CONV_TYPE_ERROR = re.compile(r"Input type \(.*\) and (weight|bias) type \(.*\) should be the same")
+
 
 def external_parameter_hint(error: BaseException, compute_dtype=None) -> str | None:
     """A note for an error raised inside the model's forward that looks like an op meeting a
@@ -114,7 +125,7 @@ def external_parameter_hint(error: BaseException, compute_dtype=None) -> str | N
     if not isinstance(error, RuntimeError):
         return None
     message = str(error)
-    if "dtype" in message or "scalar type" in message:
+    if "dtype" in message or "scalar type" in message or _CONV_TYPE_ERROR.search(message):
         # Not a placeholder: fp32 inputs meeting 16-bit parameters.
         if "BFloat16" in message or "Half" in message:
             if compute_dtype is not None and not compute_dtype.is_floating_point:

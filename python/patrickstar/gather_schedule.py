@@ -64,14 +64,36 @@ group's remote payloads is local (Note [Releasing one group] in chunk/group_coll
     that still reads a parameter in backward after its gradient is complete (a detached use
     of it saved for backward, whose node autograd may run after the parameter's own gradient
     hook) then finds a remote group released: ScheduleDepartureError names it, and
-    reshard_after_forward: false is the way out. At the
-    end of backward the ranks agree (one all-reduce on the gather group) on how many groups
-    of the order any of them issued, all gather that many, and release everything.
+    reshard_after_forward: false is the way out. Backward's end makes every rank issue the
+    same gathers: Note [How far backward gathers].
   * the gathers of backward run on their own process group (data_parallel.py creates it):
     reduce-scatters start as soon as a rank's own gradients of a group are in, which depends
     on its control flow, so on one communicator gloo could pair one rank's allgather with
     another's reduce-scatter. Backward's remaining gathers go before its reduce-scatters are
     awaited, or a rank waiting for a reduce-scatter and one waiting in a gather deadlock.
+
+Note [How far backward gathers]
+Each rank's backward gathers a prefix of the agreed order, as far as its own accesses need; at
+its end every rank must have issued the same prefix. The ranks used to agree on its length at
+the end of backward (one all-reduce on the gather group of how many groups any of them
+issued), but a rank whose backward needs a group further along the order than any group
+another rank needs is still gathering when the other issues that all-reduce: the all-reduce
+met an allgather on the same communicator ("the ranks' sequences of collectives differ"). A
+mixture of experts whose experts are modules of their own (Switch Transformers, NLLB-MoE)
+does that at once: the order puts the groups rank 0's first forward did not use last, and the
+rank that routed a token to such an expert needs them in its backward. So the length is agreed
+at the end of a forward that a backward follows instead, where every rank stands at the same
+point of its collectives: backward reads only parameters its forward used (the engine's hooks
+access a module's parameters in backward only if it ran in the forward), so the largest
+position in the order of a group any rank's forward used (any forward since the last
+backward: a backward may follow two forwards) bounds every rank's backward, and every rank
+gathers through it when its backward ends. The count of collectives is the same
+(the all-reduce moved); what costs more is a group every rank's forward used and no rank's
+backward needs past the last one needed (a frozen embedding, used first in forward, last in
+the order), now gathered at backward's end. A backward reaching past the agreed length (a
+parameter read in backward that the forward did not use) raises ScheduleDepartureError naming
+it. A backward that no forward's end prepared (pipeline stages, a forward with the module in
+eval mode) agrees at its end as before.
 """
 from __future__ import annotations
 
@@ -98,7 +120,7 @@ class GatherSchedule:
 
     def __init__(self, collectives, groups, position_of: dict, remote: set, gather_ahead: int,
                  reshard: bool = False, trainable=None, frozen=(), name_of=None, agree=None,
-                 compare=None, before_backward_gather=None):
+                 compare=None, before_backward_gather=None, agree_extent=None):
         self.collectives = collectives
         self.groups = list(groups)
         self.position_of = position_of
@@ -146,6 +168,12 @@ class GatherSchedule:
         # Called before a gather in backward: the gradients of the groups done with go before
         # the next group's parameters arrive (data_parallel.py's reduce-scatters).
         self._before_backward_gather = before_backward_gather
+        # How far this backward gathers (Note [How far backward gathers]): `agree_extent(n)`
+        # is the largest `n` of every rank; None when no forward's end agreed it.
+        self._agree_extent = agree_extent
+        self._extent = None
+        # Groups the forwards since the last backward used (a backward may follow several).
+        self._used_since_backward: set[int] = set()
 
     def close(self) -> None:
         """Closes its collectives (DataParallel.close(): before the chunk manager closes)."""
@@ -188,6 +216,7 @@ class GatherSchedule:
                 self._release_passed()
             self._pass_trace[position] = self._frontier
             self._last_access[position] = self._accesses
+            self._used_since_backward.add(position)
             self._accesses += 1
 
     def _depart(self, tensor_id: int, position: int, phase: str) -> None:
@@ -287,6 +316,7 @@ class GatherSchedule:
             self._next = self._started = 0
             self._released.clear()
             self._in_backward = False
+            self._extent = None
 
     # ---- Resharding: forward ------------------------------------------------------------------
 
@@ -301,9 +331,11 @@ class GatherSchedule:
         self._accesses = 0
         self._last_access = {}
 
-    def end_forward(self) -> None:
+    def end_forward(self, backward_follows: bool = False) -> None:
         """Gathers what is left (agreed); with resharding then releases every group but the
-        one backward needs first, on every rank, and sets up backward's gathers."""
+        one backward needs first, on every rank, and sets up backward's gathers: with
+        `backward_follows` (the same on every rank), how far they go (Note [How far backward
+        gathers])."""
         self.gather_all()
         if not self.reshard or not self.groups:
             self._in_forward = False
@@ -332,6 +364,9 @@ class GatherSchedule:
             self._trace[position] = max(frontier, self._trace.get(position, -1))
         self._traced = True
         self._enter_backward(0 if first else 1)
+        if backward_follows and self._agree_extent is not None:
+            used = [self._index_in_order[p] + 1 for p in self._used_since_backward]
+            self._extent = max(int(self._agree_extent(max(used, default=0))), self._next)
 
     def _set_order(self, order) -> None:
         if sorted(order) != list(range(len(self.groups))):
@@ -351,6 +386,7 @@ class GatherSchedule:
         """Backward's gathers continue after the first `gathered` groups of the order."""
         self._released.clear()
         self._in_backward = True
+        self._extent = None
         self._sequence = self._order
         self._next = self._started = gathered
         self._missing = list(self._trainable)
@@ -391,6 +427,13 @@ class GatherSchedule:
             if position in self._released and tensor_id in self.remote:
                 self._depart(tensor_id, position, "backward")
         else:
+            if self._extent is not None and index >= self._extent:
+                raise ScheduleDepartureError(
+                    f"data parallel: parameter '{self._name_of(tensor_id)}' (compute group "
+                    f"{position} of {len(self.groups)}) is used in this backward, but no "
+                    f"rank's forward used its group, so no other rank gathers it (Note [How "
+                    f"far backward gathers]). Set parallel.reshard_after_forward to false for "
+                    f"a model whose backward reads parameters its forward did not")
             if self._before_backward_gather is not None:
                 self._before_backward_gather()
             self.gather_through(index)
@@ -424,16 +467,23 @@ class GatherSchedule:
                 self.released_in_backward += 1
 
     @property
+    def backward_extent_agreed(self) -> bool:
+        """Whether this backward's gathers end where a forward's end agreed (Note [How far
+        backward gathers]): end_backward() then needs no count."""
+        return self._in_backward and self._extent is not None
+
+    @property
     def backward_gathers_issued(self) -> int:
         """In backward: how many groups of the order this rank issued gathers for (started
         ones count); 0 outside backward."""
         return self._started if self._in_backward else 0
 
-    def end_backward(self, issued: int) -> None:
+    def end_backward(self, issued: int | None = None) -> None:
         """Gathers the first `issued` groups of the order (agreed between the ranks: the most
-        any of them issued) so that every rank issued the same gathers, then releases
-        everything."""
+        any of them issued; by default the length the forward's end agreed) so that every rank
+        issued the same gathers, then releases everything."""
         if not self._in_backward:
             return
-        self.gather_through(issued - 1)
+        self.gather_through((self._extent if issued is None else issued) - 1)
         self.release_all()
+        self._used_since_backward.clear()

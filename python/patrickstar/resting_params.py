@@ -392,13 +392,19 @@ def wake(params) -> None:
 # A conversion between a forward and its backward (parameters in flight) is still named at the
 # next use, which needs the placeholders: `Module._apply` runs with the module's parameters
 # plain, as in the engine's forward.
+# A conversion inside the forward meets plain parameters too (the engine's forward wakes
+# them): Switch Transformers' and NLLB-MoE's routers run `self.classifier =
+# self.classifier.to(torch.float32)` (their config's router_dtype) in every forward, which in a
+# bf16 engine converted the placeholders and failed at the classifier's next access with a
+# message about `module.half()` and state dicts, far from the line that did it. Plain
+# parameters the engine owns are refused the same way, at that line, with what to do there.
 _TORCH_APPLY = nn.Module._apply
 _conversion = threading.local()  # .inside: within a module conversion's _apply (its children)
 
 
 def _refuse_conversion(module: nn.Module, fn) -> None:
     for param in module.parameters():
-        owner = _owner(param) if _resting(param) else None
+        owner = _owner(param) if _resting(param) or type(param) is nn.Parameter else None
         if owner is None:
             continue
         engine, index = owner
@@ -413,6 +419,10 @@ def _refuse_conversion(module: nn.Module, fn) -> None:
                                "chooses the GPU)")
         else:
             return
+        if not _resting(param):  # in a forward (Note [A module's own conversion])
+            instead += (" (a model whose forward converts a submodule to compute it in another "
+                        "precision, such as a router kept in float32, needs the model's own "
+                        "option for that precision set to the config's)")
         raise ValueError(
             f"a conversion of {type(module).__name__} (module.half() / .bfloat16() / .double() "
             f"/ .to(...) / .cuda()) {change}, but parameter 'module.{engine.params.names[index]}' "

@@ -56,12 +56,13 @@ class RecordingCollectives:
 GROUPS = 5
 
 
-def make_schedule(agree=None, gather_ahead=0, compare=None):
+def make_schedule(agree=None, gather_ahead=0, compare=None, agree_extent=None):
     # Tensor t is in group t // 2; every tensor is remote and trainable.
     position_of = {t: t // 2 for t in range(2 * GROUPS)}
     return GatherSchedule(RecordingCollectives(), list(range(GROUPS)), position_of,
                           remote=set(position_of), gather_ahead=gather_ahead, reshard=True,
-                          trainable=[2] * GROUPS, agree=agree, compare=compare)
+                          trainable=[2] * GROUPS, agree=agree, compare=compare,
+                          agree_extent=agree_extent)
 
 
 class Comparisons:
@@ -142,6 +143,67 @@ def test_backward_gathers_follow_the_agreed_order_on_every_rank():
         schedule.end_backward(max(issued))
     assert ranks[0].collectives.issued == ranks[1].collectives.issued == orders[0][1:]
 
+
+
+def test_a_backward_needing_a_group_only_another_ranks_forward_used_gathers_alike():
+    # Note [How far backward gathers]: rank 0's forward routes no token to the expert in group 2,
+    # so rank 0's order (every rank's) puts group 2 last; rank 1's does and needs it in
+    # backward. The ranks agreed how far backward gathers at the forward's end (the largest
+    # extent: rank 1's, the whole order), so rank 0 gathers group 2 too when its backward ends,
+    # without a count agreed at that end (which met rank 1's allgather of group 2).
+    orders, extents = [], []
+
+    def agree(order):
+        orders.append(order)
+        return orders[0]
+
+    def agree_extent(extent):
+        extents.append(extent)
+        return GROUPS  # rank 1's forward used every group
+
+    ranks = [GatherSchedule(RecordingCollectives(), list(range(GROUPS)),
+                            {t: t // 2 for t in range(2 * GROUPS)}, remote=set(range(2 * GROUPS)),
+                            gather_ahead=0, reshard=True, trainable=[2] * GROUPS, agree=agree,
+                            agree_extent=agree_extent) for _ in range(2)]
+    used = [[t for t in range(2 * GROUPS) if t // 2 != 2], list(range(2 * GROUPS))]
+    for schedule, tensors in zip(ranks, used):
+        schedule.begin_forward()
+        for t in tensors:
+            schedule.before_access(t, in_forward=True)
+        schedule.end_forward(backward_follows=True)
+    assert orders[0][-1] == 2 and extents == [GROUPS - 1, GROUPS]
+    for schedule, tensors in zip(ranks, used):
+        assert schedule.backward_extent_agreed
+        schedule.collectives.issued.clear()
+        for t in reversed(tensors):
+            schedule.before_access(t, in_forward=False)
+        schedule.end_backward()
+    # (the order's first group stays gathered from the forward)
+    assert ranks[0].collectives.issued == ranks[1].collectives.issued == orders[0][1:]
+    # A backward reading a group no rank's forward used departs, naming the parameter.
+    schedule = ranks[0]
+    schedule.begin_forward()
+    for t in used[0]:
+        schedule.before_access(t, in_forward=True)
+    extents.clear()
+    schedule._agree_extent = lambda extent: extent  # every rank's forward skipped group 2
+    schedule.end_forward(backward_follows=True)
+    with pytest.raises(ScheduleDepartureError, match="tensor 4.*no rank's forward used"):
+        schedule.before_access(4, in_forward=False)
+
+
+def test_a_backward_after_two_forwards_may_gather_what_either_used():
+    # Note [How far backward gathers]: the extent covers every forward since the last backward
+    # (a contrastive loss over two forwards, the second using fewer groups).
+    schedule = make_schedule(agree_extent=lambda extent: extent)
+    for tensors in (range(2 * GROUPS), range(6, 2 * GROUPS)):
+        schedule.begin_forward()
+        for t in tensors:
+            schedule.before_access(t, in_forward=True)
+        schedule.end_forward(backward_follows=True)
+    schedule.before_access(0, in_forward=False)  # group 0: last in the order, the first's only
+    schedule.end_backward()
+    assert schedule.collectives.issued[-GROUPS + 1:] == [3, 2, 1, 0]
 
 def test_backward_releases_a_group_once_its_gradients_are_in_and_nothing_uses_it():
     schedule = make_schedule()
