@@ -558,6 +558,17 @@ class DataParallel:
         "collectives: it cannot be served by the other ranks; evaluate on every rank, or in "
         "eval mode, whose running statistics make no collective)")
     _PHASE_OF[SYNCED_NORMS_FORWARD] = "forward"
+    # Note [A forward's end agrees]
+    # A training forward's end agrees how far backward gathers (Note [How far backward
+    # gathers] in gather_schedule.py) on the gather communicator, which the next call's
+    # agreement does not use: a rank whose forward raised and whose script went on to the next
+    # batch met it with its next forward's agreement, and both waited for the collective
+    # timeout instead of saying that the ranks' calls differ. So the ranks agree on the call
+    # first, as a kind of its own, on the call communicator (one small all-reduce more per
+    # training forward). Nothing is served there: every rank started this forward.
+    FORWARD_END = 95
+    _CALLS[FORWARD_END] = "the end of a training forward"
+    _PHASE_OF[FORWARD_END] = "forward"
     # The end of `with model.join():` (Note [DDP's join() for uneven inputs] in ddp_methods.py).
     JOIN_END = 97
     _CALLS[JOIN_END] = ("the end of `with model.join():` (this rank's inputs ran out first: "
@@ -769,7 +780,11 @@ class DataParallel:
 
     def _agree_backward_extent(self, extent: int) -> int:
         """The most groups of backward's order any rank's backward may gather (Note [How far
-        backward gathers] in gather_schedule.py)."""
+        backward gathers] in gather_schedule.py). The ranks first agree that each is at a
+        training forward's end (Note [A forward's end agrees]), never serving a read there."""
+        rows = self._agree_once(self.FORWARD_END)
+        if any(row != rows[self.rank] for row in rows):
+            self._raise_calls_differ(self.FORWARD_END, rows)
         return int(max(self._every_ranks(float(extent), self.gather_communicator,
                                          "compute groups backward may gather", "forward")))
 
