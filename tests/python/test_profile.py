@@ -538,7 +538,8 @@ def test_data_parallel_profile_records_collectives(tmp_path):
                 assert c["bytes"] == 4 * len(parameters)
         # Per iteration: every compute group gathered in forward, every gradient group
         # reduce-scattered once in backward, one call agreement in each of forward, backward
-        # and the step (Note [Calls between a read and its serving] in data_parallel.py).
+        # and the step (Note [Calls between a read and its serving] in data_parallel.py), and
+        # one at the forward's end (Note [A forward's end agrees]).
         ends = [m["time_ns"] for m in raw["marks"] if m["kind"] == "end"]
         assert len(ends) == 3
         begin = raw["start_ns"]
@@ -553,7 +554,7 @@ def test_data_parallel_profile_records_collectives(tmp_path):
                         and c["phase"] != "backward"]
             assert [c["phase"] for c in inside
                     if c["args"].get("label") == "call count and kind"] == [
-                        "forward", "backward", "optimizer"]
+                        "forward", "forward", "backward", "optimizer"]
             begin = end
         # After the last step: optimizer.state_dict()'s agreement and gather of the state.
         last = [c for c in records if c["start_ns"] > ends[-1]]
