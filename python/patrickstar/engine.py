@@ -786,6 +786,23 @@ class PatrickStarEngine(nn.Module):
     def __copy__(self):
         self._refuse_copy("copy.copy(model)")
 
+    # Note [The engine answers to its module's name]
+    # Hugging Face's Trainer decides how to smooth labels (label_smoothing_factor) from the name
+    # of the model it trains: `accelerator.unwrap_model(model)._get_name()` in compute_loss, and
+    # a name among the causal LMs (LlamaForCausalLM, GPT2LMHeadModel, ...) shifts the labels by
+    # one token first. accelerate unwraps DDP, FSDP and DeepSpeed's engine, not this one, so the
+    # name read was 'PatrickStarEngine': a causal LM's smoothed loss compared each token's
+    # logits with its own label instead of the next one, and training and evaluate() reported
+    # other losses than the plain model's, without a word. nn.Module uses _get_name() only to
+    # print, so the engine answers with its module's name there (as a DDP-wrapped model is
+    # unwrapped to it) and keeps its own in repr().
+    def _get_name(self) -> str:
+        module = self.__dict__.get("_modules", {}).get("module")
+        return super()._get_name() if module is None else module._get_name()
+
+    def __repr__(self) -> str:
+        return type(self).__name__ + super().__repr__()[len(self._get_name()):]
+
     def __getattr__(self, name: str):
         """Attributes of the user's module (`model.generate(...)`, `model.get_input_embeddings()`)
         on the engine, as DeepSpeed's engine offers them; the engine's own come first."""
