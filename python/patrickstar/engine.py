@@ -64,10 +64,10 @@ from typing import Callable
 import torch
 from torch import nn
 
-from . import (_C, accelerate_precision, averaged_model, backward_pre_hooks, checkpoint, clip_grad,
-               convert_parameters, ddp_methods, dtypes, hooks, module_zero_grad, param_owners,
-               parametrizations, replaced_params, resting_params, script_collectives, topology,
-               torch_optimizers)
+from . import (_C, accelerate_precision, added_params, averaged_model, backward_pre_hooks,
+               checkpoint, clip_grad, convert_parameters, ddp_methods, dtypes, hooks,
+               module_zero_grad, param_owners, parametrizations, replaced_params, resting_params,
+               script_collectives, topology, torch_optimizers)
 from .activations import ActivationCounter
 from .chunk_runtime import ChunkRuntime
 from .chunked_params import ChunkedParams
@@ -328,6 +328,7 @@ class PatrickStarEngine(nn.Module):
         averaged_model.install()  # AveragedModel.update_parameters(model) reads them too
         parametrizations.install()  # weight_norm(...) after initialize() names model_func
         replaced_params.install()  # Note [Replacing a parameter after initialize()]
+        added_params.install()  # Note [Parameters added after initialize()]
         refuse_scripting(self.module)  # Note [Scripting the engine's module]
         hooked = [m for m, owned in self._module_params.items() if owned]
         # Note [The user's module's state dict]
@@ -349,6 +350,7 @@ class PatrickStarEngine(nn.Module):
             list(self.module.modules()), self,
             lambda: set().union(*(h.hook_ids for h in hook_sets)))
         param_owners.register_engine(self, self.params.params)
+        added_params.register_modules(self, self.module)
         _live_engines.add(self)
         self.rest_parameters()  # Note [Parameters at rest] in resting_params.py
 

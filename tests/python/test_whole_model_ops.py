@@ -1,0 +1,150 @@
+"""Operations a script applies to the whole model after initialize(), compared with PyTorch on
+the plain model: changing its structure as fine-tuning scripts do (Note [Parameters added after
+initialize()] in added_params.py) and share_memory()."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import patrickstar
+
+CONFIG = {"default_chunk_size": 2048, "optimizer": {"type": "Adam", "params": {"lr": 1e-2}}}
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.Tanh())
+        self.norm = nn.BatchNorm1d(32)  # (after Tanh: no bias whose gradient it cancels)
+        self.classifier = nn.Linear(32, 4)
+
+    def forward(self, x):
+        return self.classifier(self.norm(self.body(x)))
+
+
+def make():
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, optimizer = patrickstar.initialize(Net, config=CONFIG)
+    torch.manual_seed(0)
+    reference = Net()
+    return model, optimizer, reference, torch.optim.Adam(reference.parameters(), lr=1e-2)
+
+
+def step(model, optimizer, seed) -> float:
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(seed))
+    loss = model(x).square().mean()
+    (model.backward(loss) if hasattr(model, "backward") else loss.backward())
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss.item()
+
+
+def assert_trains_as(model, optimizer, reference, ref_optimizer, steps=3) -> None:
+    for seed in range(steps):
+        assert step(model, optimizer, seed) == pytest.approx(
+            step(reference, ref_optimizer, seed), rel=1e-5, abs=1e-7), seed
+    state = model.state_dict()
+    assert list(state) == list(reference.state_dict())
+    for name, tensor in reference.state_dict().items():
+        torch.testing.assert_close(state[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def new_head(m):
+    m.classifier = nn.Linear(32, 6)
+
+
+def append_layer(m):
+    m.body.append(nn.Linear(32, 32))
+
+
+def add_module(m):
+    m.add_module("extra", nn.Linear(32, 32))
+
+
+def register_parameter(m):
+    m.register_parameter("gain", nn.Parameter(torch.ones(4)))
+
+
+def replace_layer(m):
+    m.body[2] = nn.Linear(32, 32)
+
+
+def into_a_new_container(m):
+    m.body.append(nn.Sequential())  # no parameters: accepted
+    m.body[4].append(nn.Linear(32, 32))
+
+
+@pytest.mark.parametrize("change, added", [
+    (new_head, r"Net.classifier = Linear\(...\) \(as 'module.classifier'\).*"
+               r"'module.classifier.weight' \(6, 32\), 'module.classifier.bias' \(6,\)"),
+    (append_layer, r"Sequential.4 = Linear\(...\) \(as 'module.body.4'\)"),
+    (add_module, r"Net.extra = Linear\(...\) \(as 'module.extra'\)"),
+    (register_parameter, r"Net.gain = <new parameter> \(as 'module.gain'\).*'module.gain' \(4,\)"),
+    (replace_layer, r"Sequential.2 = Linear\(...\) \(as 'module.body.2'\)"),
+    (into_a_new_container, r"'module.body.4.0.weight' \(32, 32\)"),
+], ids=lambda v: getattr(v, "__name__", "message"))
+def test_new_trainable_parameters_after_initialize_raise_at_once_naming_model_func(change,
+                                                                                   added):
+    """A new head or layer after initialize() computed in the forward but was never trained
+    (the engine's optimizer was built over the chunks' parameters), without a word."""
+    model, optimizer, reference, ref_optimizer = make()
+    assert_trains_as(model, optimizer, reference, ref_optimizer, steps=1)
+    with pytest.raises(ValueError, match=added + r".*never be trained.*inside model_func"):
+        change(model.module)
+    # Nothing changed (the parameterless container of the last case aside, as in PyTorch):
+    # the engine trains on as PyTorch does.
+    if change is into_a_new_container:
+        reference.body.append(nn.Sequential())
+    assert_trains_as(model, optimizer, reference, ref_optimizer)
+    change(reference)  # plain modules: torch's own
+
+
+def frozen_extra(m):
+    layer = nn.Linear(32, 32)
+    layer.requires_grad_(False)
+    m.extra = layer
+
+
+def rewrap(m):
+    m.body = nn.Sequential(m.body, nn.Tanh())  # the engine's own parameters, rewrapped
+
+
+def identity_for_norm(m):
+    del m.norm
+    m.norm = nn.Identity()
+
+
+@pytest.mark.parametrize("change", [
+    lambda m: m.body.append(nn.ReLU()),
+    lambda m: m.register_buffer("mask", torch.ones(4)),
+    frozen_extra, rewrap, identity_for_norm,
+], ids=["parameterless", "buffer", "frozen", "rewrap", "removed"])
+def test_changes_that_add_nothing_to_train_train_as_pytorch(change):
+    model, optimizer, reference, ref_optimizer = make()
+    assert_trains_as(model, optimizer, reference, ref_optimizer, steps=1)
+    torch.manual_seed(1)
+    change(model.module)
+    torch.manual_seed(1)
+    change(reference)
+    assert_trains_as(model, optimizer, reference, ref_optimizer)
+
+
+def test_changes_inside_model_func_train_as_pytorch():
+    """What the errors name: the same new head, added inside model_func."""
+    def with_new_head():
+        torch.manual_seed(0)
+        built = Net()
+        new_head(built)
+        return built
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, optimizer = patrickstar.initialize(with_new_head, config=CONFIG)
+    reference = with_new_head()
+    assert_trains_as(model, optimizer, reference,
+                     torch.optim.Adam(reference.parameters(), lr=1e-2))
