@@ -148,3 +148,20 @@ def test_changes_inside_model_func_train_as_pytorch():
     reference = with_new_head()
     assert_trains_as(model, optimizer, reference,
                      torch.optim.Adam(reference.parameters(), lr=1e-2))
+
+
+@pytest.mark.parametrize("target", ["engine", "module", "submodule"])
+def test_share_memory_of_the_engines_parameters_raises_before_moving_anything(target):
+    """share_memory() shared the placeholders and the buffers and returned as if the weights
+    were shared: another process trained or read a copy the engine never updates."""
+    model, optimizer, reference, ref_optimizer = make()
+    module = {"engine": model, "module": model.module, "submodule": model.module.body}[target]
+    with pytest.raises(ValueError, match=r"share_memory\(\): parameter 'module.body.0.weight'"
+                                         r".*torchrun.*copy.deepcopy\(model.module\)"):
+        module.share_memory()
+    assert not any(buffer.is_shared() for buffer in model.buffers())
+    assert_trains_as(model, optimizer, reference, ref_optimizer)
+    import copy
+    plain = copy.deepcopy(model.module).share_memory()  # a plain copy: torch's own
+    assert all(p.is_shared() for p in plain.parameters())
+    assert all(p.is_shared() for p in reference.share_memory().parameters())
