@@ -784,7 +784,7 @@ class PatrickStarEngine(nn.Module):
                         f"module) or model.save_checkpoint(dir) (the whole training state)")
 
     def __reduce_ex__(self, protocol):
-        self._refuse_copy("torch.save(model)")
+        self._refuse_copy("torch.save(model) or pickle.dumps(model)")
 
     def __copy__(self):
         self._refuse_copy("copy.copy(model)")

@@ -165,3 +165,19 @@ def test_share_memory_of_the_engines_parameters_raises_before_moving_anything(ta
     plain = copy.deepcopy(model.module).share_memory()  # a plain copy: torch's own
     assert all(p.is_shared() for p in plain.parameters())
     assert all(p.is_shared() for p in reference.share_memory().parameters())
+
+
+def test_pickling_the_engine_names_the_call_and_what_to_save():
+    """pickle.dumps(model) was refused as "(torch.save(model))", a call the script did not
+    make."""
+    import io
+    import pickle
+    model, *_ = make()
+    for save in (pickle.dumps, lambda m: torch.save(m, io.BytesIO())):
+        with pytest.raises(TypeError, match=r"\(torch.save\(model\) or pickle.dumps\(model\)\).*"
+                                            r"torch.save\(model.module\)"):
+            save(model)
+    plain = pickle.loads(pickle.dumps(model.module))
+    assert type(plain) is Net
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(plain.state_dict()[name], tensor), name
