@@ -667,6 +667,7 @@ class PatrickStarEngine(nn.Module):
 
     def _enter_direct_call(self) -> None:
         refuse_traced_call("model.module(...)")  # Note [Tracing the engine's module]
+        added_params.refuse_unfrozen(self)  # Note [Parameters added after initialize()]
         self.wake_parameters()
         self._views.enter_direct_call()
         if not self._in_forward and self._direct_forward is None and self.dp.enabled:
@@ -889,6 +890,7 @@ class PatrickStarEngine(nn.Module):
     def _prepare_forward(self) -> None:
         self.guard.check_alive("model(...)")
         refuse_traced_call("model(...)")  # Note [Tracing the engine's module]
+        added_params.refuse_unfrozen(self)  # Note [Parameters added after initialize()]
         _refuse_wrapping_data_parallel(self)
         self._backward.forget_raised_autograd_backward()
         self._restart_warmup_after_failed_forward()

@@ -181,3 +181,31 @@ def test_pickling_the_engine_names_the_call_and_what_to_save():
     assert type(plain) is Net
     for name, tensor in model.state_dict().items():
         assert torch.equal(plain.state_dict()[name], tensor), name
+
+
+@pytest.mark.parametrize("call", ["engine", "module"])
+def test_unfreezing_what_was_added_frozen_raises_at_the_next_forward(call):
+    """A layer added frozen is accepted; `requires_grad_(True)` on it afterwards would leave it
+    untrained the same way, so the next forward (of the engine or of model.module) refuses."""
+    model, optimizer, reference, ref_optimizer = make()
+    for target in (model.module, reference):
+        torch.manual_seed(1)
+        frozen_extra(target)
+        target.gain = nn.Parameter(torch.ones(32), requires_grad=False)
+    model.module.extra.requires_grad_(True)
+    x = torch.randn(8, 16)
+    with pytest.raises(ValueError, match=r"requires_grad_\(True\) of parameters added frozen "
+                                         r"after patrickstar.initialize\(\).*"
+                                         r"'module.extra.weight' \(32, 32\).*inside model_func"):
+        model(x) if call == "engine" else model.module(x)
+    model.module.gain.requires_grad_(True)
+    with pytest.raises(ValueError, match=r"'module.extra.weight' .*'module.gain' \(32,\)"):
+        model(x)
+    model.module.extra.requires_grad_(False)
+    model.module.gain.requires_grad_(False)
+    assert_trains_as(model, optimizer, reference, ref_optimizer)
+    del model.module.extra  # gone from the model: its flag is its own again
+    del reference.extra
+    model.module.gain.requires_grad_(True)
+    with pytest.raises(ValueError, match=r"\('module.gain' \(32,\)\)"):
+        model(x)
