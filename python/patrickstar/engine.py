@@ -66,8 +66,8 @@ from torch import nn
 
 from . import (_C, accelerate_precision, added_params, averaged_model, backward_pre_hooks,
                checkpoint, clip_grad, convert_parameters, ddp_methods, dtypes, hooks,
-               module_zero_grad, param_owners, parametrizations, replaced_params, resting_params,
-               script_collectives, shared_memory, topology, torch_optimizers)
+               module_zero_grad, param_owners, parametrizations, pruning, replaced_params,
+               resting_params, script_collectives, shared_memory, topology, torch_optimizers)
 from .activations import ActivationCounter
 from .chunk_runtime import ChunkRuntime
 from .chunked_params import ChunkedParams
@@ -330,6 +330,7 @@ class PatrickStarEngine(nn.Module):
         replaced_params.install()  # Note [Replacing a parameter after initialize()]
         added_params.install()  # Note [Parameters added after initialize()]
         shared_memory.install()  # model.share_memory() names what shares the weights
+        pruning.install()  # Note [Pruning an engine's parameters]
         refuse_scripting(self.module)  # Note [Scripting the engine's module]
         hooked = [m for m, owned in self._module_params.items() if owned]
         # Note [The user's module's state dict]

@@ -209,3 +209,37 @@ def test_unfreezing_what_was_added_frozen_raises_at_the_next_forward(call):
     model.module.gain.requires_grad_(True)
     with pytest.raises(ValueError, match=r"\('module.gain' \(32,\)\)"):
         model(x)
+
+
+def prune_classifier(m):
+    nn.utils.prune.l1_unstructured(m.classifier, "weight", amount=0.5)
+
+
+def prune_globally(m):
+    nn.utils.prune.global_unstructured([(m.body[0], "weight"), (m.body[2], "weight")],
+                                       pruning_method=nn.utils.prune.L1Unstructured, amount=0.3)
+
+
+@pytest.mark.parametrize("prune", [prune_classifier, prune_globally],
+                         ids=["l1_unstructured", "global_unstructured"])
+def test_pruning_and_making_it_permanent_train_as_pytorch(prune):
+    """prune.remove() assigns `weight_orig.data` outside the forward: the write was lost (the
+    next forward raised about it, the pruned weights gone). global_unstructured raised about
+    parameters_to_vector with autograd on; both warned about a penalty."""
+    model, optimizer, reference, ref_optimizer = make()
+    assert_trains_as(model, optimizer, reference, ref_optimizer, steps=1)
+    with warnings.catch_warnings():  # (pruning reads values with autograd on: no penalty)
+        warnings.simplefilter("error", UserWarning)
+        for target in (model.module, reference):
+            prune(target)
+            prune(target)  # again: torch's PruningContainer
+    assert_trains_as(model, optimizer, reference, ref_optimizer, steps=2)
+    for target in (model.module, reference):
+        for module in target.modules():
+            if hasattr(module, "weight_mask"):
+                nn.utils.prune.remove(module, "weight")
+    state = model.state_dict()
+    assert list(state) == list(reference.state_dict())
+    assert (state["body.0.weight" if prune is prune_globally else "classifier.weight"] == 0).any()
+    assert_trains_as(model, optimizer, reference, ref_optimizer)
+    assert isinstance(model.module.body[0].weight, nn.Parameter)
