@@ -40,7 +40,9 @@ _HANDLES: list = []
 _FROZEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def register_modules(engine, root: nn.Module, prefix: str = "module") -> None:
+def register_modules(engine, root: nn.Module, prefix: str = "") -> None:
+    """`root` and its modules, named as under `engine` (the engine itself: "", its module:
+    "module")."""
     owner = weakref.ref(engine)
     for name, module in root.named_modules(prefix=prefix):
         _MODULES[module] = (owner, name)
@@ -83,25 +85,29 @@ def refuse_unfrozen(engine) -> None:
     unfrozen = [(param, name) for param, _, name in alive if param.requires_grad]
     if not unfrozen:
         return
-    present = {id(p) for p in engine.module.parameters()}
+    present = {id(p) for p in engine.parameters()}
     new = [(name, tuple(p.shape)) for p, name in unfrozen if id(p) in present]
     if new:
         _refuse("requires_grad_(True) of parameters added frozen", new)
+
+
+def _joined(where: str, name: str) -> str:
+    return f"{where}.{name}" if where else name
 
 
 def _check_module(module: nn.Module, name: str, submodule):
     engine, where = _owner(module)
     if engine is None or not isinstance(submodule, nn.Module):
         return None
-    added = [(f"{where}.{name}.{pname}", param) for pname, param in
+    added = [(f"{_joined(where, name)}.{pname}", param) for pname, param in
              submodule.named_parameters() if engine_of(param) is not engine]
     new = [(qualified, tuple(param.shape)) for qualified, param in added if param.requires_grad]
     if new:
         _refuse(f"{type(module).__name__}.{name} = {type(submodule).__name__}(...) (as "
-                f"'{where}.{name}')", new)
+                f"'{_joined(where, name)}')", new)
     # Accepted (no parameters, frozen ones or the engine's own): what is added later inside it
     # is checked too, and so is unfreezing what it brought.
-    register_modules(engine, submodule, f"{where}.{name}")
+    register_modules(engine, submodule, _joined(where, name))
     _keep_frozen(engine, added)
     return None
 
@@ -111,10 +117,10 @@ def _check_parameter(module: nn.Module, name: str, param):
     if engine is None or param is None or engine_of(param) is not None:
         return None  # replacing one of the engine's own: replaced_params.py
     if not param.requires_grad:
-        _keep_frozen(engine, [(f"{where}.{name}", param)])
+        _keep_frozen(engine, [(_joined(where, name), param)])
         return None
-    _refuse(f"{type(module).__name__}.{name} = <new parameter> (as '{where}.{name}')",
-            [(f"{where}.{name}", tuple(param.shape))])
+    _refuse(f"{type(module).__name__}.{name} = <new parameter> (as '{_joined(where, name)}')",
+            [(_joined(where, name), tuple(param.shape))])
     return None
 
 

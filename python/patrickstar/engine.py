@@ -352,7 +352,7 @@ class PatrickStarEngine(nn.Module):
             list(self.module.modules()), self,
             lambda: set().union(*(h.hook_ids for h in hook_sets)))
         param_owners.register_engine(self, self.params.params)
-        added_params.register_modules(self, self.module)
+        added_params.register_modules(self, self)  # Note [Parameters added after initialize()]
         _live_engines.add(self)
         self.rest_parameters()  # Note [Parameters at rest] in resting_params.py
 

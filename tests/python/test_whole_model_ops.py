@@ -243,3 +243,19 @@ def test_pruning_and_making_it_permanent_train_as_pytorch(prune):
     assert (state["body.0.weight" if prune is prune_globally else "classifier.weight"] == 0).any()
     assert_trains_as(model, optimizer, reference, ref_optimizer)
     assert isinstance(model.module.body[0].weight, nn.Parameter)
+
+
+def test_a_trainable_module_set_on_the_engine_itself_raises_too():
+    """`model.proj = nn.Linear(...)` on the engine (used as `model.proj(model(x))`) was never
+    trained either."""
+    model, optimizer, reference, ref_optimizer = make()
+    with pytest.raises(ValueError, match=r"PatrickStarEngine.proj = Linear\(...\) \(as 'proj'\)"
+                                         r".*'proj.weight' \(4, 4\).*inside model_func"):
+        model.proj = nn.Linear(4, 4)
+    with pytest.raises(ValueError, match=r"PatrickStarEngine.scale = <new parameter> \(as "
+                                         r"'scale'\)"):
+        model.register_parameter("scale", nn.Parameter(torch.ones(4)))
+    model.tag = "run-1"  # anything else: as on any module
+    assert [name for name, _ in model.named_children()] == ["module"]
+    assert not list(model.named_parameters(recurse=False))
+    assert_trains_as(model, optimizer, reference, ref_optimizer)
