@@ -758,8 +758,10 @@ class PatrickStarEngine(nn.Module):
             raise ValueError(
                 f"PatrickStarEngine: parameters compute in {self.compute_dtype} (config "
                 f"precision '{self.precision}') in chunks; converting the model to {probe.dtype} "
-                f"(model.half(), .bfloat16(), .to(dtype)) cannot change that. Set config "
-                f"'fp16.enabled' or 'bf16.enabled' instead, or leave the conversion out")
+                f"(model.half(), .float(), .double(), .bfloat16(), .to(dtype)) cannot change "
+                f"that: nothing was converted. Set config 'fp16.enabled' or 'bf16.enabled' "
+                f"instead, or leave the conversion out; for a converted copy of the weights, "
+                f"convert model.state_dict() or copy.deepcopy(model.module)")
         if probe.device != self.device:
             raise ValueError(
                 f"PatrickStarEngine: parameters live in chunks placed by the runtime for "

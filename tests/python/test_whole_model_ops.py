@@ -259,3 +259,28 @@ def test_a_trainable_module_set_on_the_engine_itself_raises_too():
     assert [name for name, _ in model.named_children()] == ["module"]
     assert not list(model.named_parameters(recurse=False))
     assert_trains_as(model, optimizer, reference, ref_optimizer)
+
+
+def test_converting_the_engines_precision_names_the_call_and_a_converted_copy():
+    """`model.float()` of a bf16 engine was refused naming model.half(), .bfloat16() and
+    .to(dtype) only, without a way to get float32 weights."""
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, _ = patrickstar.initialize(Net, config={**CONFIG, "bf16": {"enabled": True}})
+    before = model.state_dict()
+    for convert in (model.float, model.double, lambda: model.to(torch.float32)):
+        with pytest.raises(ValueError, match=r"precision 'bf16'.*\.float\(\), \.double\(\).*"
+                                             r"nothing was converted.*"
+                                             r"copy.deepcopy\(model.module\)"):
+            convert()
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+    copied = copy_of(model).float()
+    for name, tensor in before.items():
+        assert torch.equal(copied.state_dict()[name], tensor.float()), name
+    assert model.to("cpu") is model and model.to(torch.bfloat16) is model  # its own: no-ops
+
+
+def copy_of(model):
+    import copy
+    return copy.deepcopy(model.module)
