@@ -64,10 +64,10 @@ from typing import Callable
 import torch
 from torch import nn
 
-from . import (_C, accelerate_precision, averaged_model, backward_pre_hooks, checkpoint, clip_grad,
-               convert_parameters, ddp_methods, dtypes, hooks, module_zero_grad, param_owners,
-               parametrizations, replaced_params, resting_params, script_collectives, topology,
-               torch_optimizers)
+from . import (_C, accelerate_precision, added_params, averaged_model, backward_pre_hooks,
+               checkpoint, clip_grad, convert_parameters, ddp_methods, dtypes, hooks,
+               module_zero_grad, param_owners, parametrizations, pruning, replaced_params,
+               resting_params, script_collectives, shared_memory, topology, torch_optimizers)
 from .activations import ActivationCounter
 from .chunk_runtime import ChunkRuntime
 from .chunked_params import ChunkedParams
@@ -328,6 +328,9 @@ class PatrickStarEngine(nn.Module):
         averaged_model.install()  # AveragedModel.update_parameters(model) reads them too
         parametrizations.install()  # weight_norm(...) after initialize() names model_func
         replaced_params.install()  # Note [Replacing a parameter after initialize()]
+        added_params.install()  # Note [Parameters added after initialize()]
+        shared_memory.install()  # model.share_memory() names what shares the weights
+        pruning.install()  # Note [Pruning an engine's parameters]
         refuse_scripting(self.module)  # Note [Scripting the engine's module]
         hooked = [m for m, owned in self._module_params.items() if owned]
         # Note [The user's module's state dict]
@@ -349,6 +352,7 @@ class PatrickStarEngine(nn.Module):
             list(self.module.modules()), self,
             lambda: set().union(*(h.hook_ids for h in hook_sets)))
         param_owners.register_engine(self, self.params.params)
+        added_params.register_modules(self, self)  # Note [Parameters added after initialize()]
         _live_engines.add(self)
         self.rest_parameters()  # Note [Parameters at rest] in resting_params.py
 
@@ -664,6 +668,7 @@ class PatrickStarEngine(nn.Module):
 
     def _enter_direct_call(self) -> None:
         refuse_traced_call("model.module(...)")  # Note [Tracing the engine's module]
+        added_params.refuse_unfrozen(self)  # Note [Parameters added after initialize()]
         self.wake_parameters()
         self._views.enter_direct_call()
         if not self._in_forward and self._direct_forward is None and self.dp.enabled:
@@ -753,8 +758,10 @@ class PatrickStarEngine(nn.Module):
             raise ValueError(
                 f"PatrickStarEngine: parameters compute in {self.compute_dtype} (config "
                 f"precision '{self.precision}') in chunks; converting the model to {probe.dtype} "
-                f"(model.half(), .bfloat16(), .to(dtype)) cannot change that. Set config "
-                f"'fp16.enabled' or 'bf16.enabled' instead, or leave the conversion out")
+                f"(model.half(), .float(), .double(), .bfloat16(), .to(dtype)) cannot change "
+                f"that: nothing was converted. Set config 'fp16.enabled' or 'bf16.enabled' "
+                f"instead, or leave the conversion out; for a converted copy of the weights, "
+                f"convert model.state_dict() or copy.deepcopy(model.module)")
         if probe.device != self.device:
             raise ValueError(
                 f"PatrickStarEngine: parameters live in chunks placed by the runtime for "
@@ -781,7 +788,7 @@ class PatrickStarEngine(nn.Module):
                         f"module) or model.save_checkpoint(dir) (the whole training state)")
 
     def __reduce_ex__(self, protocol):
-        self._refuse_copy("torch.save(model)")
+        self._refuse_copy("torch.save(model) or pickle.dumps(model)")
 
     def __copy__(self):
         self._refuse_copy("copy.copy(model)")
@@ -903,6 +910,7 @@ class PatrickStarEngine(nn.Module):
     def _prepare_forward(self) -> None:
         self.guard.check_alive("model(...)")
         refuse_traced_call("model(...)")  # Note [Tracing the engine's module]
+        added_params.refuse_unfrozen(self)  # Note [Parameters added after initialize()]
         _refuse_wrapping_data_parallel(self)
         self._backward.forget_raised_autograd_backward()
         self._restart_warmup_after_failed_forward()
