@@ -450,6 +450,35 @@ def _apply(self, fn, *args, **kwargs):
             rest((param,), kind)
 
 
+# Note [to_empty() after initialize()]
+# `module.to_empty(device=...)` gives every parameter and buffer new, uninitialized memory of
+# the same dtype on that device: the step before loading weights into a model built on the meta
+# device. Its conversion changes neither dtype nor device, so Note [A module's own conversion]
+# let it through, and after initialize() it replaced the buffers (BatchNorm's running
+# statistics) with uninitialized memory and kept the parameters, returning as if done. An
+# engine's parameters (of the module or any submodule) make it raise before anything changes,
+# naming what reinitializes weights here; to_empty() inside model_func, before initialize(), is
+# torch's own.
+_TORCH_TO_EMPTY = nn.Module.to_empty
+
+
+@functools.wraps(_TORCH_TO_EMPTY)
+def _to_empty(self, *, device, recurse=True):
+    for param in self.parameters(recurse=recurse):
+        owner = _owner(param)
+        if owner is not None:
+            engine, index = owner
+            raise ValueError(
+                f"{type(self).__name__}.to_empty(device={device!r}): parameter "
+                f"'module.{engine.params.names[index]}' lives in PatrickStar chunks, whose "
+                f"values to_empty() cannot replace: nothing was changed. Call to_empty() inside "
+                f"model_func, before initialize(); after it, new weights come from "
+                f"model.apply(init_fn), model.load_state_dict(state) or "
+                f"summon_full_params(writeback=True)")
+    return _TORCH_TO_EMPTY(self, device=device, recurse=recurse)
+
+
 def install() -> None:
-    """Puts the wrapper on torch's class (idempotent)."""
+    """Puts the wrappers on torch's class (idempotent)."""
     nn.Module._apply = _apply
+    nn.Module.to_empty = _to_empty

@@ -167,6 +167,24 @@ def test_share_memory_of_the_engines_parameters_raises_before_moving_anything(ta
     assert all(p.is_shared() for p in reference.share_memory().parameters())
 
 
+@pytest.mark.parametrize("target", ["engine", "module", "submodule"])
+def test_to_empty_after_initialize_raises_before_anything_changes(target):
+    # Note [to_empty() after initialize()] in resting_params.py: it replaced the buffers with
+    # uninitialized memory, kept the parameters and returned as if done.
+    model, optimizer, reference, ref_optimizer = make()
+    module = {"engine": model, "module": model.module, "submodule": model.module.norm}[target]
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"to_empty\(device='cpu'\): parameter 'module\.\w+"
+                                         r".*inside model_func, before initialize"):
+        module.to_empty(device="cpu")
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, before[name]), name
+    assert_trains_as(model, optimizer, reference, ref_optimizer)
+    with torch.device("meta"):
+        plain = Net()
+    assert plain.to_empty(device="cpu").body[0].weight.device.type == "cpu"  # torch's own
+
+
 def test_pickling_the_engine_names_the_call_and_what_to_save():
     """pickle.dumps(model) was refused as "(torch.save(model))", a call the script did not
     make."""
