@@ -9,7 +9,7 @@ from typing import Iterable
 
 import torch
 
-__all__ = ["register_engine", "engine_of", "engine_gone"]
+__all__ = ["register_engine", "engine_of", "engine_gone", "qualified_name"]
 
 # id(param) -> (weak param, weak engine). Not a WeakKeyDictionary: tensors compare by value.
 _OWNER: dict[int, tuple[weakref.ref, weakref.ref]] = {}
@@ -32,6 +32,14 @@ def engine_of(param):
     if entry is None or entry[0]() is not param:
         return None
     return entry[1]()
+
+
+def qualified_name(param) -> str | None:
+    """`param`'s name in its live engine's model (as `model.module.named_parameters()` gives
+    it), or None when it belongs to no live engine: for errors that name the parameter."""
+    engine = engine_of(param)
+    index = None if engine is None else engine.params.index_of(param)
+    return None if index is None else engine.params.names[index]
 
 
 def engine_gone(param) -> bool:

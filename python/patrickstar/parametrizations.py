@@ -23,7 +23,7 @@ import sys
 
 import torch
 
-from .param_owners import engine_of
+from .param_owners import qualified_name
 
 __all__ = ["install"]
 
@@ -35,10 +35,9 @@ _old_spectral_norm = sys.modules["torch.nn.utils.spectral_norm"]
 
 def _refuse_engine_parameter(what: str, module: torch.nn.Module, name: str) -> None:
     param = module._parameters.get(name) if isinstance(module, torch.nn.Module) else None
-    engine = None if param is None else engine_of(param)
-    if engine is None:
+    qualified = None if param is None else qualified_name(param)
+    if qualified is None:
         return
-    qualified = engine.params.names[engine.params.index_of(param)]
     raise ValueError(
         f"{what} of 'module.{qualified}' after patrickstar.initialize(): the parameter's values "
         f"live in the engine's chunks (it holds an empty placeholder between uses), and the "

@@ -53,7 +53,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .param_owners import engine_gone, engine_of
+from .param_owners import engine_gone, engine_of, qualified_name
 
 __all__ = ["ParameterAtRest", "ParameterInFlight", "install", "rest", "wake"]
 
@@ -465,12 +465,11 @@ _TORCH_TO_EMPTY = nn.Module.to_empty
 @functools.wraps(_TORCH_TO_EMPTY)
 def _to_empty(self, *, device, recurse=True):
     for param in self.parameters(recurse=recurse):
-        owner = _owner(param)
-        if owner is not None:
-            engine, index = owner
+        qualified = qualified_name(param)
+        if qualified is not None:
             raise ValueError(
                 f"{type(self).__name__}.to_empty(device={device!r}): parameter "
-                f"'module.{engine.params.names[index]}' lives in PatrickStar chunks, whose "
+                f"'module.{qualified}' lives in PatrickStar chunks, whose "
                 f"values to_empty() cannot replace: nothing was changed. Call to_empty() inside "
                 f"model_func, before initialize(); after it, new weights come from "
                 f"model.apply(init_fn), model.load_state_dict(state) or "

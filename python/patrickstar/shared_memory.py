@@ -17,7 +17,7 @@ import functools
 
 from torch import nn
 
-from .param_owners import engine_of
+from .param_owners import qualified_name
 
 __all__ = ["install"]
 
@@ -26,11 +26,10 @@ _TORCH_SHARE_MEMORY = nn.Module.share_memory
 
 @functools.wraps(_TORCH_SHARE_MEMORY)
 def share_memory(self):
-    for name, param in self.named_parameters():
-        engine = engine_of(param)
-        if engine is None:
+    for param in self.parameters():
+        qualified = qualified_name(param)
+        if qualified is None:
             continue
-        qualified = engine.params.names[engine.params.index_of(param)]
         raise ValueError(
             f"{type(self).__name__}.share_memory(): parameter 'module.{qualified}' (and every "
             f"other PatrickStar parameter) keeps its values in chunks of the engine's runtime, "

@@ -19,7 +19,7 @@ import torch
 
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from .param_owners import engine_of
+from .param_owners import engine_of, qualified_name
 
 __all__ = ["install"]
 
@@ -40,7 +40,7 @@ def _before_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
             engine = engine_of(param)
             if engine is None or engine.optimizer is optimizer:
                 continue
-            name = engine.params.names[engine.params.index_of(param)]
+            name = qualified_name(param)
             raise RuntimeError(
                 f"{type(optimizer).__module__}.{type(optimizer).__name__} holds parameters of "
                 f"a PatrickStar engine (e.g. 'module.{name}'): their gradients live in the "
