@@ -59,7 +59,8 @@ def external_parameters(module: nn.Module) -> list[nn.Parameter]:
     """The registered ones, those torch's own modules read (Note [torch's external reads]) and
     those the module's code reads by name (Note [Reads found in the module's code])."""
     found = list(module.__dict__.get(_ATTRIBUTE, []))
-    for param in [*_read_by_torch_module(module), *_read_by_own_code(module)]:
+    for param in [*_read_by_torch_module(module), *_read_by_peft_dora(module),
+                  *_read_by_own_code(module)]:
         if all(param is not known for known in found):
             found.append(param)
     return found
@@ -92,6 +93,33 @@ def _in_parameter_containers(module: nn.Module) -> list[nn.Parameter]:
             params.extend(child.parameters())
         elif isinstance(child, (nn.ModuleList, nn.ModuleDict)):
             params.extend(_in_parameter_containers(child))
+    return params
+
+
+# Note [PEFT's DoRA reads]
+# A PEFT LoRA layer with DoRA (`LoraConfig(use_dora=True)`) keeps, per adapter, a magnitude
+# module in its `lora_magnitude_vector` ModuleDict and calls it with its siblings as arguments:
+# `self.lora_magnitude_vector[name](x, lora_A=..., lora_B=..., base_layer=...)`, whose forward
+# reads `lora_A.weight.shape`, the base layer's weight and bias directly (the weight norm) and
+# calls lora_A and lora_B. Those reads go through arguments, which neither the registration on
+# the reading module (it holds no reference to them) nor the code scan below can see: they met
+# the placeholders ("IndexError: tuple index out of range" at the first forward, with no note).
+# The layer itself holds all of them, so its forward, around the magnitude module's call, counts
+# as a user of its adapters' and base layer's parameters (found by the layer's attributes, as
+# PEFT names them, without importing PEFT). The children still access their own around their
+# calls; the layer's access only keeps them in hand in between.
+def _read_by_peft_dora(module: nn.Module) -> list[nn.Parameter]:
+    magnitudes = getattr(module, "lora_magnitude_vector", None)
+    get_base_layer = getattr(module, "get_base_layer", None)
+    if not isinstance(magnitudes, nn.ModuleDict) or len(magnitudes) == 0 \
+            or not callable(get_base_layer):
+        return []
+    params = list(get_base_layer().parameters())
+    for name in ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B"):
+        siblings = getattr(module, name, None)
+        if isinstance(siblings, (nn.ModuleDict, nn.ParameterDict)):
+            params.extend(siblings.parameters())
+    params.extend(magnitudes.parameters())
     return params
 
 
