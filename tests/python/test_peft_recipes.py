@@ -226,3 +226,85 @@ def test_lora_under_a_bf16_config_builds_the_plain_models_adapters(tmp_path, bas
         torch.testing.assert_close(fresh(input_ids=ids).logits.float(),
                                    model(input_ids=ids).logits.float(), rtol=0, atol=0)
     model.destroy()
+
+
+class _Tokens(torch.utils.data.Dataset):
+    def __len__(self):
+        return 32
+
+    def __getitem__(self, index):
+        ids = torch.randint(0, VOCAB, (12,), generator=torch.Generator().manual_seed(index))
+        return {"input_ids": ids, "labels": ids}
+
+
+def _trainer(model, optimizer, out_dir, save_steps=None):
+    args = transformers.TrainingArguments(
+        output_dir=str(out_dir), per_device_train_batch_size=8, max_steps=4, report_to=[],
+        use_cpu=True, max_grad_norm=0.5, logging_steps=1, seed=0,
+        save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
+        remove_unused_columns=False, label_names=["labels"])
+    return transformers.Trainer(model=model, args=args, train_dataset=_Tokens(),
+                                eval_dataset=_Tokens(), optimizers=(optimizer, None))
+
+
+def _losses(trainer):
+    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+
+def test_trainer_fine_tunes_a_peft_model_as_the_plain_one(tmp_path):
+    """The README's Trainer recipe with a PEFT model: the losses, evaluation and a resumed run
+    are the plain PEFT model's; the Trainer's own checkpoints hold the engine's whole state dict
+    (it saves adapters only for a PeftModel it can see), so the adapter is saved with
+    `model.module.save_pretrained`, which loads into a plain PEFT model."""
+    reference = _peft_model("lora")
+    plain = _trainer(reference, torch.optim.AdamW(
+        [p for p in reference.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.0),
+        tmp_path / "plain")
+    plain.train()
+    config = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.0}}}
+    model, optimizer = patrickstar.initialize(lambda: _peft_model("lora"), config=config)
+    ours = _trainer(model, optimizer, tmp_path / "ours", save_steps=2)
+    ours.train()
+    assert _losses(ours) == pytest.approx(_losses(plain), rel=1e-5)
+    assert ours.evaluate()["eval_loss"] == pytest.approx(plain.evaluate()["eval_loss"], rel=1e-5)
+
+    resumed_model, resumed_optimizer = patrickstar.initialize(lambda: _peft_model("lora"),
+                                                              config=config)
+    resumed = _trainer(resumed_model, resumed_optimizer, tmp_path / "ours")
+    resumed.train(resume_from_checkpoint=str(tmp_path / "ours" / "checkpoint-2"))
+    assert _losses(resumed)[-2:] == pytest.approx(_losses(plain)[-2:], rel=1e-5)
+
+    model.module.save_pretrained(tmp_path / "adapter")
+    fresh = peft.PeftModel.from_pretrained(_llama(), tmp_path / "adapter")
+    ids = _Tokens()[0]["input_ids"][None]
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(input_ids=ids).logits, model(input_ids=ids).logits,
+                                   rtol=0, atol=0)
+        torch.testing.assert_close(reference(input_ids=ids).logits,
+                                   model(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+    resumed_model.destroy()
+    model.destroy()
+
+
+def test_a_saved_adapter_resumes_in_model_func_and_by_load_adapter(tmp_path):
+    """`PeftModel.from_pretrained(base, dir, is_trainable=True)` inside model_func, and
+    `model.module.load_adapter(dir, ...)` on a built engine, give the saving engine's logits."""
+    model, _, _, batch = _train_both("lora", steps=1)
+    model.module.save_pretrained(tmp_path)
+    ids = batch["input_ids"]
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+    model.destroy()
+    resumed, opt = patrickstar.initialize(
+        lambda: peft.PeftModel.from_pretrained(_llama(), tmp_path, is_trainable=True),
+        config=CONFIG)
+    with torch.no_grad():
+        torch.testing.assert_close(resumed(input_ids=ids).logits, expected, rtol=0, atol=0)
+    resumed.backward(resumed(input_ids=ids, labels=ids).loss)
+    opt.step()
+    resumed.destroy()
+    loaded, _ = patrickstar.initialize(lambda: _peft_model("lora"), config=CONFIG)
+    loaded.module.load_adapter(tmp_path, adapter_name="default", is_trainable=True)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids).logits, expected, rtol=0, atol=0)
+    loaded.destroy()
