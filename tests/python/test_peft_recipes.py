@@ -7,6 +7,7 @@ test_finetune_flows.py.)"""
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -80,6 +81,15 @@ def _batch(generator, recipe):
     if recipe == "lora_bert":
         return {"input_ids": ids, "labels": torch.randint(0, 3, (2,), generator=generator)}
     return {"input_ids": ids, "labels": ids}
+
+
+STEPS_DP = 3
+
+
+def batches_dp():
+    """The data-parallel test's batches: rank r of N trains on the r-th of N equal parts."""
+    generator = torch.Generator().manual_seed(0)
+    return [torch.randint(0, VOCAB, (4, 8), generator=generator) for _ in range(STEPS_DP)]
 
 
 def _train_both(recipe, built=False, steps=3):
@@ -308,3 +318,42 @@ def test_a_saved_adapter_resumes_in_model_func_and_by_load_adapter(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(loaded(input_ids=ids).logits, expected, rtol=0, atol=0)
     loaded.destroy()
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    from test_data_parallel import launch
+    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "peft_worker.py")
+    return launch(tmp_path_factory.mktemp("peft_dp"), 2, "lora", "dora", worker=worker)
+
+
+@pytest.mark.parametrize("recipe", ["lora", "dora"])
+def test_peft_under_data_parallelism_trains_as_one_process_on_the_whole_batch(two_ranks, recipe):
+    """Two ranks, each on half of every batch (DDP's recipe): the adapters end as one plain
+    process's trained on the whole batches; the adapter saved on rank 0 alone reloads to the
+    engine's logits."""
+    reference = _peft_model(recipe)
+    opt = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=1e-2,
+                            weight_decay=0.01, foreach=False)
+    expected = []
+    for ids in batches_dp():
+        loss = reference(input_ids=ids, labels=ids).loss
+        loss.backward(); opt.step(); opt.zero_grad()
+        expected.append(loss.item())
+    results = [r[recipe] for r in two_ranks]
+    for rank, result in enumerate(results):
+        assert "error" not in result, f"rank {rank}: {result.get('traceback')}"
+    # the mean of the ranks' losses on equal halves is the whole batch's
+    means = [sum(r["losses"][step] for r in results) / 2 for step in range(STEPS_DP)]
+    assert means == pytest.approx(expected, rel=1e-5)
+    # (Two half-batch gradients summed round differently from one whole-batch gradient, and
+    # Adam's first steps move an element with a gradient near zero by about lr either way.)
+    for rank, result in enumerate(results):
+        for name, value in reference.state_dict().items():
+            torch.testing.assert_close(result["state"][name], value, rtol=1e-4, atol=2e-5,
+                                       msg=lambda m, n=name: f"rank {rank} {n}: {m}")
+    fresh = peft.PeftModel.from_pretrained(_llama(), results[0]["adapter_dir"])
+    with torch.no_grad():
+        logits = fresh(input_ids=batches_dp()[0][:1]).logits
+    for result in results:
+        torch.testing.assert_close(result["logits"], logits, rtol=1e-6, atol=1e-6)
