@@ -59,7 +59,7 @@ def external_parameters(module: nn.Module) -> list[nn.Parameter]:
     """The registered ones, those torch's own modules read (Note [torch's external reads]) and
     those the module's code reads by name (Note [Reads found in the module's code])."""
     found = list(module.__dict__.get(_ATTRIBUTE, []))
-    for param in [*_read_by_torch_module(module), *_read_by_peft_dora(module),
+    for param in [*_read_by_torch_module(module), *_read_by_peft_layer(module),
                   *_read_by_own_code(module)]:
         if all(param is not known for known in found):
             found.append(param)
@@ -96,31 +96,26 @@ def _in_parameter_containers(module: nn.Module) -> list[nn.Parameter]:
     return params
 
 
-# Note [PEFT's DoRA reads]
-# A PEFT LoRA layer with DoRA (`LoraConfig(use_dora=True)`) keeps, per adapter, a magnitude
-# module in its `lora_magnitude_vector` ModuleDict and calls it with its siblings as arguments:
-# `self.lora_magnitude_vector[name](x, lora_A=..., lora_B=..., base_layer=...)`, whose forward
-# reads `lora_A.weight.shape`, the base layer's weight and bias directly (the weight norm) and
-# calls lora_A and lora_B. Those reads go through arguments, which neither the registration on
-# the reading module (it holds no reference to them) nor the code scan below can see: they met
-# the placeholders ("IndexError: tuple index out of range" at the first forward, with no note).
-# The layer itself holds all of them, so its forward, around the magnitude module's call, counts
-# as a user of its adapters' and base layer's parameters (found by the layer's attributes, as
-# PEFT names them, without importing PEFT). The children still access their own around their
-# calls; the layer's access only keeps them in hand in between.
-def _read_by_peft_dora(module: nn.Module) -> list[nn.Parameter]:
-    magnitudes = getattr(module, "lora_magnitude_vector", None)
-    get_base_layer = getattr(module, "get_base_layer", None)
-    if not isinstance(magnitudes, nn.ModuleDict) or len(magnitudes) == 0 \
-            or not callable(get_base_layer):
+# Note [PEFT's tuner layers]
+# A PEFT tuner layer (LoRA, DoRA, LoHa, LoKr, IA3, ...) wraps the layer it adapts as its
+# `base_layer` child and reaches into it and into its adapter children outside their forwards:
+# LoHa's and LoKr's forward reshape the delta weight to `self.get_base_layer().weight.shape`
+# (through a method's return value, which the code scan below does not follow), and DoRA's
+# magnitude module is called with its siblings as arguments,
+# `self.lora_magnitude_vector[name](x, lora_A=..., lora_B=..., base_layer=...)`, and reads
+# `lora_A.weight.shape` and the base layer's weight and bias. Those reads met the placeholders
+# at the first forward ("shape '[0]' is invalid for input of size 1024", "IndexError: tuple
+# index out of range" with no note). The layer holds all of them, so its forward counts as a
+# user of every parameter in its subtree, as DeepSpeed's `set_z3_leaf_modules` makes a module
+# fetch its subtree: a tuner layer's children are called inside its forward anyway, so this
+# keeps in hand in between what they access around their own calls. Tuner layers are found by
+# the attributes PEFT gives them (a `base_layer` child and `get_base_layer`), without importing
+# PEFT.
+def _read_by_peft_layer(module: nn.Module) -> list[nn.Parameter]:
+    if not isinstance(getattr(module, "base_layer", None), nn.Module) \
+            or not callable(getattr(module, "get_base_layer", None)):
         return []
-    params = list(get_base_layer().parameters())
-    for name in ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B"):
-        siblings = getattr(module, name, None)
-        if isinstance(siblings, (nn.ModuleDict, nn.ParameterDict)):
-            params.extend(siblings.parameters())
-    params.extend(magnitudes.parameters())
-    return params
+    return list(module.parameters())
 
 
 # Errors that a placeholder (an empty tensor) typically causes inside torch ops.

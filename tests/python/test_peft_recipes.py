@@ -56,12 +56,17 @@ RECIPES = {
                                                  **_LORA)),
     "lora_bert": (_bert, lambda: peft.LoraConfig(task_type="SEQ_CLS",
                                                  target_modules=["query", "value"], **_LORA)),
-    # Note [PEFT's DoRA reads] in external_params.py: the DoRA layers read their siblings'
-    # weights through arguments, and the first forward raised IndexError.
+    # Note [PEFT's tuner layers] in external_params.py: DoRA's magnitude modules read their
+    # siblings' weights through arguments (IndexError at the first forward), LoHa and LoKr the
+    # base layer's weight through get_base_layer() ("shape '[0]' is invalid").
     "dora": (_llama, lambda: peft.LoraConfig(target_modules=["embed_tokens", "q_proj", "o_proj"],
                                              use_dora=True, **_LORA)),
     "dora_gpt2": (_gpt2, lambda: peft.LoraConfig(target_modules=["c_attn"], fan_in_fan_out=True,
                                                  use_dora=True, **_LORA)),
+    "loha": (_llama, lambda: peft.LoHaConfig(r=4, target_modules=["q_proj", "v_proj"],
+                                             init_weights=False)),
+    "lokr": (_llama, lambda: peft.LoKrConfig(r=4, target_modules=["q_proj", "v_proj"],
+                                             init_weights=False)),
     "ia3": (_llama, lambda: peft.IA3Config(target_modules=["k_proj", "v_proj", "down_proj"],
                                            feedforward_modules=["down_proj"])),
     "prefix": (_llama, lambda: peft.PrefixTuningConfig(task_type="CAUSAL_LM",
@@ -145,7 +150,8 @@ def test_lora_trains_saves_and_reloads_as_pytorch(tmp_path, capsys, built):
 
 
 @pytest.mark.parametrize("recipe", ["lora_tied", "lora_embedding_and_head", "lora_gpt2",
-                                    "lora_bert", "dora", "dora_gpt2", "ia3", "prefix"])
+                                    "lora_bert", "dora", "dora_gpt2", "loha", "lokr", "ia3",
+                                    "prefix"])
 def test_peft_recipes_train_and_reload_as_pytorch(tmp_path, recipe):
     model, reference, initial, batch = _train_both(recipe)
     state = model.module.state_dict()
