@@ -67,9 +67,16 @@ RECIPES = {
                                              init_weights=False)),
     "lokr": (_llama, lambda: peft.LoKrConfig(r=4, target_modules=["q_proj", "v_proj"],
                                              init_weights=False)),
+    "vera": (_llama, lambda: peft.VeraConfig(r=4, target_modules=["q_proj", "k_proj"],
+                                             init_weights=False)),
+    "oft": (_llama, lambda: peft.OFTConfig(r=0, oft_block_size=8,
+                                           target_modules=["q_proj", "v_proj"],
+                                           init_weights=False)),
     "ia3": (_llama, lambda: peft.IA3Config(target_modules=["k_proj", "v_proj", "down_proj"],
                                            feedforward_modules=["down_proj"])),
     "prefix": (_llama, lambda: peft.PrefixTuningConfig(task_type="CAUSAL_LM",
+                                                       num_virtual_tokens=4)),
+    "prompt": (_llama, lambda: peft.PromptTuningConfig(task_type="CAUSAL_LM",
                                                        num_virtual_tokens=4)),
 }
 
@@ -150,8 +157,8 @@ def test_lora_trains_saves_and_reloads_as_pytorch(tmp_path, capsys, built):
 
 
 @pytest.mark.parametrize("recipe", ["lora_tied", "lora_embedding_and_head", "lora_gpt2",
-                                    "lora_bert", "dora", "dora_gpt2", "loha", "lokr", "ia3",
-                                    "prefix"])
+                                    "lora_bert", "dora", "dora_gpt2", "loha", "lokr", "vera",
+                                    "oft", "ia3", "prefix", "prompt"])
 def test_peft_recipes_train_and_reload_as_pytorch(tmp_path, recipe):
     model, reference, initial, batch = _train_both(recipe)
     state = model.module.state_dict()
@@ -363,3 +370,18 @@ def test_peft_under_data_parallelism_trains_as_one_process_on_the_whole_batch(tw
         logits = fresh(input_ids=batches_dp()[0][:1]).logits
     for result in results:
         torch.testing.assert_close(result["logits"], logits, rtol=1e-6, atol=1e-6)
+
+
+def test_an_adapter_added_after_initialize_is_refused_naming_model_func():
+    """PEFT creates a new adapter trainable (Note [Parameters added after initialize()] in
+    added_params.py): refused before torch changes the module, saying to add it in model_func;
+    the engine then trains on as before."""
+    model, opt = patrickstar.initialize(lambda: _peft_model("lora"), config=CONFIG)
+    names = [name for name, _ in model.module.named_parameters()]
+    with pytest.raises(ValueError, match="inside model_func"):
+        model.module.add_adapter("other", peft.LoraConfig(target_modules=["q_proj"], **_LORA))
+    assert [name for name, _ in model.module.named_parameters()] == names
+    ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(0))
+    model.backward(model(input_ids=ids, labels=ids).loss)
+    opt.step()
+    model.destroy()
