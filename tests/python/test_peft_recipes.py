@@ -72,6 +72,9 @@ RECIPES = {
     "oft": (_llama, lambda: peft.OFTConfig(r=0, oft_block_size=8,
                                            target_modules=["q_proj", "v_proj"],
                                            init_weights=False)),
+    # Note [Saved tensors without a storage] in activations.py: SHiRA's forward saves a sparse
+    # tensor for backward.
+    "shira": (_llama, lambda: peft.ShiraConfig(r=4, target_modules=["q_proj", "v_proj"])),
     "ia3": (_llama, lambda: peft.IA3Config(target_modules=["k_proj", "v_proj", "down_proj"],
                                            feedforward_modules=["down_proj"])),
     "prefix": (_llama, lambda: peft.PrefixTuningConfig(task_type="CAUSAL_LM",
@@ -158,7 +161,7 @@ def test_lora_trains_saves_and_reloads_as_pytorch(tmp_path, capsys, built):
 
 @pytest.mark.parametrize("recipe", ["lora_tied", "lora_embedding_and_head", "lora_gpt2",
                                     "lora_bert", "dora", "dora_gpt2", "loha", "lokr", "vera",
-                                    "oft", "ia3", "prefix", "prompt"])
+                                    "oft", "shira", "ia3", "prefix", "prompt"])
 def test_peft_recipes_train_and_reload_as_pytorch(tmp_path, recipe):
     model, reference, initial, batch = _train_both(recipe)
     state = model.module.state_dict()
