@@ -29,7 +29,8 @@ import torch
 from torch import nn
 
 __all__ = ["register_external_parameter", "unregister_external_parameter",
-           "external_parameters", "external_parameter_hint", "unregistered_read_note"]
+           "external_parameters", "unknown_external_parameter", "external_parameter_hint",
+           "unregistered_read_note"]
 
 _ATTRIBUTE = "_patrickstar_external_parameters"
 
@@ -64,6 +65,28 @@ def external_parameters(module: nn.Module) -> list[nn.Parameter]:
         if all(param is not known for known in found):
             found.append(param)
     return found
+
+
+def unknown_external_parameter(module: nn.Module, param: nn.Parameter,
+                               model: nn.Module) -> ValueError:
+    """The error for a parameter `module`'s forward uses (registered, or found by the rules
+    below) that is not one of the engine's: `model` is the engine's module, for the names."""
+    where = next((name for name, m in model.named_modules() if m is module), None)
+    described = f"{type(module).__name__} (module '{where}')" if where else type(module).__name__
+    if any(param is registered for registered in module.__dict__.get(_ATTRIBUTE, [])):
+        return ValueError(
+            f"register_external_parameter: a parameter of shape {tuple(param.shape)} registered "
+            f"on {described} is not a parameter of the model built by model_func")
+    # Found by a rule, not registered: the module holds a Parameter object made after
+    # model_func returned. PEFT's LoRA on nn.MultiheadAttention does that each time its modules
+    # are listed (it deletes and re-registers in_proj_weight around every forward).
+    return ValueError(
+        f"{described} holds a parameter of shape {tuple(param.shape)} that is not one "
+        f"model_func built into the chunks: a new Parameter object was made after model_func "
+        f"returned (PEFT's LoRA on nn.MultiheadAttention re-creates its in_proj_weight whenever "
+        f"its modules are listed, and around every forward). A module that replaces its "
+        f"parameters while it trains cannot keep them in chunks: with PEFT, leave "
+        f"nn.MultiheadAttention out of target_modules")
 
 
 # Note [torch's external reads]

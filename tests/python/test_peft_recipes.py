@@ -388,3 +388,28 @@ def test_an_adapter_added_after_initialize_is_refused_naming_model_func():
     model.backward(model(input_ids=ids, labels=ids).loss)
     opt.step()
     model.destroy()
+
+
+class _Attention(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Linear(8, 16)
+        self.attn = torch.nn.MultiheadAttention(16, 2, batch_first=True)
+
+    def forward(self, x):
+        hidden = self.embed(x)
+        return self.attn(hidden, hidden, hidden)[0].square().mean()
+
+
+def test_lora_on_a_multihead_attention_is_refused_naming_the_module():
+    """PEFT's LoRA on nn.MultiheadAttention makes a new in_proj_weight Parameter whenever its
+    modules are listed, so none of it lives in chunks; initialize() said "register_external_
+    parameter: ... registered on MultiheadAttention is not a parameter of the model", about a
+    registration the user never made."""
+    def build():
+        torch.manual_seed(0)
+        return peft.get_peft_model(_Attention(), peft.LoraConfig(target_modules=["attn"], r=2))
+
+    with pytest.raises(ValueError, match=r"module 'base_model.model.attn'.* shape \(48, 16\).*"
+                                         r"leave nn.MultiheadAttention out of target_modules"):
+        patrickstar.initialize(build, config=CONFIG)
