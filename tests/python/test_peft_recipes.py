@@ -413,3 +413,34 @@ def test_lora_on_a_multihead_attention_is_refused_naming_the_module():
     with pytest.raises(ValueError, match=r"module 'base_model.model.attn'.* shape \(48, 16\).*"
                                          r"leave nn.MultiheadAttention out of target_modules"):
         patrickstar.initialize(build, config=CONFIG)
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_the_kbit_training_recipe_with_gradient_checkpointing_trains_as_pytorch(reentrant):
+    """`prepare_model_for_kbit_training` (the QLoRA recipe, also used on unquantized models):
+    the bf16 base cast to fp32, Hugging Face's gradient checkpointing and
+    `enable_input_require_grads`, then DoRA adapters."""
+    def build():
+        base = peft.prepare_model_for_kbit_training(
+            _llama().to(torch.bfloat16),
+            gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        torch.manual_seed(1)
+        return peft.get_peft_model(base, peft.LoraConfig(
+            target_modules=["q_proj", "v_proj"], use_dora=True, **_LORA))
+
+    reference = build()
+    ref_opt = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad],
+                                lr=1e-2, weight_decay=0.01, foreach=False)
+    model, opt = patrickstar.initialize(build, config=CONFIG)
+    generator = torch.Generator().manual_seed(0)
+    for step in range(3):
+        ids = torch.randint(0, VOCAB, (2, 8), generator=generator)
+        ref = reference(input_ids=ids, labels=ids).loss
+        ref.backward(); ref_opt.step(); ref_opt.zero_grad()
+        loss = model(input_ids=ids, labels=ids).loss
+        model.backward(loss); opt.step(); opt.zero_grad()
+        assert loss.item() == pytest.approx(ref.item(), rel=1e-5), step
+    state = model.module.state_dict()
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(state[name], value, rtol=1e-4, atol=1e-6)
+    model.destroy()
