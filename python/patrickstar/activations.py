@@ -71,6 +71,14 @@ class ActivationCounter:
         base = tensor if tensor._base is None else tensor._base
         if isinstance(base, torch.nn.Parameter) or tensor.device.type == "meta":
             return tensor  # model data (chunk views, or views of them such as weight.t())
+        if tensor.layout != torch.strided:
+            # Note [Saved tensors without a storage]
+            # A sparse (COO, CSR, ...) tensor saved for backward (`torch.sparse.mm(adjacency, x)`
+            # in a graph network's forward, PEFT's SHiRA adapters) has no storage of its own:
+            # `untyped_storage()` raised NotImplementedError and failed the forward, where
+            # PyTorch trains. Its bytes are left out of the count (the measure is a lower
+            # bound anyway); it is still held without its graph, as below.
+            return _SavedActivation(tensor.detach())
         self._settle()  # a storage freed uncounted may have left its pointer to this one
         storage = tensor.untyped_storage()
         key = storage.data_ptr()

@@ -82,7 +82,7 @@ from .deepspeed_schedulers import build_scheduler
 from .guards import TrainingGuard, check_budgets
 from .embedding_renorm import RenormAcrossRanks, refuse_lost_renorms
 from .external_params import (external_parameter_hint, external_parameters,
-                              unregistered_read_note)
+                              unknown_external_parameter, unregistered_read_note)
 from .hooks import CallHooks, ModuleHooks
 from .memory_formats import format_name, memory_format_warning
 from .module_apply import ModuleApply
@@ -505,10 +505,7 @@ class PatrickStarEngine(nn.Module):
         for param in external_parameters(module):
             index = self.params.index_of(param)
             if index is None:
-                raise ValueError(
-                    f"register_external_parameter: a parameter of shape {tuple(param.shape)} "
-                    f"registered on {type(module).__name__} is not a parameter of the model "
-                    "built by model_func")
+                raise unknown_external_parameter(module, param, self.module)
             if index not in indices:
                 indices.append(index)
         return indices

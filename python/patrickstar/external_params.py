@@ -29,7 +29,8 @@ import torch
 from torch import nn
 
 __all__ = ["register_external_parameter", "unregister_external_parameter",
-           "external_parameters", "external_parameter_hint", "unregistered_read_note"]
+           "external_parameters", "unknown_external_parameter", "external_parameter_hint",
+           "unregistered_read_note"]
 
 _ATTRIBUTE = "_patrickstar_external_parameters"
 
@@ -59,10 +60,33 @@ def external_parameters(module: nn.Module) -> list[nn.Parameter]:
     """The registered ones, those torch's own modules read (Note [torch's external reads]) and
     those the module's code reads by name (Note [Reads found in the module's code])."""
     found = list(module.__dict__.get(_ATTRIBUTE, []))
-    for param in [*_read_by_torch_module(module), *_read_by_own_code(module)]:
+    for param in [*_read_by_torch_module(module), *_read_by_peft_layer(module),
+                  *_read_by_own_code(module)]:
         if all(param is not known for known in found):
             found.append(param)
     return found
+
+
+def unknown_external_parameter(module: nn.Module, param: nn.Parameter,
+                               model: nn.Module) -> ValueError:
+    """The error for a parameter `module`'s forward uses (registered, or found by the rules
+    below) that is not one of the engine's: `model` is the engine's module, for the names."""
+    where = next((name for name, m in model.named_modules() if m is module), None)
+    described = f"{type(module).__name__} (module '{where}')" if where else type(module).__name__
+    if any(param is registered for registered in module.__dict__.get(_ATTRIBUTE, [])):
+        return ValueError(
+            f"register_external_parameter: a parameter of shape {tuple(param.shape)} registered "
+            f"on {described} is not a parameter of the model built by model_func")
+    # Found by a rule, not registered: the module holds a Parameter object made after
+    # model_func returned. PEFT's LoRA on nn.MultiheadAttention does that each time its modules
+    # are listed (it deletes and re-registers in_proj_weight around every forward).
+    return ValueError(
+        f"{described} holds a parameter of shape {tuple(param.shape)} that is not one "
+        f"model_func built into the chunks: a new Parameter object was made after model_func "
+        f"returned (PEFT's LoRA on nn.MultiheadAttention re-creates its in_proj_weight whenever "
+        f"its modules are listed, and around every forward). A module that replaces its "
+        f"parameters while it trains cannot keep them in chunks: with PEFT, leave "
+        f"nn.MultiheadAttention out of target_modules")
 
 
 # Note [torch's external reads]
@@ -93,6 +117,28 @@ def _in_parameter_containers(module: nn.Module) -> list[nn.Parameter]:
         elif isinstance(child, (nn.ModuleList, nn.ModuleDict)):
             params.extend(_in_parameter_containers(child))
     return params
+
+
+# Note [PEFT's tuner layers]
+# A PEFT tuner layer (LoRA, DoRA, LoHa, LoKr, IA3, ...) wraps the layer it adapts as its
+# `base_layer` child and reaches into it and into its adapter children outside their forwards:
+# LoHa's and LoKr's forward reshape the delta weight to `self.get_base_layer().weight.shape`
+# (through a method's return value, which the code scan below does not follow), and DoRA's
+# magnitude module is called with its siblings as arguments,
+# `self.lora_magnitude_vector[name](x, lora_A=..., lora_B=..., base_layer=...)`, and reads
+# `lora_A.weight.shape` and the base layer's weight and bias. Those reads met the placeholders
+# at the first forward ("shape '[0]' is invalid for input of size 1024", "IndexError: tuple
+# index out of range" with no note). The layer holds all of them, so its forward counts as a
+# user of every parameter in its subtree, as DeepSpeed's `set_z3_leaf_modules` makes a module
+# fetch its subtree: a tuner layer's children are called inside its forward anyway, so this
+# keeps in hand in between what they access around their own calls. Tuner layers are found by
+# the attributes PEFT gives them (a `base_layer` child and `get_base_layer`), without importing
+# PEFT.
+def _read_by_peft_layer(module: nn.Module) -> list[nn.Parameter]:
+    if not isinstance(getattr(module, "base_layer", None), nn.Module) \
+            or not callable(getattr(module, "get_base_layer", None)):
+        return []
+    return list(module.parameters())
 
 
 # Errors that a placeholder (an empty tensor) typically causes inside torch ops.

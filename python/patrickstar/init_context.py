@@ -95,6 +95,40 @@ def _registration_hook(hook):
         handle.remove()
 
 
+# Note [A parameter re-created in another dtype]
+# Code in model_func may convert a registered parameter by re-creating it in another dtype
+# (`setattr(owner, name, nn.Parameter(p.data.float()))`). PEFT does so for its adapters, and only
+# when it sees a real tensor: `get_peft_model` moves each adapter to the base layer's dtype, but
+# skips adapters on the meta device, and then re-creates the 16-bit ones in fp32
+# (`cast_adapter_dtype`). So the planning pass on the meta device saw no re-creation while the
+# build into chunks saw one per adapter whenever the base weight was 16-bit there (a base model
+# built in bf16, or a frozen base under a bf16 config, whose slot is the 16-bit compute chunk:
+# Note [Frozen parameters in 16 bits] in engine.py), and initialize() raised "model_func
+# registered more parameters than on its first run" for every PEFT model trained in bf16.
+# The chunks hold every parameter in the config's dtypes whatever dtype model_func gives it, so
+# both passes take such a re-creation (same shape, same device, another dtype) as the
+# conversion `p.data = p.data.to(dtype)` that `.to()` / `.half()` make: the new values (and
+# requires_grad) go into the parameter already registered under that name, which stays the
+# module's parameter, and they reach its slot as any `p.data = t` does (Note [Parameters
+# resized while building]). Any other replacement (another shape, or meta weights replaced by
+# loaded ones, as `from_pretrained` does) is a new parameter, as before.
+def _recreated(module: nn.Module, name: str, param: nn.Parameter | None,
+               registered: Callable[[nn.Parameter], bool]) -> nn.Parameter | None:
+    """The parameter registered as `module.<name>` that `param` re-creates in another dtype,
+    now holding `param`'s values and requires_grad; None when `param` is anything else."""
+    if param is None:
+        return None
+    current = dict(module.named_parameters(recurse=False)).get(name)
+    if current is None or current is param or not registered(current) \
+            or current.shape != param.shape or current.device != param.device \
+            or current.dtype == param.dtype:
+        return None
+    with torch.no_grad():
+        current.data = param.data
+    current.requires_grad_(param.requires_grad)
+    return current
+
+
 def _call_model_func(model_func: Callable[[], nn.Module]) -> nn.Module:
     model = model_func()
     if not isinstance(model, nn.Module):
@@ -160,6 +194,9 @@ def plan_parameters(model_func: Callable[[], nn.Module],
     seen: set[int] = set()
 
     def record(module, name, param):
+        replaced = _recreated(module, name, param, lambda p: id(p) in seen)
+        if replaced is not None:  # Note [A parameter re-created in another dtype]
+            return replaced
         if param is not None and id(param) not in seen:
             seen.add(id(param))
             registrations.append(param)
@@ -174,7 +211,9 @@ def plan_parameters(model_func: Callable[[], nn.Module],
                                     category=UserWarning)
             model = _call_model_func(model_func)
     except (RuntimeError, NotImplementedError, ValueError) as error:
-        if "meta" not in str(error):
+        # torch says "meta tensors" or "Meta tensors" ("aten::_to_sparse: attempted to run this
+        # operator with Meta tensors": a sparse buffer built in __init__, a graph's adjacency)
+        if "meta" not in str(error).lower():
             raise
         # Note [Planning without the meta device]
         _log.warning("model_func cannot run on the meta device (%s); planning the chunk "
@@ -363,6 +402,9 @@ class ParameterPlacer:
             return None
         if self._was_registered(param):
             return None
+        replaced = _recreated(module, name, param, self._was_registered)
+        if replaced is not None:  # Note [A parameter re-created in another dtype]
+            return replaced
         self._seen[id(param)] = weakref.ref(param)
         if self._event >= len(self._survives):
             raise RuntimeError("model_func registered more parameters than on its first run; "

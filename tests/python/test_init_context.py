@@ -326,3 +326,46 @@ def test_a_meta_device_model_is_refused_naming_the_parameter(how):
     with pytest.raises(RuntimeError, match=r"parameter 0 \('.*weight', shape \(8, 4\)\) is on "
                                            r"the meta device.*Build the model on the CPU"):
         patrickstar.initialize(build if how == "model_func" else build(), config={})
+
+
+class RecreatedOffMeta(nn.Module):
+    """Re-creates its adapters' parameters in bf16 then fp32, but only off the meta device, as
+    PEFT's get_peft_model does (Note [A parameter re-created in another dtype])."""
+
+    def __init__(self):
+        super().__init__()
+        self.base = nn.Linear(16, 16)
+        self.adapter = nn.Linear(16, 16, bias=False)
+        for dtype in (torch.bfloat16, torch.float32):
+            if self.adapter.weight.device.type != "meta":
+                self.adapter.weight = nn.Parameter(self.adapter.weight.data.to(dtype))
+        self.base.requires_grad_(False)
+
+    def forward(self, x):
+        return (self.base(x) + self.adapter(x)).square().mean()
+
+
+def test_a_parameter_recreated_in_another_dtype_only_off_the_meta_device_trains_as_pytorch():
+    """The planning pass (meta) saw two registrations fewer than the build into chunks:
+    initialize() raised "model_func registered more parameters than on its first run"."""
+    torch.manual_seed(0)
+    reference = RecreatedOffMeta()
+    ref_opt = torch.optim.Adam([p for p in reference.parameters() if p.requires_grad], lr=1e-2,
+                               foreach=False)
+    torch.manual_seed(0)
+    model, opt = patrickstar.initialize(RecreatedOffMeta, config={
+        "default_chunk_size": 4096, "optimizer": {"type": "Adam", "params": {"lr": 1e-2}}})
+    assert [(n, p.requires_grad) for n, p in model.module.named_parameters()] == [
+        (n, p.requires_grad) for n, p in reference.named_parameters()]
+    g = torch.Generator().manual_seed(0)
+    for step in range(3):
+        x = torch.randn(4, 16, generator=g)
+        ref = reference(x)
+        ref.backward(); ref_opt.step(); ref_opt.zero_grad()
+        loss = model(x)
+        model.backward(loss); opt.step(); opt.zero_grad()
+        assert loss.item() == pytest.approx(ref.item(), rel=1e-5), step
+    state = model.state_dict()
+    for name, tensor in reference.state_dict().items():
+        torch.testing.assert_close(state[name], tensor, rtol=1e-5, atol=1e-6)
+    model.destroy()

@@ -210,3 +210,44 @@ def test_a_signal_handlers_exception_is_not_swallowed_when_activations_are_freed
         signal.signal(signal.SIGALRM, previous)
     graph.clear()
     assert counter.bytes == 0
+
+
+class GraphConvolution(nn.Module):
+    """A GCN layer (Kipf & Welling): `torch.sparse.mm` saves the sparse adjacency for backward."""
+
+    def __init__(self, nodes: int = 12, width: int = 8):
+        super().__init__()
+        g = torch.Generator().manual_seed(3)
+        dense = (torch.rand(nodes, nodes, generator=g) < 0.3).float() + torch.eye(nodes)
+        self.register_buffer("adjacency", (dense / dense.sum(1, keepdim=True)).to_sparse())
+        self.lin1 = nn.Linear(width, width)
+        self.lin2 = nn.Linear(width, 3)
+
+    def forward(self, x, labels):
+        hidden = torch.relu(torch.sparse.mm(self.adjacency, self.lin1(x)))
+        logits = torch.sparse.mm(self.adjacency, self.lin2(hidden))
+        return nn.functional.cross_entropy(logits, labels)
+
+
+def test_a_sparse_tensor_saved_for_backward_trains_as_in_pytorch():
+    """Note [Saved tensors without a storage]: the count asked a sparse saved tensor for its
+    storage and the forward raised NotImplementedError ("Cannot access storage of
+    SparseTensorImpl")."""
+    torch.manual_seed(0)
+    reference = GraphConvolution()
+    ref_opt = torch.optim.Adam(reference.parameters(), lr=1e-2, foreach=False)
+    torch.manual_seed(0)
+    model, opt = patrickstar.initialize(GraphConvolution, config={
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-2}}, "default_chunk_size": 4096})
+    g = torch.Generator().manual_seed(0)
+    for step in range(3):
+        x, labels = torch.randn(12, 8, generator=g), torch.randint(0, 3, (12,), generator=g)
+        ref = reference(x, labels)
+        ref.backward(); ref_opt.step(); ref_opt.zero_grad()
+        loss = model(x, labels)
+        model.backward(loss); opt.step(); opt.zero_grad()
+        assert loss.item() == pytest.approx(ref.item(), rel=1e-5), step
+    for name, value in reference.state_dict().items():
+        if name != "adjacency":
+            torch.testing.assert_close(model.state_dict()[name], value, rtol=1e-5, atol=1e-6)
+    model.destroy()
