@@ -37,7 +37,11 @@ data_parallel.py). Two things assumed one engine per process:
     single engine always had. (The shared-memory transport makes a segment per communicator
     anyway.)
 Every rank must create its engines in the same order (creation is a collective), so the slots,
-the leader and the groups are the same on every rank.
+the leader and the groups are the same on every rank. The leader is the lowest slot among the
+engines that were live on every rank at the last attach (all-gathered there): an engine still
+uncollected on one rank alone leads nothing. The call counter starts afresh when no engine is
+live on every rank (a process that ran engines of other topologies before, one after another,
+counted other calls on each rank), as each lone engine's counter always did.
 """
 from __future__ import annotations
 
@@ -49,6 +53,9 @@ __all__ = ["busy_slots", "take_slot", "release", "party", "parties", "leader", "
 # hold the DataParallel; Note [Engine lifetime] in engine.py: nothing here may keep it alive).
 _SLOTS: dict[int, weakref.ref] = {}
 _calls = 0  # the process's agreed calls, of every engine
+# The slots whose engines live on every rank, as far as the last attach could tell: an engine
+# closed on the other ranks but not yet collected here (a reference cycle) leads nothing.
+_EVERYWHERE: set[int] = set()
 
 
 def busy_slots() -> list[int]:
@@ -67,9 +74,15 @@ def take_slot(data_parallel, busy_on_ranks: list[list[int]], data_ranks) -> int:
                 f"group, but a live engine's spans ranks {list(other.data_ranks)} and the new "
                 f"one's {list(data_ranks)} (different parallel.pipeline / parallel.tensor); "
                 "destroy the first (model.destroy()) before creating the second")
+    global _calls
     taken = {slot for slots in busy_on_ranks for slot in slots}
+    everywhere = set.intersection(*(set(slots) for slots in busy_on_ranks))
     slot = next(s for s in range(len(taken) + 1) if s not in taken)
     _SLOTS[slot] = weakref.ref(data_parallel)
+    _EVERYWHERE.intersection_update(everywhere)
+    if not _EVERYWHERE:
+        _calls = 0  # a fresh sequence on every rank, as a lone engine's always was
+    _EVERYWHERE.add(slot)
     return slot
 
 
@@ -77,6 +90,7 @@ def release(slot: int | None) -> None:
     """The engine of `slot` is closing: it takes no more part in the agreement."""
     if slot is not None:
         _SLOTS.pop(slot, None)
+        _EVERYWHERE.discard(slot)
 
 
 def party(slot: int):
@@ -92,9 +106,12 @@ def parties() -> list:
 
 def leader():
     """The live DataParallel whose communicator carries every engine's agreements: the lowest
-    slot's (None when no engine lives)."""
-    live = parties()
-    return live[0] if live else None
+    slot's of those live on every rank (None when there is none)."""
+    for slot in sorted(_EVERYWHERE):
+        found = party(slot)
+        if found is not None:
+            return found
+    return None
 
 
 def next_call() -> int:
