@@ -429,7 +429,9 @@ class DataParallel:
     # each of these calls starts with one small all-reduce of every rank's count of such calls
     # and what the call is (a forward followed by a backward, one that is not, a state-dict
     # read): ranks that differ raise at once, naming what each rank is running. Cost: one
-    # all-reduce of 2 x world floats per call (microseconds over shared memory).
+    # all-reduce of 2 x world floats per call (microseconds over shared memory). The engines of
+    # one process (a GAN's two) make one sequence of such calls together: Note [Several engines
+    # in one process] in process_engines.py.
     _CALLS = {0: "a forward without backward (eval() or no_grad())",
               1: "a training forward (a backward follows)",
               2: "model.state_dict()", 3: "optimizer.state_dict()",
@@ -515,6 +517,12 @@ class DataParallel:
                 offset += part.numel()
 
     @property
+    def module_type(self) -> str:
+        """The class name of the engine's module, for errors naming the engine."""
+        engine = self._engine
+        return "module gone" if engine is None else type(engine.module).__name__
+
+    @property
     def in_forward(self) -> bool:
         """Between a forward's start and its end (not a served one's)."""
         return self._in_forward
@@ -551,7 +559,7 @@ class DataParallel:
     # no first-forward comparison; the groups stay gathered, as after a state_dict(), until the
     # next training forward or step), so its collectives do not depend on what the module does
     # with the weights. So when the call agreement finds some ranks at one read kind (_SERVED, and a
-    # forward without backward or a generate where _forwards_served) and every other rank at
+    # forward without backward or a generate where forwards_served) and every other rank at
     # one other call, the readers go on with their read and the others serve it first, making
     # the read's collectives in the same order (their own agreements skipped: the readers
     # agreed once for the whole read), then agree again on their own call; a reader that reads
@@ -634,17 +642,17 @@ class DataParallel:
         reader = process_engines.party(slot)
         if reader is None:
             return False
-        return kind in self._SERVED or (kind in (0, self.GENERATE) and reader._forwards_served())
+        return kind in self._SERVED or (kind in (0, self.GENERATE) and reader.forwards_served())
 
-    def _forwards_served(self) -> bool:
+    def forwards_served(self) -> bool:
         """An evaluation forward on one rank is served unless the module's forward has
         collectives of its own (embedding renorms) or model parallelism spans the forward."""
         return (self.model_parallel is None and not self.forwards_have_collectives
                 and self.gathers is not None)
 
-    def _serve(self, kind: int) -> None:
+    def serve(self, kind: int) -> None:
         """Makes the collectives of another rank's read `kind` of this engine, as that read
-        makes them."""
+        makes them (agree_on_call of any engine of the process calls it)."""
         engine = self._engine
         in_forward, self._in_forward, self._serving = self._in_forward, False, True
         try:
@@ -688,7 +696,7 @@ class DataParallel:
                 self._raise_calls_differ(kind, rows)
             if served == (kind, self.slot):
                 return True  # this rank reads; the others serve it
-            process_engines.party(served[1])._serve(served[0])
+            process_engines.party(served[1]).serve(served[0])
 
     # A row's second value is the call's kind plus this multiple of its engine's slot (Note
     # [Several engines in one process]): two values per rank, exact in fp32, as before.
@@ -726,8 +734,7 @@ class DataParallel:
 
     def _describe_engine(self, slot: int) -> str:
         party = process_engines.party(slot)
-        engine = None if party is None else party._engine
-        module = "" if engine is None else f" (a {type(engine.module).__name__})"
+        module = "" if party is None else f" (a {party.module_type})"
         return f" of the engine in slot {slot}{module}"
 
     def _raise_calls_differ(self, kind: int, rows: list[tuple[int, int, int]]) -> None:
