@@ -121,6 +121,12 @@ def test_a_student_beside_an_evaluating_teacher_trains_as_ddp(tmp_path):
     _assert_trains_as_ddp(_launch_two_engines(tmp_path, "teacher"))
 
 
+def test_a_gan_with_the_discriminator_frozen_for_the_generator_step_trains_as_ddp(tmp_path):
+    # pix2pix's set_requires_grad(netD, False): the generator's loss runs through a
+    # discriminator whose parameters get no gradient (DDP needs find_unused_parameters).
+    _assert_trains_as_ddp(_launch_two_engines(tmp_path, "gan_freeze"))
+
+
 def test_reads_of_different_engines_on_different_ranks_raise_naming_both(tmp_path):
     # Two reads at once, one per engine, cannot both be served: both ranks raise at once,
     # naming each rank's call and engine, instead of waiting for the collective timeout.

@@ -3,7 +3,8 @@ rank on its half of every batch, and the same loop on two torch DDP models first
 
     two_engines_worker.py OUT_DIR WHAT TRANSPORT STEPS [BACKWARD]
 
-WHAT: gan (DCGAN's loop, as test_two_engines.py's), gan_read (the same, rank 0 alone also
+WHAT: gan (DCGAN's loop, as test_two_engines.py's), gan_freeze (the discriminator frozen for
+the generator's step), gan_read (the same, rank 0 alone also
 reading the discriminator's weight norm and state dict and evaluating it before the generator's
 forward of every step, then a barrier on every rank, as a DDP script logs and saves), teacher (a
 student trained on a teacher's outputs, the teacher in eval() under no_grad) or reads_differ
@@ -51,10 +52,11 @@ def config(transport: str) -> dict:
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.0}}}
 
 
-def gan_loop(gen, disc, gen_opt, disc_opt, rank, steps, backward,
-             lonely_read=None) -> list[float]:
+def gan_loop(gen, disc, gen_opt, disc_opt, rank, steps, backward, lonely_read=None,
+             freeze=False) -> list[float]:
     """DCGAN's loop on this rank's half of each batch; `backward(module, loss)`;
-    `lonely_read(real)` on rank 0 alone before each step's generator forward, then a barrier."""
+    `lonely_read(real)` on rank 0 alone before each step's generator forward, then a barrier;
+    `freeze`: the discriminator frozen for the generator's step (pix2pix's set_requires_grad)."""
     data = torch.Generator().manual_seed(1)
     bce = nn.functional.binary_cross_entropy_with_logits
     losses = []
@@ -71,9 +73,13 @@ def gan_loop(gen, disc, gen_opt, disc_opt, rank, steps, backward,
         backward(disc, d_loss)
         disc_opt.step()
         gen_opt.zero_grad()
+        if freeze:
+            disc.requires_grad_(False)
         g_loss = bce(disc(fake), torch.ones(6, 1))
         backward(gen, g_loss)
         gen_opt.step()
+        if freeze:
+            disc.requires_grad_(True)
         losses += [d_loss.item(), g_loss.item()]
     return losses
 
@@ -121,7 +127,10 @@ def main() -> None:
             lambda module, loss: module.backward(loss))
         first, second = (teacher, student) if what == "teacher" else (generator, discriminator)
         torch.manual_seed(0)
-        ref_first, ref_second = DDP(first()), DDP(second())
+        # Frozen for the generator's step, the discriminator's parameters get no gradient there,
+        # which DDP allows only with find_unused_parameters.
+        ref_first, ref_second = DDP(first()), DDP(second(),
+                                                  find_unused_parameters=what == "gan_freeze")
         result["ddp_reads"] = []
         if what == "teacher":
             result["ddp_losses"] = distillation_loop(
@@ -130,7 +139,8 @@ def main() -> None:
             result["ddp_losses"] = gan_loop(
                 ref_first, ref_second, adamw(ref_first), adamw(ref_second), rank, steps,
                 reference_backward, reader(ref_second.module, ref_second.module,
-                                           result["ddp_reads"]) if what == "gan_read" else None)
+                                           result["ddp_reads"]) if what == "gan_read" else None,
+                what == "gan_freeze")
         result["ddp_states"] = [ref_first.module.state_dict(), ref_second.module.state_dict()]
         torch.manual_seed(0)
         one, one_opt = patrickstar.initialize(first, config=config(transport))
@@ -143,7 +153,8 @@ def main() -> None:
         else:
             result["losses"] = gan_loop(
                 one, two, one_opt, two_opt, rank, steps, engine_backward,
-                reader(two.module, two, result["reads"]) if what == "gan_read" else None)
+                reader(two.module, two, result["reads"]) if what == "gan_read" else None,
+                what == "gan_freeze")
         result["states"] = [one.state_dict(), two.state_dict()]
     except BaseException as error:  # noqa: BLE001 (reported to the test)
         result.update(error_result(error))
