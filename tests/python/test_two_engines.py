@@ -136,3 +136,41 @@ def test_reads_of_different_engines_on_different_ranks_raise_naming_both(tmp_pat
         assert "the ranks are not making the same call" in result["error"]
         assert "rank 0: call" in result["error"] and "engine in slot 1" in result["error"]
         assert "rank 1: call" in result["error"] and "engine in slot 0" in result["error"]
+
+
+class _Party:
+    """A stand-in for an engine's DataParallel in process_engines' registry."""
+
+    def __init__(self, data_ranks):
+        self.data_ranks = data_ranks
+
+
+def test_slots_and_the_leader_follow_what_every_rank_holds(monkeypatch):
+    # Note [Several engines in one process]: an engine still uncollected on this rank alone
+    # (slot 0 busy here, free on the other rank) keeps its slot but leads nothing, so every
+    # rank agrees on the new engine's communicator.
+    from patrickstar import process_engines
+    monkeypatch.setattr(process_engines, "_SLOTS", {})
+    monkeypatch.setattr(process_engines, "_EVERYWHERE", set())
+    monkeypatch.setattr(process_engines, "_calls", 0)
+    lingering, first, second = _Party([0, 1]), _Party([0, 1]), _Party([0, 1])
+    assert process_engines.take_slot(lingering, [[], []], [0, 1]) == 0
+    assert process_engines.take_slot(first, [[0], []], [0, 1]) == 1
+    assert process_engines.leader() is first
+    assert process_engines.take_slot(second, [[0, 1], [1]], [0, 1]) == 2
+    assert process_engines.leader() is first
+    process_engines.release(1)
+    assert process_engines.leader() is second
+    assert process_engines.parties() == [lingering, second]
+
+
+def test_engines_of_different_data_groups_in_one_process_are_refused(monkeypatch):
+    # Their agreements share one communicator, which spans one data group.
+    from patrickstar import process_engines
+    monkeypatch.setattr(process_engines, "_SLOTS", {})
+    monkeypatch.setattr(process_engines, "_EVERYWHERE", set())
+    monkeypatch.setattr(process_engines, "_calls", 0)
+    live = _Party([0, 1])
+    process_engines.take_slot(live, [[], []], [0, 1])
+    with pytest.raises(RuntimeError, match=r"same data-parallel group.*\[0, 1\].*\[0, 2\]"):
+        process_engines.take_slot(_Party([0, 2]), [[0], [0]], [0, 2])
