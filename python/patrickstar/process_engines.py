@@ -13,23 +13,23 @@ data_parallel.py). Two things assumed one engine per process:
     left rank 0 in the discriminator's agreement and rank 1 in the generator's: neither could
     finish, and both waited for `parallel.collective_timeout`, where one engine serves such a
     read at once (Note [Reads on one rank are served]). The script's own collectives joined the
-    agreement of every live engine in a weak set's order, which is an order of object
-    addresses and so differs between processes.
+    agreement of every live engine in a weak set's order, an order of object addresses that
+    nothing keeps the same between processes.
     So the engines of a process agree on one sequence: one call counter for the process, and
-    every agreement on the communicator of the live engine with the lowest slot (the leader),
-    each row naming the engine (its slot) besides the call. Ranks at calls of different
-    engines then pair up: a read of one engine is served by the other ranks whatever engine
-    their own next call belongs to, and calls that differ otherwise raise at once, naming each
-    rank's call and engine. A script's collective joins the agreement once, through the
+    every agreement on the communicator of one engine (the leader, below), each row naming
+    the engine (its slot) besides the call. Ranks at calls of different engines then pair
+    up: a read of one engine is served by the other ranks whatever engine their own next
+    call belongs to, and calls that differ otherwise raise at once, naming each rank's call
+    and engine. A script's collective joins the agreement once, through the
     leader. Between two agreed calls no engine changes what a read reads or issues a
     collective a read's would meet, for every engine, as Note [Calls between a read and its
     serving] says for one.
   * With `parallel.transport` "process_group" every engine's communicators ran over the same
     two torch.distributed groups (the data group and its twin). Each communicator issues from
-    its own thread, so two engines' collectives in flight at once (the discriminator's
-    reduce-scatters while the generator's backward gathers, in the generator's loss through
-    the discriminator) reached the shared group in an order that differed between ranks, and
-    gloo paired one engine's chunks with the other's: the weights came out wrong, silently.
+    its own thread, so two engines' collectives in flight at once (both engines' backward
+    collectives, in the generator's loss through the discriminator) reached the shared group
+    in an order that differed between ranks, and gloo paired one engine's chunks with the
+    other's: the weights came out wrong, silently.
     So each engine takes a slot, the lowest one no engine of any rank holds (agreed at attach:
     an engine collected on one rank and not yet on another still holds its slot), and the
     engine of slot k > 0 runs on groups of its own, built for that slot once per process

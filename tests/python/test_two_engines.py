@@ -1,6 +1,8 @@
 """Two engines in one training loop, as a GAN trains: the generator's loss runs through the
 discriminator, whose gradients from it are dropped by its zero_grad() (PyTorch's DCGAN recipe).
-Compared with the same loop on plain PyTorch modules."""
+Compared with the same loop on plain PyTorch modules; under 2-rank data parallelism
+(two_engines_worker.py) with torch DDP models, the teacher-student pattern too (Note [Several
+engines in one process] in process_engines.py)."""
 from __future__ import annotations
 
 import warnings
