@@ -90,7 +90,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from . import _C, recorded_collectives, script_collectives, topology
+from . import _C, process_engines, recorded_collectives, script_collectives, topology
 from .gather_schedule import GatherSchedule
 from .recorded_collectives import RecordedGroupCollectives
 from .utils.logging import logger
@@ -185,7 +185,10 @@ class DataParallel:
         self._in_forward = False  # between engine.forward's start and after_forward()
         self._buffers_from_first_rank = True  # Note [Buffers follow the first rank]
         self._closing = False  # close_accumulation's reduce-scatters are a boundary's
-        self.calls = 0  # forwards and state-dict reads (Note [Every rank runs the same forwards])
+        # Note [Several engines in one process] in process_engines.py: this engine's slot there
+        # (from attach to close) and the data-parallel ranks it spans.
+        self.slot: int | None = None
+        self.data_ranks: list[int] = []
         self._serving = False  # inside another rank's read: Note [Reads on one rank are served]
         self._served_forward = False  # this rank's evaluation forward, served by the others
         self._backward_follows = False  # the forward's, agreed (before_forward)
@@ -236,10 +239,18 @@ class DataParallel:
                 raise RuntimeError(f"data parallel: parameter '{engine.params.names[index]}' has "
                                    "its chunks on different ranks (layout bug)")
         parallel = self.config.parallel
-        group = dist.group.WORLD if self.group is None else self.group
+        # Note [Several engines in one process] in process_engines.py: a slot, and for any but
+        # the first engine process groups of its own.
+        self.data_ranks = list(groups.data_ranks) if groups is not None else []
+        self.slot = process_engines.take_slot(
+            self, self.all_gather_object(process_engines.busy_slots(), "engine slots"),
+            self.data_ranks)
+        if self.slot == 0:
+            group = dist.group.WORLD if self.group is None else self.group
+        else:
+            group = groups.host_data_group(self.slot)
         self.transport = self._choose_transport(parallel.transport, group)
         self.communicator = self._make_communicator(group, "steps")
-        script_collectives.register(self)  # Note [The script's own collectives]
         self.reshard = bool(parallel.reshard_after_forward)
         # Backward finishes reduce-scatters before new gradients land (before_grad) only with
         # resharding and without pipeline stages or tensor slices; only then may a pending one
@@ -286,8 +297,8 @@ class DataParallel:
         if self.reshard:
             # Note [Resharding after forward]: backward's gathers get their own communicator
             # (over their own process group, or their own segment).
-            self.gather_communicator = self._make_communicator(groups.twin_data_group(),
-                                                               "gathers")
+            self.gather_communicator = self._make_communicator(
+                groups.twin_data_group(self.slot), "gathers")
             gatherer = RecordedGroupCollectives(_C.GroupCollectives(
                 manager, self.gather_communicator, tier=Tier.HOST, timeout_s=self.timeout,
                 memory_saving=parallel.memory_saving, gradient_op="avg",
@@ -352,6 +363,8 @@ class DataParallel:
     def close(self) -> None:
         """Waits for started gathers and drops the collectives, then the communicator (and this
         rank's reference to the c10d process group); engine.destroy() and interpreter exit."""
+        process_engines.release(self.slot)
+        self.slot = None
         # Closed, not only dropped: a traceback may keep them past the manager's close (Note
         # [Closing the collectives before the manager] in bindings/init_comm.cc).
         for owner in (self.gathers, self.collectives):
@@ -416,7 +429,9 @@ class DataParallel:
     # each of these calls starts with one small all-reduce of every rank's count of such calls
     # and what the call is (a forward followed by a backward, one that is not, a state-dict
     # read): ranks that differ raise at once, naming what each rank is running. Cost: one
-    # all-reduce of 2 x world floats per call (microseconds over shared memory).
+    # all-reduce of 2 x world floats per call (microseconds over shared memory). The engines of
+    # one process (a GAN's two) make one sequence of such calls together: Note [Several engines
+    # in one process] in process_engines.py.
     _CALLS = {0: "a forward without backward (eval() or no_grad())",
               1: "a training forward (a backward follows)",
               2: "model.state_dict()", 3: "optimizer.state_dict()",
@@ -501,10 +516,22 @@ class DataParallel:
                 buffer.copy_(data.view(buffer.shape))
                 offset += part.numel()
 
+    @property
+    def module_type(self) -> str:
+        """The class name of the engine's module, for errors naming the engine."""
+        engine = self._engine
+        return "module gone" if engine is None else type(engine.module).__name__
+
+    @property
+    def in_forward(self) -> bool:
+        """Between a forward's start and its end (not a served one's)."""
+        return self._in_forward
+
     def agree_on_script_collective(self, kind: int) -> None:
-        """A torch.distributed collective of the script itself, between the engine's calls
-        (Note [The script's own collectives] in script_collectives.py)."""
-        if self.enabled and self.communicator is not None and not self._in_forward:
+        """A torch.distributed collective of the script itself, between the engines' calls
+        (Note [The script's own collectives] in script_collectives.py): once per process, on
+        whichever engine (Note [Several engines in one process] in process_engines.py)."""
+        if self.enabled and self.communicator is not None:
             self.agree_on_call(kind)
 
     # Note [A peer gone before a forward]
@@ -532,7 +559,7 @@ class DataParallel:
     # no first-forward comparison; the groups stay gathered, as after a state_dict(), until the
     # next training forward or step), so its collectives do not depend on what the module does
     # with the weights. So when the call agreement finds some ranks at one read kind (_SERVED, and a
-    # forward without backward or a generate where _forwards_served) and every other rank at
+    # forward without backward or a generate where forwards_served) and every other rank at
     # one other call, the readers go on with their read and the others serve it first, making
     # the read's collectives in the same order (their own agreements skipped: the readers
     # agreed once for the whole read), then agree again on their own call; a reader that reads
@@ -598,25 +625,34 @@ class DataParallel:
         if self.enabled and self.communicator is not None:
             self.agree_on_call(kind)
 
-    def _served_kind(self, rows: list[tuple[int, int]]) -> int | None:
-        """The read kind the other ranks serve (Note [Reads on one rank are served]), or None
-        when the ranks' calls differ otherwise. Decided from what every rank shares (the rows,
-        the gather trace, the model), so every rank decides the same."""
-        if len({count for count, _ in rows}) != 1:
+    def _served_call(self, rows: list[tuple[int, int, int]]) -> tuple[int, int] | None:
+        """The read (kind, engine slot) the other ranks serve (Note [Reads on one rank are
+        served]; of any engine of the process: Note [Several engines in one process] in
+        process_engines.py), or None when the ranks' calls differ otherwise. Decided from what
+        every rank shares (the rows, the gather trace, the models), so every rank decides the
+        same."""
+        if len({count for count, _, _ in rows}) != 1:
             return None
-        kinds = {kind for _, kind in rows}
-        served = self._SERVED + ((0, self.GENERATE) if self._forwards_served() else ())
-        reads = [kind for kind in kinds if kind in served]
-        return reads[0] if len(kinds) == 2 and len(reads) == 1 else None
+        calls = {(kind, slot) for _, kind, slot in rows}
+        reads = [(kind, slot) for kind, slot in calls if self._is_served(kind, slot)]
+        return reads[0] if len(calls) == 2 and len(reads) == 1 else None
 
-    def _forwards_served(self) -> bool:
+    def _is_served(self, kind: int, slot: int) -> bool:
+        """Whether a call `kind` of the engine of `slot` alone on some ranks is served."""
+        reader = process_engines.party(slot)
+        if reader is None:
+            return False
+        return kind in self._SERVED or (kind in (0, self.GENERATE) and reader.forwards_served())
+
+    def forwards_served(self) -> bool:
         """An evaluation forward on one rank is served unless the module's forward has
         collectives of its own (embedding renorms) or model parallelism spans the forward."""
         return (self.model_parallel is None and not self.forwards_have_collectives
                 and self.gathers is not None)
 
-    def _serve(self, kind: int) -> None:
-        """Makes the collectives of another rank's read `kind`, as that read makes them."""
+    def serve(self, kind: int) -> None:
+        """Makes the collectives of another rank's read `kind` of this engine, as that read
+        makes them (agree_on_call of any engine of the process calls it)."""
         engine = self._engine
         in_forward, self._in_forward, self._serving = self._in_forward, False, True
         try:
@@ -644,37 +680,48 @@ class DataParallel:
             self.timeout = timeout
 
     def agree_on_call(self, kind: int) -> bool:
-        """Every rank is at the same collective call (a key of _CALLS), or serves another
-        rank's read first (Note [Reads on one rank are served]); a no-op for one rank. True
-        when the other ranks serve this rank's call."""
+        """Every rank is at the same collective call (a key of _CALLS) of the same engine, or
+        serves another rank's read first (Note [Reads on one rank are served]), whichever
+        engine of the process it reads (Note [Several engines in one process] in
+        process_engines.py); a no-op for one rank. True when the other ranks serve this rank's
+        call."""
         if not self.enabled or self._serving:
             return False
         while True:
             rows = self._agree_once(kind)
             if all(row == rows[self.rank] for row in rows):
                 return False
-            served = self._served_kind(rows)
+            served = self._served_call(rows)
             if served is None:
                 self._raise_calls_differ(kind, rows)
-            if served == kind:
+            if served == (kind, self.slot):
                 return True  # this rank reads; the others serve it
-            self._serve(served)
+            process_engines.party(served[1]).serve(served[0])
 
-    def _agree_once(self, kind: int) -> list[tuple[int, int]]:
-        self.calls += 1
+    # A row's second value is the call's kind plus this multiple of its engine's slot (Note
+    # [Several engines in one process]): two values per rank, exact in fp32, as before.
+    _SLOT_STRIDE = 256
+
+    def _agree_once(self, kind: int) -> list[tuple[int, int, int]]:
+        """(call count, kind, engine slot) of every rank, agreed on the leader's communicator
+        (Note [Several engines in one process] in process_engines.py)."""
+        calls = process_engines.next_call()
+        slot = self.slot or 0
+        leader = process_engines.leader() or self
         # The count is exact in fp32 and wraps on every rank alike. A forward's agreement
         # precedes its first hook: profiles count it in the forward (a backward's and a
         # step's in theirs).
         try:
-            rows = [(int(count), int(what)) for count, what in self._every_ranks_row(
-                (self.calls % (1 << 23), kind), self.communicator, "call count and kind",
-                self._PHASE_OF.get(kind))]
+            rows = [(int(count), int(what) % self._SLOT_STRIDE, int(what) // self._SLOT_STRIDE)
+                    for count, what in self._every_ranks_row(
+                        (calls % (1 << 23), slot * self._SLOT_STRIDE + kind),
+                        leader.communicator, "call count and kind", self._PHASE_OF.get(kind))]
         except Exception as error:
             # Note [A peer gone before a forward], Note [Reads on one rank are served]
             if kind in (0, 1, self.GENERATE) or kind in self._SERVED:
                 error.add_note(
                     f"PatrickStar: this rank was starting {self._CALLS[kind]} (call "
-                    f"{self.calls}) when another rank failed or left. If that rank finished "
+                    f"{calls}) when another rank failed or left. If that rank finished "
                     f"its work normally, its engine's end served this rank's work for "
                     f"END_WAIT_S ({END_WAIT_S:g}) seconds per call only: work on one rank that "
                     f"comes later (sampling, evaluating or saving on the main process after "
@@ -685,11 +732,20 @@ class DataParallel:
             raise
         return rows
 
-    def _raise_calls_differ(self, kind: int, rows: list[tuple[int, int]]) -> None:
-        described = "; ".join(f"rank {r}: call {count}, {self._CALLS.get(what, what)}"
-                              for r, (count, what) in enumerate(rows))
+    def _describe_engine(self, slot: int) -> str:
+        party = process_engines.party(slot)
+        module = "" if party is None else f" (a {party.module_type})"
+        return f" of the engine in slot {slot}{module}"
+
+    def _raise_calls_differ(self, kind: int, rows: list[tuple[int, int, int]]) -> None:
+        several = len(process_engines.parties()) > 1 or any(slot for _, _, slot in rows)
+        described = "; ".join(
+            f"rank {r}: call {count}, {self._CALLS.get(what, what)}"
+            + (self._describe_engine(slot) if several else "")
+            for r, (count, what, slot) in enumerate(rows))
+        mine = self._CALLS[kind] + (self._describe_engine(self.slot or 0) if several else "")
         raise RuntimeError(
-            f"{self._CALLS[kind]}: the ranks are not making the same call ({described}). Every "
+            f"{mine}: the ranks are not making the same call ({described}). Every "
             f"rank must run the same training forwards in the same order, since parameters are "
             f"sharded. Work on one rank alone (an evaluation forward, as nanoGPT's "
             f"estimate_loss() under `if master_process:`, state-dict reads, p.norm()) is served "

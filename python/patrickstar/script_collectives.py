@@ -11,8 +11,9 @@ script's barrier (on torch's process group): neither could finish, and both sat 
 `parallel.collective_timeout` (300 s by default) before an error that could only guess the
 cause. So `install()` (run by `initialize()`) wraps the torch.distributed collectives a script
 calls (`torch.distributed.barrier`, `all_reduce`, `broadcast`, ...): over the default group,
-from the main thread, outside any forward or backward, each first joins the agreement of every
-live data-parallel engine as a call kind of its own, and ranks that are not making the same
+from the main thread, outside any forward or backward, each first joins the agreement of the
+live data-parallel engines (once: Note [Several engines in one process] in process_engines.py)
+as a call kind of its own, and ranks that are not making the same
 call raise at once, naming what each one runs. Calls made from inside patrickstar (its
 checkpoints, pipeline and tensor-parallel exchanges), from other threads, on other groups or
 within a forward or backward (SyncBatchNorm) are passed to torch untouched. Cost: one small
@@ -25,12 +26,13 @@ import functools
 import inspect
 import sys
 import threading
-import weakref
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["KINDS", "install", "register"]
+from . import process_engines
+
+__all__ = ["KINDS", "install"]
 
 _NAMES = ("barrier", "monitored_barrier", "all_reduce", "broadcast", "reduce", "all_gather",
           "all_gather_into_tensor", "all_gather_object", "broadcast_object_list", "gather",
@@ -39,15 +41,6 @@ _NAMES = ("barrier", "monitored_barrier", "all_reduce", "broadcast", "reduce", "
 # Call kinds of data_parallel's agreement (0..3 are the engine's own calls).
 KINDS = {4 + i: f"torch.distributed.{name}() of the script" for i, name in enumerate(_NAMES)}
 _KIND_OF = {name: 4 + i for i, name in enumerate(_NAMES)}
-
-# The data-parallel sides (objects with `agree_on_script_collective(kind)`) of live engines.
-_PARTIES: "weakref.WeakSet" = weakref.WeakSet()
-
-
-def register(party) -> None:
-    """`party.agree_on_script_collective(kind)` joins every later collective of the script."""
-    _PARTIES.add(party)
-
 
 def _from_the_script(group) -> bool:
     if group is not None and group is not dist.group.WORLD:
@@ -75,9 +68,13 @@ def _wrap(name: str, function):
 
     @functools.wraps(function)
     def collective(*args, **kwargs):
-        if _PARTIES and _from_the_script(_group(signature, args, kwargs)):
-            for party in list(_PARTIES):
-                party.agree_on_script_collective(kind)
+        # One agreement for the process, whatever number of engines it has; none inside any
+        # engine's forward (a module's own collective, run in step on every rank). Note
+        # [Several engines in one process] in process_engines.py.
+        parties = process_engines.parties()
+        if parties and not any(party.in_forward for party in parties) \
+                and _from_the_script(_group(signature, args, kwargs)):
+            parties[0].agree_on_script_collective(kind)
         return function(*args, **kwargs)
     collective.__wrapped_collective__ = function
     return collective

@@ -189,19 +189,24 @@ class ParallelGroups:
             return None
         return "gloo"
 
-    def host_data_group(self) -> object:
+    def host_data_group(self, slot: int = 0) -> object:
         """This rank's data-parallel group if it takes host tensors, else a gloo group of the
-        same ranks (Note [Host groups for the chunk collectives])."""
-        if self._host_backend() is None:
+        same ranks (Note [Host groups for the chunk collectives]). `slot` k > 0: a group of
+        the same ranks for the engine of that slot alone (Note [Several engines in one
+        process] in process_engines.py), built once per process and slot."""
+        if slot == 0 and self._host_backend() is None:
             return self.data_group
-        return self.new_groups(self.topology.get_axis_comm_lists("data"), purpose="host data",
-                               backend="gloo")
+        purpose = "host data" if slot == 0 else f"host data of engine slot {slot}"
+        return self.new_groups(self.topology.get_axis_comm_lists("data"), purpose=purpose,
+                               backend=self._host_backend())
 
-    def twin_data_group(self) -> object:
+    def twin_data_group(self, slot: int = 0) -> object:
         """A second process group over this rank's data-parallel ranks: backward's gathers run
         on it, apart from the reduce-scatters (gather_schedule.py, Note [Resharding after
-        forward]). Built once per process, on every rank; gloo where host_data_group is."""
-        return self.new_groups(self.topology.get_axis_comm_lists("data"), purpose="gathers",
+        forward]). Built once per process and engine slot, on every rank; gloo where
+        host_data_group is."""
+        purpose = "gathers" if slot == 0 else f"gathers of engine slot {slot}"
+        return self.new_groups(self.topology.get_axis_comm_lists("data"), purpose=purpose,
                                backend=self._host_backend())
 
 
