@@ -67,7 +67,7 @@ if ((run_main)); then
   log "Python tests (pytest)"
   # Exit code 5 means pytest collected nothing: that must fail, not pass silently.
   set +e
-  .venv/bin/python -m pytest tests/python -q
+  .venv/bin/python -m pytest tests/python -q --durations=25
   status=$?
   set -e
   if [ "$status" -eq 5 ]; then echo "[test] pytest collected no tests" >&2; exit 1; fi
