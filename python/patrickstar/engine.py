@@ -307,7 +307,8 @@ class PatrickStarEngine(nn.Module):
                 self.runtime.has_nvme, _weakly(self.end_iteration),
                 _profiler_phase(weakref.ref(self)),
                 self._slots.wait_for_gradient_stores, self._loop.before_optimizer_step,
-                self._loop.after_optimizer_step)
+                self._loop.after_optimizer_step,
+                _weakly(self._backward.forget_raised_autograd_backward))
             self._loop.attach(self.optimizer)
             if config.scheduler is not None:  # DeepSpeed's `scheduler` section
                 self._loop.lr_schedule.set(build_scheduler(

@@ -251,7 +251,8 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
                  phase: Callable[[], ContextManager] = contextlib.nullcontext,
                  wait_for_gradient_stores: Callable[[], None] = lambda: None,
                  before_step: Callable[[], None] = lambda: None,
-                 after_step: Callable[[bool], None] = lambda applied: None):
+                 after_step: Callable[[bool], None] = lambda applied: None,
+                 settle_backward: Callable[[], None] = lambda: None):
         # torch's `defaults` are the constructor's arguments, not a group's: here the config's
         # optimizer params. Hugging Face's get_polynomial_decay_schedule_with_warmup decays from
         # `defaults["lr"]`, which showed the first group's lr (a backbone's 1e-5 under a head's
@@ -289,6 +290,8 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         # The engine's scheduler checks (Note [A configured scheduler in PatrickStar's loop]).
         self._before_step = before_step
         self._after_step = after_step
+        # Note [A loss.backward() that raised, met by the optimizer] in backward_pass.py
+        self._settle_backward = settle_backward
         self._group_of = {}
         for group_index, group in enumerate(self.param_groups):
             for param in group["params"]:
@@ -329,6 +332,7 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         if grad_scaler is not None:
             raise TypeError(_GRAD_SCALER_UNSUPPORTED)
         with self.guard.calling("optimizer.step()"):  # Note [One thread at a time]
+            self._settle_backward()
             loss = None
             if closure is not None:
                 with torch.enable_grad():
@@ -603,6 +607,7 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         [Training call order] in guards.py). `set_to_none=False`: Note [Gradients zeroed, not
         dropped]."""
         with self.guard.calling("optimizer.zero_grad()"):  # Note [One thread at a time]
+            self._settle_backward()
             self._note_zeroing(range(len(self.has_grad)), set_to_none)
             self._drop_step_gradients()
             if set_to_none:  # as torch's, the groups' parameters without elements too
