@@ -450,10 +450,14 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         first parameter, with pybind11's signature dump listing whole tensors, after that
         parameter's step count had moved: the optimizer then refused every later step as
         "failed partway" though nothing was updated. Checked before anything changes, naming
-        the group, key and value; the step can be called again once it is fixed."""
+        the group, key and value; the step can be called again once it is fixed. So are the
+        ranges the kernel requires, torch.optim.AdamW's own (a schedule's NaN or negative lr
+        was refused by the kernel only, after the step counts had moved: "failed partway",
+        and a checkpoint load was the only way on)."""
         for index, group in enumerate(self.param_groups):
             for key in ("lr", "eps", "weight_decay"):
                 _require_number(index, key, group.get(key))
+                _require_range(index, key, group.get(key), 0.0, None)
             try:  # Note [torch.optim's own group keys]
                 _without_torch_keys(index, group, self.decoupled_weight_decay)
             except ValueError as error:
@@ -464,6 +468,7 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
                                 f"expected two numbers (beta1, beta2); nothing was updated")
             for beta in betas:
                 _require_number(index, "betas", beta, whole=betas)
+                _require_range(index, "betas", beta, 0.0, 1.0, whole=betas)
 
     def _check_no_unplaced_gradients(self) -> None:
         """A parameter frozen when initialize() built the model has no gradient or optimizer
@@ -1169,6 +1174,20 @@ def _require_number(group: int, key: str, value, whole=None) -> None:
         raise TypeError(f"optimizer.param_groups[{group}][{key!r}] is {shown!r} "
                         f"({type(value).__name__}): expected a number; nothing was updated, "
                         f"set it to a number and call optimizer.step() again") from None
+
+
+def _require_range(group: int, key: str, value, low: float, high: float | None,
+                   whole=None) -> None:
+    """Raises unless the number `value` is finite, >= low and (with `high`) < high: the update
+    kernel's ranges (ValidateAdamHyperParams in kernels/adam.cc), torch.optim.AdamW's too."""
+    number = float(value)
+    if math.isfinite(number) and number >= low and (high is None or number < high):
+        return
+    expected = f">= {low:g}" if high is None else f"in [{low:g}, {high:g})"
+    shown = value if whole is None else whole
+    raise ValueError(f"optimizer.param_groups[{group}][{key!r}] is {shown!r}: expected a finite "
+                     f"number {expected}; nothing was updated, set it and call "
+                     f"optimizer.step() again")
 
 
 def clip_coefficient(total_norm: float, max_norm: float) -> float:
