@@ -450,11 +450,13 @@ class PatrickStarEngine(nn.Module):
 
     # Note [Frozen parameters in 16 bits]
     # A frozen parameter has no fp32 master, so in fp16/bf16 its init slot is the 16-bit compute
-    # chunk itself: the module's own initialization writes 16-bit values, as that module built
-    # with `dtype=torch.bfloat16` would (torch's 16-bit `uniform_` differs from fp32-then-cast
-    # at rounding edges). Keeping an fp32 temporary per frozen parameter until the model is built
-    # would cost a full fp32 copy of a frozen base model (LoRA), whose values are then loaded
-    # from a checkpoint anyway.
+    # chunk itself, and the module's own initialization writes there. Keeping an fp32 temporary
+    # per frozen parameter until the model is built would cost a full fp32 copy of a frozen base
+    # model (LoRA), whose values are then loaded from a checkpoint anyway. torch.nn.init's
+    # initializers still run in fp32, one call at a time (Note [Initializers in the built dtype]
+    # in wide_init.py), so the values are the fp32-built model's cast to 16 bits, as for every
+    # other parameter (before, torch's 16-bit `uniform_` differed at rounding edges, and
+    # `orthogonal_` had no 16-bit kernel).
     def _compute_from_masters(self) -> None:
         """Writes each parameter's 16-bit compute copy from the fp32 values built at init."""
         with torch.no_grad():
