@@ -102,6 +102,19 @@ def test_a_loss_kept_past_the_engine_says_so_at_backward(nvme_dir, how):
         loss.backward()
 
 
+@pytest.mark.parametrize("how", ["loss.backward", "model.backward"])
+def test_a_loss_kept_past_destroy_with_the_engine_still_held_says_so_at_backward(nvme_dir, how):
+    """Note [A backward after destroy()] in hooks.py: with `model` still held after
+    model.destroy(), `loss.backward()` reached the freed chunk manager through the module
+    hooks' autograd nodes: AttributeError "'NoneType' object has no attribute 'tick'"."""
+    model, optimizer = _plain_or_engine(True, nvme_dir)
+    loss = model(torch.randn(2, 64)).sum()
+    model.destroy()
+    with pytest.raises(RuntimeError, match="deleted or destroyed"):
+        loss.backward() if how == "loss.backward" else model.backward(loss)
+    assert os.listdir(nvme_dir) == []
+
+
 def test_parameters_and_modules_kept_past_the_engine_refuse_reads_of_their_freed_values(
         nvme_dir):
     """Note [Parameters of a collected engine]. Before: a parameter kept past `del model`
