@@ -1507,6 +1507,7 @@ class PatrickStarEngine(nn.Module):
                         load_lr_scheduler_states: bool = True, load_module_only: bool = False,
                         **kwargs):
         """DeepSpeed's call; returns (path, client_state), (None, None) without `latest`."""
+        self.guard.check_alive("load_checkpoint()")
         loaded = checkpoint.load_checkpoint(self, load_dir, tag, load_optimizer_states,
                                             load_lr_scheduler_states, load_module_only, **kwargs)
         if loaded[0] is not None and not load_module_only and load_optimizer_states:
@@ -1573,14 +1574,22 @@ class PatrickStarEngine(nn.Module):
             print(f"patrickstar: destroying an engine that was garbage-collected failed: "
                   f"{type(error).__name__}: {error}", file=sys.stderr)
 
+    def _refuse_closed_chunks(self, what: str) -> None:
+        """Raises, naming `what`, once destroy() closed the chunk manager (the profile destroy()
+        writes reads the statistics before that)."""
+        if self.chunks is None:
+            self.guard.check_alive(what)
+
     def memory_stats(self) -> list[dict]:
         """Per tier: budget, chunk bytes now and at peak, bytes moved in and out, evictions."""
+        self._refuse_closed_chunks("memory_stats()")
         return self.chunks.stats()
 
     def reset_peak_memory_stats(self) -> None:
         """`peak_chunk_bytes` of every tier starts again from its current chunk bytes (as
         torch.cuda.reset_peak_memory_stats): the peak of training apart from initialization,
         when every rank of a data-parallel job builds the whole model once."""
+        self._refuse_closed_chunks("reset_peak_memory_stats()")
         self.chunks.reset_peak_stats()
 
     @property
@@ -1588,5 +1597,6 @@ class PatrickStarEngine(nn.Module):
         """The peak of this process's chunk bytes over all tiers together (parameters,
         gradients, optimizer state, gathered copies) since initialization or the last
         reset_peak_memory_stats(); the tiers' own peak_chunk_bytes peak at different moments."""
+        self._refuse_closed_chunks("peak_model_bytes")
         return self.chunks.peak_total_bytes
 
