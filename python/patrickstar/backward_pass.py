@@ -187,7 +187,14 @@ class BackwardPass:
     # `try: loss.backward() except ...: optimizer.zero_grad()` dropped the gradients, yet the
     # next forward then found the raised backward and demanded a zero_grad() again, and a step
     # in an accumulation applied the earlier micro-steps' gradients plus the part the raised
-    # backward stored. So optimizer.zero_grad() and optimizer.step() settle it first too.
+    # backward stored. So optimizer.zero_grad() and optimizer.step() settle it first too, unless
+    # they are called from inside a backward (a user's gradient hook), which is still running.
+    def settle_raised_autograd_backward(self) -> None:
+        """At optimizer.zero_grad() or optimizer.step(): forget_raised_autograd_backward(),
+        outside autograd's graph tasks."""
+        if torch._C._current_graph_task_id() == -1:
+            self.forget_raised_autograd_backward()
+
     def forget_raised_autograd_backward(self) -> None:
         """At a forward, optimizer.zero_grad() or optimizer.step(): a loss.backward() that
         raised before its end is given up."""

@@ -308,7 +308,7 @@ class PatrickStarEngine(nn.Module):
                 _profiler_phase(weakref.ref(self)),
                 self._slots.wait_for_gradient_stores, self._loop.before_optimizer_step,
                 self._loop.after_optimizer_step,
-                _weakly(self._backward.forget_raised_autograd_backward))
+                _weakly(self._backward.settle_raised_autograd_backward))
             self._loop.attach(self.optimizer)
             if config.scheduler is not None:  # DeepSpeed's `scheduler` section
                 self._loop.lr_schedule.set(build_scheduler(
@@ -1507,7 +1507,7 @@ class PatrickStarEngine(nn.Module):
                         load_lr_scheduler_states: bool = True, load_module_only: bool = False,
                         **kwargs):
         """DeepSpeed's call; returns (path, client_state), (None, None) without `latest`."""
-        self.guard.check_alive("load_checkpoint()")
+        self._refuse_closed_chunks("load_checkpoint()")  # (it is how a failed step recovers)
         loaded = checkpoint.load_checkpoint(self, load_dir, tag, load_optimizer_states,
                                             load_lr_scheduler_states, load_module_only, **kwargs)
         if loaded[0] is not None and not load_module_only and load_optimizer_states:
