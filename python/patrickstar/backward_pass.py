@@ -181,8 +181,23 @@ class BackwardPass:
         self._stored_grads += 1
         self._stored_params.add(index)
 
+    # Note [A loss.backward() that raised, met by the optimizer]
+    # A loss.backward() that raised (an error in a backward hook, Ctrl-C) leaves no callback,
+    # so only the engine's next call can tell. That was the next forward only: PyTorch's
+    # `try: loss.backward() except ...: optimizer.zero_grad()` dropped the gradients, yet the
+    # next forward then found the raised backward and demanded a zero_grad() again, and a step
+    # in an accumulation applied the earlier micro-steps' gradients plus the part the raised
+    # backward stored. So optimizer.zero_grad() and optimizer.step() settle it first too, unless
+    # they are called from inside a backward (a user's gradient hook), which is still running.
+    def settle_raised_autograd_backward(self) -> None:
+        """At optimizer.zero_grad() or optimizer.step(): forget_raised_autograd_backward(),
+        outside autograd's graph tasks."""
+        if torch._C._current_graph_task_id() == -1:
+            self.forget_raised_autograd_backward()
+
     def forget_raised_autograd_backward(self) -> None:
-        """At a forward: a loss.backward() that raised before its end is given up."""
+        """At a forward, optimizer.zero_grad() or optimizer.step(): a loss.backward() that
+        raised before its end is given up."""
         if self.in_backward:
             what = "loss.backward()"
             other = self._joined_thread
@@ -198,9 +213,12 @@ class BackwardPass:
         """A backward ended by an exception (Ctrl-C, an error in a backward hook) after it
         stored gradients: they stay in the chunks, added to the step's, but the backward is not
         counted (Note [Training call order] in guards.py)."""
-        if self._stored_grads:
-            self._guard.backward_failed(what, error, self._stored_grads)
-        self._stored_grads = 0
+        try:
+            self._dp.backward_raised()  # Note [A backward that raised under data parallelism]
+        finally:
+            if self._stored_grads:
+                self._guard.backward_failed(what, error, self._stored_grads)
+            self._stored_grads = 0
 
     def _abandon(self) -> None:
         self.in_backward = self._autograd_unchecked = self._joined = False

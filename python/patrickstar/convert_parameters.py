@@ -35,11 +35,14 @@ _TORCH_TO_VECTOR = torch.nn.utils.parameters_to_vector
 _TORCH_TO_PARAMETERS = torch.nn.utils.vector_to_parameters
 
 
-def _released(param):
-    """(engine, index) of an engine's parameter that holds its placeholder, else None."""
+def _released(param, what: str):
+    """(engine, index) of an engine's parameter that holds its placeholder, else None; raises,
+    naming `what`, for a parameter of a destroyed engine still held."""
     engine = engine_of(param)
     if engine is None:
         return None
+    if engine.guard.destroyed:
+        engine.guard.check_alive(what)
     index = engine.params.index_of(param)
     return None if engine.parameter_in_use(index) else (engine, index)
 
@@ -47,7 +50,7 @@ def _released(param):
 @functools.wraps(_TORCH_TO_VECTOR)
 def parameters_to_vector(parameters):
     params = list(parameters)
-    released = [_released(param) for param in params]
+    released = [_released(param, "torch.nn.utils.parameters_to_vector") for param in params]
     if not any(released):
         return _TORCH_TO_VECTOR(params)
     pieces = []
@@ -71,7 +74,7 @@ def parameters_to_vector(parameters):
 @functools.wraps(_TORCH_TO_PARAMETERS)
 def vector_to_parameters(vec, parameters):
     params = list(parameters)
-    released = [_released(param) for param in params]
+    released = [_released(param, "torch.nn.utils.vector_to_parameters") for param in params]
     if not any(released):
         return _TORCH_TO_PARAMETERS(vec, params)
     if not isinstance(vec, torch.Tensor):

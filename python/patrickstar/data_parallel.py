@@ -955,6 +955,32 @@ class DataParallel:
             self._start_reduce_scatter()
             self.early_reduce_scatters += 1
 
+    # Note [A backward that raised under data parallelism]
+    # A backward that raised partway (an error in a backward hook, Ctrl-C) has started the
+    # reduce-scatters of the groups whose gradients were all in, and they pin those groups'
+    # gradient tensors (COMPUTE) until finished; after_backward, which finishes them, never ran.
+    # The zero_grad() the raised backward asks for (Note [Training call order] in guards.py)
+    # then failed with "tensor '...#grad': COMPUTE -> FREE enters or leaves COMPUTE", and where a
+    # reduce-scatter had finished, a rank not owning the group failed with "FREE -> FREE": its
+    # copy was dropped by the reduce-scatter while its optimizer still counted the gradient. So
+    # the raised backward finishes what it started (every rank that raised at the same point,
+    # as a hook failing on every rank does, started the same ones; a rank that raised alone
+    # meets the others' next collective as any call the ranks do not share does), and each
+    # reduced group's gradients are counted as its reduce-scatter left them: every tensor of
+    # the owned chunk, none of the others. The backward's own bookkeeping starts afresh.
+    def backward_raised(self) -> None:
+        """Note [A backward that raised under data parallelism]."""
+        if not self.enabled or self._engine is None:
+            return
+        try:
+            self.collectives.finish_reduce_scatters()
+        finally:
+            has_grad = self._engine.optimizer.has_grad
+            for index, group in self._grad_group_of.items():
+                if group < self._rs_cursor:
+                    has_grad[index] = self._owned[index]
+            self._reset_backward()
+
     def _start_reduce_scatter(self) -> None:
         # Sharded accumulation sums into the owner's shard until the boundary averages it.
         op = "avg" if self._boundary() else "sum"

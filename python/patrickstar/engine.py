@@ -307,7 +307,8 @@ class PatrickStarEngine(nn.Module):
                 self.runtime.has_nvme, _weakly(self.end_iteration),
                 _profiler_phase(weakref.ref(self)),
                 self._slots.wait_for_gradient_stores, self._loop.before_optimizer_step,
-                self._loop.after_optimizer_step)
+                self._loop.after_optimizer_step,
+                _weakly(self._backward.settle_raised_autograd_backward))
             self._loop.attach(self.optimizer)
             if config.scheduler is not None:  # DeepSpeed's `scheduler` section
                 self._loop.lr_schedule.set(build_scheduler(
@@ -449,11 +450,13 @@ class PatrickStarEngine(nn.Module):
 
     # Note [Frozen parameters in 16 bits]
     # A frozen parameter has no fp32 master, so in fp16/bf16 its init slot is the 16-bit compute
-    # chunk itself: the module's own initialization writes 16-bit values, as that module built
-    # with `dtype=torch.bfloat16` would (torch's 16-bit `uniform_` differs from fp32-then-cast
-    # at rounding edges). Keeping an fp32 temporary per frozen parameter until the model is built
-    # would cost a full fp32 copy of a frozen base model (LoRA), whose values are then loaded
-    # from a checkpoint anyway.
+    # chunk itself, and the module's own initialization writes there. Keeping an fp32 temporary
+    # per frozen parameter until the model is built would cost a full fp32 copy of a frozen base
+    # model (LoRA), whose values are then loaded from a checkpoint anyway. torch.nn.init's
+    # initializers still run in fp32, one call at a time (Note [Initializers in the built dtype]
+    # in wide_init.py), so the values are the fp32-built model's cast to 16 bits, as for every
+    # other parameter (before, torch's 16-bit `uniform_` differed at rounding edges, and
+    # `orthogonal_` had no 16-bit kernel).
     def _compute_from_masters(self) -> None:
         """Writes each parameter's 16-bit compute copy from the fp32 values built at init."""
         with torch.no_grad():
@@ -1501,6 +1504,7 @@ class PatrickStarEngine(nn.Module):
                         load_lr_scheduler_states: bool = True, load_module_only: bool = False,
                         **kwargs):
         """DeepSpeed's call; returns (path, client_state), (None, None) without `latest`."""
+        self._refuse_closed_chunks("load_checkpoint()")  # (it is how a failed step recovers)
         loaded = checkpoint.load_checkpoint(self, load_dir, tag, load_optimizer_states,
                                             load_lr_scheduler_states, load_module_only, **kwargs)
         if loaded[0] is not None and not load_module_only and load_optimizer_states:
@@ -1567,14 +1571,22 @@ class PatrickStarEngine(nn.Module):
             print(f"patrickstar: destroying an engine that was garbage-collected failed: "
                   f"{type(error).__name__}: {error}", file=sys.stderr)
 
+    def _refuse_closed_chunks(self, what: str) -> None:
+        """Raises, naming `what`, once destroy() closed the chunk manager (the profile destroy()
+        writes reads the statistics before that)."""
+        if self.chunks is None:
+            self.guard.check_alive(what)
+
     def memory_stats(self) -> list[dict]:
         """Per tier: budget, chunk bytes now and at peak, bytes moved in and out, evictions."""
+        self._refuse_closed_chunks("memory_stats()")
         return self.chunks.stats()
 
     def reset_peak_memory_stats(self) -> None:
         """`peak_chunk_bytes` of every tier starts again from its current chunk bytes (as
         torch.cuda.reset_peak_memory_stats): the peak of training apart from initialization,
         when every rank of a data-parallel job builds the whole model once."""
+        self._refuse_closed_chunks("reset_peak_memory_stats()")
         self.chunks.reset_peak_stats()
 
     @property
@@ -1582,5 +1594,6 @@ class PatrickStarEngine(nn.Module):
         """The peak of this process's chunk bytes over all tiers together (parameters,
         gradients, optimizer state, gathered copies) since initialization or the last
         reset_peak_memory_stats(); the tiers' own peak_chunk_bytes peak at different moments."""
+        self._refuse_closed_chunks("peak_model_bytes")
         return self.chunks.peak_total_bytes
 

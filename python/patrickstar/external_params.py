@@ -22,6 +22,7 @@ import functools
 import inspect
 import os
 import re
+import sys
 import types
 from typing import Callable
 
@@ -297,6 +298,25 @@ def _read_by_own_code(module: nn.Module) -> list[nn.Parameter]:
     return found
 
 
+# Note [Locals of the frame that catches]
+# The note reads each failing frame's first argument through `frame.f_locals`, which (before
+# Python 3.13) stores a snapshot of the frame's locals on the frame. The traceback starts at the
+# frame that caught the error and is still running (the engine's forward, in `except ... as
+# error`): its snapshot held `error`, so error -> traceback -> that frame -> snapshot -> error
+# was a cycle, and with it every frame of the failed forward and the activations they hold
+# lived until the cycle collector ran, not until the user dropped the exception as in PyTorch.
+# The host's non-model data stayed counted, so after a batch too large for the host budget
+# every smaller retry ran out of it too. The running frames are not the failed modules' (those
+# have returned by raising), so they are skipped, and only finished frames are snapshotted.
+def _running_frames() -> set[int]:
+    """ids of the frames that are executing now: the caller's and its callers'."""
+    result, frame = set(), sys._getframe(1)
+    while frame is not None:
+        result.add(id(frame))
+        frame = frame.f_back
+    return result
+
+
 def unregistered_read_note(error: BaseException, model: nn.Module,
                            holds_placeholder: Callable[[nn.Parameter], bool]) -> str | None:
     """A note naming the descendants' parameters that the failing frames of `model`'s modules
@@ -304,11 +324,14 @@ def unregistered_read_note(error: BaseException, model: nn.Module,
     (Note [Naming an unregistered read])."""
     names = {id(module): name for name, module in model.named_modules()}
     reads = {}  # (class, function, module path) -> attribute paths read
+    running = _running_frames()
     traceback = error.__traceback__
     while traceback is not None:
         frame, traceback = traceback.tb_frame, traceback.tb_next
         code = frame.f_code
         if code.co_filename.startswith(_TORCH_DIR):  # Module.__call__'s frames: not a read
+            continue
+        if id(frame) in running:  # Note [Locals of the frame that catches]
             continue
         owner = frame.f_locals.get(code.co_varnames[0]) if code.co_argcount else None
         if not isinstance(owner, nn.Module) or id(owner) not in names:

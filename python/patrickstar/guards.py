@@ -335,8 +335,10 @@ class TrainingGuard:
 
     def discard_backwards(self) -> int:
         """The gradients were dropped (`optimizer.zero_grad()`): the next backward is the first
-        of a step. Returns how many backward calls were dropped."""
-        dropped, self.backwards, self.skip_step = self.backwards, 0, False
+        of a step. Returns how many backward calls were dropped, a backward that raised after
+        storing gradients among them."""
+        dropped = self.backwards + (self.failed_backward is not None)
+        self.backwards, self.skip_step = 0, False
         self.closed_by = None
         self.failed_backward = None
         return dropped

@@ -196,6 +196,16 @@ def install() -> None:
     torch_module.register_module_forward_pre_hook = register_module_forward_pre_hook
 
 
+# What a backward through a forward of an engine that is gone says: from its module hooks' nodes
+# while the destroyed engine object is still held (Note [A backward after destroy()]), from
+# its saved-tensor hooks once it is collected (SavedParameterViews.unpack).
+GONE_ENGINE_BACKWARD = (
+    "backward through a forward of a PatrickStar engine that was deleted or destroyed since "
+    "(`del model` or model.destroy()): its chunks and the tensors the forward saved for "
+    "backward were freed with it. Run the backward before deleting the engine, or run the "
+    "forward again on a live engine")
+
+
 class ModuleHooks(HookSet):
     """Installs forward hooks on `modules`; calls `access(module)` before a module runs (forward
     and backward) and `release(module, phase)` after, with phase "fwd" or "bwd"; `tick(event)`
@@ -226,6 +236,7 @@ class ModuleHooks(HookSet):
         self._early_hooks: dict[torch.nn.Module, int] = {}  # Note [User full backward pre-hooks]
         self._early: dict[torch.nn.Module, int] = {}
         self._early_forward: set = set()  # Note [Global module hooks]
+        self._removed = False  # Note [A backward after destroy()]
         for module in modules:  # Note [User hooks around the engine's]
             self._add(module.register_forward_pre_hook(self._pre_forward, prepend=True))
             self._add(module.register_forward_hook(self._post_forward))
@@ -237,6 +248,7 @@ class ModuleHooks(HookSet):
         order_global_pre_hooks()
 
     def remove(self) -> None:
+        self._removed = True
         for module in self._modules:
             if _OWNERS.get(module) is not None and _OWNERS[module]() is self:
                 del _OWNERS[module]
@@ -325,7 +337,17 @@ class ModuleHooks(HookSet):
         return output if copies else None
 
     # Backward (called from the autograd functions) --------------------------------------------
+    # Note [A backward after destroy()]
+    # The autograd nodes a forward put behind each module's outputs (_BackwardCall) hold these
+    # methods, and a graph may outlive the engine: `loss = model(x); model.destroy();
+    # loss.backward()`. Once the engine is collected its calls do nothing and the saved-tensor
+    # hooks name it; while the destroyed engine object is still held (`model` kept after
+    # destroy()), the call reached its freed chunk manager and failed with AttributeError
+    # "'NoneType' object has no attribute 'tick'". The engine removes its hooks when destroyed,
+    # so a backward through hooks removed says what happened instead.
     def pre_backward(self, module):
+        if self._removed:
+            raise RuntimeError(GONE_ENGINE_BACKWARD)
         early = self._early.get(module, 0)
         if early:  # made by _early_pre_backward (Note [User full backward pre-hooks])
             self._early[module] = early - 1
@@ -334,6 +356,8 @@ class ModuleHooks(HookSet):
         self._access(module, "bwd")
 
     def post_backward(self, module):
+        if self._removed:
+            raise RuntimeError(GONE_ENGINE_BACKWARD)
         self._release(module, "bwd")
         self._tick("post_backward")
 

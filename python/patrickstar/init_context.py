@@ -53,6 +53,7 @@ from torch import nn
 
 from .memory_formats import format_name
 from .restore_on_use import defer, undefer
+from .wide_init import initializers_in_built_dtype
 from .utils.logging import logger as _log
 
 __all__ = ["BuiltModule", "ParamSpec", "plan_parameters", "ParameterPlacer", "InitResidency",
@@ -396,6 +397,9 @@ class ParameterPlacer:
         # index -> the memory format a parameter was placed from (Note [Memory formats of
         # parameters] in memory_formats.py)
         self.formats: dict[int, str] = {}
+        # Parameters whose slot is narrower than the dtype they were built in, by id (held
+        # weakly, as _seen): Note [Initializers in the built dtype] in wide_init.py.
+        self._narrowed: dict[int, tuple[weakref.ref, torch.dtype]] = {}
 
     def _hook(self, module, name, param):
         if param is None:
@@ -437,16 +441,24 @@ class ParameterPlacer:
             self.formats[index] = kind
         with torch.no_grad():
             view = self._place(index, param)
+            built = param.dtype
             view.copy_(param.data)
             param.data = view
+        if built.is_floating_point and torch.finfo(built).bits > torch.finfo(view.dtype).bits:
+            self._narrowed[id(param)] = (weakref.ref(param), built)
         self.parameters[index] = param
+
+    def _built_dtype(self, tensor: torch.Tensor) -> torch.dtype | None:
+        """The dtype a placed parameter was built in when its slot is narrower, else None."""
+        entry = self._narrowed.get(id(tensor))
+        return entry[1] if entry is not None and entry[0]() is tensor else None
 
     def _was_registered(self, param: nn.Parameter) -> bool:
         seen = self._seen.get(id(param))
         return seen is not None and seen() is param
 
     def build(self, model_func: Callable[[], nn.Module]) -> nn.Module:
-        with _registration_hook(self._hook):
+        with _registration_hook(self._hook), initializers_in_built_dtype(self._built_dtype):
             model = _call_model_func(model_func)
         if self._event != len(self._survives):
             raise RuntimeError("model_func registered fewer parameters than on its first run; "

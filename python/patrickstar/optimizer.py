@@ -251,7 +251,8 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
                  phase: Callable[[], ContextManager] = contextlib.nullcontext,
                  wait_for_gradient_stores: Callable[[], None] = lambda: None,
                  before_step: Callable[[], None] = lambda: None,
-                 after_step: Callable[[bool], None] = lambda applied: None):
+                 after_step: Callable[[bool], None] = lambda applied: None,
+                 settle_backward: Callable[[], None] = lambda: None):
         # torch's `defaults` are the constructor's arguments, not a group's: here the config's
         # optimizer params. Hugging Face's get_polynomial_decay_schedule_with_warmup decays from
         # `defaults["lr"]`, which showed the first group's lr (a backbone's 1e-5 under a head's
@@ -289,6 +290,8 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         # The engine's scheduler checks (Note [A configured scheduler in PatrickStar's loop]).
         self._before_step = before_step
         self._after_step = after_step
+        # Note [A loss.backward() that raised, met by the optimizer] in backward_pass.py
+        self._settle_backward = settle_backward
         self._group_of = {}
         for group_index, group in enumerate(self.param_groups):
             for param in group["params"]:
@@ -329,6 +332,7 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         if grad_scaler is not None:
             raise TypeError(_GRAD_SCALER_UNSUPPORTED)
         with self.guard.calling("optimizer.step()"):  # Note [One thread at a time]
+            self._settle_backward()
             loss = None
             if closure is not None:
                 with torch.enable_grad():
@@ -446,10 +450,14 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         first parameter, with pybind11's signature dump listing whole tensors, after that
         parameter's step count had moved: the optimizer then refused every later step as
         "failed partway" though nothing was updated. Checked before anything changes, naming
-        the group, key and value; the step can be called again once it is fixed."""
+        the group, key and value; the step can be called again once it is fixed. So are the
+        ranges the kernel requires, torch.optim.AdamW's own (a schedule's NaN or negative lr
+        was refused by the kernel only, after the step counts had moved: "failed partway",
+        and a checkpoint load was the only way on)."""
         for index, group in enumerate(self.param_groups):
             for key in ("lr", "eps", "weight_decay"):
                 _require_number(index, key, group.get(key))
+                _require_range(index, key, group.get(key), 0.0, None)
             try:  # Note [torch.optim's own group keys]
                 _without_torch_keys(index, group, self.decoupled_weight_decay)
             except ValueError as error:
@@ -460,6 +468,7 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
                                 f"expected two numbers (beta1, beta2); nothing was updated")
             for beta in betas:
                 _require_number(index, "betas", beta, whole=betas)
+                _require_range(index, "betas", beta, 0.0, 1.0, whole=betas)
 
     def _check_no_unplaced_gradients(self) -> None:
         """A parameter frozen when initialize() built the model has no gradient or optimizer
@@ -603,6 +612,7 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         [Training call order] in guards.py). `set_to_none=False`: Note [Gradients zeroed, not
         dropped]."""
         with self.guard.calling("optimizer.zero_grad()"):  # Note [One thread at a time]
+            self._settle_backward()
             self._note_zeroing(range(len(self.has_grad)), set_to_none)
             self._drop_step_gradients()
             if set_to_none:  # as torch's, the groups' parameters without elements too
@@ -1164,6 +1174,20 @@ def _require_number(group: int, key: str, value, whole=None) -> None:
         raise TypeError(f"optimizer.param_groups[{group}][{key!r}] is {shown!r} "
                         f"({type(value).__name__}): expected a number; nothing was updated, "
                         f"set it to a number and call optimizer.step() again") from None
+
+
+def _require_range(group: int, key: str, value, low: float, high: float | None,
+                   whole=None) -> None:
+    """Raises unless the number `value` is finite, >= low and (with `high`) < high: the update
+    kernel's ranges (ValidateAdamHyperParams in kernels/adam.cc), torch.optim.AdamW's too."""
+    number = float(value)
+    if math.isfinite(number) and number >= low and (high is None or number < high):
+        return
+    expected = f">= {low:g}" if high is None else f"in [{low:g}, {high:g})"
+    shown = value if whole is None else whole
+    raise ValueError(f"optimizer.param_groups[{group}][{key!r}] is {shown!r}: expected a finite "
+                     f"number {expected}; nothing was updated, set it and call "
+                     f"optimizer.step() again")
 
 
 def clip_coefficient(total_norm: float, max_norm: float) -> float:

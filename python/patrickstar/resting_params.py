@@ -72,7 +72,18 @@ _PASS = {
     _T.untyped_storage, _T.data_ptr, _T.is_shared, _T.__dlpack_device__,
     _T.name.__get__, _T._post_accumulate_grad_hooks.__get__,
     _T._post_accumulate_grad_hooks.__set__,
+    torch.autograd.grad,  # Note [torch.autograd.grad of parameters]
 }
+
+# Note [torch.autograd.grad of parameters]
+# `torch.autograd.grad(loss, model.parameters())` (a gradient penalty, MAML's inner step, a
+# per-layer gradient norm) passes the parameters to torch as the graph's leaves. Read as values,
+# they became copies outside the graph, and torch raised "One of the differentiated Tensors does
+# not require grad". The graph holds the parameter objects themselves (a forward uses them in
+# flight), so torch finds their gradients there, of the real shapes; the engine's module hooks
+# run the accesses of that backward as of any, and nothing is stored in the gradient chunks
+# (autograd.grad accumulates nothing: Note [loss.backward()] in backward_pass.py). Under data
+# parallelism they are this rank's own gradients, as DDP's autograd.grad gives.
 
 
 def _shape(param) -> torch.Size:

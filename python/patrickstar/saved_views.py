@@ -37,7 +37,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .hooks import saved_tensor_hooks_active
+from .hooks import GONE_ENGINE_BACKWARD, saved_tensor_hooks_active
 
 __all__ = ["SavedParameterViews"]
 
@@ -85,11 +85,7 @@ class SavedParameterViews:
     @torch.compiler.disable
     def unpack(self, packed):
         if self._activations is None:  # close(): a loss kept past `del model`
-            raise RuntimeError(
-                "backward through a forward of a PatrickStar engine that was deleted or "
-                "destroyed since (`del model` or model.destroy()): its chunks and the tensors "
-                "the forward saved for backward were freed with it. Run the backward before "
-                "deleting the engine, or run the forward again on a live engine")
+            raise RuntimeError(GONE_ENGINE_BACKWARD)
         if not isinstance(packed, _SavedParamView):
             return self._activations.unpack(packed)
         if self._slots.access_count(packed.index) == 0:

@@ -335,6 +335,21 @@ def _fake_two_rank_checkpoint(source_dir, tag, target_dir):
         return shards, reader
 
 
+def test_a_save_between_backward_and_step_names_both_ways_on(tmp_path):
+    """Without gradient accumulation the refusal spoke of "an unfinished accumulation" only."""
+    model, opt = make(base_config("fp32"))
+    x, y = batches(1)[0]
+    model.backward(model(x, y))
+    with pytest.raises(RuntimeError, match=r"not yet applied by optimizer.step\(\).*call it "
+                                           r"after optimizer.step\(\), or drop them with "
+                                           r"optimizer.zero_grad\(\)"):
+        model.save_checkpoint(tmp_path)
+    opt.zero_grad()
+    model.save_checkpoint(tmp_path)
+    assert os.path.exists(tmp_path / "latest")
+    model.destroy()
+
+
 def test_two_rank_layout_loads_on_one_rank_and_one_rank_splits_for_two(tmp_path):
     original, original_opt = _saved(tmp_path / "one", "fp16")
     _fake_two_rank_checkpoint(str(tmp_path / "one"), "t", str(tmp_path / "two"))

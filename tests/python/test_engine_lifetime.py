@@ -102,6 +102,39 @@ def test_a_loss_kept_past_the_engine_says_so_at_backward(nvme_dir, how):
         loss.backward()
 
 
+@pytest.mark.parametrize("how", ["loss.backward", "model.backward"])
+def test_a_loss_kept_past_destroy_with_the_engine_still_held_says_so_at_backward(nvme_dir, how):
+    """Note [A backward after destroy()] in hooks.py: with `model` still held after
+    model.destroy(), `loss.backward()` reached the freed chunk manager through the module
+    hooks' autograd nodes: AttributeError "'NoneType' object has no attribute 'tick'"."""
+    model, optimizer = _plain_or_engine(True, nvme_dir)
+    loss = model(torch.randn(2, 64)).sum()
+    model.destroy()
+    with pytest.raises(RuntimeError, match="deleted or destroyed"):
+        loss.backward() if how == "loss.backward" else model.backward(loss)
+    assert os.listdir(nvme_dir) == []
+
+
+@pytest.mark.parametrize("call", [
+    lambda model, path: model.load_checkpoint(path),
+    lambda model, path: model.memory_stats(),
+    lambda model, path: model.reset_peak_memory_stats(),
+    lambda model, path: model.peak_model_bytes,
+    lambda model, path: torch.nn.utils.parameters_to_vector(model.parameters()),
+], ids=["load_checkpoint", "memory_stats", "reset_peak_memory_stats", "peak_model_bytes",
+        "parameters_to_vector"])
+def test_calls_on_a_destroyed_engine_still_held_name_the_destroy(nvme_dir, tmp_path, call):
+    """They reached the freed chunk manager: AttributeError "'NoneType' object has no attribute
+    'warming_up'" (load_checkpoint of a directory without `latest`), "... 'stats'", "...
+    'access_count'", and for peak_model_bytes "neither 'PatrickStarEngine' nor its module
+    'Sequential' has an attribute 'peak_model_bytes'"."""
+    model, optimizer = _plain_or_engine(True, nvme_dir)
+    model.destroy()
+    with pytest.raises(RuntimeError, match="this PatrickStar engine was deleted or destroyed"):
+        with torch.no_grad():
+            call(model, str(tmp_path))
+
+
 def test_parameters_and_modules_kept_past_the_engine_refuse_reads_of_their_freed_values(
         nvme_dir):
     """Note [Parameters of a collected engine]. Before: a parameter kept past `del model`

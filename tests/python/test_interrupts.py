@@ -6,8 +6,14 @@ in COMPUTE, and every later forward, step, save and even load_checkpoint() faile
 state transition COMPUTE -> COMPUTE"; only a new process recovered."""
 from __future__ import annotations
 
+import os
+import warnings
+
 import pytest
 import torch
+from torch import nn
+
+import patrickstar
 
 from test_checkpoint import batches, full_state, make, train, assert_identical
 from test_nvme_training import DeepMLP, batches as nvme_batches
@@ -147,3 +153,157 @@ def test_a_backward_that_raised_after_storing_gradients_must_be_dropped(how, err
     opt.zero_grad()
     assert_identical(_state_after_one_step(model, opt, nvme_batches(1, seed=9)), expected)
     model.destroy()
+
+
+# ---- a raised loss.backward() met by the optimizer; a backward that raised on two ranks ----
+
+class FailedBackwardNet(nn.Module):
+    """Three layers in chunks of 4096 elements: a.weight; a.bias; b.weight; the rest. On two
+    ranks these are two groups, the second (b and c) complete before a's gradients come."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(64, 64)
+        self.b = nn.Linear(64, 64)
+        self.c = nn.Linear(64, 4)
+
+    def forward(self, x):
+        return self.c(torch.tanh(self.b(torch.sigmoid(self.a(x)))))
+
+
+def failed_backward_batches(steps: int = 4):
+    generator = torch.Generator().manual_seed(1)
+    return [(torch.randn(8, 64, generator=generator), torch.randn(8, 4, generator=generator))
+            for _ in range(steps)]
+
+
+def step_losses(model, x, y, accumulation: int, before_last=lambda: None):
+    """One step's micro-batch losses (plain means), each forward run when its loss is taken;
+    `before_last` runs before the last one's forward."""
+    micro_batches = list(zip(x.chunk(accumulation), y.chunk(accumulation)))
+    for micro, (xs, ys) in enumerate(micro_batches):
+        if micro == len(micro_batches) - 1:
+            before_last()
+        yield ((model(xs) - ys) ** 2).mean()
+
+
+def backward_by(how: str, model, loss, accumulation: int) -> None:
+    """model.backward divides by gradient_accumulation_steps itself; a PyTorch loop's
+    loss.backward() divides the loss first."""
+    model.backward(loss) if how == "model.backward" else (loss / accumulation).backward()
+
+
+def raising_hook(module: nn.Module, kind: str):
+    """A user's hook that raises in the backward: a module's full backward hook (after the
+    gradients of the layers behind it are in) or a tensor hook on its weight."""
+    def hook(*args):
+        raise RuntimeError("a user's backward hook failed")
+    if kind == "module":
+        return module.register_full_backward_hook(hook)
+    return module.weight.register_hook(hook)
+
+
+def pytorch_without_the_failed_backward(accumulation: int) -> dict:
+    model = FailedBackwardNet()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+    for x, y in failed_backward_batches():
+        for loss in step_losses(model, x, y, accumulation):
+            (loss / accumulation).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model.state_dict()
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_zero_grad_after_a_loss_backward_that_raised_trains_as_pytorch(accumulation):
+    """Note [A loss.backward() that raised, met by the optimizer] in backward_pass.py: PyTorch's
+    `try: loss.backward() except: optimizer.zero_grad()`; the next forward demanded a
+    zero_grad() again ("an earlier loss.backward() raised partway ... call
+    optimizer.zero_grad() first")."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, optimizer = patrickstar.initialize(FailedBackwardNet, config={
+            "default_chunk_size": 4096, "gradient_accumulation_steps": accumulation,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}})
+    for step, (x, y) in enumerate(failed_backward_batches()):
+        if step == 1:
+            handles = []
+            for micro, loss in enumerate(step_losses(
+                    model, x, y, accumulation,
+                    lambda: handles.append(raising_hook(model.module.b, "module")))):
+                if micro < accumulation - 1:
+                    backward_by("loss.backward", model, loss, accumulation)
+                    continue
+                with pytest.raises(RuntimeError, match="a user's backward hook failed"):
+                    backward_by("loss.backward", model, loss, accumulation)
+                handles[0].remove()
+            del loss
+            optimizer.zero_grad()
+        for loss in step_losses(model, x, y, accumulation):
+            backward_by("loss.backward", model, loss, accumulation)
+        optimizer.step()
+        optimizer.zero_grad()
+    state = model.state_dict()
+    model.destroy()
+    for name, value in pytorch_without_the_failed_backward(accumulation).items():
+        torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_step_after_a_loss_backward_that_raised_refuses_its_partial_gradients():
+    """The step of an accumulation whose last loss.backward() raised applied the first
+    micro-step's gradients plus what the raised one stored, silently."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, optimizer = patrickstar.initialize(FailedBackwardNet, config={
+            "default_chunk_size": 4096, "gradient_accumulation_steps": 2})
+    x, y = failed_backward_batches(1)[0]
+    handles = []
+    losses = step_losses(model, x, y, 2,
+                         lambda: handles.append(raising_hook(model.module.b, "module")))
+    (next(losses) / 2).backward()
+    with pytest.raises(RuntimeError, match="a user's backward hook failed"):
+        (next(losses) / 2).backward()
+    handles[0].remove()
+    with pytest.raises(RuntimeError, match=r"optimizer.step\(\): an earlier loss.backward\(\) "
+                                           r"raised partway .*call optimizer.zero_grad\(\)"):
+        optimizer.step()
+    model.destroy()
+
+
+# (how the backward is called, the layer whose hook raises, the hook's kind, accumulation):
+# hooks on `a` and `b` raise after the gradients of `c` (and of `b`) are stored, and the
+# group they fill reduce-scattered (started, or finished) on both ranks.
+FAILED_BACKWARD_CASES = [(how, layer, kind, 1) for how in ("model.backward", "loss.backward")
+                         for layer in ("a", "b") for kind in ("module", "tensor")] + [
+    ("model.backward", "a", "module", 2), ("loss.backward", "b", "module", 2)]
+
+
+def case_id(case) -> str:
+    return "-".join(map(str, case))
+
+
+@pytest.fixture(scope="module")
+def two_ranks_failed_backward(tmp_path_factory):
+    from test_data_parallel import launch
+    out = tmp_path_factory.mktemp("failed_backward")
+    return launch(out, 2, worker=os.path.join(os.path.dirname(__file__),
+                                              "failed_backward_worker.py"))
+
+
+@pytest.mark.parametrize("case", FAILED_BACKWARD_CASES, ids=case_id)
+def test_two_ranks_drop_a_backward_that_raised_on_both_and_train_as_pytorch(
+        two_ranks_failed_backward, case):
+    """Note [A backward that raised under data parallelism] in data_parallel.py: the
+    zero_grad() the raised backward asks for failed with "tensor 'b.weight#grad': COMPUTE ->
+    FREE enters or leaves COMPUTE" (a reduce-scatter it started still pinned the group), or on
+    the rank not owning a reduced group with "FREE -> FREE"."""
+    states = []
+    for rank, results in enumerate(two_ranks_failed_backward):
+        result = results.get(case_id(case), {"error": "no result"})
+        assert "error" not in result, f"rank {rank}: {result.get('traceback', result)}"
+        states.append(result["state"])
+    expected = pytorch_without_the_failed_backward(case[3])
+    for name, value in expected.items():
+        assert torch.equal(states[0][name], states[1][name]), name
+        torch.testing.assert_close(states[0][name], value, rtol=1e-5, atol=1e-6, msg=name)

@@ -359,3 +359,29 @@ def test_logging_reads_with_autograd_on_print_and_compare_as_pytorch_without_a_w
             param.sum()
         model.backward(loss)
         opt.step()
+
+
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_autograd_grad_of_the_parameters_gives_pytorchs_and_trains_as_pytorch(budget):
+    """Note [torch.autograd.grad of parameters]: torch.autograd.grad(loss, model.parameters())
+    raised "One of the differentiated Tensors does not require grad" (the parameters were read
+    as values). A gradient penalty on them (create_graph=True, as WGAN-GP's on the weights or
+    MAML's inner step) then trains as PyTorch, tied weights included."""
+    reference, ref_opt, model, opt = build(budget)
+    for x in batches(3):
+        grads = {}
+        for name, net, optimizer in (("ref", reference, ref_opt), ("ours", model, opt)):
+            loss = net(x).float().logsumexp(-1).mean()
+            params = list(net.parameters())
+            grads[name] = torch.autograd.grad(loss, params, create_graph=True)
+            total = loss + 0.1 * sum(g.square().sum() for g in grads[name])
+            net.backward(total) if net is model else total.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        assert [g.shape for g in grads["ours"]] == [g.shape for g in grads["ref"]]
+        for ours, ref in zip(grads["ours"], grads["ref"]):
+            torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
+    state = model.state_dict()
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    model.destroy()

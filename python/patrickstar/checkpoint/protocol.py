@@ -82,9 +82,13 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
         error = None
         try:
             if state.pending_gradients():
-                raise RuntimeError("save_checkpoint: gradients of an unfinished accumulation "
-                                   "are pending and would not be saved; call it after "
-                                   "optimizer.step()")
+                # Also between one backward and its step (no accumulation): saying
+                # "accumulation" there sent users looking for a config key they never set.
+                raise RuntimeError("save_checkpoint: gradients of backward() calls not yet "
+                                   "applied by optimizer.step() are pending (the step, or its "
+                                   "gradient accumulation, is unfinished) and would not be "
+                                   "saved; call it after optimizer.step(), or drop them with "
+                                   "optimizer.zero_grad() first")
             if rank == 0:
                 os.makedirs(save_dir, exist_ok=True)
                 _refuse_non_checkpoint_paths(save_dir, tag, save_latest)
