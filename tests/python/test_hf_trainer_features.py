@@ -273,3 +273,63 @@ def test_gpt2_tied_trains_with_cosine_schedule_and_predicts(tmp_path):
     expected, got = plain.predict(_Tokens(8)), ours.predict(_Tokens(8))
     torch.testing.assert_close(torch.from_numpy(got.predictions),
                                torch.from_numpy(expected.predictions), rtol=1e-4, atol=1e-4)
+
+
+class _Spans(torch.utils.data.Dataset):
+    def __len__(self):
+        return 24
+
+    def __getitem__(self, index):
+        generator = torch.Generator().manual_seed(index)
+        ids = torch.randint(5, VOCAB, (12,), generator=generator)
+        start = int(torch.randint(0, 8, (), generator=generator))
+        return {"input_ids": ids, "start_positions": torch.tensor(start),
+                "end_positions": torch.tensor(start + 3)}
+
+
+def _span_metrics(eval_pred):
+    (start_logits, end_logits), (starts, ends) = eval_pred.predictions, eval_pred.label_ids
+    return {"exact": float(((start_logits.argmax(-1) == starts)
+                            & (end_logits.argmax(-1) == ends)).mean()),
+            "inputs": int(eval_pred.inputs.sum())}
+
+
+def test_two_label_names_and_tuple_predictions_on_question_answering(tmp_path):
+    config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                                     num_attention_heads=4, intermediate_size=64,
+                                     max_position_embeddings=32, hidden_dropout_prob=0.0,
+                                     attention_probs_dropout_prob=0.0)
+    torch.manual_seed(0)
+    module = transformers.BertForQuestionAnswering(config)
+    plain, ours = _pair(tmp_path, module=module, label_names=["start_positions", "end_positions"],
+                        eval_on_start=True, eval_strategy="steps", eval_steps=2,
+                        include_for_metrics=["inputs"], trainer_kwargs={
+                            "train_dataset": _Spans(), "eval_dataset": _Spans(),
+                            "compute_metrics": _span_metrics})
+    _train_both(plain, ours)
+    # Not the logits themselves: the gradient of qa_outputs.bias is 0 up to rounding (a shift
+    # of every position's logit), which Adam scales up to a full step either way
+    for key in ("eval_loss", "eval_exact", "eval_inputs"):
+        assert _logged(ours, key) == pytest.approx(_logged(plain, key), rel=1e-4), key
+    assert len(_logged(ours, "eval_loss")) == 3  # on start, at steps 2 and 4
+
+
+def test_reduce_lr_on_plateau_and_prediction_loss_only(tmp_path):
+    plain, ours = _pair(tmp_path, lr_scheduler_type="reduce_lr_on_plateau",
+                        lr_scheduler_kwargs={"patience": 0, "factor": 0.5, "threshold": 0.2},
+                        eval_strategy="steps", eval_steps=1, prediction_loss_only=True,
+                        max_steps=4)
+    _train_both(plain, ours)
+    assert _logged(ours, "learning_rate") == pytest.approx(_logged(plain, "learning_rate"))
+    assert len(set(_logged(plain, "learning_rate"))) > 1  # the plateau did lower it
+    _assert_same_weights(ours.model, plain.model)
+
+
+def test_load_best_model_with_save_only_model(tmp_path):
+    plain, ours = _pair(tmp_path, eval_strategy="steps", eval_steps=1, save_strategy="steps",
+                        save_steps=1, max_steps=3, load_best_model_at_end=True,
+                        metric_for_best_model="loss", greater_is_better=True,
+                        save_only_model=True)
+    _train_both(plain, ours)
+    assert ours.state.best_model_checkpoint.endswith("checkpoint-1")
+    _assert_same_weights(ours.model, plain.model)
