@@ -101,7 +101,8 @@ class BackwardPass:
     # (release, count, the last reduce-scatters) as an autograd callback, which runs when the
     # graph task finishes, still inside loss.backward(). What loss.backward() cannot do:
     #  * scale the loss. fp16 needs the loss scale before autograd runs, so it raises, naming
-    #    model.backward(loss); with gradient_accumulation_steps the user divides the loss, as
+    #    model.backward(loss), and bf16 for the loops that call loss.backward() themselves
+    #    (Hugging Face's Trainer, accelerate's accelerator.backward); with gradient_accumulation_steps the user divides the loss, as
     #    in a PyTorch accumulation loop (model.backward divides by itself).
     #  * check the loss for NaN/inf before the backward (config nonfinite_loss): there is no
     #    loss to look at. Non-finite gradients are then the user's, as in PyTorch.
@@ -140,7 +141,10 @@ class BackwardPass:
                     raise RuntimeError(
                         "loss.backward() in fp16 training: call model.backward(loss) instead, "
                         "which applies the dynamic loss scale (without it small fp16 gradients "
-                        "underflow to zero)")
+                        "underflow to zero). Hugging Face's Trainer and accelerate's "
+                        "accelerator.backward(loss) call loss.backward() themselves: train "
+                        "there with the config's \"bf16\": {\"enabled\": true} (no loss "
+                        "scale needed) instead of \"fp16\"")
                 self._guard.check_backward_allowed("loss.backward()")
             except BaseException:
                 self._abandon()  # nothing stored: the engine is as before this backward

@@ -333,3 +333,18 @@ def test_load_best_model_with_save_only_model(tmp_path):
     _train_both(plain, ours)
     assert ours.state.best_model_checkpoint.endswith("checkpoint-1")
     _assert_same_weights(ours.model, plain.model)
+
+
+def test_an_fp16_config_under_the_trainer_names_bf16(tmp_path):
+    # The Trainer calls loss.backward() (accelerator.backward), which cannot apply the engine's
+    # loss scale: the error said only "call model.backward(loss)", which the Trainer's user
+    # cannot do
+    config = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "fp16": {"enabled": True}}
+    model, optimizer = patrickstar.initialize(_llama, config=config)
+    before = model.state_dict()
+    trainer = transformers.Trainer(model=model, args=_args(tmp_path), train_dataset=_Tokens(),
+                                   optimizers=(optimizer, None))
+    with pytest.raises(RuntimeError, match=r"Trainer.*\"bf16\": \{\"enabled\": true\}"):
+        trainer.train()
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(value, before[name], rtol=0, atol=0)
