@@ -329,3 +329,27 @@ def test_an_fp16_config_under_the_trainer_names_bf16(tmp_path):
         trainer.train()
     for name, value in model.state_dict().items():
         torch.testing.assert_close(value, before[name], rtol=0, atol=0)
+
+
+def test_load_best_model_at_end_under_data_parallelism(tmp_path):
+    import os
+
+    import safetensors.torch
+
+    from test_data_parallel import launch
+    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                          "trainer_features_dp_worker.py")
+    results = launch(tmp_path, 2, worker=worker)
+    reference = _llama()  # 2 ranks x 4 rows: the plain run's 8-row batches
+    plain = transformers.Trainer(
+        model=reference, args=_args(tmp_path / "plain", max_steps=3), train_dataset=_Tokens(),
+        optimizers=(torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.0), None))
+    plain.train()
+    assert results[0]["losses"] == results[1]["losses"]
+    assert results[0]["losses"] == pytest.approx(_logged(plain, "loss"), rel=1e-4)
+    assert all(result["best"].endswith("checkpoint-1") for result in results)
+    best = safetensors.torch.load_file(tmp_path / "run" / "checkpoint-1" / "model.safetensors")
+    for result in results:
+        assert result["every"].keys() == best.keys()
+        for name, value in best.items():
+            torch.testing.assert_close(result["every"][name], value, rtol=0, atol=0, msg=name)
