@@ -757,8 +757,10 @@ class PatrickStarEngine(nn.Module):
                 f"precision '{self.precision}') in chunks; converting the model to {probe.dtype} "
                 f"(model.half(), .float(), .double(), .bfloat16(), .to(dtype)) cannot change "
                 f"that: nothing was converted. Set config 'fp16.enabled' or 'bf16.enabled' "
-                f"instead, or leave the conversion out; for a converted copy of the weights, "
-                f"convert model.state_dict() or copy.deepcopy(model.module)")
+                f"instead, or leave the conversion out (Hugging Face's Trainer converts for "
+                f"TrainingArguments fp16_full_eval / bf16_full_eval: leave those out); for a "
+                f"converted copy of the weights, convert model.state_dict() or "
+                f"copy.deepcopy(model.module)")
         if probe.device != self.device:
             raise ValueError(
                 f"PatrickStarEngine: parameters live in chunks placed by the runtime for "

@@ -353,3 +353,13 @@ def test_load_best_model_at_end_under_data_parallelism(tmp_path):
         assert result["every"].keys() == best.keys()
         for name, value in best.items():
             torch.testing.assert_close(result["every"][name], value, rtol=0, atol=0, msg=name)
+
+
+def test_full_eval_in_another_dtype_names_the_trainers_option(tmp_path):
+    # The Trainer converts the model itself (model.to(torch.bfloat16)) for bf16_full_eval: the
+    # engine refused naming a conversion its user never wrote
+    model, optimizer = _engine(_llama())
+    trainer = transformers.Trainer(model=model, args=_args(tmp_path, bf16_full_eval=True),
+                                   eval_dataset=_Tokens(8), optimizers=(optimizer, None))
+    with pytest.raises(ValueError, match="bf16_full_eval"):
+        trainer.evaluate()
