@@ -370,3 +370,13 @@ def test_full_eval_in_another_dtype_names_the_trainers_option(tmp_path):
                                    eval_dataset=_Tokens(8), optimizers=(optimizer, None))
     with pytest.raises(ValueError, match="bf16_full_eval"):
         trainer.evaluate()
+
+
+def test_more_micro_steps_than_the_configs_accumulation_names_the_key(tmp_path):
+    model, optimizer = _engine(_llama(), accumulation=2)
+    trainer = transformers.Trainer(
+        model=model, args=_args(tmp_path, per_device_train_batch_size=2,
+                                gradient_accumulation_steps=4, max_steps=1),
+        train_dataset=_Tokens(), optimizers=(optimizer, None))
+    with pytest.raises(RuntimeError, match="3 times.*gradient_accumulation_steps is 2"):
+        trainer.train()
