@@ -34,7 +34,9 @@ from .tensor_tree import map_tensors
 # of `model.module` itself) is still refused, naming the engine's call: BackwardPass asks
 # `scaled()`, true from the first scaled gradient until a callback queued on that graph task
 # runs at its end, so a reentrant checkpoint's recomputation (a graph task nested in it)
-# stores its gradients too.
+# stores its gradients too. So is one whose every parameter is used only inside reentrant
+# checkpoints (no parameter's AccumulateGrad node below the output, where the search looks):
+# model.backward(loss) trains it.
 
 
 class OutputLossScale:
