@@ -107,8 +107,9 @@ class BackwardPass:
     # (release, count, the last reduce-scatters) as an autograd callback, which runs when the
     # graph task finishes, still inside loss.backward(). What loss.backward() cannot do:
     #  * scale the loss. fp16 scales the gradient entering the engine's outputs instead (Note
-    #    [fp16 loss.backward() scales at the engine's outputs] in output_loss_scale.py); with gradient_accumulation_steps the user divides the loss, as
-    #    in a PyTorch accumulation loop (model.backward divides by itself).
+    #    [fp16 loss.backward() scales at the engine's outputs] in output_loss_scale.py); with
+    #    gradient_accumulation_steps the user divides the loss, as in a PyTorch accumulation
+    #    loop (model.backward divides by itself).
     #  * check the loss for NaN/inf before the backward (config nonfinite_loss): there is no
     #    loss to look at. Non-finite gradients are then the user's, as in PyTorch.
     # A graph task that stores no gradient is not a training backward: torch.autograd.grad (a
