@@ -22,6 +22,8 @@ class BackwardPass:
     def __init__(self, guard, dp, precision: str, release_all: Callable[[], None],
                  counted: Callable[[], None], starting: Callable[[], None]):
         self._guard = guard
+        # Note [fp16 loss.backward() scales at the engine's outputs]: set by the engine
+        self.scaled_at_output: Callable[[], bool] = lambda: False
         self._dp = dp
         self._precision = precision
         self._starting = starting  # what the gradients need before new ones add to them
@@ -35,6 +37,10 @@ class BackwardPass:
         self._joined_thread: threading.Thread | None = None  # where, if a Python thread
         self._grad_hooks: list[tuple[nn.Parameter, int]] = []  # Note [User gradient hooks]
         self._grad_hook_handles: list = []
+
+    def in_model_backward(self) -> bool:
+        """`model.backward(loss)` is under way (not a loss.backward() this pass joined)."""
+        return self.in_backward and not self._joined
 
     def register_grad_hook(self, param: nn.Parameter, hook: Callable) -> None:
         """The engine's post-accumulate-grad hook of `param`, kept behind the user's."""
@@ -100,9 +106,10 @@ class BackwardPass:
     # checks, the data-parallel backward schedule) and queues the end of model.backward()
     # (release, count, the last reduce-scatters) as an autograd callback, which runs when the
     # graph task finishes, still inside loss.backward(). What loss.backward() cannot do:
-    #  * scale the loss. fp16 needs the loss scale before autograd runs, so it raises, naming
-    #    model.backward(loss); with gradient_accumulation_steps the user divides the loss, as
-    #    in a PyTorch accumulation loop (model.backward divides by itself).
+    #  * scale the loss. fp16 scales the gradient entering the engine's outputs instead (Note
+    #    [fp16 loss.backward() scales at the engine's outputs] in output_loss_scale.py); with
+    #    gradient_accumulation_steps the user divides the loss, as in a PyTorch accumulation
+    #    loop (model.backward divides by itself).
     #  * check the loss for NaN/inf before the backward (config nonfinite_loss): there is no
     #    loss to look at. Non-finite gradients are then the user's, as in PyTorch.
     # A graph task that stores no gradient is not a training backward: torch.autograd.grad (a
@@ -136,10 +143,13 @@ class BackwardPass:
         self.join_autograd_backward()
         if self._autograd_unchecked:
             try:
-                if self._precision == "fp16":
+                if self._precision == "fp16" and not self.scaled_at_output():
                     raise RuntimeError(
-                        "loss.backward() in fp16 training: call model.backward(loss) instead, "
-                        "which applies the dynamic loss scale (without it small fp16 gradients "
+                        "loss.backward() in fp16 training reached the parameters without "
+                        "passing the engine's outputs, where the dynamic loss scale is applied "
+                        "(a forward of model.module or of a submodule rather than of the "
+                        "engine): call the engine (model(...)), or call model.backward(loss), "
+                        "which scales the loss itself (without the scale small fp16 gradients "
                         "underflow to zero)")
                 self._guard.check_backward_allowed("loss.backward()")
             except BaseException:

@@ -94,6 +94,7 @@ from .init_context import (BuiltModule, InitResidency, ParameterPlacer, built_dt
                            plan_parameters, sparse_gradient_error)
 from .input_cast import cast_floating_inputs, inputs_to_device
 from .loss_scaler import make_loss_scaler
+from .output_loss_scale import OutputLossScale
 from .optimizer import PatrickStarOptimizer, build_param_groups
 from .parameter_values import ParameterValues
 from .saved_views import SavedParameterViews
@@ -292,6 +293,11 @@ class PatrickStarEngine(nn.Module):
             for index, param in enumerate(self.params.params):
                 if param.requires_grad:
                     self._backward.register_grad_hook(param, self._make_grad_hook(index))
+            self._output_scale = None
+            if self.precision == "fp16":  # Note [fp16 loss.backward() scales at the engine's
+                self._output_scale = OutputLossScale(  # outputs] in output_loss_scale.py
+                    self.params.params, self.loss_scaler, self._backward.in_model_backward)
+                self._backward.scaled_at_output = self._output_scale.scaled
             self._views = SavedParameterViews(  # Note [Saved views of parameters]
                 self._slots, self.params.params, self.activations,
                 _weakly(self._backward.join_autograd_backward))
@@ -760,8 +766,10 @@ class PatrickStarEngine(nn.Module):
                 f"precision '{self.precision}') in chunks; converting the model to {probe.dtype} "
                 f"(model.half(), .float(), .double(), .bfloat16(), .to(dtype)) cannot change "
                 f"that: nothing was converted. Set config 'fp16.enabled' or 'bf16.enabled' "
-                f"instead, or leave the conversion out; for a converted copy of the weights, "
-                f"convert model.state_dict() or copy.deepcopy(model.module)")
+                f"instead, or leave the conversion out (Hugging Face's Trainer converts for "
+                f"TrainingArguments fp16_full_eval / bf16_full_eval: leave those out); for a "
+                f"converted copy of the weights, convert model.state_dict() or "
+                f"copy.deepcopy(model.module)")
         if probe.device != self.device:
             raise ValueError(
                 f"PatrickStarEngine: parameters live in chunks placed by the runtime for "
@@ -863,6 +871,8 @@ class PatrickStarEngine(nn.Module):
         try:
             with self._views.hooks():
                 output = self.module(*args, **kwargs)
+            if self._output_scale is not None and torch.is_grad_enabled():
+                output = self._output_scale.wrap_outputs(output)
             completed = True
         except Exception as error:  # Note [Naming an unregistered read] in external_params.py
             hint = (unregistered_read_note(error, self.module, self._holds_placeholder)

@@ -75,6 +75,11 @@ def assert_same(a, b):
     (MLP, {"bf16": {"enabled": True, "master_weights": False}}, 1),
     (Checkpointed, {}, 2),
     (CheckpointedReentrant, {}, 1),
+    # Note [fp16 loss.backward() scales at the engine's outputs]: 2**40 overflows first, so
+    # the skipped steps and the lowered scale match too
+    (MLP, {"fp16": {"enabled": True}}, 2),
+    (MLP, {"fp16": {"enabled": True, "initial_scale_power": 40}}, 1),
+    (CheckpointedReentrant, {"fp16": {"enabled": True}}, 1),
 ])
 def test_loss_backward_trains_as_model_backward(model_func, config, accumulation):
     data = batches(6)
@@ -124,14 +129,35 @@ def test_hugging_face_gradient_checkpointing_with_loss_backward():
     assert_same(run(False), run(True))
 
 
-def test_fp16_loss_backward_names_model_backward_and_changes_nothing():
+def test_fp16_input_gradients_of_the_engines_outputs_are_not_scaled():
+    # Note [fp16 loss.backward() scales at the engine's outputs]: torch.autograd.grad
+    # accumulates into no parameter, so the gradient it returns is left as it is
+    config = {"optimizer": {"type": "Adam", "params": {"lr": 1e-3}}, "default_chunk_size": 4096,
+              "fp16": {"enabled": True}}
+    model, optimizer = patrickstar.initialize(MLP, config=config)
+    x, y = batches(1)[0]
+    x = x.half().requires_grad_()
+    got, = torch.autograd.grad(model(x, y), x)
+    expected, = torch.autograd.grad(model.module(x, y), x)  # no engine output on the way
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    assert got.abs().max() < 1  # unscaled (the scale is 2**16)
+    # A loss that is changed in place (Hugging Face's Trainer: `loss *= ...`) still trains
+    loss = model(x.detach(), y)
+    loss *= 0.5
+    loss.backward()
+    optimizer.step()
+
+
+def test_fp16_loss_backward_past_the_engines_outputs_names_them_and_changes_nothing():
+    # A forward of model.module itself returns no output the loss scale is applied at
     config = {"optimizer": {"type": "Adam", "params": {"lr": 1e-3}}, "default_chunk_size": 4096,
               "fp16": {"enabled": True}}
     model, optimizer = patrickstar.initialize(MLP, config=config)
     x, y = batches(1)[0]
     before = model.state_dict()
-    with pytest.raises(RuntimeError, match=r"model\.backward\(loss\)"):
-        model(x.half(), y).backward()
+    with pytest.raises(RuntimeError, match=r"without passing the engine's outputs.*"
+                                           r"model\.backward\(loss\)"):
+        model.module(x.half(), y).backward()
     for key, tensor in before.items():
         torch.testing.assert_close(model.state_dict()[key], tensor, rtol=0, atol=0)
     # The engine goes on with the supported call.
