@@ -17,9 +17,13 @@ from .tensor_tree import map_tensors
 # and skips a step that overflowed, as then). The user gets the wrapped tensors and the module
 # computed with the originals, so an output computed from another (a causal LM's loss from
 # its logits) is scaled once, not twice as hooks on the returned tensors did; a loss over
-# several outputs or forwards has each scaled once. A loss (one element) is returned as a copy,
-# which the user may change in place (the Trainer does); a larger output as a view, whose
-# in-place change torch refuses (copying logits would cost their memory again). The identity
+# several outputs or forwards has each scaled once. Each wrapped tensor is the original's
+# detached alias (same storage and version counter, no copy), not a view of it: autograd
+# refuses in-place changes of a view a custom Function returns ("Output 0 of Select is a view
+# and is being modified inplace"), and users change outputs in place as in PyTorch (the
+# Trainer's `loss *= ...`, `logits[:, pad] = 0` before a loss); the in-place op's backward then
+# runs before the scaling, as it should. An alias costs nothing, where a copy of the logits
+# would cost their memory again. The identity
 # leaves the gradient as it is
 #  * inside `model.backward(loss)`, whose loss is scaled already (not inside a loss.backward()
 #    the engine has joined: a second forward's output is met after the join);
@@ -102,9 +106,7 @@ class _ScaleEnteringGradient(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, owner):
         ctx.owner = owner
-        # A view costs nothing but refuses in-place changes, which losses meet (the Trainer's
-        # `loss *= ...`): a one-element tensor is copied
-        return tensor.clone() if tensor.numel() == 1 else tensor.view_as(tensor)
+        return tensor.detach()  # an alias the user may change in place (Note above)
 
     @staticmethod
     def backward(ctx, grad):

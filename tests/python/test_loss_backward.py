@@ -148,6 +148,43 @@ def test_fp16_input_gradients_of_the_engines_outputs_are_not_scaled():
     optimizer.step()
 
 
+class Logits(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 10))
+
+    def forward(self, x):
+        return self.body(x)
+
+
+@pytest.mark.parametrize("autograd", [False, True])
+def test_fp16_outputs_changed_in_place_train_as_changed_out_of_place(autograd):
+    # Note [fp16 loss.backward() scales at the engine's outputs]: the outputs are aliases, not
+    # views of a custom Function's output, so an in-place change (as a PyTorch loop may make to
+    # its logits) is allowed and trains as the same change made out of place
+    config = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "default_chunk_size": 4096,
+              "fp16": {"enabled": True}}
+    results = []
+    for in_place in (False, True):
+        torch.manual_seed(0)
+        model, optimizer = patrickstar.initialize(Logits, config=config)
+        losses = []
+        for x, y in batches(4):
+            logits = model(x.half())
+            if in_place:
+                logits[:, 0] = 0.0
+            else:
+                logits = torch.cat([torch.zeros_like(logits[:, :1]), logits[:, 1:]], dim=1)
+            loss = nn.functional.cross_entropy(logits.float(), y)
+            loss.backward() if autograd else model.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        results.append((losses, model.state_dict()))
+        model.destroy()
+    assert_same(*results)
+
+
 def test_fp16_loss_backward_past_the_engines_outputs_names_them_and_changes_nothing():
     # A forward of model.module itself returns no output the loss scale is applied at
     config = {"optimizer": {"type": "Adam", "params": {"lr": 1e-3}}, "default_chunk_size": 4096,
