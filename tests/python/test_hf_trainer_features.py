@@ -12,16 +12,7 @@ import patrickstar
 
 transformers = pytest.importorskip("transformers")
 
-VOCAB = 96
-
-
-def _llama(tie: bool = False):
-    config = transformers.LlamaConfig(
-        num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=32,
-        tie_word_embeddings=tie, bos_token_id=0, eos_token_id=0, pad_token_id=0)
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config)
+from test_hf_training import VOCAB, _llama  # noqa: E402 (after the importorskip)
 
 
 class _Tokens(torch.utils.data.Dataset):

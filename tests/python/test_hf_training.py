@@ -17,7 +17,7 @@ accelerate = pytest.importorskip("accelerate")
 VOCAB = 96
 
 
-def _llama(tie: bool):
+def _llama(tie: bool = False):
     config = transformers.LlamaConfig(
         num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
         num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=32,
