@@ -667,3 +667,27 @@ def test_see_memory_usage_takes_upstreams_scale_name(caplog):
     assert not any("not forced" in line for line in lines)
     with pytest.raises(ValueError, match="scale_name.*'GiB'.*'MB'"):
         see_memory_usage("x", force=True, scale_name="GiB")
+
+
+def test_estimate_bert_mac_is_upstreams_two_estimates():
+    """Upstream's examples/pretrain_bert_demo.py imports estimate_bert_mac from
+    patrickstar.utils.model_size_calculator next to get_ps_model_size: the import failed, so
+    the script stopped before training. It returns (numel * B * S * 8, Megatron-LM's
+    96 * B * S * L * H**2 * (1 + S / 6H + V / 16LH))."""
+    transformers = pytest.importorskip("transformers")
+    from patrickstar.utils.model_size_calculator import estimate_bert_mac, get_ps_model_size
+    config = transformers.BertConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                     num_attention_heads=2, vocab_size=100,
+                                     max_position_embeddings=16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, _ = patrickstar.initialize(
+            lambda: transformers.BertForSequenceClassification(config),
+            config={"default_chunk_size": 20000,
+                    "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}})
+    numel = sum(p.numel() for p in transformers.BertForSequenceClassification(config).parameters())
+    assert get_ps_model_size(model)[0] == numel
+    from_size, from_shapes = estimate_bert_mac(config, 4, 16, get_ps_model_size(model)[0])
+    assert from_size == numel * 4 * 16 * 8
+    assert from_shapes == pytest.approx(96 * 4 * 16 * 2 * 32 ** 2 * (1 + 16 / 192 + 100 / 1024))
+    model.destroy()
