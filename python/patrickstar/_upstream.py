@@ -67,8 +67,8 @@ UPSTREAM_NAMES = {
                                          "`patrickstar.utils.get_sys_memory_used(device)`",
     "patrickstar.utils.SingletonMeta": "not needed: PatrickStar-C++ keeps no global singletons",
     "patrickstar.utils.model_size_calculator.estimate_bert_MAC":
-        "it returned numel * batch_size * sequence_length * 8, with numel = "
-        "get_ps_model_size(model)[0]; compute that in the script",
+        "its later name, estimate_bert_mac(config, batch_size, sequence_length, "
+        "numel)[0], is here, with numel = get_ps_model_size(model)[0]",
     "patrickstar.checkpoint.checkpoint": _RECOMPUTE,
     "patrickstar.checkpoint.checkpoint_sequential": _RECOMPUTE,
     "patrickstar.profiler.torch_profiler": "upstream filled it from "

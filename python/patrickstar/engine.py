@@ -965,18 +965,32 @@ class PatrickStarEngine(nn.Module):
     def _end_forward(self) -> None:
         self.dp.after_forward()
 
-    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
-        """`retain_graph` as torch's and DeepSpeed's: keep the graph for another backward
-        through it (two losses of one forward, each its own backward call)."""
+    def backward(self, loss: torch.Tensor, allreduce_gradients: bool = True,
+                 release_loss: bool = False, retain_graph: bool = False,
+                 scale_wrt_gas: bool = True) -> None:
+        """DeepSpeed's signature (upstream PatrickStar's is its first three arguments), so a
+        positional `model.backward(loss, True)` means what it meant there.
+
+        `retain_graph` as torch's and DeepSpeed's: keep the graph for another backward
+        through it (two losses of one forward, each its own backward call). `scale_wrt_gas`
+        False leaves the loss undivided by gradient_accumulation_steps (the script divides it,
+        as DeepSpeed's). `allreduce_gradients` and `release_loss` are ignored, as upstream's
+        and DeepSpeed's: gradients are averaged over data-parallel ranks in any case."""
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError("backward(loss) expects a scalar loss tensor")
+        if not allreduce_gradients:
+            warnings.warn("model.backward(allreduce_gradients=False) is ignored, as in upstream "
+                          "PatrickStar and DeepSpeed: the gradients are still averaged over "
+                          "data-parallel ranks", stacklevel=2)
         with self.guard.calling("model.backward()"):  # Note [One thread at a time]
             agree = self.dp.ranks_with if self.dp.enabled else None
             # Note [Calls between a read and its serving] in data_parallel.py
             self.dp.agree_on_training_call(self.dp.BACKWARD)
             if not self.guard.before_backward(loss, self.precision, agree):
                 return
-            scale = self.loss_scaler.scale / self.ps_config.gradient_accumulation_steps
+            scale = self.loss_scaler.scale
+            if scale_wrt_gas:
+                scale /= self.ps_config.gradient_accumulation_steps
             self._backward.run([loss.float() * scale], None, retain_graph)
 
     def backward_from(self, tensors, grads) -> None:

@@ -667,3 +667,72 @@ def test_see_memory_usage_takes_upstreams_scale_name(caplog):
     assert not any("not forced" in line for line in lines)
     with pytest.raises(ValueError, match="scale_name.*'GiB'.*'MB'"):
         see_memory_usage("x", force=True, scale_name="GiB")
+
+
+def test_estimate_bert_mac_is_upstreams_two_estimates():
+    """Upstream's examples/pretrain_bert_demo.py imports estimate_bert_mac from
+    patrickstar.utils.model_size_calculator next to get_ps_model_size: the import failed, so
+    the script stopped before training. It returns (numel * B * S * 8, Megatron-LM's
+    96 * B * S * L * H**2 * (1 + S / 6H + V / 16LH))."""
+    transformers = pytest.importorskip("transformers")
+    from patrickstar.utils.model_size_calculator import estimate_bert_mac, get_ps_model_size
+    config = transformers.BertConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                     num_attention_heads=2, vocab_size=100,
+                                     max_position_embeddings=16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, _ = patrickstar.initialize(
+            lambda: transformers.BertForSequenceClassification(config),
+            config={"default_chunk_size": 20000,
+                    "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}})
+    numel = sum(p.numel() for p in transformers.BertForSequenceClassification(config).parameters())
+    assert get_ps_model_size(model)[0] == numel
+    from_size, from_shapes = estimate_bert_mac(config, 4, 16, get_ps_model_size(model)[0])
+    assert from_size == numel * 4 * 16 * 8
+    assert from_shapes == pytest.approx(96 * 4 * 16 * 2 * 32 ** 2 * (1 + 16 / 192 + 100 / 1024))
+    model.destroy()
+
+
+def _accumulating_model():
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return patrickstar.initialize(
+            lambda: torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)),
+            config={"default_chunk_size": 1024, "gradient_accumulation_steps": 2,
+                    # eps 1: Adam's step follows the gradient's scale, so a division shows.
+                    "optimizer": {"type": "Adam", "params": {"lr": 0.1, "eps": 1.0}}})
+
+
+def test_backward_takes_upstreams_and_deepspeeds_arguments():
+    """Upstream's engine.backward(loss, allreduce_gradients=True, release_loss=False) and
+    DeepSpeed's (..., retain_graph=False, scale_wrt_gas=True): `model.backward(loss,
+    allreduce_gradients=True)` raised TypeError, and a positional `model.backward(loss, True)`
+    meant retain_graph. scale_wrt_gas=False leaves the division by gradient_accumulation_steps
+    to the script, as DeepSpeed's."""
+    batches = [(torch.randn(4, 8), torch.randn(4, 2)) for _ in range(2)]
+    undivided, undivided_opt = _accumulating_model()
+    divided, divided_opt = _accumulating_model()
+    for x, y in batches:
+        loss = torch.nn.functional.mse_loss(undivided(x), y)
+        undivided.backward(loss, True, False, scale_wrt_gas=False)
+        with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+            torch.autograd.backward(loss)  # the positional True was not retain_graph
+        divided.backward(torch.nn.functional.mse_loss(divided(x), y), allreduce_gradients=True,
+                         release_loss=True)
+    # The same step as torch's Adam over the summed (undivided), not the averaged, losses.
+    reference = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    reference.load_state_dict(divided.state_dict())
+    plain = torch.optim.Adam(reference.parameters(), lr=0.1, eps=1.0)
+    sum(torch.nn.functional.mse_loss(reference(x), y) for x, y in batches).backward()
+    plain.step()
+    undivided_opt.step()
+    for (name, a), b in zip(undivided.state_dict().items(), reference.state_dict().values()):
+        torch.testing.assert_close(a, b, msg=name)
+    divided_opt.step()
+    assert not torch.equal(divided.state_dict()["1.weight"], reference.state_dict()["1.weight"])
+    with pytest.warns(UserWarning, match="allreduce_gradients=False\\) is ignored"):
+        divided.backward(torch.nn.functional.mse_loss(divided(batches[0][0]), batches[0][1]),
+                         allreduce_gradients=False)
+    undivided.destroy()
+    divided.destroy()
