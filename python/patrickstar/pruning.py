@@ -36,10 +36,20 @@ from .param_owners import engine_of
 __all__ = ["install"]
 
 
-def _wrap_remove(remove):
-    if getattr(remove, "_patrickstar_wrapped", False):
-        return remove
+def _wrapped_once(wrap):
+    """`wrap(fn)`, marked, unless `fn` is already such a wrapper: install() may run again."""
+    @functools.wraps(wrap)
+    def once(fn):
+        if getattr(fn, "_patrickstar_wrapped", False):
+            return fn
+        wrapper = wrap(fn)
+        wrapper._patrickstar_wrapped = True
+        return wrapper
+    return once
 
+
+@_wrapped_once
+def _wrap_remove(remove):
     @functools.wraps(remove)
     def wrapper(self, module):
         name = getattr(self, "_tensor_name", None)
@@ -49,14 +59,11 @@ def _wrap_remove(remove):
             return remove(self, module)
         with engine.summon_full_params(writeback=True):
             return remove(self, module)
-    wrapper._patrickstar_wrapped = True
     return wrapper
 
 
+@_wrapped_once
 def _wrap_apply(apply):
-    if getattr(apply, "_patrickstar_wrapped", False):
-        return apply
-
     @functools.wraps(apply)
     def wrapper(cls, module, name, *args, **kwargs):
         params = module._parameters if isinstance(module, torch.nn.Module) else {}
@@ -65,14 +72,11 @@ def _wrap_apply(apply):
             return apply(cls, module, name, *args, **kwargs)
         with torch.no_grad():
             return apply(cls, module, name, *args, **kwargs)
-    wrapper._patrickstar_wrapped = True
     return wrapper
 
 
+@_wrapped_once
 def _wrap_global(global_unstructured):
-    if getattr(global_unstructured, "_patrickstar_wrapped", False):
-        return global_unstructured
-
     @functools.wraps(global_unstructured)
     def wrapper(parameters, *args, **kwargs):
         if not isinstance(parameters, Iterable):  # torch's error
@@ -83,7 +87,6 @@ def _wrap_global(global_unstructured):
             with torch.no_grad():
                 return global_unstructured(parameters, *args, **kwargs)
         return global_unstructured(parameters, *args, **kwargs)
-    wrapper._patrickstar_wrapped = True
     return wrapper
 
 
