@@ -87,7 +87,9 @@ def lscpu_summary():
 LOWP_VARIANTS = [("ours int8 state", "fp32", "int8", False, 16),
                  ("ours int8 state + bf16 copy", "fp32", "int8", True, 18),
                  ("ours bf16 state", "fp32", "bf16", False, 20),
+                 ("ours bf16 state + bf16 copy", "fp32", "bf16", True, 22),
                  ("ours bf16 param kahan", "kahan", "fp32", False, 26),
+                 ("ours bf16 param kahan + bf16 state", "kahan", "bf16", False, 18),
                  ("ours bf16 param stochastic", "stochastic", "fp32", False, 22),
                  ("ours bf16 param kahan + int8 state", "kahan", "int8", False, 14)]
 LOWP_VARIANT_NAMES = [variant[0] for variant in LOWP_VARIANTS]
