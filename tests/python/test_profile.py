@@ -1044,6 +1044,24 @@ def test_empty_profile_still_writes_every_output(tmp_path):
             "recorded)</td>") in (tmp_path / "report.html").read_text()
 
 
+
+def test_a_profile_with_no_moment_gives_the_chunks_the_tiers_hold(tmp_path):
+    """A profile stopped before the first forward has no moment: its per-tier peaks read
+    0.0 MiB, while the host held every parameter (Note [Peaks between moments])."""
+    model, _ = _model()
+    held = {t["name"]: t["chunk_bytes"] for t in model.memory_stats()}
+    with patrickstar.profile(model, tmp_path):
+        pass
+    assert held["host"] >= GPT_CONFIG.parameter_count() * 4  # the fp32 parameters, in chunks
+    tiers = json.loads((tmp_path / "summary.json").read_text())["tiers"]
+    for name, nbytes in held.items():
+        assert tiers[name]["peak_model_bytes"] == nbytes, name
+        assert tiers[name]["peak_total_bytes"] >= nbytes, name
+    out = io.StringIO()
+    assert report.main([str(tmp_path)], out=out) == 0
+    assert re.search(rf"\nhost: peak model / non-model +{re.escape(report_mib(held['host']))} /",
+                     out.getvalue())
+
 # ---- Findings from a hand-made record ----------------------------------------------------------
 
 MS = 1_000_000
