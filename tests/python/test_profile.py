@@ -1026,6 +1026,29 @@ def test_profiling_a_destroyed_engine_says_so(tmp_path):
     assert active_profiler() is None
 
 
+def test_the_record_of_a_stopped_profiler_ends_at_its_stop(tmp_path):
+    """A stopped profiler's raw() read the engine's statistics live: after more training its
+    tier totals counted copies made after stop() that no event recorded (bytes moved in per
+    tier above the bytes of the recorded copies), and after the engine was destroyed it raised
+    naming memory_stats() (Note [Statistics at stop] in profiling/recorder.py)."""
+    model, optimizer = _model()
+    profiler = patrickstar.Profiler(model, tmp_path).start()
+    _train(model, optimizer, 2)
+    profiler.stop(write=False)
+    at_stop = profiler.raw()
+    _train(model, optimizer, 1)  # after the profile: chunks move again
+    summary = report.write_outputs(tmp_path, profiler.raw())
+    assert summary["moves"]["bytes"] > 0
+    for direction, nbytes in summary["moves"]["by_direction"].items():
+        assert summary["tiers"][direction.split("->")[1]]["bytes_in"] >= nbytes
+    assert sum(t["bytes_in"] for t in summary["tiers"].values()) == summary["moves"]["bytes"]
+    assert sum(t["bytes_out"] for t in summary["tiers"].values()) == summary["moves"]["bytes"]
+    model.destroy()
+    assert profiler.raw() == at_stop
+    with pytest.raises(RuntimeError, match="cannot profile into .*: this PatrickStar engine was "
+                                           "deleted or destroyed"):
+        profiler.start()
+
 def test_empty_profile_still_writes_every_output(tmp_path):
     model, _ = _model()
     with patrickstar.profile(model, tmp_path):
