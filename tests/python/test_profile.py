@@ -1170,3 +1170,42 @@ def test_findings_are_computed_from_the_record(tmp_path):
     assert [row[header.index("device_bytes_in_total")] for row in rows] == [0, 0, 0, 0, MiB]
     # The eviction copy settled at 125 ms, before the 150 ms moment closed.
     assert [row[header.index("host_bytes_in_total")] for row in rows] == [0, 0, 0, MiB, MiB]
+
+
+def _holds(budget, block_sizes):
+    """Whether a real emulated device tier of `budget` holds blocks of `block_sizes` at once,
+    allocated smallest first (each size takes its slab before the next size comes)."""
+    from patrickstar import _C
+    tier = _C.EmulatedDeviceTier(budget=budget)
+    blocks = []
+    try:
+        for size in sorted(block_sizes):
+            blocks.append(tier.allocate(size))
+        return True
+    except MemoryError:
+        return False
+    finally:
+        for block in blocks:
+            tier.free(block)
+
+
+def test_the_budget_a_finding_asks_for_holds_the_slabs_of_the_chunks(tmp_path):
+    """A budget bounds the bytes a tier's slab pool reserves, and every block size takes slabs
+    of an eighth of the budget: the finding counted only chunk bytes, and a tier given the
+    budget it named could not hold the chunks (Note [Budgets bound the slab pool] in
+    profiling/summary.py; a 2-layer Llama with int8 state still spilled its host to NVMe every
+    iteration at the host budget its report asked for). Two 1 MiB chunks and four 4 KiB scale
+    chunks on the device, checked against the runtime's own tier."""
+    raw = _hand_made_record()
+    scales = [{"kind": "momentum_scale", "bytes": 4096, "id": 2 + i, "tier": "device"}
+              for i in range(4)]
+    raw["layout"]["chunks"] += scales
+    blocks = [MiB, MiB] + [4096] * len(scales)
+    finding = report.build_summary(raw)["findings"][0]
+    match = re.fullmatch(r"device budget is the bottleneck: 50% of step time waits for "
+                         r"host->device copies; raising memory.device_budget by [0-9.]+ MiB "
+                         r"\(to ([0-9.]+) MiB\) removes them.", finding)
+    assert match, finding
+    assert not _holds(sum(blocks), blocks)  # the chunk bytes alone do not fit
+    assert _holds(int(float(match.group(1)) * MiB), blocks)
+
