@@ -1209,3 +1209,23 @@ def test_the_budget_a_finding_asks_for_holds_the_slabs_of_the_chunks(tmp_path):
     assert not _holds(sum(blocks), blocks)  # the chunk bytes alone do not fit
     assert _holds(int(float(match.group(1)) * MiB), blocks)
 
+
+def test_compare_lists_a_tier_only_one_run_has_with_the_other_tiers(tmp_path, capsys):
+    """`patrickstar-report --compare` appended the lines of B that A lacks at the end: the NVMe
+    tier of a run with NVMe offload, set against one without, came after A's model data per
+    chunk kind, where it read as one more kind."""
+    without, with_nvme = tmp_path / "a", tmp_path / "b"
+    report.write_outputs(without, _hand_made_record())
+    raw = _hand_made_record()
+    raw["tiers"].append({"name": "nvme", "kind": "nvme", "budget_bytes": 64 * MiB})
+    for stats in (raw["stats_start"], raw["stats_end"]):
+        stats.append(dict(stats[1], name="nvme", kind="nvme"))
+    for key in ("chunk_bytes", "non_model_bytes", "budget_bytes"):
+        raw["samples"][key] = [values + [0] for values in raw["samples"][key]]
+    report.write_outputs(with_nvme, raw)
+    for first, second in ((without, with_nvme), (with_nvme, without)):
+        assert report.main(["--compare", str(first), str(second)]) == 0
+        keys = [line.split("  ")[0] for line in capsys.readouterr().out.splitlines()]
+        host, nvme = keys.index("host: evictions"), keys.index("nvme: budget")
+        assert nvme == host + 1, keys
+        assert keys.index("nvme: evictions") < keys.index("bytes moved"), keys
