@@ -1229,3 +1229,15 @@ def test_compare_lists_a_tier_only_one_run_has_with_the_other_tiers(tmp_path, ca
         host, nvme = keys.index("host: evictions"), keys.index("nvme: budget")
         assert nvme == host + 1, keys
         assert keys.index("nvme: evictions") < keys.index("bytes moved"), keys
+
+
+def test_the_eviction_table_says_what_its_next_use_distance_counts(tmp_path):
+    """report.html's eviction table gave a bare "mean next-use distance": in moments, seconds,
+    iterations? It counts the chunk accesses of the warm-up trace until the victim is used
+    again (chunk/event_log.h)."""
+    report.write_outputs(tmp_path, _hand_made_record())
+    table = (tmp_path / "report.html").read_text().split('id="evictions"')[1].split("</table>")[0]
+    headers = re.findall(r"<th>(.*?)</th>", table)
+    column = headers.index("mean next-use distance (chunk accesses)")
+    first_row = re.findall(r"<td>(.*?)</td>", table.split("<tbody>")[1].split("</tr>")[0])
+    assert first_row[column] == "3.0"  # the hand-made eviction's distance

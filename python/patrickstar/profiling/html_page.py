@@ -278,7 +278,10 @@ def render_html(raw: dict, summary: dict, analysis: Analysis | None = None) -> s
         _table(["collective", "count", "payload", "issue to finish (ms)", "blocked (ms)"],
                collective_rows, "collectives") if collective_rows
         else "<p>No collectives (one rank, or none recorded).</p>")
-    eviction_table = (_table(["cause", "evictions", "bytes", "mean next-use distance"],
+    # (the distance counts chunk accesses of the warm-up trace, not moments nor time; "-":
+    # evicted while warming up, or never used again)
+    eviction_table = (_table(["cause", "evictions", "bytes",
+                              "mean next-use distance (chunk accesses)"],
                              eviction_rows, "evictions") if eviction_rows
                       else "<p>No evictions.</p>")
     return f"""<!DOCTYPE html>
