@@ -33,6 +33,8 @@ def _summary_lines(summary: dict) -> list[tuple[str, str]]:
         lines += [(f"{name}: budget", budget),
                   (f"{name}: peak model / non-model", f"{mib(tier['peak_model_bytes'])} / "
                                                       f"{mib(tier['peak_non_model_bytes'])}"),
+                  (f"{name}: slab pool reserved at stop",
+                   "-" if tier.get("reserved_bytes") is None else mib(tier["reserved_bytes"])),
                   (f"{name}: moved in / out", f"{mib(tier['bytes_in'])} / "
                                               f"{mib(tier['bytes_out'])}"),
                   (f"{name}: evictions", str(tier["evictions"]))]

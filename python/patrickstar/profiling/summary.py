@@ -34,7 +34,10 @@ def build_summary(raw: dict, analysis: Analysis | None = None) -> dict:
             "bytes_in": stat_delta(raw, t, "bytes_in"),
             "bytes_out": stat_delta(raw, t, "bytes_out"),
             "evictions": stat_delta(raw, t, "evictions"),
-            "copy_wait_s": stat_delta(raw, t, "copy_wait_ns") / 1e9}
+            "copy_wait_s": stat_delta(raw, t, "copy_wait_ns") / 1e9,
+            # What the budget bounds (Note [Budgets bound the slab pool]): a tier evicted with
+            # its chunks and non-model data below the budget because its pool had reserved it.
+            "reserved_bytes": raw["stats_end"][t].get("reserved_bytes")}
     by_direction: dict[str, int] = collections.Counter()
     by_cause: dict[str, int] = collections.Counter()
     for e in a.copies:
