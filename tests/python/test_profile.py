@@ -1277,3 +1277,23 @@ def test_the_report_gives_what_each_tiers_slab_pool_reserved(tmp_path, nvme_dir)
     assert report.main([str(tmp_path)], out=out) == 0
     assert re.search(rf"\nnvme: slab pool reserved at stop +{re.escape(report_mib(files))}\n",
                      out.getvalue())
+
+
+def test_model_data_less_wasted_bytes_is_what_the_tensors_hold(tmp_path):
+    """int8 Adam state's scale chunks (one float32 per 2048 elements: 16 bytes at 8192 elements
+    per chunk) take 4 KiB blocks; summary.json's wasted_bytes left that padding out, so model
+    data less wasted bytes was more than the parameters, gradients, moments and scales hold
+    (Note [Wasted bytes of small chunks] in profiling/summary.py). Counted here from the
+    model's parameters."""
+    config = _config(optimizer={"type": "Adam", "params": {"state_dtype": "int8"}})
+    model, optimizer = _model(config)
+    with patrickstar.profile(model, tmp_path):
+        _train(model, optimizer, 1)
+    model.destroy()
+    chunks = json.loads((tmp_path / "summary.json").read_text())["chunks"]
+    sizes = [p.numel() for p in dict.fromkeys(GPT(GPT_CONFIG).parameters())]  # tied: once
+    # fp32 parameters and gradients, uint8 momentum and variance, a float32 scale of each per
+    # 2048 elements
+    held = sum(n * (4 + 4 + 1 + 1) + 2 * 4 * -(-n // 2048) for n in sizes)
+    assert chunks["by_kind"]["momentum_scale"]["bytes"] % 4096 == 0
+    assert chunks["model_data_bytes"] - chunks["wasted_bytes"] == held
