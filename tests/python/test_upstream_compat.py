@@ -509,6 +509,7 @@ def test_upstream_profiler_saves_an_engine_destroyed_before_end(tmp_path):
     model, optimizer = initialize_engine(
         model_func=lambda: torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 4)),
         local_rank=0, config={"default_chunk_size": 4096,
+                              "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
                               "memory": {"device_budget": 3 * 4096 * 4}})
     fresh.engine_built(model)  # (what patrickstar.initialize() tells the global profiler)
     for _ in range(2):
