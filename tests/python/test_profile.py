@@ -798,6 +798,11 @@ def test_demo_writes_a_profile(tmp_path):
         assert (tmp_path / name).is_file(), name
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["run"]["iterations"] == 3 and summary["moves"]["count"] > 0
+    # The demo's "device model data" is its report's compute_param and gradient chunks (it
+    # counted the parameters' bytes, which leave out the chunks' unused capacity).
+    by_kind = summary["chunks"]["by_kind"]
+    device_chunks = by_kind["compute_param"]["bytes"] + by_kind["gradient"]["bytes"]
+    assert f"device model data {device_chunks / MiB:.1f} MiB" in result.stdout, result.stdout
 
 
 def test_config_profile_section_is_validated(tmp_path):
