@@ -798,6 +798,11 @@ def test_demo_writes_a_profile(tmp_path):
         assert (tmp_path / name).is_file(), name
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["run"]["iterations"] == 3 and summary["moves"]["count"] > 0
+    # The demo's "device model data" is its report's compute_param and gradient chunks (it
+    # counted the parameters' bytes, which leave out the chunks' unused capacity).
+    by_kind = summary["chunks"]["by_kind"]
+    device_chunks = by_kind["compute_param"]["bytes"] + by_kind["gradient"]["bytes"]
+    assert f"device model data {device_chunks / MiB:.1f} MiB" in result.stdout, result.stdout
 
 
 def test_config_profile_section_is_validated(tmp_path):
@@ -1026,6 +1031,29 @@ def test_profiling_a_destroyed_engine_says_so(tmp_path):
     assert active_profiler() is None
 
 
+def test_the_record_of_a_stopped_profiler_ends_at_its_stop(tmp_path):
+    """A stopped profiler's raw() read the engine's statistics live: after more training its
+    tier totals counted copies made after stop() that no event recorded (bytes moved in per
+    tier above the bytes of the recorded copies), and after the engine was destroyed it raised
+    naming memory_stats() (Note [Statistics at stop] in profiling/recorder.py)."""
+    model, optimizer = _model()
+    profiler = patrickstar.Profiler(model, tmp_path).start()
+    _train(model, optimizer, 2)
+    profiler.stop(write=False)
+    at_stop = profiler.raw()
+    _train(model, optimizer, 1)  # after the profile: chunks move again
+    summary = report.write_outputs(tmp_path, profiler.raw())
+    assert summary["moves"]["bytes"] > 0
+    for direction, nbytes in summary["moves"]["by_direction"].items():
+        assert summary["tiers"][direction.split("->")[1]]["bytes_in"] >= nbytes
+    assert sum(t["bytes_in"] for t in summary["tiers"].values()) == summary["moves"]["bytes"]
+    assert sum(t["bytes_out"] for t in summary["tiers"].values()) == summary["moves"]["bytes"]
+    model.destroy()
+    assert profiler.raw() == at_stop
+    with pytest.raises(RuntimeError, match="cannot profile into .*: this PatrickStar engine was "
+                                           "deleted or destroyed"):
+        profiler.start()
+
 def test_empty_profile_still_writes_every_output(tmp_path):
     model, _ = _model()
     with patrickstar.profile(model, tmp_path):
@@ -1043,6 +1071,24 @@ def test_empty_profile_still_writes_every_output(tmp_path):
     assert ("<td>mean step time after warm-up</td><td>n/a (no complete iteration was "
             "recorded)</td>") in (tmp_path / "report.html").read_text()
 
+
+
+def test_a_profile_with_no_moment_gives_the_chunks_the_tiers_hold(tmp_path):
+    """A profile stopped before the first forward has no moment: its per-tier peaks read
+    0.0 MiB, while the host held every parameter (Note [Peaks between moments])."""
+    model, _ = _model()
+    held = {t["name"]: t["chunk_bytes"] for t in model.memory_stats()}
+    with patrickstar.profile(model, tmp_path):
+        pass
+    assert held["host"] >= GPT_CONFIG.parameter_count() * 4  # the fp32 parameters, in chunks
+    tiers = json.loads((tmp_path / "summary.json").read_text())["tiers"]
+    for name, nbytes in held.items():
+        assert tiers[name]["peak_model_bytes"] == nbytes, name
+        assert tiers[name]["peak_total_bytes"] >= nbytes, name
+    out = io.StringIO()
+    assert report.main([str(tmp_path)], out=out) == 0
+    assert re.search(rf"\nhost: peak model / non-model +{re.escape(report_mib(held['host']))} /",
+                     out.getvalue())
 
 # ---- Findings from a hand-made record ----------------------------------------------------------
 
@@ -1129,3 +1175,130 @@ def test_findings_are_computed_from_the_record(tmp_path):
     assert [row[header.index("device_bytes_in_total")] for row in rows] == [0, 0, 0, 0, MiB]
     # The eviction copy settled at 125 ms, before the 150 ms moment closed.
     assert [row[header.index("host_bytes_in_total")] for row in rows] == [0, 0, 0, MiB, MiB]
+
+
+def _holds(budget, block_sizes):
+    """Whether a real emulated device tier of `budget` holds blocks of `block_sizes` at once,
+    allocated smallest first (each size takes its slab before the next size comes)."""
+    from patrickstar import _C
+    tier = _C.EmulatedDeviceTier(budget=budget)
+    blocks = []
+    try:
+        for size in sorted(block_sizes):
+            blocks.append(tier.allocate(size))
+        return True
+    except MemoryError:
+        return False
+    finally:
+        for block in blocks:
+            tier.free(block)
+
+
+def test_the_budget_a_finding_asks_for_holds_the_slabs_of_the_chunks(tmp_path):
+    """A budget bounds the bytes a tier's slab pool reserves, and every block size takes slabs
+    of an eighth of the budget: the finding counted only chunk bytes, and a tier given the
+    budget it named could not hold the chunks (Note [Budgets bound the slab pool] in
+    profiling/summary.py; a 2-layer Llama with int8 state still spilled its host to NVMe every
+    iteration at the host budget its report asked for). Two 1 MiB chunks and four 4 KiB scale
+    chunks on the device, checked against the runtime's own tier."""
+    raw = _hand_made_record()
+    scales = [{"kind": "momentum_scale", "bytes": 4096, "id": 2 + i, "tier": "device"}
+              for i in range(4)]
+    raw["layout"]["chunks"] += scales
+    blocks = [MiB, MiB] + [4096] * len(scales)
+    finding = report.build_summary(raw)["findings"][0]
+    match = re.fullmatch(r"device budget is the bottleneck: 50% of step time waits for "
+                         r"host->device copies; raising memory.device_budget by [0-9.]+ MiB "
+                         r"\(to ([0-9.]+) MiB\) removes them.", finding)
+    assert match, finding
+    assert not _holds(sum(blocks), blocks)  # the chunk bytes alone do not fit
+    assert _holds(int(float(match.group(1)) * MiB), blocks)
+
+
+def test_compare_lists_a_tier_only_one_run_has_with_the_other_tiers(tmp_path, capsys):
+    """`patrickstar-report --compare` appended the lines of B that A lacks at the end: the NVMe
+    tier of a run with NVMe offload, set against one without, came after A's model data per
+    chunk kind, where it read as one more kind."""
+    without, with_nvme = tmp_path / "a", tmp_path / "b"
+    report.write_outputs(without, _hand_made_record())
+    raw = _hand_made_record()
+    raw["tiers"].append({"name": "nvme", "kind": "nvme", "budget_bytes": 64 * MiB})
+    for stats in (raw["stats_start"], raw["stats_end"]):
+        stats.append(dict(stats[1], name="nvme", kind="nvme"))
+    for key in ("chunk_bytes", "non_model_bytes", "budget_bytes"):
+        raw["samples"][key] = [values + [0] for values in raw["samples"][key]]
+    report.write_outputs(with_nvme, raw)
+    for first, second in ((without, with_nvme), (with_nvme, without)):
+        assert report.main(["--compare", str(first), str(second)]) == 0
+        keys = [line.split("  ")[0] for line in capsys.readouterr().out.splitlines()]
+        host, nvme = keys.index("host: evictions"), keys.index("nvme: budget")
+        assert nvme == host + 1, keys
+        assert keys.index("nvme: evictions") < keys.index("bytes moved"), keys
+
+
+def test_the_eviction_table_says_what_its_next_use_distance_counts(tmp_path):
+    """report.html's eviction table gave a bare "mean next-use distance": in moments, seconds,
+    iterations? It counts the chunk accesses of the warm-up trace until the victim is used
+    again (chunk/event_log.h)."""
+    report.write_outputs(tmp_path, _hand_made_record())
+    table = (tmp_path / "report.html").read_text().split('id="evictions"')[1].split("</table>")[0]
+    headers = re.findall(r"<th>(.*?)</th>", table)
+    column = headers.index("mean next-use distance (chunk accesses)")
+    first_row = re.findall(r"<td>(.*?)</td>", table.split("<tbody>")[1].split("</tr>")[0])
+    assert first_row[column] == "3.0"  # the hand-made eviction's distance
+
+
+def test_the_report_gives_what_each_tiers_slab_pool_reserved(tmp_path, nvme_dir):
+    """A budget bounds the bytes a tier's slab pool reserves (Note [Budgets bound the slab
+    pool] in profiling/summary.py), which the report did not give: a host that evicted to NVMe
+    read as holding less than its budget. The NVMe tier's pool is its swap file, whose size on
+    disk is measured here apart from the runtime; int8 Adam state puts blocks of five sizes on
+    the host."""
+    gpt = GPTConfig(vocab_size=512, max_seq_len=32, hidden=128, layers=2, heads=4)
+    torch.manual_seed(0)
+    model, optimizer = patrickstar.initialize(lambda: GPT(gpt), config={
+        "default_chunk_size": 1 << 15,
+        "optimizer": {"type": "Adam", "params": {"state_dtype": "int8"}},
+        "memory": {"device_budget": "1MiB", "host_budget": "3MiB", "nvme": {"path": nvme_dir}}})
+    with patrickstar.profile(model, tmp_path):
+        for ids, targets in synthetic_batches(gpt, 2, 2):
+            model.backward(model(ids, targets))
+            optimizer.step()
+            optimizer.zero_grad()
+    files = sum(path.stat().st_size for path in pathlib.Path(nvme_dir).rglob("*")
+                if path.is_file())
+    stats = {t["name"]: t for t in model.memory_stats()}
+    model.destroy()
+    tiers = json.loads((tmp_path / "summary.json").read_text())["tiers"]
+    assert files > 0 and tiers["nvme"]["reserved_bytes"] == files
+    for name, tier in tiers.items():
+        assert tier["reserved_bytes"] == stats[name]["reserved_bytes"], name
+    host = tiers["host"]
+    assert host["evictions"] > 0 and host["reserved_bytes"] <= host["budget_bytes"]
+    page = (tmp_path / "report.html").read_text()
+    assert "<th>slab pool reserved at stop</th>" in page
+    assert f"<td>{report_mib(files)}</td>" in page.split('id="tiers"')[1].split("</table>")[0]
+    out = io.StringIO()
+    assert report.main([str(tmp_path)], out=out) == 0
+    assert re.search(rf"\nnvme: slab pool reserved at stop +{re.escape(report_mib(files))}\n",
+                     out.getvalue())
+
+
+def test_model_data_less_wasted_bytes_is_what_the_tensors_hold(tmp_path):
+    """int8 Adam state's scale chunks (one float32 per 2048 elements: 16 bytes at 8192 elements
+    per chunk) take 4 KiB blocks; summary.json's wasted_bytes left that padding out, so model
+    data less wasted bytes was more than the parameters, gradients, moments and scales hold
+    (Note [Wasted bytes of small chunks] in profiling/summary.py). Counted here from the
+    model's parameters."""
+    config = _config(optimizer={"type": "Adam", "params": {"state_dtype": "int8"}})
+    model, optimizer = _model(config)
+    with patrickstar.profile(model, tmp_path):
+        _train(model, optimizer, 1)
+    model.destroy()
+    chunks = json.loads((tmp_path / "summary.json").read_text())["chunks"]
+    sizes = [p.numel() for p in dict.fromkeys(GPT(GPT_CONFIG).parameters())]  # tied: once
+    # fp32 parameters and gradients, uint8 momentum and variance, a float32 scale of each per
+    # 2048 elements
+    held = sum(n * (4 + 4 + 1 + 1) + 2 * 4 * -(-n // 2048) for n in sizes)
+    assert chunks["by_kind"]["momentum_scale"]["bytes"] % 4096 == 0
+    assert chunks["model_data_bytes"] - chunks["wasted_bytes"] == held

@@ -493,6 +493,40 @@ def test_upstream_profiler_save_errors_name_what_to_do(tmp_path):
     model.destroy()
 
 
+def test_upstream_profiler_saves_an_engine_destroyed_before_end(tmp_path):
+    """A script that destroys (or `del`s) its model before profiler.end() and save() was told
+    "the recorded engine was destroyed before profiler.end(); call end() while the model is
+    alive", though destroy() stops the recorder with its record complete: save() now writes
+    that record, which ends where the engine was destroyed."""
+    import json
+    import pickle
+
+    from patrickstar.profiling.upstream import UpstreamProfiler
+    from patrickstar.runtime import initialize_engine
+
+    fresh = UpstreamProfiler()
+    fresh.start()
+    model, optimizer = initialize_engine(
+        model_func=lambda: torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 4)),
+        local_rank=0, config={"default_chunk_size": 4096,
+                              "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+                              "memory": {"device_budget": 3 * 4096 * 4}})
+    fresh.engine_built(model)  # (what patrickstar.initialize() tells the global profiler)
+    for _ in range(2):
+        model.backward(model(torch.randn(8, 64)).pow(2).mean())
+        optimizer.step()
+        optimizer.zero_grad()
+    at_destroy = {t["name"]: t["bytes_in"] for t in model.memory_stats()}
+    model.destroy()
+    fresh.end()
+    directory = fresh.save(str(tmp_path / "x.pkl"))
+    with open(tmp_path / "x.pkl", "rb") as handle:
+        assert pickle.load(handle) == fresh.state_dict()
+    summary = json.loads((tmp_path / "x" / "summary.json").read_text())
+    assert directory == str(tmp_path / "x") and summary["run"]["iterations"] == 2
+    assert {name: t["bytes_in"] for name, t in summary["tiers"].items()} == at_destroy
+    assert sum(at_destroy.values()) == summary["moves"]["bytes"] > 0
+
 def test_upstream_pickle_path_per_rank():
     """Note [One upstream pickle per rank]: rank 0 writes the path upstream's scripts hand to
     the visualizer, rank k > 0 a name of its own beside it."""

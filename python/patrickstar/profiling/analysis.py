@@ -176,7 +176,9 @@ class Analysis:
     # the manager's own chunk bytes for every tier; otherwise (events dropped, a copy issued
     # before the profile started, chunks placed without an event) `model_peak` falls back to
     # the samples. Either way a tier whose peak_chunk_bytes rose during the profile reached
-    # exactly that figure inside it (window_peaks).
+    # exactly that figure inside it, and every tier held its chunk bytes at the profile's start
+    # and stop (window_peaks): a profile with no moment (stopped before the first forward) gave
+    # a peak of 0 MiB on the host that held all the parameters.
     def _peaks(self) -> None:
         count = len(self.tiers)
         for row in self.rows:
@@ -185,8 +187,11 @@ class Analysis:
         end = [t.get("chunk_bytes") for t in self.raw["stats_end"]]
         self.window_peaks = [None] * count
         for t, (before, after) in enumerate(zip(self.raw["stats_start"], self.raw["stats_end"])):
+            held = [before.get("chunk_bytes"), after.get("chunk_bytes")]
             if after.get("peak_chunk_bytes", 0) > before.get("peak_chunk_bytes", 0):
-                self.window_peaks[t] = after["peak_chunk_bytes"]
+                held.append(after["peak_chunk_bytes"])
+            held = [value for value in held if value is not None]
+            self.window_peaks[t] = max(held) if held else None
         self.exact_peaks = False
         if None in start or None in end or len(start) != count or self.raw.get("dropped"):
             return

@@ -33,6 +33,8 @@ def _summary_lines(summary: dict) -> list[tuple[str, str]]:
         lines += [(f"{name}: budget", budget),
                   (f"{name}: peak model / non-model", f"{mib(tier['peak_model_bytes'])} / "
                                                       f"{mib(tier['peak_non_model_bytes'])}"),
+                  (f"{name}: slab pool reserved at stop",
+                   "-" if tier.get("reserved_bytes") is None else mib(tier["reserved_bytes"])),
                   (f"{name}: moved in / out", f"{mib(tier['bytes_in'])} / "
                                               f"{mib(tier['bytes_out'])}"),
                   (f"{name}: evictions", str(tier["evictions"]))]
@@ -84,12 +86,16 @@ def main(argv: list[str] | None = None, out=None) -> int:
         if args.compare:
             summaries = [build_summary(load_raw(d)) for d in args.compare]
             lines = [_summary_lines(s) for s in summaries]
+            values_a, values_b = dict(lines[0]), dict(lines[1])
+            keys = [key for key, _ in lines[0]]
+            # A line of B only goes after the line B has before it: appended at the end, an
+            # NVMe tier of B (A without one) was listed under A's model data per kind.
+            for index, (key, _) in enumerate(lines[1]):
+                if key not in values_a:
+                    before = lines[1][index - 1][0] if index else None
+                    keys.insert(keys.index(before) + 1 if before in keys else len(keys), key)
             table = [["", args.compare[0], args.compare[1]]]
-            keys_b = dict(lines[1])
-            for key, value in lines[0]:
-                table.append([key, value, keys_b.get(key, "-")])
-            seen = {key for key, _ in lines[0]}
-            table += [[key, "-", value] for key, value in lines[1] if key not in seen]
+            table += [[key, values_a.get(key, "-"), values_b.get(key, "-")] for key in keys]
             _print_table(table, out)
             for label, summary in zip(("A", "B"), summaries):
                 print(f"\nfindings {label}:", file=out)

@@ -181,6 +181,13 @@ def _svg_time_split(a: Analysis, width: int = 1100) -> str:
     return legend + "".join(parts)
 
 
+def _reserved(tier: dict) -> str:
+    """The bytes the tier's slab pool had reserved when the profile stopped: what its budget
+    bounds (Note [Budgets bound the slab pool] in summary.py); "-" in a record without them."""
+    reserved = tier.get("reserved_bytes")
+    return "-" if reserved is None else mib(reserved)
+
+
 def _table(headers: list[str], rows: Iterable[list], table_id: str = "") -> str:
     head = "".join(f"<th>{html.escape(h)}</th>" for h in headers)
     head = f"<thead><tr>{head}</tr></thead>" if any(headers) else ""
@@ -232,8 +239,8 @@ def render_html(raw: dict, summary: dict, analysis: Analysis | None = None) -> s
     findings = "".join(f"<li>{html.escape(f)}</li>" for f in summary["findings"])
     tier_rows = [[name, t["kind"], mib(t["budget_bytes"]) if t["budget_bytes"] else "unlimited",
                   mib(t["peak_model_bytes"]), mib(t["peak_non_model_bytes"]),
-                  mib(t["peak_total_bytes"]), mib(t["bytes_in"]), mib(t["bytes_out"]),
-                  t["evictions"]] for name, t in summary["tiers"].items()]
+                  mib(t["peak_total_bytes"]), _reserved(t), mib(t["bytes_in"]),
+                  mib(t["bytes_out"]), t["evictions"]] for name, t in summary["tiers"].items()]
     eviction_rows = [[r["description"], r["count"], mib(r["bytes"]),
                       "-" if r["mean_next_use_distance"] is None
                       else f"{r['mean_next_use_distance']:.1f}"]
@@ -278,7 +285,10 @@ def render_html(raw: dict, summary: dict, analysis: Analysis | None = None) -> s
         _table(["collective", "count", "payload", "issue to finish (ms)", "blocked (ms)"],
                collective_rows, "collectives") if collective_rows
         else "<p>No collectives (one rank, or none recorded).</p>")
-    eviction_table = (_table(["cause", "evictions", "bytes", "mean next-use distance"],
+    # (the distance counts chunk accesses of the warm-up trace, not moments nor time; "-":
+    # evicted while warming up, or never used again)
+    eviction_table = (_table(["cause", "evictions", "bytes",
+                              "mean next-use distance (chunk accesses)"],
                              eviction_rows, "evictions") if eviction_rows
                       else "<p>No evictions.</p>")
     return f"""<!DOCTYPE html>
@@ -290,7 +300,8 @@ def render_html(raw: dict, summary: dict, analysis: Analysis | None = None) -> s
 <h2>Run</h2>{facts}
 <h2>Memory by tier over moments</h2>{_svg_memory_panels(a)}
 <h2>Per tier</h2>{_table(["tier", "kind", "budget", "peak model data", "peak non-model data",
-                          "peak total", "moved in", "moved out", "evictions"], tier_rows, "tiers")}
+                          "peak total", "slab pool reserved at stop", "moved in", "moved out",
+                          "evictions"], tier_rows, "tiers")}
 <h2>Step time</h2>{_svg_time_split(a)}
 <h2>Where each chunk is (chunk x moment)</h2>{_svg_heatmap(a)}
 <h2>Top eviction causes</h2>{eviction_table}

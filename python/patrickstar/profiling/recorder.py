@@ -107,11 +107,9 @@ class Profiler:
         self.failure: str | None = None  # Note [Profiles of failed runs]
         self._last_value_at_start = None
         self._failure_at_exit: str | None = None
-        if engine.chunks is None:  # (what destroy() leaves)
-            raise RuntimeError(f"cannot profile into '{self.output_dir}': this PatrickStar "
-                               f"engine was deleted or destroyed (`del model` or "
-                               f"model.destroy()); its chunks are freed. Profile an engine "
-                               f"that is alive")
+        self._stats_at_stop: list[dict] | None = None  # Note [Statistics at stop]
+        self._dropped_at_stop = 0
+        self._refuse_destroyed(engine)
         self._manager = engine.chunks.manager
         # Note [Where measured non-model data lives]
         # The engine measures non-model data (activations) where it really is and plans with it
@@ -125,6 +123,13 @@ class Profiler:
                                      if t["kind"] == engine.non_model_tier), None)
         self._cuda = engine.device.type == "cuda"
         self._reset()
+
+    def _refuse_destroyed(self, engine) -> None:
+        if engine.chunks is None:  # (what destroy() leaves)
+            raise RuntimeError(f"cannot profile into '{self.output_dir}': this PatrickStar "
+                               f"engine was deleted or destroyed (`del model` or "
+                               f"model.destroy()); its chunks are freed. Profile an engine "
+                               f"that is alive")
 
     @property
     def engine(self):
@@ -162,7 +167,9 @@ class Profiler:
                                f"alive; one profiler runs at a time: stop it first (that "
                                f"engine's model.profiler.stop(), or model.destroy(), which "
                                f"writes its profile), or profile one engine only")
+        self._refuse_destroyed(self.engine)
         self._reset()
+        self._stats_at_stop = None
         self._start_stats = self.engine.memory_stats()
         dump = json.loads(self._manager.dump_json(0))
         self._layout = dump["layout"]
@@ -218,6 +225,8 @@ class Profiler:
             return None
         self.stop_ns = now_ns()
         self._drain()
+        self._stats_at_stop = self.engine.memory_stats()
+        self._dropped_at_stop = self._manager.events_dropped
         self._manager.enable_events(False)
         self._manager.set_event_phase("other")
         self.running = False
@@ -334,7 +343,15 @@ class Profiler:
 
     def raw(self) -> dict:
         """Everything recorded, as plain JSON-able data (what profile.json holds)."""
-        engine = self.engine
+        # Note [Statistics at stop]
+        # The record's stats_end closes the same window as its events: once stopped, the
+        # statistics taken at stop(). Read live, a raw() after more training gave tier totals
+        # (bytes moved, evictions) that counted copies no event recorded, and one after the
+        # engine was destroyed (which writes the profile) raised naming memory_stats(). The
+        # count of dropped events is the one at stop() too.
+        stopped = not self.running and self._stats_at_stop is not None
+        stats_end = self._stats_at_stop if stopped else self.engine.memory_stats()
+        dropped = self._dropped_at_stop if stopped else self._manager.events_dropped
         return {
             "version": 1,
             "start_ns": self.start_ns,
@@ -346,14 +363,14 @@ class Profiler:
             "non_model_measure": "torch.cuda.memory_allocated" if self._cuda
                                  else "bytes saved for backward",
             "stats_start": self._start_stats,
-            "stats_end": engine.memory_stats(),
+            "stats_end": stats_end,
             "layout": self._layout,
             "events": self._events,
             "samples": self._samples,
             "marks": self._marks,
             "phases": self._phases,
             "collectives": self._collectives,
-            "dropped": self._manager.events_dropped,
+            "dropped": dropped,
             "capacity": self.capacity,
             "failure": self.failure,
         }

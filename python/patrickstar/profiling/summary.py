@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import math
 
+from ..dtypes import BY_NAME, element_size
 from ..vocabulary import Tier
 from .analysis import MiB, Analysis, effective_ns, mib, stat_delta
 
@@ -34,7 +35,10 @@ def build_summary(raw: dict, analysis: Analysis | None = None) -> dict:
             "bytes_in": stat_delta(raw, t, "bytes_in"),
             "bytes_out": stat_delta(raw, t, "bytes_out"),
             "evictions": stat_delta(raw, t, "evictions"),
-            "copy_wait_s": stat_delta(raw, t, "copy_wait_ns") / 1e9}
+            "copy_wait_s": stat_delta(raw, t, "copy_wait_ns") / 1e9,
+            # What the budget bounds (Note [Budgets bound the slab pool]): a tier evicted with
+            # its chunks and non-model data below the budget because its pool had reserved it.
+            "reserved_bytes": raw["stats_end"][t].get("reserved_bytes")}
     by_direction: dict[str, int] = collections.Counter()
     by_cause: dict[str, int] = collections.Counter()
     for e in a.copies:
@@ -78,7 +82,7 @@ def build_summary(raw: dict, analysis: Analysis | None = None) -> dict:
         "chunks": {"chunk_elements": layout.get("chunk_elements"),
                    "num_chunks": len(layout.get("chunks", [])),
                    "model_data_bytes": chunk_bytes_total,
-                   "wasted_bytes": layout.get("wasted_bytes", 0),
+                   "wasted_bytes": layout.get("wasted_bytes", 0) + _alignment_bytes(layout),
                    "oversize_tensors": layout.get("oversize_tensors", []),
                    "owned_bytes": _owned_bytes(layout.get("chunks", []), raw["run"]),
                    "by_kind": _chunks_by_kind(layout, raw["run"])},
@@ -90,6 +94,26 @@ def build_summary(raw: dict, analysis: Analysis | None = None) -> dict:
     }
     summary["findings"] = _findings(a, summary)
     return summary
+
+
+# Note [Wasted bytes of small chunks]
+# A chunk's memory is a block of its capacity rounded up to 4 KiB (kBlockAlignment in
+# runtime/tier.h), and model_data_bytes counts the blocks; the layout's wasted_bytes counts only
+# the unused capacity. int8 Adam state's scale chunks hold one float32 per 2048 elements, so at
+# 32768 elements per chunk a scale chunk of 128 bytes took a 4 KiB block: of a 2-layer Llama's
+# 4.5 MiB the report called 0.3 MiB wasted, and the padding of its 24 scale chunks (93 KiB)
+# was in neither. The padding counts as wasted, so model data less wasted is what the tensors
+# hold.
+def _alignment_bytes(layout: dict) -> int:
+    """Bytes of the chunks' blocks beyond their capacity (Note [Wasted bytes of small
+    chunks]); chunks without tensors (data-parallel padding) have no payload."""
+    padding = 0
+    for chunk in layout.get("chunks", []):
+        if not chunk.get("tensors") or chunk.get("dtype") not in BY_NAME:
+            continue
+        capacity = chunk["capacity_elements"] * element_size(chunk["dtype"])
+        padding += max(0, chunk.get("bytes", 0) - capacity)
+    return padding
 
 
 # Note [Model data of a data-parallel rank]
@@ -173,9 +197,39 @@ def _mib_up(nbytes: float) -> str:
     return f"{math.ceil(nbytes / MiB * 10) / 10:.1f} MiB"
 
 
+# Note [Budgets bound the slab pool]
+# A tier's budget bounds the bytes its slab pool reserves, not its chunk bytes (Note [Tier slab
+# pool] in runtime/tier.h): the blocks of each size (a chunk's bytes, rounded up to 4 KiB) are
+# carved from slabs of min(64 MiB, budget / 8) bytes (Tier::GrowLocked), so a tier holding
+# blocks of several sizes (int8 Adam state's uint8 moments and small float32 scale chunks beside
+# float32 parameters and gradients) reserves up to a slab per size more than its chunks. A need
+# counted in chunk bytes alone said "raising memory.host_budget by 1.2 MiB (to 4.4 MiB) removes
+# them" of a 2-layer Llama with int8 state spilling to NVMe; at 4.4 MiB its host still spilled
+# every iteration, and stopped only past 5 MiB. So the need is a budget whose slabs hold those
+# chunks beside the non-model data: raised from the chunk bytes until the slabs it implies fit.
+_SLAB_TARGET_BYTES = 64 << 20  # Tier::Options::slab_target_bytes (the engine keeps the default)
+_BLOCK_ALIGNMENT = 4096  # kBlockAlignment in runtime/tier.h
+
+
+def _slab_budget(blocks: collections.Counter, non_model: int) -> int:
+    """A budget whose slab pool holds `blocks` (count per block size) at once beside
+    `non_model` bytes (Note [Budgets bound the slab pool])."""
+    budget = sum(size * count for size, count in blocks.items()) + non_model
+    for _ in range(64):  # a few rounds: the slab size stops growing at _SLAB_TARGET_BYTES
+        reserved = 0
+        for size, count in blocks.items():
+            per_slab = max(1, min(_SLAB_TARGET_BYTES, budget // 8) // size)
+            reserved += -(-count // per_slab) * per_slab * size
+        if reserved + non_model <= budget:
+            break
+        budget = reserved + non_model
+    return budget
+
+
 def _tier_need(a: Analysis, tier: int) -> int | None:
-    """Bytes `tier` needs so that one steady iteration makes no copies into or out of it: every
-    chunk it holds or receives during the iteration, plus its peak non-model data then."""
+    """The budget `tier` needs so that one steady iteration makes no copies into or out of it:
+    slabs for every chunk it holds or receives during the iteration, plus its peak non-model
+    data then (Note [Budgets bound the slab pool])."""
     steady = a.steady_iterations()
     if not steady:
         return None
@@ -191,7 +245,10 @@ def _tier_need(a: Analysis, tier: int) -> int | None:
             chunks.add(e["chunk"])
     # Only the non-model data the manager was told about shares the budget with chunks.
     non_model = max((r["planned_non_model"][tier] for r in rows), default=0)
-    return sum(a.chunks[c].get("bytes", 0) for c in chunks if c in a.chunks) + non_model
+    blocks = collections.Counter(
+        -(-a.chunks[c].get("bytes", 0) // _BLOCK_ALIGNMENT) * _BLOCK_ALIGNMENT
+        for c in chunks if c in a.chunks and a.chunks[c].get("bytes", 0) > 0)
+    return _slab_budget(blocks, non_model)
 
 
 def _findings(a: Analysis, summary: dict) -> list[str]:

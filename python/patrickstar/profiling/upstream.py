@@ -117,8 +117,10 @@ class UpstreamProfiler:
         if self._recorder.running:
             return self._recorder.snapshot()
         if self._stopped_raw is None:
-            raise RuntimeError(f"profiler.{caller}: the recorded engine was destroyed before "
-                               f"profiler.end(); call end() while the model is alive")
+            # The engine was destroyed (`del model`, model.destroy()) before end(): its
+            # destroy() stopped the recorder, whose record ends there (Note [Statistics at
+            # stop] in recorder.py). This raised "call end() while the model is alive".
+            self._stopped_raw = self._recorder.raw()
         return self._stopped_raw
 
     def state_dict(self) -> dict:
