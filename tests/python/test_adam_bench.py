@@ -25,10 +25,12 @@ def test_bad_arguments_are_named():
 
 def test_explicit_sizes_win_over_quick(tmp_path):
     out = tmp_path / "adam.json"
-    done = run("--quick", "--only", "int8 state + bf16", "--params", "65536", "--reps", "2",
-               "--out", str(out))
+    done = run("--quick", "--only", "int8 state + bf16 copy, bf16", "--params", "65536", "--reps",
+               "2", "--out", str(out))
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(out.read_text())
     assert result["params"] == 65536
-    assert list(result["variants"]) == ["ours int8 state + bf16 copy"]
-    assert len(result["variants"]["ours int8 state + bf16 copy"]["ours_all"]) == 2
+    name = "ours int8 state + bf16 copy, bf16 grads"
+    assert list(result["variants"]) == [name]
+    assert len(result["variants"][name]["ours_all"]) == 2
+    assert result["variants"][name]["bytes_per_param"] == 16

@@ -84,10 +84,15 @@ def lscpu_summary():
 
 
 # Issue 21's low-precision variants: (name, params, state, bf16 copy, bytes moved per param).
+# "bf16 grads" with fp32 params is what a bf16 run with its fp32 master updates (the gradient
+# chunks are in the compute dtype, Note [Chunk kinds per precision]); bf16 params always take
+# bf16 gradients.
 LOWP_VARIANTS = [("ours int8 state", "fp32", "int8", False, 16),
                  ("ours int8 state + bf16 copy", "fp32", "int8", True, 18),
+                 ("ours int8 state + bf16 copy, bf16 grads", "fp32 bf16 grads", "int8", True, 16),
                  ("ours bf16 state", "fp32", "bf16", False, 20),
                  ("ours bf16 state + bf16 copy", "fp32", "bf16", True, 22),
+                 ("ours bf16 state + bf16 copy, bf16 grads", "fp32 bf16 grads", "bf16", True, 20),
                  ("ours bf16 param kahan", "kahan", "fp32", False, 26),
                  ("ours bf16 param kahan + bf16 state", "kahan", "bf16", False, 18),
                  ("ours bf16 param stochastic", "stochastic", "fp32", False, 22),
@@ -219,7 +224,9 @@ def main():
         g = torch.Generator().manual_seed(1)
         t = {"param": torch.randn(n, generator=g), "grad": view["grad"]}
         kw = {}
-        if param != "fp32":
+        if param == "fp32 bf16 grads":
+            t["grad"] = view["grad"].bfloat16()
+        elif param != "fp32":
             t["param"] = t["param"].bfloat16()
             t["grad"] = view["grad"].bfloat16()
         if param == "kahan":
