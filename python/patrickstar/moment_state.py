@@ -11,7 +11,8 @@ import torch
 from . import _C
 from .chunked_params import ChunkedParams, scale_count
 
-__all__ = ["MOMENT_KEYS", "scale_key", "read_moment", "write_moment", "quantize", "dequantize"]
+__all__ = ["MOMENT_KEYS", "scale_key", "read_moment", "write_moment", "quantize", "dequantize",
+           "dequantize_moment"]
 
 K = _C.ChunkKind
 
@@ -47,6 +48,11 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, signed: bool) -> torch
     _C.kernels.dequantize_blockwise_(flat, scales.reshape(-1).to(torch.float32).contiguous(),
                                      values, signed=signed)
     return values.view(codes.shape)
+
+
+def dequantize_moment(key: str, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """fp32 values of moment `key`'s 8-bit `codes` with their `scales`, in its map."""
+    return dequantize(codes, scales, _MOMENTS[key][2])
 
 
 def read_moment(params: ChunkedParams, index: int, key: str) -> dict[str, torch.Tensor]:

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 import patrickstar
-from patrickstar import tensor_parallel, topology
+from patrickstar import moment_state, tensor_parallel, topology
 from patrickstar.examples.gpt_parallel import ParallelGPT, gpt_pipeline
 from patrickstar.pipe import LayerSpec, PipelineModule
 from dp_worker import error_result, save_and_exit
@@ -256,6 +256,56 @@ def checkpoints(out: str, rank: int) -> dict:
         model.load_checkpoint(staged, tag="t")
     except Exception as error:  # noqa: BLE001
         results["stages_as_slices"] = error_result(error)
+    model.destroy()
+    results.update(int8_moments_across_slicings(out, batch))
+    return results
+
+
+def moments_by_name(model, optimizer) -> dict:
+    """Each parameter's Adam moments as fp32 values (8-bit codes dequantized), by name."""
+    names = [name for name, _ in model.module.named_parameters()]
+    moments = {}
+    for index, entry in optimizer.state_dict()["state"].items():
+        moments[names[index]] = {
+            key: (moment_state.dequantize_moment(key, entry[key],
+                                                 entry[moment_state.scale_key(key)])
+                  if entry[key].dtype == torch.uint8 else entry[key].float())
+            for key in moment_state.MOMENT_KEYS}
+    return moments
+
+
+def int8_moments_across_slicings(out: str, batch) -> dict:
+    """8-bit moments saved by two tensor slices, loaded unsliced (Note [Converting tensor slices
+    at load]): they go through fp32, then the loading engine's own blocks."""
+    config = gpt_config()
+    optimizer_config = {"type": "AdamW", "params": {"lr": 1e-2, "state_dtype": "int8"}}
+    directory = os.path.join(out, "sliced_int8")
+    batches = SCENARIOS["pp_1f1b"].micro_batches()
+    torch.manual_seed(0)
+    model, optimizer = patrickstar.initialize(lambda: ParallelGPT(config), config={
+        "default_chunk_size": 8192, "parallel": {"tensor": 2}, "optimizer": optimizer_config})
+    for _ in range(2):
+        model.backward(model(*next(batches)))
+        optimizer.step()
+        optimizer.zero_grad()
+    model.save_checkpoint(directory, tag="t")
+    results = {"int8_slices": moments_by_name(model, optimizer),
+               "int8_partitions": {name: (param.partition_dim, param.partition_stride)
+                                   for name, param in model.module.named_parameters()
+                                   if getattr(param, "tensor_model_parallel", False)}}
+    model.destroy()
+    torch.manual_seed(1)
+    model, optimizer = patrickstar.initialize(lambda: ParallelGPT(config), config={
+        "default_chunk_size": 8192, "optimizer": optimizer_config})
+    try:
+        model.load_checkpoint(directory, tag="t", allow_reshard=True)
+        results["int8_unsliced"] = moments_by_name(model, optimizer)
+        loss = model(*batch)
+        model.backward(loss)
+        optimizer.step()
+        results["int8_unsliced_loss"] = float(loss)
+    except Exception as error:  # noqa: BLE001
+        results["int8_unsliced_error"] = error_result(error)
     model.destroy()
     return results
 

@@ -460,6 +460,27 @@ def test_tensor_slices_checkpoint_apart_and_other_layouts_are_refused(tmp_path):
                              atol=PARAM_ATOL)
         assert_same_training([], [], result["next_state"], result["sliced_again_next_state"],
                              atol=PARAM_ATOL)
+    # 8-bit moments across tensor slicings (Note [Converting tensor slices at load]; the load
+    # was refused): each saved slice dequantized, joined, then quantized in the unsliced
+    # engine's blocks, so within half a code step of the saved values (the map's widest step is
+    # 0.9 / 64 of a block's absmax: 1% of the tensor's absmax bounds it), and training goes on.
+    partitions = results[0]["int8_partitions"]
+    assert partitions  # the GPT's sliced layers
+    for rank, result in enumerate(results):
+        assert "int8_unsliced_error" not in result, result["int8_unsliced_error"]
+        assert math.isfinite(result["int8_unsliced_loss"])
+        assert set(result["int8_unsliced"]) == set(results[0]["int8_slices"])
+        for name, moments in result["int8_unsliced"].items():
+            for key, value in moments.items():
+                parts = [each["int8_slices"][name][key] for each in results]
+                saved = (tensor_parallel.join_slices(parts, *partitions[name])
+                         if name in partitions else parts[0])
+                assert value.shape == saved.shape, (name, key)
+                torch.testing.assert_close(value, saved, rtol=0,
+                                           atol=0.01 * float(saved.abs().max()),
+                                           msg=f"rank {rank} {name} {key}")
+                if name not in partitions:  # neither joined nor split: the very codes
+                    assert torch.equal(value, saved), (name, key)
     # patrickstar-consolidate of the pipeline's directory: the whole model (it said "no 'latest'
     # file"), sequential()'s keys, each stage's values; tensor slices are refused, naming them.
     merged = {**results[1]["staged_state"], **results[0]["staged_state"]}

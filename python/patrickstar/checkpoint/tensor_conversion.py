@@ -11,21 +11,26 @@ verification and restore run unchanged. A parameter the checkpoint records as sl
 for its master copy and Adam moments, which are elementwise, so a converted run continues as the
 saved one would have. Whole parameters, buffers, counters and the tensor table come from saved
 slice 0 (every slice holds the same), RNG and client state from the saved slice of this tensor
-rank (slice 0 when there is none). 8-bit moments are refused: their scales cover blocks of the
-saved slice's flattened tensor, which no other slicing keeps. The meta.json seen by the engine
-is slice 0's with each tensor's shape as this engine's slice of it, so a model that differs
-still fails verification by name.
+rank (slice 0 when there is none). 8-bit moments of a joined or split parameter go through fp32:
+their scales cover blocks of the saved slice's flattened tensor, which no other slicing keeps, so
+each saved slice is dequantized with its own scales, the values joined and split, and the
+engine's restore quantizes this rank's piece in its own blocks (as it quantizes an fp32
+checkpoint's moments: Note [Blockwise quantization]). Such a moment is therefore within about
+half a code step of its saved value, not bit-identical (a block's new absmax moves its codes);
+parameters that are neither joined nor split keep their codes and scales. The meta.json seen by
+the engine is slice 0's with each tensor's shape as this engine's slice of it, so a model that
+differs still fails verification by name.
 """
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import torch
 
 from .. import moment_state
-from ..tensor_slices import split_tensor
-from .errors import CheckpointError
-from .slices import joined_tensor, recorded_partitions
+from ..tensor_slices import join_slices, split_tensor
+from .slices import recorded_partitions
 
 __all__ = ["ConvertedSlices"]
 
@@ -46,14 +51,6 @@ class ConvertedSlices:
         self.saved = recorded_partitions(readers)
         self.targets = targets
         self.size, self.rank = tensor_size, tensor_rank
-        for name in set(self.saved) | set(targets):
-            for kind in _SCALE_KINDS:
-                if first.has(name, kind):
-                    raise CheckpointError(
-                        f"checkpoint '{self.directory}' holds 8-bit optimizer state of "
-                        f"'{name}', which cannot be converted to another tensor slicing (its "
-                        "scales cover blocks of the saved slice); load it with the layout that "
-                        "saved it, or with load_optimizer_states=False")
         self.meta = copy.deepcopy(first.meta)
         for table in self.meta["tensors"]:
             table["shape"] = list(self._shape(table["name"], table["shape"]))
@@ -71,19 +68,42 @@ class ConvertedSlices:
             shape[dim] //= self.size
         return tuple(shape)
 
+    def _converted(self, name: str) -> bool:
+        return name in self.saved or name in self.targets
+
+    def _dequantized(self, name: str, kind: str) -> bool:
+        """Whether `kind` of `name` is an 8-bit moment that this conversion reads as fp32."""
+        return (kind in moment_state.MOMENT_KEYS and self._converted(name)
+                and self.readers[0].has(name, moment_state.scale_key(kind)))
+
     def has(self, name: str, kind: str) -> bool:
+        if kind in _SCALE_KINDS and self._converted(name):
+            return False  # its moment is read as fp32
         return self.readers[0].has(name, kind)
 
     def entry(self, name: str, kind: str):
-        return self.readers[0].entry(name, kind)
+        entry = self.readers[0].entry(name, kind)
+        if self._dequantized(name, kind):
+            return dataclasses.replace(entry, dtype="float32")
+        return entry
+
+    def _part(self, reader, name: str, kind: str) -> torch.Tensor:
+        """`kind` of `name` in one saved slice, 8-bit moments as their fp32 values."""
+        if self._dequantized(name, kind):
+            return moment_state.dequantize_moment(
+                kind, reader.tensor(name, kind),
+                reader.tensor(name, moment_state.scale_key(kind)))
+        return reader.tensor(name, kind)
 
     def tensor(self, name: str, kind: str, rank: int | None = None) -> torch.Tensor:
-        if kind == "buffer" or (name not in self.saved and name not in self.targets):
+        if kind == "buffer" or not self._converted(name):
             return self.readers[0].tensor(name, kind, rank)
         if name in self.saved:
-            full = joined_tensor(self.readers, name, kind, self.saved[name])
+            dim, stride = self.saved[name]
+            full = join_slices([self._part(reader, name, kind) for reader in self.readers],
+                               dim, stride)
         else:
-            full = self.readers[0].tensor(name, kind)
+            full = self._part(self.readers[0], name, kind)
         if name in self.targets:
             dim, stride = self.targets[name]
             full = split_tensor(full, dim, self.size, self.rank, stride)
