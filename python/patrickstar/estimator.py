@@ -32,6 +32,7 @@ it per moment.
 """
 from __future__ import annotations
 
+import collections
 import json
 import math
 import os
@@ -46,6 +47,7 @@ from . import dtypes
 from .chunk_runtime import torch_computes_on_host
 from .chunked_params import TensorIds, chunk_dtypes, register_chunk_tensors, scale_count
 from .init_context import BuiltModule, plan_parameters
+from .slab_budget import block_bytes, slab_budget
 from .vocabulary import ChunkKind, chunk_kind
 
 __all__ = ["estimate_memory"]
@@ -59,7 +61,6 @@ _KINDS = tuple(_LABELS.values())
 # compensation of bf16 without master in the master's row (it takes the master's place).
 _FOLDED_LABELS = {_K.MOMENTUM_SCALE: "momentum", _K.VARIANCE_SCALE: "variance",
                   _K.PARAM_COMPENSATION: "master"}
-_BLOCK_ALIGNMENT = 4096
 
 
 def _dtypes(precision: str, accumulation_steps: int, state_dtype: str = "fp32",
@@ -82,6 +83,7 @@ def _layout_bytes(specs, precision: str, accumulation_steps: int,
         manager, specs, chunk_dtypes(precision, accumulation_steps, state_dtype, master_weights),
         chunk_size)
     by_kind = {kind: 0 for kind in _KINDS}
+    blocks = {kind: collections.Counter() for kind in _KINDS}
     largest_chunk = {kind: 0 for kind in _KINDS}
     largest_folded = {kind: 0 for kind in _KINDS}
     for chunk in json.loads(manager.layout_json())["chunks"]:
@@ -90,11 +92,15 @@ def _layout_bytes(specs, precision: str, accumulation_steps: int,
         kind = _FOLDED_LABELS[kind_of_chunk] if folded else _LABELS[kind_of_chunk]
         largest = largest_folded if folded else largest_chunk
         by_kind[kind] += chunk["bytes"]
+        blocks[kind][block_bytes(chunk["bytes"])] += 1
         largest[kind] = max(largest[kind], chunk["bytes"])
     # A moment chunk moves with its scale chunk; a compensation chunk stands in for a master.
+    largest_blocks = {kind: [block_bytes(n) for n in (largest_chunk[kind], largest_folded[kind])
+                             if n] for kind in _KINDS}
     for kind, nbytes in largest_folded.items():
         largest_chunk[kind] += nbytes
-    return {"by_kind": by_kind, "largest_chunk": largest_chunk,
+    return {"by_kind": by_kind, "largest_chunk": largest_chunk, "blocks": blocks,
+            "largest_blocks": largest_blocks,
             "chunk_elements": layout["chunk_elements"], "wasted_bytes": layout["wasted_bytes"]}
 
 
@@ -102,7 +108,9 @@ def _count_bytes(params: int, trainable: int, kind_dtypes: dict[str, str | None]
                  chunk_size: int) -> dict:
     """The same figures for a bare parameter count: each list packs perfectly."""
     by_kind = {kind: 0 for kind in _KINDS}
+    blocks = {kind: collections.Counter() for kind in _KINDS}
     largest_chunk = {kind: 0 for kind in _KINDS}
+    largest_blocks = {kind: [] for kind in _KINDS}
     for kind in _KINDS:
         dtype = kind_dtypes[kind]
         if dtype is None:
@@ -110,14 +118,50 @@ def _count_bytes(params: int, trainable: int, kind_dtypes: dict[str, str | None]
         count = params if kind == "compute" else trainable
         if count == 0:
             continue
-        chunk_bytes = -(-chunk_size * dtypes.element_size(dtype) // _BLOCK_ALIGNMENT) \
-            * _BLOCK_ALIGNMENT
+        chunks = -(-count // chunk_size)
+        largest_blocks[kind] = [block_bytes(chunk_size * dtypes.element_size(dtype))]
         if dtype == "uint8":  # 8-bit moments: a chunk of fp32 scales beside each chunk
-            chunk_bytes += -(-scale_count(chunk_size) * 4 // _BLOCK_ALIGNMENT) * _BLOCK_ALIGNMENT
-        by_kind[kind] = -(-count // chunk_size) * chunk_bytes
-        largest_chunk[kind] = chunk_bytes
-    return {"by_kind": by_kind, "largest_chunk": largest_chunk, "chunk_elements": chunk_size,
+            largest_blocks[kind].append(block_bytes(scale_count(chunk_size) * 4))
+        for size in largest_blocks[kind]:
+            blocks[kind][size] += chunks
+        largest_chunk[kind] = sum(largest_blocks[kind])
+        by_kind[kind] = chunks * largest_chunk[kind]
+    return {"by_kind": by_kind, "largest_chunk": largest_chunk, "blocks": blocks,
+            "largest_blocks": largest_blocks, "chunk_elements": chunk_size,
             "wasted_bytes": None}
+
+
+def _budgets(figures: dict, on_host: list[str], has_master: bool, non_model: int) -> dict:
+    """The budgets to set (memory.device_budget, memory.host_budget, the host's with NVMe) for
+    the chunk figures: what each tier's slab pool reserves for its chunks beside the non-model
+    data (Note [Budgets bound the slab pool] in slab_budget.py)."""
+    blocks = figures["blocks"]
+
+    def of(kinds) -> collections.Counter:
+        total = collections.Counter()
+        for kind in kinds:
+            total.update(blocks[kind])
+        return total
+
+    on_host_torch = torch_computes_on_host()  # where the activations are (engine._tick)
+    device_non_model = 0 if on_host_torch else non_model
+    host_non_model = non_model if on_host_torch else 0
+    # The host holds the initialization's chunks before training (the compute chunks, and the
+    # masters where there are masters: the compute chunks reach the device at their first
+    # access), then the optimizer's kinds through forward, backward (beside the activations on
+    # a CPU build) and the step. The compute chunks' slabs left empty are returned when room
+    # is needed (ChunkManager::EnforceBudget trims first).
+    initialization = ["compute", "master"] if has_master else ["compute"]
+    host = max(slab_budget(of(initialization)), slab_budget(of(on_host), host_non_model))
+    # With NVMe below: the chunks one parameter's update brings to the host, and before that
+    # the chunks initialization writes there one parameter at a time (an int8-state GPT's
+    # largest moment and scale chunks, 40 KiB, left no room for its 64 KiB embedding chunk).
+    largest = figures["largest_blocks"]
+    with_nvme = max(slab_budget([size for kind in on_host for size in largest[kind]],
+                                host_non_model),
+                    slab_budget([size for kind in initialization for size in largest[kind]]))
+    return {"device_budget": slab_budget(of(["compute", "gradient"]), device_non_model),
+            "host_budget": host, "host_budget_with_nvme": with_nvme}
 
 
 def _gib(nbytes: int) -> str:
@@ -125,7 +169,7 @@ def _gib(nbytes: int) -> str:
 
 
 def estimate_memory(model: Callable[[], nn.Module] | int, config: Any = None,
-                    verbose: bool = True) -> dict:
+                    verbose: bool = True, non_model_bytes: int = 0) -> dict:
     """Model-data bytes per tier for each precision mode; prints a table unless `verbose` is
     False and returns the figures as a dict.
 
@@ -183,7 +227,9 @@ def estimate_memory(model: Callable[[], nn.Module] | int, config: Any = None,
             "device_no_moves": by_kind["compute"] + by_kind["gradient"],
             "host_optimizer": host_optimizer, "host_initialization": host_initialization,
             "host_peak": max(host_optimizer, host_initialization),
-            "host_min_with_nvme": sum(figures["largest_chunk"].get(kind, 0) for kind in on_host)}
+            "host_min_with_nvme": sum(figures["largest_chunk"].get(kind, 0) for kind in on_host),
+            **_budgets(figures, on_host, master_weights and by_kind["master"] > 0,
+                       non_model_bytes)}
     result = {"parameters": params, "trainable": trainable,
               "gradient_accumulation_steps": cfg.gradient_accumulation_steps, "modes": modes,
               "world_size": _world_size(), "state_dtype": state_dtype}

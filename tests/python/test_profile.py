@@ -1198,7 +1198,7 @@ def test_the_budget_a_finding_asks_for_holds_the_slabs_of_the_chunks(tmp_path):
     """A budget bounds the bytes a tier's slab pool reserves, and every block size takes slabs
     of an eighth of the budget: the finding counted only chunk bytes, and a tier given the
     budget it named could not hold the chunks (Note [Budgets bound the slab pool] in
-    profiling/summary.py; a 2-layer Llama with int8 state still spilled its host to NVMe every
+    slab_budget.py; a 2-layer Llama with int8 state still spilled its host to NVMe every
     iteration at the host budget its report asked for). Two 1 MiB chunks and four 4 KiB scale
     chunks on the device, checked against the runtime's own tier."""
     raw = _hand_made_record()

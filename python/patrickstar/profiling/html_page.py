@@ -183,7 +183,7 @@ def _svg_time_split(a: Analysis, width: int = 1100) -> str:
 
 def _reserved(tier: dict) -> str:
     """The bytes the tier's slab pool had reserved when the profile stopped: what its budget
-    bounds (Note [Budgets bound the slab pool] in summary.py); "-" in a record without them."""
+    bounds (Note [Budgets bound the slab pool] in slab_budget.py); "-" in a record without them."""
     reserved = tier.get("reserved_bytes")
     return "-" if reserved is None else mib(reserved)
 
