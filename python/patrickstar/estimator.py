@@ -27,8 +27,24 @@ of a parameter's chunks are on the GPU. So:
   on a 4-layer MLP), so ``host_optimizer`` alone is not a host budget;
 * ``host_min_with_nvme``: with an NVMe tier below the host, the host needs at least the chunks one
   parameter's update brings there at once (the largest chunk of each of those kinds).
-Non-model data (activations, temporaries) comes on top; a profile (``patrickstar.profile``) shows
-it per moment.
+
+These are chunk bytes, not budgets: a tier's budget bounds what its slab pool reserves, a slab
+of up to an eighth of the budget per block size (Note [Budgets bound the slab pool] in
+slab_budget.py), and a 2-layer GPT given ``device_no_moves`` and ``host_peak`` as its budgets
+moved chunks between them every iteration, or ran out of host memory without NVMe. The budgets
+to set are:
+
+* ``device_budget`` (``memory.device_budget``): no chunk moves off the device;
+* ``host_budget`` (``memory.host_budget``): no chunk moves off the host (without NVMe: no
+  out-of-memory error), from initialization through the optimizer step;
+* ``host_budget_with_nvme``: the least ``memory.host_budget`` that runs with an NVMe tier below
+  the host (chunks then move to and from NVMe every iteration).
+
+Non-model data (activations, temporaries) shares the budget of the tier torch computes in (the
+device with CUDA, the host on a CPU build): pass its peak as ``non_model_bytes`` (a profile's
+``summary.json``, ``tiers.<tier>.peak_non_model_bytes``, or ``largest_non_model_moment``) and the
+budgets include it. It cannot be added to a budget afterwards: a larger budget takes larger
+slabs.
 """
 from __future__ import annotations
 
@@ -176,8 +192,14 @@ def estimate_memory(model: Callable[[], nn.Module] | int, config: Any = None,
     `model` is a ``model_func`` (built on the meta device, so nothing is allocated), a module
     already built, or a parameter count (all trainable). `config` is what ``initialize()``
     takes; its chunk size and gradient accumulation steps are used. Precision modes: fp32 and
-    fp16/bf16 (same sizes)."""
+    fp16/bf16 (same sizes). `non_model_bytes` is the peak of the activations and temporaries
+    (a profile's), which the budgets (``device_budget``, ``host_budget``,
+    ``host_budget_with_nvme``) hold beside the chunks."""
     cfg: Config = config if isinstance(config, Config) else load_config(config)
+    if isinstance(non_model_bytes, bool) or not isinstance(non_model_bytes, int) \
+            or non_model_bytes < 0:
+        raise ValueError(f"estimate_memory: non_model_bytes must be an int >= 0 (bytes of "
+                         f"activations and temporaries), got {non_model_bytes!r}")
     if isinstance(model, bool) or not (isinstance(model, int) or callable(model)):
         raise TypeError(f"estimate_memory(model, ...): expected a model_func or a parameter "
                         f"count, got {type(model).__name__}")
@@ -232,7 +254,9 @@ def estimate_memory(model: Callable[[], nn.Module] | int, config: Any = None,
                        non_model_bytes)}
     result = {"parameters": params, "trainable": trainable,
               "gradient_accumulation_steps": cfg.gradient_accumulation_steps, "modes": modes,
-              "world_size": _world_size(), "state_dtype": state_dtype}
+              "world_size": _world_size(), "state_dtype": state_dtype,
+              "non_model_bytes": non_model_bytes,
+              "non_model_tier": "host" if torch_computes_on_host() else "device"}
     if verbose:
         print(format_estimate(result))
     return result
@@ -277,6 +301,23 @@ def format_estimate(result: dict) -> str:
                        _gib(mode["host_min_with_nvme"])])
     widths = [max(len(row[c]) for row in rows) for c in range(len(header))]
     for row in rows:
+        lines.append("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+    # The columns above are chunk bytes; what to set is what the tiers' slab pools reserve for
+    # them (Note [Budgets bound the slab pool]): printed apart so that no column of bytes reads
+    # as a budget.
+    non_model = result.get("non_model_bytes", 0)
+    where = result.get("non_model_tier", "host")
+    lines.append("Budgets to set (each tier's slab pool holding these chunks"
+                 + (f" and {_gib(non_model)} of non-model data on the {where}):" if non_model
+                    else f"; activations on the {where} not included: pass non_model_bytes, "
+                         f"a profile's peak, to include them):"))
+    budget_rows = [["precision", "memory.device_budget", "memory.host_budget",
+                    "memory.host_budget with NVMe"]]
+    for label, mode in result["modes"].items():
+        budget_rows.append([label, _gib(mode["device_budget"]), _gib(mode["host_budget"]),
+                            _gib(mode["host_budget_with_nvme"])])
+    widths = [max(len(row[c]) for row in budget_rows) for c in range(len(budget_rows[0]))]
+    for row in budget_rows:
         lines.append("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
     # What the columns hold where a kind stands in for another, named as a profile's report
     # names the chunks (summary.json chunks.by_kind): without these lines "bf16, no master"
