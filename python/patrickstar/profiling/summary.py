@@ -8,7 +8,7 @@ import math
 from ..dtypes import BY_NAME, element_size
 from ..slab_budget import block_bytes, slab_budget
 from ..vocabulary import Tier
-from .analysis import MiB, Analysis, effective_ns, mib, stat_delta
+from .analysis import GiB, MiB, Analysis, effective_ns, mib, stat_delta
 
 __all__ = ["build_summary"]
 
@@ -196,6 +196,9 @@ def _eviction_causes(a: Analysis) -> list[dict]:
 
 
 def _mib_up(nbytes: float) -> str:
+    """`nbytes` as mib() prints it, rounded up: a budget named this way holds `nbytes`."""
+    if nbytes >= GiB:
+        return f"{math.ceil(nbytes / GiB * 100) / 100:.2f} GiB"
     return f"{math.ceil(nbytes / MiB * 10) / 10:.1f} MiB"
 
 
