@@ -206,3 +206,23 @@ def test_a_run_at_the_estimated_budgets_moves_no_chunk(tmp_path, case, precision
                 (host, nvme)
         else:
             assert nvme["bytes_in"] > 0  # the small host budget is one NVMe lets a run use
+
+
+def test_a_budget_far_above_the_chunks_says_why(capsys):
+    """Every block size takes slabs of up to an eighth of the budget: a GPT whose tensors
+    outgrow 32768-element chunks has 10 block sizes on the host, and the host budget that holds
+    its 10 MiB of chunks is over 600 MiB (a run at 607 MiB still evicted from the host). The
+    table says why and what to change (Note [Budgets far above the chunks])."""
+    gpt = GPTConfig(vocab_size=2048, max_seq_len=64, hidden=192, layers=3, heads=2)
+    config = {"default_chunk_size": 1 << 15, "bf16": {"enabled": True},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "state_dtype": "int8"}}}
+    result = patrickstar.estimate_memory(lambda: GPT(gpt), config)
+    printed = capsys.readouterr().out
+    mixed = result["modes"]["fp16/bf16"]
+    assert mixed["block_sizes"]["host"] == 10 and mixed["host_budget"] > 50 * mixed["host_peak"]
+    assert "fp16/bf16: memory.host_budget is" in printed
+    assert "each of its 10 block sizes; a larger default_chunk_size" in printed
+    config["default_chunk_size"] = 1 << 18
+    result = patrickstar.estimate_memory(lambda: GPT(gpt), config)
+    assert "larger default_chunk_size" not in capsys.readouterr().out
+    assert result["modes"]["fp16/bf16"]["host_budget"] < 2 * result["modes"]["fp16/bf16"]["host_peak"]
