@@ -27,11 +27,30 @@ of a parameter's chunks are on the GPU. So:
   on a 4-layer MLP), so ``host_optimizer`` alone is not a host budget;
 * ``host_min_with_nvme``: with an NVMe tier below the host, the host needs at least the chunks one
   parameter's update brings there at once (the largest chunk of each of those kinds).
-Non-model data (activations, temporaries) comes on top; a profile (``patrickstar.profile``) shows
-it per moment.
+
+These are chunk bytes, not budgets: a tier's budget bounds what its slab pool reserves, a slab
+of up to an eighth of the budget per block size (Note [Budgets bound the slab pool] in
+slab_budget.py), and a 2-layer GPT given ``device_no_moves`` and ``host_peak`` as its budgets
+moved chunks between them every iteration, or ran out of host memory without NVMe. The budgets
+to set are:
+
+* ``device_budget`` (``memory.device_budget``): no chunk moves off the device;
+* ``host_budget`` (``memory.host_budget``): no chunk moves off the host (without NVMe: no
+  out-of-memory error), from initialization through the optimizer step;
+* ``host_budget_with_nvme``: the least ``memory.host_budget`` that runs with an NVMe tier below
+  the host (chunks then move to and from NVMe every iteration);
+* ``block_sizes``: per tier, how many block sizes its chunks take (each takes its own slabs:
+  with many, a budget is far above the chunks, Note [Budgets far above the chunks]).
+
+Non-model data (activations, temporaries) shares the budget of the tier torch computes in (the
+device with CUDA, the host on a CPU build): pass its peak as ``non_model_bytes`` (a profile's
+``summary.json``, ``tiers.<tier>.peak_non_model_bytes``, or ``largest_non_model_moment``) and the
+budgets include it. It cannot be added to a budget afterwards: a larger budget takes larger
+slabs.
 """
 from __future__ import annotations
 
+import collections
 import json
 import math
 import os
@@ -46,6 +65,7 @@ from . import dtypes
 from .chunk_runtime import torch_computes_on_host
 from .chunked_params import TensorIds, chunk_dtypes, register_chunk_tensors, scale_count
 from .init_context import BuiltModule, plan_parameters
+from .slab_budget import block_bytes, slab_budget
 from .vocabulary import ChunkKind, chunk_kind
 
 __all__ = ["estimate_memory"]
@@ -59,7 +79,6 @@ _KINDS = tuple(_LABELS.values())
 # compensation of bf16 without master in the master's row (it takes the master's place).
 _FOLDED_LABELS = {_K.MOMENTUM_SCALE: "momentum", _K.VARIANCE_SCALE: "variance",
                   _K.PARAM_COMPENSATION: "master"}
-_BLOCK_ALIGNMENT = 4096
 
 
 def _dtypes(precision: str, accumulation_steps: int, state_dtype: str = "fp32",
@@ -82,6 +101,7 @@ def _layout_bytes(specs, precision: str, accumulation_steps: int,
         manager, specs, chunk_dtypes(precision, accumulation_steps, state_dtype, master_weights),
         chunk_size)
     by_kind = {kind: 0 for kind in _KINDS}
+    blocks = {kind: collections.Counter() for kind in _KINDS}
     largest_chunk = {kind: 0 for kind in _KINDS}
     largest_folded = {kind: 0 for kind in _KINDS}
     for chunk in json.loads(manager.layout_json())["chunks"]:
@@ -90,11 +110,15 @@ def _layout_bytes(specs, precision: str, accumulation_steps: int,
         kind = _FOLDED_LABELS[kind_of_chunk] if folded else _LABELS[kind_of_chunk]
         largest = largest_folded if folded else largest_chunk
         by_kind[kind] += chunk["bytes"]
+        blocks[kind][block_bytes(chunk["bytes"])] += 1
         largest[kind] = max(largest[kind], chunk["bytes"])
     # A moment chunk moves with its scale chunk; a compensation chunk stands in for a master.
+    largest_blocks = {kind: [block_bytes(n) for n in (largest_chunk[kind], largest_folded[kind])
+                             if n] for kind in _KINDS}
     for kind, nbytes in largest_folded.items():
         largest_chunk[kind] += nbytes
-    return {"by_kind": by_kind, "largest_chunk": largest_chunk,
+    return {"by_kind": by_kind, "largest_chunk": largest_chunk, "blocks": blocks,
+            "largest_blocks": largest_blocks,
             "chunk_elements": layout["chunk_elements"], "wasted_bytes": layout["wasted_bytes"]}
 
 
@@ -102,7 +126,9 @@ def _count_bytes(params: int, trainable: int, kind_dtypes: dict[str, str | None]
                  chunk_size: int) -> dict:
     """The same figures for a bare parameter count: each list packs perfectly."""
     by_kind = {kind: 0 for kind in _KINDS}
+    blocks = {kind: collections.Counter() for kind in _KINDS}
     largest_chunk = {kind: 0 for kind in _KINDS}
+    largest_blocks = {kind: [] for kind in _KINDS}
     for kind in _KINDS:
         dtype = kind_dtypes[kind]
         if dtype is None:
@@ -110,14 +136,53 @@ def _count_bytes(params: int, trainable: int, kind_dtypes: dict[str, str | None]
         count = params if kind == "compute" else trainable
         if count == 0:
             continue
-        chunk_bytes = -(-chunk_size * dtypes.element_size(dtype) // _BLOCK_ALIGNMENT) \
-            * _BLOCK_ALIGNMENT
+        chunks = -(-count // chunk_size)
+        largest_blocks[kind] = [block_bytes(chunk_size * dtypes.element_size(dtype))]
         if dtype == "uint8":  # 8-bit moments: a chunk of fp32 scales beside each chunk
-            chunk_bytes += -(-scale_count(chunk_size) * 4 // _BLOCK_ALIGNMENT) * _BLOCK_ALIGNMENT
-        by_kind[kind] = -(-count // chunk_size) * chunk_bytes
-        largest_chunk[kind] = chunk_bytes
-    return {"by_kind": by_kind, "largest_chunk": largest_chunk, "chunk_elements": chunk_size,
+            largest_blocks[kind].append(block_bytes(scale_count(chunk_size) * 4))
+        for size in largest_blocks[kind]:
+            blocks[kind][size] += chunks
+        largest_chunk[kind] = sum(largest_blocks[kind])
+        by_kind[kind] = chunks * largest_chunk[kind]
+    return {"by_kind": by_kind, "largest_chunk": largest_chunk, "blocks": blocks,
+            "largest_blocks": largest_blocks, "chunk_elements": chunk_size,
             "wasted_bytes": None}
+
+
+def _budgets(figures: dict, on_host: list[str], has_master: bool, non_model: int) -> dict:
+    """The budgets to set (memory.device_budget, memory.host_budget, the host's with NVMe) for
+    the chunk figures: what each tier's slab pool reserves for its chunks beside the non-model
+    data (Note [Budgets bound the slab pool] in slab_budget.py)."""
+    blocks = figures["blocks"]
+
+    def of(kinds) -> collections.Counter:
+        total = collections.Counter()
+        for kind in kinds:
+            total.update(blocks[kind])
+        return total
+
+    on_host_torch = torch_computes_on_host()  # where the activations are (engine._tick)
+    device_non_model = 0 if on_host_torch else non_model
+    host_non_model = non_model if on_host_torch else 0
+    # The host holds the initialization's chunks before training (the compute chunks, and the
+    # masters where there are masters: the compute chunks reach the device at their first
+    # access), then the optimizer's kinds through forward, backward (beside the activations on
+    # a CPU build) and the step. The compute chunks' slabs left empty are returned when room
+    # is needed (ChunkManager::EnforceBudget trims first).
+    initialization = ["compute", "master"] if has_master else ["compute"]
+    host = max(slab_budget(of(initialization)), slab_budget(of(on_host), host_non_model))
+    # With NVMe below: the chunks one parameter's update brings to the host, and before that
+    # the chunks initialization writes there one parameter at a time (an int8-state GPT's
+    # largest moment and scale chunks, 40 KiB, left no room for its 64 KiB embedding chunk).
+    largest = figures["largest_blocks"]
+    with_nvme = max(slab_budget([size for kind in on_host for size in largest[kind]],
+                                host_non_model),
+                    slab_budget([size for kind in initialization for size in largest[kind]]))
+    on_device = of(["compute", "gradient"])
+    return {"device_budget": slab_budget(on_device, device_non_model),
+            "host_budget": host, "host_budget_with_nvme": with_nvme,
+            "block_sizes": {"device": len(on_device),
+                            "host": max(len(of(on_host)), len(of(initialization)))}}
 
 
 def _gib(nbytes: int) -> str:
@@ -125,15 +190,21 @@ def _gib(nbytes: int) -> str:
 
 
 def estimate_memory(model: Callable[[], nn.Module] | int, config: Any = None,
-                    verbose: bool = True) -> dict:
+                    verbose: bool = True, non_model_bytes: int = 0) -> dict:
     """Model-data bytes per tier for each precision mode; prints a table unless `verbose` is
     False and returns the figures as a dict.
 
     `model` is a ``model_func`` (built on the meta device, so nothing is allocated), a module
     already built, or a parameter count (all trainable). `config` is what ``initialize()``
     takes; its chunk size and gradient accumulation steps are used. Precision modes: fp32 and
-    fp16/bf16 (same sizes)."""
+    fp16/bf16 (same sizes). `non_model_bytes` is the peak of the activations and temporaries
+    (a profile's), which the budgets (``device_budget``, ``host_budget``,
+    ``host_budget_with_nvme``) hold beside the chunks."""
     cfg: Config = config if isinstance(config, Config) else load_config(config)
+    if isinstance(non_model_bytes, bool) or not isinstance(non_model_bytes, int) \
+            or non_model_bytes < 0:
+        raise ValueError(f"estimate_memory: non_model_bytes must be an int >= 0 (bytes of "
+                         f"activations and temporaries), got {non_model_bytes!r}")
     if isinstance(model, bool) or not (isinstance(model, int) or callable(model)):
         raise TypeError(f"estimate_memory(model, ...): expected a model_func or a parameter "
                         f"count, got {type(model).__name__}")
@@ -183,10 +254,14 @@ def estimate_memory(model: Callable[[], nn.Module] | int, config: Any = None,
             "device_no_moves": by_kind["compute"] + by_kind["gradient"],
             "host_optimizer": host_optimizer, "host_initialization": host_initialization,
             "host_peak": max(host_optimizer, host_initialization),
-            "host_min_with_nvme": sum(figures["largest_chunk"].get(kind, 0) for kind in on_host)}
+            "host_min_with_nvme": sum(figures["largest_chunk"].get(kind, 0) for kind in on_host),
+            **_budgets(figures, on_host, master_weights and by_kind["master"] > 0,
+                       non_model_bytes)}
     result = {"parameters": params, "trainable": trainable,
               "gradient_accumulation_steps": cfg.gradient_accumulation_steps, "modes": modes,
-              "world_size": _world_size(), "state_dtype": state_dtype}
+              "world_size": _world_size(), "state_dtype": state_dtype,
+              "non_model_bytes": non_model_bytes,
+              "non_model_tier": "host" if torch_computes_on_host() else "device"}
     if verbose:
         print(format_estimate(result))
     return result
@@ -241,4 +316,54 @@ def format_estimate(result: dict) -> str:
     if result.get("state_dtype") == "int8":
         lines.append("  (int8 optimizer state: momentum and variance include their float32 "
                      "scales, the momentum_scale and variance_scale chunks)")
+    # The columns above are chunk bytes; what to set is what the tiers' slab pools reserve for
+    # them (Note [Budgets bound the slab pool]): printed apart so that no column of bytes reads
+    # as a budget.
+    non_model = result.get("non_model_bytes", 0)
+    where = result.get("non_model_tier", "host")
+    lines.append("Budgets to set (each tier's slab pool holding these chunks"
+                 + (f" and {_gib(non_model)} of non-model data on the {where}):" if non_model
+                    else f"; activations on the {where} not included: pass non_model_bytes, "
+                         f"a profile's peak, to include them):"))
+    budget_rows = [["precision", "memory.device_budget", "memory.host_budget",
+                    "memory.host_budget with NVMe"]]
+    for label, mode in result["modes"].items():
+        budget_rows.append([label, _gib(mode["device_budget"]), _gib(mode["host_budget"]),
+                            _gib(mode["host_budget_with_nvme"])])
+    widths = [max(len(row[c]) for row in budget_rows) for c in range(len(budget_rows[0]))]
+    for row in budget_rows:
+        lines.append("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+    lines += _slab_notes(result)
     return "\n".join(lines)
+
+
+# Note [Budgets far above the chunks]
+# Each block size takes slabs of up to an eighth of the budget, so a tier holding more than a
+# few sizes needs a budget that is mostly empty slabs, and the larger the budget the larger the
+# slabs: a 3-layer GPT (hidden 192, vocabulary 2048, 32768 elements per chunk, bf16 with int8
+# state) has 10 block sizes on the host and 12.5 MiB of chunks and activations there, and the
+# runtime still evicted from the host at a 607 MiB budget (it held from 612 MiB; 647 MiB
+# estimated). The budget is right, but a user needs the cause: tensors larger than the chunk get
+# chunks of their own sizes, and a larger default_chunk_size packs them into fewer sizes (a
+# 24 MiB host budget at 262144 elements per chunk).
+_FAR_ABOVE = 2
+
+
+def _slab_notes(result: dict) -> list[str]:
+    """A line per tier whose budget is far above its chunks (Note [Budgets far above the
+    chunks])."""
+    notes = []
+    non_model = result.get("non_model_bytes", 0)
+    where = result.get("non_model_tier", "host")
+    for label, mode in result["modes"].items():
+        held = {"device": mode["device_no_moves"], "host": mode["host_peak"]}
+        budgets = {"device": mode["device_budget"], "host": mode["host_budget"]}
+        for tier, nbytes in held.items():
+            nbytes += non_model if tier == where else 0
+            if nbytes and budgets[tier] > _FAR_ABOVE * nbytes:
+                notes.append(
+                    f"  ({label}: memory.{tier}_budget is {budgets[tier] / nbytes:.0f}x the "
+                    f"{_gib(nbytes)} the {tier} holds: its slab pool takes a slab of up to an "
+                    f"eighth of the budget for each of its {mode['block_sizes'][tier]} block "
+                    f"sizes; a larger default_chunk_size packs the tensors into fewer sizes)")
+    return notes

@@ -1198,7 +1198,7 @@ def test_the_budget_a_finding_asks_for_holds_the_slabs_of_the_chunks(tmp_path):
     """A budget bounds the bytes a tier's slab pool reserves, and every block size takes slabs
     of an eighth of the budget: the finding counted only chunk bytes, and a tier given the
     budget it named could not hold the chunks (Note [Budgets bound the slab pool] in
-    profiling/summary.py; a 2-layer Llama with int8 state still spilled its host to NVMe every
+    slab_budget.py; a 2-layer Llama with int8 state still spilled its host to NVMe every
     iteration at the host budget its report asked for). Two 1 MiB chunks and four 4 KiB scale
     chunks on the device, checked against the runtime's own tier."""
     raw = _hand_made_record()
@@ -1302,3 +1302,27 @@ def test_model_data_less_wasted_bytes_is_what_the_tensors_hold(tmp_path):
     held = sum(n * (4 + 4 + 1 + 1) + 2 * 4 * -(-n // 2048) for n in sizes)
     assert chunks["by_kind"]["momentum_scale"]["bytes"] % 4096 == 0
     assert chunks["model_data_bytes"] - chunks["wasted_bytes"] == held
+
+
+def test_sizes_of_a_gib_and_more_print_in_gib(tmp_path):
+    """An NVMe tier's budget (the free space of its disk when none is set) printed as
+    "74399.0 MiB" in report.html and `patrickstar-report`: sizes from 1 GiB up print in GiB,
+    smaller ones stay in MiB (and KiB)."""
+    assert report_mib(74399 * MiB) == "72.66 GiB"
+    assert report_mib(1023 * MiB) == "1023.0 MiB" and report_mib(4096) == "4.0 KiB"
+    raw = _hand_made_record()
+    raw["tiers"].append({"name": "nvme", "kind": "nvme", "budget_bytes": 74399 * MiB})
+    for stats in (raw["stats_start"], raw["stats_end"]):
+        stats.append(dict(stats[1], name="nvme", kind="nvme", budget_bytes=74399 * MiB))
+    for key in ("chunk_bytes", "non_model_bytes"):
+        raw["samples"][key] = [values + [0] for values in raw["samples"][key]]
+    raw["samples"]["budget_bytes"] = [values + [74399 * MiB]
+                                      for values in raw["samples"]["budget_bytes"]]
+    report.write_outputs(tmp_path, raw)
+    page = (tmp_path / "report.html").read_text()
+    out = io.StringIO()
+    assert report.main([str(tmp_path)], out=out) == 0
+    assert re.search(r"\nnvme: budget +72\.66 GiB\n", out.getvalue()), out.getvalue()
+    assert "<td>72.66 GiB</td>" in page.split('id="tiers"')[1].split("</table>")[0]
+    for text in (page, out.getvalue()):
+        assert "74399.0 MiB" not in text

@@ -6,13 +6,14 @@ import bisect
 import json
 import os
 
-__all__ = ["Analysis", "MiB", "OUTPUT_FILES", "ProfileError", "RAW_FILE", "RAW_KEYS",
+__all__ = ["Analysis", "GiB", "MiB", "OUTPUT_FILES", "ProfileError", "RAW_FILE", "RAW_KEYS",
            "effective_ns", "load_raw", "mib", "stat_delta"]
 
 
 RAW_FILE = "profile.json"
 OUTPUT_FILES = ("trace.json", "memory.csv", "summary.json", "report.html")
 MiB = 1 << 20
+GiB = 1 << 30
 RAW_KEYS = ("start_ns", "stop_ns", "run", "tiers", "stats_start", "stats_end", "layout",
             "events", "samples", "marks", "phases", "collectives")
 # The JSON type the recorder writes for each key: a record edited by hand or by another tool
@@ -366,7 +367,10 @@ def stat_delta(raw: dict, tier: int, key: str) -> int:
 
 def mib(nbytes: float) -> str:
     """`nbytes` for people: MiB with one decimal, or KiB when that would read 0.0 MiB for bytes
-    that are there (int8 Adam state's scale chunks, a small model's activations)."""
+    that are there (int8 Adam state's scale chunks, a small model's activations), or GiB with two
+    decimals from 1 GiB up (an NVMe budget, the free space of its disk, read "74399.0 MiB")."""
     if 0 < abs(nbytes) < MiB / 20:
         return f"{nbytes / 1024:.1f} KiB"
+    if abs(nbytes) >= GiB:
+        return f"{nbytes / GiB:.2f} GiB"
     return f"{nbytes / MiB:.1f} MiB"

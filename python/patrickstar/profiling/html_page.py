@@ -5,7 +5,7 @@ import html
 from typing import Iterable
 
 from ..vocabulary import Tier
-from .analysis import MiB, Analysis, mib
+from .analysis import GiB, MiB, Analysis, mib
 
 __all__ = ["render_html"]
 
@@ -85,9 +85,11 @@ def _svg_memory_panels(a: Analysis, width: int = 1100) -> str:
 
 def _axis_mib(value: float, peak: float) -> str:
     """An axis label in MiB with as many decimals as a peak of that size needs (a panel of a
-    0.4 MiB peak read '0 MiB' three times in whole MiB)."""
-    decimals = 0 if peak >= 8 * MiB else 1 if peak >= MiB else 2
-    return f"{value / MiB:.{decimals}f} MiB"
+    0.4 MiB peak read '0 MiB' three times in whole MiB); in GiB from a peak of 1 GiB up, as
+    mib() prints sizes."""
+    unit, name = (GiB, "GiB") if peak >= GiB else (MiB, "MiB")
+    decimals = 0 if peak >= 8 * unit else 1 if peak >= unit else 2
+    return f"{value / unit:.{decimals}f} {name}"
 
 
 # Pixels per character of the heat map's 11px labels, generous for system-ui's widest digits
@@ -183,7 +185,7 @@ def _svg_time_split(a: Analysis, width: int = 1100) -> str:
 
 def _reserved(tier: dict) -> str:
     """The bytes the tier's slab pool had reserved when the profile stopped: what its budget
-    bounds (Note [Budgets bound the slab pool] in summary.py); "-" in a record without them."""
+    bounds (Note [Budgets bound the slab pool] in slab_budget.py); "-" in a record without them."""
     reserved = tier.get("reserved_bytes")
     return "-" if reserved is None else mib(reserved)
 

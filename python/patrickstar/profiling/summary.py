@@ -6,8 +6,9 @@ import collections
 import math
 
 from ..dtypes import BY_NAME, element_size
+from ..slab_budget import block_bytes, slab_budget
 from ..vocabulary import Tier
-from .analysis import MiB, Analysis, effective_ns, mib, stat_delta
+from .analysis import GiB, MiB, Analysis, effective_ns, mib, stat_delta
 
 __all__ = ["build_summary"]
 
@@ -36,8 +37,9 @@ def build_summary(raw: dict, analysis: Analysis | None = None) -> dict:
             "bytes_out": stat_delta(raw, t, "bytes_out"),
             "evictions": stat_delta(raw, t, "evictions"),
             "copy_wait_s": stat_delta(raw, t, "copy_wait_ns") / 1e9,
-            # What the budget bounds (Note [Budgets bound the slab pool]): a tier evicted with
-            # its chunks and non-model data below the budget because its pool had reserved it.
+            # What the budget bounds (Note [Budgets bound the slab pool] in slab_budget.py): a
+            # tier evicted with its chunks and non-model data below the budget because its pool
+            # had reserved it.
             "reserved_bytes": raw["stats_end"][t].get("reserved_bytes")}
     by_direction: dict[str, int] = collections.Counter()
     by_cause: dict[str, int] = collections.Counter()
@@ -194,42 +196,16 @@ def _eviction_causes(a: Analysis) -> list[dict]:
 
 
 def _mib_up(nbytes: float) -> str:
+    """`nbytes` as mib() prints it, rounded up: a budget named this way holds `nbytes`."""
+    if nbytes >= GiB:
+        return f"{math.ceil(nbytes / GiB * 100) / 100:.2f} GiB"
     return f"{math.ceil(nbytes / MiB * 10) / 10:.1f} MiB"
-
-
-# Note [Budgets bound the slab pool]
-# A tier's budget bounds the bytes its slab pool reserves, not its chunk bytes (Note [Tier slab
-# pool] in runtime/tier.h): the blocks of each size (a chunk's bytes, rounded up to 4 KiB) are
-# carved from slabs of min(64 MiB, budget / 8) bytes (Tier::GrowLocked), so a tier holding
-# blocks of several sizes (int8 Adam state's uint8 moments and small float32 scale chunks beside
-# float32 parameters and gradients) reserves up to a slab per size more than its chunks. A need
-# counted in chunk bytes alone said "raising memory.host_budget by 1.2 MiB (to 4.4 MiB) removes
-# them" of a 2-layer Llama with int8 state spilling to NVMe; at 4.4 MiB its host still spilled
-# every iteration, and stopped only past 5 MiB. So the need is a budget whose slabs hold those
-# chunks beside the non-model data: raised from the chunk bytes until the slabs it implies fit.
-_SLAB_TARGET_BYTES = 64 << 20  # Tier::Options::slab_target_bytes (the engine keeps the default)
-_BLOCK_ALIGNMENT = 4096  # kBlockAlignment in runtime/tier.h
-
-
-def _slab_budget(blocks: collections.Counter, non_model: int) -> int:
-    """A budget whose slab pool holds `blocks` (count per block size) at once beside
-    `non_model` bytes (Note [Budgets bound the slab pool])."""
-    budget = sum(size * count for size, count in blocks.items()) + non_model
-    for _ in range(64):  # a few rounds: the slab size stops growing at _SLAB_TARGET_BYTES
-        reserved = 0
-        for size, count in blocks.items():
-            per_slab = max(1, min(_SLAB_TARGET_BYTES, budget // 8) // size)
-            reserved += -(-count // per_slab) * per_slab * size
-        if reserved + non_model <= budget:
-            break
-        budget = reserved + non_model
-    return budget
 
 
 def _tier_need(a: Analysis, tier: int) -> int | None:
     """The budget `tier` needs so that one steady iteration makes no copies into or out of it:
     slabs for every chunk it holds or receives during the iteration, plus its peak non-model
-    data then (Note [Budgets bound the slab pool])."""
+    data then (Note [Budgets bound the slab pool] in slab_budget.py)."""
     steady = a.steady_iterations()
     if not steady:
         return None
@@ -246,9 +222,9 @@ def _tier_need(a: Analysis, tier: int) -> int | None:
     # Only the non-model data the manager was told about shares the budget with chunks.
     non_model = max((r["planned_non_model"][tier] for r in rows), default=0)
     blocks = collections.Counter(
-        -(-a.chunks[c].get("bytes", 0) // _BLOCK_ALIGNMENT) * _BLOCK_ALIGNMENT
+        block_bytes(a.chunks[c].get("bytes", 0))
         for c in chunks if c in a.chunks and a.chunks[c].get("bytes", 0) > 0)
-    return _slab_budget(blocks, non_model)
+    return slab_budget(blocks, non_model)
 
 
 def _findings(a: Analysis, summary: dict) -> list[str]:
