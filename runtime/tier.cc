@@ -108,6 +108,22 @@ absl::StatusOr<Block> Tier::Allocate(int64_t bytes) {
   return Block{this, id, granted_bytes, address};
 }
 
+// Note [Slabs grow with their size's use]
+// A size's next slab holds as many blocks as its slabs already hold (one block for its first),
+// doubling up to a slab of min(slab_target_bytes, budget / 8). Every first slab used to take the
+// full eighth of the budget: a tier holding blocks of more than eight sizes (fp32 params and
+// grads, uint8 moments, the small float scale chunks of int8 state, bf16 compensation, each in
+// a few sizes) reserved its whole budget in mostly free slabs, so a host holding 12.5 MiB of
+// chunks and activations evicted at a budget of 607 MiB. Doubling keeps a size's free blocks
+// below its blocks in use (plus one), and the slab count per size logarithmic.
+int64_t Tier::PooledBlocksLocked(int64_t block_bytes) const {
+  int64_t blocks = 0;
+  for (const auto& [base, slab] : slabs_) {
+    if (slab.block_bytes == block_bytes) blocks += slab.total_blocks;
+  }
+  return blocks;
+}
+
 absl::StatusOr<uint64_t> Tier::GrowLocked(int64_t block_bytes) {
   const int64_t budget = options_.budget_bytes;
   auto blocks_that_fit = [&]() -> int64_t {
@@ -115,7 +131,9 @@ absl::StatusOr<uint64_t> Tier::GrowLocked(int64_t block_bytes) {
     // One slab never takes more than an eighth of a budget, so one block size cannot starve the
     // others while its slab is only partly used.
     if (budget > 0) slab_bytes = std::min(slab_bytes, budget / 8);
-    const int64_t wanted = std::max<int64_t>(1, slab_bytes / block_bytes);
+    const int64_t wanted =
+        std::min(std::max<int64_t>(1, slab_bytes / block_bytes),
+                 std::max<int64_t>(1, PooledBlocksLocked(block_bytes)));
     if (budget == 0) return wanted;
     return std::min(wanted, std::max<int64_t>(0, budget - stats_.reserved_bytes) / block_bytes);
   };

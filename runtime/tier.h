@@ -3,7 +3,8 @@
 // Note [Tier slab pool]
 // Chunks have a fixed size (plus the rare chunk made for one oversized tensor), so each tier
 // keeps a free list per block size and carves blocks out of slabs it reserves from its backing
-// store (mimalloc, cudaHostAlloc, cudaMalloc, or a range of a file). A freed block goes back to
+// store (mimalloc, cudaHostAlloc, cudaMalloc, or a range of a file), each size's slabs growing
+// with its use (Note [Slabs grow with their size's use] in tier.cc). A freed block goes back to
 // its free list, never to the backing store, so steady-state training allocates nothing. The
 // budget bounds the *reserved* bytes, which is what the process really holds: when a new block
 // size does not fit, fully free slabs of other sizes are returned first, and only then is the
@@ -136,6 +137,8 @@ class Tier {
   };
 
   absl::StatusOr<uint64_t> GrowLocked(int64_t block_bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_);
+  // Blocks of `block_bytes` in all slabs of that size (Note [Slabs grow with their size's use]).
+  int64_t PooledBlocksLocked(int64_t block_bytes) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_);
   int64_t TrimLocked(int64_t keep_block_bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_);
   absl::StatusOr<BlockRecord*> FindLocked(const Block& block) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_);
   const BlockRecord* FindLocked(const Block& block) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mutex_);

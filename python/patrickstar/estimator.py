@@ -28,9 +28,8 @@ of a parameter's chunks are on the GPU. So:
 * ``host_min_with_nvme``: with an NVMe tier below the host, the host needs at least the chunks one
   parameter's update brings there at once (the largest chunk of each of those kinds).
 
-These are chunk bytes, not budgets: a tier's budget bounds what its slab pool reserves, a slab
-of up to an eighth of the budget per block size (Note [Budgets bound the slab pool] in
-slab_budget.py), and a 2-layer GPT given ``device_no_moves`` and ``host_peak`` as its budgets
+These are chunk bytes, not budgets: a tier's budget bounds what its slab pool reserves, up to
+about twice each block size's chunks (Note [Budgets bound the slab pool] in slab_budget.py), and a 2-layer GPT given ``device_no_moves`` and ``host_peak`` as its budgets
 moved chunks between them every iteration, or ran out of host memory without NVMe. The budgets
 to set are:
 
@@ -39,8 +38,8 @@ to set are:
   out-of-memory error), from initialization through the optimizer step;
 * ``host_budget_with_nvme``: the least ``memory.host_budget`` that runs with an NVMe tier below
   the host (chunks then move to and from NVMe every iteration);
-* ``block_sizes``: per tier, how many block sizes its chunks take (each takes its own slabs:
-  with many, a budget is far above the chunks, Note [Budgets far above the chunks]).
+* ``block_sizes``: per tier, how many block sizes its chunks take (each takes its own slabs,
+  Note [Budgets bound the slab pool] in slab_budget.py).
 
 Non-model data (activations, temporaries) shares the budget of the tier torch computes in (the
 device with CUDA, the host on a CPU build): pass its peak as ``non_model_bytes`` (a profile's
@@ -333,37 +332,6 @@ def format_estimate(result: dict) -> str:
     widths = [max(len(row[c]) for row in budget_rows) for c in range(len(budget_rows[0]))]
     for row in budget_rows:
         lines.append("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
-    lines += _slab_notes(result)
     return "\n".join(lines)
 
 
-# Note [Budgets far above the chunks]
-# Each block size takes slabs of up to an eighth of the budget, so a tier holding more than a
-# few sizes needs a budget that is mostly empty slabs, and the larger the budget the larger the
-# slabs: a 3-layer GPT (hidden 192, vocabulary 2048, 32768 elements per chunk, bf16 with int8
-# state) has 10 block sizes on the host and 12.5 MiB of chunks and activations there, and the
-# runtime still evicted from the host at a 607 MiB budget (it held from 612 MiB; 647 MiB
-# estimated). The budget is right, but a user needs the cause: tensors larger than the chunk get
-# chunks of their own sizes, and a larger default_chunk_size packs them into fewer sizes (a
-# 24 MiB host budget at 262144 elements per chunk).
-_FAR_ABOVE = 2
-
-
-def _slab_notes(result: dict) -> list[str]:
-    """A line per tier whose budget is far above its chunks (Note [Budgets far above the
-    chunks])."""
-    notes = []
-    non_model = result.get("non_model_bytes", 0)
-    where = result.get("non_model_tier", "host")
-    for label, mode in result["modes"].items():
-        held = {"device": mode["device_no_moves"], "host": mode["host_peak"]}
-        budgets = {"device": mode["device_budget"], "host": mode["host_budget"]}
-        for tier, nbytes in held.items():
-            nbytes += non_model if tier == where else 0
-            if nbytes and budgets[tier] > _FAR_ABOVE * nbytes:
-                notes.append(
-                    f"  ({label}: memory.{tier}_budget is {budgets[tier] / nbytes:.0f}x the "
-                    f"{_gib(nbytes)} the {tier} holds: its slab pool takes a slab of up to an "
-                    f"eighth of the budget for each of its {mode['block_sizes'][tier]} block "
-                    f"sizes; a larger default_chunk_size packs the tensors into fewer sizes)")
-    return notes

@@ -11,9 +11,11 @@ __all__ = ["BLOCK_ALIGNMENT", "SLAB_TARGET_BYTES", "block_bytes", "slab_budget"]
 # Note [Budgets bound the slab pool]
 # A tier's budget bounds the bytes its slab pool reserves, not its chunk bytes (Note [Tier slab
 # pool] in runtime/tier.h): the blocks of each size (a chunk's bytes, rounded up to 4 KiB) are
-# carved from slabs of min(64 MiB, budget / 8) bytes (Tier::GrowLocked), so a tier holding
-# blocks of several sizes (int8 Adam state's uint8 moments and small float32 scale chunks beside
-# float32 parameters and gradients) reserves up to a slab per size more than its chunks. A need
+# carved from slabs that grow with the size's use, each as large as the size's slabs so far (one
+# block first) up to min(64 MiB, budget / 8) bytes (Tier::GrowLocked, Note [Slabs grow with
+# their size's use] in runtime/tier.cc), so a tier holding blocks of several sizes (int8 Adam
+# state's uint8 moments and small float32 scale chunks beside float32 parameters and gradients)
+# reserves up to a slab per size more than its chunks. A need
 # counted in chunk bytes alone said "raising memory.host_budget by 1.2 MiB (to 4.4 MiB) removes
 # them" of a 2-layer Llama with int8 state spilling to NVMe; at 4.4 MiB its host still spilled
 # every iteration, and stopped only past 5 MiB. estimate_memory() made the same mistake: a
@@ -22,11 +24,12 @@ __all__ = ["BLOCK_ALIGNMENT", "SLAB_TARGET_BYTES", "block_bytes", "slab_budget"]
 # raised from the chunk bytes until the slabs it implies fit.
 #
 # How many slabs: a tier grows a size's slabs only when its free list is empty, i.e. when every
-# slab of that size is full, and a new slab is cut short to the room left under the budget.
-# So the slabs of a size hold at most per_slab - 1 free blocks beyond the most blocks of that
-# size held at once, and no fewer whole slabs can be promised: counting whole slabs
-# (ceil(count / per_slab)) missed a slab cut short to one block before full ones, and a bf16
-# GPT at its estimated host budget reserved one 64 KiB block more and ran out of host memory.
+# slab of that size is full, and a new slab (at most min(per_slab, the size's blocks so far, at
+# least one)) is cut short to the room left under the budget. So when the most blocks of a size
+# held at once is n, its slabs hold at most n - 1 + min(per_slab, max(1, n - 1)) blocks: the
+# n - 1 in use when the n-th asked for a new slab, and that slab. (Counting whole slabs,
+# ceil(count / per_slab), missed a slab cut short to one block before full ones, and a bf16
+# GPT at its estimated host budget reserved one 64 KiB block more and ran out of host memory.)
 SLAB_TARGET_BYTES = 64 << 20  # Tier::Options::slab_target_bytes (the engine keeps the default)
 BLOCK_ALIGNMENT = 4096  # kBlockAlignment in runtime/tier.h
 
@@ -46,7 +49,8 @@ def slab_budget(blocks: collections.Counter | Iterable[int], non_model: int = 0)
         reserved = 0
         for size, count in blocks.items():
             per_slab = max(1, min(SLAB_TARGET_BYTES, budget // 8) // size)
-            reserved += (count + per_slab - 1) * size
+            if count > 0:
+                reserved += (count - 1 + min(per_slab, max(1, count - 1))) * size
         if reserved + non_model <= budget:
             break
         budget = reserved + non_model

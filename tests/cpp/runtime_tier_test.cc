@@ -58,8 +58,7 @@ TEST(TierTest, FreedBlocksAreReusedFromThePool) {
   PS_ASSERT_OK_AND_ASSIGN(Block a, tier.Allocate(65536));
   PS_ASSERT_OK_AND_ASSIGN(Block b, tier.Allocate(65536));
   const int64_t reserved = tier.stats().reserved_bytes;
-  EXPECT_EQ(tier.stats().slabs, 1);  // both blocks come from one slab of four
-  EXPECT_EQ(b.address, a.address + 65536);
+  EXPECT_EQ(reserved, 2 * 65536);  // a slab of one block each (Note [Slabs grow with ...])
   PS_ASSERT_OK(tier.Free(a));
   PS_ASSERT_OK_AND_ASSIGN(Block c, tier.Allocate(65536));
   EXPECT_EQ(c.address, a.address);  // the freed block, not new memory
@@ -102,11 +101,53 @@ TEST(TierTest, NewSizeClassReclaimsFreeSlabsOfOtherSizes) {
   PS_ASSERT_OK(tier.Free(big));
 }
 
+TEST(TierTest, SlabsGrowWithTheirSizesUseUpToTheTarget) {
+  // Note [Slabs grow with their size's use]: slabs of 1, 1, 2, 4, 8 blocks, then of the
+  // target's 8.
+  EmulatedDeviceTier tier(EmulatedDeviceTierOptions{Options("dev", 0, 8 * 65536)});
+  std::vector<Block> blocks;
+  const std::vector<std::pair<int64_t, int64_t>> reserved_and_slabs = {
+      {1, 1}, {2, 2}, {4, 3}, {4, 3}, {8, 4}, {8, 4}, {8, 4}, {8, 4}, {16, 5}};
+  for (const auto& [reserved_blocks, slabs] : reserved_and_slabs) {
+    PS_ASSERT_OK_AND_ASSIGN(Block b, tier.Allocate(65536));
+    blocks.push_back(b);
+    EXPECT_EQ(tier.stats().reserved_bytes, reserved_blocks * 65536) << blocks.size();
+    EXPECT_EQ(tier.stats().slabs, slabs) << blocks.size();
+  }
+  for (int i = 0; i < 8; ++i) {
+    PS_ASSERT_OK_AND_ASSIGN(Block b, tier.Allocate(65536));
+    blocks.push_back(b);
+  }
+  EXPECT_EQ(tier.stats().reserved_bytes, 24 * 65536);  // the sixth slab: the target, 8 blocks
+  EXPECT_EQ(tier.stats().slabs, 6);
+  for (const Block& b : blocks) PS_ASSERT_OK(tier.Free(b));
+}
+
 TEST(TierTest, SlabNeverTakesMoreThanAnEighthOfTheBudget) {
+  // Budget 16 blocks, target 16: slabs of 1, 1, 2, then of 2 (an eighth), never 4.
   EmulatedDeviceTier tier(EmulatedDeviceTierOptions{Options("dev", 16 * 65536, 16 * 65536)});
-  PS_ASSERT_OK_AND_ASSIGN(Block a, tier.Allocate(65536));
-  EXPECT_EQ(tier.stats().reserved_bytes, 2 * 65536);
-  PS_ASSERT_OK(tier.Free(a));
+  std::vector<Block> blocks;
+  for (int i = 0; i < 8; ++i) {
+    PS_ASSERT_OK_AND_ASSIGN(Block b, tier.Allocate(65536));
+    blocks.push_back(b);
+  }
+  EXPECT_EQ(tier.stats().reserved_bytes, 8 * 65536);
+  EXPECT_EQ(tier.stats().slabs, 5);
+  for (const Block& b : blocks) PS_ASSERT_OK(tier.Free(b));
+}
+
+TEST(TierTest, TenBlockSizesFitABudgetTheirBlocksFit) {
+  // One block each of 4, 8, ..., 40 KiB (220 KiB) under a 256 KiB budget. When every size's
+  // first slab took an eighth of the budget, eight sizes reserved 224 KiB of mostly free
+  // slabs and the ninth was refused.
+  EmulatedDeviceTier tier(EmulatedDeviceTierOptions{Options("dev", 256 << 10)});
+  std::vector<Block> blocks;
+  for (int64_t kib = 4; kib <= 40; kib += 4) {
+    PS_ASSERT_OK_AND_ASSIGN(Block b, tier.Allocate(kib << 10));
+    blocks.push_back(b);
+  }
+  EXPECT_EQ(tier.stats().reserved_bytes, 220 << 10);
+  for (const Block& b : blocks) PS_ASSERT_OK(tier.Free(b));
 }
 
 TEST(TierTest, FullBudgetFallsBackToALargerFreeBlock) {
@@ -128,19 +169,19 @@ TEST(TierTest, FullBudgetFallsBackToALargerFreeBlock) {
 }
 
 TEST(TierTest, LargerFreeBlockIsUsedWhenNothingElseFits) {
-  // Slabs of two 8 KiB blocks fill the budget; a 4 KiB request, with a free 8 KiB block whose
-  // slab-mate is still live (so no slab can be returned), gets that block.
+  // Slabs of 8 KiB blocks (1, 1, then two each) fill the budget; a 4 KiB request, with a free
+  // 8 KiB block whose slab-mate is still live (so no slab can be returned), gets that block.
   EmulatedDeviceTier tier(EmulatedDeviceTierOptions{Options("dev", 16 * 8192, 2 * 8192)});
   std::vector<Block> blocks;
   for (int i = 0; i < 16; ++i) {
     PS_ASSERT_OK_AND_ASSIGN(Block b, tier.Allocate(8192));
     blocks.push_back(b);
   }
-  EXPECT_EQ(tier.stats().slabs, 8);
-  PS_ASSERT_OK(tier.Free(blocks[1]));
+  EXPECT_EQ(tier.stats().slabs, 9);
+  PS_ASSERT_OK(tier.Free(blocks[2]));  // the third slab holds blocks 2 and 3
   PS_ASSERT_OK_AND_ASSIGN(Block small, tier.Allocate(4096));
   EXPECT_EQ(small.bytes, 8192);
-  EXPECT_EQ(small.address, blocks[1].address);
+  EXPECT_EQ(small.address, blocks[2].address);
   EXPECT_EQ(tier.stats().bytes.current, 16 * 8192);
   EXPECT_EQ(tier.Allocate(4096).status().code(), absl::StatusCode::kResourceExhausted);
 }

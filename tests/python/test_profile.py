@@ -1195,15 +1195,15 @@ def _holds(budget, block_sizes):
 
 
 def test_the_budget_a_finding_asks_for_holds_the_slabs_of_the_chunks(tmp_path):
-    """A budget bounds the bytes a tier's slab pool reserves, and every block size takes slabs
-    of an eighth of the budget: the finding counted only chunk bytes, and a tier given the
-    budget it named could not hold the chunks (Note [Budgets bound the slab pool] in
-    slab_budget.py; a 2-layer Llama with int8 state still spilled its host to NVMe every
-    iteration at the host budget its report asked for). Two 1 MiB chunks and four 4 KiB scale
-    chunks on the device, checked against the runtime's own tier."""
+    """A budget bounds the bytes a tier's slab pool reserves, and a block size's slabs grow by
+    doubling (three 4 KiB blocks take slabs of 1, 1 and 2): the finding counted only chunk
+    bytes, and a tier given the budget it named could not hold the chunks (Note [Budgets bound
+    the slab pool] in slab_budget.py; a 2-layer Llama with int8 state still spilled its host to
+    NVMe every iteration at the host budget its report asked for). Two 1 MiB chunks and three
+    4 KiB scale chunks on the device, checked against the runtime's own tier."""
     raw = _hand_made_record()
     scales = [{"kind": "momentum_scale", "bytes": 4096, "id": 2 + i, "tier": "device"}
-              for i in range(4)]
+              for i in range(3)]
     raw["layout"]["chunks"] += scales
     blocks = [MiB, MiB] + [4096] * len(scales)
     finding = report.build_summary(raw)["findings"][0]
