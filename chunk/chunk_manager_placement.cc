@@ -234,7 +234,9 @@ absl::StatusOr<Block> ChunkManager::AllocateWithEviction(int tier, int64_t bytes
           purpose, ": tier '", slot.stats.name, "' (", TierKindName(slot.stats.kind),
           ") cannot take ", FormatBytes(bytes), ": budget ", FormatBytes(slot.budget_bytes),
           ", non-model data ", FormatBytes(tracer_.ReportedNonModelBytes(tier)),
-          tracer_.NonModelBytes(tier) > tracer_.ReportedNonModelBytes(tier)
+          // Only when the forecast was the bound (a prefetch): an access was refused beside
+          // the reported figure alone.
+          !beyond_forecast && tracer_.NonModelBytes(tier) > tracer_.ReportedNonModelBytes(tier)
               ? absl::StrCat(" (", FormatBytes(tracer_.NonModelBytes(tier)),
                              " kept free for the warm-up trace's peak at this moment)")
               : std::string(),
