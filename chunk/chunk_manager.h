@@ -286,8 +286,8 @@ class ChunkManager {
   // Chunk bytes `tier` can hold now: B - the reported N, or "unlimited". Only this fails an
   // access (Note [The trace forecasts, the report bounds] in chunk_manager_placement.cc).
   int64_t ChunkBytesLimit(int tier) const;
-  // Applies B - N (reported) to the Tier and evicts/trims until its reservation fits B - N
-  // (forecast), or at least B - N (reported) when nothing is left to evict.
+  // Applies B - N (forecast) to the Tier and evicts/trims until its reservation fits it, or at
+  // least B - N (reported) when nothing is left to evict.
   absl::Status EnforceBudget(int tier);
   // A block of `bytes` on `tier`, evicting unpinned chunks not in `exclude` as needed (with
   // `evict` false: ResourceExhausted instead of evicting or settling a copy into the tier).

@@ -45,7 +45,11 @@ int SpillRank(ChunkKind kind) {
 // does not have. So the forecast is what eviction aims at (AllowedChunkBytes), and only the
 // non-model data reported now bounds what a tier can hold (ChunkBytesLimit): an access, or a
 // report of more non-model data, fails only when even evicting everything unpinned leaves no
-// room beside what is there now. Prefetches still use only room free under the forecast.
+// room beside what is there now. Prefetches still use only room free under the forecast, and
+// the Tier's own budget stays at the forecast but for the one block taken beyond it: with the
+// Tier's budget at the limit throughout, its reservation could grow past the forecast at any
+// access, and a two-rank NVMe run (test_boundary_sizes.py) then failed when its activations
+// rose, that room being reserved and pinned.
 int64_t ChunkManager::AllowedChunkBytes(int tier) const {
   const int64_t budget = tiers_[tier].budget_bytes;
   if (budget == 0) return kUnlimited;
@@ -97,7 +101,7 @@ absl::Status ChunkManager::EnforceBudget(int tier) {
   const int64_t allowed = AllowedChunkBytes(tier);
   const int64_t limit = ChunkBytesLimit(tier);
   // A Tier budget of 0 means "unlimited", so "no room at all" is a budget of one byte.
-  PS_RETURN_IF_ERROR(slot.tier->SetBudget(std::max<int64_t>(limit, 1)));
+  PS_RETURN_IF_ERROR(slot.tier->SetBudget(std::max<int64_t>(allowed, 1)));
   while (slot.tier->stats().reserved_bytes > allowed) {
     if (slot.tier->Trim() > 0) continue;
     Chunk* victim = ChooseVictim(tier, {});
@@ -191,7 +195,14 @@ absl::StatusOr<Block> ChunkManager::AllocateWithEviction(int tier, int64_t bytes
   for (;;) {
     const int64_t allowed = beyond_forecast ? ChunkBytesLimit(tier) : AllowedChunkBytes(tier);
     if (allowed == kUnlimited || slot.chunk_bytes + bytes <= allowed) {
+      // Beyond the forecast the Tier's own budget (Note [Budgets and non-model data]) is raised
+      // to the limit for this one block only.
+      if (beyond_forecast) PS_RETURN_IF_ERROR(slot.tier->SetBudget(std::max<int64_t>(allowed, 1)));
       absl::StatusOr<Block> block = slot.tier->Allocate(bytes);
+      if (beyond_forecast) {
+        PS_RETURN_IF_ERROR(
+            slot.tier->SetBudget(std::max<int64_t>(AllowedChunkBytes(tier), 1)));
+      }
       if (block.ok()) return block;
       if (!absl::IsResourceExhausted(block.status())) {
         return Annotate(block.status(), purpose);
