@@ -280,9 +280,14 @@ class ChunkManager {
   // Every chunk with its tensors; `with_placement` adds each chunk's tier and tensor states.
   nlohmann::json ChunksJson(bool with_placement) const;
 
-  // Chunk bytes `tier` may hold now: B - N, or "unlimited".
+  // Chunk bytes `tier` should hold now: B - N with N the trace's forecast or the report,
+  // whichever is larger, or "unlimited". Eviction aims at this.
   int64_t AllowedChunkBytes(int tier) const;
-  // Applies B - N to the Tier and evicts/trims until its reservation fits.
+  // Chunk bytes `tier` can hold now: B - the reported N, or "unlimited". Only this fails an
+  // access (Note [The trace forecasts, the report bounds] in chunk_manager_placement.cc).
+  int64_t ChunkBytesLimit(int tier) const;
+  // Applies B - N (forecast) to the Tier and evicts/trims until its reservation fits it, or at
+  // least B - N (reported) when nothing is left to evict.
   absl::Status EnforceBudget(int tier);
   // A block of `bytes` on `tier`, evicting unpinned chunks not in `exclude` as needed (with
   // `evict` false: ResourceExhausted instead of evicting or settling a copy into the tier).

@@ -31,10 +31,35 @@ int SpillRank(ChunkKind kind) {
 
 // ---- Budgets and eviction --------------------------------------------------------------------
 
+// Note [The trace forecasts, the report bounds]
+// After warm-up a tier keeps room for the non-model data the warm-up trace recorded at the
+// current moment (Note [Moments and the warm-up trace]), so activations find room before they
+// are allocated. But moment m of a later iteration is the warm-up's moment m only while the loop
+// repeats the warm-up's calls: an evaluation forward before the first step (its moments are in
+// the trace, and every later iteration is shorter by them), a model that runs fewer modules
+// later (an early exit, a lighter head) or a larger batch in the warm-up put a later moment m
+// at another point of the model. The optimizer step of such an iteration ran at a moment the
+// trace had at the activations' peak: with the activations all freed, streaming Adam's state
+// through a host budget that training fits failed with "cannot take 16384 bytes: budget
+// 606655 bytes, non-model data 589824 bytes, ... nothing left to evict", an error a plain loop
+// does not have. So the forecast is what eviction aims at (AllowedChunkBytes), and only the
+// non-model data reported now bounds what a tier can hold (ChunkBytesLimit): an access, or a
+// report of more non-model data, fails only when even evicting everything unpinned leaves no
+// room beside what is there now. Prefetches still use only room free under the forecast, and
+// the Tier's own budget stays at the forecast but for the one block taken beyond it: with the
+// Tier's budget at the limit throughout, its reservation could grow past the forecast at any
+// access, and a two-rank NVMe run (test_boundary_sizes.py) then failed when its activations
+// rose, that room being reserved and pinned.
 int64_t ChunkManager::AllowedChunkBytes(int tier) const {
   const int64_t budget = tiers_[tier].budget_bytes;
   if (budget == 0) return kUnlimited;
   return budget - tracer_.NonModelBytes(tier);
+}
+
+int64_t ChunkManager::ChunkBytesLimit(int tier) const {
+  const int64_t budget = tiers_[tier].budget_bytes;
+  if (budget == 0) return kUnlimited;
+  return budget - tracer_.ReportedNonModelBytes(tier);
 }
 
 absl::StatusOr<int64_t> ChunkManager::ChunkBytesAllowedAt(TierKind tier_kind,
@@ -74,16 +99,19 @@ absl::Status ChunkManager::EnforceBudget(int tier) {
   TierSlot& slot = tiers_[tier];
   if (slot.budget_bytes == 0) return absl::OkStatus();
   const int64_t allowed = AllowedChunkBytes(tier);
+  const int64_t limit = ChunkBytesLimit(tier);
   // A Tier budget of 0 means "unlimited", so "no room at all" is a budget of one byte.
   PS_RETURN_IF_ERROR(slot.tier->SetBudget(std::max<int64_t>(allowed, 1)));
   while (slot.tier->stats().reserved_bytes > allowed) {
     if (slot.tier->Trim() > 0) continue;
     Chunk* victim = ChooseVictim(tier, {});
     if (victim == nullptr) {
+      // Note [The trace forecasts, the report bounds]
+      if (slot.tier->stats().reserved_bytes <= limit) break;
       return absl::ResourceExhaustedError(absl::StrCat(
           "tier '", slot.stats.name, "' (", TierKindName(slot.stats.kind), "): budget ",
           FormatBytes(slot.budget_bytes), " minus non-model data ",
-          FormatBytes(tracer_.NonModelBytes(tier)), " leaves ", FormatBytes(allowed),
+          FormatBytes(tracer_.ReportedNonModelBytes(tier)), " leaves ", FormatBytes(limit),
           " for chunks, but ", FormatBytes(slot.tier->stats().reserved_bytes),
           " are reserved and every chunk there is pinned (COMPUTE or a copy in flight)"));
     }
@@ -163,10 +191,18 @@ absl::StatusOr<Block> ChunkManager::AllocateWithEviction(int tier, int64_t bytes
   // fallocate failing with ENOSPC when the disk filled up under a budget larger than its free
   // space); the error below must say so and name the file, not only the budget numbers.
   absl::Status refused;
+  bool beyond_forecast = false;  // Note [The trace forecasts, the report bounds]
   for (;;) {
-    const int64_t allowed = AllowedChunkBytes(tier);
+    const int64_t allowed = beyond_forecast ? ChunkBytesLimit(tier) : AllowedChunkBytes(tier);
     if (allowed == kUnlimited || slot.chunk_bytes + bytes <= allowed) {
+      // Beyond the forecast the Tier's own budget (Note [Budgets and non-model data]) is raised
+      // to the limit for this one block only.
+      if (beyond_forecast) PS_RETURN_IF_ERROR(slot.tier->SetBudget(std::max<int64_t>(allowed, 1)));
       absl::StatusOr<Block> block = slot.tier->Allocate(bytes);
+      if (beyond_forecast) {
+        PS_RETURN_IF_ERROR(
+            slot.tier->SetBudget(std::max<int64_t>(AllowedChunkBytes(tier), 1)));
+      }
       if (block.ok()) return block;
       if (!absl::IsResourceExhausted(block.status())) {
         return Annotate(block.status(), purpose);
@@ -195,6 +231,12 @@ absl::StatusOr<Block> ChunkManager::AllocateWithEviction(int tier, int64_t bytes
         PS_RETURN_IF_ERROR(FinishPrefetch(*pending));
         continue;
       }
+      // Nothing left to evict for the trace's forecast: an access may still use the room
+      // beside the non-model data there now (a prefetch may not).
+      if (evict && !beyond_forecast && ChunkBytesLimit(tier) > AllowedChunkBytes(tier)) {
+        beyond_forecast = true;
+        continue;
+      }
       int64_t pinned_bytes = 0;
       for (const Chunk& chunk : chunks_) {
         if (chunk.tier_index_ == tier && chunk.pinned()) pinned_bytes += chunk.payload_.bytes;
@@ -202,7 +244,14 @@ absl::StatusOr<Block> ChunkManager::AllocateWithEviction(int tier, int64_t bytes
       return absl::ResourceExhaustedError(absl::StrCat(
           purpose, ": tier '", slot.stats.name, "' (", TierKindName(slot.stats.kind),
           ") cannot take ", FormatBytes(bytes), ": budget ", FormatBytes(slot.budget_bytes),
-          ", non-model data ", FormatBytes(tracer_.NonModelBytes(tier)), ", chunks in use ",
+          ", non-model data ", FormatBytes(tracer_.ReportedNonModelBytes(tier)),
+          // Only when the forecast was the bound (a prefetch): an access was refused beside
+          // the reported figure alone.
+          !beyond_forecast && tracer_.NonModelBytes(tier) > tracer_.ReportedNonModelBytes(tier)
+              ? absl::StrCat(" (", FormatBytes(tracer_.NonModelBytes(tier)),
+                             " kept free for the warm-up trace's peak at this moment)")
+              : std::string(),
+          ", chunks in use ",
           FormatBytes(slot.chunk_bytes), " of which ", FormatBytes(pinned_bytes),
           " pinned (COMPUTE or copy in flight), ",
           !evict       ? "no free room and no eviction asked for"

@@ -68,6 +68,9 @@ class MemoryTracer {
 
   // Non-model bytes the planner must leave free on `tier` now (see the Note).
   int64_t NonModelBytes(int tier) const;
+  // Non-model bytes on `tier` as last reported (or probed): what is there now, without the
+  // trace's forecast (Note [The trace forecasts, the report bounds] in chunk_manager_placement.cc).
+  int64_t ReportedNonModelBytes(int tier) const { return reported_non_model_[tier]; }
   // Warm-up peak of non-model bytes on `tier` at `moment`; the latest report when unknown.
   int64_t TracedNonModelBytes(int tier, int64_t moment) const;
   // Position of the next access of `chunk` after `position` (cyclic); kNeverUsedAgain if none.

@@ -22,7 +22,8 @@ really needs: what the module tree cannot tell is left out rather than guessed. 
 since they show only in a forward: other modules fed tensors that take no gradient (a first
 Linear reading the batch beside embedding tables, as in a recommender, is pinned with them at
 the end), and a module called in two places whose calls' backwards overlap. Those still fail
-at the gradient store, naming the tier and its pinned bytes.
+at the gradient store, naming the tier, its pinned bytes and the key to raise (Note [A backward
+past what initialize() counted]).
 Counting only a module's own chunks (as the check did first) passed budgets that ran out of
 room at the end of the first backward: a GPT whose tied token embedding has a 2 MiB chunk of
 its own, beside a 1 MiB chunk with the position embedding, passed a 4 MiB device budget
@@ -36,7 +37,7 @@ from torch import nn
 
 from .external_params import external_parameters
 
-__all__ = ["BackwardPins", "backward_pins"]
+__all__ = ["BackwardPins", "backward_pins", "note_device_exhausted_in_backward"]
 
 # Modules whose input is integer indices: never a gradient, so never a post-backward call.
 _INTEGER_INPUT = (nn.Embedding, nn.EmbeddingBag)
@@ -96,3 +97,32 @@ def backward_pins(model: nn.Module) -> BackwardPins:
             f"parameters stay pinned together until backward ends",
             frozenset(held_to_the_end), tuple(own[embeddings[0]])))
     return BackwardPins(tuple(moments))
+
+
+# Note [A backward past what initialize() counted]
+# initialize() refuses a device budget below what backward pins as the module tree shows it
+# (Note [What backward pins]); a forward recomputed inside backward (activation checkpointing,
+# Note [Recomputed forwards] in engine.py) holds its module's chunks until that module's
+# backward, beside the gradient chunks, and the tree does not show it. The demo GPT with
+# `activation_checkpointing=True` passed a device budget of 5 chunks at initialize() and failed
+# in its first backward with "access tensor 'blocks.1.out.bias#grad': ... tier 'device'
+# (device) cannot take 16384 bytes: ... nothing left to evict", naming no config key and no
+# reason. The error now says which key to raise and why the check let it through.
+def note_device_exhausted_in_backward(error: BaseException, device_budget: int | None,
+                                      recomputed: bool) -> None:
+    """Adds Note [A backward past what initialize() counted]'s hint to a ChunkOutOfMemoryError
+    of the device tier raised inside a backward."""
+    message = str(error)
+    if device_budget is None or not ("(device) cannot take" in message
+                                     or "(device): budget" in message):
+        return
+    why = ("a forward recomputed in backward (activation checkpointing) holds its module's "
+           "chunks until that module's backward, which the module tree does not show"
+           if recomputed else
+           "modules whose chunks only a forward shows together (a module called in two places, "
+           "or fed tensors that take no gradient) are not counted")
+    error.add_note(
+        f"In backward the device tier had no chunk left to evict: raise config key "
+        f"'memory.device_budget' (= {device_budget} bytes) or lower 'default_chunk_size'. "
+        f"initialize() checked the budget against what backward pins as the module tree shows "
+        f"it (Note [What backward pins]), but {why}.")

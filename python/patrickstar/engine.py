@@ -74,7 +74,7 @@ from .chunked_params import ChunkedParams
 from .config import Config
 from .module_config_view import ModuleConfigView
 from .data_parallel import DataParallel, detect_world
-from .backward_pins import backward_pins
+from .backward_pins import backward_pins, note_device_exhausted_in_backward
 from .backward_pass import BackwardPass
 from .batch_sizes import resolve_batch_sizes
 from .deepspeed_loop import DeepSpeedLoop
@@ -540,9 +540,19 @@ class PatrickStarEngine(nn.Module):
             if self._summoned:
                 self._refuse_forward_while_summoned(module)
             self._backward.join_autograd_backward()
-            self._slots.access(indices)
+            try:
+                self._slots.access(indices)
+            except _C.ChunkOutOfMemoryError as error:
+                self._note_backward_exhaustion(error, phase == "fwd" and _recomputing())
+                raise
             if phase == "fwd" and _recomputing():
                 self._recompute_holds[module] = self._recompute_holds.get(module, 0) + 1
+
+    def _note_backward_exhaustion(self, error: BaseException, recomputing: bool) -> None:
+        """Note [A backward past what initialize() counted] in backward_pins.py."""
+        if self._backward.in_backward:
+            note_device_exhausted_in_backward(error, self.ps_config.memory.device_budget,
+                                              recomputing or bool(self._recompute_holds))
 
     def _release_module(self, module: nn.Module, phase: str) -> None:
         indices = self._module_params.get(module)
@@ -1056,7 +1066,11 @@ class PatrickStarEngine(nn.Module):
                 owner._end_param_access(index)
             owner.dp.before_grad(index)
             owner._backward.count_stored_grad(index)
-            owner._slots.store_grad(index, grad, has_grad[index])
+            try:
+                owner._slots.store_grad(index, grad, has_grad[index])
+            except _C.ChunkOutOfMemoryError as error:
+                owner._note_backward_exhaustion(error, False)
+                raise
             has_grad[index] = True
             owner.dp.on_grad(index)
         return hook

@@ -112,6 +112,35 @@ TEST(MemoryTracerTest, ManagerSamplesProbesAndPlansFromTheTrace) {
   EXPECT_LE(manager->Stats()[0].peak_chunk_bytes, 8 * kChunkBytes);
 }
 
+// Note [The trace forecasts, the report bounds]: a later iteration's moment 1 is another point of
+// the model than the warm-up's (an evaluation forward before the first step, fewer modules run):
+// the warm-up's activations there are only a forecast, and an access fails only for what is
+// reported now.
+TEST(MemoryTracerTest, TheTraceKeepsRoomButOnlyTheReportRefusesAnAccess) {
+  auto hierarchy = testing::MakeHierarchy(3 * kChunkBytes, 0, kChunkBytes);
+  auto manager = testing::MakeOneTensorPerChunkManager(hierarchy, 3);
+  ASSERT_NE(manager, nullptr);
+  ASSERT_TRUE(manager->Tick().ok());
+  ASSERT_TRUE(manager->ReportNonModelData(TierKind::kDevice, 2 * kChunkBytes).ok());
+  ASSERT_TRUE(manager->Access(0, TierKind::kDevice).ok());
+  ASSERT_TRUE(manager->Release(0, TensorState::kHold).ok());
+  ASSERT_TRUE(manager->ReportNonModelData(TierKind::kDevice, 0).ok());
+  ASSERT_TRUE(manager->EndIteration().ok());
+
+  ASSERT_TRUE(manager->Tick().ok());
+  ASSERT_TRUE(manager->ReportNonModelData(TierKind::kDevice, 0).ok());
+  // The forecast still moves what can move: chunk 0 leaves the device at the tick.
+  EXPECT_EQ(manager->Stats()[0].chunk_bytes, kChunkBytes);
+  for (TensorId t = 0; t < 3; ++t) {
+    ASSERT_TRUE(manager->Access(t, TierKind::kDevice).ok()) << t;
+  }
+  EXPECT_EQ(manager->Stats()[0].chunk_bytes, 3 * kChunkBytes);
+  const absl::Status squeezed = manager->ReportNonModelData(TierKind::kDevice, kChunkBytes);
+  EXPECT_TRUE(absl::IsResourceExhausted(squeezed)) << squeezed;
+  EXPECT_THAT(std::string(squeezed.message()),
+              ::testing::HasSubstr("minus non-model data 4096 bytes leaves 8192 bytes"));
+}
+
 TEST(MemoryTracerTest, RestartWarmupForgetsWhatRanBeforeTheFirstIteration) {
   testing::Hierarchy hierarchy = testing::MakeHierarchy(0, 0, 4096);
   auto manager = testing::MakeOneTensorPerChunkManager(hierarchy, 3);

@@ -116,3 +116,24 @@ def test_the_budget_backward_needs_trains_like_pytorch(case):
     # The device tier: "device" here, "cuda:0" on a GPU or the strict emulated device.
     device = next(t for t in model.memory_stats() if t["name"] not in ("host", "nvme"))
     assert device["peak_chunk_bytes"] == need  # the check's figure is backward's real peak
+
+
+@pytest.mark.parametrize("call", ["model.backward", "loss.backward"])
+def test_a_recomputed_forward_past_the_budget_names_the_key_and_why(call):
+    """Note [A backward past what initialize() counted]: activation checkpointing holds a
+    recomputed block's chunks beside the gradients, which the module tree does not show, so
+    initialize() accepts a budget the first backward runs out of; the error said neither which
+    key to raise nor why the check let it through."""
+    gpt = GPTConfig(vocab_size=96, max_seq_len=32, hidden=32, layers=2, heads=4,
+                    activation_checkpointing=True)
+    config = {"default_chunk_size": 4096, "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
+              "memory": {"device_budget": 5 * 4096 * 4}}
+    model, _ = patrickstar.initialize(lambda: GPT(gpt), config=config)
+    ids, targets = next(iter(synthetic_batches(gpt, 2, 1)))
+    loss = model(ids, targets)
+    with pytest.raises(_C.ChunkOutOfMemoryError) as raised:
+        model.backward(loss) if call == "model.backward" else loss.backward()
+    notes = "\n".join(getattr(raised.value, "__notes__", []))
+    assert f"'memory.device_budget' (= {5 * 4096 * 4} bytes)" in notes, notes
+    assert "activation checkpointing" in notes, notes
+    model.destroy()
