@@ -725,17 +725,31 @@ class PatrickStarEngine(nn.Module):
     # Float", with the engine's hint to cast inputs that were cast already), so a ResNet could
     # not train in bf16 at all. DeepSpeed converts the whole module (`module.bfloat16()`,
     # buffers included), as a plain PyTorch 16-bit model has it; here the floating-point
-    # buffers of each module that owns parameters are converted the same way. Buffers of
-    # modules without parameters keep their dtype (a BatchNorm with affine=False, which torch
-    # runs in fp32 statistics on 16-bit inputs; rotary embeddings' fp32 inv_freq), and so do
-    # integer ones (num_batches_tracked, position ids).
+    # buffers are converted the same way, but for two kinds of module without parameters whose
+    # fp32 buffers meet 16-bit inputs safely and are kept for their precision:
+    # - torch's normalization layers without affine parameters (BatchNorm, InstanceNorm with
+    #   affine=False): batch_norm takes fp32 statistics beside 16-bit inputs and returns the
+    #   inputs' dtype;
+    # - non-persistent buffers, constants the module derives rather than state it saves
+    #   (Hugging Face's rotary inv_freq, which its forward upcasts and casts back).
+    # Other modules without parameters hold weights as persistent buffers and compute with them
+    # as with parameters: DETR's frozen BatchNorm (`x * weight * rsqrt(running_var) + ...`)
+    # promoted a bf16 backbone's activations to fp32 and the next convolution raised "Input
+    # type (torch.FloatTensor) and weight type (CPUBFloat16Type) should be the same", and
+    # BART's final_logits_bias (on the model class, which owns no parameter itself) made its
+    # logits fp32, twice the bytes of PyTorch's bf16 ones. Integer buffers (num_batches_tracked,
+    # position ids) keep their dtype.
     def _buffers_to_compute_dtype(self) -> None:
         for module in self.module.modules():
-            if not any(p is not None for p in module._parameters.values()):
+            owns_parameters = any(p is not None for p in module._parameters.values())
+            if not owns_parameters and isinstance(module, torch.nn.modules.batchnorm._NormBase):
                 continue
             for name, buffer in module._buffers.items():
-                if buffer is not None and buffer.is_floating_point():
-                    module._buffers[name] = buffer.to(self.compute_dtype)
+                if buffer is None or not buffer.is_floating_point():
+                    continue
+                if not owns_parameters and name in module._non_persistent_buffers_set:
+                    continue
+                module._buffers[name] = buffer.to(self.compute_dtype)
 
     # Note [Parameters without elements follow the compute dtype]
     # A parameter without elements stays a plain parameter of the module, outside the chunks
