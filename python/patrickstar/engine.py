@@ -730,26 +730,26 @@ class PatrickStarEngine(nn.Module):
     # - torch's normalization layers without affine parameters (BatchNorm, InstanceNorm with
     #   affine=False): batch_norm takes fp32 statistics beside 16-bit inputs and returns the
     #   inputs' dtype;
-    # - non-persistent buffers, constants the module derives rather than state it saves
-    #   (Hugging Face's rotary inv_freq, which its forward upcasts and casts back).
-    # Other modules without parameters hold weights as persistent buffers and compute with them
-    # as with parameters: DETR's frozen BatchNorm (`x * weight * rsqrt(running_var) + ...`)
-    # promoted a bf16 backbone's activations to fp32 and the next convolution raised "Input
-    # type (torch.FloatTensor) and weight type (CPUBFloat16Type) should be the same", and
-    # BART's final_logits_bias (on the model class, which owns no parameter itself) made its
-    # logits fp32, twice the bytes of PyTorch's bf16 ones. Integer buffers (num_batches_tracked,
-    # position ids) keep their dtype.
+    # - Hugging Face's rotary embeddings (recognized by class name, as Hugging Face's own
+    #   _init_weights recognizes them), whose forwards upcast inv_freq and cast their cos/sin to
+    #   the inputs' dtype: a bf16 inv_freq would shift the angles of far positions.
+    # Other modules without parameters compute with their buffers as with weights, and fp32
+    # ones promoted the activations: DETR's frozen BatchNorm (`x * weight *
+    # rsqrt(running_var) + ...`) made the next convolution raise "Input type
+    # (torch.FloatTensor) and weight type (CPUBFloat16Type) should be the same", XGLM's and
+    # M2M100's sinusoidal positions (a non-persistent buffer) the next LayerNorm "mixed dtype
+    # (CPU): expect parameter to have scalar type of Float", and BART's final_logits_bias (on
+    # the model class, which owns no parameter itself) made its logits fp32, twice the bytes of
+    # PyTorch's. Integer buffers (num_batches_tracked, position ids) keep their dtype.
     def _buffers_to_compute_dtype(self) -> None:
         for module in self.module.modules():
-            owns_parameters = any(p is not None for p in module._parameters.values())
-            if not owns_parameters and isinstance(module, torch.nn.modules.batchnorm._NormBase):
+            if not any(p is not None for p in module._parameters.values()) and (
+                    isinstance(module, torch.nn.modules.batchnorm._NormBase)
+                    or "RotaryEmbedding" in type(module).__name__):
                 continue
             for name, buffer in module._buffers.items():
-                if buffer is None or not buffer.is_floating_point():
-                    continue
-                if not owns_parameters and name in module._non_persistent_buffers_set:
-                    continue
-                module._buffers[name] = buffer.to(self.compute_dtype)
+                if buffer is not None and buffer.is_floating_point():
+                    module._buffers[name] = buffer.to(self.compute_dtype)
 
     # Note [Parameters without elements follow the compute dtype]
     # A parameter without elements stays a plain parameter of the module, outside the chunks

@@ -7,7 +7,7 @@ BLOOM's alibi, ResNet's BatchNorm; on one process and on two ranks, where each r
 own batch to its own experts and the engine must match PyTorch's averaged gradients. Also what
 these families do in bf16 that others do not: fp32 audio or pixels meeting a convolution, and a
 router converting itself to float32 in its forward, and buffers that compute as weights (DETR's
-frozen BatchNorm, BART's final_logits_bias) in bf16."""
+frozen BatchNorm, XGLM's sinusoidal positions, BART's final_logits_bias) in bf16."""
 from __future__ import annotations
 
 import copy
@@ -263,6 +263,13 @@ def bart():  # final_logits_bias: a buffer on the model class, which owns no par
         decoder_start_token_id=2, forced_eos_token_id=None))
 
 
+def xglm():  # sinusoidal positions in a non-persistent buffer of a module without parameters
+    return T.XGLMForCausalLM(T.XGLMConfig(
+        vocab_size=VOCAB, d_model=32, num_layers=1, attention_heads=4, ffn_dim=64,
+        max_position_embeddings=32, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+        layerdrop=0.0, pad_token_id=1, bos_token_id=0, eos_token_id=2))
+
+
 def _outputs(family, model, step):
     """(loss, logits) of `model` on the bf16 batch of `step`: DETR's Hungarian-matched loss
     needs scipy, so its logits and boxes make one here."""
@@ -271,16 +278,18 @@ def _outputs(family, model, step):
         out = model(pixel_values=torch.randn(2, 3, 32, 32, generator=generator).bfloat16())
         return out.logits.float().square().mean() + out.pred_boxes.float().mean(), out.logits
     x = torch.randint(2, VOCAB, (2, 10), generator=generator)
-    out = model(input_ids=x, labels=x[:, :6].flip(1).contiguous())
+    out = model(input_ids=x, labels=x[:, :6].flip(1).contiguous() if family is bart else x)
     return out.loss, out.logits
 
 
-@pytest.mark.parametrize("family", [detr, bart], ids=lambda f: f.__name__)
+@pytest.mark.parametrize("family", [detr, bart, xglm], ids=lambda f: f.__name__)
 def test_buffers_computing_as_weights_train_in_bf16_as_pytorchs(family):
     # Note [Buffers of 16-bit modules] in engine.py: DETR's frozen BatchNorms (no parameters,
     # their weights in persistent buffers) kept fp32 buffers that promoted the backbone's
     # activations, and the next convolution raised "Input type (torch.FloatTensor) and weight
-    # type (CPUBFloat16Type) should be the same"; BART's logits were fp32. As in PyTorch after
+    # type (CPUBFloat16Type) should be the same"; XGLM's sinusoidal positions promoted its
+    # embeddings and the LayerNorm raised "mixed dtype (CPU): expect parameter to have scalar
+    # type of Float"; BART's logits were fp32. As in PyTorch after
     # `model.bfloat16()`, the buffers take bf16 and the engine computes as PyTorch does.
     torch.manual_seed(0)
     reference = family()

@@ -129,8 +129,9 @@ def test_resnet_trains_in_bf16_with_16_bit_batchnorm_statistics():
         torch.testing.assert_close(plain(EVAL_X), out, rtol=0, atol=0.1)
 
 
-class Rotary(nn.Module):
-    """A derived constant in a non-persistent buffer, as Hugging Face's rotary embeddings."""
+class MyRotaryEmbedding(nn.Module):
+    """inv_freq in a non-persistent buffer, upcast in the forward, as Hugging Face's rotary
+    embeddings."""
 
     def __init__(self):
         super().__init__()
@@ -142,10 +143,11 @@ class Rotary(nn.Module):
 
 
 def test_buffers_of_modules_without_parameters_keep_their_dtype_in_bf16():
-    # Note [Buffers of 16-bit modules]: a non-affine BatchNorm's statistics and a derived
-    # constant of a module without parameters stay fp32.
+    # Note [Buffers of 16-bit modules]: a non-affine BatchNorm's statistics and a rotary
+    # embedding's inv_freq stay fp32.
     model, _ = patrickstar.initialize(
-        lambda: nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4, affine=False), Rotary()),
+        lambda: nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4, affine=False),
+                              MyRotaryEmbedding()),
         config={**CONFIG, "bf16": {"enabled": True}})
     assert model.module[1].running_mean.dtype == torch.float32
     assert model.module[2].inv_freq.dtype == torch.float32
