@@ -735,13 +735,27 @@ class PatrickStarEngine(nn.Module):
     # Float", with the engine's hint to cast inputs that were cast already), so a ResNet could
     # not train in bf16 at all. DeepSpeed converts the whole module (`module.bfloat16()`,
     # buffers included), as a plain PyTorch 16-bit model has it; here the floating-point
-    # buffers of each module that owns parameters are converted the same way. Buffers of
-    # modules without parameters keep their dtype (a BatchNorm with affine=False, which torch
-    # runs in fp32 statistics on 16-bit inputs; rotary embeddings' fp32 inv_freq), and so do
-    # integer ones (num_batches_tracked, position ids).
+    # buffers are converted the same way, but for two kinds of module without parameters whose
+    # fp32 buffers meet 16-bit inputs safely and are kept for their precision:
+    # - torch's normalization layers without affine parameters (BatchNorm, InstanceNorm with
+    #   affine=False): batch_norm takes fp32 statistics beside 16-bit inputs and returns the
+    #   inputs' dtype;
+    # - Hugging Face's rotary embeddings (recognized by class name, as Hugging Face's own
+    #   _init_weights recognizes them), whose forwards upcast inv_freq and cast their cos/sin to
+    #   the inputs' dtype: a bf16 inv_freq would shift the angles of far positions.
+    # Other modules without parameters compute with their buffers as with weights, and fp32
+    # ones promoted the activations: DETR's frozen BatchNorm (`x * weight *
+    # rsqrt(running_var) + ...`) made the next convolution raise "Input type
+    # (torch.FloatTensor) and weight type (CPUBFloat16Type) should be the same", XGLM's and
+    # M2M100's sinusoidal positions (a non-persistent buffer) the next LayerNorm "mixed dtype
+    # (CPU): expect parameter to have scalar type of Float", and BART's final_logits_bias (on
+    # the model class, which owns no parameter itself) made its logits fp32, twice the bytes of
+    # PyTorch's. Integer buffers (num_batches_tracked, position ids) keep their dtype.
     def _buffers_to_compute_dtype(self) -> None:
         for module in self.module.modules():
-            if not any(p is not None for p in module._parameters.values()):
+            if not any(p is not None for p in module._parameters.values()) and (
+                    isinstance(module, torch.nn.modules.batchnorm._NormBase)
+                    or "RotaryEmbedding" in type(module).__name__):
                 continue
             for name, buffer in module._buffers.items():
                 if buffer is not None and buffer.is_floating_point():

@@ -6,9 +6,11 @@ Wav2Vec2's positional convolution under `parametrizations.weight_norm` (`origina
 BLOOM's alibi, ResNet's BatchNorm; on one process and on two ranks, where each rank routes its
 own batch to its own experts and the engine must match PyTorch's averaged gradients. Also what
 these families do in bf16 that others do not: fp32 audio or pixels meeting a convolution, and a
-router converting itself to float32 in its forward."""
+router converting itself to float32 in its forward, and buffers that compute as weights (DETR's
+frozen BatchNorm, XGLM's sinusoidal positions, BART's final_logits_bias) in bf16."""
 from __future__ import annotations
 
+import copy
 import os
 
 import pytest
@@ -239,3 +241,74 @@ def test_two_ranks_routing_their_own_batches_match_pytorchs_averaged_gradients(t
                                            msg=key)
     for key, value in results[0]["state"].items():  # every rank ends with the same model
         torch.testing.assert_close(results[1]["state"][key], value, rtol=0, atol=0, msg=key)
+
+
+def detr():  # a ResNet backbone built here (no timm, nothing downloaded), frozen BatchNorms
+    return T.DetrForObjectDetection(T.DetrConfig(
+        use_timm_backbone=False, use_pretrained_backbone=False, backbone=None,
+        backbone_config=T.ResNetConfig(num_channels=3, embedding_size=8, hidden_sizes=[8, 16],
+                                       depths=[1, 1], layer_type="basic",
+                                       out_features=["stage2"]),
+        num_queries=4, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, dropout=0.0,
+        attention_dropout=0.0, activation_dropout=0.0, num_labels=3, auxiliary_loss=False))
+
+
+def bart():  # final_logits_bias: a buffer on the model class, which owns no parameter itself
+    return T.BartForConditionalGeneration(T.BartConfig(
+        vocab_size=VOCAB, d_model=32, encoder_layers=1, decoder_layers=1,
+        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+        decoder_ffn_dim=64, max_position_embeddings=32, dropout=0.0, attention_dropout=0.0,
+        activation_dropout=0.0, pad_token_id=1, bos_token_id=0, eos_token_id=2,
+        decoder_start_token_id=2, forced_eos_token_id=None))
+
+
+def xglm():  # sinusoidal positions in a non-persistent buffer of a module without parameters
+    return T.XGLMForCausalLM(T.XGLMConfig(
+        vocab_size=VOCAB, d_model=32, num_layers=1, attention_heads=4, ffn_dim=64,
+        max_position_embeddings=32, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+        layerdrop=0.0, pad_token_id=1, bos_token_id=0, eos_token_id=2))
+
+
+def _outputs(family, model, step):
+    """(loss, logits) of `model` on the bf16 batch of `step`: DETR's Hungarian-matched loss
+    needs scipy, so its logits and boxes make one here."""
+    generator = torch.Generator().manual_seed(step)
+    if family is detr:
+        out = model(pixel_values=torch.randn(2, 3, 32, 32, generator=generator).bfloat16())
+        return out.logits.float().square().mean() + out.pred_boxes.float().mean(), out.logits
+    x = torch.randint(2, VOCAB, (2, 10), generator=generator)
+    out = model(input_ids=x, labels=x[:, :6].flip(1).contiguous() if family is bart else x)
+    return out.loss, out.logits
+
+
+@pytest.mark.parametrize("family", [detr, bart, xglm], ids=lambda f: f.__name__)
+def test_buffers_computing_as_weights_train_in_bf16_as_pytorchs(family):
+    # Note [Buffers of 16-bit modules] in engine.py: DETR's frozen BatchNorms (no parameters,
+    # their weights in persistent buffers) kept fp32 buffers that promoted the backbone's
+    # activations, and the next convolution raised "Input type (torch.FloatTensor) and weight
+    # type (CPUBFloat16Type) should be the same"; XGLM's sinusoidal positions promoted its
+    # embeddings and the LayerNorm raised "mixed dtype (CPU): expect parameter to have scalar
+    # type of Float"; BART's logits were fp32. As in PyTorch after
+    # `model.bfloat16()`, the buffers take bf16 and the engine computes as PyTorch does.
+    torch.manual_seed(0)
+    reference = family()
+    model, optimizer = patrickstar.initialize(lambda: copy.deepcopy(reference),
+                                              config=engine_config({"bf16": {"enabled": True}}))
+    reference.bfloat16()
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.0)
+    for step in range(STEPS):
+        loss, logits = _outputs(family, model, step)
+        expected, expected_logits = _outputs(family, reference, step)
+        assert logits.dtype == expected_logits.dtype == torch.bfloat16
+        if step == 0:  # the same bf16 model: the same values
+            assert loss.item() == expected.item()
+        else:  # PyTorch updates bf16 weights, the engine its fp32 masters
+            assert loss.item() == pytest.approx(expected.item(), rel=2e-2)
+        model.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        expected.backward()
+        reference_optimizer.step()
+        reference_optimizer.zero_grad()
+    model.destroy()

@@ -6,6 +6,8 @@ dict into a plain model; and the same model in bf16 (Note [Buffers of 16-bit mod
 engine.py)."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -127,9 +129,73 @@ def test_resnet_trains_in_bf16_with_16_bit_batchnorm_statistics():
         torch.testing.assert_close(plain(EVAL_X), out, rtol=0, atol=0.1)
 
 
+class MyRotaryEmbedding(nn.Module):
+    """inv_freq in a non-persistent buffer, upcast in the forward, as Hugging Face's rotary
+    embeddings."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, 4, 2) / 4),
+                             persistent=False)
+
+    def forward(self, x):
+        return x + torch.cos(self.inv_freq.float()).sum().to(x.dtype)
+
+
 def test_buffers_of_modules_without_parameters_keep_their_dtype_in_bf16():
+    # Note [Buffers of 16-bit modules]: a non-affine BatchNorm's statistics and a rotary
+    # embedding's inv_freq stay fp32.
     model, _ = patrickstar.initialize(
-        lambda: nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4, affine=False)),
+        lambda: nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4, affine=False),
+                              MyRotaryEmbedding()),
         config={**CONFIG, "bf16": {"enabled": True}})
     assert model.module[1].running_mean.dtype == torch.float32
+    assert model.module[2].inv_freq.dtype == torch.float32
     model(torch.randn(3, 4).bfloat16()).float().sum().backward()
+
+
+class FrozenBatchNorm2d(nn.Module):
+    """DETR's (and torchvision's) BatchNorm with its affine weights in buffers, not trained."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        for name, value in [("weight", torch.rand(n) + 0.5), ("bias", torch.randn(n)),
+                            ("running_mean", torch.randn(n)), ("running_var", torch.rand(n) + 0.5)]:
+            self.register_buffer(name, value)
+
+    def forward(self, x):
+        scale = self.weight * (self.running_var + 1e-5).rsqrt()
+        shift = self.bias - self.running_mean * scale
+        return x * scale.reshape(1, -1, 1, 1) + shift.reshape(1, -1, 1, 1)
+
+
+class FrozenBackbone(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(3, 8, 3, 1, 1, bias=False), FrozenBatchNorm2d(8),
+                                  nn.ReLU(), nn.Conv2d(8, 8, 3, 2, 1), FrozenBatchNorm2d(8))
+        self.fc = nn.Linear(8, 10)
+
+    def forward(self, x):
+        return self.fc(self.body(x).mean((2, 3)))
+
+
+def test_a_frozen_batchnorms_buffer_weights_compute_in_bf16_as_pytorchs():
+    # Note [Buffers of 16-bit modules]: the frozen BatchNorm's fp32 buffers promoted the
+    # activations to fp32 and the next convolution raised "Input type (torch.FloatTensor) and
+    # weight type (CPUBFloat16Type) should be the same". As `module.bfloat16()` in PyTorch, they
+    # take the compute dtype, and the model computes as PyTorch's.
+    torch.manual_seed(0)
+    reference = FrozenBackbone()
+    model, _ = patrickstar.initialize(lambda: copy.deepcopy(reference),
+                                      config={**CONFIG, "bf16": {"enabled": True}})
+    reference.bfloat16()
+    assert model.module.body[1].running_var.dtype == torch.bfloat16
+    x, y = BATCHES[0]
+    loss = F.cross_entropy(model(x.bfloat16()).float(), y)
+    expected = F.cross_entropy(reference(x.bfloat16()).float(), y)
+    assert loss.item() == expected.item()
+    loss.backward()
+    expected.backward()
+    for name, param in reference.named_parameters():
+        torch.testing.assert_close(model.full_gradient(name).float(), param.grad.float(), msg=name)
