@@ -83,6 +83,42 @@ def test_an_interrupt_right_after_an_access_leaves_an_engine_that_recovers(tmp_p
     model.destroy()
 
 
+def test_a_step_cut_short_is_not_saved(tmp_path):
+    """The usual SIGTERM recipe of a long job (a handler that raises, and a save in the
+    `except`) met a step cut short halfway through its sweep. The save said only "gradients ...
+    are pending ... drop them with optimizer.zero_grad() first", and after that zero_grad() it
+    wrote a checkpoint of the mix (parameters updated up to the interrupt, the rest not) that
+    loaded without complaint: equal to neither the state before the step nor the state after
+    it. Found killing an NVMe-offloaded run with SIGTERM at random moments."""
+    model, opt = make(CONFIG)
+    train(model, opt, batches(2))
+    model.save_checkpoint(tmp_path, tag="good")
+    saved = full_state(model, opt)
+    x, y = batches(1, seed=5)[0]
+    model.backward(model(x, y))
+    chunks = model.chunks
+    real = chunks.manager
+    # The step's first access updates one parameter; the second raises right after it.
+    chunks.manager = _InterruptAfterAccess(real, after=2)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            opt.step()
+    finally:
+        chunks.manager = real
+    for attempt in ("as it is", "after zero_grad"):
+        with pytest.raises(RuntimeError, match=r"save_checkpoint.*optimizer.step\(\) failed "
+                                               r"partway") as info:
+            model.save_checkpoint(tmp_path, tag="mixed")
+        assert "zero_grad" not in str(info.value), attempt  # it would not help
+        opt.zero_grad()
+    assert sorted(os.listdir(tmp_path)) == ["good", "latest"]
+    assert (tmp_path / "latest").read_text().strip() == "good"
+    model.load_checkpoint(tmp_path, tag="good")
+    assert_identical(full_state(model, opt), saved)
+    model.save_checkpoint(tmp_path, tag="after")  # a consistent state saves again
+    model.destroy()
+
+
 def test_an_interrupt_during_a_restore_stops_training_until_a_good_load(tmp_path):
     """load_checkpoint() caught only Exception around the restore: a KeyboardInterrupt halfway
     through it left an engine holding part of the checkpoint and part of its earlier state that
