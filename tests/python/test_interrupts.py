@@ -119,6 +119,49 @@ def test_a_step_cut_short_is_not_saved(tmp_path):
     model.destroy()
 
 
+@pytest.mark.parametrize("loop", ["rest", "wake"])
+def test_an_interrupt_while_parameters_change_class_leaves_an_engine_that_trains(tmp_path,
+                                                                                 monkeypatch,
+                                                                                 loop):
+    """Every step the engine gives each parameter its resting class and back (Note [Parameters
+    at rest] in resting_params.py), a Python loop over all parameters where a Ctrl-C lands as
+    readily as anywhere. One cut short left some parameters resting while the engine took them
+    all for awake (or the other way round): every later forward failed with "tensor
+    'layers.0.weight': illegal state transition COMPUTE -> COMPUTE", load_checkpoint() did not
+    help, and only a new process recovered. Found interrupting a step at every few lines."""
+    import patrickstar.resting_params as resting_params
+    model, opt = make(CONFIG)
+    train(model, opt, batches(2))
+    model.save_checkpoint(tmp_path, tag="good")
+    reference, reference_opt = make(CONFIG)
+    reference.load_checkpoint(tmp_path, tag="good")
+    train(reference, reference_opt, batches(1, seed=7))
+    real = getattr(resting_params, loop)
+
+    fired = []
+
+    def cut_short(params, *args):
+        params = list(params)
+        if fired:
+            return real(params, *args)
+        fired.append(True)
+        real(params[:1], *args)  # the signal lands after the first parameter
+        raise KeyboardInterrupt
+    monkeypatch.setattr(resting_params, loop, cut_short)
+    with pytest.raises(KeyboardInterrupt):
+        train(model, opt, batches(1, seed=5))
+    monkeypatch.setattr(resting_params, loop, real)
+    opt.zero_grad()
+    model.load_checkpoint(tmp_path, tag="good")
+    # At rest every parameter reads its values (an awake one would read its empty placeholder).
+    assert [p.numel() for p in model.parameters()] == \
+        [p.numel() for p in reference.parameters()]
+    train(model, opt, batches(1, seed=7))
+    assert_identical(full_state(model, opt), full_state(reference, reference_opt))
+    for engine in (model, reference):
+        engine.destroy()
+
+
 def test_an_interrupt_during_a_restore_stops_training_until_a_good_load(tmp_path):
     """load_checkpoint() caught only Exception around the restore: a KeyboardInterrupt halfway
     through it left an engine holding part of the checkpoint and part of its earlier state that
