@@ -440,8 +440,12 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         except BaseException as error:
             self.guard.step_failed(error)
             raise
-        self._drop_step_gradients()
-        self._end_iteration()
+        try:
+            self._drop_step_gradients()
+        finally:
+            # The step is applied: an interrupt while its gradients are dropped must not leave
+            # the iteration uncounted (the next checkpoint's global step and tag one short).
+            self._end_iteration()
         return True
 
     def _check_hyperparameters(self) -> None:
@@ -676,7 +680,17 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
             self._wait_for_gradient_stores()
         chunks = self.chunked.chunks
         for index in indices:
-            chunks.set_tensor_state(self.chunked.ids[index].grad, S.FREE)
+            grad_id = self.chunked.ids[index].grad
+            try:
+                chunks.set_tensor_state(grad_id, S.FREE)
+            except BaseException:
+                # A signal handler's exception right after the free returned (Note [Interrupted
+                # access] in chunk_runtime.py) left `has_grad` set on a freed gradient, and
+                # every later zero_grad() and step failed with "illegal state transition FREE
+                # -> FREE": the engine was lost. A free that failed changed nothing.
+                if chunks.tensor_info(grad_id)["state"] == S.FREE:
+                    self.has_grad[index] = False
+                raise
             self.has_grad[index] = False
 
     # ---- Gradients -----------------------------------------------------------------------------

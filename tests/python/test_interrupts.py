@@ -162,6 +162,45 @@ def test_an_interrupt_while_parameters_change_class_leaves_an_engine_that_trains
         engine.destroy()
 
 
+@pytest.mark.parametrize("where", ["zero_grad", "step"])
+def test_an_interrupt_right_after_a_gradient_is_freed_leaves_an_engine_that_trains(
+        tmp_path, monkeypatch, where):
+    """The step and zero_grad() free each gradient and then clear its flag; a signal landing
+    between the two (right after the C++ call returned) left the flag on a freed gradient, and
+    every later zero_grad() and step failed with "tensor 'layers.2.bias#grad': illegal state
+    transition FREE -> FREE", load_checkpoint() included: only a new process recovered. In
+    the step, such an interrupt also left the applied step out of the iteration count."""
+    model, opt = make(CONFIG)
+    train(model, opt, batches(2))
+    model.save_checkpoint(tmp_path, tag="good")
+    reference, reference_opt = make(CONFIG)
+    reference.load_checkpoint(tmp_path, tag="good")
+    train(reference, reference_opt, batches(1, seed=7))
+    chunks = model.chunks
+    real = chunks.set_tensor_state
+    calls = []
+
+    def interrupted(tensor_id, state):
+        real(tensor_id, state)
+        calls.append(tensor_id)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+    x, y = batches(1, seed=5)[0]
+    model.backward(model(x, y))
+    monkeypatch.setattr(chunks, "set_tensor_state", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        opt.zero_grad() if where == "zero_grad" else opt.step()
+    monkeypatch.setattr(chunks, "set_tensor_state", real)
+    # The step was applied before the interrupt: it counts (3 iterations, not 2).
+    assert model.iteration == (3 if where == "step" else 2)
+    opt.zero_grad()
+    model.load_checkpoint(tmp_path, tag="good")
+    train(model, opt, batches(1, seed=7))
+    assert_identical(full_state(model, opt), full_state(reference, reference_opt))
+    for engine in (model, reference):
+        engine.destroy()
+
+
 def test_an_interrupt_during_a_restore_stops_training_until_a_good_load(tmp_path):
     """load_checkpoint() caught only Exception around the restore: a KeyboardInterrupt halfway
     through it left an engine holding part of the checkpoint and part of its earlier state that
