@@ -201,6 +201,36 @@ def test_an_interrupt_right_after_a_gradient_is_freed_leaves_an_engine_that_trai
         engine.destroy()
 
 
+@pytest.mark.parametrize("how", ["model.backward", "loss.backward"])
+def test_a_gradient_left_in_p_grad_by_an_interrupted_backward_is_dropped(how):
+    """Ctrl-C during a backward is raised at the next Python bytecode, often the entry of the
+    engine's hook that moves a parameter's gradient from `p.grad` into its chunk. The gradient
+    stayed in `p.grad`, and the next backward's autograd added the new one to it: that
+    parameter trained on two batches' gradients, silently (even after optimizer.zero_grad()).
+    A user's post-accumulate-grad hook that raises leaves it there the same way."""
+    reference, ref_opt = make(CONFIG, DeepMLP)
+    train(reference, ref_opt, nvme_batches(2))
+    expected = _state_after_one_step(reference, ref_opt, nvme_batches(1, seed=9))
+    reference.destroy()
+
+    model, opt = make(CONFIG, DeepMLP)
+    train(model, opt, nvme_batches(2))
+    head = model.module.head.weight
+
+    def interrupted(param):  # runs before the engine's hook (Note [User gradient hooks])
+        raise KeyboardInterrupt
+    handle = head.register_post_accumulate_grad_hook(interrupted)
+    x, y = nvme_batches(1, seed=5)[0]
+    with pytest.raises(KeyboardInterrupt):
+        loss = model(x, y)
+        model.backward(loss) if how == "model.backward" else loss.backward()
+    handle.remove()
+    opt.zero_grad()
+    assert head.grad is None
+    assert_identical(_state_after_one_step(model, opt, nvme_batches(1, seed=9)), expected)
+    model.destroy()
+
+
 def test_an_interrupt_during_a_restore_stops_training_until_a_good_load(tmp_path):
     """load_checkpoint() caught only Exception around the restore: a KeyboardInterrupt halfway
     through it left an engine holding part of the checkpoint and part of its earlier state that
