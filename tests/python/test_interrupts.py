@@ -231,6 +231,50 @@ def test_a_gradient_left_in_p_grad_by_an_interrupted_backward_is_dropped(how):
     model.destroy()
 
 
+def test_an_interrupt_while_an_activation_is_counted_leaves_the_count_right():
+    """A signal landing in the activation counter's pack() right after it made the packed
+    activation's weak reference, before it registered it (Note [Counting without Python code
+    at release] in activations.py): the next forward failed with a bare KeyError (the dead
+    reference's id, unknown), and the activation's bytes stayed counted as non-model data
+    for the rest of the run."""
+    import sys
+    import patrickstar.activations as activations
+    model, opt = make(CONFIG)
+    train(model, opt, batches(1))
+    assert model.non_model_bytes() == 0
+    pack = activations.ActivationCounter.pack.__code__
+    state = {"made": False, "fired": False}
+
+    def tracer(frame, event, arg):
+        if frame.f_code is not pack:
+            return None
+
+        def local(frame, event, arg):
+            if event == "line" and state["made"] and not state["fired"]:
+                state["fired"] = True
+                raise KeyboardInterrupt  # right after the weak reference was made
+            if event == "line" and "weakref.ref(" in _source_line(frame):
+                state["made"] = True
+            return local
+        return local
+    x, y = batches(1, seed=5)[0]
+    sys.settrace(tracer)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            model(x, y)
+    finally:
+        sys.settrace(None)
+    assert state["fired"]
+    train(model, opt, batches(2, seed=6))
+    assert model.non_model_bytes() == 0
+    model.destroy()
+
+
+def _source_line(frame) -> str:
+    import linecache
+    return linecache.getline(frame.f_code.co_filename, frame.f_lineno)
+
+
 def test_an_interrupt_during_a_restore_stops_training_until_a_good_load(tmp_path):
     """load_checkpoint() caught only Exception around the restore: a KeyboardInterrupt halfway
     through it left an engine holding part of the checkpoint and part of its earlier state that
