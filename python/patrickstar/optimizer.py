@@ -683,6 +683,7 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
             grad_id = self.chunked.ids[index].grad
             try:
                 chunks.set_tensor_state(grad_id, S.FREE)
+                self.has_grad[index] = False
             except BaseException:
                 # A signal handler's exception right after the free returned (Note [Interrupted
                 # access] in chunk_runtime.py) left `has_grad` set on a freed gradient, and
@@ -691,7 +692,6 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
                 if chunks.tensor_info(grad_id)["state"] == S.FREE:
                     self.has_grad[index] = False
                 raise
-            self.has_grad[index] = False
 
     # ---- Gradients -----------------------------------------------------------------------------
 
