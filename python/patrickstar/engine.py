@@ -577,10 +577,17 @@ class PatrickStarEngine(nn.Module):
         return self._views.own_output(tensor)  # Note [Outputs that are parameters]
 
     def _release_all(self, state) -> None:
-        self._recompute_holds.clear()
-        self._hooks.end_backward()
-        self._slots.release_all(state)
-        self.rest_parameters()
+        # Each part runs whatever the one before raised: a signal handled as end_backward()
+        # returned left every access held, in COMPUTE, and each later save, zero_grad() and
+        # load_checkpoint() failed "illegal state transition COMPUTE -> COMPUTE".
+        try:
+            self._recompute_holds.clear()
+            self._hooks.end_backward()
+        finally:
+            try:
+                self._slots.release_all(state)
+            finally:
+                self.rest_parameters()
 
     # Note [Parameters at rest] in resting_params.py
     @property

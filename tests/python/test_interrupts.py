@@ -270,6 +270,50 @@ def test_an_interrupt_while_an_activation_is_counted_leaves_the_count_right():
     model.destroy()
 
 
+def test_an_interrupt_as_a_backward_gives_back_its_accesses_leaves_an_engine_that_trains(
+        tmp_path):
+    """A signal landing at the end of a backward, before the accesses were given back (Python
+    handles it as the call before returns), left parameters in COMPUTE: every later save,
+    zero_grad() and load_checkpoint() failed with "illegal state transition COMPUTE ->
+    COMPUTE", and only a new process recovered."""
+    import sys
+    from patrickstar.engine import PatrickStarEngine
+    model, opt = make(CONFIG)
+    train(model, opt, batches(2))
+    model.save_checkpoint(tmp_path, tag="good")
+    reference, reference_opt = make(CONFIG)
+    reference.load_checkpoint(tmp_path, tag="good")
+    train(reference, reference_opt, batches(1, seed=7))
+    target = PatrickStarEngine._release_all.__code__
+    fired = []
+
+    def tracer(frame, event, arg):
+        if frame.f_code is not target:
+            return None
+
+        def local(frame, event, arg):
+            if event == "line" and not fired and "end_backward()" in _source_line(frame):
+                fired.append(True)
+                raise KeyboardInterrupt  # as a signal handled when the call before returned
+            return local
+        return local
+    x, y = batches(1, seed=5)[0]
+    loss = model(x, y)
+    sys.settrace(tracer)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            model.backward(loss)
+    finally:
+        sys.settrace(None)
+    assert fired
+    opt.zero_grad()
+    model.load_checkpoint(tmp_path, tag="good")
+    train(model, opt, batches(1, seed=7))
+    assert_identical(full_state(model, opt), full_state(reference, reference_opt))
+    for engine in (model, reference):
+        engine.destroy()
+
+
 def _source_line(frame) -> str:
     import linecache
     return linecache.getline(frame.f_code.co_filename, frame.f_lineno)
