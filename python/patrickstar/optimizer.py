@@ -830,8 +830,14 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         chunks = self.chunked.chunks
         roles = self._update_roles(index)
         tensors = list(roles.values())
-        views = dict(zip(roles, chunks.access_tensors(tensors, self._update_tiers(tensors))))
+        accessed = None
         try:
+            # The access inside the try: a signal handled right after it returned (at the next
+            # call, dict() or zip()) left the tensors in COMPUTE, and the load_checkpoint() that
+            # a step failed partway asks for failed "... COMPUTE -> FREE" on them. An access
+            # that raises has given back what it took (Note [Interrupted access]).
+            accessed = chunks.access_tensors(tensors, self._update_tiers(tensors))
+            views = dict(zip(roles, accessed))
             beta1, beta2 = group["betas"]
             _C.kernels.adam_(
                 views.pop("param"), views.pop("grad"), views.pop("exp_avg"),
@@ -840,7 +846,8 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
                 weight_decay=group["weight_decay"], adamw=self.decoupled_weight_decay,
                 step=self.step_counts[index], grad_scale=grad_scale, clip_coef=coef)
         finally:
-            chunks.release_tensors(tensors, S.HOLD)
+            if accessed is not None:
+                chunks.release_tensors(tensors, S.HOLD)
 
     # ---- State dict ----------------------------------------------------------------------------
 

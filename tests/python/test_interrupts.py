@@ -314,6 +314,49 @@ def test_an_interrupt_as_a_backward_gives_back_its_accesses_leaves_an_engine_tha
         engine.destroy()
 
 
+def test_an_interrupt_right_after_the_sweeps_access_leaves_a_loadable_engine(tmp_path):
+    """A signal handled right after the optimizer sweep's access of a row returned (at the
+    next call) left its tensors in COMPUTE: the step was "failed partway" as it should be, but
+    the load_checkpoint() that asks for failed "tensor 'layers.1.bias#grad': COMPUTE -> FREE
+    enters or leaves COMPUTE", and only a new process recovered."""
+    import sys
+    from patrickstar.optimizer import PatrickStarOptimizer
+    model, opt = make(CONFIG)
+    train(model, opt, batches(2))
+    model.save_checkpoint(tmp_path, tag="good")
+    saved = full_state(model, opt)
+    target = PatrickStarOptimizer._adam_update.__code__
+    state = {"accessed": 0, "fired": False}
+
+    def tracer(frame, event, arg):
+        if frame.f_code is not target:
+            return None
+
+        def local(frame, event, arg):
+            if event == "line" and state["accessed"] == 2 and not state["fired"]:
+                state["fired"] = True
+                raise KeyboardInterrupt  # the second row's access has returned
+            if event == "line" and "access_tensors(" in _source_line(frame):
+                state["accessed"] += 1
+            return local
+        return local
+    x, y = batches(1, seed=5)[0]
+    model.backward(model(x, y))
+    sys.settrace(tracer)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            opt.step()
+    finally:
+        sys.settrace(None)
+    assert state["fired"]
+    with pytest.raises(RuntimeError, match="failed partway"):
+        train(model, opt, batches(1))
+    model.load_checkpoint(tmp_path, tag="good")
+    assert_identical(full_state(model, opt), saved)
+    train(model, opt, batches(1))
+    model.destroy()
+
+
 def _source_line(frame) -> str:
     import linecache
     return linecache.getline(frame.f_code.co_filename, frame.f_lineno)
