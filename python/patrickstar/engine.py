@@ -1287,11 +1287,15 @@ class PatrickStarEngine(nn.Module):
     def end_iteration(self) -> None:
         """The end of a training iteration (the optimizer calls it after every step, applied or
         skipped)."""
-        self.dp.parameters_changed()  # the step changed the owners' parameters
-        self.chunks.end_iteration()
-        if self.profiler is not None:
-            self.profiler.on_end_iteration()
-        self.iteration += 1
+        try:
+            self.dp.parameters_changed()  # the step changed the owners' parameters
+            self.chunks.end_iteration()
+            if self.profiler is not None:
+                self.profiler.on_end_iteration()
+        finally:
+            # The step is over whatever a signal handled here raises: left uncounted, every
+            # later checkpoint's global step (and default tag) was one short.
+            self.iteration += 1
 
     # ---- State dicts ---------------------------------------------------------------------------
 

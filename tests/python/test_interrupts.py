@@ -357,6 +357,43 @@ def test_an_interrupt_right_after_the_sweeps_access_leaves_a_loadable_engine(tmp
     model.destroy()
 
 
+def test_an_interrupt_as_an_iteration_ends_still_counts_it():
+    """A signal handled as the chunk manager's end of iteration returned left the applied
+    step uncounted: every later checkpoint's global step (and default tag) was one short."""
+    import sys
+    from patrickstar.engine import PatrickStarEngine
+    model, opt = make(CONFIG)
+    train(model, opt, batches(2))
+    target = PatrickStarEngine.end_iteration.__code__
+    state = {"ended": False, "fired": False}
+
+    def tracer(frame, event, arg):
+        if frame.f_code is not target:
+            return None
+
+        def local(frame, event, arg):
+            if event == "line" and state["ended"] and not state["fired"]:
+                state["fired"] = True
+                raise KeyboardInterrupt
+            if event == "line" and "chunks.end_iteration()" in _source_line(frame):
+                state["ended"] = True
+            return local
+        return local
+    x, y = batches(1, seed=5)[0]
+    model.backward(model(x, y))
+    sys.settrace(tracer)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            opt.step()
+    finally:
+        sys.settrace(None)
+    assert state["fired"] and model.iteration == 3
+    opt.zero_grad()
+    train(model, opt, batches(1))
+    assert model.iteration == 4
+    model.destroy()
+
+
 def _source_line(frame) -> str:
     import linecache
     return linecache.getline(frame.f_code.co_filename, frame.f_lineno)
