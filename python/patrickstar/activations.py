@@ -60,7 +60,10 @@ class ActivationCounter:
 
     def _settle(self) -> None:
         while self._dead:
-            _, key = self._keys.pop(id(self._dead.pop()))
+            known = self._keys.pop(id(self._dead.pop()), None)
+            if known is None:  # made by a pack() a signal cut short before it counted
+                continue
+            _, key = known
             entry = self._refs[key]
             entry[0] -= 1
             if entry[0] == 0:
@@ -81,13 +84,7 @@ class ActivationCounter:
             return _SavedActivation(tensor.detach())
         self._settle()  # a storage freed uncounted may have left its pointer to this one
         storage = tensor.untyped_storage()
-        key = storage.data_ptr()
-        entry = self._refs.get(key)
-        if entry is None:
-            self._refs[key] = [1, storage.nbytes()]
-            self._bytes += storage.nbytes()
-        else:
-            entry[0] += 1
+        key, nbytes = storage.data_ptr(), storage.nbytes()
         # Note [Saved activations without their graph]
         # Autograd hands pack() a saved *output* with its grad_fn, the node that saves it: a
         # packed object holding it makes the cycle node -> packed -> tensor -> node, through C++
@@ -99,7 +96,20 @@ class ActivationCounter:
         # autograd re-attaches the saved grad_fn when it unpacks (as torch's save_on_cpu does).
         packed = _SavedActivation(tensor.detach())
         reference = weakref.ref(packed, self._dead.append)
-        self._keys[id(reference)] = (reference, key)
+        rid, entry = id(reference), self._refs.get(key)
+        # Note [A pack cut short]
+        # Python raises a signal handler's exception after a call returns (Note [Counting
+        # without Python code at release]). Landing between the count and the registration of
+        # the reference, it left a reference _settle() did not know (a KeyError at the next
+        # forward) and bytes counted that no release would take back, for the rest of the run.
+        # So the count and the registration come last, with no call between them; a reference
+        # that dies unregistered is skipped by _settle().
+        if entry is None:
+            self._refs[key] = [1, nbytes]
+            self._bytes += nbytes
+        else:
+            entry[0] += 1
+        self._keys[rid] = (reference, key)
         return packed
 
     @staticmethod

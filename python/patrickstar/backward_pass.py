@@ -224,11 +224,27 @@ class BackwardPass:
         stored gradients: they stay in the chunks, added to the step's, but the backward is not
         counted (Note [Training call order] in guards.py)."""
         try:
+            self._drop_stranded_grads()
             self._dp.backward_raised()  # Note [A backward that raised under data parallelism]
         finally:
             if self._stored_grads:
                 self._guard.backward_failed(what, error, self._stored_grads)
             self._stored_grads = 0
+
+    # Note [Gradients stranded in p.grad]
+    # Autograd accumulates a parameter's gradient into `p.grad`, and the engine's
+    # post-accumulate-grad hook moves it into its chunk and sets `p.grad` to None. A backward
+    # that raised between the two (Ctrl-C: Python raises it at the next bytecode, often the
+    # entry of that hook; or a user's post-accumulate-grad hook, which runs first) left the
+    # gradient in `p.grad`, where no zero_grad() looked (the engine's gradients are never
+    # there), and the next backward's autograd added its own to it: that parameter then
+    # trained on the sum of two batches' gradients, silently. What a raised backward leaves
+    # in `p.grad` never reached a chunk: dropping it is dropping that part of the failed
+    # backward, whose stored part the step refuses until zero_grad() as before.
+    def _drop_stranded_grads(self) -> None:
+        for param, _ in self._grad_hooks:
+            if param.grad is not None:
+                param.grad = None
 
     def _abandon(self) -> None:
         self.in_backward = self._autograd_unchecked = self._joined = False

@@ -203,6 +203,9 @@ class PatrickStarEngine(nn.Module):
         # The class parameters not in use have (ParameterAtRest, or ParameterInFlight between
         # a forward and its backward), None while awake: Note [Parameters at rest].
         self._resting: type | None = None
+        # True while rest_parameters() or wake_parameters() goes over the parameters: Note
+        # [Class changes cut short].
+        self._resting_changing = False
         self._summoned = 0  # open summon_full_params() blocks: Note [No forward while summoned]
         # Note [The engine is prepared for accelerate]
         # Hugging Face accelerate's prepare(model) (its loops, and the Trainer's) places a model
@@ -535,8 +538,7 @@ class PatrickStarEngine(nn.Module):
     def _access_module(self, module: nn.Module, phase: str) -> None:
         indices = self._module_params.get(module)
         if indices:
-            if self._resting:
-                self.wake_parameters()
+            self.wake_parameters()  # (nothing to do when awake)
             if self._summoned:
                 self._refuse_forward_while_summoned(module)
             self._backward.join_autograd_backward()
@@ -585,10 +587,17 @@ class PatrickStarEngine(nn.Module):
         return self._views.own_output(tensor)  # Note [Outputs that are parameters]
 
     def _release_all(self, state) -> None:
-        self._recompute_holds.clear()
-        self._hooks.end_backward()
-        self._slots.release_all(state)
-        self.rest_parameters()
+        # Each part runs whatever the one before raised: a signal handled as end_backward()
+        # returned left every access held, in COMPUTE, and each later save, zero_grad() and
+        # load_checkpoint() failed "illegal state transition COMPUTE -> COMPUTE".
+        try:
+            self._recompute_holds.clear()
+            self._hooks.end_backward()
+        finally:
+            try:
+                self._slots.release_all(state)
+            finally:
+                self.rest_parameters()
 
     # Note [Parameters at rest] in resting_params.py
     @property
@@ -597,19 +606,40 @@ class PatrickStarEngine(nn.Module):
         ParameterInFlight between a forward and its backward)."""
         return self._resting is not None
 
+    # Note [Class changes cut short]
+    # rest_parameters() and wake_parameters() change every parameter's class in a Python loop,
+    # at least once a step, and a signal handler (Ctrl-C, a job scheduler's SIGTERM handler
+    # that raises) runs at whatever bytecode is next: one landing inside the loop left some
+    # parameters resting and others not while `_resting` still told the state before the
+    # loop. A forward then skipped the wake, and the first resting parameter it used read its
+    # value out of the chunk it was accessing ("illegal state transition COMPUTE -> COMPUTE"
+    # at every later forward; load_checkpoint() did not help; found interrupting a step at
+    # every few lines), and parameters left awake at rest read as their empty placeholders.
+    # So the loop a signal cut short is finished before the signal's exception goes on, and
+    # `_resting_changing` stays set if even that is cut short: the next rest or wake then goes
+    # over every parameter again, whatever `_resting` says.
     def rest_parameters(self, kind: type = resting_params.ParameterAtRest) -> None:
         """Parameters not in use answer user code with their chunks' values."""
-        if self._resting is not kind:
-            resting_params.rest((self.params.params[index]
-                                 for index in range(len(self.params.params))
-                                 if self._slots.access_count(index) == 0), kind)
-            self._resting = kind
+        if self._resting is not kind or self._resting_changing:
+            params = [self.params.params[index] for index in range(len(self.params.params))
+                      if self._slots.access_count(index) == 0]
+            self._change_classes(lambda: resting_params.rest(params, kind), kind)
 
     def wake_parameters(self) -> None:
         """The parameters' own class back, before an access or a lending."""
-        if self._resting is not None:
-            resting_params.wake(self.params.params)
-            self._resting = None
+        if self._resting is not None or self._resting_changing:
+            self._change_classes(lambda: resting_params.wake(self.params.params), None)
+
+    def _change_classes(self, change: Callable[[], None], resting: type | None) -> None:
+        """Note [Class changes cut short]."""
+        self._resting_changing = True
+        try:
+            change()
+        except BaseException:
+            change()  # the rest of the loop, then the signal's exception
+            self._resting, self._resting_changing = resting, False
+            raise
+        self._resting, self._resting_changing = resting, False
 
     @contextlib.contextmanager
     def _awake(self):
@@ -935,10 +965,18 @@ class PatrickStarEngine(nn.Module):
     @torch.compiler.disable
     def _begin_forward(self) -> None:
         self.guard.enter_call("model(...)")  # first: Note [One thread at a time]
+        resting, in_forward = self._resting, self._in_forward
         try:
             self._prepare_forward()
         except BaseException:
-            self.guard.leave_call()
+            try:
+                # A signal landing after the wake (Note [Class changes cut short]) would leave
+                # the parameters awake at rest, reading as their empty placeholders.
+                self._in_forward = in_forward
+                if resting is not None and self.chunks is not None:  # (None: destroy())
+                    self.rest_parameters(resting)
+            finally:
+                self.guard.leave_call()
             raise
 
     def _prepare_forward(self) -> None:
@@ -1277,11 +1315,15 @@ class PatrickStarEngine(nn.Module):
     def end_iteration(self) -> None:
         """The end of a training iteration (the optimizer calls it after every step, applied or
         skipped)."""
-        self.dp.parameters_changed()  # the step changed the owners' parameters
-        self.chunks.end_iteration()
-        if self.profiler is not None:
-            self.profiler.on_end_iteration()
-        self.iteration += 1
+        try:
+            self.dp.parameters_changed()  # the step changed the owners' parameters
+            self.chunks.end_iteration()
+            if self.profiler is not None:
+                self.profiler.on_end_iteration()
+        finally:
+            # The step is over whatever a signal handled here raises: left uncounted, every
+            # later checkpoint's global step (and default tag) was one short.
+            self.iteration += 1
 
     # ---- State dicts ---------------------------------------------------------------------------
 

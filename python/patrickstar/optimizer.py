@@ -440,8 +440,12 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         except BaseException as error:
             self.guard.step_failed(error)
             raise
-        self._drop_step_gradients()
-        self._end_iteration()
+        try:
+            self._drop_step_gradients()
+        finally:
+            # The step is applied: an interrupt while its gradients are dropped must not leave
+            # the iteration uncounted (the next checkpoint's global step and tag one short).
+            self._end_iteration()
         return True
 
     def _check_hyperparameters(self) -> None:
@@ -676,8 +680,18 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
             self._wait_for_gradient_stores()
         chunks = self.chunked.chunks
         for index in indices:
-            chunks.set_tensor_state(self.chunked.ids[index].grad, S.FREE)
-            self.has_grad[index] = False
+            grad_id = self.chunked.ids[index].grad
+            try:
+                chunks.set_tensor_state(grad_id, S.FREE)
+                self.has_grad[index] = False
+            except BaseException:
+                # A signal handler's exception right after the free returned (Note [Interrupted
+                # access] in chunk_runtime.py) left `has_grad` set on a freed gradient, and
+                # every later zero_grad() and step failed with "illegal state transition FREE
+                # -> FREE": the engine was lost. A free that failed changed nothing.
+                if chunks.tensor_info(grad_id)["state"] == S.FREE:
+                    self.has_grad[index] = False
+                raise
 
     # ---- Gradients -----------------------------------------------------------------------------
 
@@ -816,8 +830,14 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         chunks = self.chunked.chunks
         roles = self._update_roles(index)
         tensors = list(roles.values())
-        views = dict(zip(roles, chunks.access_tensors(tensors, self._update_tiers(tensors))))
+        accessed = None
         try:
+            # The access inside the try: a signal handled right after it returned (at the next
+            # call, dict() or zip()) left the tensors in COMPUTE, and the load_checkpoint() that
+            # a step failed partway asks for failed "... COMPUTE -> FREE" on them. An access
+            # that raises has given back what it took (Note [Interrupted access]).
+            accessed = chunks.access_tensors(tensors, self._update_tiers(tensors))
+            views = dict(zip(roles, accessed))
             beta1, beta2 = group["betas"]
             _C.kernels.adam_(
                 views.pop("param"), views.pop("grad"), views.pop("exp_avg"),
@@ -826,7 +846,8 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
                 weight_decay=group["weight_decay"], adamw=self.decoupled_weight_decay,
                 step=self.step_counts[index], grad_scale=grad_scale, clip_coef=coef)
         finally:
-            chunks.release_tensors(tensors, S.HOLD)
+            if accessed is not None:
+                chunks.release_tensors(tensors, S.HOLD)
 
     # ---- State dict ----------------------------------------------------------------------------
 

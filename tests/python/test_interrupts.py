@@ -83,6 +83,322 @@ def test_an_interrupt_right_after_an_access_leaves_an_engine_that_recovers(tmp_p
     model.destroy()
 
 
+def test_a_step_cut_short_is_not_saved(tmp_path):
+    """The usual SIGTERM recipe of a long job (a handler that raises, and a save in the
+    `except`) met a step cut short halfway through its sweep. The save said only "gradients ...
+    are pending ... drop them with optimizer.zero_grad() first", and after that zero_grad() it
+    wrote a checkpoint of the mix (parameters updated up to the interrupt, the rest not) that
+    loaded without complaint: equal to neither the state before the step nor the state after
+    it. Found killing an NVMe-offloaded run with SIGTERM at random moments."""
+    model, opt = make(CONFIG)
+    train(model, opt, batches(2))
+    model.save_checkpoint(tmp_path, tag="good")
+    saved = full_state(model, opt)
+    x, y = batches(1, seed=5)[0]
+    model.backward(model(x, y))
+    chunks = model.chunks
+    real = chunks.manager
+    # The step's first access updates one parameter; the second raises right after it.
+    chunks.manager = _InterruptAfterAccess(real, after=2)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            opt.step()
+    finally:
+        chunks.manager = real
+    for attempt in ("as it is", "after zero_grad"):
+        with pytest.raises(RuntimeError, match=r"save_checkpoint.*optimizer.step\(\) failed "
+                                               r"partway") as info:
+            model.save_checkpoint(tmp_path, tag="mixed")
+        assert "zero_grad" not in str(info.value), attempt  # it would not help
+        opt.zero_grad()
+    assert sorted(os.listdir(tmp_path)) == ["good", "latest"]
+    assert (tmp_path / "latest").read_text().strip() == "good"
+    model.load_checkpoint(tmp_path, tag="good")
+    assert_identical(full_state(model, opt), saved)
+    model.save_checkpoint(tmp_path, tag="after")  # a consistent state saves again
+    model.destroy()
+
+
+@pytest.mark.parametrize("loop", ["rest", "wake"])
+def test_an_interrupt_while_parameters_change_class_leaves_an_engine_that_trains(tmp_path,
+                                                                                 monkeypatch,
+                                                                                 loop):
+    """Every step the engine gives each parameter its resting class and back (Note [Parameters
+    at rest] in resting_params.py), a Python loop over all parameters where a Ctrl-C lands as
+    readily as anywhere. One cut short left some parameters resting while the engine took them
+    all for awake (or the other way round): every later forward failed with "tensor
+    'layers.0.weight': illegal state transition COMPUTE -> COMPUTE", load_checkpoint() did not
+    help, and only a new process recovered. Found interrupting a step at every few lines."""
+    import patrickstar.resting_params as resting_params
+    model, opt = make(CONFIG)
+    train(model, opt, batches(2))
+    model.save_checkpoint(tmp_path, tag="good")
+    reference, reference_opt = make(CONFIG)
+    reference.load_checkpoint(tmp_path, tag="good")
+    train(reference, reference_opt, batches(1, seed=7))
+    real = getattr(resting_params, loop)
+
+    fired = []
+
+    def cut_short(params, *args):
+        params = list(params)
+        if fired:
+            return real(params, *args)
+        fired.append(True)
+        real(params[:1], *args)  # the signal lands after the first parameter
+        raise KeyboardInterrupt
+    monkeypatch.setattr(resting_params, loop, cut_short)
+    with pytest.raises(KeyboardInterrupt):
+        train(model, opt, batches(1, seed=5))
+    monkeypatch.setattr(resting_params, loop, real)
+    opt.zero_grad()
+    model.load_checkpoint(tmp_path, tag="good")
+    # At rest every parameter reads its values (an awake one would read its empty placeholder).
+    assert [p.numel() for p in model.parameters()] == \
+        [p.numel() for p in reference.parameters()]
+    train(model, opt, batches(1, seed=7))
+    assert_identical(full_state(model, opt), full_state(reference, reference_opt))
+    for engine in (model, reference):
+        engine.destroy()
+
+
+@pytest.mark.parametrize("where", ["zero_grad", "step"])
+def test_an_interrupt_right_after_a_gradient_is_freed_leaves_an_engine_that_trains(
+        tmp_path, monkeypatch, where):
+    """The step and zero_grad() free each gradient and then clear its flag; a signal landing
+    between the two (right after the C++ call returned) left the flag on a freed gradient, and
+    every later zero_grad() and step failed with "tensor 'layers.2.bias#grad': illegal state
+    transition FREE -> FREE", load_checkpoint() included: only a new process recovered. In
+    the step, such an interrupt also left the applied step out of the iteration count."""
+    model, opt = make(CONFIG)
+    train(model, opt, batches(2))
+    model.save_checkpoint(tmp_path, tag="good")
+    reference, reference_opt = make(CONFIG)
+    reference.load_checkpoint(tmp_path, tag="good")
+    train(reference, reference_opt, batches(1, seed=7))
+    chunks = model.chunks
+    real = chunks.set_tensor_state
+    calls = []
+
+    def interrupted(tensor_id, state):
+        real(tensor_id, state)
+        calls.append(tensor_id)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+    x, y = batches(1, seed=5)[0]
+    model.backward(model(x, y))
+    monkeypatch.setattr(chunks, "set_tensor_state", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        opt.zero_grad() if where == "zero_grad" else opt.step()
+    monkeypatch.setattr(chunks, "set_tensor_state", real)
+    # The step was applied before the interrupt: it counts (3 iterations, not 2).
+    assert model.iteration == (3 if where == "step" else 2)
+    opt.zero_grad()
+    model.load_checkpoint(tmp_path, tag="good")
+    train(model, opt, batches(1, seed=7))
+    assert_identical(full_state(model, opt), full_state(reference, reference_opt))
+    for engine in (model, reference):
+        engine.destroy()
+
+
+@pytest.mark.parametrize("how", ["model.backward", "loss.backward"])
+def test_a_gradient_left_in_p_grad_by_an_interrupted_backward_is_dropped(how):
+    """Ctrl-C during a backward is raised at the next Python bytecode, often the entry of the
+    engine's hook that moves a parameter's gradient from `p.grad` into its chunk. The gradient
+    stayed in `p.grad`, and the next backward's autograd added the new one to it: that
+    parameter trained on two batches' gradients, silently (even after optimizer.zero_grad()).
+    A user's post-accumulate-grad hook that raises leaves it there the same way."""
+    reference, ref_opt = make(CONFIG, DeepMLP)
+    train(reference, ref_opt, nvme_batches(2))
+    expected = _state_after_one_step(reference, ref_opt, nvme_batches(1, seed=9))
+    reference.destroy()
+
+    model, opt = make(CONFIG, DeepMLP)
+    train(model, opt, nvme_batches(2))
+    head = model.module.head.weight
+
+    def interrupted(param):  # runs before the engine's hook (Note [User gradient hooks])
+        raise KeyboardInterrupt
+    handle = head.register_post_accumulate_grad_hook(interrupted)
+    x, y = nvme_batches(1, seed=5)[0]
+    with pytest.raises(KeyboardInterrupt):
+        loss = model(x, y)
+        model.backward(loss) if how == "model.backward" else loss.backward()
+    handle.remove()
+    opt.zero_grad()
+    assert head.grad is None
+    assert_identical(_state_after_one_step(model, opt, nvme_batches(1, seed=9)), expected)
+    model.destroy()
+
+
+def test_an_interrupt_while_an_activation_is_counted_leaves_the_count_right():
+    """A signal landing in the activation counter's pack() right after it made the packed
+    activation's weak reference, before it registered it (Note [Counting without Python code
+    at release] in activations.py): the next forward failed with a bare KeyError (the dead
+    reference's id, unknown), and the activation's bytes stayed counted as non-model data
+    for the rest of the run."""
+    import sys
+    import patrickstar.activations as activations
+    model, opt = make(CONFIG)
+    train(model, opt, batches(1))
+    assert model.non_model_bytes() == 0
+    pack = activations.ActivationCounter.pack.__code__
+    state = {"made": False, "fired": False}
+
+    def tracer(frame, event, arg):
+        if frame.f_code is not pack:
+            return None
+
+        def local(frame, event, arg):
+            if event == "line" and state["made"] and not state["fired"]:
+                state["fired"] = True
+                raise KeyboardInterrupt  # right after the weak reference was made
+            if event == "line" and "weakref.ref(" in _source_line(frame):
+                state["made"] = True
+            return local
+        return local
+    x, y = batches(1, seed=5)[0]
+    sys.settrace(tracer)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            model(x, y)
+    finally:
+        sys.settrace(None)
+    assert state["fired"]
+    train(model, opt, batches(2, seed=6))
+    assert model.non_model_bytes() == 0
+    model.destroy()
+
+
+def test_an_interrupt_as_a_backward_gives_back_its_accesses_leaves_an_engine_that_trains(
+        tmp_path):
+    """A signal landing at the end of a backward, before the accesses were given back (Python
+    handles it as the call before returns), left parameters in COMPUTE: every later save,
+    zero_grad() and load_checkpoint() failed with "illegal state transition COMPUTE ->
+    COMPUTE", and only a new process recovered."""
+    import sys
+    from patrickstar.engine import PatrickStarEngine
+    model, opt = make(CONFIG)
+    train(model, opt, batches(2))
+    model.save_checkpoint(tmp_path, tag="good")
+    reference, reference_opt = make(CONFIG)
+    reference.load_checkpoint(tmp_path, tag="good")
+    train(reference, reference_opt, batches(1, seed=7))
+    target = PatrickStarEngine._release_all.__code__
+    fired = []
+
+    def tracer(frame, event, arg):
+        if frame.f_code is not target:
+            return None
+
+        def local(frame, event, arg):
+            if event == "line" and not fired and "end_backward()" in _source_line(frame):
+                fired.append(True)
+                raise KeyboardInterrupt  # as a signal handled when the call before returned
+            return local
+        return local
+    x, y = batches(1, seed=5)[0]
+    loss = model(x, y)
+    sys.settrace(tracer)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            model.backward(loss)
+    finally:
+        sys.settrace(None)
+    assert fired
+    opt.zero_grad()
+    model.load_checkpoint(tmp_path, tag="good")
+    train(model, opt, batches(1, seed=7))
+    assert_identical(full_state(model, opt), full_state(reference, reference_opt))
+    for engine in (model, reference):
+        engine.destroy()
+
+
+def test_an_interrupt_right_after_the_sweeps_access_leaves_a_loadable_engine(tmp_path):
+    """A signal handled right after the optimizer sweep's access of a row returned (at the
+    next call) left its tensors in COMPUTE: the step was "failed partway" as it should be, but
+    the load_checkpoint() that asks for failed "tensor 'layers.1.bias#grad': COMPUTE -> FREE
+    enters or leaves COMPUTE", and only a new process recovered."""
+    import sys
+    from patrickstar.optimizer import PatrickStarOptimizer
+    model, opt = make(CONFIG)
+    train(model, opt, batches(2))
+    model.save_checkpoint(tmp_path, tag="good")
+    saved = full_state(model, opt)
+    target = PatrickStarOptimizer._adam_update.__code__
+    state = {"accessed": 0, "fired": False}
+
+    def tracer(frame, event, arg):
+        if frame.f_code is not target:
+            return None
+
+        def local(frame, event, arg):
+            if event == "line" and state["accessed"] == 2 and not state["fired"]:
+                state["fired"] = True
+                raise KeyboardInterrupt  # the second row's access has returned
+            if event == "line" and "access_tensors(" in _source_line(frame):
+                state["accessed"] += 1
+            return local
+        return local
+    x, y = batches(1, seed=5)[0]
+    model.backward(model(x, y))
+    sys.settrace(tracer)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            opt.step()
+    finally:
+        sys.settrace(None)
+    assert state["fired"]
+    with pytest.raises(RuntimeError, match="failed partway"):
+        train(model, opt, batches(1))
+    model.load_checkpoint(tmp_path, tag="good")
+    assert_identical(full_state(model, opt), saved)
+    train(model, opt, batches(1))
+    model.destroy()
+
+
+def test_an_interrupt_as_an_iteration_ends_still_counts_it():
+    """A signal handled as the chunk manager's end of iteration returned left the applied
+    step uncounted: every later checkpoint's global step (and default tag) was one short."""
+    import sys
+    from patrickstar.engine import PatrickStarEngine
+    model, opt = make(CONFIG)
+    train(model, opt, batches(2))
+    target = PatrickStarEngine.end_iteration.__code__
+    state = {"ended": False, "fired": False}
+
+    def tracer(frame, event, arg):
+        if frame.f_code is not target:
+            return None
+
+        def local(frame, event, arg):
+            if event == "line" and state["ended"] and not state["fired"]:
+                state["fired"] = True
+                raise KeyboardInterrupt
+            if event == "line" and "chunks.end_iteration()" in _source_line(frame):
+                state["ended"] = True
+            return local
+        return local
+    x, y = batches(1, seed=5)[0]
+    model.backward(model(x, y))
+    sys.settrace(tracer)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            opt.step()
+    finally:
+        sys.settrace(None)
+    assert state["fired"] and model.iteration == 3
+    opt.zero_grad()
+    train(model, opt, batches(1))
+    assert model.iteration == 4
+    model.destroy()
+
+
+def _source_line(frame) -> str:
+    import linecache
+    return linecache.getline(frame.f_code.co_filename, frame.f_lineno)
+
+
 def test_an_interrupt_during_a_restore_stops_training_until_a_good_load(tmp_path):
     """load_checkpoint() caught only Exception around the restore: a KeyboardInterrupt halfway
     through it left an engine holding part of the checkpoint and part of its earlier state that

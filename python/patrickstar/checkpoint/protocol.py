@@ -81,6 +81,11 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
         # Phase 1: rank 0 creates the one partial directory every rank writes into.
         error = None
         try:
+            # A step or restore that failed partway (guards.py) left parameters and state of
+            # two different steps: a checkpoint of them would load without complaint and train
+            # on from that mix. Checked before the pending gradients, whose advice
+            # (zero_grad) cannot help here; inside this phase, so every rank hears of it.
+            state.engine.guard.check_alive("save_checkpoint()")
             if state.pending_gradients():
                 # Also between one backward and its step (no accumulation): saying
                 # "accumulation" there sent users looking for a config key they never set.
