@@ -57,15 +57,19 @@ def run(model, optimizer, schedule, engine: bool) -> list[float]:
                 losses.append(model(x, y, depth).item())
             model.train()
             continue
-        loss = model(x, y, depth)
-        if engine:
-            model.backward(loss)
-        else:
-            loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
+        losses.append(_step(model, optimizer, model(x, y, depth), engine))
     return losses
+
+
+def _step(model, optimizer, loss, engine: bool) -> float:
+    """One training step from `loss`: the engine's backward or torch's; the loss's value."""
+    if engine:
+        model.backward(loss)
+    else:
+        loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss.item()
 
 
 SCHEDULES = {
@@ -235,14 +239,7 @@ def test_dynamic_padding_of_hugging_face_trains_like_pytorch(tmp_path):
     def train(model, optimizer, engine):
         losses = []
         for batch in torch.utils.data.DataLoader(samples, batch_size=4, collate_fn=collator):
-            loss = model(**batch).loss
-            if engine:
-                model.backward(loss)
-            else:
-                loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            losses.append(loss.item())
+            losses.append(_step(model, optimizer, model(**batch).loss, engine))
         return losses
 
     reference = copy.deepcopy(module)

@@ -72,15 +72,9 @@ def test_an_interrupt_right_after_an_access_leaves_an_engine_that_recovers(tmp_p
         # A save changes no training state: training goes on at once.
         train(model, opt, batches(1))
         model.save_checkpoint(tmp_path, tag="next")
+        _assert_restored_by_a_load(model, opt, saved, tmp_path)
     else:
-        # A step cut short refuses training until a load (Note [Training call order]), and the
-        # load must work.
-        with pytest.raises(RuntimeError, match="failed partway"):
-            train(model, opt, batches(1))
-    model.load_checkpoint(tmp_path, tag="good")
-    assert_identical(full_state(model, opt), saved)
-    train(model, opt, batches(1))
-    model.destroy()
+        _assert_refused_until_a_load(model, opt, saved, tmp_path)
 
 
 def test_a_step_cut_short_is_not_saved(tmp_path):
@@ -90,12 +84,7 @@ def test_a_step_cut_short_is_not_saved(tmp_path):
     wrote a checkpoint of the mix (parameters updated up to the interrupt, the rest not) that
     loaded without complaint: equal to neither the state before the step nor the state after
     it. Found killing an NVMe-offloaded run with SIGTERM at random moments."""
-    model, opt = make(CONFIG)
-    train(model, opt, batches(2))
-    model.save_checkpoint(tmp_path, tag="good")
-    saved = full_state(model, opt)
-    x, y = batches(1, seed=5)[0]
-    model.backward(model(x, y))
+    model, opt, saved = _saved_then_a_backward(tmp_path)
     chunks = model.chunks
     real = chunks.manager
     # The step's first access updates one parameter; the second raises right after it.
@@ -130,12 +119,7 @@ def test_an_interrupt_while_parameters_change_class_leaves_an_engine_that_trains
     'layers.0.weight': illegal state transition COMPUTE -> COMPUTE", load_checkpoint() did not
     help, and only a new process recovered. Found interrupting a step at every few lines."""
     import patrickstar.resting_params as resting_params
-    model, opt = make(CONFIG)
-    train(model, opt, batches(2))
-    model.save_checkpoint(tmp_path, tag="good")
-    reference, reference_opt = make(CONFIG)
-    reference.load_checkpoint(tmp_path, tag="good")
-    train(reference, reference_opt, batches(1, seed=7))
+    model, opt, reference, reference_opt = _saved_and_a_reference_step(tmp_path)
     real = getattr(resting_params, loop)
 
     fired = []
@@ -170,12 +154,7 @@ def test_an_interrupt_right_after_a_gradient_is_freed_leaves_an_engine_that_trai
     every later zero_grad() and step failed with "tensor 'layers.2.bias#grad': illegal state
     transition FREE -> FREE", load_checkpoint() included: only a new process recovered. In
     the step, such an interrupt also left the applied step out of the iteration count."""
-    model, opt = make(CONFIG)
-    train(model, opt, batches(2))
-    model.save_checkpoint(tmp_path, tag="good")
-    reference, reference_opt = make(CONFIG)
-    reference.load_checkpoint(tmp_path, tag="good")
-    train(reference, reference_opt, batches(1, seed=7))
+    model, opt, reference, reference_opt = _saved_and_a_reference_step(tmp_path)
     chunks = model.chunks
     real = chunks.set_tensor_state
     calls = []
@@ -193,12 +172,7 @@ def test_an_interrupt_right_after_a_gradient_is_freed_leaves_an_engine_that_trai
     monkeypatch.setattr(chunks, "set_tensor_state", real)
     # The step was applied before the interrupt: it counts (3 iterations, not 2).
     assert model.iteration == (3 if where == "step" else 2)
-    opt.zero_grad()
-    model.load_checkpoint(tmp_path, tag="good")
-    train(model, opt, batches(1, seed=7))
-    assert_identical(full_state(model, opt), full_state(reference, reference_opt))
-    for engine in (model, reference):
-        engine.destroy()
+    _assert_loads_and_trains_as(model, opt, reference, reference_opt, tmp_path)
 
 
 @pytest.mark.parametrize("how", ["model.backward", "loss.backward"])
@@ -208,13 +182,7 @@ def test_a_gradient_left_in_p_grad_by_an_interrupted_backward_is_dropped(how):
     stayed in `p.grad`, and the next backward's autograd added the new one to it: that
     parameter trained on two batches' gradients, silently (even after optimizer.zero_grad()).
     A user's post-accumulate-grad hook that raises leaves it there the same way."""
-    reference, ref_opt = make(CONFIG, DeepMLP)
-    train(reference, ref_opt, nvme_batches(2))
-    expected = _state_after_one_step(reference, ref_opt, nvme_batches(1, seed=9))
-    reference.destroy()
-
-    model, opt = make(CONFIG, DeepMLP)
-    train(model, opt, nvme_batches(2))
+    expected, model, opt = _reference_step_and_model()
     head = model.module.head.weight
 
     def interrupted(param):  # runs before the engine's hook (Note [User gradient hooks])
@@ -237,34 +205,14 @@ def test_an_interrupt_while_an_activation_is_counted_leaves_the_count_right():
     at release] in activations.py): the next forward failed with a bare KeyError (the dead
     reference's id, unknown), and the activation's bytes stayed counted as non-model data
     for the rest of the run."""
-    import sys
     import patrickstar.activations as activations
     model, opt = make(CONFIG)
     train(model, opt, batches(1))
     assert model.non_model_bytes() == 0
-    pack = activations.ActivationCounter.pack.__code__
-    state = {"made": False, "fired": False}
-
-    def tracer(frame, event, arg):
-        if frame.f_code is not pack:
-            return None
-
-        def local(frame, event, arg):
-            if event == "line" and state["made"] and not state["fired"]:
-                state["fired"] = True
-                raise KeyboardInterrupt  # right after the weak reference was made
-            if event == "line" and "weakref.ref(" in _source_line(frame):
-                state["made"] = True
-            return local
-        return local
     x, y = batches(1, seed=5)[0]
-    sys.settrace(tracer)
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            model(x, y)
-    finally:
-        sys.settrace(None)
-    assert state["fired"]
+    # right after the weak reference was made
+    _interrupt_in(activations.ActivationCounter.pack.__code__, "weakref.ref(",
+                  lambda: model(x, y))
     train(model, opt, batches(2, seed=6))
     assert model.non_model_bytes() == 0
     model.destroy()
@@ -276,36 +224,77 @@ def test_an_interrupt_as_a_backward_gives_back_its_accesses_leaves_an_engine_tha
     handles it as the call before returns), left parameters in COMPUTE: every later save,
     zero_grad() and load_checkpoint() failed with "illegal state transition COMPUTE ->
     COMPUTE", and only a new process recovered."""
-    import sys
     from patrickstar.engine import PatrickStarEngine
+    model, opt, reference, reference_opt = _saved_and_a_reference_step(tmp_path)
+    x, y = batches(1, seed=5)[0]
+    loss = model(x, y)
+    # as a signal handled when the call before end_backward() returned
+    _interrupt_in(PatrickStarEngine._release_all.__code__, "end_backward()",
+                  lambda: model.backward(loss), at_marker=True)
+    _assert_loads_and_trains_as(model, opt, reference, reference_opt, tmp_path)
+
+
+def test_an_interrupt_right_after_the_sweeps_access_leaves_a_loadable_engine(tmp_path):
+    """A signal handled right after the optimizer sweep's access of a row returned (at the
+    next call) left its tensors in COMPUTE: the step was "failed partway" as it should be, but
+    the load_checkpoint() that asks for failed "tensor 'layers.1.bias#grad': COMPUTE -> FREE
+    enters or leaves COMPUTE", and only a new process recovered."""
+    from patrickstar.optimizer import PatrickStarOptimizer
+    model, opt, saved = _saved_then_a_backward(tmp_path)
+    # the second row's access has returned
+    _interrupt_in(PatrickStarOptimizer._adam_update.__code__, "access_tensors(", opt.step,
+                  occurrence=2)
+    _assert_refused_until_a_load(model, opt, saved, tmp_path)
+
+
+def test_an_interrupt_as_an_iteration_ends_still_counts_it():
+    """A signal handled as the chunk manager's end of iteration returned left the applied
+    step uncounted: every later checkpoint's global step (and default tag) was one short."""
+    from patrickstar.engine import PatrickStarEngine
+    model, opt = make(CONFIG)
+    train(model, opt, batches(2))
+    x, y = batches(1, seed=5)[0]
+    model.backward(model(x, y))
+    _interrupt_in(PatrickStarEngine.end_iteration.__code__, "chunks.end_iteration()", opt.step)
+    assert model.iteration == 3
+    opt.zero_grad()
+    train(model, opt, batches(1))
+    assert model.iteration == 4
+    model.destroy()
+
+
+def _saved_and_a_reference_step(tmp_path):
+    """An engine trained on two batches and saved as tag "good", and a second engine loaded
+    from it that took one more step (batches(1, seed=7)): what the first should reach after a
+    load and that step, whatever a test interrupts in between."""
     model, opt = make(CONFIG)
     train(model, opt, batches(2))
     model.save_checkpoint(tmp_path, tag="good")
     reference, reference_opt = make(CONFIG)
     reference.load_checkpoint(tmp_path, tag="good")
     train(reference, reference_opt, batches(1, seed=7))
-    target = PatrickStarEngine._release_all.__code__
-    fired = []
+    return model, opt, reference, reference_opt
 
-    def tracer(frame, event, arg):
-        if frame.f_code is not target:
-            return None
 
-        def local(frame, event, arg):
-            if event == "line" and not fired and "end_backward()" in _source_line(frame):
-                fired.append(True)
-                raise KeyboardInterrupt  # as a signal handled when the call before returned
-            return local
-        return local
-    x, y = batches(1, seed=5)[0]
-    loss = model(x, y)
-    sys.settrace(tracer)
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            model.backward(loss)
-    finally:
-        sys.settrace(None)
-    assert fired
+def _assert_restored_by_a_load(model, opt, saved, tmp_path) -> None:
+    """A load of tag "good" gives `saved` back and training goes on; destroys the engine."""
+    model.load_checkpoint(tmp_path, tag="good")
+    assert_identical(full_state(model, opt), saved)
+    train(model, opt, batches(1))
+    model.destroy()
+
+
+def _assert_refused_until_a_load(model, opt, saved, tmp_path) -> None:
+    """A step cut short refuses training until a load (Note [Training call order]), and the
+    load works: _assert_restored_by_a_load."""
+    with pytest.raises(RuntimeError, match="failed partway"):
+        train(model, opt, batches(1))
+    _assert_restored_by_a_load(model, opt, saved, tmp_path)
+
+
+def _assert_loads_and_trains_as(model, opt, reference, reference_opt, tmp_path) -> None:
+    """After the interrupt: zero_grad(), a load of tag "good" and one step take `model` to
+    `reference`'s state (_saved_and_a_reference_step); destroys both."""
     opt.zero_grad()
     model.load_checkpoint(tmp_path, tag="good")
     train(model, opt, batches(1, seed=7))
@@ -314,89 +303,68 @@ def test_an_interrupt_as_a_backward_gives_back_its_accesses_leaves_an_engine_tha
         engine.destroy()
 
 
-def test_an_interrupt_right_after_the_sweeps_access_leaves_a_loadable_engine(tmp_path):
-    """A signal handled right after the optimizer sweep's access of a row returned (at the
-    next call) left its tensors in COMPUTE: the step was "failed partway" as it should be, but
-    the load_checkpoint() that asks for failed "tensor 'layers.1.bias#grad': COMPUTE -> FREE
-    enters or leaves COMPUTE", and only a new process recovered."""
-    import sys
-    from patrickstar.optimizer import PatrickStarOptimizer
+def _saved_then_a_backward(tmp_path):
+    """An engine trained on two batches and saved as tag "good" (with that state, full_state),
+    then a backward of a third batch, for a test to interrupt its step."""
     model, opt = make(CONFIG)
     train(model, opt, batches(2))
     model.save_checkpoint(tmp_path, tag="good")
     saved = full_state(model, opt)
-    target = PatrickStarOptimizer._adam_update.__code__
-    state = {"accessed": 0, "fired": False}
-
-    def tracer(frame, event, arg):
-        if frame.f_code is not target:
-            return None
-
-        def local(frame, event, arg):
-            if event == "line" and state["accessed"] == 2 and not state["fired"]:
-                state["fired"] = True
-                raise KeyboardInterrupt  # the second row's access has returned
-            if event == "line" and "access_tensors(" in _source_line(frame):
-                state["accessed"] += 1
-            return local
-        return local
     x, y = batches(1, seed=5)[0]
     model.backward(model(x, y))
-    sys.settrace(tracer)
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            opt.step()
-    finally:
-        sys.settrace(None)
-    assert state["fired"]
-    with pytest.raises(RuntimeError, match="failed partway"):
-        train(model, opt, batches(1))
-    model.load_checkpoint(tmp_path, tag="good")
-    assert_identical(full_state(model, opt), saved)
-    train(model, opt, batches(1))
-    model.destroy()
+    return model, opt, saved
 
 
-def test_an_interrupt_as_an_iteration_ends_still_counts_it():
-    """A signal handled as the chunk manager's end of iteration returned left the applied
-    step uncounted: every later checkpoint's global step (and default tag) was one short."""
-    import sys
-    from patrickstar.engine import PatrickStarEngine
-    model, opt = make(CONFIG)
-    train(model, opt, batches(2))
-    target = PatrickStarEngine.end_iteration.__code__
-    state = {"ended": False, "fired": False}
-
-    def tracer(frame, event, arg):
-        if frame.f_code is not target:
-            return None
-
-        def local(frame, event, arg):
-            if event == "line" and state["ended"] and not state["fired"]:
-                state["fired"] = True
-                raise KeyboardInterrupt
-            if event == "line" and "chunks.end_iteration()" in _source_line(frame):
-                state["ended"] = True
-            return local
-        return local
-    x, y = batches(1, seed=5)[0]
-    model.backward(model(x, y))
-    sys.settrace(tracer)
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            opt.step()
-    finally:
-        sys.settrace(None)
-    assert state["fired"] and model.iteration == 3
-    opt.zero_grad()
-    train(model, opt, batches(1))
-    assert model.iteration == 4
-    model.destroy()
+def _reference_step_and_model():
+    """The state a DeepMLP trained on two batches reaches with one more (nvme_batches(1,
+    seed=9)), and a new engine trained on the same two batches, for a test to interrupt."""
+    reference, ref_opt = make(CONFIG, DeepMLP)
+    train(reference, ref_opt, nvme_batches(2))
+    expected = _state_after_one_step(reference, ref_opt, nvme_batches(1, seed=9))
+    reference.destroy()
+    model, opt = make(CONFIG, DeepMLP)
+    train(model, opt, nvme_batches(2))
+    return expected, model, opt
 
 
 def _source_line(frame) -> str:
     import linecache
     return linecache.getline(frame.f_code.co_filename, frame.f_lineno)
+
+
+def _interrupt_in(code, marker: str, call, *, occurrence: int = 1,
+                  at_marker: bool = False) -> None:
+    """call() with a KeyboardInterrupt raised inside `code` as a signal handled there would be:
+    at the line after the `occurrence`-th line holding `marker` (at that line itself with
+    `at_marker`); checks that it was raised there and came out of call()."""
+    import sys
+    state = {"seen": 0, "fired": False}
+
+    def fire():
+        state["fired"] = True
+        raise KeyboardInterrupt
+
+    def tracer(frame, event, arg):
+        if frame.f_code is not code:
+            return None
+
+        def local(frame, event, arg):
+            if event == "line" and not state["fired"]:
+                if state["seen"] == occurrence:
+                    fire()
+                if marker in _source_line(frame):
+                    state["seen"] += 1
+                    if at_marker and state["seen"] == occurrence:
+                        fire()
+            return local
+        return local
+    sys.settrace(tracer)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            call()
+    finally:
+        sys.settrace(None)
+    assert state["fired"]
 
 
 def test_an_interrupt_during_a_restore_stops_training_until_a_good_load(tmp_path):
@@ -438,13 +406,7 @@ def test_a_backward_that_raised_after_storing_gradients_must_be_dropped(how, err
     the next backward or step refuses until optimizer.zero_grad(), after which training equals
     a run without the failed backward."""
     # No dropout and no buffers: the failed backward's forward changes no RNG or statistics.
-    reference, ref_opt = make(CONFIG, DeepMLP)
-    train(reference, ref_opt, nvme_batches(2))
-    expected = _state_after_one_step(reference, ref_opt, nvme_batches(1, seed=9))
-    reference.destroy()
-
-    model, opt = make(CONFIG, DeepMLP)
-    train(model, opt, nvme_batches(2))
+    expected, model, opt = _reference_step_and_model()
     fired = []
 
     def hook(module, grad_input, grad_output):
