@@ -29,8 +29,9 @@ of a parameter's chunks are on the GPU. So:
   parameter's update brings there at once (the largest chunk of each of those kinds).
 
 These are chunk bytes, not budgets: a tier's budget bounds what its slab pool reserves, up to
-about twice each block size's chunks (Note [Budgets bound the slab pool] in slab_budget.py), and a 2-layer GPT given ``device_no_moves`` and ``host_peak`` as its budgets
-moved chunks between them every iteration, or ran out of host memory without NVMe. The budgets
+about twice each block size's chunks (Note [Budgets bound the slab pool] in slab_budget.py),
+and a 2-layer GPT given ``device_no_moves`` and ``host_peak`` as its budgets moved chunks
+between them every iteration, or ran out of host memory without NVMe. The budgets
 to set are:
 
 * ``device_budget`` (``memory.device_budget``): no chunk moves off the device;
@@ -333,5 +334,3 @@ def format_estimate(result: dict) -> str:
     for row in budget_rows:
         lines.append("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
     return "\n".join(lines)
-
-

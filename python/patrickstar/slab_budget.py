@@ -12,16 +12,16 @@ __all__ = ["BLOCK_ALIGNMENT", "SLAB_TARGET_BYTES", "block_bytes", "slab_budget"]
 # A tier's budget bounds the bytes its slab pool reserves, not its chunk bytes (Note [Tier slab
 # pool] in runtime/tier.h): the blocks of each size (a chunk's bytes, rounded up to 4 KiB) are
 # carved from slabs that grow with the size's use, each as large as the size's slabs so far (one
-# block first) up to min(64 MiB, budget / 8) bytes (Tier::GrowLocked, Note [Slabs grow with
-# their size's use] in runtime/tier.cc), so a tier holding blocks of several sizes (int8 Adam
-# state's uint8 moments and small float32 scale chunks beside float32 parameters and gradients)
-# reserves up to a slab per size more than its chunks. A need
-# counted in chunk bytes alone said "raising memory.host_budget by 1.2 MiB (to 4.4 MiB) removes
-# them" of a 2-layer Llama with int8 state spilling to NVMe; at 4.4 MiB its host still spilled
-# every iteration, and stopped only past 5 MiB. estimate_memory() made the same mistake: a
-# 2-layer GPT given its "host: peak" as memory.host_budget ran out of host memory in its first
-# optimizer step. So a budget is one whose slabs hold those chunks beside the non-model data:
-# raised from the chunk bytes until the slabs it implies fit.
+# block first) up to min(64 MiB, budget / 8) bytes (Tier::GrowLocked, Note [Slabs grow with their
+# size's use] in runtime/tier.cc), so a tier holding blocks of several sizes (int8 Adam state's
+# uint8 moments and small float32 scale chunks beside float32 parameters and gradients) reserves up
+# to a slab per size more than its chunks. A need counted in chunk bytes alone said "raising
+# memory.host_budget by 1.2 MiB (to 4.4 MiB) removes them" of a 2-layer Llama with int8 state
+# spilling to NVMe; at 4.4 MiB its host still spilled every iteration, and stopped only past 5 MiB.
+# estimate_memory() made the same mistake: a 2-layer GPT given its "host: peak" as
+# memory.host_budget ran out of host memory in its first optimizer step. So a budget is one whose
+# slabs hold those chunks beside the non-model data: raised from the chunk bytes until the slabs it
+# implies fit.
 #
 # How many slabs: a tier grows a size's slabs only when its free list is empty, i.e. when every
 # slab of that size is full, and a new slab (at most min(per_slab, the size's blocks so far, at
