@@ -5,8 +5,9 @@ The engine expects, per optimizer step, exactly `gradient_accumulation_steps` ca
 `model.backward(loss)` (or `loss.backward()`, Note [loss.backward()] in backward_pass.py) followed by
 one `optimizer.step()` (and `zero_grad()`), as a DeepSpeed user writes it. `TrainingGuard`
 counts backward calls since the last step:
-  * `step()` with no backward since the last step is an error (there are no gradients; a
-    silent no-op would hide a broken loop).
+  * `step()` with no backward since the last step (or zero_grad) has no gradients: as torch's,
+    which skips every parameter whose p.grad is None, it changes nothing and counts no
+    iteration (Note [A step without gradients] in optimizer.py).
   * `step()` after fewer backward calls than `gradient_accumulation_steps` applies the gradients
     accumulated so far, as PyTorch's `optimizer.step()` does: the epoch-end step of a PyTorch /
     DDP loop, Hugging Face's Trainer and accelerate when an epoch's batch count is not a
@@ -343,13 +344,14 @@ class TrainingGuard:
         self.failed_backward = None
         return dropped
 
-    def before_step(self) -> bool:
-        """False when the step must be skipped (a skipped non-finite loss in it)."""
+    def check_step_allowed(self) -> None:
+        """The checks of every optimizer.step(), one without gradients too."""
         self.check_alive("optimizer.step()")
         self._check_no_failed_backward("optimizer.step()")
-        if self.backwards == 0:
-            raise RuntimeError("optimizer.step() called before model.backward(loss) (or "
-                               "loss.backward()): there are no gradients for this step")
+
+    def before_step(self) -> bool:
+        """False when the step must be skipped (a skipped non-finite loss in it)."""
+        self.check_step_allowed()
         return not self.skip_step
 
     def after_step(self) -> None:

@@ -284,6 +284,9 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         # zeros now, and those the last step had gradients for.
         self._zeroed: set[int] = set()
         self._stepped: set[int] = set()
+        # Those whose p.grad torch would still hold the last step's gradients in: no zero_grad
+        # since (Note [A step without gradients]).
+        self._unzeroed: set[int] = set()
         self._end_iteration = end_iteration
         self._phase = phase
         self._wait_for_gradient_stores = wait_for_gradient_stores
@@ -345,6 +348,11 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
                 return loss
             # Note [Calls between a read and its serving] in data_parallel.py
             self.dp.agree_on_training_call(self.dp.OPTIMIZER_STEP)
+            self.guard.check_step_allowed()
+            if not self._has_gradients():  # Note [A step without gradients]
+                self._before_step()
+                self._after_step(False)
+                return loss
             self._before_step()
             with self._phase():
                 try:
@@ -357,6 +365,44 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
                 self.skipped_steps += 1
             self._after_step(applied)
         return loss
+
+    # Note [A step without gradients]
+    # torch's optimizer.step() skips every parameter whose p.grad is None, so with no backward
+    # since the gradients were last dropped it changes nothing: no weight, moment or step
+    # count, and it returns the closure's loss. Loops rely on it: an accumulation loop written
+    # `if i % accum == 0: optimizer.step(); optimizer.zero_grad()` before batch 0's backward,
+    # an optimizer.step() before the first lr_scheduler.step() (silencing torch's "called in
+    # the wrong order" warning), a batch skipped with `continue` after its forward. Ours raised
+    # "called before model.backward(loss)". The engine's gradients read None (p.grad, and
+    # gradient()) after a step or zero_grad() until a backward stores new ones, so such a step
+    # is that no-op here too: it counts no iteration (global_steps, the checkpoint tag), does
+    # not move the fp16 loss scale or skipped_steps, and ends no iteration of the chunk runtime
+    # (a forward without its backward needs none: the next forward starts afresh). For
+    # was_step_applied() and the configured scheduler's once-per-step check it is a step not
+    # applied, like an fp16 overflow's, after which stepping the scheduler or not are both
+    # right. Parameters torch would hold zero gradients for (zero_grad(set_to_none=False):
+    # Note [Gradients zeroed, not dropped]) make it an applied step, as in torch. One case
+    # stays an error: no zero_grad() since the last step, whose gradients torch's p.grad still
+    # holds and would apply once more, while here that step consumed them (as DeepSpeed's and
+    # upstream PatrickStar's do): a no-op would train differently without a word (README). Every
+    # rank decides alike: the backward count is the loop's, and what each rank knows only of the
+    # parameters it owns (zeroed, or stepped and not zeroed since) is agreed on.
+    def _has_gradients(self) -> bool:
+        """False for a step that changes nothing (Note [A step without gradients])."""
+        if self.guard.backwards:
+            return True
+        stale, zeroed = bool(self._unzeroed), bool(self._zeroed)
+        if self.dp.enabled:
+            stale = bool(self.dp.ranks_with(stale, label="unzeroed gradients", phase=None))
+            zeroed = bool(self.dp.ranks_with(zeroed, label="zeroed gradients", phase=None))
+        if stale:
+            raise RuntimeError(
+                "optimizer.step() again with no backward and no optimizer.zero_grad() since the "
+                "last step: torch would apply that step's gradients (still in its p.grad) once "
+                "more, but the PatrickStar engine's step consumed them (as DeepSpeed's does). "
+                "Call optimizer.zero_grad() after each step (a step without gradients is then "
+                "a no-op, as torch's), or a backward before the step")
+        return zeroed
 
     # Note [The state-initializing step of torch.distributed.checkpoint]
     # get_state_dict(model, optimizer) (FSDP2's checkpoint recipe with dcp.save / dcp.load /
@@ -399,6 +445,7 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         self._check_no_unplaced_gradients()
         self.dp.close_accumulation("optimizer.step()")  # Note [A short accumulation]
         self._stepped = {index for index, has in enumerate(self.has_grad) if has}
+        self._unzeroed = set(self._stepped)
         run = self.guard.before_step()
         self.guard.after_step()
         if not run:  # a non-finite loss was skipped (config nonfinite_loss: "skip")
@@ -646,6 +693,7 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
     # zero_grad, or call it with set_to_none=True, are as before.
     def _note_zeroing(self, indices: Iterable[int], set_to_none: bool) -> None:
         indices = set(indices)
+        self._unzeroed -= indices
         if set_to_none:
             self._zeroed -= indices
             self._stepped -= indices

@@ -213,8 +213,8 @@ def test_call_order_errors_name_the_accumulation_steps():
         model(x, y).backward()
     optimizer.step()
     optimizer.zero_grad()
-    with pytest.raises(RuntimeError, match="before model.backward"):
-        optimizer.step()
+    optimizer.step()  # no gradients: a no-op, as torch's (test_optimizer_torch_parity.py)
+    assert model.global_steps == 1
 
 
 def test_a_loss_backward_that_raised_leaves_the_engine_usable():
