@@ -36,6 +36,9 @@
                                                   loader prepared, as Hugging Face's recipes do)
     dp_worker.py OUT_DIR --dcp                    torch.distributed.checkpoint save, then a new
                                                   engine resumes from it
+    dp_worker.py OUT_DIR --steps-without-gradients KEY   optimizer.step() with no backward
+                                                  since zero_grad (torch's no-op), KEY "key" with
+                                                  gradient_accumulation_steps given, else not
 
 Writes OUT_DIR/<what>-rank<r>.pt with losses, the gathered state dict, memory statistics or
 the error raised, then leaves with os._exit so a dead peer cannot hold up interpreter exit.
@@ -173,6 +176,8 @@ def main() -> None:
             results.update(lonely_call(rank, "eval"))
         elif what[:1] == ["--discard-partial"]:
             results.update(discard_partial(rank, world, what[1]))
+        elif what[:1] == ["--steps-without-gradients"]:
+            results.update(steps_without_gradients(rank, world, what[1]))
         elif what[:1] == ["--optimizer-resume"]:
             results.update(optimizer_resume(rank, world, *what[1:]))
         elif what == ["--direct-calls"]:
@@ -273,6 +278,62 @@ def discard_partial(rank: int, world: int, mode: str) -> dict:
     optimizer.step()
     optimizer.zero_grad()
     return {"state": state, "reference": reference.state_dict(), "closed_error": closed_error}
+
+
+def steps_without_gradients(rank: int, world: int, key: str) -> dict:
+    """Note [A step without gradients] on every rank, against plain PyTorch on the whole
+    batches: a step before the first backward, an accumulation loop that steps before each
+    window's first backward, a forward without backward then a step, a step after
+    zero_grad(set_to_none=False) (applied with zero gradients), and a second step with no
+    zero_grad between (refused on every rank)."""
+    from test_initialize import make_optimizer, mlp_batches
+    config = {"default_chunk_size": 4096,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}}}
+    if key == "key":
+        config["gradient_accumulation_steps"] = 2
+    torch.manual_seed(0)
+    model, optimizer = patrickstar.initialize(MLP, config=config)
+    torch.manual_seed(0)
+    reference = MLP()
+    ref_optimizer = make_optimizer("AdamW", reference.parameters(), 1e-3, 0.01)
+    batches = list(mlp_batches(8))
+
+    def backward(x, y):
+        loss = model(*shard((x, y), rank, world))
+        model.backward(loss) if key == "key" else (loss / 2).backward()
+        (reference(x, y) / 2).backward()
+
+    for opt in (optimizer, ref_optimizer):
+        opt.step()
+    for i, (x, y) in enumerate(batches[:5]):
+        if i % 2 == 0:
+            for opt in (optimizer, ref_optimizer):
+                opt.step()
+                opt.zero_grad()
+        backward(x, y)
+    x, y = batches[5]
+    model(*shard((x, y), rank, world))  # a forward without backward, in train mode
+    for opt in (optimizer, ref_optimizer):
+        opt.step()
+        opt.zero_grad()
+        opt.step()
+    for x, y in batches[6:]:
+        backward(x, y)
+    for opt in (optimizer, ref_optimizer):
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        opt.step()
+        opt.zero_grad()
+    steps, state = model.global_steps, model.state_dict()
+    backward(*batches[0])
+    optimizer.step()
+    try:
+        optimizer.step()
+        second_step_error = None
+    except RuntimeError as error:
+        second_step_error = str(error)
+    return {"state": state, "reference": reference.state_dict(), "steps": steps,
+            "second_step_error": second_step_error}
 
 
 def optimizer_resume(rank: int, world: int, precision: str = "fp32") -> dict:

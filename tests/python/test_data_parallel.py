@@ -388,6 +388,18 @@ def test_zero_grad_in_the_middle_of_an_accumulation_drops_it_on_every_rank(tmp_p
         assert "after 1 of 3 backward() calls" in result["closed_error"]
 
 
+@pytest.mark.parametrize("key", ["key", "open"])
+def test_steps_without_gradients_are_pytorchs_no_op_on_every_rank(tmp_path, key):
+    # Note [A step without gradients]: every rank decides alike, and trains as PyTorch does.
+    results = launch(tmp_path, 2, "--steps-without-gradients", key)
+    check_no_errors(results)
+    for result in results:
+        for name, tensor in result["reference"].items():
+            torch.testing.assert_close(result["state"][name], tensor, rtol=0, atol=1e-6)
+        assert result["steps"] == 5  # 3 windows, then a step and its zero-gradient step
+        assert "no optimizer.zero_grad() since the last step" in result["second_step_error"]
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "bf16-no-master"])
 def test_optimizer_state_dict_saved_by_one_rank_resumes_every_rank(tmp_path, precision):
     # optimizer.state_dict() held only the calling rank's shard: a file saved by rank 0 lacked
