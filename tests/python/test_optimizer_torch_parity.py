@@ -201,3 +201,93 @@ def test_a_step_after_a_failed_backward_still_names_it():
     handle.remove()
     with pytest.raises(RuntimeError, match="zero_grad"):
         optimizer.step()
+
+
+# ---- lr schedulers -----------------------------------------------------------------------------
+
+def _hf_cosine(optimizer):
+    transformers = pytest.importorskip("transformers")
+    return transformers.get_cosine_schedule_with_warmup(optimizer, 2, 10)
+
+
+L = torch.optim.lr_scheduler
+SCHEDULERS = {
+    "LambdaLR": lambda o: L.LambdaLR(o, lambda step: 0.9 ** step),
+    "OneCycleLR": lambda o: L.OneCycleLR(o, max_lr=0.05, total_steps=10),  # cycles beta1
+    "CosineAnnealingWarmRestarts": lambda o: L.CosineAnnealingWarmRestarts(
+        o, T_0=3, T_mult=2, eta_min=1e-4),
+    "ReduceLROnPlateau": lambda o: L.ReduceLROnPlateau(o, patience=0, factor=0.5),
+    "SequentialLR": lambda o: L.SequentialLR(
+        o, [L.LinearLR(o, 0.1, 1.0, 3), L.ExponentialLR(o, 0.8)], milestones=[3]),
+    "ChainedScheduler": lambda o: L.ChainedScheduler(
+        [L.ConstantLR(o, 0.5, 4), L.ExponentialLR(o, 0.9)]),
+    "get_cosine_schedule_with_warmup": _hf_cosine,
+}
+
+
+def _train(net, optimizer, scheduler, batches, start=0) -> list:
+    """Steps and schedules; the lr and betas after each scheduler step."""
+    seen = []
+    for index, (x, y) in enumerate(batches, start):
+        net(x, y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if isinstance(scheduler, L.ReduceLROnPlateau):
+            scheduler.step(1.0 + index % 2)  # worse every other step
+        else:
+            scheduler.step()
+        seen.append([(group["lr"], tuple(group["betas"])) for group in optimizer.param_groups])
+    return seen
+
+
+@pytest.mark.parametrize("kind", sorted(SCHEDULERS))
+def test_torch_schedulers_drive_the_optimizer_as_torchs_adamw(kind):
+    reference, ref_optimizer, model, optimizer = pair()
+    make = SCHEDULERS[kind]
+    ref_scheduler, scheduler = make(ref_optimizer), make(optimizer)
+    batches = list(mlp_batches(8))
+    assert _train(model, optimizer, scheduler, batches) == \
+        _train(reference, ref_optimizer, ref_scheduler, batches)
+    assert_same_weights(reference, model)
+
+
+@pytest.mark.parametrize("kind", sorted(SCHEDULERS))
+@pytest.mark.parametrize("how", ["checkpoint", "state_dicts"])
+def test_a_scheduler_resumed_across_an_engine_checkpoint_goes_on_as_torchs(tmp_path, kind, how):
+    reference, ref_optimizer, model, optimizer = pair()
+    make = SCHEDULERS[kind]
+    batches = list(mlp_batches(8))
+    expected = _train(reference, ref_optimizer, make(ref_optimizer), batches)
+    scheduler = make(optimizer)
+    _train(model, optimizer, scheduler, batches[:4])
+    if how == "checkpoint":
+        model.lr_scheduler = scheduler
+        model.save_checkpoint(tmp_path)
+    else:
+        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                    "scheduler": scheduler.state_dict()}, tmp_path / "saved.pt")
+    model.destroy()
+    _, _, model, optimizer = pair()
+    scheduler = make(optimizer)
+    if how == "checkpoint":
+        model.lr_scheduler = scheduler
+        model.load_checkpoint(tmp_path)
+    else:
+        saved = torch.load(tmp_path / "saved.pt", weights_only=False)
+        model.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+        scheduler.load_state_dict(saved["scheduler"])
+    assert _train(model, optimizer, scheduler, batches[4:], start=4) == expected[4:]
+    assert_same_weights(reference, model)
+
+
+def test_a_step_without_gradients_silences_torchs_scheduler_order_warning_as_in_torch():
+    _, ref_optimizer, model, optimizer = pair()  # the model kept: it owns the engine
+    for optimizer in (ref_optimizer, optimizer):
+        scheduler = L.LambdaLR(optimizer, lambda step: 0.5 ** step)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            optimizer.step()
+            scheduler.step()
+        assert not [w for w in caught if "lr_scheduler.step()" in str(w.message)]
+        assert optimizer.param_groups[0]["lr"] == 5e-3
