@@ -107,6 +107,12 @@ def _without_torch_keys(index: int, group: dict, decoupled_weight_decay) -> dict
 
 
 def _is_number(value) -> bool:
+    """A real number, or a one-element real tensor: torch.optim.AdamW takes `lr=torch.tensor(
+    1e-3)` (its docs: "lr (float, Tensor)"), and so did a group edited during training (the
+    step converts each value to one float), but initialize() refused it in its groups and
+    load_state_dict in a saved torch state dict."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() == 1 and not value.dtype.is_complex and value.dtype != torch.bool
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 

@@ -133,7 +133,7 @@ def test_a_second_step_without_zero_grad_is_refused_where_torch_reapplies_gradie
         model.module.zero_grad()
     before = full_state(model, optimizer)
     if zeroing == "none":
-        with pytest.raises(RuntimeError, match="zero_grad\(\) since the last step"):
+        with pytest.raises(RuntimeError, match=r"zero_grad\(\) since the last step"):
             optimizer.step()
         optimizer.zero_grad()
     optimizer.step()
@@ -291,3 +291,109 @@ def test_a_step_without_gradients_silences_torchs_scheduler_order_warning_as_in_
             scheduler.step()
         assert not [w for w in caught if "lr_scheduler.step()" in str(w.message)]
         assert optimizer.param_groups[0]["lr"] == 5e-3
+
+
+# ---- param_groups ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["AdamW", "Adam"])
+def test_groups_edited_during_training_train_as_torchs(kind):
+    """lr, betas (a tuple or a list), eps, weight_decay and a tensor lr set between steps."""
+    torch.manual_seed(0)
+    reference = MLP()
+    ref_optimizer = getattr(torch.optim, kind)(reference.parameters(), lr=1e-2,
+                                               weight_decay=0.01, foreach=False)
+    config = {"optimizer": {"type": kind, "params": {"lr": 1e-2, "weight_decay": 0.01,
+                                                     "adam_w_mode": kind == "AdamW"}},
+              "default_chunk_size": 4096}
+    _, _, model, optimizer = pair(config)
+    edits = [("lr", 3e-3), ("betas", (0.8, 0.99)), ("eps", 1e-3), ("weight_decay", 0.5),
+             ("betas", [0.5, 0.9]), ("lr", torch.tensor(2e-3)), ("weight_decay", 0)]
+    for index, (x, y) in enumerate(mlp_batches(len(edits) + 1)):
+        for net, opt in ((reference, ref_optimizer), (model, optimizer)):
+            if index:
+                key, value = edits[index - 1]
+                for group in opt.param_groups:
+                    group[key] = value
+            net(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+        assert_same_weights(reference, model)
+
+
+def test_a_tensor_lr_in_the_groups_trains_as_torchs():
+    """torch.optim.AdamW takes `lr=torch.tensor(...)`; initialize() refused it ("expected a
+    number, got Tensor"), and so did load_state_dict in a saved torch state dict."""
+    torch.manual_seed(0)
+    reference = MLP()
+    ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=torch.tensor(1e-2),
+                                      weight_decay=0.01, foreach=False)
+    torch.manual_seed(0)
+    model, optimizer = patrickstar.initialize(MLP, config=CONFIG, param_groups=lambda module: [
+        {"params": list(module.parameters()), "lr": torch.tensor(1e-2)}])
+    schedulers = [L.LambdaLR(opt, lambda step: 0.8 ** step)
+                  for opt in (ref_optimizer, optimizer)]
+    for x, y in mlp_batches(4):
+        for net, opt, scheduler in zip((reference, model), (ref_optimizer, optimizer),
+                                       schedulers):
+            net(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+            scheduler.step()
+    assert_same_weights(reference, model)
+    assert float(optimizer.param_groups[0]["lr"]) == float(ref_optimizer.param_groups[0]["lr"])
+    optimizer.load_state_dict(ref_optimizer.state_dict())
+
+
+def test_amsgrad_set_during_training_is_refused_and_nothing_changes():
+    reference, ref_optimizer, model, optimizer = pair()
+    (x, y), = mlp_batches(1)
+    model.backward(model(x, y))
+    before = full_state(model, optimizer)
+    optimizer.param_groups[0]["amsgrad"] = True
+    with pytest.raises(ValueError, match=r"\['amsgrad'\] is True.*no amsgrad variant.*"
+                                         r"nothing was updated"):
+        optimizer.step()
+    assert_identical(before, full_state(model, optimizer))
+    optimizer.param_groups[0]["amsgrad"] = False
+    optimizer.step()
+
+
+def test_state_dict_has_torchs_structure_and_loads_both_ways():
+    reference, ref_optimizer, model, optimizer = pair()
+    batches = list(mlp_batches(5))
+    for x, y in batches[:3]:
+        for net, opt in ((reference, ref_optimizer), (model, optimizer)):
+            net(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+    ours, theirs = optimizer.state_dict(), ref_optimizer.state_dict()
+    assert set(ours) - {"loss_scaler"} == set(theirs) == {"state", "param_groups"}
+    for group in theirs["param_groups"]:
+        group["foreach"] = None  # the reference's foreach=False; ours says torch's default
+    assert ours["param_groups"] == theirs["param_groups"]
+    assert list(ours["state"]) == list(theirs["state"])
+    for number, entry in theirs["state"].items():
+        assert set(ours["state"][number]) == set(entry)
+        for key, value in entry.items():
+            mine = ours["state"][number][key]
+            assert (mine.dtype, mine.shape, mine.device) == (value.dtype, value.shape,
+                                                              value.device), key
+            torch.testing.assert_close(mine, value, rtol=0, atol=1e-6)
+    # The engine's dict into torch's AdamW, and torch's into a new engine.
+    torch.manual_seed(0)
+    other = MLP()
+    other.load_state_dict(model.state_dict())
+    other_optimizer = torch.optim.AdamW(other.parameters(), lr=1e-2, weight_decay=0.01,
+                                        foreach=False)
+    other_optimizer.load_state_dict(ours)
+    _, _, resumed, resumed_optimizer = pair()
+    resumed.load_state_dict(reference.state_dict())
+    resumed_optimizer.load_state_dict(theirs)
+    for x, y in batches[3:]:
+        for net, opt in ((reference, ref_optimizer), (other, other_optimizer),
+                         (resumed, resumed_optimizer)):
+            net(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+    assert_same_weights(reference, resumed)
+    assert_same_weights(other, resumed)
