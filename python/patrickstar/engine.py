@@ -317,7 +317,8 @@ class PatrickStarEngine(nn.Module):
                 _profiler_phase(weakref.ref(self)),
                 self._slots.wait_for_gradient_stores, self._loop.before_optimizer_step,
                 self._loop.after_optimizer_step,
-                _weakly(self._backward.settle_raised_autograd_backward))
+                _weakly(self._backward.settle_raised_autograd_backward),
+                _weakly(self.end_iteration_without_step))
             self._loop.attach(self.optimizer)
             if config.scheduler is not None:  # DeepSpeed's `scheduler` section
                 self._loop.lr_schedule.set(build_scheduler(
@@ -1324,6 +1325,22 @@ class PatrickStarEngine(nn.Module):
             # The step is over whatever a signal handled here raises: left uncounted, every
             # later checkpoint's global step (and default tag) was one short.
             self.iteration += 1
+
+    # Note [An iteration without a step]
+    # A step without gradients (Note [A step without gradients] in optimizer.py) counts no
+    # iteration, but the forwards since the last step (a batch skipped after its forward) are
+    # moments and accesses of the chunk runtime's trace. In the warm-up they became part of the
+    # trace every later iteration replays, as a forward that raised did (Note [A forward that
+    # raised during warm-up]): one skipped 900-row forward of a 512 KiB host budget made every
+    # later iteration evict and read back chunks, where none did without it. So the warm-up
+    # starts again from the next forward; after it, the runtime's iteration ends there, so the
+    # next iteration's accesses line up with the trace again.
+    def end_iteration_without_step(self) -> None:
+        if self.chunks.warming_up:
+            self.chunks.report_non_model_data(self._non_model_tier, self.non_model_bytes())
+            self.chunks.restart_warmup()
+        else:
+            self.chunks.end_iteration()
 
     # ---- State dicts ---------------------------------------------------------------------------
 

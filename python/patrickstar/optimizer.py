@@ -258,7 +258,8 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
                  wait_for_gradient_stores: Callable[[], None] = lambda: None,
                  before_step: Callable[[], None] = lambda: None,
                  after_step: Callable[[bool], None] = lambda applied: None,
-                 settle_backward: Callable[[], None] = lambda: None):
+                 settle_backward: Callable[[], None] = lambda: None,
+                 end_iteration_without_step: Callable[[], None] = lambda: None):
         # torch's `defaults` are the constructor's arguments, not a group's: here the config's
         # optimizer params. Hugging Face's get_polynomial_decay_schedule_with_warmup decays from
         # `defaults["lr"]`, which showed the first group's lr (a backbone's 1e-5 under a head's
@@ -301,6 +302,8 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         self._after_step = after_step
         # Note [A loss.backward() that raised, met by the optimizer] in backward_pass.py
         self._settle_backward = settle_backward
+        # Note [An iteration without a step] in engine.py
+        self._end_iteration_without_step = end_iteration_without_step
         self._group_of = {}
         for group_index, group in enumerate(self.param_groups):
             for param in group["params"]:
@@ -357,6 +360,7 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
             self.guard.check_step_allowed()
             if not self._has_gradients():  # Note [A step without gradients]
                 self._before_step()
+                self._end_iteration_without_step()
                 self._after_step(False)
                 return loss
             self._before_step()
@@ -382,8 +386,9 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
     # "called before model.backward(loss)". The engine's gradients read None (p.grad, and
     # gradient()) after a step or zero_grad() until a backward stores new ones, so such a step
     # is that no-op here too: it counts no iteration (global_steps, the checkpoint tag), does
-    # not move the fp16 loss scale or skipped_steps, and ends no iteration of the chunk runtime
-    # (a forward without its backward needs none: the next forward starts afresh). For
+    # not move the fp16 loss scale or skipped_steps, and leaves the chunk runtime's trace as if
+    # the forwards since the last step had not run (Note [An iteration without a step] in
+    # engine.py). For
     # was_step_applied() and the configured scheduler's once-per-step check it is a step not
     # applied, like an fp16 overflow's, after which stepping the scheduler or not are both
     # right. Parameters torch would hold zero gradients for (zero_grad(set_to_none=False):

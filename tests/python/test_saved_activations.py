@@ -336,3 +336,39 @@ def test_a_batch_out_of_host_budget_then_smaller_ones_train_as_pytorch(nvme_dir,
         for name, value in plain.state_dict().items():
             torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-6)
         model.destroy()
+
+
+def test_a_batch_skipped_after_its_forward_in_the_warm_up_leaves_no_trace(nvme_dir):
+    # Note [An iteration without a step] in engine.py: a training forward dropped without its
+    # backward, then optimizer.step() (without gradients: torch's no-op), in the warm-up. Its
+    # moments stayed in the trace every later iteration replays, and each of them evicted and
+    # read back chunks for activations that were not there.
+    generator = torch.Generator().manual_seed(1)
+    batches = [torch.randn(8, 64, generator=generator) for _ in range(6)]
+    config = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              "memory": {"host_budget": "512KiB", "nvme": {"path": nvme_dir}}}
+    traffic, states = {}, {}
+    for skipped in (False, True):
+        model, optimizer = _engine(config)
+        if model.non_model_tier != "host":
+            model.destroy()
+            pytest.skip("activations are device memory here (CUDA), outside the host budget")
+        if skipped:
+            loss = model(torch.randn(900, 64))
+            del loss
+            optimizer.step()
+            optimizer.zero_grad()
+        for index, x in enumerate(batches):
+            model.backward(model(x))
+            optimizer.step()
+            optimizer.zero_grad()
+            if index == 0:
+                first = model.memory_stats()[1]
+        last = model.memory_stats()[1]
+        traffic[skipped] = (last["evictions"] - first["evictions"],
+                            last["bytes_in"] - first["bytes_in"])
+        states[skipped] = model.state_dict()
+        model.destroy()
+    assert traffic[True] == traffic[False] == (0, 0)
+    for name, value in states[False].items():
+        assert torch.equal(states[True][name], value), name
