@@ -360,6 +360,7 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
             self.guard.check_step_allowed()
             if not self._has_gradients():  # Note [A step without gradients]
                 self._before_step()
+                self.overflow = False  # it found no overflow (accelerate's step_was_skipped)
                 self._end_iteration_without_step()
                 self._after_step(False)
                 return loss

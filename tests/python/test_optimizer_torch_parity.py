@@ -170,6 +170,12 @@ def test_a_step_without_gradients_leaves_the_fp16_loss_scale_and_counters():
         optimizer.step()
     assert_identical(before, full_state(model, optimizer))
     assert (optimizer.loss_scale, model.global_steps, model.skipped_steps) == (scale, steps, 0)
+    model.backward(model(x.half(), y) * 1e6)  # overflows fp16
+    optimizer.step()
+    optimizer.zero_grad()
+    assert optimizer.overflow and model.skipped_steps == 1
+    optimizer.step()  # found no overflow: accelerate's step_was_skipped reads it
+    assert not optimizer.overflow and model.skipped_steps == 1
 
 
 def test_a_configured_scheduler_may_be_stepped_after_a_step_without_gradients():
