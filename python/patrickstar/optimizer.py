@@ -64,7 +64,7 @@ _GRAD_SCALER_UNSUPPORTED = (
     "model.backward(loss) applies; with torch.autocast(dtype=torch.bfloat16) no scaler is "
     "needed (GradScaler(enabled=False) is fine)")
 
-_GROUP_KEYS = {"params", "lr", "betas", "eps", "weight_decay", "name"}
+_GROUP_KEYS = {"params", "lr", "betas", "eps", "weight_decay", "name", "param_names"}
 
 # Note [torch.optim's own group keys]
 # A torch optimizer's param_groups carry its constructor's options besides lr/betas/eps/
@@ -132,6 +132,32 @@ def _check_group_numbers(index: int, group: dict) -> None:
                          f"{tuple(betas)}")
 
 
+# Note [Named parameters in the groups]
+# torch.optim (2.6 on) given named parameters, `AdamW(model.named_parameters())` or groups of
+# (name, parameter) pairs, keeps the names in each group as "param_names", and its state_dict
+# saves them. Ours dropped the names, so groups and state dicts lacked the key, and a torch
+# optimizer's own groups with it (`param_groups=torch_optimizer.param_groups`, Note
+# [torch.optim's own group keys]) were refused as "unknown keys ['param_names']". The names
+# are kept as torch keeps them: taken from the pairs when every parameter comes named, else
+# from a "param_names" key, which must name each parameter of the group once.
+def _param_names(index: int, group: dict, params: list) -> list[str] | None:
+    named = [isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
+             for item in params]
+    if params and all(named):
+        return [item[0] for item in params]
+    if "param_names" not in group:
+        return None
+    names = group["param_names"]
+    if isinstance(names, str) or not isinstance(names, Iterable):
+        raise ValueError(f"param_groups[{index}]['param_names']: expected a list of names, got "
+                         f"{type(names).__name__} {names!r}")
+    names = list(names)
+    if len(names) != len(params) or not all(isinstance(name, str) for name in names):
+        raise ValueError(f"param_groups[{index}]['param_names']: expected one name (a str) per "
+                         f"parameter of the group ({len(params)}), got {names!r}")
+    return names
+
+
 def build_param_groups(module: torch.nn.Module, groups, optimizer) -> list[dict]:
     """Validates user param groups (torch's format: dicts with "params" and overrides) or, when
     `groups` is None, one group of every parameter, with `optimizer`'s (the config's
@@ -164,6 +190,7 @@ def build_param_groups(module: torch.nn.Module, groups, optimizer) -> list[dict]
                              f"(known: {sorted(_GROUP_KEYS)})")
         params = group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
+        names = _param_names(index, group, params)
         # torch.optim's named parameters (`model.named_parameters()`): (name, parameter) pairs.
         params = [item[1] if isinstance(item, tuple) and len(item) == 2 and
                   isinstance(item[0], str) else item for item in params]
@@ -183,6 +210,8 @@ def build_param_groups(module: torch.nn.Module, groups, optimizer) -> list[dict]
                              f"> 0, got lr={merged['lr']}, weight_decay={merged['weight_decay']}, "
                              f"eps={merged['eps']}")
         merged["params"] = params
+        if names is not None:
+            merged["param_names"] = names
         result.append(merged)
     missing = [f"'{name}' {tuple(p.shape)}" for name, p in module.named_parameters()
                if p.requires_grad and id(p) not in seen]

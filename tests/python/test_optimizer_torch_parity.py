@@ -403,3 +403,49 @@ def test_state_dict_has_torchs_structure_and_loads_both_ways():
             opt.zero_grad()
     assert_same_weights(reference, resumed)
     assert_same_weights(other, resumed)
+
+
+def _decay_split(module):
+    """A torch optimizer's named groups (nanoGPT's split, kept with names)."""
+    named = list(module.named_parameters())
+    return [{"params": [p for n, p in named if n.endswith("weight")],
+             "param_names": [n for n, p in named if n.endswith("weight")], "weight_decay": 0.1},
+            {"params": [p for n, p in named if n.endswith("bias")],
+             "param_names": [n for n, p in named if n.endswith("bias")], "weight_decay": 0.0}]
+
+
+@pytest.mark.parametrize("form", ["named_parameters", "torch_groups"])
+def test_named_parameters_keep_their_names_in_the_groups_as_torchs(form):
+    """Note [Named parameters in the groups] in optimizer.py: torch keeps "param_names"; a torch
+    optimizer's groups with them were refused ("unknown keys ['param_names']")."""
+    torch.manual_seed(0)
+    reference = MLP()
+    ref_optimizer = torch.optim.AdamW(
+        reference.named_parameters() if form == "named_parameters" else _decay_split(reference),
+        lr=1e-2, weight_decay=0.01)
+    torch.manual_seed(0)
+    built = MLP()
+    groups = built.named_parameters() if form == "named_parameters" else \
+        torch.optim.AdamW(_decay_split(built), lr=1e-2, weight_decay=0.01).param_groups
+    model, optimizer = patrickstar.initialize(built, config=CONFIG, param_groups=groups)
+    assert [group["param_names"] for group in optimizer.param_groups] == \
+        [group["param_names"] for group in ref_optimizer.param_groups]
+    for x, y in mlp_batches(3):
+        for net, opt in ((reference, ref_optimizer), (model, optimizer)):
+            net(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+    assert_same_weights(reference, model)
+    ours, theirs = optimizer.state_dict(), ref_optimizer.state_dict()
+    assert [group["param_names"] for group in ours["param_groups"]] == \
+        [group["param_names"] for group in theirs["param_groups"]]
+    optimizer.load_state_dict(theirs)
+    ref_optimizer.load_state_dict(ours)
+
+
+@pytest.mark.parametrize("names", [["layers.0.weight"], "layers.0.weight", [1, 2, 3, 4, 5, 6]])
+def test_param_names_that_do_not_name_each_parameter_once_are_refused(names):
+    built = MLP()
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['param_names'\]: expected"):
+        patrickstar.initialize(built, config=CONFIG, param_groups=[
+            {"params": list(built.parameters()), "param_names": names}])
