@@ -223,6 +223,8 @@ SCHEDULERS = {
     "CosineAnnealingWarmRestarts": lambda o: L.CosineAnnealingWarmRestarts(
         o, T_0=3, T_mult=2, eta_min=1e-4),
     "ReduceLROnPlateau": lambda o: L.ReduceLROnPlateau(o, patience=0, factor=0.5),
+    "CyclicLR": lambda o: L.CyclicLR(o, 1e-3, 1e-2, step_size_up=2, cycle_momentum=True,
+                                     base_momentum=0.8, max_momentum=0.95),  # cycles beta1
     "SequentialLR": lambda o: L.SequentialLR(
         o, [L.LinearLR(o, 0.1, 1.0, 3), L.ExponentialLR(o, 0.8)], milestones=[3]),
     "ChainedScheduler": lambda o: L.ChainedScheduler(
