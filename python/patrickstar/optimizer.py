@@ -420,8 +420,9 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
     # the forwards since the last step had not run (Note [An iteration without a step] in
     # engine.py). For was_step_applied() and the configured scheduler's once-per-step check it
     # is a step not applied, like an fp16 overflow's, after which stepping the scheduler or
-    # not are both right. Parameters torch would hold zero gradients for (zero_grad(set_to_none=False):
-    # Note [Gradients zeroed, not dropped]) make it an applied step, as in torch. One case
+    # not are both right. Parameters torch would hold zero gradients for
+    # (zero_grad(set_to_none=False): Note [Gradients zeroed, not dropped]) make it an applied
+    # step, as in torch. One case
     # stays an error: no zero_grad() since the last step, whose gradients torch's p.grad still
     # holds and would apply once more, while here that step consumed them (as DeepSpeed's and
     # upstream PatrickStar's do): a no-op would train differently without a word (README). Every
