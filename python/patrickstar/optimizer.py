@@ -203,9 +203,10 @@ class _UpdateRow:
 
 class ChunkedStateView(collections.abc.Mapping):
     """`optimizer.state` as torch.optim offers it (parameter -> its state dict), read out of the
-    chunks on each lookup; under data parallelism a rank has the state of the parameters it
-    owns, as in its `state_dict()`. Read-only: the state lives in chunks, so an assignment here
-    would be lost; `optimizer.load_state_dict` writes state."""
+    chunks on each lookup: the entry its `state_dict()` holds for that parameter, the same keys
+    (Note [The state view lists the state dict's keys]); under data parallelism a rank has the
+    state of the parameters it owns, as in its `state_dict()`. Read-only: the state lives in
+    chunks, so an assignment here would be lost; `optimizer.load_state_dict` writes state."""
 
     def __init__(self, optimizer: "PatrickStarOptimizer"):
         self._optimizer = weakref.ref(optimizer)
@@ -879,15 +880,28 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         """Whether parameter `index` has Adam state: trainable and stepped at least once."""
         return self.chunked.ids[index].momentum is not None and self.step_counts[index] > 0
 
+    # Note [The state view lists the state dict's keys]
+    # torch.distributed.checkpoint's set_state_dict with
+    # StateDictOptions(flatten_optimizer_state_dict=True) (torchtitan's optimizer container)
+    # rebuilds each parameter's saved entry from the keys of `optimizer.state[p]`, not from the
+    # flattened dict's. The view held step and moments only, so a 16-bit run's fp32 masters and
+    # Kahan compensations (Note [Master weights in the optimizer's state dict]) were dropped at
+    # such a load: the masters were rebuilt from the bf16 weights and the compensations zeroed,
+    # and the resumed run drifted from an uninterrupted one. As in torch, where state_dict() is
+    # built from `optimizer.state`, a parameter's entry is now one thing, read by both.
     def state_entry(self, index: int) -> dict:
-        """Parameter `index`'s Adam state as torch keeps it ({} before its first step): "step"
-        and the moments read out of their chunks (8-bit state: codes and their scales)."""
+        """Parameter `index`'s optimizer state ({} before its first step): "step" and the
+        moments read out of their chunks (8-bit state: codes and their scales), and in 16 bits
+        its fp32 master or Kahan compensation (Note [Master weights in the optimizer's state
+        dict]); `optimizer.state[p]` and `state_dict()` give the same entry (Note [The state view
+        lists the state dict's keys])."""
         if not self.has_state(index):
             return {}
         params = self.chunked
         entry = {"step": torch.tensor(float(self.step_counts[index]))}
         for key in moment_state.MOMENT_KEYS:
             entry.update(moment_state.read_moment(params, index, key))
+        entry.update(self._weight_entry(index))
         return entry
 
     # Note [Optimizer state-dict hooks]
@@ -919,7 +933,6 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         for index in range(len(params)):
             entry = self.state_entry(index)
             if entry:
-                entry.update(self._weight_entry(index))
                 state[index] = entry
         if self.dp.enabled:
             merged = {}
@@ -964,7 +977,7 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
     # compensation (new weights carry no rounding error); `optimizer.load_state_dict` then
     # writes the saved ones. An engine without that kind ignores the key, and a dict without
     # it (a torch optimizer's, an older file) leaves what the model load wrote, as before.
-    # `optimizer.state[p]` stays torch's (step and moments).
+    # `optimizer.state[p]` holds them too (Note [The state view lists the state dict's keys]).
     _WEIGHT_KINDS = {"master_param": _C.ChunkKind.MASTER_PARAM,
                      "param_compensation": _C.ChunkKind.PARAM_COMPENSATION}
     # Note [The weights a compensation belongs to]
