@@ -257,3 +257,36 @@ def test_int8_state_of_rarely_active_relu_units_keeps_weights_as_torch(bf16):
         # 8-bit moments (and bf16 weights and activations) move each weight by a little; a
         # blown-up update moves it by lr * 10^3.
         assert (ours[name].float() - value).abs().max() < (0.1 if bf16 else 0.03), name
+
+
+def test_8bit_state_reaches_plain_torch_through_an_fp32_engine():
+    # The README's way out: a torch optimizer's load_state_dict would cast the uint8 codes to
+    # numbers; an fp32-state engine loads them dequantized, and its state dict is torch's.
+    data = batches(6)
+    model, optimizer = patrickstar.initialize(make_model, config=config("int8"))
+    train(model, optimizer, data[:3])
+    weights, saved = model.state_dict(), optimizer.state_dict()
+    model.destroy()
+    model, optimizer = patrickstar.initialize(make_model, config=config("fp32"))
+    model.load_state_dict(weights)
+    optimizer.load_state_dict(saved)
+    plain_state = optimizer.state_dict()
+    expected = train(model, optimizer, data[3:])
+    model.destroy()
+    for index, entry in saved["state"].items():
+        for key in moment_state.MOMENT_KEYS:
+            values = moment_state.dequantize_moment(key, entry[key],
+                                                    entry[moment_state.scale_key(key)])
+            assert torch.equal(plain_state["state"][index][key], values), (index, key)
+    reference = make_model()
+    reference.load_state_dict(weights)
+    torch_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.01)
+    torch_optimizer.load_state_dict(plain_state)
+    losses = []
+    for x, y in data[3:]:
+        loss = nn.functional.cross_entropy(reference(x), y)
+        loss.backward()
+        torch_optimizer.step()
+        torch_optimizer.zero_grad()
+        losses.append(loss.item())
+    assert losses == pytest.approx(expected, rel=1e-5)
