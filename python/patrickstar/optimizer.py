@@ -1035,7 +1035,8 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         # numbered by its groups]): numbers, or fully qualified names.
         state = {_saved_key(key): entry for key, entry in state_dict["state"].items()}
         empty = _empty_entries(state)  # Note [Saved state of parameters without elements]
-        state = {key: entry for key, entry in state.items() if key not in empty}
+        # Note [An empty entry is no state]
+        state = {key: entry for key, entry in state.items() if key not in empty and entry}
         to_index = self._saved_numbering(groups, empty)
         self._check_saved_shapes(state, to_index)
         groups = [self._checked_saved_group(number, saved) for number, saved in enumerate(groups)]
@@ -1054,14 +1055,24 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
             self._load_weight_entry(index, entry)
         self._forget_state(set(range(len(self.chunked.ids))) -
                            {to_index[key] for key in state})
-        if any(self._COMPENSATED in entry for entry in state.values()) and \
-                any(ids.compensation is not None for ids in self.chunked.ids):
-            # The owners wrote bf16 weights: gathered copies are stale (every rank loads the
-            # same dict, so every rank comes here).
+        if state_dict["state"] and any(ids.compensation is not None for ids in self.chunked.ids):
+            # The owners may have written bf16 weights (compensated_param): gathered copies are
+            # stale. Every rank comes here: each loads a dict of the same parameters, the same
+            # dict or, flattened by torch.distributed.checkpoint, with empty entries for those
+            # it does not own (Note [An empty entry is no state]).
             self.dp.parameters_changed()
         if "loss_scaler" in state_dict:
             self.loss_scaler.load_state_dict(state_dict["loss_scaler"])
 
+    # Note [An empty entry is no state]
+    # torch.optim keeps `state[p] = {}` for a parameter without state (its step initializes
+    # one), so a saved entry {} means none, as a missing entry does (Note [Loading a state dict
+    # without a parameter's state]); ours raised "has no 'exp_avg'". torch.distributed.
+    # checkpoint's set_state_dict with flatten_optimizer_state_dict=True rebuilds each entry
+    # from the keys of `optimizer.state[p]` (Note [The state view lists the state dict's
+    # keys]); under data parallelism a rank's view holds the parameters it owns only, so every
+    # other parameter's entry comes to it as {}: such a load failed on every rank. Its owner
+    # gets the whole entry and loads it.
     # Note [Loading a state dict without a parameter's state]
     # torch's load_state_dict replaces the optimizer's state: a parameter the saved dict has no
     # state for (a state dict saved before the first step, the usual "initial checkpoint") has

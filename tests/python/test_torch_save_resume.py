@@ -227,3 +227,48 @@ def test_loading_a_state_dict_saved_before_the_first_step_starts_adam_afresh(nam
         torch_steps(range(3, 6))
         for key, value in reference.state_dict().items():
             torch.testing.assert_close(final["model"][key], value, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["fp32", "bf16-no-master-int8-state"])
+def test_an_empty_saved_entry_is_no_state_as_in_torch(name):
+    # Note [An empty entry is no state] in optimizer.py: torch's load takes {} as a parameter
+    # without state (its next step starts Adam afresh); ours raised "has no 'exp_avg'".
+    model, optimizer = build(name)
+    train(model, optimizer, range(3))
+    checkpoint = torch.load(io.BytesIO(saved(model, optimizer)))
+    del model, optimizer
+    gc.collect()
+    results = []
+    for entry in ({}, None):  # an empty entry, and no entry at all
+        state = copy.deepcopy(checkpoint)
+        if entry is None:
+            del state["optimizer"]["state"][0]
+        else:
+            state["optimizer"]["state"][0] = entry
+        model, optimizer = build(name)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        assert 0 not in optimizer.state_dict()["state"]
+        results.append((train(model, optimizer, range(3, 6)),
+                        torch.load(io.BytesIO(saved(model, optimizer)))))
+        del model, optimizer
+        gc.collect()
+    assert results[0][0] == results[1][0]
+    assert_same_state(results[0][1], results[1][1])
+    if name == "fp32":  # torch's AdamW given the same dict
+        torch.manual_seed(0)
+        reference = MLP()
+        reference.load_state_dict(checkpoint["model"])
+        torch_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
+        state = copy.deepcopy(checkpoint["optimizer"])
+        state["state"][0] = {}
+        del state["loss_scaler"]
+        torch_optimizer.load_state_dict(state)
+        losses = []
+        for step in range(3, 6):
+            loss = reference(*batch(step, torch.float32))
+            loss.backward()
+            torch_optimizer.step()
+            torch_optimizer.zero_grad()
+            losses.append(loss.item())
+        assert losses == pytest.approx(results[0][0], rel=1e-5)
