@@ -1164,6 +1164,13 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
     # (the engine's before) is paired with the chunked parameters once its empty entries are
     # dropped.
 
+    # Note [8-bit moments are checked before the load writes]
+    # The shape check above let 8-bit codes through (their scales were checked as each moment
+    # was written), so codes of another size, or codes without their scales or with too few,
+    # failed in the middle of the load: the entries before had been written, the optimizer
+    # held half of one state dict and half of another, and too few codes gave torch's "shape
+    # '[10]' is invalid for input of size 5". moment_state.check_moment checks each moment as
+    # its write will, here, before anything is written; a missing "step" too.
     def _check_saved_shapes(self, state, to_index) -> None:
         params = self.chunked
         for key, entry in state.items():
@@ -1171,16 +1178,23 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"optimizer state dict: state {key!r} belongs to no param "
                                  "group's 'params'")
             index = to_index[key]
-            for moment in moment_state.MOMENT_KEYS:
-                value = entry.get(moment)
-                if value is None:
+            for moment in ("step", *moment_state.MOMENT_KEYS):
+                if entry.get(moment) is None:
                     raise ValueError(f"optimizer state dict: state {key} ('{params.names[index]}')"
                                      f" has no {moment!r}")
+            # Note [8-bit moments are checked before the load writes]
+            for moment in moment_state.MOMENT_KEYS:
+                value = entry[moment]
                 if value.dtype != torch.uint8 and tuple(value.shape) != params.shapes[index]:
                     raise ValueError(
                         f"optimizer state dict: state {key} maps to '{params.names[index]}' of "
                         f"shape {params.shapes[index]}, but its {moment} has shape "
                         f"{tuple(value.shape)} (parameters in another order than when saved?)")
+                try:
+                    moment_state.check_moment(params.names[index], params.shapes[index], moment,
+                                              value, entry.get(moment_state.scale_key(moment)))
+                except ValueError as error:
+                    raise ValueError(f"optimizer state dict: state {key}: {error}") from None
             for weight in (*self._WEIGHT_KINDS, self._COMPENSATED):
                 value = entry.get(weight)
                 if value is not None and tuple(value.shape) != params.shapes[index]:
