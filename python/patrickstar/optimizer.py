@@ -1073,6 +1073,7 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
     # keys]); under data parallelism a rank's view holds the parameters it owns only, so every
     # other parameter's entry comes to it as {}: such a load failed on every rank. Its owner
     # gets the whole entry and loads it.
+
     # Note [Loading a state dict without a parameter's state]
     # torch's load_state_dict replaces the optimizer's state: a parameter the saved dict has no
     # state for (a state dict saved before the first step, the usual "initial checkpoint") has
