@@ -6,13 +6,15 @@ converted when the stored and the wanted dtype differ (an fp32 checkpoint loaded
 state is quantized, an int8 one loaded with fp32 state dequantized)."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 from . import _C
 from .chunked_params import ChunkedParams, scale_count
 
-__all__ = ["MOMENT_KEYS", "scale_key", "read_moment", "write_moment", "quantize", "dequantize",
-           "dequantize_moment"]
+__all__ = ["MOMENT_KEYS", "scale_key", "read_moment", "write_moment", "check_moment",
+           "quantize", "dequantize", "dequantize_moment"]
 
 K = _C.ChunkKind
 
@@ -65,19 +67,35 @@ def read_moment(params: ChunkedParams, index: int, key: str) -> dict[str, torch.
     return result
 
 
+def check_moment(name: str, shape: tuple[int, ...], key: str, value: torch.Tensor,
+                 scales: torch.Tensor | None = None) -> None:
+    """Raises ValueError naming parameter `name` unless `value` can be written as its moment
+    `key`: float values of its `shape`, or 8-bit codes of as many elements with their
+    `scales`, one per block of 2048 (so a load can check every entry before it writes any)."""
+    numel = math.prod(shape)
+    if value.dtype != torch.uint8:
+        if tuple(value.shape) != tuple(shape):
+            raise ValueError(f"'{name}' of shape {tuple(shape)}: its {key} has shape "
+                             f"{tuple(value.shape)}")
+        return
+    if value.numel() != numel:
+        raise ValueError(f"'{name}' of shape {tuple(shape)} ({numel} elements): its {key} "
+                         f"holds {value.numel()} 8-bit codes")
+    if scales is None:
+        raise ValueError(f"'{name}' {key}: 8-bit codes without their '{scale_key(key)}'")
+    if scales.numel() != scale_count(numel):
+        raise ValueError(f"'{name}' {key}: {numel} codes need {scale_count(numel)} scales, "
+                         f"got {scales.numel()}")
+
+
 def write_moment(params: ChunkedParams, index: int, key: str, value: torch.Tensor,
                  scales: torch.Tensor | None = None) -> None:
     """Writes moment `key` of parameter `index` from `value`: float values of any dtype, or
     8-bit codes with their `scales` (as `read_moment` returns them); converted to what the
     chunks hold."""
     kind, scale_kind, signed = _MOMENTS[key]
-    name = params.names[index]
     if value.dtype == torch.uint8:
-        if scales is None:
-            raise ValueError(f"'{name}' {key}: 8-bit codes without their '{scale_key(key)}'")
-        if scales.numel() != scale_count(value.numel()):
-            raise ValueError(f"'{name}' {key}: {value.numel()} codes need "
-                             f"{scale_count(value.numel())} scales, got {scales.numel()}")
+        check_moment(params.names[index], params.shapes[index], key, value, scales)
     stored_8bit = params.tensor_id(index, scale_kind) is not None
     if stored_8bit:
         if value.dtype == torch.uint8:

@@ -238,9 +238,10 @@ class _UpdateRow:
 
 class ChunkedStateView(collections.abc.Mapping):
     """`optimizer.state` as torch.optim offers it (parameter -> its state dict), read out of the
-    chunks on each lookup; under data parallelism a rank has the state of the parameters it
-    owns, as in its `state_dict()`. Read-only: the state lives in chunks, so an assignment here
-    would be lost; `optimizer.load_state_dict` writes state."""
+    chunks on each lookup: the entry its `state_dict()` holds for that parameter, the same keys
+    (Note [The state view lists the state dict's keys]); under data parallelism a rank has the
+    state of the parameters it owns, as in its `state_dict()`. Read-only: the state lives in
+    chunks, so an assignment here would be lost; `optimizer.load_state_dict` writes state."""
 
     def __init__(self, optimizer: "PatrickStarOptimizer"):
         self._optimizer = weakref.ref(optimizer)
@@ -968,15 +969,28 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         """Whether parameter `index` has Adam state: trainable and stepped at least once."""
         return self.chunked.ids[index].momentum is not None and self.step_counts[index] > 0
 
+    # Note [The state view lists the state dict's keys]
+    # torch.distributed.checkpoint's set_state_dict with
+    # StateDictOptions(flatten_optimizer_state_dict=True) (torchtitan's optimizer container)
+    # rebuilds each parameter's saved entry from the keys of `optimizer.state[p]`, not from the
+    # flattened dict's. The view held step and moments only, so a 16-bit run's fp32 masters and
+    # Kahan compensations (Note [Master weights in the optimizer's state dict]) were dropped at
+    # such a load: the masters were rebuilt from the bf16 weights and the compensations zeroed,
+    # and the resumed run drifted from an uninterrupted one. As in torch, where state_dict() is
+    # built from `optimizer.state`, a parameter's entry is now one thing, read by both.
     def state_entry(self, index: int) -> dict:
-        """Parameter `index`'s Adam state as torch keeps it ({} before its first step): "step"
-        and the moments read out of their chunks (8-bit state: codes and their scales)."""
+        """Parameter `index`'s optimizer state ({} before its first step): "step" and the
+        moments read out of their chunks (8-bit state: codes and their scales), and in 16 bits
+        its fp32 master or Kahan compensation (Note [Master weights in the optimizer's state
+        dict]); `optimizer.state[p]` and `state_dict()` give the same entry (Note [The state view
+        lists the state dict's keys])."""
         if not self.has_state(index):
             return {}
         params = self.chunked
         entry = {"step": torch.tensor(float(self.step_counts[index]))}
         for key in moment_state.MOMENT_KEYS:
             entry.update(moment_state.read_moment(params, index, key))
+        entry.update(self._weight_entry(index))
         return entry
 
     # Note [Optimizer state-dict hooks]
@@ -1008,7 +1022,6 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         for index in range(len(params)):
             entry = self.state_entry(index)
             if entry:
-                entry.update(self._weight_entry(index))
                 state[index] = entry
         if self.dp.enabled:
             merged = {}
@@ -1053,7 +1066,7 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
     # compensation (new weights carry no rounding error); `optimizer.load_state_dict` then
     # writes the saved ones. An engine without that kind ignores the key, and a dict without
     # it (a torch optimizer's, an older file) leaves what the model load wrote, as before.
-    # `optimizer.state[p]` stays torch's (step and moments).
+    # `optimizer.state[p]` holds them too (Note [The state view lists the state dict's keys]).
     _WEIGHT_KINDS = {"master_param": _C.ChunkKind.MASTER_PARAM,
                      "param_compensation": _C.ChunkKind.PARAM_COMPENSATION}
     # Note [The weights a compensation belongs to]
@@ -1111,7 +1124,8 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         # numbered by its groups]): numbers, or fully qualified names.
         state = {_saved_key(key): entry for key, entry in state_dict["state"].items()}
         empty = _empty_entries(state)  # Note [Saved state of parameters without elements]
-        state = {key: entry for key, entry in state.items() if key not in empty}
+        # Note [An empty entry is no state]
+        state = {key: entry for key, entry in state.items() if key not in empty and entry}
         to_index = self._saved_numbering(groups, empty)
         self._check_saved_shapes(state, to_index)
         groups = [self._checked_saved_group(number, saved) for number, saved in enumerate(groups)]
@@ -1130,13 +1144,24 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
             self._load_weight_entry(index, entry)
         self._forget_state(set(range(len(self.chunked.ids))) -
                            {to_index[key] for key in state})
-        if any(self._COMPENSATED in entry for entry in state.values()) and \
-                any(ids.compensation is not None for ids in self.chunked.ids):
-            # The owners wrote bf16 weights: gathered copies are stale (every rank loads the
-            # same dict, so every rank comes here).
+        if state_dict["state"] and any(ids.compensation is not None for ids in self.chunked.ids):
+            # The owners may have written bf16 weights (compensated_param): gathered copies are
+            # stale. Every rank comes here: each loads a dict of the same parameters, the same
+            # dict or, flattened by torch.distributed.checkpoint, with empty entries for those
+            # it does not own (Note [An empty entry is no state]).
             self.dp.parameters_changed()
         if "loss_scaler" in state_dict:
             self.loss_scaler.load_state_dict(state_dict["loss_scaler"])
+
+    # Note [An empty entry is no state]
+    # torch.optim keeps `state[p] = {}` for a parameter without state (its step initializes
+    # one), so a saved entry {} means none, as a missing entry does (Note [Loading a state dict
+    # without a parameter's state]); ours raised "has no 'exp_avg'". torch.distributed.
+    # checkpoint's set_state_dict with flatten_optimizer_state_dict=True rebuilds each entry
+    # from the keys of `optimizer.state[p]` (Note [The state view lists the state dict's
+    # keys]); under data parallelism a rank's view holds the parameters it owns only, so every
+    # other parameter's entry comes to it as {}: such a load failed on every rank. Its owner
+    # gets the whole entry and loads it.
 
     # Note [Loading a state dict without a parameter's state]
     # torch's load_state_dict replaces the optimizer's state: a parameter the saved dict has no
@@ -1229,6 +1254,13 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
     # (the engine's before) is paired with the chunked parameters once its empty entries are
     # dropped.
 
+    # Note [8-bit moments are checked before the load writes]
+    # The shape check above let 8-bit codes through (their scales were checked as each moment
+    # was written), so codes of another size, or codes without their scales or with too few,
+    # failed in the middle of the load: the entries before had been written, the optimizer
+    # held half of one state dict and half of another, and too few codes gave torch's "shape
+    # '[10]' is invalid for input of size 5". moment_state.check_moment checks each moment as
+    # its write will, here, before anything is written; a missing "step" too.
     def _check_saved_shapes(self, state, to_index) -> None:
         params = self.chunked
         for key, entry in state.items():
@@ -1236,16 +1268,23 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"optimizer state dict: state {key!r} belongs to no param "
                                  "group's 'params'")
             index = to_index[key]
-            for moment in moment_state.MOMENT_KEYS:
-                value = entry.get(moment)
-                if value is None:
+            for moment in ("step", *moment_state.MOMENT_KEYS):
+                if entry.get(moment) is None:
                     raise ValueError(f"optimizer state dict: state {key} ('{params.names[index]}')"
                                      f" has no {moment!r}")
+            # Note [8-bit moments are checked before the load writes]
+            for moment in moment_state.MOMENT_KEYS:
+                value = entry[moment]
                 if value.dtype != torch.uint8 and tuple(value.shape) != params.shapes[index]:
                     raise ValueError(
                         f"optimizer state dict: state {key} maps to '{params.names[index]}' of "
                         f"shape {params.shapes[index]}, but its {moment} has shape "
                         f"{tuple(value.shape)} (parameters in another order than when saved?)")
+                try:
+                    moment_state.check_moment(params.names[index], params.shapes[index], moment,
+                                              value, entry.get(moment_state.scale_key(moment)))
+                except ValueError as error:
+                    raise ValueError(f"optimizer state dict: state {key}: {error}") from None
             for weight in (*self._WEIGHT_KINDS, self._COMPENSATED):
                 value = entry.get(weight)
                 if value is not None and tuple(value.shape) != params.shapes[index]:

@@ -39,6 +39,8 @@
     dp_worker.py OUT_DIR --steps-without-gradients KEY   optimizer.step() with no backward
                                                   since zero_grad (torch's no-op), KEY "key" with
                                                   gradient_accumulation_steps given, else not
+    dp_worker.py OUT_DIR --dcp-flatten-lowp       the same flattened (torchtitan's options), in
+                                                  bf16 without masters with int8 state
 
 Writes OUT_DIR/<what>-rank<r>.pt with losses, the gathered state dict, memory statistics or
 the error raised, then leaves with os._exit so a dead peer cannot hold up interpreter exit.
@@ -198,6 +200,8 @@ def main() -> None:
             results.update(accelerate_loop(*map(int, what[1:])))
         elif what == ["--dcp"]:
             results.update(dcp_resume(out, rank))
+        elif what == ["--dcp-flatten-lowp"]:
+            results.update(dcp_resume(out, rank, flatten_lowp=True))
         elif what == ["--ddp-wrap"]:  # nanoGPT's `model = DDP(model)` around the engine
             model, _ = patrickstar.initialize(MLP, config={"default_chunk_size": 4096})
             wrapped = torch.nn.parallel.DistributedDataParallel(model)
@@ -611,22 +615,31 @@ def accelerate_loop(accumulation: int = 1) -> dict:
             "prepared_is_engine": prepared is model}
 
 
-def dcp_resume(out: str, rank: int) -> dict:
+def dcp_resume(out: str, rank: int, flatten_lowp: bool = False) -> dict:
     """FSDP2's checkpoint recipe on every rank: get_state_dict / dcp.save after 3 steps, 3 more
-    steps (expected); a new engine, get_state_dict, dcp.load, set_state_dict, the same 3 steps."""
+    steps (expected); a new engine, get_state_dict, dcp.load, set_state_dict, the same 3 steps.
+    `flatten_lowp`: torchtitan's flatten_optimizer_state_dict=True, in bf16 without masters and
+    with int8 state (Note [An empty entry is no state] in optimizer.py); also the final
+    optimizer and model state dicts of both runs."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
+                                                         set_state_dict)
+
+    options = StateDictOptions(flatten_optimizer_state_dict=flatten_lowp)
+    config = {"default_chunk_size": 4096, "optimizer": {"type": "Adam", "params": {"lr": 1e-2}}}
+    if flatten_lowp:
+        config = {"default_chunk_size": 4096, "bf16": {"enabled": True, "master_weights": False},
+                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "state_dtype": "int8"}}}
 
     def build():
         torch.manual_seed(0)
-        return patrickstar.initialize(MLP, config={
-            "default_chunk_size": 4096, "optimizer": {"type": "Adam", "params": {"lr": 1e-2}}})
+        return patrickstar.initialize(MLP, config=config)
 
     def train(model, optimizer, steps):
         losses = []
         for step in steps:
             generator = torch.Generator().manual_seed(10 * step + rank)
-            loss = model(torch.randn(8, 32, generator=generator),
+            loss = model(torch.randn(8, 32, generator=generator).to(model.compute_dtype),
                          torch.randint(0, 10, (8,), generator=generator))
             model.backward(loss)
             optimizer.step()
@@ -637,17 +650,20 @@ def dcp_resume(out: str, rank: int) -> dict:
     path = os.path.join(out, "dcp")
     model, optimizer = build()
     train(model, optimizer, range(3))
-    model_state, optimizer_state = get_state_dict(model, optimizer)
+    model_state, optimizer_state = get_state_dict(model, optimizer, options=options)
     dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=path)
     expected = train(model, optimizer, range(3, 6))
+    expected_final = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
     model.destroy()
     model, optimizer = build()
-    model_state, optimizer_state = get_state_dict(model, optimizer)
+    model_state, optimizer_state = get_state_dict(model, optimizer, options=options)
     state = {"model": model_state, "optimizer": optimizer_state}
     dcp.load(state, checkpoint_id=path)
     set_state_dict(model, optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optimizer"])
-    return {"expected": expected, "got": train(model, optimizer, range(3, 6))}
+                   optim_state_dict=state["optimizer"], options=options)
+    got = train(model, optimizer, range(3, 6))
+    return {"expected": expected, "got": got, "expected_final": expected_final,
+            "final": {"model": model.state_dict(), "optimizer": optimizer.state_dict()}}
 
 
 def seed_offset(rank: int) -> dict:

@@ -473,6 +473,20 @@ def test_torch_distributed_checkpoint_resumes_every_rank_bit_for_bit(tmp_path):
         assert result["got"] == result["expected"], rank
 
 
+def test_flattened_distributed_checkpoint_of_8bit_state_without_masters_resumes_bit_for_bit(
+        tmp_path):
+    # torchtitan's StateDictOptions(flatten_optimizer_state_dict=True): set_state_dict rebuilds
+    # each parameter's entry from optimizer.state[p], which on a rank holds the parameters it
+    # owns only, so the others' entries came as {} and the load raised "has no 'exp_avg'" on
+    # every rank (Note [An empty entry is no state] in optimizer.py).
+    from test_torch_save_resume import assert_same_state
+
+    for rank, result in enumerate(launch(tmp_path, 2, "--dcp-flatten-lowp")):
+        assert "error" not in result, result.get("traceback")
+        assert result["got"] == result["expected"], rank
+        assert_same_state(result["final"], result["expected_final"])
+
+
 @pytest.mark.parametrize("name", ["branch_unused", "branch_accumulation"])
 def test_a_gradient_only_another_rank_made_is_not_mixed_with_stale_bytes(two_ranks, name):
     # Note [FREE tensors in a reduced chunk]: the branch's owner never takes it; its gradient

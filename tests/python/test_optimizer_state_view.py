@@ -38,6 +38,35 @@ def test_state_matches_torch_adamw():
         optimizer.state[next(model.parameters())] = {}
 
 
+@pytest.mark.parametrize("extra, weight_keys", [
+    ({"bf16": {"enabled": True}}, {"master_param"}),
+    ({"bf16": {"enabled": True, "master_weights": False}, "state_dtype": "int8"},
+     {"param_compensation", "compensated_param", "exp_avg_scale", "exp_avg_sq_scale"})],
+    ids=["bf16", "bf16-no-master-int8-state"])
+def test_each_parameters_state_is_its_state_dict_entry(extra, weight_keys):
+    # As in torch, where state_dict() is built from optimizer.state: the same keys and values
+    # (Note [The state view lists the state dict's keys] in optimizer.py).
+    config = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "default_chunk_size": 4096}
+    if "state_dtype" in extra:
+        config["optimizer"]["params"]["state_dtype"] = extra["state_dtype"]
+    config.update({key: value for key, value in extra.items() if key != "state_dtype"})
+    torch.manual_seed(0)
+    model, optimizer = patrickstar.initialize(MLP, config=config)
+    for _ in range(2):
+        x, y = torch.randn(8, 32), torch.randint(0, 10, (8,))
+        model(x.bfloat16(), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    saved = optimizer.state_dict()["state"]
+    for number, param in enumerate(model.parameters()):
+        state = optimizer.state[param]
+        assert set(state) == {"step", "exp_avg", "exp_avg_sq"} | weight_keys
+        assert state.keys() == saved[number].keys()
+        for key, value in state.items():
+            assert torch.equal(value, saved[number][key]), (number, key)
+    model.destroy()
+
+
 def test_add_param_group_after_initialize_is_refused():
     model, optimizer = patrickstar.initialize(MLP, config={
         "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}, "default_chunk_size": 4096})

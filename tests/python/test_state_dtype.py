@@ -257,3 +257,75 @@ def test_int8_state_of_rarely_active_relu_units_keeps_weights_as_torch(bf16):
         # 8-bit moments (and bf16 weights and activations) move each weight by a little; a
         # blown-up update moves it by lr * 10^3.
         assert (ours[name].float() - value).abs().max() < (0.1 if bf16 else 0.03), name
+
+
+def test_8bit_state_reaches_plain_torch_through_an_fp32_engine():
+    # The README's way out: a torch optimizer's load_state_dict would cast the uint8 codes to
+    # numbers; an fp32-state engine loads them dequantized, and its state dict is torch's.
+    data = batches(6)
+    model, optimizer = patrickstar.initialize(make_model, config=config("int8"))
+    train(model, optimizer, data[:3])
+    weights, saved = model.state_dict(), optimizer.state_dict()
+    model.destroy()
+    model, optimizer = patrickstar.initialize(make_model, config=config("fp32"))
+    model.load_state_dict(weights)
+    optimizer.load_state_dict(saved)
+    plain_state = optimizer.state_dict()
+    expected = train(model, optimizer, data[3:])
+    model.destroy()
+    for index, entry in saved["state"].items():
+        for key in moment_state.MOMENT_KEYS:
+            values = moment_state.dequantize_moment(key, entry[key],
+                                                    entry[moment_state.scale_key(key)])
+            assert torch.equal(plain_state["state"][index][key], values), (index, key)
+    reference = make_model()
+    reference.load_state_dict(weights)
+    torch_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.01)
+    torch_optimizer.load_state_dict(plain_state)
+    losses = []
+    for x, y in data[3:]:
+        loss = nn.functional.cross_entropy(reference(x), y)
+        loss.backward()
+        torch_optimizer.step()
+        torch_optimizer.zero_grad()
+        losses.append(loss.item())
+    assert losses == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.mark.parametrize("engine_state_dtype", ["int8", "fp32"])
+@pytest.mark.parametrize("corrupt, message", [
+    ("short codes", r"state 3: '2.bias' of shape \(10,\) \(10 elements\): its exp_avg holds 5 "
+                    r"8-bit codes"),
+    ("no scales", r"state 3: '2.bias' exp_avg: 8-bit codes without their 'exp_avg_scale'"),
+    ("two scales", r"state 3: '2.bias' exp_avg_sq: 10 codes need 1 scales, got 2"),
+    ("no step", r"state 3 \('2.bias'\) has no 'step'"),
+])
+def test_a_bad_8bit_entry_is_refused_before_anything_is_loaded(engine_state_dtype, corrupt,
+                                                                message):
+    # Note [8-bit moments are checked before the load writes] in optimizer.py: the last
+    # entry's codes were checked only as they were written, after the entries before them.
+    model, optimizer = patrickstar.initialize(make_model, config=config("int8"))
+    data = batches(3)
+    train(model, optimizer, data[:1])
+    earlier = copy.deepcopy(optimizer.state_dict())
+    train(model, optimizer, data[1:])
+    later = copy.deepcopy(optimizer.state_dict())
+    model.destroy()
+    model, optimizer = patrickstar.initialize(make_model, config=config(engine_state_dtype))
+    optimizer.load_state_dict(earlier)
+    before = optimizer.state_dict()
+    entry = later["state"][3]
+    if corrupt == "short codes":
+        entry["exp_avg"] = entry["exp_avg"][:5]
+    elif corrupt == "no scales":
+        del entry["exp_avg_scale"]
+    elif corrupt == "two scales":
+        entry["exp_avg_sq_scale"] = entry["exp_avg_sq_scale"].repeat(2)
+    else:
+        del entry["step"]
+    with pytest.raises(ValueError, match=message):
+        optimizer.load_state_dict(later)
+    for index, saved in before["state"].items():
+        for key, value in saved.items():
+            assert torch.equal(optimizer.state_dict()["state"][index][key], value), (index, key)
+    model.destroy()

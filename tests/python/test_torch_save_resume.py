@@ -147,19 +147,30 @@ def test_the_models_own_state_dict_loads_as_a_no_op():
     assert torch.equal(master, weights["layers.0.weight"].float())
 
 
-@pytest.mark.parametrize("name", ["fp32", "bf16", "bf16-no-master", "bf16-no-master-int8-state"])
-def test_torch_distributed_checkpoint_resumes_bit_for_bit(name, tmp_path):
+@pytest.mark.parametrize("name, flatten", [
+    ("fp32", False), ("bf16", False), ("bf16-no-master", False),
+    ("bf16-no-master-int8-state", False), ("bf16", True), ("bf16-no-master-int8-state", True)])
+def test_torch_distributed_checkpoint_resumes_bit_for_bit(name, flatten, tmp_path):
     # FSDP2's idiom: get_state_dict(model, optimizer) names the optimizer's parameters by their
     # fully qualified names; dcp.save / dcp.load; set_state_dict. Our load read the names as
     # numbers ("invalid literal for int() ... 'module.layers.0.weight'"), and on a new engine
     # get_state_dict failed ("optimizer.step() called before model.backward(loss)").
+    # torchtitan's options, flatten_optimizer_state_dict=True: the load rebuilds each entry from
+    # the keys of optimizer.state[p], which lacked the masters and compensations (Note [The
+    # state view lists the state dict's keys] in optimizer.py): the losses of 4 steps were
+    # still equal, the masters and compensations after them not.
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
+                                                         set_state_dict)
 
+    options = StateDictOptions(flatten_optimizer_state_dict=flatten)
     model, optimizer = build(name)
     train(model, optimizer, range(4))
-    model_state, optimizer_state = get_state_dict(model, optimizer)
-    assert "module.layers.0.weight" in optimizer_state["state"]
+    model_state, optimizer_state = get_state_dict(model, optimizer, options=options)
+    if flatten:
+        assert "state.module.layers.0.weight.exp_avg" in optimizer_state
+    else:
+        assert "module.layers.0.weight" in optimizer_state["state"]
     dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=tmp_path)
     expected = train(model, optimizer, range(4, 8))
     expected_final = torch.load(io.BytesIO(saved(model, optimizer)))
@@ -168,12 +179,12 @@ def test_torch_distributed_checkpoint_resumes_bit_for_bit(name, tmp_path):
 
     model, optimizer = build(name)  # a new engine: get_state_dict steps it to make its state
     # (Note [The state-initializing step of torch.distributed.checkpoint] in optimizer.py)
-    model_state, optimizer_state = get_state_dict(model, optimizer)
+    model_state, optimizer_state = get_state_dict(model, optimizer, options=options)
     assert all(param.grad is None for param in model.parameters())
     state = {"model": model_state, "optimizer": optimizer_state}
     dcp.load(state, checkpoint_id=tmp_path)
     set_state_dict(model, optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optimizer"])
+                   optim_state_dict=state["optimizer"], options=options)
     assert train(model, optimizer, range(4, 8)) == expected
     # The weights and Adam state too (set_state_dict loads the optimizer before the model:
     # without masters the compensations were zeroed, Note [The weights a compensation belongs
@@ -216,3 +227,48 @@ def test_loading_a_state_dict_saved_before_the_first_step_starts_adam_afresh(nam
         torch_steps(range(3, 6))
         for key, value in reference.state_dict().items():
             torch.testing.assert_close(final["model"][key], value, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["fp32", "bf16-no-master-int8-state"])
+def test_an_empty_saved_entry_is_no_state_as_in_torch(name):
+    # Note [An empty entry is no state] in optimizer.py: torch's load takes {} as a parameter
+    # without state (its next step starts Adam afresh); ours raised "has no 'exp_avg'".
+    model, optimizer = build(name)
+    train(model, optimizer, range(3))
+    checkpoint = torch.load(io.BytesIO(saved(model, optimizer)))
+    del model, optimizer
+    gc.collect()
+    results = []
+    for entry in ({}, None):  # an empty entry, and no entry at all
+        state = copy.deepcopy(checkpoint)
+        if entry is None:
+            del state["optimizer"]["state"][0]
+        else:
+            state["optimizer"]["state"][0] = entry
+        model, optimizer = build(name)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        assert 0 not in optimizer.state_dict()["state"]
+        results.append((train(model, optimizer, range(3, 6)),
+                        torch.load(io.BytesIO(saved(model, optimizer)))))
+        del model, optimizer
+        gc.collect()
+    assert results[0][0] == results[1][0]
+    assert_same_state(results[0][1], results[1][1])
+    if name == "fp32":  # torch's AdamW given the same dict
+        torch.manual_seed(0)
+        reference = MLP()
+        reference.load_state_dict(checkpoint["model"])
+        torch_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
+        state = copy.deepcopy(checkpoint["optimizer"])
+        state["state"][0] = {}
+        del state["loss_scaler"]
+        torch_optimizer.load_state_dict(state)
+        losses = []
+        for step in range(3, 6):
+            loss = reference(*batch(step, torch.float32))
+            loss.backward()
+            torch_optimizer.step()
+            torch_optimizer.zero_grad()
+            losses.append(loss.item())
+        assert losses == pytest.approx(results[0][0], rel=1e-5)
