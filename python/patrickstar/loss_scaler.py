@@ -27,7 +27,10 @@ here. test_loss_scaling.py compares the scale sequence with DeepSpeed's rule ste
 """
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
+import math
+import numbers
 
 __all__ = ["LossScaler", "StaticLossScaler", "DynamicLossScaler", "LossScaleAtMinimum",
            "make_loss_scaler"]
@@ -49,8 +52,57 @@ class LossScaler:
     def state_dict(self) -> dict:
         return {"scale": self.scale}
 
+    # Note [A loss scaler's saved state]
+    # optimizer.load_state_dict restores the scaler from the dict's "loss_scaler" entry. That
+    # entry was read without a check: a dict of a dynamic (fp16) scaler loaded into a bf16 or
+    # fp32 engine set its constant scale to 65536, a static scaler's {"scale": 1.0} would set
+    # an fp16 run's dynamic scale to 1 (its gradients then underflow), a negative or zero scale
+    # loaded, a string or a dict of unknown keys loaded as nothing, and a value that failed to
+    # convert raised after the optimizer's state had been written (half of one state dict,
+    # half of another). Now `checked_state` checks the entry before anything is written, and
+    # names the key and value: a dict, of known keys, numbers where numbers go, scales finite
+    # and positive. A static scaler's scale is its configuration (1 without fp16,
+    # fp16.loss_scale with it), not training state, so it loads none; a dynamic scaler loads
+    # only a dynamic scaler's state, and keeps its own where the dict is a static one's (a
+    # switch from bf16 or a static scale to dynamic fp16 at a resume).
+    _DYNAMIC_KEYS = frozenset({"scale", "scale_factor", "scale_window", "hysteresis", "min_scale",
+                               "consecutive_hysteresis", "steps_since_overflow",
+                               "hysteresis_left", "overflows", "overflows_in_a_row"})
+
+    def checked_state(self, state) -> dict:
+        """The values `load_state_dict(state)` sets, after checking `state` (a saved
+        "loss_scaler" entry): raises TypeError / ValueError naming the key and value, so a
+        caller can check before it writes anything (Note [A loss scaler's saved state])."""
+        where = "optimizer state dict 'loss_scaler'"
+        if not isinstance(state, collections.abc.Mapping):
+            raise TypeError(f"{where}: expected a dict (a loss scaler's state_dict()), got "
+                            f"{type(state).__name__} {state!r}")
+        unknown = sorted(str(key) for key in state if key not in self._DYNAMIC_KEYS)
+        if unknown:
+            raise ValueError(f"{where}: unknown keys {unknown} (a loss scaler's state has "
+                             f"{sorted(self._DYNAMIC_KEYS)})")
+        values = {}
+        for key, value in state.items():
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                if key == "consecutive_hysteresis" and isinstance(value, bool):
+                    values[key] = value
+                    continue
+                raise ValueError(f"{where}: {key!r} must be a number, got "
+                                 f"{type(value).__name__} {value!r}")
+            if key in ("scale", "min_scale", "scale_factor"):
+                if not (math.isfinite(value) and value > 0):
+                    raise ValueError(f"{where}: {key!r} must be finite and > 0, got {value!r}")
+                values[key] = float(value)
+            else:
+                least = 1 if key in ("scale_window", "hysteresis") else 0
+                if not math.isfinite(value) or value != int(value) or value < least:
+                    raise ValueError(f"{where}: {key!r} must be a whole number >= {least}, got "
+                                     f"{value!r}")
+                values[key] = int(value)
+        return values
+
     def load_state_dict(self, state: dict) -> None:
-        self.scale = float(state["scale"])
+        self.checked_state(state)  # a static scale is configuration: nothing to load
 
     # Upstream PatrickStar's and DeepSpeed's names for `scale`.
     @property
@@ -135,9 +187,11 @@ class DynamicLossScaler(LossScaler):
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        for field in dataclasses.fields(self):
-            if field.name in state and field.name not in self._NOT_STATE:
-                setattr(self, field.name, type(getattr(self, field.name))(state[field.name]))
+        values = self.checked_state(state)
+        if set(values) <= {"scale"}:
+            return  # a static scaler's state (Note [A loss scaler's saved state])
+        for name, value in values.items():
+            setattr(self, name, value)
 
 
 def make_loss_scaler(config) -> LossScaler:

@@ -1129,6 +1129,8 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         to_index = self._saved_numbering(groups, empty)
         self._check_saved_shapes(state, to_index)
         groups = [self._checked_saved_group(number, saved) for number, saved in enumerate(groups)]
+        if "loss_scaler" in state_dict:  # Note [A loss scaler's saved state] in loss_scaler.py
+            self.loss_scaler.checked_state(state_dict["loss_scaler"])
         for saved, group in zip(groups, self.param_groups):
             group.update({k: v for k, v in saved.items() if k != "params"})
         manager = self.chunked.chunks.manager

@@ -167,3 +167,66 @@ def test_growth_in_training_is_deepspeeds():
         scales.append((opt.loss_scale, reference.scale))
     assert [a for a, _ in scales] == [b for _, b in scales]
     assert scales[2][0] == 32.0  # grown after the third clean step, as DeepSpeed
+
+
+def _state_tensors(opt):
+    return {(index, key): value.clone() for index, entry in opt.state_dict()["state"].items()
+            for key, value in entry.items() if isinstance(value, torch.Tensor)}
+
+
+@pytest.mark.parametrize("bad, error", [
+    ("notadict", r"'loss_scaler': expected a dict .*got str 'notadict'"),
+    ({"cur_scale": 8.0}, r"unknown keys \['cur_scale'\]"),
+    ({"scale": "abc"}, r"'scale' must be a number, got str 'abc'"),
+    ({"scale": -1.0}, r"'scale' must be finite and > 0, got -1.0"),
+    ({"scale": 8.0, "scale_window": 0}, r"'scale_window' must be a whole number >= 1, got 0"),
+    ({"scale": 8.0, "overflows": 1.5}, r"'overflows' must be a whole number >= 0, got 1.5")])
+def test_a_bad_saved_loss_scaler_is_refused_before_anything_is_loaded(bad, error):
+    """Note [A loss scaler's saved state]: the optimizer's moments stay those before the load."""
+    model, opt = make()
+    train_step(model, opt, *batches(1)[0], overflow=False)
+    saved = opt.state_dict()
+    saved["loss_scaler"] = bad
+    other, other_opt = make()
+    train_step(other, other_opt, *batches(1, seed=3)[0], overflow=False)
+    before, scaler_before = _state_tensors(other_opt), other_opt.loss_scaler.state_dict()
+    with pytest.raises((TypeError, ValueError), match=error):
+        other_opt.load_state_dict(saved)
+    after = _state_tensors(other_opt)
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[key], after[key]) for key in before)
+    assert other_opt.loss_scaler.state_dict() == scaler_before
+
+
+def _bf16_engine():
+    torch.manual_seed(0)
+    return patrickstar.initialize(MLP, config={"bf16": {"enabled": True},
+                                               "default_chunk_size": 4096})
+
+
+def test_a_loss_scale_saved_in_another_precision_is_not_loaded():
+    """An fp16 run's dynamic scale loaded into a bf16 engine set its constant scale 1 to 65536,
+    and a bf16 run's scale 1 would become an fp16 run's dynamic scale: each keeps its own,
+    while the moments load."""
+    fp16, fp16_opt = make(initial_scale_power=16)
+    train_step(fp16, fp16_opt, *batches(1)[0], overflow=False)
+    bf16, bf16_opt = _bf16_engine()
+    x, y = batches(1)[0]
+    loss = bf16(x.bfloat16(), y)
+    bf16.backward(loss)
+    bf16_opt.step()
+    bf16_opt.zero_grad()
+    from_fp16 = fp16_opt.state_dict()
+    from_bf16 = bf16_opt.state_dict()
+
+    other_bf16, other_bf16_opt = _bf16_engine()
+    other_bf16_opt.load_state_dict(from_fp16)
+    assert other_bf16_opt.loss_scaler.scale == 1.0
+    loaded = other_bf16_opt.state_dict()["state"]
+    for index, entry in from_fp16["state"].items():
+        assert torch.equal(loaded[index]["exp_avg"], entry["exp_avg"])
+
+    other_fp16, other_fp16_opt = make(initial_scale_power=16)
+    other_fp16_opt.load_state_dict(from_bf16)
+    assert other_fp16_opt.loss_scaler.scale == 2.0**16
+    assert other_fp16_opt.state_dict()["state"][0]["step"] == 1
