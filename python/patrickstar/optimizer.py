@@ -94,8 +94,11 @@ def _without_torch_keys(index: int, group: dict, decoupled_weight_decay) -> dict
         if group[key]:
             raise ValueError(f"param_groups[{index}][{key!r}] is {group[key]!r}: the PatrickStar "
                              f"optimizer has no {key} variant (give {key}=False or leave it out)")
+    # With no weight decay Adam and AdamW make the same update, so a torch Adam's groups of
+    # weight_decay 0 (its default) go with an AdamW config too.
     if "decoupled_weight_decay" in group and decoupled_weight_decay is not None and \
-            bool(group["decoupled_weight_decay"]) != decoupled_weight_decay:
+            bool(group["decoupled_weight_decay"]) != decoupled_weight_decay and \
+            not (_is_number(group.get("weight_decay")) and float(group["weight_decay"]) == 0):
         kind = "AdamW" if decoupled_weight_decay else "Adam"
         raise ValueError(f"param_groups[{index}]['decoupled_weight_decay'] is "
                          f"{group['decoupled_weight_decay']!r} but config optimizer type is "

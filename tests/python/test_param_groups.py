@@ -395,3 +395,28 @@ def test_the_engines_optimizer_state_dict_lists_a_parameter_without_elements_as_
     set_state_dict(again, again_opt, model_state_dict=model_state, optim_state_dict=optim_state)
     model.destroy()
     again.destroy()
+
+
+@pytest.mark.parametrize("torch_optimizer, config_type", [(torch.optim.Adam, "AdamW"),
+                                                          (torch.optim.AdamW, "Adam")])
+def test_groups_without_weight_decay_go_with_either_adam_type(torch_optimizer, config_type):
+    """Without weight decay Adam and AdamW make the same update: a torch Adam's groups (its
+    weight_decay is 0 by default) with an AdamW config were refused naming
+    decoupled_weight_decay, and so was its state dict. Both train as the torch optimizer."""
+    torch.manual_seed(0)
+    reference = MLP()
+    ref_opt = torch_optimizer(reference.parameters(), lr=1e-2, weight_decay=0.0)
+    torch.manual_seed(0)
+    built = MLP()
+    groups = torch_optimizer(built.parameters(), lr=1e-2, weight_decay=0.0).param_groups
+    config = {"default_chunk_size": 4096, "optimizer": {"type": config_type,
+                                                         "params": {"lr": 1e-3}}}
+    model, opt = patrickstar.initialize(built, param_groups=groups, config=config)
+    batches = mlp_batches(4)
+    train_alongside(reference, ref_opt, [(model, opt)], batches[:2])
+    torch.manual_seed(0)
+    resumed, resumed_opt = patrickstar.initialize(MLP, config=config)
+    resumed.load_state_dict(reference.state_dict())
+    resumed_opt.load_state_dict(ref_opt.state_dict())
+    assert resumed_opt.param_groups[0]["lr"] == 1e-2
+    train_alongside(reference, ref_opt, [(model, opt), (resumed, resumed_opt)], batches[2:])
