@@ -56,7 +56,7 @@ class Chunks:
         try:
             return self.manager.access_tensor(tensor_id, tier)
         except BaseException:
-            self._release_interrupted([tensor_id])
+            self.release_left_in_compute([tensor_id])
             raise
 
     def access_tensors(self, tensor_ids: list[int], tiers: list[str]) -> list[torch.Tensor]:
@@ -67,10 +67,10 @@ class Chunks:
         try:
             return self.manager.access_tensors(tensor_ids, tiers)
         except BaseException:
-            self._release_interrupted(tensor_ids)
+            self.release_left_in_compute(tensor_ids)
             raise
 
-    def _release_interrupted(self, tensor_ids) -> None:
+    def release_left_in_compute(self, tensor_ids) -> None:
         """Note [Interrupted access]
         Python runs a signal handler (Ctrl-C's KeyboardInterrupt, a SIGALRM timeout, a job
         scheduler's SIGTERM handler) at the first bytecode after a C++ call returns, so a signal

@@ -327,6 +327,8 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         # Those whose p.grad torch would still hold the last step's gradients in: no zero_grad
         # since (Note [A step without gradients]).
         self._unzeroed: set[int] = set()
+        # The tensors of the update under way (Note [An update interrupted before its release]).
+        self._updating: list[int] | None = None
         self._end_iteration = end_iteration
         self._phase = phase
         self._wait_for_gradient_stores = wait_for_gradient_stores
@@ -530,6 +532,9 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
             self._fill_zeroed_gradients()
             self._sweep(grad_scale, coef)
         except BaseException as error:
+            if self._updating is not None:  # Note [An update interrupted before its release]
+                self.chunked.chunks.release_left_in_compute(self._updating)
+                self._updating = None
             self.guard.step_failed(error)
             raise
         try:
@@ -919,10 +924,18 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
                         staged.discard(chunk)
                         chunks.start_move(chunk, T.NVME)
 
+    # Note [An update interrupted before its release]
+    # A signal handled in the finally below before release_tensors ran (at `if accessed is not
+    # None`) left the update's tensors in COMPUTE: the step failed partway, as it should, but
+    # the load_checkpoint() meant to recover failed "COMPUTE -> FREE" on them. The tensors of
+    # the update under way are kept in `_updating` until it has released them, and the step's
+    # failure releases those still in COMPUTE (none else holds them: an access of a tensor in
+    # COMPUTE is refused, so the update's access put them there).
     def _adam_update(self, index: int, group: dict, grad_scale: float, coef: float) -> None:
         chunks = self.chunked.chunks
         roles = self._update_roles(index)
         tensors = list(roles.values())
+        self._updating = tensors
         accessed = None
         try:
             # The access inside the try: a signal handled right after it returned (at the next
@@ -941,6 +954,7 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         finally:
             if accessed is not None:
                 chunks.release_tensors(tensors, S.HOLD)
+        self._updating = None
 
     # ---- State dict ----------------------------------------------------------------------------
 

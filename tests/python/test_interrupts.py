@@ -247,6 +247,17 @@ def test_an_interrupt_right_after_the_sweeps_access_leaves_a_loadable_engine(tmp
     _assert_refused_until_a_load(model, opt, saved, tmp_path)
 
 
+def test_an_interrupt_in_the_updates_release_leaves_a_loadable_engine(tmp_path):
+    """A signal handled in the finally of an update, before it released its tensors (at the
+    `if accessed is not None`), left them in COMPUTE: the load_checkpoint() meant to recover
+    failed "COMPUTE -> FREE" (Note [An update interrupted before its release])."""
+    from patrickstar.optimizer import PatrickStarOptimizer
+    model, opt, saved = _saved_then_a_backward(tmp_path)
+    _interrupt_in(PatrickStarOptimizer._adam_update.__code__, "if accessed is not None", opt.step,
+                  at_marker=True)
+    _assert_refused_until_a_load(model, opt, saved, tmp_path)
+
+
 def test_an_interrupt_as_an_iteration_ends_still_counts_it():
     """A signal handled as the chunk manager's end of iteration returned left the applied
     step uncounted: every later checkpoint's global step (and default tag) was one short."""
