@@ -243,19 +243,27 @@ def nccl_world(names, rank: int, world: int) -> dict:
     return results
 
 
-def discard_partial(rank: int, world: int, mode: str) -> dict:
-    """gradient_accumulation_steps 3: two micro-steps, optimizer.zero_grad() (they are dropped),
-    then two whole steps; with the reference, plain PyTorch on the whole batches of the kept
-    micro-steps (Note [Training call order])."""
-    from test_initialize import make_optimizer, mlp_batches
-    config = {"default_chunk_size": 4096, "gradient_accumulation_steps": 3,
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
-              "parallel": {"gradient_accumulation": mode}}
+def _engine_and_adamw_reference(config: dict):
+    """The engine of MLP under `config` (AdamW, lr 1e-3, weight decay 0.01) and plain PyTorch's
+    MLP and AdamW, from the same seed."""
+    from test_initialize import make_optimizer
     torch.manual_seed(0)
     model, optimizer = patrickstar.initialize(MLP, config=config)
     torch.manual_seed(0)
     reference = MLP()
-    ref_optimizer = make_optimizer("AdamW", reference.parameters(), 1e-3, 0.01)
+    return model, optimizer, reference, make_optimizer("AdamW", reference.parameters(), 1e-3,
+                                                       0.01)
+
+
+def discard_partial(rank: int, world: int, mode: str) -> dict:
+    """gradient_accumulation_steps 3: two micro-steps, optimizer.zero_grad() (they are dropped),
+    then two whole steps; with the reference, plain PyTorch on the whole batches of the kept
+    micro-steps (Note [Training call order])."""
+    from test_initialize import mlp_batches
+    config = {"default_chunk_size": 4096, "gradient_accumulation_steps": 3,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
+              "parallel": {"gradient_accumulation": mode}}
+    model, optimizer, reference, ref_optimizer = _engine_and_adamw_reference(config)
     batches = list(mlp_batches(8))
     for x, y in batches[:2]:
         model.backward(model(*shard((x, y), rank, world)))
@@ -290,16 +298,12 @@ def steps_without_gradients(rank: int, world: int, key: str) -> dict:
     window's first backward, a forward without backward then a step, a step after
     zero_grad(set_to_none=False) (applied with zero gradients), and a second step with no
     zero_grad between (refused on every rank)."""
-    from test_initialize import make_optimizer, mlp_batches
+    from test_initialize import mlp_batches
     config = {"default_chunk_size": 4096,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}}}
     if key == "key":
         config["gradient_accumulation_steps"] = 2
-    torch.manual_seed(0)
-    model, optimizer = patrickstar.initialize(MLP, config=config)
-    torch.manual_seed(0)
-    reference = MLP()
-    ref_optimizer = make_optimizer("AdamW", reference.parameters(), 1e-3, 0.01)
+    model, optimizer, reference, ref_optimizer = _engine_and_adamw_reference(config)
     batches = list(mlp_batches(8))
 
     def backward(x, y):
