@@ -71,10 +71,21 @@ class BackwardPass:
             self.raised(error, "model.backward()")
             raise
         finally:
-            self.in_backward = False
-            # Modules whose inputs need no grad never see their post-backward hook.
+            # Modules whose inputs need no grad never see their post-backward hook. The flag
+            # drops after the release (Note [A backward cut short before its release]).
             self._release_all()
+            self.in_backward = False
         self._end()
+
+    # Note [A backward cut short before its release]
+    # A signal handled as the release above was entered (a second Ctrl-C, the first having
+    # ended autograd, or one arriving as autograd returned) left every access of the backward
+    # in COMPUTE with `in_backward` already dropped, so nothing knew: zero_grad() and
+    # load_checkpoint() went through, and the next forward failed "illegal state transition
+    # COMPUTE -> COMPUTE", as did every one after it. With the flag dropped only after the
+    # release, such a backward is one that raised before its end, which the next forward,
+    # zero_grad() or step() settles (forget_raised_autograd_backward: its gradients refused
+    # until zero_grad(), its accesses released).
 
     # Note [Autocast's cast cache]
     # Inside `torch.autocast` torch caches each parameter's cast (bf16 weight.to(...)) until

@@ -234,6 +234,20 @@ def test_an_interrupt_as_a_backward_gives_back_its_accesses_leaves_an_engine_tha
     _assert_loads_and_trains_as(model, opt, reference, reference_opt, tmp_path)
 
 
+def test_an_interrupt_as_a_backwards_release_is_entered_leaves_a_loadable_engine(tmp_path):
+    """A signal handled as model.backward()'s release was entered (autograd done) left every
+    access in COMPUTE with nothing knowing: zero_grad() and load_checkpoint() went through and
+    every later forward failed "COMPUTE -> COMPUTE" (Note [A backward cut short before its
+    release])."""
+    from patrickstar.backward_pass import BackwardPass
+    model, opt, reference, reference_opt = _saved_and_a_reference_step(tmp_path)
+    x, y = batches(1, seed=5)[0]
+    loss = model(x, y)
+    _interrupt_in(BackwardPass.run.__code__, "self._release_all()",
+                  lambda: model.backward(loss), at_marker=True)
+    _assert_loads_and_trains_as(model, opt, reference, reference_opt, tmp_path)
+
+
 def test_an_interrupt_right_after_the_sweeps_access_leaves_a_loadable_engine(tmp_path):
     """A signal handled right after the optimizer sweep's access of a row returned (at the
     next call) left its tensors in COMPUTE: the step was "failed partway" as it should be, but
