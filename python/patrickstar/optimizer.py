@@ -1145,7 +1145,7 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         state = {key: entry for key, entry in state.items() if key not in empty and entry}
         to_index = self._saved_numbering(groups, empty)
         self._check_saved_shapes(state, to_index)
-        groups = [self._checked_saved_group(number, saved) for number, saved in enumerate(groups)]
+        groups = [self.checked_saved_group(number, saved) for number, saved in enumerate(groups)]
         if "loss_scaler" in state_dict:  # Note [A loss scaler's saved state] in loss_scaler.py
             self.loss_scaler.checked_state(state_dict["loss_scaler"])
         for saved, group in zip(groups, self.param_groups):
@@ -1214,7 +1214,11 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
     # groups are checked as initialize() checks torch groups (Note [torch.optim's own group
     # keys]): Adam's keys present and numbers, the update's variant the config's. Keys torch's
     # schedulers add (initial_lr, max_lr, ...) are kept.
-    def _checked_saved_group(self, number: int, saved: dict) -> dict:
+    def checked_saved_group(self, number: int, saved: dict) -> dict:
+        """Saved param group `number` as a load applies it (without torch's keys of how or
+        which update, the config's deciding), after checking it: raises ValueError or
+        TypeError naming the key (Note [Saved groups of another optimizer]). Also for
+        model.load_checkpoint()'s groups."""
         if "betas" not in saved:
             raise ValueError(
                 f"optimizer state dict: param group {number} has no 'betas' (its keys: "

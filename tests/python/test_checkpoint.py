@@ -423,3 +423,19 @@ def test_sigkill_at_random_moments_never_breaks_latest(tmp_path):
         assert client == {"tag": tag}
         expected = torch.full((64, 32), float(client["tag"].split("-")[1]))
         assert torch.equal(model.state_dict()["layers.0.weight"], expected)
+
+
+def test_an_adamw_checkpoint_is_refused_by_an_adam_config_and_changes_nothing(tmp_path):
+    """Its groups' decoupled_weight_decay (True) loaded into an Adam config's groups, which then
+    said AdamW while the config's Adam (L2 decay) trained. Refused, naming the config key, as
+    optimizer.load_state_dict refuses it (Note [Saved groups of another optimizer])."""
+    _saved(tmp_path)  # AdamW, weight_decay 0.01
+    config = base_config("fp32")
+    config["optimizer"]["type"] = "Adam"
+    model, opt = make(config, seed=1)
+    before = full_state(model, opt)
+    with pytest.raises(CheckpointError, match=r"'decoupled_weight_decay'\] is True but config "
+                                              r"optimizer type is 'Adam'"):
+        model.load_checkpoint(tmp_path, tag="t")
+    assert_identical(full_state(model, opt), before)
+    assert opt.param_groups[0]["decoupled_weight_decay"] is False

@@ -280,7 +280,9 @@ class EngineState:
             optimizer.step_counts[:] = [
                 int(counts.get(name, 0)) if "exp_avg" in self.kinds(index) else 0
                 for index, name in enumerate(self.names)]
-            for saved, group in zip(counters["param_groups"], optimizer.param_groups):
+            for number, (saved, group) in enumerate(zip(counters["param_groups"],
+                                                        optimizer.param_groups)):
+                saved = optimizer.checked_saved_group(number, saved)  # Note [Saved groups ...]
                 group.update({k: (tuple(v) if k == "betas" else v)
                               for k, v in saved.items() if k != "params"})
             engine.loss_scaler.load_state_dict(counters["loss_scaler"])

@@ -324,6 +324,16 @@ def _verify_loadable(state: EngineState, reader: CheckpointReader, scheduler,
         raise CheckpointError(
             f"checkpoint '{reader.directory}' has {len(counters['param_groups'])} "
             f"optimizer param groups, the optimizer {len(optimizer.param_groups)}")
+    if load_optimizer_states:
+        # Checked before anything loads: an AdamW checkpoint loaded into an Adam config set its
+        # groups' decoupled_weight_decay True while the config's Adam trained (Note [Saved
+        # groups of another optimizer] in optimizer.py); a bad loss scaler failed mid-restore.
+        try:
+            for number, saved in enumerate(counters["param_groups"]):
+                optimizer.checked_saved_group(number, saved)
+            state.engine.loss_scaler.checked_state(counters["loss_scaler"])
+        except (TypeError, ValueError) as error:
+            raise CheckpointError(f"checkpoint '{reader.directory}': {error}") from None
     for index, name in enumerate(state.names):
         for kind in state.sources(reader, index, load_optimizer_states):
             if not reader.has(name, kind):
