@@ -79,7 +79,6 @@ of the whole world, so no rank may skip it on a decision another data group made
 """
 from __future__ import annotations
 
-import atexit
 import json
 import os
 import secrets
@@ -96,7 +95,7 @@ from .recorded_collectives import RecordedGroupCollectives
 from .utils.logging import logger
 from .vocabulary import Tier
 
-__all__ = ["DataParallel", "detect_world"]
+__all__ = ["DataParallel", "close_at_exit", "detect_world"]
 
 K = _C.ChunkKind
 S = _C.TensorState
@@ -107,10 +106,26 @@ S = _C.TensorState
 REDUCE_SCATTER_WAIT_S = 1.0
 
 
-def _close_at_exit(ref) -> None:
-    data_parallel = ref()
-    if data_parallel is not None:
-        # After an uncaught exception (printed, sys.last_value set) no read is left to serve.
+# Note [Closing at exit from the engines' hook]
+# Data-parallel sides not closed yet are closed at interpreter exit, while Python is whole: an
+# engine never destroyed would otherwise free its collectives and communicator during
+# finalization, after the script's destroy_process_group(), dropping the last reference to the
+# c10d group in an order torch does not expect (a rank of a 2-rank benchmark aborted once at
+# exit, "terminate called without an active exception"). They are closed by `close_at_exit()`,
+# which the engines' one exit hook (engine.py, registered at `import patrickstar`) calls before
+# it destroys the engines. Each side used to register a hook of its own at initialize(); atexit
+# runs the last registered first, so that hook closed the communicator before an exit function
+# the script registered between `import patrickstar` and initialize() (an emergency save)
+# could read the model: "'NoneType' object has no attribute 'all_reduce'" under torchrun, where
+# one process saved.
+_unclosed: "weakref.WeakSet[DataParallel]" = weakref.WeakSet()
+
+
+def close_at_exit() -> None:
+    """Closes every data-parallel side not closed yet (Note [Closing at exit from the engines'
+    hook]), after serving the reads other ranks still make unless an uncaught exception ends
+    the script (printed, sys.last_value set: no read is left to serve)."""
+    for data_parallel in list(_unclosed):
         if not hasattr(sys, "last_value"):
             data_parallel.agree_at_end()  # Note [Reads on one rank are served]
         data_parallel.close()
@@ -267,11 +282,7 @@ class DataParallel:
             gradients_in_place=self._waits_for_reduce_scatters,
             compute_tier=engine.compute_tier,
             started_in_compute_tier=self.model_parallel is None), self._group_label)
-        # An engine never destroyed would otherwise free these during interpreter finalization,
-        # after the script's destroy_process_group(): the last reference to the c10d group then
-        # goes in an order torch does not expect (a rank of a 2-rank benchmark aborted once at
-        # exit, "terminate called without an active exception").
-        atexit.register(_close_at_exit, weakref.ref(self))
+        _unclosed.add(self)  # Note [Closing at exit from the engines' hook]
         self._attached_pid = os.getpid()  # a forked child's end agrees on nothing
         compute_groups = self.collectives.groups(K.COMPUTE_PARAM)
         position = {first: p for p, first in enumerate(compute_groups)}
@@ -363,6 +374,7 @@ class DataParallel:
     def close(self) -> None:
         """Waits for started gathers and drops the collectives, then the communicator (and this
         rank's reference to the c10d process group); engine.destroy() and interpreter exit."""
+        _unclosed.discard(self)
         process_engines.release(self.slot)
         self.slot = None
         # Closed, not only dropped: a traceback may keep them past the manager's close (Note

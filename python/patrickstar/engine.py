@@ -73,7 +73,7 @@ from .chunk_runtime import ChunkRuntime
 from .chunked_params import ChunkedParams
 from .config import Config
 from .module_config_view import ModuleConfigView
-from .data_parallel import DataParallel, detect_world
+from .data_parallel import DataParallel, close_at_exit as close_data_parallel_at_exit, detect_world
 from .backward_pins import backward_pins, note_device_exhausted_in_backward
 from .backward_pass import BackwardPass
 from .batch_sizes import resolve_batch_sizes
@@ -158,6 +158,9 @@ _live_engines: "weakref.WeakSet[PatrickStarEngine]" = weakref.WeakSet()
 
 @atexit.register
 def _destroy_live_engines() -> None:
+    # The data-parallel sides first, those of engines whose initialize() failed too (Note
+    # [Closing at exit from the engines' hook] in data_parallel.py).
+    close_data_parallel_at_exit()
     for engine in list(_live_engines):
         # A daemon thread may be training: Note [One thread at a time] in guards.py.
         engine.guard.quiesce_for_exit()

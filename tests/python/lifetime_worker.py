@@ -7,12 +7,15 @@
     lifetime_worker.py OUT_DIR profile PROFILE_DIR           profile from config, destroy()
     lifetime_worker.py OUT_DIR fork NVME_DIR [nofork]        train, fork a child that tries the
                                                              engine and ends normally, train on
+    lifetime_worker.py OUT_DIR atexit                        an exit function registered before
+                                                             initialize() saves the state dict
 
 The cycles write OUT_DIR/rank<r>.pt: RSS after every cycle, the files left in NVME_DIR and
 whether the engine survived `del` + gc.collect().
 """
 from __future__ import annotations
 
+import atexit
 import gc
 import os
 import resource
@@ -116,6 +119,27 @@ def fork(out, nvme_dir, forking: bool) -> None:
                os.path.join(out, "parent.pt"))
 
 
+def save_at_exit(out) -> None:
+    """A script's exit function registered before initialize() (an emergency save, as of
+    a preempted job): writes OUT_DIR/exit<r>.pt with the state dict the model has at exit, or
+    the error reading it raised. The script's end writes OUT_DIR/rank<r>.pt to compare."""
+    rank = int(os.environ.get("RANK", "0"))
+    held = {}
+
+    def save():
+        try:
+            result = {"state": dict(held["model"].state_dict())}
+        except Exception as error:  # noqa: BLE001 (written for the test to show)
+            result = {"error": f"{type(error).__name__}: {error}"}
+        torch.save(result, os.path.join(out, f"exit{rank}.pt"))
+
+    atexit.register(save)
+    torch.manual_seed(0)
+    held["model"], optimizer = patrickstar.initialize(model_func, config=config())
+    train(held["model"], optimizer)
+    torch.save({"state": dict(held["model"].state_dict())}, os.path.join(out, f"rank{rank}.pt"))
+
+
 def main() -> None:
     warnings.simplefilter("ignore")
     out, what = sys.argv[1], sys.argv[2]
@@ -137,6 +161,8 @@ def main() -> None:
             raise RuntimeError("the training script failed")
     elif what == "fork":
         fork(out, sys.argv[3], forking=len(sys.argv) < 5)
+    elif what == "atexit":
+        save_at_exit(out)
     elif what == "profile":
         model, optimizer = patrickstar.initialize(model_func,
                                                   config=config(profile_dir=sys.argv[3]))

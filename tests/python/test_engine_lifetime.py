@@ -241,3 +241,24 @@ def test_a_forked_child_refuses_the_engine_and_its_exit_leaves_the_parent_alone(
     assert results["fork"]["child_exit"] == 0, results  # the child ended normally
     assert len(results["fork"]["files"]) == 1, results  # the parent's swap file is still there
     assert results["fork"]["losses"] == results["nofork"]["losses"]
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_an_exit_function_registered_before_initialize_reads_the_model(tmp_path, world):
+    """atexit runs the last registered function first. Before, each rank's data-parallel side
+    registered its own exit hook at initialize(), so it closed the communicator before an exit
+    function the script registered earlier (after `import patrickstar`) could save the model:
+    "AttributeError: 'NoneType' object has no attribute 'all_reduce'" under torchrun, while
+    one process saved. The engines' one exit hook, registered at import, closes both."""
+    if world == 1:
+        result = _run(tmp_path, "atexit")
+        assert result.returncode == 0, result.stderr
+    else:
+        launch(tmp_path, world, "atexit", worker=WORKER)
+    for rank in range(world):
+        at_exit = torch.load(tmp_path / f"exit{rank}.pt")
+        assert "error" not in at_exit, (rank, at_exit["error"])
+        at_end = torch.load(tmp_path / f"rank{rank}.pt")["state"]
+        assert at_exit["state"].keys() == at_end.keys()
+        for key, tensor in at_end.items():
+            assert torch.equal(at_exit["state"][key], tensor), (rank, key)
