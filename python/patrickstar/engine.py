@@ -39,7 +39,10 @@ holds its optimizer (DeepSpeed's `model.step()` needs it when the script kept on
 an optimizer whose engine was deleted refuses to step, naming that. `__del__` then runs
 `destroy()`, which writes a running profile first and closes everything. At
 interpreter exit (normal, or after an uncaught exception) `_destroy_live_engines` destroys the
-engines still alive, so swap files do not outlive the process. `destroy()` stays the explicit
+engines still alive, so swap files do not outlive the process. It is registered at `import
+patrickstar`, and atexit runs the last registered function first: a script's exit function
+registered after the import still reads the model; one registered before it meets a destroyed
+engine, and its error says so. `destroy()` stays the explicit
 way; a second call does nothing. A process forked from the engine's (os.fork, multiprocessing,
 DataLoader workers) inherits it: every training call there raises (Note [Training call order]
 in guards.py), and its destroy() (the exit hook, `del`) leaves the runtime undestroyed: tearing

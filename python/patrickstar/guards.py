@@ -217,6 +217,14 @@ class TrainingGuard:
                 f"NVMe IO belong to the parent, so a forked child cannot train or read it. Give "
                 f"worker processes data rather than the model, or build an engine in the child "
                 f"with patrickstar.initialize()")
+        if self.destroyed and self._exiting is not None:
+            # Note [Engine lifetime] in engine.py: atexit runs the last registered first.
+            raise RuntimeError(
+                f"{what}: this PatrickStar engine was destroyed at interpreter exit by "
+                f"patrickstar's exit hook (so that its swap files and threads do not outlive "
+                f"the process). atexit runs the last registered function first, and that hook "
+                f"is registered at `import patrickstar`: register an exit function that uses "
+                f"the engine after `import patrickstar`")
         if self.destroyed:
             raise RuntimeError(f"{what}: this PatrickStar engine was deleted or destroyed (`del "
                                f"model` or model.destroy()); "

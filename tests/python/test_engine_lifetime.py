@@ -8,6 +8,7 @@ import gc
 import os
 import subprocess
 import sys
+import textwrap
 import warnings
 import weakref
 
@@ -262,3 +263,31 @@ def test_an_exit_function_registered_before_initialize_reads_the_model(tmp_path,
         assert at_exit["state"].keys() == at_end.keys()
         for key, tensor in at_end.items():
             assert torch.equal(at_exit["state"][key], tensor), (rank, key)
+
+
+def test_an_exit_function_registered_before_the_import_is_told_why_the_engine_is_gone(tmp_path):
+    """Registered before `import patrickstar`, it runs after the engines' exit hook destroyed
+    the engine (atexit: last registered, first run). Before, it was told "deleted or destroyed
+    (`del model` or model.destroy())", neither of which the script did."""
+    script = textwrap.dedent(f"""
+        import atexit, warnings
+        import torch
+        held = {{}}
+        def save():
+            try:
+                held["model"].state_dict()
+            except RuntimeError as error:
+                open({str(tmp_path / "error.txt")!r}, "w").write(str(error))
+        atexit.register(save)
+        import patrickstar
+        warnings.simplefilter("ignore")
+        held["model"], _ = patrickstar.initialize(lambda: torch.nn.Linear(4, 4),
+                                                  config={{"default_chunk_size": 64}})
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert result.returncode == 0, result.stderr
+    error = (tmp_path / "error.txt").read_text()
+    assert error.startswith("state_dict(): this PatrickStar engine was destroyed at interpreter "
+                            "exit by patrickstar's exit hook"), error
+    assert "register an exit function that uses the engine after `import patrickstar`" in error
