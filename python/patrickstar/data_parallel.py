@@ -118,6 +118,10 @@ REDUCE_SCATTER_WAIT_S = 1.0
 # the script registered between `import patrickstar` and initialize() (an emergency save)
 # could read the model: "'NoneType' object has no attribute 'all_reduce'" under torchrun, where
 # one process saved.
+# A process forked from a rank (os.fork) inherits the sides, but their collectives' and
+# communicators' threads exist only in the parent: closing them at the child's exit died of
+# SIGSEGV. The child leaves them alone, as its engines leave their runtime (Note [Engine
+# lifetime] in engine.py keeps them referenced, so no destructor runs either).
 _unclosed: "weakref.WeakSet[DataParallel]" = weakref.WeakSet()
 
 
@@ -126,6 +130,8 @@ def close_at_exit() -> None:
     hook]), after serving the reads other ranks still make unless an uncaught exception ends
     the script (printed, sys.last_value set: no read is left to serve)."""
     for data_parallel in list(_unclosed):
+        if os.getpid() != data_parallel._attached_pid:
+            continue  # a forked child's copy: Note [Closing at exit from the engines' hook]
         if not hasattr(sys, "last_value"):
             data_parallel.agree_at_end()  # Note [Reads on one rank are served]
         data_parallel.close()

@@ -7,6 +7,9 @@
     lifetime_worker.py OUT_DIR profile PROFILE_DIR           profile from config, destroy()
     lifetime_worker.py OUT_DIR fork NVME_DIR [nofork]        train, fork a child that tries the
                                                              engine and ends normally, train on
+    lifetime_worker.py OUT_DIR fork_ranks                    with torchrun's environment: every
+                                                             rank forks a child that runs the
+                                                             exit hooks, then trains on
     lifetime_worker.py OUT_DIR atexit                        an exit function registered before
                                                              initialize() saves the state dict
 
@@ -119,6 +122,34 @@ def fork(out, nvme_dir, forking: bool) -> None:
                os.path.join(out, "parent.pt"))
 
 
+def fork_ranks(out) -> None:
+    """Every rank of a data-parallel job forks a child that runs the exit hooks as a script's
+    end does, without touching the engine, then trains on. Writes OUT_DIR/rank<r>.pt: the
+    child's exit code and the losses after it."""
+    signal.alarm(120)
+    rank = int(os.environ.get("RANK", "0"))
+    torch.manual_seed(0)
+    model, optimizer = patrickstar.initialize(model_func, config=config())
+    train(model, optimizer)
+    pid = os.fork()
+    if pid == 0:
+        signal.alarm(60)
+        # The exit hooks, as at a script's end; then out, since past them a plain torch
+        # script's forked child hangs too (in ProcessGroupGloo's destructor, in torch 2.13).
+        atexit._run_exitfuncs()
+        os._exit(0)
+    status = os.waitpid(pid, 0)[1]
+    losses = []
+    for _ in range(2):
+        loss = model(torch.randn(4, WIDTH)).square().mean()
+        model.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    torch.save({"child_exit": os.waitstatus_to_exitcode(status), "losses": losses},
+               os.path.join(out, f"rank{rank}.pt"))
+
+
 def save_at_exit(out) -> None:
     """A script's exit function registered before initialize() (an emergency save, as of
     a preempted job): writes OUT_DIR/exit<r>.pt with the state dict the model has at exit, or
@@ -161,6 +192,8 @@ def main() -> None:
             raise RuntimeError("the training script failed")
     elif what == "fork":
         fork(out, sys.argv[3], forking=len(sys.argv) < 5)
+    elif what == "fork_ranks":
+        fork_ranks(out)
     elif what == "atexit":
         save_at_exit(out)
     elif what == "profile":

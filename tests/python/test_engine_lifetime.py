@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import math
 import os
 import subprocess
 import sys
@@ -291,3 +292,14 @@ def test_an_exit_function_registered_before_the_import_is_told_why_the_engine_is
     assert error.startswith("state_dict(): this PatrickStar engine was destroyed at interpreter "
                             "exit by patrickstar's exit hook"), error
     assert "register an exit function that uses the engine after `import patrickstar`" in error
+
+
+def test_the_exit_hooks_of_a_child_forked_from_every_rank_leave_the_ranks_alone(tmp_path):
+    """Before: the exit hook in a child forked under data parallelism closed the inherited
+    collectives and communicator, whose threads exist only in the parent: the child died of
+    SIGSEGV (exit code -11) at its end."""
+    results = launch(tmp_path, 2, "fork_ranks", worker=WORKER)
+    for rank, result in enumerate(results):
+        assert result, f"rank {rank} wrote no result"
+        assert result["child_exit"] == 0, (rank, result)
+        assert all(map(math.isfinite, result["losses"])), (rank, result)
