@@ -91,6 +91,7 @@ import torch.distributed as dist
 
 from . import _C, process_engines, recorded_collectives, script_collectives, topology
 from .gather_schedule import GatherSchedule
+from .guards import forked_child_error
 from .recorded_collectives import RecordedGroupCollectives
 from .utils.logging import logger
 from .vocabulary import Tier
@@ -393,6 +394,15 @@ class DataParallel:
         self.communicator = None
         self.gather_communicator = None
 
+    def _refuse_in_forked_child(self, what: str) -> None:
+        """Raises in a process forked from the one that attached (os.fork, a multiprocessing
+        or DataLoader worker): its collective, issued on the parent's communicator, waited
+        for peers until the timeout (`model.module(x)`, its state_dict(); save_checkpoint()
+        forever), on a shared-memory segment the parent and its peers use too. The engine's
+        own calls raise earlier (Note [Training call order] in guards.py)."""
+        if self._attached_pid not in (None, os.getpid()):
+            raise forked_child_error(what, self._attached_pid)
+
     def all_gather_object(self, obj, label: str = "objects") -> list:
         """Every rank's picklable `obj` in rank order (`[obj]` for a world of one), over the
         data group with the default group's timeout: a dead peer or one stalled past the
@@ -400,6 +410,7 @@ class DataParallel:
         it). `label` names it in profiles."""
         if not self.enabled:
             return [obj]
+        self._refuse_in_forked_child(f"gathering {label}")
         gathered = [None] * self.world_size
         recorded_collectives.all_gather_object(gathered, obj, self.group, label)
         return gathered
@@ -705,6 +716,7 @@ class DataParallel:
         call."""
         if not self.enabled or self._serving:
             return False
+        self._refuse_in_forked_child(self._CALLS.get(kind, "a call"))
         while True:
             rows = self._agree_once(kind)
             if all(row == rows[self.rank] for row in rows):
@@ -1133,6 +1145,7 @@ class DataParallel:
     def _every_ranks_row(self, row: tuple[float, ...], communicator, label: str,
                          phase: str | None = None) -> list[tuple[float, ...]]:
         """Every rank's `row` (as fp32) in rank order, in one small all-reduce."""
+        self._refuse_in_forked_child(f"the all-reduce of {label}")
         width = len(row)
         values = torch.zeros(self.world_size * width, dtype=torch.float32)
         values[self.rank * width:(self.rank + 1) * width] = torch.tensor(row, dtype=torch.float32)

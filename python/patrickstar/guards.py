@@ -101,7 +101,7 @@ import torch
 from . import _C
 from .utils.host_memory import host_memory_limit
 
-__all__ = ["TrainingGuard", "check_budgets"]
+__all__ = ["TrainingGuard", "check_budgets", "forked_child_error"]
 
 EXIT_WAIT_S = 30.0  # the longest the exit hook waits for another thread's call (a bound only)
 
@@ -118,6 +118,17 @@ EXIT_WAIT_S = 30.0  # the longest the exit hook waits for another thread's call 
 # Note [Chunk kinds per precision] in chunked_params.py) the sum is taken in that dtype, as a
 # half-precision PyTorch model's p.grad would be; the first such backward warns once, naming the
 # key that makes them fp32 accumulators.
+def forked_child_error(what: str, owner_pid: int) -> RuntimeError:
+    """What a call raises in a process forked from the engine's, `owner_pid` (Note [Training
+    call order])."""
+    return RuntimeError(
+        f"{what}: this PatrickStar engine was built in process {owner_pid}, and this is a "
+        f"process forked from it (pid {os.getpid()}): its copy threads, NVMe IO and "
+        f"collectives belong to the parent, so a forked child cannot train or read it. Give "
+        f"worker processes data rather than the model, or build an engine in the child with "
+        f"patrickstar.initialize()")
+
+
 class TrainingGuard:
     def __init__(self, config, data_parallel_size: int = 1, model_parallel: bool = False):
         self.accumulation = config.gradient_accumulation_steps
@@ -211,12 +222,7 @@ class TrainingGuard:
 
     def check_alive(self, what: str) -> None:
         if not self.in_owner_process():
-            raise RuntimeError(
-                f"{what}: this PatrickStar engine was built in process {self.owner_pid}, and "
-                f"this is a process forked from it (pid {os.getpid()}): its copy threads and "
-                f"NVMe IO belong to the parent, so a forked child cannot train or read it. Give "
-                f"worker processes data rather than the model, or build an engine in the child "
-                f"with patrickstar.initialize()")
+            raise forked_child_error(what, self.owner_pid)
         if self.destroyed and self._exiting is not None:
             # Note [Engine lifetime] in engine.py: atexit runs the last registered first.
             raise RuntimeError(

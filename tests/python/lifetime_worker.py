@@ -8,8 +8,9 @@
     lifetime_worker.py OUT_DIR fork NVME_DIR [nofork]        train, fork a child that tries the
                                                              engine and ends normally, train on
     lifetime_worker.py OUT_DIR fork_ranks                    with torchrun's environment: every
-                                                             rank forks a child that runs the
-                                                             exit hooks, then trains on
+                                                             rank forks a child that calls the
+                                                             module and runs the exit hooks,
+                                                             then trains on
     lifetime_worker.py OUT_DIR atexit                        an exit function registered before
                                                              initialize() saves the state dict
 
@@ -123,9 +124,10 @@ def fork(out, nvme_dir, forking: bool) -> None:
 
 
 def fork_ranks(out) -> None:
-    """Every rank of a data-parallel job forks a child that runs the exit hooks as a script's
-    end does, without touching the engine, then trains on. Writes OUT_DIR/rank<r>.pt: the
-    child's exit code and the losses after it."""
+    """Every rank of a data-parallel job forks a child that calls the module (which the
+    engine's data-parallel side agrees on with the other ranks) and runs the exit hooks as a
+    script's end does, then trains on. Writes OUT_DIR/rank<r>.pt: the child's exit code and
+    the losses after it; OUT_DIR/child<r>.pt: what the child's calls raised."""
     signal.alarm(120)
     rank = int(os.environ.get("RANK", "0"))
     torch.manual_seed(0)
@@ -134,6 +136,14 @@ def fork_ranks(out) -> None:
     pid = os.fork()
     if pid == 0:
         signal.alarm(60)
+        errors = {}
+        for name, call in (("module_forward", lambda: model.module(torch.randn(4, WIDTH))),
+                           ("module_state_dict", lambda: model.module.state_dict())):
+            try:
+                call()
+            except RuntimeError as error:
+                errors[name] = str(error)
+        torch.save(errors, os.path.join(out, f"child{rank}.pt"))
         # The exit hooks, as at a script's end; then out, since past them a plain torch
         # script's forked child hangs too (in ProcessGroupGloo's destructor, in torch 2.13).
         atexit._run_exitfuncs()

@@ -294,12 +294,19 @@ def test_an_exit_function_registered_before_the_import_is_told_why_the_engine_is
     assert "register an exit function that uses the engine after `import patrickstar`" in error
 
 
-def test_the_exit_hooks_of_a_child_forked_from_every_rank_leave_the_ranks_alone(tmp_path):
-    """Before: the exit hook in a child forked under data parallelism closed the inherited
-    collectives and communicator, whose threads exist only in the parent: the child died of
-    SIGSEGV (exit code -11) at its end."""
+def test_a_child_forked_from_every_rank_is_refused_at_once_and_leaves_the_ranks_alone(
+        tmp_path):
+    """Before: in a child forked under data parallelism, `model.module(x)` and
+    `model.module.state_dict()` issued their call agreement on the parent's communicator (a
+    shared-memory segment its peers use too) and waited out the collective timeout, and the
+    exit hook closed the inherited collectives and communicator, whose threads exist only in
+    the parent: the child died of SIGSEGV (exit code -11) at its end."""
     results = launch(tmp_path, 2, "fork_ranks", worker=WORKER)
     for rank, result in enumerate(results):
         assert result, f"rank {rank} wrote no result"
         assert result["child_exit"] == 0, (rank, result)
+        errors = torch.load(tmp_path / f"child{rank}.pt")
+        assert errors.keys() == {"module_forward", "module_state_dict"}, (rank, errors)
+        for name, error in errors.items():
+            assert "this is a process forked from it" in error, (rank, name, error)
         assert all(map(math.isfinite, result["losses"])), (rank, result)
