@@ -94,6 +94,7 @@ import json
 import os
 import threading
 import warnings
+import weakref
 from typing import Callable, Iterator
 
 import torch
@@ -129,6 +130,25 @@ def forked_child_error(what: str, owner_pid: int) -> RuntimeError:
         f"patrickstar.initialize()")
 
 
+# Note [Module forwards in a forked child]
+# The engine's own calls check the process (check_alive), but a forward of the user's module or
+# of a submodule in a forked child (`model.module(x)`, `model.module[0](x)`) reaches the chunks
+# through the module hooks alone: it ran on the child's copy of the chunks, or waited forever
+# for a move by copy threads that exist only in the parent (an evicting one would write into
+# the parent's swap file: Note [Swap files across fork] in runtime/nvme_tier.h). The hooks'
+# access runs at every module's forward, so it checks a flag the fork sets on every guard
+# (`inherited`) rather than asking the process id each time.
+_every_guard: "weakref.WeakSet[TrainingGuard]" = weakref.WeakSet()
+
+
+def _mark_inherited() -> None:
+    for guard in list(_every_guard):
+        guard.inherited = True
+
+
+os.register_at_fork(after_in_child=_mark_inherited)
+
+
 class TrainingGuard:
     def __init__(self, config, data_parallel_size: int = 1, model_parallel: bool = False):
         self.accumulation = config.gradient_accumulation_steps
@@ -142,6 +162,8 @@ class TrainingGuard:
         self.skip_step = False
         self.destroyed = False
         self.owner_pid = os.getpid()  # the process whose threads and files the engine uses
+        self.inherited = False  # in a forked child: Note [Module forwards in a forked child]
+        _every_guard.add(self)
         # What stopped partway (an optimizer.step() or a load_checkpoint()) and what it left.
         self.failed_step: str | None = None
         # A backward that raised after storing gradients (Note [Training call order]).

@@ -107,7 +107,17 @@ def fork(out, nvme_dir, forking: bool) -> None:
                 error = None
             except RuntimeError as caught:
                 error = str(caught)
-            torch.save({"error": error}, os.path.join(out, "child.pt"))
+            # Forwards of the module and of a submodule reach the chunks through the module
+            # hooks alone (Note [Module forwards in a forked child] in guards.py).
+            module_errors = []
+            for forward in (model.module, model.module[0]):
+                try:
+                    forward(torch.randn(4, WIDTH))
+                    module_errors.append(None)
+                except RuntimeError as caught:
+                    module_errors.append(str(caught))
+            torch.save({"error": error, "module_errors": module_errors},
+                       os.path.join(out, "child.pt"))
             return  # the interpreter's exit runs the engine's exit hook in the child
         status = os.waitpid(pid, 0)[1]
     files = sorted(os.listdir(nvme_dir))

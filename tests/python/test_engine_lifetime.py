@@ -240,6 +240,8 @@ def test_a_forked_child_refuses_the_engine_and_its_exit_leaves_the_parent_alone(
         results[mode] = torch.load(out / "parent.pt")
     child = torch.load(tmp_path / "fork" / "child.pt")
     assert child["error"] and "forked from it" in child["error"], child
+    # Before, these ran on the child's copy of the chunks, or waited forever for a move.
+    assert all(error and "forked from it" in error for error in child["module_errors"]), child
     assert results["fork"]["child_exit"] == 0, results  # the child ended normally
     assert len(results["fork"]["files"]) == 1, results  # the parent's swap file is still there
     assert results["fork"]["losses"] == results["nofork"]["losses"]
