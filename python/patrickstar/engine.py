@@ -544,8 +544,8 @@ class PatrickStarEngine(nn.Module):
     def _access_module(self, module: nn.Module, phase: str) -> None:
         indices = self._module_params.get(module)
         if indices:
-            if self.guard.inherited:  # Note [Module forwards in a forked child] in guards.py
-                self.guard.check_alive(f"a forward of {type(module).__name__}")
+            # Note [Module forwards in a forked child] in guards.py
+            self.guard.check_owner_process(f"a forward of {type(module).__name__}")
             self.wake_parameters()  # (nothing to do when awake)
             if self._summoned:
                 self._refuse_forward_while_summoned(module)

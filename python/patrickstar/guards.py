@@ -137,7 +137,10 @@ def forked_child_error(what: str, owner_pid: int) -> RuntimeError:
 # for a move by copy threads that exist only in the parent (an evicting one would write into
 # the parent's swap file: Note [Swap files across fork] in runtime/nvme_tier.h). The hooks'
 # access runs at every module's forward, so it checks a flag the fork sets on every guard
-# (`inherited`) rather than asking the process id each time.
+# (`inherited`) rather than asking the process id each time. So do the calls that read the
+# chunks without check_alive: `optimizer.zero_grad()` (every call entered, `enter_call`) and
+# the clips; a clip in the child read NVMe-resident gradients through the io_uring ring it
+# shares with the parent, and the parent died of SIGSEGV.
 _every_guard: "weakref.WeakSet[TrainingGuard]" = weakref.WeakSet()
 
 
@@ -179,6 +182,7 @@ class TrainingGuard:
 
     def enter_call(self, what: str) -> None:
         """Marks this thread inside `what`; raises if another thread is inside a call."""
+        self.check_owner_process(what)
         me = threading.current_thread()
         with self._caller_lock:
             caller = self._caller
@@ -237,6 +241,12 @@ class TrainingGuard:
             yield
         finally:
             self.leave_call()
+
+    def check_owner_process(self, what: str) -> None:
+        """Raises in a process forked from the engine's: Note [Module forwards in a forked
+        child] (its calls that read chunks the module hooks or the optimizer reach directly)."""
+        if self.inherited:
+            raise forked_child_error(what, self.owner_pid)
 
     def in_owner_process(self) -> bool:
         """False in a process forked from the one that built the engine."""

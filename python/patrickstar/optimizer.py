@@ -507,6 +507,8 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         `model.parameters()` cannot show): returns the total norm over every rank's gradients
         (unscaled: what PyTorch would report) and clips the coming `step()` to `max_norm`, for
         this step only (config `gradient_clipping` clips every step)."""
+        # Note [Module forwards in a forked child] in guards.py
+        self.guard.check_owner_process("clip_grad_norm_()")
         if not (norm_type == math.inf or norm_type > 0):
             raise ValueError(f"clip_grad_norm_: norm_type {norm_type} is not supported; "
                              f"PatrickStar-C++ clips by a norm of order p > 0 or inf (torch's "
@@ -533,6 +535,7 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         (total_norm + 1e-6), capped at 1, `total_norm` being the caller's. torch's
         `get_total_norm([p.grad ...])` before it finds no gradient here and gives 0, which
         would clip nothing: a zero for gradients that are not all zero is refused."""
+        self.guard.check_owner_process("clip_grads_with_norm_()")  # (as clip_grad_norm_)
         if not max_norm > 0:
             raise ValueError(f"clip_grads_with_norm_: max_norm must be positive, got {max_norm}")
         self.dp.close_accumulation("clip_grads_with_norm_()")  # Note [A short accumulation]
@@ -591,6 +594,7 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         (clamped in place to +-clip_value, in the loss scale they carry). In fp16, gradients
         with an inf or NaN are left as they are, so that the step still skips them (torch's
         clamp would turn an overflow into +-clip_value)."""
+        self.guard.check_owner_process("clip_grad_value_()")  # (as clip_grad_norm_)
         value = float(clip_value)
         if not value >= 0:
             raise ValueError(f"clip_grad_value_: clip_value must be >= 0, got {clip_value}")

@@ -108,11 +108,14 @@ def fork(out, nvme_dir, forking: bool) -> None:
             except RuntimeError as caught:
                 error = str(caught)
             # Forwards of the module and of a submodule reach the chunks through the module
-            # hooks alone (Note [Module forwards in a forked child] in guards.py).
+            # hooks alone, the clip and zero_grad() read them directly (Note [Module forwards
+            # in a forked child] in guards.py).
             module_errors = []
-            for forward in (model.module, model.module[0]):
+            for call in (lambda: model.module(torch.randn(4, WIDTH)),
+                         lambda: model.module[0](torch.randn(4, WIDTH)),
+                         lambda: model.clip_grad_norm_(1.0), optimizer.zero_grad):
                 try:
-                    forward(torch.randn(4, WIDTH))
+                    call()
                     module_errors.append(None)
                 except RuntimeError as caught:
                     module_errors.append(str(caught))
