@@ -1437,6 +1437,8 @@ class PatrickStarEngine(nn.Module):
         hold it in PyTorch (`p.grad` itself stays None: gradients live in chunks). Under data
         parallelism a collective (every rank calls it) that gives the gradient averaged over
         the ranks, read after the backward that ends an accumulation."""
+        # Note [Module forwards in a forked child] in guards.py
+        self.guard.check_owner_process("safe_get_full_grad()")
         try:
             index = self._parameter_index(param, "full_gradient")
         except (KeyError, ValueError):

@@ -138,8 +138,9 @@ def forked_child_error(what: str, owner_pid: int) -> RuntimeError:
 # the parent's swap file: Note [Swap files across fork] in runtime/nvme_tier.h). The hooks'
 # access runs at every module's forward, so it checks a flag the fork sets on every guard
 # (`inherited`) rather than asking the process id each time. So do the calls that read the
-# chunks without check_alive: `optimizer.zero_grad()` (every call entered, `enter_call`) and
-# the clips; a clip in the child read NVMe-resident gradients through the io_uring ring it
+# chunks without check_alive: `optimizer.zero_grad()` (every call entered, `enter_call`), the
+# clips, the optimizer's state_dict() / load_state_dict() and safe_get_full_grad(); a clip or
+# an optimizer.state_dict() in the child read NVMe-resident chunks through the io_uring ring it
 # shares with the parent, and the parent died of SIGSEGV.
 _every_guard: "weakref.WeakSet[TrainingGuard]" = weakref.WeakSet()
 

@@ -907,6 +907,8 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         (every rank calls it, as `model.state_dict()`) that gathers each owner's entries, so a
         file saved by one rank holds all of it and loads on any rank. Runs torch's state-dict
         hooks (Note [Optimizer state-dict hooks])."""
+        # Note [Module forwards in a forked child] in guards.py
+        self.guard.check_owner_process("optimizer.state_dict()")
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
         state_dict = self._own_state_dict()
@@ -1008,6 +1010,7 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict):
         """Runs torch's load hooks (Note [Optimizer state-dict hooks]) around the load."""
+        self.guard.check_owner_process("optimizer.load_state_dict()")  # (as state_dict())
         state_dict = state_dict.copy()  # torch's shallow copy, which the pre-hooks may change
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = pre_hook(self, state_dict)

@@ -108,12 +108,13 @@ def fork(out, nvme_dir, forking: bool) -> None:
             except RuntimeError as caught:
                 error = str(caught)
             # Forwards of the module and of a submodule reach the chunks through the module
-            # hooks alone, the clip and zero_grad() read them directly (Note [Module forwards
-            # in a forked child] in guards.py).
+            # hooks alone; the clip, zero_grad() and the optimizer's state dict read them
+            # directly (Note [Module forwards in a forked child] in guards.py).
             module_errors = []
             for call in (lambda: model.module(torch.randn(4, WIDTH)),
                          lambda: model.module[0](torch.randn(4, WIDTH)),
-                         lambda: model.clip_grad_norm_(1.0), optimizer.zero_grad):
+                         lambda: model.clip_grad_norm_(1.0), optimizer.zero_grad,
+                         optimizer.state_dict):
                 try:
                     call()
                     module_errors.append(None)
