@@ -79,7 +79,6 @@ of the whole world, so no rank may skip it on a decision another data group made
 """
 from __future__ import annotations
 
-import atexit
 import json
 import os
 import secrets
@@ -92,11 +91,12 @@ import torch.distributed as dist
 
 from . import _C, process_engines, recorded_collectives, script_collectives, topology
 from .gather_schedule import GatherSchedule
+from .guards import forked_child_error
 from .recorded_collectives import RecordedGroupCollectives
 from .utils.logging import logger
 from .vocabulary import Tier
 
-__all__ = ["DataParallel", "detect_world"]
+__all__ = ["DataParallel", "close_at_exit", "detect_world"]
 
 K = _C.ChunkKind
 S = _C.TensorState
@@ -107,10 +107,32 @@ S = _C.TensorState
 REDUCE_SCATTER_WAIT_S = 1.0
 
 
-def _close_at_exit(ref) -> None:
-    data_parallel = ref()
-    if data_parallel is not None:
-        # After an uncaught exception (printed, sys.last_value set) no read is left to serve.
+# Note [Closing at exit from the engines' hook]
+# Data-parallel sides not closed yet are closed at interpreter exit, while Python is whole: an
+# engine never destroyed would otherwise free its collectives and communicator during
+# finalization, after the script's destroy_process_group(), dropping the last reference to the
+# c10d group in an order torch does not expect (a rank of a 2-rank benchmark aborted once at
+# exit, "terminate called without an active exception"). They are closed by `close_at_exit()`,
+# which the engines' one exit hook (engine.py, registered at `import patrickstar`) calls before
+# it destroys the engines. Each side used to register a hook of its own at initialize(); atexit
+# runs the last registered first, so that hook closed the communicator before an exit function
+# the script registered between `import patrickstar` and initialize() (an emergency save)
+# could read the model: "'NoneType' object has no attribute 'all_reduce'" under torchrun, where
+# one process saved.
+# A process forked from a rank (os.fork) inherits the sides, but their collectives' and
+# communicators' threads exist only in the parent: closing them at the child's exit died of
+# SIGSEGV. The child leaves them alone, as its engines leave their runtime (Note [Engine
+# lifetime] in engine.py keeps them referenced, so no destructor runs either).
+_unclosed: "weakref.WeakSet[DataParallel]" = weakref.WeakSet()
+
+
+def close_at_exit() -> None:
+    """Closes every data-parallel side not closed yet (Note [Closing at exit from the engines'
+    hook]), after serving the reads other ranks still make unless an uncaught exception ends
+    the script (printed, sys.last_value set: no read is left to serve)."""
+    for data_parallel in list(_unclosed):
+        if os.getpid() != data_parallel._attached_pid:
+            continue  # a forked child's copy: Note [Closing at exit from the engines' hook]
         if not hasattr(sys, "last_value"):
             data_parallel.agree_at_end()  # Note [Reads on one rank are served]
         data_parallel.close()
@@ -267,11 +289,7 @@ class DataParallel:
             gradients_in_place=self._waits_for_reduce_scatters,
             compute_tier=engine.compute_tier,
             started_in_compute_tier=self.model_parallel is None), self._group_label)
-        # An engine never destroyed would otherwise free these during interpreter finalization,
-        # after the script's destroy_process_group(): the last reference to the c10d group then
-        # goes in an order torch does not expect (a rank of a 2-rank benchmark aborted once at
-        # exit, "terminate called without an active exception").
-        atexit.register(_close_at_exit, weakref.ref(self))
+        _unclosed.add(self)  # Note [Closing at exit from the engines' hook]
         self._attached_pid = os.getpid()  # a forked child's end agrees on nothing
         compute_groups = self.collectives.groups(K.COMPUTE_PARAM)
         position = {first: p for p, first in enumerate(compute_groups)}
@@ -363,6 +381,7 @@ class DataParallel:
     def close(self) -> None:
         """Waits for started gathers and drops the collectives, then the communicator (and this
         rank's reference to the c10d process group); engine.destroy() and interpreter exit."""
+        _unclosed.discard(self)
         process_engines.release(self.slot)
         self.slot = None
         # Closed, not only dropped: a traceback may keep them past the manager's close (Note
@@ -375,6 +394,15 @@ class DataParallel:
         self.communicator = None
         self.gather_communicator = None
 
+    def _refuse_in_forked_child(self, what: str) -> None:
+        """Raises in a process forked from the one that attached (os.fork, a multiprocessing
+        or DataLoader worker): its collective, issued on the parent's communicator, waited
+        for peers until the timeout (`model.module(x)`, its state_dict(); save_checkpoint()
+        forever), on a shared-memory segment the parent and its peers use too. The engine's
+        own calls raise earlier (Note [Training call order] in guards.py)."""
+        if self._attached_pid not in (None, os.getpid()):
+            raise forked_child_error(what, self._attached_pid)
+
     def all_gather_object(self, obj, label: str = "objects") -> list:
         """Every rank's picklable `obj` in rank order (`[obj]` for a world of one), over the
         data group with the default group's timeout: a dead peer or one stalled past the
@@ -382,6 +410,7 @@ class DataParallel:
         it). `label` names it in profiles."""
         if not self.enabled:
             return [obj]
+        self._refuse_in_forked_child(f"gathering {label}")
         gathered = [None] * self.world_size
         recorded_collectives.all_gather_object(gathered, obj, self.group, label)
         return gathered
@@ -687,6 +716,7 @@ class DataParallel:
         call."""
         if not self.enabled or self._serving:
             return False
+        self._refuse_in_forked_child(self._CALLS.get(kind, "a call"))
         while True:
             rows = self._agree_once(kind)
             if all(row == rows[self.rank] for row in rows):
@@ -1115,6 +1145,7 @@ class DataParallel:
     def _every_ranks_row(self, row: tuple[float, ...], communicator, label: str,
                          phase: str | None = None) -> list[tuple[float, ...]]:
         """Every rank's `row` (as fp32) in rank order, in one small all-reduce."""
+        self._refuse_in_forked_child(f"the all-reduce of {label}")
         width = len(row)
         values = torch.zeros(self.world_size * width, dtype=torch.float32)
         values[self.rank * width:(self.rank + 1) * width] = torch.tensor(row, dtype=torch.float32)

@@ -39,7 +39,10 @@ holds its optimizer (DeepSpeed's `model.step()` needs it when the script kept on
 an optimizer whose engine was deleted refuses to step, naming that. `__del__` then runs
 `destroy()`, which writes a running profile first and closes everything. At
 interpreter exit (normal, or after an uncaught exception) `_destroy_live_engines` destroys the
-engines still alive, so swap files do not outlive the process. `destroy()` stays the explicit
+engines still alive, so swap files do not outlive the process. It is registered at `import
+patrickstar`, and atexit runs the last registered function first: a script's exit function
+registered after the import still reads the model; one registered before it meets a destroyed
+engine, and its error says so. `destroy()` stays the explicit
 way; a second call does nothing. A process forked from the engine's (os.fork, multiprocessing,
 DataLoader workers) inherits it: every training call there raises (Note [Training call order]
 in guards.py), and its destroy() (the exit hook, `del`) leaves the runtime undestroyed: tearing
@@ -73,7 +76,7 @@ from .chunk_runtime import ChunkRuntime
 from .chunked_params import ChunkedParams
 from .config import Config
 from .module_config_view import ModuleConfigView
-from .data_parallel import DataParallel, detect_world
+from .data_parallel import DataParallel, close_at_exit as close_data_parallel_at_exit, detect_world
 from .backward_pins import backward_pins, note_device_exhausted_in_backward
 from .backward_pass import BackwardPass
 from .batch_sizes import resolve_batch_sizes
@@ -158,6 +161,9 @@ _live_engines: "weakref.WeakSet[PatrickStarEngine]" = weakref.WeakSet()
 
 @atexit.register
 def _destroy_live_engines() -> None:
+    # The data-parallel sides first, those of engines whose initialize() failed too (Note
+    # [Closing at exit from the engines' hook] in data_parallel.py).
+    close_data_parallel_at_exit()
     for engine in list(_live_engines):
         # A daemon thread may be training: Note [One thread at a time] in guards.py.
         engine.guard.quiesce_for_exit()
@@ -539,6 +545,8 @@ class PatrickStarEngine(nn.Module):
     def _access_module(self, module: nn.Module, phase: str) -> None:
         indices = self._module_params.get(module)
         if indices:
+            # Note [Module forwards in a forked child] in guards.py
+            self.guard.check_owner_process(f"a forward of {type(module).__name__}")
             self.wake_parameters()  # (nothing to do when awake)
             if self._summoned:
                 self._refuse_forward_while_summoned(module)
@@ -1446,6 +1454,8 @@ class PatrickStarEngine(nn.Module):
         hold it in PyTorch (`p.grad` itself stays None: gradients live in chunks). Under data
         parallelism a collective (every rank calls it) that gives the gradient averaged over
         the ranks, read after the backward that ends an accumulation."""
+        # Note [Module forwards in a forked child] in guards.py
+        self.guard.check_owner_process("safe_get_full_grad()")
         try:
             index = self._parameter_index(param, "full_gradient")
         except (KeyError, ValueError):

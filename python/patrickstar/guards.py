@@ -95,6 +95,7 @@ import json
 import os
 import threading
 import warnings
+import weakref
 from typing import Callable, Iterator
 
 import torch
@@ -102,7 +103,7 @@ import torch
 from . import _C
 from .utils.host_memory import host_memory_limit
 
-__all__ = ["TrainingGuard", "check_budgets"]
+__all__ = ["TrainingGuard", "check_budgets", "forked_child_error"]
 
 EXIT_WAIT_S = 30.0  # the longest the exit hook waits for another thread's call (a bound only)
 
@@ -119,6 +120,40 @@ EXIT_WAIT_S = 30.0  # the longest the exit hook waits for another thread's call 
 # Note [Chunk kinds per precision] in chunked_params.py) the sum is taken in that dtype, as a
 # half-precision PyTorch model's p.grad would be; the first such backward warns once, naming the
 # key that makes them fp32 accumulators.
+def forked_child_error(what: str, owner_pid: int) -> RuntimeError:
+    """What a call raises in a process forked from the engine's, `owner_pid` (Note [Training
+    call order])."""
+    return RuntimeError(
+        f"{what}: this PatrickStar engine was built in process {owner_pid}, and this is a "
+        f"process forked from it (pid {os.getpid()}): its copy threads, NVMe IO and "
+        f"collectives belong to the parent, so a forked child cannot train or read it. Give "
+        f"worker processes data rather than the model, or build an engine in the child with "
+        f"patrickstar.initialize()")
+
+
+# Note [Module forwards in a forked child]
+# The engine's own calls check the process (check_alive), but a forward of the user's module or
+# of a submodule in a forked child (`model.module(x)`, `model.module[0](x)`) reaches the chunks
+# through the module hooks alone: it ran on the child's copy of the chunks, or waited forever
+# for a move by copy threads that exist only in the parent (an evicting one would write into
+# the parent's swap file: Note [Swap files across fork] in runtime/nvme_tier.h). The hooks'
+# access runs at every module's forward, so it checks a flag the fork sets on every guard
+# (`inherited`) rather than asking the process id each time. So do the calls that read the
+# chunks without check_alive: `optimizer.zero_grad()` (every call entered, `enter_call`), the
+# clips, the optimizer's state_dict() / load_state_dict() and safe_get_full_grad(); a clip or
+# an optimizer.state_dict() in the child read NVMe-resident chunks through the io_uring ring it
+# shares with the parent, and the parent died of SIGSEGV.
+_every_guard: "weakref.WeakSet[TrainingGuard]" = weakref.WeakSet()
+
+
+def _mark_inherited() -> None:
+    for guard in list(_every_guard):
+        guard.inherited = True
+
+
+os.register_at_fork(after_in_child=_mark_inherited)
+
+
 class TrainingGuard:
     def __init__(self, config, data_parallel_size: int = 1, model_parallel: bool = False):
         self.accumulation = config.gradient_accumulation_steps
@@ -132,6 +167,8 @@ class TrainingGuard:
         self.skip_step = False
         self.destroyed = False
         self.owner_pid = os.getpid()  # the process whose threads and files the engine uses
+        self.inherited = False  # in a forked child: Note [Module forwards in a forked child]
+        _every_guard.add(self)
         # What stopped partway (an optimizer.step() or a load_checkpoint()) and what it left.
         self.failed_step: str | None = None
         # A backward that raised after storing gradients (Note [Training call order]).
@@ -147,6 +184,7 @@ class TrainingGuard:
 
     def enter_call(self, what: str) -> None:
         """Marks this thread inside `what`; raises if another thread is inside a call."""
+        self.check_owner_process(what)
         me = threading.current_thread()
         with self._caller_lock:
             caller = self._caller
@@ -206,18 +244,27 @@ class TrainingGuard:
         finally:
             self.leave_call()
 
+    def check_owner_process(self, what: str) -> None:
+        """Raises in a process forked from the engine's: Note [Module forwards in a forked
+        child] (its calls that read chunks the module hooks or the optimizer reach directly)."""
+        if self.inherited:
+            raise forked_child_error(what, self.owner_pid)
+
     def in_owner_process(self) -> bool:
         """False in a process forked from the one that built the engine."""
         return os.getpid() == self.owner_pid
 
     def check_alive(self, what: str) -> None:
         if not self.in_owner_process():
+            raise forked_child_error(what, self.owner_pid)
+        if self.destroyed and self._exiting is not None:
+            # Note [Engine lifetime] in engine.py: atexit runs the last registered first.
             raise RuntimeError(
-                f"{what}: this PatrickStar engine was built in process {self.owner_pid}, and "
-                f"this is a process forked from it (pid {os.getpid()}): its copy threads and "
-                f"NVMe IO belong to the parent, so a forked child cannot train or read it. Give "
-                f"worker processes data rather than the model, or build an engine in the child "
-                f"with patrickstar.initialize()")
+                f"{what}: this PatrickStar engine was destroyed at interpreter exit by "
+                f"patrickstar's exit hook (so that its swap files and threads do not outlive "
+                f"the process). atexit runs the last registered function first, and that hook "
+                f"is registered at `import patrickstar`: register an exit function that uses "
+                f"the engine after `import patrickstar`")
         if self.destroyed:
             raise RuntimeError(f"{what}: this PatrickStar engine was deleted or destroyed (`del "
                                f"model` or model.destroy()); "

@@ -604,6 +604,8 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         `model.parameters()` cannot show): returns the total norm over every rank's gradients
         (unscaled: what PyTorch would report) and clips the coming `step()` to `max_norm`, for
         this step only (config `gradient_clipping` clips every step)."""
+        # Note [Module forwards in a forked child] in guards.py
+        self.guard.check_owner_process("clip_grad_norm_()")
         if not (norm_type == math.inf or norm_type > 0):
             raise ValueError(f"clip_grad_norm_: norm_type {norm_type} is not supported; "
                              f"PatrickStar-C++ clips by a norm of order p > 0 or inf (torch's "
@@ -630,6 +632,7 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         (total_norm + 1e-6), capped at 1, `total_norm` being the caller's. torch's
         `get_total_norm([p.grad ...])` before it finds no gradient here and gives 0, which
         would clip nothing: a zero for gradients that are not all zero is refused."""
+        self.guard.check_owner_process("clip_grads_with_norm_()")  # (as clip_grad_norm_)
         if not max_norm > 0:
             raise ValueError(f"clip_grads_with_norm_: max_norm must be positive, got {max_norm}")
         self.dp.close_accumulation("clip_grads_with_norm_()")  # Note [A short accumulation]
@@ -688,6 +691,7 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         (clamped in place to +-clip_value, in the loss scale they carry). In fp16, gradients
         with an inf or NaN are left as they are, so that the step still skips them (torch's
         clamp would turn an overflow into +-clip_value)."""
+        self.guard.check_owner_process("clip_grad_value_()")  # (as clip_grad_norm_)
         value = float(clip_value)
         if not value >= 0:
             raise ValueError(f"clip_grad_value_: clip_value must be >= 0, got {clip_value}")
@@ -1023,6 +1027,8 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         (every rank calls it, as `model.state_dict()`) that gathers each owner's entries, so a
         file saved by one rank holds all of it and loads on any rank. Runs torch's state-dict
         hooks (Note [Optimizer state-dict hooks])."""
+        # Note [Module forwards in a forked child] in guards.py
+        self.guard.check_owner_process("optimizer.state_dict()")
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
         state_dict = self._own_state_dict()
@@ -1123,6 +1129,7 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict):
         """Runs torch's load hooks (Note [Optimizer state-dict hooks]) around the load."""
+        self.guard.check_owner_process("optimizer.load_state_dict()")  # (as state_dict())
         state_dict = state_dict.copy()  # torch's shallow copy, which the pre-hooks may change
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = pre_hook(self, state_dict)

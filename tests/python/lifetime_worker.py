@@ -7,12 +7,19 @@
     lifetime_worker.py OUT_DIR profile PROFILE_DIR           profile from config, destroy()
     lifetime_worker.py OUT_DIR fork NVME_DIR [nofork]        train, fork a child that tries the
                                                              engine and ends normally, train on
+    lifetime_worker.py OUT_DIR fork_ranks                    with torchrun's environment: every
+                                                             rank forks a child that calls the
+                                                             module and runs the exit hooks,
+                                                             then trains on
+    lifetime_worker.py OUT_DIR atexit                        an exit function registered before
+                                                             initialize() saves the state dict
 
 The cycles write OUT_DIR/rank<r>.pt: RSS after every cycle, the files left in NVME_DIR and
 whether the engine survived `del` + gc.collect().
 """
 from __future__ import annotations
 
+import atexit
 import gc
 import os
 import resource
@@ -100,7 +107,21 @@ def fork(out, nvme_dir, forking: bool) -> None:
                 error = None
             except RuntimeError as caught:
                 error = str(caught)
-            torch.save({"error": error}, os.path.join(out, "child.pt"))
+            # Forwards of the module and of a submodule reach the chunks through the module
+            # hooks alone; the clip, zero_grad() and the optimizer's state dict read them
+            # directly (Note [Module forwards in a forked child] in guards.py).
+            module_errors = []
+            for call in (lambda: model.module(torch.randn(4, WIDTH)),
+                         lambda: model.module[0](torch.randn(4, WIDTH)),
+                         lambda: model.clip_grad_norm_(1.0), optimizer.zero_grad,
+                         optimizer.state_dict):
+                try:
+                    call()
+                    module_errors.append(None)
+                except RuntimeError as caught:
+                    module_errors.append(str(caught))
+            torch.save({"error": error, "module_errors": module_errors},
+                       os.path.join(out, "child.pt"))
             return  # the interpreter's exit runs the engine's exit hook in the child
         status = os.waitpid(pid, 0)[1]
     files = sorted(os.listdir(nvme_dir))
@@ -114,6 +135,64 @@ def fork(out, nvme_dir, forking: bool) -> None:
     torch.save({"files": files, "losses": losses,
                 "child_exit": os.waitstatus_to_exitcode(status) if forking else None},
                os.path.join(out, "parent.pt"))
+
+
+def fork_ranks(out) -> None:
+    """Every rank of a data-parallel job forks a child that calls the module (which the
+    engine's data-parallel side agrees on with the other ranks) and runs the exit hooks as a
+    script's end does, then trains on. Writes OUT_DIR/rank<r>.pt: the child's exit code and
+    the losses after it; OUT_DIR/child<r>.pt: what the child's calls raised."""
+    signal.alarm(120)
+    rank = int(os.environ.get("RANK", "0"))
+    torch.manual_seed(0)
+    model, optimizer = patrickstar.initialize(model_func, config=config())
+    train(model, optimizer)
+    pid = os.fork()
+    if pid == 0:
+        signal.alarm(60)
+        errors = {}
+        for name, call in (("module_forward", lambda: model.module(torch.randn(4, WIDTH))),
+                           ("module_state_dict", lambda: model.module.state_dict())):
+            try:
+                call()
+            except RuntimeError as error:
+                errors[name] = str(error)
+        torch.save(errors, os.path.join(out, f"child{rank}.pt"))
+        # The exit hooks, as at a script's end; then out, since past them a plain torch
+        # script's forked child hangs too (in ProcessGroupGloo's destructor, in torch 2.13).
+        atexit._run_exitfuncs()
+        os._exit(0)
+    status = os.waitpid(pid, 0)[1]
+    losses = []
+    for _ in range(2):
+        loss = model(torch.randn(4, WIDTH)).square().mean()
+        model.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    torch.save({"child_exit": os.waitstatus_to_exitcode(status), "losses": losses},
+               os.path.join(out, f"rank{rank}.pt"))
+
+
+def save_at_exit(out) -> None:
+    """A script's exit function registered before initialize() (an emergency save, as of
+    a preempted job): writes OUT_DIR/exit<r>.pt with the state dict the model has at exit, or
+    the error reading it raised. The script's end writes OUT_DIR/rank<r>.pt to compare."""
+    rank = int(os.environ.get("RANK", "0"))
+    held = {}
+
+    def save():
+        try:
+            result = {"state": dict(held["model"].state_dict())}
+        except Exception as error:  # noqa: BLE001 (written for the test to show)
+            result = {"error": f"{type(error).__name__}: {error}"}
+        torch.save(result, os.path.join(out, f"exit{rank}.pt"))
+
+    atexit.register(save)
+    torch.manual_seed(0)
+    held["model"], optimizer = patrickstar.initialize(model_func, config=config())
+    train(held["model"], optimizer)
+    torch.save({"state": dict(held["model"].state_dict())}, os.path.join(out, f"rank{rank}.pt"))
 
 
 def main() -> None:
@@ -137,6 +216,10 @@ def main() -> None:
             raise RuntimeError("the training script failed")
     elif what == "fork":
         fork(out, sys.argv[3], forking=len(sys.argv) < 5)
+    elif what == "fork_ranks":
+        fork_ranks(out)
+    elif what == "atexit":
+        save_at_exit(out)
     elif what == "profile":
         model, optimizer = patrickstar.initialize(model_func,
                                                   config=config(profile_dir=sys.argv[3]))

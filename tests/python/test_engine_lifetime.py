@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import copy
 import gc
+import math
 import os
 import subprocess
 import sys
+import textwrap
 import warnings
 import weakref
 
@@ -238,6 +240,75 @@ def test_a_forked_child_refuses_the_engine_and_its_exit_leaves_the_parent_alone(
         results[mode] = torch.load(out / "parent.pt")
     child = torch.load(tmp_path / "fork" / "child.pt")
     assert child["error"] and "forked from it" in child["error"], child
+    # Before, these ran on the child's copy of the chunks, or waited forever for a move.
+    assert all(error and "forked from it" in error for error in child["module_errors"]), child
     assert results["fork"]["child_exit"] == 0, results  # the child ended normally
     assert len(results["fork"]["files"]) == 1, results  # the parent's swap file is still there
     assert results["fork"]["losses"] == results["nofork"]["losses"]
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_an_exit_function_registered_before_initialize_reads_the_model(tmp_path, world):
+    """atexit runs the last registered function first. Before, each rank's data-parallel side
+    registered its own exit hook at initialize(), so it closed the communicator before an exit
+    function the script registered earlier (after `import patrickstar`) could save the model:
+    "AttributeError: 'NoneType' object has no attribute 'all_reduce'" under torchrun, while
+    one process saved. The engines' one exit hook, registered at import, closes both."""
+    if world == 1:
+        result = _run(tmp_path, "atexit")
+        assert result.returncode == 0, result.stderr
+    else:
+        launch(tmp_path, world, "atexit", worker=WORKER)
+    for rank in range(world):
+        at_exit = torch.load(tmp_path / f"exit{rank}.pt")
+        assert "error" not in at_exit, (rank, at_exit["error"])
+        at_end = torch.load(tmp_path / f"rank{rank}.pt")["state"]
+        assert at_exit["state"].keys() == at_end.keys()
+        for key, tensor in at_end.items():
+            assert torch.equal(at_exit["state"][key], tensor), (rank, key)
+
+
+def test_an_exit_function_registered_before_the_import_is_told_why_the_engine_is_gone(tmp_path):
+    """Registered before `import patrickstar`, it runs after the engines' exit hook destroyed
+    the engine (atexit: last registered, first run). Before, it was told "deleted or destroyed
+    (`del model` or model.destroy())", neither of which the script did."""
+    script = textwrap.dedent(f"""
+        import atexit, warnings
+        import torch
+        held = {{}}
+        def save():
+            try:
+                held["model"].state_dict()
+            except RuntimeError as error:
+                open({str(tmp_path / "error.txt")!r}, "w").write(str(error))
+        atexit.register(save)
+        import patrickstar
+        warnings.simplefilter("ignore")
+        held["model"], _ = patrickstar.initialize(lambda: torch.nn.Linear(4, 4),
+                                                  config={{"default_chunk_size": 64}})
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert result.returncode == 0, result.stderr
+    error = (tmp_path / "error.txt").read_text()
+    assert error.startswith("state_dict(): this PatrickStar engine was destroyed at interpreter "
+                            "exit by patrickstar's exit hook"), error
+    assert "register an exit function that uses the engine after `import patrickstar`" in error
+
+
+def test_a_child_forked_from_every_rank_is_refused_at_once_and_leaves_the_ranks_alone(
+        tmp_path):
+    """Before: in a child forked under data parallelism, `model.module(x)` and
+    `model.module.state_dict()` issued their call agreement on the parent's communicator (a
+    shared-memory segment its peers use too) and waited out the collective timeout, and the
+    exit hook closed the inherited collectives and communicator, whose threads exist only in
+    the parent: the child died of SIGSEGV (exit code -11) at its end."""
+    results = launch(tmp_path, 2, "fork_ranks", worker=WORKER)
+    for rank, result in enumerate(results):
+        assert result, f"rank {rank} wrote no result"
+        assert result["child_exit"] == 0, (rank, result)
+        errors = torch.load(tmp_path / f"child{rank}.pt")
+        assert errors.keys() == {"module_forward", "module_state_dict"}, (rank, errors)
+        for name, error in errors.items():
+            assert "this is a process forked from it" in error, (rank, name, error)
+        assert all(map(math.isfinite, result["losses"])), (rank, result)
