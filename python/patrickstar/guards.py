@@ -116,10 +116,12 @@ EXIT_WAIT_S = 30.0  # the longest the exit hook waits for another thread's call 
 # (each backward averages, `no_sync()` skips: Note [Accumulation without the key under data
 # parallelism] in data_parallel.py); with pipeline stages or tensor slices as well the count
 # decides which backward reduce-scatters (`ends_accumulation`), so there the key is needed and
-# its absence stays an error naming it. Where the gradient chunks hold the compute dtype (fp16/bf16 without the key:
-# Note [Chunk kinds per precision] in chunked_params.py) the sum is taken in that dtype, as a
-# half-precision PyTorch model's p.grad would be; the first such backward warns once, naming the
-# key that makes them fp32 accumulators.
+# its absence stays an error naming it. Where the gradient chunks hold the compute dtype
+# (fp16/bf16 without the key: Note [Chunk kinds per precision] in chunked_params.py) the sum is
+# taken in that dtype, as a half-precision PyTorch model's p.grad would be; the first such
+# backward warns once, naming the key that makes them fp32 accumulators.
+
+
 def forked_child_error(what: str, owner_pid: int) -> RuntimeError:
     """What a call raises in a process forked from the engine's, `owner_pid` (Note [Training
     call order])."""

@@ -1221,18 +1221,22 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
     # groups are checked as initialize() checks torch groups (Note [torch.optim's own group
     # keys]): Adam's keys present and numbers, the update's variant the config's. Keys torch's
     # schedulers add (initial_lr, max_lr, ...) are kept.
-    def checked_saved_group(self, number: int, saved: dict) -> dict:
+    def checked_saved_group(self, number: int, saved: dict, *,
+                            refuse_other_type: bool = True) -> dict:
         """Saved param group `number` as a load applies it (without torch's keys of how or
         which update, the config's deciding), after checking it: raises ValueError or
         TypeError naming the key (Note [Saved groups of another optimizer]). Also for
-        model.load_checkpoint()'s groups."""
+        model.load_checkpoint()'s groups, which pass `refuse_other_type=False`: there, as in
+        DeepSpeed, the config's optimizer type decides (a checkpoint converted between
+        slicings loads into an engine configured only for it)."""
         if "betas" not in saved:
             raise ValueError(
                 f"optimizer state dict: param group {number} has no 'betas' (its keys: "
                 f"{sorted(key for key in saved if key != 'params')}): it is not the state "
                 f"dict of an Adam or AdamW optimizer, which the PatrickStar optimizer is")
         try:
-            saved = _without_torch_keys(number, saved, self.decoupled_weight_decay)
+            saved = _without_torch_keys(
+                number, saved, self.decoupled_weight_decay if refuse_other_type else None)
             _check_group_numbers(number, {**self.config.optimizer.group_defaults, **saved})
         except (TypeError, ValueError) as error:
             raise type(error)(f"optimizer state dict: {error}") from None

@@ -325,12 +325,23 @@ def _verify_loadable(state: EngineState, reader: CheckpointReader, scheduler,
             f"checkpoint '{reader.directory}' has {len(counters['param_groups'])} "
             f"optimizer param groups, the optimizer {len(optimizer.param_groups)}")
     if load_optimizer_states:
-        # Checked before anything loads: an AdamW checkpoint loaded into an Adam config set its
-        # groups' decoupled_weight_decay True while the config's Adam trained (Note [Saved
-        # groups of another optimizer] in optimizer.py); a bad loss scaler failed mid-restore.
+        # Checked before anything loads (Note [Saved groups of another optimizer] in
+        # optimizer.py; a bad loss scaler failed mid-restore). The config's optimizer type
+        # decides the update, as in DeepSpeed: an AdamW checkpoint loaded into an Adam config
+        # set its groups' decoupled_weight_decay True while Adam trained; the groups now keep
+        # the config's, and a warning says the types differ.
         try:
             for number, saved in enumerate(counters["param_groups"]):
-                optimizer.checked_saved_group(number, saved)
+                optimizer.checked_saved_group(number, saved, refuse_other_type=False)
+                if "decoupled_weight_decay" in saved and \
+                        bool(saved["decoupled_weight_decay"]) != optimizer.decoupled_weight_decay:
+                    warnings.warn(
+                        f"checkpoint '{reader.directory}' was saved by "
+                        f"{'AdamW' if saved['decoupled_weight_decay'] else 'Adam'}; the config's "
+                        f"optimizer type "
+                        f"{'AdamW' if optimizer.decoupled_weight_decay else 'Adam'!r} decides "
+                        f"the update from here (config 'optimizer': {{'type': ...}})")
+                    break
             state.engine.loss_scaler.checked_state(counters["loss_scaler"])
         except (TypeError, ValueError) as error:
             raise CheckpointError(f"checkpoint '{reader.directory}': {error}") from None
