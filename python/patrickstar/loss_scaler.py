@@ -65,10 +65,6 @@ class LossScaler:
     # fp16.loss_scale with it), not training state, so it loads none; a dynamic scaler loads
     # only a dynamic scaler's state, and keeps its own where the dict is a static one's (a
     # switch from bf16 or a static scale to dynamic fp16 at a resume).
-    _DYNAMIC_KEYS = frozenset({"scale", "scale_factor", "scale_window", "hysteresis", "min_scale",
-                               "consecutive_hysteresis", "steps_since_overflow",
-                               "hysteresis_left", "overflows", "overflows_in_a_row"})
-
     def checked_state(self, state) -> dict:
         """The values `load_state_dict(state)` sets, after checking `state` (a saved
         "loss_scaler" entry): raises TypeError / ValueError naming the key and value, so a
@@ -77,19 +73,19 @@ class LossScaler:
         if not isinstance(state, collections.abc.Mapping):
             raise TypeError(f"{where}: expected a dict (a loss scaler's state_dict()), got "
                             f"{type(state).__name__} {state!r}")
-        unknown = sorted(str(key) for key in state if key not in self._DYNAMIC_KEYS)
+        unknown = sorted(str(key) for key in state if key not in _STATE_TYPES)
         if unknown:
             raise ValueError(f"{where}: unknown keys {unknown} (a loss scaler's state has "
-                             f"{sorted(self._DYNAMIC_KEYS)})")
+                             f"{sorted(_STATE_TYPES)})")
         values = {}
         for key, value in state.items():
-            if isinstance(value, bool) or not isinstance(value, numbers.Real):
-                if key == "consecutive_hysteresis" and isinstance(value, bool):
-                    values[key] = value
-                    continue
+            kind = _STATE_TYPES[key]
+            if kind is bool and isinstance(value, bool):
+                values[key] = value
+            elif isinstance(value, bool) or not isinstance(value, numbers.Real):
                 raise ValueError(f"{where}: {key!r} must be a number, got "
                                  f"{type(value).__name__} {value!r}")
-            if key in ("scale", "min_scale", "scale_factor"):
+            elif kind is float:  # the scale, its factor and its minimum
                 if not (math.isfinite(value) and value > 0):
                     raise ValueError(f"{where}: {key!r} must be finite and > 0, got {value!r}")
                 values[key] = float(value)
@@ -192,6 +188,11 @@ class DynamicLossScaler(LossScaler):
             return  # a static scaler's state (Note [A loss scaler's saved state])
         for name, value in values.items():
             setattr(self, name, value)
+
+
+# The keys a saved scaler's state may hold and their types: a dynamic scaler's state_dict()'s
+# (a static one saves "scale" alone). Note [A loss scaler's saved state]
+_STATE_TYPES = {name: type(value) for name, value in DynamicLossScaler().state_dict().items()}
 
 
 def make_loss_scaler(config) -> LossScaler:

@@ -69,15 +69,10 @@ def read_moment(params: ChunkedParams, index: int, key: str) -> dict[str, torch.
 
 def check_moment(name: str, shape: tuple[int, ...], key: str, value: torch.Tensor,
                  scales: torch.Tensor | None = None) -> None:
-    """Raises ValueError naming parameter `name` unless `value` can be written as its moment
-    `key`: float values of its `shape`, or 8-bit codes of as many elements with their
-    `scales`, one per block of 2048 (so a load can check every entry before it writes any)."""
+    """Raises ValueError naming parameter `name` unless 8-bit codes `value` can be written as
+    its moment `key`: as many codes as `shape` has elements, with their `scales`, one per
+    block of 2048 (so a load can check every entry before it writes any)."""
     numel = math.prod(shape)
-    if value.dtype != torch.uint8:
-        if tuple(value.shape) != tuple(shape):
-            raise ValueError(f"'{name}' of shape {tuple(shape)}: its {key} has shape "
-                             f"{tuple(value.shape)}")
-        return
     if value.numel() != numel:
         raise ValueError(f"'{name}' of shape {tuple(shape)} ({numel} elements): its {key} "
                          f"holds {value.numel()} 8-bit codes")

@@ -1309,11 +1309,14 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
             # Note [8-bit moments are checked before the load writes]
             for moment in moment_state.MOMENT_KEYS:
                 value = entry[moment]
-                if value.dtype != torch.uint8 and tuple(value.shape) != params.shapes[index]:
-                    raise ValueError(
-                        f"optimizer state dict: state {key} maps to '{params.names[index]}' of "
-                        f"shape {params.shapes[index]}, but its {moment} has shape "
-                        f"{tuple(value.shape)} (parameters in another order than when saved?)")
+                if value.dtype != torch.uint8:
+                    if tuple(value.shape) != params.shapes[index]:
+                        raise ValueError(
+                            f"optimizer state dict: state {key} maps to '{params.names[index]}' "
+                            f"of shape {params.shapes[index]}, but its {moment} has shape "
+                            f"{tuple(value.shape)} (parameters in another order than when "
+                            f"saved?)")
+                    continue
                 try:
                     moment_state.check_moment(params.names[index], params.shapes[index], moment,
                                               value, entry.get(moment_state.scale_key(moment)))

@@ -225,13 +225,9 @@ def test_an_interrupt_as_a_backward_gives_back_its_accesses_leaves_an_engine_tha
     zero_grad() and load_checkpoint() failed with "illegal state transition COMPUTE ->
     COMPUTE", and only a new process recovered."""
     from patrickstar.engine import PatrickStarEngine
-    model, opt, reference, reference_opt = _saved_and_a_reference_step(tmp_path)
-    x, y = batches(1, seed=5)[0]
-    loss = model(x, y)
     # as a signal handled when the call before end_backward() returned
-    _interrupt_in(PatrickStarEngine._release_all.__code__, "end_backward()",
-                  lambda: model.backward(loss), at_marker=True)
-    _assert_loads_and_trains_as(model, opt, reference, reference_opt, tmp_path)
+    _assert_a_backward_interrupted_at_recovers(tmp_path, PatrickStarEngine._release_all.__code__,
+                                               "end_backward()")
 
 
 def test_an_interrupt_as_a_backwards_release_is_entered_leaves_a_loadable_engine(tmp_path):
@@ -240,12 +236,8 @@ def test_an_interrupt_as_a_backwards_release_is_entered_leaves_a_loadable_engine
     every later forward failed "COMPUTE -> COMPUTE" (Note [A backward cut short before its
     release])."""
     from patrickstar.backward_pass import BackwardPass
-    model, opt, reference, reference_opt = _saved_and_a_reference_step(tmp_path)
-    x, y = batches(1, seed=5)[0]
-    loss = model(x, y)
-    _interrupt_in(BackwardPass.run.__code__, "self._release_all()",
-                  lambda: model.backward(loss), at_marker=True)
-    _assert_loads_and_trains_as(model, opt, reference, reference_opt, tmp_path)
+    _assert_a_backward_interrupted_at_recovers(tmp_path, BackwardPass.run.__code__,
+                                               "self._release_all()")
 
 
 def test_an_interrupt_right_after_the_sweeps_access_leaves_a_loadable_engine(tmp_path):
@@ -326,6 +318,16 @@ def _assert_loads_and_trains_as(model, opt, reference, reference_opt, tmp_path) 
     assert_identical(full_state(model, opt), full_state(reference, reference_opt))
     for engine in (model, reference):
         engine.destroy()
+
+
+def _assert_a_backward_interrupted_at_recovers(tmp_path, code, marker: str) -> None:
+    """A backward interrupted at the line of `code` holding `marker`, then
+    _assert_loads_and_trains_as: zero_grad(), a load and a step reach the reference."""
+    model, opt, reference, reference_opt = _saved_and_a_reference_step(tmp_path)
+    x, y = batches(1, seed=5)[0]
+    loss = model(x, y)
+    _interrupt_in(code, marker, lambda: model.backward(loss), at_marker=True)
+    _assert_loads_and_trains_as(model, opt, reference, reference_opt, tmp_path)
 
 
 def _saved_then_a_backward(tmp_path):

@@ -282,7 +282,8 @@ class EngineState:
                 for index, name in enumerate(self.names)]
             for number, (saved, group) in enumerate(zip(counters["param_groups"],
                                                         optimizer.param_groups)):
-                saved = optimizer.checked_saved_group(number, saved, refuse_other_type=False)  # Note [Saved groups ...]
+                # Note [Saved groups of another optimizer] in optimizer.py
+                saved = optimizer.checked_saved_group(number, saved, refuse_other_type=False)
                 group.update({k: (tuple(v) if k == "betas" else v)
                               for k, v in saved.items() if k != "params"})
             engine.loss_scaler.load_state_dict(counters["loss_scaler"])

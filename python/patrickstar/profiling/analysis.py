@@ -7,7 +7,7 @@ import json
 import os
 
 __all__ = ["Analysis", "GiB", "MiB", "OUTPUT_FILES", "ProfileError", "RAW_FILE", "RAW_KEYS",
-           "effective_ns", "load_raw", "mib", "stat_delta"]
+           "effective_ns", "load_raw", "mib", "reserved_mib", "stat_delta"]
 
 
 RAW_FILE = "profile.json"
@@ -374,3 +374,11 @@ def mib(nbytes: float) -> str:
     if abs(nbytes) >= GiB:
         return f"{nbytes / GiB:.2f} GiB"
     return f"{nbytes / MiB:.1f} MiB"
+
+
+def reserved_mib(tier: dict) -> str:
+    """The bytes `tier`'s slab pool had reserved when the profile stopped, as mib() prints
+    them: what its budget bounds (Note [Budgets bound the slab pool] in slab_budget.py); "-" in
+    a record without them."""
+    reserved = tier.get("reserved_bytes")
+    return "-" if reserved is None else mib(reserved)

@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from .analysis import Analysis, ProfileError, load_raw, mib
+from .analysis import Analysis, ProfileError, load_raw, mib, reserved_mib
 from .html_page import render_html
 from .outputs import write_text
 from .summary import build_summary
@@ -33,8 +33,7 @@ def _summary_lines(summary: dict) -> list[tuple[str, str]]:
         lines += [(f"{name}: budget", budget),
                   (f"{name}: peak model / non-model", f"{mib(tier['peak_model_bytes'])} / "
                                                       f"{mib(tier['peak_non_model_bytes'])}"),
-                  (f"{name}: slab pool reserved at stop",
-                   "-" if tier.get("reserved_bytes") is None else mib(tier["reserved_bytes"])),
+                  (f"{name}: slab pool reserved at stop", reserved_mib(tier)),
                   (f"{name}: moved in / out", f"{mib(tier['bytes_in'])} / "
                                               f"{mib(tier['bytes_out'])}"),
                   (f"{name}: evictions", str(tier["evictions"]))]

@@ -5,7 +5,7 @@ import html
 from typing import Iterable
 
 from ..vocabulary import Tier
-from .analysis import GiB, MiB, Analysis, mib
+from .analysis import GiB, MiB, Analysis, mib, reserved_mib
 
 __all__ = ["render_html"]
 
@@ -183,13 +183,6 @@ def _svg_time_split(a: Analysis, width: int = 1100) -> str:
     return legend + "".join(parts)
 
 
-def _reserved(tier: dict) -> str:
-    """The bytes the tier's slab pool had reserved when the profile stopped: what its budget
-    bounds (Note [Budgets bound the slab pool] in slab_budget.py); "-" in a record without them."""
-    reserved = tier.get("reserved_bytes")
-    return "-" if reserved is None else mib(reserved)
-
-
 def _table(headers: list[str], rows: Iterable[list], table_id: str = "") -> str:
     head = "".join(f"<th>{html.escape(h)}</th>" for h in headers)
     head = f"<thead><tr>{head}</tr></thead>" if any(headers) else ""
@@ -241,7 +234,7 @@ def render_html(raw: dict, summary: dict, analysis: Analysis | None = None) -> s
     findings = "".join(f"<li>{html.escape(f)}</li>" for f in summary["findings"])
     tier_rows = [[name, t["kind"], mib(t["budget_bytes"]) if t["budget_bytes"] else "unlimited",
                   mib(t["peak_model_bytes"]), mib(t["peak_non_model_bytes"]),
-                  mib(t["peak_total_bytes"]), _reserved(t), mib(t["bytes_in"]),
+                  mib(t["peak_total_bytes"]), reserved_mib(t), mib(t["bytes_in"]),
                   mib(t["bytes_out"]), t["evictions"]] for name, t in summary["tiers"].items()]
     eviction_rows = [[r["description"], r["count"], mib(r["bytes"]),
                       "-" if r["mean_next_use_distance"] is None
