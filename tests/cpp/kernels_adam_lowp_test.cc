@@ -313,6 +313,55 @@ TEST(AdamLowpTest, EveryPathMatchesTheReferenceOnALargeChunkOverManySteps) {
   }
 }
 
+// Note [vcvtneps2bf16 and denormals] in kernels/cpu_paths.cc: the conversions that instruction
+// does (bf16 moments, Kahan's param and compensation, the bf16 copy) fall back to the integer
+// rounding for a vector holding a denormal. Here about a third of the lanes make each value
+// denormal: params near 1e-39 with a learning rate of 1e-40 (so that Kahan's sum and its
+// compensation stay there), gradients of 1e-38 (a first moment of 1e-39) and of 1e-20 (a second
+// moment of 1e-43). Every path must keep them as the reference does, not flush them to zero.
+void RunDenormalCase(const Variant& variant, int copy, SimdLevel level) {
+  ScopedSimd simd(level);
+  constexpr int64_t n = 4133;
+  State ours = MakeState(n, variant.param_dtype, variant.state_dtype, DType::kFloat32, copy, 5);
+  ours.stochastic = variant.stochastic;
+  for (int64_t i = 0; i < n; i += 3) {
+    ours.param32[i] = static_cast<float>(i % 97 - 48) * 2.5e-41f;
+    ours.param16[i] = FloatToBFloat16Bits(ours.param32[i]);
+  }
+  State ref = ours;
+  const std::string context = "denormals " + Name(ours, level, n, true);
+  for (int64_t step = 1; step <= 4; ++step) {
+    for (State* s : {&ours, &ref}) {
+      for (int64_t i = 0; i < n; ++i) {
+        const float sign = (i * 7 + step) % 2 == 0 ? 1.0f : -1.0f;
+        s->grad32[i] = sign * (i % 5 == 0 ? 1e-38f : i % 5 == 1 ? 1e-20f : 0.25f);
+      }
+    }
+    AdamHyperParams hp;
+    hp.lr = variant.param_dtype == DType::kFloat32 ? 1e-3 : 1e-40;
+    hp.weight_decay = 0.01;
+    hp.decoupled_weight_decay = true;
+    hp.step = step;
+    const absl::Status status = AdamUpdate(ours.Chunk(), hp);
+    ASSERT_TRUE(status.ok()) << context << ": " << status;
+    ReferenceStep(ref, hp);
+    ExpectSameState(ours, ref, context + " step " + std::to_string(step));
+    if (testing::Test::HasFatalFailure()) return;
+  }
+}
+
+TEST(AdamLowpTest, EveryPathKeepsDenormalsAsTheReferenceDoes) {
+  for (SimdLevel level : SupportedSimdLevels()) {
+    for (const Variant& variant : kVariants) {
+      const int max_copy = variant.param_dtype == DType::kFloat32 ? 2 : 0;
+      for (int copy = 0; copy <= max_copy; copy += 2) {
+        RunDenormalCase(variant, copy, level);
+        if (HasFatalFailure()) return;
+      }
+    }
+  }
+}
+
 // The AVX-512 paths read int8 code values with VBMI byte-table lookups where the CPU has VBMI
 // (Note [Dequantization by byte tables]); this runs them with scalar table reads instead, so both
 // variants are checked on a VBMI machine.
