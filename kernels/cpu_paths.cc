@@ -687,6 +687,17 @@ struct Ops : avx512_path::Ops {
     }
     _mm512_storeu_si512(p, ConvertBf16x2(x0, x1));
   }
+  // x0 into p0[0, 16) and x1 into p1[0, 16) by one vcvtne2ps2bf16 (the two moments of a vector).
+  static PS_INLINE void StoreBf16Split(uint16_t* p0, uint16_t* p1, V x0, V x1) {
+    if (AnyDenormal2(x0, x1)) [[unlikely]] {
+      StoreBf16(p0, x0);
+      StoreBf16(p1, x1);
+      return;
+    }
+    const __m512i bits = ConvertBf16x2(x0, x1);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p0), _mm512_castsi512_si256(bits));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p1), _mm512_extracti64x4_epi64(bits, 1));
+  }
   static PS_INLINE void StoreBf16Rounded2(uint16_t* p, V x0, V x1, V& rounded0, V& rounded1) {
     if (AnyDenormal2(x0, x1)) [[unlikely]] {
       rounded0 = StoreBf16Rounded(p, x0);
