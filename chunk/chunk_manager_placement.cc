@@ -102,9 +102,13 @@ absl::Status ChunkManager::EnforceBudget(int tier) {
   const int64_t limit = ChunkBytesLimit(tier);
   // A Tier budget of 0 means "unlimited", so "no room at all" is a budget of one byte.
   PS_RETURN_IF_ERROR(slot.tier->SetBudget(std::max<int64_t>(allowed, 1)));
+  // The last tier has nowhere to evict to: a victim there would only fail with "last tier of
+  // the hierarchy", naming neither the budget nor the non-model data that outgrew it (a host
+  // budget without NVMe, the previous batch's logits still alive at the next forward).
+  const bool last_tier = tier + 1 >= num_tiers();
   while (slot.tier->stats().reserved_bytes > allowed) {
     if (slot.tier->Trim() > 0) continue;
-    Chunk* victim = ChooseVictim(tier, {});
+    Chunk* victim = last_tier ? nullptr : ChooseVictim(tier, {});
     if (victim == nullptr) {
       // Note [The trace forecasts, the report bounds]
       if (slot.tier->stats().reserved_bytes <= limit) break;
@@ -112,8 +116,9 @@ absl::Status ChunkManager::EnforceBudget(int tier) {
           "tier '", slot.stats.name, "' (", TierKindName(slot.stats.kind), "): budget ",
           FormatBytes(slot.budget_bytes), " minus non-model data ",
           FormatBytes(tracer_.ReportedNonModelBytes(tier)), " leaves ", FormatBytes(limit),
-          " for chunks, but ", FormatBytes(slot.tier->stats().reserved_bytes),
-          " are reserved and every chunk there is pinned (COMPUTE or a copy in flight)"));
+          " for chunks, but ", FormatBytes(slot.tier->stats().reserved_bytes), " are reserved ",
+          last_tier ? "and it is the last tier, with nowhere to evict to"
+                    : "and every chunk there is pinned (COMPUTE or a copy in flight)"));
     }
     PS_RETURN_IF_ERROR(Evict(*victim, {}));
   }

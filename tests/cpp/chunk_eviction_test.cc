@@ -208,5 +208,25 @@ TEST(ChunkEvictionTest, NonModelDataGrowthEvictsToStayWithinBudget) {
             absl::StatusCode::kInvalidArgument);
 }
 
+// Where the tier out of room is the last (a host budget without NVMe), the error names the
+// budget and the non-model data, as for pinned chunks; it said only "cannot evict chunk 3 ...:
+// 'host' is the last tier of the hierarchy". Non-model data that still fits beside the chunks
+// is no error.
+TEST(ChunkEvictionTest, NonModelDataOutgrowingTheLastTierNamesTheBudget) {
+  auto hierarchy = testing::MakeHierarchy(kChunkBytes, 4 * kChunkBytes, kChunkBytes);
+  auto manager = MakeScriptManager(hierarchy, 4, EvictionPolicy::kOptAfterWarmup);
+  for (TensorId t = 0; t < 4; ++t) {
+    ASSERT_TRUE(manager->Access(t, TierKind::kHost).ok());
+    ASSERT_TRUE(manager->Release(t, TensorState::kHold).ok());
+  }
+  ASSERT_TRUE(manager->ReportNonModelData(TierKind::kHost, 0).ok());
+  absl::Status squeezed = manager->ReportNonModelData(TierKind::kHost, kChunkBytes / 2);
+  EXPECT_EQ(squeezed.code(), absl::StatusCode::kResourceExhausted) << squeezed;
+  EXPECT_THAT(squeezed.message(), ::testing::HasSubstr("(host): budget 16384"));
+  EXPECT_THAT(squeezed.message(), ::testing::HasSubstr("non-model data 2048"));
+  EXPECT_THAT(squeezed.message(), ::testing::HasSubstr("the last tier, with nowhere to evict"));
+  EXPECT_EQ(manager->Stats()[1].chunk_bytes, 4 * kChunkBytes);  // nothing lost
+}
+
 }  // namespace
 }  // namespace ps
