@@ -446,3 +446,55 @@ def test_an_adamw_checkpoint_in_an_adam_config_trains_the_configs_adam_and_says_
         reference.load_checkpoint(tmp_path, tag="t")  # the same rng states, for the dropout
     train(reference, reference_opt, data)
     assert_identical(full_state(model, opt), full_state(reference, reference_opt))
+
+
+def _masters_and_compensations(model):
+    """Each trainable parameter's (16-bit weight, fp32 master or None, compensation or None)."""
+    state = checkpoint.EngineState(model)
+    result = {}
+    for index, name in enumerate(state.names):
+        kinds = state.kinds(index)
+        views = {}
+        for kind in ("param", "master", "compensation"):
+            if kind in kinds:
+                with state.view(index, kind) as view:
+                    views[kind] = view.clone()
+        result[name] = views
+    return result
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16", "bf16_lowp"])
+@pytest.mark.parametrize("module_only", [False, True])
+def test_a_load_without_optimizer_states_rebuilds_masters_from_the_weights(tmp_path, precision,
+                                                                            module_only):
+    # DeepSpeed's load_checkpoint(load_optimizer_states=False) and load_module_only=True load
+    # the 16-bit weights and rebuild the fp32 masters from them (_restore_from_bit16_weights,
+    # refresh_fp32_params); the optimizer state stays the engine's; global_steps and
+    # skipped_steps are restored unless load_module_only (Note [Masters rebuilt from the
+    # weights]).
+    config = base_config(precision)
+    model, opt = make(config)
+    train(model, opt, batches(3))
+    saved = _masters_and_compensations(model)
+    hidden = [name for name, views in saved.items()
+              if ("master" in views and not torch.equal(views["master"],
+                                                        views["param"].float()))
+              or ("compensation" in views and views["compensation"].any())]
+    assert hidden  # the checkpoint holds more than its weights show
+    model.save_checkpoint(tmp_path)
+
+    fresh, fresh_opt = make(config, seed=5)
+    scale = fresh_opt.loss_scale
+    fresh.load_checkpoint(tmp_path, load_optimizer_states=False, load_module_only=module_only)
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, fresh.state_dict()[key]), key
+    for name, views in _masters_and_compensations(fresh).items():
+        assert torch.equal(views["param"], saved[name]["param"]), name
+        if "master" in views:
+            assert torch.equal(views["master"], views["param"].float()), name
+        if "compensation" in views:
+            assert not views["compensation"].any(), name
+    assert fresh_opt.state_dict()["state"] == {}  # the optimizer state is not loaded
+    assert fresh_opt.loss_scale == scale  # it goes with the optimizer state
+    assert fresh.global_steps == (0 if module_only else 3)
+    train(fresh, fresh_opt, batches(1, seed=1))  # and it trains on

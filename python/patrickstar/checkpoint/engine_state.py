@@ -64,10 +64,10 @@ class EngineState:
         name = self.names[index]
         result = []
         for kind in self.kinds(index, optimizer_state):
-            if kind in _SCALE_KINDS or (kind == "compensation"
-                                        and not reader.has(name, "compensation")):
-                continue  # read with their moment; zero after a checkpoint with a master
-            result.append(source_kind(reader, name, kind))
+            if kind in _SCALE_KINDS or (kind == "compensation" and not (
+                    optimizer_state and reader.has(name, "compensation"))):
+                continue  # read with their moment; zero (Note [Masters rebuilt from the weights])
+            result.append(source_kind(reader, name, kind, optimizer_state))
             if (kind in moment_state.MOMENT_KEYS and reader.has(name, kind)
                     and reader.entry(name, kind).dtype == "uint8"):
                 result.append(moment_state.scale_key(kind))
@@ -240,9 +240,24 @@ class EngineState:
                 notes.append(f"{kind}: {saved} in the checkpoint, {our} in the model")
         return "; " + "; ".join(notes) if notes else ""
 
+    # Note [Masters rebuilt from the weights]
+    # DeepSpeed's load_checkpoint(load_optimizer_states=False) (and load_module_only=True)
+    # does not read the fp32 masters: it loads the 16-bit module weights and rebuilds the fp32
+    # copies from them (ZeRO's _restore_from_bit16_weights, refresh_fp32_params), the
+    # fine-tuning start from a model's weights. Ours restored the saved fp32 masters (and
+    # Kahan compensations) with the weights, so the same call trained on from the checkpoint's
+    # hidden fp32 state rather than from the weights the model showed. A master is now read
+    # from the saved 16-bit weight (exactly representable in fp32) and a compensation is zero,
+    # as after a checkpoint that had masters. The moments and step counts are the optimizer
+    # state and stay the engine's own (fresh on a new engine), as DeepSpeed leaves them; the
+    # step counters (global_steps, skipped_steps) are restored unless load_module_only, as
+    # DeepSpeed restores them outside the optimizer state, while the fp16 loss scale, the
+    # group hyperparameters and the step counts go with the optimizer state.
     def restore(self, reader, extra: dict, scheduler, load_optimizer_states: bool,
-                load_lr_scheduler_states: bool, load_rng_states: bool) -> None:
-        """Writes a verified checkpoint's state into the engine."""
+                load_lr_scheduler_states: bool, load_rng_states: bool,
+                load_counters: bool = True) -> None:
+        """Writes a verified checkpoint's state into the engine; `load_counters` False (a
+        load_module_only) keeps the engine's step counters."""
         engine = self.engine
         engine.zero_grad()
         engine.guard.after_step()  # a fresh step begins (Note [Training call order])
@@ -252,12 +267,15 @@ class EngineState:
                 for kind in self.kinds(index, load_optimizer_states):
                     if kind in _SCALE_KINDS:
                         continue  # written with their moment
-                    if kind == "compensation" and not reader.has(name, kind):
-                        # A checkpoint with fp32 masters: its params are rounded, no error kept.
+                    if kind == "compensation" and not (load_optimizer_states
+                                                        and reader.has(name, kind)):
+                        # A checkpoint with fp32 masters: its params are rounded, no error kept
+                        # (and Note [Masters rebuilt from the weights]).
                         with self.view(index, kind) as view:
                             view.zero_()
                         continue
-                    source = reader.tensor(name, source_kind(reader, name, kind))
+                    source = reader.tensor(name, source_kind(reader, name, kind,
+                                                             load_optimizer_states))
                     if kind in moment_state.MOMENT_KEYS:
                         # Converted when the checkpoint's state dtype is not the engine's.
                         scales = moment_state.scale_key(kind)
@@ -287,7 +305,9 @@ class EngineState:
                 group.update({k: (tuple(v) if k == "betas" else v)
                               for k, v in saved.items() if k != "params"})
             engine.loss_scaler.load_state_dict(counters["loss_scaler"])
-            optimizer.skipped_steps = counters["skipped_steps"]
+        if load_counters:
+            counters = reader.meta["engine"]
+            engine.optimizer.skipped_steps = counters["skipped_steps"]
             engine.iteration = counters["iteration"]
             engine.micro_step = counters["micro_step"]
         if load_lr_scheduler_states and scheduler is not None:
@@ -304,9 +324,10 @@ def tensor_partition(param) -> dict | None:
     return {"dim": int(param.partition_dim), "stride": int(getattr(param, "partition_stride", 1))}
 
 
-def source_kind(reader, name: str, kind: str) -> str:
-    """The saved kind a tensor of kind `kind` is loaded from."""
-    if kind == "master" and not reader.has(name, "master"):
+def source_kind(reader, name: str, kind: str, optimizer_state: bool = True) -> str:
+    """The saved kind a tensor of kind `kind` is loaded from; without `optimizer_state` a
+    master is rebuilt from the weight (Note [Masters rebuilt from the weights])."""
+    if kind == "master" and not (optimizer_state and reader.has(name, "master")):
         return "param"  # a frozen parameter or an fp32 checkpoint
     return kind
 

@@ -251,7 +251,7 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states: bool = Tr
         try:
             reader = stack.enter_context(
                 _open_converted(state, directories, resolved) if convert else
-                _open_reader(state, load_dir, resolved, allow_reshard))
+                _open_reader(state, load_dir, resolved, load_optimizer_states))
             extra = _verify_loadable(state, reader, scheduler, load_optimizer_states,
                                      load_lr_scheduler_states, allow_reshard)
         except Exception as failure:
@@ -260,7 +260,8 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states: bool = Tr
         error = None
         try:
             state.restore(reader, extra, scheduler, load_optimizer_states,
-                          load_lr_scheduler_states, load_rng_states)
+                          load_lr_scheduler_states, load_rng_states,
+                          load_counters=not load_module_only)
         except Exception as failure:
             error = failure
         except BaseException as failure:
@@ -280,12 +281,14 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states: bool = Tr
 
 
 def _open_reader(state: EngineState, load_dir: str, tag: str,
-                 allow_reshard: bool) -> CheckpointReader:
+                 load_optimizer_states: bool) -> CheckpointReader:
     """Every shard, or only this rank's own when the checkpoint has this model's layout and
-    world size (its shard then holds exactly the tensors this rank owns)."""
+    world size (its shard then holds exactly the tensors this rank owns) and the masters are
+    read as saved (rebuilt from the weights, they may come from another rank's shard: Note
+    [Masters rebuilt from the weights] in engine_state.py)."""
     ranks = None
     directory = os.path.join(load_dir, tag)
-    if state.world_size > 1 and os.path.isdir(directory):
+    if state.world_size > 1 and load_optimizer_states and os.path.isdir(directory):
         layout = read_meta(directory)["layout"]
         if layout.get("world_size") == state.world_size and \
                 layout.get("hash") == state.layout()["hash"]:
