@@ -325,7 +325,7 @@ class PatrickStarEngine(nn.Module):
                 self._loop.after_optimizer_step,
                 _weakly(self._backward.settle_raised_autograd_backward),
                 _weakly(self.end_iteration_without_step))
-            self._loop.attach(self.optimizer)
+            self._loop.attach(self.optimizer, _weakly(self._count_step_without_gradients))
             if config.scheduler is not None:  # DeepSpeed's `scheduler` section
                 self._loop.lr_schedule.set(build_scheduler(
                     config.scheduler.type, config.scheduler.params, self.optimizer),
@@ -1231,8 +1231,10 @@ class PatrickStarEngine(nn.Module):
         gradients) and then steps `model.lr_scheduler` unless the step was skipped for fp16
         overflow (Note [model.step() steps model.lr_scheduler] in deepspeed_loop.py), passing
         it `lr_kwargs` as DeepSpeed does (a ReduceLROnPlateau's `{"metrics": loss}`); before
-        that nothing. PatrickStar's own loop calls `optimizer.step()` instead; calling both in
-        one step makes the second find no gradients, which raises."""
+        that nothing. A call without a backward is a micro-step too, as DeepSpeed counts calls
+        (Note [model.step() without a backward] in deepspeed_loop.py). PatrickStar's own loop
+        calls `optimizer.step()` and `optimizer.zero_grad()` instead; a model.step() with no
+        backward after an optimizer.step() without zero_grad() (both loops in one) raises."""
         self._loop.step(lr_kwargs)
 
     @property
@@ -1333,6 +1335,12 @@ class PatrickStarEngine(nn.Module):
             # The step is over whatever a signal handled here raises: left uncounted, every
             # later checkpoint's global step (and default tag) was one short.
             self.iteration += 1
+
+    def _count_step_without_gradients(self) -> None:
+        """model.step()'s optimizer step without gradients counts as a step, as DeepSpeed's
+        (Note [model.step() without a backward] in deepspeed_loop.py); the optimizer already
+        ended the runtime's iteration (end_iteration_without_step)."""
+        self.iteration += 1
 
     # Note [An iteration without a step]
     # A step without gradients (Note [A step without gradients] in optimizer.py) counts no

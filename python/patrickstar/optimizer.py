@@ -290,7 +290,7 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
                  phase: Callable[[], ContextManager] = contextlib.nullcontext,
                  wait_for_gradient_stores: Callable[[], None] = lambda: None,
                  before_step: Callable[[], None] = lambda: None,
-                 after_step: Callable[[bool], None] = lambda applied: None,
+                 after_step: Callable[..., None] = lambda applied, without_gradients=False: None,
                  settle_backward: Callable[[], None] = lambda: None,
                  end_iteration_without_step: Callable[[], None] = lambda: None):
         # torch's `defaults` are the constructor's arguments, not a group's: here the config's
@@ -397,7 +397,7 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
                 self._before_step()
                 self.overflow = False  # it found no overflow (accelerate's step_was_skipped)
                 self._end_iteration_without_step()
-                self._after_step(False)
+                self._after_step(False, without_gradients=True)
                 return loss
             self._before_step()
             with self._phase():
@@ -438,18 +438,28 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         """False for a step that changes nothing (Note [A step without gradients])."""
         if self.guard.backwards:
             return True
-        stale, zeroed = bool(self._unzeroed), bool(self._zeroed)
+        zeroed = bool(self._zeroed)
+        if self.dp.enabled:
+            zeroed = bool(self.dp.ranks_with(zeroed, label="zeroed gradients", phase=None))
+        self.refuse_consumed_gradients(
+            "optimizer.step() again with no backward and no optimizer.zero_grad() since the "
+            "last step: torch would apply that step's gradients (still in its p.grad) once "
+            "more, but the PatrickStar engine's step consumed them (as DeepSpeed's does). "
+            "Call optimizer.zero_grad() after each step (a step without gradients is then "
+            "a no-op, as torch's), or a backward before the step")
+        return zeroed
+
+    def refuse_consumed_gradients(self, message: str) -> None:
+        """Raises `message` when no backward and no zero_grad() came since the last step, whose
+        gradients torch's p.grad would still hold (Note [A step without gradients]). Under data
+        parallelism every rank calls it (the ranks agree)."""
+        if self.guard.backwards:
+            return
+        stale = bool(self._unzeroed)
         if self.dp.enabled:
             stale = bool(self.dp.ranks_with(stale, label="unzeroed gradients", phase=None))
-            zeroed = bool(self.dp.ranks_with(zeroed, label="zeroed gradients", phase=None))
         if stale:
-            raise RuntimeError(
-                "optimizer.step() again with no backward and no optimizer.zero_grad() since the "
-                "last step: torch would apply that step's gradients (still in its p.grad) once "
-                "more, but the PatrickStar engine's step consumed them (as DeepSpeed's does). "
-                "Call optimizer.zero_grad() after each step (a step without gradients is then "
-                "a no-op, as torch's), or a backward before the step")
-        return zeroed
+            raise RuntimeError(message)
 
     # Note [The state-initializing step of torch.distributed.checkpoint]
     # get_state_dict(model, optimizer) (FSDP2's checkpoint recipe with dcp.save / dcp.load /
