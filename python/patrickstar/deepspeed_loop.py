@@ -220,6 +220,12 @@ class DeepSpeedLoop:
                 self._step_applied = True
             self.lr_schedule.after_optimizer_step(self._step_applied, lr_kwargs)
 
+    def restart_accumulation(self) -> None:
+        """The gradients were dropped by a load_checkpoint(): the next call is the first
+        micro-step of a step."""
+        self._model_steps = 0
+        self._backwards_at_model_step = 0
+
     def before_optimizer_step(self) -> None:
         """Called by every optimizer.step(), model.step()'s or the user's."""
         if not self._in_model_step:  # PatrickStar's loop

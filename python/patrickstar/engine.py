@@ -1622,22 +1622,51 @@ class PatrickStarEngine(nn.Module):
 
     # ---- Checkpoints (logic in checkpoint/) -------------------------------------------------
 
+    # Note [DeepSpeed's checkpoint signatures]
+    # The two calls take DeepSpeed's arguments in DeepSpeed's order, so a script written for
+    # it means the same positionally: save_checkpoint(save_dir, tag, client_state,
+    # save_latest, exclude_frozen_parameters) and load_checkpoint(load_dir, tag,
+    # load_module_strict, load_optimizer_states, load_lr_scheduler_states, load_module_only,
+    # custom_load_fn). Ours put load_optimizer_states third, so DeepSpeed's
+    # `load_checkpoint(dir, tag, True, False)` (strict, no optimizer state) loaded the
+    # optimizer state and skipped the scheduler's, silently, and the keyword arguments
+    # exclude_frozen_parameters, load_module_strict and custom_load_fn raised TypeError. Our
+    # own arguments (lr_scheduler, load_rng_states, allow_reshard) are keywords after them.
+    # exclude_frozen_parameters is accepted and every parameter saved all the same (the
+    # checkpoint is larger than DeepSpeed's, and loads strictly: docs/design.md);
+    # load_module_strict=False loads a checkpoint of this very model as True does, and a
+    # custom_load_fn is refused, naming what to use.
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True,
-                        lr_scheduler=None) -> bool:
-        """DeepSpeed's call: writes DIR/TAG atomically, then DIR/latest. The lr scheduler is
-        `lr_scheduler` or `model.lr_scheduler` when set."""
+                        exclude_frozen_parameters: bool = False, *, lr_scheduler=None) -> bool:
+        """DeepSpeed's call (Note [DeepSpeed's checkpoint signatures]): writes DIR/TAG
+        atomically, then DIR/latest. The lr scheduler is `lr_scheduler` or
+        `model.lr_scheduler` when set."""
+        if not isinstance(exclude_frozen_parameters, bool):
+            raise TypeError(f"save_checkpoint(): exclude_frozen_parameters (the fifth argument, "
+                            f"as DeepSpeed's) must be True or False, not "
+                            f"{type(exclude_frozen_parameters).__name__}; pass a scheduler as "
+                            f"lr_scheduler=")
         return checkpoint.save_checkpoint(self, save_dir, tag, client_state, save_latest,
                                           lr_scheduler)
 
-    def load_checkpoint(self, load_dir, tag=None, load_optimizer_states: bool = True,
-                        load_lr_scheduler_states: bool = True, load_module_only: bool = False,
-                        **kwargs):
-        """DeepSpeed's call; returns (path, client_state), (None, None) without `latest`."""
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False, custom_load_fn=None, **kwargs):
+        """DeepSpeed's call (Note [DeepSpeed's checkpoint signatures]); returns (path,
+        client_state), (None, None) without `latest`."""
         self._refuse_closed_chunks("load_checkpoint()")  # (it is how a failed step recovers)
+        if custom_load_fn is not None:
+            raise TypeError("load_checkpoint(custom_load_fn=...) is not supported: the engine's "
+                            "parameters live in chunks, not in the module a custom function "
+                            "would load into. Load the checkpoint, then change the weights with "
+                            "model.load_state_dict(...) or model.apply(fn)")
         loaded = checkpoint.load_checkpoint(self, load_dir, tag, load_optimizer_states,
-                                            load_lr_scheduler_states, load_module_only, **kwargs)
+                                            load_lr_scheduler_states, load_module_only,
+                                            load_module_strict=load_module_strict, **kwargs)
         if loaded[0] is not None and not load_module_only and load_optimizer_states:
             self.guard.failed_step = None  # a consistent state again (guards.py)
+        if loaded[0] is not None:  # it dropped the gradients: a new accumulation begins
+            self._loop.restart_accumulation()
         self._loop.lr_schedule.forget_position()  # the load may have moved the scheduler
         if self.chunks.warming_up:  # loading is not part of the iterations the trace repeats
             self.chunks.restart_warmup()

@@ -498,3 +498,60 @@ def test_a_load_without_optimizer_states_rebuilds_masters_from_the_weights(tmp_p
     assert fresh_opt.loss_scale == scale  # it goes with the optimizer state
     assert fresh.global_steps == (0 if module_only else 3)
     train(fresh, fresh_opt, batches(1, seed=1))  # and it trains on
+
+
+def test_deepspeeds_checkpoint_arguments_mean_what_they_mean_in_deepspeed(tmp_path):
+    # Note [DeepSpeed's checkpoint signatures]: DeepSpeed's positional order, its keywords
+    # (exclude_frozen_parameters, load_module_strict: Hugging Face's Trainer passes it), the
+    # `latest` file as DeepSpeed writes it, and the loop's counters after a resume.
+    config = base_config("bf16", train_batch_size=16, train_micro_batch_size_per_gpu=16)
+    schedule = lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)  # noqa
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, _ = patrickstar.initialize(DropoutMLP, config=config, lr_scheduler=schedule)
+    for x, y in batches(2):
+        model.backward(model(x, y))
+        model.step()
+    client = {"epoch": 3, "ids": torch.arange(4)}
+    assert model.save_checkpoint(tmp_path, None, client, True, True)  # exclude_frozen_parameters
+    assert (tmp_path / "latest").read_text() == "global_step2"  # no newline, as DeepSpeed's
+    with pytest.raises(TypeError, match="exclude_frozen_parameters .* lr_scheduler="):
+        model.save_checkpoint(tmp_path, "x", None, True, model.lr_scheduler)
+
+    torch.manual_seed(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fresh, fresh_opt = patrickstar.initialize(DropoutMLP, config=config, lr_scheduler=schedule)
+    # DeepSpeed's order: load_module_strict=True, load_optimizer_states=False.
+    path, loaded = fresh.load_checkpoint(tmp_path, "global_step2", True, False)
+    assert path == os.path.join(tmp_path, "global_step2")
+    assert loaded.keys() == client.keys() and torch.equal(loaded["ids"], client["ids"])
+    assert fresh_opt.state_dict()["state"] == {}  # no optimizer state, as asked
+    assert fresh.lr_scheduler.last_epoch == 2  # the scheduler's state is loaded
+    assert fresh.global_steps == 2 and fresh.global_samples == model.global_samples == 32
+    assert not fresh.was_step_applied() and fresh.is_gradient_accumulation_boundary()
+    fresh.load_checkpoint(tmp_path, load_module_strict=False)
+    assert fresh.get_lr() == model.get_lr() == [0.0025]  # the groups' lr with the optimizer's
+    assert fresh_opt.state_dict()["state"].keys() == model.optimizer.state_dict()["state"].keys()
+    with pytest.raises(TypeError, match="custom_load_fn"):
+        fresh.load_checkpoint(tmp_path, custom_load_fn=lambda src, dst: None)
+
+
+def test_a_load_starts_a_new_accumulation_of_model_step_calls(tmp_path):
+    # model.step() calls count as micro-steps (Note [model.step() without a backward] in
+    # deepspeed_loop.py); a load drops the gradients, so it starts the count again.
+    model, opt = make(base_config("fp32", gradient_accumulation_steps=2))
+    data = batches(2)
+    model.save_checkpoint(tmp_path)
+    model.backward(model(*data[0]))
+    model.step()
+    assert model.is_gradient_accumulation_boundary()
+    model.load_checkpoint(tmp_path)
+    assert not model.is_gradient_accumulation_boundary()
+    model.backward(model(*data[0]))
+    model.step()
+    assert model.global_steps == 0  # one micro-step of two: no optimizer step yet
+    model.backward(model(*data[1]))
+    model.step()
+    assert model.global_steps == 1

@@ -213,7 +213,7 @@ def _publish(state: EngineState, engine, save_dir: str, tag: str, partial: str,
 def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states: bool = True,
                     load_lr_scheduler_states: bool = True, load_module_only: bool = False,
                     lr_scheduler=None, load_rng_states: bool = True,
-                    allow_reshard: bool = False):
+                    allow_reshard: bool = False, load_module_strict: bool = True):
     """Restores a checkpoint into `engine`; returns (path, client_state), or (None, None) when
     `load_dir` has no `latest` file and no tag was given (as DeepSpeed does). With data
     parallelism every rank calls it (Note [Multi-rank checkpoints])."""
@@ -253,7 +253,8 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states: bool = Tr
                 _open_converted(state, directories, resolved) if convert else
                 _open_reader(state, load_dir, resolved, load_optimizer_states))
             extra = _verify_loadable(state, reader, scheduler, load_optimizer_states,
-                                     load_lr_scheduler_states, allow_reshard)
+                                     load_lr_scheduler_states, allow_reshard,
+                                     load_module_strict)
         except Exception as failure:
             error = failure
         _agree(state, what, error)
@@ -314,13 +315,16 @@ def _open_converted(state: EngineState, directories: list[str], tag: str) -> Con
 
 def _verify_loadable(state: EngineState, reader: CheckpointReader, scheduler,
                      load_optimizer_states: bool, load_lr_scheduler_states: bool,
-                     allow_reshard: bool) -> dict:
+                     allow_reshard: bool, load_module_strict: bool = True) -> dict:
     """Checks that this rank finds everything it will load; returns its extra state."""
     meta = reader.meta
     problems = state.differences(meta, allow_reshard)
     if problems:
-        raise CheckpointError(f"checkpoint '{reader.directory}' does not fit this model: "
-                              + "; ".join(problems))
+        raise CheckpointError(
+            f"checkpoint '{reader.directory}' does not fit this model: " + "; ".join(problems)
+            + ("" if load_module_strict else
+               " (load_module_strict=False loads only a checkpoint of this model: for weights "
+               "of another, load them with model.load_state_dict(state_dict, strict=False))"))
     counters = meta["engine"]
     optimizer = state.engine.optimizer
     if load_optimizer_states and len(counters["param_groups"]) != len(optimizer.param_groups):
