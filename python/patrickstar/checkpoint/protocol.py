@@ -251,7 +251,7 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states: bool = Tr
         try:
             reader = stack.enter_context(
                 _open_converted(state, directories, resolved) if convert else
-                _open_reader(state, load_dir, resolved, load_optimizer_states))
+                _open_reader(state, load_dir, resolved))
             extra = _verify_loadable(state, reader, scheduler, load_optimizer_states,
                                      load_lr_scheduler_states, allow_reshard,
                                      load_module_strict)
@@ -281,15 +281,13 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states: bool = Tr
         return reader.directory, extra.get("client_state", {})
 
 
-def _open_reader(state: EngineState, load_dir: str, tag: str,
-                 load_optimizer_states: bool) -> CheckpointReader:
+def _open_reader(state: EngineState, load_dir: str, tag: str) -> CheckpointReader:
     """Every shard, or only this rank's own when the checkpoint has this model's layout and
-    world size (its shard then holds exactly the tensors this rank owns) and the masters are
-    read as saved (rebuilt from the weights, they may come from another rank's shard: Note
-    [Masters rebuilt from the weights] in engine_state.py)."""
+    world size (its shard then holds exactly the tensors this rank owns: a master's owner owns
+    its compute weight too, which Note [Masters rebuilt from the weights] reads)."""
     ranks = None
     directory = os.path.join(load_dir, tag)
-    if state.world_size > 1 and load_optimizer_states and os.path.isdir(directory):
+    if state.world_size > 1 and os.path.isdir(directory):
         layout = read_meta(directory)["layout"]
         if layout.get("world_size") == state.world_size and \
                 layout.get("hash") == state.layout()["hash"]:
