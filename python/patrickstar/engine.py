@@ -1632,9 +1632,8 @@ class PatrickStarEngine(nn.Module):
     # optimizer state and skipped the scheduler's, silently, and the keyword arguments
     # exclude_frozen_parameters, load_module_strict and custom_load_fn raised TypeError. Our
     # own arguments (lr_scheduler, load_rng_states, allow_reshard) are keywords after them.
-    # exclude_frozen_parameters is accepted and every parameter saved all the same (the
-    # checkpoint is larger than DeepSpeed's, and loads strictly: docs/design.md);
-    # load_module_strict=False loads a checkpoint of this very model as True does, and a
+    # exclude_frozen_parameters leaves the frozen parameters out (Note [Frozen parameters left
+    # out] in checkpoint/engine_state.py); load_module_strict=False loads a checkpoint of this very model as True does, and a
     # custom_load_fn is refused, naming what to use.
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True,
                         exclude_frozen_parameters: bool = False, *, lr_scheduler=None) -> bool:
@@ -1647,7 +1646,7 @@ class PatrickStarEngine(nn.Module):
                             f"{type(exclude_frozen_parameters).__name__}; pass a scheduler as "
                             f"lr_scheduler=")
         return checkpoint.save_checkpoint(self, save_dir, tag, client_state, save_latest,
-                                          lr_scheduler)
+                                          lr_scheduler, exclude_frozen_parameters)
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,

@@ -555,3 +555,47 @@ def test_a_load_starts_a_new_accumulation_of_model_step_calls(tmp_path):
     model.backward(model(*data[1]))
     model.step()
     assert model.global_steps == 1
+
+
+class FrozenFirstLayer(DropoutMLP):
+    """A LoRA run's shape: the first layer is the base model's, frozen."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers[0].requires_grad_(False)
+
+
+def test_exclude_frozen_parameters_leaves_them_out_and_a_load_keeps_the_engines(tmp_path):
+    # Note [Frozen parameters left out]: DeepSpeed's save_checkpoint(exclude_frozen_parameters=
+    # True) saves no frozen parameter; ours raised TypeError on the keyword.
+    from patrickstar.consolidate import consolidate
+    config = base_config("bf16")
+    model, opt = make(config, FrozenFirstLayer)
+    train(model, opt, batches(2))
+    model.save_checkpoint(tmp_path / "all", tag="t")
+    model.save_checkpoint(tmp_path / "some", tag="t", exclude_frozen_parameters=True)
+    frozen = {"layers.0.weight", "layers.0.bias"}
+    with CheckpointReader(tmp_path / "some", "t") as reader:
+        assert sorted(reader.meta["excluded_frozen"]) == sorted(frozen)
+        assert not any(reader.has(name, "param") for name in frozen)
+        assert reader.has("layers.1.weight", "param") and reader.has("norm.running_mean",
+                                                                     "buffer")
+    size = lambda name: sum(f.stat().st_size for f in (tmp_path / name / "t").iterdir())  # noqa
+    assert size("some") < size("all")
+
+    fresh, fresh_opt = make(config, FrozenFirstLayer, seed=7)  # other base weights
+    base = {k: v.clone() for k, v in fresh.state_dict().items()}
+    fresh.load_checkpoint(tmp_path / "some", "t")
+    for key, value in fresh.state_dict().items():
+        expected = base[key] if key.removeprefix("module.") in frozen else model.state_dict()[key]
+        assert torch.equal(value, expected), key
+    assert fresh.global_steps == 2
+    train(fresh, fresh_opt, batches(1))
+
+    consolidate(tmp_path / "some", tmp_path / "some.pt", dtype="bf16", tag="t")
+    keys = torch.load(tmp_path / "some.pt", weights_only=True).keys()
+    assert set(keys) == set(DropoutMLP().state_dict()) - frozen
+
+    trainable, _ = make(config)  # layers.0 trains here: nothing in the checkpoint to load
+    with pytest.raises(CheckpointError, match="exclude_frozen_parameters=True .* 'layers.0"):
+        trainable.load_checkpoint(tmp_path / "some", "t", allow_reshard=True)

@@ -11,6 +11,7 @@ import random
 import torch
 
 from .. import _C, dtypes, moment_state
+from .errors import CheckpointError
 from .shard import Entry
 from .slices import table_partitions
 
@@ -80,9 +81,42 @@ class EngineState:
         """Parameter `index`'s tensor of saved kind `kind`, for the duration of a `with`."""
         return self.params.view(index, SAVED_KINDS[kind])
 
-    def entries(self) -> list[Entry]:
+    # Note [Frozen parameters left out]
+    # DeepSpeed's save_checkpoint(exclude_frozen_parameters=True) leaves the frozen parameters
+    # out of the checkpoint: a LoRA run saves its adapters, not the base model it was built
+    # from. Ours left them out too: meta.json lists their names ("excluded_frozen") and the
+    # shards hold no tensor of theirs (buffers are saved as ever). A load keeps the engine's
+    # own values of such a parameter (the base weights model_func built again), where DeepSpeed
+    # needs load_module_strict=False for the missing keys; the parameter must still be frozen
+    # in the engine, else the load is refused naming it (its master and optimizer state have
+    # nothing to start from). Consolidation leaves them out of its state dict, as DeepSpeed's
+    # zero_to_fp32 does.
+    def frozen_names(self) -> list[str]:
+        """The names of this engine's frozen parameters (requires_grad False)."""
+        return [name for name, trainable in zip(self.names, self.params.requires_grad)
+                if not trainable]
+
+    def left_out(self, reader, index: int) -> bool:
+        """Whether `reader`'s checkpoint left parameter `index` out as frozen (Note [Frozen
+        parameters left out]); raises when the engine trains it."""
+        name = self.names[index]
+        if name not in reader.meta.get("excluded_frozen", ()):
+            return False
+        if self.params.requires_grad[index]:
+            raise CheckpointError(f"checkpoint '{reader.directory}' was saved with "
+                                  f"exclude_frozen_parameters=True and holds no value of "
+                                  f"parameter '{name}', frozen then but trainable in this "
+                                  f"model: freeze it (requires_grad False) in model_func to "
+                                  f"load this checkpoint")
+        return True
+
+    def entries(self, exclude_frozen: bool = False) -> list[Entry]:
+        """The shard entries of this rank; `exclude_frozen`: none of the frozen parameters
+        (Note [Frozen parameters left out])."""
         entries = []
         for index, name in enumerate(self.names):
+            if exclude_frozen and not self.params.requires_grad[index]:
+                continue
             # Each tensor as its chunk holds it: the moments in optimizer.params.state_dtype
             # (restore converts, so either state dtype loads into the other).
             kind_dtypes = {"param": self.compute_dtype, "compensation": "bfloat16",
@@ -264,6 +298,8 @@ class EngineState:
         buffers = self.buffers()
         with torch.no_grad():
             for index, name in enumerate(self.names):
+                if self.left_out(reader, index):  # Note [Frozen parameters left out]
+                    continue
                 for kind in self.kinds(index, load_optimizer_states):
                     if kind in _SCALE_KINDS:
                         continue  # written with their moment

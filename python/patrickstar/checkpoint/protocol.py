@@ -60,7 +60,7 @@ def _model_parallel_groups(state: EngineState):
 
 
 def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: bool = True,
-                    lr_scheduler=None) -> bool:
+                    lr_scheduler=None, exclude_frozen_parameters: bool = False) -> bool:
     """Writes a checkpoint of `engine` (Note [Atomic checkpoints], Note [Multi-rank
     checkpoints]); returns True on every rank once the checkpoint is complete."""
     state = EngineState(engine)
@@ -110,7 +110,8 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
         # Phase 2: every rank writes and fsyncs its own shard and extra file.
         error = record = None
         try:
-            record = _write_rank_files(state, shared_partial, client_state, scheduler)
+            record = _write_rank_files(state, shared_partial, client_state, scheduler,
+                                       exclude_frozen_parameters)
         except Exception as failure:
             error = failure
         records = _agree(state, what, error, record)  # also the barrier before meta.json
@@ -120,7 +121,7 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
         if rank == 0:
             try:
                 _publish(state, engine, save_dir, tag, shared_partial, records, scheduler,
-                         save_latest)
+                         save_latest, exclude_frozen_parameters)
             except Exception as failure:
                 error = failure
         _agree(state, what, error)  # no rank returns before the checkpoint is complete
@@ -146,11 +147,12 @@ def _refuse_non_checkpoint_paths(save_dir: str, tag: str, save_latest: bool) -> 
                               f"the latest checkpoint; remove it, or pass save_latest=False")
 
 
-def _write_rank_files(state: EngineState, directory: str, client_state, scheduler) -> dict:
+def _write_rank_files(state: EngineState, directory: str, client_state, scheduler,
+                      exclude_frozen: bool = False) -> dict:
     """Phase 2 on one rank: its shard and extra file, durable; returns what meta.json records
     of them."""
     rank = state.rank
-    entries = state.entries()
+    entries = state.entries(exclude_frozen)
     buffers = state.buffers()
     header = {"rank": rank, "world_size": state.world_size}
     size, digest = shard.write_shard(os.path.join(directory, shard.shard_name(rank)), header,
@@ -168,7 +170,8 @@ def _write_rank_files(state: EngineState, directory: str, client_state, schedule
 
 
 def _publish(state: EngineState, engine, save_dir: str, tag: str, partial: str,
-             records: list[dict], scheduler, save_latest: bool) -> None:
+             records: list[dict], scheduler, save_latest: bool,
+             exclude_frozen: bool = False) -> None:
     """Rank 0's part of a save once every rank's files are durable (Note [Atomic checkpoints])."""
     for record in records:
         for item in (record["shard"], record["extra"]):
@@ -194,6 +197,8 @@ def _publish(state: EngineState, engine, save_dir: str, tag: str, partial: str,
         "layout": state.layout(), "tensors": state.tensor_table(),
         "state_dict_keys": state.state_dict_keys(), "engine": counters,
         "has_lr_scheduler": scheduler is not None,
+        # Note [Frozen parameters left out]
+        "excluded_frozen": state.frozen_names() if exclude_frozen else [],
         "model_parallel": model_parallel_record(_model_parallel_groups(state)),
         "shards": [record["shard"] for record in records],
         "extras": [record["extra"] for record in records],
@@ -351,6 +356,8 @@ def _verify_loadable(state: EngineState, reader: CheckpointReader, scheduler,
         except (TypeError, ValueError) as error:
             raise CheckpointError(f"checkpoint '{reader.directory}': {error}") from None
     for index, name in enumerate(state.names):
+        if state.left_out(reader, index):  # Note [Frozen parameters left out]
+            continue
         for kind in state.sources(reader, index, load_optimizer_states):
             if not reader.has(name, kind):
                 raise CheckpointError(
