@@ -1633,8 +1633,8 @@ class PatrickStarEngine(nn.Module):
     # exclude_frozen_parameters, load_module_strict and custom_load_fn raised TypeError. Our
     # own arguments (lr_scheduler, load_rng_states, allow_reshard) are keywords after them.
     # exclude_frozen_parameters leaves the frozen parameters out (Note [Frozen parameters left
-    # out] in checkpoint/engine_state.py); load_module_strict=False loads a checkpoint of this very model as True does, and a
-    # custom_load_fn is refused, naming what to use.
+    # out] in checkpoint/engine_state.py); load_module_strict=False loads a checkpoint of
+    # this very model as True does, and a custom_load_fn is refused, naming what to use.
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True,
                         exclude_frozen_parameters: bool = False, *, lr_scheduler=None) -> bool:
         """DeepSpeed's call (Note [DeepSpeed's checkpoint signatures]): writes DIR/TAG
