@@ -198,6 +198,7 @@ class PatrickStarEngine(nn.Module):
         self.guard = TrainingGuard(config, world[0], model_parallel)
         self.micro_step = 0
         self.iteration = 0
+        self._samples_offset = 0  # Note [Samples counted across batch sizes]
         # DeepSpeed's loop (Note [model.step() steps model.lr_scheduler] in deepspeed_loop.py).
         self._loop = DeepSpeedLoop(self.guard)
         self._in_forward = False  # within forward(): Note [Forwards of the module itself]
@@ -1305,9 +1306,22 @@ class PatrickStarEngine(nn.Module):
     def global_samples(self) -> int | None:
         """DeepSpeed's: samples trained on over all data-parallel ranks, train_batch_size() per
         optimizer step (applied or skipped, as DeepSpeed counts); None when the config gives
-        no batch size, as train_batch_size()."""
+        no batch size, as train_batch_size(). A checkpoint restores it (Note [Samples counted
+        across batch sizes])."""
         batch = self.train_batch_size()
-        return None if batch is None else self.global_steps * batch
+        return None if batch is None else self.global_steps * batch + self._samples_offset
+
+    # Note [Samples counted across batch sizes]
+    # DeepSpeed saves global_samples and a load restores it, so a run resumed with another
+    # train_batch_size counts on from the samples it had (a log's x axis). Ours computed it as
+    # global_steps * the current batch size, which rewrote the past at such a resume. The
+    # count is that product plus an offset; setting global_samples (as a load does, and as
+    # DeepSpeed's plain attribute allows) sets the offset.
+    @global_samples.setter
+    def global_samples(self, value: int) -> None:
+        batch = self.train_batch_size()
+        if batch is not None:
+            self._samples_offset = int(value) - self.global_steps * batch
 
     def train_batch_size(self) -> int | None:
         """DeepSpeed's: samples per optimizer step over every data-parallel rank (None when the

@@ -599,3 +599,22 @@ def test_exclude_frozen_parameters_leaves_them_out_and_a_load_keeps_the_engines(
     trainable, _ = make(config)  # layers.0 trains here: nothing in the checkpoint to load
     with pytest.raises(CheckpointError, match="exclude_frozen_parameters=True .* 'layers.0"):
         trainable.load_checkpoint(tmp_path / "some", "t", allow_reshard=True)
+
+
+def test_global_samples_count_on_from_the_checkpoint_across_batch_sizes(tmp_path):
+    # Note [Samples counted across batch sizes]: DeepSpeed saves global_samples; ours was
+    # global_steps times the current batch size, which rewrote the past at a resume with
+    # another train_batch_size.
+    model, _ = make(base_config("fp32", train_batch_size=16, train_micro_batch_size_per_gpu=16))
+    for x, y in batches(2):
+        model.backward(model(x, y))
+        model.step()
+    assert model.global_samples == 32
+    model.save_checkpoint(tmp_path)
+    bigger, _ = make(base_config("fp32", train_batch_size=32, train_micro_batch_size_per_gpu=16))
+    bigger.load_checkpoint(tmp_path, allow_reshard=True)
+    assert bigger.global_steps == 2 and bigger.global_samples == 32
+    for x, y in batches(2):
+        bigger.backward(bigger(x, y))
+        bigger.step()
+    assert bigger.global_steps == 3 and bigger.global_samples == 64

@@ -211,6 +211,7 @@ class EngineState:
                                if self.params.index_of(p) is not None]  # none without elements
             groups.append(saved)
         return {"iteration": engine.iteration, "micro_step": engine.micro_step,
+                "global_samples": engine.global_samples,
                 "step_counts": dict(zip(self.names, optimizer.step_counts)),
                 "skipped_steps": optimizer.skipped_steps,
                 "loss_scaler": engine.loss_scaler.state_dict(), "param_groups": groups}
@@ -346,6 +347,11 @@ class EngineState:
             engine.optimizer.skipped_steps = counters["skipped_steps"]
             engine.iteration = counters["iteration"]
             engine.micro_step = counters["micro_step"]
+            # As DeepSpeed's, global_steps times the batch size when the checkpoint has none
+            # (written before, or without a batch size).
+            samples = counters.get("global_samples")
+            engine.global_samples = (samples if samples is not None else
+                                     engine.global_steps * (engine.train_batch_size() or 0))
         if load_lr_scheduler_states and scheduler is not None:
             scheduler.load_state_dict(extra["lr_scheduler"])
         if load_rng_states:
