@@ -163,6 +163,7 @@ class DeepSpeedLoop:
         self._in_model_step = False  # optimizer.step() called by model.step()
         self._backwards_at_model_step = 0  # guard.backwards when model.step() last ran
         self._model_steps = 0  # model.step() calls since the last optimizer step
+        self.micro_steps = 0  # DeepSpeed's engine.micro_steps: every model.step() call
         self._step_applied = False
         self._without_gradients = False  # the last optimizer step had no gradients
 
@@ -219,6 +220,7 @@ class DeepSpeedLoop:
                 self._count_step()
                 self._step_applied = True
             self.lr_schedule.after_optimizer_step(self._step_applied, lr_kwargs)
+        self.micro_steps += 1  # at the end, as DeepSpeed's (not after a step that raised)
 
     def restart_accumulation(self) -> None:
         """The gradients were dropped by a load_checkpoint(): the next call is the first

@@ -1273,6 +1273,17 @@ class PatrickStarEngine(nn.Module):
         return self.optimizer.last_grad_norm
 
     @property
+    def micro_steps(self) -> int:
+        """DeepSpeed's: the number of `model.step()` calls (micro-steps) of this engine, counted
+        at the end of each; not saved in checkpoints (DeepSpeed's is not either). Settable, as
+        DeepSpeed's attribute; it does not move the accumulation boundary here."""
+        return self._loop.micro_steps
+
+    @micro_steps.setter
+    def micro_steps(self, value: int) -> None:
+        self._loop.micro_steps = int(value)
+
+    @property
     def global_steps(self) -> int:
         """DeepSpeed's count of optimizer steps taken (applied or skipped for overflow)."""
         return self.iteration

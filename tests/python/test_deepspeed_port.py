@@ -642,6 +642,7 @@ def test_model_step_without_a_backward_is_a_micro_step_as_in_deepspeed(accumulat
                 assert torch.equal(value, before[key]), key
     assert boundaries == [(i + 1) % accumulation == 0 for i in range(8)]
     assert model.global_steps == 8 // accumulation and model.skipped_steps == 0
+    assert model.micro_steps == 8  # DeepSpeed's count of model.step() calls
     assert_close(losses, ref_losses)
     assert_close(lrs, ref_lrs)
     for key, value in model.state_dict().items():
