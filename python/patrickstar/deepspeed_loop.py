@@ -190,19 +190,14 @@ class DeepSpeedLoop:
     # (global_steps, the default checkpoint tag), steps the lr scheduler and was_step_applied()
     # answers True. model.step() zeroes the gradients after its optimizer step as DeepSpeed's
     # does, so such a call after it is not mistaken for a second step over consumed gradients;
-    # a call with no backward after a direct optimizer.step() not followed by zero_grad() (two
-    # loops mixed) still raises.
+    # a boundary call with no backward after a direct optimizer.step() not followed by
+    # zero_grad() (two loops mixed) still raises, in that optimizer.step() (whose check agrees
+    # over the ranks after the step's agreement on the call).
     def step(self, lr_kwargs: dict | None = None) -> None:
         """The engine's `model.step()` (its docstring says what DeepSpeed's does)."""
         guard = self._guard
         guard.check_alive("model.step()")
         optimizer = self._optimizer()
-        optimizer.refuse_consumed_gradients(
-            "model.step() with no backward since an optimizer.step() that was not followed by "
-            "optimizer.zero_grad(): use one loop, DeepSpeed's (model.backward(loss); "
-            "model.step(), which steps the optimizer and zeroes the gradients itself) or "
-            "PatrickStar's (loss.backward() or model.backward(loss); optimizer.step(); "
-            "optimizer.zero_grad())")
         self._step_applied = False  # DeepSpeed's, until this call steps
         self._backwards_at_model_step = guard.backwards
         self._model_steps += 1

@@ -1234,8 +1234,9 @@ class PatrickStarEngine(nn.Module):
         it `lr_kwargs` as DeepSpeed does (a ReduceLROnPlateau's `{"metrics": loss}`); before
         that nothing. A call without a backward is a micro-step too, as DeepSpeed counts calls
         (Note [model.step() without a backward] in deepspeed_loop.py). PatrickStar's own loop
-        calls `optimizer.step()` and `optimizer.zero_grad()` instead; a model.step() with no
-        backward after an optimizer.step() without zero_grad() (both loops in one) raises."""
+        calls `optimizer.step()` and `optimizer.zero_grad()` instead; a boundary model.step()
+        with no backward after an optimizer.step() without zero_grad() (both loops in one)
+        raises."""
         self._loop.step(lr_kwargs)
 
     @property

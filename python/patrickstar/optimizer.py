@@ -438,28 +438,23 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         """False for a step that changes nothing (Note [A step without gradients])."""
         if self.guard.backwards:
             return True
-        zeroed = bool(self._zeroed)
-        if self.dp.enabled:
-            zeroed = bool(self.dp.ranks_with(zeroed, label="zeroed gradients", phase=None))
-        self.refuse_consumed_gradients(
-            "optimizer.step() again with no backward and no optimizer.zero_grad() since the "
-            "last step: torch would apply that step's gradients (still in its p.grad) once "
-            "more, but the PatrickStar engine's step consumed them (as DeepSpeed's does). "
-            "Call optimizer.zero_grad() after each step (a step without gradients is then "
-            "a no-op, as torch's), or a backward before the step")
-        return zeroed
-
-    def refuse_consumed_gradients(self, message: str) -> None:
-        """Raises `message` when no backward and no zero_grad() came since the last step, whose
-        gradients torch's p.grad would still hold (Note [A step without gradients]). Under data
-        parallelism every rank calls it (the ranks agree)."""
-        if self.guard.backwards:
-            return
-        stale = bool(self._unzeroed)
+        stale, zeroed = bool(self._unzeroed), bool(self._zeroed)
         if self.dp.enabled:
             stale = bool(self.dp.ranks_with(stale, label="unzeroed gradients", phase=None))
+            zeroed = bool(self.dp.ranks_with(zeroed, label="zeroed gradients", phase=None))
         if stale:
-            raise RuntimeError(message)
+            # (model.step() zeroes the gradients after its own steps: Note [model.step()
+            # without a backward] in deepspeed_loop.py.)
+            raise RuntimeError(
+                "optimizer.step() again (or model.step() at an accumulation boundary) with no "
+                "backward and no optimizer.zero_grad() since the last step: torch would apply "
+                "that step's gradients (still in its p.grad) once more, but the "
+                "PatrickStar engine's step consumed them (as DeepSpeed's does). Call "
+                "optimizer.zero_grad() after each optimizer.step() (a step without gradients "
+                "is then a no-op, as torch's), or a backward before the step; use one loop, "
+                "DeepSpeed's (model.backward(loss); model.step(), which zeroes the gradients "
+                "itself) or PatrickStar's (backward; optimizer.step(); optimizer.zero_grad())")
+        return zeroed
 
     # Note [The state-initializing step of torch.distributed.checkpoint]
     # get_state_dict(model, optimizer) (FSDP2's checkpoint recipe with dcp.save / dcp.load /
