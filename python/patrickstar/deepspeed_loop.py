@@ -152,14 +152,14 @@ class DeepSpeedLoop:
     """The state of DeepSpeed's loop on an engine: `model.step()` (its optimizer step at the
     accumulation boundary, then the scheduler), whether the current micro-step is the boundary,
     whether the last step was applied, and `lr_schedule`, the scheduler it steps. `guard` is
-    the engine's TrainingGuard (backwards, accumulation); `attach(optimizer)` once the
-    optimizer exists."""
+    the engine's TrainingGuard (backwards, accumulation); `attach(optimizer, count_step)` once
+    the optimizer exists."""
 
     def __init__(self, guard):
         self.lr_schedule = EngineLrScheduler()
         self._guard = guard
         self._optimizer = None
-        self._count_step = None  # counts a step without gradients (Note [model.step() ...])
+        self._count_step = None  # see attach()
         self._in_model_step = False  # optimizer.step() called by model.step()
         self._backwards_at_model_step = 0  # guard.backwards when model.step() last ran
         self._model_steps = 0  # model.step() calls since the last optimizer step
