@@ -396,6 +396,12 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
             if not self._has_gradients():  # Note [A step without gradients]
                 self._before_step()
                 self.overflow = False  # it found no overflow (accelerate's step_was_skipped)
+                # DeepSpeed's get_global_grad_norm() after a step over no gradients: 0 where a
+                # step reads the norm, not the last step's (Note [model.step() without a
+                # backward] in deepspeed_loop.py).
+                reads_norm = (self.config.gradient_clipping > 0 or self.precision == "fp16"
+                              or self._requested_clip is not None)
+                self.last_grad_norm = 0.0 if reads_norm else None
                 self._end_iteration_without_step()
                 self._after_step(False, without_gradients=True)
                 return loss

@@ -648,3 +648,17 @@ def test_model_step_without_a_backward_is_a_micro_step_as_in_deepspeed(accumulat
     for key, value in model.state_dict().items():
         assert torch.allclose(value, ref_state[key], rtol=RTOL, atol=1e-6), key
     model.destroy()
+
+
+def test_the_grad_norm_of_a_model_step_without_gradients_is_zero_not_the_last_steps():
+    # DeepSpeed's get_global_grad_norm() after a boundary step over no gradients is their
+    # norm, 0; ours kept the previous step's.
+    torch.manual_seed(0)
+    model, _ = patrickstar.initialize(MLP, config(accumulation=1, clip=0.5))
+    x, y = batches(1)[0]
+    model.backward(model(x, y))
+    model.step()
+    assert model.get_global_grad_norm() > 0
+    model.step()
+    assert model.get_global_grad_norm() == 0.0 and model.global_steps == 2
+    model.destroy()
