@@ -1039,7 +1039,7 @@ class PatrickStarEngine(nn.Module):
 
     def backward(self, loss: torch.Tensor, allreduce_gradients: bool = True,
                  release_loss: bool = False, retain_graph: bool = False,
-                 scale_wrt_gas: bool = True) -> None:
+                 scale_wrt_gas: bool = True) -> torch.Tensor:
         """DeepSpeed's signature (upstream PatrickStar's is its first three arguments), so a
         positional `model.backward(loss, True)` means what it meant there.
 
@@ -1047,9 +1047,14 @@ class PatrickStarEngine(nn.Module):
         through it (two losses of one forward, each its own backward call). `scale_wrt_gas`
         False leaves the loss undivided by gradient_accumulation_steps (the script divides it,
         as DeepSpeed's). `allreduce_gradients` and `release_loss` are ignored, as upstream's
-        and DeepSpeed's: gradients are averaged over data-parallel ranks in any case."""
+        and DeepSpeed's: gradients are averaged over data-parallel ranks in any case.
+
+        Returns the loss divided by gradient_accumulation_steps (undivided with `scale_wrt_gas`
+        False), as DeepSpeed's does (`loss = model.backward(loss)` scripts log it); before,
+        None."""
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError("backward(loss) expects a scalar loss tensor")
+        result = loss / self.ps_config.gradient_accumulation_steps if scale_wrt_gas else loss
         if not allreduce_gradients:
             warnings.warn("model.backward(allreduce_gradients=False) is ignored, as in upstream "
                           "PatrickStar and DeepSpeed: the gradients are still averaged over "
@@ -1059,11 +1064,12 @@ class PatrickStarEngine(nn.Module):
             # Note [Calls between a read and its serving] in data_parallel.py
             self.dp.agree_on_training_call(self.dp.BACKWARD)
             if not self.guard.before_backward(loss, self.precision, agree):
-                return
+                return result
             scale = self.loss_scaler.scale
             if scale_wrt_gas:
                 scale /= self.ps_config.gradient_accumulation_steps
             self._backward.run([loss.float() * scale], None, retain_graph)
+        return result
 
     def backward_from(self, tensors, grads) -> None:
         """Backward from non-scalar `tensors` given their gradients: a pipeline stage other

@@ -650,6 +650,18 @@ def test_model_step_without_a_backward_is_a_micro_step_as_in_deepspeed(accumulat
     model.destroy()
 
 
+@pytest.mark.parametrize("scale_wrt_gas", [True, False])
+def test_model_backward_returns_the_loss_divided_by_the_accumulation_as_deepspeeds(
+        scale_wrt_gas):
+    torch.manual_seed(0)
+    model, _ = patrickstar.initialize(MLP, config(accumulation=2))
+    x, y = batches(1)[0]
+    loss = model(x, y)
+    returned = model.backward(loss, scale_wrt_gas=scale_wrt_gas)
+    assert torch.equal(returned, loss / 2 if scale_wrt_gas else loss)
+    model.destroy()
+
+
 def test_the_grad_norm_of_a_model_step_without_gradients_is_zero_not_the_last_steps():
     # DeepSpeed's get_global_grad_norm() after a boundary step over no gradients is their
     # norm, 0; ours kept the previous step's.
