@@ -1355,6 +1355,11 @@ class PatrickStarEngine(nn.Module):
         """DeepSpeed's: the learning rate of every parameter group."""
         return [group["lr"] for group in self.optimizer.param_groups]
 
+    def get_mom(self) -> list[tuple[float, float]]:
+        """DeepSpeed's: the momentum of every parameter group, Adam's `betas` (what DeepSpeed's
+        returns for its Adam optimizers; a DeepSpeed OneCycle scheduler moves them)."""
+        return [tuple(group["betas"]) for group in self.optimizer.param_groups]
+
     def end_iteration(self) -> None:
         """The end of a training iteration (the optimizer calls it after every step, applied or
         skipped)."""

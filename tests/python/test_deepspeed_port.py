@@ -659,6 +659,7 @@ def test_model_backward_returns_the_loss_divided_by_the_accumulation_as_deepspee
     loss = model(x, y)
     returned = model.backward(loss, scale_wrt_gas=scale_wrt_gas)
     assert torch.equal(returned, loss / 2 if scale_wrt_gas else loss)
+    assert model.get_mom() == [(0.8, 0.99)]  # DeepSpeed's, as its loop logs it with get_lr()
     model.destroy()
 
 
