@@ -84,8 +84,9 @@ class EngineState:
     # Note [Frozen parameters left out]
     # DeepSpeed's save_checkpoint(exclude_frozen_parameters=True) leaves the frozen parameters
     # out of the checkpoint: a LoRA run saves its adapters, not the base model it was built
-    # from. Ours left them out too: meta.json lists their names ("excluded_frozen") and the
-    # shards hold no tensor of theirs (buffers are saved as ever). A load keeps the engine's
+    # from. Ours refused the keyword (TypeError); now it leaves them out too: meta.json lists
+    # their names ("excluded_frozen") and the shards hold no tensor of theirs (buffers are
+    # saved as ever). A load keeps the engine's
     # own values of such a parameter (the base weights model_func built again), where DeepSpeed
     # needs load_module_strict=False for the missing keys; the parameter must still be frozen
     # in the engine, else the load is refused naming it (its master and optimizer state have
