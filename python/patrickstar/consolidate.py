@@ -180,9 +180,11 @@ def consolidate(checkpoint_dir, output, dtype: str = "fp32", tag: str | None = N
             reader = row[0]
             partitions = recorded_partitions(row)
             names = [t["name"] for t in reader.meta["tensors"]]
+            # Note [Frozen parameters left out] in checkpoint/engine_state.py
+            left_out = set(reader.meta.get("excluded_frozen", ()))
             for key, what, ref in reader.meta["state_dict_keys"]:
-                if key in seen:  # a tied weight of an earlier stage
-                    continue
+                if key in seen or (what == "param" and names[ref] in left_out):
+                    continue  # a tied weight of an earlier stage, or left out
                 seen.add(key)
                 if what != "param":
                     plan.append((key, _Source((reader,), ref, "buffer",

@@ -152,52 +152,90 @@ class DeepSpeedLoop:
     """The state of DeepSpeed's loop on an engine: `model.step()` (its optimizer step at the
     accumulation boundary, then the scheduler), whether the current micro-step is the boundary,
     whether the last step was applied, and `lr_schedule`, the scheduler it steps. `guard` is
-    the engine's TrainingGuard (backwards, accumulation); `attach(optimizer)` once the
-    optimizer exists."""
+    the engine's TrainingGuard (backwards, accumulation); `attach(optimizer, count_step)` once
+    the optimizer exists."""
 
     def __init__(self, guard):
         self.lr_schedule = EngineLrScheduler()
         self._guard = guard
         self._optimizer = None
+        self._count_step = None  # see attach()
         self._in_model_step = False  # optimizer.step() called by model.step()
         self._backwards_at_model_step = 0  # guard.backwards when model.step() last ran
+        self._model_steps = 0  # model.step() calls since the last optimizer step
+        self.micro_steps = 0  # DeepSpeed's engine.micro_steps: every model.step() call
         self._step_applied = False
+        self._without_gradients = False  # the last optimizer step had no gradients
 
-    def attach(self, optimizer) -> None:
+    def attach(self, optimizer, count_step) -> None:
+        """`count_step()` counts an optimizer step of model.step() that had no gradients as one
+        of the engine's steps (Note [model.step() without a backward])."""
         # Weakly: the optimizer holds this loop's hooks, and a cycle would keep both until the
         # collector ran (Note [Engine lifetime] in engine.py).
         self._optimizer = weakref.ref(optimizer)
+        self._count_step = count_step
 
+    # Note [model.step() without a backward]
+    # DeepSpeed's engine.step() counts its calls (micro_steps), not the backwards: every
+    # gradient_accumulation_steps-th call is the boundary, where it steps the optimizer with
+    # whatever gradients there are, zeroes them, counts the step (global_steps, global_samples)
+    # and steps the lr scheduler unless fp16 overflowed; every other call sets
+    # was_step_applied() False. Ours raised "model.step() called before model.backward(loss)"
+    # at a call with no backward (a batch skipped after its forward, with `continue` after the
+    # step, as DeepSpeed scripts keep their micro-step count aligned). Now a call without a
+    # backward is a micro-step too: the boundary is the call that completes the accumulation
+    # by backwards or by calls, whichever comes first (both, in the usual loop of one backward
+    # per call). Its optimizer step without gradients changes nothing, as torch's (Note [A
+    # step without gradients] in optimizer.py), but as in DeepSpeed it counts as a step
+    # (global_steps, the default checkpoint tag), steps the lr scheduler and was_step_applied()
+    # answers True. model.step() zeroes the gradients after its optimizer step as DeepSpeed's
+    # does, so such a call after it is not mistaken for a second step over consumed gradients;
+    # a boundary call with no backward after a direct optimizer.step() not followed by
+    # zero_grad() (two loops mixed) still raises, in that optimizer.step() (whose check agrees
+    # over the ranks after the step's agreement on the call).
     def step(self, lr_kwargs: dict | None = None) -> None:
         """The engine's `model.step()` (its docstring says what DeepSpeed's does)."""
         guard = self._guard
         guard.check_alive("model.step()")
-        if guard.backwards == 0:
-            raise RuntimeError("model.step() called before model.backward(loss) (or "
-                               "loss.backward()): there are no gradients for this step "
-                               "(optimizer.step() already took them?)")
+        optimizer = self._optimizer()
+        self._step_applied = False  # DeepSpeed's, until this call steps
         self._backwards_at_model_step = guard.backwards
-        if guard.backwards >= guard.accumulation:
+        self._model_steps += 1
+        if max(guard.backwards, self._model_steps) >= guard.accumulation:
             self.lr_schedule.check_step_arguments(lr_kwargs)
             self.lr_schedule.check_not_stepped_elsewhere()
             self._in_model_step = True
             try:
-                self._optimizer().step()  # sets _step_applied (after_optimizer_step)
+                optimizer.step()  # sets _step_applied (after_optimizer_step)
             finally:
                 self._in_model_step = False
+            optimizer.zero_grad()  # as DeepSpeed's _take_model_step
             self._backwards_at_model_step = 0
+            if self._without_gradients:  # Note [model.step() without a backward]
+                self._count_step()
+                self._step_applied = True
             self.lr_schedule.after_optimizer_step(self._step_applied, lr_kwargs)
+        self.micro_steps += 1  # at the end, as DeepSpeed's (not after a step that raised)
+
+    def restart_accumulation(self) -> None:
+        """The gradients were dropped by a load_checkpoint(): the next call is the first
+        micro-step of a step."""
+        self._model_steps = 0
+        self._backwards_at_model_step = 0
 
     def before_optimizer_step(self) -> None:
         """Called by every optimizer.step(), model.step()'s or the user's."""
         if not self._in_model_step:  # PatrickStar's loop
             self.lr_schedule.before_direct_optimizer_step()
 
-    def after_optimizer_step(self, applied: bool) -> None:
-        """`applied`: False when the step was skipped (fp16 overflow)."""
+    def after_optimizer_step(self, applied: bool, without_gradients: bool = False) -> None:
+        """`applied`: False when the step was skipped (fp16 overflow) or had no gradients
+        (`without_gradients`)."""
         # Also in PatrickStar's loop: was_step_applied() answered False after every
         # optimizer.step() called directly, applied or not.
         self._step_applied = applied
+        self._without_gradients = without_gradients
+        self._model_steps = 0
         if not self._in_model_step:
             self.lr_schedule.after_direct_optimizer_step(applied)
 
@@ -207,7 +245,9 @@ class DeepSpeedLoop:
             self._backwards_at_model_step = 0
         # A backward since the last model.step() belongs to the current micro-step.
         done_before = backwards - 1 if backwards > self._backwards_at_model_step else backwards
-        return done_before + 1 >= self._guard.accumulation
+        # Calls of model.step() without a backward are micro-steps too (Note [model.step()
+        # without a backward]).
+        return max(done_before, self._model_steps) + 1 >= self._guard.accumulation
 
     def was_step_applied(self) -> bool:
         return self._step_applied

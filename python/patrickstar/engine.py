@@ -198,6 +198,7 @@ class PatrickStarEngine(nn.Module):
         self.guard = TrainingGuard(config, world[0], model_parallel)
         self.micro_step = 0
         self.iteration = 0
+        self._samples_offset = 0  # Note [Samples counted across batch sizes]
         # DeepSpeed's loop (Note [model.step() steps model.lr_scheduler] in deepspeed_loop.py).
         self._loop = DeepSpeedLoop(self.guard)
         self._in_forward = False  # within forward(): Note [Forwards of the module itself]
@@ -325,7 +326,7 @@ class PatrickStarEngine(nn.Module):
                 self._loop.after_optimizer_step,
                 _weakly(self._backward.settle_raised_autograd_backward),
                 _weakly(self.end_iteration_without_step))
-            self._loop.attach(self.optimizer)
+            self._loop.attach(self.optimizer, _weakly(self._count_step_without_gradients))
             if config.scheduler is not None:  # DeepSpeed's `scheduler` section
                 self._loop.lr_schedule.set(build_scheduler(
                     config.scheduler.type, config.scheduler.params, self.optimizer),
@@ -1038,7 +1039,7 @@ class PatrickStarEngine(nn.Module):
 
     def backward(self, loss: torch.Tensor, allreduce_gradients: bool = True,
                  release_loss: bool = False, retain_graph: bool = False,
-                 scale_wrt_gas: bool = True) -> None:
+                 scale_wrt_gas: bool = True) -> torch.Tensor:
         """DeepSpeed's signature (upstream PatrickStar's is its first three arguments), so a
         positional `model.backward(loss, True)` means what it meant there.
 
@@ -1046,9 +1047,14 @@ class PatrickStarEngine(nn.Module):
         through it (two losses of one forward, each its own backward call). `scale_wrt_gas`
         False leaves the loss undivided by gradient_accumulation_steps (the script divides it,
         as DeepSpeed's). `allreduce_gradients` and `release_loss` are ignored, as upstream's
-        and DeepSpeed's: gradients are averaged over data-parallel ranks in any case."""
+        and DeepSpeed's: gradients are averaged over data-parallel ranks in any case.
+
+        Returns the loss divided by gradient_accumulation_steps (undivided with `scale_wrt_gas`
+        False), as DeepSpeed's does (`loss = model.backward(loss)` scripts log it); before,
+        None."""
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError("backward(loss) expects a scalar loss tensor")
+        result = loss / self.ps_config.gradient_accumulation_steps if scale_wrt_gas else loss
         if not allreduce_gradients:
             warnings.warn("model.backward(allreduce_gradients=False) is ignored, as in upstream "
                           "PatrickStar and DeepSpeed: the gradients are still averaged over "
@@ -1058,11 +1064,12 @@ class PatrickStarEngine(nn.Module):
             # Note [Calls between a read and its serving] in data_parallel.py
             self.dp.agree_on_training_call(self.dp.BACKWARD)
             if not self.guard.before_backward(loss, self.precision, agree):
-                return
+                return result
             scale = self.loss_scaler.scale
             if scale_wrt_gas:
                 scale /= self.ps_config.gradient_accumulation_steps
             self._backward.run([loss.float() * scale], None, retain_graph)
+        return result
 
     def backward_from(self, tensors, grads) -> None:
         """Backward from non-scalar `tensors` given their gradients: a pipeline stage other
@@ -1231,8 +1238,11 @@ class PatrickStarEngine(nn.Module):
         gradients) and then steps `model.lr_scheduler` unless the step was skipped for fp16
         overflow (Note [model.step() steps model.lr_scheduler] in deepspeed_loop.py), passing
         it `lr_kwargs` as DeepSpeed does (a ReduceLROnPlateau's `{"metrics": loss}`); before
-        that nothing. PatrickStar's own loop calls `optimizer.step()` instead; calling both in
-        one step makes the second find no gradients, which raises."""
+        that nothing. A call without a backward is a micro-step too, as DeepSpeed counts calls
+        (Note [model.step() without a backward] in deepspeed_loop.py). PatrickStar's own loop
+        calls `optimizer.step()` and `optimizer.zero_grad()` instead; a boundary model.step()
+        with no backward after an optimizer.step() without zero_grad() (both loops in one)
+        raises."""
         self._loop.step(lr_kwargs)
 
     @property
@@ -1270,6 +1280,17 @@ class PatrickStarEngine(nn.Module):
         return self.optimizer.last_grad_norm
 
     @property
+    def micro_steps(self) -> int:
+        """DeepSpeed's: the number of `model.step()` calls (micro-steps) of this engine, counted
+        at the end of each; not saved in checkpoints (DeepSpeed's is not either). Settable, as
+        DeepSpeed's attribute; it does not move the accumulation boundary here."""
+        return self._loop.micro_steps
+
+    @micro_steps.setter
+    def micro_steps(self, value: int) -> None:
+        self._loop.micro_steps = int(value)
+
+    @property
     def global_steps(self) -> int:
         """DeepSpeed's count of optimizer steps taken (applied or skipped for overflow)."""
         return self.iteration
@@ -1303,9 +1324,22 @@ class PatrickStarEngine(nn.Module):
     def global_samples(self) -> int | None:
         """DeepSpeed's: samples trained on over all data-parallel ranks, train_batch_size() per
         optimizer step (applied or skipped, as DeepSpeed counts); None when the config gives
-        no batch size, as train_batch_size()."""
+        no batch size, as train_batch_size(). A checkpoint restores it (Note [Samples counted
+        across batch sizes])."""
         batch = self.train_batch_size()
-        return None if batch is None else self.global_steps * batch
+        return None if batch is None else self.global_steps * batch + self._samples_offset
+
+    # Note [Samples counted across batch sizes]
+    # DeepSpeed saves global_samples and a load restores it, so a run resumed with another
+    # train_batch_size counts on from the samples it had (a log's x axis). Ours computed it as
+    # global_steps * the current batch size, which rewrote the past at such a resume. The
+    # count is that product plus an offset; setting global_samples (as a load does, and as
+    # DeepSpeed's plain attribute allows) sets the offset.
+    @global_samples.setter
+    def global_samples(self, value: int) -> None:
+        batch = self.train_batch_size()
+        if batch is not None:
+            self._samples_offset = int(value) - self.global_steps * batch
 
     def train_batch_size(self) -> int | None:
         """DeepSpeed's: samples per optimizer step over every data-parallel rank (None when the
@@ -1321,6 +1355,11 @@ class PatrickStarEngine(nn.Module):
         """DeepSpeed's: the learning rate of every parameter group."""
         return [group["lr"] for group in self.optimizer.param_groups]
 
+    def get_mom(self) -> list[tuple[float, float]]:
+        """DeepSpeed's: the momentum of every parameter group, Adam's `betas` (what DeepSpeed's
+        returns for its Adam optimizers; a DeepSpeed OneCycle scheduler moves them)."""
+        return [tuple(group["betas"]) for group in self.optimizer.param_groups]
+
     def end_iteration(self) -> None:
         """The end of a training iteration (the optimizer calls it after every step, applied or
         skipped)."""
@@ -1333,6 +1372,12 @@ class PatrickStarEngine(nn.Module):
             # The step is over whatever a signal handled here raises: left uncounted, every
             # later checkpoint's global step (and default tag) was one short.
             self.iteration += 1
+
+    def _count_step_without_gradients(self) -> None:
+        """model.step()'s optimizer step without gradients counts as a step, as DeepSpeed's
+        (Note [model.step() without a backward] in deepspeed_loop.py); the optimizer already
+        ended the runtime's iteration (end_iteration_without_step)."""
+        self.iteration += 1
 
     # Note [An iteration without a step]
     # A step without gradients (Note [A step without gradients] in optimizer.py) counts no
@@ -1614,22 +1659,50 @@ class PatrickStarEngine(nn.Module):
 
     # ---- Checkpoints (logic in checkpoint/) -------------------------------------------------
 
+    # Note [DeepSpeed's checkpoint signatures]
+    # The two calls take DeepSpeed's arguments in DeepSpeed's order, so a script written for
+    # it means the same positionally: save_checkpoint(save_dir, tag, client_state,
+    # save_latest, exclude_frozen_parameters) and load_checkpoint(load_dir, tag,
+    # load_module_strict, load_optimizer_states, load_lr_scheduler_states, load_module_only,
+    # custom_load_fn). Ours put load_optimizer_states third, so DeepSpeed's
+    # `load_checkpoint(dir, tag, True, False)` (strict, no optimizer state) loaded the
+    # optimizer state and skipped the scheduler's, silently, and the keyword arguments
+    # exclude_frozen_parameters, load_module_strict and custom_load_fn raised TypeError. Our
+    # own arguments (lr_scheduler, load_rng_states, allow_reshard) are keywords after them.
+    # exclude_frozen_parameters leaves the frozen parameters out (Note [Frozen parameters left
+    # out] in checkpoint/engine_state.py); load_module_strict=False loads a checkpoint of
+    # this very model as True does, and a custom_load_fn is refused, naming what to use.
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True,
-                        lr_scheduler=None) -> bool:
-        """DeepSpeed's call: writes DIR/TAG atomically, then DIR/latest. The lr scheduler is
-        `lr_scheduler` or `model.lr_scheduler` when set."""
+                        exclude_frozen_parameters: bool = False, *, lr_scheduler=None) -> bool:
+        """DeepSpeed's call (Note [DeepSpeed's checkpoint signatures]): writes DIR/TAG
+        atomically, then DIR/latest. The lr scheduler is `lr_scheduler` or
+        `model.lr_scheduler` when set."""
+        if not isinstance(exclude_frozen_parameters, bool):
+            raise TypeError(f"save_checkpoint(): exclude_frozen_parameters (the fifth argument, "
+                            f"as DeepSpeed's) must be True or False, not "
+                            f"{type(exclude_frozen_parameters).__name__}; pass a scheduler as "
+                            f"lr_scheduler=")
         return checkpoint.save_checkpoint(self, save_dir, tag, client_state, save_latest,
-                                          lr_scheduler)
+                                          lr_scheduler, exclude_frozen_parameters)
 
-    def load_checkpoint(self, load_dir, tag=None, load_optimizer_states: bool = True,
-                        load_lr_scheduler_states: bool = True, load_module_only: bool = False,
-                        **kwargs):
-        """DeepSpeed's call; returns (path, client_state), (None, None) without `latest`."""
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False, custom_load_fn=None, **kwargs):
+        """DeepSpeed's call (Note [DeepSpeed's checkpoint signatures]); returns (path,
+        client_state), (None, None) without `latest`."""
         self._refuse_closed_chunks("load_checkpoint()")  # (it is how a failed step recovers)
+        if custom_load_fn is not None:
+            raise TypeError("load_checkpoint(custom_load_fn=...) is not supported: the engine's "
+                            "parameters live in chunks, not in the module a custom function "
+                            "would load into. Load the checkpoint, then change the weights with "
+                            "model.load_state_dict(...) or model.apply(fn)")
         loaded = checkpoint.load_checkpoint(self, load_dir, tag, load_optimizer_states,
-                                            load_lr_scheduler_states, load_module_only, **kwargs)
+                                            load_lr_scheduler_states, load_module_only,
+                                            load_module_strict=load_module_strict, **kwargs)
         if loaded[0] is not None and not load_module_only and load_optimizer_states:
             self.guard.failed_step = None  # a consistent state again (guards.py)
+        if loaded[0] is not None:  # it dropped the gradients: a new accumulation begins
+            self._loop.restart_accumulation()
         self._loop.lr_schedule.forget_position()  # the load may have moved the scheduler
         if self.chunks.warming_up:  # loading is not part of the iterations the trace repeats
             self.chunks.restart_warmup()

@@ -17,7 +17,8 @@ counts backward calls since the last step:
     ends a full one); a clip (`clip_grad_norm_`, `clip_grad_value_`) closes it too, since it
     must see the reduced gradients, and a backward after that in the same step is an error
     naming the call. (DeepSpeed's `engine.step()` silently waits for the boundary instead; its
-    loop, `model.step()` after every backward, keeps that: deepspeed_loop.py.)
+    loop, `model.step()` after every backward, keeps that, counting calls as DeepSpeed does:
+    Note [model.step() without a backward] in deepspeed_loop.py.)
   * more backward calls than `gradient_accumulation_steps` before a step is an error when the
     config gives the key (DeepSpeed's contract: that many, then a step) or under data
     parallelism (every backward at the count ends an accumulation: its reduce-scatter has run).

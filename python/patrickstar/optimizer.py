@@ -290,7 +290,7 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
                  phase: Callable[[], ContextManager] = contextlib.nullcontext,
                  wait_for_gradient_stores: Callable[[], None] = lambda: None,
                  before_step: Callable[[], None] = lambda: None,
-                 after_step: Callable[[bool], None] = lambda applied: None,
+                 after_step: Callable[..., None] = lambda applied, without_gradients=False: None,
                  settle_backward: Callable[[], None] = lambda: None,
                  end_iteration_without_step: Callable[[], None] = lambda: None):
         # torch's `defaults` are the constructor's arguments, not a group's: here the config's
@@ -396,8 +396,14 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
             if not self._has_gradients():  # Note [A step without gradients]
                 self._before_step()
                 self.overflow = False  # it found no overflow (accelerate's step_was_skipped)
+                # DeepSpeed's get_global_grad_norm() after a step over no gradients: 0 where a
+                # step reads the norm, not the last step's (Note [model.step() without a
+                # backward] in deepspeed_loop.py).
+                reads_norm = (self.config.gradient_clipping > 0 or self.precision == "fp16"
+                              or self._requested_clip is not None)
+                self.last_grad_norm = 0.0 if reads_norm else None
                 self._end_iteration_without_step()
-                self._after_step(False)
+                self._after_step(False, without_gradients=True)
                 return loss
             self._before_step()
             with self._phase():
@@ -443,12 +449,17 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
             stale = bool(self.dp.ranks_with(stale, label="unzeroed gradients", phase=None))
             zeroed = bool(self.dp.ranks_with(zeroed, label="zeroed gradients", phase=None))
         if stale:
+            # (model.step() zeroes the gradients after its own steps: Note [model.step()
+            # without a backward] in deepspeed_loop.py.)
             raise RuntimeError(
-                "optimizer.step() again with no backward and no optimizer.zero_grad() since the "
-                "last step: torch would apply that step's gradients (still in its p.grad) once "
-                "more, but the PatrickStar engine's step consumed them (as DeepSpeed's does). "
-                "Call optimizer.zero_grad() after each step (a step without gradients is then "
-                "a no-op, as torch's), or a backward before the step")
+                "optimizer.step() again (or model.step() at an accumulation boundary) with no "
+                "backward and no optimizer.zero_grad() since the last step: torch would apply "
+                "that step's gradients (still in its p.grad) once more, but the "
+                "PatrickStar engine's step consumed them (as DeepSpeed's does). Call "
+                "optimizer.zero_grad() after each optimizer.step() (a step without gradients "
+                "is then a no-op, as torch's), or a backward before the step; use one loop, "
+                "DeepSpeed's (model.backward(loss); model.step(), which zeroes the gradients "
+                "itself) or PatrickStar's (backward; optimizer.step(); optimizer.zero_grad())")
         return zeroed
 
     # Note [The state-initializing step of torch.distributed.checkpoint]

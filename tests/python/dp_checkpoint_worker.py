@@ -137,6 +137,31 @@ def resume(precision: str, out: str, rank: int, world: int, nvme: bool = False) 
             "files": sorted(os.listdir(os.path.join(save_dir, "t")))}
 
 
+def masters_from_weights(out: str, rank: int, world: int) -> dict:
+    """bf16 on 2 ranks: load_optimizer_states=False rebuilds each owned master from the saved
+    weight (Note [Masters rebuilt from the weights]) in its own shard."""
+    save_dir = os.path.join(out, "masters_from_weights")
+    data = [shard(batch, rank, world) for batch in batches(3)]
+    model, opt = make(dp_config("bf16"))
+    train(model, opt, data)
+    model.save_checkpoint(save_dir, tag="t")
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    model.destroy()
+    other, other_opt = make(dp_config("bf16"), seed=123)
+    other.load_checkpoint(save_dir, "t", load_optimizer_states=False)
+    state = checkpoint.EngineState(other)
+    masters = {}
+    for index, name in enumerate(state.names):
+        if "master" in state.kinds(index):
+            with state.view(index, "master") as view:
+                masters[name] = view.clone()
+    result = {"saved": saved, "loaded": other.state_dict(), "masters": masters,
+              "optimizer_state": len(other_opt.state_dict()["state"]),
+              "global_steps": other.global_steps}
+    other.destroy()
+    return result
+
+
 def _initialize(model_func, config, seed=0):
     torch.manual_seed(seed)
     with warnings.catch_warnings():
@@ -249,6 +274,7 @@ SCENARIOS = {
     "reshard_1to2": reshard_1to2,
     "consolidate_gpt": consolidate_gpt,
     "errors": errors,
+    "masters_from_weights": masters_from_weights,
 }
 
 

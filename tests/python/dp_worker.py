@@ -39,6 +39,9 @@
     dp_worker.py OUT_DIR --steps-without-gradients KEY   optimizer.step() with no backward
                                                   since zero_grad (torch's no-op), KEY "key" with
                                                   gradient_accumulation_steps given, else not
+    dp_worker.py OUT_DIR --model-steps-without-backward   DeepSpeed's loop (accumulation 2)
+                                                  with batches 1, 4 and 5 skipped after their
+                                                  forward: model.step() still called
     dp_worker.py OUT_DIR --dcp-flatten-lowp       the same flattened (torchtitan's options), in
                                                   bf16 without masters with int8 state
 
@@ -180,6 +183,8 @@ def main() -> None:
             results.update(discard_partial(rank, world, what[1]))
         elif what[:1] == ["--steps-without-gradients"]:
             results.update(steps_without_gradients(rank, world, what[1]))
+        elif what == ["--model-steps-without-backward"]:
+            results.update(model_steps_without_backward(rank, world))
         elif what[:1] == ["--optimizer-resume"]:
             results.update(optimizer_resume(rank, world, *what[1:]))
         elif what == ["--direct-calls"]:
@@ -342,6 +347,27 @@ def steps_without_gradients(rank: int, world: int, key: str) -> dict:
         second_step_error = str(error)
     return {"state": state, "reference": reference.state_dict(), "steps": steps,
             "second_step_error": second_step_error}
+
+
+def model_steps_without_backward(rank: int, world: int) -> dict:
+    """Note [model.step() without a backward]: every model.step() call is a micro-step, the
+    boundary's optimizer step applies the gradients there are (none: nothing changes) on every
+    rank alike; the reference is plain PyTorch on the whole batches."""
+    from test_initialize import mlp_batches
+    config = {"default_chunk_size": 4096, "gradient_accumulation_steps": 2,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}}}
+    model, _, reference, ref_optimizer = _engine_and_adamw_reference(config)
+    for index, (x, y) in enumerate(mlp_batches(8)):
+        loss = model(*shard((x, y), rank, world))
+        if index not in (1, 4, 5):
+            model.backward(loss)
+            (reference(x, y) / 2).backward()
+        model.step()
+        if index % 2 == 1:
+            ref_optimizer.step()
+            ref_optimizer.zero_grad()
+    return {"state": model.state_dict(), "reference": reference.state_dict(),
+            "steps": model.global_steps, "micro_steps": model.micro_steps}
 
 
 def optimizer_resume(rank: int, world: int, precision: str = "fp32") -> dict:

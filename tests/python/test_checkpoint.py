@@ -446,3 +446,175 @@ def test_an_adamw_checkpoint_in_an_adam_config_trains_the_configs_adam_and_says_
         reference.load_checkpoint(tmp_path, tag="t")  # the same rng states, for the dropout
     train(reference, reference_opt, data)
     assert_identical(full_state(model, opt), full_state(reference, reference_opt))
+
+
+def _masters_and_compensations(model):
+    """Each trainable parameter's (16-bit weight, fp32 master or None, compensation or None)."""
+    state = checkpoint.EngineState(model)
+    result = {}
+    for index, name in enumerate(state.names):
+        kinds = state.kinds(index)
+        views = {}
+        for kind in ("param", "master", "compensation"):
+            if kind in kinds:
+                with state.view(index, kind) as view:
+                    views[kind] = view.clone()
+        result[name] = views
+    return result
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16", "bf16_lowp"])
+@pytest.mark.parametrize("module_only", [False, True])
+def test_a_load_without_optimizer_states_rebuilds_masters_from_the_weights(tmp_path, precision,
+                                                                            module_only):
+    # DeepSpeed's load_checkpoint(load_optimizer_states=False) and load_module_only=True load
+    # the 16-bit weights and rebuild the fp32 masters from them (_restore_from_bit16_weights,
+    # refresh_fp32_params); the optimizer state stays the engine's; global_steps and
+    # skipped_steps are restored unless load_module_only (Note [Masters rebuilt from the
+    # weights]).
+    config = base_config(precision)
+    model, opt = make(config)
+    train(model, opt, batches(3))
+    saved = _masters_and_compensations(model)
+    hidden = [name for name, views in saved.items()
+              if ("master" in views and not torch.equal(views["master"],
+                                                        views["param"].float()))
+              or ("compensation" in views and views["compensation"].any())]
+    assert hidden  # the checkpoint holds more than its weights show
+    model.save_checkpoint(tmp_path)
+
+    fresh, fresh_opt = make(config, seed=5)
+    scale = fresh_opt.loss_scale
+    fresh.load_checkpoint(tmp_path, load_optimizer_states=False, load_module_only=module_only)
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, fresh.state_dict()[key]), key
+    for name, views in _masters_and_compensations(fresh).items():
+        assert torch.equal(views["param"], saved[name]["param"]), name
+        if "master" in views:
+            assert torch.equal(views["master"], views["param"].float()), name
+        if "compensation" in views:
+            assert not views["compensation"].any(), name
+    assert fresh_opt.state_dict()["state"] == {}  # the optimizer state is not loaded
+    assert fresh_opt.loss_scale == scale  # it goes with the optimizer state
+    assert fresh.global_steps == (0 if module_only else 3)
+    train(fresh, fresh_opt, batches(1, seed=1))  # and it trains on
+
+
+def test_deepspeeds_checkpoint_arguments_mean_what_they_mean_in_deepspeed(tmp_path):
+    # Note [DeepSpeed's checkpoint signatures]: DeepSpeed's positional order, its keywords
+    # (exclude_frozen_parameters, load_module_strict: Hugging Face's Trainer passes it), the
+    # `latest` file as DeepSpeed writes it, and the loop's counters after a resume.
+    config = base_config("bf16", train_batch_size=16, train_micro_batch_size_per_gpu=16)
+    schedule = lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)  # noqa
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, _ = patrickstar.initialize(DropoutMLP, config=config, lr_scheduler=schedule)
+    for x, y in batches(2):
+        model.backward(model(x, y))
+        model.step()
+    client = {"epoch": 3, "ids": torch.arange(4)}
+    assert model.save_checkpoint(tmp_path, None, client, True, True)  # exclude_frozen_parameters
+    assert (tmp_path / "latest").read_text() == "global_step2"  # no newline, as DeepSpeed's
+    with pytest.raises(TypeError, match="exclude_frozen_parameters .* lr_scheduler="):
+        model.save_checkpoint(tmp_path, "x", None, True, model.lr_scheduler)
+
+    torch.manual_seed(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fresh, fresh_opt = patrickstar.initialize(DropoutMLP, config=config, lr_scheduler=schedule)
+    # DeepSpeed's order: load_module_strict=True, load_optimizer_states=False.
+    path, loaded = fresh.load_checkpoint(tmp_path, "global_step2", True, False)
+    assert path == os.path.join(tmp_path, "global_step2")
+    assert loaded.keys() == client.keys() and torch.equal(loaded["ids"], client["ids"])
+    assert fresh_opt.state_dict()["state"] == {}  # no optimizer state, as asked
+    assert fresh.lr_scheduler.last_epoch == 2  # the scheduler's state is loaded
+    assert fresh.global_steps == 2 and fresh.global_samples == model.global_samples == 32
+    assert not fresh.was_step_applied() and fresh.is_gradient_accumulation_boundary()
+    fresh.load_checkpoint(tmp_path, load_module_strict=False)
+    assert fresh.get_lr() == model.get_lr() == [0.0025]  # the groups' lr with the optimizer's
+    assert fresh_opt.state_dict()["state"].keys() == model.optimizer.state_dict()["state"].keys()
+    with pytest.raises(TypeError, match="custom_load_fn"):
+        fresh.load_checkpoint(tmp_path, custom_load_fn=lambda src, dst: None)
+
+
+def test_a_load_starts_a_new_accumulation_of_model_step_calls(tmp_path):
+    # model.step() calls count as micro-steps (Note [model.step() without a backward] in
+    # deepspeed_loop.py); a load drops the gradients, so it starts the count again.
+    model, opt = make(base_config("fp32", gradient_accumulation_steps=2))
+    data = batches(2)
+    model.save_checkpoint(tmp_path)
+    model.backward(model(*data[0]))
+    model.step()
+    assert model.is_gradient_accumulation_boundary()
+    model.load_checkpoint(tmp_path)
+    assert not model.is_gradient_accumulation_boundary()
+    model.backward(model(*data[0]))
+    model.step()
+    assert model.global_steps == 0  # one micro-step of two: no optimizer step yet
+    model.backward(model(*data[1]))
+    model.step()
+    assert model.global_steps == 1
+
+
+class FrozenFirstLayer(DropoutMLP):
+    """A LoRA run's shape: the first layer is the base model's, frozen."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers[0].requires_grad_(False)
+
+
+def test_exclude_frozen_parameters_leaves_them_out_and_a_load_keeps_the_engines(tmp_path):
+    # Note [Frozen parameters left out]: DeepSpeed's save_checkpoint(exclude_frozen_parameters=
+    # True) saves no frozen parameter; ours raised TypeError on the keyword.
+    from patrickstar.consolidate import consolidate
+    config = base_config("bf16")
+    model, opt = make(config, FrozenFirstLayer)
+    train(model, opt, batches(2))
+    model.save_checkpoint(tmp_path / "all", tag="t")
+    model.save_checkpoint(tmp_path / "some", tag="t", exclude_frozen_parameters=True)
+    frozen = {"layers.0.weight", "layers.0.bias"}
+    with CheckpointReader(tmp_path / "some", "t") as reader:
+        assert sorted(reader.meta["excluded_frozen"]) == sorted(frozen)
+        assert not any(reader.has(name, "param") for name in frozen)
+        assert reader.has("layers.1.weight", "param") and reader.has("norm.running_mean",
+                                                                     "buffer")
+    size = lambda name: sum(f.stat().st_size for f in (tmp_path / name / "t").iterdir())  # noqa
+    assert size("some") < size("all")
+
+    fresh, fresh_opt = make(config, FrozenFirstLayer, seed=7)  # other base weights
+    base = {k: v.clone() for k, v in fresh.state_dict().items()}
+    fresh.load_checkpoint(tmp_path / "some", "t")
+    for key, value in fresh.state_dict().items():
+        expected = base[key] if key.removeprefix("module.") in frozen else model.state_dict()[key]
+        assert torch.equal(value, expected), key
+    assert fresh.global_steps == 2
+    train(fresh, fresh_opt, batches(1))
+
+    consolidate(tmp_path / "some", tmp_path / "some.pt", dtype="bf16", tag="t")
+    keys = torch.load(tmp_path / "some.pt", weights_only=True).keys()
+    assert set(keys) == set(DropoutMLP().state_dict()) - frozen
+
+    trainable, _ = make(config)  # layers.0 trains here: nothing in the checkpoint to load
+    with pytest.raises(CheckpointError, match="exclude_frozen_parameters=True .* 'layers.0"):
+        trainable.load_checkpoint(tmp_path / "some", "t", allow_reshard=True)
+
+
+def test_global_samples_count_on_from_the_checkpoint_across_batch_sizes(tmp_path):
+    # Note [Samples counted across batch sizes]: DeepSpeed saves global_samples; ours was
+    # global_steps times the current batch size, which rewrote the past at a resume with
+    # another train_batch_size.
+    model, _ = make(base_config("fp32", train_batch_size=16, train_micro_batch_size_per_gpu=16))
+    for x, y in batches(2):
+        model.backward(model(x, y))
+        model.step()
+    assert model.global_samples == 32
+    model.save_checkpoint(tmp_path)
+    bigger, _ = make(base_config("fp32", train_batch_size=32, train_micro_batch_size_per_gpu=16))
+    bigger.load_checkpoint(tmp_path, allow_reshard=True)
+    assert bigger.global_steps == 2 and bigger.global_samples == 32
+    for x, y in batches(2):
+        bigger.backward(bigger(x, y))
+        bigger.step()
+    assert bigger.global_steps == 3 and bigger.global_samples == 64

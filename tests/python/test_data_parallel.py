@@ -388,6 +388,16 @@ def test_zero_grad_in_the_middle_of_an_accumulation_drops_it_on_every_rank(tmp_p
         assert "after 1 of 3 backward() calls" in result["closed_error"]
 
 
+def test_model_steps_without_backward_are_micro_steps_on_every_rank(tmp_path):
+    # Note [model.step() without a backward] in deepspeed_loop.py, under data parallelism.
+    results = launch(tmp_path, 2, "--model-steps-without-backward")
+    check_no_errors(results)
+    for result in results:
+        for name, tensor in result["reference"].items():
+            torch.testing.assert_close(result["state"][name], tensor, rtol=0, atol=1e-6)
+        assert result["steps"] == 4 and result["micro_steps"] == 8
+
+
 @pytest.mark.parametrize("key", ["key", "open"])
 def test_steps_without_gradients_are_pytorchs_no_op_on_every_rank(tmp_path, key):
     # Note [A step without gradients]: every rank decides alike, and trains as PyTorch does.

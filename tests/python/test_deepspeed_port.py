@@ -588,3 +588,90 @@ def test_deepspeed_dist_init_required_is_taken_as_deepspeed_takes_it(monkeypatch
         patrickstar.initialize(MLP, config(), dist_init_required=False)
     with pytest.raises(TypeError, match="dist_init_required.*True, False or None"):
         patrickstar.initialize(MLP, config(), dist_init_required="yes")
+
+
+def _torch_run_with_skips(data, accumulation, skipped):
+    """Plain PyTorch as DeepSpeed's engine.step() runs it when the batches in `skipped` have no
+    backward: each batch is a micro-step, and the step at the boundary applies the gradients
+    there are (none: torch's step changes nothing) and steps the scheduler."""
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.8, 0.99), eps=1e-6,
+                            weight_decay=0.1, foreach=False)
+    sched = step_lr(opt)
+    losses, lrs = [], []
+    for index, (x, y) in enumerate(data):
+        loss = model(x, y)
+        losses.append(loss.item())
+        if index not in skipped:
+            (loss / accumulation).backward()
+        if (index + 1) % accumulation == 0:
+            opt.step()
+            opt.zero_grad()
+            sched.step()
+            lrs.append(opt.param_groups[0]["lr"])
+    return losses, lrs, model.state_dict()
+
+
+@pytest.mark.parametrize("accumulation, skipped", [(1, {1, 2}), (2, {1, 4, 5})])
+def test_model_step_without_a_backward_is_a_micro_step_as_in_deepspeed(accumulation, skipped):
+    """DeepSpeed's engine.step() counts calls: a call with no backward since the last one (a
+    batch skipped after its forward) is a micro-step, and at the boundary the step counts, the
+    scheduler steps and was_step_applied() is True, whatever gradients there are; ours raised
+    "model.step() called before model.backward(loss)"."""
+    data = batches(8)
+    ref_losses, ref_lrs, ref_state = _torch_run_with_skips(data, accumulation, skipped)
+    torch.manual_seed(0)
+    model, optimizer = patrickstar.initialize(MLP, config(accumulation, clip=0.0))
+    model.lr_scheduler = step_lr(optimizer)
+    losses, lrs, boundaries = [], [], []
+    for index, (x, y) in enumerate(data):
+        boundary = model.is_gradient_accumulation_boundary()
+        boundaries.append(boundary)
+        loss = model(x, y)
+        losses.append(loss.item())
+        if index not in skipped:
+            model.backward(loss)
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        model.step()
+        assert model.was_step_applied() == boundary  # DeepSpeed: False between boundaries
+        if boundary:
+            lrs.append(model.get_lr()[0])
+        if boundary and all(i in skipped for i in range(index + 1 - accumulation, index + 1)):
+            for key, value in model.state_dict().items():  # no gradients: nothing changes
+                assert torch.equal(value, before[key]), key
+    assert boundaries == [(i + 1) % accumulation == 0 for i in range(8)]
+    assert model.global_steps == 8 // accumulation and model.skipped_steps == 0
+    assert model.micro_steps == 8  # DeepSpeed's count of model.step() calls
+    assert_close(losses, ref_losses)
+    assert_close(lrs, ref_lrs)
+    for key, value in model.state_dict().items():
+        assert torch.allclose(value, ref_state[key], rtol=RTOL, atol=1e-6), key
+    model.destroy()
+
+
+@pytest.mark.parametrize("scale_wrt_gas", [True, False])
+def test_model_backward_returns_the_loss_divided_by_the_accumulation_as_deepspeeds(
+        scale_wrt_gas):
+    torch.manual_seed(0)
+    model, _ = patrickstar.initialize(MLP, config(accumulation=2))
+    x, y = batches(1)[0]
+    loss = model(x, y)
+    returned = model.backward(loss, scale_wrt_gas=scale_wrt_gas)
+    assert torch.equal(returned, loss / 2 if scale_wrt_gas else loss)
+    assert model.get_mom() == [(0.8, 0.99)]  # DeepSpeed's, as its loop logs it with get_lr()
+    model.destroy()
+
+
+def test_the_grad_norm_of_a_model_step_without_gradients_is_zero_not_the_last_steps():
+    # DeepSpeed's get_global_grad_norm() after a boundary step over no gradients is their
+    # norm, 0; ours kept the previous step's.
+    torch.manual_seed(0)
+    model, _ = patrickstar.initialize(MLP, config(accumulation=1, clip=0.5))
+    x, y = batches(1)[0]
+    model.backward(model(x, y))
+    model.step()
+    assert model.get_global_grad_norm() > 0
+    model.step()
+    assert model.get_global_grad_norm() == 0.0 and model.global_steps == 2
+    model.destroy()

@@ -25,7 +25,7 @@ from test_initialize import MLP, gpt_config, mlp_batches
 
 CHECKPOINT_WORKER = os.path.join(HERE, "dp_checkpoint_worker.py")
 SCENARIOS = ["resume_fp32", "resume_bf16", "resume_fp16", "resume_bf16_lowp", "resume_fp32_nvme",
-             "resume_bf16_nvme",
+             "resume_bf16_nvme", "masters_from_weights",
              "reshard_2to1", "reshard_2to1_int8", "reshard_1to2", "consolidate_gpt", "errors"]
 
 
@@ -265,3 +265,19 @@ def test_sigkill_of_one_rank_at_every_stage_of_a_two_rank_save(tmp_path):
         assert "could not exchange its outcome with the other ranks" in result["error"]
         client, _ = _load_latest(save_dir)
         assert client["tag"] == CRASH_POINTS[(victim, point)], point
+
+
+def test_two_ranks_load_without_optimizer_states_rebuild_masters_from_the_weights(runs):
+    # Note [Masters rebuilt from the weights]: each rank's masters are its weights' values,
+    # read from its own shard (the owner of a master owns its weight too).
+    _, _, results = runs
+    owned = set()
+    for rank, result in enumerate(results):
+        run = result["masters_from_weights"]
+        assert run["global_steps"] == 3 and run["optimizer_state"] == 0
+        for key, value in run["saved"].items():
+            assert torch.equal(run["loaded"][key], value), (rank, key)
+        for name, master in run["masters"].items():
+            assert torch.equal(master, run["saved"][name].float()), (rank, name)
+        owned |= set(run["masters"])
+    assert owned == {k for k in results[0]["masters_from_weights"]["saved"] if "norm" not in k}

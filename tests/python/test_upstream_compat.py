@@ -171,7 +171,10 @@ def test_deepspeed_engine_step_at_the_accumulation_boundary_matches_optimizer_st
     ds_model.backward(torch.nn.functional.mse_loss(ds_model(batches[1][0]), batches[1][1]))
     ds_model.backward(torch.nn.functional.mse_loss(ds_model(batches[2][0]), batches[2][1]))
     ds_optimizer.step()
-    with pytest.raises(RuntimeError, match="model.step\\(\\) called before model.backward"):
+    ds_model.step()  # micro-steps, as DeepSpeed's (Note [model.step() without a backward])
+    ds_model.step()
+    with pytest.raises(RuntimeError, match="model.step\\(\\) at an accumulation boundary\\) "
+                                           "with no backward and no optimizer.zero_grad"):
         ds_model.step()
     ds_model.destroy()
     ps_model.destroy()

@@ -11,6 +11,7 @@ import random
 import torch
 
 from .. import _C, dtypes, moment_state
+from .errors import CheckpointError
 from .shard import Entry
 from .slices import table_partitions
 
@@ -64,10 +65,10 @@ class EngineState:
         name = self.names[index]
         result = []
         for kind in self.kinds(index, optimizer_state):
-            if kind in _SCALE_KINDS or (kind == "compensation"
-                                        and not reader.has(name, "compensation")):
-                continue  # read with their moment; zero after a checkpoint with a master
-            result.append(source_kind(reader, name, kind))
+            if kind in _SCALE_KINDS or (kind == "compensation" and not (
+                    optimizer_state and reader.has(name, "compensation"))):
+                continue  # read with their moment; zero (Note [Masters rebuilt from the weights])
+            result.append(source_kind(reader, name, kind, optimizer_state))
             if (kind in moment_state.MOMENT_KEYS and reader.has(name, kind)
                     and reader.entry(name, kind).dtype == "uint8"):
                 result.append(moment_state.scale_key(kind))
@@ -80,9 +81,43 @@ class EngineState:
         """Parameter `index`'s tensor of saved kind `kind`, for the duration of a `with`."""
         return self.params.view(index, SAVED_KINDS[kind])
 
-    def entries(self) -> list[Entry]:
+    # Note [Frozen parameters left out]
+    # DeepSpeed's save_checkpoint(exclude_frozen_parameters=True) leaves the frozen parameters
+    # out of the checkpoint: a LoRA run saves its adapters, not the base model it was built
+    # from. Ours refused the keyword (TypeError); now it leaves them out too: meta.json lists
+    # their names ("excluded_frozen") and the shards hold no tensor of theirs (buffers are
+    # saved as ever). A load keeps the engine's
+    # own values of such a parameter (the base weights model_func built again), where DeepSpeed
+    # needs load_module_strict=False for the missing keys; the parameter must still be frozen
+    # in the engine, else the load is refused naming it (its master and optimizer state have
+    # nothing to start from). Consolidation leaves them out of its state dict, as DeepSpeed's
+    # zero_to_fp32 does.
+    def frozen_names(self) -> list[str]:
+        """The names of this engine's frozen parameters (requires_grad False)."""
+        return [name for name, trainable in zip(self.names, self.params.requires_grad)
+                if not trainable]
+
+    def left_out(self, reader, index: int) -> bool:
+        """Whether `reader`'s checkpoint left parameter `index` out as frozen (Note [Frozen
+        parameters left out]); raises when the engine trains it."""
+        name = self.names[index]
+        if name not in reader.meta.get("excluded_frozen", ()):
+            return False
+        if self.params.requires_grad[index]:
+            raise CheckpointError(f"checkpoint '{reader.directory}' was saved with "
+                                  f"exclude_frozen_parameters=True and holds no value of "
+                                  f"parameter '{name}', frozen then but trainable in this "
+                                  f"model: freeze it (requires_grad False) in model_func to "
+                                  f"load this checkpoint")
+        return True
+
+    def entries(self, exclude_frozen: bool = False) -> list[Entry]:
+        """The shard entries of this rank; `exclude_frozen`: none of the frozen parameters
+        (Note [Frozen parameters left out])."""
         entries = []
         for index, name in enumerate(self.names):
+            if exclude_frozen and not self.params.requires_grad[index]:
+                continue
             # Each tensor as its chunk holds it: the moments in optimizer.params.state_dtype
             # (restore converts, so either state dtype loads into the other).
             kind_dtypes = {"param": self.compute_dtype, "compensation": "bfloat16",
@@ -177,6 +212,7 @@ class EngineState:
                                if self.params.index_of(p) is not None]  # none without elements
             groups.append(saved)
         return {"iteration": engine.iteration, "micro_step": engine.micro_step,
+                "global_samples": engine.global_samples,
                 "step_counts": dict(zip(self.names, optimizer.step_counts)),
                 "skipped_steps": optimizer.skipped_steps,
                 "loss_scaler": engine.loss_scaler.state_dict(), "param_groups": groups}
@@ -240,24 +276,44 @@ class EngineState:
                 notes.append(f"{kind}: {saved} in the checkpoint, {our} in the model")
         return "; " + "; ".join(notes) if notes else ""
 
+    # Note [Masters rebuilt from the weights]
+    # DeepSpeed's load_checkpoint(load_optimizer_states=False) (and load_module_only=True)
+    # does not read the fp32 masters: it loads the 16-bit module weights and rebuilds the fp32
+    # copies from them (ZeRO's _restore_from_bit16_weights, refresh_fp32_params), the
+    # fine-tuning start from a model's weights. Ours restored the saved fp32 masters (and
+    # Kahan compensations) with the weights, so the same call trained on from the checkpoint's
+    # hidden fp32 state rather than from the weights the model showed. A master is now read
+    # from the saved 16-bit weight (exactly representable in fp32) and a compensation is zero,
+    # as after a checkpoint that had masters. The moments and step counts are the optimizer
+    # state and stay the engine's own (fresh on a new engine), as DeepSpeed leaves them; the
+    # step counters (global_steps, skipped_steps) are restored unless load_module_only, as
+    # DeepSpeed restores them outside the optimizer state, while the fp16 loss scale, the
+    # group hyperparameters and the step counts go with the optimizer state.
     def restore(self, reader, extra: dict, scheduler, load_optimizer_states: bool,
-                load_lr_scheduler_states: bool, load_rng_states: bool) -> None:
-        """Writes a verified checkpoint's state into the engine."""
+                load_lr_scheduler_states: bool, load_rng_states: bool,
+                load_counters: bool = True) -> None:
+        """Writes a verified checkpoint's state into the engine; `load_counters` False (a
+        load_module_only) keeps the engine's step counters."""
         engine = self.engine
         engine.zero_grad()
         engine.guard.after_step()  # a fresh step begins (Note [Training call order])
         buffers = self.buffers()
         with torch.no_grad():
             for index, name in enumerate(self.names):
+                if self.left_out(reader, index):  # Note [Frozen parameters left out]
+                    continue
                 for kind in self.kinds(index, load_optimizer_states):
                     if kind in _SCALE_KINDS:
                         continue  # written with their moment
-                    if kind == "compensation" and not reader.has(name, kind):
-                        # A checkpoint with fp32 masters: its params are rounded, no error kept.
+                    if kind == "compensation" and not (load_optimizer_states
+                                                        and reader.has(name, kind)):
+                        # A checkpoint with fp32 masters: its params are rounded, no error kept
+                        # (and Note [Masters rebuilt from the weights]).
                         with self.view(index, kind) as view:
                             view.zero_()
                         continue
-                    source = reader.tensor(name, source_kind(reader, name, kind))
+                    source = reader.tensor(name, source_kind(reader, name, kind,
+                                                             load_optimizer_states))
                     if kind in moment_state.MOMENT_KEYS:
                         # Converted when the checkpoint's state dtype is not the engine's.
                         scales = moment_state.scale_key(kind)
@@ -287,9 +343,16 @@ class EngineState:
                 group.update({k: (tuple(v) if k == "betas" else v)
                               for k, v in saved.items() if k != "params"})
             engine.loss_scaler.load_state_dict(counters["loss_scaler"])
-            optimizer.skipped_steps = counters["skipped_steps"]
+        if load_counters:
+            counters = reader.meta["engine"]
+            engine.optimizer.skipped_steps = counters["skipped_steps"]
             engine.iteration = counters["iteration"]
             engine.micro_step = counters["micro_step"]
+            # As DeepSpeed's, global_steps times the batch size when the checkpoint has none
+            # (written before, or without a batch size).
+            samples = counters.get("global_samples")
+            engine.global_samples = (samples if samples is not None else
+                                     engine.global_steps * (engine.train_batch_size() or 0))
         if load_lr_scheduler_states and scheduler is not None:
             scheduler.load_state_dict(extra["lr_scheduler"])
         if load_rng_states:
@@ -304,9 +367,10 @@ def tensor_partition(param) -> dict | None:
     return {"dim": int(param.partition_dim), "stride": int(getattr(param, "partition_stride", 1))}
 
 
-def source_kind(reader, name: str, kind: str) -> str:
-    """The saved kind a tensor of kind `kind` is loaded from."""
-    if kind == "master" and not reader.has(name, "master"):
+def source_kind(reader, name: str, kind: str, optimizer_state: bool = True) -> str:
+    """The saved kind a tensor of kind `kind` is loaded from; without `optimizer_state` a
+    master is rebuilt from the weight (Note [Masters rebuilt from the weights])."""
+    if kind == "master" and not (optimizer_state and reader.has(name, "master")):
         return "param"  # a frozen parameter or an fp32 checkpoint
     return kind
 

@@ -88,7 +88,7 @@ def resolve_tag(load_dir: str, tag: str | None) -> str | None:
             text = handle.read()
     except FileNotFoundError:
         return None
-    text = text[:-1] if text.endswith("\n") else text  # write_latest's newline
+    text = text[:-1] if text.endswith("\n") else text  # as written before (and by hand)
     if not text:
         raise CheckpointError(f"'{path}' is empty")
     try:
@@ -99,4 +99,5 @@ def resolve_tag(load_dir: str, tag: str | None) -> str | None:
 
 
 def write_latest(save_dir: str, tag: str) -> None:
-    write_text_atomically(os.path.join(save_dir, LATEST), tag + "\n")
+    # The tag alone, as DeepSpeed writes it: scripts read it with open(...).read().
+    write_text_atomically(os.path.join(save_dir, LATEST), tag)

@@ -60,7 +60,7 @@ def _model_parallel_groups(state: EngineState):
 
 
 def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: bool = True,
-                    lr_scheduler=None) -> bool:
+                    lr_scheduler=None, exclude_frozen_parameters: bool = False) -> bool:
     """Writes a checkpoint of `engine` (Note [Atomic checkpoints], Note [Multi-rank
     checkpoints]); returns True on every rank once the checkpoint is complete."""
     state = EngineState(engine)
@@ -110,7 +110,8 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
         # Phase 2: every rank writes and fsyncs its own shard and extra file.
         error = record = None
         try:
-            record = _write_rank_files(state, shared_partial, client_state, scheduler)
+            record = _write_rank_files(state, shared_partial, client_state, scheduler,
+                                       exclude_frozen_parameters)
         except Exception as failure:
             error = failure
         records = _agree(state, what, error, record)  # also the barrier before meta.json
@@ -120,7 +121,7 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
         if rank == 0:
             try:
                 _publish(state, engine, save_dir, tag, shared_partial, records, scheduler,
-                         save_latest)
+                         save_latest, exclude_frozen_parameters)
             except Exception as failure:
                 error = failure
         _agree(state, what, error)  # no rank returns before the checkpoint is complete
@@ -146,11 +147,12 @@ def _refuse_non_checkpoint_paths(save_dir: str, tag: str, save_latest: bool) -> 
                               f"the latest checkpoint; remove it, or pass save_latest=False")
 
 
-def _write_rank_files(state: EngineState, directory: str, client_state, scheduler) -> dict:
+def _write_rank_files(state: EngineState, directory: str, client_state, scheduler,
+                      exclude_frozen: bool = False) -> dict:
     """Phase 2 on one rank: its shard and extra file, durable; returns what meta.json records
     of them."""
     rank = state.rank
-    entries = state.entries()
+    entries = state.entries(exclude_frozen)
     buffers = state.buffers()
     header = {"rank": rank, "world_size": state.world_size}
     size, digest = shard.write_shard(os.path.join(directory, shard.shard_name(rank)), header,
@@ -168,7 +170,8 @@ def _write_rank_files(state: EngineState, directory: str, client_state, schedule
 
 
 def _publish(state: EngineState, engine, save_dir: str, tag: str, partial: str,
-             records: list[dict], scheduler, save_latest: bool) -> None:
+             records: list[dict], scheduler, save_latest: bool,
+             exclude_frozen: bool = False) -> None:
     """Rank 0's part of a save once every rank's files are durable (Note [Atomic checkpoints])."""
     for record in records:
         for item in (record["shard"], record["extra"]):
@@ -194,6 +197,8 @@ def _publish(state: EngineState, engine, save_dir: str, tag: str, partial: str,
         "layout": state.layout(), "tensors": state.tensor_table(),
         "state_dict_keys": state.state_dict_keys(), "engine": counters,
         "has_lr_scheduler": scheduler is not None,
+        # Note [Frozen parameters left out]
+        "excluded_frozen": state.frozen_names() if exclude_frozen else [],
         "model_parallel": model_parallel_record(_model_parallel_groups(state)),
         "shards": [record["shard"] for record in records],
         "extras": [record["extra"] for record in records],
@@ -213,7 +218,7 @@ def _publish(state: EngineState, engine, save_dir: str, tag: str, partial: str,
 def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states: bool = True,
                     load_lr_scheduler_states: bool = True, load_module_only: bool = False,
                     lr_scheduler=None, load_rng_states: bool = True,
-                    allow_reshard: bool = False):
+                    allow_reshard: bool = False, load_module_strict: bool = True):
     """Restores a checkpoint into `engine`; returns (path, client_state), or (None, None) when
     `load_dir` has no `latest` file and no tag was given (as DeepSpeed does). With data
     parallelism every rank calls it (Note [Multi-rank checkpoints])."""
@@ -251,16 +256,18 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states: bool = Tr
         try:
             reader = stack.enter_context(
                 _open_converted(state, directories, resolved) if convert else
-                _open_reader(state, load_dir, resolved, allow_reshard))
+                _open_reader(state, load_dir, resolved))
             extra = _verify_loadable(state, reader, scheduler, load_optimizer_states,
-                                     load_lr_scheduler_states, allow_reshard)
+                                     load_lr_scheduler_states, allow_reshard,
+                                     load_module_strict)
         except Exception as failure:
             error = failure
         _agree(state, what, error)
         error = None
         try:
             state.restore(reader, extra, scheduler, load_optimizer_states,
-                          load_lr_scheduler_states, load_rng_states)
+                          load_lr_scheduler_states, load_rng_states,
+                          load_counters=not load_module_only)
         except Exception as failure:
             error = failure
         except BaseException as failure:
@@ -279,10 +286,10 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states: bool = Tr
         return reader.directory, extra.get("client_state", {})
 
 
-def _open_reader(state: EngineState, load_dir: str, tag: str,
-                 allow_reshard: bool) -> CheckpointReader:
+def _open_reader(state: EngineState, load_dir: str, tag: str) -> CheckpointReader:
     """Every shard, or only this rank's own when the checkpoint has this model's layout and
-    world size (its shard then holds exactly the tensors this rank owns)."""
+    world size (its shard then holds exactly the tensors this rank owns: a master's owner owns
+    its compute weight too, which Note [Masters rebuilt from the weights] reads)."""
     ranks = None
     directory = os.path.join(load_dir, tag)
     if state.world_size > 1 and os.path.isdir(directory):
@@ -311,13 +318,16 @@ def _open_converted(state: EngineState, directories: list[str], tag: str) -> Con
 
 def _verify_loadable(state: EngineState, reader: CheckpointReader, scheduler,
                      load_optimizer_states: bool, load_lr_scheduler_states: bool,
-                     allow_reshard: bool) -> dict:
+                     allow_reshard: bool, load_module_strict: bool = True) -> dict:
     """Checks that this rank finds everything it will load; returns its extra state."""
     meta = reader.meta
     problems = state.differences(meta, allow_reshard)
     if problems:
-        raise CheckpointError(f"checkpoint '{reader.directory}' does not fit this model: "
-                              + "; ".join(problems))
+        raise CheckpointError(
+            f"checkpoint '{reader.directory}' does not fit this model: " + "; ".join(problems)
+            + ("" if load_module_strict else
+               " (load_module_strict=False loads only a checkpoint of this model: for weights "
+               "of another, load them with model.load_state_dict(state_dict, strict=False))"))
     counters = meta["engine"]
     optimizer = state.engine.optimizer
     if load_optimizer_states and len(counters["param_groups"]) != len(optimizer.param_groups):
@@ -346,6 +356,8 @@ def _verify_loadable(state: EngineState, reader: CheckpointReader, scheduler,
         except (TypeError, ValueError) as error:
             raise CheckpointError(f"checkpoint '{reader.directory}': {error}") from None
     for index, name in enumerate(state.names):
+        if state.left_out(reader, index):  # Note [Frozen parameters left out]
+            continue
         for kind in state.sources(reader, index, load_optimizer_states):
             if not reader.has(name, kind):
                 raise CheckpointError(

@@ -367,12 +367,14 @@ class PipelineEngine:
     def memory_stats(self):
         return self.engine.memory_stats()
 
-    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True):
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True,
+                        exclude_frozen_parameters: bool = False):
         """Each stage (and tensor slice) writes its engine's checkpoint under
         SAVE_DIR/pipe_SS-tensor_TT (Note [One checkpoint per model slice] in
         checkpoint/slices.py), its data-parallel ranks each their shard of it (Note
         [Multi-rank checkpoints]); call it on every rank, after train_batch."""
-        return self.engine.save_checkpoint(save_dir, tag, client_state, save_latest)
+        return self.engine.save_checkpoint(save_dir, tag, client_state, save_latest,
+                                           exclude_frozen_parameters)
 
     def load_checkpoint(self, load_dir, tag=None, **kwargs):
         """Loads what save_checkpoint wrote for this stage; returns (path, client_state)."""
