@@ -167,14 +167,20 @@ def reference(case: str, state_dtype: str, weights: str, data=None):
     """Plain PyTorch on the whole batch: (the module after the steps, {name: the value the
     optimizer holds}), by the arithmetic the engine's kernels implement (see the module
     docstring)."""
-    model = builder(case)()
+    return reference_of(builder(case)(), data if data is not None else batches(case), loss_of,
+                        state_dtype, weights)
+
+
+def reference_of(model: nn.Module, data, loss, state_dtype: str, weights: str):
+    """`reference` for any module and loss(model, x, y, input dtype) (tied weights too: a
+    module's parameters() lists a tied one once, with the sum of its uses' gradients)."""
     bf16 = weights == "bf16_no_master"
     if bf16:
         model = model.bfloat16()
     dtype = input_dtype(weights)
     state = {}
-    for step, (x, y) in enumerate(data if data is not None else batches(case), 1):
-        loss_of(model, x, y, dtype).backward()
+    for step, (x, y) in enumerate(data, 1):
+        loss(model, x, y, dtype).backward()
         with torch.no_grad():
             for param in model.parameters():
                 if param.numel() == 0 or param.grad is None:  # no elements, or frozen
