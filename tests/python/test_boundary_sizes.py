@@ -56,11 +56,23 @@ CASES = {
     "mixed": [(1,), (CHUNK - 1,), (0,), (CHUNK,), (CHUNK + 1,), (BLOCK - 1,), (BLOCK,),
               (BLOCK + 1,), (2 * CHUNK,), (3,), (0, 4)],
     "frozen_first": [(CHUNK,), (CHUNK,), (CHUNK,), (1,)],
+    # Vector tails around the SIMD kernels' 16 lanes, in chunks of 64 (15 + 17 + 31 fill one
+    # but for an element, 33 starts the next).
+    "tails": [(15,), (17,), (31,), (33,)],
+    # Tensors of 2 blocks -+ 1 at offsets of no block or vector multiple inside one chunk
+    # (chunk size CHUNKS["unaligned"]): the 8-bit blocks count from each tensor's start.
+    "unaligned": [(15,), (2 * BLOCK - 1,), (17,), (2 * BLOCK + 1,), (33,), (31,)],
+    # Hundreds of tiny parameters (a model's biases and norms), many to a chunk.
+    "biases": [((i % 7) + 1,) for i in range(200)],
+    # Everything frozen but one small bias, whose chunk is the model's last.
+    "one_bias": [(CHUNK,), (CHUNK + 1,), (3,)],
 }
+# Chunk sizes other than CHUNK, by case.
+CHUNKS = {"tails": 64, "unaligned": 4 * BLOCK}
 # Parameters built frozen (requires_grad False), by case: a frozen chunk first shifts the
 # trainable parameters' chunks (and, under data parallelism, their owners) against the
 # frozen-free lists of masters, compensations and moments.
-FROZEN = {"frozen_first": {0}}
+FROZEN = {"frozen_first": {0}, "one_bias": {0, 1}}
 STATE_DTYPES = ["fp32", "bf16", "int8"]
 WEIGHTS = ["fp32", "bf16_no_master"]
 
@@ -259,8 +271,8 @@ def cpu_state(model) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("case", list(CASES))
 def test_one_rank_trains_like_the_reference_and_resumes_exactly(tmp_path, case, state_dtype,
                                                                 weights):
-    build, cfg, data, dtype = builder(case), config(state_dtype, weights), batches(case), \
-        input_dtype(weights)
+    build, data, dtype = builder(case), batches(case), input_dtype(weights)
+    cfg = config(state_dtype, weights, default_chunk_size=CHUNKS.get(case, CHUNK))
     model, optimizer = initialize(build, cfg)
     losses = train(model, optimizer, data, dtype)
     held, final = weights_of(model), cpu_state(model)
@@ -281,14 +293,21 @@ def test_one_rank_trains_like_the_reference_and_resumes_exactly(tmp_path, case, 
     model, optimizer = initialize(build, cfg)
     first = train(model, optimizer, data[:RESUME_AT], dtype)
     model.save_checkpoint(str(tmp_path), tag="t")
+    saved = copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict())
     model.destroy()
-    model, optimizer = initialize(build, cfg)
-    model.load_checkpoint(str(tmp_path), "t")
-    second = train(model, optimizer, data[RESUME_AT:], dtype)
-    resumed = cpu_state(model)
-    model.destroy()
-    assert first + second == losses
-    assert_equal_states(resumed, final, "resumed")
+    # Through the checkpoint, and through both state dicts (torch.save's recipe).
+    for how in ("checkpoint", "state dicts"):
+        model, optimizer = initialize(build, cfg)
+        if how == "checkpoint":
+            model.load_checkpoint(str(tmp_path), "t")
+        else:
+            model.load_state_dict(saved[0])
+            optimizer.load_state_dict(saved[1])
+        second = train(model, optimizer, data[RESUME_AT:], dtype)
+        resumed = cpu_state(model)
+        model.destroy()
+        assert first + second == losses, how
+        assert_equal_states(resumed, final, how)
 
 
 @pytest.mark.parametrize("weights", WEIGHTS)
@@ -326,6 +345,31 @@ def test_estimate_memory_equals_the_layout_at_every_boundary(chunk, state_dtype,
         chunks = json.loads(model.chunks.layout_json())["chunks"]
         model.destroy()
         assert mode["total"] == sum(c["bytes"] for c in chunks), (accumulation, mode)
+
+
+@pytest.mark.parametrize("weights", WEIGHTS)
+@pytest.mark.parametrize("state_dtype", STATE_DTYPES)
+@pytest.mark.parametrize("case", list(CHUNKS) + ["biases", "one_bias"])
+def test_estimate_and_memory_stats_equal_the_layout_of_small_and_unaligned_tensors(
+        case, state_dtype, weights):
+    # Each chunk kind's bytes (frozen chunks have compute chunks only; 8-bit scale lists
+    # mirror their moments) as estimate_memory counts them, and the peak of the tiers' chunk
+    # bytes over the steps is the whole layout (one rank keeps every chunk).
+    cfg = config(state_dtype, weights, default_chunk_size=CHUNKS.get(case, CHUNK))
+    estimate = patrickstar.estimate_memory(builder(case), config=cfg, verbose=False)
+    mode = estimate["modes"][{"fp32": "fp32", "bf16_no_master": "bf16, no master"}[weights]]
+    model, optimizer = initialize(builder(case), cfg)
+    chunks = json.loads(model.chunks.layout_json())["chunks"]
+    train(model, optimizer, batches(case), input_dtype(weights))
+    stats, peak = model.memory_stats(), model.peak_model_bytes
+    model.destroy()
+    total = sum(c["bytes"] for c in chunks)
+    assert mode["total"] == total == peak, (mode, total, peak)
+    assert sum(t["chunk_bytes"] for t in stats) <= total
+    moments = [c for c in chunks if c["kind"] == "momentum"]
+    assert sum(t["numel"] for c in moments for t in c["tensors"]) == sum(
+        math.prod(shape) for index, shape in enumerate(CASES[case])
+        if index not in FROZEN.get(case, ()))
 
 
 # ---- parameters without elements ----------------------------------------------------------
@@ -447,6 +491,13 @@ TWO_RANK = [(case, state, weights, "plain") for case in ("mixed", "oversize")
     ("mixed", "int8", "fp32", "nvme"),
     ("mixed", "int8", "bf16_no_master", "accumulation"),
     ("mixed", "bf16", "fp32", "accumulation"),
+    # Rank 1 owns the frozen-free lists' padding only (one trainable 3-element bias, one
+    # moment chunk); hundreds of tiny tensors; 8-bit blocks and vector tails inside a chunk.
+    ("one_bias", "int8", "bf16_no_master", "plain"),
+    ("one_bias", "fp32", "fp32", "plain"),
+    ("biases", "int8", "fp32", "plain"),
+    ("unaligned", "int8", "bf16_no_master", "plain"),
+    ("tails", "bf16", "fp32", "plain"),
 ]
 
 
@@ -471,7 +522,7 @@ def run_config(run, nvme_path: str | None = None, world: int = 2) -> dict:
                            "nvme": {"path": nvme_path}}
     if variant == "accumulation":
         extra["gradient_accumulation_steps"] = 2
-    return config(state, weights, **extra)
+    return config(state, weights, default_chunk_size=CHUNKS.get(case, CHUNK), **extra)
 
 
 def one_rank_source(out, run) -> str:
