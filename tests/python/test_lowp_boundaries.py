@@ -4,7 +4,8 @@ state's 2048-element block nor of a 16-lane vector) on an embedding tied to the 
 gradient is the sum of its two uses, with a head bias of the same odd size; each with every
 state dtype, fp32 weights or bf16 weights without a master, against the plain-PyTorch
 reference of test_boundary_sizes.py; resumed through a checkpoint and through the optimizer's
-state dict, bit for bit."""
+state dict, bit for bit, and streamed through NVMe bit for bit. Also torch.optim.AdamW's state
+dict of boundary sizes (0 and 1 elements, chunk and block edges) loaded into each state dtype."""
 from __future__ import annotations
 
 import copy
@@ -13,8 +14,9 @@ import pytest
 import torch
 from torch import nn
 
-from test_boundary_sizes import (RESUME_AT, STATE_DTYPES, STEPS, WEIGHTS, assert_equal_states,
-                                 assert_matches, config, cpu_state, initialize, reference_of,
+from test_boundary_sizes import (BETAS, EPS, LR, RESUME_AT, STATE_DTYPES, STEPS, WEIGHT_DECAY,
+                                 WEIGHTS, assert_equal_states, assert_matches, batches, builder,
+                                 config, cpu_state, initialize, loss_of, reference_of, train,
                                  weights_of)
 
 VOCAB, WIDTH = 50257, 8
@@ -89,3 +91,76 @@ def test_a_tied_odd_vocabulary_trains_like_the_reference_and_resumes_exactly(
         # The tied keys share one tensor, as in PyTorch's state dict.
         assert resumed["wte.weight"].data_ptr() != 0 and torch.equal(resumed["wte.weight"],
                                                                      resumed["head.weight"])
+
+
+# Host budgets (MiB) just above what one Adam update of the tied weight holds there at once
+# (below it, initialize refuses the budget): the other chunks spill to NVMe during training.
+NVME_HOST_MIB = {("fp32", "fp32"): 3.2, ("fp32", "bf16_no_master"): 4.0,
+                 ("bf16", "fp32"): 1.6, ("bf16", "bf16_no_master"): 2.4,
+                 ("int8", "fp32"): 1.6, ("int8", "bf16_no_master"): 1.6}
+
+
+@pytest.mark.parametrize("weights", WEIGHTS)
+@pytest.mark.parametrize("state_dtype", STATE_DTYPES)
+def test_a_tied_odd_vocabulary_streams_through_nvme_bit_for_bit(nvme_dir, state_dtype, weights):
+    data = tied_batches()
+    model, optimizer = initialize(TiedLM, config(state_dtype, weights, default_chunk_size=CHUNK))
+    expected = tied_train(model, optimizer, data), cpu_state(model)
+    model.destroy()
+    cfg = config(state_dtype, weights, default_chunk_size=CHUNK,
+                 memory={"host_budget": int(NVME_HOST_MIB[state_dtype, weights] * 2 ** 20),
+                         "nvme": {"path": nvme_dir}})
+    model, optimizer = initialize(TiedLM, cfg)
+    losses = tied_train(model, optimizer, data)
+    assert sum(t["bytes_in"] for t in model.memory_stats() if t["kind"] == "nvme") > 0
+    state = cpu_state(model)
+    model.destroy()
+    assert losses == expected[0]
+    assert_equal_states(state, expected[1], "nvme")
+
+
+@pytest.mark.parametrize("state_dtype", STATE_DTYPES)
+def test_torchs_adamw_state_of_boundary_sizes_loads_and_trains_on(state_dtype):
+    # torch.optim.AdamW's state dict after RESUME_AT steps of test_boundary_sizes' "mixed"
+    # model (parameters of 0 and 1 elements, around the chunk and the 8-bit block), loaded
+    # into an engine of each state dtype (quantized or rounded at the load), trains on as
+    # torch does: fp32 state to the one-rank tolerance; bf16 and int8 state within the int8
+    # tolerance, since torch's moments stay fp32 after the load. An fp32 engine's state dict
+    # loads back into torch the same way.
+    case, data = "mixed", batches("mixed")
+    reference = builder(case)()
+    torch_optimizer = torch.optim.AdamW(reference.parameters(), lr=LR, betas=BETAS, eps=EPS,
+                                        weight_decay=WEIGHT_DECAY)
+
+    def torch_steps(module, optimizer, steps):
+        for x, y in steps:
+            loss_of(module, x, y, torch.float32).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+    torch_steps(reference, torch_optimizer, data[:RESUME_AT])
+    saved = copy.deepcopy(reference.state_dict()), copy.deepcopy(torch_optimizer.state_dict())
+    torch_steps(reference, torch_optimizer, data[RESUME_AT:])
+    expected = {k: v for k, v in reference.state_dict().items() if v.numel()}
+
+    model, optimizer = initialize(builder(case), config(state_dtype, "fp32"))
+    model.load_state_dict(saved[0])
+    optimizer.load_state_dict(saved[1])
+    train(model, optimizer, data[RESUME_AT:], torch.float32)
+    assert_matches(weights_of(model), expected, "fp32" if state_dtype == "fp32" else "int8",
+                   "fp32", state_dtype)
+    model.destroy()
+
+    if state_dtype == "fp32":
+        model, optimizer = initialize(builder(case), config("fp32", "fp32"))
+        train(model, optimizer, data[:RESUME_AT], torch.float32)
+        ours = copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict())
+        model.destroy()
+        plain = builder(case)()
+        plain_optimizer = torch.optim.AdamW(plain.parameters(), lr=LR, betas=BETAS, eps=EPS,
+                                            weight_decay=WEIGHT_DECAY)
+        plain.load_state_dict(ours[0])
+        plain_optimizer.load_state_dict(ours[1])
+        torch_steps(plain, plain_optimizer, data[RESUME_AT:])
+        assert_matches({k: v for k, v in plain.state_dict().items() if v.numel()}, expected,
+                       "fp32", "fp32", "engine -> torch")
