@@ -9,6 +9,8 @@ dict of boundary sizes (0 and 1 elements, chunk and block edges) loaded into eac
 from __future__ import annotations
 
 import copy
+import math
+import os
 
 import pytest
 import torch
@@ -18,6 +20,7 @@ from test_boundary_sizes import (BETAS, EPS, LR, RESUME_AT, STATE_DTYPES, STEPS,
                                  WEIGHTS, assert_equal_states, assert_matches, batches, builder,
                                  config, cpu_state, initialize, loss_of, reference_of, train,
                                  weights_of)
+from test_data_parallel import HERE, check_no_errors, launch
 
 VOCAB, WIDTH = 50257, 8
 CHUNK = 1 << 16  # smaller than the tied embedding (an oversize chunk), larger than the bias
@@ -41,10 +44,10 @@ def tied_loss(model, ids, targets, dtype):
     return nn.functional.cross_entropy(model(ids).float().view(-1, VOCAB), targets.view(-1))
 
 
-def tied_batches(steps: int = STEPS):
+def tied_batches(steps: int = STEPS, batch: int = 2):
     generator = torch.Generator().manual_seed(1)
-    return [(torch.randint(0, VOCAB, (2, 6), generator=generator),
-             torch.randint(0, VOCAB, (2, 6), generator=generator)) for _ in range(steps)]
+    return [(torch.randint(0, VOCAB, (batch, 6), generator=generator),
+             torch.randint(0, VOCAB, (batch, 6), generator=generator)) for _ in range(steps)]
 
 
 def tied_train(model, optimizer, data) -> list[float]:
@@ -164,3 +167,65 @@ def test_torchs_adamw_state_of_boundary_sizes_loads_and_trains_on(state_dtype):
         torch_steps(plain, plain_optimizer, data[RESUME_AT:])
         assert_matches({k: v for k, v in plain.state_dict().items() if v.numel()}, expected,
                        "fp32", "fp32", "engine -> torch")
+
+
+# ---- two ranks ----------------------------------------------------------------------------
+
+# (state dtype, weights) of each 2-rank run of the tied vocabulary: two chunks per list (the
+# tied weight's oversize one, the bias's), split between the ranks.
+TWO_RANK = [("fp32", "fp32"), ("bf16", "fp32"), ("int8", "fp32"), ("int8", "bf16_no_master")]
+WORKER = os.path.join(HERE, "lowp_boundaries_worker.py")
+
+
+def run_id(run) -> str:
+    return "-".join(run)
+
+
+def run_config(run, world: int) -> dict:
+    extra = {"parallel": {"collective_timeout": 30}} if world > 1 else {}
+    return config(*run, default_chunk_size=CHUNK, **extra)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("lowp")
+    results = launch(out, 2, *map(run_id, TWO_RANK), worker=WORKER)
+    check_no_errors(results)
+    return out, results
+
+
+@pytest.mark.parametrize("run", TWO_RANK, ids=run_id)
+def test_two_ranks_train_a_tied_odd_vocabulary_and_reshard_its_checkpoint(two_ranks, run):
+    out, results = two_ranks
+    state_dtype, weights = run
+    per_rank = [r.get(run_id(run), {"error": "no result"}) for r in results]
+    for rank, result in enumerate(per_rank):
+        assert "error" not in result, f"rank {rank}: {result.get('traceback', result)}"
+        assert result["resumed_losses"] == result["losses"], rank
+        assert_equal_states(result["resumed"], result["final"], f"rank {rank} resumed")
+    first, second = per_rank
+    assert_equal_states(first["final"], second["final"], "rank 0 vs 1")
+    # Against the whole batch: fp32 weights to the one-rank tolerance (the gradient average's
+    # order aside), bf16 weights within two of their ulps (as test_boundary_sizes' 2 ranks).
+    # With bf16 moments that order may round a moment the other way (one bf16 ulp, 2^-8 of
+    # it): a few of the 400k elements then move by up to that much of lr more or less each step.
+    data = tied_batches(batch=4)
+    ref_model, ref_held = reference_of(TiedLM(), data, tied_loss, state_dtype, weights)
+    if weights == "fp32" and state_dtype == "bf16":
+        for name, value in ref_held.items():
+            torch.testing.assert_close(first["final"][name], value, rtol=0,
+                                       atol=len(data) * LR * 2 ** -7,
+                                       msg=lambda m: f"{name}: {m}")
+    elif weights == "fp32":
+        assert_matches({k: v for k, v in first["final"].items() if k != "head.weight"},
+                       ref_held, state_dtype, weights, "2 ranks")
+    else:
+        for name, value in ref_model.state_dict().items():
+            torch.testing.assert_close(first["final"][name].float(), value.float(),
+                                       rtol=2 ** -7, atol=2e-2, msg=lambda m: f"{name}: {m}")
+    # 2 -> 1: the 2-rank checkpoint loads on one rank exactly and trains on.
+    model, optimizer = initialize(TiedLM, run_config(run, 1))
+    model.load_checkpoint(os.path.join(out, f"two-{run_id(run)}"), "t", allow_reshard=True)
+    assert_equal_states(cpu_state(model), first["at_save"], "2 -> 1")
+    assert all(math.isfinite(loss) for loss in tied_train(model, optimizer, data[RESUME_AT:]))
+    model.destroy()
