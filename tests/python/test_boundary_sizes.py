@@ -1,14 +1,18 @@
 """Boundary sizes crossed with the issue-21 features: parameters of chunk - 1, chunk, chunk + 1
 and 2 * chunk elements, of 2047 / 2048 / 2049 (around the 8-bit state's quantization block),
 of 1 and of 0 elements, a model that is exactly one chunk, and parameters larger than a chunk
-(oversize chunks of their own), each trained with `optimizer.params.state_dtype` fp32 / bf16 /
-int8 and with fp32 weights or bf16 weights without a master (`bf16.master_weights: false`).
+(oversize chunks of their own), vector tails (15 / 17 / 31 / 33) and 4095 / 4097 at unaligned
+offsets inside a chunk, hundreds of tiny parameters, a model frozen but for one bias, each
+trained with `optimizer.params.state_dtype` fp32 / bf16 / int8 and with fp32 weights or bf16
+weights without a master (`bf16.master_weights: false`; on one rank also with one).
 
 Each run is compared with a plain-PyTorch reference of the same arithmetic: fp32 state with
 torch.optim.AdamW, bf16 state with torch's step on the bf16 moments rounded back, int8 state
 with test_adam_lowp's blockwise quantization and 8-bit step, bf16 weights without a master with
-the Kahan rounding of Note [Low-precision Adam] over a `.bfloat16()` copy of the model. Each
-also resumes exactly (k steps, save, load into a new engine, N - k steps equals N steps). Two
+the Kahan rounding of Note [Low-precision Adam] over a `.bfloat16()` copy of the model, bf16
+weights with a master as that arithmetic on an fp32 copy rounded into the bf16 one. Each also
+resumes exactly (k steps, save, load into a new engine, N - k steps equals N steps; and through
+the model's and optimizer's state dicts). Two
 gloo ranks (one launch of boundary_worker.py for every 2-rank case) check the same sizes under
 data parallelism, with checkpoints resharded 2 -> 1 and 1 -> 2 and consolidated into a plain
 state dict; NVMe and estimate_memory sweep the same sizes. The chunk size is small (512
@@ -133,7 +137,7 @@ def config(state_dtype: str, weights: str, **extra) -> dict:
 
 
 def input_dtype(weights: str) -> torch.dtype:
-    return torch.bfloat16 if weights == "bf16_no_master" else torch.float32
+    return torch.bfloat16 if weights.startswith("bf16") else torch.float32
 
 
 def loss_of(model, x, y, dtype):
@@ -159,14 +163,17 @@ def initialize(build, cfg):
 
 
 def weights_of(model) -> dict[str, torch.Tensor]:
-    """The trained values as the optimizer holds them: fp32 weights, or, without a master, the
-    bf16 weights plus their Kahan compensation (what the next step starts from)."""
+    """The trained values as the optimizer holds them: fp32 weights, the fp32 masters of bf16
+    weights, or, without a master, the bf16 weights plus their Kahan compensation (what the
+    next step starts from)."""
     state = model.state_dict()
     names = {id(p): n for n, p in model.module.named_parameters()}
     result = {}
     for index, param in enumerate(model.params.params):
         name = names[id(param)]
         value = state[name].float()
+        if model.params.ids[index].master is not None:
+            value = model.params.read(index, K.MASTER_PARAM).float()
         if model.params.ids[index].compensation is not None:
             value = value + model.params.read(index, K.PARAM_COMPENSATION).float()
         result[name] = value
@@ -187,8 +194,14 @@ def reference_of(model: nn.Module, data, loss, state_dtype: str, weights: str):
     """`reference` for any module and loss(model, x, y, input dtype) (tied weights too: a
     module's parameters() lists a tied one once, with the sum of its uses' gradients)."""
     bf16 = weights == "bf16_no_master"
-    if bf16:
+    # bf16 weights with an fp32 master: the update's arithmetic on the master, the weights
+    # its bf16 rounding.
+    masters = {} if weights != "bf16_master" else {
+        name: param.detach().float().clone() for name, param in model.named_parameters()}
+    if weights.startswith("bf16"):
         model = model.bfloat16()
+    masters = {param: masters[name] for name, param in model.named_parameters()
+               if name in masters}
     dtype = input_dtype(weights)
     state = {}
     for step, (x, y) in enumerate(data, 1):
@@ -198,7 +211,7 @@ def reference_of(model: nn.Module, data, loss, state_dtype: str, weights: str):
                 if param.numel() == 0 or param.grad is None:  # no elements, or frozen
                     param.grad = None
                     continue
-                flat = param.detach().reshape(-1).float()
+                flat = (masters[param] if masters else param.detach()).reshape(-1).float()
                 grad = param.grad.reshape(-1).float()
                 n = flat.numel()
                 if param not in state:
@@ -222,11 +235,14 @@ def reference_of(model: nn.Module, data, loss, state_dtype: str, weights: str):
                     rounded = (flat + y_).bfloat16()
                     s["comp"] = (y_ - (rounded.float() - flat)).bfloat16().float()
                     update = rounded.float()
+                if masters:
+                    masters[param].copy_(update.view(param.shape))
                 param.copy_(update.view(param.shape))
                 param.grad = None
     held = {}
     for name, param in model.named_parameters():
-        value = param.detach().float()
+        # (a frozen parameter has no master: its weights are what the engine holds)
+        value = (masters[param] if masters and param.requires_grad else param.detach()).float()
         if bf16 and param in state:
             value = value + state[param]["comp"].view(param.shape)
         held[name] = value
@@ -266,7 +282,7 @@ def cpu_state(model) -> dict[str, torch.Tensor]:
 
 # ---- one rank -----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("weights", WEIGHTS)
+@pytest.mark.parametrize("weights", WEIGHTS + ["bf16_master"])
 @pytest.mark.parametrize("state_dtype", STATE_DTYPES)
 @pytest.mark.parametrize("case", list(CASES))
 def test_one_rank_trains_like_the_reference_and_resumes_exactly(tmp_path, case, state_dtype,
