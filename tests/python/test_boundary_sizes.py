@@ -60,8 +60,9 @@ CASES = {
     "mixed": [(1,), (CHUNK - 1,), (0,), (CHUNK,), (CHUNK + 1,), (BLOCK - 1,), (BLOCK,),
               (BLOCK + 1,), (2 * CHUNK,), (3,), (0, 4)],
     "frozen_first": [(CHUNK,), (CHUNK,), (CHUNK,), (1,)],
-    # Vector tails around the SIMD kernels' 16 lanes, in chunks of 64 (15 + 17 + 31 fill one
-    # but for an element, 33 starts the next).
+    # Vector tails around the SIMD kernels' 16 lanes, in chunks of 32: 15 + 17 fill one, 31
+    # one but for an element, 33 is oversize; three chunks per list (on 2 ranks, the second
+    # group is half padding).
     "tails": [(15,), (17,), (31,), (33,)],
     # Tensors of 2 blocks -+ 1 at offsets of no block or vector multiple inside one chunk
     # (chunk size CHUNKS["unaligned"]): the 8-bit blocks count from each tensor's start.
@@ -72,7 +73,7 @@ CASES = {
     "one_bias": [(CHUNK,), (CHUNK + 1,), (3,)],
 }
 # Chunk sizes other than CHUNK, by case.
-CHUNKS = {"tails": 64, "unaligned": 4 * BLOCK}
+CHUNKS = {"tails": 32, "unaligned": 4 * BLOCK}
 # Parameters built frozen (requires_grad False), by case: a frozen chunk first shifts the
 # trainable parameters' chunks (and, under data parallelism, their owners) against the
 # frozen-free lists of masters, compensations and moments.
