@@ -5,7 +5,8 @@ gradient is the sum of its two uses, with a head bias of the same odd size; each
 state dtype, fp32 weights or bf16 weights without a master, against the plain-PyTorch
 reference of test_boundary_sizes.py; resumed through a checkpoint and through the optimizer's
 state dict, bit for bit, and streamed through NVMe bit for bit. Also torch.optim.AdamW's state
-dict of boundary sizes (0 and 1 elements, chunk and block edges) loaded into each state dtype."""
+dict of boundary sizes (0 and 1 elements, chunk and block edges) loaded into each state dtype,
+and checkpoints of boundary sizes loaded across state dtypes."""
 from __future__ import annotations
 
 import copy
@@ -16,10 +17,12 @@ import pytest
 import torch
 from torch import nn
 
-from test_boundary_sizes import (BETAS, EPS, LR, RESUME_AT, STATE_DTYPES, STEPS, WEIGHT_DECAY,
-                                 WEIGHTS, assert_equal_states, assert_matches, batches, builder,
-                                 config, cpu_state, initialize, loss_of, reference_of, train,
-                                 weights_of)
+from patrickstar.moment_state import dequantize_moment
+from test_boundary_sizes import BLOCK, BETAS, CHUNKS, EPS, LR, RESUME_AT, STATE_DTYPES, STEPS
+from test_boundary_sizes import CHUNK as BOUNDARY_CHUNK
+from test_boundary_sizes import (WEIGHT_DECAY, WEIGHTS, assert_equal_states, assert_matches,
+                                 batches, builder, config, cpu_state, initialize, input_dtype,
+                                 loss_of, reference_of, train, weights_of)
 from test_data_parallel import HERE, check_no_errors, launch
 
 VOCAB, WIDTH = 50257, 8
@@ -229,3 +232,59 @@ def test_two_ranks_train_a_tied_odd_vocabulary_and_reshard_its_checkpoint(two_ra
     assert_equal_states(cpu_state(model), first["at_save"], "2 -> 1")
     assert all(math.isfinite(loss) for loss in tied_train(model, optimizer, data[RESUME_AT:]))
     model.destroy()
+
+
+# ---- checkpoints across state dtypes at boundary sizes -------------------------------------
+
+def dequantized_moments(optimizer) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    result = {}
+    for index, entry in optimizer.state_dict()["state"].items():
+        if "exp_avg_scale" in entry:
+            result[index] = tuple(
+                dequantize_moment(key, entry[key], entry[f"{key}_scale"]).reshape(-1)
+                for key in ("exp_avg", "exp_avg_sq"))
+        else:
+            result[index] = (entry["exp_avg"].float().reshape(-1),
+                             entry["exp_avg_sq"].float().reshape(-1))
+    return result
+
+
+@pytest.mark.parametrize("weights", WEIGHTS)
+@pytest.mark.parametrize("case", ["mixed", "unaligned"])
+def test_checkpoints_of_boundary_sizes_load_across_state_dtypes(tmp_path, case, weights):
+    # Each state dtype's checkpoint (0- and 1-element tensors, chunk and block edges; 4095 /
+    # 4097 elements at unaligned offsets in one chunk) loads into each other's engine: fp32
+    # moments hold the saved values exactly (8-bit ones dequantized in their own blocks), bf16
+    # within a rounding (2^-8 of the value), 8-bit within half the widest code gap of the
+    # block's scale (test_adam_lowp's bound), and training goes on.
+    def cfg(state_dtype):
+        return config(state_dtype, weights, default_chunk_size=CHUNKS.get(case, BOUNDARY_CHUNK))
+
+    saved = {}
+    for source in STATE_DTYPES:
+        model, optimizer = initialize(builder(case), cfg(source))
+        train(model, optimizer, batches(case)[:RESUME_AT], input_dtype(weights))
+        model.save_checkpoint(str(tmp_path / source), tag="t")
+        saved[source] = dequantized_moments(optimizer)
+        model.destroy()
+    for source, moments in saved.items():
+        for target in STATE_DTYPES:
+            model, optimizer = initialize(builder(case), cfg(target))
+            model.load_checkpoint(str(tmp_path / source), "t", allow_reshard=True)
+            loaded = dequantized_moments(optimizer)
+            assert loaded.keys() == moments.keys(), (source, target)
+            for index, pair in moments.items():
+                for want, got in zip(pair, loaded[index]):
+                    what = f"{source} -> {target}, state {index} ({want.numel()} elements)"
+                    if target == "fp32" or target == source:
+                        assert torch.equal(got, want), what
+                    elif target == "bf16":
+                        torch.testing.assert_close(got, want, rtol=2 ** -8, atol=0, msg=what)
+                    else:
+                        for start in range(0, want.numel(), BLOCK):
+                            block = slice(start, start + BLOCK)
+                            bound = 0.0079 * float(want[block].abs().max())
+                            assert float((got[block] - want[block]).abs().max()) <= bound, what
+            losses = train(model, optimizer, batches(case)[RESUME_AT:], input_dtype(weights))
+            assert all(math.isfinite(loss) for loss in losses), (source, target)
+            model.destroy()
