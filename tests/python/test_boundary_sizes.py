@@ -183,17 +183,22 @@ def weights_of(model) -> dict[str, torch.Tensor]:
 
 # ---- the reference ------------------------------------------------------------------------
 
-def reference(case: str, state_dtype: str, weights: str, data=None):
+def reference(case: str, state_dtype: str, weights: str, data=None, accumulation: int = 1):
     """Plain PyTorch on the whole batch: (the module after the steps, {name: the value the
     optimizer holds}), by the arithmetic the engine's kernels implement (see the module
     docstring)."""
     return reference_of(builder(case)(), data if data is not None else batches(case), loss_of,
-                        state_dtype, weights)
+                        state_dtype, weights, accumulation)
 
 
-def reference_of(model: nn.Module, data, loss, state_dtype: str, weights: str):
+def reference_of(model: nn.Module, data, loss, state_dtype: str, weights: str,
+                 accumulation: int = 1):
     """`reference` for any module and loss(model, x, y, input dtype) (tied weights too: a
-    module's parameters() lists a tied one once, with the sum of its uses' gradients)."""
+    module's parameters() lists a tied one once, with the sum of its uses' gradients). With
+    `accumulation` > 1 each batch is that many micro-batches whose gradients (of the loss
+    divided by their count, as model.backward divides it) add up in fp32, as the engine's
+    gradient accumulators do; the whole batch's 16-bit gradient may differ in sign where its
+    terms cancel, which moves such an element by 2 lr."""
     bf16 = weights == "bf16_no_master"
     # bf16 weights with an fp32 master: the update's arithmetic on the master, the weights
     # its bf16 rounding.
@@ -206,14 +211,24 @@ def reference_of(model: nn.Module, data, loss, state_dtype: str, weights: str):
     dtype = input_dtype(weights)
     state = {}
     for step, (x, y) in enumerate(data, 1):
-        loss(model, x, y, dtype).backward()
+        grads = {}
+        if accumulation == 1:
+            loss(model, x, y, dtype).backward()
+            grads = {param: param.grad for param in model.parameters()}
+        else:
+            for xs, ys in zip(x.chunk(accumulation), y.chunk(accumulation)):
+                (loss(model, xs, ys, dtype) / accumulation).backward()
+                for param in model.parameters():
+                    if param.grad is not None:
+                        grads[param] = param.grad.float() + grads.get(param, 0)
+                        param.grad = None
         with torch.no_grad():
             for param in model.parameters():
-                if param.numel() == 0 or param.grad is None:  # no elements, or frozen
-                    param.grad = None
+                param.grad = None
+                if param.numel() == 0 or grads.get(param) is None:  # no elements, or frozen
                     continue
                 flat = (masters[param] if masters else param.detach()).reshape(-1).float()
-                grad = param.grad.reshape(-1).float()
+                grad = grads[param].reshape(-1).float()
                 n = flat.numel()
                 if param not in state:
                     state[param] = {"comp": torch.zeros(n), "m": torch.zeros(n),
@@ -239,7 +254,6 @@ def reference_of(model: nn.Module, data, loss, state_dtype: str, weights: str):
                 if masters:
                     masters[param].copy_(update.view(param.shape))
                 param.copy_(update.view(param.shape))
-                param.grad = None
     held = {}
     for name, param in model.named_parameters():
         # (a frozen parameter has no master: its weights are what the engine holds)
@@ -325,6 +339,35 @@ def test_one_rank_trains_like_the_reference_and_resumes_exactly(tmp_path, case, 
         model.destroy()
         assert first + second == losses, how
         assert_equal_states(resumed, final, how)
+
+
+@pytest.mark.parametrize("weights", WEIGHTS + ["bf16_master"])
+@pytest.mark.parametrize("state_dtype", STATE_DTYPES)
+@pytest.mark.parametrize("case", ["mixed", "tails", "unaligned", "biases", "one_bias"])
+def test_one_rank_accumulating_gradients_trains_like_the_reference_and_resumes_exactly(
+        tmp_path, case, state_dtype, weights):
+    # gradient_accumulation_steps 2: fp32 gradient accumulators (16-bit weights too) at every
+    # boundary, against the reference of two micro-batches summed in fp32.
+    build, data, dtype = builder(case), batches(case), input_dtype(weights)
+    cfg = config(state_dtype, weights, default_chunk_size=CHUNKS.get(case, CHUNK),
+                 gradient_accumulation_steps=2)
+    model, optimizer = initialize(build, cfg)
+    losses = train(model, optimizer, data, dtype, accumulation=2)
+    held, final = weights_of(model), cpu_state(model)
+    model.destroy()
+    _, ref_held = reference(case, state_dtype, weights, accumulation=2)
+    assert_matches(held, ref_held, state_dtype, weights)
+    model, optimizer = initialize(build, cfg)
+    first = train(model, optimizer, data[:RESUME_AT], dtype, accumulation=2)
+    model.save_checkpoint(str(tmp_path), tag="t")
+    model.destroy()
+    model, optimizer = initialize(build, cfg)
+    model.load_checkpoint(str(tmp_path), "t")
+    second = train(model, optimizer, data[RESUME_AT:], dtype, accumulation=2)
+    resumed = cpu_state(model)
+    model.destroy()
+    assert first + second == losses
+    assert_equal_states(resumed, final, "resumed")
 
 
 @pytest.mark.parametrize("weights", WEIGHTS)
@@ -604,9 +647,12 @@ def test_two_ranks_train_resume_and_reshard_at_every_boundary(two_ranks, run):
     # Against the whole-batch reference: fp32 weights to the one-rank tolerance (the gradient
     # average's order aside); bf16 weights within two of their ulps (the ranks' bf16 gradients
     # are averaged in another order than one rank's backward sums them).
+    # An accumulation's reference: the micro-batches of both ranks (2 rows each) summed in
+    # fp32, as the engine's accumulators and the ranks' average add them (in another order).
     data = batches(case, batch=8)
-    ref_model, ref_held = reference(case, state_dtype, weights, data)
-    if weights == "fp32" and variant != "accumulation":
+    ref_model, ref_held = reference(case, state_dtype, weights, data,
+                                    accumulation=4 if variant == "accumulation" else 1)
+    if weights == "fp32":
         assert_matches({k: v.float() for k, v in first["final"].items() if v.numel()},
                        ref_held, state_dtype, weights, "2 ranks")
     else:
