@@ -3,18 +3,20 @@
     lowp_boundaries_worker.py OUT_DIR RUN [RUN...]     runs of TWO_RANK by run_id
 
 For each run: train STEPS on this rank's half of each batch; train RESUME_AT, save to
-OUT_DIR/two-RUN (kept for the test's 2 -> 1 load), load into a new engine and train the rest.
+OUT_DIR/two-RUN (kept for the test's 2 -> 1 load), load into a new engine and train the rest. Runs "tables-STATE_DTYPE": TwoTables without and within a host budget.
 Results in OUT_DIR/rank<r>.pt as test_data_parallel.launch reads them."""
 from __future__ import annotations
 
+import json
 import os
 import sys
 import traceback
 
 from dp_scenarios import shard
 from dp_worker import save_and_exit
-from test_lowp_boundaries import (RESUME_AT, TWO_RANK, TiedLM, cpu_state, initialize, run_config,
-                                  run_id, tied_batches, tied_train)
+from test_lowp_boundaries import (RESUME_AT, TABLES_HOST_BUDGET, TWO_RANK, TiedLM, TwoTables,
+                                  cpu_state, initialize, run_config, run_id, tables_config,
+                                  tables_train, tied_batches, tied_train)
 
 
 def run(out: str, which: tuple, rank: int, world: int) -> dict:
@@ -38,6 +40,21 @@ def run(out: str, which: tuple, rank: int, world: int) -> dict:
             "resumed_losses": first + second, "resumed": resumed}
 
 
+def tables(state_dtype: str, rank: int) -> dict:
+    """TwoTables trained without a host budget, then within TABLES_HOST_BUDGET (its losses:
+    reading the state dict moves a table's compute chunk to the host, beyond the budget)."""
+    result = {}
+    for budget in (None, TABLES_HOST_BUDGET):
+        model, optimizer = initialize(TwoTables, tables_config(state_dtype, budget))
+        layout = json.loads(model.chunks.layout_json())["chunks"]
+        losses = tables_train(model, optimizer, rank)
+        result[budget] = {"losses": losses, "host_peak": max(
+            t["peak_chunk_bytes"] for t in model.memory_stats() if t["kind"] == "host")}
+        model.destroy()
+    result["layout"] = layout
+    return result
+
+
 def main() -> None:
     out, wanted = sys.argv[1], sys.argv[2:]
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -45,7 +62,8 @@ def main() -> None:
     results = {}
     for name in wanted:
         try:
-            results[name] = run(out, runs[name], rank, world)
+            results[name] = (tables(name.removeprefix("tables-"), rank)
+                             if name.startswith("tables-") else run(out, runs[name], rank, world))
         except Exception as error:  # noqa: BLE001 (reported to the test, which fails on it)
             results[name] = {"error": repr(error), "traceback": traceback.format_exc()}
     save_and_exit(out, rank, results)
