@@ -421,7 +421,7 @@ class TrainingGuard:
 def has_payload(chunk: dict) -> bool:
     """Whether a layout chunk (layout_json()'s) is memory: it holds tensors (Note [Padding
     chunks are not memory])."""
-    return bool(chunk["tensors"])
+    return bool(chunk.get("tensors"))
 
 
 def _chunks_per_tensor(layout: dict) -> tuple[dict, dict, dict]:

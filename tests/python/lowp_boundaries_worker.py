@@ -3,7 +3,8 @@
     lowp_boundaries_worker.py OUT_DIR RUN [RUN...]     runs of TWO_RANK by run_id
 
 For each run: train STEPS on this rank's half of each batch; train RESUME_AT, save to
-OUT_DIR/two-RUN (kept for the test's 2 -> 1 load), load into a new engine and train the rest. Runs "tables-STATE_DTYPE": TwoTables without and within a host budget.
+OUT_DIR/two-RUN (kept for the test's 2 -> 1 load), load into a new engine and train the rest. Runs "tables-STATE_DTYPE": TwoTables without (profiled) and within a host
+budget.
 Results in OUT_DIR/rank<r>.pt as test_data_parallel.launch reads them."""
 from __future__ import annotations
 
@@ -40,12 +41,17 @@ def run(out: str, which: tuple, rank: int, world: int) -> dict:
             "resumed_losses": first + second, "resumed": resumed}
 
 
-def tables(state_dtype: str, rank: int) -> dict:
-    """TwoTables trained without a host budget, then within TABLES_HOST_BUDGET (its losses:
-    reading the state dict moves a table's compute chunk to the host, beyond the budget)."""
+def tables(out: str, state_dtype: str, rank: int) -> dict:
+    """TwoTables trained without a host budget (profiled into OUT_DIR/profile-STATE_DTYPE),
+    then within TABLES_HOST_BUDGET (its losses: reading the state dict moves a table's compute
+    chunk to the host, beyond the budget)."""
     result = {}
     for budget in (None, TABLES_HOST_BUDGET):
-        model, optimizer = initialize(TwoTables, tables_config(state_dtype, budget))
+        cfg = tables_config(state_dtype, budget)
+        if budget is None:
+            cfg["profile"] = {"enabled": True,
+                              "output_dir": os.path.join(out, f"profile-{state_dtype}")}
+        model, optimizer = initialize(TwoTables, cfg)
         layout = json.loads(model.chunks.layout_json())["chunks"]
         losses = tables_train(model, optimizer, rank)
         result[budget] = {"losses": losses, "host_peak": max(
@@ -62,7 +68,7 @@ def main() -> None:
     results = {}
     for name in wanted:
         try:
-            results[name] = (tables(name.removeprefix("tables-"), rank)
+            results[name] = (tables(out, name.removeprefix("tables-"), rank)
                              if name.startswith("tables-") else run(out, runs[name], rank, world))
         except Exception as error:  # noqa: BLE001 (reported to the test, which fails on it)
             results[name] = {"error": repr(error), "traceback": traceback.format_exc()}

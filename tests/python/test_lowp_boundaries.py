@@ -10,6 +10,7 @@ and checkpoints of boundary sizes loaded across state dtypes."""
 from __future__ import annotations
 
 import copy
+import json
 import math
 import os
 
@@ -17,6 +18,7 @@ import pytest
 import torch
 from torch import nn
 
+import patrickstar
 from patrickstar.moment_state import dequantize_moment
 from test_boundary_sizes import BLOCK, BETAS, CHUNKS, EPS, LR, RESUME_AT, STATE_DTYPES, STEPS
 from test_boundary_sizes import CHUNK as BOUNDARY_CHUNK
@@ -347,3 +349,23 @@ def test_padding_chunks_count_for_no_budget(two_ranks, state_dtype):
         budgeted, free = result[TABLES_HOST_BUDGET], result[None]
         assert budgeted["host_peak"] <= TABLES_HOST_BUDGET
         assert budgeted["losses"] == free["losses"], rank
+
+
+@pytest.mark.parametrize("state_dtype", ["fp32", "int8"])
+def test_a_data_parallel_profile_counts_no_padding_chunk(two_ranks, state_dtype):
+    # Note [Model data of a data-parallel rank] in profiling/summary.py: the model data is
+    # the whole model's, estimate_memory()'s total, and the ranks' owned bytes add up to it.
+    # Each table's padding chunks counted: 5160960 bytes of compute chunks where the model has
+    # 2580480, and so for each kind.
+    out, _ = two_ranks
+    estimate = patrickstar.estimate_memory(TwoTables, config=tables_config(state_dtype, None),
+                                           verbose=False)["modes"]["fp32"]
+    owned = []
+    for rank in range(2):
+        with open(os.path.join(out, f"profile-{state_dtype}", f"rank{rank}",
+                               "summary.json")) as f:
+            chunks = json.load(f)["chunks"]
+        assert chunks["model_data_bytes"] == estimate["total"], rank
+        assert sum(k["bytes"] for k in chunks["by_kind"].values()) == estimate["total"], rank
+        owned.append(chunks["owned_bytes"])
+    assert sum(owned) == estimate["total"]
