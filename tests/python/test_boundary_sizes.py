@@ -4,16 +4,17 @@ of 1 and of 0 elements, a model that is exactly one chunk, and parameters larger
 (oversize chunks of their own), vector tails (15 / 17 / 31 / 33) and 4095 / 4097 at unaligned
 offsets inside a chunk, hundreds of tiny parameters, a model frozen but for one bias, each
 trained with `optimizer.params.state_dtype` fp32 / bf16 / int8 and with fp32 weights or bf16
-weights without a master (`bf16.master_weights: false`; on one rank also with one).
+weights without a master (`bf16.master_weights: false`; on one rank also with one, and fp16
+weights with a static loss scale of 1).
 
 Each run is compared with a plain-PyTorch reference of the same arithmetic: fp32 state with
 torch.optim.AdamW, bf16 state with torch's step on the bf16 moments rounded back, int8 state
 with test_adam_lowp's blockwise quantization and 8-bit step, bf16 weights without a master with
 the Kahan rounding of Note [Low-precision Adam] over a `.bfloat16()` copy of the model, bf16
-weights with a master as that arithmetic on an fp32 copy rounded into the bf16 one. Each also
-resumes exactly (k steps, save, load into a new engine, N - k steps equals N steps; and through
-the model's and optimizer's state dicts). Two
-gloo ranks (one launch of boundary_worker.py for every 2-rank case) check the same sizes under
+(and fp16) weights with a master as that arithmetic on an fp32 copy rounded into the 16-bit
+one. Each also resumes exactly (k steps, save, load into a new engine, N - k steps equals N
+steps; and through the model's and optimizer's state dicts). Two gloo ranks (one launch of
+boundary_worker.py for every 2-rank case) check the same sizes under
 data parallelism, with checkpoints resharded 2 -> 1 and 1 -> 2 and consolidated into a plain
 state dict; NVMe and estimate_memory sweep the same sizes. The chunk size is small (512
 elements) so that every boundary is cheap."""
@@ -133,12 +134,14 @@ def config(state_dtype: str, weights: str, **extra) -> dict:
         result["bf16"] = {"enabled": True, "master_weights": False}
     if weights == "bf16_master":
         result["bf16"] = {"enabled": True}
+    if weights == "fp16_master":  # a static scale of 1: the reference has no loss scaling
+        result["fp16"] = {"enabled": True, "loss_scale": 1.0}
     result.update(copy.deepcopy(extra))
     return result
 
 
 def input_dtype(weights: str) -> torch.dtype:
-    return torch.bfloat16 if weights.startswith("bf16") else torch.float32
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(weights[:4], torch.float32)
 
 
 def loss_of(model, x, y, dtype):
@@ -200,12 +203,11 @@ def reference_of(model: nn.Module, data, loss, state_dtype: str, weights: str,
     gradient accumulators do; the whole batch's 16-bit gradient may differ in sign where its
     terms cancel, which moves such an element by 2 lr."""
     bf16 = weights == "bf16_no_master"
-    # bf16 weights with an fp32 master: the update's arithmetic on the master, the weights
-    # its bf16 rounding.
-    masters = {} if weights != "bf16_master" else {
+    # 16-bit weights with an fp32 master: the update's arithmetic on the master, the weights
+    # its 16-bit rounding.
+    masters = {} if not weights.endswith("_master") or bf16 else {
         name: param.detach().float().clone() for name, param in model.named_parameters()}
-    if weights.startswith("bf16"):
-        model = model.bfloat16()
+    model = model.to(input_dtype(weights))
     masters = {param: masters[name] for name, param in model.named_parameters()
                if name in masters}
     dtype = input_dtype(weights)
@@ -297,7 +299,7 @@ def cpu_state(model) -> dict[str, torch.Tensor]:
 
 # ---- one rank -----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("weights", WEIGHTS + ["bf16_master"])
+@pytest.mark.parametrize("weights", WEIGHTS + ["bf16_master", "fp16_master"])
 @pytest.mark.parametrize("state_dtype", STATE_DTYPES)
 @pytest.mark.parametrize("case", list(CASES))
 def test_one_rank_trains_like_the_reference_and_resumes_exactly(tmp_path, case, state_dtype,
