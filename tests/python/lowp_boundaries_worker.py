@@ -1,11 +1,13 @@
-"""One rank of test_lowp_boundaries.py's 2-rank runs of the tied odd vocabulary.
+"""One rank of test_lowp_boundaries.py's 2-rank runs.
 
-    lowp_boundaries_worker.py OUT_DIR RUN [RUN...]     runs of TWO_RANK by run_id
+    lowp_boundaries_worker.py OUT_DIR RUN [RUN...]     runs of TWO_RANK by run_id, or
+                                                      "tables-STATE_DTYPE"
 
-For each run: train STEPS on this rank's half of each batch; train RESUME_AT, save to
-OUT_DIR/two-RUN (kept for the test's 2 -> 1 load), load into a new engine and train the rest. Runs "tables-STATE_DTYPE": TwoTables without (profiled) and within a host
-budget.
-Results in OUT_DIR/rank<r>.pt as test_data_parallel.launch reads them."""
+For each TWO_RANK run (the tied odd vocabulary): train STEPS on this rank's half of each batch;
+train RESUME_AT, save to OUT_DIR/two-RUN (kept for the test's 2 -> 1 load), load into a new
+engine and train the rest. For "tables-STATE_DTYPE": TwoTables without a host budget
+(profiled) and within one. Results in OUT_DIR/rank<r>.pt as test_data_parallel.launch reads
+them."""
 from __future__ import annotations
 
 import json
