@@ -520,6 +520,36 @@ def test_full_gradients_of_every_boundary_size_are_pytorchs(weights):
     model.destroy()
 
 
+@pytest.mark.parametrize("state_dtype", STATE_DTYPES)
+def test_the_state_view_of_a_parameter_without_elements_is_torchs(state_dtype):
+    # Note [Saved state of parameters without elements] in optimizer.py: state_dict() gave a
+    # parameter without elements torch's stepped entry (step, empty moments) while
+    # `optimizer.state[p]` was {} and `optimizer.state` did not list it, so a loop over
+    # `optimizer.state[p]["exp_avg"]` for each parameter raised KeyError where torch's works.
+    case, weights = "mixed", "fp32"
+    model, optimizer = initialize(builder(case), config(state_dtype, weights))
+    reference = builder(case)()
+    torch_optimizer = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    params = list(model.module.parameters())
+    assert len(optimizer.state) == len(torch_optimizer.state) == 0
+    assert all(optimizer.state[p] == {} for p in params)
+    x, y = batches(case)[0]
+    model.backward(loss_of(model, x, y, torch.float32))
+    optimizer.step()
+    loss_of(reference, x, y, torch.float32).backward()
+    torch_optimizer.step()
+    assert len(optimizer.state) == len(torch_optimizer.state) == len(params)
+    assert {id(p) for p in optimizer.state} == {id(p) for p in params}
+    saved = optimizer.state_dict()["state"]
+    for number, (param, plain) in enumerate(zip(params, reference.parameters())):
+        entry, expected = optimizer.state[param], torch_optimizer.state[plain]
+        assert set(expected) <= set(entry), number
+        assert all(entry[k].shape == expected[k].shape for k in ("exp_avg", "exp_avg_sq"))
+        assert float(entry["step"]) == float(expected["step"]) == 1
+        assert set(entry) == set(saved[number]), number  # the state dict's entry
+    model.destroy()
+
+
 def test_a_built_module_whose_initialize_fails_gets_its_fp32_empty_parameter_back():
     # Note [A built module given back when initialize() fails]: every parameter returns in the
     # dtype it was built in, the one without elements too.
