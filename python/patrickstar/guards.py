@@ -410,12 +410,29 @@ class TrainingGuard:
         self.skip_step = False
 
 
+# Note [Padding chunks are not memory]
+# Under data parallelism the layout pads each chunk list to whole groups and gives an oversize
+# tensor's group world_size - 1 empty chunks of its size (Note [Oversize groups] in
+# chunk/chunk_layout.h). The layout lists them with the bytes a payload would take, but they
+# never get one, on any rank. Counted as memory, a 2-rank run of a model with oversize tensors
+# (an embedding larger than the chunk) was refused host budgets it trains within: the rank that
+# owns an embedding's padding was charged that embedding's optimizer state, and initialization
+# every padding chunk of the compute list. The budget checks and the profile's model data count
+# the chunks that hold tensors.
+def has_payload(chunk: dict) -> bool:
+    """Whether a layout chunk (layout_json()'s) is memory: it holds tensors (Note [Padding
+    chunks are not memory])."""
+    return bool(chunk.get("tensors"))
+
+
 def _chunks_per_tensor(layout: dict) -> tuple[dict, dict, dict]:
-    """(tensor name -> chunk id, chunk id -> bytes, kind -> bytes of all its chunks)."""
+    """(tensor name -> chunk id, chunk id -> bytes, kind -> bytes of all its chunks that are
+    memory)."""
     chunk_of, chunk_bytes, per_kind = {}, {}, {}
     for chunk in layout["chunks"]:
         chunk_bytes[chunk["id"]] = chunk["bytes"]
-        per_kind[chunk["kind"]] = per_kind.get(chunk["kind"], 0) + chunk["bytes"]
+        if has_payload(chunk):
+            per_kind[chunk["kind"]] = per_kind.get(chunk["kind"], 0) + chunk["bytes"]
         for tensor in chunk["tensors"]:
             chunk_of[tensor["name"]] = chunk["id"]
     return chunk_of, chunk_bytes, per_kind
@@ -517,7 +534,8 @@ def check_budgets(config, manager_json: str, names: list[str], trainable: list[b
     if device_is_host_memory:
         state_kinds |= {"master_param", "param_compensation"}
     state_chunks = [chunk for chunk in layout["chunks"] if chunk["kind"] in state_kinds
-                    and chunk.get("owner_rank", 0) == layout.get("rank", 0)]
+                    and chunk.get("owner_rank", 0) == layout.get("rank", 0)
+                    and has_payload(chunk)]
     state_need = sum(chunk["bytes"] for chunk in state_chunks)
     present = {chunk["kind"] for chunk in state_chunks}
     extra = "".join(label for kind, label in (("master_param", ", fp32 masters"),

@@ -254,12 +254,14 @@ class ChunkedStateView(collections.abc.Mapping):
         if optimizer is None:
             return []
         return [param for index, param in enumerate(optimizer.chunked.params)
-                if optimizer.has_state(index)]
+                if optimizer.has_state(index)] + optimizer.outside_with_state()
 
     def __getitem__(self, param) -> dict:
         optimizer = self._optimizer()
-        index = None if optimizer is None else optimizer.chunked.index_of(param)
-        return {} if index is None else optimizer.state_entry(index)
+        if optimizer is None:
+            return {}
+        index = optimizer.chunked.index_of(param)
+        return optimizer.outside_entry(param) if index is None else optimizer.state_entry(index)
 
     def __iter__(self):
         return iter(self._with_state())
@@ -1001,6 +1003,29 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         """Whether parameter `index` has Adam state: trainable and stepped at least once."""
         return self.chunked.ids[index].momentum is not None and self.step_counts[index] > 0
 
+    def _empty_moments(self, param: torch.Tensor) -> dict:
+        """The state torch keeps for a stepped parameter without elements (Note [Saved state
+        of parameters without elements])."""
+        return {"step": torch.tensor(float(max(self.step_counts, default=0))),
+                **{key: torch.zeros_like(param, memory_format=torch.contiguous_format)
+                   for key in moment_state.MOMENT_KEYS}}
+
+    def outside_with_state(self) -> list[torch.Tensor]:
+        """The groups' trainable parameters outside the chunks (those without elements) once
+        the optimizer has stepped: as in torch, they then have state (Note [Saved state of
+        parameters without elements])."""
+        if max(self.step_counts, default=0) == 0:
+            return []
+        return [param for group in self.param_groups for param in group["params"]
+                if param.requires_grad and self.chunked.index_of(param) is None]
+
+    def outside_entry(self, param) -> dict:
+        """`optimizer.state[param]` of a parameter outside the chunks: the entry state_dict()
+        gives it ({} before the first step, or for what the groups do not hold)."""
+        if not any(param is p for p in self.outside_with_state()):
+            return {}
+        return self._empty_moments(param)
+
     # Note [The state view lists the state dict's keys]
     # torch.distributed.checkpoint's set_state_dict with
     # StateDictOptions(flatten_optimizer_state_dict=True) (torchtitan's optimizer container)
@@ -1078,11 +1103,7 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
             groups.append(saved)
         state = {number_of[index]: entry for index, entry in state.items()}
         if state:  # Note [Saved state of parameters without elements]
-            step = torch.tensor(float(max(self.step_counts)))
-            state.update({number: {"step": step.clone(),
-                                   **{key: torch.zeros_like(param, memory_format=torch.
-                                                            contiguous_format)
-                                      for key in moment_state.MOMENT_KEYS}}
+            state.update({number: self._empty_moments(param)
                           for number, param in outside.items() if param.requires_grad})
             state = dict(sorted(state.items()))
         return {"state": state, "param_groups": groups,
@@ -1295,7 +1316,9 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
     # others': nothing reads it): torch.optim.Adam over `model.parameters()` of the plain model
     # loads it ("a group size mismatch" while they were left out), and
     # torch.distributed.checkpoint, which maps those numbers through param_groups and wants
-    # state for every trainable parameter, pairs them with the right names. A saved state dict that leaves them out
+    # state for every trainable parameter, pairs them with the right names. `optimizer.state`
+    # lists them and gives them the same entry (it gave {}, so a loop over each parameter's
+    # `optimizer.state[p]["exp_avg"]` raised KeyError there). A saved state dict that leaves them out
     # (the engine's before) is paired with the chunked parameters once its empty entries are
     # dropped.
 

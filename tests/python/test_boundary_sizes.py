@@ -1,15 +1,20 @@
 """Boundary sizes crossed with the issue-21 features: parameters of chunk - 1, chunk, chunk + 1
 and 2 * chunk elements, of 2047 / 2048 / 2049 (around the 8-bit state's quantization block),
 of 1 and of 0 elements, a model that is exactly one chunk, and parameters larger than a chunk
-(oversize chunks of their own), each trained with `optimizer.params.state_dtype` fp32 / bf16 /
-int8 and with fp32 weights or bf16 weights without a master (`bf16.master_weights: false`).
+(oversize chunks of their own), vector tails (15 / 17 / 31 / 33) and 4095 / 4097 at unaligned
+offsets inside a chunk, hundreds of tiny parameters, a model frozen but for one bias, each
+trained with `optimizer.params.state_dtype` fp32 / bf16 / int8 and with fp32 weights or bf16
+weights without a master (`bf16.master_weights: false`; on one rank also with one, and fp16
+weights with a static loss scale of 1).
 
 Each run is compared with a plain-PyTorch reference of the same arithmetic: fp32 state with
 torch.optim.AdamW, bf16 state with torch's step on the bf16 moments rounded back, int8 state
 with test_adam_lowp's blockwise quantization and 8-bit step, bf16 weights without a master with
-the Kahan rounding of Note [Low-precision Adam] over a `.bfloat16()` copy of the model. Each
-also resumes exactly (k steps, save, load into a new engine, N - k steps equals N steps). Two
-gloo ranks (one launch of boundary_worker.py for every 2-rank case) check the same sizes under
+the Kahan rounding of Note [Low-precision Adam] over a `.bfloat16()` copy of the model, bf16
+(and fp16) weights with a master as that arithmetic on an fp32 copy rounded into the 16-bit
+one. Each also resumes exactly (k steps, save, load into a new engine, N - k steps equals N
+steps; and through the model's and optimizer's state dicts). Two gloo ranks (one launch of
+boundary_worker.py for every 2-rank case) check the same sizes under
 data parallelism, with checkpoints resharded 2 -> 1 and 1 -> 2 and consolidated into a plain
 state dict; NVMe and estimate_memory sweep the same sizes. The chunk size is small (512
 elements) so that every boundary is cheap."""
@@ -56,11 +61,24 @@ CASES = {
     "mixed": [(1,), (CHUNK - 1,), (0,), (CHUNK,), (CHUNK + 1,), (BLOCK - 1,), (BLOCK,),
               (BLOCK + 1,), (2 * CHUNK,), (3,), (0, 4)],
     "frozen_first": [(CHUNK,), (CHUNK,), (CHUNK,), (1,)],
+    # Vector tails around the SIMD kernels' 16 lanes, in chunks of 32: 15 + 17 fill one, 31
+    # one but for an element, 33 is oversize; three chunks per list (on 2 ranks, the second
+    # group is half padding).
+    "tails": [(15,), (17,), (31,), (33,)],
+    # Tensors of 2 blocks -+ 1 at offsets of no block or vector multiple inside one chunk
+    # (chunk size CHUNKS["unaligned"]): the 8-bit blocks count from each tensor's start.
+    "unaligned": [(15,), (2 * BLOCK - 1,), (17,), (2 * BLOCK + 1,), (33,), (31,)],
+    # Hundreds of tiny parameters (a model's biases and norms), many to a chunk.
+    "biases": [((i % 7) + 1,) for i in range(200)],
+    # Everything frozen but one small bias, whose chunk is the model's last.
+    "one_bias": [(CHUNK,), (CHUNK + 1,), (3,)],
 }
+# Chunk sizes other than CHUNK, by case.
+CHUNKS = {"tails": 32, "unaligned": 4 * BLOCK}
 # Parameters built frozen (requires_grad False), by case: a frozen chunk first shifts the
 # trainable parameters' chunks (and, under data parallelism, their owners) against the
 # frozen-free lists of masters, compensations and moments.
-FROZEN = {"frozen_first": {0}}
+FROZEN = {"frozen_first": {0}, "one_bias": {0, 1}}
 STATE_DTYPES = ["fp32", "bf16", "int8"]
 WEIGHTS = ["fp32", "bf16_no_master"]
 
@@ -116,12 +134,14 @@ def config(state_dtype: str, weights: str, **extra) -> dict:
         result["bf16"] = {"enabled": True, "master_weights": False}
     if weights == "bf16_master":
         result["bf16"] = {"enabled": True}
+    if weights == "fp16_master":  # a static scale of 1: the reference has no loss scaling
+        result["fp16"] = {"enabled": True, "loss_scale": 1.0}
     result.update(copy.deepcopy(extra))
     return result
 
 
 def input_dtype(weights: str) -> torch.dtype:
-    return torch.bfloat16 if weights == "bf16_no_master" else torch.float32
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(weights[:4], torch.float32)
 
 
 def loss_of(model, x, y, dtype):
@@ -147,14 +167,17 @@ def initialize(build, cfg):
 
 
 def weights_of(model) -> dict[str, torch.Tensor]:
-    """The trained values as the optimizer holds them: fp32 weights, or, without a master, the
-    bf16 weights plus their Kahan compensation (what the next step starts from)."""
+    """The trained values as the optimizer holds them: fp32 weights, the fp32 masters of bf16
+    weights, or, without a master, the bf16 weights plus their Kahan compensation (what the
+    next step starts from)."""
     state = model.state_dict()
     names = {id(p): n for n, p in model.module.named_parameters()}
     result = {}
     for index, param in enumerate(model.params.params):
         name = names[id(param)]
         value = state[name].float()
+        if model.params.ids[index].master is not None:
+            value = model.params.read(index, K.MASTER_PARAM).float()
         if model.params.ids[index].compensation is not None:
             value = value + model.params.read(index, K.PARAM_COMPENSATION).float()
         result[name] = value
@@ -163,25 +186,51 @@ def weights_of(model) -> dict[str, torch.Tensor]:
 
 # ---- the reference ------------------------------------------------------------------------
 
-def reference(case: str, state_dtype: str, weights: str, data=None):
+def reference(case: str, state_dtype: str, weights: str, data=None, accumulation: int = 1):
     """Plain PyTorch on the whole batch: (the module after the steps, {name: the value the
     optimizer holds}), by the arithmetic the engine's kernels implement (see the module
     docstring)."""
-    model = builder(case)()
+    return reference_of(builder(case)(), data if data is not None else batches(case), loss_of,
+                        state_dtype, weights, accumulation)
+
+
+def reference_of(model: nn.Module, data, loss, state_dtype: str, weights: str,
+                 accumulation: int = 1):
+    """`reference` for any module and loss(model, x, y, input dtype) (tied weights too: a
+    module's parameters() lists a tied one once, with the sum of its uses' gradients). With
+    `accumulation` > 1 each batch is that many micro-batches whose gradients (of the loss
+    divided by their count, as model.backward divides it) add up in fp32, as the engine's
+    gradient accumulators do; the whole batch's 16-bit gradient may differ in sign where its
+    terms cancel, which moves such an element by 2 lr."""
     bf16 = weights == "bf16_no_master"
-    if bf16:
-        model = model.bfloat16()
+    # 16-bit weights with an fp32 master: the update's arithmetic on the master, the weights
+    # its 16-bit rounding.
+    masters = {} if not weights.endswith("_master") or bf16 else {
+        name: param.detach().float().clone() for name, param in model.named_parameters()}
+    model = model.to(input_dtype(weights))
+    masters = {param: masters[name] for name, param in model.named_parameters()
+               if name in masters}
     dtype = input_dtype(weights)
     state = {}
-    for step, (x, y) in enumerate(data if data is not None else batches(case), 1):
-        loss_of(model, x, y, dtype).backward()
+    for step, (x, y) in enumerate(data, 1):
+        grads = {}
+        if accumulation == 1:
+            loss(model, x, y, dtype).backward()
+            grads = {param: param.grad for param in model.parameters()}
+        else:
+            for xs, ys in zip(x.chunk(accumulation), y.chunk(accumulation)):
+                (loss(model, xs, ys, dtype) / accumulation).backward()
+                for param in model.parameters():
+                    if param.grad is not None:
+                        grads[param] = param.grad.float() + grads.get(param, 0)
+                        param.grad = None
         with torch.no_grad():
             for param in model.parameters():
-                if param.numel() == 0 or param.grad is None:  # no elements, or frozen
-                    param.grad = None
+                param.grad = None
+                if param.numel() == 0 or grads.get(param) is None:  # no elements, or frozen
                     continue
-                flat = param.detach().reshape(-1).float()
-                grad = param.grad.reshape(-1).float()
+                flat = (masters[param] if masters else param.detach()).reshape(-1).float()
+                grad = grads[param].reshape(-1).float()
                 n = flat.numel()
                 if param not in state:
                     state[param] = {"comp": torch.zeros(n), "m": torch.zeros(n),
@@ -204,11 +253,13 @@ def reference(case: str, state_dtype: str, weights: str, data=None):
                     rounded = (flat + y_).bfloat16()
                     s["comp"] = (y_ - (rounded.float() - flat)).bfloat16().float()
                     update = rounded.float()
+                if masters:
+                    masters[param].copy_(update.view(param.shape))
                 param.copy_(update.view(param.shape))
-                param.grad = None
     held = {}
     for name, param in model.named_parameters():
-        value = param.detach().float()
+        # (a frozen parameter has no master: its weights are what the engine holds)
+        value = (masters[param] if masters and param.requires_grad else param.detach()).float()
         if bf16 and param in state:
             value = value + state[param]["comp"].view(param.shape)
         held[name] = value
@@ -248,13 +299,13 @@ def cpu_state(model) -> dict[str, torch.Tensor]:
 
 # ---- one rank -----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("weights", WEIGHTS)
+@pytest.mark.parametrize("weights", WEIGHTS + ["bf16_master", "fp16_master"])
 @pytest.mark.parametrize("state_dtype", STATE_DTYPES)
 @pytest.mark.parametrize("case", list(CASES))
 def test_one_rank_trains_like_the_reference_and_resumes_exactly(tmp_path, case, state_dtype,
                                                                 weights):
-    build, cfg, data, dtype = builder(case), config(state_dtype, weights), batches(case), \
-        input_dtype(weights)
+    build, data, dtype = builder(case), batches(case), input_dtype(weights)
+    cfg = config(state_dtype, weights, default_chunk_size=CHUNKS.get(case, CHUNK))
     model, optimizer = initialize(build, cfg)
     losses = train(model, optimizer, data, dtype)
     held, final = weights_of(model), cpu_state(model)
@@ -275,10 +326,46 @@ def test_one_rank_trains_like_the_reference_and_resumes_exactly(tmp_path, case, 
     model, optimizer = initialize(build, cfg)
     first = train(model, optimizer, data[:RESUME_AT], dtype)
     model.save_checkpoint(str(tmp_path), tag="t")
+    saved = copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict())
+    model.destroy()
+    # Through the checkpoint, and through both state dicts (torch.save's recipe).
+    for how in ("checkpoint", "state dicts"):
+        model, optimizer = initialize(build, cfg)
+        if how == "checkpoint":
+            model.load_checkpoint(str(tmp_path), "t")
+        else:
+            model.load_state_dict(saved[0])
+            optimizer.load_state_dict(saved[1])
+        second = train(model, optimizer, data[RESUME_AT:], dtype)
+        resumed = cpu_state(model)
+        model.destroy()
+        assert first + second == losses, how
+        assert_equal_states(resumed, final, how)
+
+
+@pytest.mark.parametrize("weights", WEIGHTS + ["bf16_master"])
+@pytest.mark.parametrize("state_dtype", STATE_DTYPES)
+@pytest.mark.parametrize("case", ["mixed", "tails", "unaligned", "biases", "one_bias"])
+def test_one_rank_accumulating_gradients_trains_like_the_reference_and_resumes_exactly(
+        tmp_path, case, state_dtype, weights):
+    # gradient_accumulation_steps 2: fp32 gradient accumulators (16-bit weights too) at every
+    # boundary, against the reference of two micro-batches summed in fp32.
+    build, data, dtype = builder(case), batches(case), input_dtype(weights)
+    cfg = config(state_dtype, weights, default_chunk_size=CHUNKS.get(case, CHUNK),
+                 gradient_accumulation_steps=2)
+    model, optimizer = initialize(build, cfg)
+    losses = train(model, optimizer, data, dtype, accumulation=2)
+    held, final = weights_of(model), cpu_state(model)
+    model.destroy()
+    _, ref_held = reference(case, state_dtype, weights, accumulation=2)
+    assert_matches(held, ref_held, state_dtype, weights)
+    model, optimizer = initialize(build, cfg)
+    first = train(model, optimizer, data[:RESUME_AT], dtype, accumulation=2)
+    model.save_checkpoint(str(tmp_path), tag="t")
     model.destroy()
     model, optimizer = initialize(build, cfg)
     model.load_checkpoint(str(tmp_path), "t")
-    second = train(model, optimizer, data[RESUME_AT:], dtype)
+    second = train(model, optimizer, data[RESUME_AT:], dtype, accumulation=2)
     resumed = cpu_state(model)
     model.destroy()
     assert first + second == losses
@@ -320,6 +407,31 @@ def test_estimate_memory_equals_the_layout_at_every_boundary(chunk, state_dtype,
         chunks = json.loads(model.chunks.layout_json())["chunks"]
         model.destroy()
         assert mode["total"] == sum(c["bytes"] for c in chunks), (accumulation, mode)
+
+
+@pytest.mark.parametrize("weights", WEIGHTS)
+@pytest.mark.parametrize("state_dtype", STATE_DTYPES)
+@pytest.mark.parametrize("case", list(CHUNKS) + ["biases", "one_bias"])
+def test_estimate_and_memory_stats_equal_the_layout_of_small_and_unaligned_tensors(
+        case, state_dtype, weights):
+    # Each chunk kind's bytes (frozen chunks have compute chunks only; 8-bit scale lists
+    # mirror their moments) as estimate_memory counts them, and the peak of the tiers' chunk
+    # bytes over the steps is the whole layout (one rank keeps every chunk).
+    cfg = config(state_dtype, weights, default_chunk_size=CHUNKS.get(case, CHUNK))
+    estimate = patrickstar.estimate_memory(builder(case), config=cfg, verbose=False)
+    mode = estimate["modes"][{"fp32": "fp32", "bf16_no_master": "bf16, no master"}[weights]]
+    model, optimizer = initialize(builder(case), cfg)
+    chunks = json.loads(model.chunks.layout_json())["chunks"]
+    train(model, optimizer, batches(case), input_dtype(weights))
+    stats, peak = model.memory_stats(), model.peak_model_bytes
+    model.destroy()
+    total = sum(c["bytes"] for c in chunks)
+    assert mode["total"] == total == peak, (mode, total, peak)
+    assert sum(t["chunk_bytes"] for t in stats) <= total
+    moments = [c for c in chunks if c["kind"] == "momentum"]
+    assert sum(t["numel"] for c in moments for t in c["tensors"]) == sum(
+        math.prod(shape) for index, shape in enumerate(CASES[case])
+        if index not in FROZEN.get(case, ()))
 
 
 # ---- parameters without elements ----------------------------------------------------------
@@ -408,6 +520,36 @@ def test_full_gradients_of_every_boundary_size_are_pytorchs(weights):
     model.destroy()
 
 
+@pytest.mark.parametrize("state_dtype", STATE_DTYPES)
+def test_the_state_view_of_a_parameter_without_elements_is_torchs(state_dtype):
+    # Note [Saved state of parameters without elements] in optimizer.py: state_dict() gave a
+    # parameter without elements torch's stepped entry (step, empty moments) while
+    # `optimizer.state[p]` was {} and `optimizer.state` did not list it, so a loop over
+    # `optimizer.state[p]["exp_avg"]` for each parameter raised KeyError where torch's works.
+    case, weights = "mixed", "fp32"
+    model, optimizer = initialize(builder(case), config(state_dtype, weights))
+    reference = builder(case)()
+    torch_optimizer = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    params = list(model.module.parameters())
+    assert len(optimizer.state) == len(torch_optimizer.state) == 0
+    assert all(optimizer.state[p] == {} for p in params)
+    x, y = batches(case)[0]
+    model.backward(loss_of(model, x, y, torch.float32))
+    optimizer.step()
+    loss_of(reference, x, y, torch.float32).backward()
+    torch_optimizer.step()
+    assert len(optimizer.state) == len(torch_optimizer.state) == len(params)
+    assert {id(p) for p in optimizer.state} == {id(p) for p in params}
+    saved = optimizer.state_dict()["state"]
+    for number, (param, plain) in enumerate(zip(params, reference.parameters())):
+        entry, expected = optimizer.state[param], torch_optimizer.state[plain]
+        assert set(expected) <= set(entry), number
+        assert all(entry[k].shape == expected[k].shape for k in ("exp_avg", "exp_avg_sq"))
+        assert float(entry["step"]) == float(expected["step"]) == 1
+        assert set(entry) == set(saved[number]), number  # the state dict's entry
+    model.destroy()
+
+
 def test_a_built_module_whose_initialize_fails_gets_its_fp32_empty_parameter_back():
     # Note [A built module given back when initialize() fails]: every parameter returns in the
     # dtype it was built in, the one without elements too.
@@ -441,6 +583,13 @@ TWO_RANK = [(case, state, weights, "plain") for case in ("mixed", "oversize")
     ("mixed", "int8", "fp32", "nvme"),
     ("mixed", "int8", "bf16_no_master", "accumulation"),
     ("mixed", "bf16", "fp32", "accumulation"),
+    # Rank 1 owns the frozen-free lists' padding only (one trainable 3-element bias, one
+    # moment chunk); hundreds of tiny tensors; 8-bit blocks and vector tails inside a chunk.
+    ("one_bias", "int8", "bf16_no_master", "plain"),
+    ("one_bias", "fp32", "fp32", "plain"),
+    ("biases", "int8", "fp32", "plain"),
+    ("unaligned", "int8", "bf16_no_master", "plain"),
+    ("tails", "bf16", "fp32", "plain"),
 ]
 
 
@@ -465,7 +614,7 @@ def run_config(run, nvme_path: str | None = None, world: int = 2) -> dict:
                            "nvme": {"path": nvme_path}}
     if variant == "accumulation":
         extra["gradient_accumulation_steps"] = 2
-    return config(state, weights, **extra)
+    return config(state, weights, default_chunk_size=CHUNKS.get(case, CHUNK), **extra)
 
 
 def one_rank_source(out, run) -> str:
@@ -530,9 +679,12 @@ def test_two_ranks_train_resume_and_reshard_at_every_boundary(two_ranks, run):
     # Against the whole-batch reference: fp32 weights to the one-rank tolerance (the gradient
     # average's order aside); bf16 weights within two of their ulps (the ranks' bf16 gradients
     # are averaged in another order than one rank's backward sums them).
+    # An accumulation's reference: the micro-batches of both ranks (2 rows each) summed in
+    # fp32, as the engine's accumulators and the ranks' average add them (in another order).
     data = batches(case, batch=8)
-    ref_model, ref_held = reference(case, state_dtype, weights, data)
-    if weights == "fp32" and variant != "accumulation":
+    ref_model, ref_held = reference(case, state_dtype, weights, data,
+                                    accumulation=4 if variant == "accumulation" else 1)
+    if weights == "fp32":
         assert_matches({k: v.float() for k, v in first["final"].items() if v.numel()},
                        ref_held, state_dtype, weights, "2 ranks")
     else:

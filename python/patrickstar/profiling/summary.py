@@ -6,6 +6,7 @@ import collections
 import math
 
 from ..dtypes import BY_NAME, element_size
+from ..guards import has_payload
 from ..slab_budget import block_bytes, slab_budget
 from ..vocabulary import Tier
 from .analysis import GiB, MiB, Analysis, effective_ns, mib, stat_delta
@@ -56,7 +57,7 @@ def build_summary(raw: dict, analysis: Analysis | None = None) -> dict:
                 largest = {"bytes": r["non_model"][t], "tier": name, "iteration": r["iteration"],
                            "moment": r["moment"], "event": r["event"]}
     layout = raw["layout"]
-    chunk_bytes_total = sum(c.get("bytes", 0) for c in layout.get("chunks", []))
+    chunk_bytes_total = _payload_bytes(layout.get("chunks", []))
     iterations = [{k: (v / 1e9 if k.endswith("_ns") else v) for k, v in it.items()
                    if k not in ("spans", "start_ns", "end_ns")} for it in a.iterations]
     iterations = [{k.replace("_ns", "_s"): v for k, v in it.items()} for it in iterations]
@@ -111,7 +112,7 @@ def _alignment_bytes(layout: dict) -> int:
     chunks]); chunks without tensors (data-parallel padding) have no payload."""
     padding = 0
     for chunk in layout.get("chunks", []):
-        if not chunk.get("tensors") or chunk.get("dtype") not in BY_NAME:
+        if not has_payload(chunk) or chunk.get("dtype") not in BY_NAME:
             continue
         capacity = chunk["capacity_elements"] * element_size(chunk["dtype"])
         padding += max(0, chunk.get("bytes", 0) - capacity)
@@ -123,10 +124,18 @@ def _alignment_bytes(layout: dict) -> int:
 # it; a rank keeps its own chunks (its parameter shards, and their gradients and optimizer
 # state) and only gathers the others for a while. model_data_bytes and by_kind's bytes are the
 # whole model's (estimate_memory()'s figures); owned_bytes is what this rank keeps, about 1/N
-# of it (all of it on one process).
+# of it (all of it on one process). Both count the chunks that hold tensors: the padding chunks
+# of the layout never get memory (Note [Padding chunks are not memory] in guards.py; they
+# were counted, so a 2-rank model with tensors larger than the chunk reported each such
+# tensor's chunk once per rank, and a rank owning only padding owned the bytes of tensors it
+# never keeps).
+def _payload_bytes(chunks: list[dict]) -> int:
+    return sum(c.get("bytes", 0) for c in chunks if has_payload(c))
+
+
 def _owned_bytes(chunks: list[dict], run: dict) -> int:
     rank = run.get("rank", 0)
-    return sum(c.get("bytes", 0) for c in chunks if c.get("owner_rank", rank) == rank)
+    return _payload_bytes([c for c in chunks if c.get("owner_rank", rank) == rank])
 
 
 def _chunks_by_kind(layout: dict, run: dict) -> dict:
@@ -141,7 +150,7 @@ def _chunks_by_kind(layout: dict, run: dict) -> dict:
     for kind, chunks in groups.items():
         dtypes = {c.get("dtype", "?") for c in chunks}
         kinds[kind] = {"dtype": dtypes.pop() if len(dtypes) == 1 else "mixed",
-                       "chunks": len(chunks), "bytes": sum(c.get("bytes", 0) for c in chunks),
+                       "chunks": len(chunks), "bytes": _payload_bytes(chunks),
                        "owned_bytes": _owned_bytes(chunks, run)}
     return kinds
 
