@@ -208,9 +208,8 @@ def build_param_groups(module: torch.nn.Module, groups, optimizer) -> list[dict]
         merged = dict(defaults)
         merged.update({k: v for k, v in group.items() if k != "params"})
         _check_group_numbers(index, merged)
-        if merged["lr"] < 0 or merged["weight_decay"] < 0 or merged["eps"] <= 0:
-            raise ValueError(f"param_groups[{index}]: lr and weight_decay must be >= 0 and eps "
-                             f"> 0, got lr={merged['lr']}, weight_decay={merged['weight_decay']}, "
+        if merged["lr"] < 0 or merged["weight_decay"] < 0 or merged["eps"] < 0:
+            raise ValueError(f"param_groups[{index}]: lr, weight_decay and eps must be >= 0, got lr={merged['lr']}, weight_decay={merged['weight_decay']}, "
                              f"eps={merged['eps']}")
         merged["params"] = params
         if names is not None:
