@@ -323,6 +323,13 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         # zeros now, and those the last step had gradients for.
         self._zeroed: set[int] = set()
         self._stepped: set[int] = set()
+        # Those whose p.grad torch would hold as a tensor (a gradient on some rank since they
+        # were last set to None), and those whose p.grad reads zeros until the backward after
+        # the zero_grad(set_to_none=False) that made them (every rank alike: Note [p.grad after
+        # zero_grad(set_to_none=False)] in resting_params.py).
+        self._held: set[int] = set()
+        self._zero_reads: set[int] = set()
+        self._zero_reads_until = -1  # the guard's completed_backwards they hold for
         # Those whose p.grad torch would still hold the last step's gradients in: no zero_grad
         # since (Note [A step without gradients]).
         self._unzeroed: set[int] = set()
@@ -492,6 +499,7 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         self.dp.close_accumulation("optimizer.step()")  # Note [A short accumulation]
         self._stepped = {index for index, has in enumerate(self.has_grad) if has}
         self._unzeroed = set(self._stepped)
+        self._held |= self.dp.gradients_anywhere(self.has_grad)
         run = self.guard.before_step()
         self.guard.after_step()
         if not run:  # a non-finite loss was skipped (config nonfinite_loss: "skip")
@@ -750,10 +758,25 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         if set_to_none:
             self._zeroed -= indices
             self._stepped -= indices
+            self._held -= indices
+            self._zero_reads -= indices
         else:  # this rank's parameters only: their owner updates them
+            self._held |= indices & self.dp.gradients_anywhere(self.has_grad)
+            reads = self._zero_reads if self._zero_reads_hold() else set()
+            self._zero_reads = reads | (indices & self._held)
+            self._zero_reads_until = self.guard.completed_backwards
             owned = {index for row in self._update_rows() for index in row.indices}
             self._zeroed |= indices & owned & (self._stepped | {
                 index for index, has in enumerate(self.has_grad) if has})
+
+    def _zero_reads_hold(self) -> bool:
+        """Whether no backward ended since the last zero_grad(set_to_none=False)."""
+        return self._zero_reads_until == self.guard.completed_backwards
+
+    def reads_zero_gradient(self, index: int) -> bool:
+        """Whether parameter `index`'s p.grad reads zeros now (Note [p.grad after
+        zero_grad(set_to_none=False)] in resting_params.py)."""
+        return index in self._zero_reads and self._zero_reads_hold()
 
     def _fill_zeroed_gradients(self) -> None:
         """Zero gradients for this rank's zeroed parameters without one of their own (Note

@@ -187,6 +187,10 @@ class ParameterAtRest(nn.Parameter):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func == _T.grad.__get__ and _resting(args[0]):
+            grad = torch._C._disabled_torch_function_impl(func, types, args, kwargs)
+            owner = _owner(args[0]) if grad is None else None
+            return grad if owner is None else _zero_gradient(args[0], *owner)
         if func == _T.grad.__set__ and _resting(args[0]):
             owner = _owner(args[0])
             if owner is not None:
@@ -338,6 +342,69 @@ class ReadValue(torch.Tensor):
                 _refuse_write(func, target._ps_label)
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
+
+    def __repr__(self, *args, **kwargs):
+        return self.as_subclass(torch.Tensor).__repr__(*args, **kwargs)
+
+    def __deepcopy__(self, memo):
+        return self.as_subclass(torch.Tensor).clone()
+
+    def __reduce_ex__(self, protocol):
+        return self.as_subclass(torch.Tensor).clone().__reduce_ex__(protocol)
+
+
+# Note [p.grad after zero_grad(set_to_none=False)]
+# torch's zero_grad(set_to_none=False) (model.zero_grad's default before torch 2.0, and what
+# loops written for it still pass) leaves every p.grad that existed a tensor of zeros of p's
+# shape and dtype, and loops rely on it right after: `assert p.grad is not None`, logging
+# `p.grad.abs().sum()`, `p.grad.zero_()` again. Here gradients live in chunks and p.grad is
+# None (README: read gradients with safe_get_full_grad), so all of those failed on None. What
+# torch holds there is known without reading a chunk: zeros, for each parameter that had a
+# gradient on some rank since it was last set to None (the optimizer's reads_zero_gradient).
+# So p.grad of a parameter at rest reads a ZeroGradient, made for the read (nothing is kept:
+# the memory design is unchanged), from that zero_grad until the next backward ends; from then
+# on p.grad is None again, as after any backward (its values are in the chunks, the documented
+# gap). Every rank reads alike (the set comes from the accumulation end's agreement), and no
+# collective runs. Changing the zeros in place to zeros (`p.grad.zero_()`, `mul_`, torch's
+# Module.zero_grad(set_to_none=False) again) is what torch's would leave; any other change
+# (`p.grad.add_(noise)`) could not reach the step, and raises naming the parameter. A
+# parameter's own p.grad, when set (Note [Gradients set by hand at rest]), is read as it is.
+def _zero_gradient(param, engine, index: int) -> "ZeroGradient | None":
+    if not engine.optimizer.reads_zero_gradient(index):
+        return None
+    zeros = torch.zeros(_shape(param), dtype=_T.dtype.__get__(param),
+                        device=_T.device.__get__(param))
+    return ZeroGradient.of(zeros, _label(engine, index))
+
+
+class ZeroGradient(torch.Tensor):
+    """What p.grad of a parameter at rest reads after zero_grad(set_to_none=False): Note [p.grad
+    after zero_grad(set_to_none=False)]."""
+
+    @staticmethod
+    def of(value: torch.Tensor, label: str) -> "ZeroGradient":
+        value = value.as_subclass(ZeroGradient)
+        value._ps_label = label
+        return value
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        written = [target for target in _written(func, args, kwargs)
+                   if type(target) is ZeroGradient]
+        with torch._C.DisableTorchFunctionSubclass():
+            result = func(*args, **kwargs)
+            for target in written:
+                if bool(target.count_nonzero()):
+                    target.zero_()
+                    raise RuntimeError(
+                        f"{_call(func)} on p.grad of {target._ps_label} after "
+                        f"zero_grad(set_to_none=False): p.grad reads the zeros torch would hold, "
+                        f"made for the read, since the gradients live in chunks, so a change to "
+                        f"them would not reach optimizer.step(). Change gradients in a hook "
+                        f"(p.register_post_accumulate_grad_hook sees and changes each backward's "
+                        f"gradient as stored) or through the loss")
+        return result
 
     def __repr__(self, *args, **kwargs):
         return self.as_subclass(torch.Tensor).__repr__(*args, **kwargs)
