@@ -1180,6 +1180,18 @@ class PatrickStarEngine(nn.Module):
                 f"leave the part out of the loss (torch.no_grad() or detach())")
         self.optimizer.drop_gradients(sorted(indices), set_to_none)
 
+    def set_gradient_to_none(self, index: int) -> None:
+        """`p.grad = None` on parameter `index` at rest: its gradient is dropped, so the step
+        leaves it alone as torch's does (Note [p.grad = None at rest] in resting_params.py)."""
+        if self.dp.enabled and self.guard.backwards:
+            raise RuntimeError(
+                f"p.grad = None on 'module.{self.params.names[index]}' after a backward under "
+                f"data parallelism: each rank's gradient chunks hold reduced shards of every "
+                f"parameter, so one parameter's gradient cannot be dropped. Leave it out of the "
+                f"loss (torch.no_grad() or detach()) or freeze it (requires_grad_(False)) before "
+                f"the forward instead")
+        self.optimizer.drop_gradients([index], set_to_none=True)
+
     @contextlib.contextmanager
     def no_sync(self):
         """DDP's accumulation idiom (`with model.no_sync(): loss.backward()` on all but the last

@@ -193,7 +193,11 @@ class ParameterAtRest(nn.Parameter):
             return grad if owner is None else _zero_gradient(args[0], *owner)
         if func == _T.grad.__set__ and _resting(args[0]):
             owner = _owner(args[0])
-            if owner is not None:
+            if owner is not None and args[1] is None and torch._C._disabled_torch_function_impl(
+                    _T.grad.__get__, types, (args[0],)) is None:
+                engine, index = owner  # Note [p.grad = None at rest]
+                engine.set_gradient_to_none(index)
+            elif owner is not None:
                 args = (args[0], _hand_set_gradient(args[0], args[1], owner))
         if func in _PASS:
             return torch._C._disabled_torch_function_impl(func, types, args, kwargs)
@@ -416,6 +420,14 @@ class ZeroGradient(torch.Tensor):
         return self.as_subclass(torch.Tensor).clone().__reduce_ex__(protocol)
 
 
+# Note [p.grad = None at rest]
+# torch's optimizers skip a parameter whose p.grad is None, so `p.grad = None` before the step
+# (a part frozen for this step, a gradient found bad, a schedule of which layers train) leaves
+# that parameter, its moments and step count alone. Here p.grad was None already and the
+# gradient in the chunk was applied anyway, silently. Setting None on a parameter at rest whose
+# own p.grad is None now drops its chunked gradient as zero_grad(set_to_none=True) of a module
+# holding only it would (PatrickStarEngine.set_gradient_to_none). A p.grad the parameter does
+# hold (an empty one set by hand, or one stranded by a raised backward) is cleared as before.
 # Note [Gradients set by hand at rest]
 # `p.grad = g` of the weight's shape cannot be kept on the placeholder (torch checks the sizes)
 # and the engine's gradients live in chunks, filled by backward. torch.distributed.checkpoint's
