@@ -73,6 +73,7 @@ _PASS = {
     _T.name.__get__, _T._post_accumulate_grad_hooks.__get__,
     _T._post_accumulate_grad_hooks.__set__,
     torch.autograd.grad,  # Note [torch.autograd.grad of parameters]
+    torch.autograd.backward,  # its inputs=: the same Note
 }
 
 # Note [torch.autograd.grad of parameters]
@@ -84,6 +85,10 @@ _PASS = {
 # run the accesses of that backward as of any, and nothing is stored in the gradient chunks
 # (autograd.grad accumulates nothing: Note [loss.backward()] in backward_pass.py). Under data
 # parallelism they are this rank's own gradients, as DDP's autograd.grad gives.
+# `loss.backward(inputs=[...parameters])` (torch.autograd.backward's inputs: a backward into part of
+# the model, as a GAN's discriminator step) failed the same way ("can't retain_grad on Tensor
+# that has requires_grad=False"); passed on too, it stores the gradients of those parameters
+# only, as torch accumulates into their p.grad only.
 
 
 def _shape(param) -> torch.Size:
