@@ -379,7 +379,8 @@ class ReadValue(torch.Tensor):
 # (`p.grad.add_(noise)`) could not reach the step, and raises naming the parameter. A
 # parameter's own p.grad, when set (Note [Gradients set by hand at rest]), is read as it is.
 def _zero_gradient(param, engine, index: int) -> "ZeroGradient | None":
-    if not engine.optimizer.reads_zero_gradient(index):
+    optimizer = getattr(engine, "optimizer", None)  # none yet while initialize() builds it
+    if optimizer is None or not optimizer.reads_zero_gradient(index):
         return None
     zeros = torch.zeros(_shape(param), dtype=_T.dtype.__get__(param),
                         device=_T.device.__get__(param))
