@@ -202,8 +202,9 @@ class DataParallel:
         self.sync_gradients = True
         self._owners_hold: str | None = None
         self._unreduced = False
-        # The parameters with a gradient on some rank at the last accumulation end: Note
-        # [Gradients zeroed, not dropped] in optimizer.py (gradients_anywhere)
+        # The parameters with a gradient on some rank at the last accumulation end
+        # (gradients_anywhere: Note [p.grad after zero_grad(set_to_none=False)] in
+        # resting_params.py)
         self._agreed_gradients: set[int] = set()
         self.gather_communicator = None  # backward's gathers' own group (resharding)
         self.transport = None  # "shm" or "process_group" (Note [Transport]), from attach

@@ -760,11 +760,12 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
             self._stepped -= indices
             self._held -= indices
             self._zero_reads -= indices
-        else:  # this rank's parameters only: their owner updates them
+        else:
             self._held |= indices & self.dp.gradients_anywhere(self.has_grad)
             reads = self._zero_reads if self._zero_reads_hold() else set()
             self._zero_reads = reads | (indices & self._held)
             self._zero_reads_until = self.guard.completed_backwards
+            # this rank's parameters only: their owner updates them
             owned = {index for row in self._update_rows() for index in row.indices}
             self._zeroed |= indices & owned & (self._stepped | {
                 index for index, has in enumerate(self.has_grad) if has})
