@@ -393,7 +393,8 @@ class ZeroGradient(torch.Tensor):
 
     @staticmethod
     def of(value: torch.Tensor, label: str) -> "ZeroGradient":
-        value = value.as_subclass(ZeroGradient)
+        # Not as_subclass, whose result is a view: torch's p.grad is none (p.grad.detach_()).
+        value = torch.Tensor._make_subclass(ZeroGradient, value)
         value._ps_label = label
         return value
 
