@@ -770,6 +770,14 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
             self._zeroed |= indices & owned & (self._stepped | {
                 index for index, has in enumerate(self.has_grad) if has})
 
+    def hold_zero_gradient(self, index: int) -> None:
+        """Parameter `index`'s p.grad set to zeros by hand: kept as zero_grad(set_to_none=False)
+        keeps a gradient it had (Note [Gradients set by hand at rest] in resting_params.py)."""
+        self._held.add(index)
+        self._note_zeroing([index], set_to_none=False)
+        if any(index in row.indices for row in self._update_rows()):  # owned: updated here
+            self._zeroed.add(index)
+
     def _zero_reads_hold(self) -> bool:
         """Whether no backward ended since the last zero_grad(set_to_none=False)."""
         return self._zero_reads_until == self.guard.completed_backwards

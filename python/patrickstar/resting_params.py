@@ -439,9 +439,14 @@ class ZeroGradient(torch.Tensor):
 # `p.grad = g` of the weight's shape cannot be kept on the placeholder (torch checks the sizes)
 # and the engine's gradients live in chunks, filled by backward. torch.distributed.checkpoint's
 # get_state_dict sets every p.grad to zeros_like(p) for its state-initializing step (Note [The
-# state-initializing step of torch.distributed.checkpoint] in optimizer.py): zeros become an
-# empty gradient on the placeholder, which that step recognises and clears. Any other gradient
-# set by hand would be lost, so it raises naming the parameter.
+# state-initializing step of torch.distributed.checkpoint] in optimizer.py) where the
+# optimizer's state is empty: zeros become an empty gradient on the placeholder, which that step
+# recognises and clears. Where the optimizer has state (dcp never sets them then), zeros set by
+# hand are torch's zero gradient: its Adam then moves the parameter by its moments, and they were
+# lost (no move, and p.grad read shape (0,)). They are kept as zero_grad(set_to_none=False) keeps
+# them (PatrickStarEngine.set_gradient_to_zeros; p.grad reads them: Note [p.grad after
+# zero_grad(set_to_none=False)]). Any other gradient set by hand would be lost, so it raises
+# naming the parameter.
 def _hand_set_gradient(param, grad, owner):
     if grad is None or tuple(grad.shape) != tuple(param.ds_shape):
         return grad
@@ -452,6 +457,9 @@ def _hand_set_gradient(param, grad, owner):
                 f"live in chunks, where backward puts them, so a gradient set by hand would not "
                 f"be applied. Compute it through the model's forward and backward (or train "
                 f"this tensor with a torch optimizer of its own outside the engine)")
+        engine, index = owner
+        if engine.set_gradient_to_zeros(index):
+            return None
         return grad.new_zeros(torch.Tensor.size(param))
 
 

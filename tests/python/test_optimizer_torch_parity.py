@@ -183,6 +183,31 @@ def test_p_grad_set_to_none_before_the_step_leaves_that_parameter_alone_as_torch
         p.grad is None for p in reference.parameters()]
 
 
+def test_p_grad_set_to_zeros_by_hand_steps_as_torchs_zero_gradient():
+    """Note [Gradients set by hand at rest] in resting_params.py: zeros set by hand (all of
+    them between steps, or one in place of its backward's gradient) are torch's zero gradient,
+    which Adam applies; they were lost (no move) and p.grad read shape (0,)."""
+    reference, ref_optimizer, model, optimizer = pair()
+    for step, (x, y) in enumerate(mlp_batches(3)):
+        for net, opt in ((reference, ref_optimizer), (model, optimizer)):
+            net(x, y).backward()
+            if step == 1:
+                net.layers[1].weight.grad = torch.zeros_like(net.layers[1].weight)
+            opt.step()
+            opt.zero_grad()
+            if step == 0:
+                for param in net.parameters():
+                    param.grad = torch.zeros_like(param)
+                opt.step()
+    assert_same_weights(reference, model)
+    for opt in (optimizer, ref_optimizer):
+        state = opt.state_dict()["state"]
+        assert [float(state[index]["step"]) for index in sorted(state)] == [4.0] * 6
+    model.layers[0].bias.grad = torch.zeros(64)
+    assert [None if p.grad is None else tuple(p.grad.shape) for p in model.parameters()] == [
+        None, (64,), None, None, None, None]
+
+
 def test_a_step_without_gradients_leaves_the_fp16_loss_scale_and_counters():
     config = {**CONFIG, "fp16": {"enabled": True, "initial_scale_power": 8,
                                  "loss_scale_window": 1}}
