@@ -107,6 +107,25 @@ _SHAPES = {
 }
 
 
+# Note [Tensors like a parameter at rest]
+# `torch.zeros_like(p)` (a gradient set by hand, torch.distributed.checkpoint's zeros, an
+# optimizer's own state) depends on p's shape, dtype and device only, but was run on p's value
+# read out of its chunks: under data parallelism a collective, between a forward and its
+# backward refused as a penalty term, and at rest the once-per-process warning that a value
+# read carries no gradient. The `*_like` factories get a tensor of that shape, dtype and device
+# instead (its memory is the result's size, made and dropped), reading nothing.
+_LIKE = {torch.zeros_like, torch.ones_like, torch.empty_like, torch.full_like, torch.rand_like,
+         torch.randn_like, torch.randint_like}
+
+
+def _like(func, args, kwargs):
+    param = args[0]
+    template = torch.empty(_shape(param), dtype=_T.dtype.__get__(param),
+                           device=_T.device.__get__(param))
+    with torch._C.DisableTorchFunctionSubclass():
+        return func(template, *args[1:], **kwargs)
+
+
 _INPLACE_OPERATORS = {f"__i{op}__" for op in ("add", "sub", "mul", "matmul", "truediv",
                                                 "floordiv", "mod", "pow", "and", "or", "xor",
                                                 "lshift", "rshift")} | {"__setitem__"}
@@ -210,6 +229,8 @@ class ParameterAtRest(nn.Parameter):
         if shape is not None and _resting(args[0]) and (_owner(args[0])
                                                          or engine_gone(args[0])):
             return shape(*args, **kwargs)
+        if func in _LIKE and args and _resting(args[0]) and _owner(args[0]):
+            return _like(func, args, kwargs)
         leaves, spec = tree_flatten((args, kwargs))
         owners = {i: _owner(leaf) for i, leaf in enumerate(leaves) if _resting(leaf)}
         owners = {i: owner for i, owner in owners.items() if owner is not None}
