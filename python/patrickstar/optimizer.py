@@ -209,7 +209,8 @@ def build_param_groups(module: torch.nn.Module, groups, optimizer) -> list[dict]
         merged.update({k: v for k, v in group.items() if k != "params"})
         _check_group_numbers(index, merged)
         if merged["lr"] < 0 or merged["weight_decay"] < 0 or merged["eps"] < 0:
-            raise ValueError(f"param_groups[{index}]: lr, weight_decay and eps must be >= 0, got lr={merged['lr']}, weight_decay={merged['weight_decay']}, "
+            raise ValueError(f"param_groups[{index}]: lr, weight_decay and eps must be >= 0, "
+                             f"got lr={merged['lr']}, weight_decay={merged['weight_decay']}, "
                              f"eps={merged['eps']}")
         merged["params"] = params
         if names is not None:
