@@ -202,6 +202,10 @@ class DataParallel:
         self.sync_gradients = True
         self._owners_hold: str | None = None
         self._unreduced = False
+        # The parameters with a gradient on some rank at the last accumulation end
+        # (gradients_anywhere: Note [p.grad after zero_grad(set_to_none=False)] in
+        # resting_params.py)
+        self._agreed_gradients: set[int] = set()
         self.gather_communicator = None  # backward's gathers' own group (resharding)
         self.transport = None  # "shm" or "process_group" (Note [Transport]), from attach
         self._in_forward = False  # between engine.forward's start and after_forward()
@@ -1114,9 +1118,19 @@ class DataParallel:
                               for index in range(len(has_grad))])
         recorded_collectives.all_reduce(self.communicator, flags, "sum", "has-gradient flags",
                                         self.timeout)
-        for index, total in enumerate(flags.tolist()):
+        totals = flags.tolist()
+        for index, total in enumerate(totals):
             has_grad[index] = total > 0 and self._owned[index]
+        self._agreed_gradients = {index for index, total in enumerate(totals) if total > 0}
         self._reset_accumulation()
+
+    def gradients_anywhere(self, has_grad: list[bool]) -> set[int]:
+        """The parameters with a gradient on some rank, alike on every rank: `has_grad`'s
+        without data parallelism, else the last accumulation end's agreement since the
+        gradients were last dropped (none before it)."""
+        if not self.enabled:
+            return {index for index, has in enumerate(has_grad) if has}
+        return set(self._agreed_gradients)
 
     def gradients_dropped(self, backwards_dropped: bool) -> None:
         """A step applied the gradients, or optimizer.zero_grad() dropped them (every rank
@@ -1124,6 +1138,7 @@ class DataParallel:
         accumulation."""
         if not self.enabled:
             return
+        self._agreed_gradients = set()
         if backwards_dropped:
             self._reset_accumulation()
         self._owners_hold, self._unreduced = None, False

@@ -1187,6 +1187,33 @@ class PatrickStarEngine(nn.Module):
                 f"leave the part out of the loss (torch.no_grad() or detach())")
         self.optimizer.drop_gradients(sorted(indices), set_to_none)
 
+    def set_gradient_to_none(self, index: int) -> None:
+        """`p.grad = None` on parameter `index` at rest: its gradient is dropped, so the step
+        leaves it alone as torch's does (Note [p.grad = None at rest] in resting_params.py)."""
+        self._refuse_one_gradient_dropped(index, "None")
+        self.optimizer.drop_gradients([index], set_to_none=True)
+
+    def set_gradient_to_zeros(self, index: int) -> bool:
+        """`p.grad = torch.zeros_like(p)` on parameter `index` at rest: kept as
+        zero_grad(set_to_none=False) keeps zeros, where the optimizer has state; False where it
+        has none (torch.distributed.checkpoint's state-initializing step: Note [Gradients set by
+        hand at rest] in resting_params.py)."""
+        if not len(self.optimizer.state):
+            return False
+        self._refuse_one_gradient_dropped(index, "zeros")
+        self.optimizer.drop_gradients([index], set_to_none=False)
+        self.optimizer.hold_zero_gradient(index)
+        return True
+
+    def _refuse_one_gradient_dropped(self, index: int, value: str) -> None:
+        if self.dp.enabled and self.guard.backwards:
+            raise RuntimeError(
+                f"p.grad = {value} on 'module.{self.params.names[index]}' after a backward under "
+                f"data parallelism: each rank's gradient chunks hold reduced shards of every "
+                f"parameter, so one parameter's gradient cannot be replaced. Leave it out of the "
+                f"loss (torch.no_grad() or detach()) or freeze it (requires_grad_(False)) before "
+                f"the forward instead")
+
     @contextlib.contextmanager
     def no_sync(self):
         """DDP's accumulation idiom (`with model.no_sync(): loss.backward()` on all but the last

@@ -166,6 +166,7 @@ class TrainingGuard:
         self.low_precision_sum = config.precision != "fp32" and self.open_accumulation
         self.policy = config.nonfinite_loss
         self.backwards = 0
+        self.completed_backwards = 0  # every backward that ended, never reset
         self.closed_by: str | None = None  # the call that closed a short accumulation
         self.skip_step = False
         self.destroyed = False
@@ -366,6 +367,7 @@ class TrainingGuard:
 
     def after_backward(self) -> None:
         self.backwards += 1
+        self.completed_backwards += 1
 
     @property
     def in_accumulation(self) -> bool:

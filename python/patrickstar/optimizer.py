@@ -208,9 +208,9 @@ def build_param_groups(module: torch.nn.Module, groups, optimizer) -> list[dict]
         merged = dict(defaults)
         merged.update({k: v for k, v in group.items() if k != "params"})
         _check_group_numbers(index, merged)
-        if merged["lr"] < 0 or merged["weight_decay"] < 0 or merged["eps"] <= 0:
-            raise ValueError(f"param_groups[{index}]: lr and weight_decay must be >= 0 and eps "
-                             f"> 0, got lr={merged['lr']}, weight_decay={merged['weight_decay']}, "
+        if merged["lr"] < 0 or merged["weight_decay"] < 0 or merged["eps"] < 0:
+            raise ValueError(f"param_groups[{index}]: lr, weight_decay and eps must be >= 0, "
+                             f"got lr={merged['lr']}, weight_decay={merged['weight_decay']}, "
                              f"eps={merged['eps']}")
         merged["params"] = params
         if names is not None:
@@ -326,6 +326,13 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         # zeros now, and those the last step had gradients for.
         self._zeroed: set[int] = set()
         self._stepped: set[int] = set()
+        # Those whose p.grad torch would hold as a tensor (a gradient on some rank since they
+        # were last set to None), and those whose p.grad reads zeros until the backward after
+        # the zero_grad(set_to_none=False) that made them (every rank alike: Note [p.grad after
+        # zero_grad(set_to_none=False)] in resting_params.py).
+        self._held: set[int] = set()
+        self._zero_reads: set[int] = set()
+        self._zero_reads_until = -1  # the guard's completed_backwards they hold for
         # Those whose p.grad torch would still hold the last step's gradients in: no zero_grad
         # since (Note [A step without gradients]).
         self._unzeroed: set[int] = set()
@@ -506,6 +513,7 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         self.dp.close_accumulation("optimizer.step()")  # Note [A short accumulation]
         self._stepped = {index for index, has in enumerate(self.has_grad) if has}
         self._unzeroed = set(self._stepped)
+        self._held |= self.dp.gradients_anywhere(self.has_grad)
         run = self.guard.before_step()
         self.guard.after_step()
         if not run:  # a non-finite loss was skipped (config nonfinite_loss: "skip")
@@ -764,10 +772,34 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         if set_to_none:
             self._zeroed -= indices
             self._stepped -= indices
-        else:  # this rank's parameters only: their owner updates them
+            self._held -= indices
+            self._zero_reads -= indices
+        else:
+            self._held |= indices & self.dp.gradients_anywhere(self.has_grad)
+            reads = self._zero_reads if self._zero_reads_hold() else set()
+            self._zero_reads = reads | (indices & self._held)
+            self._zero_reads_until = self.guard.completed_backwards
+            # this rank's parameters only: their owner updates them
             owned = {index for row in self._update_rows() for index in row.indices}
             self._zeroed |= indices & owned & (self._stepped | {
                 index for index, has in enumerate(self.has_grad) if has})
+
+    def hold_zero_gradient(self, index: int) -> None:
+        """Parameter `index`'s p.grad set to zeros by hand: kept as zero_grad(set_to_none=False)
+        keeps a gradient it had (Note [Gradients set by hand at rest] in resting_params.py)."""
+        self._held.add(index)
+        self._note_zeroing([index], set_to_none=False)
+        if any(index in row.indices for row in self._update_rows()):  # owned: updated here
+            self._zeroed.add(index)
+
+    def _zero_reads_hold(self) -> bool:
+        """Whether no backward ended since the last zero_grad(set_to_none=False)."""
+        return self._zero_reads_until == self.guard.completed_backwards
+
+    def reads_zero_gradient(self, index: int) -> bool:
+        """Whether parameter `index`'s p.grad reads zeros now (Note [p.grad after
+        zero_grad(set_to_none=False)] in resting_params.py)."""
+        return index in self._zero_reads and self._zero_reads_hold()
 
     def _fill_zeroed_gradients(self) -> None:
         """Zero gradients for this rank's zeroed parameters without one of their own (Note

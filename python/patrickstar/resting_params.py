@@ -73,6 +73,7 @@ _PASS = {
     _T.name.__get__, _T._post_accumulate_grad_hooks.__get__,
     _T._post_accumulate_grad_hooks.__set__,
     torch.autograd.grad,  # Note [torch.autograd.grad of parameters]
+    torch.autograd.backward,  # its inputs=: the same Note
 }
 
 # Note [torch.autograd.grad of parameters]
@@ -84,6 +85,10 @@ _PASS = {
 # run the accesses of that backward as of any, and nothing is stored in the gradient chunks
 # (autograd.grad accumulates nothing: Note [loss.backward()] in backward_pass.py). Under data
 # parallelism they are this rank's own gradients, as DDP's autograd.grad gives.
+# `loss.backward(inputs=[...parameters])` (torch.autograd.backward's inputs: a backward into part of
+# the model, as a GAN's discriminator step) failed the same way ("can't retain_grad on Tensor
+# that has requires_grad=False"); passed on too, it stores the gradients of those parameters
+# only, as torch accumulates into their p.grad only.
 
 
 def _shape(param) -> torch.Size:
@@ -100,6 +105,25 @@ _SHAPES = {
     _T.nelement: lambda p: _shape(p).numel(),
     _T.__len__: lambda p: _shape(p)[0],
 }
+
+
+# Note [Tensors like a parameter at rest]
+# `torch.zeros_like(p)` (a gradient set by hand, torch.distributed.checkpoint's zeros, an
+# optimizer's own state) depends on p's shape, dtype and device only, but was run on p's value
+# read out of its chunks: under data parallelism a collective, between a forward and its
+# backward refused as a penalty term, and at rest the once-per-process warning that a value
+# read carries no gradient. The `*_like` factories get a tensor of that shape, dtype and device
+# instead (its memory is the result's size, made and dropped), reading nothing.
+_LIKE = {torch.zeros_like, torch.ones_like, torch.empty_like, torch.full_like, torch.rand_like,
+         torch.randn_like, torch.randint_like}
+
+
+def _like(func, args, kwargs):
+    param = args[0]
+    template = torch.empty(_shape(param), dtype=_T.dtype.__get__(param),
+                           device=_T.device.__get__(param))
+    with torch._C.DisableTorchFunctionSubclass():
+        return func(template, *args[1:], **kwargs)
 
 
 _INPLACE_OPERATORS = {f"__i{op}__" for op in ("add", "sub", "mul", "matmul", "truediv",
@@ -187,9 +211,17 @@ class ParameterAtRest(nn.Parameter):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func == _T.grad.__get__ and _resting(args[0]):
+            grad = torch._C._disabled_torch_function_impl(func, types, args, kwargs)
+            owner = _owner(args[0]) if grad is None else None
+            return grad if owner is None else _zero_gradient(args[0], *owner)
         if func == _T.grad.__set__ and _resting(args[0]):
             owner = _owner(args[0])
-            if owner is not None:
+            if owner is not None and args[1] is None and torch._C._disabled_torch_function_impl(
+                    _T.grad.__get__, types, (args[0],)) is None:
+                engine, index = owner  # Note [p.grad = None at rest]
+                engine.set_gradient_to_none(index)
+            elif owner is not None:
                 args = (args[0], _hand_set_gradient(args[0], args[1], owner))
         if func in _PASS:
             return torch._C._disabled_torch_function_impl(func, types, args, kwargs)
@@ -197,6 +229,8 @@ class ParameterAtRest(nn.Parameter):
         if shape is not None and _resting(args[0]) and (_owner(args[0])
                                                          or engine_gone(args[0])):
             return shape(*args, **kwargs)
+        if func in _LIKE and args and _resting(args[0]) and _owner(args[0]):
+            return _like(func, args, kwargs)
         leaves, spec = tree_flatten((args, kwargs))
         owners = {i: _owner(leaf) for i, leaf in enumerate(leaves) if _resting(leaf)}
         owners = {i: owner for i, owner in owners.items() if owner is not None}
@@ -349,13 +383,91 @@ class ReadValue(torch.Tensor):
         return self.as_subclass(torch.Tensor).clone().__reduce_ex__(protocol)
 
 
+# Note [p.grad after zero_grad(set_to_none=False)]
+# torch's zero_grad(set_to_none=False) (model.zero_grad's default before torch 2.0, and what
+# loops written for it still pass) leaves every p.grad that existed a tensor of zeros of p's
+# shape and dtype, and loops rely on it right after: `assert p.grad is not None`, logging
+# `p.grad.abs().sum()`, `p.grad.zero_()` again. Here gradients live in chunks and p.grad is
+# None (README: read gradients with safe_get_full_grad), so all of those failed on None. What
+# torch holds there is known without reading a chunk: zeros, for each parameter that had a
+# gradient on some rank since it was last set to None (the optimizer's reads_zero_gradient).
+# So p.grad of a parameter at rest reads a ZeroGradient, made for the read (nothing is kept:
+# the memory design is unchanged), from that zero_grad until the next backward ends; from then
+# on p.grad is None again, as after any backward (its values are in the chunks, the documented
+# gap). Every rank reads alike (the set comes from the accumulation end's agreement), and no
+# collective runs. Changing the zeros in place to zeros (`p.grad.zero_()`, `mul_`, torch's
+# Module.zero_grad(set_to_none=False) again) is what torch's would leave; any other change
+# (`p.grad.add_(noise)`) could not reach the step, and raises naming the parameter. A
+# parameter's own p.grad, when set (Note [Gradients set by hand at rest]), is read as it is.
+def _zero_gradient(param, engine, index: int) -> "ZeroGradient | None":
+    optimizer = getattr(engine, "optimizer", None)  # none yet while initialize() builds it
+    if optimizer is None or not optimizer.reads_zero_gradient(index):
+        return None
+    zeros = torch.zeros(_shape(param), dtype=_T.dtype.__get__(param),
+                        device=_T.device.__get__(param))
+    return ZeroGradient.of(zeros, _label(engine, index))
+
+
+class ZeroGradient(torch.Tensor):
+    """What p.grad of a parameter at rest reads after zero_grad(set_to_none=False): Note [p.grad
+    after zero_grad(set_to_none=False)]."""
+
+    @staticmethod
+    def of(value: torch.Tensor, label: str) -> "ZeroGradient":
+        # Not as_subclass, whose result is a view: torch's p.grad is none (p.grad.detach_()).
+        value = torch.Tensor._make_subclass(ZeroGradient, value)
+        value._ps_label = label
+        return value
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        written = [target for target in _written(func, args, kwargs)
+                   if type(target) is ZeroGradient]
+        with torch._C.DisableTorchFunctionSubclass():
+            result = func(*args, **kwargs)
+            for target in written:
+                if bool(target.count_nonzero()):
+                    target.zero_()
+                    raise RuntimeError(
+                        f"{_call(func)} on p.grad of {target._ps_label} after "
+                        f"zero_grad(set_to_none=False): p.grad reads the zeros torch would hold, "
+                        f"made for the read, since the gradients live in chunks, so a change to "
+                        f"them would not reach optimizer.step(). Change gradients in a hook "
+                        f"(p.register_post_accumulate_grad_hook sees and changes each backward's "
+                        f"gradient as stored) or through the loss")
+        return result
+
+    def __repr__(self, *args, **kwargs):
+        return self.as_subclass(torch.Tensor).__repr__(*args, **kwargs)
+
+    def __deepcopy__(self, memo):
+        return self.as_subclass(torch.Tensor).clone()
+
+    def __reduce_ex__(self, protocol):
+        return self.as_subclass(torch.Tensor).clone().__reduce_ex__(protocol)
+
+
+# Note [p.grad = None at rest]
+# torch's optimizers skip a parameter whose p.grad is None, so `p.grad = None` before the step
+# (a part frozen for this step, a gradient found bad, a schedule of which layers train) leaves
+# that parameter, its moments and step count alone. Here p.grad was None already and the
+# gradient in the chunk was applied anyway, silently. Setting None on a parameter at rest whose
+# own p.grad is None now drops its chunked gradient as zero_grad(set_to_none=True) of a module
+# holding only it would (PatrickStarEngine.set_gradient_to_none). A p.grad the parameter does
+# hold (an empty one set by hand, or one stranded by a raised backward) is cleared as before.
 # Note [Gradients set by hand at rest]
 # `p.grad = g` of the weight's shape cannot be kept on the placeholder (torch checks the sizes)
 # and the engine's gradients live in chunks, filled by backward. torch.distributed.checkpoint's
 # get_state_dict sets every p.grad to zeros_like(p) for its state-initializing step (Note [The
-# state-initializing step of torch.distributed.checkpoint] in optimizer.py): zeros become an
-# empty gradient on the placeholder, which that step recognises and clears. Any other gradient
-# set by hand would be lost, so it raises naming the parameter.
+# state-initializing step of torch.distributed.checkpoint] in optimizer.py) where the
+# optimizer's state is empty: zeros become an empty gradient on the placeholder, which that step
+# recognises and clears. Where the optimizer has state (dcp never sets them then), zeros set by
+# hand are torch's zero gradient: its Adam then moves the parameter by its moments, and they were
+# lost (no move, and p.grad read shape (0,)). They are kept as zero_grad(set_to_none=False) keeps
+# them (PatrickStarEngine.set_gradient_to_zeros; p.grad reads them: Note [p.grad after
+# zero_grad(set_to_none=False)]). Any other gradient set by hand would be lost, so it raises
+# naming the parameter.
 def _hand_set_gradient(param, grad, owner):
     if grad is None or tuple(grad.shape) != tuple(param.ds_shape):
         return grad
@@ -366,6 +478,9 @@ def _hand_set_gradient(param, grad, owner):
                 f"live in chunks, where backward puts them, so a gradient set by hand would not "
                 f"be applied. Compute it through the model's forward and backward (or train "
                 f"this tensor with a torch optimizer of its own outside the engine)")
+        engine, index = owner
+        if engine.set_gradient_to_zeros(index):
+            return None
         return grad.new_zeros(torch.Tensor.size(param))
 
 

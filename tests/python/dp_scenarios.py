@@ -478,10 +478,12 @@ def shard(batch, rank: int, world: int):
     return tuple(t.chunk(world)[rank] for t in batch)
 
 
-def reference(name: str, world: int):
+def reference(name: str, world: int, grads_read: list | None = None):
     """Plain PyTorch on the whole batch (the loss is the mean of the ranks' shard losses, which
     equals the whole-batch loss for the mean-reduced losses used here and keeps the per-shard
-    control flow of RankDependentBranch). Returns (losses per optimizer step, state dict)."""
+    control flow of RankDependentBranch). Returns (losses per optimizer step, state dict);
+    `grads_read` gets what each p.grad holds after each zero_grad (None or its sum of
+    magnitudes), as dp_worker records it."""
     s = SCENARIOS[name]
     torch.manual_seed(0)
     model = s.model()
@@ -501,6 +503,9 @@ def reference(name: str, world: int):
                     nn.utils.clip_grad_norm_(model.parameters(), s.clip, s.clip_norm_type)
                 optimizer.step()
             optimizer.zero_grad(set_to_none=s.set_to_none)
+            if grads_read is not None:
+                grads_read.append([None if p.grad is None else float(p.grad.abs().sum())
+                                   for p in model.parameters()])
     return losses, model.state_dict()
 
 

@@ -85,7 +85,7 @@ def train(name: str, rank: int, world: int) -> dict:
         load = model.load_state_dict if s.reinitialize == "load" else model.module.load_state_dict
         load(reinitialized_state(s))
     model.reset_peak_memory_stats()  # training's peak (every rank built the whole model once)
-    losses = []
+    losses, grads_read = [], []
     for step, batch in enumerate(s.batches(s.steps * s.accumulation)):
         loss = model(*shard(batch, rank, world))
         losses.append(loss.item())
@@ -104,6 +104,9 @@ def train(name: str, rank: int, world: int) -> dict:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), s.clip, s.clip_norm_type)
             optimizer.step()
             optimizer.zero_grad(set_to_none=s.set_to_none)
+            # Note [p.grad after zero_grad(set_to_none=False)]: what p.grad reads, every rank
+            grads_read.append([None if p.grad is None else float(p.grad.abs().sum())
+                               for p in model.parameters()])
     stats = model.memory_stats()  # after the step: gathered copies and remote grads dropped
     manager = model.chunks.manager
     # This rank's compute chunks holding a payload after the step, and those it may re-make
@@ -116,7 +119,7 @@ def train(name: str, rank: int, world: int) -> dict:
     remakes = manager.remakes
     state = model.state_dict()
     module_state = model.module.state_dict()  # Note [The user's module's state dict]
-    result = {"losses": losses, "state": state, "stats": stats,
+    result = {"losses": losses, "grads_read": grads_read, "state": state, "stats": stats,
               "peak_model_bytes": model.peak_model_bytes,
               "compute_after_step": compute_after_step, "remakeable": len(remakeable),
               "remakeable_bytes": remakeable_bytes,

@@ -72,7 +72,7 @@ def test_new_keys_parse():
     ({"optimizer": {"params": {"lr": "fast"}}}, "'optimizer.params.lr': expected a number"),
     ({"optimizer": {"params": {"betas": [0.9]}}}, "'optimizer.params.betas'"),
     ({"optimizer": {"params": {"betas": [0.9, 1.0]}}}, "'optimizer.params.betas[1]'"),
-    ({"optimizer": {"params": {"eps": 0}}}, "'optimizer.params.eps': must be > 0"),
+    ({"optimizer": {"params": {"eps": -1e-8}}}, "'optimizer.params.eps': must be >= 0"),
     ({"optimizer": {"params": {"amsgrad": True}}}, "'optimizer.params.amsgrad'"),
     ({"optimizer": {"params": {"momentum": 0.9}}}, "'optimizer.params.momentum'"),
     ({"optimizer": {"type": "SGD"}}, "'optimizer.type'"),

@@ -574,6 +574,13 @@ def test_zero_grad_keeping_zeros_updates_a_branch_no_rank_took_as_pytorch(two_ra
     # Note [Gradients zeroed, not dropped]: each owner gives its zeroed parameters a zero
     # gradient in the steps no rank took the branch.
     check_matches_reference(two_ranks, "branch_zeroed")
+    # Note [p.grad after zero_grad(set_to_none=False)]: p.grad reads torch's zeros on every
+    # rank, the branch's too on the rank that neither took it nor owns it.
+    expected = []
+    reference("branch_zeroed", len(two_ranks), expected)
+    assert all(None not in step for step in expected)
+    for result in two_ranks:
+        assert result["branch_zeroed"]["grads_read"] == expected
 
 
 BOUNDARY_SCENARIOS = [f"boundary_{chunk}" for chunk in BOUNDARY_CHUNKS] + ["boundary_65536"]

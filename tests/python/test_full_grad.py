@@ -1,5 +1,6 @@
 """Reading gradients that live in chunks (`p.grad` is None): `model.full_gradient(p)` and
-DeepSpeed's spelling `patrickstar.safe_get_full_grad(p)`, against PyTorch's `p.grad`."""
+DeepSpeed's spelling `patrickstar.safe_get_full_grad(p)`, against PyTorch's `p.grad`; and the
+zeros `p.grad` reads after zero_grad(set_to_none=False), as torch's."""
 from __future__ import annotations
 
 import warnings
@@ -66,3 +67,79 @@ def test_a_foreign_tensor_or_unknown_name_is_refused():
         patrickstar.safe_get_full_grad(nn.Parameter(torch.ones(3)))
     with pytest.raises(KeyError, match="no parameter 'nope'.*e.g. '0.weight'"):
         model.full_gradient("nope")
+
+
+def grads(params):
+    """What each p.grad holds: None, or (shape, dtype, sum of magnitudes)."""
+    return [None if p.grad is None else (tuple(p.grad.shape), p.grad.dtype,
+                                         float(p.grad.abs().sum())) for p in params]
+
+
+@pytest.mark.parametrize("zeroing", ["optimizer", "engine", "module"])
+@pytest.mark.parametrize("bf16", [False, True])
+def test_p_grad_reads_torchs_zeros_after_zero_grad_set_to_none_false(zeroing, bf16):
+    """Note [p.grad after zero_grad(set_to_none=False)] in resting_params.py: torch's zeros
+    from that zero_grad until the next backward, None after set_to_none=True (and after a
+    backward: the gradients are in chunks, read by safe_get_full_grad)."""
+    model, opt = make(**({"bf16": {"enabled": True}} if bf16 else {}))
+    torch.manual_seed(0)
+    reference = net().to(torch.bfloat16 if bf16 else torch.float32)
+    ref_opt = torch.optim.AdamW(reference.parameters())
+    zero_grad = {"optimizer": opt.zero_grad, "engine": model.zero_grad,
+                 "module": model.module.zero_grad}[zeroing]
+    x = batches(1)[0].to(torch.bfloat16 if bf16 else torch.float32)
+    zero_grad(set_to_none=False)  # no gradient yet: torch's p.grad stays None
+    ref_opt.zero_grad(set_to_none=False)
+    assert grads(model.parameters()) == grads(reference.parameters()) == [None] * 4
+    model.backward(model(x).float().square().mean())
+    reference(x).float().square().mean().backward()
+    opt.step()
+    ref_opt.step()
+    zero_grad(set_to_none=False)
+    ref_opt.zero_grad(set_to_none=False)
+    expected = grads(reference.parameters())
+    assert None not in expected and grads(model.parameters()) == expected
+    opt.step()  # a step without a backward keeps them, as torch's
+    ref_opt.step()
+    assert grads(model.parameters()) == expected
+    model.zero_grad(set_to_none=False)  # torch's Module.zero_grad zeroes them in place again
+    weight = model.module[0].weight
+    weight.grad.zero_()
+    weight.grad.mul_(0.5).clamp_(-1, 1)
+    weight.grad.detach_()  # not a view, as torch's p.grad
+    assert grads(model.parameters()) == expected
+    with pytest.raises(RuntimeError, match=r"add_\(\) on p.grad of PatrickStar parameter "
+                                           r"'module.0.weight' after zero_grad\(set_to_none="):
+        weight.grad.add_(1.0)
+    assert grads(model.parameters()) == expected
+    assert all(not bool(patrickstar.safe_get_full_grad(p).count_nonzero())
+               for p in model.parameters())
+    model.backward(model(x).float().square().mean())
+    assert grads(model.parameters()) == [None] * 4  # in chunks now (torch: the gradients)
+    opt.step()
+    zero_grad(set_to_none=False)
+    assert grads(model.parameters()) == expected
+    zero_grad()  # set_to_none=True, as torch
+    ref_opt.zero_grad()
+    assert grads(model.parameters()) == grads(reference.parameters()) == [None] * 4
+
+
+def test_p_grad_zeros_are_kept_for_the_parameters_torch_keeps_them_for():
+    """A part zeroed with set_to_none=True reads None while the rest reads zeros; a parameter
+    that never had a gradient stays None (torch: never made)."""
+    model, opt = make()
+    torch.manual_seed(0)
+    reference = net()
+    ref_opt = torch.optim.AdamW(reference.parameters())
+    for m in (model.module, reference):
+        m[2].bias.requires_grad_(False)
+    x = batches(1)[0]
+    model.backward(model(x).square().mean())
+    reference(x).square().mean().backward()
+    for m, o in ((model, opt), (reference, ref_opt)):
+        o.step()
+        o.zero_grad(set_to_none=False)
+    model.module[0].zero_grad(set_to_none=True)
+    reference[0].zero_grad(set_to_none=True)
+    assert grads(model.parameters()) == grads(reference.parameters())
+    assert [g is None for g in grads(reference.parameters())] == [True, True, False, True]

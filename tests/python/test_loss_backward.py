@@ -105,6 +105,30 @@ def test_loss_backward_matches_pytorch():
         torch.testing.assert_close(state[key], tensor, rtol=1e-5, atol=1e-6)
 
 
+def test_loss_backward_into_some_parameters_trains_them_only_as_pytorch():
+    """`loss.backward(inputs=params)`: torch stores the gradients of those parameters only (Note
+    [torch.autograd.grad of parameters] in resting_params.py); it raised "can't retain_grad on
+    Tensor that has requires_grad=False"."""
+    config = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+              "default_chunk_size": 4096}
+    torch.manual_seed(0)
+    reference = MLP()
+    ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
+    torch.manual_seed(0)
+    model, optimizer = patrickstar.initialize(MLP, config=config)
+    for step, (x, y) in enumerate(batches(3)):
+        reference(x, y).backward(inputs=list(reference.layers[step % 3].parameters()))
+        model(x, y).backward(inputs=list(model.module.layers[step % 3].parameters()))
+        assert [patrickstar.safe_get_full_grad(p) is not None for p in model.parameters()] == [
+            p.grad is not None for p in reference.parameters()]
+        for opt in (ref_optimizer, optimizer):
+            opt.step()
+            opt.zero_grad()
+    state = model.state_dict()
+    for key, tensor in reference.state_dict().items():
+        torch.testing.assert_close(state[key], tensor, rtol=1e-5, atol=1e-6)
+
+
 def test_hugging_face_gradient_checkpointing_with_loss_backward():
     transformers = pytest.importorskip("transformers")
     config = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=2, n_positions=16)

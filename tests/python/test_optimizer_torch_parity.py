@@ -156,6 +156,58 @@ def test_a_step_after_zero_grad_set_to_none_false_updates_with_zero_gradients():
     assert model.global_steps == 2 and model.was_step_applied()
 
 
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_p_grad_set_to_none_before_the_step_leaves_that_parameter_alone_as_torch(set_to_none):
+    """Note [p.grad = None at rest] in resting_params.py: torch's step skips it (weight,
+    moments and step count), the chunked gradient was applied anyway. Kept zeros
+    (set_to_none=False) set to None are skipped too."""
+    reference, ref_optimizer, model, optimizer = pair()
+    for step, (x, y) in enumerate(mlp_batches(3)):
+        for net, opt in ((reference, ref_optimizer), (model, optimizer)):
+            if step == 1:  # torch's zeros but for layers.1.bias: no-op with set_to_none
+                net.layers[1].bias.grad = None
+                opt.step()
+            net(x, y).backward()
+            if step == 0:
+                net.layers[0].weight.grad = None
+            opt.step()
+            opt.zero_grad(set_to_none=set_to_none)
+    assert_same_weights(reference, model)
+    counts = []
+    for opt in (optimizer, ref_optimizer):
+        state = opt.state_dict()["state"]
+        counts.append([float(state[index]["step"]) for index in sorted(state)])
+    assert counts[0] == counts[1] == ([2.0] + [3.0] * 5 if set_to_none else
+                                      [2.0, 4.0, 4.0, 3.0, 4.0, 4.0])
+    assert [p.grad is None for p in model.parameters()] == [
+        p.grad is None for p in reference.parameters()]
+
+
+def test_p_grad_set_to_zeros_by_hand_steps_as_torchs_zero_gradient():
+    """Note [Gradients set by hand at rest] in resting_params.py: zeros set by hand (all of
+    them between steps, or one in place of its backward's gradient) are torch's zero gradient,
+    which Adam applies; they were lost (no move) and p.grad read shape (0,)."""
+    reference, ref_optimizer, model, optimizer = pair()
+    for step, (x, y) in enumerate(mlp_batches(3)):
+        for net, opt in ((reference, ref_optimizer), (model, optimizer)):
+            net(x, y).backward()
+            if step == 1:
+                net.layers[1].weight.grad = torch.zeros_like(net.layers[1].weight)
+            opt.step()
+            opt.zero_grad()
+            if step == 0:
+                for param in net.parameters():
+                    param.grad = torch.zeros_like(param)
+                opt.step()
+    assert_same_weights(reference, model)
+    for opt in (optimizer, ref_optimizer):
+        state = opt.state_dict()["state"]
+        assert [float(state[index]["step"]) for index in sorted(state)] == [4.0] * 6
+    model.layers[0].bias.grad = torch.zeros(64)
+    assert [None if p.grad is None else tuple(p.grad.shape) for p in model.parameters()] == [
+        None, (64,), None, None, None, None]
+
+
 def test_a_step_without_gradients_leaves_the_fp16_loss_scale_and_counters():
     config = {**CONFIG, "fp16": {"enabled": True, "initial_scale_power": 8,
                                  "loss_scale_window": 1}}

@@ -249,6 +249,28 @@ def test_a_gradient_set_by_hand_at_rest_is_refused_unless_zero():
     weight.grad = None
 
 
+@pytest.mark.parametrize("when", ["at_rest", "in_flight"])
+def test_tensors_like_a_parameter_read_nothing_and_are_torchs(when):
+    # Note [Tensors like a parameter at rest]: they read the value (warning at rest that it
+    # carries no gradient, refused between the forward and its backward).
+    reference, _, model, _ = build()
+    if when == "in_flight":
+        loss = model(batches(1)[0]).float().logsumexp(-1).mean()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for param, ref in zip(model.parameters(), reference.parameters()):
+            for like in (torch.zeros_like(param), torch.full_like(param, 2.0),
+                         torch.ones_like(param, dtype=torch.float16)):
+                expected = {torch.float16: torch.ones_like(ref, dtype=torch.float16)}.get(
+                    like.dtype, torch.zeros_like(ref) if not like.any() else
+                    torch.full_like(ref, 2.0))
+                assert type(like) is torch.Tensor and not like.requires_grad
+                assert torch.equal(like, expected)
+            assert torch.randn_like(param).shape == ref.shape
+    if when == "in_flight":
+        model.backward(loss)
+
+
 def test_a_penalty_between_the_forward_and_its_backward_is_refused_and_logging_reads_values():
     # Note [Parameters between a forward and its backward]: the tutorials' L2 penalty after the
     # forward was 0 there, then backward failed with autograd's "PowBackward0 returned an
