@@ -173,13 +173,32 @@ class ChunkedParams:
         """The chunk tensor id of parameter `index` of chunk kind `kind` (`_C.ChunkKind`)."""
         return self.ids[index].of(kind)
 
+    # Note [Reads where the chunk is]
+    # Reads and writes outside training (state_dict(), save_checkpoint(), a parameter's values,
+    # a load, a clip) accessed every tensor on the host. A chunk on the device then moved to the
+    # host, which under a host budget meant evicting a host chunk, and with no NVMe tier below
+    # there is nowhere to evict to: a two-table model that trained within memory.host_budget =
+    # 6 MB (its host peak 4.9 MB) failed every save_checkpoint() and state_dict() with "tier
+    # 'host' cannot take 1282048 bytes ... the last tier", and a fresh engine could not load
+    # that checkpoint (its compute chunks, on the host since initialization, left no room for
+    # the optimizer state the load writes). So a compute parameter is accessed where forward
+    # computes on it (the device tier; it stays there), and every other kind on the device
+    # when its chunk is there, else on the host (from NVMe, or with no payload, as before). A
+    # view on the device is what forward computes on; read() copies it to the CPU, and so does
+    # the checkpoint's tensor_bytes().
+    def _where(self, tensor_id: int, kind) -> str:
+        if kind == _C.ChunkKind.COMPUTE_PARAM:
+            return Tier.DEVICE
+        chunk = self.chunks.manager.tensor_info(tensor_id)["chunk"]
+        return Tier.DEVICE if self.chunks.chunk_tier(chunk) == Tier.DEVICE else Tier.HOST
+
     @contextlib.contextmanager
-    def view(self, index: int, kind, tier: str = Tier.HOST) -> Iterator[torch.Tensor]:
-        """Parameter `index`'s tensor of kind `kind`, in its shape, accessed on `tier` for the
-        duration of the block (Note [Parameter data swapping] in engine.py: the view is invalid
-        once released)."""
+    def view(self, index: int, kind, tier: str | None = None) -> Iterator[torch.Tensor]:
+        """Parameter `index`'s tensor of kind `kind`, in its shape, accessed on `tier` (None:
+        Note [Reads where the chunk is]) for the duration of the block (Note [Parameter data
+        swapping] in engine.py: the view is invalid once released)."""
         tensor_id = self.tensor_id(index, kind)
-        view = self.chunks.access(tensor_id, tier)
+        view = self.chunks.access(tensor_id, self._where(tensor_id, kind) if tier is None else tier)
         try:
             yield view.view(self.shape_of(index, kind))
         finally:
@@ -195,7 +214,7 @@ class ChunkedParams:
     def read(self, index: int, kind) -> torch.Tensor:
         """A copy of parameter `index`'s tensor of kind `kind`, on the CPU."""
         with self.view(index, kind) as view:
-            return view.clone()
+            return view.to("cpu", copy=True)
 
     def write(self, index: int, kind, value: torch.Tensor) -> None:
         """Copies `value` (any float dtype, the parameter's shape) into the chunk tensor."""

@@ -722,7 +722,7 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         # Note [A clip before the step]: the pending clip scales these values afterwards.
         bound = value * self.loss_scaler.scale / self._pending_clip_coefficient()
         for index in indices:
-            with self.chunked.view(index, _C.ChunkKind.GRADIENT, T.HOST) as grad:
+            with self.chunked.view(index, _C.ChunkKind.GRADIENT) as grad:
                 grad.clamp_(-bound, bound)
 
     def scale_gradients(self, factor: float) -> None:
@@ -730,7 +730,7 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         accumulation] in data_parallel.py)."""
         for index, has in enumerate(self.has_grad):
             if has:
-                with self.chunked.view(index, _C.ChunkKind.GRADIENT, T.HOST) as grad:
+                with self.chunked.view(index, _C.ChunkKind.GRADIENT) as grad:
                     grad.mul_(factor)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -809,7 +809,7 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         for row in self._update_rows():
             for index in row.indices:
                 if index in self._zeroed and not self.has_grad[index]:
-                    with self.chunked.view(index, _C.ChunkKind.GRADIENT, T.HOST) as grad:
+                    with self.chunked.view(index, _C.ChunkKind.GRADIENT) as grad:
                         grad.zero_()
                     self.has_grad[index] = True
 

@@ -112,3 +112,52 @@ def test_optimizer_owns_step_counts_has_grad_and_state_like_torch():
     for index, state in zip(trainable, theirs):
         torch.testing.assert_close(ours[index]["exp_avg"], state["exp_avg"])
         torch.testing.assert_close(ours[index]["exp_avg_sq"], state["exp_avg_sq"])
+
+
+class TwoTables(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Embedding(20000, 16)
+        self.b = nn.Embedding(20000, 16)
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, ids):
+        return self.head(self.a(ids) + self.b(ids)).pow(2).mean()
+
+
+def test_reads_outside_training_fit_the_host_budget_training_fits(tmp_path):
+    # Note [Reads where the chunk is]: the model trains with its host peak (4.9 MB) under a
+    # 6 MB host budget and no NVMe; state_dict(), the parameters' values and save_checkpoint()
+    # moved the device's chunks to the host and failed "cannot take ... the last tier".
+    torch.manual_seed(0)
+    plain = TwoTables()
+    initial = {k: v.clone() for k, v in plain.state_dict().items()}
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2, foreach=False)
+
+    def model_func():
+        module = TwoTables()
+        module.load_state_dict(initial)
+        return module
+
+    config = {"default_chunk_size": 4096, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+              "memory": {"host_budget": 6_000_000}}
+    model, _ = patrickstar.initialize(model_func, config=config)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        ids = torch.randint(0, 20000, (8, 4), generator=generator)
+        model.backward(model(ids))
+        model.step()
+        plain(ids).backward()
+        plain_opt.step()
+        plain_opt.zero_grad()
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(value, plain.state_dict()[name], msg=name)
+    for (name, param), expected in zip(model.module.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(param.detach().clone(), expected.detach(), msg=name)
+    model.save_checkpoint(str(tmp_path), tag="t")
+    ids = torch.randint(0, 20000, (8, 4), generator=generator)
+    expected = float(plain(ids))
+    loaded, _ = patrickstar.initialize(model_func, config=config)
+    loaded.load_checkpoint(str(tmp_path), tag="t")
+    assert float(loaded(ids)) == pytest.approx(expected, rel=1e-5)
+    assert float(model(ids)) == pytest.approx(expected, rel=1e-5)  # and training goes on

@@ -139,7 +139,7 @@ class EngineState:
             if entry.kind == "buffer":
                 return buffers[entry.name]
             with self.view(index_of[entry.name], entry.kind) as view:
-                return view.clone()
+                return view.to("cpu", copy=True)  # Note [Reads where the chunk is]
         return read
 
     def buffers(self) -> dict[str, torch.Tensor]:
