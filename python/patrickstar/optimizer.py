@@ -15,11 +15,11 @@ kernel can reach it there: on a CPU build every memory tier is host memory (the 
 emulated), so nothing moves; with CUDA a parameter whose chunks are all on the GPU is updated by
 the GPU kernel there, anything else on the host. Chunks on NVMe stream through host memory: while
 row k is updated, the NVMe chunks of row k+1 are already being read (`start_move`, Note [Started
-moves] in chunk_manager_moves.cc) and those of row k-1 written back, so disk reads, Adam and disk writes
-overlap, and the host holds about three rows of NVMe state at a time. A failed read or write-back
-raises out of `step()` with the file, offset and bytes; the chunk keeps its bytes in memory and its
-NVMe slot stays invalid (never read back torn), and the engine refuses to train on until a
-checkpoint is loaded, since the rows before the failure were already updated.
+moves] in chunk_manager_moves.cc) and those of row k-1 written back, so disk reads, Adam and disk
+writes overlap, and the host holds about three rows of NVMe state at a time. A failed read or
+write-back raises out of `step()` with the file, offset and bytes; the chunk keeps its bytes in
+memory and its NVMe slot stays invalid (never read back torn), and the engine refuses to train on
+until a checkpoint is loaded, since the rows before the failure were already updated.
 """
 from __future__ import annotations
 
@@ -482,8 +482,8 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
     # every trainable parameter's p.grad set to an empty tensor (a gradient of ours is never
     # there; zeros set at rest become one). It counts as torch's step with zero gradients at
     # lr 0 counts: the weights and the (zero) moments stay, each step count becomes 1 and the
-    # state shows in state_dict() for dcp.load to fill (only Adam with L2 weight decay would differ, its
-    # first moment there being (1 - beta1) * wd * p, and dcp.load overwrites it).
+    # state shows in state_dict() for dcp.load to fill (only Adam with L2 weight decay would
+    # differ, its first moment there being (1 - beta1) * wd * p, and dcp.load overwrites it).
     def _is_state_initializing_step(self) -> bool:
         if self.guard.backwards or any(self.has_grad) or len(self.state):
             return False
@@ -1312,8 +1312,9 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
     # group's saved numbers onto the group's parameters in order; the numbers themselves mean
     # nothing else, except to torch.distributed.checkpoint, which names them through
     # param_groups. Ours were the engine's parameter indices (the same numbers in one group in
-    # the model's order); they are torch's numbers now. Reading a torch-saved dict's numbers as our indices (as load_state_dict did) put a
-    # bias's moments into a weight, or, where shapes agreed, into the wrong parameter silently:
+    # the model's order); they are torch's numbers now. Reading a torch-saved dict's numbers as
+    # our indices (as load_state_dict did) put a bias's moments into a weight, or, where shapes
+    # agreed, into the wrong parameter silently:
     # so load maps through the groups as torch does, and checks every group and shape before
     # it writes anything.
     def _saved_numbering(self, saved_groups, empty: set = frozenset()) -> dict[int, int]:
@@ -1350,9 +1351,9 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
     # torch.distributed.checkpoint, which maps those numbers through param_groups and wants
     # state for every trainable parameter, pairs them with the right names. `optimizer.state`
     # lists them and gives them the same entry (it gave {}, so a loop over each parameter's
-    # `optimizer.state[p]["exp_avg"]` raised KeyError there). A saved state dict that leaves them out
-    # (the engine's before) is paired with the chunked parameters once its empty entries are
-    # dropped.
+    # `optimizer.state[p]["exp_avg"]` raised KeyError there). A saved state dict that leaves
+    # them out (the engine's before) is paired with the chunked parameters once its empty
+    # entries are dropped.
 
     # Note [8-bit moments are checked before the load writes]
     # The shape check above let 8-bit codes through (their scales were checked as each moment
