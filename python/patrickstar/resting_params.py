@@ -354,7 +354,21 @@ def _user_stacklevel() -> int:
     return level
 
 
-class ReadValue(torch.Tensor):
+class _MadeForARead(torch.Tensor):
+    """A tensor made for one read of a parameter at rest (ReadValue, ZeroGradient): printed,
+    deep-copied and pickled as the plain tensor it holds."""
+
+    def __repr__(self, *args, **kwargs):
+        return self.as_subclass(torch.Tensor).__repr__(*args, **kwargs)
+
+    def __deepcopy__(self, memo):
+        return self.as_subclass(torch.Tensor).clone()
+
+    def __reduce_ex__(self, protocol):
+        return self.as_subclass(torch.Tensor).clone().__reduce_ex__(protocol)
+
+
+class ReadValue(_MadeForARead):
     """What `p.data` and `p.detach()` of a parameter at rest give: its value, read out of the
     chunks, refusing in-place changes (which would not reach the parameter) by its name."""
 
@@ -372,15 +386,6 @@ class ReadValue(torch.Tensor):
                 _refuse_write(func, target._ps_label)
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
-
-    def __repr__(self, *args, **kwargs):
-        return self.as_subclass(torch.Tensor).__repr__(*args, **kwargs)
-
-    def __deepcopy__(self, memo):
-        return self.as_subclass(torch.Tensor).clone()
-
-    def __reduce_ex__(self, protocol):
-        return self.as_subclass(torch.Tensor).clone().__reduce_ex__(protocol)
 
 
 # Note [p.grad after zero_grad(set_to_none=False)]
@@ -408,7 +413,7 @@ def _zero_gradient(param, engine, index: int) -> "ZeroGradient | None":
     return ZeroGradient.of(zeros, _label(engine, index))
 
 
-class ZeroGradient(torch.Tensor):
+class ZeroGradient(_MadeForARead):
     """What p.grad of a parameter at rest reads after zero_grad(set_to_none=False): Note [p.grad
     after zero_grad(set_to_none=False)]."""
 
@@ -437,15 +442,6 @@ class ZeroGradient(torch.Tensor):
                         f"(p.register_post_accumulate_grad_hook sees and changes each backward's "
                         f"gradient as stored) or through the loss")
         return result
-
-    def __repr__(self, *args, **kwargs):
-        return self.as_subclass(torch.Tensor).__repr__(*args, **kwargs)
-
-    def __deepcopy__(self, memo):
-        return self.as_subclass(torch.Tensor).clone()
-
-    def __reduce_ex__(self, protocol):
-        return self.as_subclass(torch.Tensor).clone().__reduce_ex__(protocol)
 
 
 # Note [p.grad = None at rest]
