@@ -75,6 +75,19 @@ _PASS = {
     torch.autograd.grad,  # Note [torch.autograd.grad of parameters]
 }
 
+# Note [New tensors like a parameter]
+# `weight = next(self.parameters()); weight.new_zeros(nlayers, bsz, nhid)` is how PyTorch's
+# word_language_model (and many RNN scripts) makes its initial hidden state: the parameter is
+# asked only for its dtype and device. Read as a value, it copied the whole weight out of its
+# chunks (a collective under data parallelism) and warned that a loss term computed from it
+# would train nothing. The `new_*` methods take the placeholder itself, which has the
+# parameter's dtype and device; the `*_like` functions take a stand-in of the real shape. Neither
+# reads the value, so neither warns nor, under data parallelism, needs every rank to call.
+_NEW = {_T.new_zeros, _T.new_ones, _T.new_empty, _T.new_full, _T.new_tensor,
+        _T.new_empty_strided}
+_LIKE = {torch.zeros_like, torch.ones_like, torch.empty_like, torch.full_like,
+         torch.rand_like, torch.randn_like, torch.randint_like}
+
 # Note [torch.autograd.grad of parameters]
 # `torch.autograd.grad(loss, model.parameters())` (a gradient penalty, MAML's inner step, a
 # per-layer gradient norm) passes the parameters to torch as the graph's leaves. Read as values,
@@ -192,6 +205,13 @@ class ParameterAtRest(nn.Parameter):
             if owner is not None:
                 args = (args[0], _hand_set_gradient(args[0], args[1], owner))
         if func in _PASS:
+            return torch._C._disabled_torch_function_impl(func, types, args, kwargs)
+        if (func in _NEW or func in _LIKE) and args and _resting(args[0]) and not any(
+                _resting(leaf) for leaf in tree_flatten((args[1:], kwargs))[0]):
+            if func in _LIKE:
+                first = args[0]
+                args = (torch.empty(_shape(first), dtype=first.dtype, device=first.device),
+                        *args[1:])
             return torch._C._disabled_torch_function_impl(func, types, args, kwargs)
         shape = _SHAPES.get(func)
         if shape is not None and _resting(args[0]) and (_owner(args[0])
