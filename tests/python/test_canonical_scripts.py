@@ -70,7 +70,7 @@ def word_language_model(kind, ported, backward, save_path, tied=True):
     val_data = torch.randint(0, ntokens, (40,), generator=generator).view(2, -1).t()
 
     def model_func():
-        return RNNModel(kind, ntokens, 16, 16, 2, 0.2, tied)
+        return RNNModel(kind, ntokens, 16, 16, 2, 0.2, tied).to("cpu")  # main.py's .to(device)
 
     torch.manual_seed(0)
     if ported:
