@@ -99,6 +99,41 @@ _LIKE = {torch.zeros_like, torch.ones_like, torch.empty_like, torch.full_like,
 # parallelism they are this rank's own gradients, as DDP's autograd.grad gives.
 
 
+# Note [p.grad after a backward]
+# `p.grad` stays None (gradients live in chunks, as under DeepSpeed ZeRO-3: Note [loss.backward()]
+# in backward_pass.py), and the scripts that read it fail far from the cause or not at all:
+# word_language_model's hand-written SGD (`p.data.add_(p.grad, alpha=-lr)`) with torch's
+# "argument 'other' must be Tensor, not NoneType", a gradient-norm log (`if p.grad is not None`)
+# with a silent 0. A read of `p.grad` from outside torch and patrickstar that finds None between
+# a backward and the step says so once per process, naming what to use. The read is unchanged.
+# Installed packages are not asked about: accelerate's and the Trainer's clipping look at every
+# p.grad on their way to torch's clip_grad_norm_, which is the engine's (clip_grad.py).
+_warned_gradient_in_chunks = False
+
+
+_INSTALLED = tuple(f"{os.sep}{name}{os.sep}" for name in ("site-packages", "dist-packages"))
+
+
+def _gradient_in_chunks(param) -> None:
+    global _warned_gradient_in_chunks
+    if _warned_gradient_in_chunks:
+        return
+    caller = sys._getframe(2).f_code.co_filename
+    if caller.startswith(_LIBRARY_DIRS) or any(part in caller for part in _INSTALLED):
+        return
+    owner = _owner(param)
+    if owner is None or not owner[0].guard.backwards:
+        return
+    _warned_gradient_in_chunks = True
+    warnings.warn(
+        f"p.grad of {_label(*owner)} is None after the backward: its gradient lives in the "
+        f"engine's chunks (as under DeepSpeed ZeRO-3), and the optimizer patrickstar.initialize() "
+        f"returned applies it (update weights with it, not by hand). Read a gradient with "
+        f"model.full_gradient(p) (patrickstar.safe_get_full_grad(p)); clip with "
+        f"torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm), whose result is the "
+        f"norm. Said once per process", stacklevel=3)
+
+
 def _shape(param) -> torch.Size:
     return torch.Size(param.ds_shape)
 
@@ -205,7 +240,10 @@ class ParameterAtRest(nn.Parameter):
             if owner is not None:
                 args = (args[0], _hand_set_gradient(args[0], args[1], owner))
         if func in _PASS:
-            return torch._C._disabled_torch_function_impl(func, types, args, kwargs)
+            result = torch._C._disabled_torch_function_impl(func, types, args, kwargs)
+            if func == _T.grad.__get__ and result is None and _resting(args[0]):
+                _gradient_in_chunks(args[0])  # Note [p.grad after a backward]
+            return result
         if (func in _NEW or func in _LIKE) and args and _resting(args[0]) and not any(
                 _resting(leaf) for leaf in tree_flatten((args[1:], kwargs))[0]):
             if func in _LIKE:

@@ -567,3 +567,24 @@ def test_run_clm_no_trainer_with_accelerate_trains_resumes_and_saves_as_the_plai
         assert got == pytest.approx(expected, rel=1e-5)
         for key, value in weights.items():
             torch.testing.assert_close(got_weights[key], value, rtol=1e-4, atol=1e-5, msg=key)
+
+
+def test_the_original_hand_written_sgd_update_names_the_optimizer_to_use(monkeypatch):
+    """main.py's `p.data.add_(p.grad, alpha=-lr)`: p.grad stays None (gradients live in chunks)
+    and torch's TypeError named only NoneType (Note [p.grad after a backward])."""
+    from patrickstar import resting_params
+    monkeypatch.setattr(resting_params, "_warned_gradient_in_chunks", False)
+    model, _ = patrickstar.initialize(lambda: RNNModel("GRU", 20, 8, 8, 2, 0.0), config={
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert all(p.grad is None for p in model.parameters())  # before a backward: quiet
+    hidden = model.init_hidden(2)
+    output, hidden = model(torch.randint(0, 20, (5, 2)), hidden)
+    nn.NLLLoss()(output, torch.randint(0, 20, (10,))).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.25)
+    with pytest.warns(UserWarning, match=r"p\.grad of PatrickStar parameter 'module\.encoder"
+                                         r"\.weight' is None after the backward.*full_gradient"):
+        with pytest.raises(TypeError, match="NoneType"):
+            for p in model.parameters():
+                p.data.add_(p.grad, alpha=-20)
