@@ -149,7 +149,11 @@ class _MovesStayOnMeta(torch.overrides.TorchFunctionMode):
         if func in _MOVES and args and isinstance(args[0], torch.Tensor) and args[0].is_meta:
             tensor = args[0]
             if func is torch.Tensor.to:
-                _, dtype, _, memory_format = torch._C._nn._parse_to(*args[1:], **kwargs)
+                try:
+                    _, dtype, _, memory_format = torch._C._nn._parse_to(
+                        *args[1:], **{k: v for k, v in kwargs.items() if k != "copy"})
+                except RuntimeError:  # a positional copy=: torch's own move and its error
+                    return func(*args, **kwargs)
                 if dtype is not None or memory_format is not None:
                     return tensor.to(dtype=dtype or tensor.dtype,
                                      memory_format=memory_format or torch.preserve_format)
