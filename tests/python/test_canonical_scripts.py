@@ -649,3 +649,17 @@ def test_the_original_hand_written_sgd_update_names_the_optimizer_to_use(monkeyp
         with pytest.raises(TypeError, match="NoneType"):
             for p in model.parameters():
                 p.data.add_(p.grad, alpha=-20)
+
+
+def test_ddp_around_the_engines_module_names_the_engine_to_prepare():
+    """Under torchrun accelerate's prepare(model.module) wraps the module in DDP, whose
+    constructor failed on a lost write naming neither (Note [DDP around an engine's module]).
+    The check comes before torch's constructor, so no process group is needed here."""
+    model, _ = patrickstar.initialize(lambda: nn.Linear(3, 4), config={
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}})
+    with pytest.raises(RuntimeError, match=r"DistributedDataParallel around a module whose "
+                                           r"parameters live in a PatrickStar engine.*'weight'"
+                                           r".*pass the engine to accelerator.prepare\(\)"):
+        nn.parallel.DistributedDataParallel(model.module)
+    with pytest.raises((RuntimeError, ValueError), match="process group"):  # torch's own
+        nn.parallel.DistributedDataParallel(nn.Linear(3, 4))
