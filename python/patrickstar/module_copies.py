@@ -74,9 +74,12 @@ class ModuleCopies:
             raise RuntimeError(f"copying or pickling a {type(module).__name__} whose PatrickStar "
                                "engine is gone: its parameters lived in the engine's chunks, "
                                "which were freed with it")
-        # A parametrized class's own __getstate__ refuses pickling; its deepcopy is ours.
+        # A parametrized class's own __getstate__ refuses pickling; its deepcopy is ours. A
+        # state that is not a dict has no `_parameters` to give values to: the module's own.
         base = (module.__dict__ if parametrize.is_parametrized(module)
                 else type(module).__getstate__(module))
+        if not isinstance(base, dict) or "_parameters" not in base:
+            base = module.__dict__
         state = {key: value for key, value in base.items()
                  if key not in _OWN_ATTRIBUTES and not isinstance(value, Shadow)}
         ours = set(self._hook_ids())
