@@ -16,11 +16,11 @@ returns its state with:
   * the engine's hooks and registrations left out, and no `__getstate__` of its own, nor the
     methods the engine shadows on it (Note [Methods of the user's modules]);
   * built on the class's own `__getstate__` (but a parametrized class's, which refuses),
-    which the instance attribute shadows: nn.RNN,
-    LSTM and GRU drop there the weak references to their weights (`_flat_weight_refs`), which
-    cannot be pickled, so `torch.save(model.module, f)` of word_language_model's RNNModel failed
-    with "cannot pickle 'weakref.ReferenceType' object". Their `_flat_weights`, a list of the
-    same Parameter objects as `_parameters`, get the same new Parameters.
+    which the instance attribute shadows: nn.RNN, LSTM and GRU drop there the weak references
+    to their weights (`_flat_weight_refs`), which cannot be pickled, so `torch.save(
+    model.module, f)` of word_language_model's RNNModel failed with "cannot pickle
+    'weakref.ReferenceType' object". Their `_flat_weights`, a list of the same Parameter
+    objects as `_parameters`, get the same new Parameters.
 A module with a torch.nn.utils.parametrize parametrization (a LoRA delta in model_func) has a
 class of torch's making with a `__deepcopy__` that copies `__dict__` as it is, so its own
 parameters (the bias beside the parametrized weight) stayed placeholders in the copy; such a

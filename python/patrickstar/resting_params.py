@@ -108,10 +108,8 @@ _LIKE = {torch.zeros_like, torch.ones_like, torch.empty_like, torch.full_like,
 # a backward and the step says so once per process, naming what to use. The read is unchanged.
 # Installed packages are not asked about: accelerate's and the Trainer's clipping look at every
 # p.grad on their way to torch's clip_grad_norm_, which is the engine's (clip_grad.py).
-_warned_gradient_in_chunks = False
-
-
 _INSTALLED = tuple(f"{os.sep}{name}{os.sep}" for name in ("site-packages", "dist-packages"))
+_warned_gradient_in_chunks = False
 
 
 def _gradient_in_chunks(param) -> None:
