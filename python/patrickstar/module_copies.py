@@ -104,8 +104,14 @@ class ModuleCopies:
         copy = self._materialized.get(index)
         if copy is None:
             # On the engine's device, where the module's buffers are, as a deepcopy of a CUDA
-            # model is a CUDA model.
-            copy = nn.Parameter(engine.read_parameter(index).to(engine.device),
-                                requires_grad=param.requires_grad)
+            # model is a CUDA model. A read of user code (by_user): under data parallelism the
+            # ranks agree on it first, so `if rank == 0: torch.save(model.module, f)` is served
+            # by the other ranks at their next call (Note [Parameter reads agree] in
+            # data_parallel.py); without the agreement rank 0's gather met the others' next
+            # forward and both waited for ever.
+            copy = nn.Parameter(
+                engine.read_parameter(index, "copying or pickling model.module",
+                                      by_user=True).to(engine.device),
+                requires_grad=param.requires_grad)
             self._materialized[index] = copy
         return copy

@@ -663,3 +663,24 @@ def test_ddp_around_the_engines_module_names_the_engine_to_prepare():
         nn.parallel.DistributedDataParallel(model.module)
     with pytest.raises((RuntimeError, ValueError), match="process group"):  # torch's own
         nn.parallel.DistributedDataParallel(nn.Linear(3, 4))
+
+
+def test_one_rank_saving_the_module_under_data_parallelism_is_served(tmp_path):
+    """`if rank == 0: torch.save(model.module, f)` gathered without the ranks' agreement, so
+    rank 0's gather met rank 1's next forward and both waited until the collective timeout."""
+    import os
+
+    from canonical_worker import batches, train_step
+    from test_data_parallel import launch
+    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "canonical_worker.py")
+    results = launch(tmp_path, 2, worker=worker)
+    assert results[0] and results[1], "a rank did not finish"
+    saved = results[0]["saved"]
+    assert saved is not None and results[1]["saved"] is None
+    torch.manual_seed(0)
+    reference = RNNModel("LSTM", 20, 8, 8, 2, 0.0, True)
+    optimizer = torch.optim.Adam(reference.parameters(), lr=1e-2)
+    for step, (data, targets) in zip(range(2), batches()):  # the weights rank 0 saved
+        train_step(reference, optimizer, data, targets)
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(saved[name], value, rtol=1e-5, atol=1e-6, msg=name)
