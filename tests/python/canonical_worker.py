@@ -1,7 +1,8 @@
 """One rank of test_canonical_scripts.py's data-parallel word_language_model: rank 0 alone
 saves the best model with `torch.save(model.module, f)` in the middle of training, as main.py
 does (`if rank == 0` in a torchrun port), while rank 1 goes on to its next forward, which
-serves the read (Note [Copies of the user's module] in module_copies.py).
+serves the read (Note [Copies of the user's module] in module_copies.py); so is its
+`parameters_to_vector(model.parameters())` there (convert_parameters.py).
 
     canonical_worker.py OUT_DIR
 """
@@ -26,7 +27,7 @@ def main() -> None:
         lambda: RNNModel("LSTM", 20, 8, 8, 2, 0.0, True), config={
             "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
             "parallel": {"collective_timeout": 60}})
-    saved = None
+    saved = vector = None
     for step, (data, targets) in enumerate(batches()):
         train_step(model, optimizer, data, targets)
         if rank == 0 and step == 1:
@@ -35,7 +36,9 @@ def main() -> None:
                 torch.save(model.module, f)
             with open(path, "rb") as f:
                 saved = torch.load(f, weights_only=False).state_dict()
-    torch.save({"saved": saved}, os.path.join(out, f"rank{rank}.pt"))
+            with torch.no_grad():  # a weight log on the main process
+                vector = torch.nn.utils.parameters_to_vector(model.parameters())
+    torch.save({"saved": saved, "vector": vector}, os.path.join(out, f"rank{rank}.pt"))
 
 
 def batches():

@@ -666,8 +666,9 @@ def test_ddp_around_the_engines_module_names_the_engine_to_prepare():
 
 
 def test_one_rank_saving_the_module_under_data_parallelism_is_served(tmp_path):
-    """`if rank == 0: torch.save(model.module, f)` gathered without the ranks' agreement, so
-    rank 0's gather met rank 1's next forward and both waited until the collective timeout."""
+    """`if rank == 0: torch.save(model.module, f)` (and parameters_to_vector there) gathered
+    without the ranks' agreement, so rank 0's gather met rank 1's next forward and both waited
+    until the collective timeout."""
     import os
 
     from canonical_worker import batches, train_step
@@ -684,3 +685,5 @@ def test_one_rank_saving_the_module_under_data_parallelism_is_served(tmp_path):
         train_step(reference, optimizer, data, targets)
     for name, value in reference.state_dict().items():
         torch.testing.assert_close(saved[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    torch.testing.assert_close(results[0]["vector"], torch.nn.utils.parameters_to_vector(
+        reference.parameters()).detach(), rtol=1e-5, atol=1e-6)
