@@ -67,7 +67,10 @@ def parameters_to_vector(parameters):
                 f"Read the values under torch.no_grad() (with torch.no_grad(): "
                 f"parameters_to_vector(model.parameters())); for a penalty on the weights use "
                 f"the optimizer's weight_decay")
-        pieces.append(engine.read_parameter(index).to(engine.device).view(-1))
+        # A read of user code: on one rank under data parallelism the others serve it at
+        # their next call (Note [Parameter reads agree] in data_parallel.py).
+        pieces.append(engine.read_parameter(index, "parameters_to_vector()", by_user=True)
+                      .to(engine.device).view(-1))
     return torch.cat(pieces)
 
 

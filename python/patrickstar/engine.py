@@ -68,9 +68,10 @@ import torch
 from torch import nn
 
 from . import (_C, accelerate_precision, added_params, averaged_model, backward_pre_hooks,
-               checkpoint, clip_grad, convert_parameters, ddp_methods, dtypes, hooks,
-               module_zero_grad, param_owners, parametrizations, pruning, replaced_params,
-               resting_params, script_collectives, shared_memory, topology, torch_optimizers)
+               checkpoint, clip_grad, convert_parameters, ddp_methods, ddp_wrapping, dtypes,
+               hooks, module_zero_grad, param_owners, parametrizations, pruning,
+               replaced_params, resting_params, script_collectives, shared_memory, topology,
+               torch_optimizers)
 from .activations import ActivationCounter
 from .chunk_runtime import ChunkRuntime
 from .chunked_params import ChunkedParams
@@ -345,6 +346,7 @@ class PatrickStarEngine(nn.Module):
         convert_parameters.install()  # parameters_to_vector reads the chunks' values
         averaged_model.install()  # AveragedModel.update_parameters(model) reads them too
         parametrizations.install()  # weight_norm(...) after initialize() names model_func
+        ddp_wrapping.install(PatrickStarEngine)  # DDP(model.module) names the engine
         replaced_params.install()  # Note [Replacing a parameter after initialize()]
         added_params.install()  # Note [Parameters added after initialize()]
         shared_memory.install()  # model.share_memory() names what shares the weights

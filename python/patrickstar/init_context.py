@@ -130,6 +130,37 @@ def _recreated(module: nn.Module, name: str, param: nn.Parameter | None,
     return current
 
 
+# Note [Device moves in the planning pass]
+# Nearly every PyTorch script builds its model as `Model(...).to(device)` (word_language_model,
+# the MNIST example; `.cuda()` in older ones), and a port keeps that line in model_func. On the
+# meta device torch refuses the move ("Cannot copy out of meta tensor"), so pass 1 fell back to a
+# real build (Note [Planning without the meta device]): a warning naming to_empty(), as if the
+# script were wrong, and the whole model built once for real on the host, and with
+# `.to("cuda")` on the GPU, the memory the chunks exist to spare. The planning pass needs only
+# shapes and dtypes, so there `Tensor.to`, `.cuda()` and `.cpu()` of a meta tensor keep it on
+# meta and apply only the dtype (`.to(device, torch.bfloat16)` still plans bf16 parameters).
+# The build into chunks runs the line as written.
+_MOVES = {torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.cpu}
+
+
+class _MovesStayOnMeta(torch.overrides.TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _MOVES and args and isinstance(args[0], torch.Tensor) and args[0].is_meta:
+            tensor = args[0]
+            if func is torch.Tensor.to:
+                try:
+                    _, dtype, _, memory_format = torch._C._nn._parse_to(
+                        *args[1:], **{k: v for k, v in kwargs.items() if k != "copy"})
+                except RuntimeError:  # a positional copy=: torch's own move and its error
+                    return func(*args, **kwargs)
+                if dtype is not None or memory_format is not None:
+                    return tensor.to(dtype=dtype or tensor.dtype,
+                                     memory_format=memory_format or torch.preserve_format)
+            return tensor
+        return func(*args, **kwargs)
+
+
 def _call_model_func(model_func: Callable[[], nn.Module]) -> nn.Module:
     model = model_func()
     if not isinstance(model, nn.Module):
@@ -204,7 +235,7 @@ def plan_parameters(model_func: Callable[[], nn.Module],
 
     try:
         with _preserved_rng(), _registration_hook(record), torch.device("meta"), \
-                warnings.catch_warnings():
+                _MovesStayOnMeta(), warnings.catch_warnings():
             # A model_func that loads weights (load_state_dict) made torch warn once per
             # parameter that copying into a meta parameter is a no-op: true of this planning
             # pass only, whose weights are thrown away; the build into chunks loads them.

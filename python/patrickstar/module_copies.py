@@ -14,7 +14,13 @@ returns its state with:
     Parameter for every module that shares it within one copy (a weak cache by index that lives
     as long as the copy operation holds it), so tied weights stay tied in the copy;
   * the engine's hooks and registrations left out, and no `__getstate__` of its own, nor the
-    methods the engine shadows on it (Note [Methods of the user's modules]).
+    methods the engine shadows on it (Note [Methods of the user's modules]);
+  * built on the class's own `__getstate__` (but a parametrized class's, which refuses),
+    which the instance attribute shadows: nn.RNN, LSTM and GRU drop there the weak references
+    to their weights (`_flat_weight_refs`), which cannot be pickled, so `torch.save(
+    model.module, f)` of word_language_model's RNNModel failed with "cannot pickle
+    'weakref.ReferenceType' object". Their `_flat_weights`, a list of the same Parameter
+    objects as `_parameters`, get the same new Parameters.
 A module with a torch.nn.utils.parametrize parametrization (a LoRA delta in model_func) has a
 class of torch's making with a `__deepcopy__` that copies `__dict__` as it is, so its own
 parameters (the bias beside the parametrized weight) stayed placeholders in the copy; such a
@@ -68,7 +74,13 @@ class ModuleCopies:
             raise RuntimeError(f"copying or pickling a {type(module).__name__} whose PatrickStar "
                                "engine is gone: its parameters lived in the engine's chunks, "
                                "which were freed with it")
-        state = {key: value for key, value in module.__dict__.items()
+        # A parametrized class's own __getstate__ refuses pickling; its deepcopy is ours. A
+        # state that is not a dict has no `_parameters` to give values to: the module's own.
+        base = (module.__dict__ if parametrize.is_parametrized(module)
+                else type(module).__getstate__(module))
+        if not isinstance(base, dict) or "_parameters" not in base:
+            base = module.__dict__
+        state = {key: value for key, value in base.items()
                  if key not in _OWN_ATTRIBUTES and not isinstance(value, Shadow)}
         ours = set(self._hook_ids())
         for key, value in state.items():
@@ -77,19 +89,29 @@ class ModuleCopies:
                 copy.update((k, v) for k, v in value.items() if k not in ours)
                 state[key] = copy
         parameters = dict(state["_parameters"])
+        replaced = {}
         for name, param in parameters.items():
             index = None if param is None else engine.params.index_of(param)
             if index is not None:
-                parameters[name] = self._materialize(engine, index, param)
+                parameters[name] = replaced[id(param)] = self._materialize(engine, index, param)
         state["_parameters"] = parameters
+        for key, value in state.items():  # RNNBase's _flat_weights
+            if type(value) in (list, tuple) and any(id(v) in replaced for v in value):
+                state[key] = type(value)(replaced.get(id(v), v) for v in value)
         return state
 
     def _materialize(self, engine, index: int, param: nn.Parameter) -> nn.Parameter:
         copy = self._materialized.get(index)
         if copy is None:
             # On the engine's device, where the module's buffers are, as a deepcopy of a CUDA
-            # model is a CUDA model.
-            copy = nn.Parameter(engine.read_parameter(index).to(engine.device),
-                                requires_grad=param.requires_grad)
+            # model is a CUDA model. A read of user code (by_user): under data parallelism the
+            # ranks agree on it first, so `if rank == 0: torch.save(model.module, f)` is served
+            # by the other ranks at their next call (Note [Parameter reads agree] in
+            # data_parallel.py); without the agreement rank 0's gather met the others' next
+            # forward and both waited for ever.
+            copy = nn.Parameter(
+                engine.read_parameter(index, "copying or pickling model.module",
+                                      by_user=True).to(engine.device),
+                requires_grad=param.requires_grad)
             self._materialized[index] = copy
         return copy

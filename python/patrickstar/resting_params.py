@@ -76,6 +76,18 @@ _PASS = {
     torch.autograd.backward,  # its inputs=: the same Note
 }
 
+# Note [New tensors like a parameter]
+# `weight = next(self.parameters()); weight.new_zeros(nlayers, bsz, nhid)` is how PyTorch's
+# word_language_model (and many RNN scripts) makes its initial hidden state: the parameter is
+# asked only for its dtype and device. Read as a value, it copied the whole weight out of its
+# chunks (a collective under data parallelism) and warned that a loss term computed from it
+# would train nothing. The `new_*` methods take the placeholder itself, which has the
+# parameter's dtype and device, and read no value, so they neither warn nor, under data
+# parallelism, need every rank to call (the `*_like` functions: Note [Tensors like a parameter
+# at rest]).
+_NEW = {_T.new_zeros, _T.new_ones, _T.new_empty, _T.new_full, _T.new_tensor,
+        _T.new_empty_strided}
+
 # Note [torch.autograd.grad of parameters]
 # `torch.autograd.grad(loss, model.parameters())` (a gradient penalty, MAML's inner step, a
 # per-layer gradient norm) passes the parameters to torch as the graph's leaves. Read as values,
@@ -89,6 +101,39 @@ _PASS = {
 # the model, as a GAN's discriminator step) failed the same way ("can't retain_grad on Tensor
 # that has requires_grad=False"); passed on too, it stores the gradients of those parameters
 # only, as torch accumulates into their p.grad only.
+
+
+# Note [p.grad after a backward]
+# `p.grad` stays None (gradients live in chunks, as under DeepSpeed ZeRO-3: Note [loss.backward()]
+# in backward_pass.py), and the scripts that read it fail far from the cause or not at all:
+# word_language_model's hand-written SGD (`p.data.add_(p.grad, alpha=-lr)`) with torch's
+# "argument 'other' must be Tensor, not NoneType", a gradient-norm log (`if p.grad is not None`)
+# with a silent 0. A read of `p.grad` from outside torch and patrickstar that finds None between
+# a backward and the step says so once per process, naming what to use. The read is unchanged.
+# Installed packages are not asked about: accelerate's and the Trainer's clipping look at every
+# p.grad on their way to torch's clip_grad_norm_, which is the engine's (clip_grad.py).
+_INSTALLED = tuple(f"{os.sep}{name}{os.sep}" for name in ("site-packages", "dist-packages"))
+_warned_gradient_in_chunks = False
+
+
+def _gradient_in_chunks(param) -> None:
+    global _warned_gradient_in_chunks
+    if _warned_gradient_in_chunks:
+        return
+    caller = sys._getframe(2).f_code.co_filename
+    if caller.startswith(_LIBRARY_DIRS) or any(part in caller for part in _INSTALLED):
+        return
+    owner = _owner(param)
+    if owner is None or not owner[0].guard.backwards:
+        return
+    _warned_gradient_in_chunks = True
+    warnings.warn(
+        f"p.grad of {_label(*owner)} is None after the backward: its gradient lives in the "
+        f"engine's chunks (as under DeepSpeed ZeRO-3), and the optimizer patrickstar.initialize() "
+        f"returned applies it (update weights with it, not by hand). Read a gradient with "
+        f"model.full_gradient(p) (patrickstar.safe_get_full_grad(p)); clip with "
+        f"torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm), whose result is the "
+        f"norm. Said once per process", stacklevel=3)
 
 
 def _shape(param) -> torch.Size:
@@ -214,7 +259,12 @@ class ParameterAtRest(nn.Parameter):
         if func == _T.grad.__get__ and _resting(args[0]):
             grad = torch._C._disabled_torch_function_impl(func, types, args, kwargs)
             owner = _owner(args[0]) if grad is None else None
-            return grad if owner is None else _zero_gradient(args[0], *owner)
+            if owner is None:
+                return grad
+            zeros = _zero_gradient(args[0], *owner)
+            if zeros is None:
+                _gradient_in_chunks(args[0])  # Note [p.grad after a backward]
+            return zeros
         if func == _T.grad.__set__ and _resting(args[0]):
             owner = _owner(args[0])
             if owner is not None and args[1] is None and torch._C._disabled_torch_function_impl(
@@ -224,6 +274,9 @@ class ParameterAtRest(nn.Parameter):
             elif owner is not None:
                 args = (args[0], _hand_set_gradient(args[0], args[1], owner))
         if func in _PASS:
+            return torch._C._disabled_torch_function_impl(func, types, args, kwargs)
+        if func in _NEW and args and _resting(args[0]) and not any(
+                _resting(leaf) for leaf in tree_flatten((args[1:], kwargs))[0]):
             return torch._C._disabled_torch_function_impl(func, types, args, kwargs)
         shape = _SHAPES.get(func)
         if shape is not None and _resting(args[0]) and (_owner(args[0])

@@ -369,3 +369,39 @@ def test_a_parameter_recreated_in_another_dtype_only_off_the_meta_device_trains_
     for name, tensor in reference.state_dict().items():
         torch.testing.assert_close(state[name], tensor, rtol=1e-5, atol=1e-6)
     model.destroy()
+
+
+class MovedInItsInit(nn.Module):
+    """`torch.tril(...).to(device)` in __init__, as minGPT-style masks are made."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(8, 8)
+        self.register_buffer("mask", torch.tril(torch.ones(8, 8)).to("cpu"))
+
+    def forward(self, x):
+        return (self.layer(x) * self.mask[0]).pow(2).mean()
+
+
+@pytest.mark.parametrize("move", ["to_device", "cpu", "to_device_and_dtype"])
+def test_a_model_func_moving_its_model_to_a_device_plans_on_meta(caplog, move):
+    """Note [Device moves in the planning pass]: `Model().to(device)` in model_func planned from
+    a real build, with a warning naming to_empty()."""
+    moves = {"to_device": lambda m: m.to(torch.device("cpu")), "cpu": lambda m: m.cpu(),
+             "to_device_and_dtype": lambda m: m.to("cpu", torch.bfloat16)}
+
+    def model_func():
+        return moves[move](MovedInItsInit())
+
+    torch.manual_seed(0)
+    reference = model_func()
+    torch.manual_seed(0)
+    config = {"default_chunk_size": 1024}
+    if move == "to_device_and_dtype":
+        config["bf16"] = {"enabled": True}
+    with caplog.at_level("WARNING", logger="patrickstar"):
+        model, _ = patrickstar.initialize(model_func, config=config)
+    assert "meta device" not in caplog.text
+    for name, tensor in reference.state_dict().items():
+        assert torch.equal(model.state_dict()[name], tensor), name
+    model.destroy()
