@@ -249,6 +249,14 @@ std::string Name(const State& s, SimdLevel level, int64_t n, bool adamw) {
          (adamw ? " AdamW" : " Adam");
 }
 
+// One step of the kernel on `ours` and of the reference on `ref`, then the same bits in both.
+void StepBoth(State& ours, State& ref, const AdamHyperParams& hp, const std::string& context) {
+  const absl::Status status = AdamUpdate(ours.Chunk(), hp);
+  ASSERT_TRUE(status.ok()) << context << ": " << status;
+  ReferenceStep(ref, hp);
+  ExpectSameState(ours, ref, context + " step " + std::to_string(hp.step));
+}
+
 void RunCase(int64_t n, DType param_dtype, StateDType state_dtype, DType grad_dtype, int copy,
              bool adamw, SimdLevel level, int steps = 6, bool stochastic = false) {
   ScopedSimd simd(level);
@@ -263,10 +271,7 @@ void RunCase(int64_t n, DType param_dtype, StateDType state_dtype, DType grad_dt
     AdamHyperParams hp = LossScaledParams();
     hp.step = step;
     hp.decoupled_weight_decay = adamw;
-    const absl::Status status = AdamUpdate(ours.Chunk(), hp);
-    ASSERT_TRUE(status.ok()) << context << ": " << status;
-    ReferenceStep(ref, hp);
-    ExpectSameState(ours, ref, context + " step " + std::to_string(step));
+    StepBoth(ours, ref, hp, context);
     if (testing::Test::HasFatalFailure()) return;
   }
 }
@@ -342,10 +347,7 @@ void RunDenormalCase(const Variant& variant, int copy, SimdLevel level) {
     hp.weight_decay = 0.01;
     hp.decoupled_weight_decay = true;
     hp.step = step;
-    const absl::Status status = AdamUpdate(ours.Chunk(), hp);
-    ASSERT_TRUE(status.ok()) << context << ": " << status;
-    ReferenceStep(ref, hp);
-    ExpectSameState(ours, ref, context + " step " + std::to_string(step));
+    StepBoth(ours, ref, hp, context);
     if (testing::Test::HasFatalFailure()) return;
   }
 }
