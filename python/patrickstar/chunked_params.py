@@ -154,6 +154,7 @@ class ChunkedParams:
                                                        chunk_size, compute_order)
         self.params: list[nn.Parameter] = []
         self._index: dict[int, int] = {}
+        self._chunk_of_tensor: dict[int, int] = {}  # fixed once registered
 
     def bind(self, params: list[nn.Parameter]) -> None:
         """The module's parameters, in the order of the specs."""
@@ -173,6 +174,14 @@ class ChunkedParams:
         """The chunk tensor id of parameter `index` of chunk kind `kind` (`_C.ChunkKind`)."""
         return self.ids[index].of(kind)
 
+    def chunk_of(self, tensor_id: int) -> int:
+        """The chunk holding chunk tensor `tensor_id` (registration fixed it: cached)."""
+        chunk = self._chunk_of_tensor.get(tensor_id)
+        if chunk is None:
+            chunk = self._chunk_of_tensor[tensor_id] = \
+                self.chunks.manager.tensor_info(tensor_id)["chunk"]
+        return chunk
+
     # Note [Reads where the chunk is]
     # Reads and writes outside training (state_dict(), save_checkpoint(), a parameter's values,
     # a load, a clip) accessed every tensor on the host. A chunk on the device then moved to the
@@ -189,8 +198,8 @@ class ChunkedParams:
     def _where(self, tensor_id: int, kind) -> str:
         if kind == _C.ChunkKind.COMPUTE_PARAM:
             return Tier.DEVICE
-        chunk = self.chunks.manager.tensor_info(tensor_id)["chunk"]
-        return Tier.DEVICE if self.chunks.chunk_tier(chunk) == Tier.DEVICE else Tier.HOST
+        on_device = self.chunks.chunk_tier(self.chunk_of(tensor_id)) == Tier.DEVICE
+        return Tier.DEVICE if on_device else Tier.HOST
 
     @contextlib.contextmanager
     def view(self, index: int, kind, tier: str | None = None) -> Iterator[torch.Tensor]:

@@ -355,7 +355,6 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
                 if index is not None:
                     self._group_of[index] = group_index
         self._rows: list[_UpdateRow] | None = None  # built at first use
-        self._tensor_chunk: dict[int, int] = {}
         self._remade_chunks: dict[int, bool] = {}  # compute chunk -> re-made from its master
         # clip_grad_norm_() before this step: (max_norm, overflow, scaled norm).
         self._requested_clip: tuple[float, bool, float] | None = None
@@ -903,7 +902,7 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
     def _remade(self, compute_id: int) -> bool:
         """Whether the chunk manager drops this compute tensor's chunk between uses and makes it
         again from the master (data parallelism with parallel.remake_compute)."""
-        chunk = self._chunk_of(compute_id)
+        chunk = self.chunked.chunk_of(compute_id)
         remade = self._remade_chunks.get(chunk)
         if remade is None:  # fixed once data parallelism declared the sources (after_init)
             remade = self._remade_chunks[chunk] = self.chunked.chunks.manager.remakeable(chunk)
@@ -920,22 +919,15 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
             for index, ids in enumerate(self.chunked.ids):
                 if ids.momentum is None or not self.dp.owns(manager, ids.momentum):
                     continue
-                row = rows.setdefault(self._chunk_of(ids.momentum), _UpdateRow())
+                row = rows.setdefault(self.chunked.chunk_of(ids.momentum), _UpdateRow())
                 row.indices.append(index)
-                row.chunks.update(self._chunk_of(t) for t in self._update_tensors(index))
+                row.chunks.update(self.chunked.chunk_of(t) for t in self._update_tensors(index))
             self._rows = [rows[chunk] for chunk in sorted(rows)]
         return self._rows
 
-    def _chunk_of(self, tensor_id: int) -> int:
-        chunk = self._tensor_chunk.get(tensor_id)
-        if chunk is None:
-            chunk = self._tensor_chunk[tensor_id] = \
-                self.chunked.chunks.manager.tensor_info(tensor_id)["chunk"]
-        return chunk
-
     def _update_tiers(self, tensor_ids: list[int]) -> list[str]:
         """Where the optimizer reads and writes each tensor: Note [Optimizer sweep]."""
-        tiers = self.chunked.chunks.chunk_tiers([self._chunk_of(t) for t in tensor_ids])
+        tiers = self.chunked.chunks.chunk_tiers([self.chunked.chunk_of(t) for t in tensor_ids])
         if self.device.type == "cpu":  # the device tier is host memory too
             return [tier if tier in (T.DEVICE, T.HOST) else T.HOST for tier in tiers]
         on_device = all(tier == T.DEVICE for tier in tiers)

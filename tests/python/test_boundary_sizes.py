@@ -297,6 +297,32 @@ def cpu_state(model) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def assert_resumes_exactly(tmp_path, build, cfg, train_on, data, losses: list[float],
+                           final: dict) -> list[dict]:
+    """Trains to RESUME_AT, saves, and resumes through the checkpoint and through both state
+    dicts (torch.save's recipe): each resumed run must give `losses` and end at `final`.
+    Returns the resumed runs' module states."""
+    model, optimizer = initialize(build, cfg)
+    first = train_on(model, optimizer, data[:RESUME_AT])
+    model.save_checkpoint(str(tmp_path), tag="t")
+    saved = copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict())
+    model.destroy()
+    states = []
+    for how in ("checkpoint", "state dicts"):
+        model, optimizer = initialize(build, cfg)
+        if how == "checkpoint":
+            model.load_checkpoint(str(tmp_path), "t")
+        else:
+            model.load_state_dict(saved[0])
+            optimizer.load_state_dict(saved[1])
+        second = train_on(model, optimizer, data[RESUME_AT:])
+        states.append(cpu_state(model))
+        model.destroy()
+        assert first + second == losses, how
+        assert_equal_states(states[-1], final, how)
+    return states
+
+
 # ---- one rank -----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("weights", WEIGHTS + ["bf16_master", "fp16_master"])
@@ -323,24 +349,8 @@ def test_one_rank_trains_like_the_reference_and_resumes_exactly(tmp_path, case, 
         if state_dtype == "int8" and entry["exp_avg"].numel():
             assert entry["exp_avg_scale"].numel() == -(-entry["exp_avg"].numel() // BLOCK)
 
-    model, optimizer = initialize(build, cfg)
-    first = train(model, optimizer, data[:RESUME_AT], dtype)
-    model.save_checkpoint(str(tmp_path), tag="t")
-    saved = copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict())
-    model.destroy()
-    # Through the checkpoint, and through both state dicts (torch.save's recipe).
-    for how in ("checkpoint", "state dicts"):
-        model, optimizer = initialize(build, cfg)
-        if how == "checkpoint":
-            model.load_checkpoint(str(tmp_path), "t")
-        else:
-            model.load_state_dict(saved[0])
-            optimizer.load_state_dict(saved[1])
-        second = train(model, optimizer, data[RESUME_AT:], dtype)
-        resumed = cpu_state(model)
-        model.destroy()
-        assert first + second == losses, how
-        assert_equal_states(resumed, final, how)
+    assert_resumes_exactly(tmp_path, build, cfg, lambda m, o, d: train(m, o, d, dtype), data,
+                           losses, final)
 
 
 @pytest.mark.parametrize("weights", WEIGHTS + ["bf16_master"])

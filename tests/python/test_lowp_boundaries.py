@@ -23,8 +23,9 @@ from patrickstar.moment_state import dequantize_moment
 from test_boundary_sizes import BLOCK, BETAS, CHUNKS, EPS, LR, RESUME_AT, STATE_DTYPES, STEPS
 from test_boundary_sizes import CHUNK as BOUNDARY_CHUNK
 from test_boundary_sizes import (WEIGHT_DECAY, WEIGHTS, assert_equal_states, assert_matches,
-                                 batches, builder, config, cpu_state, initialize, input_dtype,
-                                 loss_of, reference_of, train, weights_of)
+                                 assert_resumes_exactly, batches, builder, config, cpu_state,
+                                 initialize, input_dtype, loss_of, reference_of, train,
+                                 weights_of)
 from test_data_parallel import HERE, check_no_errors, launch
 
 VOCAB, WIDTH = 50257, 8
@@ -79,23 +80,7 @@ def test_a_tied_odd_vocabulary_trains_like_the_reference_and_resumes_exactly(
     _, ref_held = reference_of(TiedLM(), data, tied_loss, state_dtype, weights)
     assert_matches(held, ref_held, state_dtype, weights)
 
-    model, optimizer = initialize(TiedLM, cfg)
-    first = tied_train(model, optimizer, data[:RESUME_AT])
-    model.save_checkpoint(str(tmp_path), tag="t")
-    saved = copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict())
-    model.destroy()
-    for how in ("checkpoint", "state dicts"):
-        model, optimizer = initialize(TiedLM, cfg)
-        if how == "checkpoint":
-            model.load_checkpoint(str(tmp_path), "t")
-        else:
-            model.load_state_dict(saved[0])
-            optimizer.load_state_dict(saved[1])
-        second = tied_train(model, optimizer, data[RESUME_AT:])
-        resumed = cpu_state(model)
-        model.destroy()
-        assert first + second == losses, how
-        assert_equal_states(resumed, final, how)
+    for resumed in assert_resumes_exactly(tmp_path, TiedLM, cfg, tied_train, data, losses, final):
         # The tied keys share one tensor, as in PyTorch's state dict.
         assert resumed["wte.weight"].data_ptr() != 0 and torch.equal(resumed["wte.weight"],
                                                                      resumed["head.weight"])
