@@ -8,12 +8,15 @@ directory is that of a data file. Shards are raw tensors behind a JSON header. T
 is read with `torch.load(weights_only=True)`, whose unpickler builds only tensors, numbers,
 strings, None and containers and refuses anything else, so a crafted file fails with
 `CheckpointError` instead of executing. numpy's RNG state holds an ndarray, which that
-unpickler does not build, so it is stored as a tensor and rebuilt. A save checks that its extra
-file loads back this way before writing it: a `client_state` holding other objects is refused
-at save time, naming it, rather than written into a checkpoint that cannot be loaded.
+unpickler does not build, so it is stored as a tensor and rebuilt; so are the objects of
+client_state and the scheduler's state that Note [Client state as plain data] (plain_data.py)
+writes as marked dicts. A save checks that its extra file loads back this way before writing
+it: a `client_state` holding other objects is refused at save time, naming its entry, rather
+than written into a checkpoint that cannot be loaded.
 """
 from __future__ import annotations
 
+import argparse
 import io
 import pickle
 import re
@@ -21,6 +24,7 @@ import re
 import torch
 
 from .errors import CheckpointError
+from .plain_data import from_plain, to_plain
 
 __all__ = ["encode_extra", "decode_extra"]
 
@@ -47,6 +51,8 @@ def _numpy_rng(states: dict) -> dict:
 
 
 _REFUSED = (pickle.UnpicklingError, RuntimeError, AttributeError, TypeError)
+# torch.save of what pickle cannot write at all (a lambda, a class defined in a function).
+_UNWRITABLE = (pickle.PicklingError, AttributeError, TypeError)
 
 
 def _why(error: BaseException) -> str:
@@ -72,14 +78,12 @@ def _load(data, what: str) -> dict:
 
 def encode_extra(rng: dict, client_state, scheduler_state) -> bytes:
     """The file's bytes; raises CheckpointError when they would not load without pickle."""
-    extra = {"rng": _plain_rng(rng), "client_state": client_state,
-             "lr_scheduler": scheduler_state}
-    buffer = io.BytesIO()
-    torch.save(extra, buffer)
-    data = buffer.getvalue()
+    extra = {"rng": _plain_rng(rng), "client_state": to_plain(client_state),
+             "lr_scheduler": to_plain(scheduler_state)}
     try:
+        data = _saved(extra)
         torch.load(io.BytesIO(data), weights_only=True)
-    except _REFUSED as error:
+    except (*_REFUSED, *_UNWRITABLE) as error:
         part = "client_state"
         if scheduler_state is not None and _loads_back(client_state):
             part = "lr scheduler state"
@@ -88,15 +92,19 @@ def encode_extra(rng: dict, client_state, scheduler_state) -> bytes:
         raise CheckpointError(
             f"save_checkpoint: the {part} holds an object a checkpoint cannot load back without "
             f"running code ({_why(error)}); keep to tensors, numbers, strings, None, lists, "
-            f"tuples and dicts (Note [Checkpoints are data])") from None
+            f"tuples, dicts, argparse.Namespace, numpy arrays and scalars, enum members and "
+            f"paths (Note [Checkpoints are data], Note [Client state as plain data])") from None
     return data
 
 
 def _refused_entry(value, path: str) -> str | None:
-    """The path (`client_state['stats'][2]`) of the first entry of `value` that would not load
-    back, searched through dicts, lists and tuples; None if no single entry is to blame."""
+    """The path (`client_state['stats'][2]`, `client_state['args'].tokenizer`) of the first
+    entry of `value` that would not load back, searched through dicts, lists, tuples and
+    Namespaces; None if no single entry is to blame."""
     if isinstance(value, dict):
         items = ((f"{path}[{key!r}]", item) for key, item in value.items())
+    elif isinstance(value, argparse.Namespace):
+        items = ((f"{path}.{name}", item) for name, item in vars(value).items())
     elif isinstance(value, (list, tuple)):
         items = ((f"{path}[{index}]", item) for index, item in enumerate(value))
     else:
@@ -107,12 +115,17 @@ def _refused_entry(value, path: str) -> str | None:
     return None
 
 
-def _loads_back(value) -> bool:
+def _saved(value) -> bytes:
     buffer = io.BytesIO()
     torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def _loads_back(value) -> bool:
+    """Whether `value`, written as plain data, loads back without pickle."""
     try:
-        torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
-    except _REFUSED:
+        torch.load(io.BytesIO(_saved(to_plain(value))), weights_only=True)
+    except (*_REFUSED, *_UNWRITABLE):
         return False
     return True
 
@@ -122,4 +135,6 @@ def decode_extra(path: str) -> dict:
     with open(path, "rb") as handle:
         extra = _load(handle, f"checkpoint file '{path}'")
     extra["rng"] = _numpy_rng(extra["rng"])
+    extra["client_state"] = from_plain(extra["client_state"])
+    extra["lr_scheduler"] = from_plain(extra["lr_scheduler"], "lr scheduler state")
     return extra
