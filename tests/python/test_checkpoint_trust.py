@@ -3,16 +3,21 @@ checkpoint, tags and `latest` stay inside the directory, a restore that fails ha
 engine that trains on, and a partial directory left by a dead writer blocks no save."""
 from __future__ import annotations
 
+import argparse
+import enum
 import hashlib
 import io
 import json
 import os
+import pathlib
+import random
 import re
 import subprocess
 import sys
 import textwrap
 import warnings
 
+import numpy
 import pytest
 import torch
 
@@ -111,7 +116,105 @@ def test_client_state_that_only_pickle_could_load_is_refused_at_save(tmp_path):
     with pytest.raises(CheckpointError, match=r"the client_state\['stats'\]\[1\] holds an "
                                               r"object .*numpy"):
         model.save_checkpoint(tmp_path, tag="t", client_state={
-            "epoch": 3, "w": torch.ones(2), "stats": [1.5, numpy.arange(3)]})
+            "epoch": 3, "w": torch.ones(2), "stats": [1.5, numpy.array([None, 1])]})
+    # Inside a Namespace (Megatron's args), by attribute; a class pickle cannot even name
+    # raised torch.save's PicklingError, naming no entry.
+    local = type("Local", (), {})
+    with pytest.raises(CheckpointError, match=r"the client_state\['args'\]\.tok holds an "):
+        model.save_checkpoint(tmp_path, tag="t", client_state={
+            "args": argparse.Namespace(lr=0.1, tok=_Payload("never"))})
+    with pytest.raises(CheckpointError, match=r"the client_state\['fn'\] holds an "):
+        model.save_checkpoint(tmp_path, tag="t", client_state={"fn": local()})
+    assert not (tmp_path / "t").exists() and not (tmp_path / "latest").exists()
+    model.destroy()
+
+
+class Phase(enum.Enum):
+    WARMUP = "warmup"
+    DECAY = (2, "cosine")
+
+
+def _same(loaded, saved, where="client_state"):
+    """Equal values of the very same types, all the way down (what pickle gives back)."""
+    assert type(loaded) is type(saved), (where, type(loaded), type(saved))
+    if isinstance(saved, numpy.ndarray):
+        assert loaded.dtype == saved.dtype and loaded.shape == saved.shape, where
+        assert numpy.array_equal(loaded, saved, equal_nan=saved.dtype.kind in "fc"), where
+    elif isinstance(saved, numpy.generic):
+        assert loaded.dtype == saved.dtype and loaded.tobytes() == saved.tobytes(), where
+    elif isinstance(saved, torch.Tensor):
+        assert torch.equal(loaded, saved), where
+    elif isinstance(saved, dict):
+        assert list(loaded) == list(saved), where
+        for key in saved:
+            _same(loaded[key], saved[key], f"{where}[{key!r}]")
+    elif isinstance(saved, argparse.Namespace):
+        _same(vars(loaded), vars(saved), where)
+    elif type(saved) in (list, tuple):
+        assert len(loaded) == len(saved), where
+        for index, (a, b) in enumerate(zip(loaded, saved)):
+            _same(a, b, f"{where}[{index}]")
+    else:
+        assert loaded == saved, where
+
+
+def test_a_deepspeed_scripts_client_state_loads_back_as_saved(tmp_path):
+    """Megatron-DeepSpeed saves its args Namespace and numpy's and random's RNG states in
+    client_state, scripts numpy metrics and enum members; DeepSpeed pickles them and returns
+    them equal, types included. Ours refused each at save (Note [Client state as plain
+    data])."""
+    model, opt = make(CONFIG)
+    train(model, opt, batches(1))
+    random.seed(5)
+    numpy.random.seed(5)
+    args = argparse.Namespace(lr=3e-4, seq_length=1024, data_path=["a", "b"], fp16=True,
+                              save=pathlib.Path("/ckpt/run"), phase=Phase.DECAY, seed=None,
+                              nested=argparse.Namespace(heads=numpy.int64(8)))
+    client = {
+        "args": args, "iteration": 7, "checkpoint_version": 3.0,
+        "rng_state": [{"random_rng_state": random.getstate(),
+                       "np_rng_state": numpy.random.get_state(),
+                       "torch_rng_state": torch.get_rng_state()}],
+        "best_loss": numpy.float64(2.5), "tokens": numpy.int64(2**40), "flag": numpy.bool_(True),
+        "small": numpy.float16(0.1), "big": numpy.uint64(2**64 - 1),
+        "wide": numpy.longdouble(1) / 3, "when": numpy.datetime64("2026-11-27T20:00"),
+        "losses": numpy.array([[1.0, numpy.nan], [3.0, 4.0]], dtype=numpy.float32).T,
+        "ids": numpy.arange(5, dtype=">u4"), "names": numpy.array(["ab", "c"]),
+        "scalar_array": numpy.array(3, dtype=numpy.int8), "empty": numpy.zeros((0, 3)),
+        "phase": Phase.WARMUP, "shape": torch.Size([2, 3]), "seen": frozenset({1, 2}),
+        "mine": {"__patrickstar_plain__": "not ours", "x": (1, numpy.float32(0.5))},
+    }
+    model.save_checkpoint(tmp_path, tag="t", client_state=client)
+    _, loaded = model.load_checkpoint(tmp_path, tag="t")
+    _same(loaded, client)
+    # The RNG states resume their streams, as after pickle.
+    expected = (random.random(), numpy.random.rand())
+    random.setstate(loaded["rng_state"][0]["random_rng_state"])
+    numpy.random.set_state(loaded["rng_state"][0]["np_rng_state"])
+    assert (random.random(), numpy.random.rand()) == expected
+    model.destroy()
+
+
+@pytest.mark.parametrize("entry, message", [
+    ({"__patrickstar_plain__": "enum", "class": "os:system", "value": "touch owned"},
+     "enum os.system, which is not imported"),
+    ({"__patrickstar_plain__": "enum", "class": "antigravity:Color", "value": 1},
+     "import antigravity before load_checkpoint"),
+    ({"__patrickstar_plain__": "numpy.ndarray", "dtype": "|O", "shape": [1],
+      "bytes": torch.zeros(8, dtype=torch.uint8)}, "holds Python objects"),
+    ({"__patrickstar_plain__": "pathlib", "class": "exec", "path": "x"}, "does not rebuild"),
+    ({"__patrickstar_plain__": "eval", "source": "1"}, "unknown entry kind 'eval'"),
+])
+def test_crafted_plain_data_entries_build_nothing_else(tmp_path, entry, message):
+    """A marked entry of an edited extra file rebuilds only what to_plain writes: an enum
+    member of a class already imported, an array without objects, a pathlib path."""
+    model, _ = _saved(tmp_path)
+    _rewrite_extra(tmp_path / "t1", {"rng": {}, "client_state": {"x": [entry]},
+                                      "lr_scheduler": None})
+    with pytest.raises(CheckpointError, match=re.escape("client_state['x'][0]") + ".*"
+                       + re.escape(message)):
+        model.load_checkpoint(tmp_path, tag="t1")
+    assert "antigravity" not in sys.modules and not (tmp_path / "owned").exists()
     model.destroy()
 
 

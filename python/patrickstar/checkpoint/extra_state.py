@@ -135,6 +135,7 @@ def decode_extra(path: str) -> dict:
     with open(path, "rb") as handle:
         extra = _load(handle, f"checkpoint file '{path}'")
     extra["rng"] = _numpy_rng(extra["rng"])
-    extra["client_state"] = from_plain(extra["client_state"])
-    extra["lr_scheduler"] = from_plain(extra["lr_scheduler"], "lr scheduler state")
+    extra["client_state"] = from_plain(extra["client_state"], f"file '{path}': client_state")
+    extra["lr_scheduler"] = from_plain(extra["lr_scheduler"],
+                                       f"file '{path}': lr scheduler state")
     return extra

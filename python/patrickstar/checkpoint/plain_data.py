@@ -82,7 +82,7 @@ def _array_fields(numpy, array) -> dict:
             "bytes": torch.from_numpy(flat.copy())}
 
 
-def from_plain(value, path: str = "client_state"):
+def from_plain(value, path: str):
     """The objects `to_plain` marked, rebuilt; raises CheckpointError, naming the entry, for a
     marked dict it did not write."""
     kind = type(value)
@@ -129,7 +129,7 @@ def _array(value: dict):
     import numpy
     dtype = numpy.dtype(value["dtype"])
     if dtype.hasobject:
-        raise CheckpointError(f"a numpy array of dtype {value['dtype']!r} holds Python objects")
+        raise ValueError(f"a numpy array of dtype {value['dtype']!r} holds Python objects")
     data = value["bytes"].numpy()
     return numpy.frombuffer(data.tobytes(), dtype=dtype).reshape(value["shape"]).copy()
 
