@@ -1718,7 +1718,8 @@ class PatrickStarEngine(nn.Module):
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False, custom_load_fn=None, **kwargs):
         """DeepSpeed's call (Note [DeepSpeed's checkpoint signatures]); returns (path,
-        client_state), (None, None) without `latest`."""
+        client_state), path being DIR/TAG/meta.json (Note [The path load_checkpoint returns]
+        in checkpoint/protocol.py), or (None, None) without `latest`."""
         self._refuse_closed_chunks("load_checkpoint()")  # (it is how a failed step recovers)
         if custom_load_fn is not None:
             raise TypeError("load_checkpoint(custom_load_fn=...) is not supported: the engine's "

@@ -119,7 +119,8 @@ def resume_pair(tmp_path, config, before=3, after=3):
     other_sched = torch.optim.lr_scheduler.StepLR(other_opt, step_size=2, gamma=0.5)
     torch.manual_seed(999), random.seed(999), numpy.random.seed(999)
     path, client_state = other.load_checkpoint(tmp_path, lr_scheduler=other_sched)
-    assert path == os.path.join(tmp_path, f"global_step{before}")
+    # DeepSpeed's is TAG/mp_rank_00_model_states.pt: dirname is the tag's directory.
+    assert path == os.path.join(tmp_path, f"global_step{before}", "meta.json")
     assert client_state == {"epoch": 7}
     assert torch.equal(torch.get_rng_state(), rng_after_save[0])
     assert random.random() == rng_after_save[1] and numpy.random.rand() == rng_after_save[2]
@@ -219,7 +220,7 @@ def test_a_file_at_the_tags_path_or_a_directory_at_latest_is_refused_before_writ
         model.save_checkpoint(tmp_path, tag="t2")
     assert sorted(os.listdir(tmp_path)) == ["latest", "t1"]
     assert model.save_checkpoint(tmp_path, tag="t2", save_latest=False)
-    assert model.load_checkpoint(tmp_path, tag="t2")[0] == str(tmp_path / "t2")
+    assert model.load_checkpoint(tmp_path, tag="t2")[0] == str(tmp_path / "t2" / "meta.json")
 
 
 def _saved(tmp_path, precision="fp32", **config_extra):
@@ -387,7 +388,7 @@ def _run_writer(save_dir, mode, crash_at=None):
 def _load_latest(save_dir):
     model, opt = make(base_config("fp32"), seed=4)
     path, client = model.load_checkpoint(save_dir)
-    return os.path.basename(path), client, model
+    return os.path.basename(os.path.dirname(path)), client, model
 
 
 CRASH_POINTS = {"shard_half_written": "first", "before_meta": "first",
@@ -525,7 +526,7 @@ def test_deepspeeds_checkpoint_arguments_mean_what_they_mean_in_deepspeed(tmp_pa
         fresh, fresh_opt = patrickstar.initialize(DropoutMLP, config=config, lr_scheduler=schedule)
     # DeepSpeed's order: load_module_strict=True, load_optimizer_states=False.
     path, loaded = fresh.load_checkpoint(tmp_path, "global_step2", True, False)
-    assert path == os.path.join(tmp_path, "global_step2")
+    assert path == os.path.join(tmp_path, "global_step2", "meta.json")
     assert loaded.keys() == client.keys() and torch.equal(loaded["ids"], client["ids"])
     assert fresh_opt.state_dict()["state"] == {}  # no optimizer state, as asked
     assert fresh.lr_scheduler.last_epoch == 2  # the scheduler's state is loaded

@@ -408,7 +408,7 @@ def test_injected_faults_end_training_with_a_clear_error(tmp_path, nvme_dir, mon
     assert not [name for name in os.listdir(tmp_path) if "partial" in name]
     fresh, fresh_opt = make(_tight(nvme_dir), DropoutMLP)
     path, _ = fresh.load_checkpoint(tmp_path)  # whatever `latest` names is complete
-    if os.path.basename(path) == "good":
+    if os.path.basename(os.path.dirname(path)) == "good":
         assert_identical(reference, full_state(fresh, fresh_opt))
     fresh.load_checkpoint(tmp_path, tag="good")
     assert_identical(reference, full_state(fresh, fresh_opt))

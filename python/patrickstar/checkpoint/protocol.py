@@ -16,7 +16,7 @@ from .atomic_files import (PartialDirectory, crash_point, publish_directory,
 from .engine_state import EngineState, config_json, rng_states
 from .errors import CheckpointError
 from .extra_state import encode_extra
-from .meta import LATEST, check_tag, read_meta, resolve_tag, write_latest, write_meta
+from .meta import LATEST, META, check_tag, read_meta, resolve_tag, write_latest, write_meta
 from .reader import CheckpointReader
 from .slices import load_directories, model_parallel_record, slice_directory
 from .tensor_conversion import ConvertedSlices
@@ -220,8 +220,9 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states: bool = Tr
                     lr_scheduler=None, load_rng_states: bool = True,
                     allow_reshard: bool = False, load_module_strict: bool = True):
     """Restores a checkpoint into `engine`; returns (path, client_state), or (None, None) when
-    `load_dir` has no `latest` file and no tag was given (as DeepSpeed does). With data
-    parallelism every rank calls it (Note [Multi-rank checkpoints])."""
+    `load_dir` has no `latest` file and no tag was given (as DeepSpeed does). The path is the
+    loaded tag's meta.json (Note [The path load_checkpoint returns]). With data parallelism
+    every rank calls it (Note [Multi-rank checkpoints])."""
     state = EngineState(engine)
     # Note [One checkpoint per model slice] in slices.py; with allow_reshard the saved tensor
     # slices may be another tensor size's (Note [Converting tensor slices at load]).
@@ -283,7 +284,16 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states: bool = Tr
             # it (Note [Training call order] in guards.py) until a load succeeds.
             state.engine.guard.load_failed(failure)
             raise
-        return reader.directory, extra.get("client_state", {})
+        return os.path.join(reader.directory, META), extra.get("client_state", {})
+
+
+# Note [The path load_checkpoint returns]
+# DeepSpeed's load_checkpoint returns the file it loaded the module from,
+# LOAD_DIR/TAG/mp_rank_00_model_states.pt, the same on every data-parallel rank. Scripts test
+# it for None, log it, or take os.path.dirname(load_path) as the tag's directory (and its
+# basename as the tag). Ours returned the tag's directory, so that dirname was LOAD_DIR. It is
+# now the file of ours that every rank reads first and that names all the others: the tag's
+# meta.json (in the model slice's directory under pipeline or tensor parallelism).
 
 
 def _open_reader(state: EngineState, load_dir: str, tag: str) -> CheckpointReader:

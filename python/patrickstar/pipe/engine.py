@@ -377,7 +377,8 @@ class PipelineEngine:
                                            exclude_frozen_parameters)
 
     def load_checkpoint(self, load_dir, tag=None, **kwargs):
-        """Loads what save_checkpoint wrote for this stage; returns (path, client_state)."""
+        """Loads what save_checkpoint wrote for this stage; returns (path, client_state), path
+        being this slice's TAG/meta.json."""
         result = self.engine.load_checkpoint(load_dir, tag, **kwargs)
         self.global_steps = self.engine.iteration
         return result
