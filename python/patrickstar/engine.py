@@ -70,8 +70,8 @@ from torch import nn
 from . import (_C, accelerate_precision, added_params, averaged_model, backward_pre_hooks,
                checkpoint, clip_grad, convert_parameters, ddp_methods, ddp_wrapping, dtypes,
                hooks, module_zero_grad, param_owners, parametrizations, pruning,
-               replaced_params, resting_params, script_collectives, shared_memory, topology,
-               torch_optimizers)
+               replaced_params, resting_params, script_collectives, shared_memory,
+               sixteen_bit_model, topology, torch_optimizers)
 from .activations import ActivationCounter
 from .chunk_runtime import ChunkRuntime
 from .chunked_params import ChunkedParams
@@ -1737,6 +1737,17 @@ class PatrickStarEngine(nn.Module):
         if self.chunks.warming_up:  # loading is not part of the iterations the trace repeats
             self.chunks.restart_warmup()
         return loaded
+
+    def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """DeepSpeed's: SAVE_DIR/SAVE_FILENAME, the module's state dict in the training dtype
+        (Note [The 16-bit model file] in sixteen_bit_model.py); every rank calls it."""
+        return sixteen_bit_model.save_16bit_model(self, save_dir, save_filename,
+                                                  exclude_frozen_parameters)
+
+    def save_fp16_model(self, save_dir, save_filename: str = "pytorch_model.bin") -> bool:
+        """DeepSpeed's older name of save_16bit_model."""
+        return self.save_16bit_model(save_dir, save_filename)
 
     def destroy(self) -> None:
         """Writes a running profile, then frees every chunk, tier (NVMe swap files go with

@@ -4,6 +4,7 @@ arguments (each compared with plain PyTorch, or refused naming what to use)."""
 from __future__ import annotations
 
 import json
+import os
 import warnings
 
 import pytest
@@ -279,6 +280,38 @@ def test_gathered_parameters_habit_is_refused_and_consolidation_loads_into_pytor
     ours = model.state_dict()
     assert all(torch.equal(value, ours[name]) for name, value in plain.state_dict().items())
     assert torch.all(plain.layers[0].bias == 0.25)
+    model.destroy()
+
+
+def test_save_16bit_model_writes_the_modules_state_dict_in_the_training_dtype(tmp_path):
+    """DeepSpeed's save_16bit_model(dir, "pytorch_model.bin") (and its old name
+    save_fp16_model) writes module.state_dict() in the training dtype by torch.save, which a
+    plain model loads; ours raised AttributeError naming neither."""
+    def frozen_first():
+        net = MLP()
+        net.layers[0].requires_grad_(False)
+        return net
+    torch.manual_seed(0)
+    model, _ = patrickstar.initialize(frozen_first, config(accumulation=1,
+                                                           bf16={"enabled": True}))
+    x, y = batches(1)[0]
+    model.backward(model(x.to(torch.bfloat16), y))
+    model.step()
+    assert model.save_16bit_model(tmp_path / "hf", "pytorch_model.bin") is True
+    saved = torch.load(tmp_path / "hf" / "pytorch_model.bin", weights_only=True)
+    ours = model.state_dict()
+    plain = MLP().to(torch.bfloat16)
+    plain.load_state_dict(saved)  # strict: exactly the plain module's keys
+    assert list(saved) == list(plain.state_dict()) == list(ours)
+    for name, value in saved.items():
+        assert value.dtype == torch.bfloat16 and torch.equal(value, ours[name]), name
+    assert model.save_fp16_model(tmp_path / "old") is True
+    old = torch.load(tmp_path / "old" / "pytorch_model.bin", weights_only=True)
+    assert all(torch.equal(old[name], value) for name, value in saved.items())
+    model.save_16bit_model(tmp_path, "trainable.bin", exclude_frozen_parameters=True)
+    trainable = torch.load(tmp_path / "trainable.bin", weights_only=True)
+    assert list(trainable) == [name for name in saved if not name.startswith("layers.0.")]
+    assert sorted(os.listdir(tmp_path)) == ["hf", "old", "trainable.bin"]  # no partial left
     model.destroy()
 
 
