@@ -1327,6 +1327,18 @@ class PatrickStarEngine(nn.Module):
     def gradient_accumulation_steps(self) -> int:
         return self.guard.accumulation
 
+    def fp16_enabled(self) -> bool:
+        """DeepSpeed's: the config's fp16.enabled."""
+        return self.precision == "fp16"
+
+    def bfloat16_enabled(self) -> bool:
+        """DeepSpeed's: the config's bf16.enabled."""
+        return self.precision == "bf16"
+
+    def gradient_clipping(self) -> float:
+        """DeepSpeed's: the config's gradient_clipping (0.0: none)."""
+        return self.ps_config.gradient_clipping
+
     def zero_optimization_stage(self) -> int:
         """DeepSpeed's: 3. Parameters, gradients and optimizer state always live in chunks
         partitioned over the data-parallel ranks (ZeRO stage 3's partitioning; offload is the

@@ -305,6 +305,9 @@ def test_save_16bit_model_writes_the_modules_state_dict_in_the_training_dtype(tm
     assert list(saved) == list(plain.state_dict()) == list(ours)
     for name, value in saved.items():
         assert value.dtype == torch.bfloat16 and torch.equal(value, ours[name]), name
+    # DeepSpeed's config getters scripts branch on (they raised AttributeError).
+    assert (model.bfloat16_enabled(), model.fp16_enabled(), model.gradient_clipping()) == \
+        (True, False, 0.5)
     assert model.save_fp16_model(tmp_path / "old") is True
     old = torch.load(tmp_path / "old" / "pytorch_model.bin", weights_only=True)
     assert all(torch.equal(old[name], value) for name, value in saved.items())
