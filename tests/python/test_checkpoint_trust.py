@@ -4,6 +4,7 @@ engine that trains on, and a partial directory left by a dead writer blocks no s
 from __future__ import annotations
 
 import argparse
+import collections
 import enum
 import hashlib
 import io
@@ -183,6 +184,7 @@ def test_a_deepspeed_scripts_client_state_loads_back_as_saved(tmp_path):
         "scalar_array": numpy.array(3, dtype=numpy.int8), "empty": numpy.zeros((0, 3)),
         "phase": Phase.WARMUP, "shape": torch.Size([2, 3]), "seen": frozenset({1, 2}),
         "mine": {"__patrickstar_plain__": "not ours", "x": (1, numpy.float32(0.5))},
+        "ordered": collections.OrderedDict([("__patrickstar_plain__", 1), ("b", Phase.WARMUP)]),
     }
     model.save_checkpoint(tmp_path, tag="t", client_state=client)
     _, loaded = model.load_checkpoint(tmp_path, tag="t")

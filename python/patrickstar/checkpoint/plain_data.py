@@ -48,8 +48,8 @@ def to_plain(value, _open: frozenset = frozenset()):
         _open = _open | {id(value)}
     if kind in (dict, collections.OrderedDict):
         if MARK in value:  # a user's dict with our key comes back as that dict
-            return {MARK: "dict", "items": [(key, to_plain(item, _open))
-                                            for key, item in value.items()]}
+            return {MARK: "dict", "ordered": kind is collections.OrderedDict,
+                    "items": [(key, to_plain(item, _open)) for key, item in value.items()]}
         return kind((key, to_plain(item, _open)) for key, item in value.items())
     if kind in (list, tuple):
         return kind(to_plain(item, _open) for item in value)
@@ -104,7 +104,8 @@ def from_plain(value, path: str):
 def _rebuild(value: dict, path: str):
     kind = value[MARK]
     if kind == "dict":
-        return {key: from_plain(item, f"{path}[{key!r}]") for key, item in value["items"]}
+        rebuilt = collections.OrderedDict if value.get("ordered") else dict
+        return rebuilt((key, from_plain(item, f"{path}[{key!r}]")) for key, item in value["items"])
     if kind == "argparse.Namespace":
         attributes = from_plain(value["attributes"], path)
         return argparse.Namespace(**attributes)
