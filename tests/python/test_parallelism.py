@@ -212,6 +212,11 @@ def test_one_stage_pipeline_with_tied_head_and_checkpointing_matches_pytorch(one
     assert engine.global_steps == steps
     for key, tensor in engine.state_dict().items():
         torch.testing.assert_close(tensor, saved[key], rtol=0, atol=0)
+    # DeepSpeed's save_16bit_model: one stage is the whole model (AttributeError before).
+    assert engine.save_16bit_model(tmp_path / "hf") is True
+    written = torch.load(tmp_path / "hf" / "pytorch_model.bin", weights_only=True)
+    assert written.keys() == saved.keys()
+    assert all(torch.equal(written[key], saved[key]) for key in saved)
 
 
 # ---- Multi-process -------------------------------------------------------------------------

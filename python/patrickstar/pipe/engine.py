@@ -376,6 +376,19 @@ class PipelineEngine:
         return self.engine.save_checkpoint(save_dir, tag, client_state, save_latest,
                                            exclude_frozen_parameters)
 
+    def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """DeepSpeed's, for a model of one slice; a model cut into stages or tensor slices is
+        whole only in a consolidated checkpoint (DeepSpeed's writes rank 0's stage alone)."""
+        if self.num_stages > 1 or self.groups.tensor_size > 1:
+            raise NotImplementedError(
+                f"save_16bit_model(): this model is cut into {self.num_stages} pipeline stages "
+                f"and {self.groups.tensor_size} tensor slices, and the file would hold one "
+                f"slice; save a checkpoint on every rank (model.save_checkpoint(dir)), then "
+                f"`patrickstar-consolidate dir {save_filename} --dtype bf16` (or fp16, fp32) "
+                f"writes the whole model's state dict")
+        return self.engine.save_16bit_model(save_dir, save_filename, exclude_frozen_parameters)
+
     def load_checkpoint(self, load_dir, tag=None, **kwargs):
         """Loads what save_checkpoint wrote for this stage; returns (path, client_state), path
         being this slice's TAG/meta.json."""
