@@ -204,6 +204,7 @@ def test_a_deepspeed_scripts_client_state_loads_back_as_saved(tmp_path):
      "import antigravity before load_checkpoint"),
     ({"__patrickstar_plain__": "numpy.ndarray", "dtype": "|O", "shape": [1],
       "bytes": torch.zeros(8, dtype=torch.uint8)}, "holds Python objects"),
+    ({"__patrickstar_plain__": "numpy.scalar", "dtype": "|O", "value": 1}, "as a number"),
     ({"__patrickstar_plain__": "pathlib", "class": "exec", "path": "x"}, "does not rebuild"),
     ({"__patrickstar_plain__": "eval", "source": "1"}, "unknown entry kind 'eval'"),
 ])

@@ -120,7 +120,10 @@ def _rebuild(value: dict, path: str):
     if kind == "numpy.scalar":
         import numpy
         if "value" in value:
-            return numpy.dtype(value["dtype"]).type(value["value"])
+            dtype = numpy.dtype(value["dtype"])
+            if dtype.kind not in "biuf":  # what to_plain writes as a Python number
+                raise ValueError(f"a numpy scalar of dtype {value['dtype']!r} as a number")
+            return dtype.type(value["value"])
         return _array(value)[()]
     raise CheckpointError(f"checkpoint {path}: unknown entry kind {kind!r} (written by a newer "
                           f"PatrickStar-C++?)")
