@@ -205,6 +205,7 @@ def consolidate_gpt(out: str, rank: int, world: int) -> dict:
         opt.step()
         opt.zero_grad()
     model.save_checkpoint(os.path.join(out, "gpt"), tag="t")
+    model.save_16bit_model(os.path.join(out, "gpt16"))  # every rank; rank 0 writes
     state = model.state_dict()
     model.eval()
     probe, _ = next(synthetic_batches(cfg, batch=4, steps=1, seed=3))

@@ -186,6 +186,8 @@ def test_consolidated_two_rank_checkpoint_reproduces_our_forward(runs, tmp_path)
     plain.load_state_dict(state)  # strict
     assert state["head.weight"].data_ptr() == state["tokens.weight"].data_ptr()  # still tied
     assert_identical(state, gpt["state"])
+    # DeepSpeed's save_16bit_model on 2 ranks: the whole model's state dict, as consolidated.
+    assert_identical(torch.load(out / "gpt16" / "pytorch_model.bin", weights_only=True), state)
     plain.eval()
     with torch.no_grad():
         torch.testing.assert_close(plain(gpt["probe"]), gpt["logits"], rtol=0, atol=1e-6)
