@@ -57,6 +57,7 @@ import collections
 import contextlib
 import copy
 import ctypes
+import functools
 import sys
 import time
 import warnings
@@ -301,9 +302,12 @@ class PatrickStarEngine(nn.Module):
                                           _weakly(self._release_after_backward),
                                           _weakly(self._count_micro_step),
                                           _weakly(self._before_new_gradients))
+            self._summed_grads: dict[int, bool] = {}  # Note [The running sum in a user's ...]
             for index, param in enumerate(self.params.params):
                 if param.requires_grad:
-                    self._backward.register_grad_hook(param, self._make_grad_hook(index))
+                    self._backward.register_grad_hook(param, self._make_grad_hook(index),
+                                                      functools.partial(
+                                                          _weakly(self._make_sum_hook), index))
             self._output_scale = None
             if self.precision == "fp16":  # Note [fp16 loss.backward() scales at the engine's
                 self._output_scale = OutputLossScale(  # outputs] in output_loss_scale.py
@@ -1125,7 +1129,13 @@ class PatrickStarEngine(nn.Module):
             grad = param.grad
             param.grad = None  # its memory goes back to torch right away
             owner = engine()
-            if grad is None or owner is None:
+            if owner is None:
+                return
+            # Note [The running sum in a user's gradient hook] in backward_pass.py
+            summed = owner._summed_grads.pop(index, False)
+            if grad is None:
+                if summed:  # the user's hook dropped the running sum, the chunk's part too
+                    owner.optimizer.drop_gradients([index], set_to_none=True)
                 return
             owner._backward.before_storing_grad()
             owner._backward.refuse_second_grad(index, owner.params.names[index])
@@ -1137,13 +1147,31 @@ class PatrickStarEngine(nn.Module):
             owner.dp.before_grad(index)
             owner._backward.count_stored_grad(index)
             try:
-                owner._slots.store_grad(index, grad, has_grad[index])
+                owner._slots.store_grad(index, grad, has_grad[index] and not summed)
             except _C.ChunkOutOfMemoryError as error:
                 owner._note_backward_exhaustion(error, False)
                 raise
             has_grad[index] = True
             owner.dp.on_grad(index)
         return hook
+
+    def _make_sum_hook(self, index: int):
+        """The hook in front of the user's post-accumulate-grad hooks of parameter `index`: Note
+        [The running sum in a user's gradient hook] in backward_pass.py."""
+        engine = weakref.ref(self)
+
+        def sum_hook(param: nn.Parameter) -> None:
+            grad = param.grad
+            owner = engine()
+            if grad is None or owner is None or owner.dp.enabled:
+                return
+            if not owner.optimizer.has_grad[index] or grad.layout != torch.strided:
+                return
+            owner._slots.wait_for_gradient_stores()
+            with owner.params.view(index, _C.ChunkKind.GRADIENT) as stored:
+                param.grad = grad + stored.to(grad.device, grad.dtype)
+            owner._summed_grads[index] = True
+        return sum_hook
 
     # ---- Steps ---------------------------------------------------------------------------------
 

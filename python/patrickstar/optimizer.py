@@ -293,7 +293,7 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
                  wait_for_gradient_stores: Callable[[], None] = lambda: None,
                  before_step: Callable[[], None] = lambda: None,
                  after_step: Callable[..., None] = lambda applied, without_gradients=False: None,
-                 settle_backward: Callable[[], None] = lambda: None,
+                 settle_backward: Callable[[str, bool], None] = lambda call, set_to_none: None,
                  end_iteration_without_step: Callable[[], None] = lambda: None):
         # torch's `defaults` are the constructor's arguments, not a group's: here the config's
         # optimizer params. Hugging Face's get_polynomial_decay_schedule_with_warmup decays from
@@ -387,7 +387,7 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         if grad_scaler is not None:
             raise TypeError(_GRAD_SCALER_UNSUPPORTED)
         with self.guard.calling("optimizer.step()"):  # Note [One thread at a time]
-            self._settle_backward()
+            self._settle_backward("optimizer.step()", True)
             loss = None
             if closure is not None:
                 with torch.enable_grad():
@@ -737,7 +737,7 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         [Training call order] in guards.py). `set_to_none=False`: Note [Gradients zeroed, not
         dropped]."""
         with self.guard.calling("optimizer.zero_grad()"):  # Note [One thread at a time]
-            self._settle_backward()
+            self._settle_backward("optimizer.zero_grad()", set_to_none)
             self._note_zeroing(range(len(self.has_grad)), set_to_none)
             self._drop_step_gradients()
             if set_to_none:  # as torch's, the groups' parameters without elements too

@@ -106,10 +106,12 @@ def test_the_engines_gradient_hooks_run_after_the_users():
     backward, _ = make_pass()
     weight = nn.Parameter(torch.ones(2))
     order = []
-    backward.register_grad_hook(weight, lambda p: order.append("engine"))
+    backward.register_grad_hook(weight, lambda p: order.append("engine"),
+                                lambda: lambda p: order.append("sum"))
     weight.register_post_accumulate_grad_hook(lambda p: order.append("user"))
     backward.run([weight.sum()], None)
-    assert order == ["user", "engine"]
+    # Note [The running sum in a user's gradient hook]: the engine's sum in front of the user's
+    assert order == ["sum", "user", "engine"]
 
 
 def test_a_second_gradient_of_a_parameter_in_one_backward_raises_under_data_parallelism():
