@@ -1225,10 +1225,13 @@ class PatrickStarEngine(nn.Module):
 
     def set_gradient_to_zeros(self, index: int) -> bool:
         """`p.grad = torch.zeros_like(p)` on parameter `index` at rest: kept as
-        zero_grad(set_to_none=False) keeps zeros, where the optimizer has state; False where it
-        has none (torch.distributed.checkpoint's state-initializing step: Note [Gradients set by
-        hand at rest] in resting_params.py)."""
-        if not len(self.optimizer.state):
+        zero_grad(set_to_none=False) keeps zeros, where the optimizer has state or a backward
+        ran; False where neither (perhaps torch.distributed.checkpoint's state-initializing
+        step: Note [Gradients set by hand at rest] in resting_params.py; Note [Zeros set by hand
+        before the first step] in optimizer.py)."""
+        if not len(self.optimizer.state) and not self.guard.backwards:
+            # Note [Zeros set by hand before the first step] in optimizer.py
+            self.optimizer.note_zeros_set_by_hand(index)
             return False
         self._refuse_one_gradient_dropped(index, "zeros")
         self.optimizer.drop_gradients([index], set_to_none=False)
