@@ -353,7 +353,10 @@ class BackwardPass:
     # hook in front of them, which adds the gradient stored earlier in the window to p.grad (in
     # p.grad's dtype, the parameter's, as torch accumulates); the engine's hook behind them
     # then stores p.grad in place of the chunk's gradient instead of adding to it, and a hook
-    # that set p.grad to None drops the chunk's too (PatrickStarEngine._make_sum_hook). A
+    # that set p.grad to None drops the chunk's too (PatrickStarEngine._make_sum_hook). A sum
+    # no hook changed (a logger: the same tensor at the same version) is not stored: the
+    # backward's own gradient is added as without hooks, so fp32 accumulators (config
+    # gradient_accumulation_steps in bf16/fp16) keep their precision. A
     # parameter without user hooks has neither, so a backward costs what it did. Under data
     # parallelism the chunk holds reduced shards, not this rank's running sum, so the hooks
     # there still see each backward's own gradient (README).

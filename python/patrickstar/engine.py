@@ -302,7 +302,9 @@ class PatrickStarEngine(nn.Module):
                                           _weakly(self._release_after_backward),
                                           _weakly(self._count_micro_step),
                                           _weakly(self._before_new_gradients))
-            self._summed_grads: dict[int, bool] = {}  # Note [The running sum in a user's ...]
+            # Note [The running sum in a user's gradient hook]: (sum, its version, the
+            # backward's own gradient) of each parameter whose user hooks run now
+            self._summed_grads: dict[int, tuple] = {}
             for index, param in enumerate(self.params.params):
                 if param.requires_grad:
                     self._backward.register_grad_hook(param, self._make_grad_hook(index),
@@ -1132,11 +1134,13 @@ class PatrickStarEngine(nn.Module):
             if owner is None:
                 return
             # Note [The running sum in a user's gradient hook] in backward_pass.py
-            summed = owner._summed_grads.pop(index, False)
+            summed = owner._summed_grads.pop(index, None)
             if grad is None:
-                if summed:  # the user's hook dropped the running sum, the chunk's part too
-                    owner.optimizer.drop_gradients([index], set_to_none=True)
+                if summed is not None:  # the user's hook dropped the running sum, the chunk's
+                    owner.optimizer.drop_gradients([index], set_to_none=True)  # part too
                 return
+            if summed is not None and grad is summed[0] and grad._version == summed[1]:
+                grad, summed = summed[2], None  # unchanged: the backward's own, added as ever
             owner._backward.before_storing_grad()
             owner._backward.refuse_second_grad(index, owner.params.names[index])
             if grad.layout != torch.strided:  # where a store's shape error is raised too
@@ -1147,7 +1151,7 @@ class PatrickStarEngine(nn.Module):
             owner.dp.before_grad(index)
             owner._backward.count_stored_grad(index)
             try:
-                owner._slots.store_grad(index, grad, has_grad[index] and not summed)
+                owner._slots.store_grad(index, grad, has_grad[index] and summed is None)
             except _C.ChunkOutOfMemoryError as error:
                 owner._note_backward_exhaustion(error, False)
                 raise
@@ -1169,8 +1173,9 @@ class PatrickStarEngine(nn.Module):
                 return
             owner._slots.wait_for_gradient_stores()
             with owner.params.view(index, _C.ChunkKind.GRADIENT) as stored:
-                param.grad = grad + stored.to(grad.device, grad.dtype)
-            owner._summed_grads[index] = True
+                summed = grad + stored.to(grad.device, grad.dtype)
+            param.grad = summed
+            owner._summed_grads[index] = (summed, summed._version, grad)
         return sum_hook
 
     # ---- Steps ---------------------------------------------------------------------------------

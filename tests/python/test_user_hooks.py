@@ -347,3 +347,39 @@ def test_the_optimizer_in_backward_recipe_raises_naming_what_to_do():
     optimizer.zero_grad()
     train_both(reference, ref_optimizer, model, optimizer)
     assert_same_weights(reference, model)
+
+
+def test_a_logging_hook_sees_the_bf16_sum_and_leaves_fp32_accumulators_exact():
+    # bf16 with gradient_accumulation_steps keeps fp32 accumulators in the chunks; a hook sees
+    # p.grad in the parameter's dtype as torch's bf16 model shows it (the running sum), and a
+    # hook that changes nothing stores nothing of its own, so training is bit for bit the run
+    # without the hook (Note [The running sum in a user's gradient hook]).
+    config = {"optimizer": {"type": "Adam", "params": {"lr": 1e-2}}, "default_chunk_size": CHUNK,
+              "bf16": {"enabled": True}, "gradient_accumulation_steps": 2}
+    runs = []
+    for hooked in (False, True):
+        torch.manual_seed(0)
+        model, optimizer = patrickstar.initialize(Net, config=config)
+        log = []
+        if hooked:
+            for param in model.module.parameters():
+                param.register_post_accumulate_grad_hook(
+                    lambda p: log.append((p.grad.dtype, p.grad.float().norm().item())))
+        for x, y in batches(4):
+            model.backward(nn.functional.cross_entropy(model(x.bfloat16()).float(), y))
+            model.step()
+        runs.append((model.state_dict(), log))
+    torch.manual_seed(0)
+    reference = Net().bfloat16()
+    ref_log = []
+    for param in reference.parameters():
+        param.register_post_accumulate_grad_hook(
+            lambda p: ref_log.append((p.grad.dtype, p.grad.float().norm().item())))
+    for x, y in batches(2):
+        (nn.functional.cross_entropy(reference(x.bfloat16()).float(), y) / 2).backward()
+    (plain, _), (hooked_state, log) = runs
+    for key, value in plain.items():
+        assert torch.equal(hooked_state[key], value), key
+    assert [dtype for dtype, _ in log[:len(ref_log)]] == [torch.bfloat16] * len(ref_log)
+    assert [norm for _, norm in log[:len(ref_log)]] == pytest.approx(
+        [norm for _, norm in ref_log], rel=2e-2)
