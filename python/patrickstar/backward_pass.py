@@ -246,7 +246,9 @@ class BackwardPass:
     # parameter is not stored yet; and fusing saves no memory here, since the engine already
     # moves each gradient out of torch's memory into its chunk as it is made. torch optimizers
     # over the engine's parameters are refused at their step as anywhere (torch_optimizers.py,
-    # which names the recipe when stepped in a backward).
+    # which names the recipe when stepped in a backward). Under data parallelism the
+    # zero_grad() there raises too: the ranks reduce-scatter each group as its gradients come,
+    # which a drop part way through would leave waiting for gradients that never come.
     def _optimizer_in_hook(self, call: str, set_to_none: bool) -> None:
         if call == "optimizer.step()":
             raise RuntimeError(
@@ -257,6 +259,12 @@ class BackwardPass:
                 "into the backward saves no memory. Call optimizer.step() (then "
                 "optimizer.zero_grad()) after loss.backward() returns; a hook may still change "
                 "or drop gradients (p.grad.mul_(...), optimizer.zero_grad())")
+        if self._dp.enabled:
+            raise RuntimeError(
+                f"{call} inside the engine's backward (a post-accumulate-grad hook) under data "
+                f"parallelism: each rank reduce-scatters the gradients of a group as they are "
+                f"made, so gradients cannot be dropped part way through a backward. Call it "
+                f"after loss.backward() returns, or leave the part out of the loss")
         with torch._C.DisableTorchFunctionSubclass():  # torch's own p.grad, resting or not
             for param, _ in self._grad_hooks:
                 grad = param.grad
