@@ -1092,7 +1092,9 @@ class PatrickStarEngine(nn.Module):
 
     def _before_new_gradients(self) -> None:
         """A backward starts: a clip waiting for the step applies first (Note [A clip before
-        the step] in optimizer.py)."""
+        the step] in optimizer.py); sums a raised backward left unstored are forgotten (Note
+        [The running sum in a user's gradient hook] in backward_pass.py)."""
+        self._summed_grads.clear()
         self.optimizer.apply_pending_clip()
 
     def _count_micro_step(self) -> None:
