@@ -1093,8 +1093,10 @@ class PatrickStarEngine(nn.Module):
     def _before_new_gradients(self) -> None:
         """A backward starts: a clip waiting for the step applies first (Note [A clip before
         the step] in optimizer.py); sums a raised backward left unstored are forgotten (Note
-        [The running sum in a user's gradient hook] in backward_pass.py)."""
+        [The running sum in a user's gradient hook] in backward_pass.py), and zeros set by hand
+        are held as zero_grad(set_to_none=False) holds them."""
         self._summed_grads.clear()
+        self.optimizer.hold_zeros_set_by_hand()  # Note [Zeros set by hand before the first step]
         self.optimizer.apply_pending_clip()
 
     def _count_micro_step(self) -> None:

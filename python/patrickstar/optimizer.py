@@ -401,7 +401,7 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
             if self._is_state_initializing_step():
                 self._initialize_state()
                 return loss
-            self._hold_zeros_set_by_hand()  # Note [Zeros set by hand before the first step]
+            self.hold_zeros_set_by_hand()  # Note [Zeros set by hand before the first step]
             # Note [Calls between a read and its serving] in data_parallel.py
             self.dp.agree_on_training_call(self.dp.OPTIMIZER_STEP)
             self.guard.check_step_allowed()
@@ -507,14 +507,18 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
     # weights and each parameter gets its state, step 1. Such a step now holds those zeros as
     # zero_grad(set_to_none=False) holds them (hold_zero_gradient), then steps as torch's does;
     # a zero_grad() before it drops them (set_to_none=True) or holds them (False), as torch's
-    # drops or keeps them; `p.grad = None` clears the empty gradient itself.
+    # drops or keeps them; `p.grad = None` clears the empty gradient itself. A backward holds
+    # them first too: autograd's accumulation into the empty p.grad failed with torch's bare
+    # size error ("The size of tensor a (0) must match ...") and left the engine's accesses
+    # stuck, where torch adds the gradient to the zeros.
     def note_zeros_set_by_hand(self, index: int) -> None:
         """Parameter `index`'s p.grad was set to zeros by hand before any state (Note [Zeros
         set by hand before the first step])."""
         self._zeros_by_hand.add(index)
 
-    def _hold_zeros_set_by_hand(self, set_to_none: bool = False) -> None:
-        """Note [Zeros set by hand before the first step]: at a step or a zero_grad()."""
+    def hold_zeros_set_by_hand(self, set_to_none: bool = False) -> None:
+        """Note [Zeros set by hand before the first step]: at a step, a zero_grad() or a
+        backward's start."""
         if not self._zeros_by_hand:
             return
         indices, self._zeros_by_hand = sorted(self._zeros_by_hand), set()
@@ -771,7 +775,7 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         dropped]."""
         with self.guard.calling("optimizer.zero_grad()"):  # Note [One thread at a time]
             self._settle_backward("optimizer.zero_grad()", set_to_none)
-            self._hold_zeros_set_by_hand(set_to_none)
+            self.hold_zeros_set_by_hand(set_to_none)
             self._note_zeroing(range(len(self.has_grad)), set_to_none)
             self._drop_step_gradients()
             if set_to_none:  # as torch's, the groups' parameters without elements too

@@ -154,13 +154,14 @@ def assert_same_weights(reference, model):
 
 
 @pytest.mark.parametrize("case", ["all, fresh", "some, fresh", "after a backward",
-                                  "then zero_grad", "then zero_grad(set_to_none=False)"])
+                                  "then zero_grad", "then zero_grad(set_to_none=False)",
+                                  "then a backward"])
 def test_zeros_set_by_hand_before_the_first_step_step_as_in_pytorch(case):
     # Before: zeros set by hand where the optimizer had no state became an empty gradient
     # (torch.distributed.checkpoint's mark), so a step at lr 1e-2 changed nothing where torch's
     # AdamW applies its weight decay and makes each parameter's state, step 1 (Note [Zeros set
     # by hand before the first step] in optimizer.py); after a backward the backward's
-    # gradient was applied instead of the zeros.
+    # gradient was applied instead of the zeros, and a backward after them failed.
     reference, ref_optimizer, model, optimizer = pair()
     x, y = torch.randn(8, 32), torch.randint(0, 10, (8,))
     for net, opt in ((reference, ref_optimizer), (model, optimizer)):
@@ -171,6 +172,8 @@ def test_zeros_set_by_hand_before_the_first_step_step_as_in_pytorch(case):
             param.grad = torch.zeros_like(param)
         if case.startswith("then zero_grad"):
             opt.zero_grad(set_to_none=case == "then zero_grad")
+        if case == "then a backward":  # failed on torch's bare size error (0 vs 32)
+            net(x, y).backward()
         opt.step()
         opt.zero_grad()
     assert_same_weights(reference, model)
