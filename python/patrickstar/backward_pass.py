@@ -364,10 +364,11 @@ class BackwardPass:
     # that set p.grad to None drops the chunk's too (PatrickStarEngine._make_sum_hook). A sum
     # no hook changed (a logger: the same tensor at the same version) is not stored: the
     # backward's own gradient is added as without hooks, so fp32 accumulators (config
-    # gradient_accumulation_steps in bf16/fp16) keep their precision. A
-    # parameter without user hooks has neither, so a backward costs what it did. Under data
-    # parallelism the chunk holds reduced shards, not this rank's running sum, so the hooks
-    # there still see each backward's own gradient (README).
+    # gradient_accumulation_steps in bf16/fp16) keep their precision; a sum a hook changed is
+    # stored as torch's p.grad holds it, in the parameter's dtype. A parameter without user
+    # hooks has neither, so a backward costs what it did. Under data parallelism the chunk
+    # holds reduced shards, not this rank's running sum, so the hooks there still see each
+    # backward's own gradient (README).
     def _keep_sum_hook_first(self, position: int, param, hooks) -> None:
         sum_id = self._sum_hook_ids.get(position)
         if sum_id is None or sum_id not in hooks:
