@@ -37,16 +37,24 @@ class BackwardPass:
         self._joined_thread: threading.Thread | None = None  # where, if a Python thread
         self._grad_hooks: list[tuple[nn.Parameter, int]] = []  # Note [User gradient hooks]
         self._grad_hook_handles: list = []
+        # Note [The running sum in a user's gradient hook]: each parameter's hook that puts the
+        # gradients stored earlier in the window into p.grad, made at its first user hook.
+        self._sum_hook_makers: list[Callable[[], Callable]] = []
+        self._sum_hook_ids: dict[int, int] = {}  # index in _grad_hooks -> hook id
 
     def in_model_backward(self) -> bool:
         """`model.backward(loss)` is under way (not a loss.backward() this pass joined)."""
         return self.in_backward and not self._joined
 
-    def register_grad_hook(self, param: nn.Parameter, hook: Callable) -> None:
-        """The engine's post-accumulate-grad hook of `param`, kept behind the user's."""
+    def register_grad_hook(self, param: nn.Parameter, hook: Callable,
+                           sum_hook: Callable[[], Callable]) -> None:
+        """The engine's post-accumulate-grad hook of `param`, kept behind the user's, and the
+        maker of the one kept in front of them (Note [The running sum in a user's gradient
+        hook])."""
         handle = param.register_post_accumulate_grad_hook(hook)
         self._grad_hooks.append((param, handle.id))
         self._grad_hook_handles.append(handle)
+        self._sum_hook_makers.append(sum_hook)
 
     def remove_grad_hooks(self) -> None:
         """The engine's gradient hooks off its parameters (which drop every p.grad once the
@@ -55,6 +63,8 @@ class BackwardPass:
             handle.remove()
         self._grad_hook_handles.clear()
         self._grad_hooks.clear()
+        self._sum_hook_makers.clear()
+        self._sum_hook_ids.clear()
 
     def run(self, tensors, grads, retain_graph: bool = False) -> None:
         """`model.backward(loss)`: autograd from `tensors` (the scaled loss), then the end."""
@@ -210,11 +220,60 @@ class BackwardPass:
     # in an accumulation applied the earlier micro-steps' gradients plus the part the raised
     # backward stored. So optimizer.zero_grad() and optimizer.step() settle it first too, unless
     # they are called from inside a backward (a user's gradient hook), which is still running.
-    def settle_raised_autograd_backward(self) -> None:
-        """At optimizer.zero_grad() or optimizer.step(): forget_raised_autograd_backward(),
-        outside autograd's graph tasks."""
+    def settle_raised_autograd_backward(self, call: str = "optimizer.zero_grad()",
+                                        set_to_none: bool = True) -> None:
+        """At optimizer.zero_grad() or optimizer.step() (`call`): forget_raised_autograd_backward()
+        outside autograd's graph tasks; inside this engine's backward (a user's gradient hook)
+        Note [The optimizer inside a gradient hook]."""
         if torch._C._current_graph_task_id() == -1:
             self.forget_raised_autograd_backward()
+        elif self.in_backward:
+            self._optimizer_in_hook(call, set_to_none)
+
+    # Note [The optimizer inside a gradient hook]
+    # PyTorch's tutorial "How to save memory by fusing the optimizer step into the backward pass"
+    # steps and zeroes optimizers inside post-accumulate-grad hooks, and users drop gradients
+    # there (`optimizer.zero_grad()` when a gradient is found bad). torch's zero_grad sets every
+    # p.grad to None, the one being accumulated included, so the step after the backward
+    # applies only the gradients accumulated after it. Here the hook's own gradient was still
+    # in p.grad, outside the chunks the zero_grad dropped, and the engine's hook stored it
+    # after the user's: the step applied a gradient torch had dropped, silently. A zero_grad()
+    # inside this engine's backward therefore also drops what autograd holds in p.grad
+    # (set_to_none=False zeroes it, as torch's does, and the zeros are then stored). The
+    # engine's optimizer.step() there is refused: its update reads and writes the chunks the
+    # backward is computing with (the compute weights of layers still to differentiate, which
+    # torch's fused recipe updates only after their last use), and the gradient of the hook's
+    # parameter is not stored yet; and fusing saves no memory here, since the engine already
+    # moves each gradient out of torch's memory into its chunk as it is made. torch optimizers
+    # over the engine's parameters are refused at their step as anywhere (torch_optimizers.py,
+    # which names the recipe when stepped in a backward). Under data parallelism the
+    # zero_grad() there raises too: the ranks reduce-scatter each group as its gradients come,
+    # which a drop part way through would leave waiting for gradients that never come.
+    def _optimizer_in_hook(self, call: str, set_to_none: bool) -> None:
+        if call == "optimizer.step()":
+            raise RuntimeError(
+                "optimizer.step() of the PatrickStar engine inside its backward (a "
+                "post-accumulate-grad hook: the optimizer-in-backward recipe): the step updates "
+                "the chunks the backward still computes with, and the engine already moves each "
+                "gradient out of torch's memory into its chunk as it is made, so fusing the step "
+                "into the backward saves no memory. Call optimizer.step() (then "
+                "optimizer.zero_grad()) after loss.backward() returns; a hook may still change "
+                "or drop gradients (p.grad.mul_(...), optimizer.zero_grad())")
+        if self._dp.enabled:
+            raise RuntimeError(
+                f"{call} inside the engine's backward (a post-accumulate-grad hook) under data "
+                f"parallelism: each rank reduce-scatters the gradients of a group as they are "
+                f"made, so gradients cannot be dropped part way through a backward. Call it "
+                f"after loss.backward() returns, or leave the part out of the loss")
+        with torch._C.DisableTorchFunctionSubclass():  # torch's own p.grad, resting or not
+            for param, _ in self._grad_hooks:
+                grad = param.grad
+                if grad is None:
+                    continue
+                if set_to_none:
+                    param.grad = None
+                else:
+                    grad.detach_().zero_()
 
     def forget_raised_autograd_backward(self) -> None:
         """At a forward, optimizer.zero_grad() or optimizer.step(): a loss.backward() that
@@ -281,11 +340,43 @@ class BackwardPass:
     # before accumulation and need nothing). torch calls the hooks from a snapshot of the
     # dict's values, so the move must come before the backward, not inside it: model.backward
     # does it before autograd runs, loss.backward() at the engine's first event in the graph
-    # task (a module's pre-backward, before any of that module's gradients accumulate). What
-    # still differs from PyTorch: `p.grad` holds this backward's gradient only, not the sum of
-    # the accumulation's (the sum is in the chunk: model.full_gradient(p) after the backward).
+    # task (a module's pre-backward, before any of that module's gradients accumulate). Under
+    # accumulation the user's hooks see torch's running sum: Note [The running sum in a user's
+    # gradient hook].
     def _keep_grad_hooks_last(self) -> None:
-        for param, hook_id in self._grad_hooks:
+        for position, (param, hook_id) in enumerate(self._grad_hooks):
             hooks = param._post_accumulate_grad_hooks
-            if len(hooks) > 1 and next(reversed(hooks)) != hook_id:
+            if hooks is None or len(hooks) == 1:
+                continue
+            if next(reversed(hooks)) != hook_id:
                 hooks[hook_id] = hooks.pop(hook_id)  # to the end of the dict's own order too
+            self._keep_sum_hook_first(position, param, hooks)
+
+    # Note [The running sum in a user's gradient hook]
+    # Under gradient accumulation torch's p.grad holds the running sum of the window's
+    # gradients, so a user's post-accumulate-grad hook sees (and scales, clips, logs, drops) that
+    # sum. Here each backward's gradient came alone into p.grad, the earlier ones being in the
+    # chunk: a hook halving p.grad halved only the last backward's part, and one logging its
+    # norm logged the last batch's. A parameter with user hooks therefore also gets an engine
+    # hook in front of them, which adds the gradient stored earlier in the window to p.grad (in
+    # p.grad's dtype, the parameter's, as torch accumulates); the engine's hook behind them
+    # then stores p.grad in place of the chunk's gradient instead of adding to it, and a hook
+    # that set p.grad to None drops the chunk's too (PatrickStarEngine._make_sum_hook). A sum
+    # no hook changed (a logger: the same tensor at the same version) is not stored: the
+    # backward's own gradient is added as without hooks, so fp32 accumulators (config
+    # gradient_accumulation_steps in bf16/fp16) keep their precision; a sum a hook changed is
+    # stored as torch's p.grad holds it, in the parameter's dtype. A parameter without user
+    # hooks has neither, so a backward costs what it did. Under data parallelism the chunk
+    # holds reduced shards, not this rank's running sum, so the hooks there still see each
+    # backward's own gradient (README).
+    def _keep_sum_hook_first(self, position: int, param, hooks) -> None:
+        sum_id = self._sum_hook_ids.get(position)
+        if sum_id is None or sum_id not in hooks:
+            handle = param.register_post_accumulate_grad_hook(self._sum_hook_makers[position]())
+            self._grad_hook_handles.append(handle)
+            sum_id = self._sum_hook_ids[position] = handle.id
+        if next(iter(hooks)) != sum_id:
+            # torch walks the dict's own insertion order (PyDict_Next), not an OrderedDict's
+            # move_to_end order: the others are inserted again behind it.
+            for key in [key for key in hooks if key != sum_id]:
+                hooks[key] = hooks.pop(key)

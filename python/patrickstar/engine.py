@@ -57,6 +57,7 @@ import collections
 import contextlib
 import copy
 import ctypes
+import functools
 import sys
 import time
 import warnings
@@ -301,9 +302,14 @@ class PatrickStarEngine(nn.Module):
                                           _weakly(self._release_after_backward),
                                           _weakly(self._count_micro_step),
                                           _weakly(self._before_new_gradients))
+            # Note [The running sum in a user's gradient hook]: (sum, its version, the
+            # backward's own gradient) of each parameter whose user hooks run now
+            self._summed_grads: dict[int, tuple] = {}
             for index, param in enumerate(self.params.params):
                 if param.requires_grad:
-                    self._backward.register_grad_hook(param, self._make_grad_hook(index))
+                    self._backward.register_grad_hook(param, self._make_grad_hook(index),
+                                                      functools.partial(
+                                                          _weakly(self._make_sum_hook), index))
             self._output_scale = None
             if self.precision == "fp16":  # Note [fp16 loss.backward() scales at the engine's
                 self._output_scale = OutputLossScale(  # outputs] in output_loss_scale.py
@@ -1086,7 +1092,11 @@ class PatrickStarEngine(nn.Module):
 
     def _before_new_gradients(self) -> None:
         """A backward starts: a clip waiting for the step applies first (Note [A clip before
-        the step] in optimizer.py)."""
+        the step] in optimizer.py); sums a raised backward left unstored are forgotten (Note
+        [The running sum in a user's gradient hook] in backward_pass.py), and zeros set by hand
+        are held as zero_grad(set_to_none=False) holds them."""
+        self._summed_grads.clear()
+        self.optimizer.hold_zeros_set_by_hand()  # Note [Zeros set by hand before the first step]
         self.optimizer.apply_pending_clip()
 
     def _count_micro_step(self) -> None:
@@ -1125,8 +1135,16 @@ class PatrickStarEngine(nn.Module):
             grad = param.grad
             param.grad = None  # its memory goes back to torch right away
             owner = engine()
-            if grad is None or owner is None:
+            if owner is None:
                 return
+            # Note [The running sum in a user's gradient hook] in backward_pass.py
+            summed = owner._summed_grads.pop(index, None)
+            if grad is None:
+                if summed is not None:  # the user's hook dropped the running sum, the chunk's
+                    owner.optimizer.drop_gradients([index], set_to_none=True)  # part too
+                return
+            if summed is not None and grad is summed[0] and grad._version == summed[1]:
+                grad, summed = summed[2], None  # unchanged: the backward's own, added as ever
             owner._backward.before_storing_grad()
             owner._backward.refuse_second_grad(index, owner.params.names[index])
             if grad.layout != torch.strided:  # where a store's shape error is raised too
@@ -1137,13 +1155,32 @@ class PatrickStarEngine(nn.Module):
             owner.dp.before_grad(index)
             owner._backward.count_stored_grad(index)
             try:
-                owner._slots.store_grad(index, grad, has_grad[index])
+                owner._slots.store_grad(index, grad, has_grad[index] and summed is None)
             except _C.ChunkOutOfMemoryError as error:
                 owner._note_backward_exhaustion(error, False)
                 raise
             has_grad[index] = True
             owner.dp.on_grad(index)
         return hook
+
+    def _make_sum_hook(self, index: int):
+        """The hook in front of the user's post-accumulate-grad hooks of parameter `index`: Note
+        [The running sum in a user's gradient hook] in backward_pass.py."""
+        engine = weakref.ref(self)
+
+        def sum_hook(param: nn.Parameter) -> None:
+            grad = param.grad
+            owner = engine()
+            if grad is None or owner is None or owner.dp.enabled:
+                return
+            if not owner.optimizer.has_grad[index] or grad.layout != torch.strided:
+                return
+            owner._slots.wait_for_gradient_stores()
+            with owner.params.view(index, _C.ChunkKind.GRADIENT) as stored:
+                summed = grad + stored.to(grad.device, grad.dtype)
+            param.grad = summed
+            owner._summed_grads[index] = (summed, summed._version, grad)
+        return sum_hook
 
     # ---- Steps ---------------------------------------------------------------------------------
 
@@ -1197,10 +1234,13 @@ class PatrickStarEngine(nn.Module):
 
     def set_gradient_to_zeros(self, index: int) -> bool:
         """`p.grad = torch.zeros_like(p)` on parameter `index` at rest: kept as
-        zero_grad(set_to_none=False) keeps zeros, where the optimizer has state; False where it
-        has none (torch.distributed.checkpoint's state-initializing step: Note [Gradients set by
-        hand at rest] in resting_params.py)."""
-        if not len(self.optimizer.state):
+        zero_grad(set_to_none=False) keeps zeros, where the optimizer has state or a backward
+        ran; False where neither (perhaps torch.distributed.checkpoint's state-initializing
+        step: Note [Gradients set by hand at rest] in resting_params.py; Note [Zeros set by hand
+        before the first step] in optimizer.py)."""
+        if not len(self.optimizer.state) and not self.guard.backwards:
+            # Note [Zeros set by hand before the first step] in optimizer.py
+            self.optimizer.note_zeros_set_by_hand(index)
             return False
         self._refuse_one_gradient_dropped(index, "zeros")
         self.optimizer.drop_gradients([index], set_to_none=False)

@@ -293,7 +293,7 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
                  wait_for_gradient_stores: Callable[[], None] = lambda: None,
                  before_step: Callable[[], None] = lambda: None,
                  after_step: Callable[..., None] = lambda applied, without_gradients=False: None,
-                 settle_backward: Callable[[], None] = lambda: None,
+                 settle_backward: Callable[[str, bool], None] = lambda call, set_to_none: None,
                  end_iteration_without_step: Callable[[], None] = lambda: None):
         # torch's `defaults` are the constructor's arguments, not a group's: here the config's
         # optimizer params. Hugging Face's get_polynomial_decay_schedule_with_warmup decays from
@@ -336,6 +336,9 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         # Those whose p.grad torch would still hold the last step's gradients in: no zero_grad
         # since (Note [A step without gradients]).
         self._unzeroed: set[int] = set()
+        # Zeros set by hand where the optimizer had no state yet, held as an empty p.grad until
+        # the step (Note [Zeros set by hand before the first step]).
+        self._zeros_by_hand: set[int] = set()
         # The tensors of the update under way (Note [An update interrupted before its release]).
         self._updating: list[int] | None = None
         self._end_iteration = end_iteration
@@ -387,7 +390,7 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         if grad_scaler is not None:
             raise TypeError(_GRAD_SCALER_UNSUPPORTED)
         with self.guard.calling("optimizer.step()"):  # Note [One thread at a time]
-            self._settle_backward()
+            self._settle_backward("optimizer.step()", True)
             loss = None
             if closure is not None:
                 with torch.enable_grad():
@@ -398,6 +401,7 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
             if self._is_state_initializing_step():
                 self._initialize_state()
                 return loss
+            self.hold_zeros_set_by_hand()  # Note [Zeros set by hand before the first step]
             # Note [Calls between a read and its serving] in data_parallel.py
             self.dp.agree_on_training_call(self.dp.OPTIMIZER_STEP)
             self.guard.check_step_allowed()
@@ -494,6 +498,39 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         # rest] in resting_params.py).
         return bool(trainable) and all(p.grad is not None and p.grad.numel() == 0
                                        for p in trainable)
+
+    # Note [Zeros set by hand before the first step]
+    # `p.grad = torch.zeros_like(p)` where the optimizer has no state yet becomes an empty
+    # gradient on the placeholder, which marks torch.distributed.checkpoint's state-initializing
+    # step (above). Any other step after it (a lr above 0, or zeros on some parameters only)
+    # changed nothing, where torch's AdamW applies zero gradients: the weight decay moves the
+    # weights and each parameter gets its state, step 1. Such a step now holds those zeros as
+    # zero_grad(set_to_none=False) holds them (hold_zero_gradient), then steps as torch's does;
+    # a zero_grad() before it drops them (set_to_none=True) or holds them (False), as torch's
+    # drops or keeps them; `p.grad = None` clears the empty gradient itself. A backward holds
+    # them first too: autograd's accumulation into the empty p.grad failed with torch's bare
+    # size error ("The size of tensor a (0) must match ...") and left the engine's accesses
+    # stuck, where torch adds the gradient to the zeros.
+    def note_zeros_set_by_hand(self, index: int) -> None:
+        """Parameter `index`'s p.grad was set to zeros by hand before any state (Note [Zeros
+        set by hand before the first step])."""
+        self._zeros_by_hand.add(index)
+
+    def hold_zeros_set_by_hand(self, set_to_none: bool = False) -> None:
+        """Note [Zeros set by hand before the first step]: at a step, a zero_grad() or a
+        backward's start."""
+        if not self._zeros_by_hand:
+            return
+        indices, self._zeros_by_hand = sorted(self._zeros_by_hand), set()
+        for index in indices:
+            param = self.chunked.params[index]
+            with torch._C.DisableTorchFunctionSubclass():  # its own empty p.grad, not a read
+                if param.grad is None or param.grad.numel() != 0:
+                    continue
+                param.grad = None
+            if not set_to_none:
+                self.drop_gradients([index], set_to_none=False)
+                self.hold_zero_gradient(index)
 
     def _initialize_state(self) -> None:
         manager = self.chunked.chunks.manager
@@ -737,7 +774,8 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         [Training call order] in guards.py). `set_to_none=False`: Note [Gradients zeroed, not
         dropped]."""
         with self.guard.calling("optimizer.zero_grad()"):  # Note [One thread at a time]
-            self._settle_backward()
+            self._settle_backward("optimizer.zero_grad()", set_to_none)
+            self.hold_zeros_set_by_hand(set_to_none)
             self._note_zeroing(range(len(self.has_grad)), set_to_none)
             self._drop_step_gradients()
             if set_to_none:  # as torch's, the groups' parameters without elements too

@@ -108,8 +108,12 @@ _NEW = {_T.new_zeros, _T.new_ones, _T.new_empty, _T.new_full, _T.new_tensor,
 # in backward_pass.py), and the scripts that read it fail far from the cause or not at all:
 # word_language_model's hand-written SGD (`p.data.add_(p.grad, alpha=-lr)`) with torch's
 # "argument 'other' must be Tensor, not NoneType", a gradient-norm log (`if p.grad is not None`)
-# with a silent 0. A read of `p.grad` from outside torch and patrickstar that finds None between
-# a backward and the step says so once per process, naming what to use. The read is unchanged.
+# with a silent 0, a gradient-scaling loop (`if p.grad is not None: p.grad.div_(world)`) or
+# noise injection with nothing done. A read of `p.grad` from outside torch and patrickstar that
+# finds None between a backward and the step says so once per process, naming what to use (the
+# loss or a hook to scale, clip_grad_norm_ / clip_grad_value_ to clip, full_gradient to read).
+# The read is unchanged: a p.grad backed by full_gradient would be a copy whose edits vanish
+# (docs/design.md, "What still differs from torch's `p.grad`").
 # Installed packages are not asked about: accelerate's and the Trainer's clipping look at every
 # p.grad on their way to torch's clip_grad_norm_, which is the engine's (clip_grad.py).
 _INSTALLED = tuple(f"{os.sep}{name}{os.sep}" for name in ("site-packages", "dist-packages"))
@@ -130,10 +134,15 @@ def _gradient_in_chunks(param) -> None:
     warnings.warn(
         f"p.grad of {_label(*owner)} is None after the backward: its gradient lives in the "
         f"engine's chunks (as under DeepSpeed ZeRO-3), and the optimizer patrickstar.initialize() "
-        f"returned applies it (update weights with it, not by hand). Read a gradient with "
-        f"model.full_gradient(p) (patrickstar.safe_get_full_grad(p)); clip with "
+        f"returned applies it (update weights with it, not by hand), so a loop over p.grad "
+        f"(`if p.grad is not None: p.grad.div_(n)`, adding noise) changes nothing. Scale "
+        f"gradients through the loss (`(loss / n).backward()`; model.backward(loss) divides by "
+        f"gradient_accumulation_steps itself, and under data parallelism the gradients are "
+        f"already averaged over the ranks) or in a hook (p.register_hook(lambda g: g / n), or "
+        f"p.register_post_accumulate_grad_hook editing p.grad in place); clip with "
         f"torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm), whose result is the "
-        f"norm. Said once per process", stacklevel=3)
+        f"norm, or clip_grad_value_; read a gradient with model.full_gradient(p) "
+        f"(patrickstar.safe_get_full_grad(p)). Said once per process", stacklevel=3)
 
 
 def _shape(param) -> torch.Size:

@@ -31,6 +31,16 @@ def _parameter_count(optimizer: torch.optim.Optimizer) -> int:
     return sum(len(group["params"]) for group in optimizer.param_groups)
 
 
+# Note [The optimizer inside a gradient hook] in backward_pass.py: what a step inside a backward
+# (the optimizer-in-backward recipe) is told besides.
+_IN_BACKWARD = (
+    ". Stepped inside a backward (PyTorch's optimizer-in-backward recipe, one optimizer per "
+    "parameter stepped in a post-accumulate-grad hook): the engine already moves each gradient "
+    "out of torch's memory into its chunk as it is made, so the recipe saves nothing here. "
+    "Remove those hooks and optimizers, and call the engine's optimizer.step() and "
+    "optimizer.zero_grad() after loss.backward() returns")
+
+
 def _before_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     count = _parameter_count(optimizer)
     if _checked.get(optimizer) == count:
@@ -46,7 +56,8 @@ def _before_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
                 f"a PatrickStar engine (e.g. 'module.{name}'): their gradients live in the "
                 f"engine's chunks, so it would update nothing. Use the optimizer "
                 f"patrickstar.initialize() returns (set its type and hyperparameters with the "
-                f"config's \"optimizer\" key; parameter groups with param_groups=)")
+                f"config's \"optimizer\" key; parameter groups with param_groups=)"
+                + (_IN_BACKWARD if torch._C._current_graph_task_id() != -1 else ""))
     _checked[optimizer] = count
 
 

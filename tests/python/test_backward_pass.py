@@ -106,10 +106,12 @@ def test_the_engines_gradient_hooks_run_after_the_users():
     backward, _ = make_pass()
     weight = nn.Parameter(torch.ones(2))
     order = []
-    backward.register_grad_hook(weight, lambda p: order.append("engine"))
+    backward.register_grad_hook(weight, lambda p: order.append("engine"),
+                                lambda: lambda p: order.append("sum"))
     weight.register_post_accumulate_grad_hook(lambda p: order.append("user"))
     backward.run([weight.sum()], None)
-    assert order == ["user", "engine"]
+    # Note [The running sum in a user's gradient hook]: the engine's sum in front of the user's
+    assert order == ["sum", "user", "engine"]
 
 
 def test_a_second_gradient_of_a_parameter_in_one_backward_raises_under_data_parallelism():
@@ -127,3 +129,23 @@ def test_a_second_gradient_of_a_parameter_in_one_backward_raises_under_data_para
         backward.refuse_second_grad(0, "weight")  # as a reentrant checkpoint's would come
     backward.refuse_second_grad(1, "other")
     backward.run([(weight * 2).sum()], None)  # a new backward starts afresh
+
+
+def test_zero_grad_inside_a_backward_drops_p_grad_and_is_refused_under_data_parallelism():
+    # Note [The optimizer inside a gradient hook] (the Recorder's data-parallel side is enabled,
+    # so the zero_grad of a hook raises; the engine-level single-process behaviour is in
+    # test_user_hooks.py).
+    backward, _ = make_pass()
+    weight = nn.Parameter(torch.ones(3))
+    stored = []
+    backward.register_grad_hook(weight, lambda p: stored.append(p.grad),
+                                lambda: lambda p: None)
+
+    def zero_grad(p):
+        backward.settle_raised_autograd_backward("optimizer.zero_grad()", True)
+
+    weight.register_post_accumulate_grad_hook(zero_grad)
+    with pytest.raises(RuntimeError, match=r"optimizer.zero_grad\(\) inside the engine's "
+                                           r"backward .*under data parallelism"):
+        backward.run([(weight * 2).sum()], None)
+    assert not stored

@@ -143,3 +143,38 @@ def test_p_grad_zeros_are_kept_for_the_parameters_torch_keeps_them_for():
     reference[0].zero_grad(set_to_none=True)
     assert grads(model.parameters()) == grads(reference.parameters())
     assert [g is None for g in grads(reference.parameters())] == [True, True, False, True]
+
+
+def test_a_gradient_scaling_loop_over_p_grad_warns_naming_the_engines_ways(monkeypatch):
+    # `for p in model.parameters(): if p.grad is not None: p.grad.div_(world)` (a hand-written
+    # all-reduce's average, or a rescale) finds p.grad None and silently does nothing (Note [p.grad
+    # after a backward] in resting_params.py). Before: the warning named only full_gradient and
+    # clip_grad_norm_, not how to scale. The ways it names train as torch's loop does.
+    from patrickstar import resting_params
+    monkeypatch.setattr(resting_params, "_warned_gradient_in_chunks", False)
+    model, opt = make(optimizer={"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}})
+    torch.manual_seed(0)
+    reference = net()
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+    x, = batches(1)
+    model(x).square().mean().backward()
+    with pytest.warns(UserWarning, match=r"p\.grad of PatrickStar parameter 'module\.0\.weight' "
+                                         r"is None after the backward.*div_.*changes nothing.*"
+                                         r"Scale gradients through the loss.*register_hook.*"
+                                         r"clip_grad_value_"):
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.div_(4)
+    opt.zero_grad()
+    for p in model.parameters():  # the hook the warning names
+        p.register_hook(lambda g: g / 4)
+    reference(x).square().mean().backward()
+    for p in reference.parameters():
+        if p.grad is not None:
+            p.grad.div_(4)
+    model(x).square().mean().backward()
+    ref_opt.step()
+    opt.step()
+    state = model.state_dict()
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-7, msg=key)

@@ -144,3 +144,41 @@ def test_groups_show_torchs_keys_and_refuse_a_variant_set_in_training():
     optimizer.param_groups[0]["maximize"] = False
     optimizer.step()  # the step can be made once it is fixed
     assert not torch.equal(model.state_dict()["layers.0.weight"], before["layers.0.weight"])
+
+
+def assert_same_weights(reference, model):
+    state = model.state_dict()
+    for key, tensor in reference.state_dict().items():
+        torch.testing.assert_close(state[key], tensor, rtol=1e-5, atol=1e-7,
+                                   msg=lambda m: f"{key}: {m}")
+
+
+@pytest.mark.parametrize("case", ["all, fresh", "some, fresh", "after a backward",
+                                  "then zero_grad", "then zero_grad(set_to_none=False)",
+                                  "then a backward"])
+def test_zeros_set_by_hand_before_the_first_step_step_as_in_pytorch(case):
+    # Before: zeros set by hand where the optimizer had no state became an empty gradient
+    # (torch.distributed.checkpoint's mark), so a step at lr 1e-2 changed nothing where torch's
+    # AdamW applies its weight decay and makes each parameter's state, step 1 (Note [Zeros set
+    # by hand before the first step] in optimizer.py); after a backward the backward's
+    # gradient was applied instead of the zeros, and a backward after them failed.
+    reference, ref_optimizer, model, optimizer = pair()
+    x, y = torch.randn(8, 32), torch.randint(0, 10, (8,))
+    for net, opt in ((reference, ref_optimizer), (model, optimizer)):
+        if case == "after a backward":
+            net(x, y).backward()
+        params = list(net.parameters())
+        for param in params[:2] if case == "some, fresh" else params:
+            param.grad = torch.zeros_like(param)
+        if case.startswith("then zero_grad"):
+            opt.zero_grad(set_to_none=case == "then zero_grad")
+        if case == "then a backward":  # failed on torch's bare size error (0 vs 32)
+            net(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    assert_same_weights(reference, model)
+    ref_steps = [ref_optimizer.state[p].get("step") for p in reference.parameters()]
+    steps = [optimizer.state[p].get("step") for p in model.parameters()]
+    assert [None if s is None else float(s) for s in steps] == [
+        None if s is None else float(s) for s in ref_steps]
+    assert any(s is not None for s in ref_steps) != (case == "then zero_grad")

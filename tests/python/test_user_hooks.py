@@ -251,3 +251,135 @@ def test_a_global_pre_hook_that_raises_leaves_the_next_step_as_in_pytorch():
         handle.remove()
     train_both(reference, ref_optimizer, model, optimizer)
     assert_same_weights(reference, model)
+
+
+def train_accumulating(reference, ref_optimizer, model, optimizer, steps=2, micro=3):
+    """`micro` loss.backward() calls per step, as a PyTorch accumulation loop writes them."""
+    data = batches(steps * micro)
+    for step in range(steps):
+        for net, opt in ((reference, ref_optimizer), (model, optimizer)):
+            for x, y in data[step * micro:(step + 1) * micro]:
+                (nn.functional.cross_entropy(net(x), y) / micro).backward()
+            opt.step()
+            opt.zero_grad()
+
+
+@pytest.mark.parametrize("budget", BUDGETS)
+@pytest.mark.parametrize("when", ["in_model_func", "after_initialize"])
+def test_post_accumulate_grad_hooks_see_the_accumulations_running_sum_as_in_pytorch(when,
+                                                                                   budget):
+    # Before: each backward's gradient came alone into p.grad (the earlier ones were in the
+    # chunk), so the logged norms were each batch's and the in-place halving of b's gradient
+    # halved only the last backward's part (Note [The running sum in a user's gradient hook]).
+    def add_hooks(net, sink):
+        for name, param in net.named_parameters():
+            def scale_and_log(p, name=name):
+                if name.startswith("b."):
+                    p.grad.mul_(0.5)
+                sink.append((name, p.grad.dtype, p.grad.norm().item()))
+            param.register_post_accumulate_grad_hook(scale_and_log)
+
+    reference, ref_optimizer, model, optimizer, ref_log, log = build_hooked(add_hooks, when,
+                                                                            budget)
+    train_accumulating(reference, ref_optimizer, model, optimizer)
+    assert [entry[:2] for entry in log] == [entry[:2] for entry in ref_log]
+    assert [entry[2] for entry in log] == pytest.approx([entry[2] for entry in ref_log],
+                                                        rel=1e-5)
+    assert_same_weights(reference, model)
+
+
+@pytest.mark.parametrize("drop", ["zero_grad", "zero_grad(set_to_none=False)", "p.grad = None"])
+def test_gradients_dropped_inside_a_gradient_hook_are_dropped_as_in_pytorch(drop):
+    # Before: optimizer.zero_grad() in b.weight's hook dropped the chunks but not the hook's own
+    # gradient, still in p.grad, which the engine then stored and the step applied; `p.grad =
+    # None` there dropped only the last backward's part of the accumulation (Note [The optimizer
+    # inside a gradient hook] in backward_pass.py).
+    reference, ref_optimizer, model, optimizer = build(Net, None)
+    calls = {}
+
+    def dropper(opt):
+        def hook(p):
+            calls[opt] = calls.get(opt, 0) + 1
+            if calls[opt] % 3 != 2:  # in the second backward of each step
+                return
+            if drop == "p.grad = None":
+                p.grad = None
+            else:
+                opt.zero_grad(set_to_none=drop == "zero_grad")
+        return hook
+
+    reference.b.weight.register_post_accumulate_grad_hook(dropper(ref_optimizer))
+    model.module.b.weight.register_post_accumulate_grad_hook(dropper(optimizer))
+    train_accumulating(reference, ref_optimizer, model, optimizer)
+    assert calls[ref_optimizer] == calls[optimizer] == 6
+    assert_same_weights(reference, model)
+
+
+def test_the_optimizer_in_backward_recipe_raises_naming_what_to_do():
+    # PyTorch's tutorial "How to save memory by fusing the optimizer step into the backward
+    # pass": one torch optimizer per parameter, stepped and zeroed in its gradient hook.
+    # Before: the engine's own optimizer stepped there silently trained on part of the
+    # gradients (0.03 off torch after three steps).
+    reference, ref_optimizer, model, optimizer = build(Net, None)
+    x, y = batches(1)[0]
+    per_parameter = {p: torch.optim.Adam([p], foreach=False) for p in model.parameters()}
+
+    def recipe(p):
+        per_parameter[p].step()
+        per_parameter[p].zero_grad()
+
+    handles = [p.register_post_accumulate_grad_hook(recipe) for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=r"optimizer-in-backward.*optimizer.step\(\) and "
+                                           r"optimizer.zero_grad\(\) after loss.backward"):
+        nn.functional.cross_entropy(model(x), y).backward()
+    for handle in handles:
+        handle.remove()
+    optimizer.zero_grad()
+
+    def engine_step(p):
+        optimizer.step()
+
+    handle = model.module.a.weight.register_post_accumulate_grad_hook(engine_step)
+    with pytest.raises(RuntimeError, match=r"inside its backward.*after loss.backward\(\) "
+                                           r"returns"):
+        nn.functional.cross_entropy(model(x), y).backward()
+    handle.remove()
+    optimizer.zero_grad()
+    train_both(reference, ref_optimizer, model, optimizer)
+    assert_same_weights(reference, model)
+
+
+def test_a_logging_hook_sees_the_bf16_sum_and_leaves_fp32_accumulators_exact():
+    # bf16 with gradient_accumulation_steps keeps fp32 accumulators in the chunks; a hook sees
+    # p.grad in the parameter's dtype as torch's bf16 model shows it (the running sum), and a
+    # hook that changes nothing stores nothing of its own, so training is bit for bit the run
+    # without the hook (Note [The running sum in a user's gradient hook]).
+    config = {"optimizer": {"type": "Adam", "params": {"lr": 1e-2}}, "default_chunk_size": CHUNK,
+              "bf16": {"enabled": True}, "gradient_accumulation_steps": 2}
+    runs = []
+    for hooked in (False, True):
+        torch.manual_seed(0)
+        model, optimizer = patrickstar.initialize(Net, config=config)
+        log = []
+        if hooked:
+            for param in model.module.parameters():
+                param.register_post_accumulate_grad_hook(
+                    lambda p: log.append((p.grad.dtype, p.grad.float().norm().item())))
+        for x, y in batches(4):
+            model.backward(nn.functional.cross_entropy(model(x.bfloat16()).float(), y))
+            model.step()
+        runs.append((model.state_dict(), log))
+    torch.manual_seed(0)
+    reference = Net().bfloat16()
+    ref_log = []
+    for param in reference.parameters():
+        param.register_post_accumulate_grad_hook(
+            lambda p: ref_log.append((p.grad.dtype, p.grad.float().norm().item())))
+    for x, y in batches(2):
+        (nn.functional.cross_entropy(reference(x.bfloat16()).float(), y) / 2).backward()
+    (plain, _), (hooked_state, log) = runs
+    for key, value in plain.items():
+        assert torch.equal(hooked_state[key], value), key
+    assert [dtype for dtype, _ in log[:len(ref_log)]] == [torch.bfloat16] * len(ref_log)
+    assert [norm for _, norm in log[:len(ref_log)]] == pytest.approx(
+        [norm for _, norm in ref_log], rel=2e-2)
