@@ -86,20 +86,33 @@ def torch_adamw_step(param, grad, exp_avg, exp_avg_sq, step, **hp):
     return p.detach(), opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"]
 
 
-def int8_adamw_step(param, grad, exp_avg, exp_avg_sq, step, lr, betas, eps, weight_decay):
-    """torch.optim.AdamW's _single_tensor_adam, op for op, but for int8 state's denominator:
-    sqrt(v) times 1 / sqrt(1 - beta2^step) (a Python float, rounded to float32 by the multiply)
-    where torch divides by sqrt(1 - beta2^step) (Note [One division fewer for int8 state] in
-    kernels/adam.cc)."""
+def adamw_step_ieee_sqrt(param, grad, exp_avg, exp_avg_sq, step, lr, betas, eps, weight_decay,
+                         inverse_bc2: bool = False):
+    """torch.optim.AdamW's _single_tensor_adam, op for op, with a correctly rounded square root:
+    torch's CPU sqrt of a large tensor goes through MKL's vsSqrt, which on some CPUs (AMD's,
+    seen: 15% of the results an ulp off) is not, while every kernel path uses the IEEE sqrt (Note
+    [Adam arithmetic] in kernels/adam.cc). Over several steps of a model that ulp moves a weight,
+    the next gradients and then a bf16 or int8 moment's rounding, so the multi-step references
+    take this one. With `inverse_bc2` the denominator is int8 state's: sqrt(v) times 1 /
+    sqrt(1 - beta2^step) (a Python float, rounded to float32 by the multiply) where torch divides
+    by sqrt(1 - beta2^step) (Note [One division fewer for int8 state])."""
     p, m, v = param.clone(), exp_avg.clone(), exp_avg_sq.clone()
     beta1, beta2 = betas
     p.mul_(1 - lr * weight_decay)
     m.lerp_(grad, 1 - beta1)
     v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
     step_size = lr / (1 - beta1 ** step)
-    denom = (v.sqrt() * (1 / (1 - beta2 ** step) ** 0.5)).add_(eps)
+    root = v.double().sqrt().float()  # float(double sqrt) is the correctly rounded float sqrt
+    bc2_sqrt = (1 - beta2 ** step) ** 0.5
+    denom = (root * (1 / bc2_sqrt) if inverse_bc2 else root / bc2_sqrt).add_(eps)
     p.addcdiv_(m, denom, value=-step_size)
     return p, m, v
+
+
+def int8_adamw_step(param, grad, exp_avg, exp_avg_sq, step, lr, betas, eps, weight_decay):
+    """int8 state's step (adamw_step_ieee_sqrt's inverse_bc2 denominator)."""
+    return adamw_step_ieee_sqrt(param, grad, exp_avg, exp_avg_sq, step, lr, betas, eps,
+                                weight_decay, inverse_bc2=True)
 
 
 def bf16_bits(t):
