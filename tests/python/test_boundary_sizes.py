@@ -272,19 +272,25 @@ def reference_of(model: nn.Module, data, loss, state_dtype: str, weights: str,
 # master it may round a bf16 weight the other way, which the compensation then carries with
 # bf16 precision (~1e-5). A quantization block or chunk mishandled at a boundary moves whole
 # blocks by about lr per step.
-def tolerance(state_dtype: str, weights: str) -> dict:
+# Gradients summed in another order than the reference's (micro-batches, two ranks' average)
+# differ by an ulp here and there, and a bf16 moment may then round to its neighbour: that
+# element moves by up to lr * 2^-8 per step (seen: 1.3e-5, one weight of 2047, on an AMD EPYC).
+def tolerance(state_dtype: str, weights: str, reordered: bool = False) -> dict:
     if state_dtype == "int8":
         return dict(rtol=0, atol=2e-3)
     if weights == "bf16_no_master":
         return dict(rtol=1e-4, atol=2e-5)
+    if state_dtype == "bf16" and reordered:
+        return dict(rtol=1e-5, atol=STEPS * LR * 2 ** -8)
     return dict(rtol=1e-5, atol=1e-6)
 
 
 def assert_matches(ours: dict, ref: dict, state_dtype: str, weights: str,
-                   what: str = "") -> None:
+                   what: str = "", reordered: bool = False) -> None:
     assert set(ours) == {k for k, v in ref.items() if v.numel()}, what
     for name, value in ours.items():
-        torch.testing.assert_close(value, ref[name], **tolerance(state_dtype, weights),
+        torch.testing.assert_close(value, ref[name],
+                                   **tolerance(state_dtype, weights, reordered),
                                    msg=lambda m: f"{what} {name}: {m}")
 
 
@@ -369,7 +375,7 @@ def test_one_rank_accumulating_gradients_trains_like_the_reference_and_resumes_e
     held, final = weights_of(model), cpu_state(model)
     model.destroy()
     _, ref_held = reference(case, state_dtype, weights, accumulation=2)
-    assert_matches(held, ref_held, state_dtype, weights)
+    assert_matches(held, ref_held, state_dtype, weights, reordered=True)
     model, optimizer = initialize(build, cfg)
     first = train(model, optimizer, data[:RESUME_AT], dtype, accumulation=2)
     model.save_checkpoint(str(tmp_path), tag="t")
@@ -697,7 +703,7 @@ def test_two_ranks_train_resume_and_reshard_at_every_boundary(two_ranks, run):
                                     accumulation=4 if variant == "accumulation" else 1)
     if weights == "fp32":
         assert_matches({k: v.float() for k, v in first["final"].items() if v.numel()},
-                       ref_held, state_dtype, weights, "2 ranks")
+                       ref_held, state_dtype, weights, "2 ranks", reordered=True)
     else:
         for name, value in ref_model.state_dict().items():
             torch.testing.assert_close(first["final"][name].float(), value.float(),
