@@ -115,6 +115,27 @@ def test_host_budget_below_one_adam_update_and_total_without_nvme(nvme_dir):
     make({"default_chunk_size": 1024, "memory": {**budgets, "nvme": {"path": nvme_dir}}}, deep)
 
 
+def test_host_budget_errors_of_mostly_empty_chunks_name_the_chunk_size():
+    """Note [Budgets a smaller chunk would meet]. Before: a small model in chunks far larger
+    than it was refused a host budget for its Adam state with no word of the chunk size, which
+    is what made that state large."""
+    def deep():  # 9 x Linear(16, 16): 2448 parameters
+        return nn.Sequential(*(nn.Linear(16, 16) for _ in range(9)))
+
+    # One 64 Ki-element (256 KiB) compute chunk fits a 300 KiB host budget; its two moment
+    # chunks (512 KiB) do not.
+    with pytest.raises(patrickstar.ChunkOutOfMemoryError) as info:
+        make({"default_chunk_size": 1 << 16, "memory": {"host_budget": 300 << 10}}, deep)
+    message = str(info.value)
+    assert "optimizer state" in message
+    assert "2448 parameters fill 3.7% of their 1 chunk(s) of default_chunk_size=65536" \
+        in message and '"auto"' in message
+    # Chunks the parameters fill (2448 of 3 x 1024 elements) get no such hint.
+    with pytest.raises(patrickstar.ChunkOutOfMemoryError) as info:
+        make({"default_chunk_size": 1024, "memory": {"host_budget": 16384}}, deep)
+    assert "optimizer state" in str(info.value) and "fill" not in str(info.value)
+
+
 def test_host_budget_below_the_optimizer_state_without_nvme_is_refused_at_initialize():
     # 9 x Linear(16, 16) in 1024-element (4 KiB) fp32 chunks: 3 compute chunks (12 KiB, what
     # initialization writes on the host) and 3 + 3 moment chunks (24 KiB) that the first
