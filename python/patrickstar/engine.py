@@ -1055,7 +1055,11 @@ class PatrickStarEngine(nn.Module):
         False), as DeepSpeed's does (`loss = model.backward(loss)` scripts log it); before,
         None."""
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            raise ValueError("backward(loss) expects a scalar loss tensor")
+            got = (f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor)
+                   else f"a {type(loss).__name__}")
+            raise ValueError(f"model.backward(loss) expects a scalar loss tensor, got {got}: "
+                             f"reduce per-sample losses first (loss.mean() or loss.sum()), or "
+                             f"pass the tensor the forward returned (not loss.item())")
         result = loss / self.ps_config.gradient_accumulation_steps if scale_wrt_gas else loss
         if not allreduce_gradients:
             warnings.warn("model.backward(allreduce_gradients=False) is ignored, as in upstream "
@@ -1444,6 +1448,10 @@ class PatrickStarEngine(nn.Module):
         data_parallel.py). With keep_vars, as in torch, the entries are the module's own
         parameters and buffers (Note [keep_vars gives the parameters themselves])."""
         self.guard.check_alive("state_dict()")
+        with self.guard.calling("state_dict()"):  # Note [Reads are calls too] in guards.py
+            return self._state_dict(destination, prefix, keep_vars)
+
+    def _state_dict(self, destination, prefix: str, keep_vars: bool):
         for hook in self._state_dict_pre_hooks.values():  # Note [Hooks on the engine itself]
             hook(self, prefix, keep_vars)
         if prefix and not keep_vars:  # else the module's own hook agrees, or nothing is read
@@ -1711,8 +1719,9 @@ class PatrickStarEngine(nn.Module):
                             f"as DeepSpeed's) must be True or False, not "
                             f"{type(exclude_frozen_parameters).__name__}; pass a scheduler as "
                             f"lr_scheduler=")
-        return checkpoint.save_checkpoint(self, save_dir, tag, client_state, save_latest,
-                                          lr_scheduler, exclude_frozen_parameters)
+        with self.guard.calling("save_checkpoint()"):  # Note [Reads are calls too] in guards.py
+            return checkpoint.save_checkpoint(self, save_dir, tag, client_state, save_latest,
+                                              lr_scheduler, exclude_frozen_parameters)
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
