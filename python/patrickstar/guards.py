@@ -80,6 +80,12 @@ A forward another thread begins in the middle of a loss.backward() is not refuse
 that raised, which on a GPU ran on autograd's device thread, not the user's): it gives the
 backward up as raised, naming the backward's thread, so that backward raises at its next store
 and the step refuses the gradients it stored until `optimizer.zero_grad()`.
+Note [Reads are calls too]: reading or loading the weights or the optimizer state
+(`state_dict()`, a parameter's value at rest, `load_state_dict()`, `save_checkpoint()`,
+`optimizer.state_dict()`) opens the same chunks a forward or step is using, so it is a call as
+well: a monitoring thread's `model.state_dict()` while the trainer thread was inside a forward
+failed with "illegal state transition COMPUTE -> COMPUTE" and left the trainer's next forward
+failing with "HOLD -> HOLD_AFTER_FWD"; now it raises at once naming both, as a forward would.
 At interpreter exit only daemon threads are left (threading joins the others before the exit
 hooks run), and a script may end while one of them trains. The exit hook that destroys the
 engines (Note [Engine lifetime] in engine.py) first waits for the thread inside a call to
@@ -102,6 +108,7 @@ from typing import Callable, Iterator
 import torch
 
 from . import _C
+from .chunked_params import auto_chunk_floor
 from .utils.host_memory import host_memory_limit
 
 __all__ = ["TrainingGuard", "check_budgets", "forked_child_error"]
@@ -460,10 +467,12 @@ def _chunk_size_hint(config, layout: dict) -> str:
     capacity = len(compute) * config.default_chunk_size
     if capacity == 0 or 2 * parameters >= capacity:
         return ""
+    auto = (" (or \"auto\")" if config.default_chunk_size > auto_chunk_floor(
+        layout.get("world_size", 1)) else "")
     return (f"; the model's {parameters} parameters fill {100 * parameters / capacity:.2g}% of "
             f"their {len(compute)} chunk(s) of default_chunk_size={config.default_chunk_size} "
-            f"elements (chunks are allocated whole): a smaller default_chunk_size (or \"auto\") "
-            f"needs less")
+            f"elements (chunks are allocated whole): a smaller default_chunk_size{auto} needs "
+            f"less")
 
 
 def check_budgets(config, manager_json: str, names: list[str], trainable: list[bool],

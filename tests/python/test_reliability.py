@@ -122,14 +122,20 @@ def test_host_budget_errors_of_mostly_empty_chunks_name_the_chunk_size():
     def deep():  # 9 x Linear(16, 16): 2448 parameters
         return nn.Sequential(*(nn.Linear(16, 16) for _ in range(9)))
 
-    # One 64 Ki-element (256 KiB) compute chunk fits a 300 KiB host budget; its two moment
-    # chunks (512 KiB) do not.
+    # One 128 Ki-element (512 KiB) compute chunk fits a 600 KiB host budget; its two moment
+    # chunks (1 MiB) do not.
     with pytest.raises(patrickstar.ChunkOutOfMemoryError) as info:
-        make({"default_chunk_size": 1 << 16, "memory": {"host_budget": 300 << 10}}, deep)
+        make({"default_chunk_size": 1 << 17, "memory": {"host_budget": 600 << 10}}, deep)
     message = str(info.value)
     assert "optimizer state" in message
-    assert "2448 parameters fill 3.7% of their 1 chunk(s) of default_chunk_size=65536" \
-        in message and '"auto"' in message
+    assert "2448 parameters fill 1.9% of their 1 chunk(s) of default_chunk_size=131072 " \
+        'elements (chunks are allocated whole): a smaller default_chunk_size (or "auto") ' \
+        "needs less" in message
+    # Chunks already below what "auto" picks (65536 elements on one process): no "auto".
+    with pytest.raises(patrickstar.ChunkOutOfMemoryError) as info:
+        make({"default_chunk_size": 1 << 14, "memory": {"host_budget": 80 << 10}}, deep)
+    assert "fill 15% of their 1 chunk(s) of default_chunk_size=16384 elements (chunks are " \
+        "allocated whole): a smaller default_chunk_size needs less" in str(info.value)
     # Chunks the parameters fill (2448 of 3 x 1024 elements) get no such hint.
     with pytest.raises(patrickstar.ChunkOutOfMemoryError) as info:
         make({"default_chunk_size": 1024, "memory": {"host_budget": 16384}}, deep)
