@@ -131,8 +131,11 @@ class ChunkRuntime:
                                          block_size=memory.nvme.block_size,
                                          verify=memory.nvme.verify, name=Tier.NVME))
             except OSError as error:  # the path, not the key: say which key gave it
+                # A JSON config's "~/nvme" reaches here as written: nothing expands it.
+                tilde = (" ('~' is not expanded: give the full path)"
+                         if str(memory.nvme.path).startswith("~") else "")
                 error.add_note(f"config key 'memory.nvme.path' = {memory.nvme.path!r}: an "
-                               f"existing directory the swap file is made in")
+                               f"existing directory the swap file is made in{tilde}")
                 raise
         self.tiers = tiers
         self.has_nvme = memory.nvme.path is not None

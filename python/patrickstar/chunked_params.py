@@ -92,6 +92,15 @@ def chunk_dtypes(precision: str, accumulation_steps: int, state_dtype: str = "fp
             "momentum_scale": scales, "variance_scale": scales}
 
 
+def auto_chunk_floor(world_size: int) -> int:
+    """The fewest elements per chunk `default_chunk_size: "auto"` searches: under data
+    parallelism small chunks pay off (a group is world_size of them and a large tensor an
+    oversize group of its own: Note [Chunk-size search]), down to 4K elements; one process
+    keeps chunks of at least 64K. Advice to use "auto" for chunks already smaller than this
+    would make them larger (the profile's waste finding, the host-budget errors)."""
+    return 1 << 12 if world_size > 1 else 1 << 16
+
+
 def register_chunk_tensors(manager, specs, chunk_dtypes: dict[str, str | None],
                            chunk_size: int | None, compute_order=None):
     """Registers every chunk tensor of `specs` with `manager` and builds the chunk lists, as the
@@ -118,11 +127,10 @@ def register_chunk_tensors(manager, specs, chunk_dtypes: dict[str, str | None],
                 f"{specs[i].name}#{attr}", shape, kind, chunk_dtypes[attr]))
     if chunk_size is None:
         largest = max(math.prod(spec.shape) or 1 for spec in specs)
-        # Under data parallelism small chunks pay off (a group is world_size of them and a
-        # large tensor an oversize group of its own: Note [Chunk-size search]), down to 4K
-        # elements in powers of two below the range; one process keeps chunks of at least 64K.
-        floor = 1 << 12 if manager.world_size > 1 else 0
-        low = max(floor or 1 << 16, largest // 4)
+        # Under data parallelism the search goes on in powers of two below the range, down to
+        # the floor (auto_chunk_floor); one process keeps chunks of at least its floor.
+        floor = auto_chunk_floor(manager.world_size) if manager.world_size > 1 else 0
+        low = max(auto_chunk_floor(manager.world_size), largest // 4)
         layout = manager.search_chunk_lists(low, max(low, 4 * largest), max(1, low // 4),
                                             floor_elements=floor)
     else:

@@ -940,6 +940,7 @@ class PatrickStarEngine(nn.Module):
             args, kwargs = cast_floating_inputs((args, kwargs), torch.float16)
         self._begin_forward()
         completed = False
+        earlier = self.activations.bytes  # Note [Activations of earlier graphs]
         try:
             with self._views.hooks():
                 output = self.module(*args, **kwargs)
@@ -948,7 +949,8 @@ class PatrickStarEngine(nn.Module):
             completed = True
         except Exception as error:  # Note [Naming an unregistered read] in external_params.py
             hint = (unregistered_read_note(error, self.module, self._holds_placeholder)
-                    or external_parameter_hint(error, self.compute_dtype))
+                    or external_parameter_hint(error, self.compute_dtype)
+                    or self._earlier_graphs_note(error, earlier))
             if hint is not None:
                 error.add_note(hint)
             raise
@@ -958,6 +960,30 @@ class PatrickStarEngine(nn.Module):
                 self._warmup_forward_failed = True
         self._end_forward()
         return output
+
+    # Note [Activations of earlier graphs]
+    # A loss or output kept from a forward whose backward never ran (a step interrupted by
+    # Ctrl-C or an error, a notebook cell that failed after its forward) keeps the activations
+    # autograd saved for it, and they count as non-model data on the tier the budget shares with
+    # chunks. Under a tight budget the next forward then failed with "tier 'host' (host) cannot
+    # take 16384 bytes: budget 65536 bytes, non-model data 40960 bytes, ... nothing left to
+    # evict", and every retry failed the same way, since the failed forward never replaced the
+    # variable holding the old graph. In plain PyTorch the same loop just uses that much more
+    # memory. Where non-model data was already alive when the forward began, its error says so.
+    def _earlier_graphs_note(self, error: Exception, earlier: int) -> str | None:
+        # (On CUDA non_model_bytes() is all that torch's allocator holds, inputs and all, not
+        # what graphs saved: no such reading there.)
+        if not isinstance(error, _C.ChunkOutOfMemoryError) or earlier <= 0 or \
+                self.device.type == "cuda" or \
+                f"({self._non_model_tier}) cannot take" not in str(error):
+            return None
+        return (f"PatrickStar: {earlier} bytes ({earlier / 2**20:.2f} MiB) of the non-model data "
+                f"were already alive when this forward began: activations saved for the "
+                f"backward of earlier forwards whose graphs are still referenced (a loss or "
+                f"output kept from a step that raised or was interrupted before its backward, or "
+                f"a caught exception of a failed forward, whose traceback holds its tensors). "
+                f"Drop them (`del loss` or `loss = None`) if no backward will run through "
+                f"them.")
 
     # Note [A forward that raised during warm-up]
     # The warm-up iteration's moments are the trace every later iteration replays (Note
@@ -1061,7 +1087,11 @@ class PatrickStarEngine(nn.Module):
         False), as DeepSpeed's does (`loss = model.backward(loss)` scripts log it); before,
         None."""
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            raise ValueError("backward(loss) expects a scalar loss tensor")
+            got = (f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor)
+                   else f"a {type(loss).__name__}")
+            raise ValueError(f"model.backward(loss) expects a scalar loss tensor, got {got}: "
+                             f"reduce per-sample losses first (loss.mean() or loss.sum()), or "
+                             f"pass the tensor the forward returned (not loss.item())")
         result = loss / self.ps_config.gradient_accumulation_steps if scale_wrt_gas else loss
         if not allreduce_gradients:
             warnings.warn("model.backward(allreduce_gradients=False) is ignored, as in upstream "
@@ -1496,6 +1526,10 @@ class PatrickStarEngine(nn.Module):
         data_parallel.py). With keep_vars, as in torch, the entries are the module's own
         parameters and buffers (Note [keep_vars gives the parameters themselves])."""
         self.guard.check_alive("state_dict()")
+        with self.guard.calling("state_dict()"):  # Note [Reads are calls too] in guards.py
+            return self._state_dict(destination, prefix, keep_vars)
+
+    def _state_dict(self, destination, prefix: str, keep_vars: bool):
         for hook in self._state_dict_pre_hooks.values():  # Note [Hooks on the engine itself]
             hook(self, prefix, keep_vars)
         if prefix and not keep_vars:  # else the module's own hook agrees, or nothing is read
@@ -1763,8 +1797,9 @@ class PatrickStarEngine(nn.Module):
                             f"as DeepSpeed's) must be True or False, not "
                             f"{type(exclude_frozen_parameters).__name__}; pass a scheduler as "
                             f"lr_scheduler=")
-        return checkpoint.save_checkpoint(self, save_dir, tag, client_state, save_latest,
-                                          lr_scheduler, exclude_frozen_parameters)
+        with self.guard.calling("save_checkpoint()"):  # Note [Reads are calls too] in guards.py
+            return checkpoint.save_checkpoint(self, save_dir, tag, client_state, save_latest,
+                                              lr_scheduler, exclude_frozen_parameters)
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,

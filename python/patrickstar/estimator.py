@@ -282,10 +282,16 @@ def _world_size() -> int:
         return 1
 
 
+def _count(n: int) -> str:
+    """Millions as before ("10.00M"); a model under 10,000 parameters in full, which "0.00M"
+    hid."""
+    return f"{n / 1e6:.2f}M" if n >= 10_000 else str(n)
+
+
 def format_estimate(result: dict) -> str:
     first = next(iter(result["modes"].values()))
-    lines = [f"Estimated model data for {result['parameters'] / 1e6:.2f}M parameters "
-             f"({result['trainable'] / 1e6:.2f}M trainable), {first['chunk_elements']} elements "
+    lines = [f"Estimated model data for {_count(result['parameters'])} parameters "
+             f"({_count(result['trainable'])} trainable), {first['chunk_elements']} elements "
              f"per chunk, gradient accumulation {result['gradient_accumulation_steps']}:",
              "  (non-model data such as activations comes on top)"]
     world = result.get("world_size", 1)

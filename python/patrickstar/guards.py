@@ -80,6 +80,12 @@ A forward another thread begins in the middle of a loss.backward() is not refuse
 that raised, which on a GPU ran on autograd's device thread, not the user's): it gives the
 backward up as raised, naming the backward's thread, so that backward raises at its next store
 and the step refuses the gradients it stored until `optimizer.zero_grad()`.
+Note [Reads are calls too]: reading or loading the weights or the optimizer state
+(`state_dict()`, a parameter's value at rest, `load_state_dict()`, `save_checkpoint()`,
+`optimizer.state_dict()`) opens the same chunks a forward or step is using, so it is a call as
+well: a monitoring thread's `model.state_dict()` while the trainer thread was inside a forward
+failed with "illegal state transition COMPUTE -> COMPUTE" and left the trainer's next forward
+failing with "HOLD -> HOLD_AFTER_FWD"; now it raises at once naming both, as a forward would.
 At interpreter exit only daemon threads are left (threading joins the others before the exit
 hooks run), and a script may end while one of them trains. The exit hook that destroys the
 engines (Note [Engine lifetime] in engine.py) first waits for the thread inside a call to
@@ -102,6 +108,7 @@ from typing import Callable, Iterator
 import torch
 
 from . import _C
+from .chunked_params import auto_chunk_floor
 from .utils.host_memory import host_memory_limit
 
 __all__ = ["TrainingGuard", "check_budgets", "forked_child_error"]
@@ -444,6 +451,30 @@ def _fmt(nbytes: int) -> str:
     return f"{nbytes} bytes ({nbytes / 2**20:.2f} MiB)"
 
 
+# Note [Budgets a smaller chunk would meet]
+# Chunks are allocated whole, so a small model in the default 64Mi-element chunks takes 256 MiB
+# per chunk kind: the README's quick start with a host budget of 256 MiB refused a 1,089-
+# parameter model for its 512 MiB of Adam state, and the message offered more budget, an NVMe
+# tier or 8-bit moments, never the chunk size, which is what had made the state that large
+# (the device check's message named it). Where the compute chunks are mostly empty, the host
+# checks' messages name the size too.
+def _chunk_size_hint(config, layout: dict) -> str:
+    """A sentence naming default_chunk_size when the parameters fill under half of their
+    chunks, else ""."""
+    compute = [chunk for chunk in layout["chunks"]
+               if chunk["kind"] == "compute_param" and has_payload(chunk)]
+    parameters = sum(tensor["numel"] for chunk in compute for tensor in chunk["tensors"])
+    capacity = len(compute) * config.default_chunk_size
+    if capacity == 0 or 2 * parameters >= capacity:
+        return ""
+    auto = (" (or \"auto\")" if config.default_chunk_size > auto_chunk_floor(
+        layout.get("world_size", 1)) else "")
+    return (f"; the model's {parameters} parameters fill {100 * parameters / capacity:.2g}% of "
+            f"their {len(compute)} chunk(s) of default_chunk_size={config.default_chunk_size} "
+            f"elements (chunks are allocated whole): a smaller default_chunk_size{auto} needs "
+            f"less")
+
+
 def check_budgets(config, manager_json: str, names: list[str], trainable: list[bool],
                   pins, device_is_host_memory: bool = False) -> None:
     """Refuses, before any chunk is allocated, budgets that no placement can satisfy: the
@@ -503,7 +534,8 @@ def check_budgets(config, manager_json: str, names: list[str], trainable: list[b
         raise _C.ChunkOutOfMemoryError(
             f"config key 'memory.host_budget' = {_fmt(memory.host_budget)} is smaller than the "
             f"fp32 parameter chunks initialization writes on the host: {_fmt(init_need)}, and "
-            f"there is no NVMe tier (memory.nvme.path) to spill them to")
+            f"there is no NVMe tier (memory.nvme.path) to spill them to"
+            f"{_chunk_size_hint(config, layout)}")
     # Note [Chunks larger than the machine]
     # Chunks are allocated whole, so the host holds default_chunk_size elements per chunk at
     # initialization however small the model: a chunk size typed with a few zeros too many
@@ -552,7 +584,7 @@ def check_budgets(config, manager_json: str, names: list[str], trainable: list[b
             f"NVMe tier (memory.nvme.path) to spill it to; raise memory.host_budget above it "
             f"(non-model data placed on the host, such as activations on a CPU build, comes on "
             f"top), add an NVMe tier, or keep the moments in fewer bytes (optimizer params "
-            f"\"state_dtype\": \"bf16\" or \"int8\")")
+            f"\"state_dtype\": \"bf16\" or \"int8\"){_chunk_size_hint(config, layout)}")
     # With an NVMe tier of a given size, the same state has the host and NVMe between them.
     if memory.nvme.path is not None and memory.nvme.budget and memory.host_budget is not None \
             and memory.host_budget + memory.nvme.budget < state_need:
@@ -562,7 +594,8 @@ def check_budgets(config, manager_json: str, names: list[str], trainable: list[b
             f"this process keeps in host memory or on NVMe once optimizer.step() has run: "
             f"{_fmt(state_need)} (Adam's momentum and variance chunks{extra}); raise "
             f"memory.nvme.budget (or leave it out: the filesystem's free space), or keep the "
-            f"moments in fewer bytes (optimizer params \"state_dtype\": \"bf16\" or \"int8\")")
+            f"moments in fewer bytes (optimizer params \"state_dtype\": \"bf16\" or \"int8\")"
+            f"{_chunk_size_hint(config, layout)}")
     if memory.host_budget is not None and memory.host_budget < host_need:
         raise _C.ChunkOutOfMemoryError(
             f"config key 'memory.host_budget' = {_fmt(memory.host_budget)} is smaller than the "
@@ -576,4 +609,4 @@ def check_budgets(config, manager_json: str, names: list[str], trainable: list[b
                 f"config keys 'memory.device_budget' + 'memory.host_budget' = "
                 f"{_fmt(memory.device_budget + memory.host_budget)} cannot hold the "
                 f"{_fmt(resident)} of parameter and optimizer-state chunks, and there is no "
-                f"NVMe tier (memory.nvme.path) to spill to")
+                f"NVMe tier (memory.nvme.path) to spill to{_chunk_size_hint(config, layout)}")

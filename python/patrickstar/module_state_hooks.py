@@ -157,12 +157,26 @@ class ModuleStateHooks(HookSet):
     # post-hooks of one call fill the same dict) is kept here, weakly, and a later name of the
     # same parameter in that dict takes the same tensor; a dict of another call (even at a
     # reused id) does not hold that tensor under that key, so it reads again.
+    #
+    # Note [A state dict read inside a forward]
+    # Inside a module's forward (a forward pre-hook dumping the weights, as a debugging hook
+    # does) that module's parameters hold their chunk views, in COMPUTE. Reading them out of
+    # the chunks accessed them a second time and released them to HOLD, so the module's end
+    # of forward failed with "illegal state transition HOLD -> HOLD_AFTER_FWD". torch's own
+    # state dict already holds their values there (param.detach(), the live view): a copy of
+    # it is the value, and the forward's access is left alone.
     def _after_state_dict(self, module, state_dict, prefix, local_metadata) -> None:
         engine = self._live_engine()
         self._rest_own(engine, module)
         for key, param, index in self._chunked(engine, module, prefix):
             if key in state_dict and state_dict[key] is not param:  # not keep_vars
                 value = self._read_in_this_call(state_dict, index)
+                if value is None and not engine.guard.destroyed and \
+                        engine.parameter_in_use(index):
+                    # Note [A state dict read inside a forward]: the parameter holds its chunk
+                    # view now; a copy of what torch put there, not a second access.
+                    value = state_dict[key].detach().clone()
+                    self._reads[index] = (id(state_dict), key, weakref.ref(value))
                 if value is None:
                     value = engine.read_parameter(index)
                     self._reads[index] = (id(state_dict), key, weakref.ref(value))

@@ -1129,7 +1129,8 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         self.guard.check_owner_process("optimizer.state_dict()")
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
-        state_dict = self._own_state_dict()
+        with self.guard.calling("optimizer.state_dict()"):  # Note [Reads are calls too]
+            state_dict = self._own_state_dict()
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             result = post_hook(self, state_dict)
             if result is not None:
@@ -1229,7 +1230,8 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
             result = pre_hook(self, state_dict)
             if result is not None:
                 state_dict = result
-        self._load_own_state_dict(state_dict)
+        with self.guard.calling("optimizer.load_state_dict()"):  # Note [Reads are calls too]
+            self._load_own_state_dict(state_dict)
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 

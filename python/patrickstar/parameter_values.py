@@ -77,9 +77,10 @@ class ParameterValues:
         self._guard.check_alive(what)
         if self._held is not None and index in self._held:  # read by a user's load post-hook
             return self._held[index].detach().to(self._compute_dtype).clone()
-        self._slots.check_unchanged([index])  # Note [Writes to a released parameter]
-        self._gather_for_state_dict(agree_as)
-        return self._params.read(index, K.COMPUTE_PARAM)
+        with self._guard.calling(what):  # Note [Reads are calls too] in guards.py
+            self._slots.check_unchanged([index])  # Note [Writes to a released parameter]
+            self._gather_for_state_dict(agree_as)
+            return self._params.read(index, K.COMPUTE_PARAM)
 
     def _gather_for_state_dict(self, agree_as: int | None = None) -> None:
         try:
@@ -112,6 +113,10 @@ class ParameterValues:
         """`module.load_state_dict(state_dict, strict)` by torch, the parameters' writes held
         until it succeeds (Note [The engine's load_state_dict is torch's, all or nothing])."""
         self._guard.check_alive("load_state_dict()")
+        with self._guard.calling("load_state_dict()"):  # Note [Reads are calls too]
+            return self._load_state_dict(module, state_dict, strict)
+
+    def _load_state_dict(self, module: nn.Module, state_dict, strict: bool):
         self._held = {}
         try:
             result = module.load_state_dict(state_dict, strict)
@@ -144,7 +149,7 @@ class ParameterValues:
         if self._held is not None:  # inside the engine's load_state_dict: written once it succeeds
             self._held[index] = source
             return
-        with torch.no_grad():
+        with torch.no_grad(), self._guard.calling("load_state_dict()"):
             # Note [Loading the weights the model has]
             kinds = (K.COMPUTE_PARAM,) if self._holds_already(index, source) else (
                 K.COMPUTE_PARAM, K.MASTER_PARAM, K.PARAM_COMPENSATION)

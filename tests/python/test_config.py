@@ -249,3 +249,15 @@ def test_an_unusable_nvme_path_names_the_config_key(tmp_path, where):
         patrickstar.initialize(lambda: torch.nn.Linear(2, 2),
                                config={"memory": {"nvme": {"path": str(path)}}})
     assert f"config key 'memory.nvme.path' = '{path}'" in "\n".join(error.value.__notes__)
+
+
+def test_an_nvme_path_under_a_tilde_says_it_is_not_expanded():
+    """A JSON config's "~/nvme" failed with "directory '~/nvme': No such file or directory",
+    which reads as if the home directory lacked it."""
+    import torch
+
+    import patrickstar
+    with pytest.raises(OSError) as error:
+        patrickstar.initialize(lambda: torch.nn.Linear(2, 2),
+                               config={"memory": {"nvme": {"path": "~/no-such-swap-dir"}}})
+    assert "'~' is not expanded: give the full path" in "\n".join(error.value.__notes__)

@@ -9,6 +9,7 @@ import json
 
 import pytest
 import torch
+from torch import nn
 
 import patrickstar
 from patrickstar.chunk_runtime import torch_computes_on_host
@@ -76,6 +77,13 @@ def test_estimate_host_peak_includes_initialization(state_dtype):
                                                figures["host_optimizer"])
     if torch_computes_on_host() and state_dtype == "int8":
         assert figures["host_optimizer"] < host  # what the estimate used to offer alone
+
+
+def test_estimate_of_a_small_model_prints_its_parameter_count(capsys):
+    """Before: a 1,089-parameter model printed as "0.00M parameters (0.00M trainable)"."""
+    patrickstar.estimate_memory(lambda: nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 1)),
+                                {"default_chunk_size": 4096})
+    assert "for 1089 parameters (1089 trainable)" in capsys.readouterr().out
 
 
 def test_estimate_prints_a_table_per_precision(capsys):

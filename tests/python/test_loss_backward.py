@@ -2,6 +2,8 @@
 [loss.backward()] in engine.py). The two-rank runs are in test_data_parallel.py."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -503,3 +505,20 @@ def test_one_autocast_region_around_the_whole_loop_trains_as_autocast_per_step(a
     state = model.state_dict()
     for key, tensor in reference.state_dict().items():
         torch.testing.assert_close(state[key], tensor, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("loss", ["per_sample", "item"])
+def test_model_backward_of_a_non_scalar_names_what_it_got(loss):
+    """Before: "backward(loss) expects a scalar loss tensor", for per-sample losses
+    (reduction="none") and for loss.item() alike, naming neither."""
+    model, optimizer = patrickstar.initialize(lambda: nn.Linear(32, 10),
+                                              config={"default_chunk_size": 4096})
+    x, y = batches(1)[0]
+    losses = nn.functional.cross_entropy(model(x), y, reduction="none")
+    given = losses if loss == "per_sample" else losses.mean().item()
+    expected = "a tensor of shape (8,)" if loss == "per_sample" else "a float"
+    with pytest.raises(ValueError, match=rf"scalar loss tensor, got {re.escape(expected)}: "
+                                         r"reduce per-sample losses first \(loss.mean\(\)"):
+        model.backward(given)
+    model.backward(losses.mean())  # the forward's graph is still there to train on
+    optimizer.step()

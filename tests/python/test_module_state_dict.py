@@ -498,3 +498,33 @@ def test_the_engines_load_sets_extra_state_as_pytorch():
     assert str(model.load_state_dict(state)) == str(plain.load_state_dict(state))
     assert model.module.note == plain.note == {"calls": 7}
     assert model.state_dict()["_extra_state"] == {"calls": 7}
+
+
+@pytest.mark.parametrize("whose", ["engine", "module"])
+def test_a_state_dict_read_inside_a_forward_hook_gives_the_weights_and_trains_on(whose):
+    """Note [A state dict read inside a forward]. Before: `model.state_dict()` in a forward
+    pre-hook of a layer (a debugging dump at one module) accessed that layer's parameters a
+    second time and released them, and the layer's end of forward failed with "tensor
+    'layers.2.weight': illegal state transition HOLD -> HOLD_AFTER_FWD"."""
+    torch.manual_seed(0)
+    model, optimizer = patrickstar.initialize(MLP, config=CONFIG)
+    torch.manual_seed(0)
+    reference, reference_optimizer = patrickstar.initialize(MLP, config=CONFIG)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    seen = []
+    source = model if whose == "engine" else model.module
+    handle = model.module.layers[2].register_forward_pre_hook(
+        lambda module, inputs: seen.append(source.state_dict()))
+    x, y = torch.randn(8, 32), torch.randint(0, 10, (8,))
+    for engine, opt in ((model, optimizer), (reference, reference_optimizer)):
+        loss = engine(x, y)
+        engine.backward(loss)
+        opt.step()
+        opt.zero_grad()
+    handle.remove()
+    assert len(seen) == 1 and seen[0].keys() == before.keys()
+    for key, value in before.items():
+        assert torch.equal(seen[0][key], value), key
+    after, expected = model.state_dict(), reference.state_dict()
+    for key, value in expected.items():
+        assert torch.equal(after[key], value), key

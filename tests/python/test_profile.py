@@ -1344,3 +1344,26 @@ def test_sizes_of_a_gib_and_more_print_in_gib(tmp_path):
     assert "<td>72.66 GiB</td>" in page.split('id="tiers"')[1].split("</table>")[0]
     for text in (page, out.getvalue()):
         assert "74399.0 MiB" not in text
+
+
+@pytest.mark.parametrize("chunk", [1 << 12, 1 << 20])
+def test_the_waste_finding_offers_auto_only_where_it_would_pick_smaller_chunks(tmp_path, chunk):
+    """Before: a 1,089-parameter model in 4096-element chunks was told that "auto" searches
+    for a tighter size, but on one process "auto" keeps chunks of 65536 elements at least."""
+    torch.manual_seed(0)
+    model, optimizer = patrickstar.initialize(
+        lambda: torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 1)),
+        config={"default_chunk_size": chunk})
+    with patrickstar.profile(model, tmp_path / "p"):
+        model(torch.randn(4, 32)).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    waste = [f for f in json.loads((tmp_path / "p" / "summary.json").read_text())["findings"]
+             if f.startswith("chunks waste")]
+    assert len(waste) == 1
+    if chunk > 1 << 16:
+        assert waste[0].endswith('default_chunk_size "auto" searches for a tighter size.')
+    else:
+        assert waste[0].endswith('a smaller default_chunk_size wastes less ("auto" keeps at '
+                                 'least 65536 elements per chunk here).')
+    model.destroy()

@@ -115,6 +115,33 @@ def test_host_budget_below_one_adam_update_and_total_without_nvme(nvme_dir):
     make({"default_chunk_size": 1024, "memory": {**budgets, "nvme": {"path": nvme_dir}}}, deep)
 
 
+def test_host_budget_errors_of_mostly_empty_chunks_name_the_chunk_size():
+    """Note [Budgets a smaller chunk would meet]. Before: a small model in chunks far larger
+    than it was refused a host budget for its Adam state with no word of the chunk size, which
+    is what made that state large."""
+    def deep():  # 9 x Linear(16, 16): 2448 parameters
+        return nn.Sequential(*(nn.Linear(16, 16) for _ in range(9)))
+
+    # One 128 Ki-element (512 KiB) compute chunk fits a 600 KiB host budget; its two moment
+    # chunks (1 MiB) do not.
+    with pytest.raises(patrickstar.ChunkOutOfMemoryError) as info:
+        make({"default_chunk_size": 1 << 17, "memory": {"host_budget": 600 << 10}}, deep)
+    message = str(info.value)
+    assert "optimizer state" in message
+    assert "2448 parameters fill 1.9% of their 1 chunk(s) of default_chunk_size=131072 " \
+        'elements (chunks are allocated whole): a smaller default_chunk_size (or "auto") ' \
+        "needs less" in message
+    # Chunks already below what "auto" picks (65536 elements on one process): no "auto".
+    with pytest.raises(patrickstar.ChunkOutOfMemoryError) as info:
+        make({"default_chunk_size": 1 << 14, "memory": {"host_budget": 80 << 10}}, deep)
+    assert "fill 15% of their 1 chunk(s) of default_chunk_size=16384 elements (chunks are " \
+        "allocated whole): a smaller default_chunk_size needs less" in str(info.value)
+    # Chunks the parameters fill (2448 of 3 x 1024 elements) get no such hint.
+    with pytest.raises(patrickstar.ChunkOutOfMemoryError) as info:
+        make({"default_chunk_size": 1024, "memory": {"host_budget": 16384}}, deep)
+    assert "optimizer state" in str(info.value) and "fill" not in str(info.value)
+
+
 def test_host_budget_below_the_optimizer_state_without_nvme_is_refused_at_initialize():
     # 9 x Linear(16, 16) in 1024-element (4 KiB) fp32 chunks: 3 compute chunks (12 KiB, what
     # initialization writes on the host) and 3 + 3 moment chunks (24 KiB) that the first

@@ -372,3 +372,34 @@ def test_a_batch_skipped_after_its_forward_in_the_warm_up_leaves_no_trace(nvme_d
     assert traffic[True] == traffic[False] == (0, 0)
     for name, value in states[False].items():
         assert torch.equal(states[True][name], value), name
+
+
+def test_a_forward_out_of_room_beside_an_earlier_graph_names_that_graph(nvme_dir):
+    """Note [Activations of earlier graphs]. Before: a loss kept from a forward whose backward
+    never ran made the next forward fail under a tight host budget with the manager's "cannot
+    take ... non-model data ... nothing left to evict" alone, and every retry the same way."""
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, optimizer = patrickstar.initialize(
+            lambda: nn.Sequential(*(nn.Linear(64, 64) for _ in range(6))),
+            config={"default_chunk_size": 4096,
+                    "memory": {"device_budget": 64 << 10, "host_budget": 64 << 10,
+                               "nvme": {"path": nvme_dir}}})
+    x = torch.randn(16, 64)
+
+    def train_step():
+        loss = model(x).square().mean()
+        model.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+    train_step()
+    train_step()  # the budget holds one graph
+    kept = model(x).square().mean()  # a step whose backward never ran
+    with pytest.raises(patrickstar.ChunkOutOfMemoryError) as info:
+        train_step()
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    assert "of the non-model data were already alive when this forward began" in notes
+    assert "`del loss`" in notes
+    del kept, info  # (the error's traceback holds the failed forward's activations too)
+    train_step()  # once they are dropped, training goes on

@@ -75,13 +75,9 @@ def test_training_in_another_thread_is_training_in_the_main_one():
     assert got == [step(ps_model, ps_optimizer) for _ in range(4)]
 
 
-@pytest.mark.parametrize("call", ["forward", "backward", "loss_backward", "step", "zero_grad"])
-def test_a_call_while_another_thread_is_in_a_forward_names_both(call):
-    """Before: the second thread's forward ran while the first thread's held its parameters,
-    and released them under it: the first failed with "The size of tensor a (0) must match
-    the size of tensor b (32)", and the stored half of a backward then refused every step."""
-    model, optimizer = engine()
-    reference, reference_optimizer = engine()
+def _refused_while_a_trainer_thread_is_in_a_forward(model, call) -> None:
+    """call() from this thread raises naming the thread 'trainer', paused inside a forward of
+    `model`; that forward then completes."""
     inside, go_on = threading.Event(), threading.Event()
 
     def pause(module, inputs):
@@ -89,6 +85,27 @@ def test_a_call_while_another_thread_is_in_a_forward_names_both(call):
             inside.set()
             assert go_on.wait(60)
     handle = model.module[2].register_forward_pre_hook(pause)
+    result = {}
+    thread = threading.Thread(target=lambda: result.setdefault("out", model(X)), name="trainer")
+    thread.start()
+    try:
+        assert inside.wait(60)
+        with pytest.raises(RuntimeError, match=r"thread 'trainer' is inside model\(\.\.\.\)"):
+            call()
+    finally:
+        go_on.set()
+        thread.join(timeout=60)
+    handle.remove()
+    assert "out" in result, "the first thread's forward failed"
+
+
+@pytest.mark.parametrize("call", ["forward", "backward", "loss_backward", "step", "zero_grad"])
+def test_a_call_while_another_thread_is_in_a_forward_names_both(call):
+    """Before: the second thread's forward ran while the first thread's held its parameters,
+    and released them under it: the first failed with "The size of tensor a (0) must match
+    the size of tensor b (32)", and the stored half of a backward then refused every step."""
+    model, optimizer = engine()
+    reference, reference_optimizer = engine()
     if call != "forward":  # something to differentiate / step
         loss = nn.functional.cross_entropy(model(X), Y)
         if call not in ("backward", "loss_backward"):
@@ -98,24 +115,30 @@ def test_a_call_while_another_thread_is_in_a_forward_names_both(call):
     calls = {"forward": lambda: model(X), "backward": lambda: model.backward(loss),
              "loss_backward": lambda: loss.backward(),
              "step": optimizer.step, "zero_grad": optimizer.zero_grad}
-
-    def first():
-        output = model(X)
-        return output
-    result = {}
-    thread = threading.Thread(target=lambda: result.setdefault("out", first()), name="trainer")
-    thread.start()
-    try:
-        assert inside.wait(60)
-        with pytest.raises(RuntimeError, match=r"thread 'trainer' is inside model\(\.\.\.\)"):
-            calls[call]()
-    finally:
-        go_on.set()
-        thread.join(timeout=60)
-    handle.remove()
-    assert "out" in result, "the first thread's forward failed"
+    _refused_while_a_trainer_thread_is_in_a_forward(model, calls[call])
     # The refused call changed nothing: training goes on as an engine without it.
     optimizer.zero_grad()
+    assert [step(model, optimizer) for _ in range(3)] == \
+        [step(reference, reference_optimizer) for _ in range(3)]
+
+
+@pytest.mark.parametrize("read", ["state_dict", "module_state_dict", "load_state_dict",
+                                  "save_checkpoint", "optimizer_state_dict"])
+def test_a_read_while_another_thread_is_in_a_forward_names_both(read, tmp_path):
+    """Reads of the weights are calls too. Before: `model.state_dict()` from a monitoring
+    thread while the trainer thread was inside a forward failed with "tensor '2.weight':
+    illegal state transition COMPUTE -> COMPUTE", and the trainer's next forward with
+    "HOLD -> HOLD_AFTER_FWD"."""
+    model, optimizer = engine()
+    reference, reference_optimizer = engine()
+    step(model, optimizer)  # optimizer state to read
+    step(reference, reference_optimizer)
+    weights = {k: v.clone() for k, v in reference.state_dict().items()}
+    reads = {"state_dict": model.state_dict, "module_state_dict": model.module.state_dict,
+             "load_state_dict": lambda: model.load_state_dict(weights),
+             "save_checkpoint": lambda: model.save_checkpoint(str(tmp_path)),
+             "optimizer_state_dict": optimizer.state_dict}
+    _refused_while_a_trainer_thread_is_in_a_forward(model, reads[read])
     assert [step(model, optimizer) for _ in range(3)] == \
         [step(reference, reference_optimizer) for _ in range(3)]
 

@@ -6,6 +6,7 @@ import collections
 import math
 
 from ..dtypes import BY_NAME, element_size
+from ..chunked_params import auto_chunk_floor
 from ..guards import has_payload
 from ..slab_budget import block_bytes, slab_budget
 from ..vocabulary import Tier
@@ -303,9 +304,15 @@ def _findings(a: Analysis, summary: dict) -> list[str]:
     if chunks["model_data_bytes"]:
         waste = chunks["wasted_bytes"] / chunks["model_data_bytes"]
         if waste >= 0.1:
+            # "auto" searches sizes from its floor up: for chunks already below it, it would
+            # waste more (a small model in 4K-element chunks was told to use it).
+            floor = auto_chunk_floor(summary["run"].get("world_size", 1))
+            advice = ("default_chunk_size \"auto\" searches for a tighter size"
+                      if chunks["chunk_elements"] > floor else
+                      f"a smaller default_chunk_size wastes less (\"auto\" keeps at least "
+                      f"{floor} elements per chunk here)")
             findings.append(f"chunks waste {mib(chunks['wasted_bytes'])} ({waste:.0%} of model "
-                            f"data) at {chunks['chunk_elements']} elements per chunk; "
-                            f"default_chunk_size \"auto\" searches for a tighter size.")
+                            f"data) at {chunks['chunk_elements']} elements per chunk; {advice}.")
     top = summary["evictions"]["top_causes"]
     if top:
         findings.append(f"{summary['evictions']['count']} evictions moved "
