@@ -174,7 +174,6 @@ struct Ops {
   static constexpr int kWidth = 8;
   static constexpr bool kNineRegions = false;  // 8-entry tables
   static constexpr bool kPackCodes4 = false;
-  static constexpr bool kPairedBf16 = false;  // KahanRound2 in kernels/internal/cpu_body.inc
   static PS_INLINE V Set1(float x) { return _mm256_set1_ps(x); }
   static PS_INLINE V Load(const float* p) { return _mm256_loadu_ps(p); }
   static PS_INLINE void Store(float* p, V x) { _mm256_storeu_ps(p, x); }
@@ -236,6 +235,61 @@ struct Ops {
     const __m256i chosen = _mm256_castps_si256(
         _mm256_blendv_ps(_mm256_castsi256_ps(rounded), _mm256_castsi256_ps(nan), is_nan));
     return _mm256_castsi256_ps(_mm256_and_si256(chosen, _mm256_set1_epi32(~0xffff)));
+  }
+
+  // Note [Paired bf16 conversions on AVX2]
+  // Two vectors at a time (StoreStates, KahanRound2): both round to nearest even by the integer
+  // add of StoreBf16, then one pack and one permute put 16 bf16 values in one register, stored
+  // whole (x0 then x1) or by halves (the two moments of a vector). The NaN rule costs StoreBf16
+  // three operations per vector (the quiet payload, a compare, a blend); here one unordered
+  // compare of the pair tells whether either vector holds a NaN, and such a pair (never seen in
+  // training that goes on) takes StoreBf16 twice. Denormals need nothing: the integer rounding
+  // keeps them, as the reference does. Same roundings, so the same bits as StoreBf16.
+  static constexpr bool kPairedBf16 = true;
+  static PS_INLINE bool AnyNan2(V x0, V x1) {
+    return _mm256_movemask_ps(_mm256_cmp_ps(x0, x1, _CMP_UNORD_Q)) != 0;
+  }
+  // x + 0x7fff + (bit 16 of x): the rounded value in the high half (the low half is garbage).
+  static PS_INLINE __m256i RoundedHigh(V x) {
+    const __m256i bits = _mm256_castps_si256(x);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    return _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+  }
+  // The high halves of h0 and h1, in order: x0's 8 values in the low 128 bits, x1's above.
+  static PS_INLINE __m256i PackHigh2(__m256i h0, __m256i h1) {
+    const __m256i packed =
+        _mm256_packus_epi32(_mm256_srli_epi32(h0, 16), _mm256_srli_epi32(h1, 16));
+    return _mm256_permute4x64_epi64(packed, 0xd8);  // per-128-bit packing -> x0 | x1
+  }
+  static PS_INLINE void StoreBf16x2(uint16_t* p, V x0, V x1) {
+    if (AnyNan2(x0, x1)) [[unlikely]] {
+      StoreBf16(p, x0);
+      StoreBf16(p + kWidth, x1);
+      return;
+    }
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                        PackHigh2(RoundedHigh(x0), RoundedHigh(x1)));
+  }
+  static PS_INLINE void StoreBf16Split(uint16_t* p0, uint16_t* p1, V x0, V x1) {
+    if (AnyNan2(x0, x1)) [[unlikely]] {
+      StoreBf16(p0, x0);
+      StoreBf16(p1, x1);
+      return;
+    }
+    const __m256i both = PackHigh2(RoundedHigh(x0), RoundedHigh(x1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p0), _mm256_castsi256_si128(both));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p1), _mm256_extracti128_si256(both, 1));
+  }
+  static PS_INLINE void StoreBf16Rounded2(uint16_t* p, V x0, V x1, V& rounded0, V& rounded1) {
+    if (AnyNan2(x0, x1)) [[unlikely]] {
+      rounded0 = StoreBf16Rounded(p, x0);
+      rounded1 = StoreBf16Rounded(p + kWidth, x1);
+      return;
+    }
+    const __m256i h0 = RoundedHigh(x0), h1 = RoundedHigh(x1);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), PackHigh2(h0, h1));
+    rounded0 = _mm256_castsi256_ps(_mm256_and_si256(h0, _mm256_set1_epi32(~0xffff)));
+    rounded1 = _mm256_castsi256_ps(_mm256_and_si256(h1, _mm256_set1_epi32(~0xffff)));
   }
   using VI = __m256i;
   static PS_INLINE VI Set1I(int32_t x) { return _mm256_set1_epi32(x); }
@@ -335,7 +389,6 @@ struct Ops {
                                             float, float*) {
     return 0;
   }
-
   struct Acc16 {
     __m256d lane[4];  // lanes 0-3, 4-7, 8-11, 12-15
   };
