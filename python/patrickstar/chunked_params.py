@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from . import _C, dtypes
+from .config import auto_chunk_floor
 from .vocabulary import Tier
 
 __all__ = ["ChunkedParams", "QUANTIZATION_BLOCK", "TensorIds", "chunk_dtypes",
@@ -90,15 +91,6 @@ def chunk_dtypes(precision: str, accumulation_steps: int, state_dtype: str = "fp
             "grad": "float32" if accumulation_steps > 1 or not mixed else compute,
             "momentum": moments, "variance": moments,
             "momentum_scale": scales, "variance_scale": scales}
-
-
-def auto_chunk_floor(world_size: int) -> int:
-    """The fewest elements per chunk `default_chunk_size: "auto"` searches: under data
-    parallelism small chunks pay off (a group is world_size of them and a large tensor an
-    oversize group of its own: Note [Chunk-size search]), down to 4K elements; one process
-    keeps chunks of at least 64K. Advice to use "auto" for chunks already smaller than this
-    would make them larger (the profile's waste finding, the host-budget errors)."""
-    return 1 << 12 if world_size > 1 else 1 << 16
 
 
 def register_chunk_tensors(manager, specs, chunk_dtypes: dict[str, str | None],

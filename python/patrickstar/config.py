@@ -19,7 +19,8 @@ import warnings
 from typing import Any, Callable, Mapping
 
 __all__ = ["Config", "OptimizerConfig", "Fp16Config", "MemoryConfig", "NvmeConfig",
-           "ProfileConfig", "ParallelConfig", "SchedulerConfig", "load_config", "parse_bytes"]
+           "ProfileConfig", "ParallelConfig", "SchedulerConfig", "load_config", "parse_bytes",
+           "auto_chunk_floor"]
 
 _SIZE_UNITS = {
     "": 1, "b": 1,
@@ -866,3 +867,12 @@ def load_config(config: Mapping[str, Any] | str | os.PathLike | None) -> Config:
                       "compatibility but have no effect in PatrickStar-C++: " + ", ".join(ignored),
                       UserWarning, stacklevel=2)
     return result
+
+
+def auto_chunk_floor(world_size: int) -> int:
+    """The fewest elements per chunk `default_chunk_size: "auto"` searches: under data
+    parallelism small chunks pay off (a group is world_size of them and a large tensor an
+    oversize group of its own: Note [Chunk-size search]), down to 4K elements; one process
+    keeps chunks of at least 64K. Advice to use "auto" for chunks already smaller than this
+    would make them larger (the profile's waste finding, the host-budget errors)."""
+    return 1 << 12 if world_size > 1 else 1 << 16

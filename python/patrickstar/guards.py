@@ -108,7 +108,7 @@ from typing import Callable, Iterator
 import torch
 
 from . import _C
-from .chunked_params import auto_chunk_floor
+from .config import auto_chunk_floor
 from .utils.host_memory import host_memory_limit
 
 __all__ = ["TrainingGuard", "check_budgets", "forked_child_error"]

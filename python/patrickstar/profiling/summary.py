@@ -6,7 +6,7 @@ import collections
 import math
 
 from ..dtypes import BY_NAME, element_size
-from ..chunked_params import auto_chunk_floor
+from ..config import auto_chunk_floor
 from ..guards import has_payload
 from ..slab_budget import block_bytes, slab_budget
 from ..vocabulary import Tier
