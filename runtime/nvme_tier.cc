@@ -492,11 +492,13 @@ NvmeTier::~NvmeTier() {
   const bool owner = InCreatorProcess();
   if (owner) {
     backend_.reset();  // drains IO in flight
+    ReleaseAllRegions();
   } else {
-    // Note [Swap files across fork]: the ring and IO threads are the parent's.
+    // Note [Swap files across fork]: the ring, the IO threads and the file's contents are the
+    // parent's. Note [Tier teardown in a forked child]: no lock, no log line.
     static_cast<void>(backend_.release());
+    ForgetAllRegionsInForkedChild();
   }
-  ReleaseAllRegions();  // punches holes only in the creator process
   // Unlink while the lock is still held (Note [Swap file ownership]). ENOENT: the directory
   // went first (a temporary directory removed before the process ended); nothing is left.
   if (owner && !path_.empty() && unlink(path_.c_str()) != 0 && errno != ENOENT) {

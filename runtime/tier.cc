@@ -67,6 +67,21 @@ void Tier::ReleaseAllRegions() {
   stats_.slabs = 0;
 }
 
+// Note [Tier teardown in a forked child]
+// fork() copies every lock in the state some thread of the parent left it in, and only the
+// forking thread runs in the child. A parent IO thread that was inside a mutex's unlock (absl
+// takes a spin bit in the mutex word to wake a waiter), or the logger's sink lock, at the moment
+// of the fork leaves that lock held forever in the child, so a child that locks it hangs, and
+// the parent's waitpid with it (seen once in NvmeTierTest's fork test under a loaded machine).
+// The child's copy of a tier owns nothing to give back (Note [Swap files across fork]), so its
+// destructor clears the bookkeeping without locking: the child is single-threaded here, as no
+// thread of the parent exists in it.
+void Tier::ForgetAllRegionsInForkedChild() {
+  slabs_.clear();
+  free_lists_.clear();
+  blocks_.clear();
+}
+
 int64_t Tier::budget_bytes() const {
   absl::MutexLock lock(&mutex_);
   return options_.budget_bytes;

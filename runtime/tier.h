@@ -121,6 +121,10 @@ class Tier {
 
   // Derived destructors call this: the base destructor can no longer reach ReleaseRegion.
   void ReleaseAllRegions();
+  // Instead of ReleaseAllRegions in a process forked from the creator: forgets the regions
+  // without releasing them, taking no lock and logging nothing (Note [Tier teardown in a forked
+  // child]).
+  void ForgetAllRegionsInForkedChild() ABSL_NO_THREAD_SAFETY_ANALYSIS;
 
  private:
   struct Slab {
