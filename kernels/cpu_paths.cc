@@ -242,11 +242,13 @@ struct Ops {
   // add of StoreBf16, then one pack and one permute put 16 bf16 values in one register, stored
   // whole (x0 then x1) or by halves (the two moments of a vector). The NaN rule costs StoreBf16
   // three operations per vector (the quiet payload, a compare, a blend); here one unordered
-  // compare of the pair tells whether either vector holds a NaN, and such a pair (never seen in
-  // training that goes on) takes StoreBf16 twice. Denormals need nothing: the integer rounding
+  // compare of the pair tells whether either vector holds a NaN (PairNeedsSingles), and such a
+  // pair (never seen in training that goes on) takes StoreBf16 twice. Denormals need nothing: the integer rounding
   // keeps them, as the reference does. Same roundings, so the same bits as StoreBf16.
   static constexpr bool kPairedBf16 = true;
-  static PS_INLINE bool AnyNan2(V x0, V x1) {
+  // The body (StoreStates, KahanRound2) asks this before the pair functions below, which do not
+  // handle NaNs.
+  static PS_INLINE bool PairNeedsSingles(V x0, V x1) {
     return _mm256_movemask_ps(_mm256_cmp_ps(x0, x1, _CMP_UNORD_Q)) != 0;
   }
   // x + 0x7fff + (bit 16 of x): the rounded value in the high half (the low half is garbage).
@@ -262,30 +264,15 @@ struct Ops {
     return _mm256_permute4x64_epi64(packed, 0xd8);  // per-128-bit packing -> x0 | x1
   }
   static PS_INLINE void StoreBf16x2(uint16_t* p, V x0, V x1) {
-    if (AnyNan2(x0, x1)) [[unlikely]] {
-      StoreBf16(p, x0);
-      StoreBf16(p + kWidth, x1);
-      return;
-    }
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
                         PackHigh2(RoundedHigh(x0), RoundedHigh(x1)));
   }
   static PS_INLINE void StoreBf16Split(uint16_t* p0, uint16_t* p1, V x0, V x1) {
-    if (AnyNan2(x0, x1)) [[unlikely]] {
-      StoreBf16(p0, x0);
-      StoreBf16(p1, x1);
-      return;
-    }
     const __m256i both = PackHigh2(RoundedHigh(x0), RoundedHigh(x1));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p0), _mm256_castsi256_si128(both));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p1), _mm256_extracti128_si256(both, 1));
   }
   static PS_INLINE void StoreBf16Rounded2(uint16_t* p, V x0, V x1, V& rounded0, V& rounded1) {
-    if (AnyNan2(x0, x1)) [[unlikely]] {
-      rounded0 = StoreBf16Rounded(p, x0);
-      rounded1 = StoreBf16Rounded(p + kWidth, x1);
-      return;
-    }
     const __m256i h0 = RoundedHigh(x0), h1 = RoundedHigh(x1);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), PackHigh2(h0, h1));
     rounded0 = _mm256_castsi256_ps(_mm256_and_si256(h0, _mm256_set1_epi32(~0xffff)));
@@ -719,11 +706,13 @@ struct Ops : avx512_path::Ops {
     return WidenBf16(halves);
   }
 
-  // Two vectors at a time (KahanRound2): x0 into p[0, 16), x1 into p[16, 32) by one
+  // Two vectors at a time (StoreStates, KahanRound2): x0 into p[0, 16), x1 into p[16, 32) by one
   // vcvtne2ps2bf16, as StoreBf16 and StoreBf16Rounded do each (a pair holding a denormal takes
-  // them one vector at a time).
+  // them one vector at a time: PairNeedsSingles).
   static constexpr bool kPairedBf16 = true;
-  static PS_INLINE bool AnyDenormal2(V x0, V x1) {
+  // Asked by the body before the pair functions below, which would flush a denormal (as
+  // vcvtne2ps2bf16 does) where StoreBf16 keeps it.
+  static PS_INLINE bool PairNeedsSingles(V x0, V x1) {
     return (_mm512_fpclass_ps_mask(x0, 0x20) | _mm512_fpclass_ps_mask(x1, 0x20)) != 0;
   }
   static PS_INLINE __m512i ConvertBf16x2(V x0, V x1) {
@@ -733,30 +722,15 @@ struct Ops : avx512_path::Ops {
     return bits;
   }
   static PS_INLINE void StoreBf16x2(uint16_t* p, V x0, V x1) {
-    if (AnyDenormal2(x0, x1)) [[unlikely]] {
-      StoreBf16(p, x0);
-      StoreBf16(p + kWidth, x1);
-      return;
-    }
     _mm512_storeu_si512(p, ConvertBf16x2(x0, x1));
   }
   // x0 into p0[0, 16) and x1 into p1[0, 16) by one vcvtne2ps2bf16 (the two moments of a vector).
   static PS_INLINE void StoreBf16Split(uint16_t* p0, uint16_t* p1, V x0, V x1) {
-    if (AnyDenormal2(x0, x1)) [[unlikely]] {
-      StoreBf16(p0, x0);
-      StoreBf16(p1, x1);
-      return;
-    }
     const __m512i bits = ConvertBf16x2(x0, x1);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p0), _mm512_castsi512_si256(bits));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p1), _mm512_extracti64x4_epi64(bits, 1));
   }
   static PS_INLINE void StoreBf16Rounded2(uint16_t* p, V x0, V x1, V& rounded0, V& rounded1) {
-    if (AnyDenormal2(x0, x1)) [[unlikely]] {
-      rounded0 = StoreBf16Rounded(p, x0);
-      rounded1 = StoreBf16Rounded(p + kWidth, x1);
-      return;
-    }
     const __m512i bits = ConvertBf16x2(x0, x1);
     _mm512_storeu_si512(p, bits);
     rounded0 = WidenBf16Of(bits, avx512_path::kWidenBf16);
