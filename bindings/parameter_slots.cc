@@ -271,7 +271,7 @@ class ParameterSlots {
       const at::ScalarType dtype = ToScalarType(chunk_view.dtype);
       const int64_t bytes = chunk_view.numel * static_cast<int64_t>(c10::elementSize(dtype));
       ThrowIfError(gpu::strict::LaunchWork(
-          compute, {{data, bytes}, {source.data_ptr(), source.nbytes()}},
+          compute, {{data, bytes}, {source.data_ptr(), static_cast<int64_t>(source.nbytes())}},
           [data, shape, dtype, source, accumulate] {
             at::Tensor view =
                 torch::from_blob(gpu::WorkPointer(data), shape, at::TensorOptions().dtype(dtype));
