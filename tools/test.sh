@@ -1,19 +1,22 @@
 #!/usr/bin/env bash
-# Sets up everything (tools/setup.sh) and runs every test: the GoogleTest suite (ctest), the
-# pytest suite (the slow soak test included), the C++ suite and the engine's Python tests again
-# on the strict emulated device (PATRICKSTAR_STRICT_DEVICE=1), the C++ suite under
-# AddressSanitizer + UndefinedBehaviorSanitizer, the Python tests of the runtime (tiers, chunk
-# bindings, Adam, checkpoints, reliability) against an ASan + UBSan patrickstar._C, and the copy
-# engine / NVMe IO / tier / strict device tests under ThreadSanitizer.
+# Sets up everything (tools/setup.sh) and runs the tests: the GoogleTest suite (ctest), the
+# import rules, the pytest suite, the C++ suite and the engine's core Python tests again on the
+# strict emulated device (PATRICKSTAR_STRICT_DEVICE=1), the C++ suite and the runtime's Python
+# tests under AddressSanitizer + UndefinedBehaviorSanitizer (one sanitized build, build-asan/),
+# and the copy engine / NVMe IO / tier / strict device tests under ThreadSanitizer.
 # Exits non-zero on any failure, and also when a suite ran no test at all.
 #
-#   tools/test.sh                 everything
+# The default run is CI's and fits its time on a 2-core machine; --full runs every test
+# (Note [The default run and --full] in tests/python/run_selection.py): the pytest tests marked
+# slow, all the engine's Python tests on the strict device, and more Python tests under ASan.
+#
+#   tools/test.sh                 the default run (CI's)
+#   tools/test.sh --full          every test (about twice as long)
 #   tools/test.sh --no-sanitize   skip the sanitizer builds (faster local runs)
-#   tools/test.sh --sanitize      only the sanitizer jobs (ASan+UBSan, Python ASan, TSan)
+#   tools/test.sh --sanitize      only the sanitizer jobs (ASan+UBSan C++ and Python, TSan)
 #   tools/test.sh --tsan          only the ThreadSanitizer job
 #   tools/test.sh --python-asan   only the Python tests against an ASan+UBSan patrickstar._C,
-#                                 all of them (the default run takes the runtime's; the
-#                                 sanitized module builds in ~3 min cold on 2 cores)
+#                                 all of them
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -21,23 +24,80 @@ run_main=1
 run_sanitize=1
 run_tsan=1
 run_python_asan=1
+full=0
 python_asan_args=()  # tools/test_python_asan.sh's default: the runtime's Python tests
 for arg in "$@"; do
   case "$arg" in
+    --full) full=1 ;;
     --no-sanitize) run_sanitize=0; run_tsan=0; run_python_asan=0 ;;
     --sanitize) run_main=0 ;;
     --tsan) run_main=0; run_sanitize=0; run_python_asan=0 ;;
     --python-asan) run_main=0; run_sanitize=0; run_tsan=0; run_python_asan=1
                    python_asan_args=(tests/python -m "not slow") ;;
-    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
     *) echo "tools/test.sh: unknown argument '$arg' (try --help)" >&2; exit 2 ;;
   esac
 done
+selection=(-m "not slow")
+if ((full)); then
+  selection=()
+  if ((${#python_asan_args[@]} == 0)); then
+    python_asan_args=(tests/python/test_runtime.py tests/python/test_chunk_bindings.py
+      tests/python/test_parameter_slots.py tests/python/test_adam.py
+      tests/python/test_adam_lowp.py tests/python/test_state_dtype.py
+      tests/python/test_checkpoint.py tests/python/test_reliability.py
+      tests/python/test_nvme_training.py tests/python/test_data_parallel.py -m "not slow")
+  fi
+fi
 
 jobs=$(nproc)
 log() { printf '\n[test] %s\n' "$*"; }
 
 tools/setup.sh
+
+# Only the runtime's threaded parts run under ThreadSanitizer: copy engine, NVMe IO (io_uring
+# reaper, pread/pwrite workers), tiers, fault injection and the shared-memory communicator (its
+# ranks as threads). Note [TSan and Debian's Abseil] in tests/cpp/tsan_absl_shim.cc explains
+# the shim these binaries link.
+tsan_tests=(runtime_copy_engine_test runtime_nvme_tier_test runtime_tier_test
+            runtime_fault_injection_test runtime_strict_device_test chunk_strict_device_test
+            shm_communicator_test)
+build_tsan() {
+  if [ ! -f build-tsan/build.ninja ]; then
+    cmake -S . -B build-tsan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DPS_TSAN=ON \
+      -DPS_BUILD_PYTHON=OFF -DPS_BUILD_BENCHMARKS=OFF -DPS_WITH_CUDA=OFF >/dev/null
+  fi
+  cmake --build build-tsan -j"$jobs" --target "${tsan_tests[@]}"
+}
+build_sanitizers() {
+  if ((run_sanitize || run_python_asan)); then tools/test_python_asan.sh --build-only; fi
+  if ((run_tsan)); then build_tsan; fi
+}
+
+# The sanitizer builds (about 13 minutes of a cold 2-core machine) start now at the lowest CPU
+# priority, so they take what the tests below leave idle (processes starting, waits) and the
+# tests keep the cores they need; their stages wait for them. Their output goes to a log,
+# printed if they fail.
+sanitizer_builds=
+if ((run_main && (run_sanitize || run_tsan || run_python_asan))); then
+  mkdir -p build
+  # Its own process group (setsid), so that a run ending early stops the compilers too.
+  setsid nice -n 19 bash -c "$(declare -p tsan_tests jobs run_sanitize run_tsan run_python_asan);
+    $(declare -f build_tsan build_sanitizers); build_sanitizers" \
+    > build/sanitizer-builds.log 2>&1 &
+  sanitizer_builds=$!
+  trap '[ -z "$sanitizer_builds" ] || kill -- "-$sanitizer_builds" 2>/dev/null || true' EXIT
+fi
+wait_for_sanitizer_builds() {
+  [ -n "$sanitizer_builds" ] || return 0
+  log "waiting for the sanitizer builds (build/sanitizer-builds.log)"
+  if ! wait "$sanitizer_builds"; then
+    tail -n 60 build/sanitizer-builds.log >&2
+    echo "[test] the sanitizer builds failed (build/sanitizer-builds.log)" >&2
+    exit 1
+  fi
+  sanitizer_builds=
+}
 
 # ctest prints "No tests were found!!!" and exits 0 on an empty suite; treat that as failure.
 run_ctest() {
@@ -67,7 +127,7 @@ if ((run_main)); then
   log "Python tests (pytest)"
   # Exit code 5 means pytest collected nothing: that must fail, not pass silently.
   set +e
-  .venv/bin/python -m pytest tests/python -q --durations=25
+  .venv/bin/python -m pytest tests/python -q --durations=25 "${selection[@]}"
   status=$?
   set -e
   if [ "$status" -eq 5 ]; then echo "[test] pytest collected no tests" >&2; exit 1; fi
@@ -75,26 +135,22 @@ if ((run_main)); then
 
   # Note [Strict device] (runtime/strict_device.h): the CUDA tiers, copy routes and stream
   # orderings on an emulated device where the host touching device memory crashes and device
-  # work runs late. The C++ suite, and the engine's Python tests (initialize, budgets, prefetch,
-  # NVMe, data parallel, checkpoints, profile, memory estimate, full gradients, fp16 scaling,
-  # bf16 without master, bf16/int8 state) plus the binding tests the engine stands on. Every
-  # other tests/python file passed there too (the sweep of 2026-11-26), about 30 minutes more.
+  # work runs late. The C++ suite, and the engine's core Python tests (initialize, budgets,
+  # prefetch, NVMe, full gradients, fp16 scaling, bf16 without master, bf16/int8 state) plus the
+  # binding tests the engine stands on; --full adds data parallelism, checkpoints, the profile
+  # and the recipes. Every other tests/python file passed there too (the sweep of 2026-11-26).
   log "C++ tests on the strict emulated device (PATRICKSTAR_STRICT_DEVICE=1)"
   PATRICKSTAR_STRICT_DEVICE=1 run_ctest build
   log "Python engine tests on the strict emulated device (PATRICKSTAR_STRICT_DEVICE=1)"
+  strict_tests=(test_strict_device test_initialize test_nvme_training test_reliability
+    test_parameter_slots test_chunk_bindings test_runtime test_parameter_writes test_estimator
+    test_full_grad test_loss_scaling test_bf16_no_master test_state_dtype test_backward_budget
+    test_vision_recipe test_resting_params)
+  ((full)) && strict_tests+=(test_data_parallel test_dp_checkpoint test_checkpoint test_profile
+    test_torch_save_resume test_hf_training)
   set +e
   PATRICKSTAR_STRICT_DEVICE=1 .venv/bin/python -m pytest -q -m "not slow" \
-    tests/python/test_strict_device.py tests/python/test_initialize.py \
-    tests/python/test_nvme_training.py tests/python/test_data_parallel.py \
-    tests/python/test_dp_checkpoint.py tests/python/test_checkpoint.py \
-    tests/python/test_profile.py tests/python/test_reliability.py \
-    tests/python/test_parameter_slots.py tests/python/test_chunk_bindings.py \
-    tests/python/test_runtime.py tests/python/test_parameter_writes.py \
-    tests/python/test_estimator.py tests/python/test_full_grad.py \
-    tests/python/test_loss_scaling.py tests/python/test_bf16_no_master.py \
-    tests/python/test_state_dtype.py tests/python/test_backward_budget.py \
-    tests/python/test_torch_save_resume.py tests/python/test_hf_training.py \
-    tests/python/test_vision_recipe.py tests/python/test_resting_params.py
+    "${strict_tests[@]/#/tests/python/}"
   status=$?
   set -e
   if [ "$status" -eq 5 ]; then echo "[test] pytest collected no tests" >&2; exit 1; fi
@@ -102,32 +158,20 @@ if ((run_main)); then
 fi
 
 if ((run_sanitize)); then
+  wait_for_sanitizer_builds
   log "C++ tests under ASan + UBSan (build-asan/)"
-  if [ ! -f build-asan/build.ninja ]; then
-    # No CUDA here: build/ already compiles it (so CI sees a break), and without a GPU its tests
-    # only skip; nvcc was a large share of this build on a cold 2-core machine.
-    cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=Debug -DPS_SANITIZE=ON \
-      -DPS_BUILD_PYTHON=OFF -DPS_BUILD_BENCHMARKS=OFF -DPS_WITH_CUDA=OFF >/dev/null
-  fi
-  cmake --build build-asan -j"$jobs"
+  # One sanitized build of the core for the C++ tests and the Python module (the stage below).
+  # No CUDA there: build/ already compiles it (so CI sees a break), and without a GPU its tests
+  # only skip.
+  tools/test_python_asan.sh --build-only
   # protect_shadow_gap=0 lets the CUDA driver map its memory where ASan would reserve it.
   ASAN_OPTIONS=protect_shadow_gap=0:detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
     run_ctest build-asan
 fi
 if ((run_tsan)); then
-  # Only the runtime's threaded parts: copy engine, NVMe IO (io_uring reaper, pread/pwrite
-  # workers), tiers, fault injection and the shared-memory communicator (its ranks as
-  # threads). Note [TSan and Debian's Abseil] in tests/cpp/tsan_absl_shim.cc explains the shim
-  # these binaries link.
+  wait_for_sanitizer_builds
   log "copy engine and NVMe IO tests under ThreadSanitizer (build-tsan/)"
-  tsan_tests=(runtime_copy_engine_test runtime_nvme_tier_test runtime_tier_test
-              runtime_fault_injection_test runtime_strict_device_test chunk_strict_device_test
-              shm_communicator_test)
-  if [ ! -f build-tsan/build.ninja ]; then
-    cmake -S . -B build-tsan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DPS_TSAN=ON \
-      -DPS_BUILD_PYTHON=OFF -DPS_BUILD_BENCHMARKS=OFF -DPS_WITH_CUDA=OFF >/dev/null
-  fi
-  cmake --build build-tsan -j"$jobs" --target "${tsan_tests[@]}"
+  build_tsan
   for test in "${tsan_tests[@]}"; do
     filter=()
     # The strict device's streams are threads: its deliberate missing wait is a real race (TSan
@@ -139,7 +183,8 @@ if ((run_tsan)); then
   done
 fi
 if ((run_python_asan)); then
-  log "Python tests against an ASan + UBSan patrickstar._C (build-asan-py/)"
+  wait_for_sanitizer_builds
+  log "Python tests against an ASan + UBSan patrickstar._C (build-asan/)"
   tools/test_python_asan.sh "${python_asan_args[@]}"
 fi
 log "all tests passed"
