@@ -1,18 +1,18 @@
 #!/usr/bin/env bash
 # Sets up everything (tools/setup.sh) and runs the tests: the GoogleTest suite (ctest), the
 # import rules, the pytest suite, the C++ suite and the engine's core Python tests again on the
-# strict emulated device (PATRICKSTAR_STRICT_DEVICE=1), the C++ suite and the runtime's Python
-# tests under AddressSanitizer + UndefinedBehaviorSanitizer (one sanitized build, build-asan/),
-# and the copy engine / NVMe IO / tier / strict device tests under ThreadSanitizer.
-# Exits non-zero on any failure, and also when a suite ran no test at all.
+# strict emulated device (PATRICKSTAR_STRICT_DEVICE=1), the C++ suite under AddressSanitizer +
+# UndefinedBehaviorSanitizer (build-asan/), and the copy engine / NVMe IO / tier / strict device
+# tests under ThreadSanitizer. Exits non-zero on any failure, and also when a suite ran no test.
 #
 # The default run is CI's and fits its time on a 2-core machine; --full runs every test
 # (Note [The default run and --full] in tests/python/run_selection.py): the pytest tests marked
-# slow, all the engine's Python tests on the strict device, and more Python tests under ASan.
+# slow, all the engine's Python tests on the strict device, and the Python tests of the runtime
+# against an ASan + UBSan patrickstar._C (built in build-asan/ beside the C++ tests).
 #
 #   tools/test.sh                 the default run (CI's)
 #   tools/test.sh --full          every test (about twice as long)
-#   tools/test.sh --no-sanitize   skip the sanitizer builds (faster local runs)
+#   tools/test.sh --no-sanitize   skip the sanitizer jobs (faster local runs)
 #   tools/test.sh --sanitize      only the sanitizer jobs (ASan+UBSan C++ and Python, TSan)
 #   tools/test.sh --tsan          only the ThreadSanitizer job
 #   tools/test.sh --python-asan   only the Python tests against an ASan+UBSan patrickstar._C,
@@ -23,18 +23,18 @@ cd "$(dirname "$0")/.."
 run_main=1
 run_sanitize=1
 run_tsan=1
-run_python_asan=1
+run_python_asan=0
 full=0
 python_asan_args=()  # tools/test_python_asan.sh's default: the runtime's Python tests
 for arg in "$@"; do
   case "$arg" in
-    --full) full=1 ;;
+    --full) full=1; run_python_asan=1 ;;
     --no-sanitize) run_sanitize=0; run_tsan=0; run_python_asan=0 ;;
-    --sanitize) run_main=0 ;;
+    --sanitize) run_main=0; run_python_asan=1 ;;
     --tsan) run_main=0; run_sanitize=0; run_python_asan=0 ;;
     --python-asan) run_main=0; run_sanitize=0; run_tsan=0; run_python_asan=1
                    python_asan_args=(tests/python -m "not slow") ;;
-    -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
     *) echo "tools/test.sh: unknown argument '$arg' (try --help)" >&2; exit 2 ;;
   esac
 done
@@ -69,12 +69,17 @@ build_tsan() {
   fi
   cmake --build build-tsan -j"$jobs" --target "${tsan_tests[@]}"
 }
+# The sanitized patrickstar._C only where its Python tests run.
+asan_build_args=(--build-only)
+((run_python_asan)) || asan_build_args+=(--no-module)
 build_sanitizers() {
-  if ((run_sanitize || run_python_asan)); then tools/test_python_asan.sh --build-only; fi
+  if ((run_sanitize || run_python_asan)); then
+    tools/test_python_asan.sh "${asan_build_args[@]}"
+  fi
   if ((run_tsan)); then build_tsan; fi
 }
 
-# The sanitizer builds (about 13 minutes of a cold 2-core machine) start now at the lowest CPU
+# The sanitizer builds (about 10 minutes of a cold 2-core machine) start now at the lowest CPU
 # priority, so they take what the tests below leave idle (processes starting, waits) and the
 # tests keep the cores they need; their stages wait for them. Their output goes to a log,
 # printed if they fail.
@@ -82,7 +87,8 @@ sanitizer_builds=
 if ((run_main && (run_sanitize || run_tsan || run_python_asan))); then
   mkdir -p build
   # Its own process group (setsid), so that a run ending early stops the compilers too.
-  setsid nice -n 19 bash -c "$(declare -p tsan_tests jobs run_sanitize run_tsan run_python_asan);
+  setsid nice -n 19 bash -c "$(declare -p tsan_tests jobs run_sanitize run_tsan run_python_asan \
+      asan_build_args);
     $(declare -f build_tsan build_sanitizers); build_sanitizers" \
     > build/sanitizer-builds.log 2>&1 &
   sanitizer_builds=$!
@@ -163,7 +169,7 @@ if ((run_sanitize)); then
   # One sanitized build of the core for the C++ tests and the Python module (the stage below).
   # No CUDA there: build/ already compiles it (so CI sees a break), and without a GPU its tests
   # only skip.
-  tools/test_python_asan.sh --build-only
+  tools/test_python_asan.sh "${asan_build_args[@]}"
   # protect_shadow_gap=0 lets the CUDA driver map its memory where ASan would reserve it.
   ASAN_OPTIONS=protect_shadow_gap=0:detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
     run_ctest build-asan
