@@ -154,9 +154,10 @@ if ((run_main)); then
     test_vision_recipe test_resting_params)
   ((full)) && strict_tests+=(test_data_parallel test_dp_checkpoint test_checkpoint test_profile
     test_torch_save_resume test_hf_training)
+  strict_paths=()
+  for name in "${strict_tests[@]}"; do strict_paths+=("tests/python/$name.py"); done
   set +e
-  PATRICKSTAR_STRICT_DEVICE=1 .venv/bin/python -m pytest -q -m "not slow" \
-    "${strict_tests[@]/#/tests/python/}"
+  PATRICKSTAR_STRICT_DEVICE=1 .venv/bin/python -m pytest -q -m "not slow" "${strict_paths[@]}"
   status=$?
   set -e
   if [ "$status" -eq 5 ]; then echo "[test] pytest collected no tests" >&2; exit 1; fi
