@@ -41,13 +41,7 @@ done
 selection=(-m "not slow")
 if ((full)); then
   selection=()
-  if ((${#python_asan_args[@]} == 0)); then
-    python_asan_args=(tests/python/test_runtime.py tests/python/test_chunk_bindings.py
-      tests/python/test_parameter_slots.py tests/python/test_adam.py
-      tests/python/test_adam_lowp.py tests/python/test_state_dtype.py
-      tests/python/test_checkpoint.py tests/python/test_reliability.py
-      tests/python/test_nvme_training.py tests/python/test_data_parallel.py -m "not slow")
-  fi
+  ((${#python_asan_args[@]})) || python_asan_args=(--full)
 fi
 
 jobs=$(nproc)

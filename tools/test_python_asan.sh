@@ -7,6 +7,8 @@
 # them with ctest): one sanitized build of the core serves both.
 #
 #   tools/test_python_asan.sh [pytest args]   default: the runtime/chunk/kernel tests
+#   tools/test_python_asan.sh --full          those and the engine's checkpoint, reliability,
+#                                             NVMe and data-parallel tests (tools/test.sh --full)
 #   tools/test_python_asan.sh --build-only    configure and build build-asan/ (tests and _C)
 #   tools/test_python_asan.sh --build-only --no-module   the C++ tests alone
 set -uo pipefail
@@ -18,11 +20,15 @@ python=$root/.venv/bin/python
 # -O1 -g1: line tables are all a report needs, and the LibTorch headers the bindings include
 # compile in about a third of the time of -O2 -g. ASan's own advice is -O1 for its checks.
 build_only=0
+engine_tests=()
 module=ON  # the core's flags do not depend on it, so adding the module later builds only _C
 while [ $# -gt 0 ]; do
   case "$1" in
     --build-only) build_only=1; shift ;;
     --no-module) module=OFF; shift ;;
+    --full) engine_tests=(tests/python/test_checkpoint.py tests/python/test_reliability.py
+                          tests/python/test_nvme_training.py tests/python/test_data_parallel.py)
+            shift ;;
     *) break ;;
   esac
 done
@@ -58,7 +64,8 @@ export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1:log_path=$root/build-asa
 if [ $# -eq 0 ]; then
   set -- tests/python/test_runtime.py tests/python/test_chunk_bindings.py \
     tests/python/test_parameter_slots.py tests/python/test_adam.py \
-    tests/python/test_adam_lowp.py tests/python/test_state_dtype.py -m "not slow"
+    tests/python/test_adam_lowp.py tests/python/test_state_dtype.py "${engine_tests[@]}" \
+    -m "not slow"
 fi
 LD_PRELOAD=$libasan "$python" -c "
 import sys

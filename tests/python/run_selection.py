@@ -29,7 +29,7 @@ FULL_ONLY: dict[str, Sequence[str]] = {
     # Every boundary run on two ranks in one launch (~2 min); test_lowp_boundaries' two-rank
     # reshard and test_data_parallel's boundary scenarios take the same path by default.
     "test_boundary_sizes.py::test_two_ranks_train_resume_and_reshard_at_every_boundary": WHOLE,
-    # One launch per read; the default keeps a read, a save and an evaluation.
+    # One launch per read; the default keeps the save.
     "test_data_parallel.py::test_reads_on_one_rank_are_served_by_the_others_as_with_ddp":
         ("save",),
     "test_data_parallel.py::test_optimizer_state_dict_saved_by_one_rank_resumes_every_rank":
