@@ -122,7 +122,7 @@ struct Ops {
   static PS_INLINE void StoreI(int32_t* p, VI a) { *p = a; }
   // Note [Nearest code by arithmetic]'s operations, for the one scalar mirror of the vector code
   // (the scalar path itself uses the bucket search).
-  static PS_INLINE VI Srl23(VI a) { return static_cast<int32_t>(static_cast<uint32_t>(a) >> 23); }
+  static PS_INLINE VI Srl24(VI a) { return static_cast<int32_t>(static_cast<uint32_t>(a) >> 24); }
   static PS_INLINE VI CvttI(V a) {  // as cvttps2dq: out of range and NaN give INT32_MIN
     return a >= -2147483648.0f && a < 2147483648.0f ? static_cast<int32_t>(a) : INT32_MIN;
   }
@@ -132,8 +132,8 @@ struct Ops {
   }
   static PS_INLINE V Lookup16(const float* table, VI r) { return table[r & 15]; }
   static PS_INLINE VI Lookup16I(const int32_t* table, VI r) { return table[r & 15]; }
-  static PS_INLINE VI OctaveRegion(const FastQuantization& f, VI octave) {
-    return f.octave_region[octave & (kFastOctaves - 1)];  // as the 5-bit permute index
+  static PS_INLINE VI PairRegion(const FastQuantization& f, VI pair) {
+    return f.pair_region_bytes[pair & 15];  // as the byte shuffle's index
   }
   static PS_INLINE VI SubSaturateU16(VI a, int32_t k) { return a > k ? a - k : 0; }
   static PS_INLINE void StoreU8Mirrored(uint8_t* p, VI q, VI sign_bits) {
@@ -317,12 +317,12 @@ struct Ops {
   static PS_INLINE VI LoadU8(const uint8_t* p) {
     return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
   }
-  static PS_INLINE void StoreU8(uint8_t* p, VI x) {  // lanes hold 0..255
+  static PS_INLINE void StoreU8(uint8_t* p, VI x) {  // lanes hold 0..255 (below 0 stores 0)
     const __m128i words =
         _mm_packus_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1));
     _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packus_epi16(words, words));
   }
-  static PS_INLINE VI Srl23(VI a) { return _mm256_srli_epi32(a, 23); }
+  static PS_INLINE VI Srl24(VI a) { return _mm256_srli_epi32(a, 24); }
   static PS_INLINE VI LoadI(const int32_t* p) {
     return _mm256_load_si256(reinterpret_cast<const __m256i*>(p));
   }
@@ -336,10 +336,12 @@ struct Ops {
   static PS_INLINE VI AddIfGreaterF(VI q, V a, V b) {
     return _mm256_sub_epi32(q, _mm256_castps_si256(_mm256_cmp_ps(a, b, _CMP_GT_OQ)));
   }
-  // Some lane with a & mask == 0.
+  // Some lane with a & mask == 0 (mask >= 0): (a & mask) - 1 is negative exactly there, and
+  // vtestps reads the sign bits.
   static PS_INLINE bool AnyAndZeroI(VI a, VI mask) {
-    return _mm256_movemask_epi8(_mm256_cmpeq_epi32(_mm256_and_si256(a, mask),
-                                                   _mm256_setzero_si256())) != 0;
+    const __m256 minus_one =
+        _mm256_castsi256_ps(_mm256_sub_epi32(_mm256_and_si256(a, mask), _mm256_set1_epi32(1)));
+    return !_mm256_testz_ps(minus_one, minus_one);
   }
   // table[r] for r in [0, 8) (the tables have 16 entries for the AVX-512 path).
   static PS_INLINE V Lookup16(const float* table, VI r) {
@@ -349,28 +351,25 @@ struct Ops {
     return _mm256_permutevar8x32_epi32(_mm256_load_si256(reinterpret_cast<const __m256i*>(table)),
                                        r);
   }
-  // The 32-entry octave table by two 16-byte shuffles: the index is the low byte of each lane
-  // (the other bytes are 0 and read entry 0, masked off), bit 4 picks the half.
-  static PS_INLINE VI OctaveRegion(const FastQuantization& f, VI octave) {
-    const __m256i low = _mm256_broadcastsi128_si256(
-        _mm_load_si128(reinterpret_cast<const __m128i*>(f.octave_region_bytes)));
-    const __m256i high = _mm256_broadcastsi128_si256(
-        _mm_load_si128(reinterpret_cast<const __m128i*>(f.octave_region_bytes + 16)));
-    const __m256i chosen = _mm256_blendv_epi8(_mm256_shuffle_epi8(low, octave),
-                                              _mm256_shuffle_epi8(high, octave),
-                                              _mm256_slli_epi32(octave, 3));
-    return _mm256_and_si256(chosen, _mm256_set1_epi32(0xff));
+  // The 16-entry table of pairs of octaves by one byte shuffle: the index is the low byte of each
+  // lane (below 128: a NaN's is 79, entry 15), and the other bytes, 0, read entry 0, region 0,
+  // so the lane is the region with no mask (BuildFast checks pair_region_bytes[0] == 0).
+  static PS_INLINE VI PairRegion(const FastQuantization& f, VI pair) {
+    const __m256i table = _mm256_broadcastsi128_si256(
+        _mm_load_si128(reinterpret_cast<const __m128i*>(f.pair_region_bytes)));
+    return _mm256_shuffle_epi8(table, pair);
   }
   // a - k, saturated at 0, for lanes holding 0 <= a < 2^16 (16-bit saturation on the low half).
   static PS_INLINE VI SubSaturateU16(VI a, int32_t k) {
     return _mm256_subs_epu16(a, _mm256_set1_epi32(k));
   }
-  // StoreU8 of q, or of max(254 - q, 0) where sign_bits is negative.
+  // StoreU8 of q, or of max(254 - q, 0) where sign_bits is negative: blendv reads the sign
+  // bit, and StoreU8's unsigned saturation takes 254 - 255 = -1 to 0.
   static PS_INLINE void StoreU8Mirrored(uint8_t* p, VI q, VI sign_bits) {
-    const VI sign = _mm256_srai_epi32(sign_bits, 31);
-    StoreU8(p, _mm256_max_epi32(_mm256_add_epi32(_mm256_xor_si256(q, sign),
-                                                 _mm256_and_si256(sign, _mm256_set1_epi32(255))),
-                                _mm256_setzero_si256()));
+    const VI mirrored = _mm256_sub_epi32(_mm256_set1_epi32(254), q);
+    StoreU8(p, _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(q),
+                                                    _mm256_castsi256_ps(mirrored),
+                                                    _mm256_castsi256_ps(sign_bits))));
   }
   static PS_INLINE int64_t DequantizeGroups(const QuantizationTables&, const uint8_t*, int64_t,
                                             float, float*) {

@@ -92,7 +92,9 @@ namespace {
 //   top, 8 lanes  the AVX2 tables hold 8 entries (one 256-bit permute), so that path has no
 //           region 8: y > top is replaced by `above_top`, whose z in region 7 is 255 (region 7's
 //           last is 255; in the nine-region search its y <= top keeps z below 255), and it reads
-//           its own `upper8` (region 7 ends at +inf) and `octave_region_bytes`.
+//           its own `upper8` (region 7 ends at +inf), and takes the region by pairs of octaves
+//           (`pair_region_bytes`, 16 entries: one byte shuffle; a pair is 2 octaves wide, still
+//           less than a decade, so it too holds at most one region boundary).
 //   index   z = fma(y, A[r] 2^15, B[r] 2^15 + window / 2), truncated to an integer; the code is
 //           min(z >> 15, last[r]). The clamp keeps the gap above a decade's last code, where z
 //           runs on by up to 2 codes, on that last code (the last region has no such gap).
@@ -172,19 +174,30 @@ internal::FastQuantization BuildFast(const internal::QuantizationTables& t, bool
                " is early");
     }
   }
-  // Octave -> region of its low end, in both searches; at most one boundary inside an octave.
+  // Octave -> region of its low end (nine-region search), pair of octaves -> the same (eight-
+  // region search); at most one boundary inside an octave, or a pair.
   for (int octave = 0; octave < internal::kFastOctaves; ++octave) {
     const float low = std::ldexp(1.0f, octave + internal::kFastOctaveBase - 127);
-    int region = 0, region8 = 0, inside = 0;
+    int region = 0, inside = 0;
     for (int r = 0; r < kFastRegions; ++r) {
       if (f.upper[r] < low) ++region;
-      if (r < 8 && f.upper8[r] < low) ++region8;
       if (f.upper[r] >= low && f.upper[r] < 2 * low) ++inside;
     }
     PS_CHECK(inside <= 1, "octave ", octave, " holds ", inside, " region boundaries");
     PS_CHECK(octave != 0 || region == 0, "a region boundary below octave 0");
     f.octave_region[octave] = region;
-    f.octave_region_bytes[octave] = static_cast<uint8_t>(region8);
+  }
+  for (int pair = 0; pair < internal::kFastOctaves / 2; ++pair) {
+    const float low = std::ldexp(1.0f, 2 * pair + internal::kFastOctaveBase - 127);
+    int region8 = 0, inside = 0;
+    for (int r = 0; r < 8; ++r) {
+      if (f.upper8[r] < low) ++region8;
+      if (f.upper8[r] >= low && f.upper8[r] < 4 * low) ++inside;
+    }
+    PS_CHECK(inside <= 1, "octaves ", 2 * pair, " and ", 2 * pair + 1, " hold ", inside,
+             " region boundaries");
+    PS_CHECK(pair != 0 || region8 == 0, "a region boundary below octave 0");
+    f.pair_region_bytes[pair] = static_cast<uint8_t>(region8);
   }
   PS_CHECK(z(kDecade6, f.top) < int64_t{255} << kFastFractionBits,
            "z at threshold 254 is too high");
@@ -192,7 +205,7 @@ internal::FastQuantization BuildFast(const internal::QuantizationTables& t, bool
   // code 255, clear of the window.
   const int32_t above_bits = std::bit_cast<int32_t>(f.above_top);
   PS_CHECK((above_bits >> 23) - internal::kFastOctaveBase == internal::kFastOctaves - 1 &&
-               f.octave_region_bytes[internal::kFastOctaves - 1] == kDecade6,
+               f.pair_region_bytes[internal::kFastOctaves / 2 - 1] == kDecade6,
            "above_top ", f.above_top, " is not in the last region");
   const int64_t z_above = z(kDecade6, f.above_top);
   PS_CHECK(z_above >> kFastFractionBits == 255 &&

@@ -63,7 +63,8 @@ inline constexpr int32_t kBuckets = (127 - kBucketMinExponent + 1) * 128;
 // (kFastFractionBits) code index: the code is z >> 15 (at most last[r]) unless z mod 2^15 <
 // kFastWindow, near a threshold, where the exact bucket search decides. The 8-lane (AVX2) search
 // reads 8-entry tables, so it has no region 8: its region 7 also holds the top code, reached
-// through the stand-in `above_top` (its own `upper8` and `octave_region_bytes`).
+// through the stand-in `above_top` (its own `upper8`), and looks the region up by pairs of
+// octaves (`pair_region_bytes`: one 16-byte shuffle instead of a 32-entry table).
 inline constexpr int32_t kFastRegions = 9;
 inline constexpr int32_t kFastTopRegion = kFastRegions - 1;
 inline constexpr int32_t kFastOctaves = 32;
@@ -73,9 +74,11 @@ inline constexpr int32_t kFastWindow = 8;
 struct FastQuantization {
   // The region of the lowest magnitude of each octave (exponents below octave 0 count as octave
   // 0); a magnitude above upper[region] is in the next region. octave_region and upper are the
-  // nine-region search's, octave_region_bytes and upper8 the eight-region one's.
+  // nine-region search's; upper8 the eight-region one's, which reads the region of the lowest
+  // magnitude of each pair of octaves (2k, 2k + 1) instead: a pair holds at most one of its
+  // region boundaries too.
   alignas(64) int32_t octave_region[kFastOctaves];
-  alignas(32) uint8_t octave_region_bytes[kFastOctaves];
+  alignas(16) uint8_t pair_region_bytes[kFastOctaves / 2];
   // Per region (16 entries, the last 7 unused, so that one 16-lane permute reads them): the
   // region's upper end (a threshold, +inf for the last), the linear map and the highest code.
   alignas(64) float upper[16];
