@@ -243,8 +243,9 @@ struct Ops {
   // whole (x0 then x1) or by halves (the two moments of a vector). The NaN rule costs StoreBf16
   // three operations per vector (the quiet payload, a compare, a blend); here one unordered
   // compare of the pair tells whether either vector holds a NaN (PairNeedsSingles), and such a
-  // pair (never seen in training that goes on) takes StoreBf16 twice. Denormals need nothing: the integer rounding
-  // keeps them, as the reference does. Same roundings, so the same bits as StoreBf16.
+  // pair (never seen in training that goes on) takes StoreBf16 twice. Denormals need nothing:
+  // the integer rounding keeps them, as the reference does. Same roundings, so the same bits as
+  // StoreBf16.
   static constexpr bool kPairedBf16 = true;
   // The body (StoreStates, KahanRound2) asks this before the pair functions below, which do not
   // handle NaNs.
