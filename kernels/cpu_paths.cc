@@ -61,6 +61,7 @@ struct Ops {
   static constexpr int kWidth = 1;
   static constexpr bool kNineRegions = false;
   static constexpr bool kPackCodes4 = false;
+  static constexpr bool kPackCodePairs = false;
   static constexpr bool kPairedBf16 = false;  // KahanRound2 in kernels/internal/cpu_body.inc
   static PS_INLINE V Set1(float x) { return x; }
   static PS_INLINE V Load(const float* p) { return *p; }
@@ -364,13 +365,30 @@ struct Ops {
   static PS_INLINE VI SubSaturateU16(VI a, int32_t k) {
     return _mm256_subs_epu16(a, _mm256_set1_epi32(k));
   }
-  // StoreU8 of q, or of max(254 - q, 0) where sign_bits is negative: blendv reads the sign
-  // bit, and StoreU8's unsigned saturation takes 254 - 255 = -1 to 0.
-  static PS_INLINE void StoreU8Mirrored(uint8_t* p, VI q, VI sign_bits) {
+  // q, or 254 - q where sign_bits is negative (blendv reads the sign bit): -1 for q = 255, which
+  // the stores' unsigned saturation takes to 0.
+  static PS_INLINE VI Mirror(VI q, VI sign_bits) {
     const VI mirrored = _mm256_sub_epi32(_mm256_set1_epi32(254), q);
-    StoreU8(p, _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(q),
-                                                    _mm256_castsi256_ps(mirrored),
-                                                    _mm256_castsi256_ps(sign_bits))));
+    return _mm256_castps_si256(_mm256_blendv_ps(
+        _mm256_castsi256_ps(q), _mm256_castsi256_ps(mirrored), _mm256_castsi256_ps(sign_bits)));
+  }
+  static PS_INLINE void StoreU8Mirrored(uint8_t* p, VI q, VI sign_bits) {
+    StoreU8(p, Mirror(q, sign_bits));
+  }
+  // StoreU8(p0, q0) and StoreU8(p1, q1) by one pack sequence: the words of both (per 128-bit
+  // half: q0's four, q1's four), the 64-bit groups reordered to q0's eight then q1's, and their
+  // bytes, q0's in the low half, q1's in the high.
+  static constexpr bool kPackCodePairs = true;
+  static PS_INLINE void StoreU8Pair(uint8_t* p0, uint8_t* p1, VI q0, VI q1) {
+    const __m256i words = _mm256_permute4x64_epi64(_mm256_packus_epi32(q0, q1), 0xd8);
+    const __m256i bytes = _mm256_packus_epi16(words, words);
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(p0), _mm256_castsi256_si128(bytes));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(p1), _mm256_extracti128_si256(bytes, 1));
+  }
+  // AnyAndZeroI(a, mask) || AnyAndZeroI(b, mask), by an unsigned min of the masked lanes.
+  static PS_INLINE bool AnyAndZeroI2(VI a, VI b, VI mask) {
+    return AnyAndZeroI(_mm256_min_epu32(_mm256_and_si256(a, mask), _mm256_and_si256(b, mask)),
+                       mask);
   }
   static PS_INLINE int64_t DequantizeGroups(const QuantizationTables&, const uint8_t*, int64_t,
                                             float, float*) {
@@ -472,6 +490,7 @@ struct Ops {
   static constexpr int kWidth = 16;
   static constexpr bool kNineRegions = true;  // Note [Nearest code by arithmetic]
   static constexpr bool kPackCodes4 = true;
+  static constexpr bool kPackCodePairs = false;  // four vectors at a time instead
   static constexpr bool kPairedBf16 = false;  // KahanRound2 in kernels/internal/cpu_body.inc
   static PS_INLINE V Set1(float x) { return _mm512_set1_ps(x); }
   static PS_INLINE V Load(const float* p) { return _mm512_loadu_ps(p); }
