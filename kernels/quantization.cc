@@ -5,6 +5,7 @@
 #include <cfloat>
 #include <cmath>
 #include <limits>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "runtime/status.h"
@@ -175,25 +176,26 @@ internal::FastQuantization BuildFast(const internal::QuantizationTables& t, bool
     }
   }
   // Octave -> region of its low end (nine-region search), pair of octaves -> the same (eight-
-  // region search); at most one boundary inside an octave, or a pair.
+  // region search); at most one boundary inside an octave, or a pair. For the `count` regions
+  // ending at upper[]: the region of `low`, and how many region ends lie in [low, width * low).
+  auto locate = [](const float* upper, int count, float low, float width) {
+    int region = 0, inside = 0;
+    for (int r = 0; r < count; ++r) {
+      if (upper[r] < low) ++region;
+      if (upper[r] >= low && upper[r] < width * low) ++inside;
+    }
+    return std::pair{region, inside};
+  };
   for (int octave = 0; octave < internal::kFastOctaves; ++octave) {
     const float low = std::ldexp(1.0f, octave + internal::kFastOctaveBase - 127);
-    int region = 0, inside = 0;
-    for (int r = 0; r < kFastRegions; ++r) {
-      if (f.upper[r] < low) ++region;
-      if (f.upper[r] >= low && f.upper[r] < 2 * low) ++inside;
-    }
+    const auto [region, inside] = locate(f.upper, kFastRegions, low, 2);
     PS_CHECK(inside <= 1, "octave ", octave, " holds ", inside, " region boundaries");
     PS_CHECK(octave != 0 || region == 0, "a region boundary below octave 0");
     f.octave_region[octave] = region;
   }
   for (int pair = 0; pair < internal::kFastOctaves / 2; ++pair) {
     const float low = std::ldexp(1.0f, 2 * pair + internal::kFastOctaveBase - 127);
-    int region8 = 0, inside = 0;
-    for (int r = 0; r < 8; ++r) {
-      if (f.upper8[r] < low) ++region8;
-      if (f.upper8[r] >= low && f.upper8[r] < 4 * low) ++inside;
-    }
+    const auto [region8, inside] = locate(f.upper8, 8, low, 4);
     PS_CHECK(inside <= 1, "octaves ", 2 * pair, " and ", 2 * pair + 1, " hold ", inside,
              " region boundaries");
     PS_CHECK(pair != 0 || region8 == 0, "a region boundary below octave 0");

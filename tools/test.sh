@@ -88,8 +88,16 @@ if ((run_main && (run_sanitize || run_tsan || run_python_asan))); then
   sanitizer_builds=$!
   trap '[ -z "$sanitizer_builds" ] || kill -- "-$sanitizer_builds" 2>/dev/null || true' EXIT
 fi
+# The sanitizer builds are ready after this: the background ones waited for, or (a run of
+# sanitizer stages alone) built here, once for all the stages.
+sanitizers_built=0
 wait_for_sanitizer_builds() {
-  [ -n "$sanitizer_builds" ] || return 0
+  ((sanitizers_built)) && return 0
+  sanitizers_built=1
+  if [ -z "$sanitizer_builds" ]; then
+    build_sanitizers
+    return 0
+  fi
   log "waiting for the sanitizer builds (build/sanitizer-builds.log)"
   if ! wait "$sanitizer_builds"; then
     tail -n 60 build/sanitizer-builds.log >&2
@@ -148,10 +156,10 @@ if ((run_main)); then
     test_vision_recipe test_resting_params)
   ((full)) && strict_tests+=(test_data_parallel test_dp_checkpoint test_checkpoint test_profile
     test_torch_save_resume test_hf_training)
-  strict_paths=()
-  for name in "${strict_tests[@]}"; do strict_paths+=("tests/python/$name.py"); done
+  strict_paths=("${strict_tests[@]/#/tests/python/}")
   set +e
-  PATRICKSTAR_STRICT_DEVICE=1 .venv/bin/python -m pytest -q -m "not slow" "${strict_paths[@]}"
+  PATRICKSTAR_STRICT_DEVICE=1 .venv/bin/python -m pytest -q -m "not slow" \
+    "${strict_paths[@]/%/.py}"
   status=$?
   set -e
   if [ "$status" -eq 5 ]; then echo "[test] pytest collected no tests" >&2; exit 1; fi
@@ -160,11 +168,10 @@ fi
 
 if ((run_sanitize)); then
   wait_for_sanitizer_builds
+  # build-asan/ (tools/test_python_asan.sh --build-only) is one sanitized build of the core for
+  # the C++ tests and the Python module (the stage below). No CUDA there: build/ already
+  # compiles it (so CI sees a break), and without a GPU its tests only skip.
   log "C++ tests under ASan + UBSan (build-asan/)"
-  # One sanitized build of the core for the C++ tests and the Python module (the stage below).
-  # No CUDA there: build/ already compiles it (so CI sees a break), and without a GPU its tests
-  # only skip.
-  tools/test_python_asan.sh "${asan_build_args[@]}"
   # protect_shadow_gap=0 lets the CUDA driver map its memory where ASan would reserve it.
   ASAN_OPTIONS=protect_shadow_gap=0:detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
     run_ctest build-asan
@@ -172,7 +179,6 @@ fi
 if ((run_tsan)); then
   wait_for_sanitizer_builds
   log "copy engine and NVMe IO tests under ThreadSanitizer (build-tsan/)"
-  build_tsan
   for test in "${tsan_tests[@]}"; do
     filter=()
     # The strict device's streams are threads: its deliberate missing wait is a real race (TSan
