@@ -334,7 +334,7 @@ void InitKernels(py::module_& module) {
          const std::optional<at::Tensor>& param_compensation,
          const std::optional<at::Tensor>& exp_avg_scale,
          const std::optional<at::Tensor>& exp_avg_sq_scale, const std::string& param_rounding,
-         uint64_t rounding_seed) {
+         uint64_t rounding_seed, bool measure_grad) -> std::optional<double> {
         const kernels::AdamChunk chunk = ChunkFromTensors(
             "adam_", param, grad, exp_avg, exp_avg_sq, param_copy,
             {param_compensation, exp_avg_scale, exp_avg_sq_scale, ParseRounding(param_rounding),
@@ -344,14 +344,22 @@ void InitKernels(py::module_& module) {
                         grad_scale, clip_coef);
         if (param.device().is_cpu()) {
           py::gil_scoped_release release;
+          if (measure_grad) {
+            return ValueOrThrow(kernels::AdamUpdateMeasuringGradients({chunk}, hp));
+          }
           ThrowIfError(kernels::AdamUpdate(chunk, hp));
-          return;
+          return std::nullopt;
         }
         SynchronizeTorchCuda();
         const gpu::Stream stream = StreamFor(param.device().index());
-        py::gil_scoped_release release;
-        ThrowIfError(kernels::AdamUpdateOnDevice({chunk}, hp, stream));
-        ThrowIfError(gpu::SynchronizeStream(stream));
+        {
+          py::gil_scoped_release release;
+          ThrowIfError(kernels::AdamUpdateOnDevice({chunk}, hp, stream));
+          ThrowIfError(gpu::SynchronizeStream(stream));
+        }
+        // A device's bandwidth makes the second read cheap; the GPU sum's order is its own.
+        if (measure_grad) return GradStatsOf({grad}).squared_norm;
+        return std::nullopt;
       },
       py::arg("param"), py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::kw_only(),
       py::arg("lr"), py::arg("beta1") = 0.9, py::arg("beta2") = 0.999, py::arg("eps") = 1e-8,
@@ -360,6 +368,7 @@ void InitKernels(py::module_& module) {
       py::arg("param_copy") = py::none(), py::arg("param_compensation") = py::none(),
       py::arg("exp_avg_scale") = py::none(), py::arg("exp_avg_sq_scale") = py::none(),
       py::arg("param_rounding") = "kahan", py::arg("rounding_seed") = 0,
+      py::arg("measure_grad") = false,
       "One fused Adam (adamw=False, L2 weight decay) or AdamW step of a chunk, in place. param: "
       "float32 (master) or bfloat16 (no master: Kahan-compensated with param_compensation, "
       "bfloat16, zero-initialized), or param_rounding='stochastic' (no compensation; random bits "
@@ -368,7 +377,8 @@ void InitKernels(py::module_& module) {
       "exp_avg_sq_scale (float32, ceil(n / 2048) each); grad: float32/float16/bfloat16, "
       "divided by grad_scale and multiplied by clip_coef; step counts from 1; param_copy "
       "(float16/bfloat16) receives the updated fp32 param. CPU tensors use the CPU kernel, CUDA "
-      "tensors the GPU kernel.");
+      "tensors the GPU kernel. measure_grad=True returns the squared L2 norm of grad as stored "
+      "(grad_stats' sum, measured by the update's own pass), otherwise None.");
 
   kernels.def(
       "multi_adam_",

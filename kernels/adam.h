@@ -115,6 +115,12 @@ absl::Status ValidateAdamChunk(const AdamChunk& chunk);
 absl::Status AdamUpdate(absl::Span<const AdamChunk> chunks, const AdamHyperParams& params);
 absl::Status AdamUpdate(const AdamChunk& chunk, const AdamHyperParams& params);
 
+// AdamUpdate that also returns the squared L2 norm of the chunks' gradients as stored (before
+// grad_scale and clip_coef), bit-identical to ComputeGradStats over the same gradients, without
+// a second pass over memory (Note [The norm the update measures] in kernels/adam.cc).
+absl::StatusOr<double> AdamUpdateMeasuringGradients(absl::Span<const AdamChunk> chunks,
+                                                    const AdamHyperParams& params);
+
 // The memory-traffic twin of AdamUpdate: exactly the same loads and stores (read param, grad,
 // exp_avg, exp_avg_sq; write param, exp_avg, exp_avg_sq and the copy when there is one; for the
 // low-precision variants also the compensation and the scales, in their dtypes, with int8 moments

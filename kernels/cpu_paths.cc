@@ -152,10 +152,9 @@ struct Ops {
   static PS_INLINE void AccZero(Acc16& acc) {
     for (double& lane : acc.lane) lane = 0.0;
   }
-  static PS_INLINE void AccSquares(Acc16& acc, const V* x) {
-    for (int j = 0; j < 16; ++j) {
-      acc.lane[j] += static_cast<double>(x[j]) * static_cast<double>(x[j]);
-    }
+  // x's square into lane `slot` (the vector's place in its group of 16 elements).
+  static PS_INLINE void AccSquare(Acc16& acc, V x, int slot) {
+    acc.lane[slot] += static_cast<double>(x) * static_cast<double>(x);
   }
   static PS_INLINE void AccLanes(const Acc16& acc, double* out) {
     for (int j = 0; j < 16; ++j) out[j] = acc.lane[j];
@@ -400,12 +399,17 @@ struct Ops {
   static PS_INLINE void AccZero(Acc16& acc) {
     for (__m256d& lane : acc.lane) lane = _mm256_setzero_pd();
   }
-  static PS_INLINE void AccSquares(Acc16& acc, const V* x) {
-    for (int j = 0; j < 2; ++j) {
-      const __m256d low = _mm256_cvtps_pd(_mm256_castps256_ps128(x[j]));
-      const __m256d high = _mm256_cvtps_pd(_mm256_extractf128_ps(x[j], 1));
-      acc.lane[2 * j] = _mm256_fmadd_pd(low, low, acc.lane[2 * j]);
-      acc.lane[2 * j + 1] = _mm256_fmadd_pd(high, high, acc.lane[2 * j + 1]);
+  // x's squares into lanes 8 * slot .. 8 * slot + 7 (slot: the vector's place, 0 or 1, in its
+  // group of 16 elements). A branch, not acc.lane[2 * slot], which would keep acc in memory.
+  static PS_INLINE void AccSquare(Acc16& acc, V x, int slot) {
+    const __m256d low = _mm256_cvtps_pd(_mm256_castps256_ps128(x));
+    const __m256d high = _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1));
+    if (slot == 0) {
+      acc.lane[0] = _mm256_fmadd_pd(low, low, acc.lane[0]);
+      acc.lane[1] = _mm256_fmadd_pd(high, high, acc.lane[1]);
+    } else {
+      acc.lane[2] = _mm256_fmadd_pd(low, low, acc.lane[2]);
+      acc.lane[3] = _mm256_fmadd_pd(high, high, acc.lane[3]);
     }
   }
   static PS_INLINE void AccLanes(const Acc16& acc, double* out) {
@@ -676,9 +680,9 @@ struct Ops {
     acc.lane[0] = _mm512_setzero_pd();
     acc.lane[1] = _mm512_setzero_pd();
   }
-  static PS_INLINE void AccSquares(Acc16& acc, const V* x) {
-    const __m512d low = _mm512_cvtps_pd(_mm512_castps512_ps256(x[0]));
-    const __m512d high = _mm512_cvtps_pd(_mm512_extractf32x8_ps(x[0], 1));
+  static PS_INLINE void AccSquare(Acc16& acc, V x, int /*slot: always 0*/) {
+    const __m512d low = _mm512_cvtps_pd(_mm512_castps512_ps256(x));
+    const __m512d high = _mm512_cvtps_pd(_mm512_extractf32x8_ps(x, 1));
     acc.lane[0] = _mm512_fmadd_pd(low, low, acc.lane[0]);
     acc.lane[1] = _mm512_fmadd_pd(high, high, acc.lane[1]);
   }

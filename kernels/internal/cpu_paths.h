@@ -34,13 +34,19 @@ AdamConstants MakeAdamConstants(const AdamHyperParams& params);
 
 // Elements per block of the norm reduction. Block boundaries are fixed relative to the chunk
 // start so that the summation order does not depend on threads (Note [Deterministic norm]).
-inline constexpr int64_t kNormBlock = int64_t{1} << 16;
-// Elements per block of the update (elementwise, so only a scheduling choice).
-inline constexpr int64_t kAdamBlock = int64_t{1} << 15;
+inline constexpr int64_t kNormBlock = int64_t{1} << 15;
+// Elements per block of the update (elementwise, so a scheduling choice; the same as the norm's
+// so that the update can measure the norm block by block: Note [The norm the update measures]).
+inline constexpr int64_t kAdamBlock = kNormBlock;
 
 struct CpuPath {
   // Updates elements [begin, end) of `chunk`.
   void (*adam)(const AdamChunk& chunk, const AdamConstants& k, int64_t begin, int64_t end);
+  // `adam` on one norm block [begin, end) (Note [Deterministic norm]), returning the sum of
+  // squares of its gradient as stored, the bits of `sum_squares` (Note [The norm the update
+  // measures] in kernels/adam.cc).
+  double (*adam_measuring)(const AdamChunk& chunk, const AdamConstants& k, int64_t begin,
+                           int64_t end);
   // AdamTrafficBound's kernel on [begin, end).
   void (*traffic)(const AdamChunk& chunk, int64_t begin, int64_t end);
   // Sum of squares of elements [begin, end), end - begin <= kNormBlock, in 16 double lanes

@@ -1373,9 +1373,9 @@ class PatrickStarEngine(nn.Module):
 
     def get_global_grad_norm(self):
         """DeepSpeed's: the L2 norm of all gradients (every rank's, unscaled, before clipping)
-        that the last optimizer step read; it reads them with `gradient_clipping` or fp16 (or
-        after `model.clip_grad_norm_()`), otherwise this is None, as in DeepSpeed when nothing
-        computed the norm."""
+        of the last optimizer step, as ZeRO-3 reports it every step (0 after a step without
+        gradients, None before the first step). Without clipping or fp16 the update measures it
+        as it reads the gradients (Note [The norm the update measures] in kernels/adam.cc)."""
         return self.optimizer.last_grad_norm
 
     @property

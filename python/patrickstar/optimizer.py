@@ -361,8 +361,8 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         self._remade_chunks: dict[int, bool] = {}  # compute chunk -> re-made from its master
         # clip_grad_norm_() before this step: (max_norm, overflow, scaled norm).
         self._requested_clip: tuple[float, bool, float] | None = None
-        # DeepSpeed's get_global_grad_norm(): the unscaled norm the last step read (None when it
-        # read none: no clipping and not fp16).
+        # DeepSpeed's get_global_grad_norm(): the unscaled norm of the last step's gradients
+        # (None before the first step).
         self.last_grad_norm: float | None = None
 
     @property
@@ -408,12 +408,9 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
             if not self._has_gradients():  # Note [A step without gradients]
                 self._before_step()
                 self.overflow = False  # it found no overflow (accelerate's step_was_skipped)
-                # DeepSpeed's get_global_grad_norm() after a step over no gradients: 0 where a
-                # step reads the norm, not the last step's (Note [model.step() without a
-                # backward] in deepspeed_loop.py).
-                reads_norm = (self.config.gradient_clipping > 0 or self.precision == "fp16"
-                              or self._requested_clip is not None)
-                self.last_grad_norm = 0.0 if reads_norm else None
+                # DeepSpeed's get_global_grad_norm() after a step over no gradients: 0, not the
+                # last step's (Note [model.step() without a backward] in deepspeed_loop.py).
+                self.last_grad_norm = 0.0
                 self._end_iteration_without_step()
                 self._after_step(False, without_gradients=True)
                 return loss
@@ -585,9 +582,13 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
             coef = requested_coef
         else:
             coef = clip_coefficient(norm / grad_scale, clip) if clip > 0 else 1.0
+        # Note [The norm the update measures] in kernels/adam.cc: a step that read no norm
+        # measures it as it updates, for get_global_grad_norm() (DeepSpeed's ZeRO-3 reports one
+        # every step).
+        measured: dict[int, float] | None = {} if self.last_grad_norm is None else None
         try:
             self._fill_zeroed_gradients()
-            self._sweep(grad_scale, coef)
+            self._sweep(grad_scale, coef, measured)
         except BaseException as error:
             if self._updating is not None:  # Note [An update interrupted before its release]
                 self.chunked.chunks.release_left_in_compute(self._updating)
@@ -600,7 +601,19 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
             # The step is applied: an interrupt while its gradients are dropped must not leave
             # the iteration uncounted (the next checkpoint's global step and tag one short).
             self._end_iteration()
+        if measured is not None:
+            self.last_grad_norm = self._measured_grad_norm(measured) / grad_scale
         return True
+
+    def _measured_grad_norm(self, measured: dict[int, float]) -> float:
+        """The gradient norm from the squares the sweep measured per parameter: added in index
+        order, as _gradient_statistics adds them, so that it is the same number, and over every
+        rank."""
+        squared = 0.0
+        for index in sorted(measured):
+            squared += measured[index]
+        _, squared = self.dp.all_reduce_grad_stats(False, squared)
+        return math.sqrt(squared)
 
     def _check_hyperparameters(self) -> None:
         """A group's lr, betas, eps or weight_decay set to something other than a number (`g['lr']
@@ -971,8 +984,9 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         on_device = all(tier == T.DEVICE for tier in tiers)
         return [T.DEVICE if on_device else T.HOST] * len(tiers)
 
-    def _sweep(self, grad_scale: float, coef: float) -> None:
-        """Note [Optimizer sweep]."""
+    def _sweep(self, grad_scale: float, coef: float, measured: dict[int, float] | None) -> None:
+        """Note [Optimizer sweep]. `measured`, when given, receives each updated parameter's
+        squared gradient norm (Note [The norm the update measures] in kernels/adam.cc)."""
         chunks = self.chunked.chunks
         rows = [row for row in self._update_rows()
                 if any(self.has_grad[i] for i in row.indices)]
@@ -996,7 +1010,9 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
                     continue
                 group = self.param_groups[self._group_of[index]]
                 self.step_counts[index] += 1
-                self._adam_update(index, group, grad_scale, coef)
+                squared = self._adam_update(index, group, grad_scale, coef, measured is not None)
+                if measured is not None:
+                    measured[index] = squared
             if streaming:
                 for chunk in sorted(row.chunks & staged):
                     if following is None or chunk not in following.chunks:
@@ -1010,7 +1026,10 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
     # the update under way are kept in `_updating` until it has released them, and the step's
     # failure releases those still in COMPUTE (none else holds them: an access of a tensor in
     # COMPUTE is refused, so the update's access put them there).
-    def _adam_update(self, index: int, group: dict, grad_scale: float, coef: float) -> None:
+    def _adam_update(self, index: int, group: dict, grad_scale: float, coef: float,
+                     measure_grad: bool = False) -> float | None:
+        """Updates parameter `index`; with `measure_grad`, returns its gradient's squared norm
+        (as stored, in the loss scale)."""
         chunks = self.chunked.chunks
         roles = self._update_roles(index)
         tensors = list(roles.values())
@@ -1024,16 +1043,18 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
             accessed = chunks.access_tensors(tensors, self._update_tiers(tensors))
             views = dict(zip(roles, accessed))
             beta1, beta2 = group["betas"]
-            _C.kernels.adam_(
+            squared = _C.kernels.adam_(
                 views.pop("param"), views.pop("grad"), views.pop("exp_avg"),
                 views.pop("exp_avg_sq"), **views,
                 lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
                 weight_decay=group["weight_decay"], adamw=self.decoupled_weight_decay,
-                step=self.step_counts[index], grad_scale=grad_scale, clip_coef=coef)
+                step=self.step_counts[index], grad_scale=grad_scale, clip_coef=coef,
+                measure_grad=measure_grad)
         finally:
             if accessed is not None:
                 chunks.release_tensors(tensors, S.HOLD)
         self._updating = None
+        return squared
 
     # ---- State dict ----------------------------------------------------------------------------
 

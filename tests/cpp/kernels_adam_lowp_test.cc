@@ -12,6 +12,7 @@
 #include "gtest/gtest.h"
 #include "kernels/adam.h"
 #include "kernels/cast.h"
+#include "kernels/grad_stats.h"
 #include "kernels/internal/cpu_paths.h"
 #include "kernels/internal/stochastic_rounding.h"
 #include "kernels/parallel.h"
@@ -462,6 +463,40 @@ TEST(AdamLowpTest, ResultsDoNotDependOnTheThreadCount) {
       SetKernelThreads(0);
     }
     ExpectSameState(one, three, "1 vs 3 threads");
+  }
+}
+
+// Note [The norm the update measures] on the low-precision variants: the same state as
+// AdamUpdate's and ComputeGradStats' sum bit for bit.
+TEST(AdamLowpTest, MeasuringTheGradientsGivesTheNormOfGradStatsAndTheSameUpdate) {
+  for (const Variant& variant : kVariants) {
+    for (int64_t n : {1, 32768, 70001}) {
+      State plain = MakeState(n, variant.param_dtype, variant.state_dtype, DType::kBFloat16, 0, 4);
+      plain.stochastic = variant.stochastic;
+      std::mt19937 rng(static_cast<uint32_t>(n));
+      FillGrad(plain, rng);
+      State measured = plain;
+      const AdamChunk chunk = plain.Chunk();
+      const absl::StatusOr<GradStats> stats =
+          ComputeGradStats({{chunk.grad, chunk.grad_dtype, chunk.count}});
+      ASSERT_TRUE(stats.ok()) << stats.status();
+      AdamHyperParams hp;
+      hp.step = 1;
+      ASSERT_TRUE(AdamUpdate(chunk, hp).ok());
+      for (SimdLevel level : SupportedSimdLevels()) {
+        State ours = measured;
+        ScopedSimd simd(level);
+        SetKernelThreads(3);
+        const absl::StatusOr<double> norm = AdamUpdateMeasuringGradients({ours.Chunk()}, hp);
+        SetKernelThreads(0);
+        const std::string context = Name(ours, level, n, false);
+        ASSERT_TRUE(norm.ok()) << context << ": " << norm.status();
+        EXPECT_EQ(std::bit_cast<uint64_t>(*norm), std::bit_cast<uint64_t>(stats->squared_norm))
+            << context;
+        ExpectSameState(ours, plain, context);
+        if (HasFatalFailure()) return;
+      }
+    }
   }
 }
 

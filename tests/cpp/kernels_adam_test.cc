@@ -8,9 +8,11 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "kernels/adam.h"
 #include "kernels/cast.h"
+#include "kernels/grad_stats.h"
 #include "kernels/parallel.h"
 #include "kernels/simd.h"
 #include "runtime/gpu.h"
@@ -229,6 +231,57 @@ TEST(AdamKernelTest, ResultsDoNotDependOnTheThreadCount) {
   SetKernelThreads(0);
   ExpectBitEqual(one.param, two.param, "param", "1 vs 3 threads");
   EXPECT_EQ(one.copy, two.copy);
+}
+
+// Note [The norm the update measures]: the same update as AdamUpdate and ComputeGradStats' sum
+// bit for bit, over several chunks whose sizes straddle the norm's blocks, on every path and
+// thread count.
+TEST(AdamKernelTest, MeasuringTheGradientsGivesTheNormOfGradStatsAndTheSameUpdate) {
+  const int64_t sizes[] = {0, 1, 32767, 32768, 32769, 100003};
+  for (DType grad_dtype : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
+    std::vector<State> plain, measured;
+    std::vector<GradChunk> grads;
+    for (int64_t n : sizes) {
+      plain.push_back(MakeState(n, grad_dtype, static_cast<uint32_t>(n) + 1));
+      std::mt19937 rng(static_cast<uint32_t>(n) + 2);
+      FillGrad(plain.back(), grad_dtype, rng);
+    }
+    measured = plain;
+    std::vector<AdamChunk> plain_chunks, measured_chunks;
+    for (size_t c = 0; c < plain.size(); ++c) {
+      plain_chunks.push_back(ChunkOf(plain[c], grad_dtype, true, DType::kBFloat16));
+      measured_chunks.push_back(ChunkOf(measured[c], grad_dtype, true, DType::kBFloat16));
+      grads.push_back({plain_chunks.back().grad, grad_dtype, plain_chunks.back().count});
+    }
+    const absl::StatusOr<GradStats> stats = ComputeGradStats(grads);
+    ASSERT_TRUE(stats.ok()) << stats.status();
+    ASSERT_TRUE(AdamUpdate(plain_chunks, LossScaledParams()).ok());
+    for (SimdLevel level : SupportedSimdLevels()) {
+      for (int threads : {1, 3}) {
+        const std::string context = absl::StrCat(SimdLevelName(level), ", ", threads,
+                                                 " threads, grad ", DTypeName(grad_dtype));
+        std::vector<State> states = measured;
+        std::vector<AdamChunk> chunks;
+        for (State& s : states) chunks.push_back(ChunkOf(s, grad_dtype, true, DType::kBFloat16));
+        ScopedSimd simd(level);
+        SetKernelThreads(threads);
+        const absl::StatusOr<double> norm =
+            AdamUpdateMeasuringGradients(chunks, LossScaledParams());
+        SetKernelThreads(0);
+        ASSERT_TRUE(norm.ok()) << context << ": " << norm.status();
+        EXPECT_EQ(std::bit_cast<uint64_t>(*norm), std::bit_cast<uint64_t>(stats->squared_norm))
+            << context << ": " << *norm << " vs " << stats->squared_norm;
+        for (size_t c = 0; c < states.size(); ++c) {
+          ExpectBitEqual(states[c].param, plain[c].param, "param", context);
+          ExpectBitEqual(states[c].exp_avg_sq, plain[c].exp_avg_sq, "exp_avg_sq", context);
+          EXPECT_EQ(states[c].copy, plain[c].copy) << context;
+        }
+      }
+    }
+  }
+  const absl::StatusOr<double> empty = AdamUpdateMeasuringGradients({}, {});
+  ASSERT_TRUE(empty.ok());
+  EXPECT_EQ(*empty, 0.0);
 }
 
 // lr = 0 leaves params unchanged, so the copy shows the conversion of chosen values.

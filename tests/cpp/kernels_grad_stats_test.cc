@@ -17,7 +17,7 @@
 namespace ps::kernels {
 namespace {
 
-constexpr int64_t kBlock = int64_t{1} << 16;  // internal::kNormBlock
+constexpr int64_t kBlock = int64_t{1} << 15;  // internal::kNormBlock
 
 using kernel_testing::ScopedSimd;
 
@@ -47,7 +47,7 @@ double ReferenceSquaredNorm(const std::vector<float>& x) {
 }
 
 TEST(GradStatsTest, EveryPathGivesTheReferenceSumBitForBit) {
-  for (int64_t n : {0, 1, 7, 15, 16, 17, 1000, 65536, 65537, 1000003}) {
+  for (int64_t n : {0, 1, 7, 15, 16, 17, 1000, 32768, 32769, 65536, 65537, 1000003}) {
     const std::vector<float> x = RandomFloats(n, static_cast<uint32_t>(n));
     const double expected = ReferenceSquaredNorm(x);
     long double exact = 0.0L;

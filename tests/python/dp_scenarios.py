@@ -478,12 +478,14 @@ def shard(batch, rank: int, world: int):
     return tuple(t.chunk(world)[rank] for t in batch)
 
 
-def reference(name: str, world: int, grads_read: list | None = None):
+def reference(name: str, world: int, grads_read: list | None = None,
+              norms: list | None = None):
     """Plain PyTorch on the whole batch (the loss is the mean of the ranks' shard losses, which
     equals the whole-batch loss for the mean-reduced losses used here and keeps the per-shard
     control flow of RankDependentBranch). Returns (losses per optimizer step, state dict);
     `grads_read` gets what each p.grad holds after each zero_grad (None or its sum of
-    magnitudes), as dp_worker records it."""
+    magnitudes), as dp_worker records it; `norms` the gradient norm of each applied step,
+    before clipping."""
     s = SCENARIOS[name]
     torch.manual_seed(0)
     model = s.model()
@@ -499,6 +501,9 @@ def reference(name: str, world: int, grads_read: list | None = None):
         losses.append(loss.item())
         if s.ends_step(step):
             if s.step_applied(step // s.accumulation):
+                if norms is not None:
+                    norms.append(float(nn.utils.get_total_norm(
+                        [p.grad for p in trainable if p.grad is not None])))
                 if s.clip:
                     nn.utils.clip_grad_norm_(model.parameters(), s.clip, s.clip_norm_type)
                 optimizer.step()

@@ -85,7 +85,7 @@ def train(name: str, rank: int, world: int) -> dict:
         load = model.load_state_dict if s.reinitialize == "load" else model.module.load_state_dict
         load(reinitialized_state(s))
     model.reset_peak_memory_stats()  # training's peak (every rank built the whole model once)
-    losses, grads_read = [], []
+    losses, grads_read, norms = [], [], []
     for step, batch in enumerate(s.batches(s.steps * s.accumulation)):
         loss = model(*shard(batch, rank, world))
         losses.append(loss.item())
@@ -103,6 +103,7 @@ def train(name: str, rank: int, world: int) -> dict:
             if s.torch_clip:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), s.clip, s.clip_norm_type)
             optimizer.step()
+            norms.append(model.get_global_grad_norm())
             optimizer.zero_grad(set_to_none=s.set_to_none)
             # Note [p.grad after zero_grad(set_to_none=False)]: what p.grad reads, every rank
             grads_read.append([None if p.grad is None else float(p.grad.abs().sum())
@@ -119,7 +120,8 @@ def train(name: str, rank: int, world: int) -> dict:
     remakes = manager.remakes
     state = model.state_dict()
     module_state = model.module.state_dict()  # Note [The user's module's state dict]
-    result = {"losses": losses, "grads_read": grads_read, "state": state, "stats": stats,
+    result = {"losses": losses, "grads_read": grads_read, "norms": norms, "state": state,
+              "stats": stats,
               "peak_model_bytes": model.peak_model_bytes,
               "compute_after_step": compute_after_step, "remakeable": len(remakeable),
               "remakeable_bytes": remakeable_bytes,

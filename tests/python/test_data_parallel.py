@@ -286,6 +286,20 @@ def test_gradient_accumulation_and_clipping_match_pytorch_in_both_modes(two_rank
     assert result["collectives"] == gathers + reductions * result["grad_groups"]
 
 
+@pytest.mark.parametrize("name", ["mlp", "mlp_accumulation_clipping"])
+def test_every_rank_reports_the_whole_batchs_grad_norm_with_or_without_clipping(two_ranks,
+                                                                                 name):
+    # DeepSpeed's get_global_grad_norm() after each step: ZeRO-3 reports it every step. Without
+    # clipping the update measures it (Note [The norm the update measures] in kernels/adam.cc),
+    # over every rank's shard (one all-reduce after the sweep).
+    ref_norms = []
+    reference(name, len(two_ranks), norms=ref_norms)
+    assert len(ref_norms) == SCENARIOS[name].steps
+    for rank, result in enumerate(two_ranks):
+        assert result[name]["norms"] == pytest.approx(ref_norms, rel=1e-5), rank
+    assert two_ranks[0][name]["norms"] == two_ranks[1][name]["norms"]
+
+
 @pytest.mark.parametrize("name", ["open_every", "open_no_sync", "open_flag", "open_never"])
 def test_ddp_accumulation_without_the_key_matches_pytorch(two_ranks, name):
     # Note [Accumulation without the key under data parallelism]: several backward calls per

@@ -4,6 +4,7 @@ arguments (each compared with plain PyTorch, or refused naming what to use)."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import warnings
 
@@ -104,6 +105,32 @@ def test_deepspeed_loop_steps_model_lr_scheduler_and_reports_like_deepspeed():
     model.destroy()
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_grad_norm_is_reported_every_step_without_clipping_as_zero3_does(precision):
+    """DeepSpeed's ZeRO-3 computes get_global_grad_norm() every step; ours was None without
+    gradient_clipping or fp16. Now the update measures it (Note [The norm the update measures]
+    in kernels/adam.cc): torch's norm of the gradients, and bit for bit the number a clipping
+    run reads in its separate pass (a clip far above the norm changes nothing)."""
+    data = batches(4)
+    extra = {"bf16": {"enabled": True}} if precision == "bf16" else {}
+    norms = {}
+    for clip in (0.0, 1e9):
+        torch.manual_seed(0)
+        model, _ = patrickstar.initialize(MLP, config(accumulation=1, clip=clip, **extra))
+        assert model.get_global_grad_norm() is None  # no step yet
+        norms[clip] = []
+        for x, y in data:
+            model.backward(model(x.bfloat16() if extra else x, y))
+            model.step()
+            norms[clip].append(model.get_global_grad_norm())
+        model.destroy()
+    assert norms[0.0] == norms[1e9]
+    if precision == "fp32":
+        _, ref_norms, _ = torch_run(data, 1, math.inf)
+        assert_close(norms[0.0], ref_norms)
+    assert all(isinstance(norm, float) and norm > 0 for norm in norms[0.0])
+
+
 def test_a_scheduler_stepped_by_the_user_too_raises_instead_of_running_twice_as_fast():
     data = batches(4)
     torch.manual_seed(0)
@@ -119,7 +146,7 @@ def test_a_scheduler_stepped_by_the_user_too_raises_instead_of_running_twice_as_
     model.destroy()
 
 
-def test_grad_norm_is_none_without_clipping_and_patrickstar_loop_keeps_its_scheduler(tmp_path):
+def test_grad_norm_without_clipping_and_patrickstar_loop_keeps_its_scheduler(tmp_path):
     """optimizer.step() (PatrickStar's loop) does not step model.lr_scheduler: the user does;
     a checkpoint load moves the scheduler without counting as a foreign step."""
     data = batches(4)
@@ -130,7 +157,7 @@ def test_grad_norm_is_none_without_clipping_and_patrickstar_loop_keeps_its_sched
         model.backward(model(x, y))
         optimizer.step()
         optimizer.zero_grad()
-    assert model.get_lr() == [1e-2] and model.get_global_grad_norm() is None
+    assert model.get_lr() == [1e-2] and model.get_global_grad_norm() > 0
     model.backward(model(*data[2]))
     model.step()
     model.save_checkpoint(tmp_path)
