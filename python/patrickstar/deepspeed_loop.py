@@ -49,6 +49,28 @@ import weakref
 import torch
 
 
+class GradNorm(float):
+    """get_global_grad_norm()'s value (Note [The grad norm answers item()]).
+
+    Note [The grad norm answers item()]
+    DeepSpeed documents get_global_grad_norm() as a float, but under ZeRO it returns a 0-dim
+    tensor, and scripts rely on either: `f"{norm:.3f}"`, `json.dumps`, `math.isfinite(norm)`, or
+    `metrics["grad_norm"] = model.get_global_grad_norm().item()`. Our plain float failed the last
+    with AttributeError; a tensor would fail json.dumps. So the value is a float that also has
+    `item()`. A checkpoint's client_state saves it as a plain float (plain_data.to_plain), and
+    torch.load(weights_only=True) of the user's own files accepts it (a safe global)."""
+
+    def item(self) -> float:
+        return float(self)
+
+    @classmethod
+    def of(cls, norm: float | None) -> "GradNorm | None":
+        return None if norm is None else cls(norm)
+
+
+torch.serialization.add_safe_globals([GradNorm])
+
+
 def _position(scheduler):
     for name in ("last_epoch", "last_batch_iteration"):
         value = getattr(scheduler, name, None)

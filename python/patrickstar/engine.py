@@ -82,7 +82,7 @@ from .data_parallel import DataParallel, close_at_exit as close_data_parallel_at
 from .backward_pins import backward_pins, note_device_exhausted_in_backward
 from .backward_pass import BackwardPass
 from .batch_sizes import resolve_batch_sizes
-from .deepspeed_loop import DeepSpeedLoop
+from .deepspeed_loop import DeepSpeedLoop, GradNorm
 from .deepspeed_schedulers import build_scheduler
 from .guards import TrainingGuard, check_budgets
 from .embedding_renorm import RenormAcrossRanks, refuse_lost_renorms
@@ -1375,8 +1375,10 @@ class PatrickStarEngine(nn.Module):
         """DeepSpeed's: the L2 norm of all gradients (every rank's, unscaled, before clipping)
         of the last optimizer step, as ZeRO-3 reports it every step (0 after a step without
         gradients, None before the first step). Without clipping or fp16 the update measures it
-        as it reads the gradients (Note [The norm the update measures] in kernels/adam.cc)."""
-        return self.optimizer.last_grad_norm
+        as it reads the gradients (Note [The norm the update measures] in kernels/adam.cc). A
+        float that also answers `.item()`, as DeepSpeed's tensor does (Note [The grad norm
+        answers item()] in deepspeed_loop.py)."""
+        return GradNorm.of(self.optimizer.last_grad_norm)
 
     @property
     def micro_steps(self) -> int:

@@ -131,6 +131,28 @@ def test_grad_norm_is_reported_every_step_without_clipping_as_zero3_does(precisi
     assert all(isinstance(norm, float) and norm > 0 for norm in norms[0.0])
 
 
+def test_grad_norm_answers_item_and_stays_a_plain_float_in_json_and_checkpoints(tmp_path):
+    """Scripts written for DeepSpeed's tensor call get_global_grad_norm().item(); ours was a
+    float without it (AttributeError). Now it is a float with item(), which json, math and a
+    checkpoint's client_state take as a plain float."""
+    torch.manual_seed(0)
+    model, _ = patrickstar.initialize(MLP, config(accumulation=1, clip=0.0))
+    x, y = batches(1)[0]
+    model.backward(model(x, y))
+    model.step()
+    norm = model.get_global_grad_norm()
+    assert isinstance(norm, float) and type(norm.item()) is float and norm.item() == norm > 0
+    assert json.loads(json.dumps({"grad_norm": norm})) == {"grad_norm": float(norm)}
+    assert math.isfinite(norm) and f"{norm:.3f}" == f"{float(norm):.3f}"
+    assert torch.as_tensor(norm).item() == pytest.approx(norm)
+    model.save_checkpoint(tmp_path, client_state={"grad_norm": norm})
+    _, client_state = model.load_checkpoint(tmp_path)
+    assert type(client_state["grad_norm"]) is float and client_state["grad_norm"] == norm
+    torch.save({"grad_norm": norm}, tmp_path / "metrics.pt")  # the user's own file
+    assert torch.load(tmp_path / "metrics.pt", weights_only=True) == {"grad_norm": norm}
+    model.destroy()
+
+
 def test_a_scheduler_stepped_by_the_user_too_raises_instead_of_running_twice_as_fast():
     data = batches(4)
     torch.manual_seed(0)

@@ -26,6 +26,7 @@ import sys
 
 import torch
 
+from ..deepspeed_loop import GradNorm
 from .errors import CheckpointError
 
 __all__ = ["to_plain", "from_plain"]
@@ -55,6 +56,8 @@ def to_plain(value, _open: frozenset = frozenset()):
         return kind(to_plain(item, _open) for item in value)
     if kind is argparse.Namespace:
         return {MARK: "argparse.Namespace", "attributes": to_plain(vars(value), _open)}
+    if kind is GradNorm:  # get_global_grad_norm()'s float (Note [The grad norm answers item()])
+        return float(value)
     if kind in _PATHS.values():
         return {MARK: "pathlib", "class": kind.__name__, "path": str(value)}
     if kind is frozenset:
