@@ -213,6 +213,10 @@ class Config:
     # fp32/bf16: what model.backward() does with a NaN/inf loss (Note [Training call order]).
     nonfinite_loss: str = "raise"  # "raise" or "skip"
     scheduler: SchedulerConfig | None = None  # DeepSpeed's `scheduler` section
+    # DeepSpeed's logging keys: no effect here, but the engine's getters of the same names
+    # return them (scripts log every steps_per_print() steps), with DeepSpeed's defaults.
+    steps_per_print: int = 10
+    wall_clock_breakdown: bool = False
     ignored_keys: tuple[str, ...] = ()
 
     @property
@@ -860,6 +864,8 @@ def load_config(config: Mapping[str, Any] | str | os.PathLike | None) -> Config:
         parallel=_parse_parallel(raw.get("parallel", {})),
         nonfinite_loss=nonfinite_loss,
         scheduler=_parse_scheduler(raw["scheduler"]) if "scheduler" in raw else None,
+        steps_per_print=raw.get("steps_per_print", 10),  # checked with the no-effect keys
+        wall_clock_breakdown=raw.get("wall_clock_breakdown", False),
         ignored_keys=tuple(ignored),
     )
     if ignored:

@@ -1195,8 +1195,13 @@ class DataParallel:
             overflow, squared = self.model_parallel.all_reduce(overflow, squared)
         return overflow, squared
 
+    def release_gathered(self) -> None:
+        """Drops this rank's gathered copies of other ranks' parameters (finishing a gather
+        still in flight first); the next forward gathers them again."""
+        if self.enabled:
+            self.gathers.release_all()
+
     def parameters_changed(self) -> None:
         """The owners' parameters changed (a step, loaded weights): every rank drops its
         gathered copies (finishing a gather still in flight first), which would be stale."""
-        if self.enabled:
-            self.gathers.release_all()
+        self.release_gathered()

@@ -1411,6 +1411,32 @@ class PatrickStarEngine(nn.Module):
         """DeepSpeed's: the config's gradient_clipping (0.0: none)."""
         return self.ps_config.gradient_clipping
 
+    def steps_per_print(self) -> int:
+        """DeepSpeed's: the config's steps_per_print (10 without it), which scripts log by.
+        PatrickStar itself prints nothing per step (per-step timings: the config's profile)."""
+        return self.ps_config.steps_per_print
+
+    def wall_clock_breakdown(self) -> bool:
+        """DeepSpeed's: the config's wall_clock_breakdown (False without it). The per-phase
+        timings are the profile's here (the config's `profile` section)."""
+        return self.ps_config.wall_clock_breakdown
+
+    def empty_partition_cache(self) -> None:
+        """DeepSpeed's (ZeRO-3): drops the gathered copies of other ranks' parameters, which
+        the next forward gathers again; every rank calls it, between forward passes, as
+        DeepSpeed requires (RLHF loops call it after generation). With one process there are
+        none and it changes nothing: chunks live where the memory budgets put them. On a
+        destroyed engine it does nothing (its chunks are freed already)."""
+        if self.guard.destroyed and self.guard.in_owner_process():
+            return
+        self.guard.check_alive("model.empty_partition_cache()")
+        if self._in_forward:
+            raise RuntimeError("model.empty_partition_cache() was called inside the model's "
+                               "forward; call it between iterations (after model.step() or "
+                               "before the next forward)")
+        with self.guard.calling("model.empty_partition_cache()"):
+            self.dp.release_gathered()
+
     def zero_optimization_stage(self) -> int:
         """DeepSpeed's: 3. Parameters, gradients and optimizer state always live in chunks
         partitioned over the data-parallel ranks (ZeRO stage 3's partitioning; offload is the

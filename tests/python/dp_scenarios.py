@@ -166,6 +166,11 @@ class Scenario:
     # whether the micro-step is the last (nanoGPT), "never" runs every micro-step under
     # no_sync (the step reduces).
     open_sync: str = ""
+    # After each step the worker runs a no_grad forward of the step's last micro-batch, and then
+    # with `empty_cache` model.empty_partition_cache() (DeepSpeed's, as RLHF loops call it after
+    # generation).
+    eval_after_step: bool = False
+    empty_cache: bool = False
 
     def ends_step(self, micro: int) -> bool:
         """Whether optimizer.step() follows micro-batch `micro` (counted from 0)."""
@@ -250,6 +255,15 @@ SCENARIOS = {
         steps=10, weight_decay=0.1, atol=5e-5),
     # Every gathered group kept until the optimizer step (parallel.reshard_after_forward off):
     # one allgather per group and step.
+    # Gathered copies kept between forward and backward: an eval forward after each step
+    # leaves them gathered for the next training forward, unless empty_partition_cache() drops
+    # them (then that forward gathers again).
+    "mlp_keep_eval": Scenario(MLP, mlp_batches, {
+        "default_chunk_size": 4096, "parallel": {"reshard_after_forward": False}},
+        steps=4, eval_after_step=True),
+    "mlp_keep_eval_empty_cache": Scenario(MLP, mlp_batches, {
+        "default_chunk_size": 4096, "parallel": {"reshard_after_forward": False}},
+        steps=4, eval_after_step=True, empty_cache=True),
     "gpt_keep": Scenario(_gpt, _gpt_batches, {"default_chunk_size": 8192,
                                               "parallel": {"reshard_after_forward": False}},
                          steps=10, weight_decay=0.1, atol=5e-5),

@@ -104,6 +104,11 @@ def train(name: str, rank: int, world: int) -> dict:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), s.clip, s.clip_norm_type)
             optimizer.step()
             norms.append(model.get_global_grad_norm())
+            if s.eval_after_step:
+                with torch.no_grad():
+                    model(*shard(batch, rank, world))
+                if s.empty_cache:
+                    model.empty_partition_cache()
             optimizer.zero_grad(set_to_none=s.set_to_none)
             # Note [p.grad after zero_grad(set_to_none=False)]: what p.grad reads, every rank
             grads_read.append([None if p.grad is None else float(p.grad.abs().sum())

@@ -94,7 +94,8 @@ TWO_RANK_SCENARIOS = ["mlp", "mlp_process_group", "mlp_tight", "mlp_accumulation
                       "mlp_accumulation_epoch", "mlp_accumulation_epoch_torch_clip",
                       "mlp_accumulation_full_epoch",
                       "mlp_apply", "mlp_apply_keep", "mlp_load_keep", "mlp_module_load_keep",
-                      "open_every", "open_no_sync", "open_flag", "open_never", "open_fp16"] + [
+                      "open_every", "open_no_sync", "open_flag", "open_never", "open_fp16",
+                      "mlp_keep_eval", "mlp_keep_eval_empty_cache"] + [
                           name + suffix for name in REMAKE_PAIRS for suffix in ("", "_kept")
                           if name + suffix not in ("gpt_bf16_accumulation",
                                                    "mlp_fp16_accumulation")]
@@ -298,6 +299,20 @@ def test_every_rank_reports_the_whole_batchs_grad_norm_with_or_without_clipping(
     for rank, result in enumerate(two_ranks):
         assert result[name]["norms"] == pytest.approx(ref_norms, rel=1e-5), rank
     assert two_ranks[0][name]["norms"] == two_ranks[1][name]["norms"]
+
+
+def test_empty_partition_cache_drops_the_gathered_copies_and_training_goes_on(two_ranks):
+    # DeepSpeed's model.empty_partition_cache() (RLHF loops call it after generation). With
+    # gathered copies kept (reshard_after_forward false), an eval forward after each step leaves
+    # every group gathered for the next forward; the call drops them, so each of the 4 next
+    # forwards (the last: state_dict's) gathers every group again, and training is unchanged.
+    for name in ("mlp_keep_eval", "mlp_keep_eval_empty_cache"):
+        check_matches_reference(two_ranks, name)
+    for rank, result in enumerate(two_ranks):
+        kept, emptied = result["mlp_keep_eval"], result["mlp_keep_eval_empty_cache"]
+        assert kept["losses"] == emptied["losses"], rank
+        groups = kept["compute_groups"]
+        assert emptied["collectives"] - kept["collectives"] == 4 * groups, rank
 
 
 @pytest.mark.parametrize("name", ["open_every", "open_no_sync", "open_flag", "open_never"])

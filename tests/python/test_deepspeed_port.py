@@ -153,6 +153,44 @@ def test_grad_norm_answers_item_and_stays_a_plain_float_in_json_and_checkpoints(
     model.destroy()
 
 
+def test_logging_getters_and_empty_partition_cache_as_deepspeed_scripts_call_them():
+    """DeepSpeed scripts log every model.steps_per_print() steps, read wall_clock_breakdown(),
+    and call model.empty_partition_cache() after generation or before destroy(); ours had none
+    of them (AttributeError)."""
+    data = batches(3)
+    losses = {}
+    for empty in (False, True):
+        extra = {"steps_per_print": 5, "wall_clock_breakdown": True} if empty else {}
+        torch.manual_seed(0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the keys' "no effect here" warning
+            model, _ = patrickstar.initialize(MLP, config(accumulation=1, **extra))
+        assert model.steps_per_print() == (5 if empty else 10)  # DeepSpeed's default: 10
+        assert model.wall_clock_breakdown() is empty
+        losses[empty] = []
+        for x, y in data:
+            loss = model(x, y)
+            losses[empty].append(loss.item())
+            model.backward(loss)
+            model.step()
+            if empty:
+                with torch.no_grad():
+                    model(x, y)
+                model.empty_partition_cache()  # one process: nothing gathered, nothing changes
+        if empty:
+            def inside_forward(module, args):
+                model.empty_partition_cache()
+            handle = model.module.register_forward_pre_hook(inside_forward)
+            with pytest.raises(RuntimeError, match="inside the model's forward"):
+                model(*data[0])
+            handle.remove()
+        model.destroy()
+        model.empty_partition_cache()  # DeepSpeed loops call it around destroy(): harmless
+    assert losses[True] == losses[False]
+    with pytest.raises(ValueError, match="steps_per_print"):
+        patrickstar.initialize(MLP, config(steps_per_print=0))
+
+
 def test_a_scheduler_stepped_by_the_user_too_raises_instead_of_running_twice_as_fast():
     data = batches(4)
     torch.manual_seed(0)
