@@ -1180,6 +1180,12 @@ class DataParallel:
         values = [row[0] for row in rows]
         return any(row[1] > 0 for row in rows), max(values) if maximum else sum(values)
 
+    @property
+    def model_parallel_enabled(self) -> bool:
+        """Pipeline stages or tensor slices: all_reduce_grad_stats reduces over the model group
+        too, which every stage's step must join."""
+        return self.model_parallel is not None
+
     def all_reduce_grad_stats(self, overflow: bool, squared: float) -> tuple[bool, float]:
         """Sums the squared norms of the owned gradients and ORs the overflow flags (over the
         model group too with pipeline stages or tensor slices: topology.py's Note [Gradient

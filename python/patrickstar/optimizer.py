@@ -409,8 +409,11 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
                 self._before_step()
                 self.overflow = False  # it found no overflow (accelerate's step_was_skipped)
                 # DeepSpeed's get_global_grad_norm() after a step over no gradients: 0, not the
-                # last step's (Note [model.step() without a backward] in deepspeed_loop.py).
-                self.last_grad_norm = 0.0
+                # last step's (Note [model.step() without a backward] in deepspeed_loop.py). With
+                # pipeline stages or tensor slices the other stages' steps all-reduce their
+                # norm over the model group (a stage whose parameters are all frozen has none):
+                # this one joins with 0 and reports the global norm, as they do.
+                self.last_grad_norm = self._norm_without_gradients()
                 self._end_iteration_without_step()
                 self._after_step(False, without_gradients=True)
                 return loss
@@ -589,6 +592,8 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         try:
             self._fill_zeroed_gradients()
             self._sweep(grad_scale, coef, measured)
+            if measured is not None:  # before the gradients go: the duplicates' squares read them
+                self.last_grad_norm = self._measured_grad_norm(measured) / grad_scale
         except BaseException as error:
             if self._updating is not None:  # Note [An update interrupted before its release]
                 self.chunked.chunks.release_left_in_compute(self._updating)
@@ -601,14 +606,21 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
             # The step is applied: an interrupt while its gradients are dropped must not leave
             # the iteration uncounted (the next checkpoint's global step and tag one short).
             self._end_iteration()
-        if measured is not None:
-            self.last_grad_norm = self._measured_grad_norm(measured) / grad_scale
         return True
+
+    def _norm_without_gradients(self) -> float:
+        """A step without gradients' norm: 0, or with a model group the group's (Note [A step
+        without gradients])."""
+        if not self.dp.model_parallel_enabled:
+            return 0.0
+        _, squared = self.dp.all_reduce_grad_stats(False, 0.0)
+        return math.sqrt(squared) / self.loss_scaler.scale
 
     def _measured_grad_norm(self, measured: dict[int, float]) -> float:
         """The gradient norm from the squares the sweep measured per parameter: added in index
         order, as _gradient_statistics adds them, so that it is the same number, and over every
-        rank."""
+        rank (with tensor slices, less the duplicated parameters' squares, which read the
+        gradients: called before they are dropped)."""
         squared = 0.0
         for index in sorted(measured):
             squared += measured[index]

@@ -90,7 +90,8 @@ def shard(batch, rank: int, world: int):
 
 def reference(name: str):
     """Plain PyTorch in one process on the global batches: (mean loss per step, state dict,
-    evaluated loss of the first batch after training; pipe scenarios only)."""
+    evaluated loss of the first batch after training; pipe scenarios only, gradient norm per
+    step before clipping)."""
     threads = torch.get_num_threads()
     # One thread: this tiny model is slower with two when the workers' processes share the cores.
     torch.set_num_threads(1)
@@ -111,12 +112,14 @@ def _reference(s: Scenario):
         model = ParallelGPT(gpt_config())
         loss_of = model
     optimizer = make_optimizer("AdamW", model.parameters(), s.lr, s.weight_decay)
-    losses, step_losses = [], []
+    losses, step_losses, norms = [], [], []
     for index, batch in enumerate(s.micro_batches()):
         loss = sum(loss_of(*shard(batch, r, s.data)) for r in range(s.data)) / s.data
         (loss / s.accumulation).backward()
         step_losses.append(loss.item())
         if (index + 1) % s.accumulation == 0:
+            norms.append(float(nn.utils.get_total_norm(
+                [p.grad for p in model.parameters() if p.grad is not None])))
             if s.clip:
                 nn.utils.clip_grad_norm_(model.parameters(), s.clip)
             optimizer.step()
@@ -128,7 +131,7 @@ def _reference(s: Scenario):
         first = list(s.micro_batches())[:s.accumulation]
         evaluated = sum(sum(loss_of(*shard(b, r, s.data)) for r in range(s.data)).item() / s.data
                         for b in first) / s.accumulation
-    return losses, model.state_dict(), evaluated
+    return losses, model.state_dict(), evaluated, norms
 
 
 class PipeMLP(nn.Module):

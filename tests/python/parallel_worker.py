@@ -49,10 +49,11 @@ def train(name: str, out: str) -> dict:
     groups = topology.current()
     data_rank = groups.coord.data
     batches = (shard(batch, data_rank, s.data) for batch in s.micro_batches())
-    losses = []
+    losses, norms = [], []
     for _ in range(s.steps):
         if s.kind == "pipe":
             losses.append(engine.train_batch(batches).item())
+            norms.append(model.get_global_grad_norm())
             continue
         step = []
         for _ in range(s.accumulation):
@@ -60,6 +61,7 @@ def train(name: str, out: str) -> dict:
             engine.backward(loss)
             step.append(loss.detach())
         optimizer.step()
+        norms.append(model.get_global_grad_norm())
         optimizer.zero_grad()
         # The replica's loss is the same on both tensor ranks; average over the data group.
         mean = torch.stack(step).mean()
@@ -67,7 +69,14 @@ def train(name: str, out: str) -> dict:
             torch.distributed.all_reduce(mean, group=groups.data_group)
             mean /= s.data
         losses.append(mean.item())
-    result = {"losses": losses, "stats": model.memory_stats(), "coord": tuple(groups.coord),
+    # A step without gradients on every stage and slice (torch's no-op): each joins the
+    # norm's all-reduce over the model group, which stepping stages issue (Note [A step without
+    # gradients] in optimizer.py).
+    model.optimizer.step()
+    norm_without_gradients = model.get_global_grad_norm()
+    result = {"losses": losses, "norms": norms, "norm_without_gradients": norm_without_gradients,
+              "stats": model.memory_stats(),
+              "coord": tuple(groups.coord),
               "skipped_steps": model.optimizer.skipped_steps}
     if s.kind == "pipe":
         result["eval"] = engine.eval_batch(

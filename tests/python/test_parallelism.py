@@ -228,7 +228,7 @@ def check_no_errors(results):
 
 
 def check_matches_reference(results, name: str):
-    ref_losses, ref_state, ref_eval = reference(name)
+    ref_losses, ref_state, ref_eval, ref_norms = reference(name)
     merged = {}
     for rank, result in enumerate(results):
         r = result[name]
@@ -236,6 +236,10 @@ def check_matches_reference(results, name: str):
         # Every rank reports the global batch's loss.
         for step, (a, b) in enumerate(zip(ref_losses, r["losses"])):
             assert math.isclose(a, b, rel_tol=1e-5), f"rank {rank} step {step}: {a} vs {b}"
+        # Every stage and slice reports the global gradient norm (get_global_grad_norm), clipped
+        # or not: the duplicated parameters of tensor slices counted once.
+        assert r["norms"] == pytest.approx(ref_norms, rel=1e-4), (rank, r["norms"], ref_norms)
+        assert r["norm_without_gradients"] == 0.0, rank
         if "eval" in r:
             assert math.isclose(r["eval"], ref_eval, rel_tol=1e-5), (rank, r["eval"], ref_eval)
         for key, tensor in r["state"].items():
