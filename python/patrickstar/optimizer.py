@@ -410,9 +410,10 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
                 self.overflow = False  # it found no overflow (accelerate's step_was_skipped)
                 # DeepSpeed's get_global_grad_norm() after a step over no gradients: 0, not the
                 # last step's (Note [model.step() without a backward] in deepspeed_loop.py). With
-                # pipeline stages or tensor slices the other stages' steps all-reduce their
-                # norm over the model group (a stage whose parameters are all frozen has none):
-                # this one joins with 0 and reports the global norm, as they do.
+                # pipeline stages or tensor slices, a stage whose step has gradients all-reduces
+                # its norm over the model group; one without (its gradients zeroed, not dropped,
+                # and no backward since: this check is agreed over data-parallel ranks only)
+                # joins with 0, so the group's collectives pair, and reports the group's norm.
                 self.last_grad_norm = self._norm_without_gradients()
                 self._end_iteration_without_step()
                 self._after_step(False, without_gradients=True)

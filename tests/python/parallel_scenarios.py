@@ -8,7 +8,9 @@ import torch
 from torch import nn
 
 from patrickstar.examples.gpt import GPTConfig, synthetic_batches
-from patrickstar.examples.gpt_parallel import ParallelGPT, gpt_loss, gpt_pipeline
+from patrickstar.examples.gpt_parallel import (AddPositions, ParallelBlock, ParallelGPT,
+                                               TokenEmbedding, _head, gpt_loss, gpt_pipeline)
+from patrickstar.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from test_initialize import make_optimizer
 
 CHUNK = 8192  # elements; the largest parameters (embedding, MLP weights) have 4096
@@ -16,6 +18,31 @@ CHUNK = 8192  # elements; the largest parameters (embedding, MLP weights) have 4
 
 def gpt_config(hidden: int = 32) -> GPTConfig:
     return GPTConfig(vocab_size=128, max_seq_len=16, hidden=hidden, layers=4, heads=2)
+
+
+def _frozen(cls):
+    """`cls` built with every parameter frozen (requires_grad=False)."""
+    class Frozen(cls):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.requires_grad_(False)
+    Frozen.__name__ = f"Frozen{cls.__name__}"
+    return Frozen
+
+
+def frozen_last_stage_pipeline(config: GPTConfig, **kwargs) -> PipelineModule:
+    """gpt_pipeline with the tied embedding and every layer of the last stage (of two: the
+    last half of the blocks, the final norm and the head) frozen: that stage has no trainable
+    parameter (its backward only passes the activations' gradients on)."""
+    embed = _frozen(TokenEmbedding)
+    half = config.layers // 2
+    layers = [TiedLayerSpec("embed", embed, config),
+              LayerSpec(AddPositions, config),
+              *[LayerSpec(ParallelBlock, config) for _ in range(half)],
+              *[LayerSpec(_frozen(ParallelBlock), config) for _ in range(config.layers - half)],
+              LayerSpec(_frozen(nn.LayerNorm), config.hidden),
+              TiedLayerSpec("embed", embed, config, forward_fn=_head)]
+    return PipelineModule(layers, loss_fn=gpt_loss, **kwargs)
 
 
 @dataclasses.dataclass
@@ -32,6 +59,7 @@ class Scenario:
     clip: float = 0.0
     fp16: bool = False
     checkpoint: bool = False  # save_checkpoint after training (for patrickstar-consolidate)
+    frozen_last_stage: bool = False  # pipe: frozen_last_stage_pipeline
 
     @property
     def data(self) -> int:
@@ -51,7 +79,8 @@ class Scenario:
         return config
 
     def pipeline(self):
-        return gpt_pipeline(gpt_config(), seed_layers=True, **self.pipe_kwargs)
+        build = frozen_last_stage_pipeline if self.frozen_last_stage else gpt_pipeline
+        return build(gpt_config(), seed_layers=True, **self.pipe_kwargs)
 
     def micro_batches(self):
         """Global micro batches (all data-parallel shards), steps * accumulation of them."""
@@ -81,6 +110,11 @@ SCENARIOS = {
                                        steps=5, clip=CLIP, device_budget=TIGHT),
     # Compared loosely with the fp32 reference (as test_data_parallel.py's mixed precision).
     "pp_fp16_clipped": Scenario("pipe", {"pipeline": 2}, clip=CLIP, fp16=True),
+    # The last stage has no trainable parameter: its steps add nothing to the norm the first
+    # stage's steps all-reduce (clipping and get_global_grad_norm).
+    "pp_frozen_last_stage": Scenario("pipe", {"pipeline": 2}, steps=4, frozen_last_stage=True),
+    "pp_frozen_last_stage_clipped": Scenario("pipe", {"pipeline": 2}, steps=4, clip=CLIP,
+                                             frozen_last_stage=True),
 }
 
 

@@ -255,7 +255,7 @@ def check_matches_reference(results, name: str):
 def two_ranks(tmp_path_factory):
     results = launch(tmp_path_factory.mktemp("pp2"), 2, "pp_1f1b",
                      "pp_gpipe_checkpointed_clipped", "tp_clipped", "pp_fp16_clipped",
-                     worker=WORKER)
+                     "pp_frozen_last_stage", "pp_frozen_last_stage_clipped", worker=WORKER)
     check_no_errors(results)
     return results
 
@@ -273,6 +273,16 @@ def test_two_pipeline_stages_match_one_process(two_ranks, name):
     check_matches_reference(two_ranks, name)
     assert [r[name]["layers"] for r in two_ranks] == [(0, 4), (4, 8)]
     assert two_ranks[0][name]["eval"] == two_ranks[1][name]["eval"]
+
+
+@pytest.mark.parametrize("name", ["pp_frozen_last_stage", "pp_frozen_last_stage_clipped"])
+def test_a_stage_without_trainable_parameters_joins_the_norm_and_training_matches(two_ranks,
+                                                                                  name):
+    # The last stage has no gradients of its own (its backward only passes the activations'
+    # gradients on); its steps add 0 to the norm the first stage's steps all-reduce over the
+    # model group (to clip, or for get_global_grad_norm()), and both report the global norm.
+    check_matches_reference(two_ranks, name)
+    assert two_ranks[0][name]["norms"] == two_ranks[1][name]["norms"]
 
 
 def test_fp16_stages_skip_the_same_steps_and_track_fp32(two_ranks):
