@@ -253,8 +253,6 @@ SCENARIOS = {
         "memory": {"device_budget": int(2 * model_bytes(_gpt) * 0.5)},
         "parallel": {"gather_ahead": 0}},
         steps=10, weight_decay=0.1, atol=5e-5),
-    # Every gathered group kept until the optimizer step (parallel.reshard_after_forward off):
-    # one allgather per group and step.
     # Gathered copies kept between forward and backward: an eval forward after each step
     # leaves them gathered for the next training forward, unless empty_partition_cache() drops
     # them (then that forward gathers again).
@@ -264,6 +262,8 @@ SCENARIOS = {
     "mlp_keep_eval_empty_cache": Scenario(MLP, mlp_batches, {
         "default_chunk_size": 4096, "parallel": {"reshard_after_forward": False}},
         steps=4, eval_after_step=True, empty_cache=True),
+    # Every gathered group kept until the optimizer step (parallel.reshard_after_forward off):
+    # one allgather per group and step.
     "gpt_keep": Scenario(_gpt, _gpt_batches, {"default_chunk_size": 8192,
                                               "parallel": {"reshard_after_forward": False}},
                          steps=10, weight_decay=0.1, atol=5e-5),
