@@ -533,6 +533,8 @@ class PatrickStarEngine(nn.Module):
         for param in external_parameters(module):
             index = self.params.index_of(param)
             if index is None:
+                if self._parameter_without_elements(param) is not None:
+                    continue  # the model's own, outside the chunks: nothing to access
                 raise unknown_external_parameter(module, param, self.module)
             if index not in indices:
                 indices.append(index)

@@ -567,6 +567,50 @@ def test_the_state_view_of_a_parameter_without_elements_is_torchs(state_dtype):
     model.destroy()
 
 
+class ReadsAnEmptyChild(nn.Module):
+    """Reads parameters its children own without calling them: one without elements through
+    an attribute and one in an nn.ParameterList (found as external reads, Note [Reads found in
+    the module's code] in external_params.py)."""
+
+    def __init__(self):
+        super().__init__()
+        self.child = nn.Module()
+        self.child.empty = nn.Parameter(torch.zeros(0))
+        self.child.scale = nn.Parameter(torch.full((3,), 0.5))
+        self.listed = nn.ParameterList([nn.Parameter(torch.zeros(0, 4)),
+                                        nn.Parameter(torch.linspace(-1, 1, 4))])
+
+    def forward(self, x):
+        total = self.child.empty.sum() + self.listed[0].sum()
+        return ((x @ self.listed[1]) * self.child.scale.sum()).square().mean() + total
+
+
+def test_a_parameter_without_elements_read_by_another_module_trains_as_in_pytorch():
+    # initialize() raised "ReadsAnEmptyChild holds a parameter of shape (0,) that is not one
+    # model_func built into the chunks": the empty parameter, kept outside the chunks, was
+    # taken for a Parameter made after model_func.
+    torch.manual_seed(0)
+    model, optimizer = initialize(ReadsAnEmptyChild,
+                                  {"default_chunk_size": CHUNK, "optimizer": {
+                                      "type": "AdamW", "params": {"lr": LR}}})
+    reference = ReadsAnEmptyChild()
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=LR)
+    for step in range(3):
+        x = torch.randn(5, 4, generator=torch.Generator().manual_seed(step))
+        loss, expected = model(x), reference(x)
+        torch.testing.assert_close(loss, expected, rtol=1e-6, atol=0)
+        model.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        expected.backward()
+        reference_optimizer.step()
+        reference_optimizer.zero_grad()
+    state = model.state_dict()
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(state[name], value, rtol=1e-6, atol=1e-7, msg=name)
+    model.destroy()
+
+
 def test_a_built_module_whose_initialize_fails_gets_its_fp32_empty_parameter_back():
     # Note [A built module given back when initialize() fails]: every parameter returns in the
     # dtype it was built in, the one without elements too.
