@@ -1828,6 +1828,7 @@ class PatrickStarEngine(nn.Module):
                             f"{type(exclude_frozen_parameters).__name__}; pass a scheduler as "
                             f"lr_scheduler=")
         with self.guard.calling("save_checkpoint()"):  # Note [Reads are calls too] in guards.py
+            self.optimizer.apply_state_edits()  # Note [Edits of optimizer.state entries]
             return checkpoint.save_checkpoint(self, save_dir, tag, client_state, save_latest,
                                               lr_scheduler, exclude_frozen_parameters)
 
@@ -1848,6 +1849,7 @@ class PatrickStarEngine(nn.Module):
                                             load_module_strict=load_module_strict, **kwargs)
         if loaded[0] is not None and not load_module_only and load_optimizer_states:
             self.guard.failed_step = None  # a consistent state again (guards.py)
+            self.optimizer.forget_state_edits()  # Note [Edits of optimizer.state entries]
         if loaded[0] is not None:  # it dropped the gradients: a new accumulation begins
             self._loop.restart_accumulation()
         self._loop.lr_schedule.forget_position()  # the load may have moved the scheduler

@@ -35,6 +35,7 @@ import torch
 from torch.amp.grad_scaler import GradScaler
 
 from . import _C, moment_state
+from .state_edits import EditableEntry, StateEdits
 from .chunked_params import ChunkedParams
 from .loss_scaler import LossScaleAtMinimum
 from .vocabulary import Tier as T
@@ -243,8 +244,10 @@ class ChunkedStateView(collections.abc.Mapping):
     """`optimizer.state` as torch.optim offers it (parameter -> its state dict), read out of the
     chunks on each lookup: the entry its `state_dict()` holds for that parameter, the same keys
     (Note [The state view lists the state dict's keys]); under data parallelism a rank has the
-    state of the parameters it owns, as in its `state_dict()`. Read-only: the state lives in
-    chunks, so an assignment here would be lost; `optimizer.load_state_dict` writes state."""
+    state of the parameters it owns, as in its `state_dict()`. Edits of an entry reach the
+    state as in torch (Note [Edits of optimizer.state entries] in state_edits.py); assigning a
+    whole entry (`optimizer.state[p] = ...`) is refused: `optimizer.load_state_dict` writes
+    state."""
 
     def __init__(self, optimizer: "PatrickStarOptimizer"):
         self._optimizer = weakref.ref(optimizer)
@@ -253,6 +256,7 @@ class ChunkedStateView(collections.abc.Mapping):
         optimizer = self._optimizer()
         if optimizer is None:
             return []
+        optimizer.apply_state_edits()
         return [param for index, param in enumerate(optimizer.chunked.params)
                 if optimizer.has_state(index)] + optimizer.outside_with_state()
 
@@ -261,7 +265,9 @@ class ChunkedStateView(collections.abc.Mapping):
         if optimizer is None:
             return {}
         index = optimizer.chunked.index_of(param)
-        return optimizer.outside_entry(param) if index is None else optimizer.state_entry(index)
+        if index is None:
+            return optimizer.outside_entry(param)
+        return optimizer.editable_state_entry(index)
 
     def __iter__(self):
         return iter(self._with_state())
@@ -270,8 +276,10 @@ class ChunkedStateView(collections.abc.Mapping):
         return len(self._with_state())
 
     def __setitem__(self, param, value):
-        raise TypeError("optimizer.state is a read-only view of the state in chunks; use "
-                        "optimizer.load_state_dict() to change it")
+        raise TypeError("optimizer.state[p] = ...: the state lives in chunks, so a whole entry "
+                        "cannot be replaced; edit the entry (optimizer.state[p]['exp_avg']"
+                        ".zero_(), optimizer.state[p].clear()) or use "
+                        "optimizer.load_state_dict()")
 
     def __repr__(self) -> str:
         return f"ChunkedStateView({len(self)} parameters with state)"
@@ -307,7 +315,8 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         # parameters without elements]).
         super().__init__(groups, defaults)
         self.chunked = params
-        self.state = ChunkedStateView(self)  # torch's dict of per-parameter state, read-only
+        self.state = ChunkedStateView(self)  # torch's dict of per-parameter state
+        self._state_edits = StateEdits()  # Note [Edits of optimizer.state entries]
         self.config = config
         self.precision = params.precision
         self.decoupled_weight_decay = config.optimizer.decoupled_weight_decay
@@ -391,6 +400,7 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
             raise TypeError(_GRAD_SCALER_UNSUPPORTED)
         with self.guard.calling("optimizer.step()"):  # Note [One thread at a time]
             self._settle_backward("optimizer.step()", True)
+            self.apply_state_edits()
             loss = None
             if closure is not None:
                 with torch.enable_grad():
@@ -1146,6 +1156,56 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         entry.update(self._weight_entry(index))
         return entry
 
+    def editable_state_entry(self, index: int) -> EditableEntry:
+        """`optimizer.state[p]` of parameter `index`: its state entry, whose edits the next
+        read or step of the state writes back (Note [Edits of optimizer.state entries])."""
+        self.apply_state_edits()
+        return self._state_edits.hand_out(index, self.state_entry(index))
+
+    def apply_state_edits(self) -> None:
+        """Writes back the `optimizer.state[p]` entries edited since they were handed out."""
+        self._state_edits.write_back(self._write_state_edits)
+
+    def forget_state_edits(self) -> None:
+        """After a load replaced the state: the entries handed out before are no longer it."""
+        self._state_edits.forget()
+
+    def _write_state_edits(self, index: int, entry: EditableEntry | None, edited: dict) -> None:
+        """Writes parameter `index`'s edited state: `entry` as the script left it, or, when it
+        dropped the dict, the state in chunks with the `edited` tensors it kept."""
+        name = self.chunked.names[index]
+        momentum = self.chunked.ids[index].momentum
+        if momentum is None or not self.dp.owns(self.chunked.chunks.manager, momentum):
+            raise ValueError(f"optimizer.state['{name}'] was edited, but this rank holds no "
+                             f"state for it (frozen, or owned by another data-parallel rank)")
+        if entry is not None and not entry:  # torch's state[p] = {}: Adam starts afresh
+            self._forget_state({index})
+            return
+        full = dict(entry) if entry is not None else {**self.state_entry(index), **edited}
+        known = {"step", *moment_state.MOMENT_KEYS, *self._WEIGHT_KINDS, self._COMPENSATED,
+                 *map(moment_state.scale_key, moment_state.MOMENT_KEYS)}
+        unknown = sorted(set(edited) - known)
+        if unknown:
+            raise ValueError(f"optimizer.state['{name}'] was given key(s) {unknown}: the state "
+                             f"in chunks holds only {sorted(known & set(self.state_entry(index)))}"
+                             f"; the state keeps its values")
+        try:
+            self._check_saved_shapes({name: full}, {name: index})
+            step = float(full["step"])
+            if not math.isfinite(step) or step < 0 or step != int(step):
+                raise ValueError(f"its step must be a whole number >= 0, got {step}")
+        except (ValueError, TypeError, RuntimeError) as error:
+            raise ValueError(f"optimizer.state['{name}'] was edited into a state the optimizer "
+                             f"cannot take ({error}); the state keeps its values") from None
+        self.step_counts[index] = int(step)
+        for key in moment_state.MOMENT_KEYS:
+            scale = moment_state.scale_key(key)
+            if key in edited or scale in edited:
+                moment_state.write_moment(self.chunked, index, key, full[key], full.get(scale))
+        if set(edited) & {*self._WEIGHT_KINDS, self._COMPENSATED}:
+            self._load_weight_entry(index, full)
+            self.dp.parameters_changed()
+
     # Note [Optimizer state-dict hooks]
     # torch.optim.Optimizer.state_dict() and load_state_dict() run the hooks registered with
     # register_state_dict_pre_hook / _post_hook and register_load_state_dict_pre_hook /
@@ -1164,6 +1224,7 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
         with self.guard.calling("optimizer.state_dict()"):  # Note [Reads are calls too]
+            self.apply_state_edits()
             state_dict = self._own_state_dict()
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             result = post_hook(self, state_dict)
@@ -1266,6 +1327,7 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
                 state_dict = result
         with self.guard.calling("optimizer.load_state_dict()"):  # Note [Reads are calls too]
             self._load_own_state_dict(state_dict)
+            self.forget_state_edits()
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
