@@ -266,6 +266,14 @@ class TrainingGuard:
         return os.getpid() == self.owner_pid
 
     def check_alive(self, what: str) -> None:
+        self.check_not_deleted(what)
+        if self.failed_step is not None:
+            raise RuntimeError(f"{what}: an earlier {self.failed_step}. Load the last "
+                               f"checkpoint (model.load_checkpoint) to go on")
+
+    def check_not_deleted(self, what: str) -> None:
+        """check_alive without the failed step: for reads and loads of the state, which a
+        failed step does not forbid."""
         if not self.in_owner_process():
             raise forked_child_error(what, self.owner_pid)
         if self.destroyed and self._exiting is not None:
@@ -281,9 +289,6 @@ class TrainingGuard:
                                f"model` or model.destroy()); "
                                f"its chunks are freed. Build a new one with "
                                f"patrickstar.initialize()")
-        if self.failed_step is not None:
-            raise RuntimeError(f"{what}: an earlier {self.failed_step}. Load the last "
-                               f"checkpoint (model.load_checkpoint) to go on")
 
     def step_failed(self, error: BaseException) -> None:
         self.failed_step = (f"optimizer.step() failed partway ({type(error).__name__}: "

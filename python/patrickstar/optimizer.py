@@ -264,6 +264,7 @@ class ChunkedStateView(collections.abc.Mapping):
         optimizer = self._optimizer()
         if optimizer is None:
             return {}
+        optimizer.guard.check_not_deleted("optimizer.state[p]")
         index = optimizer.chunked.index_of(param)
         if index is None:
             return optimizer.outside_entry(param)
@@ -1220,7 +1221,7 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
         file saved by one rank holds all of it and loads on any rank. Runs torch's state-dict
         hooks (Note [Optimizer state-dict hooks])."""
         # Note [Module forwards in a forked child] in guards.py
-        self.guard.check_owner_process("optimizer.state_dict()")
+        self.guard.check_not_deleted("optimizer.state_dict()")
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
         with self.guard.calling("optimizer.state_dict()"):  # Note [Reads are calls too]
@@ -1319,7 +1320,7 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict):
         """Runs torch's load hooks (Note [Optimizer state-dict hooks]) around the load."""
-        self.guard.check_owner_process("optimizer.load_state_dict()")  # (as state_dict())
+        self.guard.check_not_deleted("optimizer.load_state_dict()")  # (as state_dict())
         state_dict = state_dict.copy()  # torch's shallow copy, which the pre-hooks may change
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = pre_hook(self, state_dict)
