@@ -11,6 +11,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from .carried_state import saved_adam_state, source_optimizer
 from .config import Config, load_config
 from .deepspeed_arguments import take_deepspeed_arguments
 from .engine import PatrickStarEngine
@@ -36,7 +37,9 @@ def initialize(model_func: Callable[[], nn.Module] | nn.Module | None = None, co
     pipeline stage and gets a `PipelineEngine` (train with `engine.train_batch(data_iter)`).
     `config` is a dict or a path to a JSON file (see `patrickstar.config`); `param_groups`
     optionally splits the parameters into groups with their own `lr` / `weight_decay`, either as
-    torch.optim's list of dicts or as a callable taking the built module and returning one.
+    torch.optim's list of dicts, as a callable taking the built module and returning one, or as
+    a torch optimizer (its groups and its Adam state: Note [A torch optimizer's state goes
+    with its groups] in carried_state.py; also when its `param_groups` list is given).
     `local_rank` chooses the GPU; by default (or -1) torchrun's `LOCAL_RANK` (0 without it),
     as DeepSpeed reads it (Note [The local rank from the environment]).
 
@@ -46,9 +49,22 @@ def initialize(model_func: Callable[[], nn.Module] | nn.Module | None = None, co
     [DeepSpeed's initialize() arguments])."""
     model_func, config, param_groups, make_scheduler = take_deepspeed_arguments(
         model_func, config, param_groups, deepspeed_kwargs)
+    # Note [A torch optimizer's state goes with its groups] in carried_state.py
+    source = source_optimizer(param_groups)
+    carried = saved_adam_state(source)
+    if source is not None:
+        param_groups = source.param_groups
     with torch.inference_mode(False):  # Note [initialize() under torch.inference_mode()]
         model, optimizer = _initialize(model_func, config, _local_rank(local_rank),
                                        param_groups)
+        if carried is not None:
+            if isinstance(model, PipelineEngine):
+                warnings.warn("initialize(): the torch optimizer whose param_groups were given "
+                              "holds Adam state, which a pipeline stage's optimizer cannot take "
+                              "from a whole model's state dict: it starts without it",
+                              UserWarning, stacklevel=2)
+            else:
+                optimizer.load_state_dict(carried)
     if make_scheduler is not None:
         if isinstance(model, PipelineEngine):
             raise TypeError("initialize(lr_scheduler=...) with a PipelineModule: train_batch() "

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections.abc
 import contextlib
+import difflib
 import math
 import numbers
 import sys
@@ -136,6 +137,23 @@ def _check_group_numbers(index: int, group: dict) -> None:
                          f"{tuple(betas)}")
 
 
+# Note [A group's own keys]
+# torch.optim keeps any key of a group: timm's and MAE/BEiT's layer-wise lr decay put
+# "lr_scale" (or "layer_id") in each group and set `g["lr"] = lr * g["lr_scale"]` at every
+# step, and every torch scheduler adds "initial_lr" to the groups of the optimizer it drives,
+# so nanoGPT's `param_groups=optimizer.param_groups` after a scheduler was made carries it.
+# Such keys were refused as unknown. They are kept as torch keeps them (in the groups and the
+# state dict, read by nothing here); only a key that looks like a misspelt hyperparameter
+# ("weight_decy", "beta") is refused, since torch would train without it silently.
+def _check_own_keys(index: int, group: dict) -> None:
+    for key in set(group) - _GROUP_KEYS:
+        close = difflib.get_close_matches(str(key), sorted(_GROUP_KEYS), n=1, cutoff=0.75)
+        if close:
+            raise ValueError(f"param_groups[{index}]: key {key!r} is not one the update reads; "
+                             f"did you mean {close[0]!r}? (other keys are kept as torch keeps "
+                             f"them, unread)")
+
+
 # Note [Named parameters in the groups]
 # torch.optim (2.6 on) given named parameters, `AdamW(model.named_parameters())` or groups of
 # (name, parameter) pairs, keeps the names in each group as "param_names", and its state_dict
@@ -188,10 +206,7 @@ def build_param_groups(module: torch.nn.Module, groups, optimizer) -> list[dict]
         if not isinstance(group, dict) or "params" not in group:
             raise ValueError(f"param_groups[{index}]: expected a dict with a 'params' key")
         group = _without_torch_keys(index, group, decoupled_weight_decay)
-        unknown = set(group) - _GROUP_KEYS
-        if unknown:
-            raise ValueError(f"param_groups[{index}]: unknown keys {sorted(unknown)} "
-                             f"(known: {sorted(_GROUP_KEYS)})")
+        _check_own_keys(index, group)
         params = group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         names = _param_names(index, group, params)

@@ -420,3 +420,90 @@ def test_groups_without_weight_decay_go_with_either_adam_type(torch_optimizer, c
     resumed_opt.load_state_dict(ref_opt.state_dict())
     assert resumed_opt.param_groups[0]["lr"] == 1e-2
     train_alongside(reference, ref_opt, [(model, opt), (resumed, resumed_opt)], batches[2:])
+
+
+def _layer_decay_groups(module: nn.Module) -> list[dict]:
+    """timm's param_groups_layer_decay: a group per layer, its own key "lr_scale"."""
+    return [{"params": list(layer.parameters()), "lr_scale": 0.5 ** (2 - depth),
+             "layer_id": depth} for depth, layer in enumerate(module.layers)]
+
+
+def test_a_groups_own_keys_are_kept_as_torch_keeps_them():
+    # Note [A group's own keys] in optimizer.py: "lr_scale" and "layer_id" were refused as
+    # unknown keys, and so was the "initial_lr" every torch scheduler adds to its groups.
+    torch.manual_seed(0)
+    reference = MLP()
+    ref_opt = torch.optim.AdamW(_layer_decay_groups(reference), lr=1e-2)
+    torch.manual_seed(0)
+    built = MLP()
+    scheduled = torch.optim.AdamW(_layer_decay_groups(built), lr=1e-2)
+    torch.optim.lr_scheduler.LambdaLR(scheduled, lambda step: 1.0)  # adds "initial_lr"
+    model, opt = patrickstar.initialize(built, param_groups=scheduled.param_groups, config={
+        "default_chunk_size": 4096, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}})
+    assert [(g["lr_scale"], g["layer_id"], g["initial_lr"]) for g in opt.param_groups] == \
+        [(0.25, 0, 1e-2), (0.5, 1, 1e-2), (1.0, 2, 1e-2)]
+    for step, (x, y) in enumerate(mlp_batches(3)):
+        for optimizer in (ref_opt, opt):  # the recipe's lr at every step
+            for group in optimizer.param_groups:
+                group["lr"] = 1e-2 / (step + 1) * group["lr_scale"]
+        loss = reference(x, y)
+        loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ours = model(x, y)
+        model.backward(ours)
+        opt.step()
+        opt.zero_grad()
+        torch.testing.assert_close(ours, loss, rtol=1e-6, atol=0)
+    assert [g["lr_scale"] for g in opt.state_dict()["param_groups"]] == [0.25, 0.5, 1.0]
+
+
+@pytest.mark.parametrize("key, meant", [("weight_decy", "weight_decay"), ("beta", "betas")])
+def test_a_misspelt_group_key_is_refused_naming_the_key_meant(key, meant):
+    built = MLP()
+    with pytest.raises(ValueError, match=rf"param_groups\[0\]: key '{key}' is not one the "
+                                         rf"update reads; did you mean '{meant}'\?"):
+        patrickstar.initialize(built, config={"default_chunk_size": 4096}, param_groups=[
+            {"params": built.parameters(), key: 0.5}])
+
+
+@pytest.mark.parametrize("given", ["param_groups", "optimizer"])
+def test_a_torch_optimizers_loaded_state_goes_with_its_groups(given):
+    # Note [A torch optimizer's state goes with its groups] in carried_state.py: nanoGPT's
+    # resume order (configure_optimizers, optimizer.load_state_dict, then initialize where the
+    # DDP wrap was) started the engine's Adam from empty state, without a word.
+    config = gpt_config()
+    batches = list(synthetic_batches(config, batch=4, steps=6))
+    torch.manual_seed(0)
+    reference = GPT(config)
+    ref_opt = torch.optim.AdamW(decay_split(reference), lr=3e-3, betas=(0.9, 0.95))
+    for tokens, targets in batches[:3]:
+        reference(tokens, targets).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    built = GPT(config)
+    built.load_state_dict(reference.state_dict())
+    resumed = torch.optim.AdamW(decay_split(built), lr=3e-3, betas=(0.9, 0.95))
+    resumed.load_state_dict(ref_opt.state_dict())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, opt = patrickstar.initialize(
+            built, param_groups=resumed if given == "optimizer" else resumed.param_groups,
+            config={"default_chunk_size": 1 << 14,
+                    "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}}})
+    assert [float(opt.state[p]["step"]) for p in model.parameters()] == \
+        [3.0] * len(list(model.parameters()))
+    train_gpt_alongside(reference, ref_opt, model, opt, batches[3:], tolerance=1e-5)
+
+
+def test_another_optimizers_state_is_not_carried_and_says_so():
+    built = MLP()
+    sgd = torch.optim.SGD(built.parameters(), lr=1e-2, momentum=0.9)
+    x, y = mlp_batches(1)[0]
+    built(x, y).backward()
+    sgd.step()
+    with pytest.warns(UserWarning, match=r"SGD whose param_groups were given holds state that "
+                                         r"is not Adam's \(\['momentum_buffer'\]\)"):
+        model, opt = patrickstar.initialize(built, param_groups=sgd.param_groups, config={
+            "default_chunk_size": 4096, "optimizer": {"type": "Adam", "params": {"lr": 1e-2}}})
+    assert len(opt.state) == 0
