@@ -62,9 +62,9 @@ S = _C.TensorState
 _UNSCALES_GRADIENTS = GradScaler._unscale_grads_.__code__
 _GRAD_SCALER_UNSUPPORTED = (
     "torch.amp.GradScaler cannot scale the PatrickStar optimizer's gradients (they live in "
-    "chunks): for fp16 training set config fp16.enabled, whose dynamic loss scale "
-    "model.backward(loss) applies; with torch.autocast(dtype=torch.bfloat16) no scaler is "
-    "needed (GradScaler(enabled=False) is fine)")
+    "chunks): drop the GradScaler (or make it GradScaler(enabled=False)). For fp16 training "
+    "the config's fp16.enabled gives the dynamic loss scale, which model.backward(loss) and "
+    "loss.backward() apply; with torch.autocast(dtype=torch.bfloat16) no scaler is needed")
 
 _GROUP_KEYS = {"params", "lr", "betas", "eps", "weight_decay", "name", "param_names"}
 
