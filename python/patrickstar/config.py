@@ -775,6 +775,12 @@ def _without_duplicates(pairs: list[tuple[str, Any]]) -> dict:
 
 def load_config(config: Mapping[str, Any] | str | os.PathLike | None) -> Config:
     """Parses and validates `config` (a dict, a JSON file path, or None for the defaults)."""
+    raw = _section("<config>", read_config(config))
+    return _parse(raw)
+
+
+def read_config(config: Mapping[str, Any] | str | os.PathLike | None) -> Mapping[str, Any]:
+    """`config` as a mapping, unparsed: the dict given, a JSON file's contents, or {}."""
     if config is None:
         config = {}
     if isinstance(config, (str, os.PathLike)):
@@ -793,7 +799,10 @@ def load_config(config: Mapping[str, Any] | str | os.PathLike | None) -> Config:
             raise ValueError(f"config file '{path}': duplicate key {error.args[0]!r} (json "
                              f"would keep the last value silently; DeepSpeed refuses it too); "
                              f"keep one") from None
-    raw = _section("<config>", config)
+    return config
+
+
+def _parse(raw: Mapping[str, Any]) -> Config:
     _refuse_ported_keys(raw)  # unknown top-level keys too
 
     # Upstream's GUIDE calls default_chunk_size "chunk_size".

@@ -27,6 +27,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from .config import read_config
+
 _MODEL_PARAMETERS_NEED_A_MODULE = (
     "initialize(model_parameters=...) is DeepSpeed's: it names parameters of a module already "
     "built, but model_func builds the model inside initialize(). Pass the built module "
@@ -35,8 +37,6 @@ _MODEL_PARAMETERS_NEED_A_MODULE = (
     "with requires_grad=True is trained")
 
 _REFUSED = {
-    "optimizer": "the optimizer comes from config 'optimizer': {type: Adam/AdamW, params: "
-                 "{lr, betas, eps, weight_decay}} and is returned by initialize()",
     "training_data": "build a torch.utils.data.DataLoader yourself; initialize() returns "
                      "(model, optimizer), not DeepSpeed's (engine, optimizer, loader, scheduler)",
     "collate_fn": "build a torch.utils.data.DataLoader yourself with it",
@@ -80,6 +80,14 @@ def take_deepspeed_arguments(model_func, config, param_groups, kwargs: dict):
         param_groups = _as_param_groups(model_parameters)
     if "args" in kwargs:
         config = _config_from_args(kwargs.pop("args"), config)
+    if "optimizer" in kwargs:
+        client = kwargs.pop("optimizer")
+        if param_groups is not None:
+            raise TypeError("initialize(): optimizer= (DeepSpeed's client optimizer, whose "
+                            "groups are taken) and param_groups / model_parameters= both give "
+                            "the groups; pass one")
+        config = _config_for_client_optimizer(client, config)
+        param_groups = client
     if "dist_init_required" in kwargs:
         _check_dist_init_required(kwargs.pop("dist_init_required"))
     for name in kwargs:
@@ -94,6 +102,36 @@ def take_deepspeed_arguments(model_func, config, param_groups, kwargs: dict):
         raise TypeError("initialize(): missing the model: pass model_func (a callable building "
                         "the module, or a built module)")
     return model_func, config, param_groups, scheduler
+
+
+# Note [DeepSpeed's client optimizer]
+# `deepspeed.initialize(model=net, optimizer=torch.optim.AdamW(net.parameters(), ...),
+# config=ds_config)` hands DeepSpeed the optimizer to wrap; the config then has no optimizer
+# section. The engine here trains with its own chunked Adam only, so a torch Adam or AdamW is
+# taken as its groups and state are (Note [A torch optimizer's state goes with its groups] in
+# carried_state.py), and the config's optimizer becomes its type and defaults. A config with
+# an optimizer section of its own is refused (two optimizers: which one?), and so is any other
+# optimizer or a callable making one, naming what to give instead.
+def _config_for_client_optimizer(client, config):
+    """`config` with the optimizer section of torch Adam / AdamW `client`."""
+    if not isinstance(client, torch.optim.Adam):  # (torch's AdamW is an Adam)
+        what = type(client).__name__ if isinstance(client, torch.optim.Optimizer) else \
+            f"a {type(client).__name__}"
+        raise TypeError(f"initialize(optimizer=...) got {what}: the engine trains with its own "
+                        f"chunked Adam or AdamW only, so it takes a torch.optim.Adam or AdamW "
+                        f"(its param groups and state) or config 'optimizer': {{type: Adam/"
+                        f"AdamW, params: {{lr, betas, eps, weight_decay}}}}")
+    raw = dict(read_config(config))
+    if "optimizer" in raw:
+        raise TypeError("initialize(optimizer=...) and the config's 'optimizer' section both "
+                        "give the optimizer; keep one")
+    defaults = client.defaults
+    decoupled = bool(defaults.get("decoupled_weight_decay",
+                                  isinstance(client, torch.optim.AdamW)))
+    raw["optimizer"] = {"type": "AdamW" if decoupled else "Adam", "params": {
+        "lr": float(defaults["lr"]), "betas": [float(beta) for beta in defaults["betas"]],
+        "eps": float(defaults["eps"]), "weight_decay": float(defaults["weight_decay"])}}
+    return raw
 
 
 def _check_dist_init_required(value) -> None:

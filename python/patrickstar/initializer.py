@@ -133,8 +133,9 @@ def _initialize(model_func, config, local_rank: int, param_groups):
 
 
 # Note [A config without an optimizer]
-# The engine always trains with its own chunked Adam (it has no other optimizer, and takes no
-# client one: DeepSpeed's `optimizer=` argument is refused). A config without an 'optimizer'
+# The engine always trains with its own chunked Adam (it has no other optimizer; DeepSpeed's
+# `optimizer=` client Adam gives it its groups, state and config section: Note [DeepSpeed's
+# client optimizer] in deepspeed_arguments.py). A config without an 'optimizer'
 # section got torch.optim.Adam's defaults (lr 1e-3, betas (0.9, 0.999), eps 1e-8, no weight
 # decay) without a word. Neither reference does that silently the same way: DeepSpeed's
 # initialize() with no optimizer in the config and none passed returns no optimizer (None; under

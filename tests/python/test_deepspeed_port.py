@@ -301,7 +301,6 @@ def test_deepspeed_initialize_keywords_work_or_name_what_to_use():
     model.destroy()
     for name, value, says in [("model_parameters", [], "param_groups="),
                               ("training_data", [], "DataLoader"),
-                              ("optimizer", None, "config 'optimizer'"),
                               ("mpu", None, "parallel"),
                               ("collate_fn", None, "DataLoader")]:
         with pytest.raises(TypeError, match=f"initialize\\({name}=...\\) is DeepSpeed's.*{says}"):
@@ -315,6 +314,44 @@ def test_deepspeed_initialize_keywords_work_or_name_what_to_use():
         patrickstar.initialize(MLP, config(), model=MLP())
     with pytest.raises(TypeError, match="missing the model"):
         patrickstar.initialize(config=config())
+
+
+def test_deepspeeds_client_optimizer_is_taken_with_its_groups_and_state():
+    # Note [DeepSpeed's client optimizer] in deepspeed_arguments.py: `optimizer=` was refused.
+    # A torch AdamW (here already stepped once, so its state goes with it) trains as in torch,
+    # the config taking its type and hyperparameters.
+    data = batches(5)
+    ref_losses, ref_norms, _ = torch_run(data, 1, 0.5)
+    torch.manual_seed(0)
+    net = MLP()
+    client = torch.optim.AdamW(net.parameters(), lr=1e-2, betas=(0.8, 0.99), eps=1e-6,
+                               weight_decay=0.1)
+    x, y = data[0]
+    net(x, y).backward()
+    torch.nn.utils.clip_grad_norm_(net.parameters(), 0.5)
+    client.step()
+    client.zero_grad()
+    model, optimizer = patrickstar.initialize(model=net, optimizer=client,
+                                              config={"gradient_clipping": 0.5})
+    assert optimizer.decoupled_weight_decay and optimizer.param_groups[0]["lr"] == 1e-2
+    losses = [ref_losses[0]]
+    for x, y in data[1:]:
+        loss = model(x, y)
+        losses.append(loss.item())
+        model.backward(loss)
+        model.step()
+    assert_close(losses, ref_losses)
+    assert_close([model.get_global_grad_norm()], ref_norms[-1:])
+    model.destroy()
+    for given, says in [(torch.optim.SGD(MLP().parameters(), lr=1.0), "got SGD"),
+                        (lambda params: torch.optim.AdamW(params), "got a function")]:
+        with pytest.raises(TypeError, match=f"initialize\\(optimizer=...\\) {says}: the "
+                                            f"engine trains with its own chunked Adam or AdamW"):
+            patrickstar.initialize(model=MLP(), optimizer=given)
+    built = MLP()
+    with pytest.raises(TypeError, match="the config's 'optimizer' section both give"):
+        patrickstar.initialize(model=built, optimizer=torch.optim.Adam(built.parameters()),
+                               config=config())
 
 
 def test_deepspeed_model_parameters_of_a_built_module_are_its_param_groups():
