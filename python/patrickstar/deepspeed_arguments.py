@@ -82,6 +82,9 @@ def take_deepspeed_arguments(model_func, config, param_groups, kwargs: dict):
         config = _config_from_args(kwargs.pop("args"), config)
     if "optimizer" in kwargs:
         client = kwargs.pop("optimizer")
+        if callable(client) and not isinstance(client, torch.optim.Optimizer):
+            client = _client_from_callable(client, model_func, param_groups)
+            param_groups = None  # (the callable was given them)
         if param_groups is not None:
             raise TypeError("initialize(): optimizer= (DeepSpeed's client optimizer, whose "
                             "groups are taken) and param_groups / model_parameters= both give "
@@ -112,6 +115,19 @@ def take_deepspeed_arguments(model_func, config, param_groups, kwargs: dict):
 # carried_state.py), and the config's optimizer becomes its type and defaults. A config with
 # an optimizer section of its own is refused (two optimizers: which one?), and so is any other
 # optimizer or a callable making one, naming what to give instead.
+def _client_from_callable(make, model, model_parameters):
+    """DeepSpeed's `optimizer=callable`: the optimizer it makes of `model_parameters` (the
+    groups given), or of the built module's trainable parameters."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError("initialize(optimizer=callable): the callable takes the model's "
+                        "parameters, which model_func builds inside initialize(); pass the "
+                        "built module (model=net), or a torch Adam/AdamW, or config "
+                        "'optimizer'")
+    if model_parameters is None:
+        model_parameters = [p for p in model.parameters() if p.requires_grad]
+    return make(model_parameters)
+
+
 def _config_for_client_optimizer(client, config):
     """`config` with the optimizer section of torch Adam / AdamW `client`."""
     if not isinstance(client, torch.optim.Adam):  # (torch's AdamW is an Adam)

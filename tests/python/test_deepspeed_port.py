@@ -344,14 +344,40 @@ def test_deepspeeds_client_optimizer_is_taken_with_its_groups_and_state():
     assert_close([model.get_global_grad_norm()], ref_norms[-1:])
     model.destroy()
     for given, says in [(torch.optim.SGD(MLP().parameters(), lr=1.0), "got SGD"),
-                        (lambda params: torch.optim.AdamW(params), "got a function")]:
+                        (lambda params: torch.optim.SGD(params, lr=1.0), "got SGD"),
+                        (lambda params: None, "got a NoneType")]:
         with pytest.raises(TypeError, match=f"initialize\\(optimizer=...\\) {says}: the "
                                             f"engine trains with its own chunked Adam or AdamW"):
             patrickstar.initialize(model=MLP(), optimizer=given)
+    with pytest.raises(TypeError, match=r"optimizer=callable\): the callable takes the model's "
+                                        r"parameters, which model_func builds"):
+        patrickstar.initialize(MLP, optimizer=lambda params: torch.optim.AdamW(params))
     built = MLP()
     with pytest.raises(TypeError, match="the config's 'optimizer' section both give"):
         patrickstar.initialize(model=built, optimizer=torch.optim.Adam(built.parameters()),
                                config=config())
+
+
+@pytest.mark.parametrize("model_parameters", [False, True])
+def test_deepspeeds_client_optimizer_callable_is_called_with_the_parameters(model_parameters):
+    # DeepSpeed calls `optimizer(model_parameters)`; here it was refused.
+    data = batches(4)
+    ref_losses, _, _ = torch_run(data, 2, 0.5)
+    torch.manual_seed(0)
+    net = MLP()
+    given = {"model_parameters": net.parameters()} if model_parameters else {}
+    model, _ = patrickstar.initialize(
+        model=net, config={"gradient_accumulation_steps": 2, "gradient_clipping": 0.5},
+        optimizer=lambda params: torch.optim.AdamW(params, lr=1e-2, betas=(0.8, 0.99),
+                                                   eps=1e-6, weight_decay=0.1), **given)
+    losses = []
+    for x, y in data:
+        loss = model(x, y)
+        losses.append(loss.item())
+        model.backward(loss)
+        model.step()
+    assert_close(losses, ref_losses)
+    model.destroy()
 
 
 def test_deepspeed_model_parameters_of_a_built_module_are_its_param_groups():
