@@ -334,13 +334,7 @@ def test_deepspeeds_client_optimizer_is_taken_with_its_groups_and_state():
     model, optimizer = patrickstar.initialize(model=net, optimizer=client,
                                               config={"gradient_clipping": 0.5})
     assert optimizer.decoupled_weight_decay and optimizer.param_groups[0]["lr"] == 1e-2
-    losses = [ref_losses[0]]
-    for x, y in data[1:]:
-        loss = model(x, y)
-        losses.append(loss.item())
-        model.backward(loss)
-        model.step()
-    assert_close(losses, ref_losses)
+    assert_close([ref_losses[0], *deepspeed_steps(model, data[1:])], ref_losses)
     assert_close([model.get_global_grad_norm()], ref_norms[-1:])
     model.destroy()
     for given, says in [(torch.optim.SGD(MLP().parameters(), lr=1.0), "got SGD"),
@@ -370,13 +364,7 @@ def test_deepspeeds_client_optimizer_callable_is_called_with_the_parameters(mode
         model=net, config={"gradient_accumulation_steps": 2, "gradient_clipping": 0.5},
         optimizer=lambda params: torch.optim.AdamW(params, lr=1e-2, betas=(0.8, 0.99),
                                                    eps=1e-6, weight_decay=0.1), **given)
-    losses = []
-    for x, y in data:
-        loss = model(x, y)
-        losses.append(loss.item())
-        model.backward(loss)
-        model.step()
-    assert_close(losses, ref_losses)
+    assert_close(deepspeed_steps(model, data), ref_losses)
     model.destroy()
 
 
