@@ -478,6 +478,22 @@ class DataParallel:
     BACKWARD, OPTIMIZER_STEP, GRADIENT_CLIP = 100, 101, 102
     GENERATE = 103  # Note [Generating on one rank] in synced_generate.py
     _CALLS[GENERATE] = "model.generate(...)"
+    # Note [Writes on one rank are refused]
+    # A load writes each rank's own shards only, and a save or a model.apply(fn) makes
+    # collectives of its own: called on one rank alone (DDP's habit of loading or saving under
+    # `if rank == 0:`, fine where every rank holds the whole model), a load silently left the
+    # other ranks' shards as they were (rank 0 trained on a mix of loaded and initial weights),
+    # and a save or an apply waited for the collective timeout (300 s) before an error that
+    # could only guess the cause. They join the agreement as kinds of their own, never served:
+    # on one rank alone they raise at once on every rank, naming what each runs.
+    MODEL_LOAD, OPTIMIZER_LOAD, CHECKPOINT_SAVE, MODULE_APPLY = 104, 105, 106, 107
+    _CALLS[MODEL_LOAD] = ("model.load_state_dict() (each rank loads its own shards: load on "
+                          "every rank)")
+    _CALLS[OPTIMIZER_LOAD] = ("optimizer.load_state_dict() (each rank loads its own shards: "
+                              "load on every rank)")
+    _CALLS[CHECKPOINT_SAVE] = ("model.save_checkpoint() (each rank writes its own shards: save "
+                               "on every rank)")
+    _CALLS[MODULE_APPLY] = "model.apply(fn) or summon_full_params() (call it on every rank)"
     _CALLS[BACKWARD] = "a backward (model.backward(loss) or loss.backward())"
     _CALLS[OPTIMIZER_STEP] = "optimizer.step()"
     _CALLS[GRADIENT_CLIP] = "clip_grad_norm_()"

@@ -1721,6 +1721,8 @@ class PatrickStarEngine(nn.Module):
         """`root.apply(fn)` for the engine or a module of its tree (`model.module.apply(fn)`,
         a submodule's: Note [Methods of the user's modules] in module_methods.py), as apply."""
         self.guard.check_alive("model.apply()")
+        # Note [Writes on one rank are refused] in data_parallel.py
+        self.dp.agree_on_training_call(self.dp.MODULE_APPLY)
         with self._awake():  # what fn touches is lent its values (module_apply.py)
             applying = ModuleApply(self, pending_until_end=self.dp.enabled)
             applying.run(root, fn)
@@ -1758,7 +1760,8 @@ class PatrickStarEngine(nn.Module):
                             f"False, not {type(writeback).__name__}; it gathers every parameter "
                             f"(DeepSpeed's GatheredParameters(params, modifier_rank=0) is "
                             f"summon_full_params(writeback=True))")
-        self._summoned += 1
+        self.dp.agree_on_training_call(self.dp.MODULE_APPLY)  # (Note [Writes on one rank
+        self._summoned += 1  # are refused] in data_parallel.py)
         try:
             with self._awake(), ModuleApply(self, pending_until_end=self.dp.enabled).lent(
                     self.module, writeback):
@@ -1828,6 +1831,8 @@ class PatrickStarEngine(nn.Module):
                             f"{type(exclude_frozen_parameters).__name__}; pass a scheduler as "
                             f"lr_scheduler=")
         with self.guard.calling("save_checkpoint()"):  # Note [Reads are calls too] in guards.py
+            # Note [Writes on one rank are refused] in data_parallel.py
+            self.dp.agree_on_training_call(self.dp.CHECKPOINT_SAVE)
             self.optimizer.apply_state_edits()  # Note [Edits of optimizer.state entries]
             return checkpoint.save_checkpoint(self, save_dir, tag, client_state, save_latest,
                                               lr_scheduler, exclude_frozen_parameters)

@@ -1342,6 +1342,8 @@ class PatrickStarOptimizer(torch.optim.Optimizer):
             if result is not None:
                 state_dict = result
         with self.guard.calling("optimizer.load_state_dict()"):  # Note [Reads are calls too]
+            # Note [Writes on one rank are refused] in data_parallel.py
+            self.dp.agree_on_training_call(self.dp.OPTIMIZER_LOAD)
             self._load_own_state_dict(state_dict)
             self.forget_state_edits()
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():

@@ -114,6 +114,8 @@ class ParameterValues:
         until it succeeds (Note [The engine's load_state_dict is torch's, all or nothing])."""
         self._guard.check_alive("load_state_dict()")
         with self._guard.calling("load_state_dict()"):  # Note [Reads are calls too]
+            # Note [Writes on one rank are refused] in data_parallel.py
+            self._dp.agree_on_training_call(self._dp.MODEL_LOAD)
             return self._load_state_dict(module, state_dict, strict)
 
     def _load_state_dict(self, module: nn.Module, state_dict, strict: bool):

@@ -264,6 +264,38 @@ def sync_batchnorm_lonely(out: str, rank: int, world: int) -> dict:
     return result
 
 
+def lonely_writes(out: str, rank: int, world: int) -> dict:
+    """A load, a save or an apply on rank 0 alone (DDP's `if rank == 0:` habit) while rank 1
+    trains: each raises at once on both ranks (Note [Writes on one rank are refused] in
+    data_parallel.py); a load silently left rank 1's shards as they were, a save or an apply
+    waited for the collective timeout. A fresh engine for each call."""
+    plain = SmallCNN()
+    calls = {"model.load_state_dict": lambda model, _: model.load_state_dict(plain.state_dict()),
+             "optimizer.load_state_dict": lambda _, optimizer: optimizer.load_state_dict(
+                 saved_optimizer),
+             "save_checkpoint": lambda model, _: model.save_checkpoint(
+                 os.path.join(os.path.dirname(out), "lonely")),
+             "apply": lambda model, _: model.apply(lambda m: None)}
+    x = torch.randn(2, 3, 6, 6)
+    result = {}
+    for name, call in calls.items():
+        model, optimizer = patrickstar.initialize(
+            SmallCNN, config=dict(adam(), parallel={"collective_timeout": 5}))
+        saved_optimizer = optimizer.state_dict()  # (every rank: a collective)
+        started = time.monotonic()
+        try:
+            if rank == 0:
+                call(model, optimizer)
+            else:
+                model.backward(model(x).square().mean())
+            result[name] = "ok"
+        except Exception as error:  # noqa: BLE001
+            result[name] = f"{type(error).__name__}: {error}"
+        result[name + " seconds"] = time.monotonic() - started
+        model.destroy()
+    return result
+
+
 class Branches(nn.Module):
     """A branch only some batches take (DDP's find_unused_parameters=True case)."""
 
@@ -511,6 +543,7 @@ def skip_bad_batch(out: str, rank: int, world: int) -> dict:
 SCENARIOS = {"tutorial": tutorial, "resume": resume, "skip_bad_batch": skip_bad_batch, "unused": unused, "batchnorm": batchnorm,
              "raw_module": raw_module, "sync_batchnorm": sync_batchnorm,
              "sync_batchnorm_lonely": sync_batchnorm_lonely, "join": join,
+             "lonely_writes": lonely_writes,
              "comm_hook": comm_hook,
              "reentrant": reentrant,
              "failing_loader": lambda *a: failing_loader(*a, "loader"),

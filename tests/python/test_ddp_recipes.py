@@ -17,7 +17,7 @@ from test_data_parallel import launch
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ddp_recipes_worker.py")
 SCENARIOS = ["tutorial", "resume", "skip_bad_batch", "unused", "batchnorm", "raw_module", "sync_batchnorm",
-             "sync_batchnorm_lonely", "join", "comm_hook", "reentrant"]
+             "sync_batchnorm_lonely", "join", "comm_hook", "reentrant", "lonely_writes"]
 
 
 @pytest.fixture(scope="module")
@@ -131,6 +131,24 @@ def test_sync_batchnorm_forward_on_one_rank_in_train_mode_raises_on_every_rank(t
         for call in ("model", "model.module"):  # rank 0's call (rank 1 trains)
             assert result[call].startswith("RuntimeError"), result[call]
             assert "SyncBatchNorm layers in train mode" in result[call]
+
+
+def test_a_load_save_or_apply_on_one_rank_raises_on_every_rank_at_once(two_ranks):
+    # Note [Writes on one rank are refused] in data_parallel.py: rank 0 loading alone kept
+    # rank 1's shards silently (training went on from a mix), and a save or an apply alone
+    # waited for the collective timeout.
+    results = scenario(two_ranks, "lonely_writes")
+    for call, says in [("model.load_state_dict", "model.load_state_dict() (each rank loads"),
+                       ("optimizer.load_state_dict", "optimizer.load_state_dict() (each rank"),
+                       ("save_checkpoint", "model.save_checkpoint() (each rank writes"),
+                       ("apply", "model.apply(fn) or summon_full_params()")]:
+        for rank, result in enumerate(results):
+            error = result[call]
+            assert error.startswith("RuntimeError") and \
+                "the ranks are not making the same call" in error, (rank, call, error)
+            assert re.search(rf"rank 0: call \d+, {re.escape(says)}", error), (rank, error)
+            assert re.search(r"rank 1: call \d+, a training forward", error), (rank, error)
+            assert result[call + " seconds"] < 5, (rank, call)  # not the collective timeout
 
 
 def test_reentrant_checkpoint_reusing_a_parameter_raises_naming_use_reentrant(two_ranks):
