@@ -14,7 +14,11 @@ state is loaded into the engine's optimizer once it is built, as `optimizer.load
 would (its checks and its numbering). A torch optimizer is found from its `param_groups` list
 by the objects that refer to that list (the list is the optimizer's attribute), once, at
 initialize(); a list of groups built by hand has no such owner. State that is not Adam's (SGD's
-momentum buffers) cannot be carried: a warning says it is dropped.
+momentum buffers) cannot be carried: a warning says it is dropped. A config without an
+'optimizer' section takes the torch Adam's or AdamW's type and defaults (its AdamW groups were
+refused against the default Adam), as DeepSpeed's `optimizer=` does; so does one given the
+groups of a torch optimizer already gone (`torch.optim.AdamW(...).param_groups`), by the
+`decoupled_weight_decay` every torch Adam's and AdamW's group carries.
 """
 from __future__ import annotations
 
@@ -23,7 +27,7 @@ import warnings
 
 import torch
 
-__all__ = ["source_optimizer", "saved_adam_state"]
+__all__ = ["source_optimizer", "saved_adam_state", "optimizer_section", "groups_section"]
 
 
 def source_optimizer(param_groups) -> torch.optim.Optimizer | None:
@@ -60,3 +64,27 @@ def saved_adam_state(source: torch.optim.Optimizer | None) -> dict | None:
         return None
     return source.state_dict()
 
+
+
+def optimizer_section(source: torch.optim.Adam) -> dict:
+    """The config's 'optimizer' section that trains as torch Adam / AdamW `source` does: its
+    type and its defaults (a config without one takes it: Note [DeepSpeed's client optimizer]
+    in deepspeed_arguments.py)."""
+    defaults = source.defaults
+    decoupled = bool(defaults.get("decoupled_weight_decay",
+                                  isinstance(source, torch.optim.AdamW)))
+    return {"type": "AdamW" if decoupled else "Adam", "params": {
+        "lr": float(defaults["lr"]), "betas": [float(beta) for beta in defaults["betas"]],
+        "eps": float(defaults["eps"]), "weight_decay": float(defaults["weight_decay"])}}
+
+
+def groups_section(param_groups) -> dict | None:
+    """The 'optimizer' section (its type) of groups that say which torch Adam made them (their
+    `decoupled_weight_decay`), else None."""
+    if not isinstance(param_groups, list) or not param_groups:
+        return None
+    kinds = {group.get("decoupled_weight_decay") if isinstance(group, dict) else None
+             for group in param_groups}
+    if len(kinds) != 1 or not isinstance(next(iter(kinds)), bool):
+        return None
+    return {"type": "AdamW" if kinds.pop() else "Adam"}

@@ -27,6 +27,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from .carried_state import optimizer_section
 from .config import read_config
 
 _MODEL_PARAMETERS_NEED_A_MODULE = (
@@ -141,12 +142,7 @@ def _config_for_client_optimizer(client, config):
     if "optimizer" in raw:
         raise TypeError("initialize(optimizer=...) and the config's 'optimizer' section both "
                         "give the optimizer; keep one")
-    defaults = client.defaults
-    decoupled = bool(defaults.get("decoupled_weight_decay",
-                                  isinstance(client, torch.optim.AdamW)))
-    raw["optimizer"] = {"type": "AdamW" if decoupled else "Adam", "params": {
-        "lr": float(defaults["lr"]), "betas": [float(beta) for beta in defaults["betas"]],
-        "eps": float(defaults["eps"]), "weight_decay": float(defaults["weight_decay"])}}
+    raw["optimizer"] = optimizer_section(client)
     return raw
 
 

@@ -11,8 +11,9 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .carried_state import saved_adam_state, source_optimizer
-from .config import Config, load_config
+from .carried_state import (groups_section, optimizer_section, saved_adam_state,
+                            source_optimizer)
+from .config import Config, load_config, read_config
 from .deepspeed_arguments import take_deepspeed_arguments
 from .engine import PatrickStarEngine
 from .init_context import BuiltModule
@@ -54,6 +55,12 @@ def initialize(model_func: Callable[[], nn.Module] | nn.Module | None = None, co
     carried = saved_adam_state(source)
     if source is not None:
         param_groups = source.param_groups
+    section = optimizer_section(source) if isinstance(source, torch.optim.Adam) else \
+        groups_section(param_groups)
+    if section is not None and not isinstance(config, Config):
+        raw = read_config(config)
+        if "optimizer" not in raw:  # (a section of its own decides, checked against them)
+            config = {**raw, "optimizer": section}
     with torch.inference_mode(False):  # Note [initialize() under torch.inference_mode()]
         model, optimizer = _initialize(model_func, config, _local_rank(local_rank),
                                        param_groups)

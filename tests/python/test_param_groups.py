@@ -507,3 +507,19 @@ def test_another_optimizers_state_is_not_carried_and_says_so():
         model, opt = patrickstar.initialize(built, param_groups=sgd.param_groups, config={
             "default_chunk_size": 4096, "optimizer": {"type": "Adam", "params": {"lr": 1e-2}}})
     assert len(opt.state) == 0
+
+
+def test_a_config_without_an_optimizer_takes_the_torch_optimizers_type_with_its_groups():
+    # nanoGPT's AdamW groups with a config that has no optimizer section were refused against
+    # the default Adam ("decoupled_weight_decay is True but config optimizer type is 'Adam'");
+    # DeepSpeed's optimizer= took the type from the same object.
+    torch.manual_seed(0)
+    reference = MLP()
+    ref_opt = torch.optim.AdamW(decay_split(reference), lr=1e-2, betas=(0.9, 0.95))
+    torch.manual_seed(0)
+    built = MLP()
+    groups = torch.optim.AdamW(decay_split(built), lr=1e-2, betas=(0.9, 0.95)).param_groups
+    model, opt = patrickstar.initialize(built, param_groups=groups,
+                                        config={"default_chunk_size": 4096})
+    assert opt.decoupled_weight_decay
+    train_alongside(reference, ref_opt, [(model, opt)], mlp_batches(3))

@@ -314,7 +314,9 @@ class PipelineModule:
         return _Stage(self, *self.stage_layers(stage, num_stages))
 
     def sequential(self) -> nn.Module:
-        """All layers as one plain module, built as the stages build theirs."""
+        """All layers as one plain module, built as the stages build theirs: with the same
+        initial weights when seed_layers is set (each stage otherwise builds its layers from
+        its own process's random state)."""
         return _Stage(self, 0, len(self.layers))
 
     def __repr__(self) -> str:
