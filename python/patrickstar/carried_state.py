@@ -65,7 +65,6 @@ def saved_adam_state(source: torch.optim.Optimizer | None) -> dict | None:
     return source.state_dict()
 
 
-
 def optimizer_section(source: torch.optim.Adam) -> dict:
     """The config's 'optimizer' section that trains as torch Adam / AdamW `source` does: its
     type and its defaults (a config without one takes it: Note [DeepSpeed's client optimizer]
