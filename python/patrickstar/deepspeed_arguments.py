@@ -27,7 +27,6 @@ import os
 import torch
 import torch.distributed as dist
 
-from .carried_state import optimizer_section
 from .config import read_config
 
 _MODEL_PARAMETERS_NEED_A_MODULE = (
@@ -90,8 +89,8 @@ def take_deepspeed_arguments(model_func, config, param_groups, kwargs: dict):
             raise TypeError("initialize(): optimizer= (DeepSpeed's client optimizer, whose "
                             "groups are taken) and param_groups / model_parameters= both give "
                             "the groups; pass one")
-        config = _config_for_client_optimizer(client, config)
-        param_groups = client
+        _check_client_optimizer(client, config)
+        param_groups = client  # (initialize() takes its config section with its groups)
     if "dist_init_required" in kwargs:
         _check_dist_init_required(kwargs.pop("dist_init_required"))
     for name in kwargs:
@@ -129,8 +128,8 @@ def _client_from_callable(make, model, model_parameters):
     return make(model_parameters)
 
 
-def _config_for_client_optimizer(client, config):
-    """`config` with the optimizer section of torch Adam / AdamW `client`."""
+def _check_client_optimizer(client, config) -> None:
+    """Raises unless torch Adam / AdamW `client` can stand for `config`'s optimizer."""
     if not isinstance(client, torch.optim.Adam):  # (torch's AdamW is an Adam)
         what = type(client).__name__ if isinstance(client, torch.optim.Optimizer) else \
             f"a {type(client).__name__}"
@@ -138,12 +137,9 @@ def _config_for_client_optimizer(client, config):
                         f"chunked Adam or AdamW only, so it takes a torch.optim.Adam or AdamW "
                         f"(its param groups and state) or config 'optimizer': {{type: Adam/"
                         f"AdamW, params: {{lr, betas, eps, weight_decay}}}}")
-    raw = dict(read_config(config))
-    if "optimizer" in raw:
+    if "optimizer" in read_config(config):
         raise TypeError("initialize(optimizer=...) and the config's 'optimizer' section both "
                         "give the optimizer; keep one")
-    raw["optimizer"] = optimizer_section(client)
-    return raw
 
 
 def _check_dist_init_required(value) -> None:

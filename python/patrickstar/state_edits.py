@@ -128,7 +128,7 @@ class StateEdits:
                 entry.mark_written()
                 handed.tensors = entry.tensors()
             else:
-                handed.tensors = {key: (ref, ref()._version if ref() is not None else version)
+                handed.tensors = {key: (ref, getattr(ref(), "_version", version))
                                   for key, (ref, version) in handed.tensors.items()}
         self._last = None  # (after the loop: releasing it may free the entry it looks at)
         self._handed = [handed for handed in self._handed if handed.alive()]
