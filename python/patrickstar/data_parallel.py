@@ -92,6 +92,7 @@ import torch.distributed as dist
 from . import _C, process_engines, recorded_collectives, script_collectives, topology
 from .gather_schedule import GatherSchedule
 from .guards import forked_child_error
+from .model_group_calls import ModelGroupCalls, model_group_agreement
 from .recorded_collectives import RecordedGroupCollectives
 from .utils.logging import logger
 from .vocabulary import Tier
@@ -223,6 +224,9 @@ class DataParallel:
         self.forwards_have_collectives = False
         # Pipeline stages / tensor slices: the norm and overflow flag span the model group too.
         self.model_parallel: topology.ModelParallelGradStats | None = None
+        # Tensor slices on one data rank: Note [Calls on one rank of a model replica] in
+        # model_group_calls.py (pipeline stages agree in their own engine).
+        self.model_calls: ModelGroupCalls | None = None
         self._group_labels: dict[int, str] | None = None  # made for the first profile
 
     @property
@@ -247,6 +251,12 @@ class DataParallel:
         groups = topology.current()
         if groups is not None and groups.pipe_size * groups.tensor_size > 1:
             self.model_parallel = topology.ModelParallelGradStats(engine, groups)
+            if groups.pipe_size == 1:
+                self.model_calls = model_group_agreement(
+                    groups, self._CALLS, "evaluate on every rank (each gets the same loss) and "
+                    "print or log on one.",
+                    {rank: f"tensor slice {groups.topology.get_coord(rank).tensor} (rank {rank})"
+                     for rank in groups.model_ranks}, self.timeout)
         if not self.enabled:
             return
         self.open_accumulation = engine.guard.open_accumulation
@@ -510,8 +520,10 @@ class DataParallel:
         self._in_forward = self.enabled
         self._backward_follows = backward_follows  # agreed: the same on every rank
         self._served_forward = False  # (an earlier served forward that raised left it set)
-        if self.enabled:
-            kind = 1 if backward_follows else self.SYNCED_NORMS_FORWARD if syncs_norms else 0
+        kind = self.forward_kind(backward_follows, syncs_norms)
+        if not self.enabled:
+            self.agree_on_model_group(kind)
+        else:
             served = self.agree_on_call(kind)
             if served:  # Note [Reads on one rank are served]: every group, then no collective
                 # (and the buffers left be: Note [Buffers follow the first rank])
@@ -523,6 +535,10 @@ class DataParallel:
                     self._broadcast_buffers(list(buffers))
                 self._buffers_from_first_rank = backward_follows and self._boundary()
                 self.gathers.begin_forward()
+
+    def forward_kind(self, backward_follows: bool, syncs_norms: bool) -> int:
+        """The call kind of a forward (before_forward's arguments)."""
+        return 1 if backward_follows else self.SYNCED_NORMS_FORWARD if syncs_norms else 0
 
     # Note [Buffers follow the first rank]
     # Buffers (BatchNorm's running statistics and batch count) are the module's own tensors on
@@ -650,6 +666,9 @@ class DataParallel:
     _CALLS[JOIN_END] = ("the end of `with model.join():` (this rank's inputs ran out first: "
                         "uneven inputs are not shadowed here, as DDP's join() does; give every "
                         "rank as many batches, as DistributedSampler's equal shards do)")
+    # The calls whose collectives span the tensor slices (Note [Calls on one rank of a model
+    # replica] in model_group_calls.py).
+    _MODEL_GROUP_CALLS = (0, 1, SYNCED_NORMS_FORWARD, BACKWARD, OPTIMIZER_STEP, GRADIENT_CLIP)
 
     # Note [Calls between a read and its serving]
     # A read on one rank waits for the other ranks' next agreed call (Note [Reads on one rank
@@ -673,6 +692,15 @@ class DataParallel:
         """A backward, step or clip (Note [Calls between a read and its serving])."""
         if self.enabled and self.communicator is not None:
             self.agree_on_call(kind)
+        elif not self.enabled:
+            self.agree_on_model_group(kind)
+
+    def agree_on_model_group(self, kind: int) -> None:
+        """Without data parallelism, a call whose collectives span the tensor slices (Note
+        [Calls on one rank of a model replica] in model_group_calls.py); others agree on
+        nothing."""
+        if self.model_calls is not None and kind in self._MODEL_GROUP_CALLS:
+            self.model_calls.agree(kind)
 
     def _served_call(self, rows: list[tuple[int, int, int]]) -> tuple[int, int] | None:
         """The read (kind, engine slot) the other ranks serve (Note [Reads on one rank are

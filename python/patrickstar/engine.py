@@ -735,13 +735,18 @@ class PatrickStarEngine(nn.Module):
     def _enter_direct_call(self) -> None:
         refuse_traced_call("model.module(...)")  # Note [Tracing the engine's module]
         added_params.refuse_unfrozen(self)  # Note [Parameters added after initialize()]
+        outermost = not self._in_forward and not self._views.in_direct_call()
         self.wake_parameters()
         self._views.enter_direct_call()
+        backward_follows = torch.is_grad_enabled() and self.module.training
         if not self._in_forward and self._direct_forward is None and self.dp.enabled:
-            backward_follows = torch.is_grad_enabled() and self.module.training
             self.dp.before_forward(backward_follows, self.module.buffers(),
                                    self._syncs_norms())
             self._direct_forward = backward_follows
+        elif outermost and not self.dp.enabled:
+            # Note [Calls on one rank of a model replica] in model_group_calls.py
+            self.dp.agree_on_model_group(self.dp.forward_kind(backward_follows,
+                                                              self._syncs_norms()))
 
     def _leave_direct_call(self, raised: bool = False) -> None:
         self._views.leave_direct_call()

@@ -285,12 +285,23 @@ def group_all_reduce(tensor, group, name: str, label: str, op=None) -> None:
               label=label, op=str(op).rsplit(".", 1)[-1].lower())
 
 
-def group_all_gather(parts: list, tensor, group, name: str, label: str) -> None:
+def group_all_gather(parts: list, tensor, group, name: str, label: str,
+                     timeout: float | None = None) -> None:
     """`torch.distributed.all_gather(parts, tensor, group)`, recorded as `name` (its payload:
-    the parts it fills)."""
+    the parts it fills); waited for at most `timeout` seconds when given (the group's own
+    timeout otherwise)."""
+    import datetime
+
     import torch.distributed as dist
-    _recorded(lambda: dist.all_gather(parts, tensor, group=group), name,
-              lambda: len(parts) * tensor.numel() * tensor.element_size(), label=label)
+
+    def run():
+        if timeout is None:
+            dist.all_gather(parts, tensor, group=group)
+        else:
+            dist.all_gather(parts, tensor, group=group, async_op=True).wait(
+                timeout=datetime.timedelta(seconds=timeout))
+    _recorded(run, name, lambda: len(parts) * tensor.numel() * tensor.element_size(),
+              label=label)
 
 
 def group_broadcast(tensor, src: int, group, name: str, label: str) -> None:

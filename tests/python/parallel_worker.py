@@ -5,6 +5,9 @@
                                              sizes than stage 0
     parallel_worker.py OUT_DIR --kill        stage 1 dies after initialize()
     parallel_worker.py OUT_DIR --stall       stage 1 stays alive but sends nothing for 6 s
+    parallel_worker.py OUT_DIR --alone       rank 0 evaluates alone (eval_batch of 2 stages, a
+                                             no_grad forward of 2 tensor slices) while rank 1
+                                             trains; then both evaluate and train
     parallel_worker.py OUT_DIR --profile     the collectives a profile of tensor slicing and of
                                              a tied pipeline recorded; a bad stride's error;
                                              the warnings of sliced and unsliced models
@@ -137,6 +140,55 @@ def peer_failure(rank: int, mode: str) -> dict:
         return {}
     except Exception as error:  # noqa: BLE001
         return dict(error_result(error), elapsed=time.monotonic() - start)
+
+
+def _raises(results: dict, key: str, call) -> None:
+    start = time.monotonic()
+    try:
+        call()
+        results[key] = {"elapsed": time.monotonic() - start}
+    except Exception as error:  # noqa: BLE001 (the test inspects it)
+        results[key] = dict(error_result(error), elapsed=time.monotonic() - start)
+
+
+def evaluating_alone(rank: int) -> dict:
+    """Note [Calls on one rank of a model replica] in model_group_calls.py: rank 0 evaluates
+    under `if rank == 0:` while rank 1 trains, with pipeline stages, then tensor slices; then
+    both evaluate, read and train together (which goes on working)."""
+    results = {}
+    batches = list(SCENARIOS["pp_1f1b"].micro_batches())
+    config = {"default_chunk_size": 8192, "gradient_accumulation_steps": 2,
+              "parallel": {"pipeline": 2, "collective_timeout": 20}}
+    engine, _ = patrickstar.initialize(gpt_pipeline(gpt_config(), seed_layers=True),
+                                       config=config)
+    engine.train_batch(iter(batches[:2]))
+    _raises(results, "pipe_alone", lambda: engine.eval_batch(iter(batches[2:4])) if rank == 0
+            else engine.train_batch(iter(batches[2:4])))
+    results["pipe_together"] = [engine.eval_batch(iter(batches[2:4])).item(),
+                                engine.train_batch(iter(batches[2:4])).item()]
+    engine.destroy()
+    torch.manual_seed(0)
+    model, optimizer = patrickstar.initialize(lambda: ParallelGPT(gpt_config()), config={
+        "default_chunk_size": 8192, "parallel": {"tensor": 2, "collective_timeout": 20}})
+    x, y = batches[0]
+
+    def train_step():
+        loss = model(x, y)
+        model.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss.item()
+
+    def evaluate():
+        with torch.no_grad():
+            return model(x, y).item()
+
+    train_step()
+    _raises(results, "tensor_alone", evaluate if rank == 0 else train_step)
+    results["tensor_read_alone"] = len(model.state_dict()) if rank == 0 else None
+    results["tensor_together"] = [evaluate(), train_step(), evaluate()]
+    model.destroy()
+    return results
 
 
 def collectives_profiled(out: str) -> dict:
@@ -384,6 +436,8 @@ def main() -> None:
             results = convert_pipeline_slices(what[1])
         elif what == ["--checkpoint"]:
             results = checkpoints(out, rank)
+        elif what == ["--alone"]:
+            results = evaluating_alone(rank)
         elif what == ["--profile"]:
             results = collectives_profiled(out)
         elif what in (["--kill"], ["--stall"]):

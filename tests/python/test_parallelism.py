@@ -380,6 +380,31 @@ def test_mismatched_stages_are_clear_errors(tmp_path):
     assert "stage 1 (rank 1)" in stage0["error"]
 
 
+def test_evaluating_on_one_rank_of_stages_or_slices_raises_on_both_at_once(tmp_path):
+    """Note [Calls on one rank of a model replica]: DDP's `if rank == 0:` evaluation, with
+    stages or slices and no data parallelism. Without the agreement the stages paired rank 0's
+    evaluation with rank 1's training until the collective timeout (20 s here), and the slices
+    all-reduced an evaluation with a training forward (a wrong loss) before gloo aborted."""
+    results = launch(tmp_path, 2, "--alone", worker=WORKER)
+    calls = {"pipe_alone": ("eval_batch()", "train_batch()"),
+             "tensor_alone": ("a forward without backward", "a training forward")}
+    for key, (evaluating, training) in calls.items():
+        for rank, result in enumerate(results):
+            error = result[key]
+            assert error.get("error_type") == "RuntimeError", (key, rank, error)
+            assert error["elapsed"] < 10, (key, rank, error)
+            assert "not making the same call" in error["error"]
+            assert "rank 0: call " in error["error"] and evaluating in error["error"]
+            assert "rank 1: call " in error["error"] and training in error["error"]
+            assert "on every rank" in error["error"]
+    # Afterwards the ranks evaluate and train together, agreeing on every value; a read on one
+    # rank alone (each slice's own state dict) makes no collective and needs no agreement.
+    for key in ("pipe_together", "tensor_together"):
+        assert results[0][key] == results[1][key]
+        assert all(math.isfinite(value) for value in results[0][key])
+    assert results[0]["tensor_read_alone"] > 0
+
+
 def test_a_dead_stage_is_an_error_naming_it(tmp_path):
     survivor = launch(tmp_path, 2, "--kill", worker=WORKER)[0]
     assert survivor.get("error_type") in ("PipelinePeerError", "TimeoutError"), survivor

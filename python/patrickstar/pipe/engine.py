@@ -40,8 +40,9 @@ from .. import _C, recorded_collectives, topology
 from ..batch_sizes import resolve_batch_sizes
 from ..config import load_config
 from ..engine import PatrickStarEngine
+from ..model_group_calls import model_group_agreement
 from .module import PipelineModule, TiedLayerSpec
-from .p2p import ACTIVATION, GRADIENT, P2P, check_gradients, describe
+from .p2p import ACTIVATION, GRADIENT, P2P, PipelinePeerError, check_gradients, describe
 from .schedule import SCHEDULES, inference
 
 __all__ = ["PipelineEngine"]
@@ -90,6 +91,13 @@ class PipelineEngine:
         self._tied = self._build_tied_groups()
         self._sync_tied_weights()
         self.global_steps = 0
+        # Note [Calls on one rank of a model replica] in model_group_calls.py
+        self._calls = model_group_agreement(
+            groups, {self._TRAIN_BATCH: "train_batch()", self._EVAL_BATCH: "eval_batch()"},
+            "call train_batch() and eval_batch() on every rank (each returns the same loss), "
+            "then print or log on one.",
+            {rank: self._describe_rank(rank) for rank in groups.model_ranks},
+            self.config.parallel.collective_timeout, PipelinePeerError)
 
     # ---- Construction --------------------------------------------------------------------------
 
@@ -188,9 +196,12 @@ class PipelineEngine:
         raise RuntimeError("a PipelineEngine runs whole batches: call train_batch(data_iter) or "
                            "eval_batch(data_iter), not the engine itself")
 
+    _TRAIN_BATCH, _EVAL_BATCH = 0, 1  # call kinds of the model group's agreement
+
     def train_batch(self, data_iter=None) -> torch.Tensor:
         """Forward and backward of gradient_accumulation_steps micro batches, then one
         optimizer step; returns the global batch's mean loss (the same on every rank)."""
+        self._agree(self._TRAIN_BATCH)
         self.engine.module.train()
         steps = SCHEDULES[self.schedule](self.micro_batches, self.num_stages, self.stage)
         losses = self._run(steps, data_iter, train=True)
@@ -205,6 +216,7 @@ class PipelineEngine:
         the mean loss (the same on every rank). `return_logits=True` (DeepSpeed's) returns
         `(loss, outputs)`: the last stage's outputs of every micro batch (the model's output
         before `loss_fn`) concatenated along the batch dimension, None on the other stages."""
+        self._agree(self._EVAL_BATCH)
         module = self.engine.module
         was_training = module.training
         module.eval()
@@ -223,6 +235,16 @@ class PipelineEngine:
         if all(isinstance(out, torch.Tensor) for out in outputs):
             return loss, torch.cat(outputs)
         return loss, tuple(torch.cat(parts) for parts in zip(*outputs))
+
+    def _describe_rank(self, rank: int) -> str:
+        coord = self.groups.topology.get_coord(rank)
+        if self.groups.tensor_size == 1:
+            return f"stage {coord.pipe} (rank {rank})"
+        return f"stage {coord.pipe} tensor slice {coord.tensor} (rank {rank})"
+
+    def _agree(self, kind: int) -> None:
+        if self._calls is not None:
+            self._calls.agree(kind)
 
     def is_first_stage(self) -> bool:
         """DeepSpeed's: whether this rank runs the first stage (it reads the inputs)."""
