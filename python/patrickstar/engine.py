@@ -1631,6 +1631,11 @@ class PatrickStarEngine(nn.Module):
                 type(self.module).__name__, "\n\t".join(errors)))
         return state_dict
 
+    def agree_on_module_load(self) -> None:
+        """The user's module (or a submodule) starts a load_state_dict: under data parallelism
+        every rank makes it (Note [Writes on one rank are refused] in data_parallel.py)."""
+        self._parameter_values.agree_on_module_load()
+
     def load_parameter(self, index: int, source: torch.Tensor) -> None:
         """New weights for parameter `index` (its shape, any float dtype)."""
         self._parameter_values.load(index, source)

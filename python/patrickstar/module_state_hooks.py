@@ -22,7 +22,10 @@ module that owns parameters fix both:
     unexpected-key accounting is unchanged (that copy bumps the parameter's version counter,
     which a post-hook then forgets: Note [Writes to a released parameter]). A shape that
     differs from the real one is reported in torch's own words with the real shape;
-    `assign=True` cannot replace a chunked parameter and says so.
+    `assign=True` cannot replace a chunked parameter and says so. Under data parallelism an
+    outermost load (prefix "") first checks that every rank makes it, as the engine's own
+    load does (Note [Writes on one rank are refused] in data_parallel.py): each rank writes
+    its own shards only, and rank 0 loading alone left the other ranks' shards as they were.
 """
 from __future__ import annotations
 
@@ -108,6 +111,7 @@ class ModuleStateHooks(HookSet):
     def _load_hooks_last(self, module, state_dict, prefix, *args) -> None:
         if prefix:
             return
+        self._live_engine().agree_on_module_load()
         for below in module.modules():
             handle = self._load_handles.get(below)
             if below is module or handle is None:

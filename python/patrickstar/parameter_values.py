@@ -118,6 +118,14 @@ class ParameterValues:
             self._dp.agree_on_training_call(self._dp.MODEL_LOAD)
             return self._load_state_dict(module, state_dict, strict)
 
+    def agree_on_module_load(self) -> None:
+        """A load_state_dict of the user's module or a submodule starts (`model.module.
+        load_state_dict`, Hugging Face's and PEFT's loads): every rank makes it (Note [Writes on
+        one rank are refused] in data_parallel.py), unless the engine's own load, which agreed
+        already, runs it."""
+        if self._held is None:
+            self._dp.agree_on_training_call(self._dp.MODEL_LOAD)
+
     def _load_state_dict(self, module: nn.Module, state_dict, strict: bool):
         self._held = {}
         try:

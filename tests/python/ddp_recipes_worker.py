@@ -271,6 +271,10 @@ def lonely_writes(out: str, rank: int, world: int) -> dict:
     waited for the collective timeout. A fresh engine for each call."""
     plain = SmallCNN()
     calls = {"model.load_state_dict": lambda model, _: model.load_state_dict(plain.state_dict()),
+             "model.module.load_state_dict": lambda model, _: model.module.load_state_dict(
+                 plain.state_dict()),
+             "submodule.load_state_dict": lambda model, _: model.module.conv1.load_state_dict(
+                 plain.conv1.state_dict()),
              "optimizer.load_state_dict": lambda _, optimizer: optimizer.load_state_dict(
                  saved_optimizer),
              "save_checkpoint": lambda model, _: model.save_checkpoint(
