@@ -16,7 +16,7 @@ placeholders (the next forward then raised about a lost write). `install()` (run
     through torch's way.
   * vector_to_parameters loads each released engine parameter's slice into its chunks (compute
     copy, master and compensation, as load_state_dict does), then drops stale gathered copies
-    under data parallelism.
+    under data parallelism; there, as a load, every rank calls it.
 Parameters of no engine go through torch's own code, untouched. As with clip_grad_norm_, a name
 imported before the first initialize() (`from torch.nn.utils import parameters_to_vector` at the
 top of a script) is torch's own function and still sees the placeholders.
@@ -87,7 +87,11 @@ def vector_to_parameters(vec, parameters):
     if vec.numel() < sum(sizes):
         raise ValueError(f"torch.nn.utils.vector_to_parameters: the vector has {vec.numel()} "
                          f"elements, the {len(params)} parameters given {sum(sizes)}")
-    engines = {}
+    engines = {id(owner[0]): owner[0] for owner in released if owner is not None}
+    for engine in engines.values():
+        # Each rank writes its own shards: on one rank alone it raises on every rank (Note
+        # [Writes on one rank are refused] in data_parallel.py).
+        engine.agree_on_module_load()
     pointer = 0
     for param, owner, size in zip(params, released, sizes):
         piece = vec[pointer:pointer + size]
@@ -97,7 +101,6 @@ def vector_to_parameters(vec, parameters):
             continue
         engine, index = owner
         engine.load_parameter(index, piece.detach().view(engine.params.shapes[index]))
-        engines[id(engine)] = engine
     for engine in engines.values():
         engine.dp.parameters_changed()  # gathered copies of what the owners loaded are stale
 

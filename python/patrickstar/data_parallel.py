@@ -497,8 +497,9 @@ class DataParallel:
     # could only guess the cause. They join the agreement as kinds of their own, never served:
     # on one rank alone they raise at once on every rank, naming what each runs.
     MODEL_LOAD, OPTIMIZER_LOAD, CHECKPOINT_SAVE, MODULE_APPLY = 104, 105, 106, 107
-    _CALLS[MODEL_LOAD] = ("model.load_state_dict() (or model.module's, a submodule's: each "
-                          "rank loads its own shards: load on every rank)")
+    _CALLS[MODEL_LOAD] = ("model.load_state_dict() (or model.module's, a submodule's, "
+                          "vector_to_parameters(): each rank loads its own shards: load on "
+                          "every rank)")
     _CALLS[OPTIMIZER_LOAD] = ("optimizer.load_state_dict() (each rank loads its own shards: "
                               "load on every rank)")
     _CALLS[CHECKPOINT_SAVE] = ("model.save_checkpoint() (each rank writes its own shards: save "

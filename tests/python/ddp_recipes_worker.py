@@ -275,6 +275,8 @@ def lonely_writes(out: str, rank: int, world: int) -> dict:
                  plain.state_dict()),
              "submodule.load_state_dict": lambda model, _: model.module.conv1.load_state_dict(
                  plain.conv1.state_dict()),
+             "vector_to_parameters": lambda model, _: torch.nn.utils.vector_to_parameters(
+                 torch.nn.utils.parameters_to_vector(plain.parameters()), model.parameters()),
              "optimizer.load_state_dict": lambda _, optimizer: optimizer.load_state_dict(
                  saved_optimizer),
              "save_checkpoint": lambda model, _: model.save_checkpoint(

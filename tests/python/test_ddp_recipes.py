@@ -141,6 +141,7 @@ def test_a_load_save_or_apply_on_one_rank_raises_on_every_rank_at_once(two_ranks
     for call, says in [("model.load_state_dict", "model.load_state_dict() (or model.module"),
                        ("model.module.load_state_dict", "model.load_state_dict() (or model.module"),
                        ("submodule.load_state_dict", "model.load_state_dict() (or model.module"),
+                       ("vector_to_parameters", "model.load_state_dict() (or model.module"),
                        ("optimizer.load_state_dict", "optimizer.load_state_dict() (each rank"),
                        ("save_checkpoint", "model.save_checkpoint() (each rank writes"),
                        ("apply", "model.apply(fn) or summon_full_params()")]:
