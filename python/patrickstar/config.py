@@ -20,7 +20,7 @@ from typing import Any, Callable, Mapping
 
 __all__ = ["Config", "OptimizerConfig", "Fp16Config", "MemoryConfig", "NvmeConfig",
            "ProfileConfig", "ParallelConfig", "SchedulerConfig", "load_config", "parse_bytes",
-           "auto_chunk_floor"]
+           "auto_chunk_floor", "fitted_chunk_size"]
 
 _SIZE_UNITS = {
     "": 1, "b": 1,
@@ -891,3 +891,23 @@ def auto_chunk_floor(world_size: int) -> int:
     keeps chunks of at least 64K. Advice to use "auto" for chunks already smaller than this
     would make them larger (the profile's waste finding, the host-budget errors)."""
     return 1 << 12 if world_size > 1 else 1 << 16
+
+
+# Note [Chunks no larger than the model]
+# Chunks are allocated whole, and the default (64Mi elements, upstream PatrickStar's usual size)
+# is sized for models of billions of parameters: a model of a few thousand held about 1.3 GB
+# (a 256 MiB chunk per kind and tier copy) and spent its first step zero-filling them, 0.8 s
+# where torch takes a millisecond. Packing is first-fit in registration order with no gaps
+# (Note [Oversize groups] in chunk/chunk_layout.h), so when every parameter fits one chunk, any
+# chunk size from the parameters' total up gives the same placement: each list one chunk, every
+# tensor at the same offset. Such a model gets the smallest power of two that holds it (at least
+# auto_chunk_floor(1)); a larger model keeps the size given. Only capacity changes: a checkpoint
+# written with the larger chunks loads as it is (CheckpointState.differences compares placement).
+def fitted_chunk_size(chunk_size: int | None, total_elements: int) -> int | None:
+    """`chunk_size` (None: searched), or the smallest power of two of at least
+    auto_chunk_floor(1) elements that holds `total_elements` when that is smaller (Note [Chunks
+    no larger than the model])."""
+    if chunk_size is None:
+        return None
+    fitted = max(auto_chunk_floor(1), 1 << max(0, total_elements - 1).bit_length())
+    return min(chunk_size, fitted)

@@ -57,7 +57,9 @@ import collections
 import contextlib
 import copy
 import ctypes
+import dataclasses
 import functools
+import math
 import sys
 import time
 import warnings
@@ -76,7 +78,7 @@ from . import (_C, accelerate_precision, added_params, averaged_model, backward_
 from .activations import ActivationCounter
 from .chunk_runtime import ChunkRuntime
 from .chunked_params import ChunkedParams
-from .config import Config
+from .config import Config, fitted_chunk_size
 from .module_config_view import ModuleConfigView
 from .data_parallel import DataParallel, close_at_exit as close_data_parallel_at_exit, detect_world
 from .backward_pins import backward_pins, note_device_exhausted_in_backward
@@ -410,7 +412,10 @@ class PatrickStarEngine(nn.Module):
             raise
 
     def _build_runtime(self, specs, pins) -> None:
-        config = self.ps_config
+        # Note [Chunks no larger than the model] in config.py
+        self.ps_config = config = dataclasses.replace(
+            self.ps_config, default_chunk_size=fitted_chunk_size(
+                self.ps_config.default_chunk_size, sum(math.prod(spec.shape) for spec in specs)))
         self.runtime = ChunkRuntime(config, self.local_rank, self.dp.world_size, self.dp.rank)
         self.device = self.runtime.device
         self.tiers = self.runtime.tiers

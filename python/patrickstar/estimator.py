@@ -60,7 +60,7 @@ from torch import distributed as dist
 from torch import nn
 
 from . import _C
-from .config import Config, load_config
+from .config import Config, fitted_chunk_size, load_config
 from . import dtypes
 from .chunk_runtime import torch_computes_on_host
 from .chunked_params import TensorIds, chunk_dtypes, register_chunk_tensors, scale_count
@@ -220,7 +220,7 @@ def estimate_memory(model: Callable[[], nn.Module] | int, config: Any = None,
             raise ValueError("estimate_memory: model_func built a module without parameters")
         params = sum(math.prod(spec.shape) for spec in specs)
         trainable = sum(math.prod(spec.shape) for spec in specs if spec.requires_grad)
-    chunk_size = cfg.default_chunk_size
+    chunk_size = fitted_chunk_size(cfg.default_chunk_size, params)  # as the engine's chunks
     if specs is None and chunk_size is None:
         raise ValueError("estimate_memory: with a parameter count, default_chunk_size must be a "
                          "number (\"auto\" searches over the model's real tensor sizes)")

@@ -161,3 +161,70 @@ def test_reads_outside_training_fit_the_host_budget_training_fits(tmp_path):
     loaded.load_checkpoint(str(tmp_path), tag="t")
     assert float(loaded(ids)) == pytest.approx(expected, rel=1e-5)
     assert float(model(ids)) == pytest.approx(expected, rel=1e-5)  # and training goes on
+
+
+def test_fitted_chunk_size_is_the_smallest_power_of_two_holding_the_model():
+    """Note [Chunks no larger than the model]: at least 64Ki elements, never above the size
+    given, and None (the search) stays None."""
+    from patrickstar.config import fitted_chunk_size
+    default = 64 * 1024 * 1024
+    assert fitted_chunk_size(None, 10) is None
+    assert fitted_chunk_size(default, 4420) == 1 << 16
+    assert fitted_chunk_size(default, 1 << 16) == 1 << 16
+    assert fitted_chunk_size(default, (1 << 16) + 1) == 1 << 17
+    assert fitted_chunk_size(default, 1 << 17) == 1 << 17  # exactly one chunk long
+    assert fitted_chunk_size(4096, 4420) == 4096
+    assert fitted_chunk_size(default, default + 1) == default
+
+
+def test_a_model_smaller_than_one_chunk_gets_chunks_its_size_and_trains_as_torch(tmp_path,
+                                                                                monkeypatch):
+    """With the default 64Mi-element chunks a 4,420-parameter model held 256 MiB per chunk
+    (about 1.3 GB of the process). It now gets 64Ki-element chunks, trains as torch, and a
+    checkpoint written with the larger chunks (same places, larger capacity) still loads."""
+    from patrickstar import engine as engine_module
+
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
+
+    config = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
+    reference = make()
+    torch_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    model, optimizer = patrickstar.initialize(make, config=config)
+    assert model.config.default_chunk_size == 1 << 16
+    assert patrickstar.estimate_memory(make, config)["modes"]["fp32"]["chunk_elements"] == 1 << 16
+    for tier in model.memory_stats():
+        assert tier["reserved_bytes"] <= 4 * (1 << 16) * 4, tier  # four kinds of 64Ki floats
+    x, y = torch.randn(8, 64), torch.randint(0, 4, (8,))
+    for _ in range(3):
+        loss = nn.functional.cross_entropy(model(x), y)
+        model.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        expected = nn.functional.cross_entropy(reference(x), y)
+        expected.backward()
+        torch_optimizer.step()
+        torch_optimizer.zero_grad()
+        assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[name], value, rtol=1e-5, atol=1e-6)
+    model.destroy()
+
+    # A checkpoint of the same model in 1Mi-element chunks, as the engine wrote before.
+    monkeypatch.setattr(engine_module, "fitted_chunk_size", lambda size, total: size)
+    wide, wide_optimizer = patrickstar.initialize(make, config=dict(config,
+                                                                    default_chunk_size=1 << 20))
+    assert wide.config.default_chunk_size == 1 << 20
+    wide(x).sum().backward()
+    wide_optimizer.step()
+    wide.save_checkpoint(tmp_path)
+    saved = wide.state_dict()
+    wide.destroy()
+    monkeypatch.undo()
+    narrow, _ = patrickstar.initialize(make, config=dict(config, default_chunk_size=1 << 20))
+    assert narrow.config.default_chunk_size == 1 << 16
+    narrow.load_checkpoint(tmp_path)  # no allow_reshard: only the capacities differ
+    for name, value in saved.items():
+        assert torch.equal(narrow.state_dict()[name], value), name
+    narrow.destroy()

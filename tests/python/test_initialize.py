@@ -893,14 +893,19 @@ def test_initialize_under_inference_mode_evaluates_and_trains_as_pytorch():
 def test_chunks_larger_than_the_machine_are_refused_before_allocation(monkeypatch):
     """Note [Chunks larger than the machine]. Before: default_chunk_size=10**12 for a small model
     allocated terabytes until the OOM killer ended the process without a message. Here the
-    machine's memory is made 1 MiB so that a 4 MiB chunk stands for it."""
+    machine's memory is made 64 KiB so that a 256 KiB chunk stands for it: a small model's
+    chunks are no larger than it needs (Note [Chunks no larger than the model]), 65536
+    elements here, so default_chunk_size=10**12 now gives it those."""
     import patrickstar.guards
+    model, _ = patrickstar.initialize(MLP, config={"default_chunk_size": 10**12})
+    assert model.config.default_chunk_size == 1 << 16
+    model.destroy()
     monkeypatch.setattr(patrickstar.guards, "host_memory_limit",
-                        lambda: (1 << 20, "this machine's memory"))
+                        lambda: (1 << 16, "this machine's memory"))
     with pytest.raises(patrickstar.ChunkOutOfMemoryError,
-                       match=r"initialization writes on the host, 4194304 bytes .* more than "
-                             r"this machine's memory, 1048576 bytes .* "
-                             r"default_chunk_size=1048576 elements each \(the model has 6922 "
+                       match=r"initialization writes on the host, 262144 bytes .* more than "
+                             r"this machine's memory, 65536 bytes .* "
+                             r"default_chunk_size=65536 elements each \(the model has 6922 "
                              r"parameters here\); lower default_chunk_size"):
         patrickstar.initialize(MLP, config={"default_chunk_size": 1 << 20})
     # A host budget or an NVMe tier bounds the host instead, as before.

@@ -1346,16 +1346,20 @@ def test_sizes_of_a_gib_and_more_print_in_gib(tmp_path):
         assert "74399.0 MiB" not in text
 
 
-@pytest.mark.parametrize("chunk", [1 << 12, 1 << 20])
-def test_the_waste_finding_offers_auto_only_where_it_would_pick_smaller_chunks(tmp_path, chunk):
+@pytest.mark.parametrize("chunk, width", [(1 << 12, 32), (1 << 20, 256)])
+def test_the_waste_finding_offers_auto_only_where_it_would_pick_smaller_chunks(tmp_path, chunk,
+                                                                               width):
     """Before: a 1,089-parameter model in 4096-element chunks was told that "auto" searches
-    for a tighter size, but on one process "auto" keeps chunks of 65536 elements at least."""
+    for a tighter size, but on one process "auto" keeps chunks of 65536 elements at least. The
+    66,049-parameter model runs in chunks of 131072 elements (Note [Chunks no larger than the
+    model]), above that floor."""
     torch.manual_seed(0)
     model, optimizer = patrickstar.initialize(
-        lambda: torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 1)),
+        lambda: torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Linear(width, 1)),
         config={"default_chunk_size": chunk})
+    assert model.config.default_chunk_size == (chunk if width == 32 else 1 << 17)
     with patrickstar.profile(model, tmp_path / "p"):
-        model(torch.randn(4, 32)).square().mean().backward()
+        model(torch.randn(4, width)).square().mean().backward()
         optimizer.step()
         optimizer.zero_grad()
     waste = [f for f in json.loads((tmp_path / "p" / "summary.json").read_text())["findings"]

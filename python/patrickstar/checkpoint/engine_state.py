@@ -249,7 +249,8 @@ class EngineState:
                 problems.append(f"other layout: written by {saved_layout['world_size']} "
                                 f"rank(s), loading on {layout['world_size']} (pass "
                                 f"allow_reshard=True)")
-            elif saved_layout["hash"] != layout["hash"]:
+            elif saved_layout["hash"] != layout["hash"] and \
+                    _placement(saved_layout) != _placement(layout):
                 problems.append(f"other layout: chunk layout hash {saved_layout['hash']} "
                                 f"({saved_layout['chunk_elements']} elements per chunk) in the "
                                 f"checkpoint, {layout['hash']} ({layout['chunk_elements']} "
@@ -404,3 +405,15 @@ def _dtype_of_kinds(layout: dict) -> dict[str, str]:
 
 def config_json(config) -> dict:
     return json.loads(json.dumps(dataclasses.asdict(config), default=str))
+
+
+# Chunk fields that depend on the chunk size only, not on where tensors are.
+_CAPACITY_FIELDS = ("bytes", "capacity_elements")
+
+
+def _placement(layout: dict) -> list:
+    """Where each tensor of `layout` is (kind, chunk, offset, owner): the layout without chunk
+    capacities. A checkpoint written with larger chunks that place every tensor alike loads as
+    it is (Note [Chunks no larger than the model] in config.py)."""
+    return [{key: value for key, value in chunk.items() if key not in _CAPACITY_FIELDS}
+            for chunk in layout["chunks"]]
