@@ -94,7 +94,9 @@ def test_device_budget_below_one_parameters_chunks(tmp_path):
 
 def test_chunk_size_too_large_for_the_device_budget():
     with pytest.raises(patrickstar.ChunkOutOfMemoryError, match="memory.device_budget"):
-        make({"default_chunk_size": 1 << 20, "memory": {"device_budget": "1MiB"}})
+        # (this model's chunks are 64Ki elements, 256 KiB: Note [Chunks no larger than the
+        # model])
+        make({"default_chunk_size": 1 << 20, "memory": {"device_budget": "128KiB"}})
     with pytest.raises(ValueError, match="'default_chunk_size': must be >= 1"):
         make({"default_chunk_size": 0})
 
@@ -115,17 +117,24 @@ def test_host_budget_below_one_adam_update_and_total_without_nvme(nvme_dir):
     make({"default_chunk_size": 1024, "memory": {**budgets, "nvme": {"path": nvme_dir}}}, deep)
 
 
-def test_host_budget_errors_of_mostly_empty_chunks_name_the_chunk_size():
+def test_host_budget_errors_of_mostly_empty_chunks_name_the_chunk_size(monkeypatch):
     """Note [Budgets a smaller chunk would meet]. Before: a small model in chunks far larger
     than it was refused a host budget for its Adam state with no word of the chunk size, which
     is what made that state large."""
     def deep():  # 9 x Linear(16, 16): 2448 parameters
         return nn.Sequential(*(nn.Linear(16, 16) for _ in range(9)))
 
-    # One 128 Ki-element (512 KiB) compute chunk fits a 600 KiB host budget; its two moment
-    # chunks (1 MiB) do not.
+    # Such a model now gets 64 Ki-element chunks (Note [Chunks no larger than the model]): its
+    # Adam state fits a 600 KiB host budget.
+    model, _ = make({"default_chunk_size": 1 << 17, "memory": {"host_budget": 600 << 10}}, deep)
+    assert model.config.default_chunk_size == 1 << 16
+    model.destroy()
+    # Chunks as large as given: one 128 Ki-element (512 KiB) compute chunk fits a 600 KiB host
+    # budget; its two moment chunks (1 MiB) do not.
+    monkeypatch.setattr(patrickstar.engine, "fitted_chunk_size", lambda size, total: size)
     with pytest.raises(patrickstar.ChunkOutOfMemoryError) as info:
         make({"default_chunk_size": 1 << 17, "memory": {"host_budget": 600 << 10}}, deep)
+    monkeypatch.undo()
     message = str(info.value)
     assert "optimizer state" in message
     assert "2448 parameters fill 1.9% of their 1 chunk(s) of default_chunk_size=131072 " \
