@@ -630,9 +630,13 @@ class DataParallel:
     # the read's collectives in the same order (their own agreements skipped: the readers
     # agreed once for the whole read), then agree again on their own call; a reader that reads
     # again (optimizer.state_dict() after model.state_dict()) is served again, until every
-    # rank reaches the same call. Two different reads at once, or a forward that cannot be
-    # served (its module's own collectives, model parallelism), still raise on every rank at
-    # once, naming each rank's call. A serving rank's own call may be
+    # rank reaches the same call. Two different reads at once (rank 0 evaluating under `if
+    # rank == 0:` while the others are already at the state_dict() every rank then makes, or
+    # at a p.norm() of their own) serve the read of the lowest rank first: the other readers
+    # serve it and agree again on their own read, which that rank's next call meets or serves
+    # in turn (before, both raised, though each read alone would have been served). A forward
+    # that cannot be served (its module's own collectives, model parallelism) still raises on
+    # every rank at once, naming each rank's call. A serving rank's own call may be
     # a forward's start (it is not inside the forward yet for the read's gathers). The engine's
     # end (destroy(), `del`, the exit hooks) agrees too (ENGINE_END, agree_at_end), so a rank
     # whose script ends first still serves what the others read then (Hugging Face's
@@ -713,7 +717,10 @@ class DataParallel:
             return None
         calls = {(kind, slot) for _, kind, slot in rows}
         reads = [(kind, slot) for kind, slot in calls if self._is_served(kind, slot)]
-        return reads[0] if len(calls) == 2 and len(reads) == 1 else None
+        if len(calls) != 2 or not reads:
+            return None
+        # Two reads: the lowest rank's first (rows are in rank order, so every rank picks it).
+        return reads[0] if len(reads) == 1 else (rows[0][1], rows[0][2])
 
     def _is_served(self, kind: int, slot: int) -> bool:
         """Whether a call `kind` of the engine of `slot` alone on some ranks is served."""

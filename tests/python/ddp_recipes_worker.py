@@ -302,6 +302,44 @@ def lonely_writes(out: str, rank: int, world: int) -> dict:
     return result
 
 
+def reads_then_every_rank_reads(out: str, rank: int, world: int) -> dict:
+    """Rank 0 reads alone (an evaluation forward, p.norm()) while the other ranks are already
+    at a read every rank then makes (state_dict(), optimizer.state_dict(), model.module's):
+    two different reads at once, the lowest rank's served first (Note [Reads on one rank are
+    served] in data_parallel.py). Before, both ranks raised "not making the same call"."""
+    model, optimizer = patrickstar.initialize(
+        SmallCNN, config=dict(adam(), parallel={"collective_timeout": 20}))
+    torch.manual_seed(1)
+    x = torch.randn(2, 3, 6, 6)
+    loss = model(x).square().mean()
+    model.backward(loss)
+    optimizer.step()
+    optimizer.zero_grad()
+    result = {}
+    alone = {"eval": lambda: float(torch.no_grad()(model)(x).sum()),
+             "norm": lambda: sum(float(p.norm()) for p in model.parameters())}
+    together = {"state_dict": lambda: model.state_dict(),
+                "module.state_dict": lambda: model.module.state_dict(),
+                "optimizer.state_dict": lambda: optimizer.state_dict()["state"][0]["exp_avg"]}
+    for first, read_alone in alone.items():
+        for then, read_together in together.items():
+            name = f"{first} then {then}"
+            try:
+                model.eval()
+                if rank == 0:
+                    result[name + " alone"] = read_alone()
+                model.train()
+                result[name] = read_together()
+            except Exception as error:  # noqa: BLE001
+                result[name] = f"{type(error).__name__}: {error}"
+    loss = model(x).square().mean()  # the ranks train on together
+    model.backward(loss)
+    optimizer.step()
+    result["after"] = model.state_dict()
+    model.destroy()
+    return result
+
+
 class Branches(nn.Module):
     """A branch only some batches take (DDP's find_unused_parameters=True case)."""
 
@@ -546,10 +584,12 @@ def skip_bad_batch(out: str, rank: int, world: int) -> dict:
     return result
 
 
-SCENARIOS = {"tutorial": tutorial, "resume": resume, "skip_bad_batch": skip_bad_batch, "unused": unused, "batchnorm": batchnorm,
+SCENARIOS = {"tutorial": tutorial, "resume": resume, "skip_bad_batch": skip_bad_batch,
+             "unused": unused, "batchnorm": batchnorm,
              "raw_module": raw_module, "sync_batchnorm": sync_batchnorm,
              "sync_batchnorm_lonely": sync_batchnorm_lonely, "join": join,
              "lonely_writes": lonely_writes,
+             "reads_then_every_rank_reads": reads_then_every_rank_reads,
              "comm_hook": comm_hook,
              "reentrant": reentrant,
              "failing_loader": lambda *a: failing_loader(*a, "loader"),

@@ -6,6 +6,7 @@ barriers, a checkpoint saved on rank 0 and loaded everywhere), a branch unused o
 reentrant checkpoints and a rank whose data loader fails."""
 from __future__ import annotations
 
+import math
 import os
 import re
 
@@ -16,8 +17,9 @@ import patrickstar
 from test_data_parallel import launch
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ddp_recipes_worker.py")
-SCENARIOS = ["tutorial", "resume", "skip_bad_batch", "unused", "batchnorm", "raw_module", "sync_batchnorm",
-             "sync_batchnorm_lonely", "join", "comm_hook", "reentrant", "lonely_writes"]
+SCENARIOS = ["tutorial", "resume", "skip_bad_batch", "unused", "batchnorm", "raw_module",
+             "sync_batchnorm", "sync_batchnorm_lonely", "join", "comm_hook", "reentrant",
+             "lonely_writes", "reads_then_every_rank_reads"]
 
 
 @pytest.fixture(scope="module")
@@ -152,6 +154,22 @@ def test_a_load_save_or_apply_on_one_rank_raises_on_every_rank_at_once(two_ranks
             assert re.search(rf"rank 0: call \d+, {re.escape(says)}", error), (rank, error)
             assert re.search(r"rank 1: call \d+, a training forward", error), (rank, error)
             assert result[call + " seconds"] < 5, (rank, call)  # not the collective timeout
+
+
+def test_a_read_on_one_rank_before_a_read_on_every_rank_is_served(two_ranks):
+    # Note [Reads on one rank are served] in data_parallel.py: rank 0 evaluates or reads p.norm()
+    # alone, then every rank reads the state dicts: two different reads met, rank 0's was
+    # served first. Before, both ranks raised "not making the same call".
+    results = scenario(two_ranks, "reads_then_every_rank_reads")
+    no_errors(results)
+    for name, value in results[0].items():
+        if name.endswith(" alone"):
+            assert math.isfinite(value), name
+            assert name not in results[1]
+        elif name != "after":
+            assert not isinstance(value, str), (name, value)
+            assert_close(results[1][name], value, name)
+    assert_close(results[1]["after"], results[0]["after"], "after")
 
 
 def test_reentrant_checkpoint_reusing_a_parameter_raises_naming_use_reentrant(two_ranks):

@@ -8,7 +8,7 @@ the generator's step), gan_read (the same, rank 0 alone also
 reading the discriminator's weight norm and state dict and evaluating it before the generator's
 forward of every step, then a barrier on every rank, as a DDP script logs and saves), teacher (a
 student trained on a teacher's outputs, the teacher in eval() under no_grad) or reads_differ
-(rank 0 reads the discriminator while rank 1 reads the generator: both raise). TRANSPORT is
+(rank 0 reads the discriminator while rank 1 reads the generator: both served). TRANSPORT is
 parallel.transport; BACKWARD "model" (model.backward(loss), the default) or "autograd"
 (loss.backward()).
 
@@ -150,6 +150,9 @@ def main() -> None:
             result["losses"] = distillation_loop(one, two, two_opt, rank, steps, engine_backward)
         elif what == "reads_differ":
             result["norm"] = (two if rank == 0 else one).module[0].weight.norm().item()
+            # rank 0's read is served first; rank 1's at rank 0's next call that is no read
+            # (a script's own exit with os._exit, below, would serve nothing)
+            dist.barrier()
         else:
             result["losses"] = gan_loop(
                 one, two, one_opt, two_opt, rank, steps, engine_backward,
