@@ -50,6 +50,7 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 from .memory_formats import format_name
 from .restore_on_use import defer, undefer
@@ -57,7 +58,7 @@ from .wide_init import initializers_in_built_dtype
 from .utils.logging import logger as _log
 
 __all__ = ["BuiltModule", "ParamSpec", "plan_parameters", "ParameterPlacer", "InitResidency",
-           "built_dtype_warning", "sparse_gradient_error"]
+           "built_dtype_warning", "sparse_gradient_error", "unmaterialized_parameter_error"]
 
 
 @dataclasses.dataclass
@@ -117,10 +118,10 @@ def _recreated(module: nn.Module, name: str, param: nn.Parameter | None,
                registered: Callable[[nn.Parameter], bool]) -> nn.Parameter | None:
     """The parameter registered as `module.<name>` that `param` re-creates in another dtype,
     now holding `param`'s values and requires_grad; None when `param` is anything else."""
-    if param is None:
+    if param is None or is_lazy(param):
         return None
     current = dict(module.named_parameters(recurse=False)).get(name)
-    if current is None or current is param or not registered(current) \
+    if current is None or current is param or is_lazy(current) or not registered(current) \
             or current.shape != param.shape or current.device != param.device \
             or current.dtype == param.dtype:
         return None
@@ -192,6 +193,29 @@ def _check_dtype(name: str, dtype: torch.dtype) -> None:
         f"state_dict and checkpoints, and stay on the module")
 
 
+# Note [Lazy modules]
+# nn.LazyLinear / LazyConv2d register an UninitializedParameter and give it its shape in place
+# at the first forward. Torch's recipe is a forward on a dummy batch before the optimizer is
+# made, which inside model_func made initialize() fail with torch's "Can't access the shape of
+# an uninitialized parameter" (the placement compared shapes at registration). A lazy parameter
+# now waits for its shape as a resized one does (Note [Parameters resized while building]) and
+# is placed when model_func returns; one still uninitialized then is refused, naming it, since
+# its chunk cannot be planned without a shape.
+def unmaterialized_parameter_error(model: nn.Module, where: str) -> str | None:
+    """The error for a lazy module's parameter still without a shape, or None."""
+    for module_name, module in model.named_modules():
+        for name, param in module.named_parameters(recurse=False):
+            if is_lazy(param):
+                full = f"{module_name}.{name}" if module_name else name
+                return (f"parameter '{full}' of {where} ({type(module).__name__}) is "
+                        f"uninitialized: a lazy module gets its shape at its first forward, and "
+                        f"chunks are planned from shapes. Run a forward on a dummy batch before "
+                        f"initialize() takes the module (at the end of model_func: torch's "
+                        f"recipe before making an optimizer), or give the layer its input size "
+                        f"({type(module).__name__.replace('Lazy', '')})")
+    return None
+
+
 def _check_sparse_gradients(model: nn.Module) -> None:
     """Sparse gradients cannot go into a gradient chunk, and Adam has no sparse update (torch's
     Adam refuses them too, at its first step); say so before anything is allocated."""
@@ -255,6 +279,9 @@ def plan_parameters(model_func: Callable[[], nn.Module],
         seen.clear()
         with _preserved_rng(), _registration_hook(record):
             model = _call_model_func(model_func)
+    message = unmaterialized_parameter_error(model, "the module model_func built")
+    if message is not None:
+        raise ValueError(message)
     _check_sparse_gradients(model)
     _check_not_taken(model)
     names = {id(p): n for n, p in model.named_parameters()}
@@ -453,7 +480,7 @@ class ParameterPlacer:
     def _place_next(self, param: nn.Parameter, name: str) -> None:
         index = self._placed
         self._placed += 1
-        if tuple(param.shape) != self._shapes[index]:
+        if is_lazy(param) or tuple(param.shape) != self._shapes[index]:
             self._resized.append((index, param, name))
         else:
             self._place_at(index, param, name)

@@ -16,7 +16,7 @@ from .carried_state import (groups_section, optimizer_section, saved_adam_state,
 from .config import Config, load_config, read_config
 from .deepspeed_arguments import take_deepspeed_arguments
 from .engine import PatrickStarEngine
-from .init_context import BuiltModule
+from .init_context import BuiltModule, unmaterialized_parameter_error
 from .optimizer import build_param_groups
 from .pipe.engine import PipelineEngine
 from .pipe.module import PipelineModule
@@ -206,6 +206,9 @@ def _checked_before_placement(built: nn.Module, param_groups, config):
     (from its own parameters, e.g. DeepSpeed's model_parameters) are checked first, as the
     engine will check them; the checked groups (each "params" listed: a generator is consumed
     by the check) go on to the engine."""
+    message = unmaterialized_parameter_error(built, "the module passed to initialize()")
+    if message is not None:  # Note [Lazy modules] in init_context.py
+        raise ValueError(message)
     inference = next((name for name, param in built.named_parameters() if param.is_inference()),
                      None)
     if inference is not None:

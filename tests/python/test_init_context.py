@@ -405,3 +405,43 @@ def test_a_model_func_moving_its_model_to_a_device_plans_on_meta(caplog, move):
     for name, tensor in reference.state_dict().items():
         assert torch.equal(model.state_dict()[name], tensor), name
     model.destroy()
+
+
+def lazy_mlp(materialize: bool = True):
+    """torch's lazy-module recipe: the input size comes from a forward on a dummy batch."""
+    model = nn.Sequential(nn.LazyLinear(8), nn.ReLU(), nn.LazyLinear(3))
+    if materialize:
+        model(torch.zeros(2, 16))
+    return model
+
+
+def test_lazy_modules_materialized_in_model_func_train_as_in_pytorch():
+    """Note [Lazy modules]: before, initialize() failed with torch's "Can't access the shape of
+    an uninitialized parameter" even after the dummy forward."""
+    torch.manual_seed(0)
+    reference = lazy_mlp()
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    torch.manual_seed(0)
+    model, opt = patrickstar.initialize(lazy_mlp, config={
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "default_chunk_size": 64})
+    assert [tuple(p.shape) for p in model.parameters()] == [(8, 16), (8,), (3, 8), (3,)]
+    for x in torch.randn(3, 4, 16):
+        ref = reference(x).square().mean()
+        ref.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        loss = model(x).square().mean()
+        model.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        torch.testing.assert_close(loss, ref)
+    for name, tensor in reference.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[name], tensor)
+
+
+@pytest.mark.parametrize("given", ["model_func", "built module"])
+def test_lazy_modules_without_a_shape_are_refused_naming_the_parameter(given):
+    model_func = (lambda: lazy_mlp(False)) if given == "model_func" else lazy_mlp(False)
+    with pytest.raises(ValueError, match=r"parameter '0.weight' of the module .*\(LazyLinear\) is "
+                                         r"uninitialized: .* dummy batch .* \(Linear\)"):
+        patrickstar.initialize(model_func, config={"default_chunk_size": 64})
