@@ -563,7 +563,7 @@ def _parse_optimizer(raw: Any) -> OptimizerConfig:
     if (not isinstance(betas, (list, tuple)) or len(betas) != 2):
         raise ValueError(f"config key 'optimizer.params.betas': expected two numbers, got "
                          f"{betas!r}")
-    betas = tuple(_number(f"optimizer.params.betas[{i}]", b, minimum=0.0, maximum=1.0)
+    betas = tuple(_number(f"optimizer.params.betas[{i}]", b, minimum=0.0)
                   for i, b in enumerate(betas))
     for i, beta in enumerate(betas):
         if beta >= 1.0:

@@ -71,7 +71,10 @@ def test_new_keys_parse():
     ({"optimizer": {"params": {"lr": -1}}}, "'optimizer.params.lr': must be >= 0"),
     ({"optimizer": {"params": {"lr": "fast"}}}, "'optimizer.params.lr': expected a number"),
     ({"optimizer": {"params": {"betas": [0.9]}}}, "'optimizer.params.betas'"),
-    ({"optimizer": {"params": {"betas": [0.9, 1.0]}}}, "'optimizer.params.betas[1]'"),
+    ({"optimizer": {"params": {"betas": [0.9, 1.0]}}}, "'optimizer.params.betas[1]': must be < 1"),
+    # (1.5 was "must be <= 1.0", though 1.0 itself is refused: torch's rule is 0 <= beta < 1)
+    ({"optimizer": {"params": {"betas": [1.5, 0.9]}}},
+     "'optimizer.params.betas[0]': must be < 1, got 1.5"),
     ({"optimizer": {"params": {"eps": -1e-8}}}, "'optimizer.params.eps': must be >= 0"),
     ({"optimizer": {"params": {"amsgrad": True}}}, "'optimizer.params.amsgrad'"),
     ({"optimizer": {"params": {"momentum": 0.9}}}, "'optimizer.params.momentum'"),
