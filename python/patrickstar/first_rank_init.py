@@ -17,6 +17,16 @@ So:
     constructor does (one object collective per tensor: model-sized traffic, once).
 Initialization that reads something other than torch's RNG (numpy, Python's random, a file
 that differs per rank) is not covered: the ranks build from what they read.
+
+Note [A seed set inside model_func]
+A model_func that seeds before building (`torch.manual_seed(0)` or Hugging Face's `set_seed`
+first, as a Trainer's model_init does) leaves every rank, under DDP or one process, at the
+seeded stream: the dropout masks after it repeat run to run. Rank 1 got its own state from
+before initialize() back instead, unseeded (this torch seeds each process randomly), so its
+dropout masks, losses and weights differed on every run. A build that set a seed (torch's
+initial seed changed while it ran: the same on every rank, which all built from the first
+rank's state) now leaves every rank where the build left it, as each rank building for
+itself would have.
 """
 from __future__ import annotations
 
@@ -51,10 +61,14 @@ def first_rank_rng(enabled: bool, group) -> Iterator[None]:
         yield
         return
     torch.set_rng_state(first)
+    seed = torch.initial_seed()  # the first rank's, restored with its state
+    reseeded = False
     try:
         yield
+        reseeded = torch.initial_seed() != seed
     finally:
-        torch.set_rng_state(own)
+        if not reseeded:  # Note [A seed set inside model_func]
+            torch.set_rng_state(own)
 
 
 def take_first_rank_state(module: nn.Module, group) -> None:

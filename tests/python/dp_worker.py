@@ -717,6 +717,17 @@ def seed_offset(rank: int) -> dict:
         results[f"{how}_draw"] = torch.rand(4)
         results[how] = model.state_dict()
         model.destroy()
+
+    # Note [A seed set inside model_func]: every rank then draws the seeded stream.
+    def seeded():
+        torch.manual_seed(7)
+        return MLP()
+
+    torch.manual_seed(1337 + rank)
+    model, _ = patrickstar.initialize(seeded, config={"default_chunk_size": 4096})
+    results["seeded_draw"] = torch.rand(4)
+    results["seeded"] = model.state_dict()
+    model.destroy()
     return results
 
 

@@ -888,6 +888,15 @@ def test_ranks_seeded_apart_train_the_first_ranks_initial_weights_as_ddp(tmp_pat
     own = torch.Generator().manual_seed(1338)
     assert torch.equal(results[1]["model_func_draw"], torch.rand(4, generator=own))
     assert not torch.equal(results[0]["model_func_draw"], results[1]["model_func_draw"])
+    # Note [A seed set inside model_func]: every rank continues the seeded stream, as when
+    # each builds for itself (before, rank 1 went back to its own state from before).
+    torch.manual_seed(7)
+    expected = MLP().state_dict()
+    after_build = torch.rand(4)
+    for rank, result in enumerate(results):
+        for key, tensor in expected.items():
+            assert torch.equal(result["seeded"][key], tensor), (rank, key)
+        assert torch.equal(result["seeded_draw"], after_build), rank
 
 
 def test_forwards_of_the_module_itself_run_on_every_rank_as_through_the_engine(tmp_path):
