@@ -154,6 +154,14 @@ _SHAPE_ERROR_WORDS = ("size", "shape", "dimension", "mat1", "mat2", "matri", "nu
 # users looking for an unregistered parameter, so it gets none.
 _NOT_PLACEHOLDER_ERRORS = ("view size is not compatible with input tensor's size and stride",)
 
+# Note [Placeholder errors name a size of 0]
+# A placeholder has shape (0,), so the errors it causes name a size of 0: "mat1 and mat2 shapes
+# cannot be multiplied (8x32 and 0x...)", "size mismatch, got input (8), mat (8x32), vec (0)",
+# "The size of tensor a (32) must match the size of tensor b (0)", "torch.Size([0])". An input
+# of the wrong width ("(8x33 and 32x64)") names none, and fails the same way in plain PyTorch:
+# the register_external_parameter hint there sent users looking for a read that was not there.
+_A_ZERO_SIZE = re.compile(r"(?<![0-9A-Za-wyz_.])0(?![0-9A-Za-wyz_.])")  # "0x10", "(0)", "[0]"
+
 # Note [Convolutions name no dtype]
 # torch's dtype checks say "dtype" or "scalar type" ("mat1 and mat2 must have the same dtype"),
 # but a convolution's say neither: "Input type (torch.FloatTensor) and weight type
@@ -191,6 +199,8 @@ def external_parameter_hint(error: BaseException, compute_dtype=None) -> str | N
         return None
     if any(text in message for text in _NOT_PLACEHOLDER_ERRORS):
         return None  # Note [Stride errors are not placeholders]
+    if not _A_ZERO_SIZE.search(message):
+        return None  # Note [Placeholder errors name a size of 0]
     return ("PatrickStar: outside its own module's forward a parameter holds an empty "
             "placeholder (its memory is in a chunk). If the forward reads another module's "
             "parameter directly (e.g. `x @ self.head.weight.t()`), register it on the module "

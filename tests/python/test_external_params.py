@@ -166,3 +166,19 @@ def test_two_ranks_match_pytorch_on_the_whole_batch(tmp_path):
     results = launch(tmp_path, 2, "external_parameters")
     check_no_errors(results)
     check_matches_reference(results, "external_parameters")
+
+
+def test_an_input_of_the_wrong_width_gets_torchs_error_without_the_placeholder_note():
+    """Note [Placeholder errors name a size of 0]: a shape error naming no size of 0 is the
+    user's input, as in plain PyTorch; the register_external_parameter hint sent users looking
+    for a read of another module's parameter that was not there."""
+    x = torch.randn(8, 33)
+    with pytest.raises(RuntimeError) as plain:
+        nn.Linear(32, 4)(x)
+    model, _ = patrickstar.initialize(lambda: nn.Linear(32, 4), config=CONFIG)
+    with pytest.raises(RuntimeError) as caught:
+        model(x)
+    assert str(caught.value) == str(plain.value)
+    assert not any("register_external_parameter" in note
+                   for note in getattr(caught.value, "__notes__", []))
+    model.destroy()
