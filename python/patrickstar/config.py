@@ -814,6 +814,9 @@ def _parse(raw: Mapping[str, Any]) -> Config:
     chunk_size = raw.get("default_chunk_size", raw.get("chunk_size", Config.default_chunk_size))
     if chunk_size == "auto" or chunk_size is None:
         chunk_size = None
+    elif isinstance(chunk_size, str):
+        raise ValueError(f"config key 'default_chunk_size': expected a number of elements or "
+                         f"\"auto\", got {chunk_size!r}")
     else:
         chunk_size = _number("default_chunk_size", chunk_size, minimum=1, integer=True)
     bf16 = _section("bf16", raw.get("bf16", {}))

@@ -201,6 +201,9 @@ def test_missing_latest_returns_none_like_deepspeed(tmp_path):
         assert model.load_checkpoint(tmp_path / "typo") == (None, None)
     with pytest.raises(CheckpointError, match="does not exist"):
         model.load_checkpoint(tmp_path, tag="nope")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(CheckpointError, match="/file' is a file, not a tag's directory"):
+        model.load_checkpoint(tmp_path, tag="file")
     with pytest.raises(ValueError, match="tag"):
         model.save_checkpoint(tmp_path, tag="../escape")
 

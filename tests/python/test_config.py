@@ -81,6 +81,8 @@ def test_new_keys_parse():
     ({"optimizer": {"type": "SGD"}}, "'optimizer.type'"),
     ({"default_chunk_size": 0}, "'default_chunk_size': must be >= 1"),
     ({"default_chunk_size": 1.5}, "'default_chunk_size': expected an integer"),
+    ({"default_chunk_size": "auto "},
+     "'default_chunk_size': expected a number of elements or \"auto\", got 'auto '"),
     ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "only one of them"),
     ({"fp16": {"enabled": "yes"}}, "'fp16.enabled': expected true or false"),
     ({"fp16": {"hysteresis": 0}}, "'fp16.hysteresis'"),

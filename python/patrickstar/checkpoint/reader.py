@@ -36,7 +36,9 @@ class CheckpointReader:
         self.tag = resolved
         self.directory = os.path.join(load_dir, resolved)
         if not os.path.isdir(self.directory):
-            raise CheckpointError(f"checkpoint directory '{self.directory}' does not exist")
+            raise CheckpointError(f"checkpoint directory '{self.directory}' "
+                                  + ("is a file, not a tag's directory"
+                                     if os.path.exists(self.directory) else "does not exist"))
         self.meta = read_meta(self.directory)
         wanted = None if ranks is None else set(ranks)
         self.shards: list[Shard] = []
