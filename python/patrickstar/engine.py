@@ -97,8 +97,8 @@ from .module_copies import ModuleCopies
 from .module_methods import ModuleMethods
 from .module_state_hooks import ModuleStateHooks
 from .first_rank_init import first_rank_rng, take_first_rank_state
-from .init_context import (BuiltModule, InitResidency, ParameterPlacer, built_dtype_warning,
-                           plan_parameters, sparse_gradient_error)
+from .init_context import (BuiltModule, InitResidency, ParameterPlacer, build_lock,
+                           built_dtype_warning, plan_parameters, sparse_gradient_error)
 from .input_cast import cast_floating_inputs, inputs_to_device
 from .loss_scaler import make_loss_scaler
 from .output_loss_scale import OutputLossScale
@@ -234,7 +234,8 @@ class PatrickStarEngine(nn.Module):
         # Note [The first rank's initial weights] in first_rank_init.py.
         if self.dp.enabled and isinstance(model_func, BuiltModule):
             take_first_rank_state(model_func.module, self.dp.group)
-        with first_rank_rng(self.dp.enabled, self.dp.group):
+        # Note [Building in one thread at a time] in init_context.py
+        with build_lock(), first_rank_rng(self.dp.enabled, self.dp.group):
             specs, survives, pins = plan_parameters(model_func, backward_pins)
             if not specs:
                 raise ValueError("model_func built a module without parameters; nothing to train")

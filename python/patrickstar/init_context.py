@@ -44,6 +44,7 @@ import collections
 import contextlib
 import dataclasses
 import random
+import threading
 import warnings
 import weakref
 from typing import Any, Callable
@@ -58,7 +59,8 @@ from .wide_init import initializers_in_built_dtype
 from .utils.logging import logger as _log
 
 __all__ = ["BuiltModule", "ParamSpec", "plan_parameters", "ParameterPlacer", "InitResidency",
-           "built_dtype_warning", "sparse_gradient_error", "unmaterialized_parameter_error"]
+           "build_lock", "built_dtype_warning", "sparse_gradient_error",
+           "unmaterialized_parameter_error"]
 
 
 @dataclasses.dataclass
@@ -88,13 +90,44 @@ def _preserved_rng():
             numpy.random.set_state(numpy_state)
 
 
+# Note [Building in one thread at a time]
+# The parameter-registration hook torch offers is process-wide, so a thread building its own
+# modules while initialize() ran (a metrics helper, a second initialize() in another thread)
+# had its parameters counted as model_func's: "model_func registered more parameters than on
+# its first run", blaming model_func; adding and removing the hook while another thread's
+# register_parameter iterated torch's hook dict failed there with "OrderedDict mutated during
+# iteration". One hook is registered once and calls the hook of the thread it runs in, so only
+# the building thread's registrations count; and builds take one lock (build_lock()), since the
+# initializers' dtype wrappers (wide_init.py) are process-wide too.
+_BUILD_LOCK = threading.RLock()
+_THREAD_HOOK = threading.local()
+_DISPATCHER = None  # the one handle of _dispatch, registered at the first build
+
+
+def build_lock() -> threading.RLock:
+    """Held while a model_func builds into an engine (Note [Building in one thread at a
+    time])."""
+    return _BUILD_LOCK
+
+
+def _dispatch(module, name, param):
+    hook = getattr(_THREAD_HOOK, "hook", None)
+    return None if hook is None else hook(module, name, param)
+
+
 @contextlib.contextmanager
 def _registration_hook(hook):
-    handle = nn.modules.module.register_module_parameter_registration_hook(hook)
+    global _DISPATCHER
+    with _BUILD_LOCK:
+        if _DISPATCHER is None:
+            _DISPATCHER = nn.modules.module.register_module_parameter_registration_hook(
+                _dispatch)
+    previous = getattr(_THREAD_HOOK, "hook", None)
+    _THREAD_HOOK.hook = hook
     try:
         yield
     finally:
-        handle.remove()
+        _THREAD_HOOK.hook = previous
 
 
 # Note [A parameter re-created in another dtype]

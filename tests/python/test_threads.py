@@ -229,3 +229,70 @@ def test_a_forward_during_another_threads_loss_backward_leaves_no_silent_gradien
     optimizer.zero_grad()
     assert [step(model, optimizer) for _ in range(3)] == \
         [step(reference, reference_optimizer) for _ in range(3)]
+
+
+def _slow_build():
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(12):
+        layers.append(nn.Linear(W, W))
+        threading.Event().wait(0.002)  # let the other threads run
+    return nn.Sequential(*layers)
+
+
+def _initialize_into(results: dict, name: str) -> None:
+    try:
+        model, _ = patrickstar.initialize(_slow_build, config={"default_chunk_size": 4096})
+        results[name] = model.state_dict()
+        model.destroy()
+    except Exception as error:  # noqa: BLE001 (the test reports it)
+        results[name] = repr(error)
+
+
+def test_modules_built_in_another_thread_during_initialize_are_not_the_models():
+    """Note [Building in one thread at a time] in init_context.py: a thread building its own
+    modules while initialize() ran had its parameters counted as model_func's ("model_func
+    registered more parameters than on its first run"). (Its draws from torch's one RNG change
+    the weights, as in plain PyTorch, so only the model's shapes are compared.)"""
+    stop = threading.Event()
+    errors = []
+
+    def build_elsewhere():
+        while not stop.is_set():
+            try:
+                nn.Linear(8, 8)(torch.ones(1, 8)).sum().item()
+            except Exception as error:  # noqa: BLE001 (the test reports it)
+                errors.append(repr(error))
+
+    background = threading.Thread(target=build_elsewhere)
+    background.start()
+    results = {}
+    try:
+        _initialize_into(results, "main")
+    finally:
+        stop.set()
+        background.join()
+    assert errors == []
+    expected = _slow_build().state_dict()
+    assert isinstance(results["main"], dict), results["main"]
+    assert {key: value.shape for key, value in results["main"].items()} == \
+        {key: value.shape for key, value in expected.items()}
+
+
+def test_initialize_in_two_threads_at_once_builds_both_models():
+    """Two initialize() calls in two threads failed with "model_func registered more parameters
+    than on its first run" or "OrderedDict mutated during iteration"; the builds now take turns,
+    so each is the model its model_func seeds."""
+    results = {}
+    threads = [threading.Thread(target=_initialize_into, args=(results, name))
+               for name in ("a", "b")]
+    for thread in threads:
+        thread.start()
+    _initialize_into(results, "main")
+    for thread in threads:
+        thread.join()
+    expected = _slow_build().state_dict()
+    for name, state in results.items():
+        assert isinstance(state, dict), (name, state)
+        for key, tensor in expected.items():
+            assert torch.equal(state[key], tensor), (name, key)
