@@ -144,21 +144,32 @@ class EmptyAndScalar(nn.Module):
         return (self.lin(x) * self.scale).pow(2).mean() + self.empty.sum()
 
 
-def test_empty_and_scalar_parameters_train_as_in_pytorch(tmp_path):
+def trained_alongside_pytorch(model_func, inputs, loss_of, chunk_size: int):
+    """Trains model_func's model with torch's AdamW and with the engine from the same seed, one
+    step per input, comparing the losses and then the weights; returns the engine."""
     torch.manual_seed(0)
-    reference = EmptyAndScalar()
+    reference = model_func()
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
     torch.manual_seed(0)
-    model, opt = patrickstar.initialize(EmptyAndScalar, config={
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "default_chunk_size": 16})
-    for x in torch.randn(4, 2, 4):
-        ref = reference(x)
-        ref.backward(); ref_opt.step(); ref_opt.zero_grad()
-        loss = model(x)
-        model.backward(loss); opt.step(); opt.zero_grad()
+    model, opt = patrickstar.initialize(model_func, config={
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "default_chunk_size": chunk_size})
+    for x in inputs:
+        ref = loss_of(reference(x))
+        ref.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        loss = loss_of(model(x))
+        model.backward(loss)
+        opt.step()
+        opt.zero_grad()
         torch.testing.assert_close(loss, ref)
     for name, tensor in reference.state_dict().items():
         torch.testing.assert_close(model.state_dict()[name], tensor)
+    return model
+
+
+def test_empty_and_scalar_parameters_train_as_in_pytorch(tmp_path):
+    model = trained_alongside_pytorch(EmptyAndScalar, torch.randn(4, 2, 4), lambda out: out, 16)
     model.save_checkpoint(tmp_path)
     model.load_checkpoint(tmp_path)
     assert model.state_dict()["empty"].shape == (0, 4)
@@ -418,25 +429,9 @@ def lazy_mlp(materialize: bool = True):
 def test_lazy_modules_materialized_in_model_func_train_as_in_pytorch():
     """Note [Lazy modules]: before, initialize() failed with torch's "Can't access the shape of
     an uninitialized parameter" even after the dummy forward."""
-    torch.manual_seed(0)
-    reference = lazy_mlp()
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
-    torch.manual_seed(0)
-    model, opt = patrickstar.initialize(lazy_mlp, config={
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "default_chunk_size": 64})
+    model = trained_alongside_pytorch(lazy_mlp, torch.randn(3, 4, 16),
+                                      lambda out: out.square().mean(), 64)
     assert [tuple(p.shape) for p in model.parameters()] == [(8, 16), (8,), (3, 8), (3,)]
-    for x in torch.randn(3, 4, 16):
-        ref = reference(x).square().mean()
-        ref.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        loss = model(x).square().mean()
-        model.backward(loss)
-        opt.step()
-        opt.zero_grad()
-        torch.testing.assert_close(loss, ref)
-    for name, tensor in reference.state_dict().items():
-        torch.testing.assert_close(model.state_dict()[name], tensor)
 
 
 @pytest.mark.parametrize("given", ["model_func", "built module"])
