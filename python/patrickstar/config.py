@@ -905,7 +905,7 @@ def auto_chunk_floor(world_size: int) -> int:
 # chunk size from the parameters' total up gives the same placement: each list one chunk, every
 # tensor at the same offset. Such a model gets the smallest power of two that holds it (at least
 # auto_chunk_floor(1)); a larger model keeps the size given. Only capacity changes: a checkpoint
-# written with the larger chunks loads as it is (CheckpointState.differences compares placement).
+# written with the larger chunks loads as it is (EngineState.differences compares placement).
 def fitted_chunk_size(chunk_size: int | None, total_elements: int) -> int | None:
     """`chunk_size` (None: searched), or the smallest power of two of at least
     auto_chunk_floor(1) elements that holds `total_elements` when that is smaller (Note [Chunks
