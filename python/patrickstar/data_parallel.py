@@ -254,9 +254,7 @@ class DataParallel:
             if groups.pipe_size == 1:
                 self.model_calls = model_group_agreement(
                     groups, self._CALLS, "evaluate on every rank (each gets the same loss) and "
-                    "print or log on one.",
-                    {rank: f"tensor slice {groups.topology.get_coord(rank).tensor} (rank {rank})"
-                     for rank in groups.model_ranks}, self.timeout)
+                    "print or log on one.", self.timeout)
         if not self.enabled:
             return
         self.open_accumulation = engine.guard.open_accumulation

@@ -36,15 +36,15 @@ class ModelGroupCalls:
     """The agreement of one replica's ranks (Note [Calls on one rank of a model replica])."""
 
     def __init__(self, groups: topology.ParallelGroups, calls: dict[int, str], remedy: str,
-                 peers: dict[int, str], timeout: float, peer_error: type = RuntimeError):
+                 timeout: float, peer_error: type = RuntimeError):
         """`calls`: every call kind's description; `remedy`: what the error tells to do;
-        `peers`: the other ranks' names by global rank ("stage 1 (rank 1)"); `timeout`: how
-        long a call waits for them; `peer_error`: the error type of a peer gone."""
+        `timeout`: how long a call waits for the other ranks; `peer_error`: the error type of
+        a peer gone."""
         self._group = groups.model_group
         self._ranks = list(groups.model_ranks)
         self._calls = dict(calls)
         self._remedy = remedy
-        self._peers = ", ".join(name for rank, name in sorted(peers.items())
+        self._peers = ", ".join(_describe(groups, rank) for rank in self._ranks
                                 if rank != groups.rank)
         self._timeout = float(timeout)
         self._peer_error = peer_error
@@ -74,7 +74,7 @@ class ModelGroupCalls:
 
     def _peer_failure(self, call: str, message: str) -> Exception:
         """The agreement's collective failed: a peer stalled past the timeout, or died."""
-        if "Timed out" in message or "timed out" in message or "Timeout" in message:
+        if recorded_collectives.timed_out(message):
             return TimeoutError(
                 f"{call}: {self._peers} did not reach the same call within {self._timeout:g} s "
                 f"(config key 'parallel.collective_timeout'); is it alive and making the same "
@@ -85,11 +85,19 @@ class ModelGroupCalls:
             f"died (see its log): {first_line}")
 
 
+def _describe(groups: topology.ParallelGroups, rank: int) -> str:
+    """A rank of the model group by the stage and slice it holds ("stage 1 (rank 1)")."""
+    coord = groups.topology.get_coord(rank)
+    parts = ([f"stage {coord.pipe}"] if groups.pipe_size > 1 else []) + \
+        ([f"tensor slice {coord.tensor}"] if groups.tensor_size > 1 else [])
+    return f"{' '.join(parts)} (rank {rank})"
+
+
 def model_group_agreement(groups: topology.ParallelGroups | None, calls: dict[int, str],
-                          remedy: str, peers: dict[int, str], timeout: float,
+                          remedy: str, timeout: float,
                           peer_error: type = RuntimeError) -> ModelGroupCalls | None:
     """The agreement for a model cut into stages or slices on one data rank, else None (one
     rank, no cut, or data parallelism, whose own agreement covers the calls)."""
     if groups is None or groups.model_group is None or groups.data_size != 1:
         return None
-    return ModelGroupCalls(groups, calls, remedy, peers, timeout, peer_error)
+    return ModelGroupCalls(groups, calls, remedy, timeout, peer_error)

@@ -54,8 +54,8 @@ from . import _C
 from .profiling.recorder import Profiler, active_profiler, now_ns
 
 __all__ = ["RecordedGroupCollectives", "all_reduce", "broadcast", "all_gather_object",
-           "group_all_reduce", "group_all_gather", "group_broadcast", "transfer_started",
-           "transfer_finished"]
+           "group_all_reduce", "group_all_gather", "group_broadcast", "timed_out",
+           "transfer_started", "transfer_finished"]
 
 
 class _Started:
@@ -302,6 +302,12 @@ def group_all_gather(parts: list, tensor, group, name: str, label: str,
                 timeout=datetime.timedelta(seconds=timeout))
     _recorded(run, name, lambda: len(parts) * tensor.numel() * tensor.element_size(),
               label=label)
+
+
+def timed_out(message: str) -> bool:
+    """Whether a torch.distributed back end's error `message` says a wait timed out (gloo's
+    "Timed out waiting ...", a work's "timed out"), rather than a peer gone."""
+    return "Timed out" in message or "timed out" in message or "Timeout" in message
 
 
 def group_broadcast(tensor, src: int, group, name: str, label: str) -> None:

@@ -95,9 +95,8 @@ class PipelineEngine:
         self._calls = model_group_agreement(
             groups, {self._TRAIN_BATCH: "train_batch()", self._EVAL_BATCH: "eval_batch()"},
             "call train_batch() and eval_batch() on every rank (each returns the same loss), "
-            "then print or log on one.",
-            {rank: self._describe_rank(rank) for rank in groups.model_ranks},
-            self.config.parallel.collective_timeout, PipelinePeerError)
+            "then print or log on one.", self.config.parallel.collective_timeout,
+            PipelinePeerError)
 
     # ---- Construction --------------------------------------------------------------------------
 
@@ -235,12 +234,6 @@ class PipelineEngine:
         if all(isinstance(out, torch.Tensor) for out in outputs):
             return loss, torch.cat(outputs)
         return loss, tuple(torch.cat(parts) for parts in zip(*outputs))
-
-    def _describe_rank(self, rank: int) -> str:
-        coord = self.groups.topology.get_coord(rank)
-        if self.groups.tensor_size == 1:
-            return f"stage {coord.pipe} (rank {rank})"
-        return f"stage {coord.pipe} tensor slice {coord.tensor} (rank {rank})"
 
     def _agree(self, kind: int) -> None:
         if self._calls is not None:

@@ -155,7 +155,7 @@ class P2P:
             work.wait(timeout=datetime.timedelta(seconds=self.timeout))
         except RuntimeError as error:
             message = str(error)
-            if "Timed out" in message or "timed out" in message or "Timeout" in message:
+            if recorded_collectives.timed_out(message):
                 raise TimeoutError(
                     f"pipeline stage {self.stage}: {what} did not complete within "
                     f"{self.timeout:g} s (config key 'parallel.collective_timeout'); is that "
